@@ -1,0 +1,24 @@
+"""flowloop: explicit state-machine workflows, every step journaled, resumable after a crash."""
+
+from flowloop.clock import Clock, FakeClock, SystemClock
+from flowloop.definition import Step, Workflow
+from flowloop.engine import Engine, Replay, RunInfo, Stranded
+from flowloop.errors import FlowloopError
+from flowloop.journal import JournalEvent
+from flowloop.retry import Retry
+
+__all__ = [
+    "Clock",
+    "Engine",
+    "FakeClock",
+    "FlowloopError",
+    "JournalEvent",
+    "Replay",
+    "Retry",
+    "RunInfo",
+    "Step",
+    "Stranded",
+    "SystemClock",
+    "Workflow",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,460 @@
+"""Workflow definitions: explicit states, explicit transitions, a typed context.
+
+A workflow is declared with decorators and validated before its first use: every target
+exists, exactly one initial state, every non-final state can reach a final one, no state is
+unreachable, final states have no step. The transition table is built once per definition
+with the ``transitions`` library (never per run: a ``Machine`` costs far more than a commit).
+
+This module imports neither sqlalchemy nor asyncio.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from transitions import Machine
+
+from flowloop import graph
+from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
+from flowloop.retry import DEFAULT_RETRY, Retry, seconds
+
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+NEXT_EVENT = "next"
+"""The event a ``next=`` step takes implicitly when it returns ``None``."""
+
+StepFunction = Callable[..., Any]
+F = TypeVar("F", bound=StepFunction)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Step:
+    """What a step function learns about the step it is running.
+
+    ``idempotency_key`` is the same for every attempt of one visit of one state of one run,
+    across retries and crashes: pass it to external systems so they apply an effect once.
+    """
+
+    run_id: str
+    workflow: str
+    state: str
+    attempt: int
+    visit: int
+    seq: int
+    worker: str
+
+    @property
+    def idempotency_key(self) -> str:
+        return f"{self.run_id}:{self.state}:{self.visit}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSpec:
+    """One state that has a step function."""
+
+    name: str
+    fn: StepFunction
+    on: Mapping[str, str]
+    is_async: bool
+    timeout: float | None
+    retry: Retry
+    idempotent: bool
+    max_visits: int | None
+    returns_event: bool
+    """False for ``next=`` steps: whatever they return, they take ``next``."""
+    wants_step: bool
+    """The function takes ``(ctx, step)``; otherwise just ``(ctx)``."""
+
+    def describe(self) -> str:
+        """Compact settings for diagrams: retry, timeout, idempotency, max visits."""
+        parts = [self.retry.describe()]
+        if self.timeout is not None:
+            parts.append(f"timeout {self.timeout:g}s")
+        if not self.idempotent:
+            parts.append("not idempotent")
+        if self.max_visits is not None:
+            parts.append(f"max {self.max_visits} visits")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Transition:
+    source: str
+    event: str
+    dest: str
+
+
+@dataclass
+class _Draft:
+    steps: dict[str, StepSpec] = field(default_factory=dict)
+    finals: list[str] = field(default_factory=list)
+    initial: list[str] = field(default_factory=list)
+
+
+class Workflow:
+    """A named, versioned state machine over a pydantic context model.
+
+    >>> order = Workflow("order", context=Order, version=1)
+    >>> @order.step(initial=True, on={"reserved": "charge", "out_of_stock": "cancelled"})
+    ... def reserve(ctx: Order, step: Step) -> str: ...
+    >>> order.final("delivered", "cancelled")
+
+    ``key`` names a context field (or a function of the context) that identifies the run in
+    business terms (an order id); with ``unique_key=True`` starting a second run with the
+    same key returns the first one.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        context: type[BaseModel],
+        version: int = 1,
+        key: str | Callable[[Any], str] | None = None,
+        unique_key: bool = True,
+        max_concurrency: int | None = None,
+        description: str = "",
+    ) -> None:
+        if not NAME_PATTERN.match(name):
+            raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
+        if not (isinstance(context, type) and issubclass(context, BaseModel)):
+            raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise DefinitionError(name, "max_concurrency must be at least 1")
+        self.name = name
+        self.context = context
+        self.version = version
+        self.key = key
+        self.unique_key = unique_key
+        self.max_concurrency = max_concurrency
+        self.description = description
+        self._draft = _Draft()
+        self._frozen = False
+        self._table: dict[tuple[str, str], str] = {}
+        self._machine: Machine | None = None
+        self._fingerprint = ""
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, version={self.version})"
+
+    # -- declaring -------------------------------------------------------------------------
+
+    def step(
+        self,
+        fn: F | None = None,
+        *,
+        name: str | None = None,
+        initial: bool = False,
+        on: Mapping[str, str] | None = None,
+        next: str | None = None,  # noqa: A002 - the word users read in the diagram
+        timeout: float | timedelta | None = None,
+        retry: Retry | None = None,
+        idempotent: bool = True,
+        max_visits: int | None = None,
+    ) -> Callable[[F], F]:
+        """Declare a state whose step function returns the event that picks the next state.
+
+        Use ``on={event: next_state}`` when the step chooses between events, or
+        ``next="state"`` when it always goes to one state (it may then return ``None``).
+        """
+        if fn is not None:
+            raise DefinitionError(self.name, "use @workflow.step(...) with its arguments")
+
+        def register(function: F) -> F:
+            state = name or function.__name__
+            self._add_step(
+                state,
+                function,
+                initial=initial,
+                on=on,
+                next_state=next,
+                timeout=timeout,
+                retry=retry,
+                idempotent=idempotent,
+                max_visits=max_visits,
+            )
+            return function
+
+        return register
+
+    def _add_step(
+        self,
+        state: str,
+        function: StepFunction,
+        *,
+        initial: bool,
+        on: Mapping[str, str] | None,
+        next_state: str | None,
+        timeout: float | timedelta | None,
+        retry: Retry | None,
+        idempotent: bool,
+        max_visits: int | None,
+    ) -> None:
+        self._ensure_open()
+        if not NAME_PATTERN.match(state):
+            raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
+        if state in self._draft.steps:
+            raise DefinitionError(self.name, f"state {state!r} is declared twice")
+        if (on is None) == (next_state is None):
+            raise DefinitionError(
+                self.name, f"state {state!r} needs exactly one of on={{event: state}} or next="
+            )
+        transitions = dict(on) if on is not None else {NEXT_EVENT: str(next_state)}
+        if not transitions:
+            raise DefinitionError(self.name, f"state {state!r} declares no transition")
+        timeout_s = seconds(timeout)
+        if timeout_s is not None and timeout_s <= 0:
+            raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
+        if max_visits is not None and max_visits < 1:
+            raise DefinitionError(self.name, f"state {state!r}: max_visits must be at least 1")
+        self._draft.steps[state] = StepSpec(
+            name=state,
+            fn=function,
+            on=transitions,
+            is_async=inspect.iscoroutinefunction(function),
+            timeout=timeout_s,
+            retry=retry or DEFAULT_RETRY,
+            idempotent=idempotent,
+            max_visits=max_visits,
+            returns_event=on is not None,
+            wants_step=_wants_step(self.name, state, function),
+        )
+        if initial:
+            self._draft.initial.append(state)
+
+    def final(self, *names: str) -> None:
+        """Declare the final states (a run that reaches one has ``succeeded``)."""
+        self._ensure_open()
+        for state in names:
+            if not NAME_PATTERN.match(state):
+                raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
+            if state not in self._draft.finals:
+                self._draft.finals.append(state)
+
+    def _ensure_open(self) -> None:
+        if self._frozen:
+            raise DefinitionError(
+                self.name, "is already validated and in use; declare every state before using it"
+            )
+
+    # -- validating ------------------------------------------------------------------------
+
+    def validate(self) -> Workflow:
+        """Check the definition and freeze it. Called on first use; safe to call again."""
+        if self._frozen:
+            return self
+        draft = self._draft
+        steps, finals = draft.steps, set(draft.finals)
+        if not finals:
+            raise DefinitionError(self.name, "declares no final state; add workflow.final(...)")
+        on_final = sorted(finals & steps.keys())
+        if on_final:
+            raise DefinitionError(
+                self.name, f"final state(s) {', '.join(map(repr, on_final))} must not have a step"
+            )
+        if len(draft.initial) != 1:
+            found = ", ".join(map(repr, draft.initial)) or "none"
+            raise DefinitionError(
+                self.name, f"needs exactly one initial state (initial=True), found {found}"
+            )
+        known = steps.keys() | finals
+        for spec in steps.values():
+            unknown = sorted({dest for dest in spec.on.values() if dest not in known})
+            if unknown:
+                raise DefinitionError(
+                    self.name,
+                    f"state {spec.name!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
+                )
+        edges = {state: set(steps[state].on.values()) if state in steps else set() for state in known}
+        unreachable = sorted(known - graph.reachable(edges, draft.initial))
+        if unreachable:
+            raise DefinitionError(
+                self.name, f"state(s) {', '.join(map(repr, unreachable))} cannot be reached"
+            )
+        stuck = sorted(known - graph.can_reach(edges, finals))
+        if stuck:
+            raise DefinitionError(
+                self.name,
+                f"state(s) {', '.join(map(repr, stuck))} can never reach a final state",
+            )
+        self._machine = self._build_machine()
+        self._table = {
+            (t.source, t.event): t.dest for t in self.transitions()
+        }
+        self._fingerprint = hashlib.sha256(
+            json.dumps(self.structure(), sort_keys=True).encode()
+        ).hexdigest()[:16]
+        self._frozen = True
+        return self
+
+    def _build_machine(self) -> Machine:
+        # Built once per definition: the machine is the source of the transition table and
+        # of the diagram; runs never get a Machine of their own.
+        states = [
+            {"name": state, "final": state in self._draft.finals} for state in self.states
+        ]
+        triggers = [
+            {"trigger": event, "source": spec.name, "dest": dest}
+            for spec in self._draft.steps.values()
+            for event, dest in spec.on.items()
+        ]
+        return Machine(
+            model=None,
+            states=states,
+            transitions=triggers,
+            initial=self._draft.initial[0],
+            auto_transitions=False,
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    @property
+    def states(self) -> list[str]:
+        """Every state in declaration order: steps first, then final states."""
+        return [*self._draft.steps, *self._draft.finals]
+
+    @property
+    def initial(self) -> str:
+        self.validate()
+        return self._draft.initial[0]
+
+    @property
+    def finals(self) -> tuple[str, ...]:
+        return tuple(self._draft.finals)
+
+    @property
+    def steps(self) -> Mapping[str, StepSpec]:
+        return self._draft.steps
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the structure (states and transitions), not of the code."""
+        self.validate()
+        return self._fingerprint
+
+    @property
+    def machine(self) -> Machine:
+        self.validate()
+        assert self._machine is not None
+        return self._machine
+
+    def is_final(self, state: str) -> bool:
+        return state in self._draft.finals
+
+    def transitions(self) -> list[Transition]:
+        """Every declared transition, read back from the ``transitions`` machine in
+        declaration order (so diagrams and fingerprints are stable)."""
+        machine = self._machine if self._machine is not None else self._build_machine()
+        result: list[Transition] = []
+        for spec in self._draft.steps.values():
+            for event in spec.on:
+                for t in machine.get_transitions(trigger=event, source=spec.name):
+                    result.append(Transition(spec.name, event, t.dest))
+        return result
+
+    def next_state(self, state: str, event: object) -> str:
+        """The state that ``event`` leads to from ``state``; InvalidEvent if undeclared."""
+        self.validate()
+        if isinstance(event, str):
+            dest = self._table.get((state, event))
+            if dest is not None:
+                return dest
+        spec = self._draft.steps.get(state)
+        raise InvalidEvent(state, event, spec.on.keys() if spec else ())
+
+    def event_for(self, state: str, returned: object) -> object:
+        """The event a step's return value means: ``next`` for ``next=`` steps."""
+        spec = self._draft.steps[state]
+        return returned if spec.returns_event else NEXT_EVENT
+
+    def structure(self) -> dict[str, Any]:
+        """The definition as plain data: what a stored run's compatibility is judged on."""
+        return {
+            "name": self.name,
+            "initial": self._draft.initial[0] if self._draft.initial else None,
+            "finals": sorted(self._draft.finals),
+            "states": {
+                spec.name: {"kind": "step", "on": dict(sorted(spec.on.items()))}
+                for spec in self._draft.steps.values()
+            },
+        }
+
+    def on_cycle(self) -> set[str]:
+        """States on a cycle (where ``max_visits`` matters)."""
+        edges = {state: set(spec.on.values()) for state, spec in self._draft.steps.items()}
+        return graph.on_cycle(edges)
+
+    # -- contexts --------------------------------------------------------------------------
+
+    def parse_context(self, data: str | bytes | Mapping[str, Any] | BaseModel) -> BaseModel:
+        """Validate a context given as JSON text, a mapping or a model instance."""
+        try:
+            if isinstance(data, self.context):
+                return self.context.model_validate(data.model_dump())
+            if isinstance(data, BaseModel):
+                return self.context.model_validate(data.model_dump())
+            if isinstance(data, (str, bytes)):
+                return self.context.model_validate_json(data)
+            return self.context.model_validate(dict(data))
+        except ValidationError as error:
+            raise InvalidContext(self.name, describe_validation(error)) from error
+
+    def business_key(self, context: BaseModel) -> str | None:
+        if self.key is None:
+            return None
+        value = getattr(context, self.key) if isinstance(self.key, str) else self.key(context)
+        return None if value is None else str(value)
+
+
+def _wants_step(workflow: str, state: str, function: StepFunction) -> bool:
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    positional = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if any(p.kind == p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2:
+        return True
+    if len(positional) == 1:
+        return False
+    raise DefinitionError(workflow, f"step {state!r} must take (ctx) or (ctx, step)")
+
+
+def describe_validation(error: ValidationError) -> str:
+    """A pydantic error on one line: ``field: problem; other: problem``."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(root)"
+        parts.append(f"{where}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def compatible(old: Mapping[str, Any], new: Workflow, state: str) -> str | None:
+    """Why a run in ``state`` under the ``old`` structure cannot continue under ``new``
+    (``None`` when it can): its state and that state's transitions must still exist."""
+    new_structure = new.structure()
+    if state in old.get("finals", []):
+        return None
+    old_state = old.get("states", {}).get(state)
+    new_state = new_structure["states"].get(state)
+    if new_state is None:
+        return f"state {state!r} no longer exists in {new.name} v{new.version}"
+    if old_state is None:
+        return None
+    missing = {
+        event: dest
+        for event, dest in old_state.get("on", {}).items()
+        if new_state.get("on", {}).get(event) != dest
+    }
+    if missing:
+        gone = ", ".join(f"{event}->{dest}" for event, dest in sorted(missing.items()))
+        return f"transitions of state {state!r} changed ({gone} no longer exist)"
+    return None

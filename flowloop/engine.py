@@ -1,0 +1,506 @@
+"""The public facade: start runs, drive them, look at them, and act on them as an operator."""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import os
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from pydantic import BaseModel
+
+from flowloop import journal as j
+from flowloop.clock import Clock, SystemClock
+from flowloop.definition import Workflow, compatible
+from flowloop.errors import (
+    DefinitionError,
+    FlowloopError,
+    InvalidTransition,
+    UnknownRun,
+    UnknownWorkflow,
+)
+from flowloop.executor import (
+    DEFAULT_LEASE_SECONDS,
+    DEFAULT_MAX_CONCURRENCY,
+    DEFAULT_POLL_SECONDS,
+    Executor,
+    Listener,
+    Stats,
+    new_worker_id,
+)
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.store import Boundary, Fence, NewRun, RunFilter, SQLStore, Store, StoredRun
+from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
+
+DEFAULT_URL: Final = "sqlite:///flowloop.db"
+ENV_DB: Final = "FLOWLOOP_DB"
+
+
+def default_url() -> str:
+    """``$FLOWLOOP_DB`` or ``./flowloop.db``."""
+    return normalize_url(os.environ.get(ENV_DB) or DEFAULT_URL)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """A run as users see it."""
+
+    id: str
+    workflow: str
+    version: int
+    status: str
+    state: str
+    context: BaseModel | dict[str, Any]
+    attempt: int
+    key: str | None
+    reason: str | None
+    error: str | None
+    next_run_at: float | None
+    owner: str | None
+    last_seq: int
+    created_at: float
+    updated_at: float
+    visits: Mapping[str, int]
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replay:
+    """A journal folded: the record at ``seq``, and whether the full fold equals the row."""
+
+    run_id: str
+    seq: int
+    record: RunRecord
+    events: list[JournalEvent]
+    differences: list[str]
+
+    @property
+    def matches(self) -> bool:
+        return not self.differences
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """A live run the current definition cannot continue."""
+
+    run_id: str
+    state: str
+    status: str
+    reason: str
+
+
+class Engine:
+    """flowloop over one database.
+
+    ``url`` is a SQLAlchemy URL or a file path; default ``$FLOWLOOP_DB`` or ``./flowloop.db``
+    (SQLite, WAL). ``synchronous`` is SQLite's durability mode: ``NORMAL`` (default) survives
+    process crashes, ``FULL`` also survives power loss at the price of an fsync per commit.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        workflows: Iterable[Workflow] = (),
+        clock: Clock | None = None,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        poll_seconds: float = DEFAULT_POLL_SECONDS,
+        synchronous: str = DEFAULT_SYNCHRONOUS,
+        worker_id: str | None = None,
+        store: Store | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise FlowloopError("max_concurrency must be at least 1")
+        self.url = normalize_url(url) if url else default_url()
+        self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
+        self.clock: Clock = clock or SystemClock()
+        self.max_concurrency = max_concurrency
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.worker_id = worker_id or new_worker_id()
+        if isinstance(self.store, SQLStore):
+            self.store.set_write_lease(lease_seconds)
+        self.listeners: list[Listener] = []
+        self._workflows: dict[str, Workflow] = {}
+        self.register(*workflows)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.store.close()
+
+    # -- workflows -------------------------------------------------------------------------
+
+    def register(self, *workflows: Workflow) -> None:
+        """Make workflows runnable by this engine (validates them)."""
+        for workflow in workflows:
+            workflow.validate()
+            self.store.save_definition(
+                workflow.fingerprint,
+                workflow.name,
+                workflow.version,
+                json.dumps(workflow.structure(), sort_keys=True),
+            )
+            self._workflows[workflow.name] = workflow
+
+    @property
+    def workflows(self) -> Mapping[str, Workflow]:
+        return dict(self._workflows)
+
+    def workflow(self, name: str) -> Workflow:
+        try:
+            return self._workflows[name]
+        except KeyError:
+            raise UnknownWorkflow(name, self._workflows) from None
+
+    # -- starting --------------------------------------------------------------------------
+
+    def _new_run(
+        self,
+        workflow: Workflow,
+        context: BaseModel | Mapping[str, Any] | str,
+        *,
+        key: str | None,
+        idempotency_key: str | None,
+        priority: int,
+        run_at: float | None,
+        owner: str | None,
+    ) -> NewRun:
+        if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
+            self.register(workflow)
+        ctx = workflow.parse_context(context)
+        now = self.clock.now()
+        business_key = key if key is not None else workflow.business_key(ctx)
+        created = JournalEvent(
+            run_id=uuid.uuid4().hex,
+            seq=1,
+            kind=j.RUN_CREATED,
+            at=now,
+            state=workflow.initial,
+            context=ctx.model_dump_json(),
+            worker=self.worker_id,
+            data={
+                "workflow": workflow.name,
+                "version": workflow.version,
+                "fingerprint": workflow.fingerprint,
+                "key": business_key if workflow.unique_key or key is not None else business_key,
+                "due": run_at if run_at is not None else now,
+            },
+        )
+        events = [created]
+        record = j.create(created)
+        if owner is not None:
+            started = JournalEvent(
+                run_id=created.run_id, seq=2, kind=j.STEP_STARTED, at=now,
+                state=workflow.initial, attempt=1, worker=owner,
+            )
+            events.append(started)
+            record = j.apply(record, started)
+        return NewRun(
+            record=record,
+            events=events,
+            idempotency_key=idempotency_key,
+            priority=priority,
+            owner=owner,
+            lease_seconds=self.lease_seconds,
+        )
+
+    def start(
+        self,
+        workflow: Workflow,
+        context: BaseModel | Mapping[str, Any] | str,
+        *,
+        key: str | None = None,
+        idempotency_key: str | None = None,
+        priority: int = 0,
+        run_at: float | None = None,
+    ) -> RunInfo:
+        """Enqueue a run (a worker or :meth:`run_until_idle` executes it).
+
+        Starting with a ``key`` (or the workflow's key field) or ``idempotency_key`` that an
+        existing run has returns that run instead of creating another.
+        """
+        new = self._new_run(
+            workflow, context, key=key, idempotency_key=idempotency_key,
+            priority=priority, run_at=run_at, owner=None,
+        )
+        stored, _ = self.store.create_run(new)
+        return self._info(stored)
+
+    def run(
+        self,
+        workflow: Workflow,
+        context: BaseModel | Mapping[str, Any] | str,
+        *,
+        key: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> RunInfo:
+        """Start a run and drive it until it finishes or waits (this process executes it).
+
+        The run is created already claimed, with its first ``step_started``, in one commit.
+        """
+        return asyncio.run(
+            self.arun(workflow, context, key=key, idempotency_key=idempotency_key)
+        )
+
+    async def arun(
+        self,
+        workflow: Workflow,
+        context: BaseModel | Mapping[str, Any] | str,
+        *,
+        key: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> RunInfo:
+        """:meth:`run` for callers already inside an event loop."""
+        new = self._new_run(
+            workflow, context, key=key, idempotency_key=idempotency_key,
+            priority=0, run_at=None, owner=self.worker_id,
+        )
+        stored, created = self.store.create_run(new)
+        executor = self._executor()
+        try:
+            await executor.run(
+                until_idle=True, run_ids=[stored.id], initial=[stored] if created else []
+            )
+        finally:
+            executor.close()
+        return self.get(stored.id)
+
+    # -- driving ---------------------------------------------------------------------------
+
+    def _executor(self, *, max_concurrency: int | None = None) -> Executor:
+        return Executor(
+            self.store,
+            self._workflows,
+            clock=self.clock,
+            worker_id=self.worker_id,
+            max_concurrency=max_concurrency or self.max_concurrency,
+            lease_seconds=self.lease_seconds,
+            poll_seconds=self.poll_seconds,
+            listeners=self.listeners,
+        )
+
+    def run_until_idle(self, *, idle_horizon: float = 300.0) -> Stats:
+        """Recover interrupted runs, then execute due runs of the registered workflows until
+        none is due or running. Waits for retry backoff ending within ``idle_horizon`` s."""
+        return asyncio.run(self.arun_until_idle(idle_horizon=idle_horizon))
+
+    async def arun_until_idle(self, *, idle_horizon: float = 300.0) -> Stats:
+        executor = self._executor()
+        try:
+            return await executor.run(until_idle=True, idle_horizon=idle_horizon)
+        finally:
+            executor.close()
+
+    def resume(self) -> Stats:
+        """Settle runs interrupted by a crash and drive everything due to the end."""
+        return self.run_until_idle()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _stored(self, run_id: str) -> StoredRun:
+        stored = self.store.get_run(run_id)
+        if stored is None:
+            raise UnknownRun(run_id)
+        return stored
+
+    def _info(self, stored: StoredRun) -> RunInfo:
+        record = stored.record
+        workflow = self._workflows.get(record.workflow)
+        context: BaseModel | dict[str, Any]
+        try:
+            context = (
+                workflow.context.model_validate_json(record.context)
+                if workflow is not None
+                else json.loads(record.context)
+            )
+        except ValueError:
+            context = json.loads(record.context)
+        return RunInfo(
+            id=record.id,
+            workflow=record.workflow,
+            version=record.version,
+            status=record.status,
+            state=record.state,
+            context=context,
+            attempt=record.attempt,
+            key=record.key,
+            reason=record.reason,
+            error=record.error,
+            next_run_at=record.next_run_at,
+            owner=stored.owner,
+            last_seq=record.last_seq,
+            created_at=stored.created_at,
+            updated_at=stored.updated_at,
+            visits=dict(record.visits),
+        )
+
+    def get(self, run_id: str) -> RunInfo:
+        return self._info(self._stored(run_id))
+
+    def runs(
+        self,
+        *,
+        workflow: str | None = None,
+        status: str | Sequence[str] | None = None,
+        key: str | None = None,
+        limit: int = 100,
+    ) -> list[RunInfo]:
+        statuses = [status] if isinstance(status, str) else status
+        found = self.store.find_runs(
+            RunFilter(workflow=workflow, statuses=statuses, key=key, limit=limit)
+        )
+        return [self._info(stored) for stored in found]
+
+    def find(self, workflow: Workflow | str, *, key: str) -> RunInfo | None:
+        """The newest run of ``workflow`` with business key ``key``."""
+        name = workflow if isinstance(workflow, str) else workflow.name
+        found = self.runs(workflow=name, key=key, limit=1)
+        return found[0] if found else None
+
+    def history(self, run_id: str) -> list[JournalEvent]:
+        self._stored(run_id)
+        return self.store.journal(run_id)
+
+    def replay(self, run_id: str, *, at: int | None = None) -> Replay:
+        """Fold the journal; the record at ``at`` (default: the end) and the differences
+        between the full fold and the stored row (none, unless something is wrong)."""
+        stored = self._stored(run_id)
+        events = self.store.journal(run_id)
+        if at is not None and not 1 <= at <= len(events):
+            raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; --at {at} is outside")
+        full = j.fold(events)
+        differences = j.compare(full, stored.record)
+        record = full if at is None else j.fold(events, until_seq=at)
+        return Replay(
+            run_id=run_id, seq=record.last_seq, record=record, events=events,
+            differences=differences,
+        )
+
+    # -- operating -------------------------------------------------------------------------
+
+    def _operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
+        """Write one operator event on a run nobody owns. False if someone owns it."""
+        record = stored.record
+        event = JournalEvent(
+            run_id=record.id, seq=record.last_seq + 1, kind=kind, at=self.clock.now(),
+            worker=f"operator:{_user()}", **fields,
+        )
+        boundary = Boundary(
+            events=[event], record=j.apply(record, event),
+            fence=Fence(None, stored.lease_epoch), clear_control=True,
+        )
+        return self.store.write([boundary])[0]
+
+    def pause(self, run_id: str) -> RunInfo:
+        """Pause a run: at once if it is queued, else at its next step boundary."""
+        return self._control(run_id, "pause", j.RUN_PAUSED)
+
+    def stop(self, run_id: str) -> RunInfo:
+        """Stop a run for good (until an operator retries it); a running step is cancelled."""
+        return self._control(run_id, "stop", j.RUN_STOPPED)
+
+    def _control(self, run_id: str, action: str, kind: str) -> RunInfo:
+        stored = self._stored(run_id)
+        status = stored.record.status
+        if status in FINISHED or (action == "pause" and status == "paused"):
+            if action == "pause" and status == "paused":
+                return self._info(stored)
+            raise InvalidTransition(run_id, status, action)
+        if status != "running" and self._operate(stored, kind, state=stored.record.state):
+            return self.get(run_id)
+        # Owned (running): its worker honours the request at the next boundary.
+        self.store.request_control(run_id, action)
+        return self.get(run_id)
+
+    def unpause(self, run_id: str) -> RunInfo:
+        stored = self._stored(run_id)
+        if stored.record.status != "paused":
+            if stored.control == "pause":
+                self.store.request_control(run_id, None)
+                return self.get(run_id)
+            raise InvalidTransition(run_id, stored.record.status, "unpause")
+        if not self._operate(stored, j.RUN_UNPAUSED, state=stored.record.state):
+            raise FlowloopError(f"run {run_id} changed while unpausing; try again")
+        return self.get(run_id)
+
+    def retry(
+        self,
+        run_id: str,
+        *,
+        from_state: str | None = None,
+        set_fields: Mapping[str, Any] | None = None,
+        by: str | None = None,
+    ) -> RunInfo:
+        """Run a failed or stopped run again, from its current state or from ``from_state``
+        with the context recorded when the run entered it; ``set_fields`` edits that
+        context (validated). The journal records who changed what."""
+        stored = self._stored(run_id)
+        record = stored.record
+        if record.status not in ("failed", "stopped"):
+            raise InvalidTransition(run_id, record.status, "retry")
+        workflow = self.workflow(record.workflow)
+        state = from_state or record.state
+        if state not in workflow.steps:
+            raise DefinitionError(
+                workflow.name,
+                f"cannot retry from {state!r}: not a state with a step "
+                f"(states: {', '.join(workflow.steps)})",
+            )
+        context = _context_entering(self.store.journal(run_id), state)
+        if context is None:
+            raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
+        data: dict[str, Any] = {"by": by or _user(), "from": state}
+        if set_fields:
+            merged = {**json.loads(context), **set_fields}
+            context = workflow.parse_context(merged).model_dump_json()
+            data["set"] = dict(set_fields)
+        if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
+            raise FlowloopError(f"run {run_id} changed while retrying; try again")
+        return self.get(run_id)
+
+    def check(self, workflow: Workflow) -> list[Stranded]:
+        """Live runs of ``workflow``'s name that this definition could not continue."""
+        workflow.validate()
+        stranded = []
+        for stored in self.store.find_runs(
+            RunFilter(workflow=workflow.name, statuses=sorted(LIVE), limit=1_000_000)
+        ):
+            record = stored.record
+            if record.fingerprint == workflow.fingerprint:
+                continue
+            old = self.store.definition(record.fingerprint) or {}
+            why = compatible(old, workflow, record.state)
+            if why is not None:
+                stranded.append(Stranded(record.id, record.state, record.status, why))
+        return stranded
+
+
+def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
+    """The context a run had when it last entered ``state``."""
+    for event in reversed(events):
+        if event.kind == j.STEP_SUCCEEDED and event.next_state == state:
+            return event.context
+        if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
+            return event.context
+    return None
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:
+        return "unknown"

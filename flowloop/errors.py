@@ -1,0 +1,125 @@
+"""One error tree for flowloop.
+
+Every error a user can cause derives from :class:`FlowloopError`. The CLI prints a
+``FlowloopError`` as one line and exits with its ``exit_code`` (2: the input was wrong,
+1: something failed); anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class FlowloopError(Exception):
+    """Base of every flowloop error."""
+
+    exit_code = EXIT_USAGE
+
+
+class DefinitionError(FlowloopError):
+    """A workflow or loop definition cannot work; fix the definition named in the message."""
+
+    def __init__(self, workflow: str, message: str) -> None:
+        super().__init__(f"workflow {workflow!r}: {message}")
+        self.workflow = workflow
+
+
+class UnknownWorkflow(FlowloopError):
+    """No workflow of that name is known; register it or load the file that defines it."""
+
+    def __init__(self, name: str, known: Iterable[str] = ()) -> None:
+        known_list = ", ".join(sorted(known)) or "none"
+        super().__init__(f"unknown workflow {name!r} (known: {known_list})")
+        self.name = name
+
+
+class UnknownRun(FlowloopError):
+    """No run with that id exists in this database; check the id with `flowloop status`."""
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no run {run_id!r} in this database (list runs with `flowloop status`)")
+        self.run_id = run_id
+
+
+class InvalidContext(FlowloopError):
+    """A context does not validate against the workflow's model; the fields are listed."""
+
+    def __init__(self, workflow: str, problems: str) -> None:
+        super().__init__(f"context for workflow {workflow!r} is invalid: {problems}")
+        self.workflow = workflow
+
+
+class InvalidEvent(FlowloopError):
+    """A step returned (or a caller sent) an event its state does not declare."""
+
+    def __init__(self, state: str, event: object, accepted: Iterable[str]) -> None:
+        accepted_list = ", ".join(sorted(accepted)) or "none"
+        super().__init__(
+            f"state {state!r} does not accept event {event!r} (it accepts: {accepted_list})"
+        )
+        self.state = state
+        self.event = event
+
+
+class InvalidTransition(FlowloopError):
+    """An operation is not allowed in the run's current lifecycle status."""
+
+    def __init__(self, run_id: str, status: str, action: str) -> None:
+        super().__init__(f"run {run_id!r} is {status}: cannot {action} it")
+        self.run_id = run_id
+        self.status = status
+
+
+class DefinitionMismatch(FlowloopError):
+    """A run cannot continue under the workflow's current definition; it is parked, not lost."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, run_id: str, reason: str) -> None:
+        super().__init__(f"run {run_id!r}: definition_mismatch: {reason}")
+        self.run_id = run_id
+        self.reason = reason
+
+
+class StoreError(FlowloopError):
+    """The database cannot be used as a flowloop store; the message says why and what to do."""
+
+    exit_code = EXIT_FAILURE
+
+
+class SchemaMismatch(StoreError):
+    """The database schema is older or newer than this flowloop; upgrade one of them."""
+
+
+class LeaseLost(FlowloopError):
+    """This worker no longer owns the run (its lease expired and another worker took it)."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"lost the lease on run {run_id!r}; another worker owns it now")
+        self.run_id = run_id
+
+
+class StepTimeout(TimeoutError):
+    """A step ran longer than its ``timeout``. Subclasses TimeoutError so ``Retry(on=...)``
+    can name either."""
+
+
+class MaxVisitsExceeded(FlowloopError):
+    """A run entered a state more often than the state's ``max_visits`` allows."""
+
+    exit_code = EXIT_FAILURE
+
+
+class RenderError(FlowloopError):
+    """A diagram could not be rendered (usually: the `dot` program is missing)."""
+
+    exit_code = EXIT_FAILURE
+
+
+class ConfigError(FlowloopError):
+    """The configuration is invalid; the message names the key and the problem."""

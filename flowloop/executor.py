@@ -1,0 +1,652 @@
+"""The worker loop: claim → step under its timeout → record → continue or release.
+
+The journal protocol, which every write here keeps:
+
+* **before**: a step's ``step_started`` is committed before its function is called;
+* **after**: the outcome, the new run row and (when the run goes straight on) the next
+  ``step_started`` are one transaction;
+* boundaries of concurrently running runs share transactions (group commit): a run never
+  goes on before its own previous boundary is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import socket
+import traceback
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from pydantic import BaseModel, ValidationError
+
+from flowloop import journal as j
+from flowloop.clock import Clock
+from flowloop.definition import Step, StepSpec, Workflow, compatible, describe_validation
+from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import Boundary, Fence, Store, StoredRun
+
+log = logging.getLogger("flowloop")
+
+DEFAULT_MAX_CONCURRENCY: Final = 16
+DEFAULT_LEASE_SECONDS: Final = 30.0
+DEFAULT_POLL_SECONDS: Final = 0.5
+"""How often an idle worker looks for due runs and pending pause/stop requests."""
+RECOVERY_BATCH: Final = 500
+RECOVERY_EVERY_SECONDS: Final = 10.0
+
+Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
+"""Called after each committed boundary with the run's new record and the events written."""
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+
+def owner_is_dead_here(owner: str) -> bool:
+    """A worker on this host whose process is gone: its leases need not run out first."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def error_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+@dataclass
+class _Active:
+    task: asyncio.Task[None]
+    step_task: asyncio.Future[Any] | None = None
+    stopping_step: str | None = None  # "stop" when an operator stop cancelled the step
+
+
+@dataclass
+class Stats:
+    steps: int = 0
+    commits: int = 0
+    boundaries: int = 0
+    lost_leases: int = 0
+    recovered: int = 0
+    by_status: dict[str, int] = field(default_factory=dict)
+
+
+class Committer:
+    """Group commit: boundaries submitted in the same event-loop turn share one transaction.
+
+    The flush runs on the loop thread; while it commits, finished steps queue up and form
+    the next batch, so the batch grows with the load without any timer.
+    """
+
+    def __init__(self, store: Store, stats: Stats) -> None:
+        self.store = store
+        self.stats = stats
+        self._pending: list[tuple[Boundary, asyncio.Future[bool]]] = []
+        self._scheduled = False
+
+    def submit(self, boundary: Boundary) -> asyncio.Future[bool]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[bool] = loop.create_future()
+        self._pending.append((boundary, future))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._flush)
+        return future
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            results = self.store.write([boundary for boundary, _ in batch])
+        except Exception as error:  # the database is unreachable: every run of the batch waits
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        self.stats.commits += 1
+        self.stats.boundaries += len(batch)
+        for (_, future), applied in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(applied)
+
+
+class Executor:
+    """Drives runs of registered workflows from one asyncio event loop."""
+
+    def __init__(
+        self,
+        store: Store,
+        workflows: Mapping[str, Workflow],
+        *,
+        clock: Clock,
+        worker_id: str,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        poll_seconds: float = DEFAULT_POLL_SECONDS,
+        listeners: Sequence[Listener] = (),
+    ) -> None:
+        self.store = store
+        self.workflows = workflows
+        self.clock = clock
+        self.worker_id = worker_id
+        self.max_concurrency = max_concurrency
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.listeners = list(listeners)
+        self.stats = Stats()
+        self.committer = Committer(store, self.stats)
+        self._threads = ThreadPoolExecutor(
+            max_workers=max_concurrency, thread_name_prefix="flowloop-step"
+        )
+        self._active: dict[str, _Active] = {}
+        self._controls: dict[str, str] = {}
+        self._draining = False
+        self._wake: asyncio.Event | None = None
+        self._per_workflow: dict[str, int] = {}
+
+    # -- the main loop ---------------------------------------------------------------------
+
+    async def run(
+        self,
+        *,
+        until_idle: bool,
+        run_ids: Sequence[str] | None = None,
+        idle_horizon: float = 300.0,
+        stop: asyncio.Event | None = None,
+        grace: float = 30.0,
+        initial: Sequence[StoredRun] = (),
+    ) -> Stats:
+        """Claim and drive due runs. With ``until_idle``, return when no run is due and none
+        is running (waiting for retry backoff that ends within ``idle_horizon`` seconds);
+        otherwise run until ``stop`` is set, then drain within ``grace`` seconds.
+        ``initial`` runs are already claimed and started by the caller."""
+        self._wake = asyncio.Event()
+        for stored in initial:
+            self.spawn(stored, starting=False)
+        helpers = [asyncio.create_task(self._heartbeat())]
+        try:
+            await self.recover()
+            last_recovery = self.clock.monotonic()
+            while not (stop is not None and stop.is_set()):
+                claimed = self._claim(run_ids)
+                if self.clock.monotonic() - last_recovery > RECOVERY_EVERY_SECONDS:
+                    await self.recover()
+                    last_recovery = self.clock.monotonic()
+                if claimed:
+                    continue
+                if until_idle and not self._active:
+                    due = self.store.next_due(workflows=list(self.workflows))
+                    if due is None or due - self.clock.now() > idle_horizon:
+                        break
+                    await self.clock.sleep(min(max(0.0, due - self.clock.now()), idle_horizon))
+                    continue
+                await self._wait_for_work(stop)
+            await self.drain(grace)
+        finally:
+            for helper in helpers:
+                helper.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+        return self.stats
+
+    def _claim(self, run_ids: Sequence[str] | None) -> int:
+        free = self.max_concurrency - len(self._active)
+        eligible = [
+            name
+            for name, workflow in self.workflows.items()
+            if workflow.max_concurrency is None
+            or self._per_workflow.get(name, 0) < workflow.max_concurrency
+        ]
+        if free <= 0 or not eligible:
+            return 0
+        rows = self.store.claim(
+            worker=self.worker_id,
+            now=self.clock.now(),
+            limit=free,
+            lease_seconds=self.lease_seconds,
+            workflows=eligible,
+            run_ids=run_ids,
+        )
+        taken = 0
+        for stored in rows:
+            workflow = self.workflows[stored.record.workflow]
+            count = self._per_workflow.get(workflow.name, 0)
+            if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
+                self.store.release(worker=self.worker_id, run_ids=[stored.id])
+                continue
+            self.spawn(stored, starting=True)
+            taken += 1
+        return taken
+
+    async def _wait_for_work(self, stop: asyncio.Event | None) -> None:
+        assert self._wake is not None
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+        if stop is not None:
+            waiters.append(asyncio.ensure_future(stop.wait()))
+        try:
+            await asyncio.wait(waiters, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            self._wake.clear()
+
+    def spawn(self, stored: StoredRun, *, starting: bool) -> asyncio.Task[None]:
+        """Drive one claimed run in its own task."""
+        name = stored.record.workflow
+        self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
+        task = asyncio.create_task(self._drive(stored, starting=starting))
+        self._active[stored.id] = _Active(task)
+
+        def done(_: asyncio.Task[None]) -> None:
+            self._active.pop(stored.id, None)
+            self._per_workflow[name] -= 1
+            self._controls.pop(stored.id, None)
+            if self._wake is not None:
+                self._wake.set()
+
+        task.add_done_callback(done)
+        return task
+
+    async def drain(self, grace: float) -> None:
+        """Let in-flight steps finish (their runs are released, not continued) for up to
+        ``grace`` seconds, then cut the rest off: their journal shows the interruption."""
+        self._draining = True
+        tasks = [active.task for active in self._active.values()]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    # -- leases and control ----------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        """Renew held leases every lease/3 and pick up pause/stop requests every poll."""
+        last_renewal = self.clock.monotonic()
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                self._poll_controls()
+                if self.clock.monotonic() - last_renewal >= self.lease_seconds / 3:
+                    last_renewal = self.clock.monotonic()
+                    self._renew()
+            except Exception as error:  # keep beating through a database hiccup
+                log.warning("heartbeat failed: %s", error_line(error))
+
+    def _renew(self) -> None:
+        held = list(self._active)
+        kept = self.store.renew(worker=self.worker_id, run_ids=held, lease_seconds=self.lease_seconds)
+        for run_id in set(held) - kept:
+            # Self-fencing: without a lease this worker must not take another step.
+            log.warning("run %s: lost its lease; abandoning it", run_id)
+            self.stats.lost_leases += 1
+            self._controls[run_id] = "lost"
+            active = self._active.get(run_id)
+            if active is not None:
+                active.task.cancel()
+
+    def _poll_controls(self) -> None:
+        for run_id, action in self.store.pending_controls(worker=self.worker_id).items():
+            self._controls[run_id] = action
+            active = self._active.get(run_id)
+            if action == "stop" and active is not None and active.step_task is not None:
+                active.stopping_step = "stop"
+                active.step_task.cancel()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    async def recover(self) -> int:
+        """Settle every run left ``running`` by a dead worker, in batches: an idempotent
+        step runs again (the attempt counts), a non-idempotent one fails as ``interrupted``."""
+        dead = [owner for owner in self.store.running_owners() if owner_is_dead_here(owner)]
+        if dead:
+            self.store.expire_leases(dead)
+        recovered = 0
+        while True:
+            rows = self.store.claim_interrupted(
+                worker=self.worker_id, limit=RECOVERY_BATCH, lease_seconds=self.lease_seconds
+            )
+            rows = [row for row in rows if row.record.workflow in self.workflows or self._release(row)]
+            if not rows:
+                return recovered
+            boundaries = [self._interrupted(row) for row in rows]
+            results = self.store.write(boundaries)
+            self.stats.commits += 1
+            for boundary, applied in zip(boundaries, results, strict=True):
+                if applied:
+                    recovered += 1
+                    self._notify(boundary)
+            self.stats.recovered += recovered
+
+    def _release(self, row: StoredRun) -> bool:
+        self.store.release(worker=self.worker_id, run_ids=[row.id])
+        return False
+
+    def _interrupted(self, row: StoredRun) -> Boundary:
+        record = row.record
+        workflow = self.workflows[record.workflow]
+        spec = workflow.steps.get(record.state)
+        now = self.clock.now()
+        data: dict[str, Any]
+        if spec is not None and spec.idempotent and spec.retry.has_attempts_left(record.attempt):
+            data = {"retry_at": now}
+            message = "the worker died during this step; it runs again"
+        elif spec is not None and spec.idempotent:
+            data = {"reason": "interrupted"}
+            message = f"interrupted {record.attempt} time(s); no attempts left"
+        else:
+            data = {"reason": "interrupted"}
+            message = "interrupted and not idempotent: not re-run; check its effect, then retry"
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.STEP_INTERRUPTED,
+            at=now,
+            state=record.state,
+            attempt=record.attempt,
+            error_type="Interrupted",
+            error_message=message,
+            retryable="retry_at" in data,
+            worker=self.worker_id,
+            data=data,
+        )
+        if "reason" in data:
+            log.error("run %s: step %s interrupted: %s", record.id, record.state, message)
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    # -- one run ---------------------------------------------------------------------------
+
+    def _notify(self, boundary: Boundary) -> None:
+        for listener in self.listeners:
+            try:
+                listener(boundary.record, boundary.events)
+            except Exception:  # a listener must never break the journal
+                log.exception("listener failed")
+
+    async def _commit(self, boundary: Boundary) -> bool:
+        applied = await self.committer.submit(boundary)
+        if applied:
+            self._notify(boundary)
+        else:
+            self.stats.lost_leases += 1
+            log.warning(
+                "run %s: write refused (lease lost or run changed by another writer); "
+                "abandoning it",
+                boundary.run_id,
+            )
+        return applied
+
+    def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
+        return JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + offset,
+            kind=kind,
+            at=self.clock.now(),
+            worker=self.worker_id,
+            **fields,
+        )
+
+    async def _finish(
+        self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
+    ) -> None:
+        for event in events:
+            record = j.apply(record, event)
+        await self._commit(Boundary(events=events, record=record, fence=fence, release=True, **flags))
+
+    async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
+        record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
+        workflow = self.workflows[record.workflow]
+        try:
+            problem = self._cannot_run(workflow, stored)
+            if problem is not None:
+                kind, reason, message = problem
+                await self._finish(
+                    record,
+                    fence,
+                    [self._event(record, kind, state=record.state, error_message=message,
+                                 data={"reason": reason})],
+                )
+                return
+            if stored.control in ("pause", "stop"):
+                self._controls[stored.id] = stored.control
+            if starting:
+                if await self._honour_control(record, fence):
+                    return
+                started = self._event(
+                    record, j.STEP_STARTED, state=record.state, attempt=record.attempt + 1
+                )
+                record = j.apply(record, started)
+                if not await self._commit(Boundary(events=[started], record=record, fence=fence)):
+                    return
+            while record.status == "running":
+                next_record = await self._step(workflow, record, fence)
+                if next_record is None:
+                    return
+                record = next_record
+        except asyncio.CancelledError:
+            if self._controls.get(record.id) != "lost" and record.status == "running":
+                await asyncio.shield(self._cut_off(record, fence))
+            raise
+
+    def _cannot_run(
+        self, workflow: Workflow, stored: StoredRun
+    ) -> tuple[str, str, str] | None:
+        record = stored.record
+        if record.fingerprint != workflow.fingerprint:
+            old = self.store.definition(record.fingerprint) or {}
+            why = compatible(old, workflow, record.state)
+            if why is not None:
+                return j.RUN_PAUSED, "definition_mismatch", f"definition_mismatch: {why}"
+        try:
+            workflow.parse_context(record.context)
+        except FlowloopError as error:
+            return j.RUN_FAILED, "invalid_context", str(error)
+        return None
+
+    async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
+        action = self._controls.get(record.id)
+        if action not in ("pause", "stop"):
+            return False
+        kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
+        await self._finish(
+            record, fence, [self._event(record, kind, state=record.state)], clear_control=True
+        )
+        return True
+
+    async def _cut_off(self, record: RunRecord, fence: Fence) -> None:
+        """A step cancelled by shutdown or an operator's stop: journal it, then let go."""
+        active = self._active.get(record.id)
+        if active is not None and active.stopping_step == "stop":
+            event = self._event(
+                record, j.RUN_STOPPED, state=record.state, data={"reason": "stopped during step"}
+            )
+            await self._finish(record, fence, [event], clear_control=True)
+            return
+        row = StoredRun(
+            record=record, idempotency_key=None, priority=0, owner=fence.owner,
+            lease_expires_at=None, lease_epoch=fence.epoch, control=None,
+            created_at=0.0, updated_at=0.0,
+        )
+        boundary = self._interrupted(row)
+        with contextlib.suppress(Exception):
+            await self._commit(boundary)
+
+    async def _step(self, workflow: Workflow, record: RunRecord, fence: Fence) -> RunRecord | None:
+        """Run the started step of ``record``; commit its outcome. Returns the record when
+        the run goes straight on with its next step, else ``None``."""
+        spec = workflow.steps[record.state]
+        step = Step(
+            run_id=record.id,
+            workflow=workflow.name,
+            state=record.state,
+            attempt=record.attempt,
+            visit=record.visit(record.state),
+            seq=record.last_seq,
+            worker=self.worker_id,
+        )
+        ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
+        log.debug("run %s seq %d: %s attempt %d started", record.id, record.last_seq, record.state, record.attempt)
+        started = self.clock.monotonic()
+        try:
+            returned = await self._call(record.id, spec, ctx, step)
+            event = workflow.event_for(record.state, returned)
+            next_state = workflow.next_state(record.state, event)
+            context = ctx.model_dump_json()
+            workflow.context.model_validate_json(context)
+            limit = workflow.steps[next_state].max_visits if next_state in workflow.steps else None
+            if limit is not None and record.visit(next_state) >= limit:
+                raise MaxVisitsExceeded(
+                    f"state {next_state!r} would be visited {record.visit(next_state) + 1} times "
+                    f"(max_visits={limit})"
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            duration = self.clock.monotonic() - started
+            return await self._failed(workflow, spec, record, fence, error, duration)
+        duration = self.clock.monotonic() - started
+        self.stats.steps += 1
+        succeeded = self._event(
+            record,
+            j.STEP_SUCCEEDED,
+            state=record.state,
+            attempt=record.attempt,
+            event=str(event),
+            next_state=next_state,
+            context=context,
+            duration=duration,
+            data={"final": True} if workflow.is_final(next_state) else {},
+        )
+        after = j.apply(record, succeeded)
+        if after.status != "scheduled":
+            await self._commit(Boundary(events=[succeeded], record=after, fence=fence, release=True))
+            return None
+        action = self._controls.get(record.id)
+        if action in ("pause", "stop") or self._draining:
+            events = [succeeded]
+            if action in ("pause", "stop"):
+                kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
+                events.append(self._event(record, kind, offset=2, state=next_state))
+            await self._finish(record, fence, events, clear_control=action is not None)
+            return None
+        # The usual case: the outcome and the next step_started in one commit.
+        nxt = self._event(record, j.STEP_STARTED, offset=2, state=next_state, attempt=1)
+        after = j.apply(after, nxt)
+        if not await self._commit(Boundary(events=[succeeded, nxt], record=after, fence=fence)):
+            return None
+        return after
+
+    async def _failed(
+        self,
+        workflow: Workflow,
+        spec: StepSpec,
+        record: RunRecord,
+        fence: Fence,
+        error: Exception,
+        duration: float,
+    ) -> None:
+        definitive = isinstance(error, (InvalidEvent, MaxVisitsExceeded, ValidationError))
+        retryable = not definitive and spec.retry.should_retry(error, record.attempt)
+        data: dict[str, Any]
+        if retryable:
+            delay = spec.retry.delay(record.attempt)
+            data = {"retry_at": self.clock.now() + delay}
+        else:
+            data = {"reason": "error"}
+        message = (
+            describe_validation(error) if isinstance(error, ValidationError) else error_line(error)
+        )
+        failed = self._event(
+            record,
+            j.STEP_FAILED,
+            state=record.state,
+            attempt=record.attempt,
+            duration=duration,
+            error_type=type(error).__name__,
+            error_message=message,
+            traceback="".join(traceback.format_exception(error))[-8000:],
+            retryable=retryable,
+            data=data,
+        )
+        level = logging.INFO if retryable else logging.ERROR
+        log.log(level, "run %s: %s attempt %d failed: %s: %s", record.id, record.state,
+                record.attempt, type(error).__name__, message)
+        await self._finish(record, fence, [failed])
+        if retryable and self._wake is not None:
+            self._wake.set()
+        return None
+
+    async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        args = (ctx, step) if spec.wants_step else (ctx,)
+        abandoned: list[bool] = []
+        if spec.is_async:
+            future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
+        else:
+            work = self._threads.submit(spec.fn, *args)
+            work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
+            future = asyncio.wrap_future(work)
+        active = self._active.get(run_id)
+        if active is not None:
+            active.step_task = future
+        try:
+            if spec.timeout is None:
+                return await future
+            try:
+                return await asyncio.wait_for(future, spec.timeout)
+            except TimeoutError:
+                raise StepTimeout(f"step {spec.name!r} took longer than {spec.timeout:g}s") from None
+        except BaseException:
+            abandoned.append(True)
+            raise
+        finally:
+            if active is not None:
+                active.step_task = None
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:
+    # A thread cannot be killed: when a timed-out or cut-off sync step finishes anyway, its
+    # result is discarded (that attempt's outcome is already in the journal) and logged.
+    if abandoned and not work.cancelled():
+        log.warning(
+            "run %s: step %s finished after its timeout or cancellation; result discarded",
+            run_id,
+            state,
+        )

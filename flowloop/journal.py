@@ -1,0 +1,241 @@
+"""Journal events and the pure fold that turns a journal into a run's state.
+
+Every change of a run row is the result of :func:`apply` on the journal event recorded
+with it, in the same transaction. Replaying a journal from seq 1 with :func:`fold` therefore
+reproduces the stored row exactly; :func:`compare` says where it does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from flowloop import lifecycle
+
+# Event kinds. The comment says what the event does to the run.
+RUN_CREATED: Final = "run_created"  # state, context; status scheduled (due at next_run_at)
+STEP_STARTED: Final = "step_started"  # status running, attempt
+STEP_SUCCEEDED: Final = "step_succeeded"  # state -> next_state, context; succeeded if final
+STEP_FAILED: Final = "step_failed"  # retrying (next_run_at) or failed
+STEP_INTERRUPTED: Final = "step_interrupted"  # a step_started with no outcome, found later
+RUN_FAILED: Final = "run_failed"  # failed outside a step (unreadable context, ...)
+RUN_PAUSED: Final = "run_paused"
+RUN_UNPAUSED: Final = "run_unpaused"
+RUN_STOPPED: Final = "run_stopped"
+RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost claim)
+RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
+
+KINDS: Final = (
+    RUN_CREATED,
+    STEP_STARTED,
+    STEP_SUCCEEDED,
+    STEP_FAILED,
+    STEP_INTERRUPTED,
+    RUN_FAILED,
+    RUN_PAUSED,
+    RUN_UNPAUSED,
+    RUN_STOPPED,
+    RUN_RELEASED,
+    RUN_RETRIED,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JournalEvent:
+    """One boundary in a run's history. ``context`` is JSON text (the context after the
+    event) and is only set by events that change the context."""
+
+    run_id: str
+    seq: int
+    kind: str
+    at: float
+    state: str | None = None
+    attempt: int = 0
+    event: str | None = None
+    next_state: str | None = None
+    context: str | None = None
+    duration: float | None = None
+    error_type: str | None = None
+    error_message: str | None = None
+    traceback: str | None = None
+    retryable: bool | None = None
+    worker: str | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """The part of a run row that the journal determines."""
+
+    id: str
+    workflow: str
+    version: int
+    fingerprint: str
+    key: str | None
+    status: str
+    state: str
+    context: str
+    attempt: int
+    visits: Mapping[str, int]
+    next_run_at: float | None
+    last_seq: int
+    reason: str | None
+    error: str | None
+
+    def visit(self, state: str) -> int:
+        return self.visits.get(state, 0)
+
+
+class FoldError(Exception):
+    """A journal that cannot be folded (a bug or a tampered database)."""
+
+
+def _status(record: RunRecord, dest: str, event: JournalEvent) -> str:
+    if not lifecycle.allowed(record.status, dest):
+        raise FoldError(
+            f"run {record.id} seq {event.seq} {event.kind}: "
+            f"lifecycle does not allow {record.status} -> {dest}"
+        )
+    return dest
+
+
+def create(event: JournalEvent) -> RunRecord:
+    """The record a ``run_created`` event starts."""
+    if event.kind != RUN_CREATED or event.state is None or event.context is None:
+        raise FoldError(f"run {event.run_id}: journal must start with {RUN_CREATED}")
+    data = event.data
+    return RunRecord(
+        id=event.run_id,
+        workflow=str(data["workflow"]),
+        version=int(data["version"]),
+        fingerprint=str(data["fingerprint"]),
+        key=data.get("key"),
+        status="scheduled",
+        state=event.state,
+        context=event.context,
+        attempt=0,
+        visits={event.state: 1},
+        next_run_at=data.get("due", event.at),
+        last_seq=event.seq,
+        reason=None,
+        error=None,
+    )
+
+
+def apply(record: RunRecord, event: JournalEvent) -> RunRecord:  # noqa: C901 - one case per kind
+    """The record after ``event``. Pure: the executor and replay both use it."""
+    if event.seq != record.last_seq + 1:
+        raise FoldError(f"run {record.id}: seq {event.seq} follows {record.last_seq}")
+    kind = event.kind
+    change: dict[str, Any] = {"last_seq": event.seq}
+    if kind == STEP_STARTED:
+        change.update(
+            status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
+        )
+    elif kind == STEP_SUCCEEDED:
+        assert event.next_state is not None and event.context is not None
+        final = bool(event.data.get("final"))
+        visits = dict(record.visits)
+        visits[event.next_state] = visits.get(event.next_state, 0) + 1
+        change.update(
+            status=_status(record, "succeeded" if final else "scheduled", event),
+            state=event.next_state,
+            context=event.context,
+            attempt=0,
+            visits=visits,
+            next_run_at=None if final else event.data.get("due", event.at),
+            reason=None,
+            error=None,
+        )
+    elif kind in (STEP_FAILED, STEP_INTERRUPTED):
+        retry_at = event.data.get("retry_at")
+        error = f"{event.error_type}: {event.error_message}" if event.error_type else None
+        if retry_at is not None:
+            change.update(
+                status=_status(record, "retrying", event),
+                next_run_at=retry_at,
+                error=error,
+                reason=None,
+            )
+        else:
+            change.update(
+                status=_status(record, "failed", event),
+                next_run_at=None,
+                error=error,
+                reason=event.data.get("reason", "error"),
+            )
+    elif kind == RUN_FAILED:
+        change.update(
+            status=_status(record, "failed", event),
+            next_run_at=None,
+            reason=event.data.get("reason", "error"),
+            error=event.error_message,
+        )
+    elif kind == RUN_PAUSED:
+        change.update(
+            status=_status(record, "paused", event),
+            next_run_at=None,
+            reason=event.data.get("reason", "paused"),
+        )
+    elif kind == RUN_UNPAUSED:
+        change.update(
+            status=_status(record, "scheduled", event), next_run_at=event.at, reason=None
+        )
+    elif kind == RUN_STOPPED:
+        change.update(
+            status=_status(record, "stopped", event),
+            next_run_at=None,
+            reason=event.data.get("reason", "stopped"),
+        )
+    elif kind == RUN_RELEASED:
+        change.update(
+            status=_status(record, "scheduled", event),
+            next_run_at=event.data.get("due", event.at),
+        )
+    elif kind == RUN_RETRIED:
+        assert event.state is not None and event.context is not None
+        visits = dict(record.visits)
+        if event.state != record.state:
+            visits[event.state] = visits.get(event.state, 0) + 1
+        change.update(
+            status=_status(record, "scheduled", event),
+            state=event.state,
+            context=event.context,
+            attempt=0,
+            visits=visits,
+            next_run_at=event.at,
+            reason=None,
+            error=None,
+        )
+    else:
+        raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
+    return dataclasses.replace(record, **change)
+
+
+def fold(events: Iterable[JournalEvent], *, until_seq: int | None = None) -> RunRecord:
+    """Replay a journal from seq 1 (up to and including ``until_seq``)."""
+    record: RunRecord | None = None
+    for event in events:
+        if until_seq is not None and event.seq > until_seq:
+            break
+        record = create(event) if record is None else apply(record, event)
+    if record is None:
+        raise FoldError("empty journal")
+    return record
+
+
+COMPARED_FIELDS: Final = ("status", "state", "context", "attempt", "visits", "last_seq")
+
+
+def compare(folded: RunRecord, stored: RunRecord) -> list[str]:
+    """Differences between a folded journal and the stored row, one line each."""
+    diffs = []
+    for name in COMPARED_FIELDS:
+        a, b = getattr(folded, name), getattr(stored, name)
+        if name == "visits":
+            a, b = dict(a), dict(b)
+        if a != b:
+            diffs.append(f"{name}: journal says {a!r}, row says {b!r}")
+    return diffs

@@ -1,0 +1,117 @@
+"""Retry policy: pure maths of when to try again and whether to.
+
+No I/O, no clock: the caller passes the attempt number and a random source.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Literal
+
+from flowloop.errors import FlowloopError
+
+Backoff = Literal["fixed", "linear", "exponential"]
+BACKOFFS: tuple[Backoff, ...] = ("fixed", "linear", "exponential")
+
+DEFAULT_ATTEMPTS = 3
+DEFAULT_BASE_SECONDS = 1.0
+DEFAULT_CAP_SECONDS = 300.0
+
+
+def seconds(value: float | timedelta | None) -> float | None:
+    """A duration given as seconds or a timedelta, as seconds."""
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """How often a step is tried and how long to wait between tries.
+
+    ``attempts`` counts every try including the first (``attempts=1``: never retried).
+    A crash in the middle of a step counts as an attempt too, so a step that kills its
+    process every time ends ``failed`` instead of looping forever.
+
+    The delay before attempt ``n + 1`` (after attempt ``n`` failed) is ``base`` (fixed),
+    ``base * n`` (linear) or ``base * 2 ** (n - 1)`` (exponential), capped at ``cap``, then
+    spread by ``± jitter`` (a fraction, 0.1 = 10 %).
+
+    An exception is retried when it is an instance of one of ``on`` and of none of
+    ``giving_up_on``.
+    """
+
+    attempts: int = DEFAULT_ATTEMPTS
+    backoff: Backoff = "exponential"
+    base: float | timedelta = DEFAULT_BASE_SECONDS
+    cap: float | timedelta = DEFAULT_CAP_SECONDS
+    jitter: float = 0.0
+    on: tuple[type[BaseException], ...] = field(default=(Exception,))
+    giving_up_on: tuple[type[BaseException], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise FlowloopError(f"Retry(attempts={self.attempts}): attempts must be at least 1")
+        if self.backoff not in BACKOFFS:
+            raise FlowloopError(
+                f"Retry(backoff={self.backoff!r}): backoff must be one of {', '.join(BACKOFFS)}"
+            )
+        if self.base_seconds < 0 or self.cap_seconds < 0:
+            raise FlowloopError("Retry: base and cap must not be negative")
+        if not 0.0 <= self.jitter <= 1.0:
+            raise FlowloopError(f"Retry(jitter={self.jitter}): jitter is a fraction in [0, 1]")
+
+    @property
+    def base_seconds(self) -> float:
+        return seconds(self.base) or 0.0
+
+    @property
+    def cap_seconds(self) -> float:
+        return seconds(self.cap) or 0.0
+
+    def is_retryable(self, error: BaseException) -> bool:
+        """Whether this kind of error may be retried at all (ignores the attempt budget)."""
+        if isinstance(error, self.giving_up_on):
+            return False
+        return isinstance(error, self.on)
+
+    def should_retry(self, error: BaseException, attempt: int) -> bool:
+        """Whether attempt ``attempt`` (1-based) failing with ``error`` earns another try."""
+        return attempt < self.attempts and self.is_retryable(error)
+
+    def has_attempts_left(self, attempt: int) -> bool:
+        return attempt < self.attempts
+
+    def delay(self, attempt: int, rand: random.Random | None = None) -> float:
+        """Seconds to wait after attempt ``attempt`` (1-based) failed."""
+        base = self.base_seconds
+        n = max(1, attempt)
+        if self.backoff == "fixed":
+            raw = base
+        elif self.backoff == "linear":
+            raw = base * n
+        else:
+            raw = base * 2.0 ** min(n - 1, 62)
+        capped = min(raw, self.cap_seconds)
+        if self.jitter and capped > 0:
+            spread = capped * self.jitter
+            capped += (rand or random).uniform(-spread, spread)
+        return max(0.0, capped)
+
+    def describe(self) -> str:
+        """A compact summary for diagrams and listings, e.g. ``retry 5x exp 0.5s..30s``."""
+        if self.attempts == 1:
+            return "no retry"
+        short = {"fixed": "fixed", "linear": "lin", "exponential": "exp"}[self.backoff]
+        text = f"retry {self.attempts}x {short} {self.base_seconds:g}s..{self.cap_seconds:g}s"
+        if self.jitter:
+            text += f" ±{self.jitter:.0%}"
+        return text
+
+
+DEFAULT_RETRY = Retry()
+NO_RETRY = Retry(attempts=1)

@@ -1,0 +1,187 @@
+"""The store contract: what the engine may ask of a database, and which rows each call touches.
+
+Leases. A run being worked on has an ``owner`` (a worker id), a ``lease_expires_at``
+computed by the *database's* clock, and a ``lease_epoch`` that grows by one with every
+claim. Every write by an owner names the owner and epoch it believes it holds (a
+:class:`Fence`); if either changed — the lease expired and another worker claimed the run —
+the write changes nothing and is reported as refused. A write by no owner (an operator's
+pause of a queued run) names ``Fence(None, epoch)`` and only applies while nobody owns it.
+Every write also names the ``last_seq`` it follows, so two writers can never interleave
+journal entries.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from flowloop.journal import JournalEvent, RunRecord
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoredRun:
+    """A run row: the journal-determined record plus the bookkeeping around it."""
+
+    record: RunRecord
+    idempotency_key: str | None
+    priority: int
+    owner: str | None
+    lease_expires_at: float | None
+    lease_epoch: int
+    control: str | None
+    created_at: float
+    updated_at: float
+
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The owner and lease epoch a write requires (``owner=None``: nobody may own it)."""
+
+    owner: str | None
+    epoch: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Boundary:
+    """One atomic change of one run: journal events appended plus the row they produce."""
+
+    events: Sequence[JournalEvent]
+    record: RunRecord
+    fence: Fence
+    release: bool = False
+    """Give up ownership with this write (the run is no longer being worked on)."""
+    clear_control: bool = False
+    """The pending pause/stop request was honoured by this write."""
+
+    @property
+    def run_id(self) -> str:
+        return self.record.id
+
+    @property
+    def follows_seq(self) -> int:
+        return self.record.last_seq - len(self.events)
+
+
+@dataclass(frozen=True, kw_only=True)
+class NewRun:
+    """A run to create: its first journal events and the record they fold to."""
+
+    record: RunRecord
+    events: Sequence[JournalEvent]
+    idempotency_key: str | None = None
+    priority: int = 0
+    owner: str | None = None
+    """Create the run already claimed by this worker (saves a claim round trip)."""
+    lease_seconds: float = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFilter:
+    workflow: str | None = None
+    statuses: Sequence[str] | None = None
+    key: str | None = None
+    limit: int = 100
+
+
+class Store(abc.ABC):
+    """Persistence for definitions, runs and their journals."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    @abc.abstractmethod
+    def db_now(self) -> float:
+        """The database server's clock, in UTC epoch seconds."""
+
+    @abc.abstractmethod
+    def save_definition(self, fingerprint: str, name: str, version: int, structure: str) -> None:
+        """Remember a definition's structure (idempotent), so a later definition can be
+        compared with the one a run started under."""
+
+    @abc.abstractmethod
+    def definition(self, fingerprint: str) -> dict[str, Any] | None: ...
+
+    @abc.abstractmethod
+    def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
+        """Insert a run and its first journal events in one transaction. When a run with the
+        same (workflow, key) or idempotency key exists, nothing is written and that run is
+        returned with ``False``."""
+
+    @abc.abstractmethod
+    def get_run(self, run_id: str) -> StoredRun | None: ...
+
+    @abc.abstractmethod
+    def find_runs(self, where: RunFilter) -> list[StoredRun]:
+        """Runs matching ``where``, newest first."""
+
+    @abc.abstractmethod
+    def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]:
+        """A run's journal in seq order."""
+
+    @abc.abstractmethod
+    def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        """Apply boundaries (of different runs) in ONE transaction: one commit for all.
+
+        For each boundary the run row is updated only if its fence holds and its
+        ``last_seq`` equals ``boundary.follows_seq``; only then are its events appended.
+        Returns, per boundary, whether it was applied. Owned writes renew the lease."""
+
+    @abc.abstractmethod
+    def claim(
+        self,
+        *,
+        worker: str,
+        now: float,
+        limit: int,
+        lease_seconds: float,
+        workflows: Sequence[str] | None = None,
+        run_ids: Sequence[str] | None = None,
+    ) -> list[StoredRun]:
+        """Take up to ``limit`` runs that are due (``scheduled``/``retrying`` with
+        ``next_run_at <= now``) and not validly leased by another worker, highest priority
+        first, then oldest due. Sets owner, a fresh lease, epoch + 1. Concurrent claimers never
+        get the same run."""
+
+    @abc.abstractmethod
+    def claim_interrupted(
+        self, *, worker: str, limit: int, lease_seconds: float
+    ) -> list[StoredRun]:
+        """Take up to ``limit`` runs left ``running`` by a worker whose lease expired: a
+        ``step_started`` with no outcome. Same ownership effects as :meth:`claim`."""
+
+    @abc.abstractmethod
+    def running_owners(self) -> list[str]:
+        """Distinct owners of runs that are currently owned."""
+
+    @abc.abstractmethod
+    def expire_leases(self, owners: Sequence[str]) -> int:
+        """End the leases of ``owners`` now (they are known dead). Returns rows changed."""
+
+    @abc.abstractmethod
+    def renew(self, *, worker: str, run_ids: Sequence[str], lease_seconds: float) -> set[str]:
+        """Extend this worker's leases; returns the ids whose lease it still holds."""
+
+    @abc.abstractmethod
+    def release(self, *, worker: str, run_ids: Sequence[str]) -> None:
+        """Drop this worker's ownership of runs it will not touch further (no status change)."""
+
+    @abc.abstractmethod
+    def request_control(self, run_id: str, action: str | None) -> bool:
+        """Ask the owner of a run to pause or stop it at its next boundary."""
+
+    @abc.abstractmethod
+    def pending_controls(self, *, worker: str) -> dict[str, str]:
+        """Control requests on runs this worker owns."""
+
+    @abc.abstractmethod
+    def count_due(self, *, now: float, workflows: Sequence[str] | None = None) -> int: ...
+
+    @abc.abstractmethod
+    def next_due(self, *, workflows: Sequence[str] | None = None) -> float | None:
+        """Earliest ``next_run_at`` of a claimable run (``None`` when none)."""

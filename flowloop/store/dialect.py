@@ -1,0 +1,140 @@
+"""Every difference between SQLite and PostgreSQL, in one place.
+
+SQLite: WAL journal, ``synchronous=NORMAL`` by default (durable across process crashes; the
+last commits can be lost on power loss — choose ``FULL`` to rule that out), a generous busy
+timeout, and every write transaction opened with ``BEGIN IMMEDIATE``: a deferred transaction
+that later upgrades to a write fails with "database is locked" at once, bypassing the busy
+timeout. The database file is created readable by its owner only.
+
+PostgreSQL: psycopg 3; claims use ``FOR UPDATE SKIP LOCKED`` (rendered by SQLAlchemy and
+ignored on SQLite).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy import ColumnElement, Engine, Float, create_engine, event, literal_column, make_url
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import StaticPool
+
+from flowloop.errors import StoreError
+
+DEFAULT_SYNCHRONOUS: Final = "NORMAL"
+SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
+BUSY_TIMEOUT_MS: Final = 30_000
+READ_OPTION: Final = "flowloop_read"
+SQLITE_HEADER: Final = b"SQLite format 3\x00"
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL with any password hidden, for messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return str(url)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def sqlite_url(path: str | os.PathLike[str]) -> str:
+    return f"sqlite:///{Path(path)}"
+
+
+def normalize_url(url: str) -> str:
+    """Accept a bare file path as a SQLite database."""
+    if "://" not in url:
+        return sqlite_url(url)
+    return url
+
+
+def _prepare_sqlite_file(url: URL) -> None:
+    database = url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return
+    path = Path(database)
+    if path.is_dir():
+        raise StoreError(f"{path} is a directory, not a database file")
+    if path.exists():
+        with path.open("rb") as handle:
+            header = handle.read(len(SQLITE_HEADER))
+        if header and header != SQLITE_HEADER:
+            raise StoreError(f"{path} is not a SQLite database (point --db at a new file)")
+        return
+    if not path.parent.exists():
+        raise StoreError(f"directory {path.parent} does not exist (create it or choose another --db)")
+    # Created by us, readable by the owner only: contexts may hold personal data.
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    os.close(fd)
+
+
+def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:
+    url = make_url(normalize_url(url_text))
+    if url.get_backend_name() == "sqlite":
+        return _sqlite_engine(url, synchronous)
+    if url.get_backend_name() == "postgresql":
+        return _postgres_engine(url)
+    raise StoreError(
+        f"unsupported database {safe_url(url)}: use sqlite:///path or postgresql+psycopg://…"
+    )
+
+
+def _sqlite_engine(url: URL, synchronous: str) -> Engine:
+    mode = synchronous.upper()
+    if mode not in SYNCHRONOUS_MODES:
+        raise StoreError(
+            f"synchronous={synchronous!r} is not a SQLite mode (use {', '.join(SYNCHRONOUS_MODES)})"
+        )
+    _prepare_sqlite_file(url)
+    memory = url.database in (None, "", ":memory:")
+    engine = create_engine(
+        url,
+        connect_args={"check_same_thread": False, "timeout": BUSY_TIMEOUT_MS / 1000},
+        **({"poolclass": StaticPool} if memory else {}),
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN itself (the driver's own implicit
+        # BEGIN is DEFERRED and cannot be made IMMEDIATE).
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        if not memory:
+            cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA synchronous={mode}")
+        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        if conn.get_execution_options().get(READ_OPTION):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _postgres_engine(url: URL) -> Engine:
+    if url.drivername == "postgresql":
+        url = url.set(drivername="postgresql+psycopg")
+    try:
+        return create_engine(url, pool_pre_ping=True)
+    except ModuleNotFoundError as error:
+        raise StoreError(
+            "PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'"
+        ) from error
+
+
+def db_now(engine: Engine) -> ColumnElement[float]:
+    """SQL for the database server's clock in epoch seconds (leases are judged by it)."""
+    if engine.dialect.name == "sqlite":
+        return literal_column("((julianday('now') - 2440587.5) * 86400.0)", Float)
+    return sql_cast(literal_column("extract(epoch from clock_timestamp())"), Float)

@@ -1,0 +1,108 @@
+"""The tables, as SQLAlchemy Core. Times are UTC epoch seconds (floats): the same arithmetic
+on SQLite and PostgreSQL, and lease times can be computed by the database's own clock."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+SCHEMA_VERSION: Final = 1
+"""Bump with every schema change (and add its migration)."""
+
+metadata = MetaData()
+
+meta = Table(
+    "flowloop_meta",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+
+definitions = Table(
+    "flowloop_definitions",
+    metadata,
+    Column("fingerprint", String(32), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("structure", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+runs = Table(
+    "flowloop_runs",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("workflow", String(200), nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("fingerprint", String(32), nullable=False),
+    Column("key", String(400)),
+    Column("idempotency_key", String(400)),
+    Column("status", String(16), nullable=False),
+    Column("state", String(200), nullable=False),
+    Column("context", Text, nullable=False),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("visits", Text, nullable=False),
+    Column("next_run_at", Float),
+    Column("last_seq", Integer, nullable=False),
+    Column("reason", Text),
+    Column("error", Text),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("owner", String(200)),
+    Column("lease_expires_at", Float),
+    Column("lease_epoch", Integer, nullable=False, default=0),
+    Column("control", String(16)),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
+Index("ix_flowloop_runs_owner", runs.c.owner)
+Index("ix_flowloop_runs_workflow", runs.c.workflow, runs.c.status)
+Index(
+    "ux_flowloop_runs_key",
+    runs.c.workflow,
+    runs.c.key,
+    unique=True,
+    sqlite_where=text("key IS NOT NULL"),
+    postgresql_where=text("key IS NOT NULL"),
+)
+Index(
+    "ux_flowloop_runs_idempotency",
+    runs.c.idempotency_key,
+    unique=True,
+    sqlite_where=text("idempotency_key IS NOT NULL"),
+    postgresql_where=text("idempotency_key IS NOT NULL"),
+)
+
+journal = Table(
+    "flowloop_journal",
+    metadata,
+    Column("run_id", String(40), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String(32), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("state", String(200)),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("event", String(200)),
+    Column("next_state", String(200)),
+    Column("context", Text),
+    Column("duration", Float),
+    Column("error_type", String(200)),
+    Column("error_message", Text),
+    Column("traceback", Text),
+    Column("retryable", Boolean),
+    Column("worker", String(200)),
+    Column("data", Text),
+)
+Index("ix_flowloop_journal_kind_at", journal.c.kind, journal.c.at)

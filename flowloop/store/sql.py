@@ -1,0 +1,552 @@
+"""One SQLAlchemy Core store for SQLite and PostgreSQL.
+
+Dialect decisions live in :mod:`flowloop.store.dialect`; everything here is the same SQL on
+both. The hot path (``write``) runs on one held connection and costs one commit per call,
+however many boundaries it carries.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    func,
+    insert,
+    inspect,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from flowloop.errors import SchemaMismatch, StoreError
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lifecycle import CLAIMABLE
+from flowloop.store import dialect
+from flowloop.store.base import Boundary, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.schema import SCHEMA_VERSION, definitions, journal, meta, metadata, runs
+
+JSON_SEPARATORS = (",", ":")
+
+
+def _dumps(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
+
+
+def _event_row(event: JournalEvent) -> dict[str, Any]:
+    return {
+        "run_id": event.run_id,
+        "seq": event.seq,
+        "kind": event.kind,
+        "at": event.at,
+        "state": event.state,
+        "attempt": event.attempt,
+        "event": event.event,
+        "next_state": event.next_state,
+        "context": event.context,
+        "duration": event.duration,
+        "error_type": event.error_type,
+        "error_message": event.error_message,
+        "traceback": event.traceback,
+        "retryable": event.retryable,
+        "worker": event.worker,
+        "data": _dumps(event.data) if event.data else None,
+    }
+
+
+def _event_from_row(row: Any) -> JournalEvent:
+    return JournalEvent(
+        run_id=row.run_id,
+        seq=row.seq,
+        kind=row.kind,
+        at=row.at,
+        state=row.state,
+        attempt=row.attempt,
+        event=row.event,
+        next_state=row.next_state,
+        context=row.context,
+        duration=row.duration,
+        error_type=row.error_type,
+        error_message=row.error_message,
+        traceback=row.traceback,
+        retryable=row.retryable,
+        worker=row.worker,
+        data=json.loads(row.data) if row.data else {},
+    )
+
+
+def _record_columns(record: RunRecord) -> dict[str, Any]:
+    return {
+        "status": record.status,
+        "state": record.state,
+        "context": record.context,
+        "attempt": record.attempt,
+        "visits": _dumps(record.visits),
+        "next_run_at": record.next_run_at,
+        "last_seq": record.last_seq,
+        "reason": record.reason,
+        "error": record.error,
+    }
+
+
+def _stored_from_row(row: Any) -> StoredRun:
+    record = RunRecord(
+        id=row.id,
+        workflow=row.workflow,
+        version=row.version,
+        fingerprint=row.fingerprint,
+        key=row.key,
+        status=row.status,
+        state=row.state,
+        context=row.context,
+        attempt=row.attempt,
+        visits=json.loads(row.visits),
+        next_run_at=row.next_run_at,
+        last_seq=row.last_seq,
+        reason=row.reason,
+        error=row.error,
+    )
+    return StoredRun(
+        record=record,
+        idempotency_key=row.idempotency_key,
+        priority=row.priority,
+        owner=row.owner,
+        lease_expires_at=row.lease_expires_at,
+        lease_epoch=row.lease_epoch,
+        control=row.control,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+    )
+
+
+class SQLStore(Store):
+    """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        synchronous: str = dialect.DEFAULT_SYNCHRONOUS,
+        create: bool = True,
+    ) -> None:
+        self.url = url
+        self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
+        self.now_sql = dialect.db_now(self.engine)
+        self._lock = threading.RLock()
+        self._writer: Connection | None = None
+        try:
+            self._ensure_schema(create=create)
+        except SQLAlchemyError as error:
+            self.engine.dispose()
+            raise StoreError(f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}") from error
+        except StoreError:
+            self.engine.dispose()
+            raise
+        self._build_statements()
+
+    # -- connections -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+        self.engine.dispose()
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction on the held connection (``BEGIN IMMEDIATE`` on SQLite)."""
+        with self._lock:
+            if self._writer is None or self._writer.closed or self._writer.invalidated:
+                self._writer = self.engine.connect()
+            conn = self._writer
+            try:
+                with conn.begin():
+                    yield conn
+            except OperationalError:
+                # A dropped connection must not poison the next transaction.
+                conn.invalidate()
+                self._writer = None
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(**{dialect.READ_OPTION: True})
+            with conn.begin():
+                yield conn
+
+    # -- schema ----------------------------------------------------------------------------
+
+    def _ensure_schema(self, *, create: bool) -> None:
+        with self._write() as conn:
+            tables = set(inspect(conn).get_table_names())
+            if meta.name not in tables:
+                foreign = sorted(t for t in tables if not t.startswith("flowloop_"))
+                if foreign:
+                    raise StoreError(
+                        f"{dialect.safe_url(self.url)} is not a flowloop database (it has "
+                        f"tables {', '.join(foreign[:5])}); point --db at a new file or schema"
+                    )
+                if not create:
+                    raise StoreError(f"{dialect.safe_url(self.url)} has no flowloop schema yet")
+                metadata.create_all(conn)
+                conn.execute(insert(meta), [{"key": "schema_version", "value": str(SCHEMA_VERSION)}])
+                return
+            found = conn.execute(
+                select(meta.c.value).where(meta.c.key == "schema_version")
+            ).scalar_one_or_none()
+        version = int(found or 0)
+        if version < SCHEMA_VERSION:
+            raise SchemaMismatch(
+                f"database schema version {version} is older than this flowloop "
+                f"({SCHEMA_VERSION}); run `flowloop db upgrade`"
+            )
+        if version > SCHEMA_VERSION:
+            raise SchemaMismatch(
+                f"database schema version {version} is newer than this flowloop "
+                f"({SCHEMA_VERSION}); upgrade flowloop"
+            )
+
+    def _build_statements(self) -> None:
+        record_params = {name: bindparam(f"p_{name}") for name in _record_columns_names()}
+        lease_until = self.now_sql + bindparam("p_lease")
+        fence = and_(
+            runs.c.id == bindparam("p_id"),
+            runs.c.lease_epoch == bindparam("p_epoch"),
+            runs.c.last_seq == bindparam("p_follows"),
+        )
+        self._update_owned = (
+            update(runs)
+            .where(fence, runs.c.owner == bindparam("p_owner"))
+            .values(**record_params, updated_at=bindparam("p_at"), lease_expires_at=lease_until)
+        )
+        self._update_owned_release = (
+            update(runs)
+            .where(fence, runs.c.owner == bindparam("p_owner"))
+            .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
+        )
+        self._update_unowned = (
+            update(runs)
+            .where(fence, or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
+            .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
+        )
+        self._insert_events = insert(journal)
+
+    # -- definitions -----------------------------------------------------------------------
+
+    def db_now(self) -> float:
+        with self._read() as conn:
+            return float(conn.execute(select(self.now_sql)).scalar_one())
+
+    def save_definition(self, fingerprint: str, name: str, version: int, structure: str) -> None:
+        if self.definition(fingerprint) is not None:
+            return
+        try:
+            with self._write() as conn:
+                conn.execute(
+                    insert(definitions),
+                    [
+                        {
+                            "fingerprint": fingerprint,
+                            "name": name,
+                            "version": version,
+                            "structure": structure,
+                            "created_at": float(conn.execute(select(self.now_sql)).scalar_one()),
+                        }
+                    ],
+                )
+        except IntegrityError:
+            pass  # saved concurrently by another process: same content by construction
+
+    def definition(self, fingerprint: str) -> dict[str, Any] | None:
+        with self._read() as conn:
+            text = conn.execute(
+                select(definitions.c.structure).where(definitions.c.fingerprint == fingerprint)
+            ).scalar_one_or_none()
+        return None if text is None else dict(json.loads(text))
+
+    # -- runs ------------------------------------------------------------------------------
+
+    def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
+        record = new.record
+        first_at = new.events[0].at
+        row = {
+            "id": record.id,
+            "workflow": record.workflow,
+            "version": record.version,
+            "fingerprint": record.fingerprint,
+            "key": record.key,
+            "idempotency_key": new.idempotency_key,
+            **_record_columns(record),
+            "priority": new.priority,
+            "owner": new.owner,
+            "lease_epoch": 1 if new.owner else 0,
+            "control": None,
+            "created_at": first_at,
+            "updated_at": new.events[-1].at,
+        }
+        try:
+            with self._write() as conn:
+                existing = self._existing(conn, record, new.idempotency_key)
+                if existing is not None:
+                    return existing, False
+                values: dict[str, Any] = dict(row)
+                stmt = insert(runs)
+                if new.owner:
+                    values["lease_expires_at"] = self.now_sql + new.lease_seconds
+                conn.execute(stmt.values(**values))
+                conn.execute(self._insert_events, [_event_row(e) for e in new.events])
+        except IntegrityError:
+            # Lost a race with a concurrent start of the same key: return the winner.
+            with self._read() as conn:
+                existing = self._existing(conn, record, new.idempotency_key)
+            if existing is None:
+                raise
+            return existing, False
+        stored = self.get_run(record.id)
+        assert stored is not None
+        return stored, True
+
+    def _existing(
+        self, conn: Connection, record: RunRecord, idempotency_key: str | None
+    ) -> StoredRun | None:
+        conditions = []
+        if record.key is not None:
+            conditions.append(and_(runs.c.workflow == record.workflow, runs.c.key == record.key))
+        if idempotency_key is not None:
+            conditions.append(runs.c.idempotency_key == idempotency_key)
+        if not conditions:
+            return None
+        row = conn.execute(select(runs).where(or_(*conditions)).limit(1)).first()
+        return None if row is None else _stored_from_row(row)
+
+    def get_run(self, run_id: str) -> StoredRun | None:
+        with self._read() as conn:
+            row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+        return None if row is None else _stored_from_row(row)
+
+    def find_runs(self, where: RunFilter) -> list[StoredRun]:
+        query = select(runs)
+        if where.workflow is not None:
+            query = query.where(runs.c.workflow == where.workflow)
+        if where.statuses:
+            query = query.where(runs.c.status.in_(list(where.statuses)))
+        if where.key is not None:
+            query = query.where(runs.c.key == where.key)
+        query = query.order_by(runs.c.created_at.desc(), runs.c.id).limit(where.limit)
+        with self._read() as conn:
+            return [_stored_from_row(row) for row in conn.execute(query)]
+
+    def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]:
+        query = select(journal).where(journal.c.run_id == run_id)
+        if until_seq is not None:
+            query = query.where(journal.c.seq <= until_seq)
+        with self._read() as conn:
+            return [_event_from_row(row) for row in conn.execute(query.order_by(journal.c.seq))]
+
+    # -- the hot path ----------------------------------------------------------------------
+
+    def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        applied: list[bool] = []
+        event_rows: list[dict[str, Any]] = []
+        with self._write() as conn:
+            for boundary in boundaries:
+                ok = self._write_one(conn, boundary)
+                applied.append(ok)
+                if ok:
+                    event_rows.extend(_event_row(e) for e in boundary.events)
+            if event_rows:
+                conn.execute(self._insert_events, event_rows)
+        return applied
+
+    def _write_one(self, conn: Connection, boundary: Boundary) -> bool:
+        params = {f"p_{k}": v for k, v in _record_columns(boundary.record).items()}
+        params.update(
+            p_id=boundary.run_id,
+            p_epoch=boundary.fence.epoch,
+            p_follows=boundary.follows_seq,
+            p_at=boundary.events[-1].at if boundary.events else 0.0,
+        )
+        if boundary.fence.owner is None:
+            stmt = self._update_unowned
+        else:
+            params["p_owner"] = boundary.fence.owner
+            if boundary.release:
+                stmt = self._update_owned_release
+            else:
+                stmt = self._update_owned
+                params["p_lease"] = self._lease_for_write
+        if boundary.clear_control:
+            stmt = stmt.values(control=None)
+        return conn.execute(stmt, params).rowcount == 1
+
+    _lease_for_write = 30.0
+
+    def set_write_lease(self, seconds: float) -> None:
+        """The lease that every owned write renews (the worker's lease length)."""
+        self._lease_for_write = seconds
+
+    # -- claiming --------------------------------------------------------------------------
+
+    def _claim_where(self, statuses: Sequence[str], extra: Sequence[Any]) -> Any:
+        return and_(
+            runs.c.status.in_(list(statuses)),
+            or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql),
+            *extra,
+        )
+
+    def _claim(
+        self, *, worker: str, lease_seconds: float, where: Any, limit: int, order: Sequence[Any]
+    ) -> list[StoredRun]:
+        candidates = (
+            select(runs.c.id).where(where).order_by(*order).limit(limit)
+            .with_for_update(skip_locked=True)
+        )
+        stmt = (
+            update(runs)
+            .where(runs.c.id.in_(candidates.scalar_subquery()))
+            .values(
+                owner=worker,
+                lease_epoch=runs.c.lease_epoch + 1,
+                lease_expires_at=self.now_sql + lease_seconds,
+            )
+            .returning(*runs.c)
+        )
+        with self._write() as conn:
+            rows = [_stored_from_row(row) for row in conn.execute(stmt)]
+        rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
+        return rows
+
+    def claim(
+        self,
+        *,
+        worker: str,
+        now: float,
+        limit: int,
+        lease_seconds: float,
+        workflows: Sequence[str] | None = None,
+        run_ids: Sequence[str] | None = None,
+    ) -> list[StoredRun]:
+        extra: list[Any] = [runs.c.next_run_at <= now]
+        if workflows is not None:
+            extra.append(runs.c.workflow.in_(list(workflows)))
+        if run_ids is not None:
+            extra.append(runs.c.id.in_(list(run_ids)))
+        return self._claim(
+            worker=worker,
+            lease_seconds=lease_seconds,
+            where=self._claim_where(sorted(CLAIMABLE), extra),
+            limit=limit,
+            order=(runs.c.priority.desc(), runs.c.next_run_at, runs.c.id),
+        )
+
+    def claim_interrupted(
+        self, *, worker: str, limit: int, lease_seconds: float
+    ) -> list[StoredRun]:
+        return self._claim(
+            worker=worker,
+            lease_seconds=lease_seconds,
+            where=self._claim_where(["running"], []),
+            limit=limit,
+            order=(runs.c.id,),
+        )
+
+    def running_owners(self) -> list[str]:
+        with self._read() as conn:
+            rows = conn.execute(select(runs.c.owner).where(runs.c.owner.is_not(None)).distinct())
+            return sorted(row.owner for row in rows)
+
+    def expire_leases(self, owners: Sequence[str]) -> int:
+        if not owners:
+            return 0
+        with self._write() as conn:
+            result = conn.execute(
+                update(runs)
+                .where(runs.c.owner.in_(list(owners)))
+                .values(lease_expires_at=self.now_sql - 1.0)
+            )
+            return int(result.rowcount)
+
+    def renew(self, *, worker: str, run_ids: Sequence[str], lease_seconds: float) -> set[str]:
+        if not run_ids:
+            return set()
+        with self._write() as conn:
+            rows = conn.execute(
+                update(runs)
+                .where(
+                    runs.c.owner == worker,
+                    runs.c.id.in_(list(run_ids)),
+                    runs.c.lease_expires_at >= self.now_sql,
+                )
+                .values(lease_expires_at=self.now_sql + lease_seconds)
+                .returning(runs.c.id)
+            )
+            return {row.id for row in rows}
+
+    def release(self, *, worker: str, run_ids: Sequence[str]) -> None:
+        if not run_ids:
+            return
+        with self._write() as conn:
+            conn.execute(
+                update(runs)
+                .where(runs.c.owner == worker, runs.c.id.in_(list(run_ids)))
+                .values(owner=None, lease_expires_at=None)
+            )
+
+    # -- control ---------------------------------------------------------------------------
+
+    def request_control(self, run_id: str, action: str | None) -> bool:
+        with self._write() as conn:
+            result = conn.execute(
+                update(runs).where(runs.c.id == run_id).values(control=action)
+            )
+            return bool(result.rowcount == 1)
+
+    def pending_controls(self, *, worker: str) -> dict[str, str]:
+        with self._read() as conn:
+            rows = conn.execute(
+                select(runs.c.id, runs.c.control).where(
+                    runs.c.owner == worker, runs.c.control.is_not(None)
+                )
+            )
+            return {row.id: row.control for row in rows}
+
+    def count_due(self, *, now: float, workflows: Sequence[str] | None = None) -> int:
+        query = select(func.count()).select_from(runs).where(
+            runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at <= now
+        )
+        if workflows is not None:
+            query = query.where(runs.c.workflow.in_(list(workflows)))
+        with self._read() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def next_due(self, *, workflows: Sequence[str] | None = None) -> float | None:
+        query = select(func.min(runs.c.next_run_at)).where(runs.c.status.in_(sorted(CLAIMABLE)))
+        if workflows is not None:
+            query = query.where(runs.c.workflow.in_(list(workflows)))
+        with self._read() as conn:
+            value = conn.execute(query).scalar_one_or_none()
+        return None if value is None else float(value)
+
+
+def _record_columns_names() -> tuple[str, ...]:
+    return (
+        "status",
+        "state",
+        "context",
+        "attempt",
+        "visits",
+        "next_run_at",
+        "last_seq",
+        "reason",
+        "error",
+    )
