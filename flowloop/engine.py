@@ -20,6 +20,7 @@ from flowloop.errors import (
     DefinitionError,
     FlowloopError,
     InvalidTransition,
+    UnknownLoop,
     UnknownRun,
     UnknownWorkflow,
 )
@@ -36,9 +37,12 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store import Boundary, Fence, NewRun, RunFilter, SQLStore, Store, StoredRun
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
+from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
 
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
+INVALID_JSON_KEY: Final = "_invalid_json"
+"""``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 
 
 def default_url() -> str:
@@ -328,7 +332,14 @@ class Engine:
                 else json.loads(record.context)
             )
         except ValueError:
-            context = json.loads(record.context)
+            # A stored context that no longer validates (or parses) must not make the run
+            # unreadable: show what is there.
+            try:
+                context = json.loads(record.context)
+            except ValueError:
+                context = {INVALID_JSON_KEY: record.context}
+            if not isinstance(context, dict):
+                context = {INVALID_JSON_KEY: record.context}
         return RunInfo(
             id=record.id,
             workflow=record.workflow,
@@ -488,6 +499,69 @@ class Engine:
                 stranded.append(Stranded(record.id, record.state, record.status, why))
         return stranded
 
+
+    # -- loops -----------------------------------------------------------------------------
+
+    def _loop_store(self) -> LoopStoreMixin:
+        if not isinstance(self.store, LoopStoreMixin):
+            raise FlowloopError("this store does not keep loops")
+        return self.store
+
+    def loops(self) -> list[LoopRow]:
+        """Every loop a worker has registered in this database."""
+        return self._loop_store().list_loops()
+
+    def loop(self, name: str) -> LoopRow:
+        row = self._loop_store().get_loop(name)
+        if row is None:
+            raise UnknownLoop(name)
+        return row
+
+    def loop_history(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
+        self.loop(name)
+        return self._loop_store().loop_journal(name, limit=limit)
+
+    def pause_loop(self, name: str) -> LoopRow:
+        """Pause a loop: at once if it is waiting, after the running iteration otherwise."""
+        return self._loop_control(name, "pause")
+
+    def stop_loop(self, name: str) -> LoopRow:
+        """Stop a loop; a running iteration is cancelled."""
+        return self._loop_control(name, "stop")
+
+    def unpause_loop(self, name: str) -> LoopRow:
+        """Resume a paused (or stopped) loop; its worker picks the next slot from now."""
+        row = self.loop(name)
+        if row.status not in ("paused", "stopped"):
+            if row.control == "pause":
+                self._loop_store().request_loop_control(name, None)
+                return self.loop(name)
+            raise InvalidTransition(name, row.status, "unpause")
+        self._loop_write(row, "loop_unpaused", {"status": "scheduled", "next_fire_at": None,
+                                                "reason": None, "consecutive_failures": 0})
+        return self.loop(name)
+
+    def _loop_control(self, name: str, action: str) -> LoopRow:
+        row = self.loop(name)
+        target = "paused" if action == "pause" else "stopped"
+        if row.status == target:
+            return row
+        if row.status == "stopped":
+            raise InvalidTransition(name, row.status, action)
+        if row.status == "running" or not self._loop_write(
+            row, f"loop_{target}", {"status": target, "next_fire_at": None,
+                                    "reason": f"{target} by {_user()}"}
+        ):
+            self._loop_store().request_loop_control(name, action)
+        return self.loop(name)
+
+    def _loop_write(self, row: LoopRow, kind: str, changes: dict[str, Any]) -> bool:
+        now = self.clock.now()
+        event = LoopEvent(loop=row.name, kind=kind, at=now, worker=f"operator:{_user()}")
+        return self._loop_store().write_loop(
+            name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
+            changes={**changes, "control": None, "updated_at": now}, events=[event],
+        )
 
 def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
     """The context a run had when it last entered ``state``."""

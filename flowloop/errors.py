@@ -44,6 +44,14 @@ class UnknownRun(FlowloopError):
         self.run_id = run_id
 
 
+class UnknownLoop(FlowloopError):
+    """No loop of that name is registered in this database; list them with `flowloop loops`."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no loop {name!r} in this database (list loops with `flowloop loops`)")
+        self.name = name
+
+
 class InvalidContext(FlowloopError):
     """A context does not validate against the workflow's model; the fields are listed."""
 

@@ -172,6 +172,17 @@ class Executor:
         self._draining = False
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
+        self.reserved: Callable[[], int] = lambda: 0
+        """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
+
+    @property
+    def busy(self) -> int:
+        """Runs being driven right now."""
+        return len(self._active)
+
+    def driving(self, run_id: str) -> asyncio.Task[None] | None:
+        active = self._active.get(run_id)
+        return None if active is None else active.task
 
     # -- the main loop ---------------------------------------------------------------------
 
@@ -204,7 +215,9 @@ class Executor:
                 if claimed:
                     continue
                 if until_idle and not self._active:
-                    due = self.store.next_due(workflows=list(self.workflows))
+                    # Only the runs this call drives: another due run it may not claim
+                    # must not keep it spinning.
+                    due = self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
                     if due is None or due - self.clock.now() > idle_horizon:
                         break
                     await self.clock.sleep(min(max(0.0, due - self.clock.now()), idle_horizon))
@@ -218,7 +231,7 @@ class Executor:
         return self.stats
 
     def _claim(self, run_ids: Sequence[str] | None) -> int:
-        free = self.max_concurrency - len(self._active)
+        free = self.max_concurrency - len(self._active) - self.reserved()
         eligible = [
             name
             for name, workflow in self.workflows.items()
@@ -334,7 +347,10 @@ class Executor:
         recovered = 0
         while True:
             rows = self.store.claim_interrupted(
-                worker=self.worker_id, limit=RECOVERY_BATCH, lease_seconds=self.lease_seconds
+                worker=self.worker_id,
+                limit=RECOVERY_BATCH,
+                lease_seconds=self.lease_seconds,
+                workflows=list(self.workflows),
             )
             rows = [row for row in rows if row.record.workflow in self.workflows or self._release(row)]
             if not rows:
@@ -345,8 +361,8 @@ class Executor:
             for boundary, applied in zip(boundaries, results, strict=True):
                 if applied:
                     recovered += 1
+                    self.stats.recovered += 1
                     self._notify(boundary)
-            self.stats.recovered += recovered
 
     def _release(self, row: StoredRun) -> bool:
         self.store.release(worker=self.worker_id, run_ids=[row.id])

@@ -150,10 +150,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def claim_interrupted(
-        self, *, worker: str, limit: int, lease_seconds: float
+        self,
+        *,
+        worker: str,
+        limit: int,
+        lease_seconds: float,
+        workflows: Sequence[str] | None = None,
     ) -> list[StoredRun]:
-        """Take up to ``limit`` runs left ``running`` by a worker whose lease expired: a
-        ``step_started`` with no outcome. Same ownership effects as :meth:`claim`."""
+        """Take up to ``limit`` runs (of ``workflows``) left ``running`` by a worker whose
+        lease expired: a ``step_started`` with no outcome. Same ownership effects as
+        :meth:`claim`."""
 
     @abc.abstractmethod
     def running_owners(self) -> list[str]:
@@ -183,5 +189,8 @@ class Store(abc.ABC):
     def count_due(self, *, now: float, workflows: Sequence[str] | None = None) -> int: ...
 
     @abc.abstractmethod
-    def next_due(self, *, workflows: Sequence[str] | None = None) -> float | None:
-        """Earliest ``next_run_at`` of a claimable run (``None`` when none)."""
+    def next_due(
+        self, *, workflows: Sequence[str] | None = None, run_ids: Sequence[str] | None = None
+    ) -> float | None:
+        """Earliest ``next_run_at`` of a claimable run (of ``workflows``, among ``run_ids``;
+        ``None`` when none)."""

@@ -106,3 +106,54 @@ journal = Table(
     Column("data", Text),
 )
 Index("ix_flowloop_journal_kind_at", journal.c.kind, journal.c.at)
+
+loops = Table(
+    "flowloop_loops",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("schedule", String(400), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("next_fire_at", Float),
+    Column("last_slot", Float),
+    Column("last_started_at", Float),
+    Column("last_ended_at", Float),
+    Column("last_result", String(16)),
+    Column("last_error", Text),
+    Column("iterations", Integer, nullable=False, default=0),
+    Column("consecutive_failures", Integer, nullable=False, default=0),
+    Column("skipped", Integer, nullable=False, default=0),
+    Column("missed", Integer, nullable=False, default=0),
+    Column("reason", Text),
+    Column("owner", String(200)),
+    Column("lease_expires_at", Float),
+    Column("lease_epoch", Integer, nullable=False, default=0),
+    Column("control", String(16)),
+    Column("last_seq", Integer, nullable=False, default=0),
+    Column("updated_at", Float, nullable=False),
+)
+
+loop_journal = Table(
+    "flowloop_loop_journal",
+    metadata,
+    Column("loop", String(200), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String(32), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("slot", Float),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("count", Integer, nullable=False, default=0),
+    Column("duration", Float),
+    Column("error_type", String(200)),
+    Column("error_message", Text),
+    Column("worker", String(200)),
+    Column("data", Text),
+)
+# A slot of a loop starts at most once, whichever worker fires it.
+Index(
+    "ux_flowloop_loop_slot",
+    loop_journal.c.loop,
+    loop_journal.c.slot,
+    unique=True,
+    sqlite_where=text("kind = 'iteration_started'"),
+    postgresql_where=text("kind = 'iteration_started'"),
+)

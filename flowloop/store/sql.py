@@ -32,6 +32,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect
 from flowloop.store.base import Boundary, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import SCHEMA_VERSION, definitions, journal, meta, metadata, runs
 
 JSON_SEPARATORS = (",", ":")
@@ -127,7 +128,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(Store):
+class SQLStore(LoopStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
@@ -356,19 +357,68 @@ class SQLStore(Store):
     # -- the hot path ----------------------------------------------------------------------
 
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
-        applied: list[bool] = []
         event_rows: list[dict[str, Any]] = []
         with self._write() as conn:
-            for boundary in boundaries:
-                ok = self._write_one(conn, boundary)
-                applied.append(ok)
+            applied = self._write_rows(conn, boundaries)
+            for boundary, ok in zip(boundaries, applied, strict=True):
                 if ok:
                     event_rows.extend(_event_row(e) for e in boundary.events)
             if event_rows:
                 conn.execute(self._insert_events, event_rows)
         return applied
 
-    def _write_one(self, conn: Connection, boundary: Boundary) -> bool:
+    def _write_rows(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
+        """Update the run rows: one executemany per kind of statement, so a batch of N
+        boundaries (group commit, bulk recovery) costs O(kinds) statements, not O(N).
+
+        The fence is judged per row by the UPDATE's WHERE; when the summed rowcount shows
+        that some row was refused, the batch is undone to a savepoint and replayed row by
+        row to learn which (refusals are rare: a lost lease)."""
+        if not self.engine.dialect.supports_sane_multi_rowcount or len(
+            {b.run_id for b in boundaries}
+        ) != len(boundaries):
+            # Row by row, in order (two boundaries of one run: the second follows the first).
+            return [
+                conn.execute(self._statement(*self._statement_kind(b)), self._write_params(b))
+                .rowcount == 1
+                for b in boundaries
+            ]
+        applied = [False] * len(boundaries)
+        groups: dict[tuple[str, bool], list[int]] = {}
+        for index, boundary in enumerate(boundaries):
+            groups.setdefault(self._statement_kind(boundary), []).append(index)
+        for (kind, clear), indexes in groups.items():
+            stmt = self._statement(kind, clear)
+            params = [self._write_params(boundaries[i]) for i in indexes]
+            if len(indexes) > 1:
+                savepoint = conn.begin_nested()
+                if conn.execute(stmt, params).rowcount == len(indexes):
+                    savepoint.commit()
+                    for i in indexes:
+                        applied[i] = True
+                    continue
+                savepoint.rollback()
+            for i, one in zip(indexes, params, strict=True):
+                applied[i] = conn.execute(stmt, one).rowcount == 1
+        return applied
+
+    @staticmethod
+    def _statement_kind(boundary: Boundary) -> tuple[str, bool]:
+        if boundary.fence.owner is None:
+            kind = "unowned"
+        else:
+            kind = "owned_release" if boundary.release else "owned"
+        return kind, boundary.clear_control
+
+    def _statement(self, kind: str, clear_control: bool) -> Any:
+        stmt = {
+            "unowned": self._update_unowned,
+            "owned_release": self._update_owned_release,
+            "owned": self._update_owned,
+        }[kind]
+        return stmt.values(control=None) if clear_control else stmt
+
+    def _write_params(self, boundary: Boundary) -> dict[str, Any]:
         params = {f"p_{k}": v for k, v in _record_columns(boundary.record).items()}
         params.update(
             p_id=boundary.run_id,
@@ -376,18 +426,11 @@ class SQLStore(Store):
             p_follows=boundary.follows_seq,
             p_at=boundary.events[-1].at if boundary.events else 0.0,
         )
-        if boundary.fence.owner is None:
-            stmt = self._update_unowned
-        else:
+        if boundary.fence.owner is not None:
             params["p_owner"] = boundary.fence.owner
-            if boundary.release:
-                stmt = self._update_owned_release
-            else:
-                stmt = self._update_owned
+            if not boundary.release:
                 params["p_lease"] = self._lease_for_write
-        if boundary.clear_control:
-            stmt = stmt.values(control=None)
-        return conn.execute(stmt, params).rowcount == 1
+        return params
 
     _lease_for_write = 30.0
 
@@ -450,12 +493,20 @@ class SQLStore(Store):
         )
 
     def claim_interrupted(
-        self, *, worker: str, limit: int, lease_seconds: float
+        self,
+        *,
+        worker: str,
+        limit: int,
+        lease_seconds: float,
+        workflows: Sequence[str] | None = None,
     ) -> list[StoredRun]:
+        extra: list[Any] = []
+        if workflows is not None:
+            extra.append(runs.c.workflow.in_(list(workflows)))
         return self._claim(
             worker=worker,
             lease_seconds=lease_seconds,
-            where=self._claim_where(["running"], []),
+            where=self._claim_where(["running"], extra),
             limit=limit,
             order=(runs.c.id,),
         )
@@ -529,10 +580,14 @@ class SQLStore(Store):
         with self._read() as conn:
             return int(conn.execute(query).scalar_one())
 
-    def next_due(self, *, workflows: Sequence[str] | None = None) -> float | None:
+    def next_due(
+        self, *, workflows: Sequence[str] | None = None, run_ids: Sequence[str] | None = None
+    ) -> float | None:
         query = select(func.min(runs.c.next_run_at)).where(runs.c.status.in_(sorted(CLAIMABLE)))
         if workflows is not None:
             query = query.where(runs.c.workflow.in_(list(workflows)))
+        if run_ids is not None:
+            query = query.where(runs.c.id.in_(list(run_ids)))
         with self._read() as conn:
             value = conn.execute(query).scalar_one_or_none()
         return None if value is None else float(value)

@@ -1,0 +1,529 @@
+"""The ``flowloop`` command. A FlowloopError becomes one line on stderr and an exit code
+(2: bad input, 1: a failure); only a bug shows a traceback."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from flowloop.clock import iso
+from flowloop.engine import Engine, RunInfo, default_url
+from flowloop.errors import EXIT_FAILURE, FlowloopError
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.loader import Loaded, load_paths, load_target
+from flowloop.store.dialect import SYNCHRONOUS_MODES
+from flowloop.store.loops import LoopRow
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Wide enough for run ids when piped (rich falls back to 80 columns without a terminal).
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DEFAULT_WORKFLOWS = "workflows"
+
+
+class Failed(FlowloopError):
+    """A command ran but what it checked or drove did not succeed."""
+
+    exit_code = EXIT_FAILURE
+
+
+def db_option(fn: F) -> F:
+    fn = click.option(
+        "--synchronous",
+        type=click.Choice(SYNCHRONOUS_MODES, case_sensitive=False),
+        default="NORMAL",
+        show_default=True,
+        help="SQLite durability: NORMAL survives crashes, FULL also power loss.",
+    )(fn)
+    return click.option(
+        "--db",
+        envvar="FLOWLOOP_DB",
+        default=None,
+        help="Database URL or SQLite file [env FLOWLOOP_DB; default ./flowloop.db].",
+    )(fn)
+
+
+def workflows_option(fn: F) -> F:
+    return click.option(
+        "-w",
+        "--workflows",
+        "workflow_paths",
+        multiple=True,
+        help="Files or directories that define the workflows [default: ./workflows].",
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+
+
+def open_engine(db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None) -> Engine:
+    engine = Engine(db or default_url(), synchronous=synchronous)
+    if loaded is not None:
+        engine.register(*loaded.workflows.values())
+    return engine
+
+
+def load_workflow_paths(paths: Sequence[str]) -> Loaded:
+    if paths:
+        return load_paths(paths)
+    if Path(DEFAULT_WORKFLOWS).is_dir():
+        return load_paths([DEFAULT_WORKFLOWS])
+    return Loaded()
+
+
+def parse_context(text: str | None) -> Any:
+    if text is None:
+        return {}
+    source = "--context"
+    if text.startswith("@"):
+        path = Path(text[1:])
+        if not path.is_file():
+            raise FlowloopError(f"--context {text}: no such file")
+        source, text = str(path), path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FlowloopError(f"{source} is not valid JSON: {error}") from None
+
+
+def parse_assignments(pairs: Sequence[str]) -> dict[str, Any]:
+    """``field=value`` pairs; a value that parses as JSON is taken as JSON, else as text."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise FlowloopError(f"--set {pair!r}: expected FIELD=VALUE")
+        try:
+            values[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[name] = raw
+    return values
+
+
+def context_json(info: RunInfo) -> Any:
+    context = info.context
+    return context if isinstance(context, dict) else context.model_dump(mode="json")
+
+
+def info_json(info: RunInfo) -> dict[str, Any]:
+    return {
+        "id": info.id,
+        "workflow": info.workflow,
+        "version": info.version,
+        "status": info.status,
+        "state": info.state,
+        "attempt": info.attempt,
+        "key": info.key,
+        "reason": info.reason,
+        "error": info.error,
+        "next_run_at": info.next_run_at,
+        "created_at": info.created_at,
+        "updated_at": info.updated_at,
+        "context": context_json(info),
+    }
+
+
+def event_json(event: JournalEvent) -> dict[str, Any]:
+    return {
+        "seq": event.seq,
+        "kind": event.kind,
+        "at": event.at,
+        "state": event.state,
+        "attempt": event.attempt,
+        "event": event.event,
+        "next_state": event.next_state,
+        "duration": event.duration,
+        "error_type": event.error_type,
+        "error_message": event.error_message,
+        "worker": event.worker,
+        "data": dict(event.data),
+        "context": json.loads(event.context) if event.context else None,
+    }
+
+
+STATUS_STYLE = {
+    "succeeded": "green",
+    "failed": "red",
+    "running": "cyan",
+    "retrying": "yellow",
+    "paused": "magenta",
+    "stopped": "red",
+}
+
+
+def styled(status: str) -> str:
+    style = STATUS_STYLE.get(status)
+    return f"[{style}]{status}[/]" if style else status
+
+
+def describe_event(event: JournalEvent) -> str:
+    if event.kind == "step_succeeded":
+        return f"{event.state} --{event.event}--> {event.next_state}"
+    if event.kind in ("step_failed", "step_interrupted", "run_failed"):
+        return f"{event.error_type or ''}: {event.error_message or ''}".strip(": ")
+    if event.kind == "run_retried":
+        return f"from {event.state} by {event.data.get('by')}" + (
+            f", set {json.dumps(event.data['set'])}" if event.data.get("set") else ""
+        )
+    return str(event.data.get("reason", "")) if event.data else ""
+
+
+def progress_printer(prefix: str = "") -> Callable[[RunRecord, Sequence[JournalEvent]], None]:
+    """Prints each committed boundary of a run as it happens."""
+
+    def show(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        for event in events:
+            if event.kind == "step_started":
+                continue
+            took = f" {event.duration * 1000:.1f} ms" if event.duration is not None else ""
+            out.print(
+                f"{prefix}[dim]seq {event.seq:>3}[/] {event.kind:<16} "
+                f"{describe_event(event)}{took}"
+            )
+        if record.status in ("succeeded", "failed", "stopped", "paused"):
+            out.print(f"{prefix}run {record.id} {styled(record.status)} in state {record.state}")
+
+    return show
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="flowloop")
+def cli() -> None:
+    """flowloop: explicit state-machine workflows, journaled step by step."""
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--context", "context_text", help="Context as JSON, or @file.json.")
+@click.option("--key", help="Business key (a second run with it returns the first).")
+@db_option
+def run(target: str, context_text: str | None, key: str | None, db: str | None, synchronous: str) -> None:
+    """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step."""
+    workflow, _ = load_target(target)
+    context = parse_context(context_text)
+    with open_engine(db, synchronous) as engine:
+        engine.listeners.append(progress_printer())
+        info = engine.run(workflow, context, key=key)
+        if info.status not in ("succeeded",):
+            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--context", "context_text", help="Context as JSON, or @file.json.")
+@click.option("--key", help="Business key.")
+@click.option("--priority", type=int, default=0, show_default=True)
+@db_option
+@json_option
+def start(
+    target: str, context_text: str | None, key: str | None, priority: int,
+    db: str | None, synchronous: str, as_json: bool,
+) -> None:
+    """Enqueue a run of FILE[:WORKFLOW] for a worker (or `flowloop resume`)."""
+    workflow, _ = load_target(target)
+    with open_engine(db, synchronous) as engine:
+        info = engine.start(workflow, parse_context(context_text), key=key, priority=priority)
+    if as_json:
+        click.echo(json.dumps(info_json(info)))
+    else:
+        out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--workflow", help="Only runs of this workflow.")
+@click.option("--status", "statuses", multiple=True, help="Only runs with this status.")
+@click.option("--key", help="Only runs with this business key.")
+@click.option("--limit", type=int, default=50, show_default=True)
+@db_option
+@json_option
+def status(
+    run_id: str | None, workflow: str | None, statuses: tuple[str, ...], key: str | None,
+    limit: int, db: str | None, synchronous: str, as_json: bool,
+) -> None:
+    """Show one run, or list runs (newest first)."""
+    with open_engine(db, synchronous) as engine:
+        if run_id:
+            info = engine.get(run_id)
+            if as_json:
+                click.echo(json.dumps(info_json(info)))
+                return
+            show_run(info)
+            return
+        infos = engine.runs(workflow=workflow, status=list(statuses) or None, key=key, limit=limit)
+    if as_json:
+        click.echo(json.dumps([info_json(i) for i in infos]))
+        return
+    table = Table("run", "workflow", "status", "state", "attempt", "key", "updated", "note")
+    for info in infos:
+        table.add_row(
+            info.id, f"{info.workflow} v{info.version}", styled(info.status), info.state,
+            str(info.attempt), info.key or "", iso(info.updated_at),
+            (info.error or info.reason or "")[:60],
+        )
+    out.print(table)
+
+
+def show_run(info: RunInfo) -> None:
+    out.print(f"run       {info.id}")
+    out.print(f"workflow  {info.workflow} v{info.version}")
+    out.print(f"status    {styled(info.status)}" + (f" ({info.reason})" if info.reason else ""))
+    out.print(f"state     {info.state} (attempt {info.attempt})")
+    if info.key:
+        out.print(f"key       {info.key}")
+    if info.error:
+        out.print(f"error     {info.error}")
+    if info.next_run_at is not None and info.status in ("scheduled", "retrying"):
+        out.print(f"next run  {iso(info.next_run_at)}")
+    out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")
+    out.print(f"context   {json.dumps(context_json(info))}")
+
+
+@cli.command()
+@click.argument("run_id")
+@db_option
+@json_option
+def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> None:
+    """The journal of RUN_ID: one line per boundary."""
+    with open_engine(db, synchronous) as engine:
+        events = engine.history(run_id)
+    if as_json:
+        click.echo(json.dumps([event_json(e) for e in events]))
+        return
+    table = Table("seq", "at", "event", "state", "attempt", "duration", "detail")
+    for event in events:
+        table.add_row(
+            str(event.seq), iso(event.at), event.kind, event.state or "",
+            str(event.attempt or ""),
+            f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
+            describe_event(event)[:80],
+        )
+    out.print(table)
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--at", "at_seq", type=int, help="Show the context as of this seq.")
+@db_option
+@json_option
+def replay(run_id: str, at_seq: int | None, db: str | None, synchronous: str, as_json: bool) -> None:
+    """Fold the journal of RUN_ID, print the context (at --at SEQ) and verify the fold
+    equals the stored row (exit 1 when it does not)."""
+    with open_engine(db, synchronous) as engine:
+        result = engine.replay(run_id, at=at_seq)
+    record = result.record
+    if as_json:
+        click.echo(json.dumps({
+            "run_id": run_id, "seq": result.seq, "status": record.status, "state": record.state,
+            "context": json.loads(record.context), "matches": result.matches,
+            "differences": result.differences,
+        }))
+    else:
+        out.print(f"seq {result.seq}: status {styled(record.status)}, state {record.state}")
+        out.print(f"context {record.context}")
+        if result.matches:
+            out.print(f"[green]journal fold ({len(result.events)} events) equals the stored row[/]")
+    if not result.matches:
+        raise Failed("journal fold differs from the stored row: " + "; ".join(result.differences))
+
+
+@cli.command()
+@workflows_option
+@click.option("--concurrency", type=int, default=16, show_default=True)
+@db_option
+def resume(workflow_paths: tuple[str, ...], concurrency: int, db: str | None, synchronous: str) -> None:
+    """Recover runs interrupted by a crash and drive every due run to the end."""
+    loaded = load_workflow_paths(workflow_paths)
+    if not loaded.workflows:
+        raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
+    with Engine(db or default_url(), synchronous=synchronous, max_concurrency=concurrency) as engine:
+        engine.register(*loaded.workflows.values())
+        engine.listeners.append(progress_printer())
+        stats = engine.resume()
+    out.print(
+        f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
+        f"run, {stats.commits} commit(s)"
+    )
+
+
+@cli.command()
+@click.argument("run_id")
+@click.option("--from", "from_state", help="Restart at this past state with its recorded context.")
+@click.option("--set", "assignments", multiple=True, help="FIELD=VALUE edit of the context.")
+@click.option("--run/--no-run", "drive", default=True, show_default=True,
+              help="Drive the run to its end now.")
+@workflows_option
+@db_option
+def retry(
+    run_id: str, from_state: str | None, assignments: tuple[str, ...], drive: bool,
+    workflow_paths: tuple[str, ...], db: str | None, synchronous: str,
+) -> None:
+    """Run a failed or stopped run again."""
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded) as engine:
+        info = engine.retry(run_id, from_state=from_state, set_fields=parse_assignments(assignments))
+        out.print(f"run {info.id} {styled(info.status)} at {info.state}")
+        if drive:
+            engine.listeners.append(progress_printer())
+            engine.run_until_idle()
+            info = engine.get(run_id)
+            if info.status != "succeeded":
+                raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+
+
+def _control_command(name: str, doc: str) -> None:
+    @cli.command(name=name, help=doc)
+    @click.argument("target")
+    @db_option
+    def command(target: str, db: str | None, synchronous: str) -> None:
+        with open_engine(db, synchronous) as engine:
+            if any(row.name == target for row in engine.loops()):
+                row = getattr(engine, f"{name}_loop")(target)
+                pending = f" ({row.control} requested; after the running iteration)" if row.control else ""
+                out.print(f"loop {row.name} {styled(row.status)}{pending}")
+                return
+            info = getattr(engine, name)(target)
+        pending = (
+            " (requested; its worker acts at the next step boundary)"
+            if info.status == "running" else ""
+        )
+        out.print(f"run {info.id} {styled(info.status)}{pending}")
+
+
+_control_command(
+    "pause", "Pause a loop or run (TARGET: loop name or run id); what is in progress finishes."
+)
+_control_command("unpause", "Resume a paused loop or run (TARGET: loop name or run id).")
+_control_command(
+    "stop", "Stop a loop or run for good (TARGET: loop name or run id); cancels work in progress."
+)
+
+
+@cli.command()
+@click.argument("paths", nargs=-1)
+@click.option("--concurrency", type=int, default=16, show_default=True,
+              help="Steps and loop iterations at once.")
+@click.option("--grace", type=float, default=30.0, show_default=True,
+              help="Seconds in-flight work gets to finish on SIGTERM/SIGINT.")
+@click.option("--lease", type=float, default=30.0, show_default=True, help="Lease length (s).")
+@db_option
+def worker(
+    paths: tuple[str, ...], concurrency: int, grace: float, lease: float,
+    db: str | None, synchronous: str,
+) -> None:
+    """Execute due runs and loop iterations from PATHS (default ./workflows) until stopped."""
+    from flowloop.worker import Worker
+
+    if concurrency < 1:
+        raise FlowloopError("--concurrency must be at least 1")
+    loaded = load_workflow_paths(paths)
+    if not loaded.workflows and not loaded.loops:
+        raise FlowloopError("nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS))
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    with Engine(db or default_url(), synchronous=synchronous, max_concurrency=concurrency,
+                lease_seconds=lease) as engine:
+        engine.register(*loaded.workflows.values())
+        Worker(engine, list(loaded.loops.values()), concurrency=concurrency, grace=grace).run_forever()
+
+
+@cli.command(name="loops")
+@click.argument("name", required=False)
+@click.option("--limit", type=int, default=20, show_default=True, help="Journal lines for NAME.")
+@db_option
+@json_option
+def loops_command(
+    name: str | None, limit: int, db: str | None, synchronous: str, as_json: bool
+) -> None:
+    """List loops (name, schedule, status, last result, next fire …), or one loop's journal."""
+    with open_engine(db, synchronous) as engine:
+        rows = [engine.loop(name)] if name else engine.loops()
+        events = engine.loop_history(name, limit=limit) if name else []
+    if as_json:
+        click.echo(json.dumps({"loops": [loop_json(r) for r in rows],
+                               "journal": [vars(e) | {"data": dict(e.data)} for e in events]}))
+        return
+    table = Table("loop", "schedule", "status", "last result", "next fire", "iterations",
+                  "skipped", "missed", "failures", "note")
+    for row in rows:
+        table.add_row(
+            row.name, row.schedule, styled(row.status), row.last_result or "-",
+            iso(row.next_fire_at), str(row.iterations), str(row.skipped), str(row.missed),
+            str(row.consecutive_failures),
+            (row.last_error or row.reason or (f"{row.control} requested" if row.control else ""))[:50],
+        )
+    out.print(table)
+    if events:
+        journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
+        for event in events:
+            journal_table.add_row(
+                str(event.seq), iso(event.at), event.kind, iso(event.slot),
+                str(event.count or ""),
+                f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
+                (event.error_message or str(event.data.get("reason", "")) or "")[:60],
+            )
+        out.print(journal_table)
+
+
+def loop_json(row: LoopRow) -> dict[str, Any]:
+    return {
+        "name": row.name, "schedule": row.schedule, "status": row.status,
+        "last_result": row.last_result, "last_error": row.last_error,
+        "next_fire_at": row.next_fire_at, "iterations": row.iterations,
+        "skipped": row.skipped, "missed": row.missed,
+        "consecutive_failures": row.consecutive_failures, "reason": row.reason,
+        "control": row.control,
+    }
+
+
+@cli.command()
+@click.argument("target")
+@db_option
+def check(target: str, db: str | None, synchronous: str) -> None:
+    """Validate the workflows in FILE and list live runs the new definitions would strand."""
+    path = target.split(":")[0]
+    loaded = load_paths([path])
+    for workflow in loaded.workflows.values():
+        out.print(f"[green]ok[/] {workflow.name} v{workflow.version} "
+                  f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})")
+    with open_engine(db, synchronous) as engine:
+        stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
+    for workflow, item in stranded:
+        out.print(f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
+                  f"{item.state}): {item.reason}")
+    if stranded:
+        raise Failed(f"{len(stranded)} live run(s) would be stranded by this definition")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+    except FlowloopError as error:
+        err.print(f"error: {error}", markup=False)
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
+        sys.exit(130)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Find workflows in user files: ``path/to/file.py[:name]`` or a directory of such files."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from flowloop.definition import Workflow
+from flowloop.errors import FlowloopError
+from flowloop.loops import Loop
+
+
+class LoadError(FlowloopError):
+    """A workflow file could not be loaded; the message names the file and the problem."""
+
+
+@dataclass
+class Loaded:
+    """What a set of files defines, in file order."""
+
+    workflows: dict[str, Workflow] = field(default_factory=dict)
+    loops: dict[str, Loop] = field(default_factory=dict)
+    modules: list[ModuleType] = field(default_factory=list)
+
+    def add(self, module: ModuleType, path: Path) -> None:
+        self.modules.append(module)
+        for value in vars(module).values():
+            if isinstance(value, Workflow):
+                existing = self.workflows.get(value.name)
+                if existing is not None and existing is not value:
+                    raise LoadError(f"{path}: workflow {value.name!r} is defined twice")
+                value.validate()
+                self.workflows[value.name] = value
+            elif isinstance(value, Loop):
+                known = self.loops.get(value.name)
+                if known is not None and known is not value:
+                    raise LoadError(f"{path}: loop {value.name!r} is defined twice")
+                self.loops[value.name] = value
+                if value.workflow is not None:
+                    self.workflows.setdefault(value.workflow.name, value.workflow)
+
+
+def split_target(target: str) -> tuple[Path, str | None]:
+    """``file.py:name`` → (file.py, name); a Windows-free split on the last colon."""
+    path_text, sep, name = target.rpartition(":")
+    if sep and path_text and not name.endswith(".py") and "/" not in name:
+        return Path(path_text), name or None
+    return Path(target), None
+
+
+def import_file(path: Path) -> ModuleType:
+    if not path.exists():
+        raise LoadError(f"{path}: no such file")
+    if path.suffix != ".py":
+        raise LoadError(f"{path}: not a Python file (expected FILE.py[:WORKFLOW])")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    module_name = f"flowloop_user_{resolved.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise LoadError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    # Let the file import its neighbours (workflows/ is usually not a package).
+    parent = str(resolved.parent)
+    if parent not in sys.path:
+        sys.path.insert(0, parent)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except FlowloopError as error:
+        sys.modules.pop(module_name, None)
+        raise LoadError(f"{path}: {error}") from error
+    except Exception as error:
+        sys.modules.pop(module_name, None)
+        raise LoadError(f"{path}: import failed: {type(error).__name__}: {error}") from error
+    return module
+
+
+def load_paths(paths: Iterable[str | Path]) -> Loaded:
+    """Every workflow defined in the given files and directories (``*.py``, not ``_*.py``)."""
+    loaded = Loaded()
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            for file in sorted(path.glob("*.py")):
+                if not file.name.startswith("_"):
+                    loaded.add(import_file(file), file)
+        else:
+            loaded.add(import_file(path), path)
+    return loaded
+
+
+def load_target(target: str) -> tuple[Workflow, Loaded]:
+    """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed)."""
+    path, name = split_target(target)
+    loaded = Loaded()
+    loaded.add(import_file(path), path)
+    if not loaded.workflows:
+        raise LoadError(f"{path}: defines no Workflow")
+    if name is None:
+        if len(loaded.workflows) > 1:
+            names = ", ".join(loaded.workflows)
+            raise LoadError(f"{path} defines several workflows ({names}); use {path}:NAME")
+        return next(iter(loaded.workflows.values())), loaded
+    if name not in loaded.workflows:
+        names = ", ".join(loaded.workflows)
+        raise LoadError(f"{path}: no workflow {name!r} (it defines: {names})")
+    return loaded.workflows[name], loaded

@@ -1,0 +1,427 @@
+"""The loop scheduler: a timer heap of due slots, fire decisions, overlap and misfire policy.
+
+Waiting loops cost one heap entry each and no work: the scheduler sleeps until the earliest
+deadline (monotonic clock, so a wall-clock jump neither fires a storm nor stalls it) or until
+an operator changes a loop (one counter polled per ``poll_seconds``).
+
+Each iteration is journaled before it runs (``iteration_started``, unique per slot) and
+after (``iteration_succeeded``/``iteration_failed`` plus the next slot), like a run's steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from flowloop.alerts import Alert
+from flowloop.clock import Clock
+from flowloop.errors import StepTimeout
+from flowloop.executor import error_line, owner_is_dead_here
+from flowloop.loops import Iteration, Loop, decide
+from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
+
+log = logging.getLogger("flowloop.loops")
+
+DEFAULT_CONTROL_POLL_SECONDS: Final = 1.0
+SKIP_ALERT_EVERY: Final = 10
+"""Alert when a loop has had this many more skipped slots (it runs longer than its rate)."""
+
+RunIteration = Callable[[Loop, Iteration], Awaitable[Any]]
+
+
+@dataclass
+class Capacity:
+    """The worker's global concurrency, shared by run steps and loop iterations."""
+
+    limit: int
+    loops_busy: int = 0
+    runs_busy: Callable[[], int] = field(default=lambda: 0)
+
+    def free(self) -> int:
+        return self.limit - self.loops_busy - self.runs_busy()
+
+
+@dataclass
+class _Running:
+    task: asyncio.Task[None]
+    stop_requested: bool = False
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: LoopStoreMixin,
+        loops: Mapping[str, Loop],
+        *,
+        clock: Clock,
+        worker_id: str,
+        run_iteration: RunIteration,
+        capacity: Capacity,
+        lease_seconds: float = 30.0,
+        poll_seconds: float = DEFAULT_CONTROL_POLL_SECONDS,
+        alert: Callable[[Alert], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.loops = dict(loops)
+        self.clock = clock
+        self.worker_id = worker_id
+        self.run_iteration = run_iteration
+        self.capacity = capacity
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.alert = alert
+        self._heap: list[tuple[float, int, str, int]] = []
+        self._generation: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._rows: dict[str, LoopRow] = {}
+        self._running: dict[str, _Running] = {}
+        self._changes = -1
+        self._wake = asyncio.Event()
+        self.fired = 0
+
+    # -- the heap --------------------------------------------------------------------------
+
+    def _schedule(self, row: LoopRow, *, retarget: bool = True) -> None:
+        """(Re)arm a loop's timer from its row. A stale heap entry is ignored when popped."""
+        self._rows[row.name] = row
+        generation = self._generation.get(row.name, 0) + 1
+        self._generation[row.name] = generation
+        loop = self.loops[row.name]
+        if row.status == "scheduled" and row.next_fire_at is None and retarget:
+            # Unpaused by an operator: the next slot is the loop's first from now.
+            self._operator_write(
+                row, "loop_rescheduled", {"next_fire_at": loop.first_slot(self.clock.now())}
+            )
+            return
+        if row.status != "scheduled" or row.next_fire_at is None:
+            return
+        delay = loop.jittered(row.next_fire_at) - self.clock.now()
+        cap = loop.wait_cap()
+        if cap is not None:
+            delay = min(delay, cap)  # a wall clock set back must not stall the loop
+        deadline = self.clock.monotonic() + max(0.0, delay)
+        heapq.heappush(self._heap, (deadline, next(self._counter), row.name, generation))
+        self._wake.set()
+
+    def _pop_due(self) -> list[str]:
+        now = self.clock.monotonic()
+        due: list[str] = []
+        while self._heap and self._heap[0][0] <= now:
+            _, _, name, generation = heapq.heappop(self._heap)
+            if self._generation.get(name) == generation:
+                due.append(name)
+        return due
+
+    def _seconds_to_next(self) -> float | None:
+        while self._heap and self._generation.get(self._heap[0][2]) != self._heap[0][3]:
+            heapq.heappop(self._heap)
+        if not self._heap:
+            return None
+        return max(0.0, self._heap[0][0] - self.clock.monotonic())
+
+    # -- main loop -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Recover interrupted iterations and arm every loop from the store."""
+        self._recover()
+        for loop in self.loops.values():
+            row = self.store.sync_loop(
+                name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(self.clock.now()),
+                at=self.clock.now(), worker=self.worker_id,
+            )
+            self._schedule(row)
+        self._changes = self.store.loop_changes()
+
+    async def run(self, stop: asyncio.Event, *, grace: float = 30.0) -> None:
+        await self.start()
+        heartbeat = asyncio.create_task(self._heartbeat())
+        last_poll = self.clock.monotonic()
+        try:
+            while not stop.is_set():
+                for name in self._pop_due():
+                    self._wake_loop(name)
+                if self.clock.monotonic() - last_poll >= self.poll_seconds:
+                    last_poll = self.clock.monotonic()
+                    self._poll_changes()
+                wait = self._seconds_to_next()
+                wait = self.poll_seconds if wait is None else min(wait, self.poll_seconds)
+                await self._sleep(wait, stop)
+            await self._drain(grace)
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heartbeat
+
+    async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
+        self._wake.clear()
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        waiters = [sleeper, asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def _drain(self, grace: float) -> None:
+        tasks = [running.task for running in self._running.values()]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    def _poll_changes(self) -> None:
+        try:
+            changes = self.store.loop_changes()
+        except Exception as error:
+            log.warning("could not poll loop changes: %s", error_line(error))
+            return
+        if changes == self._changes:
+            return
+        self._changes = changes
+        for row in self.store.list_loops(list(self.loops)):
+            running = self._running.get(row.name)
+            if running is not None:
+                if row.control == "stop" and not running.stop_requested:
+                    running.stop_requested = True
+                    running.task.cancel()
+                continue
+            previous = self._rows.get(row.name)
+            if previous is None or previous.last_seq != row.last_seq or previous.status != row.status:
+                self._schedule(row)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.lease_seconds / 3))
+            names = list(self._running)
+            try:
+                kept = self.store.renew_loops(
+                    worker=self.worker_id, names=names, lease_seconds=self.lease_seconds
+                )
+            except Exception as error:
+                log.warning("could not renew loop leases: %s", error_line(error))
+                continue
+            for name in set(names) - kept:
+                log.warning("loop %s: lost its lease; abandoning the iteration", name)
+                self._running[name].task.cancel()
+
+    # -- recovery --------------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        dead = [
+            row.owner for row in self.store.list_loops(list(self.loops))
+            if row.owner and owner_is_dead_here(row.owner)
+        ]
+        self.store.expire_loop_leases(sorted(set(dead)))
+        for row in self.store.interrupted_loops():
+            loop = self.loops.get(row.name)
+            if loop is None:
+                continue
+            now = self.clock.now()
+            slot = row.last_slot if row.last_slot is not None else now
+            nxt, _ = loop.next_slot(slot, started=row.last_started_at or now, ended=now)
+            event = LoopEvent(
+                loop=row.name, kind="iteration_interrupted", at=now, slot=slot,
+                worker=self.worker_id, error_type="Interrupted",
+                error_message="the worker died during this iteration; it is not run twice",
+            )
+            self.store.write_loop(
+                name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
+                changes={"status": "scheduled", "next_fire_at": nxt, "last_result": "interrupted",
+                         "last_ended_at": now, "updated_at": now},
+                events=[event],
+            )
+
+    # -- one slot --------------------------------------------------------------------------
+
+    def _wake_loop(self, name: str) -> None:
+        row = self._rows.get(name)
+        if row is None or row.status != "scheduled" or row.next_fire_at is None:
+            return
+        if name in self._running:
+            return
+        loop = self.loops[name]
+        now = self.clock.now()
+        if loop.finished(row.next_fire_at):
+            self._operator_write(row, "loop_ended", {"status": "stopped", "reason": "end_at reached",
+                                                     "next_fire_at": None})
+            return
+        wake = decide(loop, row.next_fire_at, now)
+        if not wake.fire:
+            nxt = loop.slot_after(now)
+            log.warning("loop %s: %d slot(s) missed past the misfire grace", name, wake.missed)
+            self._operator_write(
+                row, "missed", {"next_fire_at": nxt, "missed": row.missed + wake.missed},
+                slot=wake.slot, count=wake.missed,
+            )
+            return
+        if self.capacity.free() <= 0:
+            # Full: try again shortly; fixed_rate slots passing meanwhile count as skipped.
+            heapq.heappush(self._heap, (self.clock.monotonic() + 0.05, next(self._counter), name,
+                                        self._generation[name]))
+            return
+        events = []
+        if wake.reason == "coalesced":
+            events.append(LoopEvent(loop=name, kind="coalesced", at=now, slot=wake.slot,
+                                    count=wake.missed, worker=self.worker_id))
+        events.append(LoopEvent(loop=name, kind="iteration_started", at=now, slot=wake.slot,
+                                attempt=1, worker=self.worker_id))
+        fired = self.store.fire_loop(
+            name=name, follows_seq=row.last_seq, worker=self.worker_id,
+            lease_seconds=self.lease_seconds, events=events,
+            changes={"last_slot": wake.slot, "last_started_at": now, "next_fire_at": None,
+                     "updated_at": now, "missed": row.missed + (wake.missed if wake.reason == "coalesced" else 0)},
+        )
+        if fired is None:
+            fresh = self.store.get_loop(name)
+            if fresh is not None and fresh.status == "scheduled" and fresh.last_seq == row.last_seq:
+                # Owned by a live worker that has not moved it on yet: look again later.
+                heapq.heappush(self._heap, (self.clock.monotonic() + self.poll_seconds,
+                                            next(self._counter), name, self._generation[name]))
+            elif fresh is not None:
+                self._schedule(fresh)
+            return
+        self._rows[name] = fired
+        self.fired += 1
+        self.capacity.loops_busy += 1
+        task = asyncio.create_task(self._iterate(loop, fired, wake.slot, now))
+        self._running[name] = _Running(task)
+
+    def _operator_write(
+        self, row: LoopRow, kind: str, changes: dict[str, Any], *, slot: float | None = None,
+        count: int = 0,
+    ) -> None:
+        now = self.clock.now()
+        event = LoopEvent(loop=row.name, kind=kind, at=now, slot=slot, count=count,
+                          worker=self.worker_id)
+        ok = self.store.write_loop(
+            name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
+            changes={**changes, "updated_at": now}, events=[event],
+        )
+        fresh = self.store.get_loop(row.name)
+        if fresh is not None:
+            self._schedule(fresh, retarget=False)
+        if not ok:
+            log.info("loop %s changed concurrently; re-read it", row.name)
+
+    async def _iterate(self, loop: Loop, row: LoopRow, slot: float, started: float) -> None:
+        number = row.iterations + 1
+        outcome, error, attempts = "ok", None, 0
+        started_mono = self.clock.monotonic()
+        try:
+            outcome, error, attempts = await self._attempts(loop, row, slot, number)
+        except asyncio.CancelledError:
+            running = self._running.get(loop.name)
+            outcome = "stopped" if running is not None and running.stop_requested else "cancelled"
+            error = "stopped by an operator" if outcome == "stopped" else "worker shutting down"
+        finally:
+            self.capacity.loops_busy -= 1
+            self._running.pop(loop.name, None)
+        duration = self.clock.monotonic() - started_mono
+        self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
+
+    async def _attempts(
+        self, loop: Loop, row: LoopRow, slot: float, number: int
+    ) -> tuple[str, str | None, int]:
+        attempt = 1
+        while True:
+            iteration = Iteration(loop=loop.name, slot=slot, number=number, attempt=attempt)
+            try:
+                call = self.run_iteration(loop, iteration)
+                if loop.timeout is not None:
+                    try:
+                        await asyncio.wait_for(call, loop.timeout)
+                    except TimeoutError:
+                        raise StepTimeout(
+                            f"loop {loop.name!r} iteration took longer than {loop.timeout:g}s"
+                        ) from None
+                else:
+                    await call
+                return "ok", None, attempt
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                message = f"{type(error).__name__}: {error_line(error)}"
+                if not loop.retry.should_retry(error, attempt):
+                    return "failed", message, attempt
+                log.info("loop %s attempt %d failed: %s; retrying", loop.name, attempt, message)
+                await self.clock.sleep(loop.retry.delay(attempt))
+                attempt += 1
+
+    def _record_outcome(
+        self, loop: Loop, row: LoopRow, slot: float, started: float, outcome: str,
+        error: str | None, attempts: int, duration: float,
+    ) -> None:
+        now = self.clock.now()
+        fresh = self.store.get_loop(loop.name)
+        control = fresh.control if fresh is not None else None
+        nxt, skipped = loop.next_slot(slot, started=started, ended=now)
+        failures = 0 if outcome == "ok" else row.consecutive_failures + 1
+        kind = {"ok": "iteration_succeeded", "failed": "iteration_failed"}.get(
+            outcome, "iteration_" + outcome
+        )
+        events = [LoopEvent(loop=loop.name, kind=kind, at=now, slot=slot, attempt=attempts,
+                            duration=duration, error_message=error, worker=self.worker_id)]
+        if skipped:
+            events.append(LoopEvent(loop=loop.name, kind="skipped_overlap", at=now, slot=slot,
+                                    count=skipped, worker=self.worker_id))
+        status, reason = "scheduled", None
+        if outcome == "stopped" or control == "stop":
+            status, reason = "stopped", "stopped by an operator"
+        elif control == "pause":
+            status, reason = "paused", "paused by an operator"
+        elif loop.max_failures is not None and failures >= loop.max_failures:
+            status, reason = "paused", f"{failures} consecutive failures (max_failures={loop.max_failures})"
+        elif loop.end_at is not None and nxt >= loop.end_at:
+            status, reason = "stopped", "end_at reached"
+        if status != "scheduled":
+            events.append(LoopEvent(loop=loop.name, kind=f"loop_{status}", at=now, worker=self.worker_id,
+                                    data={"reason": reason}))
+        changes = {
+            "status": status, "reason": reason, "control": None,
+            "next_fire_at": nxt if status == "scheduled" else None,
+            "last_ended_at": now, "last_result": outcome, "last_error": error,
+            "iterations": row.iterations + 1, "consecutive_failures": failures,
+            "skipped": row.skipped + skipped, "updated_at": now,
+        }
+        ok = self.store.write_loop(
+            name=loop.name, owner=self.worker_id, epoch=row.lease_epoch, follows_seq=row.last_seq,
+            changes=changes, events=events,
+        )
+        if not ok:
+            log.warning("loop %s: lost its lease; its outcome was not recorded by this worker", loop.name)
+            return
+        log.info("loop %s iteration %d %s in %.1f ms", loop.name, row.iterations + 1, outcome,
+                 duration * 1000)
+        self._alerts(loop, status, reason, error, row.skipped, skipped)
+        updated = self.store.get_loop(loop.name)
+        if updated is not None:
+            self._schedule(updated)
+
+    def _alerts(
+        self, loop: Loop, status: str, reason: str | None, error: str | None,
+        skipped_before: int, skipped_now: int,
+    ) -> None:
+        if self.alert is None:
+            return
+        hint = f"flowloop loops {loop.name}"
+        if status == "paused" and reason and "max_failures" in reason:
+            self.alert(Alert(level="critical", what="loop paused", subject=loop.name,
+                             message=reason, error=error, hint=hint))
+        total = skipped_before + skipped_now
+        if skipped_now and total // SKIP_ALERT_EVERY > skipped_before // SKIP_ALERT_EVERY:
+            self.alert(Alert(level="warning", what="loop iterations skipped", subject=loop.name,
+                             message=f"{total} slots skipped: iterations take longer than the rate",
+                             hint=hint))
+
+    @property
+    def running(self) -> Sequence[str]:
+        return list(self._running)
