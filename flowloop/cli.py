@@ -21,6 +21,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.loader import Loaded, load_paths, load_target
 from flowloop.store.dialect import SYNCHRONOUS_MODES
 from flowloop.store.loops import LoopRow
+from flowloop.store.sql import SQLStore
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -82,14 +83,14 @@ def load_workflow_paths(paths: Sequence[str]) -> Loaded:
     return Loaded()
 
 
-def parse_context(text: str | None) -> Any:
+def parse_context(text: str | None, option: str = "--context") -> Any:
     if text is None:
         return {}
-    source = "--context"
+    source = option
     if text.startswith("@"):
         path = Path(text[1:])
         if not path.is_file():
-            raise FlowloopError(f"--context {text}: no such file")
+            raise FlowloopError(f"{option} {text}: no such file")
         source, text = str(path), path.read_text()
     try:
         return json.loads(text)
@@ -218,8 +219,16 @@ def run(target: str, context_text: str | None, key: str | None, db: str | None, 
     with open_engine(db, synchronous) as engine:
         engine.listeners.append(progress_printer())
         info = engine.run(workflow, context, key=key)
-        if info.status not in ("succeeded",):
-            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+    if info.status == "scheduled" and info.state in workflow.waits:
+        wait = workflow.waits[info.state]
+        until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""
+        out.print(
+            f"run {info.id} waits in {info.state} for {' or '.join(wait.on)}{until} "
+            f"(`flowloop send {info.id} EVENT`)"
+        )
+        return
+    if info.status != "succeeded":
+        raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 
 
 @cli.command()
@@ -491,6 +500,74 @@ def loop_json(row: LoopRow) -> dict[str, Any]:
 
 @cli.command()
 @click.argument("target")
+@click.argument("event")
+@click.option("--data", "data_text", help="Payload as JSON, or @file.json.")
+@click.option("--workflow", help="TARGET is a business key of this workflow, not a run id.")
+@click.option("--dedupe-key", help="Sending twice with this key has effect once.")
+@click.option("--buffer", is_flag=True, help="Keep the event until the run can take it.")
+@workflows_option
+@db_option
+@json_option
+def send(
+    target: str, event: str, data_text: str | None, workflow: str | None,
+    dedupe_key: str | None, buffer: bool, workflow_paths: tuple[str, ...],
+    db: str | None, synchronous: str, as_json: bool,
+) -> None:
+    """Send EVENT to a waiting run (TARGET: run id, or a business key with --workflow)."""
+    loaded = load_workflow_paths(workflow_paths)
+    payload = parse_context(data_text, "--data") if data_text is not None else None
+    with open_engine(db, synchronous, loaded) as engine:
+        run_id = target
+        if workflow is not None:
+            found = engine.find(workflow, key=target)
+            if found is None:
+                raise FlowloopError(f"no run of workflow {workflow!r} has key {target!r}")
+            run_id = found.id
+        result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
+    if as_json:
+        click.echo(json.dumps({"result": result.status, "run": info_json(result.run)}))
+        return
+    info = result.run
+    out.print(f"{event}: {result.status}; run {info.id} {styled(info.status)} at {info.state}")
+
+
+@cli.group()
+def db() -> None:
+    """The database schema: `flowloop db upgrade` applies pending migrations."""
+
+
+@db.command()
+@db_option
+def upgrade(db: str | None, synchronous: str) -> None:
+    """Bring the database schema up to this flowloop's version."""
+    store = SQLStore(db or default_url(), synchronous=synchronous, check_schema=False)
+    try:
+        before, after = store.upgrade_schema()
+    finally:
+        store.close()
+    if before == after:
+        out.print(f"schema already at revision {after}")
+    else:
+        out.print(f"schema upgraded from {before or 'nothing'} to {after}")
+
+
+@db.command()
+@click.option("-m", "--message", required=True, help="What changed in flowloop/store/schema.py.")
+def revision(message: str) -> None:
+    """(Developers) autogenerate a migration for changes to the schema module."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        store = SQLStore(f"{folder}/head.db", check_schema=False)
+        try:
+            store.upgrade_schema()
+            store.new_revision(message)
+        finally:
+            store.close()
+
+
+@cli.command()
+@click.argument("target")
 @db_option
 def check(target: str, db: str | None, synchronous: str) -> None:
     """Validate the workflows in FILE and list live runs the new definitions would strand."""
@@ -506,6 +583,69 @@ def check(target: str, db: str | None, synchronous: str) -> None:
                   f"{item.state}): {item.reason}")
     if stranded:
         raise Failed(f"{len(stranded)} live run(s) would be stranded by this definition")
+
+
+@cli.command()
+@click.argument("target", required=False)
+@click.option("--lifecycle", "draw_lifecycle", is_flag=True,
+              help="Draw the lifecycle machine every run and loop follows.")
+@click.option("--run", "run_id", metavar="RUN_ID",
+              help="Draw one run from the store on its workflow (its workflow from -w).")
+@click.option("--all", "draw_all", is_flag=True,
+              help="Draw every workflow in -w and the lifecycle into --out as .dot and .svg.")
+@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path),
+              help="File to write [default: stdout]; with --all the directory [default: diagrams].")
+@click.option("--format", "fmt", type=click.Choice(["dot", "svg", "png"]),
+              help="Output format [default: from the -o suffix, else dot].")
+@workflows_option
+@db_option
+def diagram(
+    target: str | None, draw_lifecycle: bool, run_id: str | None, draw_all: bool,
+    out_path: Path | None, fmt: str | None, workflow_paths: tuple[str, ...],
+    db: str | None, synchronous: str,
+) -> None:
+    """Draw FILE[:WORKFLOW], the lifecycle, one run (--run) or everything (--all).
+
+    DOT needs nothing else; SVG and PNG need Graphviz's `dot` program."""
+    from flowloop import render  # lazy: only this command needs graphviz
+    from flowloop.errors import UnknownWorkflow
+
+    given = [name for name, value in (("FILE[:WORKFLOW]", target), ("--lifecycle", draw_lifecycle),
+                                      ("--run", run_id), ("--all", draw_all)) if value]
+    if len(given) != 1:
+        raise FlowloopError(
+            "diagram: give exactly one of FILE[:WORKFLOW], --lifecycle, --run RUN_ID or --all"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if draw_all:
+        if fmt is not None:
+            raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
+        out_dir = out_path or Path(render.DIAGRAMS_DIR)
+        diagrams = render.all_diagrams(load_workflow_paths(workflow_paths).workflows.values())
+        for path in render.write_all(diagrams, out_dir):
+            out.print(f"wrote {path}", markup=False)
+        for path in render.stale(out_dir, diagrams):
+            err.print(f"stale: {path} is drawn from no workflow any more; delete it", markup=False)
+        return
+    if draw_lifecycle:
+        graph = render.lifecycle_digraph()
+    elif run_id is not None:
+        with open_engine(db, synchronous, load_workflow_paths(workflow_paths)) as engine:
+            try:
+                graph = engine.diagram(run_id)
+            except UnknownWorkflow as error:
+                raise FlowloopError(f"{error}; pass -w FILE_OR_DIR that defines it") from error
+    else:
+        assert target is not None
+        graph = load_target(target)[0].diagram()
+    fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
+    if out_path is None:
+        if fmt == "png":
+            raise FlowloopError("diagram: PNG is binary; write it to a file with -o FILE.png")
+        click.get_binary_stream("stdout").write(render.render_bytes(graph, fmt))
+        return
+    render.save(graph, out_path, fmt)
+    out.print(f"wrote {out_path}", markup=False)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from transitions import Machine
@@ -25,6 +25,9 @@ from transitions import Machine
 from flowloop import graph
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.retry import DEFAULT_RETRY, Retry, seconds
+
+if TYPE_CHECKING:
+    import graphviz
 
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 NEXT_EVENT = "next"
@@ -53,6 +56,24 @@ class Step:
     @property
     def idempotency_key(self) -> str:
         return f"{self.run_id}:{self.state}:{self.visit}"
+
+    def sleep(self, delay: float | timedelta, event: str | None = None) -> Sleep:
+        """A durable timer: ``return step.sleep(timedelta(days=3), "remind")`` takes ``event``
+        (``None`` for a ``next=`` step) but starts the next state only after ``delay``.
+        The due time is stored; no worker or thread waits meanwhile, and a restarted
+        worker fires it on time, or at once if overdue."""
+        delay_s = seconds(delay) or 0.0
+        if delay_s < 0:
+            raise ValueError("step.sleep: delay must not be negative")
+        return Sleep(delay=delay_s, event=event)
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """What ``step.sleep`` returns: an event to take after a stored delay."""
+
+    delay: float
+    event: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +105,37 @@ class StepSpec:
         return ", ".join(parts)
 
 
+TIMEOUT_EVENT = "timeout"
+"""The event a wait state takes when its ``timeout`` passes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitSpec:
+    """A state with no step: it advances on an event sent from outside, or on its timeout."""
+
+    name: str
+    on: Mapping[str, str]
+    timeout: float | None
+    on_timeout: str | None
+    payloads: Mapping[str, type[BaseModel]]
+    handlers: Mapping[str, Callable[[Any, Any], None]]
+    max_visits: int | None = None
+
+    @property
+    def transitions(self) -> dict[str, str]:
+        """Every way out, the timeout included."""
+        out = dict(self.on)
+        if self.on_timeout is not None:
+            out[TIMEOUT_EVENT] = self.on_timeout
+        return out
+
+    def describe(self) -> str:
+        parts = [f"waits for {', '.join(self.on)}"]
+        if self.timeout is not None:
+            parts.append(f"timeout {self.timeout:g}s")
+        return ", ".join(parts)
+
+
 @dataclass(frozen=True)
 class Transition:
     source: str
@@ -94,6 +146,7 @@ class Transition:
 @dataclass
 class _Draft:
     steps: dict[str, StepSpec] = field(default_factory=dict)
+    waits: dict[str, WaitSpec] = field(default_factory=dict)
     finals: list[str] = field(default_factory=list)
     initial: list[str] = field(default_factory=list)
 
@@ -229,6 +282,61 @@ class Workflow:
         if initial:
             self._draft.initial.append(state)
 
+    def wait(
+        self,
+        name: str,
+        *,
+        on: Mapping[str, str],
+        timeout: float | timedelta | None = None,
+        on_timeout: str | None = None,
+        payloads: Mapping[str, type[BaseModel]] | None = None,
+        handlers: Mapping[str, Callable[[Any, Any], None]] | None = None,
+        initial: bool = False,
+        max_visits: int | None = None,
+    ) -> None:
+        """Declare a wait state: no step runs; ``engine.send(run, event, payload)`` moves the
+        run along ``on={event: state}``, or ``timeout`` passes and it goes to ``on_timeout``.
+
+        ``payloads`` validates an event's payload with a pydantic model; ``handlers`` merge
+        it into the context: ``handlers={"paid": lambda ctx, payment: ...}``.
+        """
+        self._ensure_open()
+        if not NAME_PATTERN.match(name):
+            raise DefinitionError(self.name, f"state name {name!r} is not a valid name")
+        if name in self._draft.steps or name in self._draft.waits:
+            raise DefinitionError(self.name, f"state {name!r} is declared twice")
+        if not on:
+            raise DefinitionError(self.name, f"wait state {name!r} accepts no event")
+        if TIMEOUT_EVENT in on:
+            raise DefinitionError(
+                self.name, f"wait state {name!r}: use on_timeout= for the {TIMEOUT_EVENT!r} event"
+            )
+        timeout_s = seconds(timeout)
+        if (timeout_s is None) != (on_timeout is None):
+            raise DefinitionError(
+                self.name, f"wait state {name!r}: give timeout= and on_timeout= together"
+            )
+        if timeout_s is not None and timeout_s <= 0:
+            raise DefinitionError(self.name, f"wait state {name!r}: timeout must be positive")
+        for label, mapping in (("payloads", payloads or {}), ("handlers", handlers or {})):
+            unknown = sorted(set(mapping) - set(on))
+            if unknown:
+                raise DefinitionError(
+                    self.name,
+                    f"wait state {name!r}: {label} for undeclared event(s) {', '.join(unknown)}",
+                )
+        self._draft.waits[name] = WaitSpec(
+            name=name,
+            on=dict(on),
+            timeout=timeout_s,
+            on_timeout=on_timeout,
+            payloads=dict(payloads or {}),
+            handlers=dict(handlers or {}),
+            max_visits=max_visits,
+        )
+        if initial:
+            self._draft.initial.append(name)
+
     def final(self, *names: str) -> None:
         """Declare the final states (a run that reaches one has ``succeeded``)."""
         self._ensure_open()
@@ -251,28 +359,30 @@ class Workflow:
         if self._frozen:
             return self
         draft = self._draft
-        steps, finals = draft.steps, set(draft.finals)
+        steps, waits, finals = draft.steps, draft.waits, set(draft.finals)
         if not finals:
             raise DefinitionError(self.name, "declares no final state; add workflow.final(...)")
-        on_final = sorted(finals & steps.keys())
+        on_final = sorted(finals & (steps.keys() | waits.keys()))
         if on_final:
             raise DefinitionError(
-                self.name, f"final state(s) {', '.join(map(repr, on_final))} must not have a step"
+                self.name,
+                f"final state(s) {', '.join(map(repr, on_final))} must not have a step or wait",
             )
         if len(draft.initial) != 1:
             found = ", ".join(map(repr, draft.initial)) or "none"
             raise DefinitionError(
                 self.name, f"needs exactly one initial state (initial=True), found {found}"
             )
-        known = steps.keys() | finals
-        for spec in steps.values():
-            unknown = sorted({dest for dest in spec.on.values() if dest not in known})
+        known = steps.keys() | waits.keys() | finals
+        outgoing = self._outgoing()
+        for state, targets in outgoing.items():
+            unknown = sorted({dest for dest in targets.values() if dest not in known})
             if unknown:
                 raise DefinitionError(
                     self.name,
-                    f"state {spec.name!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
+                    f"state {state!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
                 )
-        edges = {state: set(steps[state].on.values()) if state in steps else set() for state in known}
+        edges = {state: set(outgoing.get(state, {}).values()) for state in known}
         unreachable = sorted(known - graph.reachable(edges, draft.initial))
         if unreachable:
             raise DefinitionError(
@@ -301,9 +411,9 @@ class Workflow:
             {"name": state, "final": state in self._draft.finals} for state in self.states
         ]
         triggers = [
-            {"trigger": event, "source": spec.name, "dest": dest}
-            for spec in self._draft.steps.values()
-            for event, dest in spec.on.items()
+            {"trigger": event, "source": state, "dest": dest}
+            for state, targets in self._outgoing().items()
+            for event, dest in targets.items()
         ]
         return Machine(
             model=None,
@@ -315,10 +425,24 @@ class Workflow:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def _outgoing(self) -> dict[str, dict[str, str]]:
+        """Every non-final state's transitions ``{event: target}`` in declaration order."""
+        out = {name: dict(spec.on) for name, spec in self._draft.steps.items()}
+        out.update({name: spec.transitions for name, spec in self._draft.waits.items()})
+        return out
+
     @property
     def states(self) -> list[str]:
-        """Every state in declaration order: steps first, then final states."""
-        return [*self._draft.steps, *self._draft.finals]
+        """Every state in declaration order: steps, then wait states, then final states."""
+        return [*self._draft.steps, *self._draft.waits, *self._draft.finals]
+
+    @property
+    def waits(self) -> Mapping[str, WaitSpec]:
+        return self._draft.waits
+
+    def max_visits(self, state: str) -> int | None:
+        spec = self._draft.steps.get(state) or self._draft.waits.get(state)
+        return None if spec is None else spec.max_visits
 
     @property
     def initial(self) -> str:
@@ -353,10 +477,10 @@ class Workflow:
         declaration order (so diagrams and fingerprints are stable)."""
         machine = self._machine if self._machine is not None else self._build_machine()
         result: list[Transition] = []
-        for spec in self._draft.steps.values():
-            for event in spec.on:
-                for t in machine.get_transitions(trigger=event, source=spec.name):
-                    result.append(Transition(spec.name, event, t.dest))
+        for state, targets in self._outgoing().items():
+            for event in targets:
+                for t in machine.get_transitions(trigger=event, source=state):
+                    result.append(Transition(state, event, t.dest))
         return result
 
     def next_state(self, state: str, event: object) -> str:
@@ -366,12 +490,14 @@ class Workflow:
             dest = self._table.get((state, event))
             if dest is not None:
                 return dest
-        spec = self._draft.steps.get(state)
-        raise InvalidEvent(state, event, spec.on.keys() if spec else ())
+        raise InvalidEvent(state, event, self._outgoing().get(state, {}).keys())
 
     def event_for(self, state: str, returned: object) -> object:
-        """The event a step's return value means: ``next`` for ``next=`` steps."""
+        """The event a step's return value means: ``next`` for ``next=`` steps; a
+        :class:`Sleep` carries its event."""
         spec = self._draft.steps[state]
+        if isinstance(returned, Sleep):
+            returned = returned.event
         return returned if spec.returns_event else NEXT_EVENT
 
     def structure(self) -> dict[str, Any]:
@@ -381,15 +507,29 @@ class Workflow:
             "initial": self._draft.initial[0] if self._draft.initial else None,
             "finals": sorted(self._draft.finals),
             "states": {
-                spec.name: {"kind": "step", "on": dict(sorted(spec.on.items()))}
-                for spec in self._draft.steps.values()
+                **{
+                    spec.name: {"kind": "step", "on": dict(sorted(spec.on.items()))}
+                    for spec in self._draft.steps.values()
+                },
+                **{
+                    spec.name: {"kind": "wait", "on": dict(sorted(spec.transitions.items()))}
+                    for spec in self._draft.waits.values()
+                },
             },
         }
 
     def on_cycle(self) -> set[str]:
         """States on a cycle (where ``max_visits`` matters)."""
-        edges = {state: set(spec.on.values()) for state, spec in self._draft.steps.items()}
+        edges = {state: set(targets.values()) for state, targets in self._outgoing().items()}
         return graph.on_cycle(edges)
+
+    def diagram(self) -> graphviz.Digraph:
+        """This workflow drawn with graphviz: states, transitions labelled with their events,
+        each step's settings. ``.source`` is the DOT text; ``.pipe(format="svg")`` needs the
+        ``dot`` program (``flowloop.render.save`` turns its absence into a RenderError)."""
+        from flowloop import render  # lazy: a definition must not need graphviz to load
+
+        return render.workflow_digraph(self)
 
     # -- contexts --------------------------------------------------------------------------
 
@@ -449,6 +589,8 @@ def compatible(old: Mapping[str, Any], new: Workflow, state: str) -> str | None:
         return f"state {state!r} no longer exists in {new.name} v{new.version}"
     if old_state is None:
         return None
+    if old_state.get("kind", "step") != new_state.get("kind", "step"):
+        return f"state {state!r} changed from a {old_state.get('kind')} to a {new_state.get('kind')}"
     missing = {
         event: dest
         for event, dest in old_state.get("on", {}).items()

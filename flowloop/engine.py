@@ -6,19 +6,22 @@ import asyncio
 import getpass
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel
 
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
+from flowloop.events import accepted, accepts, receive
 from flowloop.errors import (
     DefinitionError,
     FlowloopError,
+    InvalidEvent,
     InvalidTransition,
     UnknownLoop,
     UnknownRun,
@@ -31,14 +34,29 @@ from flowloop.executor import (
     Executor,
     Listener,
     Stats,
+    deliver_pending,
     new_worker_id,
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
-from flowloop.store import Boundary, Fence, NewRun, RunFilter, SQLStore, Store, StoredRun
+from flowloop.store import (
+    Boundary,
+    Fence,
+    InboxEvent,
+    NewRun,
+    RunFilter,
+    SQLStore,
+    Store,
+    StoredRun,
+)
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
 from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
 
+if TYPE_CHECKING:
+    import graphviz
+
+SEND_ATTEMPTS: Final = 200
+SEND_RETRY_SECONDS: Final = 0.01
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
 INVALID_JSON_KEY: Final = "_invalid_json"
@@ -89,6 +107,14 @@ class Replay:
     @property
     def matches(self) -> bool:
         return not self.differences
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """``applied`` (the run took the event), ``buffered`` or ``duplicate``."""
+
+    status: str
+    run: RunInfo
 
 
 @dataclass(frozen=True)
@@ -386,6 +412,20 @@ class Engine:
         self._stored(run_id)
         return self.store.journal(run_id)
 
+    def diagram(self, run_id: str | None = None) -> graphviz.Digraph:
+        """Run ``run_id`` drawn on its workflow (visited states and transitions with counts,
+        the current state, the failed one with its error); without ``run_id``, the lifecycle
+        every run follows. The run's workflow must be registered with this engine.
+
+        Raises UnknownRun, UnknownWorkflow."""
+        from flowloop import render  # lazy: only diagrams need graphviz
+
+        if run_id is None:
+            return render.lifecycle_digraph()
+        stored = self._stored(run_id)
+        workflow = self.workflow(stored.record.workflow)
+        return render.run_digraph(workflow, self.store.journal(run_id))
+
     def replay(self, run_id: str, *, at: int | None = None) -> Replay:
         """Fold the journal; the record at ``at`` (default: the end) and the differences
         between the full fold and the stored row (none, unless something is wrong)."""
@@ -447,6 +487,63 @@ class Engine:
         if not self._operate(stored, j.RUN_UNPAUSED, state=stored.record.state):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         return self.get(run_id)
+
+    def send(
+        self,
+        run_id: str,
+        event: str,
+        payload: Mapping[str, Any] | BaseModel | None = None,
+        *,
+        dedupe_key: str | None = None,
+        buffer: bool = False,
+    ) -> SendResult:
+        """Send ``event`` to a run waiting in a wait state that accepts it: the payload is
+        validated and merged into the context, the event journaled, and the run moves on.
+
+        Not accepted now: with ``buffer=True`` the event is kept until the run reaches a
+        state that accepts it, else InvalidEvent lists what the state accepts. The same
+        ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``).
+        """
+        if isinstance(payload, BaseModel):
+            payload = payload.model_dump(mode="json")
+        message = InboxEvent(
+            run_id=run_id, event=event,
+            payload=None if payload is None else json.dumps(payload, sort_keys=True),
+            dedupe_key=dedupe_key, sent_at=self.clock.now(), sender=f"{_user()}@{self.worker_id}",
+        )
+        for _ in range(SEND_ATTEMPTS):
+            stored = self._stored(run_id)
+            if dedupe_key is not None and self.store.has_message(run_id, dedupe_key):
+                return SendResult(status="duplicate", run=self._info(stored))
+            record = stored.record
+            if record.status in FINISHED:
+                raise InvalidTransition(run_id, record.status, f"send {event!r} to")
+            workflow = self.workflow(record.workflow)
+            waiting_here = accepts(workflow, record, event)
+            if waiting_here and stored.owner is None:
+                received, after = receive(
+                    workflow, record, event, message.payload, now=message.sent_at,
+                    worker=message.sender or "", extra={"dedupe_key": dedupe_key} if dedupe_key else None,
+                )
+                boundary = Boundary(
+                    events=[received], record=after, fence=Fence(None, stored.lease_epoch)
+                )
+                result = self.store.deliver(message, boundary)
+                if result == "conflict":
+                    time.sleep(SEND_RETRY_SECONDS)  # another writer moved the run: look again
+                    continue
+            elif buffer or waiting_here:
+                # Busy (a worker holds it) or not there yet: keep it for later.
+                result = self.store.deliver(message, None)
+                if result == "buffered":
+                    deliver_pending(
+                        self.store, self._workflows, run_id, now=self.clock.now(),
+                        worker=self.worker_id,
+                    )
+            else:
+                raise InvalidEvent(record.state, event, accepted(workflow, record.state))
+            return SendResult(status=result, run=self.get(run_id))
+        raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
 
     def retry(
         self,

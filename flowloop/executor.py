@@ -28,7 +28,16 @@ from pydantic import BaseModel, ValidationError
 
 from flowloop import journal as j
 from flowloop.clock import Clock
-from flowloop.definition import Step, StepSpec, Workflow, compatible, describe_validation
+from flowloop.definition import (
+    TIMEOUT_EVENT,
+    Sleep,
+    Step,
+    StepSpec,
+    Workflow,
+    compatible,
+    describe_validation,
+)
+from flowloop.events import accepted, accepts, check_visits, entering, receive
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, Store, StoredRun
@@ -460,7 +469,15 @@ class Executor:
                 return
             if stored.control in ("pause", "stop"):
                 self._controls[stored.id] = stored.control
-            if starting:
+            if starting and record.state in workflow.waits:
+                # A waiting run claimed because its timeout is due.
+                if await self._honour_control(record, fence):
+                    return
+                waited = await self._end_wait(workflow, record, fence)
+                if waited is None:
+                    return
+                record = waited
+            elif starting:
                 if await self._honour_control(record, fence):
                     return
                 started = self._event(
@@ -487,7 +504,9 @@ class Executor:
             old = self.store.definition(record.fingerprint) or {}
             why = compatible(old, workflow, record.state)
             if why is not None:
-                return j.RUN_PAUSED, "definition_mismatch", f"definition_mismatch: {why}"
+                # The reason says why, so `status` shows it without digging in the journal.
+                reason = f"definition_mismatch: {why}"
+                return j.RUN_PAUSED, reason, reason
         try:
             workflow.parse_context(record.context)
         except FlowloopError as error:
@@ -544,12 +563,7 @@ class Executor:
             next_state = workflow.next_state(record.state, event)
             context = ctx.model_dump_json()
             workflow.context.model_validate_json(context)
-            limit = workflow.steps[next_state].max_visits if next_state in workflow.steps else None
-            if limit is not None and record.visit(next_state) >= limit:
-                raise MaxVisitsExceeded(
-                    f"state {next_state!r} would be visited {record.visit(next_state) + 1} times "
-                    f"(max_visits={limit})"
-                )
+            check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
         except Exception as error:
@@ -557,6 +571,7 @@ class Executor:
             return await self._failed(workflow, spec, record, fence, error, duration)
         duration = self.clock.monotonic() - started
         self.stats.steps += 1
+        delay = returned.delay if isinstance(returned, Sleep) else 0.0
         succeeded = self._event(
             record,
             j.STEP_SUCCEEDED,
@@ -566,26 +581,88 @@ class Executor:
             next_state=next_state,
             context=context,
             duration=duration,
-            data={"final": True} if workflow.is_final(next_state) else {},
+            data=entering(workflow, next_state, self.clock.now(), delay=delay),
         )
-        after = j.apply(record, succeeded)
+        return await self._advance(workflow, record, fence, succeeded)
+
+    async def _advance(
+        self, workflow: Workflow, record: RunRecord, fence: Fence, transition: JournalEvent
+    ) -> RunRecord | None:
+        """Commit a transition (a step's success or a wait's event). Returns the record when
+        the run goes straight on with its next step, else ``None`` (finished, waiting,
+        sleeping, paused, or handed back because the worker is draining)."""
+        after = j.apply(record, transition)
+        target = after.state
         if after.status != "scheduled":
-            await self._commit(Boundary(events=[succeeded], record=after, fence=fence, release=True))
+            await self._commit(Boundary(events=[transition], record=after, fence=fence, release=True))
             return None
         action = self._controls.get(record.id)
         if action in ("pause", "stop") or self._draining:
-            events = [succeeded]
+            events = [transition]
             if action in ("pause", "stop"):
                 kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
-                events.append(self._event(record, kind, offset=2, state=next_state))
+                events.append(self._event(record, kind, offset=2, state=target))
             await self._finish(record, fence, events, clear_control=action is not None)
             return None
+        if target in workflow.waits or (after.next_run_at or 0.0) > transition.at:
+            # Waiting or sleeping: hand the run back; its due time (if any) is stored.
+            applied = await self._commit(
+                Boundary(events=[transition], record=after, fence=fence, release=True)
+            )
+            if applied and target in workflow.waits:
+                self._deliver(record.id)
+            return None
         # The usual case: the outcome and the next step_started in one commit.
-        nxt = self._event(record, j.STEP_STARTED, offset=2, state=next_state, attempt=1)
+        nxt = self._event(record, j.STEP_STARTED, offset=2, state=target, attempt=1)
         after = j.apply(after, nxt)
-        if not await self._commit(Boundary(events=[succeeded, nxt], record=after, fence=fence)):
+        if not await self._commit(Boundary(events=[transition, nxt], record=after, fence=fence)):
             return None
         return after
+
+    async def _end_wait(
+        self, workflow: Workflow, record: RunRecord, fence: Fence
+    ) -> RunRecord | None:
+        """A claimed waiting run: take a buffered event it accepts, else its timeout."""
+        for message in self.store.pending_events(record.id):
+            if message.event in workflow.waits[record.state].on:
+                break
+        else:
+            message = None
+        try:
+            received, _ = receive(
+                workflow, record, message.event if message else TIMEOUT_EVENT,
+                message.payload if message else None,
+                now=self.clock.now(), worker=self.worker_id,
+                extra={"buffered_at": message.sent_at} if message else None,
+            )
+        except Exception as error:
+            await self._finish(record, fence, [self._event(
+                record, j.RUN_FAILED, state=record.state, error_message=error_line(error),
+                data={"reason": "event_rejected"},
+            )])
+            return None
+        if message is not None:
+            after = j.apply(record, received)
+            result = self.store.deliver(
+                message, Boundary(events=[received], record=after, fence=fence, release=True)
+            )
+            if result == "applied":
+                self._notify(Boundary(events=[received], record=after, fence=fence))
+                if self._wake is not None:
+                    self._wake.set()
+            return None
+        return await self._advance(workflow, record, fence, received)
+
+    def _deliver(self, run_id: str) -> None:
+        try:
+            delivered = deliver_pending(
+                self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
+            )
+        except Exception as error:  # the run stays waiting; the next send or claim retries
+            log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
+            return
+        if delivered and self._wake is not None:
+            self._wake.set()
 
     async def _failed(
         self,
@@ -655,6 +732,35 @@ class Executor:
 
     def close(self) -> None:
         self._threads.shutdown(wait=False, cancel_futures=True)
+
+
+def deliver_pending(
+    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+) -> int:
+    """Hand a waiting run the oldest buffered events its current state accepts, one after
+    another (each may lead to another wait). Returns how many were consumed."""
+    consumed = 0
+    while True:
+        stored = store.get_run(run_id)
+        if stored is None or stored.record.workflow not in workflows:
+            return consumed
+        workflow = workflows[stored.record.workflow]
+        record = stored.record
+        if stored.owner is not None or not accepted(workflow, record.state):
+            return consumed
+        message = next(
+            (m for m in store.pending_events(run_id) if accepts(workflow, record, m.event)), None
+        )
+        if message is None:
+            return consumed
+        received, after = receive(
+            workflow, record, message.event, message.payload, now=now, worker=worker,
+            extra={"buffered_at": message.sent_at},
+        )
+        boundary = Boundary(events=[received], record=after, fence=Fence(None, stored.lease_epoch))
+        if store.deliver(message, boundary) != "applied":
+            return consumed
+        consumed += 1
 
 
 def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:

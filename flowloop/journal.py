@@ -26,6 +26,7 @@ RUN_UNPAUSED: Final = "run_unpaused"
 RUN_STOPPED: Final = "run_stopped"
 RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost claim)
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
+EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 
 KINDS: Final = (
     RUN_CREATED,
@@ -39,6 +40,7 @@ KINDS: Final = (
     RUN_STOPPED,
     RUN_RELEASED,
     RUN_RETRIED,
+    EVENT_RECEIVED,
 )
 
 
@@ -134,7 +136,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:  # noqa: C901 - 
         change.update(
             status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
         )
-    elif kind == STEP_SUCCEEDED:
+    elif kind in (STEP_SUCCEEDED, EVENT_RECEIVED):
         assert event.next_state is not None and event.context is not None
         final = bool(event.data.get("final"))
         visits = dict(record.visits)

@@ -42,7 +42,8 @@ _NON_FINAL = ["idle", "scheduled", "running", "retrying", "paused"]
 TRANSITIONS: Final[list[dict[str, object]]] = [
     {"trigger": "schedule", "source": "idle", "dest": "scheduled"},
     {"trigger": "start", "source": ["scheduled", "retrying"], "dest": "running"},
-    {"trigger": "succeed", "source": "running", "dest": "succeeded"},
+    # A waiting run (scheduled, no step) can finish when an event leads it to a final state.
+    {"trigger": "succeed", "source": ["running", "scheduled"], "dest": "succeeded"},
     {"trigger": "retry", "source": "running", "dest": "retrying"},
     {"trigger": "fail", "source": ["running", "scheduled", "retrying"], "dest": "failed"},
     {"trigger": "release", "source": "running", "dest": "scheduled"},

@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final, Literal
 
@@ -31,7 +31,7 @@ from transitions import Machine
 from flowloop import journal as j
 from flowloop import lifecycle
 from flowloop.definition import StepSpec, Workflow
-from flowloop.errors import RenderError
+from flowloop.errors import FlowloopError, RenderError
 
 FORMATS: Final = ("dot", "svg", "png")
 ALL_FORMATS: Final = ("dot", "svg")
@@ -39,6 +39,8 @@ ALL_FORMATS: Final = ("dot", "svg")
 SUFFIXES: Final = {".dot": "dot", ".gv": "dot", ".svg": "svg", ".png": "png"}
 LIFECYCLE: Final = "lifecycle"
 """The name (and file stem in ``diagrams/``) of the lifecycle machine's diagram."""
+DIAGRAMS_DIR: Final = "diagrams"
+"""Where ``flowloop diagram --all`` writes (relative to the working directory)."""
 REFRESH_COMMAND: Final = "flowloop diagram --all"
 INSTALL_HINT: Final = (
     "install Graphviz's `dot` program (Debian/Ubuntu: `apt-get install graphviz`; "
@@ -46,6 +48,8 @@ INSTALL_HINT: Final = (
 )
 START_NODE: Final = "(start)"
 """The point the initial arrow comes from: parentheses keep it apart from state names."""
+SHARED_EVENT_SOURCES: Final = 3
+"""An event leading to one state from this many states or more is drawn in grey."""
 ERROR_LINE_CHARS: Final = 80
 """Longest error line drawn under a failed state (the tooltip holds the whole line)."""
 
@@ -53,6 +57,7 @@ ERROR_LINE_CHARS: Final = 80
 FONT: Final = "Helvetica"
 INK: Final = "#333333"
 MUTED: Final = "#666666"
+SECONDARY: Final = "#8a8a8a"
 ACCENT: Final = "#1a5fb4"
 ACCENT_FILL: Final = "#e3edf9"
 CURRENT_FILL: Final = "#b9d3f2"
@@ -60,7 +65,7 @@ FAILED: Final = "#c01c28"
 FAILED_FILL: Final = "#fbe3e4"
 FADED: Final = "#b8b8b8"
 CYCLE_MARK: Final = "\u21bb"  # ↻
-TIMES: Final = "\u00d7"  # ×
+TIMES: Final = "\u00d7"  # multiplication sign
 
 NodeKind = Literal["step", "wait", "final", "state"]
 """``step``: a state with a step function; ``wait``: a state without one that advances on an
@@ -220,7 +225,10 @@ def lifecycle_model() -> DiagramModel:
         lifecycle.build_machine(),
         name=LIFECYCLE,
         title="run / loop lifecycle",
-        caption="an operator's retry (rerun) schedules a failed or stopped run again",
+        caption=(
+            "grey: events possible from many statuses; "
+            "rerun is an operator's retry of a failed or stopped run"
+        ),
         rankdir="TB",
     )
 
@@ -276,11 +284,9 @@ class RunOverlay:
     attempts: Mapping[str, int]
     """Times a step of each state was started (retries and crashes included)."""
     taken: Mapping[tuple[str, str, str], int]
-    """Times each ``(source, event, dest)`` transition was taken."""
+    """Times each ``(source, event, dest)`` transition was taken, in the order first taken."""
     error: str | None = None
     """The error's first line, when the run failed."""
-    events: Sequence[tuple[str, str, str]] = field(default=())
-    """Transitions in the order first taken (to draw undeclared ones deterministically)."""
 
     @property
     def failed_state(self) -> str | None:
@@ -305,9 +311,9 @@ class RunOverlay:
                 and event.next_state is not None
             ):
                 taken[(event.state, event.event, event.next_state)] += 1
-        error = None
+        failure = None
         if record.status == "failed":
-            error = first_line(record.error or record.reason or "failed")
+            failure = first_line(record.error or record.reason or "failed")
         return cls(
             run_id=record.id,
             workflow=record.workflow,
@@ -318,8 +324,7 @@ class RunOverlay:
             visits=dict(record.visits),
             attempts=dict(attempts),
             taken=dict(taken),
-            error=error,
-            events=tuple(taken),
+            error=failure,
         )
 
 
@@ -342,17 +347,12 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
     everything the run never reached faded. States and transitions the run used that the
     definition no longer has are added, dashed."""
     known = {node.name for node in model.nodes}
-    extra = [
-        name for name in overlay.visits if name not in known
-    ] + [
-        dest
-        for (_, _, dest) in overlay.events
-        if dest not in known and dest not in overlay.visits
-    ]
-    nodes = [*model.nodes]
-    nodes += [
-        DiagramNode(name=name, kind="state", declared=False, tooltip=f"{name}: not in this definition")
-        for name in dict.fromkeys(extra)
+    nodes = [*model.nodes] + [
+        DiagramNode(
+            name=name, kind="state", declared=False, tooltip=f"{name}: not in this definition"
+        )
+        for name in overlay.visits  # every state a transition led to counts as visited
+        if name not in known
     ]
     marked: list[DiagramNode] = []
     for node in nodes:
@@ -387,15 +387,16 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
             mark="taken",
             declared=False,
         )
-        for (source, event, dest) in overlay.events
+        for (source, event, dest) in overlay.taken
         if (source, event, dest) not in declared
     ]
-    where = f"failed in {overlay.state}" if overlay.status == "failed" else (
-        f"{overlay.status} at {overlay.state}"
-    )
-    caption = f"run {overlay.run_id}: {where}"
+    where = "failed in" if overlay.status == "failed" else f"{overlay.status} at"
+    caption = f"run {overlay.run_id}: {where} {overlay.state}"
     if model.fingerprint and overlay.fingerprint != model.fingerprint:
-        caption += f" (started under v{overlay.version}, another definition)"
+        caption += (
+            f" (recorded under another definition: v{overlay.version}, "
+            f"fingerprint {overlay.fingerprint})"
+        )
     return replace(model, caption=caption, nodes=tuple(marked), edges=tuple(edges))
 
 
@@ -484,7 +485,9 @@ def edge_attrs(edge: DiagramEdge) -> dict[str, str]:
 
 def _esc_lines(text: str) -> str:
     # Tooltips are escStrings: literal backslashes are escaped, lines joined by DOT's \n.
-    return graphviz.nohtml("\\n".join(graphviz.escape(line) for line in text.splitlines()))
+    joined = "\\n".join(graphviz.escape(line) for line in text.splitlines())
+    result: str = graphviz.nohtml(joined)  # a str subclass: never read as an HTML label
+    return result
 
 
 def _graph_label(model: DiagramModel) -> str:
@@ -522,14 +525,26 @@ def to_digraph(model: DiagramModel) -> graphviz.Digraph:
     initial = model.initial
     if initial is not None:
         graph.node(
-            START_NODE, label="", shape="point", width="0.15", color=INK, tooltip="start"
+            START_NODE, label="", shape="point", width="0.15", color=INK, fillcolor=INK,
+            tooltip="start",
         )
         graph.edge(START_NODE, initial, tooltip=graphviz.escape(f"initial state: {initial}"))
     for node in model.nodes:
         graph.node(node.name, **node_attrs(node))
+    shared = _shared_events(model.edges)
     for edge in model.edges:
-        graph.edge(edge.source, edge.dest, **edge_attrs(edge))
+        attrs = edge_attrs(edge)
+        if edge.mark == "plain" and (edge.event, edge.dest) in shared:
+            attrs.update(color=SECONDARY, fontcolor=SECONDARY)
+        graph.edge(edge.source, edge.dest, **attrs)
     return graph
+
+
+def _shared_events(edges: Sequence[DiagramEdge]) -> set[tuple[str, str]]:
+    """``(event, dest)`` pairs that lead to one state from many (``stop`` from every live
+    status): drawn in grey so the main path stands out."""
+    sources = Counter((edge.event, edge.dest) for edge in edges)
+    return {key for key, count in sources.items() if count >= SHARED_EVENT_SOURCES}
 
 
 def workflow_digraph(workflow: Workflow) -> graphviz.Digraph:
@@ -549,10 +564,12 @@ def run_digraph(workflow: Workflow, events: Sequence[j.JournalEvent]) -> graphvi
 
 
 def format_for(path: Path) -> str:
-    """The output format a file name asks for (``.dot``/``.gv``, ``.svg``, ``.png``)."""
+    """The output format a file name asks for (``.dot``/``.gv``, ``.svg``, ``.png``).
+
+    Raises FlowloopError (a usage mistake, exit 2) for any other suffix."""
     fmt = SUFFIXES.get(path.suffix.lower())
     if fmt is None:
-        raise RenderError(
+        raise FlowloopError(
             f"{path}: cannot tell the format from the suffix; use .dot, .svg or .png, "
             f"or --format"
         )
@@ -562,13 +579,14 @@ def format_for(path: Path) -> str:
 def render_bytes(graph: graphviz.Digraph, fmt: str) -> bytes:
     """The diagram as DOT text (no program needed) or as SVG/PNG from the ``dot`` program.
 
-    Raises RenderError, in one line saying how to install it, when ``dot`` is missing.
+    Raises RenderError, in one line saying how to install it, when ``dot`` is missing, and
+    FlowloopError for an unknown format.
     """
     if fmt == "dot":
         source: str = graph.source
         return source.encode()
     if fmt not in FORMATS:
-        raise RenderError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
+        raise FlowloopError(f"unknown format {fmt!r}; use one of {', '.join(FORMATS)}")
     try:
         data: bytes = graph.pipe(format=fmt)
     except graphviz.ExecutableNotFound as error:
@@ -590,16 +608,21 @@ def save(graph: graphviz.Digraph, path: Path, fmt: str | None = None) -> Path:
     return path
 
 
-def all_diagrams(workflows: Iterable[Workflow]) -> dict[str, graphviz.Digraph]:
+def all_models(workflows: Iterable[Workflow]) -> dict[str, DiagramModel]:
     """The lifecycle and every workflow, by file stem, in a stable order."""
-    diagrams: dict[str, graphviz.Digraph] = {LIFECYCLE: lifecycle_digraph()}
+    models: dict[str, DiagramModel] = {LIFECYCLE: lifecycle_model()}
     for workflow in sorted(workflows, key=lambda w: w.name):
-        if workflow.name in diagrams:
+        if workflow.name in models:
             raise RenderError(
                 f"workflow {workflow.name!r} would overwrite the {LIFECYCLE} diagram; rename it"
             )
-        diagrams[workflow.name] = workflow_digraph(workflow)
-    return diagrams
+        models[workflow.name] = workflow_model(workflow)
+    return models
+
+
+def all_diagrams(workflows: Iterable[Workflow]) -> dict[str, graphviz.Digraph]:
+    """What ``flowloop diagram --all`` draws: :func:`all_models`, rendered."""
+    return {name: to_digraph(model) for name, model in all_models(workflows).items()}
 
 
 def write_all(

@@ -1,6 +1,14 @@
 """Persistence: the store interface and its SQLAlchemy implementation."""
 
-from flowloop.store.base import Boundary, Fence, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.base import (
+    Boundary,
+    Fence,
+    InboxEvent,
+    NewRun,
+    RunFilter,
+    Store,
+    StoredRun,
+)
 from flowloop.store.sql import SQLStore
 
-__all__ = ["Boundary", "Fence", "NewRun", "RunFilter", "SQLStore", "Store", "StoredRun"]
+__all__ = ["Boundary", "Fence", "InboxEvent", "NewRun", "RunFilter", "SQLStore", "Store", "StoredRun"]

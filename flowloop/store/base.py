@@ -82,6 +82,21 @@ class NewRun:
 
 
 @dataclass(frozen=True, kw_only=True)
+class InboxEvent:
+    """An event sent to a run: consumed at once, or buffered until a state accepts it."""
+
+    run_id: str
+    event: str
+    payload: str | None
+    """JSON text."""
+    dedupe_key: str | None
+    sent_at: float
+    sender: str | None = None
+    id: int | None = None
+    consumed_seq: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunFilter:
     workflow: str | None = None
     statuses: Sequence[str] | None = None
@@ -194,3 +209,20 @@ class Store(abc.ABC):
     ) -> float | None:
         """Earliest ``next_run_at`` of a claimable run (of ``workflows``, among ``run_ids``;
         ``None`` when none)."""
+
+    @abc.abstractmethod
+    def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
+        """One transaction: keep ``message`` in the run's inbox (a new one is inserted; its
+        ``dedupe_key`` already used for the run → ``"duplicate"``, nothing written) and,
+        with a ``boundary``, consume it by applying the boundary (``"applied"``). A refused
+        boundary undoes everything (``"conflict"``: re-read and decide again). Without a
+        boundary the message stays buffered (``"buffered"``)."""
+
+    @abc.abstractmethod
+    def pending_events(self, run_id: str) -> list[InboxEvent]:
+        """Buffered (unconsumed) messages of a run, oldest first."""
+
+    @abc.abstractmethod
+    def has_message(self, run_id: str, dedupe_key: str) -> bool:
+        """Whether a message with this dedupe key was ever sent to the run."""
+

@@ -3,8 +3,6 @@ on SQLite and PostgreSQL, and lease times can be computed by the database's own 
 
 from __future__ import annotations
 
-from typing import Final
-
 from sqlalchemy import (
     Boolean,
     Column,
@@ -18,9 +16,8 @@ from sqlalchemy import (
     text,
 )
 
-SCHEMA_VERSION: Final = 1
-"""Bump with every schema change (and add its migration)."""
-
+# Every change here needs a migration in flowloop/store/migrations/versions (autogenerate
+# one with `flowloop db revision -m "what changed"`).
 metadata = MetaData()
 
 meta = Table(
@@ -157,3 +154,21 @@ Index(
     sqlite_where=text("kind = 'iteration_started'"),
     postgresql_where=text("kind = 'iteration_started'"),
 )
+
+inbox = Table(
+    "flowloop_inbox",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", String(40), nullable=False),
+    Column("event", String(200), nullable=False),
+    Column("payload", Text),
+    Column("dedupe_key", String(400)),
+    Column("sent_at", Float, nullable=False),
+    Column("sender", String(200)),
+    # The journal seq of the event_received that consumed it (NULL: still buffered).
+    Column("consumed_seq", Integer),
+)
+Index("ix_flowloop_inbox_pending", inbox.c.run_id, inbox.c.consumed_seq)
+# The same dedupe key twice for one run has effect once.
+Index("ux_flowloop_inbox_dedupe", inbox.c.run_id, inbox.c.dedupe_key, unique=True,
+      sqlite_where=text("dedupe_key IS NOT NULL"), postgresql_where=text("dedupe_key IS NOT NULL"))

@@ -27,13 +27,13 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
-from flowloop.errors import SchemaMismatch, StoreError
+from flowloop.errors import StoreError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect
-from flowloop.store.base import Boundary, NewRun, RunFilter, Store, StoredRun
+from flowloop.store import dialect, migrate
+from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.loops import LoopStoreMixin
-from flowloop.store.schema import SCHEMA_VERSION, definitions, journal, meta, metadata, runs
+from flowloop.store.schema import definitions, inbox, journal, runs
 
 JSON_SEPARATORS = (",", ":")
 
@@ -137,6 +137,7 @@ class SQLStore(LoopStoreMixin, Store):
         *,
         synchronous: str = dialect.DEFAULT_SYNCHRONOUS,
         create: bool = True,
+        check_schema: bool = True,
     ) -> None:
         self.url = url
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
@@ -144,7 +145,8 @@ class SQLStore(LoopStoreMixin, Store):
         self._lock = threading.RLock()
         self._writer: Connection | None = None
         try:
-            self._ensure_schema(create=create)
+            if check_schema:
+                self._ensure_schema(create=create)
         except SQLAlchemyError as error:
             self.engine.dispose()
             raise StoreError(f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}") from error
@@ -188,34 +190,31 @@ class SQLStore(LoopStoreMixin, Store):
     # -- schema ----------------------------------------------------------------------------
 
     def _ensure_schema(self, *, create: bool) -> None:
+        url = dialect.safe_url(self.url)
         with self._write() as conn:
             tables = set(inspect(conn).get_table_names())
-            if meta.name not in tables:
-                foreign = sorted(t for t in tables if not t.startswith("flowloop_"))
-                if foreign:
+            ours = {t for t in tables if t.startswith("flowloop_")}
+            if migrate.VERSION_TABLE not in tables:
+                foreign = sorted(tables - ours)
+                if foreign or ours:
                     raise StoreError(
-                        f"{dialect.safe_url(self.url)} is not a flowloop database (it has "
-                        f"tables {', '.join(foreign[:5])}); point --db at a new file or schema"
+                        f"{url} is not a flowloop database (it has tables "
+                        f"{', '.join((foreign or sorted(ours))[:5])}); point --db at a new file or schema"
                     )
                 if not create:
-                    raise StoreError(f"{dialect.safe_url(self.url)} has no flowloop schema yet")
-                metadata.create_all(conn)
-                conn.execute(insert(meta), [{"key": "schema_version", "value": str(SCHEMA_VERSION)}])
+                    raise StoreError(f"{url} has no flowloop schema yet")
+                migrate.upgrade(conn)  # a new database: create the schema at head
                 return
-            found = conn.execute(
-                select(meta.c.value).where(meta.c.key == "schema_version")
-            ).scalar_one_or_none()
-        version = int(found or 0)
-        if version < SCHEMA_VERSION:
-            raise SchemaMismatch(
-                f"database schema version {version} is older than this flowloop "
-                f"({SCHEMA_VERSION}); run `flowloop db upgrade`"
-            )
-        if version > SCHEMA_VERSION:
-            raise SchemaMismatch(
-                f"database schema version {version} is newer than this flowloop "
-                f"({SCHEMA_VERSION}); upgrade flowloop"
-            )
+            migrate.check(conn, url)
+
+    def new_revision(self, message: str) -> None:
+        with self._write() as conn:
+            migrate.new_revision(message, conn)
+
+    def upgrade_schema(self) -> tuple[str | None, str]:
+        """Apply pending migrations (``flowloop db upgrade``); returns (from, to)."""
+        with self._write() as conn:
+            return migrate.upgrade(conn)
 
     def _build_statements(self) -> None:
         record_params = {name: bindparam(f"p_{name}") for name in _record_columns_names()}
@@ -592,6 +591,68 @@ class SQLStore(LoopStoreMixin, Store):
             value = conn.execute(query).scalar_one_or_none()
         return None if value is None else float(value)
 
+
+    # -- events sent to runs ---------------------------------------------------------------
+
+    def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
+        try:
+            with self._write() as conn:
+                if message.id is None:
+                    message_id = conn.execute(
+                        insert(inbox).values(
+                            run_id=message.run_id, event=message.event, payload=message.payload,
+                            dedupe_key=message.dedupe_key, sent_at=message.sent_at,
+                            sender=message.sender,
+                        ).returning(inbox.c.id)
+                    ).scalar_one()
+                else:
+                    message_id = message.id
+                if boundary is None:
+                    return "buffered"
+                consumed = conn.execute(
+                    update(inbox)
+                    .where(inbox.c.id == message_id, inbox.c.consumed_seq.is_(None))
+                    .values(consumed_seq=boundary.record.last_seq)
+                ).rowcount
+                if consumed != 1 or not self._write_rows(conn, [boundary])[0]:
+                    raise _Conflict
+                conn.execute(self._insert_events, [_event_row(e) for e in boundary.events])
+        except _Conflict:
+            return "conflict"
+        except IntegrityError:
+            if message.dedupe_key is not None and message.id is None:
+                return "duplicate"
+            raise
+        return "applied"
+
+    def has_message(self, run_id: str, dedupe_key: str) -> bool:
+        with self._read() as conn:
+            found = conn.execute(
+                select(inbox.c.id)
+                .where(inbox.c.run_id == run_id, inbox.c.dedupe_key == dedupe_key)
+                .limit(1)
+            ).first()
+        return found is not None
+
+    def pending_events(self, run_id: str) -> list[InboxEvent]:
+        with self._read() as conn:
+            rows = conn.execute(
+                select(inbox)
+                .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
+                .order_by(inbox.c.id)
+            )
+            return [
+                InboxEvent(
+                    id=row.id, run_id=row.run_id, event=row.event, payload=row.payload,
+                    dedupe_key=row.dedupe_key, sent_at=row.sent_at, sender=row.sender,
+                    consumed_seq=row.consumed_seq,
+                )
+                for row in rows
+            ]
+
+
+class _Conflict(Exception):
+    """Raised inside a transaction to roll it back: a fenced write was refused."""
 
 def _record_columns_names() -> tuple[str, ...]:
     return (

@@ -1,0 +1,113 @@
+"""Events sent to waiting runs, and the data of entering a state: pure decisions.
+
+A wait state has no step. A run that enters one is released (no worker, no thread) with a
+due time only when the state has a timeout. An event sent to it (or the timeout) becomes an
+``event_received`` journal entry that moves the run on, exactly like a step's success.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from flowloop import journal as j
+from flowloop.definition import TIMEOUT_EVENT, Workflow, describe_validation
+from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded
+from flowloop.journal import JournalEvent, RunRecord
+
+
+class InvalidPayload(FlowloopError):
+    """An event's payload does not validate against the model the wait state declares."""
+
+
+def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:
+    """The ``data`` of a transition into ``state``: final, due now (a step, maybe after a
+    durable ``delay``), due at the wait's timeout, or not due at all (a wait without one)."""
+    if workflow.is_final(state):
+        return {"final": True}
+    wait = workflow.waits.get(state)
+    if wait is not None:
+        return {"due": None if wait.timeout is None else now + wait.timeout}
+    return {"due": now + delay} if delay else {}
+
+
+def check_visits(workflow: Workflow, record: RunRecord, target: str) -> None:
+    limit = workflow.max_visits(target)
+    if limit is not None and record.visit(target) >= limit:
+        raise MaxVisitsExceeded(
+            f"state {target!r} would be visited {record.visit(target) + 1} times "
+            f"(max_visits={limit})"
+        )
+
+
+def accepted(workflow: Workflow, state: str) -> list[str]:
+    """Events a state accepts from outside (none unless it is a wait state)."""
+    wait = workflow.waits.get(state)
+    return [] if wait is None else list(wait.on)
+
+
+def accepts(workflow: Workflow, record: RunRecord, event: str) -> bool:
+    """Whether the run, as it is now, can take ``event`` (it waits in a state that accepts
+    it; the timeout is only ever fired by a worker)."""
+    return record.status == "scheduled" and event in accepted(workflow, record.state)
+
+
+def receive(
+    workflow: Workflow,
+    record: RunRecord,
+    event: str,
+    payload: str | None,
+    *,
+    now: float,
+    worker: str,
+    extra: dict[str, Any] | None = None,
+) -> tuple[JournalEvent, RunRecord]:
+    """The ``event_received`` entry for ``event`` (or the timeout) in the run's wait state,
+    with the payload validated and merged by the state's handler, and the record after it."""
+    wait = workflow.waits.get(record.state)
+    if wait is None or event not in wait.transitions:
+        raise InvalidEvent(record.state, event, accepted(workflow, record.state))
+    target = wait.transitions[event]
+    check_visits(workflow, record, target)
+    ctx = workflow.context.model_validate_json(record.context)
+    if event != TIMEOUT_EVENT:
+        value = _payload(wait.payloads.get(event), event, payload)
+        handler = wait.handlers.get(event)
+        if handler is not None:
+            handler(ctx, value)
+    context = ctx.model_dump_json()
+    workflow.context.model_validate_json(context)
+    data = {**entering(workflow, target, now), **(extra or {})}
+    received = JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=j.EVENT_RECEIVED,
+        at=now,
+        state=record.state,
+        event=event,
+        next_state=target,
+        context=context,
+        worker=worker,
+        data=data,
+    )
+    return received, j.apply(record, received)
+
+
+def _payload(model: Any, event: str, payload: str | None) -> Any:
+    if payload is None:
+        raw: Any = None
+    else:
+        try:
+            raw = json.loads(payload)
+        except json.JSONDecodeError as error:
+            raise InvalidPayload(f"payload of event {event!r} is not JSON: {error}") from None
+    if model is None:
+        return raw
+    try:
+        return model.model_validate(raw if raw is not None else {})
+    except ValidationError as error:
+        raise InvalidPayload(
+            f"payload of event {event!r} is invalid: {describe_validation(error)}"
+        ) from None
