@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from flowloop import journal as j
 from flowloop.clock import Clock
@@ -49,6 +50,9 @@ DEFAULT_LEASE_SECONDS: Final = 30.0
 DEFAULT_POLL_SECONDS: Final = 0.5
 """How often an idle worker looks for due runs and pending pause/stop requests."""
 RECOVERY_BATCH: Final = 500
+OUTAGE_BACKOFF_START: Final = 0.2
+OUTAGE_BACKOFF_CAP: Final = 5.0
+"""Seconds between attempts to reach a database that went away."""
 RECOVERY_EVERY_SECONDS: Final = 10.0
 
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
@@ -104,7 +108,15 @@ class Stats:
     boundaries: int = 0
     lost_leases: int = 0
     recovered: int = 0
+    outage_retries: int = 0
     by_status: dict[str, int] = field(default_factory=dict)
+
+
+def is_outage(error: BaseException) -> bool:
+    """A database that is unreachable or restarting (retry later), not a bug or a conflict."""
+    if isinstance(error, (OperationalError, InterfaceError)):
+        return True
+    return isinstance(error, DBAPIError) and bool(error.connection_invalidated)
 
 
 class Committer:
@@ -112,6 +124,10 @@ class Committer:
 
     The flush runs on the loop thread; while it commits, finished steps queue up and form
     the next batch, so the batch grows with the load without any timer.
+
+    When the database is unreachable the batch is kept and retried with backoff: runs wait,
+    none is failed or lost. A retried boundary that the store now refuses may have been
+    committed just before the connection dropped; the stored row says which.
     """
 
     def __init__(self, store: Store, stats: Stats) -> None:
@@ -119,33 +135,67 @@ class Committer:
         self.stats = stats
         self._pending: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._scheduled = False
+        self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
+        self._backoff = 0.0
 
     def submit(self, boundary: Boundary) -> asyncio.Future[bool]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((boundary, future))
-        if not self._scheduled:
+        if not self._scheduled and not self._backoff:
             self._scheduled = True
             loop.call_soon(self._flush)
         return future
 
     def _flush(self) -> None:
         self._scheduled = False
-        batch, self._pending = self._pending, []
+        retried, self._retrying = self._retrying, []
+        batch = retried + self._pending
+        self._pending = []
         if not batch:
             return
         try:
             results = self.store.write([boundary for boundary, _ in batch])
-        except Exception as error:  # the database is unreachable: every run of the batch waits
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+        except Exception as error:
+            if not is_outage(error):
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                return
+            self._retry_later(batch, error)
             return
+        self._backoff = 0.0
         self.stats.commits += 1
         self.stats.boundaries += len(batch)
-        for (_, future), applied in zip(batch, results, strict=True):
+        retried_ids = {id(boundary) for boundary, _ in retried}
+        for (boundary, future), applied in zip(batch, results, strict=True):
+            if not applied and id(boundary) in retried_ids:
+                applied = self._already_applied(boundary)
             if not future.done():
                 future.set_result(applied)
+
+    def _retry_later(self, batch: list[tuple[Boundary, asyncio.Future[bool]]], error: Exception) -> None:
+        self._retrying = batch
+        self._backoff = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, self._backoff * 2))
+        self.stats.outage_retries += 1
+        log.warning(
+            "database unreachable (%s); %d boundary write(s) kept, retrying in %.1fs",
+            error_line(error), len(batch), self._backoff,
+        )
+
+        asyncio.get_running_loop().call_later(self._backoff, self._flush)
+
+    def _already_applied(self, boundary: Boundary) -> bool:
+        try:
+            stored = self.store.get_run(boundary.run_id)
+        except Exception:
+            return False
+        return (
+            stored is not None
+            and stored.record.last_seq == boundary.record.last_seq
+            and stored.lease_epoch == boundary.fence.epoch
+            and stored.record.status == boundary.record.status
+        )
 
 
 class Executor:
@@ -216,11 +266,22 @@ class Executor:
         try:
             await self.recover()
             last_recovery = self.clock.monotonic()
+            outage = 0.0
             while not (stop is not None and stop.is_set()):
-                claimed = self._claim(run_ids)
-                if self.clock.monotonic() - last_recovery > RECOVERY_EVERY_SECONDS:
-                    await self.recover()
-                    last_recovery = self.clock.monotonic()
+                try:
+                    claimed = self._claim(run_ids)
+                    if self.clock.monotonic() - last_recovery > RECOVERY_EVERY_SECONDS:
+                        await self.recover()
+                        last_recovery = self.clock.monotonic()
+                    outage = 0.0
+                except Exception as error:
+                    if not is_outage(error):
+                        raise
+                    outage = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, outage * 2))
+                    log.warning("database unreachable (%s); retrying in %.1fs",
+                                error_line(error), outage)
+                    await asyncio.sleep(outage)
+                    continue
                 if claimed:
                     continue
                 if until_idle and not self._active:
