@@ -161,6 +161,7 @@ class Engine:
             self.store.set_write_lease(lease_seconds)
         self.listeners: list[Listener] = []
         self._workflows: dict[str, Workflow] = {}
+        self._shared: Executor | None = None
         self.register(*workflows)
 
     def __enter__(self) -> Engine:
@@ -170,6 +171,9 @@ class Engine:
         self.close()
 
     def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
         self.store.close()
 
     # -- workflows -------------------------------------------------------------------------
@@ -301,17 +305,34 @@ class Engine:
         )
         stored, created = self.store.create_run(new)
         executor = self._executor()
-        try:
-            await executor.run(
-                until_idle=True, run_ids=[stored.id], initial=[stored] if created else []
-            )
-        finally:
-            executor.close()
-        return self.get(stored.id)
+        if created:
+            # Fast path: drive the run we just created and claimed, without polling the
+            # queue; the heartbeat keeps its lease alive through long steps.
+            heartbeat = asyncio.create_task(executor.heartbeat())
+            try:
+                await executor.spawn(stored, starting=False)
+            finally:
+                heartbeat.cancel()
+        info = self.get(stored.id)
+        if info.status in ("scheduled", "retrying") and info.state not in workflow.waits:
+            # Retry backoff or a durable sleep: wait for it like run_until_idle would.
+            await executor.run(until_idle=True, run_ids=[stored.id])
+            info = self.get(stored.id)
+        return info
 
     # -- driving ---------------------------------------------------------------------------
 
     def _executor(self, *, max_concurrency: int | None = None) -> Executor:
+        """The engine's executor for in-process driving (kept: its thread pool and prepared
+        state are reused across calls)."""
+        limit = max_concurrency or self.max_concurrency
+        if self._shared is None or self._shared.max_concurrency != limit:
+            if self._shared is not None:
+                self._shared.close()
+            self._shared = self._new_executor(max_concurrency=limit)
+        return self._shared
+
+    def _new_executor(self, *, max_concurrency: int | None = None) -> Executor:
         return Executor(
             self.store,
             self._workflows,
@@ -329,7 +350,7 @@ class Engine:
         return asyncio.run(self.arun_until_idle(idle_horizon=idle_horizon))
 
     async def arun_until_idle(self, *, idle_horizon: float = 300.0) -> Stats:
-        executor = self._executor()
+        executor = self._new_executor()
         try:
             return await executor.run(until_idle=True, idle_horizon=idle_horizon)
         finally:

@@ -30,7 +30,7 @@ from transitions import Machine
 
 from flowloop import journal as j
 from flowloop import lifecycle
-from flowloop.definition import StepSpec, Workflow
+from flowloop.definition import TIMEOUT_EVENT, StepSpec, WaitSpec, Workflow
 from flowloop.errors import FlowloopError, RenderError
 
 FORMATS: Final = ("dot", "svg", "png")
@@ -108,6 +108,8 @@ class DiagramEdge:
     count: int = 0
     """With an overlay: how many times the run took this transition."""
     mark: EdgeMark = "plain"
+    timer: bool = False
+    """Taken when a wait state's timeout passes (drawn dashed)."""
     declared: bool = True
     """False for a transition a run took that the current definition no longer has."""
 
@@ -150,24 +152,38 @@ def workflow_model(workflow: Workflow) -> DiagramModel:
     cyclic = workflow.on_cycle()
     nodes: list[DiagramNode] = []
     for state in workflow.states:
+        initial, on_cycle = state == workflow.initial, state in cyclic
         spec = workflow.steps.get(state)
+        wait = workflow.waits.get(state)
         if spec is not None:
             nodes.append(
                 DiagramNode(
                     name=state,
                     kind="step",
-                    initial=state == workflow.initial,
-                    cyclic=state in cyclic,
-                    settings=_settings(spec, cyclic=state in cyclic),
-                    tooltip=_step_tooltip(spec, cyclic=state in cyclic),
+                    initial=initial,
+                    cyclic=on_cycle,
+                    settings=_settings(spec.describe(), spec.max_visits, cyclic=on_cycle),
+                    tooltip=_step_tooltip(spec, cyclic=on_cycle),
                 )
             )
-        elif workflow.is_final(state):
-            nodes.append(DiagramNode(name=state, kind="final"))
+        elif wait is not None:
+            nodes.append(
+                DiagramNode(
+                    name=state,
+                    kind="wait",
+                    initial=initial,
+                    cyclic=on_cycle,
+                    settings=_settings(wait.describe(), wait.max_visits, cyclic=on_cycle),
+                    tooltip=_wait_tooltip(wait, cyclic=on_cycle),
+                )
+            )
         else:
-            nodes.append(DiagramNode(name=state, kind="wait", initial=state == workflow.initial))
+            kind: NodeKind = "final" if workflow.is_final(state) else "state"
+            nodes.append(DiagramNode(name=state, kind=kind, initial=initial))
+    timed = {(name, TIMEOUT_EVENT) for name, wait in workflow.waits.items() if wait.on_timeout}
     edges = tuple(
-        DiagramEdge(source=t.source, dest=t.dest, event=t.event) for t in workflow.transitions()
+        DiagramEdge(source=t.source, dest=t.dest, event=t.event, timer=(t.source, t.event) in timed)
+        for t in workflow.transitions()
     )
     return DiagramModel(
         name=workflow.name,
@@ -233,12 +249,30 @@ def lifecycle_model() -> DiagramModel:
     )
 
 
-def _settings(spec: StepSpec, *, cyclic: bool) -> str:
-    text = spec.describe()
-    if cyclic and spec.max_visits is None:
+def _settings(described: str, max_visits: int | None, *, cyclic: bool) -> str:
+    text = described
+    if max_visits is not None and "visits" not in text:
+        text += f", max {max_visits} visits"
+    if cyclic and max_visits is None:
         # A cycle without a visit limit can spin forever: make that visible in review.
         text += ", no max_visits"
     return text
+
+
+def _wait_tooltip(wait: WaitSpec, *, cyclic: bool) -> str:
+    lines = [
+        f"{wait.name}: wait state (no step; advances on an event sent to the run)"
+        + (", on a cycle" if cyclic else ""),
+        "events: "
+        + ", ".join(
+            f"{event}" + (f" ({wait.payloads[event].__name__})" if event in wait.payloads else "")
+            for event in wait.on
+        ),
+    ]
+    if wait.timeout is not None:
+        lines.append(f"timeout: {wait.timeout:g}s, then {wait.on_timeout}")
+    lines.append(f"max_visits: {wait.max_visits if wait.max_visits is not None else 'unlimited'}")
+    return "\n".join(lines)
 
 
 def _step_tooltip(spec: StepSpec, *, cyclic: bool) -> str:
@@ -305,7 +339,7 @@ class RunOverlay:
             if event.kind == j.STEP_STARTED and event.state is not None:
                 attempts[event.state] += 1
             elif (
-                event.kind == j.STEP_SUCCEEDED
+                event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
                 and event.state is not None
                 and event.event is not None
                 and event.next_state is not None
@@ -345,7 +379,7 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
     """``model`` with one run drawn on it: visited states and taken transitions with their
     counts, the current state emphasised, the failed state red with its error's first line,
     everything the run never reached faded. States and transitions the run used that the
-    definition no longer has are added, dashed."""
+    definition no longer has are added, dotted."""
     known = {node.name for node in model.nodes}
     nodes = [*model.nodes] + [
         DiagramNode(
@@ -360,9 +394,7 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
         attempts = overlay.attempts.get(node.name, 0)
         counts = _counts(visits, attempts)
         if node.name == overlay.failed_state:
-            marked.append(
-                replace(node, mark="failed", notes=(counts, f"failed: {overlay.error}"))
-            )
+            marked.append(replace(node, mark="failed", notes=(counts, f"failed: {overlay.error}")))
         elif node.name == overlay.state:
             marked.append(replace(node, mark="current", notes=(counts, f"now {overlay.status}")))
         elif visits or attempts:
@@ -463,7 +495,7 @@ def node_attrs(node: DiagramNode) -> dict[str, str]:
         attrs["label"] = label
     attrs.update(_SHAPES[node.kind])
     if not node.declared:
-        attrs["style"] = "rounded,dashed,filled"
+        attrs["style"] = "rounded,dotted,filled"
     attrs.update(_NODE_MARKS[node.mark])
     tooltip = node.tooltip or f"{node.name}: {_KIND_WORDS[node.kind]}"
     if node.notes:
@@ -476,10 +508,13 @@ def edge_attrs(edge: DiagramEdge) -> dict[str, str]:
     """The graphviz attributes of one transition (its event label, counts and marks)."""
     attrs = {"label": graphviz.escape(edge.label)}
     attrs.update(_EDGE_MARKS[edge.mark])
-    if not edge.declared:
+    if edge.timer:
         attrs["style"] = "dashed"
+    if not edge.declared:
+        attrs["style"] = "dotted"
+    how = "when its timeout passes" if edge.timer else f"on {edge.event}"
     taken = f" (taken {edge.count}x)" if edge.count else ""
-    attrs["tooltip"] = _esc_lines(f"{edge.source} -> {edge.dest} on {edge.event}{taken}")
+    attrs["tooltip"] = _esc_lines(f"{edge.source} -> {edge.dest} {how}{taken}")
     return attrs
 
 
@@ -525,7 +560,12 @@ def to_digraph(model: DiagramModel) -> graphviz.Digraph:
     initial = model.initial
     if initial is not None:
         graph.node(
-            START_NODE, label="", shape="point", width="0.15", color=INK, fillcolor=INK,
+            START_NODE,
+            label="",
+            shape="point",
+            width="0.15",
+            color=INK,
+            fillcolor=INK,
             tooltip="start",
         )
         graph.edge(START_NODE, initial, tooltip=graphviz.escape(f"initial state: {initial}"))
@@ -570,8 +610,7 @@ def format_for(path: Path) -> str:
     fmt = SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise FlowloopError(
-            f"{path}: cannot tell the format from the suffix; use .dot, .svg or .png, "
-            f"or --format"
+            f"{path}: cannot tell the format from the suffix; use .dot, .svg or .png, or --format"
         )
     return fmt
 

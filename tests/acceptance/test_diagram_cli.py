@@ -1,0 +1,200 @@
+"""`flowloop diagram` as users run it: a real process, real files, the real `dot` — and a
+PATH without `dot`, where DOT still works and SVG/PNG fail in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from flowloop import Engine, FakeClock, render
+from flowloop.loader import load_paths, load_target
+
+ROOT = Path(__file__).resolve().parents[2]
+ORDER = ROOT / "workflows" / "order.py"
+WORKFLOWS = ROOT / "workflows"
+SVG_TEXT = "{http://www.w3.org/2000/svg}text"
+ORDER_STATES = ("reserve", "awaiting_approval", "charge", "ship", "delivered", "cancelled")
+
+
+def machines() -> list[str]:
+    """What `--all` draws: the lifecycle and every example workflow."""
+    return [render.LIFECYCLE, *load_paths([WORKFLOWS]).workflows]
+
+
+needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz's dot")
+
+
+def flowloop(*args: str, cwd: Path, path: str | None = None) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "FLOWLOOP_DB": str(cwd / "cli.db")}
+    if path is not None:
+        env["PATH"] = path
+    return subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+
+
+@pytest.fixture
+def no_dot_path(tmp_path: Path) -> str:
+    """A PATH holding only a python: no `dot` on it."""
+    bin_dir = tmp_path / "bin-without-dot"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    return str(bin_dir)
+
+
+def svg_texts(data: bytes) -> str:
+    root = ET.fromstring(data)
+    return " ".join(t.text or "" for t in root.iter(SVG_TEXT))
+
+
+def test_diagram__workflow_file_prints_dot_to_stdout(tmp_path: Path) -> None:
+    result = flowloop("diagram", f"{ORDER}:order", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode() == render.workflow_digraph(load_target(str(ORDER))[0]).source
+    assert result.stderr == b""
+
+
+@needs_dot
+def test_diagram__svg_and_png_files_from_the_suffix(tmp_path: Path) -> None:
+    result = flowloop("diagram", str(ORDER), "-o", "out/order.svg", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    texts = svg_texts((tmp_path / "out" / "order.svg").read_bytes())
+    assert all(state in texts for state in ORDER_STATES)
+
+    result = flowloop("diagram", str(ORDER), "-o", "order.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "order.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_diagram__lifecycle(tmp_path: Path) -> None:
+    result = flowloop("diagram", "--lifecycle", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode() == render.lifecycle_digraph().source
+
+
+def test_diagram__run_overlay_from_the_store(tmp_path: Path) -> None:
+    workflow, _ = load_target(str(ORDER))
+    with Engine(str(tmp_path / "cli.db"), clock=FakeClock()) as engine:
+        info = engine.run(workflow, {"order_id": "A1", "items": [{"sku": "book", "qty": 1}]})
+    assert info.status == "succeeded"
+
+    result = flowloop("diagram", "--run", info.id, "-w", str(WORKFLOWS), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    dot = result.stdout.decode()
+    assert f"run {info.id}: succeeded at delivered" in dot
+    assert "1 visit, 2 attempts" in dot  # charge: the flaky provider, retried once
+    for label in ("reserved", "charged", "next"):
+        assert f'label="{label} {render.TIMES}1"' in dot
+    assert dot.count(render.TIMES) == 3
+
+
+def test_diagram__run_needs_its_workflow(tmp_path: Path) -> None:
+    workflow, _ = load_target(str(ORDER))
+    with Engine(str(tmp_path / "cli.db"), clock=FakeClock()) as engine:
+        run_id = engine.start(workflow, {"order_id": "A1", "items": [{"sku": "pen", "qty": 1}]}).id
+    empty = tmp_path / "none"
+    empty.mkdir()
+    result = flowloop("diagram", "--run", run_id, "-w", str(empty), cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.decode().count("\n") == 1
+    assert "unknown workflow 'order'" in result.stderr.decode() and "-w" in result.stderr.decode()
+
+
+@needs_dot
+def test_diagram__all_writes_dot_and_svg_for_every_workflow_and_the_lifecycle(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "diagrams"
+    out.mkdir()
+    (out / "gone.dot").write_text("digraph gone {}\n")
+    result = flowloop("diagram", "--all", "-w", str(WORKFLOWS), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    written = {f"{name}.{fmt}" for name in machines() for fmt in ("dot", "svg")}
+    assert sorted(p.name for p in out.iterdir()) == sorted({"gone.dot", *written})
+    assert "stale" in result.stderr.decode() and "gone.dot" in result.stderr.decode()
+    assert (out / "order.dot").read_text() == (ROOT / "diagrams" / "order.dot").read_text()
+    texts = svg_texts((out / "lifecycle.svg").read_bytes())
+    assert all(status in texts for status in ("idle", "scheduled", "running", "succeeded"))
+
+
+def test_diagram__usage_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    for args in (
+        ("diagram",),
+        ("diagram", str(ORDER), "--lifecycle"),
+        ("diagram", "--lifecycle", "--format", "png"),
+        ("diagram", "--all", "--format", "svg"),
+        ("diagram", "--lifecycle", "-o", "x.pdf"),
+    ):
+        result = flowloop(*args, cwd=tmp_path)
+        assert result.returncode == 2, args
+        assert result.stderr.decode().count("\n") == 1, (args, result.stderr)
+        assert result.stderr.startswith(b"error: "), args
+    assert not (tmp_path / "x.pdf").exists()
+
+
+# -- without the dot program ----------------------------------------------------------------
+
+
+def test_without_dot__dot_output_still_works(tmp_path: Path, no_dot_path: str) -> None:
+    result = flowloop("diagram", str(ORDER), "-o", "order.dot", cwd=tmp_path, path=no_dot_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "order.dot").read_text() == (ROOT / "diagrams" / "order.dot").read_text()
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_without_dot__svg_png_fail_in_one_line_and_write_nothing(
+    tmp_path: Path, no_dot_path: str, fmt: str
+) -> None:
+    result = flowloop("diagram", str(ORDER), "-o", f"order.{fmt}", cwd=tmp_path, path=no_dot_path)
+    assert result.returncode == 1
+    stderr = result.stderr.decode()
+    assert stderr.count("\n") == 1, stderr
+    assert "`dot` program is not installed" in stderr and "apt-get install graphviz" in stderr
+    assert result.stdout == b""
+    assert not (tmp_path / f"order.{fmt}").exists()
+
+    result = flowloop("diagram", "--lifecycle", "--format", "svg", cwd=tmp_path, path=no_dot_path)
+    assert result.returncode == 1 and result.stdout == b""
+    assert "apt-get install graphviz" in result.stderr.decode()
+
+
+def test_without_dot__all_writes_the_dot_files_then_fails_in_one_line(
+    tmp_path: Path, no_dot_path: str
+) -> None:
+    out = tmp_path / "diagrams"
+    result = flowloop(
+        "diagram",
+        "--all",
+        "-w",
+        str(WORKFLOWS),
+        "--out",
+        str(out),
+        cwd=tmp_path,
+        path=no_dot_path,
+    )
+    assert result.returncode == 1
+    stderr = result.stderr.decode()
+    assert stderr.count("\n") == 1 and "apt-get install graphviz" in stderr, stderr
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}.dot" for name in machines())
+
+
+def test_import__definitions_and_engine_do_not_load_graphviz(tmp_path: Path) -> None:
+    code = (
+        "import sys, flowloop, flowloop.definition, flowloop.engine, flowloop.cli\n"
+        "assert 'graphviz' not in sys.modules, 'graphviz imported at module level'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
