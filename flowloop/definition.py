@@ -201,7 +201,6 @@ class Workflow:
 
     def step(
         self,
-        fn: F | None = None,
         *,
         name: str | None = None,
         initial: bool = False,
@@ -217,9 +216,6 @@ class Workflow:
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
         """
-        if fn is not None:
-            raise DefinitionError(self.name, "use @workflow.step(...) with its arguments")
-
         def register(function: F) -> F:
             state = name or function.__name__
             self._add_step(
@@ -480,7 +476,7 @@ class Workflow:
         for state, targets in self._outgoing().items():
             for event in targets:
                 for t in machine.get_transitions(trigger=event, source=state):
-                    result.append(Transition(state, event, t.dest))
+                    result.append(Transition(state, event, t.dest or state))
         return result
 
     def next_state(self, state: str, event: object) -> str:

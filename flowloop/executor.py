@@ -262,7 +262,7 @@ class Executor:
         self._wake = asyncio.Event()
         for stored in initial:
             self.spawn(stored, starting=False)
-        helpers = [asyncio.create_task(self._heartbeat())]
+        helpers = [asyncio.create_task(self.heartbeat())]
         try:
             await self.recover()
             last_recovery = self.clock.monotonic()
@@ -373,7 +373,7 @@ class Executor:
 
     # -- leases and control ----------------------------------------------------------------
 
-    async def _heartbeat(self) -> None:
+    async def heartbeat(self) -> None:
         """Renew held leases every lease/3 and pick up pause/stop requests every poll."""
         last_renewal = self.clock.monotonic()
         while True:
@@ -629,7 +629,8 @@ class Executor:
             raise
         except Exception as error:
             duration = self.clock.monotonic() - started
-            return await self._failed(workflow, spec, record, fence, error, duration)
+            await self._failed(workflow, spec, record, fence, error, duration)
+            return None
         duration = self.clock.monotonic() - started
         self.stats.steps += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0

@@ -70,7 +70,8 @@ def _table(machine: Machine) -> frozenset[tuple[str, str]]:
     for event in machine.events.values():
         for source, transitions in event.transitions.items():
             for transition in transitions:
-                pairs.add((source, transition.dest))
+                if transition.dest is not None:  # internal transitions have no dest
+                    pairs.add((source, transition.dest))
     return frozenset(pairs)
 
 

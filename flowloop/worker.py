@@ -4,6 +4,7 @@ graceful shutdown on SIGTERM/SIGINT."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -13,6 +14,7 @@ from typing import Any, Final
 
 from flowloop.alerts import Alerts
 from flowloop.engine import Engine
+from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import Iteration, Loop
@@ -60,7 +62,7 @@ class Worker:
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         self.stop_event = stop = stop or asyncio.Event()
-        executor = self.engine._executor(max_concurrency=self.concurrency)
+        executor = self.engine._new_executor(max_concurrency=self.concurrency)
         capacity = Capacity(self.concurrency, runs_busy=lambda: executor.busy)
         executor.reserved = lambda: capacity.loops_busy
         self.executor = executor
@@ -103,17 +105,25 @@ class Worker:
         stored, created = engine.store.create_run(new)
         if created:
             self.executor.spawn(stored, starting=False)
-        while True:
-            task = self.executor.driving(stored.id)
-            if task is not None:
-                await asyncio.wait([task])
-            info = engine.store.get_run(stored.id)
-            assert info is not None
-            if info.record.status in FINISHED:
-                break
-            await asyncio.sleep(engine.poll_seconds)
+        try:
+            while True:
+                task = self.executor.driving(stored.id)
+                if task is not None:
+                    await asyncio.wait([task])
+                info = engine.store.get_run(stored.id)
+                assert info is not None
+                if info.record.status in FINISHED:
+                    break
+                await asyncio.sleep(engine.poll_seconds)
+        except asyncio.CancelledError:
+            if self.scheduler is not None and self.scheduler.stopping(loop.name):
+                # Stopping the loop stops its iteration, and the iteration is this run.
+                with contextlib.suppress(FlowloopError):
+                    engine.stop(stored.id)
+            raise
         if info.record.status != "succeeded":
-            raise IterationFailed(f"run {stored.id} {info.record.status}: {info.record.error or ''}")
+            status, error = info.record.status, info.record.error or ""
+            raise IterationFailed(f"run {stored.id} {status}: {error}")
         return stored.id
 
     def request_stop(self) -> None:

@@ -144,6 +144,7 @@ class SQLStore(LoopStoreMixin, Store):
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
         self._writer: Connection | None = None
+        self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
         try:
             if check_schema:
                 self._ensure_schema(create=create)
@@ -217,7 +218,9 @@ class SQLStore(LoopStoreMixin, Store):
             return migrate.upgrade(conn)
 
     def _build_statements(self) -> None:
-        record_params = {name: bindparam(f"p_{name}") for name in _record_columns_names()}
+        record_params: dict[str, Any] = {
+            name: bindparam(f"p_{name}") for name in _record_columns_names()
+        }
         lease_until = self.now_sql + bindparam("p_lease")
         fence = and_(
             runs.c.id == bindparam("p_id"),
@@ -240,6 +243,23 @@ class SQLStore(LoopStoreMixin, Store):
             .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
         )
         self._insert_events = insert(journal)
+        # Built once: creating a run is on the hot path of `engine.run`.
+        run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
+        self._insert_run = (
+            insert(runs)
+            .values({name: bindparam(f"p_{name}") for name in run_columns})
+            .returning(*runs.c)
+        )
+        self._insert_run_owned = (
+            insert(runs)
+            .values(
+                {
+                    **{name: bindparam(f"p_{name}") for name in run_columns},
+                    "lease_expires_at": self.now_sql + bindparam("p_lease"),
+                }
+            )
+            .returning(*runs.c)
+        )
 
     # -- definitions -----------------------------------------------------------------------
 
@@ -299,11 +319,10 @@ class SQLStore(LoopStoreMixin, Store):
                 existing = self._existing(conn, record, new.idempotency_key)
                 if existing is not None:
                     return existing, False
-                values: dict[str, Any] = dict(row)
-                stmt = insert(runs)
-                if new.owner:
-                    values["lease_expires_at"] = self.now_sql + new.lease_seconds
-                conn.execute(stmt.values(**values))
+                stmt = self._insert_run_owned if new.owner else self._insert_run
+                params = {f"p_{name}": value for name, value in row.items()}
+                params["p_lease"] = new.lease_seconds
+                inserted = conn.execute(stmt, params).one()
                 conn.execute(self._insert_events, [_event_row(e) for e in new.events])
         except IntegrityError:
             # Lost a race with a concurrent start of the same key: return the winner.
@@ -312,9 +331,7 @@ class SQLStore(LoopStoreMixin, Store):
             if existing is None:
                 raise
             return existing, False
-        stored = self.get_run(record.id)
-        assert stored is not None
-        return stored, True
+        return _stored_from_row(inserted), True
 
     def _existing(
         self, conn: Connection, record: RunRecord, idempotency_key: str | None
@@ -439,32 +456,61 @@ class SQLStore(LoopStoreMixin, Store):
 
     # -- claiming --------------------------------------------------------------------------
 
-    def _claim_where(self, statuses: Sequence[str], extra: Sequence[Any]) -> Any:
-        return and_(
-            runs.c.status.in_(list(statuses)),
-            or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql),
-            *extra,
-        )
-
-    def _claim(
-        self, *, worker: str, lease_seconds: float, where: Any, limit: int, order: Sequence[Any]
-    ) -> list[StoredRun]:
+    def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool) -> Any:
+        """The claim UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED) for one shape of
+        filter, built once: building SQLAlchemy statements per call costs more than the
+        commit. Values travel as bind parameters (lists as expanding IN)."""
+        key = (kind, by_workflow, by_id)
+        cached = self._claim_cache.get(key)
+        if cached is not None:
+            return cached
+        if kind == "due":
+            conditions = [
+                runs.c.status.in_(sorted(CLAIMABLE)),
+                runs.c.next_run_at <= bindparam("p_now"),
+            ]
+            order: tuple[Any, ...] = (runs.c.priority.desc(), runs.c.next_run_at, runs.c.id)
+        else:
+            conditions = [runs.c.status == "running"]
+            order = (runs.c.id,)
+        conditions.append(or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
+        if by_workflow:
+            conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
+        if by_id:
+            conditions.append(runs.c.id.in_(bindparam("p_ids", expanding=True)))
         candidates = (
-            select(runs.c.id).where(where).order_by(*order).limit(limit)
+            select(runs.c.id).where(*conditions).order_by(*order).limit(bindparam("p_limit"))
             .with_for_update(skip_locked=True)
         )
         stmt = (
             update(runs)
             .where(runs.c.id.in_(candidates.scalar_subquery()))
             .values(
-                owner=worker,
+                owner=bindparam("p_worker"),
                 lease_epoch=runs.c.lease_epoch + 1,
-                lease_expires_at=self.now_sql + lease_seconds,
+                lease_expires_at=self.now_sql + bindparam("p_lease"),
             )
             .returning(*runs.c)
         )
+        self._claim_cache[key] = stmt
+        return stmt
+
+    def _claim(
+        self, kind: str, *, worker: str, lease_seconds: float, limit: int,
+        workflows: Sequence[str] | None, run_ids: Sequence[str] | None, now: float = 0.0,
+    ) -> list[StoredRun]:
+        if (workflows is not None and not workflows) or (run_ids is not None and not run_ids):
+            return []
+        stmt = self._claim_statement(kind, workflows is not None, run_ids is not None)
+        params: dict[str, Any] = {
+            "p_worker": worker, "p_lease": lease_seconds, "p_limit": limit, "p_now": now,
+        }
+        if workflows is not None:
+            params["p_workflows"] = list(workflows)
+        if run_ids is not None:
+            params["p_ids"] = list(run_ids)
         with self._write() as conn:
-            rows = [_stored_from_row(row) for row in conn.execute(stmt)]
+            rows = [_stored_from_row(row) for row in conn.execute(stmt, params)]
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
         return rows
 
@@ -478,17 +524,9 @@ class SQLStore(LoopStoreMixin, Store):
         workflows: Sequence[str] | None = None,
         run_ids: Sequence[str] | None = None,
     ) -> list[StoredRun]:
-        extra: list[Any] = [runs.c.next_run_at <= now]
-        if workflows is not None:
-            extra.append(runs.c.workflow.in_(list(workflows)))
-        if run_ids is not None:
-            extra.append(runs.c.id.in_(list(run_ids)))
         return self._claim(
-            worker=worker,
-            lease_seconds=lease_seconds,
-            where=self._claim_where(sorted(CLAIMABLE), extra),
-            limit=limit,
-            order=(runs.c.priority.desc(), runs.c.next_run_at, runs.c.id),
+            "due", worker=worker, lease_seconds=lease_seconds, limit=limit,
+            workflows=workflows, run_ids=run_ids, now=now,
         )
 
     def claim_interrupted(
@@ -499,15 +537,9 @@ class SQLStore(LoopStoreMixin, Store):
         lease_seconds: float,
         workflows: Sequence[str] | None = None,
     ) -> list[StoredRun]:
-        extra: list[Any] = []
-        if workflows is not None:
-            extra.append(runs.c.workflow.in_(list(workflows)))
         return self._claim(
-            worker=worker,
-            lease_seconds=lease_seconds,
-            where=self._claim_where(["running"], extra),
-            limit=limit,
-            order=(runs.c.id,),
+            "interrupted", worker=worker, lease_seconds=lease_seconds, limit=limit,
+            workflows=workflows, run_ids=None,
         )
 
     def running_owners(self) -> list[str]:
