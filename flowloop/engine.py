@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
-from flowloop.events import accepted, accepts, receive
+from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, receive
 from flowloop.errors import (
     DefinitionError,
     FlowloopError,
+    InvalidContext,
     InvalidEvent,
     InvalidTransition,
     UnknownLoop,
@@ -34,8 +36,8 @@ from flowloop.executor import (
     Executor,
     Listener,
     Stats,
-    deliver_pending,
     new_worker_id,
+    try_deliver_pending,
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
@@ -309,10 +311,20 @@ class Engine:
             # Fast path: drive the run we just created and claimed, without polling the
             # queue; the heartbeat keeps its lease alive through long steps.
             heartbeat = asyncio.create_task(executor.heartbeat())
+            task = executor.spawn(stored, starting=False)
             try:
-                await executor.spawn(stored, starting=False)
+                # Not `await task`: a run cut off by an operator's stop or a lost lease ends
+                # its task cancelled, which is the run's outcome, not the caller's
+                # cancellation (its status is read below).
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                task.cancel()
+                await asyncio.wait([task])
+                raise
             finally:
                 heartbeat.cancel()
+            if not task.cancelled():
+                task.result()  # an error of the drive loop itself surfaces here
         info = self.get(stored.id)
         if info.status in ("scheduled", "retrying") and info.state not in workflow.waits:
             # Retry backoff or a durable sleep: wait for it like run_until_idle would.
@@ -542,6 +554,8 @@ class Engine:
             workflow = self.workflow(record.workflow)
             waiting_here = accepts(workflow, record, event)
             if waiting_here and stored.owner is None:
+                if self._deliver_kept(workflow, record):
+                    continue  # events kept earlier went first (in order): look again
                 received, after = receive(
                     workflow, record, event, message.payload, now=message.sent_at,
                     worker=message.sender or "", extra={"dedupe_key": dedupe_key} if dedupe_key else None,
@@ -553,18 +567,44 @@ class Engine:
                 if result == "conflict":
                     time.sleep(SEND_RETRY_SECONDS)  # another writer moved the run: look again
                     continue
-            elif buffer or waiting_here:
-                # Busy (a worker holds it) or not there yet: keep it for later.
-                result = self.store.deliver(message, None)
-                if result == "buffered":
-                    deliver_pending(
+                if result == "applied" and after.state in workflow.waits:
+                    # It waits again (maybe in another wait state): take what was kept for it.
+                    try_deliver_pending(
                         self.store, self._workflows, run_id, now=self.clock.now(),
                         worker=self.worker_id,
                     )
+            elif buffer or waiting_here:
+                # Busy (a worker holds it) or not there yet: keep it for later, unless it
+                # could never be taken (no wait state accepts it, or its payload is invalid).
+                check_bufferable(
+                    workflow, event, message.payload, state=record.state if waiting_here else None
+                )
+                result = self.store.deliver(message, None)
+                if result == "buffered":
+                    try_deliver_pending(
+                        self.store, self._workflows, run_id, now=self.clock.now(),
+                        worker=self.worker_id,
+                    )
+            elif event in accepted(workflow, record.state):
+                raise NotWaiting(run_id, record.status, record.state, event)
             else:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
+
+    def _deliver_kept(self, workflow: Workflow, record: RunRecord) -> bool:
+        """Before an event is applied to a waiting run, hand it the events kept for it that
+        it accepts now, oldest first: a sender's events are journaled in the order sent.
+        True when the run may have moved (look again)."""
+        if not any(
+            accepts(workflow, record, message.event)
+            for message in self.store.pending_events(record.id)
+        ):
+            return False
+        consumed = try_deliver_pending(
+            self.store, self._workflows, record.id, now=self.clock.now(), worker=self.worker_id
+        )
+        return consumed is not None  # None: a kept event cannot be taken; do not wait on it
 
     def retry(
         self,
@@ -594,9 +634,11 @@ class Engine:
             raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
         data: dict[str, Any] = {"by": by or _user(), "from": state}
         if set_fields:
+            _check_fields(workflow, set_fields)
             merged = {**json.loads(context), **set_fields}
             context = workflow.parse_context(merged).model_dump_json()
-            data["set"] = dict(set_fields)
+            # As JSON (a datetime, a UUID ...): the journal stores what was set.
+            data["set"] = to_jsonable_python(dict(set_fields))
         if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
         return self.get(run_id)
@@ -680,6 +722,24 @@ class Engine:
             name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
             changes={**changes, "control": None, "updated_at": now}, events=[event],
         )
+
+def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
+    """An edit must name fields of the context: pydantic would drop an unknown (misspelt)
+    one silently, and the journal would claim an edit that never happened."""
+    model = workflow.context
+    if model.model_config.get("extra") == "allow":
+        return
+    known = set(model.model_fields) | {
+        f.alias for f in model.model_fields.values() if f.alias is not None
+    }
+    unknown = sorted(set(set_fields) - known)
+    if unknown:
+        raise InvalidContext(
+            workflow.name,
+            f"no field(s) {', '.join(map(repr, unknown))} in {model.__name__} "
+            f"(fields: {', '.join(model.model_fields)})",
+        )
+
 
 def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
     """The context a run had when it last entered ``state``."""

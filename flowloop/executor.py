@@ -17,6 +17,7 @@ import functools
 import logging
 import os
 import socket
+import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -38,7 +39,7 @@ from flowloop.definition import (
     compatible,
     describe_validation,
 )
-from flowloop.events import accepted, accepts, check_visits, entering, receive
+from flowloop.events import accepted, accepts, check_visits, entering, receive, wait_due
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, Store, StoredRun
@@ -54,6 +55,8 @@ OUTAGE_BACKOFF_START: Final = 0.2
 OUTAGE_BACKOFF_CAP: Final = 5.0
 """Seconds between attempts to reach a database that went away."""
 RECOVERY_EVERY_SECONDS: Final = 10.0
+"""How often every worker settles runs whose lease expired (at most; half the lease when
+that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
 
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
@@ -87,6 +90,14 @@ def _is_zombie(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return False
+
+
+def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
+    """The ``extra=`` fields of a step's log lines (keys of a JSON log line)."""
+    return {
+        "workflow": workflow, "run": record.id, "seq": record.last_seq,
+        "state": record.state, "attempt": record.attempt,
+    }
 
 
 def error_line(error: BaseException) -> str:
@@ -137,6 +148,10 @@ class Committer:
         self._scheduled = False
         self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._backoff = 0.0
+        self.released: set[str] = set()
+        """Runs whose releasing boundary was applied (their owner let go of them), noted at
+        commit time, before the waiting task resumes (the heartbeat must not take the
+        missing lease for a lost one)."""
 
     def submit(self, boundary: Boundary) -> asyncio.Future[bool]:
         loop = asyncio.get_running_loop()
@@ -150,7 +165,9 @@ class Committer:
     def _flush(self) -> None:
         self._scheduled = False
         retried, self._retrying = self._retrying, []
-        batch = retried + self._pending
+        # A cancelled waiter (its run was abandoned: lease lost, cut off) must not have
+        # its boundary written after the fact.
+        batch = [(b, f) for b, f in retried + self._pending if not f.cancelled()]
         self._pending = []
         if not batch:
             return
@@ -171,6 +188,8 @@ class Committer:
         for (boundary, future), applied in zip(batch, results, strict=True):
             if not applied and id(boundary) in retried_ids:
                 applied = self._already_applied(boundary)
+            if applied and boundary.release:
+                self.released.add(boundary.run_id)
             if not future.done():
                 future.set_result(applied)
 
@@ -221,6 +240,8 @@ class Executor:
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
         self.listeners = list(listeners)
+        self.lease_lost: list[Callable[[str, str], None]] = []
+        """Called with (run id, why) when this worker stops driving a run it lost."""
         self.stats = Stats()
         self.committer = Committer(store, self.stats)
         self._threads = ThreadPoolExecutor(
@@ -231,6 +252,9 @@ class Executor:
         self._draining = False
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
+        self._lease_until: dict[str, float] = {}
+        """Per driven run: by this process's monotonic clock, the earliest its lease can end
+        (the time just before the claim, renewal or owned write that set it, plus the lease)."""
         self.reserved: Callable[[], int] = lambda: 0
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
 
@@ -270,7 +294,9 @@ class Executor:
             while not (stop is not None and stop.is_set()):
                 try:
                     claimed = self._claim(run_ids)
-                    if self.clock.monotonic() - last_recovery > RECOVERY_EVERY_SECONDS:
+                    if self.clock.monotonic() - last_recovery > min(
+                        RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
+                    ):
                         await self.recover()
                         last_recovery = self.clock.monotonic()
                     outage = 0.0
@@ -346,12 +372,18 @@ class Executor:
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
         task = asyncio.create_task(self._drive(stored, starting=starting))
-        self._active[stored.id] = _Active(task)
+        self._active[stored.id] = active = _Active(task)
+        self._lease_until[stored.id] = time.monotonic() + self.lease_seconds
+        self.committer.released.discard(stored.id)
 
         def done(_: asyncio.Task[None]) -> None:
-            self._active.pop(stored.id, None)
             self._per_workflow[name] -= 1
+            if self._active.get(stored.id) is not active:
+                return  # the run was claimed again and is driven by a newer task
+            self._active.pop(stored.id, None)
             self._controls.pop(stored.id, None)
+            self._lease_until.pop(stored.id, None)
+            self.committer.released.discard(stored.id)
             if self._wake is not None:
                 self._wake.set()
 
@@ -374,29 +406,81 @@ class Executor:
     # -- leases and control ----------------------------------------------------------------
 
     async def heartbeat(self) -> None:
-        """Renew held leases every lease/3 and pick up pause/stop requests every poll."""
-        last_renewal = self.clock.monotonic()
+        """Renew held leases every lease/3, pick up pause/stop requests every poll, and fence
+        this worker off every run whose lease it could not renew in time.
+
+        Lease arithmetic uses the real monotonic clock (a test's fake clock does not move
+        the database's): the lease was set by the database at or after the local instant
+        noted before the request that set it, so it ends no earlier than that + lease."""
+        # Ticks at most lease/12 apart: a run is fenced off with lease/6 to spare at the
+        # latest one tick (lease/12) after that point, so with lease/12 left at worst.
+        tick = max(0.01, min(self.poll_seconds, self.lease_seconds / 12))
+        last_renewal = last_poll = time.monotonic()
+        failing = False
         while True:
-            await asyncio.sleep(self.poll_seconds)
+            await asyncio.sleep(tick)
+            now = time.monotonic()
             try:
-                self._poll_controls()
-                if self.clock.monotonic() - last_renewal >= self.lease_seconds / 3:
-                    last_renewal = self.clock.monotonic()
+                called = False
+                if now - last_poll >= self.poll_seconds or failing:
+                    self._poll_controls()
+                    last_poll, called = now, True
+                if now - last_renewal >= self.lease_seconds / 3:
                     self._renew()
-            except Exception as error:  # keep beating through a database hiccup
-                log.warning("heartbeat failed: %s", error_line(error))
+                    last_renewal, called = now, True
+                if failing and called:
+                    log.info("heartbeat: database reachable again")
+                    failing = False
+            except Exception as error:  # keep beating (retrying every tick) through a hiccup
+                if not failing:
+                    log.warning("heartbeat failed (retrying): %s", error_line(error))
+                failing = True
+            self._fence_expiring()
 
     def _renew(self) -> None:
-        held = list(self._active)
-        kept = self.store.renew(worker=self.worker_id, run_ids=held, lease_seconds=self.lease_seconds)
+        released = self.committer.released
+        held = [
+            run_id for run_id, active in self._active.items()
+            if run_id not in released and not active.task.done()
+        ]
+        if not held:
+            return
+        before = time.monotonic()
+        kept = self.store.renew(
+            worker=self.worker_id, run_ids=held, lease_seconds=self.lease_seconds
+        )
+        for run_id in kept:
+            self._lease_until[run_id] = before + self.lease_seconds
         for run_id in set(held) - kept:
-            # Self-fencing: without a lease this worker must not take another step.
-            log.warning("run %s: lost its lease; abandoning it", run_id)
-            self.stats.lost_leases += 1
-            self._controls[run_id] = "lost"
+            if run_id in released:  # let go meanwhile (cannot happen while renew blocks)
+                continue
+            self._abandon(run_id, "lost its lease (expired, or taken over by another worker)")
+
+    def _fence_expiring(self) -> None:
+        """Self-fencing: a run whose lease could not be renewed is abandoned when a sixth of
+        the lease is left (a twelfth at worst, given the heartbeat's tick), so this worker
+        never steps a run that another worker may already have taken over."""
+        limit = time.monotonic() + self.lease_seconds / 6
+        for run_id, until in list(self._lease_until.items()):
             active = self._active.get(run_id)
-            if active is not None:
-                active.task.cancel()
+            if (
+                until <= limit and active is not None and not active.task.done()
+                and run_id not in self.committer.released
+                and self._controls.get(run_id) != "lost"
+            ):
+                self._abandon(run_id, "could not renew its lease in time; abandoning it before "
+                                      "the lease ends (self-fencing)")
+
+    def _abandon(self, run_id: str, why: str) -> None:
+        """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
+        log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
+        self.stats.lost_leases += 1
+        self._lease_lost(run_id, why)
+        self._controls[run_id] = "lost"
+        self._lease_until.pop(run_id, None)
+        active = self._active.get(run_id)
+        if active is not None:
+            active.task.cancel()
 
     def _poll_controls(self) -> None:
         for run_id, action in self.store.pending_controls(worker=self.worker_id).items():
@@ -466,8 +550,14 @@ class Executor:
             worker=self.worker_id,
             data=data,
         )
-        if "reason" in data:
-            log.error("run %s: step %s interrupted: %s", record.id, record.state, message)
+        log.log(
+            logging.ERROR if "reason" in data else logging.WARNING,
+            "run %s seq %d: %s attempt %d interrupted: %s", record.id, record.last_seq,
+            record.state, record.attempt, message,
+            extra={**step_fields(record.workflow, record), "event": "step_finished",
+                   "outcome": "interrupted", "error_type": "Interrupted",
+                   "retryable": "retry_at" in data},
+        )
         return Boundary(
             events=[event],
             record=j.apply(record, event),
@@ -477,6 +567,13 @@ class Executor:
 
     # -- one run ---------------------------------------------------------------------------
 
+    def _lease_lost(self, run_id: str, why: str) -> None:
+        for hook in self.lease_lost:
+            try:
+                hook(run_id, why)
+            except Exception:  # a hook must never break the worker
+                log.exception("lease-lost hook failed")
+
     def _notify(self, boundary: Boundary) -> None:
         for listener in self.listeners:
             try:
@@ -485,16 +582,19 @@ class Executor:
                 log.exception("listener failed")
 
     async def _commit(self, boundary: Boundary) -> bool:
+        before = time.monotonic()
         applied = await self.committer.submit(boundary)
         if applied:
+            if not boundary.release and boundary.run_id in self._lease_until:
+                # Owned writes renew the lease too.
+                self._lease_until[boundary.run_id] = before + self.lease_seconds
             self._notify(boundary)
         else:
             self.stats.lost_leases += 1
-            log.warning(
-                "run %s: write refused (lease lost or run changed by another writer); "
-                "abandoning it",
-                boundary.run_id,
-            )
+            why = "write refused (lease lost or run changed by another writer); abandoning it"
+            log.warning("run %s: %s", boundary.run_id, why,
+                        extra={"run": boundary.run_id, "event": "lease_lost"})
+            self._lease_lost(boundary.run_id, why)
         return applied
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
@@ -561,6 +661,8 @@ class Executor:
         self, workflow: Workflow, stored: StoredRun
     ) -> tuple[str, str, str] | None:
         record = stored.record
+        if stored.problem is not None:
+            return j.RUN_FAILED, "invalid_row", stored.problem
         if record.fingerprint != workflow.fingerprint:
             old = self.store.definition(record.fingerprint) or {}
             why = compatible(old, workflow, record.state)
@@ -616,7 +718,9 @@ class Executor:
             worker=self.worker_id,
         )
         ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
-        log.debug("run %s seq %d: %s attempt %d started", record.id, record.last_seq, record.state, record.attempt)
+        fields = step_fields(workflow.name, record)
+        log.info("run %s seq %d: %s attempt %d started", record.id, record.last_seq,
+                 record.state, record.attempt, extra={**fields, "event": "step_started"})
         started = self.clock.monotonic()
         try:
             returned = await self._call(record.id, spec, ctx, step)
@@ -645,6 +749,10 @@ class Executor:
             duration=duration,
             data=entering(workflow, next_state, self.clock.now(), delay=delay),
         )
+        log.info("run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)", record.id,
+                 record.last_seq, record.state, record.attempt, duration * 1000, event,
+                 next_state, extra={**fields, "event": "step_finished", "outcome": "succeeded",
+                                    "duration": duration, "next_state": next_state})
         return await self._advance(workflow, record, fence, succeeded)
 
     async def _advance(
@@ -665,6 +773,8 @@ class Executor:
                 kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
                 events.append(self._event(record, kind, offset=2, state=target))
             await self._finish(record, fence, events, clear_control=action is not None)
+            if action is None and target in workflow.waits:
+                self._deliver(record.id)  # draining: still hand it what was kept for it
             return None
         if target in workflow.waits or (after.next_run_at or 0.0) > transition.at:
             # Waiting or sleeping: hand the run back; its due time (if any) is stored.
@@ -684,12 +794,23 @@ class Executor:
     async def _end_wait(
         self, workflow: Workflow, record: RunRecord, fence: Fence
     ) -> RunRecord | None:
-        """A claimed waiting run: take a buffered event it accepts, else its timeout."""
+        """A claimed waiting run: take a buffered event it accepts, else its timeout when it
+        is due; else (claimed early: unpaused, or created in its wait state) hand it back
+        with its stored due time (``None`` without a timeout)."""
         for message in self.store.pending_events(record.id):
             if message.event in workflow.waits[record.state].on:
                 break
         else:
             message = None
+        if message is None:
+            due = wait_due(workflow, record.state, self.store.journal(record.id))
+            if due is None or due > self.clock.now():
+                released = self._event(
+                    record, j.RUN_RELEASED, state=record.state,
+                    data={"due": due, "reason": "waiting for an event"},
+                )
+                await self._finish(record, fence, [released])
+                return None
         try:
             received, _ = receive(
                 workflow, record, message.event if message else TIMEOUT_EVENT,
@@ -710,19 +831,19 @@ class Executor:
             )
             if result == "applied":
                 self._notify(Boundary(events=[received], record=after, fence=fence))
-                if self._wake is not None:
+                if after.state in workflow.waits:
+                    self._deliver(record.id)  # waits again: take what was kept for it
+                elif self._wake is not None:
                     self._wake.set()
+            else:  # refused (another writer moved the run): do not sit on the claim
+                self.store.release(worker=self.worker_id, run_ids=[record.id])
             return None
         return await self._advance(workflow, record, fence, received)
 
     def _deliver(self, run_id: str) -> None:
-        try:
-            delivered = deliver_pending(
-                self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
-            )
-        except Exception as error:  # the run stays waiting; the next send or claim retries
-            log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
-            return
+        delivered = try_deliver_pending(
+            self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
+        )
         if delivered and self._wake is not None:
             self._wake.set()
 
@@ -759,8 +880,15 @@ class Executor:
             data=data,
         )
         level = logging.INFO if retryable else logging.ERROR
-        log.log(level, "run %s: %s attempt %d failed: %s: %s", record.id, record.state,
-                record.attempt, type(error).__name__, message)
+        outcome = (
+            "timed_out" if isinstance(error, StepTimeout) else "retried" if retryable else "failed"
+        )
+        log.log(level, "run %s seq %d: %s attempt %d %s in %.1f ms: %s: %s", record.id,
+                record.last_seq, record.state, record.attempt, outcome, duration * 1000,
+                type(error).__name__, message,
+                extra={**step_fields(workflow.name, record), "event": "step_finished",
+                       "outcome": outcome, "duration": duration,
+                       "error_type": type(error).__name__, "retryable": retryable})
         await self._finish(record, fence, [failed])
         if retryable and self._wake is not None:
             self._wake.set()
@@ -803,6 +931,9 @@ def deliver_pending(
     another (each may lead to another wait). Returns how many were consumed."""
     consumed = 0
     while True:
+        pending = store.pending_events(run_id)
+        if not pending:  # the usual case: one read, nothing kept for this run
+            return consumed
         stored = store.get_run(run_id)
         if stored is None or stored.record.workflow not in workflows:
             return consumed
@@ -810,9 +941,7 @@ def deliver_pending(
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
-        message = next(
-            (m for m in store.pending_events(run_id) if accepts(workflow, record, m.event)), None
-        )
+        message = next((m for m in pending if accepts(workflow, record, m.event)), None)
         if message is None:
             return consumed
         received, after = receive(
@@ -823,6 +952,18 @@ def deliver_pending(
         if store.deliver(message, boundary) != "applied":
             return consumed
         consumed += 1
+
+
+def try_deliver_pending(
+    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+) -> int | None:
+    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. a
+    handler raised on a kept event). The run stays waiting; the next send or claim retries."""
+    try:
+        return deliver_pending(store, workflows, run_id, now=now, worker=worker)
+    except Exception as error:
+        log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
+        return None
 
 
 def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:

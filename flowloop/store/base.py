@@ -33,6 +33,9 @@ class StoredRun:
     control: str | None
     created_at: float
     updated_at: float
+    problem: str | None = None
+    """Why part of the row could not be read (a corrupt JSON column), else ``None``: the
+    executor then fails the run with this as its error instead of stepping it."""
 
     @property
     def id(self) -> str:

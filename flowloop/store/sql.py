@@ -98,7 +98,20 @@ def _record_columns(record: RunRecord) -> dict[str, Any]:
     }
 
 
+def _visits(text: str) -> tuple[dict[str, int], str | None]:
+    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
+    every claim (and so every other run) fail."""
+    try:
+        visits = json.loads(text)
+    except ValueError as error:
+        return {}, f"stored visits are not valid JSON: {error}"
+    if not isinstance(visits, dict):
+        return {}, "stored visits are not a JSON object"
+    return visits, None
+
+
 def _stored_from_row(row: Any) -> StoredRun:
+    visits, problem = _visits(row.visits)
     record = RunRecord(
         id=row.id,
         workflow=row.workflow,
@@ -109,7 +122,7 @@ def _stored_from_row(row: Any) -> StoredRun:
         state=row.state,
         context=row.context,
         attempt=row.attempt,
-        visits=json.loads(row.visits),
+        visits=visits,
         next_run_at=row.next_run_at,
         last_seq=row.last_seq,
         reason=row.reason,
@@ -125,6 +138,7 @@ def _stored_from_row(row: Any) -> StoredRun:
         control=row.control,
         created_at=row.created_at,
         updated_at=row.updated_at,
+        problem=problem,
     )
 
 
@@ -227,14 +241,19 @@ class SQLStore(LoopStoreMixin, Store):
             runs.c.lease_epoch == bindparam("p_epoch"),
             runs.c.last_seq == bindparam("p_follows"),
         )
+        # The owner's fencing token: its id, its epoch, and a lease still running by the
+        # database's clock (an expired lease writes nothing, even before a takeover).
+        owned = and_(
+            fence, runs.c.owner == bindparam("p_owner"), runs.c.lease_expires_at >= self.now_sql
+        )
         self._update_owned = (
             update(runs)
-            .where(fence, runs.c.owner == bindparam("p_owner"))
+            .where(owned)
             .values(**record_params, updated_at=bindparam("p_at"), lease_expires_at=lease_until)
         )
         self._update_owned_release = (
             update(runs)
-            .where(fence, runs.c.owner == bindparam("p_owner"))
+            .where(owned)
             .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
         )
         self._update_unowned = (

@@ -1,0 +1,541 @@
+"""The store contract (flowloop/store/base.py), the same suite on SQLite files and PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from storekit import new_run, past, pause, start_step, succeed_step
+
+from flowloop import journal as j
+from flowloop.errors import SchemaMismatch, StoreError
+from flowloop.store import Fence, RunFilter, SQLStore, migrate
+
+DEADLINE_S = 10.0
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[SQLStore]:
+    s = SQLStore(store_url)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def other(store_url: str, store: SQLStore) -> Iterator[SQLStore]:
+    """A second store instance on the same database (another process, as far as it knows)."""
+    s = SQLStore(store_url)
+    yield s
+    s.close()
+
+
+def journal_kinds(store: SQLStore, run_id: str) -> list[str]:
+    return [e.kind for e in store.journal(run_id)]
+
+
+def claim_one(store: SQLStore, worker: str, run_id: str, lease: float = 30.0) -> Any:
+    rows = store.claim(
+        worker=worker, now=time.time(), limit=1, lease_seconds=lease, run_ids=[run_id]
+    )
+    assert [r.id for r in rows] == [run_id]
+    return rows[0]
+
+
+# -- creating -----------------------------------------------------------------------------
+
+
+def test_create_run__same_business_key_returns_existing(store: SQLStore) -> None:
+    first, created = store.create_run(new_run(key="order-1"))
+    again, created_again = store.create_run(new_run(key="order-1"))
+    other_wf, created_other = store.create_run(new_run(key="order-1", workflow="other"))
+    assert created and not created_again and created_other
+    assert again.id == first.id
+    assert other_wf.id != first.id
+    assert journal_kinds(store, first.id) == [j.RUN_CREATED]
+
+
+def test_create_run__same_idempotency_key_returns_existing(store: SQLStore) -> None:
+    first, created = store.create_run(new_run(idempotency_key="req-7"))
+    again, created_again = store.create_run(new_run(idempotency_key="req-7"))
+    assert created and not created_again
+    assert again.id == first.id
+    assert len(store.find_runs(RunFilter(workflow="w"))) == 1
+
+
+def test_create_run__with_owner_starts_claimed(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run(owner="me"))
+    assert stored.owner == "me" and stored.lease_epoch == 1
+    assert stored.record.status == "running" and stored.record.attempt == 1
+    assert stored.lease_expires_at is not None and stored.lease_expires_at > store.db_now()
+    assert journal_kinds(store, stored.id) == [j.RUN_CREATED, j.STEP_STARTED]
+
+
+def test_definitions__saved_once_and_read_back(store: SQLStore, other: SQLStore) -> None:
+    store.save_definition("abc", "w", 1, '{"states": {}}')
+    other.save_definition("abc", "w", 1, '{"states": {}}')  # idempotent
+    assert other.definition("abc") == {"states": {}}
+    assert store.definition("missing") is None
+
+
+def test_find_runs__filters_newest_first(store: SQLStore) -> None:
+    a, _ = store.create_run(new_run(key="a"))
+    b, _ = store.create_run(new_run(key="b", workflow="other"))
+    found = store.find_runs(RunFilter())
+    assert {r.id for r in found} == {a.id, b.id}
+    assert [r.id for r in store.find_runs(RunFilter(workflow="other"))] == [b.id]
+    assert [r.id for r in store.find_runs(RunFilter(key="a"))] == [a.id]
+    assert store.find_runs(RunFilter(statuses=["failed"])) == []
+
+
+def test_db_now__is_the_wall_clock(store: SQLStore) -> None:
+    assert abs(store.db_now() - time.time()) < 5.0
+
+
+# -- journal ------------------------------------------------------------------------------
+
+
+def test_journal__in_seq_order_and_cut_at_seq(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = claim_one(store, "me", stored.id)
+    started = start_step(claimed, "me")
+    assert store.write([started]) == [True]
+    done = succeed_step(started.record, started.fence, release=False)
+    assert store.write([done]) == [True]
+    events = store.journal(stored.id)
+    assert [e.seq for e in events] == [1, 2, 3]
+    assert [e.kind for e in events] == [j.RUN_CREATED, j.STEP_STARTED, j.STEP_SUCCEEDED]
+    assert [e.seq for e in store.journal(stored.id, until_seq=2)] == [1, 2]
+    row = store.get_run(stored.id)
+    assert row is not None
+    assert j.compare(j.fold(events), row.record) == []
+
+
+# -- claiming -----------------------------------------------------------------------------
+
+
+def test_claim__takes_only_due_runs(store: SQLStore) -> None:
+    due, _ = store.create_run(new_run())
+    later, _ = store.create_run(new_run(due=time.time() + 3600))
+    assert store.count_due(now=time.time()) == 1
+    rows = store.claim(worker="me", now=time.time(), limit=10, lease_seconds=30)
+    assert [r.id for r in rows] == [due.id]
+    assert store.claim(worker="me", now=time.time() + 7200, limit=10, lease_seconds=30)[0].id == (
+        later.id
+    )
+
+
+def test_claim__highest_priority_first_then_oldest_due(store: SQLStore) -> None:
+    base = past()
+    low_old, _ = store.create_run(new_run(priority=0, due=base - 10))
+    high_new, _ = store.create_run(new_run(priority=5, due=base))
+    high_old, _ = store.create_run(new_run(priority=5, due=base - 5))
+    mid, _ = store.create_run(new_run(priority=1, due=base - 20))
+    first = store.claim(worker="me", now=time.time(), limit=3, lease_seconds=30)
+    assert [r.id for r in first] == [high_old.id, high_new.id, mid.id]
+    rest = store.claim(worker="me", now=time.time(), limit=3, lease_seconds=30)
+    assert [r.id for r in rest] == [low_old.id]
+
+
+def test_claim__sets_owner_fresh_lease_and_next_epoch(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    assert stored.lease_epoch == 0 and stored.owner is None
+    claimed = claim_one(store, "me", stored.id, lease=30)
+    assert claimed.owner == "me" and claimed.lease_epoch == 1
+    assert claimed.lease_expires_at is not None
+    assert 20 < claimed.lease_expires_at - store.db_now() <= 30.5
+
+
+def test_claim__filters_by_workflow_and_run_ids(store: SQLStore) -> None:
+    a, _ = store.create_run(new_run())
+    b, _ = store.create_run(new_run(workflow="other"))
+    assert store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
+                       workflows=["nope"]) == []
+    assert [r.id for r in store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
+                                      run_ids=[b.id])] == [b.id]
+    assert [r.id for r in store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
+                                      workflows=["w"])] == [a.id]
+
+
+def test_claim__concurrent_claimers_never_get_the_same_run(
+    store: SQLStore, other: SQLStore
+) -> None:
+    ids = {store.create_run(new_run())[0].id for _ in range(60)}
+    barrier = threading.Barrier(2)
+    taken: dict[str, list[str]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def claimer(s: SQLStore, name: str) -> None:
+        try:
+            barrier.wait(timeout=DEADLINE_S)
+            while True:
+                rows = s.claim(worker=name, now=time.time(), limit=3, lease_seconds=30)
+                if not rows:
+                    return
+                taken[name].extend(r.id for r in rows)
+        except BaseException as error:  # reported below, in the test's thread
+            errors.append(error)
+
+    threads = [
+        threading.Thread(target=claimer, args=(store, "a")),
+        threading.Thread(target=claimer, args=(other, "b")),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=DEADLINE_S * 3)
+    assert not errors
+    assert not set(taken["a"]) & set(taken["b"])
+    assert len(taken["a"]) + len(taken["b"]) == len(ids)
+    assert set(taken["a"]) | set(taken["b"]) == ids
+    for run_id in taken["b"]:
+        row = store.get_run(run_id)
+        assert row is not None and row.owner == "b" and row.lease_epoch == 1
+
+
+def test_claim__validly_leased_run_is_not_claimed(store: SQLStore, other: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claim_one(store, "a", stored.id, lease=30)
+    assert other.claim(worker="b", now=time.time(), limit=5, lease_seconds=30) == []
+
+
+def test_claim__expired_lease_makes_run_claimable(store: SQLStore, other: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    first = claim_one(store, "a", stored.id, lease=0.3)
+    assert other.claim(worker="b", now=time.time(), limit=5, lease_seconds=30) == []
+    deadline = time.monotonic() + DEADLINE_S
+    while True:  # the lease runs out by the database's clock
+        rows = other.claim(worker="b", now=time.time(), limit=5, lease_seconds=30)
+        if rows or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [r.id for r in rows] == [stored.id]
+    assert rows[0].owner == "b" and rows[0].lease_epoch == first.lease_epoch + 1
+
+
+# -- fencing ------------------------------------------------------------------------------
+
+
+def _taken_over(store: SQLStore, other: SQLStore) -> tuple[Any, Any]:
+    """Run claimed by a (lease already expired), then claimed by b."""
+    stored, _ = store.create_run(new_run())
+    stale = claim_one(store, "a", stored.id, lease=-1)
+    fresh = claim_one(other, "b", stored.id)
+    assert fresh.lease_epoch == stale.lease_epoch + 1
+    return stale, fresh
+
+
+def test_write__stale_epoch_changes_nothing(store: SQLStore, other: SQLStore) -> None:
+    stale, fresh = _taken_over(store, other)
+    before = store.get_run(stale.id)
+    assert store.write([start_step(stale, "a")]) == [False]
+    after = store.get_run(stale.id)
+    assert after == before
+    assert journal_kinds(store, stale.id) == [j.RUN_CREATED]
+    assert other.write([start_step(fresh, "b")]) == [True]
+    assert journal_kinds(store, stale.id) == [j.RUN_CREATED, j.STEP_STARTED]
+
+
+def test_write__wrong_owner_changes_nothing(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = claim_one(store, "a", stored.id)
+    before = store.get_run(stored.id)
+    # Right epoch, wrong owner.
+    assert store.write([start_step(claimed, "intruder")]) == [False]
+    assert store.get_run(stored.id) == before
+    assert journal_kinds(store, stored.id) == [j.RUN_CREATED]
+
+
+def test_write__not_following_last_seq_changes_nothing(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = claim_one(store, "a", stored.id)
+    assert store.write([start_step(claimed, "a")]) == [True]
+    # The same boundary again follows seq 1, but the run is at seq 2 now.
+    assert store.write([start_step(claimed, "a")]) == [False]
+    assert journal_kinds(store, stored.id) == [j.RUN_CREATED, j.STEP_STARTED]
+
+
+def test_write__unowned_write_refused_while_leased(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = claim_one(store, "a", stored.id)
+    assert store.write([pause(claimed)]) == [False]
+    store.release(worker="a", run_ids=[stored.id])
+    released = store.get_run(stored.id)
+    assert released is not None
+    assert store.write([pause(released)]) == [True]
+    row = store.get_run(stored.id)
+    assert row is not None and row.record.status == "paused"
+
+
+def test_write__batch_judges_each_boundary_alone(store: SQLStore, other: SQLStore) -> None:
+    good = [claim_one(store, "a", store.create_run(new_run())[0].id) for _ in range(3)]
+    stale, _fresh = _taken_over(store, other)
+    batch = [start_step(good[0], "a"), start_step(stale, "a"), start_step(good[1], "a"),
+             start_step(good[2], "a")]
+    assert store.write(batch) == [True, False, True, True]
+    for run in good:
+        assert journal_kinds(store, run.id) == [j.RUN_CREATED, j.STEP_STARTED]
+    assert journal_kinds(store, stale.id) == [j.RUN_CREATED]
+    # Mixed kinds of write in one batch: continue one, release another.
+    rec0, rec1 = batch[0], batch[2]
+    results = store.write([
+        succeed_step(rec0.record, rec0.fence, release=False),
+        succeed_step(rec1.record, rec1.fence, release=True),
+    ])
+    assert results == [True, True]
+    row0, row1 = store.get_run(good[0].id), store.get_run(good[1].id)
+    assert row0 is not None and row0.owner == "a"
+    assert row1 is not None and row1.owner is None and row1.record.state == "b"
+
+
+def test_write__many_boundaries_one_transaction(store: SQLStore) -> None:
+    claimed = [claim_one(store, "a", store.create_run(new_run())[0].id) for _ in range(50)]
+    statements = count_statements(store, lambda: store.write([start_step(c, "a") for c in claimed]))
+    for c in claimed:
+        assert journal_kinds(store, c.id) == [j.RUN_CREATED, j.STEP_STARTED]
+    assert statements.result == [True] * 50
+    assert statements.count <= 8  # BEGIN, savepoint, one executemany, release, insert, ...
+
+
+# -- leases -------------------------------------------------------------------------------
+
+
+def test_claim_interrupted__takes_running_runs_whose_lease_expired(
+    store: SQLStore, other: SQLStore
+) -> None:
+    dead, _ = store.create_run(new_run(owner="dead", lease_seconds=-1))
+    alive, _ = store.create_run(new_run(owner="alive", lease_seconds=30))
+    queued, _ = store.create_run(new_run())
+    rows = other.claim_interrupted(worker="b", limit=10, lease_seconds=30)
+    assert [r.id for r in rows] == [dead.id]
+    assert rows[0].owner == "b" and rows[0].lease_epoch == dead.lease_epoch + 1
+    assert rows[0].record.status == "running"
+    assert other.claim_interrupted(worker="b", limit=10, lease_seconds=30) == []
+    assert queued.record.status == "scheduled" and alive.owner == "alive"
+
+
+def test_claim_interrupted__only_named_workflows(store: SQLStore) -> None:
+    store.create_run(new_run(owner="dead", lease_seconds=-1, workflow="other"))
+    assert store.claim_interrupted(worker="b", limit=10, lease_seconds=30, workflows=["w"]) == []
+
+
+def test_expire_leases__dead_owner_runs_become_interrupted(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run(owner="dead", lease_seconds=30))
+    assert store.running_owners() == ["dead"]
+    assert store.claim_interrupted(worker="b", limit=10, lease_seconds=30) == []
+    assert store.expire_leases(["dead"]) == 1
+    assert [r.id for r in store.claim_interrupted(worker="b", limit=10, lease_seconds=30)] == [
+        stored.id
+    ]
+    assert store.expire_leases([]) == 0
+
+
+def test_renew__extends_only_own_valid_leases(store: SQLStore) -> None:
+    mine = [claim_one(store, "a", store.create_run(new_run())[0].id, lease=5) for _ in range(2)]
+    theirs = claim_one(store, "b", store.create_run(new_run())[0].id, lease=5)
+    expired = claim_one(store, "a", store.create_run(new_run())[0].id, lease=-1)
+    ids = [m.id for m in mine]
+    kept = store.renew(worker="a", run_ids=[*ids, theirs.id, expired.id], lease_seconds=60)
+    assert kept == set(ids)
+    for run_id in ids:
+        row = store.get_run(run_id)
+        assert row is not None and row.lease_expires_at is not None
+        assert row.lease_expires_at - store.db_now() > 50
+    assert store.renew(worker="a", run_ids=[], lease_seconds=60) == set()
+
+
+def test_release__drops_ownership_keeps_status(store: SQLStore, other: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claim_one(store, "a", stored.id)
+    store.release(worker="b", run_ids=[stored.id])  # not b's: nothing happens
+    row = store.get_run(stored.id)
+    assert row is not None and row.owner == "a"
+    store.release(worker="a", run_ids=[stored.id])
+    row = store.get_run(stored.id)
+    assert row is not None and row.owner is None and row.lease_expires_at is None
+    assert row.record.status == "scheduled"
+    assert [r.id for r in other.claim(worker="b", now=time.time(), limit=1, lease_seconds=30)] == [
+        stored.id
+    ]
+
+
+# -- control ------------------------------------------------------------------------------
+
+
+def test_request_control__pending_only_for_its_owner(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = claim_one(store, "a", stored.id)
+    assert store.request_control(stored.id, "pause") is True
+    assert store.request_control("no-such-run", "pause") is False
+    assert store.pending_controls(worker="a") == {stored.id: "pause"}
+    assert store.pending_controls(worker="b") == {}
+    # The owner honours it: the write clears the request.
+    started = start_step(claimed, "a")
+    paused_event = j.JournalEvent(
+        run_id=stored.id, seq=3, kind=j.RUN_PAUSED, at=time.time(), state="a"
+    )
+    boundary = type(started)(
+        events=[*started.events, paused_event],
+        record=j.apply(started.record, paused_event),
+        fence=Fence("a", claimed.lease_epoch),
+        release=True,
+        clear_control=True,
+    )
+    assert store.write([boundary]) == [True]
+    assert store.pending_controls(worker="a") == {}
+    row = store.get_run(stored.id)
+    assert row is not None and row.control is None and row.record.status == "paused"
+
+
+def test_request_control__withdrawn_with_none(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claim_one(store, "a", stored.id)
+    store.request_control(stored.id, "stop")
+    store.request_control(stored.id, None)
+    assert store.pending_controls(worker="a") == {}
+
+
+def test_count_due_and_next_due(store: SQLStore) -> None:
+    assert store.next_due() is None
+    soon = time.time() + 100
+    store.create_run(new_run(due=soon))
+    early, _ = store.create_run(new_run())
+    assert store.count_due(now=time.time()) == 1
+    assert store.count_due(now=time.time(), workflows=["other"]) == 0
+    assert store.next_due() == pytest.approx(early.record.next_run_at)
+    assert store.next_due(run_ids=["nope"]) is None
+    assert store.next_due(workflows=["w"], run_ids=[early.id]) == pytest.approx(
+        early.record.next_run_at
+    )
+
+
+# -- opening a database -------------------------------------------------------------------
+
+
+def _set_schema_revision(url: str, revision: str) -> None:
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = :r"), {"r": revision}
+        )
+    engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("revision", "words"),
+    [("0001", "older than this flowloop .*run `flowloop db upgrade`"),
+     ("9999", "newer than this flowloop .*upgrade flowloop")],
+    ids=["older", "newer"],
+)
+def test_open__schema_version_mismatch_refused(store_url: str, revision: str, words: str) -> None:
+    assert migrate.head() > "0001"  # there is an older revision to pretend to be at
+    SQLStore(store_url).close()
+    _set_schema_revision(store_url, revision)
+    with pytest.raises(SchemaMismatch, match=f"schema revision {revision} is {words}"):
+        SQLStore(store_url)
+
+
+def test_open__foreign_database_refused(store_url: str) -> None:
+    engine = sa.create_engine(store_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)"))
+    engine.dispose()
+    with pytest.raises(StoreError, match=r"is not a flowloop database .*users"):
+        SQLStore(store_url)
+
+
+def test_open__without_create_refuses_empty_database(store_url: str) -> None:
+    with pytest.raises(StoreError, match="no flowloop schema"):
+        SQLStore(store_url, create=False)
+
+
+def test_open__second_open_keeps_data(store_url: str) -> None:
+    s = SQLStore(store_url)
+    stored, _ = s.create_run(new_run())
+    s.close()
+    again = SQLStore(store_url, create=False)
+    assert again.get_run(stored.id) == stored
+    again.close()
+
+
+# -- SQLite specifics ---------------------------------------------------------------------
+
+
+def test_sqlite_file__created_readable_by_owner_only(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    old = os.umask(0)  # even a permissive umask gives 0600
+    try:
+        SQLStore(f"sqlite:///{path}").close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_sqlite_file__wal_normal_by_default_full_on_request(tmp_path: Path) -> None:
+    for mode, expected in (("NORMAL", 1), ("FULL", 2)):
+        s = SQLStore(f"sqlite:///{tmp_path / mode}.db", synchronous=mode)
+        with s.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == expected
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar_one() >= 1000
+        s.close()
+    with pytest.raises(StoreError, match="not a SQLite mode"):
+        SQLStore(f"sqlite:///{tmp_path / 'x.db'}", synchronous="SOMETIMES")
+
+
+def test_sqlite_file__not_sqlite_refused(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello, I am not a database\n")
+    with pytest.raises(StoreError, match="not a SQLite database"):
+        SQLStore(f"sqlite:///{path}")
+
+
+def test_sqlite_file__foreign_tables_alone_refused(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE invoices (id INTEGER)")
+    conn.close()
+    with pytest.raises(StoreError, match="not a flowloop database"):
+        SQLStore(str(path))  # a bare path is a SQLite file
+
+
+def test_sqlite_file__missing_directory_refused(tmp_path: Path) -> None:
+    with pytest.raises(StoreError, match="does not exist"):
+        SQLStore(f"sqlite:///{tmp_path / 'nope' / 'x.db'}")
+
+
+def test_open__unknown_backend_refused() -> None:
+    with pytest.raises(StoreError, match="unsupported database"):
+        SQLStore("mysql://u:secret@host/db")
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+class Counted:
+    def __init__(self) -> None:
+        self.count = 0
+        self.result: Any = None
+
+
+def count_statements(store: SQLStore, action: Any) -> Counted:
+    """Run ``action`` and count the statements the store's engine sent to the database."""
+    counted = Counted()
+
+    def before(*_: Any) -> None:
+        counted.count += 1
+
+    sa.event.listen(store.engine, "before_cursor_execute", before)
+    try:
+        counted.result = action()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", before)
+    return counted
+

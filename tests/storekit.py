@@ -1,0 +1,107 @@
+"""Building blocks for store tests: runs and boundaries made by hand, as the executor would."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from flowloop import journal as j
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import Boundary, Fence, NewRun, StoredRun
+
+WORKFLOW = "w"
+FINGERPRINT = "f" * 16
+CONTEXT = '{"n":0}'
+
+
+def past() -> float:
+    """A due time surely behind every database clock and every test's now."""
+    return time.time() - 60.0
+
+
+def new_run(
+    run_id: str | None = None,
+    *,
+    workflow: str = WORKFLOW,
+    key: str | None = None,
+    idempotency_key: str | None = None,
+    due: float | None = None,
+    priority: int = 0,
+    owner: str | None = None,
+    state: str = "a",
+    context: str = CONTEXT,
+    lease_seconds: float = 30.0,
+) -> NewRun:
+    """A ``run_created`` (and, with ``owner``, its first ``step_started``)."""
+    at = past()
+    created = JournalEvent(
+        run_id=run_id or uuid.uuid4().hex,
+        seq=1,
+        kind=j.RUN_CREATED,
+        at=at,
+        state=state,
+        context=context,
+        data={
+            "workflow": workflow,
+            "version": 1,
+            "fingerprint": FINGERPRINT,
+            "key": key,
+            "due": at if due is None else due,
+        },
+    )
+    events = [created]
+    record = j.create(created)
+    if owner is not None:
+        started = JournalEvent(
+            run_id=created.run_id, seq=2, kind=j.STEP_STARTED, at=at, state=state, attempt=1,
+            worker=owner,
+        )
+        events.append(started)
+        record = j.apply(record, started)
+    return NewRun(
+        record=record,
+        events=events,
+        idempotency_key=idempotency_key,
+        priority=priority,
+        owner=owner,
+        lease_seconds=lease_seconds,
+    )
+
+
+def event(record: RunRecord, kind: str, offset: int = 1, **fields: object) -> JournalEvent:
+    return JournalEvent(
+        run_id=record.id, seq=record.last_seq + offset, kind=kind, at=time.time(),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def start_step(stored: StoredRun, worker: str, *, epoch: int | None = None) -> Boundary:
+    """The ``step_started`` boundary a claimer writes after claiming ``stored``."""
+    record = stored.record
+    started = event(record, j.STEP_STARTED, state=record.state, attempt=record.attempt + 1)
+    return Boundary(
+        events=[started],
+        record=j.apply(record, started),
+        fence=Fence(worker, stored.lease_epoch if epoch is None else epoch),
+    )
+
+
+def succeed_step(
+    record: RunRecord, fence: Fence, *, next_state: str = "b", final: bool = False,
+    release: bool = True,
+) -> Boundary:
+    """A ``step_succeeded`` boundary for a run whose step is running."""
+    done = event(
+        record, j.STEP_SUCCEEDED, state=record.state, attempt=record.attempt, event="next",
+        next_state=next_state, context='{"n":1}', data={"final": True} if final else {},
+    )
+    return Boundary(events=[done], record=j.apply(record, done), fence=fence, release=release)
+
+
+def pause(stored: StoredRun) -> Boundary:
+    """An operator's pause of a queued run (a write by nobody)."""
+    record = stored.record
+    paused = event(record, j.RUN_PAUSED, state=record.state)
+    return Boundary(
+        events=[paused], record=j.apply(record, paused), fence=Fence(None, stored.lease_epoch)
+    )

@@ -1,0 +1,347 @@
+"""Workflow definitions: what validation refuses (naming the culprits) and what it builds."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Retry, Step, Workflow
+from flowloop.definition import NEXT_EVENT, compatible
+from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
+
+
+class Ctx(BaseModel):
+    order_id: str = "o-1"
+    n: int = 0
+
+
+def noop(ctx: Ctx) -> str:
+    return "go"
+
+
+def linear(name: str = "w", *, version: int = 1) -> Workflow:
+    """a -> b -> done, the smallest valid workflow with two steps."""
+    wf = Workflow(name, context=Ctx, version=version)
+    wf.step(initial=True, next="b")(noop)
+    wf.step(name="b", on={"ok": "done", "no": "cancelled"})(noop)
+    wf.final("done", "cancelled")
+    return wf
+
+
+def define(build: Callable[[Workflow], None]) -> Workflow:
+    wf = Workflow("w", context=Ctx)
+    build(wf)
+    return wf
+
+
+def fn(*_: Any) -> None:
+    return None
+
+
+# -- what validation refuses --------------------------------------------------------------
+
+
+def test_validate__unknown_target_names_state_and_target() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, on={"ok": "done", "odd": "nowhere"})(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError, match=r"state 'a' goes to unknown state\(s\) 'nowhere'"):
+        define(build).validate()
+
+
+def test_validate__no_initial_state() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", next="done")(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError, match=r"exactly one initial state .*found none"):
+        define(build).validate()
+
+
+def test_validate__two_initial_states_named() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, next="done")(fn)
+        wf.step(name="b", initial=True, next="done")(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError, match=r"exactly one initial state .*found 'a', 'b'"):
+        define(build).validate()
+
+
+def test_validate__non_final_state_that_cannot_reach_a_final_state() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, on={"ok": "done", "loop": "b"})(fn)
+        wf.step(name="b", next="c")(fn)  # b <-> c forever
+        wf.step(name="c", next="b")(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError, match=r"state\(s\) 'b', 'c' can never reach a final"):
+        define(build).validate()
+
+
+def test_validate__unreachable_state_named() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, next="done")(fn)
+        wf.step(name="orphan", next="done")(fn)
+        wf.final("done", "never")
+
+    with pytest.raises(DefinitionError, match=r"'never', 'orphan' cannot be reached"):
+        define(build).validate()
+
+
+def test_validate__step_on_a_final_state() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, next="done")(fn)
+        wf.step(name="done", next="a")(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError, match=r"final state\(s\) 'done' must not have a step"):
+        define(build).validate()
+
+
+def test_validate__no_final_state() -> None:
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, next="a")(fn)
+
+    with pytest.raises(DefinitionError, match="declares no final state"):
+        define(build).validate()
+
+
+def test_validate__message_names_the_workflow() -> None:
+    wf = Workflow("orders", context=Ctx)
+    wf.step(name="a", initial=True, next="gone")(fn)
+    wf.final("done")
+    with pytest.raises(DefinitionError, match=r"^workflow 'orders': ") as info:
+        wf.validate()
+    assert info.value.workflow == "orders"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "needs exactly one of on="),
+        ({"on": {"x": "done"}, "next": "done"}, "needs exactly one of on="),
+        ({"on": {}}, "declares no transition"),
+        ({"next": "done", "timeout": 0}, "timeout must be positive"),
+        ({"next": "done", "timeout": timedelta(seconds=-1)}, "timeout must be positive"),
+        ({"next": "done", "max_visits": 0}, "max_visits must be at least 1"),
+        ({"next": "done", "name": "bad name"}, "not a valid name"),
+    ],
+    ids=["neither", "both", "empty-on", "zero-timeout", "negative-timedelta", "zero-visits",
+         "bad-name"],
+)
+def test_step__bad_declaration_refused(kwargs: dict[str, Any], message: str) -> None:
+    wf = Workflow("w", context=Ctx)
+    with pytest.raises(DefinitionError, match=message):
+        wf.step(initial=True, **kwargs)(fn)
+
+
+def test_step__declared_twice_refused() -> None:
+    wf = Workflow("w", context=Ctx)
+    wf.step(name="a", initial=True, next="done")(fn)
+    with pytest.raises(DefinitionError, match="state 'a' is declared twice"):
+        wf.step(name="a", next="done")(fn)
+
+
+def test_step__function_without_ctx_refused() -> None:
+    def nothing() -> None: ...
+
+    wf = Workflow("w", context=Ctx)
+    with pytest.raises(DefinitionError, match=r"must take \(ctx\) or \(ctx, step\)"):
+        wf.step(initial=True, next="done")(nothing)
+
+
+def test_workflow__bad_arguments_refused() -> None:
+    with pytest.raises(DefinitionError, match="name must be"):
+        Workflow("has space", context=Ctx)
+    with pytest.raises(DefinitionError, match="pydantic BaseModel"):
+        Workflow("w", context=dict)  # type: ignore[arg-type]
+    with pytest.raises(DefinitionError, match="max_concurrency"):
+        Workflow("w", context=Ctx, max_concurrency=0)
+    with pytest.raises(DefinitionError, match="not a valid name"):
+        Workflow("w", context=Ctx).final("no way")
+
+
+def test_validate__frozen_after_use() -> None:
+    wf = linear()
+    wf.validate()
+    assert wf.validate() is wf  # idempotent
+    with pytest.raises(DefinitionError, match="already validated"):
+        wf.step(name="late", next="done")(fn)
+    with pytest.raises(DefinitionError, match="already validated"):
+        wf.final("other")
+
+
+# -- what it builds -----------------------------------------------------------------------
+
+
+def test_validate__builds_states_transitions_and_machine() -> None:
+    wf = linear().validate()
+    assert wf.states == ["noop", "b", "done", "cancelled"]
+    assert wf.initial == "noop"
+    assert wf.finals == ("done", "cancelled")
+    assert [(t.source, t.event, t.dest) for t in wf.transitions()] == [
+        ("noop", NEXT_EVENT, "b"),
+        ("b", "ok", "done"),
+        ("b", "no", "cancelled"),
+    ]
+    assert set(wf.machine.states) == set(wf.states)
+    assert wf.is_final("done") and not wf.is_final("b")
+
+
+def test_next_state__declared_event_leads_to_its_target() -> None:
+    wf = linear().validate()
+    assert wf.next_state("b", "ok") == "done"
+    assert wf.next_state("noop", NEXT_EVENT) == "b"
+
+
+@pytest.mark.parametrize("event", ["maybe", None, 3])
+def test_next_state__undeclared_event_names_what_is_accepted(event: object) -> None:
+    wf = linear().validate()
+    with pytest.raises(InvalidEvent, match=r"state 'b' does not accept event .* accepts: no, ok"):
+        wf.next_state("b", event)
+
+
+def test_event_for__next_steps_take_next_whatever_they_return() -> None:
+    wf = linear().validate()
+    assert wf.event_for("noop", "anything") == NEXT_EVENT
+    assert wf.event_for("noop", None) == NEXT_EVENT
+    assert wf.event_for("b", "ok") == "ok"
+
+
+def test_fingerprint__depends_on_structure_not_code_or_version() -> None:
+    a, b = linear(), linear(version=2)
+    assert a.fingerprint == b.fingerprint
+    changed = Workflow("w", context=Ctx)
+    changed.step(initial=True, next="b")(noop)
+    changed.step(name="b", on={"ok": "done"})(noop)
+    changed.final("done")
+    assert changed.fingerprint != a.fingerprint
+    assert len(a.fingerprint) == 16
+
+
+def test_step_spec__records_settings() -> None:
+    wf = Workflow("w", context=Ctx)
+
+    @wf.step(initial=True, next="done", timeout=timedelta(seconds=2), idempotent=False,
+             max_visits=3, retry=Retry(attempts=5, backoff="fixed", base=1, cap=1))
+    async def a(ctx: Ctx, step: Step) -> None: ...
+
+    wf.final("done")
+    spec = wf.validate().steps["a"]
+    assert spec.is_async and spec.wants_step and not spec.returns_event
+    assert spec.timeout == 2.0 and spec.max_visits == 3 and not spec.idempotent
+    assert spec.describe() == (
+        f"{spec.retry.describe()}, timeout 2s, not idempotent, max 3 visits"
+    )
+    assert spec.retry.attempts == 5
+
+
+def test_step__signature_decides_whether_step_is_passed() -> None:
+    wf = Workflow("w", context=Ctx)
+
+    @wf.step(initial=True, next="b")
+    def a(ctx: Ctx) -> None: ...
+
+    @wf.step(next="c")
+    def b(ctx: Ctx, step: Step) -> None: ...
+
+    @wf.step(next="done")
+    def c(*args: Any) -> None: ...
+
+    wf.final("done")
+    assert [wf.steps[s].wants_step for s in ("a", "b", "c")] == [False, True, True]
+
+
+def test_on_cycle__finds_loops() -> None:
+    wf = Workflow("poll", context=Ctx)
+    wf.step(name="ask", initial=True, on={"wait": "sleep", "ready": "done"})(fn)
+    wf.step(name="sleep", next="ask")(fn)
+    wf.final("done")
+    assert wf.validate().on_cycle() == {"ask", "sleep"}
+    assert linear().on_cycle() == set()
+
+
+def test_step__idempotency_key_is_stable_across_attempts() -> None:
+    keys = {
+        Step(run_id="r1", workflow="w", state="charge", attempt=n, visit=1, seq=4 + n,
+             worker=f"w{n}").idempotency_key
+        for n in (1, 2, 3)
+    }
+    assert keys == {"r1:charge:1"}
+    second_visit = Step(run_id="r1", workflow="w", state="charge", attempt=1, visit=2, seq=9,
+                        worker="w")
+    assert second_visit.idempotency_key == "r1:charge:2"
+
+
+# -- contexts and keys --------------------------------------------------------------------
+
+
+def test_parse_context__accepts_json_mapping_and_model() -> None:
+    wf = linear()
+    assert wf.parse_context('{"order_id": "x", "n": 2}') == Ctx(order_id="x", n=2)
+    assert wf.parse_context({"order_id": "y"}) == Ctx(order_id="y")
+    original = Ctx(n=5)
+    parsed = wf.parse_context(original)
+    assert parsed == original and parsed is not original  # a copy: steps never share one
+
+
+def test_parse_context__invalid_names_the_field() -> None:
+    with pytest.raises(InvalidContext, match="context for workflow 'w' is invalid: n: "):
+        linear().parse_context({"n": "many"})
+    with pytest.raises(InvalidContext, match="invalid"):
+        linear().parse_context("{not json")
+
+
+def test_business_key__field_function_or_none() -> None:
+    by_field = Workflow("w", context=Ctx, key="order_id")
+    by_function = Workflow("w", context=Ctx, key=lambda c: f"{c.order_id}/{c.n}")
+    assert by_field.business_key(Ctx(order_id="A1")) == "A1"
+    assert by_function.business_key(Ctx(order_id="A1", n=2)) == "A1/2"
+    assert linear().business_key(Ctx()) is None
+
+
+# -- compatibility of a stored run with a changed definition ------------------------------
+
+
+def test_compatible__same_structure_continues() -> None:
+    wf = linear().validate()
+    assert compatible(wf.structure(), wf, "b") is None
+
+
+def test_compatible__added_states_and_transitions_continue() -> None:
+    old = linear().structure()
+    new = Workflow("w", context=Ctx, version=2)
+    new.step(initial=True, next="b")(noop)
+    new.step(name="b", on={"ok": "done", "no": "cancelled", "later": "wait"})(noop)
+    new.step(name="wait", next="b")(noop)
+    new.final("done", "cancelled")
+    assert compatible(old, new.validate(), "b") is None
+
+
+def test_compatible__removed_state_refused() -> None:
+    old = linear().structure()
+    new = Workflow("w", context=Ctx, version=2)
+    new.step(name="other", initial=True, next="done")(noop)
+    new.final("done")
+    assert compatible(old, new.validate(), "b") == "state 'b' no longer exists in w v2"
+
+
+def test_compatible__changed_transition_refused() -> None:
+    old = linear().structure()
+    new = Workflow("w", context=Ctx, version=2)
+    new.step(initial=True, next="b")(noop)
+    new.step(name="b", on={"ok": "cancelled", "no": "cancelled", "fine": "done"})(noop)
+    new.final("done", "cancelled")
+    why = compatible(old, new.validate(), "b")
+    assert why == "transitions of state 'b' changed (ok->done no longer exist)"
+
+
+def test_compatible__unknown_old_structure_judged_on_state_alone() -> None:
+    assert compatible({}, linear().validate(), "b") is None
+    assert compatible({}, linear().validate(), "gone") is not None
