@@ -5,6 +5,7 @@ from flowloop.definition import Step, Workflow
 from flowloop.engine import Engine, Replay, RunInfo, Stranded
 from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent
+from flowloop.loops import Iteration, Loop, loop
 from flowloop.retry import Retry
 
 __all__ = [
@@ -12,7 +13,9 @@ __all__ = [
     "Engine",
     "FakeClock",
     "FlowloopError",
+    "Iteration",
     "JournalEvent",
+    "Loop",
     "Replay",
     "Retry",
     "RunInfo",
@@ -20,5 +23,6 @@ __all__ = [
     "Stranded",
     "SystemClock",
     "Workflow",
+    "loop",
 ]
 __version__ = "0.1.0"

@@ -27,6 +27,15 @@ class DefinitionError(FlowloopError):
         self.workflow = workflow
 
 
+class LoopDefinitionError(DefinitionError):
+    """A loop definition cannot work; fix the argument named in the message."""
+
+    def __init__(self, loop: str, message: str) -> None:
+        FlowloopError.__init__(self, f"loop {loop!r}: {message}")
+        self.workflow = loop
+        self.loop = loop
+
+
 class UnknownWorkflow(FlowloopError):
     """No workflow of that name is known; register it or load the file that defines it."""
 

@@ -19,12 +19,14 @@ from croniter import croniter
 from pydantic import BaseModel
 
 from flowloop.definition import NAME_PATTERN, Workflow
-from flowloop.errors import DefinitionError
+from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry, seconds
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
 DEFAULT_MISFIRE_GRACE_SECONDS = 3600.0
+MAX_COUNTED_SLOTS = 100_000
+"""Cron slots are counted one by one; past this many, a gap is not counted further."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,10 +57,14 @@ class Loop:
     run of that workflow per iteration; the iteration ends when the run does.
 
     ``mode``: ``fixed_rate`` (next = slot + every; a slot that comes due while the previous
-    iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every).
-    After downtime, slots later than ``misfire_grace`` are journaled as missed; the rest are
-    coalesced into one iteration (``coalesce=True``) or fired one by one. ``max_failures``
-    consecutive failed iterations pause the loop and raise an alert.
+    iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs
+    ``every=``). Slots form a chain from the first one (``start_at``, else the moment the loop
+    is first registered). After downtime, slots later than ``misfire_grace`` are journaled as
+    missed; the rest are coalesced into one iteration (``coalesce=True``) or fired one by one.
+    ``max_failures`` consecutive failed iterations pause the loop and raise an alert.
+
+    Every invalid argument raises :class:`~flowloop.errors.LoopDefinitionError` here, at
+    definition time.
     """
 
     def __init__(
@@ -80,35 +86,43 @@ class Loop:
         start_at: datetime | float | None = None,
         end_at: datetime | float | None = None,
     ) -> None:
-        def bad(message: str) -> DefinitionError:
-            return DefinitionError(name, f"loop: {message}")
+        def bad(message: str) -> LoopDefinitionError:
+            return LoopDefinitionError(str(name), message)
 
-        if not NAME_PATTERN.match(name):
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise bad("name must be letters, digits, '_', '.' or '-'")
         if (every is None) == (cron is None):
-            raise bad("give exactly one of every= or cron=")
-        interval = seconds(every)
+            raise bad("give exactly one of every= (seconds or a timedelta) or cron=")
+        interval = _duration(bad, "every", every)
         if interval is not None and interval <= 0:
             raise bad(f"every={every!r} must be a positive duration")
-        if cron is not None and not croniter.is_valid(cron):
-            raise bad(f"cron={cron!r} is not a valid cron expression")
+        if cron is not None and (not isinstance(cron, str) or not _cron_valid(cron)):
+            raise bad(f"cron={cron!r} is not a valid cron expression (e.g. '*/5 * * * *')")
         if mode not in MODES:
             raise bad(f"mode={mode!r} must be one of {', '.join(MODES)}")
+        if mode == "fixed_delay" and interval is None:
+            raise bad("mode='fixed_delay' needs every= (a cron schedule is fixed_rate)")
         if (fn is None) == (workflow is None):
             raise bad("give exactly one of a function or workflow=")
+        if fn is not None:
+            _check_function(bad, fn)
         if workflow is not None and context is None:
             raise bad("a workflow loop needs context= (a model, a dict or a function)")
-        timeout_s = seconds(timeout)
+        timeout_s = _duration(bad, "timeout", timeout)
         if timeout_s is not None and timeout_s <= 0:
-            raise bad("timeout must be positive")
-        if max_failures is not None and max_failures < 1:
-            raise bad("max_failures must be at least 1")
-        grace = seconds(misfire_grace)
+            raise bad(f"timeout={timeout!r} must be a positive duration")
+        if max_failures is not None and (
+            isinstance(max_failures, bool) or not isinstance(max_failures, int) or max_failures < 1
+        ):
+            raise bad(f"max_failures={max_failures!r} must be an integer of at least 1")
+        grace = _duration(bad, "misfire_grace", misfire_grace, infinite=True)
         if grace is not None and grace < 0:
-            raise bad("misfire_grace must not be negative")
-        jitter_s = seconds(jitter) or 0.0
+            raise bad(f"misfire_grace={misfire_grace!r} must not be negative")
+        jitter_s = _duration(bad, "jitter", jitter) or 0.0
         if jitter_s < 0:
-            raise bad("jitter must not be negative")
+            raise bad(f"jitter={jitter!r} must not be negative")
+        if retry is not None and not isinstance(retry, Retry):
+            raise bad(f"retry={retry!r} must be a flowloop Retry")
         self.name = name
         self.fn = fn
         self.every = interval
@@ -119,16 +133,22 @@ class Loop:
         self.timeout = timeout_s
         self.retry = retry or NO_RETRY
         self.jitter = jitter_s
-        self.misfire_grace = grace
+        self.misfire_grace = None if grace == math.inf else grace
         self.coalesce = coalesce
         self.max_failures = max_failures
-        self.start_at = _epoch(start_at)
-        self.end_at = _epoch(end_at)
+        self.start_at = _epoch(bad, "start_at", start_at)
+        self.end_at = _epoch(bad, "end_at", end_at)
         if self.start_at is not None and self.end_at is not None and self.end_at <= self.start_at:
             raise bad("end_at must be after start_at")
         self.is_async = fn is not None and inspect.iscoroutinefunction(fn)
         if workflow is not None:
             workflow.validate()
+            if not callable(context) or isinstance(context, BaseModel):
+                try:
+                    workflow.parse_context(context)  # type: ignore[arg-type]
+                except FlowloopError as error:
+                    message = f"context= does not fit workflow {workflow.name!r}: {error}"
+                    raise bad(message) from None
 
     def __repr__(self) -> str:
         return f"Loop({self.name!r}, {self.schedule})"
@@ -147,53 +167,76 @@ class Loop:
 
     # -- the maths -------------------------------------------------------------------------
 
-    def slot_after(self, moment: float) -> float:
-        """The first slot strictly after ``moment``."""
+    def slot_after(self, moment: float, *, anchor: float | None = None) -> float:
+        """The first slot strictly after ``moment``: the next cron time, or the next point of
+        the interval chain that starts at ``anchor`` (a slot of this loop; default
+        ``start_at``, else 0). A moment before the anchor gives the anchor itself."""
         if self.cron is not None:
-            base = datetime.fromtimestamp(moment, UTC)
-            return float(croniter(self.cron, base).get_next(float))
-        assert self.every is not None
-        anchor = self.start_at if self.start_at is not None else 0.0
-        if moment < anchor:
-            return anchor
-        steps = math.floor((moment - anchor) / self.every) + 1
-        return anchor + steps * self.every
+            return _cron_next(self.cron, moment)
+        every = self._interval()
+        base = anchor if anchor is not None else (self.start_at or 0.0)
+        if moment < base:
+            return base
+        steps = math.floor((moment - base) / every) + 1
+        slot = base + steps * every
+        while slot <= moment:  # float rounding must never give back the same slot
+            steps += 1
+            slot = base + steps * every
+        return slot
+
+    def nth_slot(self, slot: float, n: int) -> float:
+        """The slot ``n`` places after ``slot`` in its chain (``n = 0``: ``slot``)."""
+        if n <= 0:
+            return slot
+        if self.cron is None:
+            return slot + n * self._interval()
+        for _ in range(n):
+            slot = _cron_next(self.cron, slot)
+        return slot
 
     def first_slot(self, now: float) -> float:
-        """The slot a newly registered loop fires first."""
+        """The slot a newly registered (or unpaused) loop fires first: ``start_at`` when it
+        is ahead; else the next cron time; else now — or, with a past ``start_at``, the next
+        point of its grid (so the loop keeps the phase it was given)."""
         if self.start_at is not None and self.start_at >= now:
             return self.start_at
         if self.cron is not None:
             return self.slot_after(now)
+        if self.start_at is not None:
+            return self.slot_after(math.nextafter(now, -math.inf), anchor=self.start_at)
         return now
 
     def next_slot(self, slot: float, *, started: float, ended: float) -> tuple[float, int]:
-        """The slot after an iteration of ``slot`` that started and ended at the given wall
-        times, and how many slots were skipped because the iteration was still running."""
-        if self.mode == "fixed_delay" and self.every is not None:
-            return ended + self.every, 0
-        nxt = self.slot_after(slot)
+        """The slot after an iteration of ``slot`` that started and ended at the given times,
+        and how many slots were skipped because the iteration was still running."""
+        if self.mode == "fixed_delay":
+            return ended + self._interval(), 0
+        nxt = self.slot_after(slot, anchor=slot)
+        # Only slots that came due *while* the iteration ran are skipped (no overlap); slots
+        # already due when it started are catch-up (coalesce=False), which decide() handles.
+        if nxt <= started or nxt > ended:
+            return nxt, 0
+        if self.cron is None:
+            last = self.slot_after(ended, anchor=slot)
+            return last, round((last - nxt) / self._interval())
         skipped = 0
-        # Only slots that came due *while* the iteration ran are skipped (no overlap);
-        # slots already due when it started are catch-up, which decide() handles.
-        while started < nxt <= ended:
+        while nxt <= ended and skipped < MAX_COUNTED_SLOTS:
             skipped += 1
             nxt = self.slot_after(nxt)
-            if skipped > 1_000_000:  # a pathological gap: stop counting, keep the loop alive
-                nxt = self.slot_after(ended)
-                break
+        if nxt <= ended:  # a pathological gap: stop counting, keep the loop alive
+            nxt = self.slot_after(ended)
         return nxt, skipped
 
     def missed_slots(self, slot: float, now: float) -> int:
-        """How many slots, counting ``slot``, came due up to ``now``."""
+        """How many slots of the chain from ``slot`` (counting it) are due at ``now``."""
         if now < slot:
             return 0
-        if self.every is not None and self.mode == "fixed_rate":
-            return int((now - slot) // self.every) + 1
+        if self.cron is None:
+            return round((self.slot_after(now, anchor=slot) - slot) / self._interval())
         count, current = 0, slot
-        while current <= now and count < 100_000:
+        while current <= now and count < MAX_COUNTED_SLOTS:
             count += 1
-            current = self.slot_after(current)
+            current = _cron_next(self.cron, current)
         return count
 
     def finished(self, slot: float) -> bool:
@@ -204,9 +247,15 @@ class Loop:
             return slot
         return slot + (rand or random).uniform(0.0, self.jitter)
 
-    def wait_cap(self) -> float | None:
-        """The longest in-process wait before a slot: one interval. A wall clock that jumps
-        back cannot stall an interval loop longer than this."""
+    def wait_cap(self, slot: float) -> float:
+        """The longest in-process wait for ``slot``: one period of the schedule (plus jitter).
+        A wall clock set back while the worker runs cannot stall the loop longer than this
+        (the scheduler keeps ``start_at``, a promise in wall time, regardless)."""
+        period = self._interval() if self.cron is None else slot - _cron_prev(self.cron, slot)
+        return period + self.jitter
+
+    def _interval(self) -> float:
+        assert self.every is not None, "an interval loop"
         return self.every
 
 
@@ -216,28 +265,38 @@ class Wake:
 
     fire: bool
     slot: float
+    """The slot to fire (or, when not firing, the last slot given up)."""
     missed: int
-    """Slots that will not run (past the grace, or coalesced into this one)."""
+    """Slots given up because they are later than the misfire grace."""
     reason: str
-    """``on_time``, ``coalesced`` or ``missed``."""
+    """``on_time``, ``coalesced``, ``catch_up`` (one of several due slots, fired one by one)
+    or ``missed``."""
+    coalesced: int = 0
+    """Due slots within the grace folded into the one fired (``coalesce=True``)."""
 
 
 def decide(loop: Loop, slot: float, now: float) -> Wake:
-    """Decide what a due slot becomes, given the time now (after downtime: maybe late)."""
+    """Decide what a due slot becomes, given the time now (after downtime: maybe late).
+
+    Due slots later than the misfire grace are given up (``missed``); of the rest, the
+    latest fires with the others coalesced into it, or (``coalesce=False``) the earliest
+    fires and the others follow one by one."""
     due = loop.missed_slots(slot, now)
     if due <= 1:
-        late = now - slot
-        if loop.misfire_grace is not None and late > loop.misfire_grace:
+        if loop.misfire_grace is not None and now - slot > loop.misfire_grace:
             return Wake(False, slot, 1, "missed")
         return Wake(True, slot, 0, "on_time")
-    latest = slot
-    for _ in range(due - 1):
-        latest = loop.slot_after(latest)
-    if loop.misfire_grace is not None and now - latest > loop.misfire_grace:
+    latest = loop.nth_slot(slot, due - 1)
+    past = 0
+    if loop.misfire_grace is not None:
+        # Slots strictly more than the grace late.
+        past = loop.missed_slots(slot, math.nextafter(now - loop.misfire_grace, -math.inf))
+    if past >= due:
         return Wake(False, latest, due, "missed")
     if loop.coalesce:
-        return Wake(True, latest, due - 1, "coalesced")
-    return Wake(True, slot, 0, "on_time")
+        coalesced = due - past - 1
+        return Wake(True, latest, past, "coalesced" if coalesced else "on_time", coalesced)
+    return Wake(True, loop.nth_slot(slot, past), past, "catch_up")
 
 
 def loop(
@@ -255,11 +314,61 @@ def loop(
     return make
 
 
-def _epoch(value: datetime | float | None) -> float | None:
+def _epoch(
+    bad: Callable[[str], LoopDefinitionError], label: str, value: datetime | float | None
+) -> float | None:
     if value is None:
         return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=UTC)
         return value.timestamp()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"{label}={value!r} must be a datetime or UTC epoch seconds")
     return float(value)
+
+
+def _duration(
+    bad: Callable[[str], LoopDefinitionError], label: str, value: float | timedelta | None,
+    *, infinite: bool = False,
+) -> float | None:
+    """Seconds from a number or a timedelta; anything else (text, NaN, ±inf) is an error."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
+        raise bad(f"{label}={value!r} must be seconds (a number) or a timedelta")
+    result = seconds(value)
+    assert result is not None
+    if math.isnan(result) or (math.isinf(result) and not (infinite and result > 0)):
+        raise bad(f"{label}={value!r} must be a finite duration")
+    return result
+
+
+def _check_function(bad: Callable[[str], LoopDefinitionError], fn: Callable[..., Any]) -> None:
+    if not callable(fn):
+        raise bad(f"{fn!r} is not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C callable: trust it
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise bad(
+            f"function {getattr(fn, '__name__', fn)!r} must take one argument (the Iteration)"
+        ) from None
+
+
+def _cron_valid(expression: str) -> bool:
+    try:
+        return bool(croniter.is_valid(expression))
+    except Exception:
+        return False
+
+
+def _cron_next(expression: str, moment: float) -> float:
+    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_next(float))
+
+
+def _cron_prev(expression: str, moment: float) -> float:
+    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_prev(float))

@@ -6,6 +6,8 @@ an operator changes a loop (one counter polled per ``poll_seconds``).
 
 Each iteration is journaled before it runs (``iteration_started``, unique per slot) and
 after (``iteration_succeeded``/``iteration_failed`` plus the next slot), like a run's steps.
+Every decision that is not "fire this slot on time" is a journal entry with its count:
+``missed``, ``coalesced``, ``skipped_overlap``, ``iteration_interrupted``, ``loop_paused`` …
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import heapq
 import itertools
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -24,11 +27,15 @@ from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
 from flowloop.executor import error_line, owner_is_dead_here
 from flowloop.loops import Iteration, Loop, decide
-from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
+from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 
 log = logging.getLogger("flowloop.loops")
 
 DEFAULT_CONTROL_POLL_SECONDS: Final = 1.0
+RECOVERY_EVERY_SECONDS: Final = 10.0
+"""How often a worker looks for loops left running by a dead worker (one small query)."""
+CAPACITY_RETRY_SECONDS: Final = 0.05
+"""How soon a due loop waiting for a free slot of ``max_concurrency`` is tried again."""
 SKIP_ALERT_EVERY: Final = 10
 """Alert when a loop has had this many more skipped slots (it runs longer than its rate)."""
 
@@ -81,9 +88,17 @@ class Scheduler:
         self._counter = itertools.count()
         self._rows: dict[str, LoopRow] = {}
         self._running: dict[str, _Running] = {}
+        self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._changes = -1
         self._wake = asyncio.Event()
+        self.ready = asyncio.Event()
+        """Set once every loop is registered and armed."""
         self.fired = 0
+        self.iteration_listeners: list[Callable[[str, str, float, int], None]] = []
+        """Called with (loop, outcome, duration, slots skipped) after an iteration's outcome
+        is recorded (metrics)."""
+        self.lease_lost: list[Callable[[str, str], None]] = []
+        """Called with (loop, why) when this worker lost a loop's lease."""
 
     # -- the heap --------------------------------------------------------------------------
 
@@ -99,14 +114,28 @@ class Scheduler:
                 row, "loop_rescheduled", {"next_fire_at": loop.first_slot(self.clock.now())}
             )
             return
+        if row.status == "running" and row.name not in self._running:
+            # Another worker runs it: look again when its next slot is due (to compete for
+            # it), or within a lease, to take over from a worker that died.
+            self._push(row.name, min(self._until_next(loop, row), self.lease_seconds))
+            return
         if row.status != "scheduled" or row.next_fire_at is None:
             return
         delay = loop.jittered(row.next_fire_at) - self.clock.now()
-        cap = loop.wait_cap()
-        if cap is not None:
-            delay = min(delay, cap)  # a wall clock set back must not stall the loop
+        # A wall clock set back must not stall the loop: wait at most one period.
+        self._push(row.name, min(delay, loop.wait_cap(row.next_fire_at)))
+
+    def _until_next(self, loop: Loop, row: LoopRow) -> float:
+        now = self.clock.now()
+        if row.last_slot is not None:
+            expected = loop.slot_after(row.last_slot, anchor=row.last_slot)
+            if expected > now:
+                return expected - now
+        return self.poll_seconds
+
+    def _push(self, name: str, delay: float) -> None:
         deadline = self.clock.monotonic() + max(0.0, delay)
-        heapq.heappush(self._heap, (deadline, next(self._counter), row.name, generation))
+        heapq.heappush(self._heap, (deadline, next(self._counter), name, self._generation[name]))
         self._wake.set()
 
     def _pop_due(self) -> list[str]:
@@ -130,27 +159,39 @@ class Scheduler:
     async def start(self) -> None:
         """Recover interrupted iterations and arm every loop from the store."""
         self._recover()
-        for loop in self.loops.values():
-            row = self.store.sync_loop(
-                name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(self.clock.now()),
-                at=self.clock.now(), worker=self.worker_id,
-            )
+        now = self.clock.now()
+        specs = [
+            LoopSpec(name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(now))
+            for loop in self.loops.values()
+        ]
+        for row in self.store.sync_loops(specs, at=now, worker=self.worker_id):
             self._schedule(row)
         self._changes = self.store.loop_changes()
 
     async def run(self, stop: asyncio.Event, *, grace: float = 30.0) -> None:
         await self.start()
+        self.ready.set()
+        if not self.loops:
+            await stop.wait()  # nothing to schedule: no polling either
+            return
         heartbeat = asyncio.create_task(self._heartbeat())
-        last_poll = self.clock.monotonic()
+        last_poll = last_recovery = self.clock.monotonic()
         try:
             while not stop.is_set():
-                for name in self._pop_due():
-                    self._wake_loop(name)
                 if self.clock.monotonic() - last_poll >= self.poll_seconds:
                     last_poll = self.clock.monotonic()
                     self._poll_changes()
+                if self.clock.monotonic() - last_recovery >= RECOVERY_EVERY_SECONDS:
+                    last_recovery = self.clock.monotonic()
+                    self._recover_quietly()
+                for name in self._take_waiting():
+                    self._wake_quietly(name)
+                for name in self._pop_due():
+                    self._wake_quietly(name)
                 wait = self._seconds_to_next()
                 wait = self.poll_seconds if wait is None else min(wait, self.poll_seconds)
+                if self._waiting:
+                    wait = min(wait, CAPACITY_RETRY_SECONDS)
                 await self._sleep(wait, stop)
             await self._drain(grace)
         finally:
@@ -161,7 +202,9 @@ class Scheduler:
     async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
         self._wake.clear()
         sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        waiters = [sleeper, asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        waiters = [
+            sleeper, asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())
+        ]
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -177,6 +220,26 @@ class Scheduler:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+
+    def _take_waiting(self) -> list[str]:
+        taken: list[str] = []
+        while self._waiting and self.capacity.free() - len(taken) > 0:
+            taken.append(self._waiting.popleft())
+        return taken
+
+    def _wake_quietly(self, name: str) -> None:
+        try:
+            self._wake_loop(name)
+        except Exception as error:  # a database hiccup must not stop every other loop
+            log.warning("loop %s: could not fire (%s); trying again", name, error_line(error))
+            if name in self._generation:
+                self._push(name, self.poll_seconds)
+
+    def _recover_quietly(self) -> None:
+        try:
+            self._recover()
+        except Exception as error:
+            log.warning("could not recover interrupted loops: %s", error_line(error))
 
     def _poll_changes(self) -> None:
         try:
@@ -194,8 +257,16 @@ class Scheduler:
                     running.stop_requested = True
                     running.task.cancel()
                 continue
+            if row.status == "scheduled" and row.control in ("pause", "stop"):
+                # A request that reached the loop between two iterations: honour it now.
+                self._apply_control(row)
+                continue
             previous = self._rows.get(row.name)
-            if previous is None or previous.last_seq != row.last_seq or previous.status != row.status:
+            if (
+                previous is None
+                or previous.last_seq != row.last_seq
+                or previous.status != row.status
+            ):
                 self._schedule(row)
 
     async def _heartbeat(self) -> None:
@@ -210,82 +281,139 @@ class Scheduler:
                 log.warning("could not renew loop leases: %s", error_line(error))
                 continue
             for name in set(names) - kept:
-                log.warning("loop %s: lost its lease; abandoning the iteration", name)
+                log.warning("loop %s: lost its lease; abandoning the iteration", name,
+                            extra={"loop": name, "event": "lease_lost"})
+                self._notify_lease_lost(name, "lost its lease; abandoning the iteration")
                 self._running[name].task.cancel()
+
+    def _notify_lease_lost(self, name: str, why: str) -> None:
+        for hook in self.lease_lost:
+            try:
+                hook(name, why)
+            except Exception:  # a hook must never stop the scheduler
+                log.exception("lease-lost hook failed")
+
+    def stopping(self, name: str) -> bool:
+        """An operator asked to stop ``name`` while its iteration runs."""
+        running = self._running.get(name)
+        return running is not None and running.stop_requested
 
     # -- recovery --------------------------------------------------------------------------
 
     def _recover(self) -> None:
+        """Settle iterations left running by a dead worker: journaled as interrupted, never
+        run twice (their slot has its ``iteration_started``); the loop goes on with the next
+        slot, which the misfire policy then fires, coalesces or gives up."""
         dead = [
-            row.owner for row in self.store.list_loops(list(self.loops))
-            if row.owner and owner_is_dead_here(row.owner)
+            owner for owner in self.store.running_loop_owners()
+            if owner != self.worker_id and owner_is_dead_here(owner)
         ]
-        self.store.expire_loop_leases(sorted(set(dead)))
+        self.store.expire_loop_leases(sorted(dead))
         for row in self.store.interrupted_loops():
             loop = self.loops.get(row.name)
-            if loop is None:
+            if loop is None or row.name in self._running:
                 continue
             now = self.clock.now()
             slot = row.last_slot if row.last_slot is not None else now
-            nxt, _ = loop.next_slot(slot, started=row.last_started_at or now, ended=now)
+            if loop.mode == "fixed_delay":
+                nxt, _ = loop.next_slot(slot, started=slot, ended=row.last_started_at or now)
+            else:
+                nxt = loop.slot_after(slot, anchor=slot)
+            failures = row.consecutive_failures + 1
             event = LoopEvent(
                 loop=row.name, kind="iteration_interrupted", at=now, slot=slot,
                 worker=self.worker_id, error_type="Interrupted",
                 error_message="the worker died during this iteration; it is not run twice",
             )
-            self.store.write_loop(
+            changes: dict[str, Any] = {
+                "status": "scheduled", "next_fire_at": nxt, "last_result": "interrupted",
+                "last_error": event.error_message, "last_ended_at": now,
+                "consecutive_failures": failures, "updated_at": now,
+            }
+            events = [event]
+            paused = loop.max_failures is not None and failures >= loop.max_failures
+            reason = f"{failures} consecutive failures (max_failures={loop.max_failures})"
+            if paused:
+                changes.update(status="paused", next_fire_at=None, reason=reason)
+                events.append(LoopEvent(loop=row.name, kind="loop_paused", at=now,
+                                        worker=self.worker_id, data={"reason": reason}))
+            if not self.store.write_loop(
                 name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
-                changes={"status": "scheduled", "next_fire_at": nxt, "last_result": "interrupted",
-                         "last_ended_at": now, "updated_at": now},
-                events=[event],
-            )
+                changes=changes, events=events,
+            ):
+                continue  # another worker settled it first
+            log.warning("loop %s: iteration of slot %.3f was interrupted", row.name, slot)
+            if paused:
+                self._alerts(loop, "paused", reason, "Interrupted", 0, 0)
+            fresh = self.store.get_loop(row.name)
+            if fresh is not None and row.name in self._generation:
+                self._schedule(fresh)
 
     # -- one slot --------------------------------------------------------------------------
 
     def _wake_loop(self, name: str) -> None:
         row = self._rows.get(name)
-        if row is None or row.status != "scheduled" or row.next_fire_at is None:
+        if row is None or name in self._running:
             return
-        if name in self._running:
+        if row.status == "running":
+            # Lost this slot to another worker earlier: see where the loop is now.
+            fresh = self.store.get_loop(name)
+            if fresh is not None:
+                self._schedule(fresh)
+            return
+        if row.status != "scheduled" or row.next_fire_at is None:
+            return
+        if row.control in ("pause", "stop"):
+            self._apply_control(row)
             return
         loop = self.loops[name]
         now = self.clock.now()
+        if loop.start_at is not None and now < loop.start_at:
+            # start_at is a promise in wall time: a capped wait ending early re-arms.
+            self._schedule(row)
+            return
         if loop.finished(row.next_fire_at):
-            self._operator_write(row, "loop_ended", {"status": "stopped", "reason": "end_at reached",
-                                                     "next_fire_at": None})
+            self._end(row)
             return
         wake = decide(loop, row.next_fire_at, now)
         if not wake.fire:
-            nxt = loop.slot_after(now)
+            nxt = loop.slot_after(now, anchor=row.next_fire_at)
             log.warning("loop %s: %d slot(s) missed past the misfire grace", name, wake.missed)
             self._operator_write(
                 row, "missed", {"next_fire_at": nxt, "missed": row.missed + wake.missed},
-                slot=wake.slot, count=wake.missed,
+                slot=row.next_fire_at, count=wake.missed,
             )
             return
+        if loop.finished(wake.slot):
+            self._end(row)
+            return
         if self.capacity.free() <= 0:
-            # Full: try again shortly; fixed_rate slots passing meanwhile count as skipped.
-            heapq.heappush(self._heap, (self.clock.monotonic() + 0.05, next(self._counter), name,
-                                        self._generation[name]))
+            # Full: fire as soon as a slot frees; slots passing meanwhile are coalesced.
+            if name not in self._waiting:
+                self._waiting.append(name)
             return
         events = []
-        if wake.reason == "coalesced":
-            events.append(LoopEvent(loop=name, kind="coalesced", at=now, slot=wake.slot,
+        if wake.missed:
+            events.append(LoopEvent(loop=name, kind="missed", at=now, slot=row.next_fire_at,
                                     count=wake.missed, worker=self.worker_id))
-        events.append(LoopEvent(loop=name, kind="iteration_started", at=now, slot=wake.slot,
-                                attempt=1, worker=self.worker_id))
+        if wake.coalesced:
+            events.append(LoopEvent(loop=name, kind="coalesced", at=now, slot=wake.slot,
+                                    count=wake.coalesced, worker=self.worker_id))
+        events.append(LoopEvent(
+            loop=name, kind="iteration_started", at=now, slot=wake.slot, attempt=1,
+            worker=self.worker_id, data={"reason": wake.reason, "late": round(now - wake.slot, 3)},
+        ))
         fired = self.store.fire_loop(
             name=name, follows_seq=row.last_seq, worker=self.worker_id,
             lease_seconds=self.lease_seconds, events=events,
             changes={"last_slot": wake.slot, "last_started_at": now, "next_fire_at": None,
-                     "updated_at": now, "missed": row.missed + (wake.missed if wake.reason == "coalesced" else 0)},
+                     "updated_at": now, "missed": row.missed + wake.missed + wake.coalesced},
         )
         if fired is None:
             fresh = self.store.get_loop(name)
             if fresh is not None and fresh.status == "scheduled" and fresh.last_seq == row.last_seq:
                 # Owned by a live worker that has not moved it on yet: look again later.
-                heapq.heappush(self._heap, (self.clock.monotonic() + self.poll_seconds,
-                                            next(self._counter), name, self._generation[name]))
+                self._push(name, self.poll_seconds)
             elif fresh is not None:
                 self._schedule(fresh)
             return
@@ -295,17 +423,34 @@ class Scheduler:
         task = asyncio.create_task(self._iterate(loop, fired, wake.slot, now))
         self._running[name] = _Running(task)
 
+    def _end(self, row: LoopRow) -> None:
+        self._operator_write(
+            row, "loop_stopped",
+            {"status": "stopped", "reason": "end_at reached", "next_fire_at": None},
+            data={"reason": "end_at reached"},
+        )
+
+    def _apply_control(self, row: LoopRow) -> None:
+        target = "paused" if row.control == "pause" else "stopped"
+        reason = f"{target} by an operator"
+        self._operator_write(
+            row, f"loop_{target}",
+            {"status": target, "next_fire_at": None, "control": None, "reason": reason},
+            data={"reason": reason},
+        )
+
     def _operator_write(
         self, row: LoopRow, kind: str, changes: dict[str, Any], *, slot: float | None = None,
-        count: int = 0,
+        count: int = 0, data: dict[str, Any] | None = None,
     ) -> None:
         now = self.clock.now()
         event = LoopEvent(loop=row.name, kind=kind, at=now, slot=slot, count=count,
-                          worker=self.worker_id)
+                          worker=self.worker_id, data=data or {})
         ok = self.store.write_loop(
             name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
             changes={**changes, "updated_at": now}, events=[event],
         )
+        self._changes += 1 if ok else 0  # our own bump: no need to re-read every loop
         fresh = self.store.get_loop(row.name)
         if fresh is not None:
             self._schedule(fresh, retarget=False)
@@ -315,6 +460,9 @@ class Scheduler:
     async def _iterate(self, loop: Loop, row: LoopRow, slot: float, started: float) -> None:
         number = row.iterations + 1
         outcome, error, attempts = "ok", None, 0
+        log.info("loop %s iteration %d started (slot %.3f)", loop.name, number, slot,
+                 extra={"loop": loop.name, "iteration": number, "slot": slot,
+                        "event": "iteration_started"})
         started_mono = self.clock.monotonic()
         try:
             outcome, error, attempts = await self._attempts(loop, row, slot, number)
@@ -325,8 +473,14 @@ class Scheduler:
         finally:
             self.capacity.loops_busy -= 1
             self._running.pop(loop.name, None)
+            self._wake.set()  # a slot of max_concurrency is free again
         duration = self.clock.monotonic() - started_mono
-        self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
+        try:
+            self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
+        except Exception as failure:
+            # The lease runs out and recovery journals the iteration as interrupted.
+            log.error("loop %s: could not record the iteration of slot %.3f: %s",
+                      loop.name, slot, error_line(failure))
 
     async def _attempts(
         self, loop: Loop, row: LoopRow, slot: float, number: int
@@ -363,28 +517,36 @@ class Scheduler:
         now = self.clock.now()
         fresh = self.store.get_loop(loop.name)
         control = fresh.control if fresh is not None else None
-        nxt, skipped = loop.next_slot(slot, started=started, ended=now)
-        failures = 0 if outcome == "ok" else row.consecutive_failures + 1
+        # fixed_rate measures the iteration on the monotonic clock (a wall jump during it is
+        # not an overlap); fixed_delay waits `every` after the end, whatever the wall says.
+        ended = now if loop.mode == "fixed_delay" else started + duration
+        nxt, skipped = loop.next_slot(slot, started=started, ended=ended)
+        # Shutdown and operator stops are nobody's failure: the count stays as it was.
+        failures = {"ok": 0, "failed": row.consecutive_failures + 1}.get(
+            outcome, row.consecutive_failures
+        )
         kind = {"ok": "iteration_succeeded", "failed": "iteration_failed"}.get(
             outcome, "iteration_" + outcome
         )
         events = [LoopEvent(loop=loop.name, kind=kind, at=now, slot=slot, attempt=attempts,
                             duration=duration, error_message=error, worker=self.worker_id)]
         if skipped:
-            events.append(LoopEvent(loop=loop.name, kind="skipped_overlap", at=now, slot=slot,
-                                    count=skipped, worker=self.worker_id))
+            first_skipped = loop.slot_after(slot, anchor=slot)
+            events.append(LoopEvent(loop=loop.name, kind="skipped_overlap", at=now,
+                                    slot=first_skipped, count=skipped, worker=self.worker_id))
         status, reason = "scheduled", None
         if outcome == "stopped" or control == "stop":
             status, reason = "stopped", "stopped by an operator"
         elif control == "pause":
             status, reason = "paused", "paused by an operator"
         elif loop.max_failures is not None and failures >= loop.max_failures:
-            status, reason = "paused", f"{failures} consecutive failures (max_failures={loop.max_failures})"
+            status = "paused"
+            reason = f"{failures} consecutive failures (max_failures={loop.max_failures})"
         elif loop.end_at is not None and nxt >= loop.end_at:
             status, reason = "stopped", "end_at reached"
         if status != "scheduled":
-            events.append(LoopEvent(loop=loop.name, kind=f"loop_{status}", at=now, worker=self.worker_id,
-                                    data={"reason": reason}))
+            events.append(LoopEvent(loop=loop.name, kind=f"loop_{status}", at=now,
+                                    worker=self.worker_id, data={"reason": reason}))
         changes = {
             "status": status, "reason": reason, "control": None,
             "next_fire_at": nxt if status == "scheduled" else None,
@@ -397,10 +559,21 @@ class Scheduler:
             changes=changes, events=events,
         )
         if not ok:
-            log.warning("loop %s: lost its lease; its outcome was not recorded by this worker", loop.name)
+            log.warning("loop %s: lost its lease; this worker did not record its outcome",
+                        loop.name, extra={"loop": loop.name, "event": "lease_lost"})
+            self._notify_lease_lost(loop.name, "lost its lease; the outcome was not recorded")
             return
         log.info("loop %s iteration %d %s in %.1f ms", loop.name, row.iterations + 1, outcome,
-                 duration * 1000)
+                 duration * 1000,
+                 extra={"loop": loop.name, "iteration": row.iterations + 1, "slot": slot,
+                        "event": "iteration_finished", "outcome": outcome,
+                        "duration": duration, "attempt": attempts, "error": error,
+                        "skipped": skipped})
+        for listener in self.iteration_listeners:
+            try:
+                listener(loop.name, outcome, duration, skipped)
+            except Exception:  # metrics must never stop the scheduler
+                log.exception("iteration listener failed")
         self._alerts(loop, status, reason, error, row.skipped, skipped)
         updated = self.store.get_loop(loop.name)
         if updated is not None:

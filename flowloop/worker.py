@@ -5,25 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import signal
+import sys
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
-from flowloop.alerts import Alerts
+from flowloop.alerts import Alert, Alerts, lease_lost_alert, run_alerts
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
+from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import Iteration, Loop
+from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.loops import LoopStoreMixin
 
 log = logging.getLogger("flowloop.worker")
 
 DEFAULT_GRACE_SECONDS: Final = 30.0
+THREAD_PREFIX: Final = "flowloop-"
+"""Names of the threads that run sync steps (``flowloop-step``) and iterations."""
 
 
 class IterationFailed(Exception):
@@ -36,6 +42,13 @@ class Worker:
     The first SIGTERM/SIGINT stops claiming and lets in-flight steps and iterations finish
     within ``grace`` seconds; the rest are cut off and released (their journal shows it).
     A second signal exits at once (the journal still holds every committed boundary).
+
+    Observability: ``alerts`` (default: to the log, off the event loop) get a critical
+    alert for every failed run (saying so when a non-idempotent step was interrupted) and
+    loop paused after ``max_failures``, a warning when a loop keeps skipping slots or this
+    worker loses a lease. ``metrics`` (created when ``metrics_port`` is given) counts runs,
+    steps, iterations and lease losses; with ``metrics_port`` it is served on
+    ``metrics_host`` (default 127.0.0.1) for as long as the worker runs.
     """
 
     def __init__(
@@ -46,6 +59,9 @@ class Worker:
         concurrency: int | None = None,
         grace: float = DEFAULT_GRACE_SECONDS,
         alerts: Alerts | None = None,
+        metrics: Metrics | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = DEFAULT_METRICS_HOST,
     ) -> None:
         self.engine = engine
         self.loops = {loop.name: loop for loop in loops}
@@ -54,11 +70,18 @@ class Worker:
                 engine.register(loop.workflow)
         self.concurrency = concurrency or engine.max_concurrency
         self.grace = grace
-        self.alerts = alerts or Alerts()
+        self.alerts = alerts if alerts is not None else Alerts(background=True)
+        self.metrics = metrics if metrics is not None or metrics_port is None else Metrics()
+        self.metrics_port = metrics_port
+        self.metrics_host = metrics_host
+        self.metrics_bound: int | None = None
+        """The port metrics are served on (``metrics_port=0`` picks a free one)."""
         self.stop_event: asyncio.Event | None = None
         self.executor: Executor | None = None
         self.scheduler: Scheduler | None = None
         self._signals = 0
+        self._threads: ThreadPoolExecutor | None = None
+        self._sync_calls: dict[str, Future[Any]] = {}
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
         self.stop_event = stop = stop or asyncio.Event()
@@ -72,8 +95,11 @@ class Worker:
         self.scheduler = Scheduler(
             store, self.loops, clock=self.engine.clock, worker_id=self.engine.worker_id,
             run_iteration=self._run_iteration, capacity=capacity,
-            lease_seconds=self.engine.lease_seconds, alert=self.alerts,
+            lease_seconds=self.engine.lease_seconds, alert=self._alert,
         )
+        self._observe(executor, self.scheduler)
+        if self.metrics is not None and self.metrics_port is not None:
+            self.metrics_bound = self.metrics.serve(self.metrics_port, self.metrics_host)
         log.info("worker %s: %d workflow(s), %d loop(s), concurrency %d", self.engine.worker_id,
                  len(self.engine.workflows), len(self.loops), self.concurrency)
         try:
@@ -83,16 +109,72 @@ class Worker:
             )
         finally:
             executor.close()
+            if self._threads is not None:
+                self._threads.shutdown(wait=False, cancel_futures=True)
+            if self.metrics is not None:
+                self.metrics.close()
+            self.alerts.close()
         log.info("worker %s stopped", self.engine.worker_id)
+
+    # -- observability ---------------------------------------------------------------------
+
+    def _observe(self, executor: Executor, scheduler: Scheduler) -> None:
+        worker = self.engine.worker_id
+        executor.listeners.append(self._on_boundary)
+        executor.lease_lost.append(
+            lambda run_id, why: self._alert(lease_lost_alert("run", run_id, why, worker))
+        )
+        scheduler.lease_lost.append(
+            lambda name, why: self._alert(lease_lost_alert("loop", name, why, worker))
+        )
+        metrics = self.metrics
+        if metrics is None:
+            return
+        executor.listeners.append(metrics.listener)
+        executor.lease_lost.append(metrics.lease_lost("run"))
+        scheduler.lease_lost.append(metrics.lease_lost("loop"))
+        scheduler.iteration_listeners.append(metrics.iteration)
+        store, clock, names = self.engine.store, self.engine.clock, list(self.engine.workflows)
+        metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
+        metrics.track_in_flight(lambda: executor.busy)
+
+    def _alert(self, alert: Alert) -> None:
+        if self.metrics is not None:
+            self.metrics.alert(alert.level, alert.what)
+        self.alerts(alert)
+
+    def _idempotent(self, workflow: str, state: str) -> bool:
+        found = self.engine.workflows.get(workflow)
+        spec = found.steps.get(state) if found is not None else None
+        return spec is None or spec.idempotent
+
+    def _on_boundary(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        for alert in run_alerts(record, events, idempotent=self._idempotent):
+            self._alert(alert)
 
     async def _run_iteration(self, loop: Loop, iteration: Iteration) -> Any:
         if loop.fn is not None:
             if loop.is_async:
                 return await loop.fn(iteration)
-            return await asyncio.get_running_loop().run_in_executor(
-                None, functools.partial(loop.fn, iteration)
-            )
+            return await self._run_in_thread(loop, iteration)
         return await self._run_workflow(loop, iteration)
+
+    async def _run_in_thread(self, loop: Loop, iteration: Iteration) -> Any:
+        assert loop.fn is not None
+        previous = self._sync_calls.get(loop.name)
+        if previous is not None and not previous.done():
+            # A call cut off by its timeout still runs in its thread (threads cannot be
+            # killed): never two iterations of one loop at once, so wait for it first.
+            await asyncio.wait([asyncio.wrap_future(previous)])
+        # Our own pool, not the loop's default one: asyncio.run would wait for a sync
+        # iteration cut off at the end of the grace period before the process could exit.
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(
+                max_workers=self.concurrency, thread_name_prefix=THREAD_PREFIX + "loop"
+            )
+        call = self._threads.submit(loop.fn, iteration)
+        self._sync_calls[loop.name] = call
+        return await asyncio.wrap_future(call)
 
     async def _run_workflow(self, loop: Loop, iteration: Iteration) -> str:
         assert loop.workflow is not None and self.executor is not None
@@ -104,6 +186,8 @@ class Worker:
         )
         stored, created = engine.store.create_run(new)
         if created:
+            if self.metrics is not None:
+                self.metrics.run_started(loop.workflow.name)
             self.executor.spawn(stored, starting=False)
         try:
             while True:
@@ -147,4 +231,24 @@ class Worker:
             await self.run(self.stop_event)
 
         asyncio.run(main())
+        _exit_if_threads_linger()
+
+
+def _exit_if_threads_linger() -> None:
+    """A sync step or iteration cut off at the end of the grace period keeps running in its
+    thread (threads cannot be killed) and Python would wait for it at exit. Its cut-off is
+    journaled already, so leave now: the grace period is a promise to the operator."""
+    lingering = [
+        thread for thread in threading.enumerate()
+        if thread.name.startswith(THREAD_PREFIX) and thread.is_alive() and not thread.daemon
+    ]
+    if not lingering:
+        return
+    log.warning("exiting with %d step or iteration thread(s) still running after the grace "
+                "period (already journaled as cut off)", len(lingering))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 

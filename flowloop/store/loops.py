@@ -33,6 +33,8 @@ from flowloop.store.schema import loop_journal, loops, meta
 CHANGES_KEY: Final = "loops_changed"
 """A counter in flowloop_meta bumped by every operator change of a loop, so an idle worker
 notices pause/unpause/stop with one tiny query instead of re-reading every loop."""
+SYNC_BATCH: Final = 500
+"""Loops registered per transaction (also bounds the size of an ``IN (...)`` list)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +75,18 @@ class LoopEvent:
     worker: str | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
     seq: int = 0
+
+
+_CHANGES_QUERY: Final = select(meta.c.value).where(meta.c.key == CHANGES_KEY)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopSpec:
+    """What a worker registers for one loop."""
+
+    name: str
+    schedule: str
+    first_slot: float
 
 
 def _row(row: Any) -> LoopRow:
@@ -121,10 +135,9 @@ class LoopStoreMixin:
             conn.execute(insert(meta).values(key=CHANGES_KEY, value="1"))
 
     def loop_changes(self) -> int:
+        """The operator-change counter: what an idle worker polls (keep it this cheap)."""
         with self._read() as conn:
-            value = conn.execute(
-                select(meta.c.value).where(meta.c.key == CHANGES_KEY)
-            ).scalar_one_or_none()
+            value = conn.execute(_CHANGES_QUERY).scalar_one_or_none()
         return int(value or 0)
 
     def sync_loop(
@@ -145,18 +158,60 @@ class LoopStoreMixin:
                     [LoopEvent(loop=name, kind="loop_created", at=at, slot=first_slot,
                                worker=worker, data={"schedule": schedule})], 1))
             elif row.schedule != schedule:
-                conn.execute(
-                    update(loops).where(loops.c.name == name).values(
-                        schedule=schedule, last_seq=row.last_seq + 1, updated_at=at,
-                        next_fire_at=first_slot if row.status == "scheduled" else row.next_fire_at,
-                    )
-                )
-                conn.execute(insert(loop_journal), _event_rows(
-                    [LoopEvent(loop=name, kind="loop_rescheduled", at=at, slot=first_slot,
-                               worker=worker, data={"schedule": schedule, "was": row.schedule})],
-                    row.last_seq + 1))
+                spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
+                self._reschedule(conn, row, spec, at=at, worker=worker)
             fresh = conn.execute(select(loops).where(loops.c.name == name)).one()
         return _row(fresh)
+
+    def sync_loops(
+        self, specs: Sequence[LoopSpec], *, at: float, worker: str
+    ) -> list[LoopRow]:
+        """:meth:`sync_loop` for many loops in one transaction per ``SYNC_BATCH`` (a worker
+        with thousands of loops registers them in a fraction of a second)."""
+        rows: list[LoopRow] = []
+        for start in range(0, len(specs), SYNC_BATCH):
+            batch = specs[start:start + SYNC_BATCH]
+            names = [spec.name for spec in batch]
+            with self._write() as conn:
+                existing = {
+                    row.name: row
+                    for row in conn.execute(select(loops).where(loops.c.name.in_(names)))
+                }
+                new_rows, new_events = [], []
+                for spec in batch:
+                    row = existing.get(spec.name)
+                    if row is None:
+                        new_rows.append(dict(
+                            name=spec.name, schedule=spec.schedule, status="scheduled",
+                            next_fire_at=spec.first_slot, iterations=0, consecutive_failures=0,
+                            skipped=0, missed=0, lease_epoch=0, last_seq=1, updated_at=at,
+                        ))
+                        new_events.extend(_event_rows([LoopEvent(
+                            loop=spec.name, kind="loop_created", at=at, slot=spec.first_slot,
+                            worker=worker, data={"schedule": spec.schedule})], 1))
+                    elif row.schedule != spec.schedule:
+                        self._reschedule(conn, row, spec, at=at, worker=worker)
+                if new_rows:
+                    conn.execute(insert(loops), new_rows)
+                    conn.execute(insert(loop_journal), new_events)
+                fresh = conn.execute(select(loops).where(loops.c.name.in_(names)))
+                by_name = {row.name: _row(row) for row in fresh}
+            rows.extend(by_name[name] for name in names)
+        return rows
+
+    def _reschedule(
+        self, conn: Connection, row: Any, spec: LoopSpec, *, at: float, worker: str
+    ) -> None:
+        conn.execute(
+            update(loops).where(loops.c.name == spec.name).values(
+                schedule=spec.schedule, last_seq=row.last_seq + 1, updated_at=at,
+                next_fire_at=spec.first_slot if row.status == "scheduled" else row.next_fire_at,
+            )
+        )
+        conn.execute(insert(loop_journal), _event_rows(
+            [LoopEvent(loop=spec.name, kind="loop_rescheduled", at=at, slot=spec.first_slot,
+                       worker=worker, data={"schedule": spec.schedule, "was": row.schedule})],
+            row.last_seq + 1))
 
     def get_loop(self, name: str) -> LoopRow | None:
         with self._read() as conn:
@@ -165,10 +220,13 @@ class LoopStoreMixin:
 
     def list_loops(self, names: Sequence[str] | None = None) -> list[LoopRow]:
         query = select(loops).order_by(loops.c.name)
-        if names is not None:
-            query = query.where(loops.c.name.in_(list(names)))
+        wanted = None if names is None else set(names)
+        if wanted is not None and len(wanted) <= SYNC_BATCH:
+            query = query.where(loops.c.name.in_(sorted(wanted)))
         with self._read() as conn:
-            return [_row(row) for row in conn.execute(query)]
+            rows = [_row(row) for row in conn.execute(query)]
+        # Many names: one scan filtered here rather than an IN list past SQLite's limits.
+        return rows if wanted is None else [row for row in rows if row.name in wanted]
 
     def loop_journal(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
         with self._read() as conn:
@@ -206,7 +264,8 @@ class LoopStoreMixin:
                 ).first()
                 if row is None:
                     return None
-                conn.execute(insert(loop_journal), _event_rows(events, row.last_seq - len(events) + 1))
+                first_seq = row.last_seq - len(events) + 1
+                conn.execute(insert(loop_journal), _event_rows(events, first_seq))
         except IntegrityError:
             return None  # that slot already started elsewhere: the transaction rolled back
         return _row(row)
@@ -260,6 +319,15 @@ class LoopStoreMixin:
                 select(loops).where(loops.c.status == "running", self._claimable())
             )
             return [_row(row) for row in rows]
+
+    def running_loop_owners(self) -> set[str]:
+        """The workers that hold a running loop (to spot dead ones on this host)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(loops.c.owner).where(loops.c.status == "running", loops.c.owner.is_not(None))
+                .distinct()
+            )
+            return {row.owner for row in rows}
 
     def expire_loop_leases(self, owners: Sequence[str]) -> None:
         if not owners:
