@@ -24,7 +24,7 @@ from transitions import Machine
 
 from flowloop import graph
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
-from flowloop.retry import DEFAULT_RETRY, Retry, seconds
+from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 if TYPE_CHECKING:
     import graphviz
@@ -97,7 +97,7 @@ class StepSpec:
         """Compact settings for diagrams: retry, timeout, idempotency, max visits."""
         parts = [self.retry.describe()]
         if self.timeout is not None:
-            parts.append(f"timeout {self.timeout:g}s")
+            parts.append(f"timeout {human(self.timeout)}")
         if not self.idempotent:
             parts.append("not idempotent")
         if self.max_visits is not None:
@@ -132,7 +132,7 @@ class WaitSpec:
     def describe(self) -> str:
         parts = [f"waits for {', '.join(self.on)}"]
         if self.timeout is not None:
-            parts.append(f"timeout {self.timeout:g}s")
+            parts.append(f"timeout {human(self.timeout)}")
         return ", ".join(parts)
 
 
@@ -160,8 +160,8 @@ class Workflow:
     >>> order.final("delivered", "cancelled")
 
     ``key`` names a context field (or a function of the context) that identifies the run in
-    business terms (an order id); with ``unique_key=True`` starting a second run with the
-    same key returns the first one.
+    business terms (an order id). It is unique per workflow: starting a second run with the
+    same key returns the first one (``engine.find(workflow, key=...)`` finds it).
     """
 
     def __init__(
@@ -171,7 +171,6 @@ class Workflow:
         context: type[BaseModel],
         version: int = 1,
         key: str | Callable[[Any], str] | None = None,
-        unique_key: bool = True,
         max_concurrency: int | None = None,
         description: str = "",
     ) -> None:
@@ -185,7 +184,6 @@ class Workflow:
         self.context = context
         self.version = version
         self.key = key
-        self.unique_key = unique_key
         self.max_concurrency = max_concurrency
         self.description = description
         self._draft = _Draft()
@@ -321,6 +319,20 @@ class Workflow:
                     self.name,
                     f"wait state {name!r}: {label} for undeclared event(s) {', '.join(unknown)}",
                 )
+        for event, model in (payloads or {}).items():
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                raise DefinitionError(
+                    self.name,
+                    f"wait state {name!r}: payload of {event!r} must be a pydantic BaseModel "
+                    f"subclass, not {model!r}",
+                )
+        for event, handler in (handlers or {}).items():
+            if not callable(handler):
+                raise DefinitionError(
+                    self.name, f"wait state {name!r}: handler of {event!r} is not callable"
+                )
+        if max_visits is not None and max_visits < 1:
+            raise DefinitionError(self.name, f"wait state {name!r}: max_visits must be at least 1")
         self._draft.waits[name] = WaitSpec(
             name=name,
             on=dict(on),

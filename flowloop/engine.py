@@ -18,7 +18,6 @@ from pydantic_core import to_jsonable_python
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
-from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, receive
 from flowloop.errors import (
     DefinitionError,
     FlowloopError,
@@ -29,6 +28,7 @@ from flowloop.errors import (
     UnknownRun,
     UnknownWorkflow,
 )
+from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, receive
 from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_CONCURRENCY,
@@ -232,7 +232,7 @@ class Engine:
                 "workflow": workflow.name,
                 "version": workflow.version,
                 "fingerprint": workflow.fingerprint,
-                "key": business_key if workflow.unique_key or key is not None else business_key,
+                "key": business_key,
                 "due": run_at if run_at is not None else now,
             },
         )
@@ -558,7 +558,8 @@ class Engine:
                     continue  # events kept earlier went first (in order): look again
                 received, after = receive(
                     workflow, record, event, message.payload, now=message.sent_at,
-                    worker=message.sender or "", extra={"dedupe_key": dedupe_key} if dedupe_key else None,
+                    worker=message.sender or "",
+                    extra={"dedupe_key": dedupe_key} if dedupe_key else None,
                 )
                 boundary = Boundary(
                     events=[received], record=after, fence=Fence(None, stored.lease_epoch)

@@ -27,6 +27,7 @@ DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
 READ_OPTION: Final = "flowloop_read"
+PG_CONNECT_TIMEOUT_S: Final = 5
 SQLITE_HEADER: Final = b"SQLite format 3\x00"
 
 
@@ -125,8 +126,13 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
+    # A server that does not answer must not hang a worker's event loop for the OS's TCP
+    # timeout (minutes): its heartbeat has to self-fence before its leases run out.
+    connect_args = (
+        {} if "connect_timeout" in url.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
+    )
     try:
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
         raise StoreError(
             "PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'"
