@@ -8,18 +8,48 @@ due time only when the state has a timeout. An event sent to it (or the timeout)
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
 
 from flowloop import journal as j
 from flowloop.definition import TIMEOUT_EVENT, Workflow, describe_validation
-from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded
+from flowloop.errors import FlowloopError, InvalidEvent, InvalidTransition, MaxVisitsExceeded
 from flowloop.journal import JournalEvent, RunRecord
 
 
 class InvalidPayload(FlowloopError):
     """An event's payload does not validate against the model the wait state declares."""
+
+
+class NeverAccepted(InvalidEvent):
+    """An event to keep (``buffer=True``) that no wait state of the workflow accepts: it
+    would sit in the run's inbox forever."""
+
+    def __init__(self, workflow: str, event: str, accepted: Iterable[str]) -> None:
+        accepted_list = ", ".join(sorted(set(accepted))) or "none"
+        FlowloopError.__init__(
+            self,
+            f"no wait state of workflow {workflow!r} accepts event {event!r}, so it cannot "
+            f"be kept for later (its wait states accept: {accepted_list})",
+        )
+        self.state = ""
+        self.event = event
+
+
+class NotWaiting(InvalidTransition):
+    """The run's state accepts the event, but the run cannot take it now (it is paused)."""
+
+    def __init__(self, run_id: str, status: str, state: str, event: str) -> None:
+        FlowloopError.__init__(
+            self,
+            f"run {run_id!r} is {status} in state {state!r}: it cannot take event {event!r} "
+            f"now (unpause it first, or send with buffer=True / --buffer to keep the event "
+            f"until it can)",
+        )
+        self.run_id = run_id
+        self.status = status
 
 
 def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:
@@ -52,6 +82,47 @@ def accepts(workflow: Workflow, record: RunRecord, event: str) -> bool:
     """Whether the run, as it is now, can take ``event`` (it waits in a state that accepts
     it; the timeout is only ever fired by a worker)."""
     return record.status == "scheduled" and event in accepted(workflow, record.state)
+
+
+def check_bufferable(
+    workflow: Workflow, event: str, payload: str | None, *, state: str | None = None
+) -> None:
+    """Refuse, before it is stored, an event that could never be taken later: one no wait
+    state accepts, or whose payload no accepting state's model validates (``state``: the
+    run waits there and accepts it now, so its model decides)."""
+    if state is not None and event in accepted(workflow, state):
+        _payload(workflow.waits[state].payloads.get(event), event, payload)
+        return
+    takers = [wait for wait in workflow.waits.values() if event in wait.on]
+    if not takers:
+        raise NeverAccepted(
+            workflow.name, event, (e for wait in workflow.waits.values() for e in wait.on)
+        )
+    first: InvalidPayload | None = None
+    for wait in takers:
+        try:
+            _payload(wait.payloads.get(event), event, payload)
+            return
+        except InvalidPayload as error:
+            first = first or error
+    assert first is not None
+    raise first
+
+
+def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> float | None:
+    """When the run's wait in ``state`` times out (``None``: it has no timeout): the due
+    time stored when the run last entered ``state``, or that entry's time plus the timeout.
+    A run claimed before then (unpaused, or created in a wait state) is not timed out."""
+    wait = workflow.waits.get(state)
+    if wait is None or wait.timeout is None:
+        return None
+    for event in reversed(events):
+        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
+            due = event.data.get("due")
+            return float(due) if due is not None else event.at + wait.timeout
+        if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
+            return event.at + wait.timeout
+    return float("-inf")  # no entry found: treat as overdue (the timeout fires)
 
 
 def receive(

@@ -39,8 +39,8 @@ from flowloop.definition import (
     compatible,
     describe_validation,
 )
-from flowloop.events import accepted, accepts, check_visits, entering, receive, wait_due
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
+from flowloop.events import accepted, accepts, check_visits, entering, receive, wait_due
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, Store, StoredRun
 
@@ -718,9 +718,13 @@ class Executor:
             worker=self.worker_id,
         )
         ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
-        fields = step_fields(workflow.name, record)
-        log.info("run %s seq %d: %s attempt %d started", record.id, record.last_seq,
-                 record.state, record.attempt, extra={**fields, "event": "step_started"})
+        # One line when the step starts and one when it ends (fields for JSON logs); built
+        # only when someone listens: this is the hot path.
+        logged = log.isEnabledFor(logging.INFO)
+        if logged:
+            log.info("run %s seq %d: %s attempt %d started", record.id, record.last_seq,
+                     record.state, record.attempt,
+                     extra={**step_fields(workflow.name, record), "event": "step_started"})
         started = self.clock.monotonic()
         try:
             returned = await self._call(record.id, spec, ctx, step)
@@ -749,10 +753,12 @@ class Executor:
             duration=duration,
             data=entering(workflow, next_state, self.clock.now(), delay=delay),
         )
-        log.info("run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)", record.id,
-                 record.last_seq, record.state, record.attempt, duration * 1000, event,
-                 next_state, extra={**fields, "event": "step_finished", "outcome": "succeeded",
-                                    "duration": duration, "next_state": next_state})
+        if logged:
+            log.info("run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)", record.id,
+                     record.last_seq, record.state, record.attempt, duration * 1000, event,
+                     next_state, extra={**step_fields(workflow.name, record),
+                                        "event": "step_finished", "outcome": "succeeded",
+                                        "duration": duration, "next_state": next_state})
         return await self._advance(workflow, record, fence, succeeded)
 
     async def _advance(
@@ -764,7 +770,9 @@ class Executor:
         after = j.apply(record, transition)
         target = after.state
         if after.status != "scheduled":
-            await self._commit(Boundary(events=[transition], record=after, fence=fence, release=True))
+            await self._commit(
+                Boundary(events=[transition], record=after, fence=fence, release=True)
+            )
             return None
         action = self._controls.get(record.id)
         if action in ("pause", "stop") or self._draining:

@@ -1,0 +1,432 @@
+"""Wait states and events, in one process on a FakeClock, on SQLite and PostgreSQL:
+events accepted, rejected, buffered, deduplicated; timeouts taken only when due; replay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from pydantic import BaseModel
+from waitkit import (
+    ALL,
+    assert_journal_sound,
+    chain,
+    ctx,
+    inbox_rows,
+    initial_wait,
+    kinds,
+    napper,
+    parked,
+    received,
+    review,
+)
+
+from flowloop import Engine, FakeClock, Workflow
+from flowloop.errors import DefinitionError, InvalidEvent, InvalidTransition
+from flowloop.events import InvalidPayload, NeverAccepted, NotWaiting
+from flowloop.store import InboxEvent
+
+DAY = 86_400.0
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(auto_advance=False)
+
+
+@pytest.fixture
+def engine(store_url: str, clock: FakeClock) -> Iterator[Engine]:
+    with Engine(store_url, clock=clock, workflows=ALL) as engine:
+        yield engine
+
+
+def waiting(engine: Engine, doc_id: str = "D1") -> str:
+    info = engine.run(review, {"doc_id": doc_id})
+    assert (info.status, info.state) == ("scheduled", "awaiting")
+    return str(info.id)
+
+
+# -- a run in a wait state --------------------------------------------------------------------
+
+
+def test_wait__entering_holds_no_worker_and_stores_the_timeout_as_due_time(
+    engine: Engine, clock: FakeClock
+) -> None:
+    run_id = waiting(engine)
+    info = engine.get(run_id)
+    assert info.owner is None
+    assert info.next_run_at == pytest.approx(clock.now() + 2 * DAY)
+    info = engine.run(parked, {})  # no timeout: no due time at all
+    assert (info.state, info.owner, info.next_run_at) == ("parked", None, None)
+
+
+def test_wait__nothing_happens_before_the_timeout_is_due(engine: Engine, clock: FakeClock) -> None:
+    run_id = waiting(engine)
+    clock.advance(2 * DAY - 60)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).state == "awaiting"
+    assert kinds(engine, run_id)[-1] == "step_succeeded"
+
+
+def test_wait__timeout_branch_taken_once_and_replay_matches(
+    engine: Engine, clock: FakeClock
+) -> None:
+    run_id = waiting(engine)
+    clock.advance(2 * DAY + 1)
+    engine.run_until_idle(idle_horizon=0)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("succeeded", "expired")
+    timeouts = received(engine, run_id, "timeout")
+    assert [(e.state, e.next_state) for e in timeouts] == [("awaiting", "expired")]
+    assert_journal_sound(engine, run_id)
+
+
+def test_wait__unpaused_waiting_run_keeps_its_timeout(engine: Engine, clock: FakeClock) -> None:
+    # Bug: unpausing made the run due now, and the claim fired the timeout at once.
+    run_id = waiting(engine)
+    due = engine.get(run_id).next_run_at
+    engine.pause(run_id)
+    engine.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state, info.next_run_at) == ("scheduled", "awaiting", due)
+    assert received(engine, run_id) == []
+    clock.advance(2 * DAY + 1)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).state == "expired"
+    assert_journal_sound(engine, run_id)
+
+
+def test_wait__paused_past_its_timeout_times_out_at_once_when_unpaused(
+    engine: Engine, clock: FakeClock
+) -> None:
+    run_id = waiting(engine)
+    engine.pause(run_id)
+    clock.advance(3 * DAY)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).status == "paused"
+    engine.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).state == "expired"
+    assert len(received(engine, run_id, "timeout")) == 1
+
+
+def test_wait__initial_wait_state_is_not_timed_out_at_creation(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # Bug: a run created in a wait state was due at once and its timeout fired on claim.
+    info = engine.start(initial_wait, {})
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("scheduled", "gate")
+    assert info.next_run_at == pytest.approx(clock.now() + 100)
+    assert engine.send(info.id, "open").status == "applied"
+    assert engine.get(info.id).state == "opened"
+    assert_journal_sound(engine, info.id)
+
+
+@pytest.mark.xfail(
+    strict=True, raises=KeyError,
+    reason="engine.run on an initial wait state: Engine._new_run records a step_started for "
+    "it and _drive looks up a step (outside this change; reported to the lead)",
+)
+def test_wait__engine_run_of_a_workflow_that_starts_waiting_returns_it_waiting(
+    engine: Engine,
+) -> None:
+    class Ctx(BaseModel):
+        n: int = 0
+
+    gate = Workflow("gate_first", context=Ctx)
+    gate.wait("gate", on={"open": "opened"}, initial=True)
+    gate.final("opened")
+    info = engine.run(gate, {})
+    assert (info.status, info.state, info.owner) == ("scheduled", "gate", None)
+
+
+def test_wait__due_timeout_yields_to_an_event_kept_before_it(
+    engine: Engine, clock: FakeClock
+) -> None:
+    run_id = waiting(engine)
+    engine.pause(run_id)
+    assert engine.send(run_id, "approve", {"by": "ann"}, buffer=True).status == "buffered"
+    clock.advance(3 * DAY)  # the timeout is overdue by the time the run is unpaused
+    engine.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.state, info.owner) == ("approved", None)
+    assert [e.event for e in received(engine, run_id)] == ["approve"]
+    assert_journal_sound(engine, run_id)
+
+
+# -- events accepted and rejected ---------------------------------------------------------------
+
+
+def test_send__accepted_event_validates_the_payload_and_the_handler_merges_it(
+    engine: Engine,
+) -> None:
+    run_id = waiting(engine)
+    result = engine.send(run_id, "approve", {"by": "ann", "note": "fine"})
+    assert result.status == "applied"
+    info = result.run
+    assert (info.status, info.state) == ("succeeded", "approved")
+    assert ctx(info).approved_by == "ann"
+    [event] = received(engine, run_id)
+    assert (event.event, event.state, event.next_state) == ("approve", "awaiting", "approved")
+    assert '"approved_by":"ann"' in (event.context or "")
+    assert_journal_sound(engine, run_id)
+
+
+def test_send__payload_model_instance_is_accepted(engine: Engine) -> None:
+    from waitkit import Approval
+
+    run_id = waiting(engine)
+    engine.send(run_id, "reject", Approval(by="bob", note="too dear"))
+    info = engine.get(run_id)
+    assert info.state == "rejected"
+    assert ctx(info).rejected_because == "bob: too dear"
+
+
+def test_send__event_the_state_does_not_accept_is_rejected_listing_what_it_accepts(
+    engine: Engine,
+) -> None:
+    run_id = waiting(engine)
+    with pytest.raises(InvalidEvent) as caught:
+        engine.send(run_id, "paid", {"by": "ann"})
+    message = str(caught.value)
+    assert "'awaiting' does not accept event 'paid'" in message
+    assert "it accepts: approve, reject" in message
+    assert engine.send(run_id, "approve", {"by": "ann"}).status == "applied"  # nothing broke
+    assert inbox_rows(engine.url, run_id)[0].event == "approve"
+    assert len(inbox_rows(engine.url, run_id)) == 1  # the rejected one was not kept
+
+
+def test_send__timeout_cannot_be_sent_from_outside(engine: Engine) -> None:
+    run_id = waiting(engine)
+    with pytest.raises(InvalidEvent, match="it accepts: approve, reject"):
+        engine.send(run_id, "timeout")
+
+
+def test_send__invalid_payload_is_rejected_listing_the_fields(engine: Engine) -> None:
+    run_id = waiting(engine)
+    with pytest.raises(InvalidPayload) as caught:
+        engine.send(run_id, "approve", {"note": 3})
+    message = str(caught.value)
+    assert "payload of event 'approve' is invalid" in message
+    assert "by: Field required" in message
+    assert "note: Input should be a valid string" in message
+    with pytest.raises(InvalidPayload, match="by: Field required"):
+        engine.send(run_id, "approve")  # no payload at all
+    assert engine.get(run_id).state == "awaiting"
+    assert received(engine, run_id) == []
+    assert inbox_rows(engine.url, run_id) == []
+
+
+def test_send__to_a_run_in_a_step_state_is_rejected(engine: Engine) -> None:
+    info = engine.start(review, {"doc_id": "D9"})  # queued at `prepare`, a step
+    refused = r"'prepare' does not accept event 'approve' \(it accepts: none\)"
+    with pytest.raises(InvalidEvent, match=refused):
+        engine.send(info.id, "approve", {"by": "ann"})
+
+
+def test_send__to_a_paused_waiting_run_says_it_is_paused(engine: Engine) -> None:
+    # Bug: the error said the state "does not accept event 'approve' (it accepts: approve, …)".
+    run_id = waiting(engine)
+    engine.pause(run_id)
+    with pytest.raises(NotWaiting) as caught:
+        engine.send(run_id, "approve", {"by": "ann"})
+    assert "is paused in state 'awaiting'" in str(caught.value)
+    assert "unpause it" in str(caught.value)
+    assert engine.send(run_id, "approve", {"by": "ann"}, buffer=True).status == "buffered"
+    engine.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).state == "approved"
+
+
+def test_send__to_a_finished_run_is_rejected(engine: Engine) -> None:
+    run_id = waiting(engine)
+    engine.send(run_id, "approve", {"by": "ann"})
+    with pytest.raises(InvalidTransition, match="is succeeded: cannot send 'approve' to it"):
+        engine.send(run_id, "approve", {"by": "ann"})
+
+
+# -- buffered events ---------------------------------------------------------------------------
+
+
+def test_send__buffered_event_is_kept_until_the_run_reaches_the_wait_then_consumed_once(
+    engine: Engine, clock: FakeClock
+) -> None:
+    info = engine.start(review, {"doc_id": "D2"})  # still at `prepare`
+    sent_at = clock.now()
+    result = engine.send(info.id, "approve", {"by": "early"}, buffer=True)
+    assert result.status == "buffered"
+    assert result.run.state == "prepare"
+    clock.advance(5)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("succeeded", "approved")
+    assert ctx(info).approved_by == "early"
+    [event] = received(engine, info.id)
+    assert event.data["buffered_at"] == pytest.approx(sent_at)
+    assert event.at == pytest.approx(sent_at + 5)
+    [row] = inbox_rows(engine.url, info.id)
+    assert row.consumed_seq == event.seq
+    engine.run_until_idle(idle_horizon=0)
+    assert len(received(engine, info.id)) == 1
+    assert_journal_sound(engine, info.id)
+
+
+def test_send__without_buffer_an_event_for_a_later_state_is_rejected_not_kept(
+    engine: Engine,
+) -> None:
+    info = engine.start(review, {"doc_id": "D3"})
+    with pytest.raises(InvalidEvent, match=r"it accepts: none"):
+        engine.send(info.id, "approve", {"by": "ann"})
+    assert inbox_rows(engine.url, info.id) == []
+
+
+def test_send__buffered_event_no_wait_state_accepts_is_refused_not_kept(engine: Engine) -> None:
+    # Bug: it was kept for ever.
+    info = engine.start(review, {"doc_id": "D4"})
+    with pytest.raises(NeverAccepted) as caught:
+        engine.send(info.id, "paid", buffer=True)
+    assert "no wait state of workflow 'review' accepts event 'paid'" in str(caught.value)
+    assert "approve, reject" in str(caught.value)
+    assert inbox_rows(engine.url, info.id) == []
+
+
+def test_send__buffered_event_with_an_invalid_payload_is_refused_not_kept(engine: Engine) -> None:
+    # Bug: it was kept, and later blocked (or failed) the run when it reached the wait.
+    info = engine.start(review, {"doc_id": "D5"})
+    with pytest.raises(InvalidPayload, match="by: Field required"):
+        engine.send(info.id, "approve", {"who": "ann"}, buffer=True)
+    assert inbox_rows(engine.url, info.id) == []
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(info.id).state == "awaiting"
+
+
+def test_send__buffered_event_is_taken_after_a_wait_to_wait_transition(engine: Engine) -> None:
+    # Bug: `go` sent directly moved the run into `second`, but the `note` kept for `second`
+    # stayed in the inbox until the next send.
+    info = engine.run(chain, {})
+    assert info.state == "first"
+    assert engine.send(info.id, "note", {"text": "kept"}, buffer=True).status == "buffered"
+    assert engine.send(info.id, "go").status == "applied"
+    info = engine.get(info.id)
+    assert (info.state, ctx(info).notes) == ("second", ["kept"])
+    assert [r.consumed_seq is not None for r in inbox_rows(engine.url, info.id)] == [True, True]
+    assert_journal_sound(engine, info.id)
+
+
+def test_send__kept_events_follow_the_run_through_unpause_into_a_second_wait(
+    engine: Engine,
+) -> None:
+    info = engine.start(chain, {})
+    engine.run_until_idle(idle_horizon=0)
+    engine.send(info.id, "note", {"text": "one"}, buffer=True)
+    engine.send(info.id, "note", {"text": "two"}, buffer=True)
+    engine.pause(info.id)  # `go` cannot be taken while paused: kept too
+    assert engine.send(info.id, "go", buffer=True).status == "buffered"
+    engine.unpause(info.id)  # the claim takes `go`, then the kept notes in `second`
+    engine.run_until_idle(idle_horizon=0)
+    engine.send(info.id, "note", {"text": "three"})
+    info = engine.get(info.id)
+    assert ctx(info).notes == ["one", "two", "three"]
+    assert_journal_sound(engine, info.id)
+
+
+def test_send__event_kept_earlier_is_taken_before_a_later_direct_one(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # Bug: a direct send overtook an event kept earlier for the same state. Here the kept
+    # one is left as a sender killed between keeping it and delivering it would leave it.
+    info = engine.run(chain, {})
+    engine.send(info.id, "go")
+    kept = InboxEvent(
+        run_id=info.id, event="note", payload='{"text": "one"}', dedupe_key=None,
+        sent_at=clock.now(), sender="killed",
+    )
+    assert engine.store.deliver(kept, None) == "buffered"
+    clock.advance(1)
+    assert engine.send(info.id, "note", {"text": "two"}).status == "applied"
+    info = engine.get(info.id)
+    assert ctx(info).notes == ["one", "two"]
+    first, second = received(engine, info.id, "note")
+    assert first.data["buffered_at"] == pytest.approx(clock.now() - 1)
+    assert "buffered_at" not in second.data
+    assert_journal_sound(engine, info.id)
+
+
+# -- dedupe ------------------------------------------------------------------------------------
+
+
+def test_send__same_dedupe_key_twice_has_effect_once(engine: Engine) -> None:
+    info = engine.run(chain, {})
+    engine.send(info.id, "go")
+    first = engine.send(info.id, "note", {"text": "a"}, dedupe_key="n-1")
+    second = engine.send(info.id, "note", {"text": "a"}, dedupe_key="n-1")
+    assert (first.status, second.status) == ("applied", "duplicate")
+    assert engine.send(info.id, "note", {"text": "b"}, dedupe_key="n-2").status == "applied"
+    assert ctx(engine.get(info.id)).notes == ["a", "b"]
+    [event] = [e for e in received(engine, info.id, "note") if e.data.get("dedupe_key") == "n-1"]
+    assert event.next_state == "second"
+    assert_journal_sound(engine, info.id)
+
+
+def test_send__dedupe_key_of_a_buffered_event_counts_too(engine: Engine) -> None:
+    info = engine.start(review, {"doc_id": "D6"})
+    statuses = [
+        engine.send(info.id, "approve", {"by": "ann"}, buffer=True, dedupe_key="k").status
+        for _ in range(3)
+    ]
+    assert statuses == ["buffered", "duplicate", "duplicate"]
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(info.id).state == "approved"
+    assert engine.send(info.id, "approve", {"by": "x"}, dedupe_key="k").status == "duplicate"
+    assert len(received(engine, info.id)) == 1
+
+
+# -- durable sleep, correlation, definitions ------------------------------------------------------
+
+
+def test_sleep__is_a_stored_due_time_not_an_in_process_wait(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # (engine.run would wait out a sleep shorter than its 300 s idle horizon in-process.)
+    info = engine.start(napper, {})
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state, info.owner) == ("scheduled", "after", None)
+    assert info.next_run_at == pytest.approx(clock.now() + 1.5)
+    engine.run_until_idle(idle_horizon=0)
+    assert kinds(engine, info.id).count("step_started") == 1  # `after` has not started
+    clock.advance(1.5)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, ctx(info).after) == ("succeeded", 1)
+    assert_journal_sound(engine, info.id)
+
+
+def test_find__by_business_key(engine: Engine) -> None:
+    run_id = waiting(engine, "A1")
+    waiting(engine, "A2")
+    found = engine.find(review, key="A1")
+    assert found is not None and found.id == run_id
+    assert engine.find("review", key="A1") == found
+    assert engine.find(review, key="nope") is None
+    assert engine.start(review, {"doc_id": "A1"}).id == run_id  # unique key: the same run
+
+
+def test_wait__definition_refuses_bad_payloads_handlers_and_visits() -> None:
+    class Ctx(BaseModel):
+        n: int = 0
+
+    wf = Workflow("bad", context=Ctx)
+    with pytest.raises(DefinitionError, match="payload of 'e' must be a pydantic BaseModel"):
+        wf.wait("w", on={"e": "done"}, payloads={"e": dict})  # type: ignore[dict-item]
+    with pytest.raises(DefinitionError, match="handler of 'e' is not callable"):
+        wf.wait("w", on={"e": "done"}, handlers={"e": "nope"})  # type: ignore[dict-item]
+    with pytest.raises(DefinitionError, match="max_visits must be at least 1"):
+        wf.wait("w", on={"e": "done"}, max_visits=0)
+    with pytest.raises(DefinitionError, match="give timeout= and on_timeout= together"):
+        wf.wait("w", on={"e": "done"}, timeout=5)
