@@ -28,7 +28,7 @@ from flowloop.errors import (
     UnknownRun,
     UnknownWorkflow,
 )
-from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, receive
+from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, entering, receive
 from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_CONCURRENCY,
@@ -233,12 +233,12 @@ class Engine:
                 "version": workflow.version,
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
-                "due": run_at if run_at is not None else now,
+                "due": self._first_due(workflow, now, run_at),
             },
         )
         events = [created]
         record = j.create(created)
-        if owner is not None:
+        if owner is not None and workflow.initial in workflow.steps:
             started = JournalEvent(
                 run_id=created.run_id, seq=2, kind=j.STEP_STARTED, at=now,
                 state=workflow.initial, attempt=1, worker=owner,
@@ -253,6 +253,14 @@ class Engine:
             owner=owner,
             lease_seconds=self.lease_seconds,
         )
+
+    @staticmethod
+    def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:
+        """When a new run is first due: ``run_at``/now for a step, the timeout (or never)
+        for a wait state."""
+        if workflow.initial in workflow.waits:
+            return entering(workflow, workflow.initial, run_at if run_at is not None else now)["due"]
+        return run_at if run_at is not None else now
 
     def start(
         self,
@@ -303,11 +311,14 @@ class Engine:
         """:meth:`run` for callers already inside an event loop."""
         new = self._new_run(
             workflow, context, key=key, idempotency_key=idempotency_key,
-            priority=0, run_at=None, owner=self.worker_id,
+            priority=0, run_at=None,
+            # Claimed at birth when it starts with a step; a run that starts waiting
+            # holds nothing.
+            owner=self.worker_id if workflow.initial in workflow.steps else None,
         )
         stored, created = self.store.create_run(new)
         executor = self._executor()
-        if created:
+        if created and stored.owner is not None:
             # Fast path: drive the run we just created and claimed, without polling the
             # queue; the heartbeat keeps its lease alive through long steps.
             heartbeat = asyncio.create_task(executor.heartbeat())

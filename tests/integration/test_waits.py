@@ -126,11 +126,6 @@ def test_wait__initial_wait_state_is_not_timed_out_at_creation(
     assert_journal_sound(engine, info.id)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=KeyError,
-    reason="engine.run on an initial wait state: Engine._new_run records a step_started for "
-    "it and _drive looks up a step (outside this change; reported to the lead)",
-)
 def test_wait__engine_run_of_a_workflow_that_starts_waiting_returns_it_waiting(
     engine: Engine,
 ) -> None:
