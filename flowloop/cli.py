@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -15,10 +14,12 @@ from rich.console import Console
 from rich.table import Table
 
 from flowloop.clock import iso
+from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.loader import Loaded, load_paths, load_target
+from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES
 from flowloop.store.loops import LoopRow
 from flowloop.store.sql import SQLStore
@@ -50,7 +51,8 @@ def db_option(fn: F) -> F:
         "--db",
         envvar="FLOWLOOP_DB",
         default=None,
-        help="Database URL or SQLite file [env FLOWLOOP_DB; default ./flowloop.db].",
+        help="Database URL or SQLite file [env FLOWLOOP_DB, else db in flowloop.toml; "
+             "default ./flowloop.db].",
     )(fn)
 
 
@@ -68,19 +70,62 @@ def json_option(fn: F) -> F:
     return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
 
 
+def settings() -> Settings:
+    """The settings the ``flowloop`` group loaded: file < FLOWLOOP_* < global flags."""
+    ctx = click.get_current_context(silent=True)
+    found = ctx.find_object(Settings) if ctx is not None else None
+    return found if found is not None else load_settings()
+
+
+def command_settings(**flags: Any) -> Settings:
+    """The settings again, with this command's own flags on top (validated the same way)."""
+    ctx = click.get_current_context()
+    given = dict(ctx.meta.get(GLOBAL_FLAGS, {}))
+    return load_settings({**given, **flags}, config_file=ctx.meta.get(CONFIG_PATH))
+
+
+def database(db: str | None) -> str:
+    """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
+    return db or settings().db or default_url()
+
+
 def open_engine(db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None) -> Engine:
-    engine = Engine(db or default_url(), synchronous=synchronous)
+    engine = Engine(database(db), synchronous=synchronous)
     if loaded is not None:
         engine.register(*loaded.workflows.values())
     return engine
 
 
 def load_workflow_paths(paths: Sequence[str]) -> Loaded:
+    """The workflows and loops in ``paths``, with the configuration's overrides applied."""
     if paths:
-        return load_paths(paths)
-    if Path(DEFAULT_WORKFLOWS).is_dir():
-        return load_paths([DEFAULT_WORKFLOWS])
-    return Loaded()
+        loaded = load_paths(paths)
+    elif Path(DEFAULT_WORKFLOWS).is_dir():
+        loaded = load_paths([DEFAULT_WORKFLOWS])
+    else:
+        return Loaded()
+    loaded.loops = apply_overrides(settings(), loaded.workflows, loaded.loops)
+    return loaded
+
+
+def seconds_option(value: str, option: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as error:
+        raise FlowloopError(f"{option} {error}") from None
+
+
+def sql_engine(engine: Engine) -> Any:
+    """The SQLAlchemy engine under ``engine`` (stats and prune are SQL)."""
+    if not isinstance(engine.store, SQLStore):
+        raise FlowloopError("this command needs the SQL store")
+    return engine.store.engine
+
+
+def seconds_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def parse_context(text: str | None, option: str = "--context") -> Any:
@@ -180,20 +225,112 @@ def describe_event(event: JournalEvent) -> str:
     return str(event.data.get("reason", "")) if event.data else ""
 
 
-def progress_printer(prefix: str = "") -> Callable[[RunRecord, Sequence[JournalEvent]], None]:
-    """Prints each committed boundary of a run as it happens."""
+def progress_printer(
+    prefix: str = "", *, every: float = 1.0
+) -> Callable[[RunRecord, Sequence[JournalEvent]], None]:
+    """Prints each committed boundary of a run as it happens.
+
+    A run whose context counts its work — numeric ``<what>_done`` fields (``rows_done``,
+    ``batches_done`` …, with ``<what>_total`` when known) and ``rejects`` / ``errors``, at the
+    top level or in a ``progress`` dict, plus the ``file`` or ``item`` being worked on — also
+    gets progress lines with a rate (of ``rows_done``, else the first ``_done`` counter) and
+    an ETA. Its steps that loop back to their own state (batch after batch) print no line
+    each: a progress line comes at most every ``every`` seconds, when such a loop ends and
+    when the run ends. A ``summary`` text in the final context is printed last.
+    """
+    import time
+
+    from rich.markup import escape
+
+    first_seen: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter)
+    last_line: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter) shown
+
+    def counters(context: str) -> tuple[dict[str, Any], list[str]] | None:
+        """The progress fields of a context and its ``_done`` keys (the rate's first)."""
+        try:
+            data = json.loads(context)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        source = data["progress"] if isinstance(data.get("progress"), dict) else data
+        done = [key for key, value in source.items()
+                if key.endswith("_done") and number(value) is not None]
+        if not done:
+            return None
+        done.sort(key=lambda key: key != "rows_done")
+        return {**source, "summary": data.get("summary")}, done
+
+    def number(value: object) -> float | None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
+
+    def shown(value: float) -> str:
+        return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+
+    def progress_line(record: RunRecord, source: dict[str, Any], done: list[str]) -> str:
+        parts = []
+        item = source.get("file") or source.get("item")
+        if isinstance(item, str):
+            parts.append(escape(item))
+        for key in done:
+            what, value = key[: -len("_done")], number(source[key]) or 0.0
+            total = number(source.get(f"{what}_total"))
+            text = f"{what} {shown(value)}"
+            if total:
+                text += f"/{shown(total)}"
+                if key == done[0]:
+                    text += f" ({100 * value / total:.1f}%)"
+            parts.append(text)
+        for key in ("rejects", "errors"):
+            count = number(source.get(key))
+            if count is not None:
+                parts.append(f"{key} {shown(count)}")
+        t0, first = first_seen[record.id]
+        elapsed = time.monotonic() - t0
+        unit, value = done[0][: -len("_done")], number(source[done[0]]) or 0.0
+        if elapsed >= 0.05 and value > first:
+            rate = (value - first) / elapsed
+            parts.append(f"{rate:,.0f} {unit}/s")
+            total = number(source.get(f"{unit}_total"))
+            eta = int((total - value) / rate) if total is not None and total > value else 0
+            if eta >= 1 and record.status != "succeeded":
+                parts.append(f"ETA {eta // 60}:{eta % 60:02d}")
+        return f"{prefix}[cyan]progress[/]  {escape(record.state):<12} " + "  ".join(parts)
 
     def show(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        found = counters(record.context)
+        now = time.monotonic()
+        due = False
+        value = (number(found[0][found[1][0]]) or 0.0) if found is not None else 0.0
+        if found is not None and record.id not in first_seen:
+            first_seen[record.id] = last_line[record.id] = (now, value)
         for event in events:
             if event.kind == "step_started":
+                continue
+            looping = event.kind == "step_succeeded" and event.state == event.next_state
+            if found is not None and looping:
+                due = due or now - last_line[record.id][0] >= every
                 continue
             took = f" {event.duration * 1000:.1f} ms" if event.duration is not None else ""
             out.print(
                 f"{prefix}[dim]seq {event.seq:>3}[/] {event.kind:<16} "
-                f"{describe_event(event)}{took}"
+                f"{escape(describe_event(event))}{took}"
             )
-        if record.status in ("succeeded", "failed", "stopped", "paused"):
+            # A step that moved the count on (the last batch of a file): show where it got to.
+            due = due or (found is not None and value != last_line[record.id][1])
+        finished = record.status in ("succeeded", "failed", "stopped", "paused")
+        if found is not None and (due or finished):
+            out.print(progress_line(record, *found))
+            last_line[record.id] = (now, value)
+        if finished:
+            summary = found[0].get("summary") if found is not None else None
+            if isinstance(summary, str) and summary:
+                out.print(f"{prefix}{escape(summary)}")
             out.print(f"{prefix}run {record.id} {styled(record.status)} in state {record.state}")
+            first_seen.pop(record.id, None)
+            last_line.pop(record.id, None)
 
     return show
 
@@ -201,10 +338,33 @@ def progress_printer(prefix: str = "") -> Callable[[RunRecord, Sequence[JournalE
 # -- commands ----------------------------------------------------------------------------------
 
 
+GLOBAL_FLAGS = "flowloop.flags"
+CONFIG_PATH = "flowloop.config"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="flowloop")
-def cli() -> None:
-    """flowloop: explicit state-machine workflows, journaled step by step."""
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Configuration file [env FLOWLOOP_CONFIG; default ./flowloop.toml, "
+                   "else [tool.flowloop] in ./pyproject.toml].")
+@click.option("--log-format", type=click.Choice(FORMATS), default=None,
+              help="Log lines as text or JSON objects, one per line [default: text].")
+@click.option("--log-level", type=click.Choice(LEVELS, case_sensitive=False), default=None,
+              help="[default: info for worker, warning otherwise]")
+@click.pass_context
+def cli(
+    ctx: click.Context, config_path: str | None, log_format: str | None, log_level: str | None
+) -> None:
+    """flowloop: explicit state-machine workflows, journaled step by step.
+
+    Settings come from flowloop.toml (or [tool.flowloop] in pyproject.toml), then
+    FLOWLOOP_* environment variables, then flags; later ones win."""
+    flags = {"log_format": log_format, "log_level": log_level}
+    ctx.meta[GLOBAL_FLAGS] = flags
+    ctx.meta[CONFIG_PATH] = config_path
+    ctx.obj = config = load_settings(flags, config_file=config_path)
+    default_level = "info" if ctx.invoked_subcommand == "worker" else "warning"
+    setup_logging(config.log_format, config.log_level or default_level)
 
 
 @cli.command()
@@ -215,6 +375,7 @@ def cli() -> None:
 def run(target: str, context_text: str | None, key: str | None, db: str | None, synchronous: str) -> None:
     """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step."""
     workflow, _ = load_target(target)
+    apply_overrides(settings(), {workflow.name: workflow}, {})
     context = parse_context(context_text)
     with open_engine(db, synchronous) as engine:
         engine.listeners.append(progress_printer())
@@ -359,7 +520,7 @@ def resume(workflow_paths: tuple[str, ...], concurrency: int, db: str | None, sy
     loaded = load_workflow_paths(workflow_paths)
     if not loaded.workflows:
         raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
-    with Engine(db or default_url(), synchronous=synchronous, max_concurrency=concurrency) as engine:
+    with Engine(database(db), synchronous=synchronous, max_concurrency=concurrency) as engine:
         engine.register(*loaded.workflows.values())
         engine.listeners.append(progress_printer())
         stats = engine.resume()
@@ -424,29 +585,41 @@ _control_command(
 
 @cli.command()
 @click.argument("paths", nargs=-1)
-@click.option("--concurrency", type=int, default=16, show_default=True,
-              help="Steps and loop iterations at once.")
-@click.option("--grace", type=float, default=30.0, show_default=True,
-              help="Seconds in-flight work gets to finish on SIGTERM/SIGINT.")
-@click.option("--lease", type=float, default=30.0, show_default=True, help="Lease length (s).")
+@click.option("--concurrency", type=int, default=None,
+              help="Steps and loop iterations at once [default: 16].")
+@click.option("--grace", default=None,
+              help="Time in-flight work gets to finish on SIGTERM/SIGINT (30, 30s, 2m) "
+                   "[default: 30s].")
+@click.option("--lease", default=None, help="Lease length (30, 30s, 1m) [default: 30s].")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics on this port (0: any free port) [default: off].")
+@click.option("--metrics-host", default=None,
+              help="Address for --metrics-port [default: 127.0.0.1].")
 @db_option
 def worker(
-    paths: tuple[str, ...], concurrency: int, grace: float, lease: float,
-    db: str | None, synchronous: str,
+    paths: tuple[str, ...], concurrency: int | None, grace: str | None, lease: str | None,
+    metrics_port: int | None, metrics_host: str | None, db: str | None, synchronous: str,
 ) -> None:
     """Execute due runs and loop iterations from PATHS (default ./workflows) until stopped."""
     from flowloop.worker import Worker
 
-    if concurrency < 1:
-        raise FlowloopError("--concurrency must be at least 1")
+    config = command_settings(
+        db=db, concurrency=concurrency, grace=grace, lease=lease,
+        metrics_port=metrics_port, metrics_host=metrics_host,
+    )
     loaded = load_workflow_paths(paths)
     if not loaded.workflows and not loaded.loops:
-        raise FlowloopError("nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with Engine(db or default_url(), synchronous=synchronous, max_concurrency=concurrency,
-                lease_seconds=lease) as engine:
+        raise FlowloopError(
+            "nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS)
+        )
+    with Engine(database(config.db), synchronous=synchronous, max_concurrency=config.concurrency,
+                lease_seconds=config.lease) as engine:
         engine.register(*loaded.workflows.values())
-        Worker(engine, list(loaded.loops.values()), concurrency=concurrency, grace=grace).run_forever()
+        Worker(
+            engine, list(loaded.loops.values()), concurrency=config.concurrency,
+            grace=config.grace, alerts=config.make_alerts(), metrics_port=config.metrics_port,
+            metrics_host=config.metrics_host,
+        ).run_forever()
 
 
 @cli.command(name="loops")
@@ -540,7 +713,7 @@ def db() -> None:
 @db_option
 def upgrade(db: str | None, synchronous: str) -> None:
     """Bring the database schema up to this flowloop's version."""
-    store = SQLStore(db or default_url(), synchronous=synchronous, check_schema=False)
+    store = SQLStore(database(db), synchronous=synchronous, check_schema=False)
     try:
         before, after = store.upgrade_schema()
     finally:
@@ -569,16 +742,25 @@ def revision(message: str) -> None:
 @cli.command()
 @click.argument("target")
 @db_option
-def check(target: str, db: str | None, synchronous: str) -> None:
+@json_option
+def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     """Validate the workflows in FILE and list live runs the new definitions would strand."""
     path = target.split(":")[0]
     loaded = load_paths([path])
-    for workflow in loaded.workflows.values():
-        out.print(f"[green]ok[/] {workflow.name} v{workflow.version} "
-                  f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})")
     with open_engine(db, synchronous) as engine:
         stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
-    for workflow, item in stranded:
+    if as_json:
+        click.echo(json.dumps({
+            "workflows": [{"name": w.name, "version": w.version, "states": len(w.states),
+                           "fingerprint": w.fingerprint} for w in loaded.workflows.values()],
+            "stranded": [{"workflow": w.name, "run_id": item.run_id, "status": item.status,
+                          "state": item.state, "reason": item.reason} for w, item in stranded],
+        }))
+    else:
+        for workflow in loaded.workflows.values():
+            out.print(f"[green]ok[/] {workflow.name} v{workflow.version} "
+                      f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})")
+    for workflow, item in [] if as_json else stranded:
         out.print(f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
                   f"{item.state}): {item.reason}")
     if stranded:
@@ -646,6 +828,85 @@ def diagram(
         return
     render.save(graph, out_path, fmt)
     out.print(f"wrote {out_path}", markup=False)
+
+
+@cli.command(name="stats")
+@click.argument("workflow", required=False)
+@click.option("--since", default="24h", show_default=True,
+              help="How far back: a duration (30m, 24h, 7d) or 'all' (slow on a long history).")
+@click.option("--slowest", type=click.IntRange(0, 100), default=3, show_default=True,
+              help="Slowest run ids shown per state.")
+@db_option
+@json_option
+def stats_command(
+    workflow: str | None, since: str, slowest: int, db: str | None, synchronous: str,
+    as_json: bool,
+) -> None:
+    """Per workflow and state: step attempts, success rate, retries, p50/p95/p99 duration
+    and the slowest runs, computed from the journal."""
+    from flowloop.stats import step_stats
+
+    window = None if since.strip().lower() == "all" else seconds_option(since, "--since")
+    with open_engine(db, synchronous) as engine:
+        start = None if window is None else engine.clock.now() - window
+        found = step_stats(sql_engine(engine), workflow=workflow, since=start, slowest=slowest)
+    if as_json:
+        click.echo(json.dumps({"since": start, "states": [row.as_dict() for row in found]}))
+        return
+    scope = "all history" if start is None else f"since {iso(start)} ({since})"
+    if not found:
+        out.print(f"no step attempts journaled {'in ' if start is None else ''}{scope}"
+                  + (f" for workflow {workflow}" if workflow else ""), markup=False)
+        return
+    table = Table("workflow", "state", "attempts", "ok", "retries", "p50", "p95", "p99",
+                  "slowest runs", title=f"steps, {scope}", title_justify="left")
+    for column in table.columns[2:8]:
+        column.justify = "right"
+    for row in found:
+        table.add_row(
+            row.workflow, row.state, str(row.count), f"{row.success_rate:.1%}", str(row.retries),
+            seconds_text(row.p50), seconds_text(row.p95), seconds_text(row.p99),
+            " ".join(run_id for run_id, _ in row.slowest),
+        )
+    out.print(table)
+
+
+@cli.command(name="prune")
+@click.option("--older-than", required=True,
+              help="Delete finished runs last updated longer ago than this (30d, 12h, …).")
+@click.option("--keep-failed", is_flag=True,
+              help="Keep failed runs (and failed loop iterations) whatever their age.")
+@click.option("--loops/--no-loops", "loop_history", default=True, show_default=True,
+              help="Also delete loop journal entries older than the cutoff.")
+@click.option("--batch", type=click.IntRange(1), default=500, show_default=True,
+              help="Runs deleted per transaction.")
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@db_option
+@json_option
+def prune_command(
+    older_than: str, keep_failed: bool, loop_history: bool, batch: int, dry_run: bool,
+    db: str | None, synchronous: str, as_json: bool,
+) -> None:
+    """Delete old finished runs with their journal and inbox (live runs are never touched)."""
+    from flowloop.prune import prune
+
+    age = seconds_option(older_than, "--older-than")
+    with open_engine(db, synchronous) as engine:
+        result = prune(sql_engine(engine), cutoff=engine.clock.now() - age,
+                       keep_failed=keep_failed, loop_history=loop_history, batch=batch,
+                       dry_run=dry_run)
+    if as_json:
+        click.echo(json.dumps(result.as_dict()))
+        return
+    kept = " (failed runs kept)" if keep_failed else ""
+    verb = "would delete" if dry_run else "deleted"
+    out.print(
+        f"{verb} {result.runs:,} run(s) finished before {iso(result.cutoff)}{kept}: "
+        f"{result.journal:,} journal row(s), {result.inbox:,} inbox row(s), "
+        f"{result.loop_journal:,} loop journal entr{'y' if result.loop_journal == 1 else 'ies'}"
+        + ("" if dry_run else f" in {result.batches} batch(es)"),
+        markup=False,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> None:

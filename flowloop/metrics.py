@@ -1,0 +1,205 @@
+"""Prometheus metrics of a worker: counters and histograms fed by the executor's committed
+boundaries and the scheduler's iteration outcomes, plus gauges read at scrape time.
+
+Every instance has its own registry (two workers in one process, or tests, never clash).
+:meth:`Metrics.serve` exposes it over HTTP on ``127.0.0.1`` unless told otherwise:
+metrics name workflows and states, which is not for the whole network by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from flowloop import journal as j
+from flowloop.errors import ConfigError
+from flowloop.journal import JournalEvent, RunRecord
+
+log = logging.getLogger("flowloop.metrics")
+
+DEFAULT_METRICS_HOST: Final = "127.0.0.1"
+STEP_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    300.0, float("inf"),
+)
+"""Step duration buckets in seconds: from a 1 ms database step to a 5 min batch job."""
+STEP_OUTCOMES: Final = ("succeeded", "failed", "retried", "timed_out", "interrupted")
+FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
+TIMEOUT_ERROR: Final = "StepTimeout"
+
+
+def step_outcome(event: JournalEvent) -> str | None:
+    """The outcome of a step attempt that ``event`` ends (``None``: it ends none).
+
+    Each attempt has exactly one: ``timed_out`` (whether retried or not), else ``retried``
+    (failed, another attempt is scheduled), ``failed`` (no attempt left), ``interrupted``
+    (the worker died or shut down during it) or ``succeeded``."""
+    if event.kind == j.STEP_SUCCEEDED:
+        return "succeeded"
+    if event.kind == j.STEP_INTERRUPTED:
+        return "interrupted"
+    if event.kind == j.STEP_FAILED:
+        if event.error_type == TIMEOUT_ERROR:
+            return "timed_out"
+        return "retried" if event.retryable else "failed"
+    return None
+
+
+class Metrics:
+    """The metrics of one worker (see the module docstring for what is exported).
+
+    Feed it with :meth:`listener` (an executor listener), :meth:`iteration` (a scheduler
+    iteration listener) and :meth:`lease_lost`; give it gauges read at scrape time with
+    :meth:`track_queue` and :meth:`track_in_flight`.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.runs_started = Counter(
+            "flowloop_runs_started", "Runs whose first step this worker started.",
+            ["workflow"], registry=r,
+        )
+        self.runs_finished = Counter(
+            "flowloop_runs_finished",
+            "Runs this worker took to a final status (succeeded, failed, stopped).",
+            ["workflow", "status"], registry=r,
+        )
+        self.steps = Counter(
+            "flowloop_steps",
+            "Step attempts by outcome: succeeded, failed, retried, timed_out, interrupted.",
+            ["workflow", "state", "outcome"], registry=r,
+        )
+        self.step_duration = Histogram(
+            "flowloop_step_duration_seconds", "Duration of step attempts (succeeded or failed).",
+            ["workflow", "state"], buckets=STEP_BUCKETS, registry=r,
+        )
+        self.iterations = Counter(
+            "flowloop_loop_iterations",
+            "Loop iterations by outcome: ok, failed, skipped (slots skipped while the previous "
+            "iteration still ran), stopped, cancelled.",
+            ["loop", "outcome"], registry=r,
+        )
+        self.iteration_duration = Histogram(
+            "flowloop_loop_iteration_duration_seconds", "Duration of loop iterations.",
+            ["loop"], buckets=STEP_BUCKETS, registry=r,
+        )
+        self.leases_lost = Counter(
+            "flowloop_lease_losses", "Runs and loops this worker stopped driving: lease lost.",
+            ["kind"], registry=r,
+        )
+        self.alerts = Counter(
+            "flowloop_alerts", "Alerts raised by this worker.", ["level", "what"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "flowloop_queue_depth", "Runs due but not yet claimed (scheduled or retrying).",
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "flowloop_runs_in_flight", "Runs this worker is driving right now.", registry=r,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- feeding ---------------------------------------------------------------------------
+
+    def listener(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        """An executor listener: counts what one committed boundary did."""
+        workflow = record.workflow
+        for event in events:
+            if event.seq == 2 and event.kind in (j.STEP_STARTED, j.EVENT_RECEIVED):
+                self.runs_started.labels(workflow).inc()
+            outcome = step_outcome(event)
+            if outcome is None:
+                continue
+            state = event.state or ""
+            self.steps.labels(workflow, state, outcome).inc()
+            if event.duration is not None:
+                self.step_duration.labels(workflow, state).observe(event.duration)
+        if record.status in FINISHED_STATUSES:
+            # A finished run is written again only by an operator (not through a worker's
+            # listener), so each run is counted once.
+            self.runs_finished.labels(workflow, record.status).inc()
+
+    def run_started(self, workflow: str) -> None:
+        """A run created already claimed by this worker (its seq 2 is not a boundary the
+        executor commits, so the listener does not see it)."""
+        self.runs_started.labels(workflow).inc()
+
+    def iteration(self, loop: str, outcome: str, duration: float, skipped: int) -> None:
+        """A scheduler iteration listener."""
+        self.iterations.labels(loop, outcome).inc()
+        self.iteration_duration.labels(loop).observe(duration)
+        if skipped:
+            self.iterations.labels(loop, "skipped").inc(skipped)
+
+    def lease_lost(self, kind: str) -> Callable[[str, str], None]:
+        """A lease-lost hook for runs (``kind="run"``) or loops (``"loop"``)."""
+        counter = self.leases_lost.labels(kind)
+
+        def hook(_subject: str, _why: str) -> None:
+            counter.inc()
+
+        return hook
+
+    def alert(self, level: str, what: str) -> None:
+        self.alerts.labels(level, what).inc()
+
+    def track_queue(self, count_due: Callable[[], int]) -> None:
+        """Read the queue depth at scrape time (one indexed count query per scrape)."""
+
+        def read() -> float:
+            try:
+                return float(count_due())
+            except Exception as error:  # a scrape must not fail with the database
+                log.warning("queue depth unavailable: %s", error)
+                return float("nan")
+
+        self.queue_depth.set_function(read)
+
+    def track_in_flight(self, busy: Callable[[], int]) -> None:
+        self.in_flight.set_function(lambda: float(busy()))
+
+    # -- exposition ------------------------------------------------------------------------
+
+    def serve(self, port: int, host: str = DEFAULT_METRICS_HOST) -> int:
+        """Serve ``/metrics`` on ``host:port`` (port 0: any free port) from a daemon thread.
+        Returns the port. A port in use raises ConfigError naming it."""
+        try:
+            server, thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as error:
+            raise ConfigError(f"metrics port {host}:{port}: {error.strerror or error}") from None
+        self._server, self._thread = server, thread
+        bound = int(server.server_port)
+        log.info("metrics on http://%s:%d/metrics", host, bound,
+                 extra={"event": "metrics_serving", "host": host, "port": bound})
+        return bound
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) being served, ``None`` when not serving."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def close(self) -> None:
+        """Stop serving (if serving)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+
+    def samples(self) -> Iterable[tuple[str, dict[str, str], float]]:
+        """Every sample as (name, labels, value): for tests and `--json` dumps."""
+        for family in self.registry.collect():
+            for sample in family.samples:
+                yield sample.name, dict(sample.labels), float(sample.value)

@@ -1,0 +1,164 @@
+"""History retention: delete finished runs older than a cutoff, with their journal and inbox,
+and old loop journal entries, in batches (one short transaction each).
+
+What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
+runs that finished at or after the cutoff, and with ``keep_failed`` every ``failed`` run
+(and failed loop iterations). A run is deleted only if it is still finished and old when
+its batch deletes it: the DELETE re-checks status and age on the row it locks, so an
+operator's retry racing with prune either wins (the run is kept) or finds the run gone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from sqlalchemy import Connection, Engine, delete, func, select
+
+from flowloop.store.dialect import READ_OPTION
+from flowloop.store.schema import inbox, journal, loop_journal, runs
+
+DEFAULT_BATCH: Final = 500
+"""Runs per transaction: short enough that workers sharing the database barely wait."""
+LOOP_BATCH_FACTOR: Final = 10
+"""Loop journal entries are small: this many times ``batch`` per transaction."""
+FINISHED: Final = ("succeeded", "failed", "stopped")
+FAILED_ITERATIONS: Final = ("iteration_failed", "iteration_interrupted")
+
+
+@dataclass
+class PruneResult:
+    cutoff: float
+    runs: int = 0
+    journal: int = 0
+    inbox: int = 0
+    loop_journal: int = 0
+    batches: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, float | int | bool]:
+        return {
+            "cutoff": self.cutoff, "runs": self.runs, "journal": self.journal,
+            "inbox": self.inbox, "loop_journal": self.loop_journal, "batches": self.batches,
+            "dry_run": self.dry_run,
+        }
+
+
+def statuses(keep_failed: bool) -> tuple[str, ...]:
+    return tuple(s for s in FINISHED if not (keep_failed and s == "failed"))
+
+
+def prune(
+    db: Engine,
+    *,
+    cutoff: float,
+    keep_failed: bool = False,
+    loop_history: bool = True,
+    batch: int = DEFAULT_BATCH,
+    dry_run: bool = False,
+) -> PruneResult:
+    """Delete runs that finished before ``cutoff`` (UTC epoch seconds, judged by the run's
+    last update) with their journal and inbox rows, and loop journal entries older than
+    ``cutoff`` (``loop_history``). With ``dry_run`` count what would go, delete nothing."""
+    if batch < 1:
+        raise ValueError("batch must be at least 1")
+    result = PruneResult(cutoff=cutoff, dry_run=dry_run)
+    kinds = statuses(keep_failed)
+    if dry_run:
+        _count(db, result, kinds, keep_failed, loop_history)
+        return result
+    after = ""
+    while True:
+        with db.begin() as conn:
+            ids = list(conn.execute(
+                select(runs.c.id)
+                .where(runs.c.id > after, runs.c.status.in_(kinds), runs.c.updated_at < cutoff)
+                .order_by(runs.c.id).limit(batch)
+            ).scalars())
+            if not ids:
+                break
+            after = ids[-1]
+            _delete_runs(conn, ids, kinds, cutoff, result)
+        result.batches += 1
+    if loop_history:
+        _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
+    return result
+
+
+def _delete_runs(
+    conn: Connection, ids: Sequence[str], kinds: Sequence[str], cutoff: float, result: PruneResult
+) -> None:
+    # The run rows first, re-checked under their lock: only what is still finished and old
+    # goes, and only its journal and inbox rows follow it.
+    gone = list(conn.execute(
+        delete(runs)
+        .where(runs.c.id.in_(list(ids)), runs.c.status.in_(list(kinds)), runs.c.updated_at < cutoff)
+        .returning(runs.c.id)
+    ).scalars())
+    if not gone:
+        return
+    result.runs += len(gone)
+    result.journal += conn.execute(delete(journal).where(journal.c.run_id.in_(gone))).rowcount
+    result.inbox += conn.execute(delete(inbox).where(inbox.c.run_id.in_(gone))).rowcount
+
+
+def _loop_ranges(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
+    """Per loop: the seq range (first, last) of its journal entries older than ``cutoff``.
+    A loop's seq grows with time, so the old entries are a prefix."""
+    rows = conn.execute(
+        select(loop_journal.c.loop, func.min(loop_journal.c.seq), func.max(loop_journal.c.seq))
+        .where(loop_journal.c.at < cutoff)
+        .group_by(loop_journal.c.loop)
+    ).all()
+    return [(row[0], int(row[1]), int(row[2])) for row in rows]
+
+
+def _prune_loop_journal(
+    db: Engine, cutoff: float, keep_failed: bool, batch: int, result: PruneResult
+) -> None:
+    with db.connect() as reader:
+        reader = reader.execution_options(**{READ_OPTION: True})
+        with reader.begin():
+            ranges = _loop_ranges(reader, cutoff)
+    for name, first, last in ranges:
+        low = first
+        while low <= last:
+            high = min(last, low + batch - 1)
+            where = [
+                loop_journal.c.loop == name,
+                loop_journal.c.seq.between(low, high),
+                loop_journal.c.at < cutoff,
+            ]
+            if keep_failed:
+                where.append(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
+            with db.begin() as conn:
+                result.loop_journal += conn.execute(delete(loop_journal).where(*where)).rowcount
+            result.batches += 1
+            low = high + 1
+
+
+def _count(
+    db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
+) -> None:
+    old = select(runs.c.id).where(runs.c.status.in_(list(kinds)), runs.c.updated_at < result.cutoff)
+    with db.connect() as conn:
+        conn = conn.execution_options(**{READ_OPTION: True})
+        with conn.begin():
+            result.runs = int(
+                conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
+            )
+            result.journal = int(conn.execute(
+                select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
+            ).scalar_one())
+            result.inbox = int(conn.execute(
+                select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
+            ).scalar_one())
+            if loop_history:
+                query = select(func.count()).select_from(loop_journal).where(
+                    loop_journal.c.at < result.cutoff
+                )
+                if keep_failed:
+                    query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
+                result.loop_journal = int(conn.execute(query).scalar_one())
+

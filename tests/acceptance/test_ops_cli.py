@@ -1,0 +1,313 @@
+"""Operating flowloop from the command line, as real processes: JSON logs of every step,
+`stats`, `prune`, a worker serving Prometheus metrics until SIGTERM, and configuration from
+flowloop.toml < FLOWLOOP_* < flags, with an invalid value reported in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from flowloop import Engine
+from flowloop.cli import cli
+from flowloop.loader import load_target
+
+WAIT_S = 20.0
+
+FLAKY = """
+    from pydantic import BaseModel
+
+    from flowloop import Retry, Step, Workflow
+
+
+    class Job(BaseModel):
+        fail: bool = False
+
+
+    jobs = Workflow("jobs", context=Job)
+
+
+    @jobs.step(initial=True, next="check")
+    def fetch(ctx: Job) -> None: ...
+
+
+    @jobs.step(next="done", retry=Retry(attempts=2, backoff="fixed", base=0, cap=0))
+    def check(ctx: Job, step: Step) -> None:
+        if ctx.fail or step.attempt == 1:
+            raise ConnectionError("upstream reset")
+
+
+    jobs.final("done")
+"""
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    (tmp_path / "jobs.py").write_text(textwrap.dedent(FLAKY).lstrip())
+    return tmp_path
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FLOWLOOP_")}
+    return {**env, **extra}
+
+
+def flowloop(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, code: int | None = 0
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *args], cwd=cwd, env=env or clean_env(),
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+    if code is not None:
+        assert result.returncode == code, (
+            f"flowloop {' '.join(args)} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+        )
+    return result
+
+
+def here_cli(here: Path, *args: str) -> str:
+    """A read command run through the real CLI in this process (a new interpreter per
+    command would triple these tests' time); its stdout."""
+    result = CliRunner().invoke(cli, [*args, "--db", str(here / "jobs.db")],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def make_runs(here: Path, *, ok: int = 0, failed: int = 0, queued: int = 0) -> list[str]:
+    """Runs of jobs.py in jobs.db, made in this process (quicker than a CLI per run)."""
+    workflow, _ = load_target(str(here / "jobs.py"))
+    with Engine(str(here / "jobs.db")) as engine:
+        ids = [engine.run(workflow, {}).id for _ in range(ok)]
+        ids += [engine.run(workflow, {"fail": True}).id for _ in range(failed)]
+        ids += [engine.start(workflow, {}).id for _ in range(queued)]
+    return ids
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_cli__json_log_line_when_each_step_starts_and_ends(here: Path) -> None:
+    result = flowloop("--log-format", "json", "--log-level", "info", "run", "jobs.py",
+                      "--db", "jobs.db", cwd=here)
+    entries = json_lines(result.stderr)  # every line parses: one object per line
+    steps = [e for e in entries if e.get("event") in ("step_started", "step_finished")]
+    assert [(e["event"], e["state"], e["attempt"], e.get("outcome")) for e in steps] == [
+        ("step_started", "fetch", 1, None),
+        ("step_finished", "fetch", 1, "succeeded"),
+        ("step_started", "check", 1, None),
+        ("step_finished", "check", 1, "retried"),
+        ("step_started", "check", 2, None),
+        ("step_finished", "check", 2, "succeeded"),
+    ]
+    run_id = steps[0]["run"]
+    assert {e["run"] for e in steps} == {run_id}
+    assert {e["workflow"] for e in steps} == {"jobs"}
+    assert [e["seq"] for e in steps] == [2, 2, 4, 4, 6, 6]
+    retried = steps[3]
+    assert retried["error_type"] == "ConnectionError"
+    assert retried["level"] == "info"
+    assert all(isinstance(e["duration"], float) for e in steps if e["event"] == "step_finished")
+    # The progress display is still on stdout, untouched by the log format.
+    assert f"run {run_id} succeeded" in result.stdout
+
+
+def test_cli__quiet_below_warning_by_default(here: Path) -> None:
+    quiet = flowloop("run", "jobs.py", "--db", "jobs.db", cwd=here)
+    assert quiet.stderr == ""
+    assert "succeeded in state done" in quiet.stdout
+
+
+def test_cli__stats_table_json_and_window(here: Path) -> None:
+    make_runs(here, ok=3, failed=1)
+
+    table = here_cli(here, "stats")
+    assert "steps, since " in table and "(24h)" in table
+    check_row = next(line for line in table.splitlines() if " check " in line)
+    # check: 3 runs fail once then succeed, 1 fails twice: 8 attempts, 3 succeeded.
+    assert "│        8 │  37.5% │       4 │" in check_row
+
+    data = json.loads(here_cli(here, "stats", "jobs", "--since", "1h", "--json"))
+    states = {s["state"]: s for s in data["states"]}
+    assert (states["check"]["count"], states["check"]["succeeded"]) == (8, 3)
+    assert states["check"]["retries"] == 4
+    assert (states["fetch"]["count"], states["fetch"]["success_rate"]) == (4, 1.0)
+    assert set(states["fetch"]) >= {"p50", "p95", "p99", "slowest"}
+
+    everything = json.loads(here_cli(here, "stats", "--since", "all", "--json"))
+    assert everything["since"] is None and len(everything["states"]) == 2
+
+    bad = flowloop("stats", "--since", "soon", "--db", "jobs.db", cwd=here, code=2)
+    assert bad.stderr.strip().splitlines() == [
+        "error: --since 'soon' is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)"
+    ]
+
+
+def test_cli__prune_keeps_live_failed_and_new_runs(here: Path) -> None:
+    ok, _, queued = make_runs(here, ok=1, failed=1, queued=1)
+
+    nothing = json.loads(here_cli(here, "prune", "--older-than", "30d", "--json"))
+    assert nothing["runs"] == 0
+
+    planned = here_cli(here, "prune", "--older-than", "0s", "--keep-failed", "--dry-run")
+    assert planned.startswith("would delete 1 run(s) finished before ")
+    done = flowloop("prune", "--older-than", "0s", "--keep-failed", "--db", "jobs.db",
+                    cwd=here).stdout
+    assert done.startswith("deleted 1 run(s) finished before ")
+    assert "(failed runs kept): 7 journal row(s)" in done
+
+    left = json.loads(here_cli(here, "status", "--json"))
+    assert sorted(r["status"] for r in left) == ["failed", "scheduled"]
+    assert queued in {r["id"] for r in left}
+    assert ok not in {r["id"] for r in left}
+
+
+class Worker:
+    """A `flowloop worker` child whose stderr (JSON logs) is read line by line."""
+
+    def __init__(self, cwd: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flowloop.cli", "--log-format", "json", "worker", *args],
+            cwd=cwd, env=env or clean_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
+        assert self.process.stderr is not None
+        threading.Thread(target=self._read, args=(self.process.stderr,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.put(line)
+
+    def wait_for(self, event: str) -> dict[str, Any]:
+        deadline = time.monotonic() + WAIT_S
+        for entry in self.seen:
+            if entry.get("event") == event:
+                return entry
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            entry = json.loads(line)  # every line of the worker's log is a JSON object
+            self.seen.append(entry)
+            if entry.get("event") == event:
+                return entry
+        raise AssertionError(f"no {event!r} log line; got {self.seen}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=WAIT_S)
+
+
+@pytest.fixture
+def spawn() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.close()
+
+
+def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
+def test_cli__worker_serves_metrics_on_loopback_until_sigterm(
+    here: Path, spawn: list[Worker]
+) -> None:
+    (run_id,) = make_runs(here, queued=1)
+    worker = Worker(here, "jobs.py", "--db", "jobs.db", "--metrics-port", "0", "--grace", "2s")
+    spawn.append(worker)
+    serving = worker.wait_for("metrics_serving")
+    assert serving["host"] == "127.0.0.1"
+    port = int(serving["port"])
+
+    deadline = time.monotonic() + WAIT_S
+    key = ("flowloop_runs_finished_total",
+           frozenset({("workflow", "jobs"), ("status", "succeeded")}))
+    while (samples := scrape(port)).get(key) != 1.0:
+        assert time.monotonic() < deadline, samples
+        time.sleep(0.05)
+    outcomes = {
+        dict(labels)["outcome"]: v for (name, labels), v in samples.items()
+        if name == "flowloop_steps_total" and dict(labels)["state"] == "check"
+    }
+    assert outcomes == {"retried": 1.0, "succeeded": 1.0}
+    assert samples[("flowloop_runs_started_total", frozenset({("workflow", "jobs")}))] == 1.0
+
+    finished = [e for e in worker.seen if e.get("event") == "step_finished"]
+    assert {e["run"] for e in finished} <= {run_id}
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(timeout=WAIT_S) == 0
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_cli__config_file_then_env_then_flag(here: Path) -> None:
+    (here / "flowloop.toml").write_text('db = "from-file.db"\nlog_format = "json"\n'
+                                        'log_level = "info"\n')
+    by_file = flowloop("run", "jobs.py", cwd=here)
+    assert json_lines(by_file.stderr)  # JSON, from the file
+    assert (here / "from-file.db").exists()
+
+    env = clean_env(FLOWLOOP_DB=str(here / "from-env.db"), FLOWLOOP_LOG_FORMAT="text")
+    by_env = flowloop("run", "jobs.py", cwd=here, env=env)
+    started = [line for line in by_env.stderr.splitlines() if "fetch attempt 1 started" in line]
+    assert len(started) == 1 and " INFO flowloop: run " in started[0]  # text, from the env
+    assert (here / "from-env.db").exists()
+
+    by_flag = flowloop("--log-format", "json", "run", "jobs.py", "--db", "from-flag.db",
+                       cwd=here, env=env)
+    assert json_lines(by_flag.stderr)
+    assert (here / "from-flag.db").exists()
+    for name in ("from-file.db", "from-env.db", "from-flag.db"):
+        with Engine(str(here / name)) as engine:
+            assert len(engine.runs()) == 1, name
+
+
+def test_cli__invalid_config_is_one_line_and_exit_2(here: Path) -> None:
+    path = here / "flowloop.toml"
+    path.write_text("[workflows.jobs.steps.check]\ntimeout = -5\n")
+    result = flowloop("status", cwd=here, code=2)
+    assert result.stderr.splitlines() == [
+        "error: invalid configuration: workflows.jobs.steps.check.timeout: Input should be "
+        f"greater than 0 (got -5) [from {path}]"
+    ]
+    path.write_text("concurrency = 4\n")
+    result = flowloop("worker", "jobs.py", "--concurrency", "0", cwd=here, code=2)
+    assert result.stderr.splitlines() == [
+        "error: invalid configuration: concurrency: Input should be greater than or equal to 1 "
+        "(got 0) [from --concurrency]"
+    ]
+
+
+def test_cli__check_has_json_output(here: Path) -> None:
+    data = json.loads(here_cli(here, "check", str(here / "jobs.py"), "--json"))
+    assert data["stranded"] == []
+    assert [(w["name"], w["states"]) for w in data["workflows"]] == [("jobs", 3)]

@@ -1,0 +1,243 @@
+"""Prometheus metrics of a real worker, scraped over HTTP and parsed with prometheus-client's
+own parser: runs, steps by outcome, step durations, loop iterations by outcome, lease
+losses, queue depth — and the endpoint binds 127.0.0.1 unless told otherwise."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from loopkit import SteppedClock, drive, until
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop.errors import ConfigError
+from flowloop.loops import Iteration, Loop
+from flowloop.metrics import Metrics
+from flowloop.worker import Worker
+
+T0 = 1_800_000_000.0
+WAIT_S = 10.0
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int, host: str = "127.0.0.1") -> Samples:
+    with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+class Job(BaseModel):
+    mode: str = "ok"
+    seconds: float = 0.25
+
+
+def metered(clock: FakeClock, hold: threading.Event | None = None) -> Workflow:
+    """``work`` takes ``seconds`` of the fake clock and then: ok, flaky (ConnectionError on
+    attempt 1, retried), fail (ValueError, no retry), timeout (outlives its 0.05 s), hold
+    (waits for the test)."""
+    wf = Workflow("metered", context=Job)
+
+    @wf.step(initial=True, next="done", timeout=0.05,
+             retry=Retry(attempts=2, backoff="fixed", base=0, cap=0, on=(ConnectionError,)))
+    async def work(ctx: Job, step: Step) -> None:
+        if ctx.mode == "timeout":
+            await asyncio.sleep(5)
+        clock.advance(ctx.seconds)
+        if ctx.mode == "flaky" and step.attempt == 1:
+            raise ConnectionError("flaky")
+        if ctx.mode == "fail":
+            raise ValueError("bad input")
+        if ctx.mode == "hold" and hold is not None:
+            await asyncio.to_thread(hold.wait, WAIT_S)
+
+    wf.final("done")
+    return wf
+
+
+async def run_worker(
+    worker: Worker, body: Callable[[Worker], Awaitable[Any]]
+) -> Any:
+    """Run ``worker`` until ``body`` (given the started worker) returns."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    try:
+        await until(lambda: worker.metrics_bound is not None or task.done(),
+                    what="the metrics endpoint")
+        if task.done():
+            task.result()
+        return await body(worker)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, WAIT_S)
+
+
+def dead_owner() -> str:
+    """A worker id on this host whose process has exited."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
+
+
+def test_metrics__runs_and_steps_by_outcome_with_durations(sqlite_url: str) -> None:
+    clock = FakeClock(T0)
+    with Engine(sqlite_url, clock=clock, poll_seconds=0.05) as engine:
+        wf = metered(clock)
+        engine.register(wf)
+        ids = [engine.start(wf, {"mode": mode}).id for mode in ("ok", "flaky", "fail", "timeout")]
+        # A run whose worker died in the middle of its step: recovered as interrupted.
+        crashed = engine._new_run(wf, {"mode": "ok"}, key=None, idempotency_key=None,
+                                  priority=0, run_at=None, owner=dead_owner())
+        engine.store.create_run(crashed)
+        ids.append(crashed.record.id)
+
+        async def body(worker: Worker) -> Samples:
+            await until(lambda: all(engine.get(i).finished for i in ids), timeout=WAIT_S,
+                        what="every run to finish")
+            assert worker.metrics_bound is not None
+            return await asyncio.to_thread(scrape, worker.metrics_bound)
+
+        # One step at a time: each attempt's fake-clock time is its own.
+        samples = asyncio.run(run_worker(
+            Worker(engine, concurrency=1, grace=1.0, metrics_port=0), body
+        ))
+
+    steps = {
+        outcome: value(samples, "flowloop_steps_total", workflow="metered", state="work",
+                       outcome=outcome)
+        for outcome in ("succeeded", "retried", "failed", "timed_out", "interrupted")
+    }
+    assert steps == {"succeeded": 3, "retried": 1, "failed": 1, "timed_out": 1, "interrupted": 1}
+    assert value(samples, "flowloop_runs_started_total", workflow="metered") == 4
+    assert value(samples, "flowloop_runs_finished_total", workflow="metered",
+                 status="succeeded") == 3
+    assert value(samples, "flowloop_runs_finished_total", workflow="metered", status="failed") == 2
+    # Every attempt with a duration: 3 ok + 1 retried + 1 failed take 0.25 s each; the
+    # timed-out one took no fake time.
+    histogram = {"workflow": "metered", "state": "work"}
+    assert value(samples, "flowloop_step_duration_seconds_count", **histogram) == 6
+    assert value(samples, "flowloop_step_duration_seconds_sum", **histogram) == 5 * 0.25
+    assert value(samples, "flowloop_step_duration_seconds_bucket", le="0.1", **histogram) == 1
+    assert value(samples, "flowloop_step_duration_seconds_bucket", le="0.25", **histogram) == 6
+    assert value(samples, "flowloop_queue_depth") == 0
+    assert value(samples, "flowloop_lease_losses_total", kind="run") == 0
+
+
+def test_metrics__loop_iterations_ok_failed_skipped(sqlite_url: str) -> None:
+    clock = SteppedClock(T0)
+    seen: list[int] = []
+
+    async def tick(it: Iteration) -> None:
+        seen.append(it.number)
+        if it.number == 2:
+            raise RuntimeError("feed down")
+        if it.number == 3:
+            clock.advance(35)  # runs over 3 more slots of a 10 s fixed-rate loop
+
+    async def body(worker: Worker) -> Samples:
+        await drive(clock, 30, step=5)
+        await until(lambda: len(seen) >= 4, what="four iterations")
+        await drive(clock, 5, step=5)
+        assert worker.metrics_bound is not None
+        return await asyncio.to_thread(scrape, worker.metrics_bound)
+
+    with Engine(sqlite_url, clock=clock) as engine:
+        loop = Loop("tick", tick, every=10)
+        samples = asyncio.run(run_worker(Worker(engine, [loop], grace=1.0, metrics_port=0), body))
+
+    assert value(samples, "flowloop_loop_iterations_total", loop="tick", outcome="failed") == 1
+    assert value(samples, "flowloop_loop_iterations_total", loop="tick", outcome="skipped") == 3
+    ok = value(samples, "flowloop_loop_iterations_total", loop="tick", outcome="ok")
+    assert ok == len(seen) - 1 >= 3
+    durations = value(samples, "flowloop_loop_iteration_duration_seconds_count", loop="tick")
+    assert durations == len(seen)
+
+
+def test_metrics__lease_loss_is_counted(sqlite_url: str) -> None:
+    clock = FakeClock(T0)
+    hold = threading.Event()
+    with Engine(sqlite_url, clock=clock, poll_seconds=0.05, lease_seconds=30) as engine:
+        wf = metered(clock, hold)
+        run_id = engine.start(wf, {"mode": "hold"}).id
+        store = engine.store
+
+        async def body(worker: Worker) -> Samples:
+            await until(lambda: engine.get(run_id).status == "running", what="the step")
+            # Another worker takes the run over (this one looks paused to the database).
+            store.expire_leases([engine.worker_id])
+            assert [r.id for r in store.claim_interrupted(
+                worker="thief", limit=1, lease_seconds=30)] == [run_id]
+            hold.set()
+            assert worker.metrics is not None
+            await until(lambda: worker.executor is not None
+                        and worker.executor.stats.lost_leases >= 1, what="the lease loss")
+            assert worker.metrics_bound is not None
+            return await asyncio.to_thread(scrape, worker.metrics_bound)
+
+        samples = asyncio.run(run_worker(Worker(engine, grace=1.0, metrics_port=0), body))
+        assert engine.get(run_id).owner == "thief"
+
+    assert value(samples, "flowloop_lease_losses_total", kind="run") == 1
+    assert value(samples, "flowloop_alerts_total", level="warning", what="lease lost") == 1
+
+
+def test_metrics__queue_depth_counts_due_unclaimed_runs(sqlite_url: str) -> None:
+    clock = FakeClock(T0)
+    with Engine(sqlite_url, clock=clock) as engine:
+        wf = metered(clock)
+        for _ in range(3):
+            engine.start(wf, {})
+        engine.start(wf, {}, run_at=T0 + 3600)  # not due yet
+        metrics = Metrics()
+        metrics.track_queue(lambda: engine.store.count_due(now=clock.now()))
+        port = metrics.serve(0)
+        try:
+            assert value(scrape(port), "flowloop_queue_depth") == 3
+            clock.advance(3600)
+            assert value(scrape(port), "flowloop_queue_depth") == 4
+        finally:
+            metrics.close()
+
+
+def test_metrics__served_on_loopback_only_by_default() -> None:
+    metrics = Metrics()
+    port = metrics.serve(0)
+    try:
+        assert metrics.address == ("127.0.0.1", port)
+        assert "flowloop_queue_depth" in {name for name, _ in scrape(port)}
+        # The same port twice is one clear error naming it.
+        with pytest.raises(ConfigError) as raised:
+            Metrics().serve(port)
+        assert str(raised.value).startswith(f"metrics port 127.0.0.1:{port}: ")
+    finally:
+        metrics.close()
+    assert metrics.address is None
+    with pytest.raises(OSError):
+        scrape(port)
+
+
+def test_metrics__registries_are_private_to_each_instance() -> None:
+    a, b = Metrics(), Metrics()
+    a.steps.labels("w", "s", "succeeded").inc()
+    assert ("flowloop_steps_total", {"workflow": "w", "state": "s", "outcome": "succeeded"},
+            1.0) in list(a.samples())
+    assert not any(name == "flowloop_steps_total" for name, _, _ in b.samples())
+    assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None

@@ -1,0 +1,216 @@
+"""`prune` on SQLite and PostgreSQL: old finished runs go with their journal and inbox rows;
+live runs, newer runs and (with keep_failed) failed runs stay, whatever the batch size;
+old loop journal entries go too."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Retry, Workflow
+from flowloop.prune import _delete_runs, prune
+from flowloop.store import SQLStore
+from flowloop.store.loops import LoopEvent, LoopSpec, LoopStoreMixin
+from flowloop.store.schema import inbox, journal, loop_journal, runs
+
+T0 = 1_800_000_000.0
+DAY = 86400.0
+
+
+class Job(BaseModel):
+    fail: bool = False
+
+
+def job() -> Workflow:
+    wf = Workflow("job", context=Job)
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=1))
+    def work(ctx: Job) -> None:
+        if ctx.fail:
+            raise ValueError("no")
+
+    wf.final("done")
+    return wf
+
+
+def approval() -> Workflow:
+    wf = Workflow("approval", context=Job)
+
+    @wf.step(initial=True, next="waiting")
+    def ask(ctx: Job) -> None: ...
+
+    wf.wait("waiting", on={"approved": "done"})
+    wf.final("done")
+    return wf
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(T0)
+
+
+@pytest.fixture
+def engine(store_url: str, clock: FakeClock) -> Iterator[Engine]:
+    with Engine(store_url, clock=clock) as e:
+        yield e
+
+
+def db_of(engine: Engine) -> sa.Engine:
+    assert isinstance(engine.store, SQLStore)
+    return engine.store.engine
+
+
+def count(engine: Engine, table: sa.Table, where: sa.ColumnElement[bool] | None = None) -> int:
+    query = sa.select(sa.func.count()).select_from(table)
+    if where is not None:
+        query = query.where(where)
+    with db_of(engine).connect() as conn:
+        return int(conn.execute(query).scalar_one())
+
+
+def history(engine: Engine, clock: FakeClock) -> dict[str, str]:
+    """Runs of every kind at T0, then 40 days later a new succeeded and a new failed one.
+    Returns {label: run id}."""
+    wf, wait_wf = job(), approval()
+    ids = {
+        "old ok 1": engine.run(wf, {}).id,
+        "old ok 2": engine.run(wf, {}).id,
+        "old failed": engine.run(wf, {"fail": True}).id,
+        "old live scheduled": engine.start(wf, {}, run_at=T0 + 365 * DAY).id,
+        "old live paused": engine.start(wf, {}, run_at=T0 + 365 * DAY).id,
+        "old stopped": engine.start(wf, {}, run_at=T0 + 365 * DAY).id,
+    }
+    engine.pause(ids["old live paused"])
+    engine.stop(ids["old stopped"])
+    waited = engine.run(wait_wf, {})
+    assert waited.state == "waiting"
+    assert engine.send(waited.id, "approved").run.status == "succeeded"  # an inbox row
+    ids["old ok with inbox"] = waited.id
+    assert engine.get(ids["old failed"]).status == "failed"
+    clock.advance(40 * DAY)
+    ids["new ok"] = engine.run(wf, {}).id
+    ids["new failed"] = engine.run(wf, {"fail": True}).id
+    return ids
+
+
+def present(engine: Engine, ids: dict[str, str]) -> set[str]:
+    with db_of(engine).connect() as conn:
+        found = set(conn.execute(sa.select(runs.c.id)).scalars())
+    return {label for label, run_id in ids.items() if run_id in found}
+
+
+LIVE_AND_NEW = {"old live scheduled", "old live paused", "new ok", "new failed"}
+
+
+@pytest.mark.parametrize("batch", [500, 2])
+def test_prune__old_finished_runs_go_live_and_new_ones_stay(
+    engine: Engine, clock: FakeClock, batch: int
+) -> None:
+    ids = history(engine, clock)
+    old = {"old ok 1", "old ok 2", "old failed", "old stopped", "old ok with inbox"}
+    old_journal = count(engine, journal, journal.c.run_id.in_([ids[k] for k in old]))
+    kept_journal = count(engine, journal, journal.c.run_id.in_([ids[k] for k in LIVE_AND_NEW]))
+    assert count(engine, inbox) == 1
+
+    result = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, batch=batch)
+
+    assert present(engine, ids) == LIVE_AND_NEW
+    assert (result.runs, result.journal, result.inbox) == (5, old_journal, 1)
+    assert count(engine, journal) == kept_journal
+    assert count(engine, inbox) == 0
+    assert result.batches == (1 if batch == 500 else 3)
+    # What stays is whole: every kept run still replays to its row.
+    for label in LIVE_AND_NEW:
+        assert engine.replay(ids[label]).matches, label
+    # Nothing left to do the second time.
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 0
+
+
+def test_prune__keep_failed_keeps_failed_runs_of_any_age(engine: Engine, clock: FakeClock) -> None:
+    ids = history(engine, clock)
+    result = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True)
+    assert present(engine, ids) == LIVE_AND_NEW | {"old failed"}
+    assert result.runs == 4
+    assert [e.kind for e in engine.history(ids["old failed"])][-1] == "step_failed"
+
+
+def test_prune__nothing_is_old_enough(engine: Engine, clock: FakeClock) -> None:
+    ids = history(engine, clock)
+    result = prune(db_of(engine), cutoff=clock.now() - 60 * DAY)
+    assert (result.runs, result.journal, result.batches) == (0, 0, 0)
+    assert present(engine, ids) == set(ids)
+
+
+def test_prune__dry_run_counts_what_would_go_and_deletes_nothing(
+    engine: Engine, clock: FakeClock
+) -> None:
+    ids = history(engine, clock)
+    before = count(engine, journal)
+    planned = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True)
+    assert present(engine, ids) == set(ids)
+    assert count(engine, journal) == before
+    done = prune(db_of(engine), cutoff=clock.now() - 30 * DAY)
+    assert (planned.runs, planned.journal, planned.inbox) == (done.runs, done.journal, done.inbox)
+    assert planned.dry_run and not done.dry_run
+
+
+def test_prune__a_run_retried_meanwhile_is_not_deleted(engine: Engine, clock: FakeClock) -> None:
+    """The DELETE re-checks status and age on the row: a run an operator retried after the
+    batch picked it (now scheduled again) stays, with all its journal."""
+    ids = history(engine, clock)
+    picked = [ids["old failed"], ids["old ok 1"]]
+    engine.register(job())
+    engine.retry(ids["old failed"])
+    journal_rows = count(engine, journal, journal.c.run_id == ids["old failed"])
+
+    from flowloop.prune import PruneResult
+
+    result = PruneResult(cutoff=clock.now() - 30 * DAY)
+    with db_of(engine).begin() as conn:
+        _delete_runs(conn, picked, ("succeeded", "failed", "stopped"), result.cutoff, result)
+    assert result.runs == 1
+    assert engine.get(ids["old failed"]).status == "scheduled"
+    assert count(engine, journal, journal.c.run_id == ids["old failed"]) == journal_rows
+    assert "old ok 1" not in present(engine, ids)
+
+
+def test_prune__old_loop_journal_entries_go_failed_ones_kept_on_request(
+    engine: Engine, clock: FakeClock
+) -> None:
+    store = engine.store
+    assert isinstance(store, LoopStoreMixin)
+    (row,) = store.sync_loops([LoopSpec(name="feed", schedule="every 10s", first_slot=T0)],
+                              at=T0, worker="w")
+
+    def write(kind: str, at: float) -> None:
+        current = store.get_loop("feed")
+        assert current is not None
+        assert store.write_loop(
+            name="feed", owner=None, epoch=current.lease_epoch, follows_seq=current.last_seq,
+            changes={"updated_at": at}, events=[LoopEvent(loop="feed", kind=kind, at=at)],
+        )
+
+    for n in range(6):
+        write("iteration_failed" if n in (2, 4) else "iteration_succeeded", T0 + n)
+    clock.advance(40 * DAY)
+    for n in range(3):
+        write("iteration_succeeded", clock.now() + n)
+    total = count(engine, loop_journal)
+
+    kept_failed = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True, batch=1)
+    old_before = total - 3
+    assert kept_failed.loop_journal == old_before - 2
+    kinds = [e.kind for e in engine.loop_history("feed")]
+    assert kinds.count("iteration_failed") == 2
+
+    everything = prune(db_of(engine), cutoff=clock.now() - 30 * DAY)
+    assert everything.loop_journal == 2
+    assert count(engine, loop_journal) == 3
+    # The loop row itself is untouched and goes on numbering its journal.
+    write("iteration_succeeded", clock.now() + 10)
+    assert engine.loop_history("feed")[-1].seq == row.last_seq + 10
+
+    assert prune(db_of(engine), cutoff=clock.now(), loop_history=False).loop_journal == 0

@@ -1,0 +1,203 @@
+"""`step_stats` on SQLite and PostgreSQL: counts, success rate, retries, nearest-rank
+p50/p95/p99 and the slowest runs, checked against journals with known durations (steps
+that move a fake clock, and journal rows written directly)."""
+
+from __future__ import annotations
+
+import math
+import random
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop import journal as j
+from flowloop.stats import StateStats, step_stats
+from flowloop.store import SQLStore
+from flowloop.store.schema import journal, runs
+
+T0 = 1_800_000_000.0
+
+
+class Timed(BaseModel):
+    seconds: float
+    flaky: bool = False
+
+
+def timed_workflow(clock: FakeClock) -> Workflow:
+    """work (takes ``seconds`` of the fake clock) -> check (fails once when flaky) -> done."""
+    wf = Workflow("timed", context=Timed)
+
+    @wf.step(initial=True, next="check")
+    def work(ctx: Timed) -> None:
+        clock.advance(ctx.seconds)
+
+    @wf.step(next="done", retry=Retry(attempts=2, backoff="fixed", base=0, cap=0))
+    def check(ctx: Timed, step: Step) -> None:
+        clock.advance(0.5)
+        if ctx.flaky and step.attempt == 1:
+            raise ConnectionError("flaky")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(T0)
+
+
+@pytest.fixture
+def engine(store_url: str, clock: FakeClock) -> Iterator[Engine]:
+    with Engine(store_url, clock=clock) as e:
+        yield e
+
+
+def db_of(engine: Engine) -> sa.Engine:
+    assert isinstance(engine.store, SQLStore)
+    return engine.store.engine
+
+
+def by_state(found: list[StateStats]) -> dict[tuple[str, str], StateStats]:
+    return {(s.workflow, s.state): s for s in found}
+
+
+def nearest_rank(values: list[float], percentile: int) -> float:
+    ordered = sorted(values)
+    return ordered[math.ceil(percentile / 100 * len(ordered)) - 1]
+
+
+def test_step_stats__percentiles_retries_and_slowest_from_real_runs(
+    engine: Engine, clock: FakeClock
+) -> None:
+    wf = timed_workflow(clock)
+    ids = {}
+    for n in range(1, 21):
+        info = engine.run(wf, {"seconds": float(n), "flaky": n % 5 == 0})
+        assert info.status == "succeeded"
+        ids[n] = info.id
+
+    stats = by_state(step_stats(db_of(engine)))
+    assert set(stats) == {("timed", "work"), ("timed", "check")}
+    work = stats["timed", "work"]
+    assert (work.count, work.succeeded, work.retries, work.failed) == (20, 20, 0, 0)
+    assert work.success_rate == 1.0
+    # Nearest rank over 1..20 s: ceil(.5*20)=10th, ceil(.95*20)=19th, ceil(.99*20)=20th.
+    assert (work.p50, work.p95, work.p99) == (10.0, 19.0, 20.0)
+    assert work.slowest == ((ids[20], 20.0), (ids[19], 19.0), (ids[18], 18.0))
+
+    check = stats["timed", "check"]
+    assert (check.count, check.succeeded, check.retries) == (24, 20, 4)
+    assert check.success_rate == pytest.approx(20 / 24)
+    assert (check.p50, check.p99) == (0.5, 0.5)
+
+
+def insert_history(
+    engine: Engine, *, rows: int, seed: int, at: float = T0
+) -> dict[tuple[str, str], list[tuple[str, str, float | None, bool]]]:
+    """Journal outcome rows written directly: (run, kind, duration, retryable) per state."""
+    rng = random.Random(seed)
+    expected: dict[tuple[str, str], list[tuple[str, str, float | None, bool]]] = {}
+    run_rows, event_rows = [], []
+    for i in range(rows):
+        workflow = rng.choice(["etl", "order"])
+        state = rng.choice(["extract", "load"] if workflow == "etl" else ["charge", "ship"])
+        run_id = uuid.uuid4().hex
+        roll = rng.random()
+        if roll < 0.8:
+            kind, duration, retryable = j.STEP_SUCCEEDED, round(rng.lognormvariate(0, 1), 6), False
+        elif roll < 0.95:
+            kind, duration, retryable = j.STEP_FAILED, round(rng.random(), 6), rng.random() < 0.5
+        else:
+            kind, duration, retryable = j.STEP_INTERRUPTED, None, True
+        expected.setdefault((workflow, state), []).append((run_id, kind, duration, retryable))
+        run_rows.append({
+            "id": run_id, "workflow": workflow, "version": 1, "fingerprint": "f" * 16,
+            "status": "succeeded", "state": state, "context": "{}", "attempt": 0,
+            "visits": "{}", "last_seq": 3, "priority": 0, "lease_epoch": 0,
+            "created_at": at, "updated_at": at,
+        })
+        for seq, event_kind in ((1, j.RUN_CREATED), (2, j.STEP_STARTED), (3, kind)):
+            event_rows.append({
+                "run_id": run_id, "seq": seq, "kind": event_kind, "at": at + i * 0.001,
+                "state": state, "attempt": 1, "duration": duration if seq == 3 else None,
+                "retryable": retryable if seq == 3 and kind != j.STEP_SUCCEEDED else None,
+            })
+    with db_of(engine).begin() as conn:
+        conn.execute(sa.insert(runs), run_rows)
+        conn.execute(sa.insert(journal), event_rows)
+    return expected
+
+
+def test_step_stats__nearest_rank_matches_a_reference_on_random_history(engine: Engine) -> None:
+    expected = insert_history(engine, rows=1500, seed=42)
+
+    stats = by_state(step_stats(db_of(engine), slowest=5))
+    assert set(stats) == set(expected)
+    for key, rows in expected.items():
+        got = stats[key]
+        durations = [d for _, _, d, _ in rows if d is not None]
+        assert got.count == len(rows), key
+        assert got.succeeded == sum(1 for _, kind, _, _ in rows if kind == j.STEP_SUCCEEDED)
+        assert got.retries == sum(1 for _, kind, _, r in rows if r and kind != j.STEP_SUCCEEDED)
+        assert (got.p50, got.p95, got.p99) == tuple(
+            nearest_rank(durations, p) for p in (50, 95, 99)
+        ), key
+        slowest = sorted((r for r in rows if r[2] is not None), key=lambda r: -(r[2] or 0))[:5]
+        assert [run_id for run_id, _ in got.slowest] == [run_id for run_id, *_ in slowest]
+
+
+def test_step_stats__since_and_workflow_narrow_the_window(engine: Engine) -> None:
+    old = insert_history(engine, rows=200, seed=1, at=T0)
+    new = insert_history(engine, rows=100, seed=2, at=T0 + 3600)
+
+    recent = by_state(step_stats(db_of(engine), since=T0 + 3600))
+    assert sum(s.count for s in recent.values()) == 100
+    assert {k: s.count for k, s in recent.items()} == {k: len(v) for k, v in new.items()}
+
+    everything = step_stats(db_of(engine))
+    assert sum(s.count for s in everything) == 300
+
+    etl = step_stats(db_of(engine), workflow="etl")
+    assert {s.workflow for s in etl} == {"etl"}
+    assert sum(s.count for s in etl) == sum(
+        len(v) for k, v in (*old.items(), *new.items()) if k[0] == "etl"
+    )
+
+
+def test_step_stats__empty_journal_and_unknown_workflow(engine: Engine) -> None:
+    assert step_stats(db_of(engine)) == []
+    insert_history(engine, rows=10, seed=3)
+    assert step_stats(db_of(engine), workflow="nope") == []
+
+
+def test_step_stats__json_shape(engine: Engine, clock: FakeClock) -> None:
+    info = engine.run(timed_workflow(clock), {"seconds": 2.0})
+    work = by_state(step_stats(db_of(engine)))["timed", "work"].as_dict()
+    assert work == {
+        "workflow": "timed", "state": "work", "count": 1, "succeeded": 1, "failed": 0,
+        "retries": 0, "success_rate": 1.0, "p50": 2.0, "p95": 2.0, "p99": 2.0,
+        "slowest": [{"run_id": info.id, "duration": 2.0}],
+    }
+
+
+def test_step_stats__since_is_a_range_on_the_kind_at_index(sqlite_url: str) -> None:
+    """What keeps `flowloop stats --since` fast on a long history: SQLite reads the window
+    through ix_flowloop_journal_kind_at, not the whole journal."""
+    with Engine(sqlite_url, clock=FakeClock(T0)) as e:
+        insert_history(e, rows=50, seed=4)
+        with db_of(e).connect() as conn:
+            for table in ("flowloop_journal", "flowloop_runs"):
+                conn.exec_driver_sql(f"ANALYZE {table}")
+            plan = " ".join(
+                str(row[-1]) for row in conn.exec_driver_sql(
+                    "EXPLAIN QUERY PLAN SELECT count(*) FROM flowloop_journal "
+                    "JOIN flowloop_runs ON flowloop_runs.id = flowloop_journal.run_id "
+                    "WHERE flowloop_journal.kind IN ('step_succeeded', 'step_failed', "
+                    "'step_interrupted') AND flowloop_journal.at >= 1800000000.0"
+                )
+            )
+    assert "ix_flowloop_journal_kind_at (kind=? AND at>?)" in plan
