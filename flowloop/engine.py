@@ -258,9 +258,11 @@ class Engine:
     def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:
         """When a new run is first due: ``run_at``/now for a step, the timeout (or never)
         for a wait state."""
+        start = run_at if run_at is not None else now
         if workflow.initial in workflow.waits:
-            return entering(workflow, workflow.initial, run_at if run_at is not None else now)["due"]
-        return run_at if run_at is not None else now
+            due: float | None = entering(workflow, workflow.initial, start)["due"]
+            return due
+        return start
 
     def start(
         self,
