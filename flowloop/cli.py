@@ -242,6 +242,8 @@ def progress_printer(
 
     from rich.markup import escape
 
+    ended = ("succeeded", "failed", "stopped", "paused")
+
     first_seen: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter)
     last_line: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter) shown
 
@@ -290,7 +292,8 @@ def progress_printer(
         t0, first = first_seen[record.id]
         elapsed = time.monotonic() - t0
         unit, value = done[0][: -len("_done")], number(source[done[0]]) or 0.0
-        if elapsed >= 0.05 and value > first:
+        # A rate over a few ms means little while running; the final line always has one.
+        if value > first and elapsed > 0 and (elapsed >= 0.05 or record.status in ended):
             rate = (value - first) / elapsed
             parts.append(f"{rate:,.0f} {unit}/s")
             total = number(source.get(f"{unit}_total"))
@@ -320,7 +323,7 @@ def progress_printer(
             )
             # A step that moved the count on (the last batch of a file): show where it got to.
             due = due or (found is not None and value != last_line[record.id][1])
-        finished = record.status in ("succeeded", "failed", "stopped", "paused")
+        finished = record.status in ended
         if found is not None and (due or finished):
             out.print(progress_line(record, *found))
             last_line[record.id] = (now, value)
