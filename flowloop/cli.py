@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from flowloop.clock import iso
@@ -240,7 +241,6 @@ def progress_printer(
     """
     import time
 
-    from rich.markup import escape
 
     ended = ("succeeded", "failed", "stopped", "paused")
 
@@ -445,8 +445,8 @@ def status(
     for info in infos:
         table.add_row(
             info.id, f"{info.workflow} v{info.version}", styled(info.status), info.state,
-            str(info.attempt), info.key or "", iso(info.updated_at),
-            (info.error or info.reason or "")[:60],
+            str(info.attempt), escape(info.key or ""), iso(info.updated_at),
+            escape((info.error or info.reason or "")[:60]),
         )
     out.print(table)
 
@@ -454,16 +454,16 @@ def status(
 def show_run(info: RunInfo) -> None:
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
-    out.print(f"status    {styled(info.status)}" + (f" ({info.reason})" if info.reason else ""))
+    out.print(f"status    {styled(info.status)}" + (f" ({escape(info.reason)})" if info.reason else ""))
     out.print(f"state     {info.state} (attempt {info.attempt})")
     if info.key:
-        out.print(f"key       {info.key}")
+        out.print(f"key       {escape(info.key)}")
     if info.error:
-        out.print(f"error     {info.error}")
+        out.print(f"error     {escape(info.error)}")
     if info.next_run_at is not None and info.status in ("scheduled", "retrying"):
         out.print(f"next run  {iso(info.next_run_at)}")
     out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")
-    out.print(f"context   {json.dumps(context_json(info))}")
+    out.print(f"context   {escape(json.dumps(context_json(info)))}")
 
 
 @cli.command()
@@ -483,7 +483,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
             str(event.seq), iso(event.at), event.kind, event.state or "",
             str(event.attempt or ""),
             f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-            describe_event(event)[:80],
+            escape(describe_event(event)[:80]),
         )
     out.print(table)
 
@@ -507,7 +507,7 @@ def replay(run_id: str, at_seq: int | None, db: str | None, synchronous: str, as
         }))
     else:
         out.print(f"seq {result.seq}: status {styled(record.status)}, state {record.state}")
-        out.print(f"context {record.context}")
+        out.print(f"context {escape(record.context)}")
         if result.matches:
             out.print(f"[green]journal fold ({len(result.events)} events) equals the stored row[/]")
     if not result.matches:
@@ -648,7 +648,9 @@ def loops_command(
             row.name, row.schedule, styled(row.status), row.last_result or "-",
             iso(row.next_fire_at), str(row.iterations), str(row.skipped), str(row.missed),
             str(row.consecutive_failures),
-            (row.last_error or row.reason or (f"{row.control} requested" if row.control else ""))[:50],
+            escape(
+                (row.last_error or row.reason or (f"{row.control} requested" if row.control else ""))[:50]
+            ),
         )
     out.print(table)
     if events:
@@ -658,7 +660,7 @@ def loops_command(
                 str(event.seq), iso(event.at), event.kind, iso(event.slot),
                 str(event.count or ""),
                 f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-                (event.error_message or str(event.data.get("reason", "")) or "")[:60],
+                escape((event.error_message or str(event.data.get("reason", "")) or "")[:60]),
             )
         out.print(journal_table)
 

@@ -20,6 +20,14 @@ DEFAULT_BASE_SECONDS = 1.0
 DEFAULT_CAP_SECONDS = 300.0
 
 
+def human(value: float) -> str:
+    """A duration for people: ``0.5s``, ``90s``, ``15m``, ``2h``, ``3d``."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if value >= size and value % size == 0:
+            return f"{value / size:g}{unit}"
+    return f"{value:g}s"
+
+
 def seconds(value: float | timedelta | None) -> float | None:
     """A duration given as seconds or a timedelta, as seconds."""
     if value is None:
@@ -106,8 +114,14 @@ class Retry:
         """A compact summary for diagrams and listings, e.g. ``retry 5x exp 0.5s..30s``."""
         if self.attempts == 1:
             return "no retry"
-        short = {"fixed": "fixed", "linear": "lin", "exponential": "exp"}[self.backoff]
-        text = f"retry {self.attempts}x {short} {self.base_seconds:g}s..{self.cap_seconds:g}s"
+        if self.backoff == "fixed":
+            text = f"retry {self.attempts}x every {human(min(self.base_seconds, self.cap_seconds))}"
+        else:
+            short = "lin" if self.backoff == "linear" else "exp"
+            text = (
+                f"retry {self.attempts}x {short} "
+                f"{human(self.base_seconds)}..{human(self.cap_seconds)}"
+            )
         if self.jitter:
             text += f" ±{self.jitter:.0%}"
         return text

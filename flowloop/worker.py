@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
@@ -28,6 +29,7 @@ from flowloop.store.loops import LoopStoreMixin
 log = logging.getLogger("flowloop.worker")
 
 DEFAULT_GRACE_SECONDS: Final = 30.0
+IDLE_THREAD_EXIT_SECONDS: Final = 0.5
 THREAD_PREFIX: Final = "flowloop-"
 """Names of the threads that run sync steps (``flowloop-step``) and iterations."""
 
@@ -242,6 +244,12 @@ def _exit_if_threads_linger() -> None:
         thread for thread in threading.enumerate()
         if thread.name.startswith(THREAD_PREFIX) and thread.is_alive() and not thread.daemon
     ]
+    # Idle pool threads exit as soon as they see the pool's shutdown: give them a moment,
+    # so only threads still running a step count.
+    deadline = time.monotonic() + IDLE_THREAD_EXIT_SECONDS
+    for thread in lingering:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    lingering = [thread for thread in lingering if thread.is_alive()]
     if not lingering:
         return
     log.warning("exiting with %d step or iteration thread(s) still running after the grace "
