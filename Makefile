@@ -31,6 +31,7 @@ demo: system venv
 
 lint: venv
 	$(BIN)/ruff check flowloop tests bench workflows
+	$(BIN)/ruff format --check flowloop tests bench workflows
 	$(BIN)/mypy
 
 test: system venv lint

@@ -48,7 +48,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run, < 10 s)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per program (default 5)")
     p.add_argument(
-        "--pg", default=PG_URL,
+        "--pg",
+        default=PG_URL,
         help="PostgreSQL URL (default $FLOWLOOP_BENCH_PG or the local test server; with "
         "--quick only when given); 'none' skips",
     )
@@ -80,11 +81,17 @@ def _git_rev() -> str:
     try:
         rev = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "-C", str(ROOT), "status", "--porcelain", "--", "flowloop"],
-            capture_output=True, text=True, timeout=5, check=True,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
@@ -154,9 +161,11 @@ def load_text() -> str:
     """The 1/5/15-minute load averages, with a warning when other work competes."""
     one, five, fifteen = os.getloadavg()
     cpus = os.cpu_count() or 1
-    busy = "  (BUSY: other processes compete for the CPUs; figures are noisy)" if (
-        one > 0.5 * cpus
-    ) else ""
+    busy = (
+        "  (BUSY: other processes compete for the CPUs; figures are noisy)"
+        if (one > 0.5 * cpus)
+        else ""
+    )
     return f"{one:.2f} {five:.2f} {fifteen:.2f} on {cpus} CPUs{busy}"
 
 
@@ -430,8 +439,7 @@ class WireCounter:
             return counted
         commits = sum(1 for s in self.sqlite_statements if s.upper().startswith(("COMMIT", "END")))
         statements = sum(
-            1 for s in self.sqlite_statements
-            if not s.upper().startswith((*_TXN, "PRAGMA"))
+            1 for s in self.sqlite_statements if not s.upper().startswith((*_TXN, "PRAGMA"))
         )
         return {"commits": commits, "statements": statements}
 
@@ -512,7 +520,10 @@ class Results:
         return {
             program: {
                 metric: {
-                    "median": statistics.median(v), "min": min(v), "max": max(v), "samples": v,
+                    "median": statistics.median(v),
+                    "min": min(v),
+                    "max": max(v),
+                    "samples": v,
                 }
                 for metric, v in metrics.items()
             }

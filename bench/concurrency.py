@@ -44,8 +44,16 @@ def fresh(backend: str, directory: str, pg: str | None) -> Iterator[str]:
 
 
 def concurrent_program(
-    backend: str, synchronous: str, directory: str, pg: str | None, *,
-    runs: int, steps: int, sleep: float, concurrency: int, batches: int,
+    backend: str,
+    synchronous: str,
+    directory: str,
+    pg: str | None,
+    *,
+    runs: int,
+    steps: int,
+    sleep: float,
+    concurrency: int,
+    batches: int,
 ) -> common.Program:
     from flowloop import Engine
 
@@ -53,8 +61,9 @@ def concurrent_program(
 
     def run(_round: int) -> Mapping[str, float]:
         with fresh(backend, directory, pg) as url:
-            engine = Engine(url, workflows=[workflow], synchronous=synchronous,
-                            max_concurrency=concurrency)
+            engine = Engine(
+                url, workflows=[workflow], synchronous=synchronous, max_concurrency=concurrency
+            )
             try:
                 engine.run(workflow, Ctx())  # warm-up (statement caches, connections)
                 seconds = start_seconds = cpu_seconds = 0.0
@@ -93,8 +102,14 @@ def concurrent_program(
 
 
 def sequential_program(
-    backend: str, synchronous: str, directory: str, pg: str | None, *,
-    runs: int, steps: int, sleep: float,
+    backend: str,
+    synchronous: str,
+    directory: str,
+    pg: str | None,
+    *,
+    runs: int,
+    steps: int,
+    sleep: float,
 ) -> common.Program:
     from flowloop import Engine
 
@@ -113,8 +128,11 @@ def sequential_program(
                     raise RuntimeError(f"run ended {info.status}")
             finally:
                 engine.close()
-        return {"steps_per_s": runs * steps / t.seconds, "seconds": t.seconds,
-                "cpu_us_per_step": t.cpu_seconds / (runs * steps) * 1e6}
+        return {
+            "steps_per_s": runs * steps / t.seconds,
+            "seconds": t.seconds,
+            "cpu_us_per_step": t.cpu_seconds / (runs * steps) * 1e6,
+        }
 
     return run
 
@@ -125,11 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per run (10)")
     p.add_argument("--sleep", type=float, default=0.01, help="seconds each step sleeps (0.01)")
     p.add_argument("--concurrency", type=int, default=100, help="max_concurrency (100)")
-    p.add_argument("--batches", type=int, default=None,
-                   help="batches of --runs runs per sample, each started then driven (5)")
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="batches of --runs runs per sample, each started then driven (5)",
+    )
     p.add_argument("--seq-runs", type=int, default=None, help="runs, sequential sleep (10)")
-    p.add_argument("--seq-trivial-runs", type=int, default=None,
-                   help="runs, sequential trivial (200 SQLite, 50 PostgreSQL)")
+    p.add_argument(
+        "--seq-trivial-runs",
+        type=int,
+        default=None,
+        help="runs, sequential trivial (200 SQLite, 50 PostgreSQL)",
+    )
     p.add_argument("--full", action="store_true", help="also SQLite synchronous=FULL")
     args = p.parse_args(argv)
     quick = args.quick
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"asyncio.sleep({args.sleep:g}); max_concurrency={args.concurrency}",
                 "ceiling": f"{min(runs, args.concurrency)} / {args.sleep:g} s = "
                 f"{min(runs, args.concurrency) / args.sleep:,.0f} steps/s"
-                if args.sleep else "none",
+                if args.sleep
+                else "none",
                 "durability": ", ".join(f"{s[0]}" for s in settings),
                 "rounds": f"{rounds}, programs alternated; fresh database per sample",
                 "batches": f"{batches} per sample (start {runs} runs, then run_until_idle); "
@@ -172,66 +199,118 @@ def main(argv: list[str] | None = None) -> int:
             common_kw: dict[str, Any] = {"steps": steps}
             where = (backend, synchronous, directory, pg)
             programs: list[tuple[str, common.Program]] = [
-                ("concurrent sleep", concurrent_program(
-                    *where, runs=runs, sleep=args.sleep, concurrency=args.concurrency,
-                    batches=batches, **common_kw)),
-                ("sequential sleep", sequential_program(
-                    *where, runs=seq_runs, sleep=args.sleep, **common_kw)),
-                ("concurrent trivial", concurrent_program(
-                    *where, runs=runs, sleep=0.0, concurrency=args.concurrency,
-                    batches=batches, **common_kw)),
-                ("sequential trivial", sequential_program(
-                    *where, runs=trivial_runs, sleep=0.0, **common_kw)),
+                (
+                    "concurrent sleep",
+                    concurrent_program(
+                        *where,
+                        runs=runs,
+                        sleep=args.sleep,
+                        concurrency=args.concurrency,
+                        batches=batches,
+                        **common_kw,
+                    ),
+                ),
+                (
+                    "sequential sleep",
+                    sequential_program(*where, runs=seq_runs, sleep=args.sleep, **common_kw),
+                ),
+                (
+                    "concurrent trivial",
+                    concurrent_program(
+                        *where,
+                        runs=runs,
+                        sleep=0.0,
+                        concurrency=args.concurrency,
+                        batches=batches,
+                        **common_kw,
+                    ),
+                ),
+                (
+                    "sequential trivial",
+                    sequential_program(*where, runs=trivial_runs, sleep=0.0, **common_kw),
+                ),
             ]
             all_results[label] = common.alternate(programs, rounds)
 
     report(all_results, settings, runs, steps)
     common.footer()
-    common.write_json(args.json, {
-        "machine": info, "results": {k: v.to_json() for k, v in all_results.items()},
-    })
+    common.write_json(
+        args.json,
+        {
+            "machine": info,
+            "results": {k: v.to_json() for k, v in all_results.items()},
+        },
+    )
     return 0
 
 
 def report(
-    all_results: Mapping[str, Results], settings: list[tuple[str, str, str]], runs: int,
+    all_results: Mapping[str, Results],
+    settings: list[tuple[str, str, str]],
+    runs: int,
     steps: int,
 ) -> None:
     rows = []
     for label, results in all_results.items():
         for name in results.order:
-            rows.append([
-                label, name,
-                common.fmt_spread(results, name, "steps_per_s"),
-                common.fmt_spread(results, name, "seconds", 3),
-                common.fmt_spread(results, name, "cpu_us_per_step"),
-                common.fmt_spread(results, name, "commits_per_boundary", 3),
-                common.fmt_spread(results, name, "boundaries_per_commit", 1),
-                common.fmt_spread(results, name, "start_ms_per_run", 2),
-            ])
+            rows.append(
+                [
+                    label,
+                    name,
+                    common.fmt_spread(results, name, "steps_per_s"),
+                    common.fmt_spread(results, name, "seconds", 3),
+                    common.fmt_spread(results, name, "cpu_us_per_step"),
+                    common.fmt_spread(results, name, "commits_per_boundary", 3),
+                    common.fmt_spread(results, name, "boundaries_per_commit", 1),
+                    common.fmt_spread(results, name, "start_ms_per_run", 2),
+                ]
+            )
         for name, note in results.notes.items():
             rows.append([label, name, note, "", "", "", "", ""])
     print(f"Figures: median (min-max); {runs} runs x {steps} steps for the concurrent programs")
-    common.table(["database", "program", "steps/s", "seconds", "CPU µs/step",
-                  "commits/boundary", "boundaries/commit", "start() ms/run"], rows)
+    common.table(
+        [
+            "database",
+            "program",
+            "steps/s",
+            "seconds",
+            "CPU µs/step",
+            "commits/boundary",
+            "boundaries/commit",
+            "start() ms/run",
+        ],
+        rows,
+    )
     print("Ratios (medians)")
     kinds = {s[0]: s[1] for s in settings}
     ratio_rows = []
     for label, results in all_results.items():
+
         def med(name: str, r: Results = results) -> float | None:
             return r.median(name, "steps_per_s") if r.has(name, "steps_per_s") else None
 
         conc, seq_sleep = med("concurrent sleep"), med("sequential sleep")
         conc_trivial, seq_trivial = med("concurrent trivial"), med("sequential trivial")
         if conc and seq_trivial:
-            ratio_rows.append([label, "concurrent sleep / sequential trivial",
-                               common.verdict(conc / seq_trivial, TARGETS[kinds[label]])])
+            ratio_rows.append(
+                [
+                    label,
+                    "concurrent sleep / sequential trivial",
+                    common.verdict(conc / seq_trivial, TARGETS[kinds[label]]),
+                ]
+            )
         if conc and seq_sleep:
-            ratio_rows.append([label, "concurrent sleep / sequential sleep",
-                               f"{conc / seq_sleep:.1f}x"])
+            ratio_rows.append(
+                [label, "concurrent sleep / sequential sleep", f"{conc / seq_sleep:.1f}x"]
+            )
         if conc_trivial and seq_trivial:
-            ratio_rows.append([label, "concurrent trivial / sequential trivial",
-                               f"{conc_trivial / seq_trivial:.2f}x"])
+            ratio_rows.append(
+                [
+                    label,
+                    "concurrent trivial / sequential trivial",
+                    f"{conc_trivial / seq_trivial:.2f}x",
+                ]
+            )
     common.table(["database", "ratio", "value"], ratio_rows)
 
 

@@ -97,8 +97,12 @@ class FlowloopChild:
             wire.uninstall()
             engine.close()
         steps = req["runs"] * 10
-        return {"steps_per_s": steps / seconds, "us_per_step": seconds / steps * 1e6,
-                "cpu_us_per_step": cpu / steps * 1e6, **counts}
+        return {
+            "steps_per_s": steps / seconds,
+            "us_per_step": seconds / steps * 1e6,
+            "cpu_us_per_step": cpu / steps * 1e6,
+            **counts,
+        }
 
 
 class DbosChild:
@@ -189,8 +193,12 @@ class DbosChild:
             DBOS.destroy()
             engine.dispose()
         steps = req["runs"] * 10
-        return {"steps_per_s": steps / seconds, "us_per_step": seconds / steps * 1e6,
-                "cpu_us_per_step": cpu / steps * 1e6, **counts}
+        return {
+            "steps_per_s": steps / seconds,
+            "us_per_step": seconds / steps * 1e6,
+            "cpu_us_per_step": cpu / steps * 1e6,
+            **counts,
+        }
 
 
 def serve(program: str) -> int:
@@ -204,8 +212,10 @@ def serve(program: str) -> int:
         try:
             result: dict[str, Any] = child.round(json.loads(line))
         except Exception as error:
-            result = {"error": f"{type(error).__name__}: {common.first_line(error)}",
-                      "trace": traceback.format_exc()[-2000:]}
+            result = {
+                "error": f"{type(error).__name__}: {common.first_line(error)}",
+                "trace": traceback.format_exc()[-2000:],
+            }
         print(MARK + json.dumps(result), flush=True)
     return 0
 
@@ -215,14 +225,17 @@ class Child:
         self.program = program
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--serve", program],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(MARK):
-                return dict(json.loads(line[len(MARK):]))
+                return dict(json.loads(line[len(MARK) :]))
         raise RuntimeError(f"{self.program} child exited ({self.proc.wait()})")
 
     def ready(self) -> None:
@@ -332,12 +345,23 @@ def main(argv: list[str] | None = None) -> int:
                 results = Results()
                 for kind in kinds:
                     print(f"-- {label}, {kind} steps", file=sys.stderr, flush=True)
-                    base = {"backend": backend, "synchronous": synchronous, "runs": runs,
-                            "warm": warm, "kind": kind}
+                    base = {
+                        "backend": backend,
+                        "synchronous": synchronous,
+                        "runs": runs,
+                        "warm": warm,
+                        "kind": kind,
+                    }
                     common.alternate(
-                        [(f"flowloop {kind}", program(children["flowloop"], base, directory, pg)),
-                         (f"DBOS {kind}", program(children["dbos"], base, directory, pg))],
-                        rounds, results,
+                        [
+                            (
+                                f"flowloop {kind}",
+                                program(children["flowloop"], base, directory, pg),
+                            ),
+                            (f"DBOS {kind}", program(children["dbos"], base, directory, pg)),
+                        ],
+                        rounds,
+                        results,
                     )
                 all_results[label] = results
         finally:
@@ -346,9 +370,13 @@ def main(argv: list[str] | None = None) -> int:
 
     report(all_results, kinds, settings)
     common.footer()
-    common.write_json(args.json, {
-        "machine": info, "results": {k: v.to_json() for k, v in all_results.items()},
-    })
+    common.write_json(
+        args.json,
+        {
+            "machine": info,
+            "results": {k: v.to_json() for k, v in all_results.items()},
+        },
+    )
     return 0
 
 
@@ -357,23 +385,41 @@ def report(all_results: Mapping[str, Results], kinds: list[str], settings: list[
     rows = []
     for label, results in all_results.items():
         for name in results.order:
-            rows.append([
-                label, name,
-                common.fmt_spread(results, name, "steps_per_s"),
-                common.fmt_spread(results, name, "us_per_step"),
-                common.fmt_spread(results, name, "cpu_us_per_step"),
-                common.fmt_spread(results, name, "commits", 2),
-                common.fmt_spread(results, name, "statements", 2),
-                common.fmt_spread(results, name, "round_trips", 2),
-            ])
+            rows.append(
+                [
+                    label,
+                    name,
+                    common.fmt_spread(results, name, "steps_per_s"),
+                    common.fmt_spread(results, name, "us_per_step"),
+                    common.fmt_spread(results, name, "cpu_us_per_step"),
+                    common.fmt_spread(results, name, "commits", 2),
+                    common.fmt_spread(results, name, "statements", 2),
+                    common.fmt_spread(results, name, "round_trips", 2),
+                ]
+            )
         for name, note in results.notes.items():
             rows.append([label, name, note, "", "", "", "", ""])
-    print("Figures: median (min-max) over rounds. Per step, counted at the driver during "
-          "warm-up runs: commits,")
-    print("statements (SQL other than BEGIN/COMMIT), PostgreSQL round trips; CPU: the child "
-          "process's CPU time")
-    common.table(["database", "program", "steps/s", "µs/step", "CPU µs/step", "commits",
-                  "statements", "PG round trips"], rows)
+    print(
+        "Figures: median (min-max) over rounds. Per step, counted at the driver during "
+        "warm-up runs: commits,"
+    )
+    print(
+        "statements (SQL other than BEGIN/COMMIT), PostgreSQL round trips; CPU: the child "
+        "process's CPU time"
+    )
+    common.table(
+        [
+            "database",
+            "program",
+            "steps/s",
+            "µs/step",
+            "CPU µs/step",
+            "commits",
+            "statements",
+            "PG round trips",
+        ],
+        rows,
+    )
     print("Ratios flowloop / DBOS (medians)")
     ratio_rows = []
     for label, results in all_results.items():
@@ -383,11 +429,14 @@ def report(all_results: Mapping[str, Results], kinds: list[str], settings: list[
             if results.has(ours, "steps_per_s") and results.has(theirs, "steps_per_s"):
                 ratio = results.median(ours, "steps_per_s") / results.median(theirs, "steps_per_s")
                 cpu = results.median(theirs, "cpu_us_per_step") / results.median(
-                    ours, "cpu_us_per_step")
-                ratio_rows.append([label, f"{kind} steps", common.verdict(ratio, target),
-                                   f"{cpu:.2f}x"])
-    common.table(["database", "pairing", "flowloop / DBOS steps/s", "CPU/step DBOS / flowloop"],
-                 ratio_rows)
+                    ours, "cpu_us_per_step"
+                )
+                ratio_rows.append(
+                    [label, f"{kind} steps", common.verdict(ratio, target), f"{cpu:.2f}x"]
+                )
+    common.table(
+        ["database", "pairing", "flowloop / DBOS steps/s", "CPU/step DBOS / flowloop"], ratio_rows
+    )
 
 
 if __name__ == "__main__":

@@ -51,11 +51,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=f"{QUICK_ROWS:,} rows, one round (< 10 s)")
     p.add_argument("--rows", type=int, default=None, help="rows to load (default 1,000,000)")
-    p.add_argument("--batch-sizes", default="1000,10000",
-                   help="comma-separated (default 1000,10000)")
+    p.add_argument(
+        "--batch-sizes", default="1000,10000", help="comma-separated (default 1000,10000)"
+    )
     p.add_argument("--rounds", type=int, default=None, help="rounds per program (default 3)")
-    p.add_argument("--data", default=None,
-                   help="folder for the generated input, kept and reused (default: a temp dir)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="folder for the generated input, kept and reused (default: a temp dir)",
+    )
     p.add_argument("--dir", default=None, help="folder for the databases (default: a temp dir)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     return p.parse_args(argv)
@@ -87,8 +91,12 @@ def measure(etl: ModuleType, run: Any, context: Mapping[str, Any], target: str) 
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     close_target(etl, target)
     return {
-        "seconds": wall, "cpu_s": cpu, "rows_per_s": ctx.rows_done / wall,
-        "rows": ctx.rows_done, "batches": ctx.batches_done, "rejects": ctx.rejects,
+        "seconds": wall,
+        "cpu_s": cpu,
+        "rows_per_s": ctx.rows_done / wall,
+        "rows": ctx.rows_done,
+        "batches": ctx.batches_done,
+        "rejects": ctx.rejects,
     }
 
 
@@ -110,10 +118,17 @@ def probe_workflow(etl: ModuleType, batches: int) -> Workflow:
 
 def probe_context(etl: ModuleType, size: int) -> dict[str, Any]:
     """An ETL context as it is in the middle of a big file (same fields, same size)."""
-    info = etl.FileInfo(name="orders_gen_0001.csv", size=123_456_789, mtime_ns=1,
-                        sha256="0" * 64, rows=1_000_000)
-    return {"pending": [info.model_dump()], "file": info.name, "columns": list(etl.COLUMNS),
-            "batch_size": size, "file_status": "loading", "rows_total": 1_000_000}
+    info = etl.FileInfo(
+        name="orders_gen_0001.csv", size=123_456_789, mtime_ns=1, sha256="0" * 64, rows=1_000_000
+    )
+    return {
+        "pending": [info.model_dump()],
+        "file": info.name,
+        "columns": list(etl.COLUMNS),
+        "batch_size": size,
+        "file_status": "loading",
+        "rows_total": 1_000_000,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,10 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         common.header(
             "ETL load: flowloop (a journaled step per batch) vs the same steps in a plain loop",
             common.machine(None, dbs),
-            {"rows": f"{rows:,} in one file, {_size(inbox)}",
-             "batch sizes": ", ".join(f"{s:,}" for s in sizes), "rounds": rounds,
-             "store": "SQLite, WAL, synchronous NORMAL", "target": "SQLite, WAL, NORMAL",
-             "load": common.load_text()},
+            {
+                "rows": f"{rows:,} in one file, {_size(inbox)}",
+                "batch sizes": ", ".join(f"{s:,}" for s in sizes),
+                "rounds": rounds,
+                "store": "SQLite, WAL, synchronous NORMAL",
+                "target": "SQLite, WAL, NORMAL",
+                "load": common.load_text(),
+            },
         )
         programs: list[tuple[str, common.Program]] = []
         for size in sizes:
@@ -138,9 +157,11 @@ def main(argv: list[str] | None = None) -> None:
             def flowloop(
                 r: int, context: dict[str, Any] = context, size: int = size
             ) -> Mapping[str, float]:
-                with common.sqlite_file(dbs, f"store-{size}") as store, \
-                        common.sqlite_file(dbs, f"target-{size}") as target, \
-                        Engine(f"sqlite:///{store}") as engine:
+                with (
+                    common.sqlite_file(dbs, f"store-{size}") as store,
+                    common.sqlite_file(dbs, f"target-{size}") as target,
+                    Engine(f"sqlite:///{store}") as engine,
+                ):
 
                     def run(ctx: Mapping[str, Any]) -> Any:
                         info = engine.run(etl.etl, ctx)
@@ -159,24 +180,35 @@ def main(argv: list[str] | None = None) -> None:
             def probe(r: int, size: int = size) -> Mapping[str, float]:
                 batches = -(-rows // size)
                 workflow = probe_workflow(etl, batches)
-                with common.sqlite_file(dbs, f"probe-{size}") as store, \
-                        Engine(f"sqlite:///{store}") as engine:
+                with (
+                    common.sqlite_file(dbs, f"probe-{size}") as store,
+                    Engine(f"sqlite:///{store}") as engine,
+                ):
                     engine.register(workflow)
                     wall0, cpu0 = time.perf_counter(), time.process_time()
                     info = engine.run(workflow, probe_context(etl, size))
                     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
                 assert info.status == "succeeded", info.error
-                return {"ms_per_boundary": wall / batches * 1000,
-                        "cpu_ms_per_boundary": cpu / batches * 1000,
-                        "seconds": wall, "cpu_s": cpu, "batches": batches}
+                return {
+                    "ms_per_boundary": wall / batches * 1000,
+                    "cpu_ms_per_boundary": cpu / batches * 1000,
+                    "seconds": wall,
+                    "cpu_s": cpu,
+                    "batches": batches,
+                }
 
-            programs += [(f"flowloop/{size}", flowloop), (f"plain/{size}", plain),
-                         (f"boundaries/{size}", probe)]
+            programs += [
+                (f"flowloop/{size}", flowloop),
+                (f"plain/{size}", plain),
+                (f"boundaries/{size}", probe),
+            ]
         results = common.alternate(programs, rounds, Results(), show="rows_per_s")
         report(results, sizes, rows)
         common.footer()
-        common.write_json(args.json, {"rows": rows, "rounds": rounds, "results": results.to_json(),
-                                      "notes": results.notes})
+        common.write_json(
+            args.json,
+            {"rows": rows, "rounds": rounds, "results": results.to_json(), "notes": results.notes},
+        )
 
 
 def _size(folder: Path) -> str:
@@ -189,13 +221,17 @@ def report(results: Results, sizes: list[int], rows: int) -> None:
     for size in sizes:
         for kind in ("flowloop", "plain"):
             name = f"{kind}/{size}"
-            table_rows.append([
-                name, common.fmt_spread(results, name, "rows_per_s"),
-                common.fmt_spread(results, name, "seconds"),
-                common.fmt_spread(results, name, "cpu_s"),
-                common.fmt(results.median(name, "batches"), 0)
-                if results.has(name, "batches") else "-",
-            ])
+            table_rows.append(
+                [
+                    name,
+                    common.fmt_spread(results, name, "rows_per_s"),
+                    common.fmt_spread(results, name, "seconds"),
+                    common.fmt_spread(results, name, "cpu_s"),
+                    common.fmt(results.median(name, "batches"), 0)
+                    if results.has(name, "batches")
+                    else "-",
+                ]
+            )
     print(f"== rows/s loading {rows:,} rows (median, min-max)")
     common.table(["program", "rows/s", "seconds", "cpu s", "batches"], table_rows)
     print("== overhead of checkpointing (flowloop vs plain, median of per-round ratios)")
@@ -206,23 +242,28 @@ def report(results: Results, sizes: list[int], rows: int) -> None:
             continue
         batches = results.median(flow, "batches")
         for metric, what in (("seconds", "wall"), ("cpu_s", "CPU")):
-            pairs = list(zip(results.samples[flow][metric], results.samples[plain][metric],
-                             strict=False))
+            pairs = list(
+                zip(results.samples[flow][metric], results.samples[plain][metric], strict=False)
+            )
             ratio = statistics.median(f / p for f, p in pairs)
             per_batch = statistics.median((f - p) / batches for f, p in pairs) * 1000
-            print(f"  batch {size:>6,} {what:>4}: flowloop {ratio:.3f}x the plain loop "
-                  f"({(ratio - 1) * 100:+.1f} %), {per_batch:+.2f} ms per batch boundary")
+            print(
+                f"  batch {size:>6,} {what:>4}: flowloop {ratio:.3f}x the plain loop "
+                f"({(ratio - 1) * 100:+.1f} %), {per_batch:+.2f} ms per batch boundary"
+            )
     print("== the boundaries alone (the batch loop with a step that does no work, same context)")
     for size in sizes:
         name, plain = f"boundaries/{size}", f"plain/{size}"
         if not results.has(name, "seconds"):
             continue
         share = results.median(name, "cpu_s") / results.median(plain, "cpu_s") * 100
-        print(f"  batch {size:>6,}: {results.median(name, 'batches'):,.0f} boundaries, "
-              f"{common.fmt_spread(results, name, 'ms_per_boundary', 3)} ms each "
-              f"({common.fmt_spread(results, name, 'cpu_ms_per_boundary', 3)} ms CPU); "
-              f"in all {results.median(name, 'cpu_s'):.2f} s CPU = {share:.1f} % of the plain "
-              f"load's CPU")
+        print(
+            f"  batch {size:>6,}: {results.median(name, 'batches'):,.0f} boundaries, "
+            f"{common.fmt_spread(results, name, 'ms_per_boundary', 3)} ms each "
+            f"({common.fmt_spread(results, name, 'cpu_ms_per_boundary', 3)} ms CPU); "
+            f"in all {results.median(name, 'cpu_s'):.2f} s CPU = {share:.1f} % of the plain "
+            f"load's CPU"
+        )
     if results.notes:
         print(f"  notes: {results.notes}")
     print()

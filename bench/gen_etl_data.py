@@ -21,8 +21,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 HEADER = (
-    "order_id", "ordered_at", "customer_id", "email", "country", "sku", "product",
-    "quantity", "unit_price", "currency", "status",
+    "order_id",
+    "ordered_at",
+    "customer_id",
+    "email",
+    "country",
+    "sku",
+    "product",
+    "quantity",
+    "unit_price",
+    "currency",
+    "status",
 )
 PRODUCTS = (
     ("BK-1001", "The Pragmatic Programmer, 20th ed.", "42.90"),
@@ -35,8 +44,16 @@ PRODUCTS = (
     ("CH-0500", "Office chair", "289.00"),
     ("CB-0010", "USB-C cable\n(2 m)", "8.99"),
 )
-COUNTRIES = (("DE", "EUR"), ("FR", "EUR"), ("IT", "EUR"), ("GB", "GBP"), ("US", "USD"),
-             ("IE", "EUR"), ("SE", "EUR"), ("JP", "USD"))
+COUNTRIES = (
+    ("DE", "EUR"),
+    ("FR", "EUR"),
+    ("IT", "EUR"),
+    ("GB", "GBP"),
+    ("US", "USD"),
+    ("IE", "EUR"),
+    ("SE", "EUR"),
+    ("JP", "USD"),
+)
 STATUSES = ("placed", "paid", "paid", "paid", "shipped", "cancelled", "refunded")
 FIRST = ("anna", "tom", "liu", "sara", "julien", "olga", "marco", "hana", "piet", "dara")
 LAST = ("keller", "baker", "wei", "nyberg", "martin", "petrova", "rossi", "yamada", "novak")
@@ -48,8 +65,9 @@ DEFAULT_SEED = 42
 DEFAULT_BAD_EVERY = 1_000
 
 
-def rows(count: int, *, seed: int = DEFAULT_SEED, bad_every: int = DEFAULT_BAD_EVERY,
-         first_id: int = 1) -> Iterator[list[str]]:
+def rows(
+    count: int, *, seed: int = DEFAULT_SEED, bad_every: int = DEFAULT_BAD_EVERY, first_id: int = 1
+) -> Iterator[list[str]]:
     """``count`` data rows (lists of fields), order ids from ``first_id`` on."""
     rand = random.Random(seed).random  # random() * n: much cheaper than randrange(n)
     customers = 50_000
@@ -68,8 +86,17 @@ def rows(count: int, *, seed: int = DEFAULT_SEED, bad_every: int = DEFAULT_BAD_E
         at = f"{date}T{hh:02d}:{rest // 60:02d}:{rest % 60:02d}Z"
         email = f"{FIRST[cust % len(FIRST)]}.{LAST[cust % len(LAST)]}{cust}@example.com"
         row = [
-            f"ORD-{n:08d}", at, f"C{cust:06d}", email, country, sku, product,
-            str(1 + int(rand() * 5)), price, currency, STATUSES[int(rand() * len(STATUSES))],
+            f"ORD-{n:08d}",
+            at,
+            f"C{cust:06d}",
+            email,
+            country,
+            sku,
+            product,
+            str(1 + int(rand() * 5)),
+            price,
+            currency,
+            STATUSES[int(rand() * len(STATUSES))],
         ]
         if bad_every and int(rand() * bad_every) == 0:
             kind = BAD_KINDS[int(rand() * len(BAD_KINDS))]
@@ -88,8 +115,14 @@ def rows(count: int, *, seed: int = DEFAULT_SEED, bad_every: int = DEFAULT_BAD_E
         yield row
 
 
-def write(path: Path, count: int, *, seed: int = DEFAULT_SEED,
-          bad_every: int = DEFAULT_BAD_EVERY, first_id: int = 1) -> int:
+def write(
+    path: Path,
+    count: int,
+    *,
+    seed: int = DEFAULT_SEED,
+    bad_every: int = DEFAULT_BAD_EVERY,
+    first_id: int = 1,
+) -> int:
     """Write one file of ``count`` rows atomically (``.part`` then rename); its size."""
     part = path.with_name(path.name + ".part")
     with part.open("w", encoding="utf-8", newline="") as handle:
@@ -100,8 +133,15 @@ def write(path: Path, count: int, *, seed: int = DEFAULT_SEED,
     return path.stat().st_size
 
 
-def generate(folder: Path, total: int, *, files: int = 1, seed: int = DEFAULT_SEED,
-             bad_every: int = DEFAULT_BAD_EVERY, prefix: str = "orders_gen") -> list[Path]:
+def generate(
+    folder: Path,
+    total: int,
+    *,
+    files: int = 1,
+    seed: int = DEFAULT_SEED,
+    bad_every: int = DEFAULT_BAD_EVERY,
+    prefix: str = "orders_gen",
+) -> list[Path]:
     """``total`` rows split over ``files`` files named ``{prefix}_0001.csv`` …"""
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -122,18 +162,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", type=int, default=DEFAULT_ROWS)
     p.add_argument("--files", type=int, default=1)
     p.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    p.add_argument("--bad-every", type=int, default=DEFAULT_BAD_EVERY,
-                   help="about one bad row in N (0: none)")
+    p.add_argument(
+        "--bad-every", type=int, default=DEFAULT_BAD_EVERY, help="about one bad row in N (0: none)"
+    )
     p.add_argument("--prefix", default="orders_gen")
     args = p.parse_args(argv)
     if args.rows < 0 or args.files < 1:
         p.error("--rows must be >= 0 and --files >= 1")
     t0 = time.perf_counter()
-    paths = generate(args.folder, args.rows, files=args.files, seed=args.seed,
-                     bad_every=args.bad_every, prefix=args.prefix)
+    paths = generate(
+        args.folder,
+        args.rows,
+        files=args.files,
+        seed=args.seed,
+        bad_every=args.bad_every,
+        prefix=args.prefix,
+    )
     size = sum(path.stat().st_size for path in paths)
-    print(f"wrote {args.rows:,} rows in {len(paths)} file(s), {size / 1e6:.1f} MB, to "
-          f"{args.folder} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(
+        f"wrote {args.rows:,} rows in {len(paths)} file(s), {size / 1e6:.1f} MB, to "
+        f"{args.folder} in {time.perf_counter() - t0:.1f} s",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

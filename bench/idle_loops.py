@@ -74,12 +74,15 @@ def child(db: str, count: int) -> None:
             await asyncio.sleep(0.01)
         registered = time.perf_counter() - began
         ready_cpu = time.process_time()
-        print(json.dumps({"ready": True, "build_s": built, "register_s": registered,
-                          "cpu_s": ready_cpu}), flush=True)
+        print(
+            json.dumps(
+                {"ready": True, "build_s": built, "register_s": registered, "cpu_s": ready_cpu}
+            ),
+            flush=True,
+        )
         await running
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        print(json.dumps({"cpu_s": time.process_time(), "maxrss_kb": usage.ru_maxrss}),
-              flush=True)
+        print(json.dumps({"cpu_s": time.process_time(), "maxrss_kb": usage.ru_maxrss}), flush=True)
 
     asyncio.run(main())
     engine.close()
@@ -109,7 +112,8 @@ def proc_rss_mb(pid: int) -> float | None:
 def measure(db: str, count: int, seconds: float) -> dict[str, Any]:
     process = subprocess.Popen(
         [sys.executable, str(Path(__file__).resolve()), "--child", db, "--loops", str(count)],
-        stdout=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert process.stdout is not None
     try:
@@ -147,8 +151,9 @@ def measure(db: str, count: int, seconds: float) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = common.parser("CPU of an idle worker with many registered loops")
     p.add_argument("--loops", type=int, default=None, help=f"loops (default {DEFAULT_LOOPS})")
-    p.add_argument("--seconds", type=float, default=None,
-                   help=f"idle window (default {DEFAULT_SECONDS:g} s)")
+    p.add_argument(
+        "--seconds", type=float, default=None, help=f"idle window (default {DEFAULT_SECONDS:g} s)"
+    )
     p.add_argument("--child", metavar="DB", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     count = args.loops or (QUICK_LOOPS if args.quick else DEFAULT_LOOPS)
@@ -160,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         common.header(
             "idle loops: CPU of a worker whose loops are all waiting",
             common.machine(None, directory),
-            {"loops": f"{count} x every={EVERY_S:g}s, first slot {FIRST_SLOT_AHEAD_S:g}s ahead",
-             "idle window": f"{seconds:g} s", "database": "SQLite file (WAL, synchronous=NORMAL)"},
+            {
+                "loops": f"{count} x every={EVERY_S:g}s, first slot {FIRST_SLOT_AHEAD_S:g}s ahead",
+                "idle window": f"{seconds:g} s",
+                "database": "SQLite file (WAL, synchronous=NORMAL)",
+            },
         )
         fresh = measure(db, count, seconds)
         again = measure(db, count, RESTART_WINDOW_S)
@@ -170,16 +178,24 @@ def main(argv: list[str] | None = None) -> int:
         # The same worker with one loop: what the worker's own polling costs.
         with common.data_dir(args.dir) as directory, common.sqlite_file(directory, "one") as db:
             baseline = measure(db, 1, seconds)
-    print(f"Loop objects built:        {fresh['build_s'] * 1000:8.1f} ms "
-          f"({fresh['build_s'] / count * 1e6:.1f} µs per loop)")
-    print(f"registration, fresh db:    {fresh['register_s'] * 1000:8.1f} ms "
-          f"({fresh['register_s'] / count * 1e6:.1f} µs per loop)")
+    print(
+        f"Loop objects built:        {fresh['build_s'] * 1000:8.1f} ms "
+        f"({fresh['build_s'] / count * 1e6:.1f} µs per loop)"
+    )
+    print(
+        f"registration, fresh db:    {fresh['register_s'] * 1000:8.1f} ms "
+        f"({fresh['register_s'] / count * 1e6:.1f} µs per loop)"
+    )
     print(f"registration, restart:     {again['register_s'] * 1000:8.1f} ms")
-    print(f"idle CPU over {fresh['idle_window_s']:.1f} s:     {fresh['idle_cpu_s'] * 1000:8.1f} ms "
-          f"= {fresh['idle_cpu_pct']:.2f} % of one CPU  ({fresh['how']})")
+    print(
+        f"idle CPU over {fresh['idle_window_s']:.1f} s:     {fresh['idle_cpu_s'] * 1000:8.1f} ms "
+        f"= {fresh['idle_cpu_pct']:.2f} % of one CPU  ({fresh['how']})"
+    )
     if baseline is not None:
-        print(f"  the same with 1 loop:    {baseline['idle_cpu_s'] * 1000:8.1f} ms "
-              f"= {baseline['idle_cpu_pct']:.2f} % (the worker's own polling of the database)")
+        print(
+            f"  the same with 1 loop:    {baseline['idle_cpu_s'] * 1000:8.1f} ms "
+            f"= {baseline['idle_cpu_pct']:.2f} % (the worker's own polling of the database)"
+        )
         extra = fresh["idle_cpu_pct"] - baseline["idle_cpu_pct"]
         print(f"  cost of {count - 1} idle loops: {extra:+.2f} % of one CPU")
     print(f"resident memory:           {fresh['rss_mb']:8.1f} MB")

@@ -86,8 +86,7 @@ def waiting_workflow() -> Any:
     async def s0(ctx: Ctx) -> None:
         ctx.n += 1
 
-    workflow.wait("awaiting", on={"approve": "done"}, timeout=timedelta(days=1),
-                  on_timeout="done")
+    workflow.wait("awaiting", on={"approve": "done"}, timeout=timedelta(days=1), on_timeout="done")
     workflow.final("done")
     return workflow
 
@@ -129,18 +128,26 @@ def copy_place(src: Place, dst: Place, pg: str | None) -> None:
     assert pg is not None
     admin = sa.create_engine(pg, poolclass=sa.NullPool)
     with admin.begin() as conn:
-        tables = conn.execute(
-            sa.text("SELECT tablename FROM pg_tables WHERE schemaname = :s"), {"s": src.schema}
-        ).scalars().all()
+        tables = (
+            conn.execute(
+                sa.text("SELECT tablename FROM pg_tables WHERE schemaname = :s"), {"s": src.schema}
+            )
+            .scalars()
+            .all()
+        )
         for table in tables:
-            conn.execute(sa.text(
-                f'CREATE TABLE "{dst.schema}"."{table}" '
-                f'(LIKE "{src.schema}"."{table}" INCLUDING ALL)'
-            ))
-            conn.execute(sa.text(
-                f'INSERT INTO "{dst.schema}"."{table}" SELECT * FROM "{src.schema}"."{table}"'
-            ))
-        conn.execute(sa.text('ANALYZE'))
+            conn.execute(
+                sa.text(
+                    f'CREATE TABLE "{dst.schema}"."{table}" '
+                    f'(LIKE "{src.schema}"."{table}" INCLUDING ALL)'
+                )
+            )
+            conn.execute(
+                sa.text(
+                    f'INSERT INTO "{dst.schema}"."{table}" SELECT * FROM "{src.schema}"."{table}"'
+                )
+            )
+        conn.execute(sa.text("ANALYZE"))
     admin.dispose()
 
 
@@ -153,11 +160,17 @@ def clone_runs(url: str, template_id: str, copies: int, *, chunk: int = 2000) ->
             md = sa.MetaData()
             runs = sa.Table("flowloop_runs", md, autoload_with=conn)
             journal = sa.Table("flowloop_journal", md, autoload_with=conn)
-            run_row = dict(conn.execute(
-                sa.select(runs).where(runs.c.id == template_id)).mappings().one())
-            events = [dict(row) for row in conn.execute(
-                sa.select(journal).where(journal.c.run_id == template_id)
-                .order_by(journal.c.seq)).mappings()]
+            run_row = dict(
+                conn.execute(sa.select(runs).where(runs.c.id == template_id)).mappings().one()
+            )
+            events = [
+                dict(row)
+                for row in conn.execute(
+                    sa.select(journal)
+                    .where(journal.c.run_id == template_id)
+                    .order_by(journal.c.seq)
+                ).mappings()
+            ]
             for col in ("key", "idempotency_key"):
                 if col in run_row:
                     run_row[col] = None
@@ -205,8 +218,12 @@ def crash_child(url: str) -> int:
 
 def make_interrupted(place: Place) -> str:
     env = {**os.environ, "FLOWLOOP_BENCH_HANG": "1"}
-    child = subprocess.Popen([sys.executable, __file__, "--crash-child", place.url],
-                             stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--crash-child", place.url],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     from flowloop import Engine
 
     try:
@@ -230,8 +247,9 @@ def make_interrupted(place: Place) -> str:
     return run_id
 
 
-def recovery_program(master: Place, directory: str, pg: str | None, mode: str,
-                     n: int) -> common.Program:
+def recovery_program(
+    master: Place, directory: str, pg: str | None, mode: str, n: int
+) -> common.Program:
     from flowloop import Engine
 
     def run(_round: int) -> Mapping[str, float]:
@@ -297,8 +315,10 @@ def latency_program(place: Place, ids: list[str], op: str, samples: int) -> comm
         finally:
             engine.close()
         times.sort()
-        return {"p50_ms": statistics.median(times),
-                "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))]}
+        return {
+            "p50_ms": statistics.median(times),
+            "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))],
+        }
 
     return run
 
@@ -307,8 +327,11 @@ def sample_ids(url: str, k: int) -> list[str]:
     engine = sa.create_engine(url, poolclass=sa.NullPool)
     try:
         with engine.connect() as conn:
-            return list(conn.exec_driver_sql(
-                f"SELECT id FROM flowloop_runs ORDER BY random() LIMIT {int(k)}").scalars())
+            return list(
+                conn.exec_driver_sql(
+                    f"SELECT id FROM flowloop_runs ORDER BY random() LIMIT {int(k)}"
+                ).scalars()
+            )
     finally:
         engine.dispose()
 
@@ -368,7 +391,9 @@ def idle_program(url: str, loops: int, seconds: float) -> common.Program:
     def run(_round: int) -> Mapping[str, float]:
         out = subprocess.run(
             [sys.executable, __file__, "--idle-child", url, str(loops), str(seconds)],
-            capture_output=True, text=True, timeout=120 + seconds,
+            capture_output=True,
+            text=True,
+            timeout=120 + seconds,
         )
         if out.returncode != 0:
             raise RuntimeError(out.stderr.strip().splitlines()[-1] if out.stderr else "failed")
@@ -383,7 +408,7 @@ def send_program(place: Place, ids: list[str], samples: int) -> common.Program:
     def run(round_: int) -> Mapping[str, float]:
         engine = Engine(place.url, workflows=[waiting_workflow()])
         try:
-            chosen = ids[round_ * samples:(round_ + 1) * samples]
+            chosen = ids[round_ * samples : (round_ + 1) * samples]
             times = []
             for rid in chosen:
                 t0 = time.perf_counter()
@@ -392,8 +417,10 @@ def send_program(place: Place, ids: list[str], samples: int) -> common.Program:
         finally:
             engine.close()
         times.sort()
-        return {"p50_ms": statistics.median(times),
-                "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))]}
+        return {
+            "p50_ms": statistics.median(times),
+            "p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))],
+        }
 
     return run
 
@@ -413,8 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loops", type=int, default=None, help="idle loops (1,000)")
     p.add_argument("--idle-seconds", type=float, default=None, help="idle time measured (3)")
     p.add_argument("--samples", type=int, default=None, help="calls per latency sample (200)")
-    p.add_argument("--pieces", default="recovery,reads,waiting,loops",
-                   help="which pieces to run (comma-separated)")
+    p.add_argument(
+        "--pieces",
+        default="recovery,reads,waiting,loops",
+        help="which pieces to run (comma-separated)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
     rounds = common.rounds_for(args, default=3, quick=3)
@@ -432,15 +462,19 @@ def main(argv: list[str] | None = None) -> int:
 
     with common.data_dir(args.dir) as directory:
         info = common.machine(pg, directory)
-        common.header("scale: recovery, reads over a large journal, idle waiting runs", info, {
-            "recovery": f"{n_recover:,} interrupted runs (cloned from a real SIGKILL)",
-            "reads": f"{n_rows:,} journal rows; {samples} calls per sample",
-            "waiting": f"{n_waiting:,} runs in a wait state with a 1-day timeout",
-            "loops": f"{n_loops:,} loops every 3600 s; idle {idle_seconds:g} s per sample",
-            "rounds": f"{rounds}, programs alternated",
-            "durability": "SQLite WAL synchronous=NORMAL; PostgreSQL server defaults",
-            "pieces": ", ".join(sorted(pieces)) + (" (quick: SQLite only)" if quick else ""),
-        })
+        common.header(
+            "scale: recovery, reads over a large journal, idle waiting runs",
+            info,
+            {
+                "recovery": f"{n_recover:,} interrupted runs (cloned from a real SIGKILL)",
+                "reads": f"{n_rows:,} journal rows; {samples} calls per sample",
+                "waiting": f"{n_waiting:,} runs in a wait state with a 1-day timeout",
+                "loops": f"{n_loops:,} loops every 3600 s; idle {idle_seconds:g} s per sample",
+                "rounds": f"{rounds}, programs alternated",
+                "durability": "SQLite WAL synchronous=NORMAL; PostgreSQL server defaults",
+                "pieces": ", ".join(sorted(pieces)) + (" (quick: SQLite only)" if quick else ""),
+            },
+        )
         sections: dict[str, dict[str, Results]] = {}
         notes: list[str] = []
         from flowloop import Engine
@@ -452,20 +486,31 @@ def main(argv: list[str] | None = None) -> int:
                     template = make_interrupted(master)
                     with common.Timer() as built:
                         clone_runs(master.url, template, n_recover - 1)
-                    notes.append(f"{label}: {n_recover:,} interrupted runs built in "
-                                 f"{built.seconds:.1f} s")
+                    notes.append(
+                        f"{label}: {n_recover:,} interrupted runs built in {built.seconds:.1f} s"
+                    )
                     sections.setdefault("recovery", {})[label] = common.alternate(
-                        [("recover()", recovery_program(master, directory, pg, "recover",
-                                                        n_recover)),
-                         ("resume() to the end", recovery_program(master, directory, pg,
-                                                                  "resume", n_recover))],
-                        rounds, show="seconds")
+                        [
+                            (
+                                "recover()",
+                                recovery_program(master, directory, pg, "recover", n_recover),
+                            ),
+                            (
+                                "resume() to the end",
+                                recovery_program(master, directory, pg, "resume", n_recover),
+                            ),
+                        ],
+                        rounds,
+                        show="seconds",
+                    )
 
             if "reads" in pieces:
                 print(f"-- reads, {label}", file=sys.stderr, flush=True)
                 workflow = common.chain("scale_read", 10)
-                with new_place(kind, directory, pg, "big") as big, \
-                        new_place(kind, directory, pg, "small") as small:
+                with (
+                    new_place(kind, directory, pg, "big") as big,
+                    new_place(kind, directory, pg, "small") as small,
+                ):
                     per_run = 0
                     for place in (big, small):
                         engine = Engine(place.url, workflows=[workflow])
@@ -478,24 +523,37 @@ def main(argv: list[str] | None = None) -> int:
                         else:  # 100 runs: runs(limit=100) returns as many rows on both
                             clone_runs(small.url, template, 99)
                     rows_big, rows_small = journal_count(big.url), journal_count(small.url)
-                    notes.append(f"{label}: large journal {rows_big:,} rows "
-                                 f"({per_run} per run) built in {built.seconds:.1f} s; "
-                                 f"small journal {rows_small:,} rows (100 runs)")
+                    notes.append(
+                        f"{label}: large journal {rows_big:,} rows "
+                        f"({per_run} per run) built in {built.seconds:.1f} s; "
+                        f"small journal {rows_small:,} rows (100 runs)"
+                    )
                     ids_big, ids_small = sample_ids(big.url, 5000), sample_ids(small.url, 100)
                     programs: list[tuple[str, common.Program]] = []
                     for op in ("get", "history", "runs(limit=100)", "replay"):
-                        programs.append((f"{op} @ {rows_big:,} rows",
-                                         latency_program(big, ids_big, op, samples)))
-                        programs.append((f"{op} @ {rows_small:,} rows",
-                                         latency_program(small, ids_small, op, samples)))
+                        programs.append(
+                            (
+                                f"{op} @ {rows_big:,} rows",
+                                latency_program(big, ids_big, op, samples),
+                            )
+                        )
+                        programs.append(
+                            (
+                                f"{op} @ {rows_small:,} rows",
+                                latency_program(small, ids_small, op, samples),
+                            )
+                        )
                     sections.setdefault("reads", {})[label] = common.alternate(
-                        programs, rounds, show="p50_ms")
+                        programs, rounds, show="p50_ms"
+                    )
 
             if "waiting" in pieces or "loops" in pieces:
                 print(f"-- waiting runs and loops, {label}", file=sys.stderr, flush=True)
                 workflow = waiting_workflow()
-                with new_place(kind, directory, pg, "waiting") as place, \
-                        new_place(kind, directory, pg, "empty") as empty:
+                with (
+                    new_place(kind, directory, pg, "waiting") as place,
+                    new_place(kind, directory, pg, "empty") as empty,
+                ):
                     engine = Engine(place.url, workflows=[workflow])
                     template = engine.run(workflow, Ctx())
                     engine.close()
@@ -506,27 +564,40 @@ def main(argv: list[str] | None = None) -> int:
                     programs = []
                     if "waiting" in pieces:
                         programs += [
-                            (f"worker, {n_waiting:,} waiting runs",
-                             idle_program(place.url, 0, idle_seconds)),
+                            (
+                                f"worker, {n_waiting:,} waiting runs",
+                                idle_program(place.url, 0, idle_seconds),
+                            ),
                             ("worker, no runs", idle_program(empty.url, 0, idle_seconds)),
                         ]
                     if "loops" in pieces:
-                        programs.append((f"worker, {n_loops:,} idle loops",
-                                         idle_program(empty.url, n_loops, idle_seconds)))
+                        programs.append(
+                            (
+                                f"worker, {n_loops:,} idle loops",
+                                idle_program(empty.url, n_loops, idle_seconds),
+                            )
+                        )
                     sections.setdefault("idle", {})[label] = common.alternate(
-                        programs, rounds, show="rss_mb")
+                        programs, rounds, show="rss_mb"
+                    )
                     if "waiting" in pieces:
                         ids = sample_ids(place.url, samples * rounds)
                         sections.setdefault("send", {})[label] = common.alternate(
-                            [("engine.send to a waiting run",
-                              send_program(place, ids, samples))], rounds, show="p50_ms")
+                            [("engine.send to a waiting run", send_program(place, ids, samples))],
+                            rounds,
+                            show="p50_ms",
+                        )
 
     report(sections, notes)
     common.footer()
-    common.write_json(args.json, {
-        "machine": info, "notes": notes,
-        "results": {s: {k: v.to_json() for k, v in r.items()} for s, r in sections.items()},
-    })
+    common.write_json(
+        args.json,
+        {
+            "machine": info,
+            "notes": notes,
+            "results": {s: {k: v.to_json() for k, v in r.items()} for s, r in sections.items()},
+        },
+    )
     return 0
 
 
@@ -539,21 +610,35 @@ def report(sections: Mapping[str, Mapping[str, Results]], notes: list[str]) -> N
         rows = []
         for label, results in sections["recovery"].items():
             for name in results.order:
-                rows.append([label, name, common.fmt_spread(results, name, "seconds", 2),
-                             common.fmt_spread(results, name, "runs_per_s"),
-                             common.fmt_spread(results, name, "statements"),
-                             common.fmt_spread(results, name, "commits"),
-                             common.fmt_spread(results, name, "round_trips")])
+                rows.append(
+                    [
+                        label,
+                        name,
+                        common.fmt_spread(results, name, "seconds", 2),
+                        common.fmt_spread(results, name, "runs_per_s"),
+                        common.fmt_spread(results, name, "statements"),
+                        common.fmt_spread(results, name, "commits"),
+                        common.fmt_spread(results, name, "round_trips"),
+                    ]
+                )
             rows += [[label, k, v, "", "", "", ""] for k, v in results.notes.items()]
-        common.table(["database", "program", "seconds", "runs/s", "statements", "commits",
-                      "PG round trips"], rows)
+        common.table(
+            ["database", "program", "seconds", "runs/s", "statements", "commits", "PG round trips"],
+            rows,
+        )
     if "reads" in sections:
         print("Read latency, ms: median over rounds of p50 and p99 (min-max)")
         rows = []
         for label, results in sections["reads"].items():
             for name in results.order:
-                rows.append([label, name, common.fmt_spread(results, name, "p50_ms", 2),
-                             common.fmt_spread(results, name, "p99_ms", 2)])
+                rows.append(
+                    [
+                        label,
+                        name,
+                        common.fmt_spread(results, name, "p50_ms", 2),
+                        common.fmt_spread(results, name, "p99_ms", 2),
+                    ]
+                )
             rows += [[label, k, v, ""] for k, v in results.notes.items()]
         common.table(["database", "call", "p50 ms", "p99 ms"], rows)
     if "idle" in sections:
@@ -561,24 +646,34 @@ def report(sections: Mapping[str, Mapping[str, Results]], notes: list[str]) -> N
         rows = []
         for label, results in sections["idle"].items():
             for name in results.order:
-                rows.append([label, name, common.fmt_spread(results, name, "rss_mb", 1),
-                             common.fmt_spread(results, name, "rss_growth_mb", 1),
-                             common.fmt_spread(results, name, "cpu_per_s", 3)])
+                rows.append(
+                    [
+                        label,
+                        name,
+                        common.fmt_spread(results, name, "rss_mb", 1),
+                        common.fmt_spread(results, name, "rss_growth_mb", 1),
+                        common.fmt_spread(results, name, "cpu_per_s", 3),
+                    ]
+                )
             rows += [[label, k, v, "", ""] for k, v in results.notes.items()]
-        common.table(["database", "program", "RSS MB", "RSS growth MB (worker)",
-                      "CPU s per idle s"], rows)
+        common.table(
+            ["database", "program", "RSS MB", "RSS growth MB (worker)", "CPU s per idle s"], rows
+        )
     if "send" in sections:
         rows = []
         for label, results in sections["send"].items():
             for name in results.order:
-                rows.append([label, name, common.fmt_spread(results, name, "p50_ms", 2),
-                             common.fmt_spread(results, name, "p99_ms", 2)])
+                rows.append(
+                    [
+                        label,
+                        name,
+                        common.fmt_spread(results, name, "p50_ms", 2),
+                        common.fmt_spread(results, name, "p99_ms", 2),
+                    ]
+                )
             rows += [[label, k, v, ""] for k, v in results.notes.items()]
         common.table(["database", "call", "p50 ms", "p99 ms"], rows)
 
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-

@@ -60,8 +60,9 @@ def workflow_name(count: int) -> str:
 
 def write_flow(directory: str, steps: int) -> Path:
     path = Path(directory) / f"scale_flow_{steps}.py"
-    defs = "\n".join(f"{workflow_name(n)} = common.chain({workflow_name(n)!r}, {steps})"
-                     for n in WORKER_COUNTS)
+    defs = "\n".join(
+        f"{workflow_name(n)} = common.chain({workflow_name(n)!r}, {steps})" for n in WORKER_COUNTS
+    )
     path.write_text(FLOW_SOURCE.format(bench=str(Path(__file__).resolve().parent), workflows=defs))
     return path
 
@@ -71,8 +72,10 @@ def frozen_workers(
     flow: Path, url: str, count: int, concurrency: int, directory: str
 ) -> Iterator[list[subprocess.Popen[bytes]]]:
     """``count`` worker processes, started and up (their first log line), then frozen."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        filter(None, [str(common.ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(common.ROOT), os.environ.get("PYTHONPATH")])),
+    )
     procs: list[subprocess.Popen[bytes]] = []
     logs: list[Path] = []
     try:
@@ -80,11 +83,27 @@ def frozen_workers(
             log = Path(directory) / f"worker-{i}.log"
             logs.append(log)
             with log.open("wb") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "flowloop.cli", "worker", str(flow), "--db", url,
-                     "--concurrency", str(concurrency), "--grace", "5"],
-                    stdout=out, stderr=subprocess.STDOUT, env=env, cwd=directory,
-                ))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "flowloop.cli",
+                            "worker",
+                            str(flow),
+                            "--db",
+                            url,
+                            "--concurrency",
+                            str(concurrency),
+                            "--grace",
+                            "5",
+                        ],
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                        cwd=directory,
+                    )
+                )
         deadline = time.monotonic() + 60
         while not all("workflow(s)" in log.read_text(errors="replace") for log in logs):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -119,14 +138,21 @@ def enqueue(url: str, workflow: Any, runs: int) -> None:
             for _ in range(count):
                 engine.start(workflow, ctx)
 
-    shares = [runs // ENQUEUE_THREADS + (i < runs % ENQUEUE_THREADS)
-              for i in range(ENQUEUE_THREADS)]
+    shares = [
+        runs // ENQUEUE_THREADS + (i < runs % ENQUEUE_THREADS) for i in range(ENQUEUE_THREADS)
+    ]
     with ThreadPoolExecutor(ENQUEUE_THREADS) as pool:
         list(pool.map(part, [s for s in shares if s]))
 
 
 def one_round(
-    pg: str, directory: str, flow: Path, order: Sequence[int], *, runs: int, steps: int,
+    pg: str,
+    directory: str,
+    flow: Path,
+    order: Sequence[int],
+    *,
+    runs: int,
+    steps: int,
     concurrency: int,
 ) -> dict[int, dict[str, float]]:
     from flowloop import Engine
@@ -186,14 +212,22 @@ def wait_all_succeeded(
 def check(db: sa.Engine, workflow: str, runs: int, steps: int) -> Counter[str]:
     """Every step succeeded once per run; the steps each worker ran."""
     with db.connect() as conn:
-        rows = conn.execute(sa.text(
-            "SELECT j.worker, count(*), count(DISTINCT (j.run_id, j.state))"
-            " FROM flowloop_journal j JOIN flowloop_runs r ON r.id = j.run_id"
-            " WHERE j.kind = 'step_succeeded' AND r.workflow = :w GROUP BY j.worker"
-        ), {"w": workflow}).all()
-        statuses: dict[str, int] = dict(conn.execute(sa.text(
-            "SELECT status, count(*) FROM flowloop_runs WHERE workflow = :w GROUP BY status"
-        ), {"w": workflow}).all())
+        rows = conn.execute(
+            sa.text(
+                "SELECT j.worker, count(*), count(DISTINCT (j.run_id, j.state))"
+                " FROM flowloop_journal j JOIN flowloop_runs r ON r.id = j.run_id"
+                " WHERE j.kind = 'step_succeeded' AND r.workflow = :w GROUP BY j.worker"
+            ),
+            {"w": workflow},
+        ).all()
+        statuses: dict[str, int] = dict(
+            conn.execute(
+                sa.text(
+                    "SELECT status, count(*) FROM flowloop_runs WHERE workflow = :w GROUP BY status"
+                ),
+                {"w": workflow},
+            ).all()
+        )
     total = sum(int(r[1]) for r in rows)
     distinct = sum(int(r[2]) for r in rows)
     if statuses != {"succeeded": runs} or total != runs * steps or distinct != total:
@@ -238,8 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(rounds):
             order = [WORKER_COUNTS[(i + r) % len(WORKER_COUNTS)] for i in range(len(WORKER_COUNTS))]
             try:
-                samples = one_round(pg, directory, flow, order, runs=runs, steps=args.steps,
-                                    concurrency=args.concurrency)
+                samples = one_round(
+                    pg,
+                    directory,
+                    flow,
+                    order,
+                    runs=runs,
+                    steps=args.steps,
+                    concurrency=args.concurrency,
+                )
             except Exception as error:
                 results.notes[f"round {r + 1}"] = f"failed: {common.first_line(error)}"
                 print(f"  round {r + 1}/{rounds}: FAILED {error}", file=sys.stderr, flush=True)
@@ -260,10 +301,17 @@ def report(results: Results, runs: int, steps: int) -> None:
     for name in results.order:
         shares = [
             f"{results.median(name, f'share_{i}'):.0f}%"
-            for i in range(1, 5) if results.has(name, f"share_{i}")
+            for i in range(1, 5)
+            if results.has(name, f"share_{i}")
         ]
-        rows.append([name, common.fmt_spread(results, name, "steps_per_s"),
-                     common.fmt_spread(results, name, "seconds", 2), " / ".join(shares)])
+        rows.append(
+            [
+                name,
+                common.fmt_spread(results, name, "steps_per_s"),
+                common.fmt_spread(results, name, "seconds", 2),
+                " / ".join(shares),
+            ]
+        )
     for name, note in results.notes.items():
         rows.append([name, note, "", ""])
     common.table(["program", "steps/s", "seconds", "share of steps per worker"], rows)
@@ -273,8 +321,9 @@ def report(results: Results, runs: int, steps: int) -> None:
         one = results.median(base, "steps_per_s")
         for name in results.order[1:]:
             if results.has(name, "steps_per_s"):
-                ratio_rows.append([f"{name} / {base}",
-                                   f"{results.median(name, 'steps_per_s') / one:.2f}x"])
+                ratio_rows.append(
+                    [f"{name} / {base}", f"{results.median(name, 'steps_per_s') / one:.2f}x"]
+                )
         print("Scaling (medians)")
         common.table(["ratio", "value"], ratio_rows)
     print(f"note: {os.cpu_count()} CPUs shared by the workers, PostgreSQL and this script")

@@ -95,8 +95,7 @@ def floor_program(backend: Backend, steps: int, warm: int) -> common.Program:
             con.execute(JOURNAL_DDL)
             insert_run = "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?)"
             update_run = (
-                "UPDATE runs SET status=?, state=?, context=?, last_seq=?, updated_at=? "
-                "WHERE id=?"
+                "UPDATE runs SET status=?, state=?, context=?, last_seq=?, updated_at=? WHERE id=?"
             )
             insert_event = "INSERT INTO journal VALUES (?, ?, ?, ?, ?, ?, ?)"
 
@@ -148,7 +147,8 @@ def core_program(backend: Backend, steps: int, warm: int) -> common.Program:
     """SQLAlchemy Core, one held connection, one transaction per boundary."""
     md = sa.MetaData()
     runs = sa.Table(
-        "runs", md,
+        "runs",
+        md,
         sa.Column("id", sa.String(40), primary_key=True),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("state", sa.String(200), nullable=False),
@@ -157,7 +157,8 @@ def core_program(backend: Backend, steps: int, warm: int) -> common.Program:
         sa.Column("updated_at", sa.Float, nullable=False),
     )
     journal = sa.Table(
-        "journal", md,
+        "journal",
+        md,
         sa.Column("run_id", sa.String(40), primary_key=True),
         sa.Column("seq", sa.Integer, primary_key=True),
         sa.Column("kind", sa.String(32), nullable=False),
@@ -172,8 +173,10 @@ def core_program(backend: Backend, steps: int, warm: int) -> common.Program:
         sa.update(runs)
         .where(runs.c.id == sa.bindparam("b_id"))
         .values(
-            status=sa.bindparam("status"), state=sa.bindparam("state"),
-            context=sa.bindparam("context"), last_seq=sa.bindparam("last_seq"),
+            status=sa.bindparam("status"),
+            state=sa.bindparam("state"),
+            context=sa.bindparam("context"),
+            last_seq=sa.bindparam("last_seq"),
             updated_at=sa.bindparam("updated_at"),
         )
     )
@@ -188,28 +191,56 @@ def core_program(backend: Backend, steps: int, warm: int) -> common.Program:
                     rid = uuid.uuid4().hex
                     now = time.time()
                     with conn.begin():
-                        conn.execute(insert_run, {
-                            "id": rid, "status": "running", "state": "s0",
-                            "context": '{"n":0}', "last_seq": 1, "updated_at": now,
-                        })
-                        conn.execute(insert_event, {
-                            "run_id": rid, "seq": 1, "kind": "run_created", "at": now,
-                            "state": "s0", "context": '{"n":0}', "worker": "w",
-                        })
+                        conn.execute(
+                            insert_run,
+                            {
+                                "id": rid,
+                                "status": "running",
+                                "state": "s0",
+                                "context": '{"n":0}',
+                                "last_seq": 1,
+                                "updated_at": now,
+                            },
+                        )
+                        conn.execute(
+                            insert_event,
+                            {
+                                "run_id": rid,
+                                "seq": 1,
+                                "kind": "run_created",
+                                "at": now,
+                                "state": "s0",
+                                "context": '{"n":0}',
+                                "worker": "w",
+                            },
+                        )
                     for i in range(steps):
                         now = time.time()
                         ctx = f'{{"n":{i + 1}}}'
                         with conn.begin():
-                            conn.execute(update_run, {
-                                "b_id": rid,
-                                "status": "succeeded" if i == steps - 1 else "running",
-                                "state": f"s{i + 1}", "context": ctx, "last_seq": i + 2,
-                                "updated_at": now,
-                            })
-                            conn.execute(insert_event, {
-                                "run_id": rid, "seq": i + 2, "kind": "step", "at": now,
-                                "state": f"s{i}", "context": ctx, "worker": "w",
-                            })
+                            conn.execute(
+                                update_run,
+                                {
+                                    "b_id": rid,
+                                    "status": "succeeded" if i == steps - 1 else "running",
+                                    "state": f"s{i + 1}",
+                                    "context": ctx,
+                                    "last_seq": i + 2,
+                                    "updated_at": now,
+                                },
+                            )
+                            conn.execute(
+                                insert_event,
+                                {
+                                    "run_id": rid,
+                                    "seq": i + 2,
+                                    "kind": "step",
+                                    "at": now,
+                                    "state": f"s{i}",
+                                    "context": ctx,
+                                    "worker": "w",
+                                },
+                            )
 
                 wire.start()
                 for _ in range(warm):
@@ -222,8 +253,12 @@ def core_program(backend: Backend, steps: int, warm: int) -> common.Program:
                         one()
             engine.dispose()
         n = backend.runs * steps
-        return {"steps_per_s": n / t.seconds, "us_per_step": t.seconds / n * 1e6,
-                "cpu_us_per_step": t.cpu_seconds / n * 1e6, **counts}
+        return {
+            "steps_per_s": n / t.seconds,
+            "us_per_step": t.seconds / n * 1e6,
+            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            **counts,
+        }
 
     return run
 
@@ -255,8 +290,12 @@ def flowloop_program(backend: Backend, steps: int, warm: int, kind: str) -> comm
             finally:
                 engine.close()
         n = backend.runs * steps
-        return {"steps_per_s": n / t.seconds, "us_per_step": t.seconds / n * 1e6,
-                "cpu_us_per_step": t.cpu_seconds / n * 1e6, **counts}
+        return {
+            "steps_per_s": n / t.seconds,
+            "us_per_step": t.seconds / n * 1e6,
+            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            **counts,
+        }
 
     return run
 
@@ -357,20 +396,25 @@ def main(argv: list[str] | None = None) -> int:
 
         print("-- thread hop", file=sys.stderr, flush=True)
         hop = common.alternate(
-            [("await task", hop_program("async", hop_calls)),
-             ("thread hop", hop_program("thread", hop_calls))],
+            [
+                ("await task", hop_program("async", hop_calls)),
+                ("thread hop", hop_program("thread", hop_calls)),
+            ],
             rounds,
             show="us_per_call",
         )
 
     report(all_results, hop, args.steps)
     common.footer()
-    common.write_json(args.json, {
-        "machine": info,
-        "steps": args.steps,
-        "results": {k: v.to_json() for k, v in all_results.items()},
-        "hop": hop.to_json(),
-    })
+    common.write_json(
+        args.json,
+        {
+            "machine": info,
+            "steps": args.steps,
+            "results": {k: v.to_json() for k, v in all_results.items()},
+            "hop": hop.to_json(),
+        },
+    )
     return 0
 
 
@@ -384,26 +428,41 @@ def report(all_results: Mapping[str, Results], hop: Results, steps: int) -> None
     rows = []
     for label, results in all_results.items():
         for program in results.order:
-            rows.append([
-                label,
-                names.get(program, program),
-                common.fmt_spread(results, program, "steps_per_s"),
-                common.fmt_spread(results, program, "us_per_step"),
-                common.fmt_spread(results, program, "cpu_us_per_step"),
-                common.fmt_spread(results, program, "commits", 2),
-                common.fmt_spread(results, program, "statements", 2),
-                common.fmt_spread(results, program, "round_trips", 2),
-            ])
+            rows.append(
+                [
+                    label,
+                    names.get(program, program),
+                    common.fmt_spread(results, program, "steps_per_s"),
+                    common.fmt_spread(results, program, "us_per_step"),
+                    common.fmt_spread(results, program, "cpu_us_per_step"),
+                    common.fmt_spread(results, program, "commits", 2),
+                    common.fmt_spread(results, program, "statements", 2),
+                    common.fmt_spread(results, program, "round_trips", 2),
+                ]
+            )
             if program in results.notes:
-                rows.append([label, names.get(program, program), results.notes[program],
-                             "", "", "", "", ""])
-    print("Figures: median (min-max) over rounds. Per step, counted at the driver during "
-          "warm-up runs:")
-    print("commits; statements (SQL other than BEGIN/COMMIT); PostgreSQL round trips "
-          "(server ReadyForQuery messages)")
+                rows.append(
+                    [label, names.get(program, program), results.notes[program], "", "", "", "", ""]
+                )
+    print(
+        "Figures: median (min-max) over rounds. Per step, counted at the driver during "
+        "warm-up runs:"
+    )
+    print(
+        "commits; statements (SQL other than BEGIN/COMMIT); PostgreSQL round trips "
+        "(server ReadyForQuery messages)"
+    )
     common.table(
-        ["database", "program", "steps/s", "µs/step", "CPU µs/step", "commits", "statements",
-         "PG round trips"],
+        [
+            "database",
+            "program",
+            "steps/s",
+            "µs/step",
+            "CPU µs/step",
+            "commits",
+            "statements",
+            "PG round trips",
+        ],
         rows,
     )
 
@@ -419,16 +478,19 @@ def report(all_results: Mapping[str, Results], hop: Results, steps: int) -> None
             ours = results.median(program, "steps_per_s")
             floor = (
                 f"{ours / results.median('floor', 'steps_per_s'):.2f}x"
-                if results.has("floor", "steps_per_s") else "-"
+                if results.has("floor", "steps_per_s")
+                else "-"
             )
             cpu = "-"
             if results.has(program, "cpu_us_per_step"):
                 core_cpu = results.median("core", "cpu_us_per_step")
                 cpu = f"{core_cpu / results.median(program, 'cpu_us_per_step'):.2f}x"
-            ratio_rows.append([label, names[program], common.verdict(ours / core, TARGET_VS_CORE),
-                               floor, cpu])
-    common.table(["database", "program", "vs Core baseline", "vs floor", "CPU/step vs Core"],
-                 ratio_rows)
+            ratio_rows.append(
+                [label, names[program], common.verdict(ours / core, TARGET_VS_CORE), floor, cpu]
+            )
+    common.table(
+        ["database", "program", "vs Core baseline", "vs floor", "CPU/step vs Core"], ratio_rows
+    )
     print("CPU/step vs Core: the Core baseline's CPU time per step over flowloop's (this process;")
     print("on SQLite it includes the database work; robust when other processes load the CPUs)")
 

@@ -81,8 +81,12 @@ def log_sink(alert: Alert) -> None:
     log.log(
         logging.CRITICAL if alert.level == "critical" else logging.WARNING,
         alert.line(),
-        extra={"alert": alert.what, "alert_level": alert.level, "subject": alert.subject,
-               "event": "alert"},
+        extra={
+            "alert": alert.what,
+            "alert_level": alert.level,
+            "subject": alert.subject,
+            "event": "alert",
+        },
     )
 
 
@@ -110,8 +114,13 @@ def command_sink(
         }
         try:
             done = subprocess.run(
-                argv, shell=shell, input=body.encode(), env=env, capture_output=True,
-                timeout=timeout, check=False,
+                argv,
+                shell=shell,
+                input=body.encode(),
+                env=env,
+                capture_output=True,
+                timeout=timeout,
+                check=False,
             )
         except subprocess.TimeoutExpired:
             raise AlertSinkError(
@@ -147,8 +156,11 @@ def webhook_sink(
         request = urllib.request.Request(
             url,
             data=json.dumps(alert.as_dict(), sort_keys=True).encode(),
-            headers={"Content-Type": "application/json", "User-Agent": "flowloop-alerts",
-                     **extra_headers},
+            headers={
+                "Content-Type": "application/json",
+                "User-Agent": "flowloop-alerts",
+                **extra_headers,
+            },
             method="POST",
         )
         try:
@@ -229,8 +241,12 @@ class Alerts:
                 self.sent += 1
             except Exception as error:
                 self.failed += 1
-                log.error("alert sink %s failed: %s (alert: %s)",
-                          getattr(sink, "__qualname__", repr(sink)), error, alert.line())
+                log.error(
+                    "alert sink %s failed: %s (alert: %s)",
+                    getattr(sink, "__qualname__", repr(sink)),
+                    error,
+                    alert.line(),
+                )
 
     def _drain(self) -> None:
         while True:
@@ -277,20 +293,41 @@ def run_alerts(
     if record.status != "failed" or not events:
         return []
     last = events[-1]
-    data = {"run_id": record.id, "workflow": record.workflow, "state": record.state,
-            "reason": record.reason, "seq": last.seq}
+    data = {
+        "run_id": record.id,
+        "workflow": record.workflow,
+        "state": record.state,
+        "reason": record.reason,
+        "seq": last.seq,
+    }
     if last.kind == j.STEP_INTERRUPTED and not idempotent(record.workflow, record.state):
-        return [Alert(
-            level="critical", what="interrupted step (not idempotent)", subject=record.id,
-            message=(f"{record.workflow} step {record.state} was cut off and is not re-run "
-                     "on its own; check its effect, then retry the run"),
-            error=record.error, hint=f"flowloop history {record.id}", data=data,
-        )]
-    return [Alert(
-        level="critical", what="run failed", subject=record.id,
-        message=f"{record.workflow} failed in state {record.state} ({record.reason or 'error'})",
-        error=record.error, hint=f"flowloop history {record.id}", data=data,
-    )]
+        return [
+            Alert(
+                level="critical",
+                what="interrupted step (not idempotent)",
+                subject=record.id,
+                message=(
+                    f"{record.workflow} step {record.state} was cut off and is not re-run "
+                    "on its own; check its effect, then retry the run"
+                ),
+                error=record.error,
+                hint=f"flowloop history {record.id}",
+                data=data,
+            )
+        ]
+    return [
+        Alert(
+            level="critical",
+            what="run failed",
+            subject=record.id,
+            message=(
+                f"{record.workflow} failed in state {record.state} ({record.reason or 'error'})"
+            ),
+            error=record.error,
+            hint=f"flowloop history {record.id}",
+            data=data,
+        )
+    ]
 
 
 def lease_lost_alert(kind: Literal["run", "loop"], subject: str, why: str, worker: str) -> Alert:
@@ -298,7 +335,10 @@ def lease_lost_alert(kind: Literal["run", "loop"], subject: str, why: str, worke
     network partition, a database too slow to renew in time)."""
     hint = f"flowloop status {subject}" if kind == "run" else f"flowloop loops {subject}"
     return Alert(
-        level="warning", what="lease lost", subject=subject,
+        level="warning",
+        what="lease lost",
+        subject=subject,
         message=f"worker {worker} {why}; another worker takes the {kind} over",
-        hint=hint, data={"kind": kind, "worker": worker},
+        hint=hint,
+        data={"kind": kind, "worker": worker},
     )

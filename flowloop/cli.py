@@ -53,7 +53,7 @@ def db_option(fn: F) -> F:
         envvar="FLOWLOOP_DB",
         default=None,
         help="Database URL or SQLite file [env FLOWLOOP_DB, else db in flowloop.toml; "
-             "default ./flowloop.db].",
+        "default ./flowloop.db].",
     )(fn)
 
 
@@ -90,7 +90,9 @@ def database(db: str | None) -> str:
     return db or settings().db or default_url()
 
 
-def open_engine(db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None) -> Engine:
+def open_engine(
+    db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None
+) -> Engine:
     engine = Engine(database(db), synchronous=synchronous)
     if loaded is not None:
         engine.register(*loaded.workflows.values())
@@ -241,7 +243,6 @@ def progress_printer(
     """
     import time
 
-
     ended = ("succeeded", "failed", "stopped", "paused")
 
     first_seen: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter)
@@ -256,8 +257,11 @@ def progress_printer(
         if not isinstance(data, dict):
             return None
         source = data["progress"] if isinstance(data.get("progress"), dict) else data
-        done = [key for key, value in source.items()
-                if key.endswith("_done") and number(value) is not None]
+        done = [
+            key
+            for key, value in source.items()
+            if key.endswith("_done") and number(value) is not None
+        ]
         if not done:
             return None
         done.sort(key=lambda key: key != "rows_done")
@@ -347,13 +351,26 @@ CONFIG_PATH = "flowloop.config"
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="flowloop")
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="Configuration file [env FLOWLOOP_CONFIG; default ./flowloop.toml, "
-                   "else [tool.flowloop] in ./pyproject.toml].")
-@click.option("--log-format", type=click.Choice(FORMATS), default=None,
-              help="Log lines as text or JSON objects, one per line [default: text].")
-@click.option("--log-level", type=click.Choice(LEVELS, case_sensitive=False), default=None,
-              help="[default: info for worker, warning otherwise]")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Configuration file [env FLOWLOOP_CONFIG; default ./flowloop.toml, "
+    "else [tool.flowloop] in ./pyproject.toml].",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default=None,
+    help="Log lines as text or JSON objects, one per line [default: text].",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(LEVELS, case_sensitive=False),
+    default=None,
+    help="[default: info for worker, warning otherwise]",
+)
 @click.pass_context
 def cli(
     ctx: click.Context, config_path: str | None, log_format: str | None, log_level: str | None
@@ -375,7 +392,9 @@ def cli(
 @click.option("--context", "context_text", help="Context as JSON, or @file.json.")
 @click.option("--key", help="Business key (a second run with it returns the first).")
 @db_option
-def run(target: str, context_text: str | None, key: str | None, db: str | None, synchronous: str) -> None:
+def run(
+    target: str, context_text: str | None, key: str | None, db: str | None, synchronous: str
+) -> None:
     """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step."""
     workflow, _ = load_target(target)
     apply_overrides(settings(), {workflow.name: workflow}, {})
@@ -403,8 +422,13 @@ def run(target: str, context_text: str | None, key: str | None, db: str | None, 
 @db_option
 @json_option
 def start(
-    target: str, context_text: str | None, key: str | None, priority: int,
-    db: str | None, synchronous: str, as_json: bool,
+    target: str,
+    context_text: str | None,
+    key: str | None,
+    priority: int,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Enqueue a run of FILE[:WORKFLOW] for a worker (or `flowloop resume`)."""
     workflow, _ = load_target(target)
@@ -425,8 +449,14 @@ def start(
 @db_option
 @json_option
 def status(
-    run_id: str | None, workflow: str | None, statuses: tuple[str, ...], key: str | None,
-    limit: int, db: str | None, synchronous: str, as_json: bool,
+    run_id: str | None,
+    workflow: str | None,
+    statuses: tuple[str, ...],
+    key: str | None,
+    limit: int,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Show one run, or list runs (newest first)."""
     with open_engine(db, synchronous) as engine:
@@ -444,8 +474,13 @@ def status(
     table = Table("run", "workflow", "status", "state", "attempt", "key", "updated", "note")
     for info in infos:
         table.add_row(
-            info.id, f"{info.workflow} v{info.version}", styled(info.status), info.state,
-            str(info.attempt), escape(info.key or ""), iso(info.updated_at),
+            info.id,
+            f"{info.workflow} v{info.version}",
+            styled(info.status),
+            info.state,
+            str(info.attempt),
+            escape(info.key or ""),
+            iso(info.updated_at),
             escape((info.error or info.reason or "")[:60]),
         )
     out.print(table)
@@ -454,7 +489,9 @@ def status(
 def show_run(info: RunInfo) -> None:
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
-    out.print(f"status    {styled(info.status)}" + (f" ({escape(info.reason)})" if info.reason else ""))
+    out.print(
+        f"status    {styled(info.status)}" + (f" ({escape(info.reason)})" if info.reason else "")
+    )
     out.print(f"state     {info.state} (attempt {info.attempt})")
     if info.key:
         out.print(f"key       {escape(info.key)}")
@@ -480,7 +517,10 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
     table = Table("seq", "at", "event", "state", "attempt", "duration", "detail")
     for event in events:
         table.add_row(
-            str(event.seq), iso(event.at), event.kind, event.state or "",
+            str(event.seq),
+            iso(event.at),
+            event.kind,
+            event.state or "",
             str(event.attempt or ""),
             f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
             escape(describe_event(event)[:80]),
@@ -493,18 +533,28 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
 @click.option("--at", "at_seq", type=int, help="Show the context as of this seq.")
 @db_option
 @json_option
-def replay(run_id: str, at_seq: int | None, db: str | None, synchronous: str, as_json: bool) -> None:
+def replay(
+    run_id: str, at_seq: int | None, db: str | None, synchronous: str, as_json: bool
+) -> None:
     """Fold the journal of RUN_ID, print the context (at --at SEQ) and verify the fold
     equals the stored row (exit 1 when it does not)."""
     with open_engine(db, synchronous) as engine:
         result = engine.replay(run_id, at=at_seq)
     record = result.record
     if as_json:
-        click.echo(json.dumps({
-            "run_id": run_id, "seq": result.seq, "status": record.status, "state": record.state,
-            "context": json.loads(record.context), "matches": result.matches,
-            "differences": result.differences,
-        }))
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": run_id,
+                    "seq": result.seq,
+                    "status": record.status,
+                    "state": record.state,
+                    "context": json.loads(record.context),
+                    "matches": result.matches,
+                    "differences": result.differences,
+                }
+            )
+        )
     else:
         out.print(f"seq {result.seq}: status {styled(record.status)}, state {record.state}")
         out.print(f"context {escape(record.context)}")
@@ -518,7 +568,9 @@ def replay(run_id: str, at_seq: int | None, db: str | None, synchronous: str, as
 @workflows_option
 @click.option("--concurrency", type=int, default=16, show_default=True)
 @db_option
-def resume(workflow_paths: tuple[str, ...], concurrency: int, db: str | None, synchronous: str) -> None:
+def resume(
+    workflow_paths: tuple[str, ...], concurrency: int, db: str | None, synchronous: str
+) -> None:
     """Recover runs interrupted by a crash and drive every due run to the end."""
     loaded = load_workflow_paths(workflow_paths)
     if not loaded.workflows:
@@ -537,25 +589,35 @@ def resume(workflow_paths: tuple[str, ...], concurrency: int, db: str | None, sy
 @click.argument("run_id")
 @click.option("--from", "from_state", help="Restart at this past state with its recorded context.")
 @click.option("--set", "assignments", multiple=True, help="FIELD=VALUE edit of the context.")
-@click.option("--run/--no-run", "drive", default=True, show_default=True,
-              help="Drive the run to its end now.")
+@click.option(
+    "--run/--no-run", "drive", default=True, show_default=True, help="Drive the run to its end now."
+)
 @workflows_option
 @db_option
 def retry(
-    run_id: str, from_state: str | None, assignments: tuple[str, ...], drive: bool,
-    workflow_paths: tuple[str, ...], db: str | None, synchronous: str,
+    run_id: str,
+    from_state: str | None,
+    assignments: tuple[str, ...],
+    drive: bool,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
 ) -> None:
     """Run a failed or stopped run again."""
     loaded = load_workflow_paths(workflow_paths)
     with open_engine(db, synchronous, loaded) as engine:
-        info = engine.retry(run_id, from_state=from_state, set_fields=parse_assignments(assignments))
+        info = engine.retry(
+            run_id, from_state=from_state, set_fields=parse_assignments(assignments)
+        )
         out.print(f"run {info.id} {styled(info.status)} at {info.state}")
         if drive:
             engine.listeners.append(progress_printer())
             engine.run_until_idle()
             info = engine.get(run_id)
             if info.status != "succeeded":
-                raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+                raise Failed(
+                    f"run {info.id} ended {info.status}: {info.error or info.reason or ''}"
+                )
 
 
 def _control_command(name: str, doc: str) -> None:
@@ -566,13 +628,18 @@ def _control_command(name: str, doc: str) -> None:
         with open_engine(db, synchronous) as engine:
             if any(row.name == target for row in engine.loops()):
                 row = getattr(engine, f"{name}_loop")(target)
-                pending = f" ({row.control} requested; after the running iteration)" if row.control else ""
+                pending = (
+                    f" ({row.control} requested; after the running iteration)"
+                    if row.control
+                    else ""
+                )
                 out.print(f"loop {row.name} {styled(row.status)}{pending}")
                 return
             info = getattr(engine, name)(target)
         pending = (
             " (requested; its worker acts at the next step boundary)"
-            if info.status == "running" else ""
+            if info.status == "running"
+            else ""
         )
         out.print(f"run {info.id} {styled(info.status)}{pending}")
 
@@ -588,39 +655,65 @@ _control_command(
 
 @cli.command()
 @click.argument("paths", nargs=-1)
-@click.option("--concurrency", type=int, default=None,
-              help="Steps and loop iterations at once [default: 16].")
-@click.option("--grace", default=None,
-              help="Time in-flight work gets to finish on SIGTERM/SIGINT (30, 30s, 2m) "
-                   "[default: 30s].")
+@click.option(
+    "--concurrency", type=int, default=None, help="Steps and loop iterations at once [default: 16]."
+)
+@click.option(
+    "--grace",
+    default=None,
+    help="Time in-flight work gets to finish on SIGTERM/SIGINT (30, 30s, 2m) [default: 30s].",
+)
 @click.option("--lease", default=None, help="Lease length (30, 30s, 1m) [default: 30s].")
-@click.option("--metrics-port", type=int, default=None,
-              help="Serve Prometheus metrics on this port (0: any free port) [default: off].")
-@click.option("--metrics-host", default=None,
-              help="Address for --metrics-port [default: 127.0.0.1].")
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
+)
+@click.option(
+    "--metrics-host", default=None, help="Address for --metrics-port [default: 127.0.0.1]."
+)
 @db_option
 def worker(
-    paths: tuple[str, ...], concurrency: int | None, grace: str | None, lease: str | None,
-    metrics_port: int | None, metrics_host: str | None, db: str | None, synchronous: str,
+    paths: tuple[str, ...],
+    concurrency: int | None,
+    grace: str | None,
+    lease: str | None,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    db: str | None,
+    synchronous: str,
 ) -> None:
     """Execute due runs and loop iterations from PATHS (default ./workflows) until stopped."""
     from flowloop.worker import Worker
 
     config = command_settings(
-        db=db, concurrency=concurrency, grace=grace, lease=lease,
-        metrics_port=metrics_port, metrics_host=metrics_host,
+        db=db,
+        concurrency=concurrency,
+        grace=grace,
+        lease=lease,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     loaded = load_workflow_paths(paths)
     if not loaded.workflows and not loaded.loops:
         raise FlowloopError(
             "nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS)
         )
-    with Engine(database(config.db), synchronous=synchronous, max_concurrency=config.concurrency,
-                lease_seconds=config.lease) as engine:
+    with Engine(
+        database(config.db),
+        synchronous=synchronous,
+        max_concurrency=config.concurrency,
+        lease_seconds=config.lease,
+    ) as engine:
         engine.register(*loaded.workflows.values())
         Worker(
-            engine, list(loaded.loops.values()), concurrency=config.concurrency,
-            grace=config.grace, alerts=config.make_alerts(), metrics_port=config.metrics_port,
+            engine,
+            list(loaded.loops.values()),
+            concurrency=config.concurrency,
+            grace=config.grace,
+            alerts=config.make_alerts(),
+            metrics_port=config.metrics_port,
             metrics_host=config.metrics_host,
         ).run_forever()
 
@@ -638,18 +731,44 @@ def loops_command(
         rows = [engine.loop(name)] if name else engine.loops()
         events = engine.loop_history(name, limit=limit) if name else []
     if as_json:
-        click.echo(json.dumps({"loops": [loop_json(r) for r in rows],
-                               "journal": [vars(e) | {"data": dict(e.data)} for e in events]}))
+        click.echo(
+            json.dumps(
+                {
+                    "loops": [loop_json(r) for r in rows],
+                    "journal": [vars(e) | {"data": dict(e.data)} for e in events],
+                }
+            )
+        )
         return
-    table = Table("loop", "schedule", "status", "last result", "next fire", "iterations",
-                  "skipped", "missed", "failures", "note")
+    table = Table(
+        "loop",
+        "schedule",
+        "status",
+        "last result",
+        "next fire",
+        "iterations",
+        "skipped",
+        "missed",
+        "failures",
+        "note",
+    )
     for row in rows:
         table.add_row(
-            row.name, row.schedule, styled(row.status), row.last_result or "-",
-            iso(row.next_fire_at), str(row.iterations), str(row.skipped), str(row.missed),
+            row.name,
+            row.schedule,
+            styled(row.status),
+            row.last_result or "-",
+            iso(row.next_fire_at),
+            str(row.iterations),
+            str(row.skipped),
+            str(row.missed),
             str(row.consecutive_failures),
             escape(
-                (row.last_error or row.reason or (f"{row.control} requested" if row.control else ""))[:50]
+                (
+                    row.last_error
+                    or row.reason
+                    or (f"{row.control} requested" if row.control else "")
+                )[:50]
             ),
         )
     out.print(table)
@@ -657,7 +776,10 @@ def loops_command(
         journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
         for event in events:
             journal_table.add_row(
-                str(event.seq), iso(event.at), event.kind, iso(event.slot),
+                str(event.seq),
+                iso(event.at),
+                event.kind,
+                iso(event.slot),
                 str(event.count or ""),
                 f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
                 escape((event.error_message or str(event.data.get("reason", "")) or "")[:60]),
@@ -667,11 +789,17 @@ def loops_command(
 
 def loop_json(row: LoopRow) -> dict[str, Any]:
     return {
-        "name": row.name, "schedule": row.schedule, "status": row.status,
-        "last_result": row.last_result, "last_error": row.last_error,
-        "next_fire_at": row.next_fire_at, "iterations": row.iterations,
-        "skipped": row.skipped, "missed": row.missed,
-        "consecutive_failures": row.consecutive_failures, "reason": row.reason,
+        "name": row.name,
+        "schedule": row.schedule,
+        "status": row.status,
+        "last_result": row.last_result,
+        "last_error": row.last_error,
+        "next_fire_at": row.next_fire_at,
+        "iterations": row.iterations,
+        "skipped": row.skipped,
+        "missed": row.missed,
+        "consecutive_failures": row.consecutive_failures,
+        "reason": row.reason,
         "control": row.control,
     }
 
@@ -687,9 +815,16 @@ def loop_json(row: LoopRow) -> dict[str, Any]:
 @db_option
 @json_option
 def send(
-    target: str, event: str, data_text: str | None, workflow: str | None,
-    dedupe_key: str | None, buffer: bool, workflow_paths: tuple[str, ...],
-    db: str | None, synchronous: str, as_json: bool,
+    target: str,
+    event: str,
+    data_text: str | None,
+    workflow: str | None,
+    dedupe_key: str | None,
+    buffer: bool,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Send EVENT to a waiting run (TARGET: run id, or a business key with --workflow)."""
     loaded = load_workflow_paths(workflow_paths)
@@ -755,41 +890,91 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     with open_engine(db, synchronous) as engine:
         stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
     if as_json:
-        click.echo(json.dumps({
-            "workflows": [{"name": w.name, "version": w.version, "states": len(w.states),
-                           "fingerprint": w.fingerprint} for w in loaded.workflows.values()],
-            "stranded": [{"workflow": w.name, "run_id": item.run_id, "status": item.status,
-                          "state": item.state, "reason": item.reason} for w, item in stranded],
-        }))
+        click.echo(
+            json.dumps(
+                {
+                    "workflows": [
+                        {
+                            "name": w.name,
+                            "version": w.version,
+                            "states": len(w.states),
+                            "fingerprint": w.fingerprint,
+                        }
+                        for w in loaded.workflows.values()
+                    ],
+                    "stranded": [
+                        {
+                            "workflow": w.name,
+                            "run_id": item.run_id,
+                            "status": item.status,
+                            "state": item.state,
+                            "reason": item.reason,
+                        }
+                        for w, item in stranded
+                    ],
+                }
+            )
+        )
     else:
         for workflow in loaded.workflows.values():
-            out.print(f"[green]ok[/] {workflow.name} v{workflow.version} "
-                      f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})")
+            out.print(
+                f"[green]ok[/] {workflow.name} v{workflow.version} "
+                f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})"
+            )
     for workflow, item in [] if as_json else stranded:
-        out.print(f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
-                  f"{item.state}): {item.reason}")
+        out.print(
+            f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
+            f"{item.state}): {item.reason}"
+        )
     if stranded:
         raise Failed(f"{len(stranded)} live run(s) would be stranded by this definition")
 
 
 @cli.command()
 @click.argument("target", required=False)
-@click.option("--lifecycle", "draw_lifecycle", is_flag=True,
-              help="Draw the lifecycle machine every run and loop follows.")
-@click.option("--run", "run_id", metavar="RUN_ID",
-              help="Draw one run from the store on its workflow (its workflow from -w).")
-@click.option("--all", "draw_all", is_flag=True,
-              help="Draw every workflow in -w and the lifecycle into --out as .dot and .svg.")
-@click.option("-o", "--out", "out_path", type=click.Path(path_type=Path),
-              help="File to write [default: stdout]; with --all the directory [default: diagrams].")
-@click.option("--format", "fmt", type=click.Choice(["dot", "svg", "png"]),
-              help="Output format [default: from the -o suffix, else dot].")
+@click.option(
+    "--lifecycle",
+    "draw_lifecycle",
+    is_flag=True,
+    help="Draw the lifecycle machine every run and loop follows.",
+)
+@click.option(
+    "--run",
+    "run_id",
+    metavar="RUN_ID",
+    help="Draw one run from the store on its workflow (its workflow from -w).",
+)
+@click.option(
+    "--all",
+    "draw_all",
+    is_flag=True,
+    help="Draw every workflow in -w and the lifecycle into --out as .dot and .svg.",
+)
+@click.option(
+    "-o",
+    "--out",
+    "out_path",
+    type=click.Path(path_type=Path),
+    help="File to write [default: stdout]; with --all the directory [default: diagrams].",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["dot", "svg", "png"]),
+    help="Output format [default: from the -o suffix, else dot].",
+)
 @workflows_option
 @db_option
 def diagram(
-    target: str | None, draw_lifecycle: bool, run_id: str | None, draw_all: bool,
-    out_path: Path | None, fmt: str | None, workflow_paths: tuple[str, ...],
-    db: str | None, synchronous: str,
+    target: str | None,
+    draw_lifecycle: bool,
+    run_id: str | None,
+    draw_all: bool,
+    out_path: Path | None,
+    fmt: str | None,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
 ) -> None:
     """Draw FILE[:WORKFLOW], the lifecycle, one run (--run) or everything (--all).
 
@@ -797,8 +982,16 @@ def diagram(
     from flowloop import render  # lazy: only this command needs graphviz
     from flowloop.errors import UnknownWorkflow
 
-    given = [name for name, value in (("FILE[:WORKFLOW]", target), ("--lifecycle", draw_lifecycle),
-                                      ("--run", run_id), ("--all", draw_all)) if value]
+    given = [
+        name
+        for name, value in (
+            ("FILE[:WORKFLOW]", target),
+            ("--lifecycle", draw_lifecycle),
+            ("--run", run_id),
+            ("--all", draw_all),
+        )
+        if value
+    ]
     if len(given) != 1:
         raise FlowloopError(
             "diagram: give exactly one of FILE[:WORKFLOW], --lifecycle, --run RUN_ID or --all"
@@ -837,14 +1030,27 @@ def diagram(
 
 @cli.command(name="stats")
 @click.argument("workflow", required=False)
-@click.option("--since", default="24h", show_default=True,
-              help="How far back: a duration (30m, 24h, 7d) or 'all' (slow on a long history).")
-@click.option("--slowest", type=click.IntRange(0, 100), default=3, show_default=True,
-              help="Slowest run ids shown per state.")
+@click.option(
+    "--since",
+    default="24h",
+    show_default=True,
+    help="How far back: a duration (30m, 24h, 7d) or 'all' (slow on a long history).",
+)
+@click.option(
+    "--slowest",
+    type=click.IntRange(0, 100),
+    default=3,
+    show_default=True,
+    help="Slowest run ids shown per state.",
+)
 @db_option
 @json_option
 def stats_command(
-    workflow: str | None, since: str, slowest: int, db: str | None, synchronous: str,
+    workflow: str | None,
+    since: str,
+    slowest: int,
+    db: str | None,
+    synchronous: str,
     as_json: bool,
 ) -> None:
     """Per workflow and state: step attempts, success rate, retries, p50/p95/p99 duration
@@ -860,46 +1066,93 @@ def stats_command(
         return
     scope = "all history" if start is None else f"since {iso(start)} ({since})"
     if not found:
-        out.print(f"no step attempts journaled {'in ' if start is None else ''}{scope}"
-                  + (f" for workflow {workflow}" if workflow else ""), markup=False)
+        out.print(
+            f"no step attempts journaled {'in ' if start is None else ''}{scope}"
+            + (f" for workflow {workflow}" if workflow else ""),
+            markup=False,
+        )
         return
-    table = Table("workflow", "state", "attempts", "ok", "retries", "p50", "p95", "p99",
-                  "slowest runs", title=f"steps, {scope}", title_justify="left")
+    table = Table(
+        "workflow",
+        "state",
+        "attempts",
+        "ok",
+        "retries",
+        "p50",
+        "p95",
+        "p99",
+        "slowest runs",
+        title=f"steps, {scope}",
+        title_justify="left",
+    )
     for column in table.columns[2:8]:
         column.justify = "right"
     for row in found:
         table.add_row(
-            row.workflow, row.state, str(row.count), f"{row.success_rate:.1%}", str(row.retries),
-            seconds_text(row.p50), seconds_text(row.p95), seconds_text(row.p99),
+            row.workflow,
+            row.state,
+            str(row.count),
+            f"{row.success_rate:.1%}",
+            str(row.retries),
+            seconds_text(row.p50),
+            seconds_text(row.p95),
+            seconds_text(row.p99),
             " ".join(run_id for run_id, _ in row.slowest),
         )
     out.print(table)
 
 
 @cli.command(name="prune")
-@click.option("--older-than", required=True,
-              help="Delete finished runs last updated longer ago than this (30d, 12h, …).")
-@click.option("--keep-failed", is_flag=True,
-              help="Keep failed runs (and failed loop iterations) whatever their age.")
-@click.option("--loops/--no-loops", "loop_history", default=True, show_default=True,
-              help="Also delete loop journal entries older than the cutoff.")
-@click.option("--batch", type=click.IntRange(1), default=500, show_default=True,
-              help="Runs deleted per transaction.")
+@click.option(
+    "--older-than",
+    required=True,
+    help="Delete finished runs last updated longer ago than this (30d, 12h, …).",
+)
+@click.option(
+    "--keep-failed",
+    is_flag=True,
+    help="Keep failed runs (and failed loop iterations) whatever their age.",
+)
+@click.option(
+    "--loops/--no-loops",
+    "loop_history",
+    default=True,
+    show_default=True,
+    help="Also delete loop journal entries older than the cutoff.",
+)
+@click.option(
+    "--batch",
+    type=click.IntRange(1),
+    default=500,
+    show_default=True,
+    help="Runs deleted per transaction.",
+)
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
 @db_option
 @json_option
 def prune_command(
-    older_than: str, keep_failed: bool, loop_history: bool, batch: int, dry_run: bool,
-    db: str | None, synchronous: str, as_json: bool,
+    older_than: str,
+    keep_failed: bool,
+    loop_history: bool,
+    batch: int,
+    dry_run: bool,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Delete old finished runs with their journal and inbox (live runs are never touched)."""
     from flowloop.prune import prune
 
     age = seconds_option(older_than, "--older-than")
     with open_engine(db, synchronous) as engine:
-        result = prune(sql_engine(engine), cutoff=engine.clock.now() - age,
-                       keep_failed=keep_failed, loop_history=loop_history, batch=batch,
-                       dry_run=dry_run)
+        result = prune(
+            sql_engine(engine),
+            cutoff=engine.clock.now() - age,
+            keep_failed=keep_failed,
+            loop_history=loop_history,
+            batch=batch,
+            dry_run=dry_run,
+        )
     if as_json:
         click.echo(json.dumps(result.as_dict()))
         return

@@ -179,7 +179,10 @@ class Settings(BaseSettings):
     """Everything a ``flowloop.toml`` (or ``FLOWLOOP_*`` variable, or flag) can set."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", case_sensitive=False,
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        case_sensitive=False,
     )
 
     db: str | None = None
@@ -321,8 +324,13 @@ def describe(error: ValidationError, flags: Mapping[str, Any], file: str) -> str
     if first["type"] == "extra_forbidden":
         known = _known_keys(loc[:-1])
         close = difflib.get_close_matches(loc[-1], known, n=1)
-        message = "unknown key" + (f" (did you mean {close[0]!r}?)" if close else
-                                   f" (known: {', '.join(sorted(known))})" if known else "")
+        message = "unknown key" + (
+            f" (did you mean {close[0]!r}?)"
+            if close
+            else f" (known: {', '.join(sorted(known))})"
+            if known
+            else ""
+        )
     elif first["type"] == "union_tag_invalid":
         ctx = first.get("ctx", {})
         message = f"type {ctx.get('tag')!r} is not one of {ctx.get('expected_tags')}"

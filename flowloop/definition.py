@@ -203,7 +203,7 @@ class Workflow:
         name: str | None = None,
         initial: bool = False,
         on: Mapping[str, str] | None = None,
-        next: str | None = None,  # noqa: A002 - the word users read in the diagram
+        next: str | None = None,
         timeout: float | timedelta | None = None,
         retry: Retry | None = None,
         idempotent: bool = True,
@@ -214,6 +214,7 @@ class Workflow:
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
         """
+
         def register(function: F) -> F:
             state = name or function.__name__
             self._add_step(
@@ -403,9 +404,7 @@ class Workflow:
                 f"state(s) {', '.join(map(repr, stuck))} can never reach a final state",
             )
         self._machine = self._build_machine()
-        self._table = {
-            (t.source, t.event): t.dest for t in self.transitions()
-        }
+        self._table = {(t.source, t.event): t.dest for t in self.transitions()}
         self._fingerprint = hashlib.sha256(
             json.dumps(self.structure(), sort_keys=True).encode()
         ).hexdigest()[:16]
@@ -415,9 +414,7 @@ class Workflow:
     def _build_machine(self) -> Machine:
         # Built once per definition: the machine is the source of the transition table and
         # of the diagram; runs never get a Machine of their own.
-        states = [
-            {"name": state, "final": state in self._draft.finals} for state in self.states
-        ]
+        states = [{"name": state, "final": state in self._draft.finals} for state in self.states]
         triggers = [
             {"trigger": event, "source": state, "dest": dest}
             for state, targets in self._outgoing().items()
@@ -566,9 +563,7 @@ def _wants_step(workflow: str, state: str, function: StepFunction) -> bool:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):
         return True
-    positional = [
-        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind == p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2:
         return True
     if len(positional) == 1:
@@ -598,7 +593,9 @@ def compatible(old: Mapping[str, Any], new: Workflow, state: str) -> str | None:
     if old_state is None:
         return None
     if old_state.get("kind", "step") != new_state.get("kind", "step"):
-        return f"state {state!r} changed from a {old_state.get('kind')} to a {new_state.get('kind')}"
+        return (
+            f"state {state!r} changed from a {old_state.get('kind')} to a {new_state.get('kind')}"
+        )
     missing = {
         event: dest
         for event, dest in old_state.get("on", {}).items()

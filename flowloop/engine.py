@@ -240,8 +240,13 @@ class Engine:
         record = j.create(created)
         if owner is not None and workflow.initial in workflow.steps:
             started = JournalEvent(
-                run_id=created.run_id, seq=2, kind=j.STEP_STARTED, at=now,
-                state=workflow.initial, attempt=1, worker=owner,
+                run_id=created.run_id,
+                seq=2,
+                kind=j.STEP_STARTED,
+                at=now,
+                state=workflow.initial,
+                attempt=1,
+                worker=owner,
             )
             events.append(started)
             record = j.apply(record, started)
@@ -280,8 +285,13 @@ class Engine:
         existing run has returns that run instead of creating another.
         """
         new = self._new_run(
-            workflow, context, key=key, idempotency_key=idempotency_key,
-            priority=priority, run_at=run_at, owner=None,
+            workflow,
+            context,
+            key=key,
+            idempotency_key=idempotency_key,
+            priority=priority,
+            run_at=run_at,
+            owner=None,
         )
         stored, _ = self.store.create_run(new)
         return self._info(stored)
@@ -298,9 +308,7 @@ class Engine:
 
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
-        return asyncio.run(
-            self.arun(workflow, context, key=key, idempotency_key=idempotency_key)
-        )
+        return asyncio.run(self.arun(workflow, context, key=key, idempotency_key=idempotency_key))
 
     async def arun(
         self,
@@ -312,8 +320,12 @@ class Engine:
     ) -> RunInfo:
         """:meth:`run` for callers already inside an event loop."""
         new = self._new_run(
-            workflow, context, key=key, idempotency_key=idempotency_key,
-            priority=0, run_at=None,
+            workflow,
+            context,
+            key=key,
+            idempotency_key=idempotency_key,
+            priority=0,
+            run_at=None,
             # Claimed at birth when it starts with a step; a run that starts waiting
             # holds nothing.
             owner=self.worker_id if workflow.initial in workflow.steps else None,
@@ -483,7 +495,10 @@ class Engine:
         differences = j.compare(full, stored.record)
         record = full if at is None else j.fold(events, until_seq=at)
         return Replay(
-            run_id=run_id, seq=record.last_seq, record=record, events=events,
+            run_id=run_id,
+            seq=record.last_seq,
+            record=record,
+            events=events,
             differences=differences,
         )
 
@@ -493,12 +508,18 @@ class Engine:
         """Write one operator event on a run nobody owns. False if someone owns it."""
         record = stored.record
         event = JournalEvent(
-            run_id=record.id, seq=record.last_seq + 1, kind=kind, at=self.clock.now(),
-            worker=f"operator:{_user()}", **fields,
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=kind,
+            at=self.clock.now(),
+            worker=f"operator:{_user()}",
+            **fields,
         )
         boundary = Boundary(
-            events=[event], record=j.apply(record, event),
-            fence=Fence(None, stored.lease_epoch), clear_control=True,
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(None, stored.lease_epoch),
+            clear_control=True,
         )
         return self.store.write([boundary])[0]
 
@@ -553,9 +574,12 @@ class Engine:
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
         message = InboxEvent(
-            run_id=run_id, event=event,
+            run_id=run_id,
+            event=event,
             payload=None if payload is None else json.dumps(payload, sort_keys=True),
-            dedupe_key=dedupe_key, sent_at=self.clock.now(), sender=f"{_user()}@{self.worker_id}",
+            dedupe_key=dedupe_key,
+            sent_at=self.clock.now(),
+            sender=f"{_user()}@{self.worker_id}",
         )
         for _ in range(SEND_ATTEMPTS):
             stored = self._stored(run_id)
@@ -570,7 +594,11 @@ class Engine:
                 if self._deliver_kept(workflow, record):
                     continue  # events kept earlier went first (in order): look again
                 received, after = receive(
-                    workflow, record, event, message.payload, now=message.sent_at,
+                    workflow,
+                    record,
+                    event,
+                    message.payload,
+                    now=message.sent_at,
                     worker=message.sender or "",
                     extra={"dedupe_key": dedupe_key} if dedupe_key else None,
                 )
@@ -584,7 +612,10 @@ class Engine:
                 if result == "applied" and after.state in workflow.waits:
                     # It waits again (maybe in another wait state): take what was kept for it.
                     try_deliver_pending(
-                        self.store, self._workflows, run_id, now=self.clock.now(),
+                        self.store,
+                        self._workflows,
+                        run_id,
+                        now=self.clock.now(),
                         worker=self.worker_id,
                     )
             elif buffer or waiting_here:
@@ -596,7 +627,10 @@ class Engine:
                 result = self.store.deliver(message, None)
                 if result == "buffered":
                     try_deliver_pending(
-                        self.store, self._workflows, run_id, now=self.clock.now(),
+                        self.store,
+                        self._workflows,
+                        run_id,
+                        now=self.clock.now(),
                         worker=self.worker_id,
                     )
             elif event in accepted(workflow, record.state):
@@ -673,7 +707,6 @@ class Engine:
                 stranded.append(Stranded(record.id, record.state, record.status, why))
         return stranded
 
-
     # -- loops -----------------------------------------------------------------------------
 
     def _loop_store(self) -> LoopStoreMixin:
@@ -711,8 +744,16 @@ class Engine:
                 self._loop_store().request_loop_control(name, None)
                 return self.loop(name)
             raise InvalidTransition(name, row.status, "unpause")
-        self._loop_write(row, "loop_unpaused", {"status": "scheduled", "next_fire_at": None,
-                                                "reason": None, "consecutive_failures": 0})
+        self._loop_write(
+            row,
+            "loop_unpaused",
+            {
+                "status": "scheduled",
+                "next_fire_at": None,
+                "reason": None,
+                "consecutive_failures": 0,
+            },
+        )
         return self.loop(name)
 
     def _loop_control(self, name: str, action: str) -> LoopRow:
@@ -723,8 +764,9 @@ class Engine:
         if row.status == "stopped":
             raise InvalidTransition(name, row.status, action)
         if row.status == "running" or not self._loop_write(
-            row, f"loop_{target}", {"status": target, "next_fire_at": None,
-                                    "reason": f"{target} by {_user()}"}
+            row,
+            f"loop_{target}",
+            {"status": target, "next_fire_at": None, "reason": f"{target} by {_user()}"},
         ):
             self._loop_store().request_loop_control(name, action)
         return self.loop(name)
@@ -733,9 +775,14 @@ class Engine:
         now = self.clock.now()
         event = LoopEvent(loop=row.name, kind=kind, at=now, worker=f"operator:{_user()}")
         return self._loop_store().write_loop(
-            name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
-            changes={**changes, "control": None, "updated_at": now}, events=[event],
+            name=row.name,
+            owner=None,
+            epoch=row.lease_epoch,
+            follows_seq=row.last_seq,
+            changes={**changes, "control": None, "updated_at": now},
+            events=[event],
         )
+
 
 def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
     """An edit must name fields of the context: pydantic would drop an unknown (misspelt)

@@ -95,8 +95,11 @@ def _is_zombie(pid: int) -> bool:
 def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
     """The ``extra=`` fields of a step's log lines (keys of a JSON log line)."""
     return {
-        "workflow": workflow, "run": record.id, "seq": record.last_seq,
-        "state": record.state, "attempt": record.attempt,
+        "workflow": workflow,
+        "run": record.id,
+        "seq": record.last_seq,
+        "state": record.state,
+        "attempt": record.attempt,
     }
 
 
@@ -193,13 +196,17 @@ class Committer:
             if not future.done():
                 future.set_result(applied)
 
-    def _retry_later(self, batch: list[tuple[Boundary, asyncio.Future[bool]]], error: Exception) -> None:
+    def _retry_later(
+        self, batch: list[tuple[Boundary, asyncio.Future[bool]]], error: Exception
+    ) -> None:
         self._retrying = batch
         self._backoff = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, self._backoff * 2))
         self.stats.outage_retries += 1
         log.warning(
             "database unreachable (%s); %d boundary write(s) kept, retrying in %.1fs",
-            error_line(error), len(batch), self._backoff,
+            error_line(error),
+            len(batch),
+            self._backoff,
         )
 
         asyncio.get_running_loop().call_later(self._backoff, self._flush)
@@ -304,8 +311,9 @@ class Executor:
                     if not is_outage(error):
                         raise
                     outage = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, outage * 2))
-                    log.warning("database unreachable (%s); retrying in %.1fs",
-                                error_line(error), outage)
+                    log.warning(
+                        "database unreachable (%s); retrying in %.1fs", error_line(error), outage
+                    )
                     await asyncio.sleep(outage)
                     continue
                 if claimed:
@@ -361,7 +369,9 @@ class Executor:
         if stop is not None:
             waiters.append(asyncio.ensure_future(stop.wait()))
         try:
-            await asyncio.wait(waiters, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(
+                waiters, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for waiter in waiters:
                 waiter.cancel()
@@ -440,7 +450,8 @@ class Executor:
     def _renew(self) -> None:
         released = self.committer.released
         held = [
-            run_id for run_id, active in self._active.items()
+            run_id
+            for run_id, active in self._active.items()
             if run_id not in released and not active.task.done()
         ]
         if not held:
@@ -464,12 +475,17 @@ class Executor:
         for run_id, until in list(self._lease_until.items()):
             active = self._active.get(run_id)
             if (
-                until <= limit and active is not None and not active.task.done()
+                until <= limit
+                and active is not None
+                and not active.task.done()
                 and run_id not in self.committer.released
                 and self._controls.get(run_id) != "lost"
             ):
-                self._abandon(run_id, "could not renew its lease in time; abandoning it before "
-                                      "the lease ends (self-fencing)")
+                self._abandon(
+                    run_id,
+                    "could not renew its lease in time; abandoning it before "
+                    "the lease ends (self-fencing)",
+                )
 
     def _abandon(self, run_id: str, why: str) -> None:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
@@ -506,7 +522,9 @@ class Executor:
                 lease_seconds=self.lease_seconds,
                 workflows=list(self.workflows),
             )
-            rows = [row for row in rows if row.record.workflow in self.workflows or self._release(row)]
+            rows = [
+                row for row in rows if row.record.workflow in self.workflows or self._release(row)
+            ]
             if not rows:
                 return recovered
             boundaries = [self._interrupted(row) for row in rows]
@@ -552,11 +570,19 @@ class Executor:
         )
         log.log(
             logging.ERROR if "reason" in data else logging.WARNING,
-            "run %s seq %d: %s attempt %d interrupted: %s", record.id, record.last_seq,
-            record.state, record.attempt, message,
-            extra={**step_fields(record.workflow, record), "event": "step_finished",
-                   "outcome": "interrupted", "error_type": "Interrupted",
-                   "retryable": "retry_at" in data},
+            "run %s seq %d: %s attempt %d interrupted: %s",
+            record.id,
+            record.last_seq,
+            record.state,
+            record.attempt,
+            message,
+            extra={
+                **step_fields(record.workflow, record),
+                "event": "step_finished",
+                "outcome": "interrupted",
+                "error_type": "Interrupted",
+                "retryable": "retry_at" in data,
+            },
         )
         return Boundary(
             events=[event],
@@ -592,8 +618,12 @@ class Executor:
         else:
             self.stats.lost_leases += 1
             why = "write refused (lease lost or run changed by another writer); abandoning it"
-            log.warning("run %s: %s", boundary.run_id, why,
-                        extra={"run": boundary.run_id, "event": "lease_lost"})
+            log.warning(
+                "run %s: %s",
+                boundary.run_id,
+                why,
+                extra={"run": boundary.run_id, "event": "lease_lost"},
+            )
             self._lease_lost(boundary.run_id, why)
         return applied
 
@@ -612,7 +642,9 @@ class Executor:
     ) -> None:
         for event in events:
             record = j.apply(record, event)
-        await self._commit(Boundary(events=events, record=record, fence=fence, release=True, **flags))
+        await self._commit(
+            Boundary(events=events, record=record, fence=fence, release=True, **flags)
+        )
 
     async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
@@ -624,8 +656,15 @@ class Executor:
                 await self._finish(
                     record,
                     fence,
-                    [self._event(record, kind, state=record.state, error_message=message,
-                                 data={"reason": reason})],
+                    [
+                        self._event(
+                            record,
+                            kind,
+                            state=record.state,
+                            error_message=message,
+                            data={"reason": reason},
+                        )
+                    ],
                 )
                 return
             if stored.control in ("pause", "stop"):
@@ -657,9 +696,7 @@ class Executor:
                 await asyncio.shield(self._cut_off(record, fence))
             raise
 
-    def _cannot_run(
-        self, workflow: Workflow, stored: StoredRun
-    ) -> tuple[str, str, str] | None:
+    def _cannot_run(self, workflow: Workflow, stored: StoredRun) -> tuple[str, str, str] | None:
         record = stored.record
         if stored.problem is not None:
             return j.RUN_FAILED, "invalid_row", stored.problem
@@ -696,9 +733,15 @@ class Executor:
             await self._finish(record, fence, [event], clear_control=True)
             return
         row = StoredRun(
-            record=record, idempotency_key=None, priority=0, owner=fence.owner,
-            lease_expires_at=None, lease_epoch=fence.epoch, control=None,
-            created_at=0.0, updated_at=0.0,
+            record=record,
+            idempotency_key=None,
+            priority=0,
+            owner=fence.owner,
+            lease_expires_at=None,
+            lease_epoch=fence.epoch,
+            control=None,
+            created_at=0.0,
+            updated_at=0.0,
         )
         boundary = self._interrupted(row)
         with contextlib.suppress(Exception):
@@ -722,9 +765,14 @@ class Executor:
         # only when someone listens: this is the hot path.
         logged = log.isEnabledFor(logging.INFO)
         if logged:
-            log.info("run %s seq %d: %s attempt %d started", record.id, record.last_seq,
-                     record.state, record.attempt,
-                     extra={**step_fields(workflow.name, record), "event": "step_started"})
+            log.info(
+                "run %s seq %d: %s attempt %d started",
+                record.id,
+                record.last_seq,
+                record.state,
+                record.attempt,
+                extra={**step_fields(workflow.name, record), "event": "step_started"},
+            )
         started = self.clock.monotonic()
         try:
             returned = await self._call(record.id, spec, ctx, step)
@@ -754,11 +802,23 @@ class Executor:
             data=entering(workflow, next_state, self.clock.now(), delay=delay),
         )
         if logged:
-            log.info("run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)", record.id,
-                     record.last_seq, record.state, record.attempt, duration * 1000, event,
-                     next_state, extra={**step_fields(workflow.name, record),
-                                        "event": "step_finished", "outcome": "succeeded",
-                                        "duration": duration, "next_state": next_state})
+            log.info(
+                "run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)",
+                record.id,
+                record.last_seq,
+                record.state,
+                record.attempt,
+                duration * 1000,
+                event,
+                next_state,
+                extra={
+                    **step_fields(workflow.name, record),
+                    "event": "step_finished",
+                    "outcome": "succeeded",
+                    "duration": duration,
+                    "next_state": next_state,
+                },
+            )
         return await self._advance(workflow, record, fence, succeeded)
 
     async def _advance(
@@ -814,23 +874,37 @@ class Executor:
             due = wait_due(workflow, record.state, self.store.journal(record.id))
             if due is None or due > self.clock.now():
                 released = self._event(
-                    record, j.RUN_RELEASED, state=record.state,
+                    record,
+                    j.RUN_RELEASED,
+                    state=record.state,
                     data={"due": due, "reason": "waiting for an event"},
                 )
                 await self._finish(record, fence, [released])
                 return None
         try:
             received, _ = receive(
-                workflow, record, message.event if message else TIMEOUT_EVENT,
+                workflow,
+                record,
+                message.event if message else TIMEOUT_EVENT,
                 message.payload if message else None,
-                now=self.clock.now(), worker=self.worker_id,
+                now=self.clock.now(),
+                worker=self.worker_id,
                 extra={"buffered_at": message.sent_at} if message else None,
             )
         except Exception as error:
-            await self._finish(record, fence, [self._event(
-                record, j.RUN_FAILED, state=record.state, error_message=error_line(error),
-                data={"reason": "event_rejected"},
-            )])
+            await self._finish(
+                record,
+                fence,
+                [
+                    self._event(
+                        record,
+                        j.RUN_FAILED,
+                        state=record.state,
+                        error_message=error_line(error),
+                        data={"reason": "event_rejected"},
+                    )
+                ],
+            )
             return None
         if message is not None:
             after = j.apply(record, received)
@@ -891,12 +965,26 @@ class Executor:
         outcome = (
             "timed_out" if isinstance(error, StepTimeout) else "retried" if retryable else "failed"
         )
-        log.log(level, "run %s seq %d: %s attempt %d %s in %.1f ms: %s: %s", record.id,
-                record.last_seq, record.state, record.attempt, outcome, duration * 1000,
-                type(error).__name__, message,
-                extra={**step_fields(workflow.name, record), "event": "step_finished",
-                       "outcome": outcome, "duration": duration,
-                       "error_type": type(error).__name__, "retryable": retryable})
+        log.log(
+            level,
+            "run %s seq %d: %s attempt %d %s in %.1f ms: %s: %s",
+            record.id,
+            record.last_seq,
+            record.state,
+            record.attempt,
+            outcome,
+            duration * 1000,
+            type(error).__name__,
+            message,
+            extra={
+                **step_fields(workflow.name, record),
+                "event": "step_finished",
+                "outcome": outcome,
+                "duration": duration,
+                "error_type": type(error).__name__,
+                "retryable": retryable,
+            },
+        )
         await self._finish(record, fence, [failed])
         if retryable and self._wake is not None:
             self._wake.set()
@@ -920,7 +1008,9 @@ class Executor:
             try:
                 return await asyncio.wait_for(future, spec.timeout)
             except TimeoutError:
-                raise StepTimeout(f"step {spec.name!r} took longer than {spec.timeout:g}s") from None
+                raise StepTimeout(
+                    f"step {spec.name!r} took longer than {spec.timeout:g}s"
+                ) from None
         except BaseException:
             abandoned.append(True)
             raise
@@ -953,7 +1043,12 @@ def deliver_pending(
         if message is None:
             return consumed
         received, after = receive(
-            workflow, record, message.event, message.payload, now=now, worker=worker,
+            workflow,
+            record,
+            message.event,
+            message.payload,
+            now=now,
+            worker=worker,
             extra={"buffered_at": message.sent_at},
         )
         boundary = Boundary(events=[received], record=after, fence=Fence(None, stored.lease_epoch))

@@ -34,8 +34,4 @@ def can_reach(edges: Mapping[str, Set[str]], targets: Iterable[str]) -> set[str]
 
 def on_cycle(edges: Mapping[str, Set[str]]) -> set[str]:
     """States that can reach themselves again (self loops included)."""
-    return {
-        node
-        for node, successors in edges.items()
-        if node in reachable(edges, successors)
-    }
+    return {node for node, successors in edges.items() if node in reachable(edges, successors)}

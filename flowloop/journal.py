@@ -126,7 +126,7 @@ def create(event: JournalEvent) -> RunRecord:
     )
 
 
-def apply(record: RunRecord, event: JournalEvent) -> RunRecord:  # noqa: C901 - one case per kind
+def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     """The record after ``event``. Pure: the executor and replay both use it."""
     if event.seq != record.last_seq + 1:
         raise FoldError(f"run {record.id}: seq {event.seq} follows {record.last_seq}")
@@ -182,9 +182,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:  # noqa: C901 - 
             reason=event.data.get("reason", "paused"),
         )
     elif kind == RUN_UNPAUSED:
-        change.update(
-            status=_status(record, "scheduled", event), next_run_at=event.at, reason=None
-        )
+        change.update(status=_status(record, "scheduled", event), next_run_at=event.at, reason=None)
     elif kind == RUN_STOPPED:
         change.update(
             status=_status(record, "stopped", event),

@@ -329,8 +329,11 @@ def _epoch(
 
 
 def _duration(
-    bad: Callable[[str], LoopDefinitionError], label: str, value: float | timedelta | None,
-    *, infinite: bool = False,
+    bad: Callable[[str], LoopDefinitionError],
+    label: str,
+    value: float | timedelta | None,
+    *,
+    infinite: bool = False,
 ) -> float | None:
     """Seconds from a number or a timedelta; anything else (text, NaN, ±inf) is an error."""
     if value is None:

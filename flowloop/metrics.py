@@ -24,8 +24,23 @@ log = logging.getLogger("flowloop.metrics")
 
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"
 STEP_BUCKETS: Final = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    300.0, float("inf"),
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    float("inf"),
 )
 """Step duration buckets in seconds: from a 1 ms database step to a 5 min batch job."""
 STEP_OUTCOMES: Final = ("succeeded", "failed", "retried", "timed_out", "interrupted")
@@ -62,46 +77,65 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.runs_started = Counter(
-            "flowloop_runs_started", "Runs whose first step this worker started.",
-            ["workflow"], registry=r,
+            "flowloop_runs_started",
+            "Runs whose first step this worker started.",
+            ["workflow"],
+            registry=r,
         )
         self.runs_finished = Counter(
             "flowloop_runs_finished",
             "Runs this worker took to a final status (succeeded, failed, stopped).",
-            ["workflow", "status"], registry=r,
+            ["workflow", "status"],
+            registry=r,
         )
         self.steps = Counter(
             "flowloop_steps",
             "Step attempts by outcome: succeeded, failed, retried, timed_out, interrupted.",
-            ["workflow", "state", "outcome"], registry=r,
+            ["workflow", "state", "outcome"],
+            registry=r,
         )
         self.step_duration = Histogram(
-            "flowloop_step_duration_seconds", "Duration of step attempts (succeeded or failed).",
-            ["workflow", "state"], buckets=STEP_BUCKETS, registry=r,
+            "flowloop_step_duration_seconds",
+            "Duration of step attempts (succeeded or failed).",
+            ["workflow", "state"],
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.iterations = Counter(
             "flowloop_loop_iterations",
             "Loop iterations by outcome: ok, failed, skipped (slots skipped while the previous "
             "iteration still ran), stopped, cancelled.",
-            ["loop", "outcome"], registry=r,
+            ["loop", "outcome"],
+            registry=r,
         )
         self.iteration_duration = Histogram(
-            "flowloop_loop_iteration_duration_seconds", "Duration of loop iterations.",
-            ["loop"], buckets=STEP_BUCKETS, registry=r,
+            "flowloop_loop_iteration_duration_seconds",
+            "Duration of loop iterations.",
+            ["loop"],
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.leases_lost = Counter(
-            "flowloop_lease_losses", "Runs and loops this worker stopped driving: lease lost.",
-            ["kind"], registry=r,
+            "flowloop_lease_losses",
+            "Runs and loops this worker stopped driving: lease lost.",
+            ["kind"],
+            registry=r,
         )
         self.alerts = Counter(
-            "flowloop_alerts", "Alerts raised by this worker.", ["level", "what"], registry=r,
+            "flowloop_alerts",
+            "Alerts raised by this worker.",
+            ["level", "what"],
+            registry=r,
         )
         self.queue_depth = Gauge(
-            "flowloop_queue_depth", "Runs due but not yet claimed (scheduled or retrying).",
+            "flowloop_queue_depth",
+            "Runs due but not yet claimed (scheduled or retrying).",
             registry=r,
         )
         self.in_flight = Gauge(
-            "flowloop_runs_in_flight", "Runs this worker is driving right now.", registry=r,
+            "flowloop_runs_in_flight",
+            "Runs this worker is driving right now.",
+            registry=r,
         )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -176,8 +210,12 @@ class Metrics:
             raise ConfigError(f"metrics port {host}:{port}: {error.strerror or error}") from None
         self._server, self._thread = server, thread
         bound = int(server.server_port)
-        log.info("metrics on http://%s:%d/metrics", host, bound,
-                 extra={"event": "metrics_serving", "host": host, "port": bound})
+        log.info(
+            "metrics on http://%s:%d/metrics",
+            host,
+            bound,
+            extra={"event": "metrics_serving", "host": host, "port": bound},
+        )
         return bound
 
     @property

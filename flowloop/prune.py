@@ -39,8 +39,12 @@ class PruneResult:
 
     def as_dict(self) -> dict[str, float | int | bool]:
         return {
-            "cutoff": self.cutoff, "runs": self.runs, "journal": self.journal,
-            "inbox": self.inbox, "loop_journal": self.loop_journal, "batches": self.batches,
+            "cutoff": self.cutoff,
+            "runs": self.runs,
+            "journal": self.journal,
+            "inbox": self.inbox,
+            "loop_journal": self.loop_journal,
+            "batches": self.batches,
             "dry_run": self.dry_run,
         }
 
@@ -71,11 +75,14 @@ def prune(
     after = ""
     while True:
         with db.begin() as conn:
-            ids = list(conn.execute(
-                select(runs.c.id)
-                .where(runs.c.id > after, runs.c.status.in_(kinds), runs.c.updated_at < cutoff)
-                .order_by(runs.c.id).limit(batch)
-            ).scalars())
+            ids = list(
+                conn.execute(
+                    select(runs.c.id)
+                    .where(runs.c.id > after, runs.c.status.in_(kinds), runs.c.updated_at < cutoff)
+                    .order_by(runs.c.id)
+                    .limit(batch)
+                ).scalars()
+            )
             if not ids:
                 break
             after = ids[-1]
@@ -91,11 +98,15 @@ def _delete_runs(
 ) -> None:
     # The run rows first, re-checked under their lock: only what is still finished and old
     # goes, and only its journal and inbox rows follow it.
-    gone = list(conn.execute(
-        delete(runs)
-        .where(runs.c.id.in_(list(ids)), runs.c.status.in_(list(kinds)), runs.c.updated_at < cutoff)
-        .returning(runs.c.id)
-    ).scalars())
+    gone = list(
+        conn.execute(
+            delete(runs)
+            .where(
+                runs.c.id.in_(list(ids)), runs.c.status.in_(list(kinds)), runs.c.updated_at < cutoff
+            )
+            .returning(runs.c.id)
+        ).scalars()
+    )
     if not gone:
         return
     result.runs += len(gone)
@@ -148,17 +159,22 @@ def _count(
             result.runs = int(
                 conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
             )
-            result.journal = int(conn.execute(
-                select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
-            ).scalar_one())
-            result.inbox = int(conn.execute(
-                select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
-            ).scalar_one())
+            result.journal = int(
+                conn.execute(
+                    select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
+                ).scalar_one()
+            )
+            result.inbox = int(
+                conn.execute(
+                    select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
+                ).scalar_one()
+            )
             if loop_history:
-                query = select(func.count()).select_from(loop_journal).where(
-                    loop_journal.c.at < result.cutoff
+                query = (
+                    select(func.count())
+                    .select_from(loop_journal)
+                    .where(loop_journal.c.at < result.cutoff)
                 )
                 if keep_failed:
                     query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
                 result.loop_journal = int(conn.execute(query).scalar_one())
-

@@ -203,7 +203,9 @@ class Scheduler:
         self._wake.clear()
         sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
         waiters = [
-            sleeper, asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())
+            sleeper,
+            asyncio.ensure_future(self._wake.wait()),
+            asyncio.ensure_future(stop.wait()),
         ]
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -281,8 +283,11 @@ class Scheduler:
                 log.warning("could not renew loop leases: %s", error_line(error))
                 continue
             for name in set(names) - kept:
-                log.warning("loop %s: lost its lease; abandoning the iteration", name,
-                            extra={"loop": name, "event": "lease_lost"})
+                log.warning(
+                    "loop %s: lost its lease; abandoning the iteration",
+                    name,
+                    extra={"loop": name, "event": "lease_lost"},
+                )
                 self._notify_lease_lost(name, "lost its lease; abandoning the iteration")
                 self._running[name].task.cancel()
 
@@ -305,7 +310,8 @@ class Scheduler:
         run twice (their slot has its ``iteration_started``); the loop goes on with the next
         slot, which the misfire policy then fires, coalesces or gives up."""
         dead = [
-            owner for owner in self.store.running_loop_owners()
+            owner
+            for owner in self.store.running_loop_owners()
             if owner != self.worker_id and owner_is_dead_here(owner)
         ]
         self.store.expire_loop_leases(sorted(dead))
@@ -321,25 +327,44 @@ class Scheduler:
                 nxt = loop.slot_after(slot, anchor=slot)
             failures = row.consecutive_failures + 1
             event = LoopEvent(
-                loop=row.name, kind="iteration_interrupted", at=now, slot=slot,
-                worker=self.worker_id, error_type="Interrupted",
+                loop=row.name,
+                kind="iteration_interrupted",
+                at=now,
+                slot=slot,
+                worker=self.worker_id,
+                error_type="Interrupted",
                 error_message="the worker died during this iteration; it is not run twice",
             )
             changes: dict[str, Any] = {
-                "status": "scheduled", "next_fire_at": nxt, "last_result": "interrupted",
-                "last_error": event.error_message, "last_ended_at": now,
-                "consecutive_failures": failures, "updated_at": now,
+                "status": "scheduled",
+                "next_fire_at": nxt,
+                "last_result": "interrupted",
+                "last_error": event.error_message,
+                "last_ended_at": now,
+                "consecutive_failures": failures,
+                "updated_at": now,
             }
             events = [event]
             paused = loop.max_failures is not None and failures >= loop.max_failures
             reason = f"{failures} consecutive failures (max_failures={loop.max_failures})"
             if paused:
                 changes.update(status="paused", next_fire_at=None, reason=reason)
-                events.append(LoopEvent(loop=row.name, kind="loop_paused", at=now,
-                                        worker=self.worker_id, data={"reason": reason}))
+                events.append(
+                    LoopEvent(
+                        loop=row.name,
+                        kind="loop_paused",
+                        at=now,
+                        worker=self.worker_id,
+                        data={"reason": reason},
+                    )
+                )
             if not self.store.write_loop(
-                name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
-                changes=changes, events=events,
+                name=row.name,
+                owner=None,
+                epoch=row.lease_epoch,
+                follows_seq=row.last_seq,
+                changes=changes,
+                events=events,
             ):
                 continue  # another worker settled it first
             log.warning("loop %s: iteration of slot %.3f was interrupted", row.name, slot)
@@ -380,8 +405,11 @@ class Scheduler:
             nxt = loop.slot_after(now, anchor=row.next_fire_at)
             log.warning("loop %s: %d slot(s) missed past the misfire grace", name, wake.missed)
             self._operator_write(
-                row, "missed", {"next_fire_at": nxt, "missed": row.missed + wake.missed},
-                slot=row.next_fire_at, count=wake.missed,
+                row,
+                "missed",
+                {"next_fire_at": nxt, "missed": row.missed + wake.missed},
+                slot=row.next_fire_at,
+                count=wake.missed,
             )
             return
         if loop.finished(wake.slot):
@@ -394,20 +422,51 @@ class Scheduler:
             return
         events = []
         if wake.missed:
-            events.append(LoopEvent(loop=name, kind="missed", at=now, slot=row.next_fire_at,
-                                    count=wake.missed, worker=self.worker_id))
+            events.append(
+                LoopEvent(
+                    loop=name,
+                    kind="missed",
+                    at=now,
+                    slot=row.next_fire_at,
+                    count=wake.missed,
+                    worker=self.worker_id,
+                )
+            )
         if wake.coalesced:
-            events.append(LoopEvent(loop=name, kind="coalesced", at=now, slot=wake.slot,
-                                    count=wake.coalesced, worker=self.worker_id))
-        events.append(LoopEvent(
-            loop=name, kind="iteration_started", at=now, slot=wake.slot, attempt=1,
-            worker=self.worker_id, data={"reason": wake.reason, "late": round(now - wake.slot, 3)},
-        ))
+            events.append(
+                LoopEvent(
+                    loop=name,
+                    kind="coalesced",
+                    at=now,
+                    slot=wake.slot,
+                    count=wake.coalesced,
+                    worker=self.worker_id,
+                )
+            )
+        events.append(
+            LoopEvent(
+                loop=name,
+                kind="iteration_started",
+                at=now,
+                slot=wake.slot,
+                attempt=1,
+                worker=self.worker_id,
+                data={"reason": wake.reason, "late": round(now - wake.slot, 3)},
+            )
+        )
         fired = self.store.fire_loop(
-            name=name, follows_seq=row.last_seq, worker=self.worker_id,
-            lease_seconds=self.lease_seconds, events=events,
-            changes={"last_slot": wake.slot, "last_started_at": now, "next_fire_at": None,
-                     "updated_at": now, "missed": row.missed + wake.missed + wake.coalesced},
+            name=name,
+            follows_seq=row.last_seq,
+            worker=self.worker_id,
+            lease_seconds=self.lease_seconds,
+            events=events,
+            changes={
+                "last_slot": wake.slot,
+                "last_started_at": now,
+                "next_fire_at": None,
+                "updated_at": now,
+                "missed": row.missed + wake.missed + wake.coalesced,
+            },
         )
         if fired is None:
             fresh = self.store.get_loop(name)
@@ -425,7 +484,8 @@ class Scheduler:
 
     def _end(self, row: LoopRow) -> None:
         self._operator_write(
-            row, "loop_stopped",
+            row,
+            "loop_stopped",
             {"status": "stopped", "reason": "end_at reached", "next_fire_at": None},
             data={"reason": "end_at reached"},
         )
@@ -434,21 +494,39 @@ class Scheduler:
         target = "paused" if row.control == "pause" else "stopped"
         reason = f"{target} by an operator"
         self._operator_write(
-            row, f"loop_{target}",
+            row,
+            f"loop_{target}",
             {"status": target, "next_fire_at": None, "control": None, "reason": reason},
             data={"reason": reason},
         )
 
     def _operator_write(
-        self, row: LoopRow, kind: str, changes: dict[str, Any], *, slot: float | None = None,
-        count: int = 0, data: dict[str, Any] | None = None,
+        self,
+        row: LoopRow,
+        kind: str,
+        changes: dict[str, Any],
+        *,
+        slot: float | None = None,
+        count: int = 0,
+        data: dict[str, Any] | None = None,
     ) -> None:
         now = self.clock.now()
-        event = LoopEvent(loop=row.name, kind=kind, at=now, slot=slot, count=count,
-                          worker=self.worker_id, data=data or {})
+        event = LoopEvent(
+            loop=row.name,
+            kind=kind,
+            at=now,
+            slot=slot,
+            count=count,
+            worker=self.worker_id,
+            data=data or {},
+        )
         ok = self.store.write_loop(
-            name=row.name, owner=None, epoch=row.lease_epoch, follows_seq=row.last_seq,
-            changes={**changes, "updated_at": now}, events=[event],
+            name=row.name,
+            owner=None,
+            epoch=row.lease_epoch,
+            follows_seq=row.last_seq,
+            changes={**changes, "updated_at": now},
+            events=[event],
         )
         self._changes += 1 if ok else 0  # our own bump: no need to re-read every loop
         fresh = self.store.get_loop(row.name)
@@ -460,9 +538,18 @@ class Scheduler:
     async def _iterate(self, loop: Loop, row: LoopRow, slot: float, started: float) -> None:
         number = row.iterations + 1
         outcome, error, attempts = "ok", None, 0
-        log.info("loop %s iteration %d started (slot %.3f)", loop.name, number, slot,
-                 extra={"loop": loop.name, "iteration": number, "slot": slot,
-                        "event": "iteration_started"})
+        log.info(
+            "loop %s iteration %d started (slot %.3f)",
+            loop.name,
+            number,
+            slot,
+            extra={
+                "loop": loop.name,
+                "iteration": number,
+                "slot": slot,
+                "event": "iteration_started",
+            },
+        )
         started_mono = self.clock.monotonic()
         try:
             outcome, error, attempts = await self._attempts(loop, row, slot, number)
@@ -479,8 +566,12 @@ class Scheduler:
             self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
         except Exception as failure:
             # The lease runs out and recovery journals the iteration as interrupted.
-            log.error("loop %s: could not record the iteration of slot %.3f: %s",
-                      loop.name, slot, error_line(failure))
+            log.error(
+                "loop %s: could not record the iteration of slot %.3f: %s",
+                loop.name,
+                slot,
+                error_line(failure),
+            )
 
     async def _attempts(
         self, loop: Loop, row: LoopRow, slot: float, number: int
@@ -511,8 +602,15 @@ class Scheduler:
                 attempt += 1
 
     def _record_outcome(
-        self, loop: Loop, row: LoopRow, slot: float, started: float, outcome: str,
-        error: str | None, attempts: int, duration: float,
+        self,
+        loop: Loop,
+        row: LoopRow,
+        slot: float,
+        started: float,
+        outcome: str,
+        error: str | None,
+        attempts: int,
+        duration: float,
     ) -> None:
         now = self.clock.now()
         fresh = self.store.get_loop(loop.name)
@@ -528,12 +626,30 @@ class Scheduler:
         kind = {"ok": "iteration_succeeded", "failed": "iteration_failed"}.get(
             outcome, "iteration_" + outcome
         )
-        events = [LoopEvent(loop=loop.name, kind=kind, at=now, slot=slot, attempt=attempts,
-                            duration=duration, error_message=error, worker=self.worker_id)]
+        events = [
+            LoopEvent(
+                loop=loop.name,
+                kind=kind,
+                at=now,
+                slot=slot,
+                attempt=attempts,
+                duration=duration,
+                error_message=error,
+                worker=self.worker_id,
+            )
+        ]
         if skipped:
             first_skipped = loop.slot_after(slot, anchor=slot)
-            events.append(LoopEvent(loop=loop.name, kind="skipped_overlap", at=now,
-                                    slot=first_skipped, count=skipped, worker=self.worker_id))
+            events.append(
+                LoopEvent(
+                    loop=loop.name,
+                    kind="skipped_overlap",
+                    at=now,
+                    slot=first_skipped,
+                    count=skipped,
+                    worker=self.worker_id,
+                )
+            )
         status, reason = "scheduled", None
         if outcome == "stopped" or control == "stop":
             status, reason = "stopped", "stopped by an operator"
@@ -545,30 +661,62 @@ class Scheduler:
         elif loop.end_at is not None and nxt >= loop.end_at:
             status, reason = "stopped", "end_at reached"
         if status != "scheduled":
-            events.append(LoopEvent(loop=loop.name, kind=f"loop_{status}", at=now,
-                                    worker=self.worker_id, data={"reason": reason}))
+            events.append(
+                LoopEvent(
+                    loop=loop.name,
+                    kind=f"loop_{status}",
+                    at=now,
+                    worker=self.worker_id,
+                    data={"reason": reason},
+                )
+            )
         changes = {
-            "status": status, "reason": reason, "control": None,
+            "status": status,
+            "reason": reason,
+            "control": None,
             "next_fire_at": nxt if status == "scheduled" else None,
-            "last_ended_at": now, "last_result": outcome, "last_error": error,
-            "iterations": row.iterations + 1, "consecutive_failures": failures,
-            "skipped": row.skipped + skipped, "updated_at": now,
+            "last_ended_at": now,
+            "last_result": outcome,
+            "last_error": error,
+            "iterations": row.iterations + 1,
+            "consecutive_failures": failures,
+            "skipped": row.skipped + skipped,
+            "updated_at": now,
         }
         ok = self.store.write_loop(
-            name=loop.name, owner=self.worker_id, epoch=row.lease_epoch, follows_seq=row.last_seq,
-            changes=changes, events=events,
+            name=loop.name,
+            owner=self.worker_id,
+            epoch=row.lease_epoch,
+            follows_seq=row.last_seq,
+            changes=changes,
+            events=events,
         )
         if not ok:
-            log.warning("loop %s: lost its lease; this worker did not record its outcome",
-                        loop.name, extra={"loop": loop.name, "event": "lease_lost"})
+            log.warning(
+                "loop %s: lost its lease; this worker did not record its outcome",
+                loop.name,
+                extra={"loop": loop.name, "event": "lease_lost"},
+            )
             self._notify_lease_lost(loop.name, "lost its lease; the outcome was not recorded")
             return
-        log.info("loop %s iteration %d %s in %.1f ms", loop.name, row.iterations + 1, outcome,
-                 duration * 1000,
-                 extra={"loop": loop.name, "iteration": row.iterations + 1, "slot": slot,
-                        "event": "iteration_finished", "outcome": outcome,
-                        "duration": duration, "attempt": attempts, "error": error,
-                        "skipped": skipped})
+        log.info(
+            "loop %s iteration %d %s in %.1f ms",
+            loop.name,
+            row.iterations + 1,
+            outcome,
+            duration * 1000,
+            extra={
+                "loop": loop.name,
+                "iteration": row.iterations + 1,
+                "slot": slot,
+                "event": "iteration_finished",
+                "outcome": outcome,
+                "duration": duration,
+                "attempt": attempts,
+                "error": error,
+                "skipped": skipped,
+            },
+        )
         for listener in self.iteration_listeners:
             try:
                 listener(loop.name, outcome, duration, skipped)
@@ -580,20 +728,39 @@ class Scheduler:
             self._schedule(updated)
 
     def _alerts(
-        self, loop: Loop, status: str, reason: str | None, error: str | None,
-        skipped_before: int, skipped_now: int,
+        self,
+        loop: Loop,
+        status: str,
+        reason: str | None,
+        error: str | None,
+        skipped_before: int,
+        skipped_now: int,
     ) -> None:
         if self.alert is None:
             return
         hint = f"flowloop loops {loop.name}"
         if status == "paused" and reason and "max_failures" in reason:
-            self.alert(Alert(level="critical", what="loop paused", subject=loop.name,
-                             message=reason, error=error, hint=hint))
+            self.alert(
+                Alert(
+                    level="critical",
+                    what="loop paused",
+                    subject=loop.name,
+                    message=reason,
+                    error=error,
+                    hint=hint,
+                )
+            )
         total = skipped_before + skipped_now
         if skipped_now and total // SKIP_ALERT_EVERY > skipped_before // SKIP_ALERT_EVERY:
-            self.alert(Alert(level="warning", what="loop iterations skipped", subject=loop.name,
-                             message=f"{total} slots skipped: iterations take longer than the rate",
-                             hint=hint))
+            self.alert(
+                Alert(
+                    level="warning",
+                    what="loop iterations skipped",
+                    subject=loop.name,
+                    message=f"{total} slots skipped: iterations take longer than the rate",
+                    hint=hint,
+                )
+            )
 
     @property
     def running(self) -> Sequence[str]:

@@ -57,10 +57,16 @@ class StateStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "workflow": self.workflow, "state": self.state, "count": self.count,
-            "succeeded": self.succeeded, "failed": self.failed, "retries": self.retries,
+            "workflow": self.workflow,
+            "state": self.state,
+            "count": self.count,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "retries": self.retries,
             "success_rate": round(self.success_rate, 6),
-            "p50": self.p50, "p95": self.p95, "p99": self.p99,
+            "p50": self.p50,
+            "p95": self.p95,
+            "p99": self.p99,
             "slowest": [{"run_id": run, "duration": seconds} for run, seconds in self.slowest],
         }
 
@@ -92,21 +98,28 @@ def step_stats(
 
     counts = (
         select(
-            runs.c.workflow, journal.c.state, func.count().label("n"),
+            runs.c.workflow,
+            journal.c.state,
+            func.count().label("n"),
             func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
             func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
         )
-        .select_from(joined).where(*where).group_by(*key)
+        .select_from(joined)
+        .where(*where)
+        .group_by(*key)
     )
     ranked = (
         select(
-            runs.c.workflow.label("workflow"), journal.c.state.label("state"),
-            journal.c.run_id, journal.c.duration,
+            runs.c.workflow.label("workflow"),
+            journal.c.state.label("state"),
+            journal.c.run_id,
+            journal.c.duration,
             # One window (same partition and order) for both: the database sorts once.
             func.row_number().over(partition_by=key, order_by=order).label("rn"),
             func.count().over(partition_by=key, order_by=order, rows=(None, None)).label("n"),
         )
-        .select_from(joined).where(*where, journal.c.duration.is_not(None))
+        .select_from(joined)
+        .where(*where, journal.c.duration.is_not(None))
         .subquery()
     )
     # A run can own several of the slowest attempts (its retries): take a few more and
@@ -151,11 +164,18 @@ def step_stats(
         ):
             if len(top) < slowest:
                 top.setdefault(run_id, seconds)
-        result.append(StateStats(
-            workflow=row.workflow, state=row.state or "", count=int(row.n),
-            succeeded=int(row.ok or 0), retries=int(row.retries or 0),
-            p50=pick(50), p95=pick(95), p99=pick(99), slowest=tuple(top.items()),
-        ))
+        result.append(
+            StateStats(
+                workflow=row.workflow,
+                state=row.state or "",
+                count=int(row.n),
+                succeeded=int(row.ok or 0),
+                retries=int(row.retries or 0),
+                p50=pick(50),
+                p95=pick(95),
+                p99=pick(99),
+                slowest=tuple(top.items()),
+            )
+        )
     result.sort(key=lambda s: (s.workflow, s.state))
     return result
-

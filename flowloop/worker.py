@@ -95,15 +95,25 @@ class Worker:
         if not isinstance(store, LoopStoreMixin):
             raise TypeError("this store does not support loops")
         self.scheduler = Scheduler(
-            store, self.loops, clock=self.engine.clock, worker_id=self.engine.worker_id,
-            run_iteration=self._run_iteration, capacity=capacity,
-            lease_seconds=self.engine.lease_seconds, alert=self._alert,
+            store,
+            self.loops,
+            clock=self.engine.clock,
+            worker_id=self.engine.worker_id,
+            run_iteration=self._run_iteration,
+            capacity=capacity,
+            lease_seconds=self.engine.lease_seconds,
+            alert=self._alert,
         )
         self._observe(executor, self.scheduler)
         if self.metrics is not None and self.metrics_port is not None:
             self.metrics_bound = self.metrics.serve(self.metrics_port, self.metrics_host)
-        log.info("worker %s: %d workflow(s), %d loop(s), concurrency %d", self.engine.worker_id,
-                 len(self.engine.workflows), len(self.loops), self.concurrency)
+        log.info(
+            "worker %s: %d workflow(s), %d loop(s), concurrency %d",
+            self.engine.worker_id,
+            len(self.engine.workflows),
+            len(self.loops),
+            self.concurrency,
+        )
         try:
             await asyncio.gather(
                 executor.run(until_idle=False, stop=stop, grace=self.grace),
@@ -183,8 +193,13 @@ class Worker:
         engine = self.engine
         key = f"{iteration.idempotency_key}:a{iteration.attempt}"
         new = engine._new_run(
-            loop.workflow, loop.context_for(iteration), key=None, idempotency_key=key,
-            priority=0, run_at=None, owner=engine.worker_id,
+            loop.workflow,
+            loop.context_for(iteration),
+            key=None,
+            idempotency_key=key,
+            priority=0,
+            run_at=None,
+            owner=engine.worker_id,
         )
         stored, created = engine.store.create_run(new)
         if created:
@@ -241,7 +256,8 @@ def _exit_if_threads_linger() -> None:
     thread (threads cannot be killed) and Python would wait for it at exit. Its cut-off is
     journaled already, so leave now: the grace period is a promise to the operator."""
     lingering = [
-        thread for thread in threading.enumerate()
+        thread
+        for thread in threading.enumerate()
         if thread.name.startswith(THREAD_PREFIX) and thread.is_alive() and not thread.daemon
     ]
     # Idle pool threads exit as soon as they see the pool's shutdown: give them a moment,
@@ -252,11 +268,13 @@ def _exit_if_threads_linger() -> None:
     lingering = [thread for thread in lingering if thread.is_alive()]
     if not lingering:
         return
-    log.warning("exiting with %d step or iteration thread(s) still running after the grace "
-                "period (already journaled as cut off)", len(lingering))
+    log.warning(
+        "exiting with %d step or iteration thread(s) still running after the grace "
+        "period (already journaled as cut off)",
+        len(lingering),
+    )
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
-

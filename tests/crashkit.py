@@ -76,8 +76,15 @@ def record(step: Step) -> None:
         with conn:
             conn.execute(
                 "INSERT INTO ledger VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (step.run_id, step.state, step.visit, step.attempt, step.seq,
-                 step.idempotency_key, os.getpid()),
+                (
+                    step.run_id,
+                    step.state,
+                    step.visit,
+                    step.attempt,
+                    step.seq,
+                    step.idempotency_key,
+                    os.getpid(),
+                ),
             )
     finally:
         conn.close()
@@ -96,9 +103,11 @@ def has_worked(path: Path, pid: int) -> bool:
 def ledger_rows(path: Path) -> list[tuple[Any, ...]]:
     conn = sqlite3.connect(path, timeout=30)
     try:
-        return list(conn.execute(
-            "SELECT run_id, state, visit, attempt, seq, idempotency_key, pid FROM ledger"
-        ))
+        return list(
+            conn.execute(
+                "SELECT run_id, state, visit, attempt, seq, idempotency_key, pid FROM ledger"
+            )
+        )
     finally:
         conn.close()
 
@@ -243,9 +252,12 @@ class Zygote:
     """A running zygote process and the lines it (and its workers) print."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
-        )}
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
+            ),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "zygote"],
             stdin=subprocess.PIPE,

@@ -72,10 +72,17 @@ def write_csv(
 def order(n: int, **changes: str) -> list[str]:
     """A valid order row (``changes`` override fields by name)."""
     fields = {
-        "order_id": f"SO-{n:05d}", "ordered_at": "2024-03-01T10:00:00Z",
-        "customer_id": f"C{1000 + n}", "email": f"c{n}@example.com", "country": "DE",
-        "sku": "BK-1001", "product": "Book", "quantity": "1", "unit_price": "10.00",
-        "currency": "EUR", "status": "paid",
+        "order_id": f"SO-{n:05d}",
+        "ordered_at": "2024-03-01T10:00:00Z",
+        "customer_id": f"C{1000 + n}",
+        "email": f"c{n}@example.com",
+        "country": "DE",
+        "sku": "BK-1001",
+        "product": "Book",
+        "quantity": "1",
+        "unit_price": "10.00",
+        "currency": "EUR",
+        "status": "paid",
     }
     fields.update(changes)
     return list(fields.values())
@@ -91,14 +98,28 @@ def dump(url: str) -> dict[str, list[tuple[Any, ...]]]:
     try:
         with engine.connect() as conn:
             return {
-                "orders": [tuple(r) for r in conn.execute(sa.text(
-                    "SELECT * FROM orders ORDER BY order_id"))],
-                "rejects": [tuple(r) for r in conn.execute(sa.text(
-                    "SELECT file, row_no, reason, raw, file_sha256 FROM rejects "
-                    "ORDER BY file, row_no"))],
-                "loaded_files": [tuple(r) for r in conn.execute(sa.text(
-                    "SELECT file, sha256, size, status, rows_loaded, rows_rejected "
-                    "FROM loaded_files ORDER BY file, sha256"))],
+                "orders": [
+                    tuple(r)
+                    for r in conn.execute(sa.text("SELECT * FROM orders ORDER BY order_id"))
+                ],
+                "rejects": [
+                    tuple(r)
+                    for r in conn.execute(
+                        sa.text(
+                            "SELECT file, row_no, reason, raw, file_sha256 FROM rejects "
+                            "ORDER BY file, row_no"
+                        )
+                    )
+                ],
+                "loaded_files": [
+                    tuple(r)
+                    for r in conn.execute(
+                        sa.text(
+                            "SELECT file, sha256, size, status, rows_loaded, rows_rejected "
+                            "FROM loaded_files ORDER BY file, sha256"
+                        )
+                    )
+                ],
             }
     finally:
         engine.dispose()
@@ -124,8 +145,13 @@ class Zygote:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "zygote"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1, env=env, cwd=ROOT,
+            [sys.executable, __file__, "zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            env=env,
+            cwd=ROOT,
         )
         assert self._read() == "ready"
 
@@ -212,12 +238,17 @@ def zygote(stdin: IO[str], stdout: IO[str]) -> None:
         stdout.flush()
 
 
-def cli(args: Sequence[str], *, env: Mapping[str, str] | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(
+    args: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     """``flowloop ARGS`` in a subprocess, from the repository root."""
     return subprocess.run(
-        [sys.executable, "-m", "flowloop.cli", *args], capture_output=True, text=True,
-        timeout=timeout, cwd=ROOT, env={**os.environ, **(env or {})},
+        [sys.executable, "-m", "flowloop.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
 
 

@@ -123,9 +123,14 @@ class LoopHarness:
         self.grace = grace
         self.alerts: list[Alert] = []
         self.scheduler = Scheduler(
-            store, {loop.name: loop for loop in loops}, clock=clock, worker_id=worker_id,
-            run_iteration=self._run, capacity=Capacity(concurrency),
-            lease_seconds=lease_seconds, alert=self.alerts.append,
+            store,
+            {loop.name: loop for loop in loops},
+            clock=clock,
+            worker_id=worker_id,
+            run_iteration=self._run,
+            capacity=Capacity(concurrency),
+            lease_seconds=lease_seconds,
+            alert=self.alerts.append,
         )
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -139,15 +144,19 @@ class LoopHarness:
 
     async def __aenter__(self) -> LoopHarness:
         self._task = asyncio.create_task(self.scheduler.run(self._stop, grace=self.grace))
-        await until(lambda: self.scheduler.ready.is_set() or self._task.done(),  # type: ignore[union-attr]
-                    what="the scheduler to start")
+        await until(
+            lambda: self.scheduler.ready.is_set() or self._task.done(),  # type: ignore[union-attr]
+            what="the scheduler to start",
+        )
         if self._task.done():
             self._task.result()  # raise what went wrong
         await settle()
         return self
 
     async def __aexit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         await self.stop()

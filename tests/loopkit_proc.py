@@ -23,15 +23,29 @@ class WorkerProcess:
     """One ``flowloop worker`` child; its log (stdout and stderr) goes to a file."""
 
     def __init__(
-        self, paths: Sequence[str | Path], db: Path, *args: str, log: Path,
+        self,
+        paths: Sequence[str | Path],
+        db: Path,
+        *args: str,
+        log: Path,
         env: dict[str, str] | None = None,
     ) -> None:
         self.log = log
         self._log_file = log.open("ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "flowloop.cli", "worker", *map(str, paths), "--db", str(db),
-             *args],
-            stdout=self._log_file, stderr=subprocess.STDOUT, cwd=str(db.parent),
+            [
+                sys.executable,
+                "-m",
+                "flowloop.cli",
+                "worker",
+                *map(str, paths),
+                "--db",
+                str(db),
+                *args,
+            ],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            cwd=str(db.parent),
             env={**os.environ, **(env or {})},
         )
 
@@ -84,7 +98,10 @@ def workers() -> Iterator[list[WorkerProcess]]:
 def cli(*args: str, db: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, "-m", "flowloop.cli", *args, "--db", str(db)],
-        capture_output=True, text=True, timeout=60, cwd=str(db.parent),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(db.parent),
     )
     if check and result.returncode != 0:
         raise AssertionError(

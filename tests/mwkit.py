@@ -286,20 +286,37 @@ def spawn_worker(
     log = log_dir / f"{name}.log"
     environment = dict(os.environ)
     environment.update(
-        MW_LEDGER_DSN=libpq_url(url), PYTHONUNBUFFERED="1",
+        MW_LEDGER_DSN=libpq_url(url),
+        PYTHONUNBUFFERED="1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     environment.update(env or {})
-    options = ["--db", url, "--concurrency", str(concurrency), "--lease", str(lease),
-               "--grace", str(grace)]
+    options = [
+        "--db",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--lease",
+        str(lease),
+        "--grace",
+        str(grace),
+    ]
     if worker_id is None:
         cmd = [sys.executable, "-m", "flowloop.cli", "worker", str(flow), *options]
     else:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "worker", str(flow), *options,
-               "--worker-id", worker_id]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "worker",
+            str(flow),
+            *options,
+            "--worker-id",
+            worker_id,
+        ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=environment,
-                                cwd=str(log_dir))
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=str(log_dir)
+        )
     return WorkerProc(name, proc, log)
 
 
@@ -323,8 +340,9 @@ class Workers:
         parts = []
         for proc in self.procs:
             lines = proc.output().splitlines()[-tail:]
-            parts.append(f"--- {proc.name} (pid {proc.pid}, rc {proc.proc.returncode})\n"
-                         + "\n".join(lines))
+            parts.append(
+                f"--- {proc.name} (pid {proc.pid}, rc {proc.proc.returncode})\n" + "\n".join(lines)
+            )
         return "\n".join(parts)
 
 
@@ -332,7 +350,11 @@ class Workers:
 
 
 def wait_for(
-    what: str, probe: Callable[[], T | None], *, timeout: float, every: float = 0.1,
+    what: str,
+    probe: Callable[[], T | None],
+    *,
+    timeout: float,
+    every: float = 0.1,
     describe: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``probe`` until it returns something truthy; fail with ``what`` at the deadline."""
@@ -360,26 +382,39 @@ def all_finished(url: str, total: int) -> bool:
 
 def journal_rows(url: str) -> list[Any]:
     with db(url) as engine, engine.connect() as conn:
-        return list(conn.execute(sa.text(
-            "SELECT run_id, seq, kind, at, state, attempt, worker, data FROM flowloop_journal"
-            " ORDER BY run_id, seq"
-        )))
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT run_id, seq, kind, at, state, attempt, worker, data"
+                    " FROM flowloop_journal"
+                    " ORDER BY run_id, seq"
+                )
+            )
+        )
 
 
 def ledger_rows(url: str) -> list[Any]:
     with db(url) as engine, engine.connect() as conn:
-        return list(conn.execute(sa.text(
-            "SELECT key, run_id, state, seq, attempt, worker, pid, started_at, ended_at,"
-            " executions FROM mw_ledger ORDER BY run_id, seq"
-        )))
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT key, run_id, state, seq, attempt, worker, pid, started_at, ended_at,"
+                    " executions FROM mw_ledger ORDER BY run_id, seq"
+                )
+            )
+        )
 
 
 def run_rows(url: str) -> list[Any]:
     with db(url) as engine, engine.connect() as conn:
-        return list(conn.execute(sa.text(
-            "SELECT id, status, state, owner, lease_epoch, lease_expires_at, last_seq"
-            " FROM flowloop_runs ORDER BY id"
-        )))
+        return list(
+            conn.execute(
+                sa.text(
+                    "SELECT id, status, state, owner, lease_epoch, lease_expires_at, last_seq"
+                    " FROM flowloop_runs ORDER BY id"
+                )
+            )
+        )
 
 
 def succeeded_once_per_visit(rows: Sequence[Any]) -> list[str]:
@@ -411,9 +446,7 @@ class Partition:
         self.upstream = (made.host or "127.0.0.1", made.port or 5432)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.url = made.set(host="127.0.0.1", port=self.port).render_as_string(
-            hide_password=False
-        )
+        self.url = made.set(host="127.0.0.1", port=self.port).render_as_string(hide_password=False)
         self.is_cut = False
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -502,11 +535,16 @@ def _main(argv: Sequence[str]) -> None:
     parser.add_argument("--grace", type=float, default=5.0)
     parser.add_argument("--worker-id", required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     loaded = load_paths(args.paths)
-    with Engine(args.db, max_concurrency=args.concurrency, lease_seconds=args.lease,
-                worker_id=args.worker_id) as engine:
+    with Engine(
+        args.db,
+        max_concurrency=args.concurrency,
+        lease_seconds=args.lease,
+        worker_id=args.worker_id,
+    ) as engine:
         engine.register(*loaded.workflows.values())
         Worker(engine, concurrency=args.concurrency, grace=args.grace).run_forever()
 

@@ -53,7 +53,12 @@ def new_run(
     record = j.create(created)
     if owner is not None:
         started = JournalEvent(
-            run_id=created.run_id, seq=2, kind=j.STEP_STARTED, at=at, state=state, attempt=1,
+            run_id=created.run_id,
+            seq=2,
+            kind=j.STEP_STARTED,
+            at=at,
+            state=state,
+            attempt=1,
             worker=owner,
         )
         events.append(started)
@@ -70,7 +75,10 @@ def new_run(
 
 def event(record: RunRecord, kind: str, offset: int = 1, **fields: object) -> JournalEvent:
     return JournalEvent(
-        run_id=record.id, seq=record.last_seq + offset, kind=kind, at=time.time(),
+        run_id=record.id,
+        seq=record.last_seq + offset,
+        kind=kind,
+        at=time.time(),
         **fields,  # type: ignore[arg-type]
     )
 
@@ -87,13 +95,23 @@ def start_step(stored: StoredRun, worker: str, *, epoch: int | None = None) -> B
 
 
 def succeed_step(
-    record: RunRecord, fence: Fence, *, next_state: str = "b", final: bool = False,
+    record: RunRecord,
+    fence: Fence,
+    *,
+    next_state: str = "b",
+    final: bool = False,
     release: bool = True,
 ) -> Boundary:
     """A ``step_succeeded`` boundary for a run whose step is running."""
     done = event(
-        record, j.STEP_SUCCEEDED, state=record.state, attempt=record.attempt, event="next",
-        next_state=next_state, context='{"n":1}', data={"final": True} if final else {},
+        record,
+        j.STEP_SUCCEEDED,
+        state=record.state,
+        attempt=record.attempt,
+        event="next",
+        next_state=next_state,
+        context='{"n":1}',
+        data={"final": True} if final else {},
     )
     return Boundary(events=[done], record=j.apply(record, done), fence=fence, release=release)
 

@@ -243,7 +243,8 @@ def kinds(engine: Engine, run_id: str) -> list[str]:
 def received(engine: Engine, run_id: str, event: str | None = None) -> list[JournalEvent]:
     """The run's ``event_received`` entries (of ``event``)."""
     return [
-        e for e in engine.history(run_id)
+        e
+        for e in engine.history(run_id)
         if e.kind == "event_received" and (event is None or e.event == event)
     ]
 
@@ -299,7 +300,7 @@ def clone_run(url: str, template_id: str, copies: int) -> list[str]:
                 for r in conn.execute(sa.select(journal).where(journal.c.run_id == template_id))
             ]
             for start in range(0, copies, 2000):
-                chunk = ids[start:start + 2000]
+                chunk = ids[start : start + 2000]
                 conn.execute(sa.insert(runs), [{**row, "id": new_id} for new_id in chunk])
                 conn.execute(
                     sa.insert(journal),
@@ -311,7 +312,11 @@ def clone_run(url: str, template_id: str, copies: int) -> list[str]:
 
 
 def wait_until(
-    probe: Callable[[], T | None], *, timeout: float, what: str, every: float = 0.05,
+    probe: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    every: float = 0.05,
     diagnose: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``probe`` until it returns something truthy, at most ``timeout`` seconds."""
@@ -343,9 +348,20 @@ class WorkerProcess:
         self.started_at = time.time()
         self._handle = log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flowloop.cli", "worker", str(HERE), "--db", url,
-             "--grace", "2"],
-            stdout=self._handle, stderr=subprocess.STDOUT, env=_env(),
+            [
+                sys.executable,
+                "-m",
+                "flowloop.cli",
+                "worker",
+                str(HERE),
+                "--db",
+                url,
+                "--grace",
+                "2",
+            ],
+            stdout=self._handle,
+            stderr=subprocess.STDOUT,
+            env=_env(),
         )
 
     @property
@@ -390,14 +406,21 @@ def workers(url: str, folder: Path) -> Iterator[Callable[[], WorkerProcess]]:
 def sender_command(url: str, plan: Sequence[dict[str, Any]], *, start_at: float) -> list[str]:
     """A sender process that, at ``start_at``, sends ``plan`` in order: each entry
     ``{"run": id, "event": …, "payload": …, "buffer": bool, "dedupe_key": …}``."""
-    return [sys.executable, str(HERE), "send", url, "--start-at", repr(start_at),
-            "--plan", json.dumps(list(plan))]
+    return [
+        sys.executable,
+        str(HERE),
+        "send",
+        url,
+        "--start-at",
+        repr(start_at),
+        "--plan",
+        json.dumps(list(plan)),
+    ]
 
 
 def items_plan(run_id: str, prefix: str, count: int, *, buffer: bool) -> list[dict[str, Any]]:
     return [
-        {"run": run_id, "event": "item", "payload": {"value": f"{prefix}{i:03d}"},
-         "buffer": buffer}
+        {"run": run_id, "event": "item", "payload": {"value": f"{prefix}{i:03d}"}, "buffer": buffer}
         for i in range(count)
     ]
 
@@ -428,8 +451,11 @@ def _send_main(argv: Sequence[str]) -> None:
             time.sleep(delay)
         results = [
             engine.send(
-                entry["run"], entry["event"], entry.get("payload"),
-                buffer=bool(entry.get("buffer")), dedupe_key=entry.get("dedupe_key"),
+                entry["run"],
+                entry["event"],
+                entry.get("payload"),
+                buffer=bool(entry.get("buffer")),
+                dedupe_key=entry.get("dedupe_key"),
             ).status
             for entry in json.loads(args.plan)
         ]

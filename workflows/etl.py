@@ -91,8 +91,17 @@ FILE_ROW: Final = 0
 """The ``row_no`` of a reject that concerns the whole file."""
 
 COLUMNS: Final = (
-    "order_id", "ordered_at", "customer_id", "email", "country", "sku", "product",
-    "quantity", "unit_price", "currency", "status",
+    "order_id",
+    "ordered_at",
+    "customer_id",
+    "email",
+    "country",
+    "sku",
+    "product",
+    "quantity",
+    "unit_price",
+    "currency",
+    "status",
 )
 EUR_PER: Final = {"EUR": Decimal("1"), "USD": Decimal("0.92"), "GBP": Decimal("1.17")}
 """Fixed rates keep the example deterministic; a real job joins a rates table by date."""
@@ -404,8 +413,12 @@ def inspect_file(path: Path) -> FileInfo:
     else:
         problem = read_header(path)[1]
     return FileInfo(
-        name=path.name, size=stat.st_size, mtime_ns=stat.st_mtime_ns,
-        sha256=digest.hexdigest(), rows=max(0, lines - 1), problem=problem,
+        name=path.name,
+        size=stat.st_size,
+        mtime_ns=stat.st_mtime_ns,
+        sha256=digest.hexdigest(),
+        rows=max(0, lines - 1),
+        problem=problem,
     )
 
 
@@ -494,8 +507,15 @@ def validate(
 
     def reject(record: Record, reason: str) -> None:
         raw = record.raw.decode("utf-8", "replace").rstrip("\r\n")
-        bad.append({"file": file, "row_no": record.line, "reason": reason,
-                    "raw": raw[:RAW_KEPT_CHARS], "file_sha256": sha256})
+        bad.append(
+            {
+                "file": file,
+                "row_no": record.line,
+                "reason": reason,
+                "raw": raw[:RAW_KEPT_CHARS],
+                "file_sha256": sha256,
+            }
+        )
 
     for record in records:
         if record.fields is None:
@@ -651,8 +671,12 @@ def discover(ctx: EtlContext, step: Step) -> str:
     engine = target_engine(ctx.target)
     with engine.connect() as conn:
         known = conn.execute(
-            sa.select(loaded_files.c.file, loaded_files.c.sha256, loaded_files.c.size,
-                      loaded_files.c.mtime_ns)
+            sa.select(
+                loaded_files.c.file,
+                loaded_files.c.sha256,
+                loaded_files.c.size,
+                loaded_files.c.mtime_ns,
+            )
         ).all()
     by_stat = {(r.file, r.size, r.mtime_ns) for r in known}
     by_hash = {(r.file, r.sha256) for r in known}
@@ -726,8 +750,19 @@ def open_file(ctx: EtlContext, step: Step) -> str:
         header, problem = read_header(path)
     if problem is not None or header is None:
         reason = problem or "unreadable header"
-        load(ctx.target, [], [{"file": info.name, "row_no": FILE_ROW, "reason": reason,
-                               "raw": None, "file_sha256": info.sha256}])
+        load(
+            ctx.target,
+            [],
+            [
+                {
+                    "file": info.name,
+                    "row_no": FILE_ROW,
+                    "reason": reason,
+                    "raw": None,
+                    "file_sha256": info.sha256,
+                }
+            ],
+        )
         ctx.file_status, ctx.file_rejects = "rejected", 1
         ctx.rejects += 1
         log.info("etl: %s rejected: %s", info.name, reason)
@@ -780,8 +815,11 @@ def load_batch(ctx: EtlContext, step: Step) -> str:
     return "more"
 
 
-@etl.step(on={"next": "open_file", "finished": "report"}, retry=retry_transient,
-          max_visits=MAX_FILES_PER_RUN)
+@etl.step(
+    on={"next": "open_file", "finished": "report"},
+    retry=retry_transient,
+    max_visits=MAX_FILES_PER_RUN,
+)
 def close_file(ctx: EtlContext, step: Step) -> str:
     """Record the file in ``loaded_files`` (loaded or rejected), so no run takes it again."""
     info = ctx.pending.pop(0)
@@ -789,10 +827,15 @@ def close_file(ctx: EtlContext, step: Step) -> str:
         ctx.estimate(ctx.file_rows, ctx.file_batches)  # what the file turned out to hold
     if ctx.file_status in ("loaded", "rejected"):
         row = {
-            "file": info.name, "sha256": info.sha256, "size": info.size,
-            "mtime_ns": info.mtime_ns, "status": ctx.file_status,
+            "file": info.name,
+            "sha256": info.sha256,
+            "size": info.size,
+            "mtime_ns": info.mtime_ns,
+            "status": ctx.file_status,
             "rows_loaded": ctx.file_rows - ctx.file_rejects if ctx.file_status == "loaded" else 0,
-            "rows_rejected": ctx.file_rejects, "loaded_at": _now_iso(), "run_id": step.run_id,
+            "rows_rejected": ctx.file_rejects,
+            "loaded_at": _now_iso(),
+            "run_id": step.run_id,
         }
         with target_engine(ctx.target).begin() as conn:
             upsert(conn, loaded_files, [row])
@@ -816,8 +859,10 @@ def report(ctx: EtlContext, step: Step) -> None:
     parts = []
     if ctx.loaded:
         bad_rows = ctx.rejects - len(ctx.rejected)
-        parts.append(f"{len(ctx.loaded)} file(s) loaded: {ctx.rows_loaded:,} rows, "
-                     f"{bad_rows:,} rows rejected")
+        parts.append(
+            f"{len(ctx.loaded)} file(s) loaded: {ctx.rows_loaded:,} rows, "
+            f"{bad_rows:,} rows rejected"
+        )
     if ctx.rejected:
         parts.append(f"{len(ctx.rejected)} malformed ({', '.join(ctx.rejected)})")
     if ctx.changed:
@@ -849,8 +894,8 @@ def inbox_loop(
 ) -> Loop:
     """A loop that runs :data:`etl` over the input folder every ``every`` seconds after the
     previous run ended (``fixed_delay``); files already loaded are skipped."""
-    interval = every if every is not None else float(
-        os.environ.get("ETL_EVERY") or DEFAULT_EVERY_SECONDS
+    interval = (
+        every if every is not None else float(os.environ.get("ETL_EVERY") or DEFAULT_EVERY_SECONDS)
     )
     fixed = dict(context or {})
     return Loop(
@@ -877,8 +922,15 @@ def run_plain(context: Mapping[str, Any] | EtlContext, *, run_id: str = "plain")
     state, visits = etl.initial, {etl.initial: 1}
     while not etl.is_final(state):
         spec = etl.steps[state]
-        step = Step(run_id=run_id, workflow=etl.name, state=state, attempt=1,
-                    visit=visits[state], seq=0, worker="plain")
+        step = Step(
+            run_id=run_id,
+            workflow=etl.name,
+            state=state,
+            attempt=1,
+            visit=visits[state],
+            seq=0,
+            worker="plain",
+        )
         returned = spec.fn(ctx, step)
         state = etl.next_state(state, etl.event_for(state, returned))
         visits[state] = visits.get(state, 0) + 1

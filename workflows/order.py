@@ -2,7 +2,9 @@
 retries) → ship; or cancel when out of stock, rejected, not approved within 2 days, or
 declined.
 
-Run it:  flowloop run workflows/order.py --context '{"order_id": "A1", "items": [{"sku": "book", "qty": 2}]}'
+Run it:
+    flowloop run workflows/order.py \
+        --context '{"order_id": "A1", "items": [{"sku": "book", "qty": 2}]}'
 A large order waits:  flowloop send RUN approve --data '{"by": "ann"}'
 """
 

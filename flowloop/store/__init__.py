@@ -11,4 +11,13 @@ from flowloop.store.base import (
 )
 from flowloop.store.sql import SQLStore
 
-__all__ = ["Boundary", "Fence", "InboxEvent", "NewRun", "RunFilter", "SQLStore", "Store", "StoredRun"]
+__all__ = [
+    "Boundary",
+    "Fence",
+    "InboxEvent",
+    "NewRun",
+    "RunFilter",
+    "SQLStore",
+    "Store",
+    "StoredRun",
+]

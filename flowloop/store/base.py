@@ -228,4 +228,3 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def has_message(self, run_id: str, dedupe_key: str) -> bool:
         """Whether a message with this dedupe key was ever sent to the run."""
-

@@ -69,7 +69,9 @@ def _prepare_sqlite_file(url: URL) -> None:
             raise StoreError(f"{path} is not a SQLite database (point --db at a new file)")
         return
     if not path.parent.exists():
-        raise StoreError(f"directory {path.parent} does not exist (create it or choose another --db)")
+        raise StoreError(
+            f"directory {path.parent} does not exist (create it or choose another --db)"
+        )
     # Created by us, readable by the owner only: contexts may hold personal data.
     fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
     os.close(fd)
@@ -134,9 +136,7 @@ def _postgres_engine(url: URL) -> Engine:
     try:
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
-        raise StoreError(
-            "PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'"
-        ) from error
+        raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
 
 
 def db_now(engine: Engine) -> ColumnElement[float]:

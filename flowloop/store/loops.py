@@ -95,9 +95,17 @@ def _row(row: Any) -> LoopRow:
 
 def _event_from(row: Any) -> LoopEvent:
     return LoopEvent(
-        loop=row.loop, seq=row.seq, kind=row.kind, at=row.at, slot=row.slot,
-        attempt=row.attempt, count=row.count, duration=row.duration,
-        error_type=row.error_type, error_message=row.error_message, worker=row.worker,
+        loop=row.loop,
+        seq=row.seq,
+        kind=row.kind,
+        at=row.at,
+        slot=row.slot,
+        attempt=row.attempt,
+        count=row.count,
+        duration=row.duration,
+        error_type=row.error_type,
+        error_message=row.error_message,
+        worker=row.worker,
         data=json.loads(row.data) if row.data else {},
     )
 
@@ -105,9 +113,17 @@ def _event_from(row: Any) -> LoopEvent:
 def _event_rows(events: Sequence[LoopEvent], first_seq: int) -> list[dict[str, Any]]:
     return [
         {
-            "loop": e.loop, "seq": first_seq + i, "kind": e.kind, "at": e.at, "slot": e.slot,
-            "attempt": e.attempt, "count": e.count, "duration": e.duration,
-            "error_type": e.error_type, "error_message": e.error_message, "worker": e.worker,
+            "loop": e.loop,
+            "seq": first_seq + i,
+            "kind": e.kind,
+            "at": e.at,
+            "slot": e.slot,
+            "attempt": e.attempt,
+            "count": e.count,
+            "duration": e.duration,
+            "error_type": e.error_type,
+            "error_message": e.error_message,
+            "worker": e.worker,
             "data": json.dumps(dict(e.data), sort_keys=True) if e.data else None,
         }
         for i, e in enumerate(events)
@@ -149,28 +165,47 @@ class LoopStoreMixin:
             if row is None:
                 conn.execute(
                     insert(loops).values(
-                        name=name, schedule=schedule, status="scheduled",
-                        next_fire_at=first_slot, iterations=0, consecutive_failures=0,
-                        skipped=0, missed=0, lease_epoch=0, last_seq=1, updated_at=at,
+                        name=name,
+                        schedule=schedule,
+                        status="scheduled",
+                        next_fire_at=first_slot,
+                        iterations=0,
+                        consecutive_failures=0,
+                        skipped=0,
+                        missed=0,
+                        lease_epoch=0,
+                        last_seq=1,
+                        updated_at=at,
                     )
                 )
-                conn.execute(insert(loop_journal), _event_rows(
-                    [LoopEvent(loop=name, kind="loop_created", at=at, slot=first_slot,
-                               worker=worker, data={"schedule": schedule})], 1))
+                conn.execute(
+                    insert(loop_journal),
+                    _event_rows(
+                        [
+                            LoopEvent(
+                                loop=name,
+                                kind="loop_created",
+                                at=at,
+                                slot=first_slot,
+                                worker=worker,
+                                data={"schedule": schedule},
+                            )
+                        ],
+                        1,
+                    ),
+                )
             elif row.schedule != schedule:
                 spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
                 self._reschedule(conn, row, spec, at=at, worker=worker)
             fresh = conn.execute(select(loops).where(loops.c.name == name)).one()
         return _row(fresh)
 
-    def sync_loops(
-        self, specs: Sequence[LoopSpec], *, at: float, worker: str
-    ) -> list[LoopRow]:
+    def sync_loops(self, specs: Sequence[LoopSpec], *, at: float, worker: str) -> list[LoopRow]:
         """:meth:`sync_loop` for many loops in one transaction per ``SYNC_BATCH`` (a worker
         with thousands of loops registers them in a fraction of a second)."""
         rows: list[LoopRow] = []
         for start in range(0, len(specs), SYNC_BATCH):
-            batch = specs[start:start + SYNC_BATCH]
+            batch = specs[start : start + SYNC_BATCH]
             names = [spec.name for spec in batch]
             with self._write() as conn:
                 existing = {
@@ -181,14 +216,36 @@ class LoopStoreMixin:
                 for spec in batch:
                     row = existing.get(spec.name)
                     if row is None:
-                        new_rows.append(dict(
-                            name=spec.name, schedule=spec.schedule, status="scheduled",
-                            next_fire_at=spec.first_slot, iterations=0, consecutive_failures=0,
-                            skipped=0, missed=0, lease_epoch=0, last_seq=1, updated_at=at,
-                        ))
-                        new_events.extend(_event_rows([LoopEvent(
-                            loop=spec.name, kind="loop_created", at=at, slot=spec.first_slot,
-                            worker=worker, data={"schedule": spec.schedule})], 1))
+                        new_rows.append(
+                            dict(
+                                name=spec.name,
+                                schedule=spec.schedule,
+                                status="scheduled",
+                                next_fire_at=spec.first_slot,
+                                iterations=0,
+                                consecutive_failures=0,
+                                skipped=0,
+                                missed=0,
+                                lease_epoch=0,
+                                last_seq=1,
+                                updated_at=at,
+                            )
+                        )
+                        new_events.extend(
+                            _event_rows(
+                                [
+                                    LoopEvent(
+                                        loop=spec.name,
+                                        kind="loop_created",
+                                        at=at,
+                                        slot=spec.first_slot,
+                                        worker=worker,
+                                        data={"schedule": spec.schedule},
+                                    )
+                                ],
+                                1,
+                            )
+                        )
                     elif row.schedule != spec.schedule:
                         self._reschedule(conn, row, spec, at=at, worker=worker)
                 if new_rows:
@@ -203,15 +260,31 @@ class LoopStoreMixin:
         self, conn: Connection, row: Any, spec: LoopSpec, *, at: float, worker: str
     ) -> None:
         conn.execute(
-            update(loops).where(loops.c.name == spec.name).values(
-                schedule=spec.schedule, last_seq=row.last_seq + 1, updated_at=at,
+            update(loops)
+            .where(loops.c.name == spec.name)
+            .values(
+                schedule=spec.schedule,
+                last_seq=row.last_seq + 1,
+                updated_at=at,
                 next_fire_at=spec.first_slot if row.status == "scheduled" else row.next_fire_at,
             )
         )
-        conn.execute(insert(loop_journal), _event_rows(
-            [LoopEvent(loop=spec.name, kind="loop_rescheduled", at=at, slot=spec.first_slot,
-                       worker=worker, data={"schedule": spec.schedule, "was": row.schedule})],
-            row.last_seq + 1))
+        conn.execute(
+            insert(loop_journal),
+            _event_rows(
+                [
+                    LoopEvent(
+                        loop=spec.name,
+                        kind="loop_rescheduled",
+                        at=at,
+                        slot=spec.first_slot,
+                        worker=worker,
+                        data={"schedule": spec.schedule, "was": row.schedule},
+                    )
+                ],
+                row.last_seq + 1,
+            ),
+        )
 
     def get_loop(self, name: str) -> LoopRow | None:
         with self._read() as conn:
@@ -231,8 +304,10 @@ class LoopStoreMixin:
     def loop_journal(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
         with self._read() as conn:
             rows = conn.execute(
-                select(loop_journal).where(loop_journal.c.loop == name)
-                .order_by(loop_journal.c.seq.desc()).limit(limit)
+                select(loop_journal)
+                .where(loop_journal.c.loop == name)
+                .order_by(loop_journal.c.seq.desc())
+                .limit(limit)
             )
             return [_event_from(row) for row in reversed(list(rows))]
 
@@ -240,8 +315,14 @@ class LoopStoreMixin:
         return or_(loops.c.owner.is_(None), loops.c.lease_expires_at < self.now_sql)
 
     def fire_loop(
-        self, *, name: str, follows_seq: int, worker: str, lease_seconds: float,
-        events: Sequence[LoopEvent], changes: Mapping[str, Any],
+        self,
+        *,
+        name: str,
+        follows_seq: int,
+        worker: str,
+        lease_seconds: float,
+        events: Sequence[LoopEvent],
+        changes: Mapping[str, Any],
     ) -> LoopRow | None:
         """Fire the due slot of a scheduled loop read at ``follows_seq``: status running,
         owned by ``worker``, ``events`` (ending with ``iteration_started``) journaled.
@@ -252,13 +333,18 @@ class LoopStoreMixin:
                 row = conn.execute(
                     update(loops)
                     .where(
-                        loops.c.name == name, loops.c.status == "scheduled",
-                        loops.c.last_seq == follows_seq, self._claimable(),
+                        loops.c.name == name,
+                        loops.c.status == "scheduled",
+                        loops.c.last_seq == follows_seq,
+                        self._claimable(),
                     )
                     .values(
-                        status="running", owner=worker, lease_epoch=loops.c.lease_epoch + 1,
+                        status="running",
+                        owner=worker,
+                        lease_epoch=loops.c.lease_epoch + 1,
                         lease_expires_at=self.now_sql + lease_seconds,
-                        last_seq=loops.c.last_seq + len(events), **changes,
+                        last_seq=loops.c.last_seq + len(events),
+                        **changes,
                     )
                     .returning(*loops.c)
                 ).first()
@@ -271,8 +357,15 @@ class LoopStoreMixin:
         return _row(row)
 
     def write_loop(
-        self, *, name: str, owner: str | None, epoch: int, follows_seq: int,
-        changes: Mapping[str, Any], events: Sequence[LoopEvent], release: bool = True,
+        self,
+        *,
+        name: str,
+        owner: str | None,
+        epoch: int,
+        follows_seq: int,
+        changes: Mapping[str, Any],
+        events: Sequence[LoopEvent],
+        release: bool = True,
     ) -> bool:
         """A fenced update of a loop row plus its journal entries. ``owner=None``: an
         operator write that applies only while no live worker owns the loop."""
@@ -299,8 +392,11 @@ class LoopStoreMixin:
         with self._write() as conn:
             rows = conn.execute(
                 update(loops)
-                .where(loops.c.owner == worker, loops.c.name.in_(list(names)),
-                       loops.c.lease_expires_at >= self.now_sql)
+                .where(
+                    loops.c.owner == worker,
+                    loops.c.name.in_(list(names)),
+                    loops.c.lease_expires_at >= self.now_sql,
+                )
                 .values(lease_expires_at=self.now_sql + lease_seconds)
                 .returning(loops.c.name)
             )
@@ -315,16 +411,15 @@ class LoopStoreMixin:
     def interrupted_loops(self) -> list[LoopRow]:
         """Loops left ``running`` by a worker whose lease has expired."""
         with self._read() as conn:
-            rows = conn.execute(
-                select(loops).where(loops.c.status == "running", self._claimable())
-            )
+            rows = conn.execute(select(loops).where(loops.c.status == "running", self._claimable()))
             return [_row(row) for row in rows]
 
     def running_loop_owners(self) -> set[str]:
         """The workers that hold a running loop (to spot dead ones on this host)."""
         with self._read() as conn:
             rows = conn.execute(
-                select(loops.c.owner).where(loops.c.status == "running", loops.c.owner.is_not(None))
+                select(loops.c.owner)
+                .where(loops.c.status == "running", loops.c.owner.is_not(None))
                 .distinct()
             )
             return {row.owner for row in rows}
@@ -334,7 +429,8 @@ class LoopStoreMixin:
             return
         with self._write() as conn:
             conn.execute(
-                update(loops).where(loops.c.owner.in_(list(owners)))
+                update(loops)
+                .where(loops.c.owner.in_(list(owners)))
                 .values(lease_expires_at=self.now_sql - 1.0)
             )
 

@@ -172,5 +172,11 @@ inbox = Table(
 )
 Index("ix_flowloop_inbox_pending", inbox.c.run_id, inbox.c.consumed_seq)
 # The same dedupe key twice for one run has effect once.
-Index("ux_flowloop_inbox_dedupe", inbox.c.run_id, inbox.c.dedupe_key, unique=True,
-      sqlite_where=text("dedupe_key IS NOT NULL"), postgresql_where=text("dedupe_key IS NOT NULL"))
+Index(
+    "ux_flowloop_inbox_dedupe",
+    inbox.c.run_id,
+    inbox.c.dedupe_key,
+    unique=True,
+    sqlite_where=text("dedupe_key IS NOT NULL"),
+    postgresql_where=text("dedupe_key IS NOT NULL"),
+)

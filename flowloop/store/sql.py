@@ -164,7 +164,9 @@ class SQLStore(LoopStoreMixin, Store):
                 self._ensure_schema(create=create)
         except SQLAlchemyError as error:
             self.engine.dispose()
-            raise StoreError(f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}") from error
+            raise StoreError(
+                f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}"
+            ) from error
         except StoreError:
             self.engine.dispose()
             raise
@@ -214,7 +216,8 @@ class SQLStore(LoopStoreMixin, Store):
                 if foreign or ours:
                     raise StoreError(
                         f"{url} is not a flowloop database (it has tables "
-                        f"{', '.join((foreign or sorted(ours))[:5])}); point --db at a new file or schema"
+                        f"{', '.join((foreign or sorted(ours))[:5])}); "
+                        "point --db at a new file or schema"
                     )
                 if not create:
                     raise StoreError(f"{url} has no flowloop schema yet")
@@ -254,12 +257,16 @@ class SQLStore(LoopStoreMixin, Store):
         self._update_owned_release = (
             update(runs)
             .where(owned)
-            .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
+            .values(
+                **record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None
+            )
         )
         self._update_unowned = (
             update(runs)
             .where(fence, or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
-            .values(**record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None)
+            .values(
+                **record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None
+            )
         )
         self._insert_events = insert(journal)
         # Built once: creating a run is on the hot path of `engine.run`.
@@ -414,8 +421,10 @@ class SQLStore(LoopStoreMixin, Store):
         ) != len(boundaries):
             # Row by row, in order (two boundaries of one run: the second follows the first).
             return [
-                conn.execute(self._statement(*self._statement_kind(b)), self._write_params(b))
-                .rowcount == 1
+                conn.execute(
+                    self._statement(*self._statement_kind(b)), self._write_params(b)
+                ).rowcount
+                == 1
                 for b in boundaries
             ]
         applied = [False] * len(boundaries)
@@ -498,7 +507,10 @@ class SQLStore(LoopStoreMixin, Store):
         if by_id:
             conditions.append(runs.c.id.in_(bindparam("p_ids", expanding=True)))
         candidates = (
-            select(runs.c.id).where(*conditions).order_by(*order).limit(bindparam("p_limit"))
+            select(runs.c.id)
+            .where(*conditions)
+            .order_by(*order)
+            .limit(bindparam("p_limit"))
             .with_for_update(skip_locked=True)
         )
         stmt = (
@@ -515,14 +527,24 @@ class SQLStore(LoopStoreMixin, Store):
         return stmt
 
     def _claim(
-        self, kind: str, *, worker: str, lease_seconds: float, limit: int,
-        workflows: Sequence[str] | None, run_ids: Sequence[str] | None, now: float = 0.0,
+        self,
+        kind: str,
+        *,
+        worker: str,
+        lease_seconds: float,
+        limit: int,
+        workflows: Sequence[str] | None,
+        run_ids: Sequence[str] | None,
+        now: float = 0.0,
     ) -> list[StoredRun]:
         if (workflows is not None and not workflows) or (run_ids is not None and not run_ids):
             return []
         stmt = self._claim_statement(kind, workflows is not None, run_ids is not None)
         params: dict[str, Any] = {
-            "p_worker": worker, "p_lease": lease_seconds, "p_limit": limit, "p_now": now,
+            "p_worker": worker,
+            "p_lease": lease_seconds,
+            "p_limit": limit,
+            "p_now": now,
         }
         if workflows is not None:
             params["p_workflows"] = list(workflows)
@@ -544,8 +566,13 @@ class SQLStore(LoopStoreMixin, Store):
         run_ids: Sequence[str] | None = None,
     ) -> list[StoredRun]:
         return self._claim(
-            "due", worker=worker, lease_seconds=lease_seconds, limit=limit,
-            workflows=workflows, run_ids=run_ids, now=now,
+            "due",
+            worker=worker,
+            lease_seconds=lease_seconds,
+            limit=limit,
+            workflows=workflows,
+            run_ids=run_ids,
+            now=now,
         )
 
     def claim_interrupted(
@@ -557,8 +584,12 @@ class SQLStore(LoopStoreMixin, Store):
         workflows: Sequence[str] | None = None,
     ) -> list[StoredRun]:
         return self._claim(
-            "interrupted", worker=worker, lease_seconds=lease_seconds, limit=limit,
-            workflows=workflows, run_ids=None,
+            "interrupted",
+            worker=worker,
+            lease_seconds=lease_seconds,
+            limit=limit,
+            workflows=workflows,
+            run_ids=None,
         )
 
     def running_owners(self) -> list[str]:
@@ -607,9 +638,7 @@ class SQLStore(LoopStoreMixin, Store):
 
     def request_control(self, run_id: str, action: str | None) -> bool:
         with self._write() as conn:
-            result = conn.execute(
-                update(runs).where(runs.c.id == run_id).values(control=action)
-            )
+            result = conn.execute(update(runs).where(runs.c.id == run_id).values(control=action))
             return bool(result.rowcount == 1)
 
     def pending_controls(self, *, worker: str) -> dict[str, str]:
@@ -622,8 +651,10 @@ class SQLStore(LoopStoreMixin, Store):
             return {row.id: row.control for row in rows}
 
     def count_due(self, *, now: float, workflows: Sequence[str] | None = None) -> int:
-        query = select(func.count()).select_from(runs).where(
-            runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at <= now
+        query = (
+            select(func.count())
+            .select_from(runs)
+            .where(runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at <= now)
         )
         if workflows is not None:
             query = query.where(runs.c.workflow.in_(list(workflows)))
@@ -642,7 +673,6 @@ class SQLStore(LoopStoreMixin, Store):
             value = conn.execute(query).scalar_one_or_none()
         return None if value is None else float(value)
 
-
     # -- events sent to runs ---------------------------------------------------------------
 
     def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
@@ -650,11 +680,16 @@ class SQLStore(LoopStoreMixin, Store):
             with self._write() as conn:
                 if message.id is None:
                     message_id = conn.execute(
-                        insert(inbox).values(
-                            run_id=message.run_id, event=message.event, payload=message.payload,
-                            dedupe_key=message.dedupe_key, sent_at=message.sent_at,
+                        insert(inbox)
+                        .values(
+                            run_id=message.run_id,
+                            event=message.event,
+                            payload=message.payload,
+                            dedupe_key=message.dedupe_key,
+                            sent_at=message.sent_at,
                             sender=message.sender,
-                        ).returning(inbox.c.id)
+                        )
+                        .returning(inbox.c.id)
                     ).scalar_one()
                 else:
                     message_id = message.id
@@ -694,8 +729,13 @@ class SQLStore(LoopStoreMixin, Store):
             )
             return [
                 InboxEvent(
-                    id=row.id, run_id=row.run_id, event=row.event, payload=row.payload,
-                    dedupe_key=row.dedupe_key, sent_at=row.sent_at, sender=row.sender,
+                    id=row.id,
+                    run_id=row.run_id,
+                    event=row.event,
+                    payload=row.payload,
+                    dedupe_key=row.dedupe_key,
+                    sent_at=row.sent_at,
+                    sender=row.sender,
                     consumed_seq=row.consumed_seq,
                 )
                 for row in rows
@@ -704,6 +744,7 @@ class SQLStore(LoopStoreMixin, Store):
 
 class _Conflict(Exception):
     """Raised inside a transaction to roll it back: a fenced write was refused."""
+
 
 def _record_columns_names() -> tuple[str, ...]:
     return (

@@ -73,8 +73,9 @@ def expected_path() -> list[tuple[str, int]]:
 
 
 def unfinished(engine: Engine) -> int:
-    return len(engine.runs(workflow="crash20", status=["scheduled", "running", "retrying"],
-                           limit=10_000))
+    return len(
+        engine.runs(workflow="crash20", status=["scheduled", "running", "retrying"], limit=10_000)
+    )
 
 
 def kill_repeatedly(
@@ -132,8 +133,7 @@ def verify_exactly_once(
             if event.kind == j.RUN_CREATED:
                 visits[str(event.state)] = 1
             elif event.kind == j.STEP_STARTED:
-                started.add((str(event.state), visits[str(event.state)], event.attempt,
-                             event.seq))
+                started.add((str(event.state), visits[str(event.state)], event.attempt, event.seq))
             elif event.kind == j.STEP_SUCCEEDED:
                 succeeded.append((str(event.state), visits[str(event.state)]))
                 nxt = str(event.next_state)
@@ -155,8 +155,9 @@ def verify_exactly_once(
     return kinds
 
 
-def crash_suite(url: str, tmp_path: Path, zygote: Zygote, ledger: Path, *, kills: int,
-                seed: int) -> None:
+def crash_suite(
+    url: str, tmp_path: Path, zygote: Zygote, ledger: Path, *, kills: int, seed: int
+) -> None:
     rng = random.Random(seed)
     reference = reference_contexts(tmp_path, RUNS_PER_BATCH)
     with Engine(url, workflows=crashkit.all_workflows()) as engine:

@@ -133,7 +133,8 @@ def test_etl__killed_at_random_batches_resumes_to_the_same_target(tmp_path: Path
     resumed_from: list[int] = []
     for event in interrupted:
         committed = next(
-            _context(by_seq[s]) for s in range(event.seq - 1, 0, -1)
+            _context(by_seq[s])
+            for s in range(event.seq - 1, 0, -1)
             if by_seq[s].kind == "step_succeeded"
         )
         redo = next(e for e in batches if e.seq > event.seq)

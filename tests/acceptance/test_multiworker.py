@@ -50,7 +50,9 @@ def test_four_workers_share_a_thousand_runs(
     run_ids = mwkit.enqueue(pg_url, flow, RUNS)
 
     mwkit.wait_for(
-        f"{RUNS} runs to finish", lambda: mwkit.all_finished(pg_url, RUNS), timeout=DEADLINE_S,
+        f"{RUNS} runs to finish",
+        lambda: mwkit.all_finished(pg_url, RUNS),
+        timeout=DEADLINE_S,
         describe=lambda: f"{mwkit.statuses(pg_url)}\n{workers.logs()}",
     )
     elapsed = time.monotonic() - started
@@ -99,8 +101,10 @@ def test_four_workers_share_a_thousand_runs(
     logs = "\n".join(proc.output() for proc in workers.procs)
     for problem in ("Traceback", "lost its lease", "write refused", "self-fencing"):
         assert problem not in logs, workers.logs()
-    print(f"{RUNS} runs x {len(mwkit.STATES)} steps on {WORKERS} workers in {elapsed:.1f}s "
-          f"({len(ledger) / elapsed:.0f} steps/s); per worker {dict(per_worker)}")
+    print(
+        f"{RUNS} runs x {len(mwkit.STATES)} steps on {WORKERS} workers in {elapsed:.1f}s "
+        f"({len(ledger) / elapsed:.0f} steps/s); per worker {dict(per_worker)}"
+    )
 
 
 def test_claims_follow_priority_then_due_time(
@@ -120,8 +124,12 @@ def test_claims_follow_priority_then_due_time(
             for priority, due in plan
         }
     workers.add(mwkit.spawn_worker(flow, pg_url, tmp_path, "only", concurrency=1))
-    mwkit.wait_for("the runs to finish", lambda: mwkit.all_finished(pg_url, len(ids)),
-                   timeout=60, describe=workers.logs)
+    mwkit.wait_for(
+        "the runs to finish",
+        lambda: mwkit.all_finished(pg_url, len(ids)),
+        timeout=60,
+        describe=workers.logs,
+    )
     journal = mwkit.journal_rows(pg_url)
     first_steps = sorted(
         (row for row in journal if row.kind == "step_started" and row.state == "s0"),

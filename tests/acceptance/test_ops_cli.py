@@ -70,8 +70,13 @@ def flowloop(
     *args: str, cwd: Path, env: dict[str, str] | None = None, code: int | None = 0
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "flowloop.cli", *args], cwd=cwd, env=env or clean_env(),
-        capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "-m", "flowloop.cli", *args],
+        cwd=cwd,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     if code is not None:
         assert result.returncode == code, (
@@ -83,8 +88,7 @@ def flowloop(
 def here_cli(here: Path, *args: str) -> str:
     """A read command run through the real CLI in this process (a new interpreter per
     command would triple these tests' time); its stdout."""
-    result = CliRunner().invoke(cli, [*args, "--db", str(here / "jobs.db")],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(cli, [*args, "--db", str(here / "jobs.db")], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result.stdout
 
@@ -104,8 +108,9 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def test_cli__json_log_line_when_each_step_starts_and_ends(here: Path) -> None:
-    result = flowloop("--log-format", "json", "--log-level", "info", "run", "jobs.py",
-                      "--db", "jobs.db", cwd=here)
+    result = flowloop(
+        "--log-format", "json", "--log-level", "info", "run", "jobs.py", "--db", "jobs.db", cwd=here
+    )
     entries = json_lines(result.stderr)  # every line parses: one object per line
     steps = [e for e in entries if e.get("event") in ("step_started", "step_finished")]
     assert [(e["event"], e["state"], e["attempt"], e.get("outcome")) for e in steps] == [
@@ -167,8 +172,9 @@ def test_cli__prune_keeps_live_failed_and_new_runs(here: Path) -> None:
 
     planned = here_cli(here, "prune", "--older-than", "0s", "--keep-failed", "--dry-run")
     assert planned.startswith("would delete 1 run(s) finished before ")
-    done = flowloop("prune", "--older-than", "0s", "--keep-failed", "--db", "jobs.db",
-                    cwd=here).stdout
+    done = flowloop(
+        "prune", "--older-than", "0s", "--keep-failed", "--db", "jobs.db", cwd=here
+    ).stdout
     assert done.startswith("deleted 1 run(s) finished before ")
     assert "(failed runs kept): 7 journal row(s)" in done
 
@@ -184,7 +190,10 @@ class Worker:
     def __init__(self, cwd: Path, *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "flowloop.cli", "--log-format", "json", "worker", *args],
-            cwd=cwd, env=env or clean_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            cwd=cwd,
+            env=env or clean_env(),
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
@@ -233,7 +242,8 @@ def scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         text = response.read().decode()
     return {
         (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
 
 
@@ -248,13 +258,16 @@ def test_cli__worker_serves_metrics_on_loopback_until_sigterm(
     port = int(serving["port"])
 
     deadline = time.monotonic() + WAIT_S
-    key = ("flowloop_runs_finished_total",
-           frozenset({("workflow", "jobs"), ("status", "succeeded")}))
+    key = (
+        "flowloop_runs_finished_total",
+        frozenset({("workflow", "jobs"), ("status", "succeeded")}),
+    )
     while (samples := scrape(port)).get(key) != 1.0:
         assert time.monotonic() < deadline, samples
         time.sleep(0.05)
     outcomes = {
-        dict(labels)["outcome"]: v for (name, labels), v in samples.items()
+        dict(labels)["outcome"]: v
+        for (name, labels), v in samples.items()
         if name == "flowloop_steps_total" and dict(labels)["state"] == "check"
     }
     assert outcomes == {"retried": 1.0, "succeeded": 1.0}
@@ -270,8 +283,9 @@ def test_cli__worker_serves_metrics_on_loopback_until_sigterm(
 
 
 def test_cli__config_file_then_env_then_flag(here: Path) -> None:
-    (here / "flowloop.toml").write_text('db = "from-file.db"\nlog_format = "json"\n'
-                                        'log_level = "info"\n')
+    (here / "flowloop.toml").write_text(
+        'db = "from-file.db"\nlog_format = "json"\nlog_level = "info"\n'
+    )
     by_file = flowloop("run", "jobs.py", cwd=here)
     assert json_lines(by_file.stderr)  # JSON, from the file
     assert (here / "from-file.db").exists()
@@ -282,8 +296,9 @@ def test_cli__config_file_then_env_then_flag(here: Path) -> None:
     assert len(started) == 1 and " INFO flowloop: run " in started[0]  # text, from the env
     assert (here / "from-env.db").exists()
 
-    by_flag = flowloop("--log-format", "json", "run", "jobs.py", "--db", "from-flag.db",
-                       cwd=here, env=env)
+    by_flag = flowloop(
+        "--log-format", "json", "run", "jobs.py", "--db", "from-flag.db", cwd=here, env=env
+    )
     assert json_lines(by_flag.stderr)
     assert (here / "from-flag.db").exists()
     for name in ("from-file.db", "from-env.db", "from-flag.db"):

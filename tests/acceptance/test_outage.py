@@ -38,10 +38,15 @@ def workers() -> Iterator[mwkit.Workers]:
 
 
 def kill_connections(admin: sa.Connection, application: str) -> int:
-    return int(admin.execute(sa.text(
-        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
-        " WHERE application_name = :app AND pid <> pg_backend_pid()"
-    ), {"app": application}).scalar_one())
+    return int(
+        admin.execute(
+            sa.text(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE application_name = :app AND pid <> pg_backend_pid()"
+            ),
+            {"app": application},
+        ).scalar_one()
+    )
 
 
 def test_workers_ride_out_killed_connections(
@@ -60,8 +65,9 @@ def test_workers_ride_out_killed_connections(
     def steps_done() -> int:
         return sum(1 for row in mwkit.journal_rows(pg_url) if row.kind == "step_succeeded")
 
-    mwkit.wait_for("the workers to get going", lambda: steps_done() >= RUNS, timeout=60,
-                   describe=workers.logs)
+    mwkit.wait_for(
+        "the workers to get going", lambda: steps_done() >= RUNS, timeout=60, describe=workers.logs
+    )
     before_outage = steps_done()
 
     killed = sweeps = 0
@@ -76,8 +82,10 @@ def test_workers_ride_out_killed_connections(
     assert steps_done() < RUNS * len(mwkit.STATES), "the outage came too late to matter"
 
     mwkit.wait_for(
-        "every run to finish after the outage", lambda: mwkit.all_finished(pg_url, RUNS),
-        timeout=90, describe=lambda: f"{mwkit.statuses(pg_url)}\n{workers.logs()}",
+        "every run to finish after the outage",
+        lambda: mwkit.all_finished(pg_url, RUNS),
+        timeout=90,
+        describe=lambda: f"{mwkit.statuses(pg_url)}\n{workers.logs()}",
     )
     for proc in workers.procs:
         assert proc.proc.poll() is None, f"{proc.name} died in the outage:\n{workers.logs()}"
@@ -97,8 +105,10 @@ def test_workers_ride_out_killed_connections(
     logs = "\n".join(proc.output() for proc in workers.procs)
     assert "database unreachable" in logs or "heartbeat failed" in logs, workers.logs()
     assert "Traceback" not in logs, workers.logs(80)
-    print(f"outage: {killed} connections killed in {sweeps} sweeps; {before_outage} steps "
-          f"before it; retried boundary writes: {logs.count('boundary write(s) kept')}")
+    print(
+        f"outage: {killed} connections killed in {sweeps} sweeps; {before_outage} steps "
+        f"before it; retried boundary writes: {logs.count('boundary write(s) kept')}"
+    )
 
 
 def test_partitioned_worker_fences_itself_before_its_lease_ends(
@@ -113,19 +123,38 @@ def test_partitioned_worker_fences_itself_before_its_lease_ends(
     release = tmp_path / "release"
     partition = mwkit.Partition(pg_url)
     try:
-        a = workers.add(mwkit.spawn_worker(
-            flow, partition.url, tmp_path, "a", concurrency=2, lease=lease,
-            env={"MW_BLOCK_STATE": "s3", "MW_BLOCK_FILE": str(release),
-                 "MW_LEDGER_MODE": "idempotent"},
-        ))
-        mwkit.wait_for("a to block in s3", Path(f"{release}.entered").exists, timeout=30,
-                       describe=workers.logs)
+        a = workers.add(
+            mwkit.spawn_worker(
+                flow,
+                partition.url,
+                tmp_path,
+                "a",
+                concurrency=2,
+                lease=lease,
+                env={
+                    "MW_BLOCK_STATE": "s3",
+                    "MW_BLOCK_FILE": str(release),
+                    "MW_LEDGER_MODE": "idempotent",
+                },
+            )
+        )
+        mwkit.wait_for(
+            "a to block in s3", Path(f"{release}.entered").exists, timeout=30, describe=workers.logs
+        )
         a_row = next(r for r in mwkit.run_rows(pg_url) if r.id == run_id)
         a_seq = a_row.last_seq
-        b = workers.add(mwkit.spawn_worker(flow, pg_url, tmp_path, "b", concurrency=2,
-                                           lease=lease, env={"MW_LEDGER_MODE": "idempotent"}))
-        mwkit.wait_for("b to start", b.is_up, timeout=30,
-                       describe=workers.logs)
+        b = workers.add(
+            mwkit.spawn_worker(
+                flow,
+                pg_url,
+                tmp_path,
+                "b",
+                concurrency=2,
+                lease=lease,
+                env={"MW_LEDGER_MODE": "idempotent"},
+            )
+        )
+        mwkit.wait_for("b to start", b.is_up, timeout=30, describe=workers.logs)
 
         partition.cut()
         cut_at = time.time()
@@ -140,8 +169,12 @@ def test_partitioned_worker_fences_itself_before_its_lease_ends(
             return True
 
         mwkit.wait_for("b to take the run over", taken_over, timeout=30, describe=workers.logs)
-        mwkit.wait_for("b to finish the run", lambda: mwkit.all_finished(pg_url, 1),
-                       timeout=30, describe=workers.logs)
+        mwkit.wait_for(
+            "b to finish the run",
+            lambda: mwkit.all_finished(pg_url, 1),
+            timeout=30,
+            describe=workers.logs,
+        )
         fenced = [line for line in a.output().splitlines() if "self-fencing" in line]
         assert fenced and run_id in fenced[0], workers.logs()
         fenced_at = mwkit.log_time(fenced[0])
@@ -155,8 +188,12 @@ def test_partitioned_worker_fences_itself_before_its_lease_ends(
         before = (journal, mwkit.run_rows(pg_url))
         partition.heal()
         release.write_text("go")
-        mwkit.wait_for("a's abandoned step to end", lambda: "result discarded" in a.output(),
-                       timeout=30, describe=workers.logs)
+        mwkit.wait_for(
+            "a's abandoned step to end",
+            lambda: "result discarded" in a.output(),
+            timeout=30,
+            describe=workers.logs,
+        )
         assert a.stop() == 0, workers.logs()
         assert (mwkit.journal_rows(pg_url), mwkit.run_rows(pg_url)) == before
         a_id = a_row.owner

@@ -40,8 +40,13 @@ ORDER_FILE = str(Path(__file__).resolve().parents[2] / "workflows" / "order.py")
 
 def dup(run_id: str) -> dict[str, Any]:
     """The same event with the same dedupe key, sent by every sender."""
-    return {"run": run_id, "event": "item", "payload": {"value": "dup"}, "dedupe_key": "dup",
-            "buffer": True}
+    return {
+        "run": run_id,
+        "event": "item",
+        "payload": {"value": "dup"},
+        "dedupe_key": "dup",
+        "buffer": True,
+    }
 
 
 def interleave(*plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -87,18 +92,30 @@ def test_send__events_from_several_processes_are_all_journaled_in_order_with_no_
         bag = engine.start(collector, {}).id
         heap = engine.run(gatherer, {}).id
         wait_until(
-            lambda: engine.get(bag).state == "collect", timeout=20,
-            what="the worker opens the bag", diagnose=worker.output,
+            lambda: engine.get(bag).state == "collect",
+            timeout=20,
+            what="the worker opens the bag",
+            diagnose=worker.output,
         )
         prefixes = [f"p{k}-" for k in range(SENDERS)]
         start_at = time.time() + START_IN_S
-        results = send_from_processes([
-            sender_command(store_url, [dup(bag), dup(heap), *interleave(
-                items_plan(bag, prefix, PER_SENDER, buffer=True),
-                items_plan(heap, prefix, PER_SENDER, buffer=False),
-            )], start_at=start_at)
-            for prefix in prefixes
-        ])
+        results = send_from_processes(
+            [
+                sender_command(
+                    store_url,
+                    [
+                        dup(bag),
+                        dup(heap),
+                        *interleave(
+                            items_plan(bag, prefix, PER_SENDER, buffer=True),
+                            items_plan(heap, prefix, PER_SENDER, buffer=False),
+                        ),
+                    ],
+                    start_at=start_at,
+                )
+                for prefix in prefixes
+            ]
+        )
         to_bag = [r for result in results for r in result[:1] + result[2::2]]
         to_heap = [r for result in results for r in result[1:2] + result[3::2]]
         total = SENDERS * PER_SENDER + 1
@@ -112,16 +129,19 @@ def test_send__events_from_several_processes_are_all_journaled_in_order_with_no_
             done = ctx(info).taken == total
             return info if done and info.state == "collect" and info.owner is None else None
 
-        wait_until(settled, timeout=60, what=f"the worker takes all {total} items",
-                   diagnose=worker.output)
+        wait_until(
+            settled, timeout=60, what=f"the worker takes all {total} items", diagnose=worker.output
+        )
         for run_id in (bag, heap):
             items = check_collected(engine, store_url, run_id, prefixes)
             assert items.count("dup") == 1
             assert engine.send(run_id, "finish").run.state == "done"
             assert_journal_sound(engine, run_id)
-        print(f"\n{SENDERS} processes x {2 * total} events: to the looping run "
-              f"{to_bag.count('applied')} applied at once, {to_bag.count('buffered')} kept; "
-              f"to the self-looping wait {to_heap.count('applied')} applied")
+        print(
+            f"\n{SENDERS} processes x {2 * total} events: to the looping run "
+            f"{to_bag.count('applied')} applied at once, {to_bag.count('buffered')} kept; "
+            f"to the self-looping wait {to_heap.count('applied')} applied"
+        )
 
 
 # -- the command line --------------------------------------------------------------------------
@@ -150,47 +170,102 @@ def test_cli__send_by_run_id_and_by_business_key_then_status_by_key(
     store_url: str, orders: dict[str, str]
 ) -> None:
     db = ["--db", store_url]
-    sent = flowloop("send", orders["A2"], "reject", "--data", '{"by": "bob", "note": "too dear"}',
-                    "-w", ORDER_FILE, *db, "--json")
+    sent = flowloop(
+        "send",
+        orders["A2"],
+        "reject",
+        "--data",
+        '{"by": "bob", "note": "too dear"}',
+        "-w",
+        ORDER_FILE,
+        *db,
+        "--json",
+    )
     assert sent["result"] == "applied"
     assert (sent["run"]["status"], sent["run"]["state"]) == ("succeeded", "cancelled")
     assert sent["run"]["context"]["cancel_reason"] == "rejected by bob: too dear"
 
-    sent = flowloop("send", "A1", "approve", "--workflow", "order", "--data", '{"by": "ann"}',
-                    "--dedupe-key", "mail-1", "-w", ORDER_FILE, *db, "--json")
+    sent = flowloop(
+        "send",
+        "A1",
+        "approve",
+        "--workflow",
+        "order",
+        "--data",
+        '{"by": "ann"}',
+        "--dedupe-key",
+        "mail-1",
+        "-w",
+        ORDER_FILE,
+        *db,
+        "--json",
+    )
     assert sent["result"] == "applied"
     assert (sent["run"]["id"], sent["run"]["state"]) == (orders["A1"], "charge")
     assert sent["run"]["context"]["approved_by"] == "ann"
-    again = flowloop("send", "A1", "approve", "--workflow", "order", "--data", '{"by": "ann"}',
-                     "--dedupe-key", "mail-1", "-w", ORDER_FILE, *db, "--json")
+    again = flowloop(
+        "send",
+        "A1",
+        "approve",
+        "--workflow",
+        "order",
+        "--data",
+        '{"by": "ann"}',
+        "--dedupe-key",
+        "mail-1",
+        "-w",
+        ORDER_FILE,
+        *db,
+        "--json",
+    )
     assert again["result"] == "duplicate"
 
     [listed] = flowloop("status", "--key", "A1", *db, "--json")
     assert (listed["id"], listed["key"], listed["state"]) == (orders["A1"], "A1", "charge")
     table = flowloop("status", "--key", "A1", *db)
     assert orders["A1"] in table and orders["A2"] not in table
-    text = flowloop("send", orders["A1"], "approve", "--data", '{"by": "x"}', "--buffer",
-                    "-w", ORDER_FILE, *db)
+    text = flowloop(
+        "send", orders["A1"], "approve", "--data", '{"by": "x"}', "--buffer", "-w", ORDER_FILE, *db
+    )
     assert "approve: buffered" in text
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["paid"], "state 'awaiting_approval' does not accept event 'paid' "
-                   "(it accepts: approve, reject)"),
-        (["approve", "--data", '{"note": "hi"}'],
-         "payload of event 'approve' is invalid: by: Field required"),
+        (
+            ["paid"],
+            "state 'awaiting_approval' does not accept event 'paid' (it accepts: approve, reject)",
+        ),
+        (
+            ["approve", "--data", '{"note": "hi"}'],
+            "payload of event 'approve' is invalid: by: Field required",
+        ),
         (["approve", "--data", "{oops"], "--data is not valid JSON"),
     ],
 )
 def test_cli__send_refused_prints_one_line_and_exits_2(
-    store_url: str, orders: dict[str, str], capsys: pytest.CaptureFixture[str],
-    args: list[str], message: str,
+    store_url: str,
+    orders: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    message: str,
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        main(["send", "A1", *args[:1], "--workflow", "order", *args[1:], "-w", ORDER_FILE,
-              "--db", store_url])
+        main(
+            [
+                "send",
+                "A1",
+                *args[:1],
+                "--workflow",
+                "order",
+                *args[1:],
+                "-w",
+                ORDER_FILE,
+                "--db",
+                store_url,
+            ]
+        )
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err

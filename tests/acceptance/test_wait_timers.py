@@ -56,19 +56,27 @@ def start_both(engine: Engine, worker: WorkerProcess) -> tuple[str, str, float, 
     timed_id = engine.start(timed, {}).id
     nap_id = engine.start(napper, {}).id
     holding = wait_until(
-        lambda: parked_in(engine, timed_id, "hold"), timeout=STARTUP_S,
-        what="the first worker drives `timed` into its wait", diagnose=worker.output,
+        lambda: parked_in(engine, timed_id, "hold"),
+        timeout=STARTUP_S,
+        what="the first worker drives `timed` into its wait",
+        diagnose=worker.output,
     )
     sleeping = wait_until(
-        lambda: parked_in(engine, nap_id, "after"), timeout=STARTUP_S,
-        what="the first worker runs `nap`, which sleeps", diagnose=worker.output,
+        lambda: parked_in(engine, nap_id, "after"),
+        timeout=STARTUP_S,
+        what="the first worker runs `nap`, which sleeps",
+        diagnose=worker.output,
     )
     assert holding.next_run_at is not None and sleeping.next_run_at is not None
     return timed_id, nap_id, holding.next_run_at, sleeping.next_run_at
 
 
 def check_fired_once(
-    engine: Engine, timed_id: str, nap_id: str, timeout_due: float, sleep_due: float,
+    engine: Engine,
+    timed_id: str,
+    nap_id: str,
+    timeout_due: float,
+    sleep_due: float,
     by: Sequence[WorkerProcess],
 ) -> tuple[float, float]:
     """Each timer fired exactly once, not early, by one of ``by``; when each fired."""
@@ -100,8 +108,10 @@ def test_durable_timers__fire_once_after_worker_sigkill_on_time_or_at_once_when_
         second = start()
         for run_id in (timed_id, nap_id):
             wait_until(
-                functools.partial(finished, engine, run_id), timeout=STARTUP_S + TIMER_S,
-                what="the restarted worker fires the timer", diagnose=second.output,
+                functools.partial(finished, engine, run_id),
+                timeout=STARTUP_S + TIMER_S,
+                what="the restarted worker fires the timer",
+                diagnose=second.output,
             )
         fired, woke = check_fired_once(
             engine, timed_id, nap_id, timeout_due, sleep_due, by=[second]
@@ -109,8 +119,10 @@ def test_durable_timers__fire_once_after_worker_sigkill_on_time_or_at_once_when_
         # On time, or at once if the restarted worker was ready only after the due time.
         assert fired - max(timeout_due, second.started_at) < LATE_S + STARTUP_S / 4
         assert woke - max(sleep_due, second.started_at) < LATE_S + STARTUP_S / 4
-        print(f"\ntimeout fired {fired - timeout_due:+.3f}s, sleep ended {woke - sleep_due:+.3f}s"
-              f" after due (restart {second.started_at - timeout_due:+.3f}s)")
+        print(
+            f"\ntimeout fired {fired - timeout_due:+.3f}s, sleep ended {woke - sleep_due:+.3f}s"
+            f" after due (restart {second.started_at - timeout_due:+.3f}s)"
+        )
 
         # 2. Killed, and nothing runs until both are overdue; two restarted workers compete.
         timed_id, nap_id, timeout_due, sleep_due = start_both(engine, second)
@@ -123,7 +135,8 @@ def test_durable_timers__fire_once_after_worker_sigkill_on_time_or_at_once_when_
         third, fourth = start(), start()
         for run_id in (timed_id, nap_id):
             wait_until(
-                functools.partial(finished, engine, run_id), timeout=STARTUP_S,
+                functools.partial(finished, engine, run_id),
+                timeout=STARTUP_S,
                 what="a restarted worker fires the overdue timer",
                 diagnose=lambda: third.output() + fourth.output(),
             )
@@ -133,8 +146,10 @@ def test_durable_timers__fire_once_after_worker_sigkill_on_time_or_at_once_when_
             engine, timed_id, nap_id, timeout_due, sleep_due, by=[third, fourth]
         )
         assert max(fired, woke) - third.started_at < STARTUP_S
-        print(f"overdue timers fired {fired - third.started_at:.2f}s / "
-              f"{woke - third.started_at:.2f}s after the restart (process start included)")
+        print(
+            f"overdue timers fired {fired - third.started_at:.2f}s / "
+            f"{woke - third.started_at:.2f}s after the restart (process start included)"
+        )
 
 
 # -- many waiting runs ---------------------------------------------------------------------------
@@ -165,8 +180,13 @@ async def idle_worker(engine: Engine, seconds: float) -> dict[str, Any]:
     stop.set()
     await asyncio.wait_for(task, 30)
     assert worker.executor is not None
-    return {"cpu": cpu, "wall": wall, "threads": max(threads), "busy": max(busy),
-            "steps": worker.executor.stats.steps}
+    return {
+        "cpu": cpu,
+        "wall": wall,
+        "threads": max(threads),
+        "busy": max(busy),
+        "steps": worker.executor.stats.steps,
+    }
 
 
 def test_waiting_runs__ten_thousand_cost_no_cpu_and_hold_no_thread(store_url: str) -> None:

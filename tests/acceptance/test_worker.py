@@ -132,8 +132,9 @@ def test_worker__two_workers_on_one_sqlite_file_never_fire_a_slot_twice(tmp_path
     env = {"BEAT_LOG": str(log)}
     with workers() as started:
         for name in ("a", "b"):
-            started.append(WorkerProcess([module], db, "--lease", "1", log=tmp_path / f"{name}.log",
-                                         env=env))
+            started.append(
+                WorkerProcess([module], db, "--lease", "1", log=tmp_path / f"{name}.log", env=env)
+            )
 
         def both_fired() -> bool:
             if not db.exists():
@@ -207,9 +208,13 @@ def test_worker__pause_unpause_stop_from_the_cli(tmp_path: Path) -> None:
 
         cli_here("unpause", "tick", db=db)
         with engine(db) as e:
-            wait_for(lambda: [ev.kind for ev in e.loop_history("tick")][-1]
-                     == "iteration_succeeded" and e.loop("tick").status != "paused",
-                     what="tick to run again")
+            wait_for(
+                lambda: (
+                    [ev.kind for ev in e.loop_history("tick")][-1] == "iteration_succeeded"
+                    and e.loop("tick").status != "paused"
+                ),
+                what="tick to run again",
+            )
         assert worker.stop() == 0, worker.text()
 
     events = loop_journal(db, "tick")
@@ -357,14 +362,19 @@ def test_poll_example__runs_under_a_worker(tmp_path: Path) -> None:
     feed.write_text(json.dumps({"build": "green"}))
     env = {"POLL_EVERY": "0.2", "POLL_FEED": str(feed), "POLL_SEEN": str(seen)}
     with workers() as running:
-        worker = WorkerProcess([ROOT / "workflows" / "poll.py"], db, log=tmp_path / "w.log",
-                               env=env)
+        worker = WorkerProcess(
+            [ROOT / "workflows" / "poll.py"], db, log=tmp_path / "w.log", env=env
+        )
         running.append(worker)
-        wait_for(lambda: seen.exists() and json.loads(seen.read_text()) == {"build": "green"},
-                 what="the first poll")
+        wait_for(
+            lambda: seen.exists() and json.loads(seen.read_text()) == {"build": "green"},
+            what="the first poll",
+        )
         feed.write_text(json.dumps({"build": "red", "deploy": "done"}))
-        wait_for(lambda: json.loads(seen.read_text()) == {"build": "red", "deploy": "done"},
-                 what="the change to be seen")
+        wait_for(
+            lambda: json.loads(seen.read_text()) == {"build": "red", "deploy": "done"},
+            what="the change to be seen",
+        )
         assert worker.stop() == 0, worker.text()
     with engine(db) as e:
         row = e.loop("poll_feed")
@@ -373,8 +383,9 @@ def test_poll_example__runs_under_a_worker(tmp_path: Path) -> None:
 
 
 def test_converge_example__runs_with_defaults_from_the_cli(tmp_path: Path) -> None:
-    out = cli("run", str(ROOT / "workflows" / "converge.py"), "--context", "{}",
-              db=tmp_path / "c.db")
+    out = cli(
+        "run", str(ROOT / "workflows" / "converge.py"), "--context", "{}", db=tmp_path / "c.db"
+    )
     assert "succeeded" in out.stdout
 
 
@@ -385,7 +396,7 @@ def test_converge_example__patience_ends_a_run_that_stops_improving(tmp_path: Pa
         done = e.run(converge, {"target": 2.0})
         stuck = e.run(converge, {"target": 2.0, "tolerance": 0.0, "patience": 2})
     assert (done.status, done.state) == ("succeeded", "converged")
-    assert abs(done.context.estimate - 2.0 ** 0.5) < 1e-9  # type: ignore[union-attr]
+    assert abs(done.context.estimate - 2.0**0.5) < 1e-9  # type: ignore[union-attr]
     assert (stuck.status, stuck.state) == ("succeeded", "stalled")
     assert stuck.context.stale == 2  # type: ignore[union-attr]
 

@@ -50,28 +50,52 @@ def test_frozen_worker_is_fenced_off_after_takeover(
     flow = mwkit.write_flow(tmp_path)
     (run_id,) = mwkit.enqueue(pg_url, flow, 1)
     release = tmp_path / "release"
-    a = workers.add(mwkit.spawn_worker(
-        flow, pg_url, tmp_path, "a", concurrency=2, lease=LEASE_S,
-        env={"MW_BLOCK_STATE": "s3", "MW_BLOCK_FILE": str(release), "MW_LEDGER_MODE": "idempotent"},
-    ))
+    a = workers.add(
+        mwkit.spawn_worker(
+            flow,
+            pg_url,
+            tmp_path,
+            "a",
+            concurrency=2,
+            lease=LEASE_S,
+            env={
+                "MW_BLOCK_STATE": "s3",
+                "MW_BLOCK_FILE": str(release),
+                "MW_LEDGER_MODE": "idempotent",
+            },
+        )
+    )
     entered = Path(f"{release}.entered")
-    mwkit.wait_for("worker a to block in step s3", entered.exists, timeout=30,
-                   describe=workers.logs)
+    mwkit.wait_for(
+        "worker a to block in step s3", entered.exists, timeout=30, describe=workers.logs
+    )
     assert entered.read_text() == run_id
     a_id, a_epoch = owner_of(pg_url, run_id)
     assert a_id is not None and a_id.split(":")[1] == str(a.pid)
     a_seq = max(row.seq for row in mwkit.journal_rows(pg_url))  # a's step_started of s3
 
     # b is up and idle before a freezes: the takeover is b's periodic recovery, not its start-up.
-    b = workers.add(mwkit.spawn_worker(flow, pg_url, tmp_path, "b", concurrency=2,
-                                       lease=LEASE_S, env={"MW_LEDGER_MODE": "idempotent"}))
-    mwkit.wait_for("worker b to start", b.is_up, timeout=30,
-                   describe=workers.logs)
+    b = workers.add(
+        mwkit.spawn_worker(
+            flow,
+            pg_url,
+            tmp_path,
+            "b",
+            concurrency=2,
+            lease=LEASE_S,
+            env={"MW_LEDGER_MODE": "idempotent"},
+        )
+    )
+    mwkit.wait_for("worker b to start", b.is_up, timeout=30, describe=workers.logs)
     assert owner_of(pg_url, run_id) == (a_id, a_epoch), "a's heartbeat keeps its lease"
     a.signal(signal.SIGSTOP)
     frozen_at = time.time()
-    mwkit.wait_for("b to finish the run", lambda: mwkit.all_finished(pg_url, 1),
-                   timeout=30, describe=workers.logs)
+    mwkit.wait_for(
+        "b to finish the run",
+        lambda: mwkit.all_finished(pg_url, 1),
+        timeout=30,
+        describe=workers.logs,
+    )
     assert mwkit.statuses(pg_url) == Counter({"succeeded": 1})
 
     journal = mwkit.journal_rows(pg_url)
@@ -87,7 +111,8 @@ def test_frozen_worker_is_fenced_off_after_takeover(
     mwkit.wait_for(
         "a to notice it lost the run",
         lambda: any(m in a.output() for m in ("lost its lease", "write refused", "self-fencing")),
-        timeout=30, describe=workers.logs,
+        timeout=30,
+        describe=workers.logs,
     )
     assert a.stop() == 0, workers.logs()
     assert (mwkit.journal_rows(pg_url), mwkit.run_rows(pg_url)) == before
@@ -112,11 +137,15 @@ def test_owner_write_after_its_lease_ran_out_is_refused(pg_url: str) -> None:
     store = SQLStore(pg_url)
     try:
         stored, _ = store.create_run(storekit.new_run())
-        (claimed,) = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=0.3,
-                                 run_ids=[stored.id])
+        (claimed,) = store.claim(
+            worker="a", now=time.time(), limit=1, lease_seconds=0.3, run_ids=[stored.id]
+        )
         assert claimed.lease_expires_at is not None
-        mwkit.wait_for("the lease to run out by the database clock",
-                       lambda: store.db_now() > claimed.lease_expires_at, timeout=10)  # type: ignore[operator]
+        mwkit.wait_for(
+            "the lease to run out by the database clock",
+            lambda: store.db_now() > claimed.lease_expires_at,
+            timeout=10,
+        )  # type: ignore[operator]
         assert store.write([storekit.start_step(claimed, "a")]) == [False]
         assert store.renew(worker="a", run_ids=[stored.id], lease_seconds=30) == set()
         after = store.get_run(stored.id)
@@ -126,7 +155,12 @@ def test_owner_write_after_its_lease_ran_out_is_refused(pg_url: str) -> None:
 
 
 def _kill_while_holding(
-    url: str, tmp_path: Path, workers: mwkit.Workers, *, lease: float, victim_id: str | None,
+    url: str,
+    tmp_path: Path,
+    workers: mwkit.Workers,
+    *,
+    lease: float,
+    victim_id: str | None,
 ) -> tuple[set[str], str, float]:
     """Two workers share 24 slow runs; the victim is SIGKILLed while it holds 8 of them
     mid-step, and the survivor (already running: its periodic recovery, not its start-up,
@@ -135,23 +169,37 @@ def _kill_while_holding(
     flow = mwkit.write_flow(tmp_path)
     run_ids = mwkit.enqueue(url, flow, 24)
     env = {"MW_STEP_SLEEP": "0.2", "MW_LEDGER_MODE": "idempotent"}
-    victim = workers.add(mwkit.spawn_worker(flow, url, tmp_path, "victim", concurrency=8,
-                                            lease=lease, worker_id=victim_id, env=env))
-    mwkit.wait_for("the victim to take 8 runs", lambda: len(held(url, victim, victim_id)) == 8,
-                   timeout=30, describe=workers.logs)
-    survivor = workers.add(mwkit.spawn_worker(flow, url, tmp_path, "survivor", concurrency=8,
-                                              lease=lease, env=env))
-    mwkit.wait_for("the survivor to start", survivor.is_up,
-                   timeout=30, describe=workers.logs)
-    mwkit.wait_for("the victim to hold 8 running runs",
-                   lambda: len(held(url, victim, victim_id, status="running")) == 8,
-                   timeout=30, describe=workers.logs)
+    victim = workers.add(
+        mwkit.spawn_worker(
+            flow, url, tmp_path, "victim", concurrency=8, lease=lease, worker_id=victim_id, env=env
+        )
+    )
+    mwkit.wait_for(
+        "the victim to take 8 runs",
+        lambda: len(held(url, victim, victim_id)) == 8,
+        timeout=30,
+        describe=workers.logs,
+    )
+    survivor = workers.add(
+        mwkit.spawn_worker(flow, url, tmp_path, "survivor", concurrency=8, lease=lease, env=env)
+    )
+    mwkit.wait_for("the survivor to start", survivor.is_up, timeout=30, describe=workers.logs)
+    mwkit.wait_for(
+        "the victim to hold 8 running runs",
+        lambda: len(held(url, victim, victim_id, status="running")) == 8,
+        timeout=30,
+        describe=workers.logs,
+    )
     owner = victim_id or f"{socket.gethostname()}:{victim.pid}:"
     owner = next(r.owner for r in mwkit.run_rows(url) if (r.owner or "").startswith(owner))
     victim.kill()
     killed_at = time.time()
-    mwkit.wait_for("the survivor to finish every run", lambda: mwkit.all_finished(url, 24),
-                   timeout=60, describe=lambda: f"{mwkit.statuses(url)}\n{workers.logs()}")
+    mwkit.wait_for(
+        "the survivor to finish every run",
+        lambda: mwkit.all_finished(url, 24),
+        timeout=60,
+        describe=lambda: f"{mwkit.statuses(url)}\n{workers.logs()}",
+    )
     assert mwkit.statuses(url) == Counter({"succeeded": 24}), workers.logs()
     journal = mwkit.journal_rows(url)
     assert mwkit.succeeded_once_per_visit(journal) == []
@@ -178,8 +226,11 @@ def held(
 ) -> set[str]:
     """Runs the victim owns (by its worker id, or by the host and pid of its CLI worker id)."""
     prefix = victim_id or f"{socket.gethostname()}:{victim.pid}:"
-    return {r.id for r in mwkit.run_rows(url)
-            if (r.owner or "").startswith(prefix) and (status is None or r.status == status)}
+    return {
+        r.id
+        for r in mwkit.run_rows(url)
+        if (r.owner or "").startswith(prefix) and (status is None or r.status == status)
+    }
 
 
 def test_sigkill_on_this_host_runs_taken_over_without_waiting_for_the_lease(
@@ -206,4 +257,4 @@ def test_sigkill_on_another_host_runs_taken_over_after_the_lease(
     assert victim == "elsewhere.example:4242:feedbeef"
     interrupted = [r for r in mwkit.journal_rows(pg_url) if r.kind == "step_interrupted"]
     earliest = min(r.at for r in interrupted)
-    assert earliest >= killed_at + lease * 2 / 3 - 0.25, (earliest - killed_at)
+    assert earliest >= killed_at + lease * 2 / 3 - 0.25, earliest - killed_at

@@ -83,9 +83,14 @@ def hook() -> Iterator[Hook]:
 
 
 def alert(**fields: Any) -> Alert:
-    base: dict[str, Any] = {"level": "critical", "what": "run failed", "subject": "r1",
-                            "message": "order failed in state charge (error)",
-                            "error": "ValueError: bad", "hint": "flowloop history r1"}
+    base: dict[str, Any] = {
+        "level": "critical",
+        "what": "run failed",
+        "subject": "r1",
+        "message": "order failed in state charge (error)",
+        "error": "ValueError: bad",
+        "hint": "flowloop history r1",
+    }
     return Alert(**{**base, **fields})
 
 
@@ -101,8 +106,12 @@ async def run_worker(worker: Worker, body: Callable[[], Awaitable[None]]) -> Non
 
 
 def dead_owner() -> str:
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
 
 
@@ -138,10 +147,12 @@ def test_alert__run_failed_reaches_the_webhook(sqlite_url: str, hook: Hook) -> N
             await until(lambda: engine.get(run_id).status == "failed", what="the failure")
             await until(lambda: hook.received("run failed"), what="the webhook call")
 
-        asyncio.run(run_worker(
-            Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
-            body,
-        ))
+        asyncio.run(
+            run_worker(
+                Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
+                body,
+            )
+        )
 
     (body,) = hook.bodies
     assert body["level"] == "critical"
@@ -159,36 +170,59 @@ def test_alert__interrupted_non_idempotent_step_says_so(sqlite_url: str, hook: H
         wf = order()
         engine.register(wf)
         # A run whose worker died while `ship` (not idempotent) ran.
-        new = engine._new_run(wf, {}, key=None, idempotency_key=None, priority=0,
-                              run_at=None, owner=dead_owner())
+        new = engine._new_run(
+            wf, {}, key=None, idempotency_key=None, priority=0, run_at=None, owner=dead_owner()
+        )
         engine.store.create_run(new)
         run_id = new.record.id
         stored = engine.store.get_run(run_id)
         assert stored is not None
         # Move it to `ship` as its dead worker would have: charge succeeded, ship started.
         record = stored.record
-        done = JournalEvent(run_id=run_id, seq=3, kind=j.STEP_SUCCEEDED, at=T0, state="charge",
-                            attempt=1, event="next", next_state="ship", context="{}",
-                            duration=0.1, data={})
-        started = JournalEvent(run_id=run_id, seq=4, kind=j.STEP_STARTED, at=T0, state="ship",
-                               attempt=1)
+        done = JournalEvent(
+            run_id=run_id,
+            seq=3,
+            kind=j.STEP_SUCCEEDED,
+            at=T0,
+            state="charge",
+            attempt=1,
+            event="next",
+            next_state="ship",
+            context="{}",
+            duration=0.1,
+            data={},
+        )
+        started = JournalEvent(
+            run_id=run_id, seq=4, kind=j.STEP_STARTED, at=T0, state="ship", attempt=1
+        )
         after = j.apply(j.apply(record, done), started)
-        assert engine.store.write([Boundary(events=[done, started], record=after,
-                                            fence=Fence(stored.owner, stored.lease_epoch))])[0]
+        assert engine.store.write(
+            [
+                Boundary(
+                    events=[done, started],
+                    record=after,
+                    fence=Fence(stored.owner, stored.lease_epoch),
+                )
+            ]
+        )[0]
 
         async def body() -> None:
             await until(lambda: engine.get(run_id).status == "failed", what="the recovery")
             await until(lambda: hook.bodies, what="the webhook call")
 
-        asyncio.run(run_worker(
-            Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
-            body,
-        ))
+        asyncio.run(
+            run_worker(
+                Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
+                body,
+            )
+        )
         assert engine.get(run_id).reason == "interrupted"
 
     (body,) = hook.bodies
     assert (body["level"], body["what"], body["subject"]) == (
-        "critical", "interrupted step (not idempotent)", run_id
+        "critical",
+        "interrupted step (not idempotent)",
+        run_id,
     )
     assert "ship was cut off" in body["message"]
     assert body["hint"] == f"flowloop history {run_id}"
@@ -207,11 +241,17 @@ def test_alert__loop_paused_after_max_failures(sqlite_url: str, hook: Hook) -> N
 
     with Engine(sqlite_url, clock=clock) as engine:
         loop = Loop("feed", broken, every=10, max_failures=2)
-        asyncio.run(run_worker(
-            Worker(engine, [loop], grace=1.0,
-                   alerts=Alerts([webhook_sink(hook.url)], background=True)),
-            body,
-        ))
+        asyncio.run(
+            run_worker(
+                Worker(
+                    engine,
+                    [loop],
+                    grace=1.0,
+                    alerts=Alerts([webhook_sink(hook.url)], background=True),
+                ),
+                body,
+            )
+        )
         assert engine.loop("feed").status == "paused"
 
     (body,) = hook.received("loop paused")
@@ -235,11 +275,17 @@ def test_alert__loop_that_keeps_skipping_slots(sqlite_url: str, hook: Hook) -> N
 
     with Engine(sqlite_url, clock=clock) as engine:
         loop = Loop("slow", slow, every=10)
-        asyncio.run(run_worker(
-            Worker(engine, [loop], grace=1.0,
-                   alerts=Alerts([webhook_sink(hook.url)], background=True)),
-            body,
-        ))
+        asyncio.run(
+            run_worker(
+                Worker(
+                    engine,
+                    [loop],
+                    grace=1.0,
+                    alerts=Alerts([webhook_sink(hook.url)], background=True),
+                ),
+                body,
+            )
+        )
 
     (body,) = hook.received("loop iterations skipped")
     assert (body["level"], body["subject"]) == ("warning", "slow")
@@ -271,10 +317,12 @@ def test_alert__worker_that_lost_a_lease(sqlite_url: str, hook: Hook) -> None:
             hold.set()
             await until(lambda: hook.received("lease lost"), what="the webhook call")
 
-        asyncio.run(run_worker(
-            Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
-            body,
-        ))
+        asyncio.run(
+            run_worker(
+                Worker(engine, grace=1.0, alerts=Alerts([webhook_sink(hook.url)], background=True)),
+                body,
+            )
+        )
         worker_id = engine.worker_id
 
     (body,) = hook.received("lease lost")

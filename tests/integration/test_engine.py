@@ -55,8 +55,8 @@ def order_workflow(*, version: int = 1, retry: Retry | None = None) -> tuple[Wor
 
     @wf.step(
         on={"charged": "ship"},
-        retry=retry or Retry(attempts=5, backoff="exponential", base=10, cap=25,
-                             on=(ConnectionError,)),
+        retry=retry
+        or Retry(attempts=5, backoff="exponential", base=10, cap=25, on=(ConnectionError,)),
     )
     async def charge(ctx: Order, step: Step) -> str:
         calls.append(("charge", step.attempt, step.idempotency_key))
@@ -109,9 +109,12 @@ def test_run__to_success(engine: Engine) -> None:
     assert info.owner is None and info.next_run_at is None
     assert kinds(engine, info.id) == [
         j.RUN_CREATED,
-        j.STEP_STARTED, j.STEP_SUCCEEDED,
-        j.STEP_STARTED, j.STEP_SUCCEEDED,
-        j.STEP_STARTED, j.STEP_SUCCEEDED,
+        j.STEP_STARTED,
+        j.STEP_SUCCEEDED,
+        j.STEP_STARTED,
+        j.STEP_SUCCEEDED,
+        j.STEP_STARTED,
+        j.STEP_SUCCEEDED,
     ]
     assert [c[0] for c in calls] == ["reserve", "charge", "ship"]
     assert_replay_matches(engine, [info.id])
@@ -173,9 +176,7 @@ def test_run__while_other_runs_are_due_drives_only_its_own(engine: Engine) -> No
     assert engine.get(queued.id).status == "scheduled"
 
 
-def test_run__retries_with_backoff_then_takes_the_branch(
-    engine: Engine, clock: FakeClock
-) -> None:
+def test_run__retries_with_backoff_then_takes_the_branch(engine: Engine, clock: FakeClock) -> None:
     wf, calls = order_workflow()
     t0 = clock.now()
     info = engine.run(wf, Order(order_id="R1", flaky=3))
@@ -211,8 +212,11 @@ def test_run__retries_exhausted_ends_failed(engine: Engine) -> None:
 def test_run__non_retryable_error_fails_at_once(engine: Engine) -> None:
     wf = Workflow("w", context=Order)
 
-    @wf.step(initial=True, next="done",
-             retry=Retry(attempts=5, base=0, on=(OSError,), giving_up_on=(PermissionError,)))
+    @wf.step(
+        initial=True,
+        next="done",
+        retry=Retry(attempts=5, base=0, on=(OSError,), giving_up_on=(PermissionError,)),
+    )
     def a(ctx: Order) -> None:
         raise PermissionError("card blocked")
 
@@ -353,7 +357,10 @@ def test_timeout__sync_step_late_result_discarded(
     history = engine.history(info.id)
     assert all("LATE" not in (e.context or "") for e in history)
     assert [(e.kind, e.attempt) for e in history[1:]] == [
-        (j.STEP_STARTED, 1), (j.STEP_FAILED, 1), (j.STEP_STARTED, 2), (j.STEP_SUCCEEDED, 2)
+        (j.STEP_STARTED, 1),
+        (j.STEP_FAILED, 1),
+        (j.STEP_STARTED, 2),
+        (j.STEP_SUCCEEDED, 2),
     ]
     assert_replay_matches(engine, [info.id])
 
@@ -409,9 +416,7 @@ def poll_workflow(max_visits: int) -> Workflow:
 def test_max_visits__endless_cycle_ends_failed(engine: Engine) -> None:
     info = engine.run(poll_workflow(max_visits=3), Poll())
     assert (info.status, info.state) == ("failed", "pause")
-    assert info.error == (
-        "MaxVisitsExceeded: state 'ask' would be visited 4 times (max_visits=3)"
-    )
+    assert info.error == ("MaxVisitsExceeded: state 'ask' would be visited 4 times (max_visits=3)")
     assert isinstance(info.context, Poll) and info.context.asks == 3
     assert info.visits == {"ask": 3, "pause": 3}
     assert_replay_matches(engine, [info.id])
@@ -437,8 +442,10 @@ def test_step__idempotency_key_per_visit(engine: Engine) -> None:
     wf.final("done")
     info = engine.run(wf, Poll())
     assert keys == [
-        (1, 1, f"{info.id}:a:1"), (1, 2, f"{info.id}:a:1"),
-        (2, 1, f"{info.id}:a:2"), (2, 2, f"{info.id}:a:2"),
+        (1, 1, f"{info.id}:a:1"),
+        (1, 2, f"{info.id}:a:1"),
+        (2, 1, f"{info.id}:a:2"),
+        (2, 2, f"{info.id}:a:2"),
     ]
 
 
@@ -615,8 +622,7 @@ def test_retry__from_a_past_state_with_edited_context(engine: Engine) -> None:
     wf = three_workflow(calls)
     failed = engine.run(wf, Three())
     assert (failed.status, failed.state) == ("failed", "c")
-    retried = engine.retry(failed.id, from_state="b", set_fields={"fail_at_c": False},
-                           by="alice")
+    retried = engine.retry(failed.id, from_state="b", set_fields={"fail_at_c": False}, by="alice")
     assert (retried.status, retried.state) == ("scheduled", "b")
     # b's context as recorded when the run entered b, plus the edit.
     assert isinstance(retried.context, Three)
@@ -757,9 +763,7 @@ class ControlSeen:
         engine.store.pending_controls = pending  # type: ignore[method-assign]
 
 
-def _on_step_started(
-    engine: Engine, state: str, action: Callable[[RunRecord], object]
-) -> None:
+def _on_step_started(engine: Engine, state: str, action: Callable[[RunRecord], object]) -> None:
     def listener(record: RunRecord, events: Sequence[JournalEvent]) -> None:
         if any(e.kind == j.STEP_STARTED and e.state == state for e in events):
             action(record)
@@ -837,6 +841,7 @@ def versioned(version: int, *, keep_b: bool = True, b_to: str = "c") -> Workflow
         ctx.trail.append(f"a{version}")
 
     if keep_b:
+
         @wf.step(next=b_to, retry=Retry(attempts=2, backoff="fixed", base=1000, cap=1000))
         def b(ctx: Ver, step: Step) -> None:
             if step.attempt == 1:
@@ -913,8 +918,11 @@ def test_definition_change__incompatible_change_parks_the_run(
 # -- a broken row -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stored", ["{not json", '{"order_id": 5}', "[1, 2]"],
-                         ids=["unparseable", "invalid", "not-an-object"])
+@pytest.mark.parametrize(
+    "stored",
+    ["{not json", '{"order_id": 5}', "[1, 2]"],
+    ids=["unparseable", "invalid", "not-an-object"],
+)
 def test_invalid_context__run_failed_others_unaffected(engine: Engine, stored: str) -> None:
     wf, _ = order_workflow()
     ids = [engine.start(wf, Order(order_id=f"I{n}")).id for n in range(4)]

@@ -49,8 +49,9 @@ def sample(tmp_path: Path) -> Path:
 
 
 def step(etl: ModuleType, state: str) -> Step:
-    return Step(run_id="test", workflow="etl", state=state, attempt=1, visit=1, seq=0,
-                worker="test")
+    return Step(
+        run_id="test", workflow="etl", state=state, attempt=1, visit=1, seq=0, worker="test"
+    )
 
 
 def call(etl: ModuleType, ctx: Any, state: str) -> Any:
@@ -121,7 +122,9 @@ def test_etl__default_context__reads_workflows_data_and_env(
     monkeypatch.setenv("ETL_BATCH_SIZE", "50")
     ctx = etl.EtlContext()
     assert (ctx.input_dir, ctx.target, ctx.batch_size) == (
-        str(tmp_path), f"sqlite:///{tmp_path / 't.db'}", 50
+        str(tmp_path),
+        f"sqlite:///{tmp_path / 't.db'}",
+        50,
     )
     assert etl.etl.steps["load_batch"].max_visits == etl.MAX_BATCHES_PER_RUN
     assert etl.etl.steps["load_batch"].on == {"more": "load_batch", "eof": "close_file"}
@@ -169,7 +172,8 @@ GOOD_ROW = ",".join(order(1))
         pytest.param(b"", r"^empty file \(0 bytes\): nothing to load$", id="empty"),
         pytest.param(b"\n \n", r"^empty file \(only blank lines\)", id="blank"),
         pytest.param(
-            f"{HEADER}\n{GOOD_ROW}\n".encode() + "SO-00002,2024-03-01T10:00:00Z,C1002,"
+            f"{HEADER}\n{GOOD_ROW}\n".encode()
+            + "SO-00002,2024-03-01T10:00:00Z,C1002,"
             "zoë@example.com,DE,BK-1001,Café,1,1.00,EUR,paid\n".encode("latin-1"),
             r"^not UTF-8: byte 0xEB on line 3 \(byte offset \d+\) is invalid .*re-export",
             id="latin-1",
@@ -202,7 +206,8 @@ def test_etl__malformed_file__one_reject_with_a_clear_reason_and_the_run_goes_on
     dumped = etlkit.dump(target)
     assert [row[0] for row in dumped["orders"]] == ["SO-00010", "SO-00011", "SO-00012"]
     assert [(row[0], row[3]) for row in dumped["loaded_files"]] == [
-        ("a_bad.csv", "rejected"), ("b_good.csv", "loaded")
+        ("a_bad.csv", "rejected"),
+        ("b_good.csv", "loaded"),
     ]
 
 
@@ -233,7 +238,7 @@ def test_etl__bad_rows__rejected_with_row_and_reason_without_stopping_the_batch(
         4: "expected 11 fields, got 10",
         6: "email: not an email address (got 'nobody')",
         7: "ordered_at: Input should be a valid datetime or date, input is too short "
-           "(got 'yesterday'); currency: not one of EUR, USD, GBP (got 'XXX')",
+        "(got 'yesterday'); currency: not one of EUR, USD, GBP (got 'XXX')",
         9: "order_id: not an order id like SO-10001 (got '7')",
         10: "unit_price: Decimal input should have no more than 2 decimal places (got '9.999')",
         12: "expected 11 fields, got 12",
@@ -285,7 +290,7 @@ def test_etl__resume__reads_from_the_committed_byte_offset_not_the_start(
     # Scribble over the rows already loaded (same length, so the file size holds): a batch
     # that re-read them would reject them.
     data = path.read_bytes()
-    garbage = bytes(b if b == ord("\n") else ord("#") for b in data[ctx.file_start:ctx.offset])
+    garbage = bytes(b if b == ord("\n") else ord("#") for b in data[ctx.file_start : ctx.offset])
     path.write_bytes(data[: ctx.file_start] + garbage + data[ctx.offset :])
     resumed = etl.EtlContext.model_validate_json(ctx.model_dump_json())  # as the journal has it
     while call(etl, resumed, "load_batch") == "more":
@@ -405,10 +410,16 @@ def test_etl__loop__loads_a_file_dropped_after_start_exactly_once(
             await _until("a.csv to load", lambda: _files(target) == ["a.csv"])
             write_csv(inbox / "b.csv", [order(n) for n in range(6, 9)])  # dropped while running
             await _until("b.csv to load", lambda: _files(target) == ["a.csv", "b.csv"])
-            await _until("two more runs that found nothing new", lambda: sum(
-                run.status == "succeeded" and ctx_of(run).skipped == 2
-                for run in engine.runs(workflow="etl", limit=1000)
-            ) >= 2)
+            await _until(
+                "two more runs that found nothing new",
+                lambda: (
+                    sum(
+                        run.status == "succeeded" and ctx_of(run).skipped == 2
+                        for run in engine.runs(workflow="etl", limit=1000)
+                    )
+                    >= 2
+                ),
+            )
         finally:
             stop.set()
             await asyncio.wait_for(worker, WAIT_S)
@@ -438,8 +449,9 @@ def test_etl__flowloop_run__shows_rows_batches_rejects_and_rate(
     progress = [line for line in lines if line.startswith("progress")]
     assert progress, result.output
     # After the first file's last batch (more may come, at most one a second, if it is slow).
-    assert any("orders_2024-03-01.csv  rows 18/" in line and "batches 5/" in line
-               for line in progress), progress
+    assert any(
+        "orders_2024-03-01.csv  rows 18/" in line and "batches 5/" in line for line in progress
+    ), progress
     assert progress[-1].startswith("progress  done")
     assert "rows 46/46 (100.0%)" in progress[-1] and "batches 12/12" in progress[-1]
     assert "rejects 7" in progress[-1] and "files 4/4" in progress[-1]

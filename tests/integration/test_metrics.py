@@ -56,8 +56,12 @@ def metered(clock: FakeClock, hold: threading.Event | None = None) -> Workflow:
     (waits for the test)."""
     wf = Workflow("metered", context=Job)
 
-    @wf.step(initial=True, next="done", timeout=0.05,
-             retry=Retry(attempts=2, backoff="fixed", base=0, cap=0, on=(ConnectionError,)))
+    @wf.step(
+        initial=True,
+        next="done",
+        timeout=0.05,
+        retry=Retry(attempts=2, backoff="fixed", base=0, cap=0, on=(ConnectionError,)),
+    )
     async def work(ctx: Job, step: Step) -> None:
         if ctx.mode == "timeout":
             await asyncio.sleep(5)
@@ -73,15 +77,14 @@ def metered(clock: FakeClock, hold: threading.Event | None = None) -> Workflow:
     return wf
 
 
-async def run_worker(
-    worker: Worker, body: Callable[[Worker], Awaitable[Any]]
-) -> Any:
+async def run_worker(worker: Worker, body: Callable[[Worker], Awaitable[Any]]) -> Any:
     """Run ``worker`` until ``body`` (given the started worker) returns."""
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:
-        await until(lambda: worker.metrics_bound is not None or task.done(),
-                    what="the metrics endpoint")
+        await until(
+            lambda: worker.metrics_bound is not None or task.done(), what="the metrics endpoint"
+        )
         if task.done():
             task.result()
         return await body(worker)
@@ -92,8 +95,12 @@ async def run_worker(
 
 def dead_owner() -> str:
     """A worker id on this host whose process has exited."""
-    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
 
 
@@ -104,31 +111,43 @@ def test_metrics__runs_and_steps_by_outcome_with_durations(sqlite_url: str) -> N
         engine.register(wf)
         ids = [engine.start(wf, {"mode": mode}).id for mode in ("ok", "flaky", "fail", "timeout")]
         # A run whose worker died in the middle of its step: recovered as interrupted.
-        crashed = engine._new_run(wf, {"mode": "ok"}, key=None, idempotency_key=None,
-                                  priority=0, run_at=None, owner=dead_owner())
+        crashed = engine._new_run(
+            wf,
+            {"mode": "ok"},
+            key=None,
+            idempotency_key=None,
+            priority=0,
+            run_at=None,
+            owner=dead_owner(),
+        )
         engine.store.create_run(crashed)
         ids.append(crashed.record.id)
 
         async def body(worker: Worker) -> Samples:
-            await until(lambda: all(engine.get(i).finished for i in ids), timeout=WAIT_S,
-                        what="every run to finish")
+            await until(
+                lambda: all(engine.get(i).finished for i in ids),
+                timeout=WAIT_S,
+                what="every run to finish",
+            )
             assert worker.metrics_bound is not None
             return await asyncio.to_thread(scrape, worker.metrics_bound)
 
         # One step at a time: each attempt's fake-clock time is its own.
-        samples = asyncio.run(run_worker(
-            Worker(engine, concurrency=1, grace=1.0, metrics_port=0), body
-        ))
+        samples = asyncio.run(
+            run_worker(Worker(engine, concurrency=1, grace=1.0, metrics_port=0), body)
+        )
 
     steps = {
-        outcome: value(samples, "flowloop_steps_total", workflow="metered", state="work",
-                       outcome=outcome)
+        outcome: value(
+            samples, "flowloop_steps_total", workflow="metered", state="work", outcome=outcome
+        )
         for outcome in ("succeeded", "retried", "failed", "timed_out", "interrupted")
     }
     assert steps == {"succeeded": 3, "retried": 1, "failed": 1, "timed_out": 1, "interrupted": 1}
     assert value(samples, "flowloop_runs_started_total", workflow="metered") == 4
-    assert value(samples, "flowloop_runs_finished_total", workflow="metered",
-                 status="succeeded") == 3
+    assert (
+        value(samples, "flowloop_runs_finished_total", workflow="metered", status="succeeded") == 3
+    )
     assert value(samples, "flowloop_runs_finished_total", workflow="metered", status="failed") == 2
     # Every attempt with a duration: 3 ok + 1 retried + 1 failed take 0.25 s each; the
     # timed-out one took no fake time.
@@ -183,12 +202,15 @@ def test_metrics__lease_loss_is_counted(sqlite_url: str) -> None:
             await until(lambda: engine.get(run_id).status == "running", what="the step")
             # Another worker takes the run over (this one looks paused to the database).
             store.expire_leases([engine.worker_id])
-            assert [r.id for r in store.claim_interrupted(
-                worker="thief", limit=1, lease_seconds=30)] == [run_id]
+            assert [
+                r.id for r in store.claim_interrupted(worker="thief", limit=1, lease_seconds=30)
+            ] == [run_id]
             hold.set()
             assert worker.metrics is not None
-            await until(lambda: worker.executor is not None
-                        and worker.executor.stats.lost_leases >= 1, what="the lease loss")
+            await until(
+                lambda: worker.executor is not None and worker.executor.stats.lost_leases >= 1,
+                what="the lease loss",
+            )
             assert worker.metrics_bound is not None
             return await asyncio.to_thread(scrape, worker.metrics_bound)
 
@@ -237,7 +259,10 @@ def test_metrics__served_on_loopback_only_by_default() -> None:
 def test_metrics__registries_are_private_to_each_instance() -> None:
     a, b = Metrics(), Metrics()
     a.steps.labels("w", "s", "succeeded").inc()
-    assert ("flowloop_steps_total", {"workflow": "w", "state": "s", "outcome": "succeeded"},
-            1.0) in list(a.samples())
+    assert (
+        "flowloop_steps_total",
+        {"workflow": "w", "state": "s", "outcome": "succeeded"},
+        1.0,
+    ) in list(a.samples())
     assert not any(name == "flowloop_steps_total" for name, _, _ in b.samples())
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None

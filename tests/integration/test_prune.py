@@ -182,15 +182,20 @@ def test_prune__old_loop_journal_entries_go_failed_ones_kept_on_request(
 ) -> None:
     store = engine.store
     assert isinstance(store, LoopStoreMixin)
-    (row,) = store.sync_loops([LoopSpec(name="feed", schedule="every 10s", first_slot=T0)],
-                              at=T0, worker="w")
+    (row,) = store.sync_loops(
+        [LoopSpec(name="feed", schedule="every 10s", first_slot=T0)], at=T0, worker="w"
+    )
 
     def write(kind: str, at: float) -> None:
         current = store.get_loop("feed")
         assert current is not None
         assert store.write_loop(
-            name="feed", owner=None, epoch=current.lease_epoch, follows_seq=current.last_seq,
-            changes={"updated_at": at}, events=[LoopEvent(loop="feed", kind=kind, at=at)],
+            name="feed",
+            owner=None,
+            epoch=current.lease_epoch,
+            follows_seq=current.last_seq,
+            changes={"updated_at": at},
+            events=[LoopEvent(loop="feed", kind=kind, at=at)],
         )
 
     for n in range(6):

@@ -67,8 +67,9 @@ def three_steps(
         return run
 
     wf.step(name="a", initial=True, next="b")(body("a"))
-    wf.step(name="b", next="c", idempotent=idempotent_b,
-            retry=retry_b or Retry(attempts=3, base=0))(body("b"))
+    wf.step(
+        name="b", next="c", idempotent=idempotent_b, retry=retry_b or Retry(attempts=3, base=0)
+    )(body("b"))
     wf.step(name="c", next="done")(body("c"))
     wf.final("done")
     return wf
@@ -191,8 +192,9 @@ def test_resume__live_owner_left_alone_until_its_lease_expires(
     wf = three_steps(calls)
     # Owned by a worker of this very process (alive): only an expired lease frees the run.
     holder = Engine(url, workflows=[wf], lease_seconds=30)
-    new = holder._new_run(wf, Ctx(), key=None, idempotency_key=None, priority=0, run_at=None,
-                          owner=holder.worker_id)
+    new = holder._new_run(
+        wf, Ctx(), key=None, idempotency_key=None, priority=0, run_at=None, owner=holder.worker_id
+    )
     held, _ = holder.store.create_run(new)
     engine = fresh(wf)
     engine.resume()
@@ -236,8 +238,9 @@ def test_resume__bulk_recovery_costs_statements_per_batch_not_per_run(
     engine = fresh(wf)
     dead = dead_worker_id()
     for n in range(runs):
-        new = engine._new_run(wf, Ctx(n=n), key=None, idempotency_key=None, priority=0,
-                              run_at=None, owner=dead)
+        new = engine._new_run(
+            wf, Ctx(n=n), key=None, idempotency_key=None, priority=0, run_at=None, owner=dead
+        )
         engine.store.create_run(new)
     assert isinstance(engine.store, SQLStore)
     statements = 0
@@ -246,8 +249,9 @@ def test_resume__bulk_recovery_costs_statements_per_batch_not_per_run(
         nonlocal statements
         statements += 1
 
-    executor = Executor(engine.store, engine.workflows, clock=engine.clock,
-                        worker_id=new_worker_id())
+    executor = Executor(
+        engine.store, engine.workflows, clock=engine.clock, worker_id=new_worker_id()
+    )
     sa.event.listen(engine.store.engine, "before_cursor_execute", count)
     try:
         recovered = asyncio.run(executor.recover())

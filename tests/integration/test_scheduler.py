@@ -180,7 +180,8 @@ def test_scheduler__downtime_past_grace_is_missed_the_rest_coalesced(sqlite_url:
             events = h.journal("tick")
             assert slots(events) == [0, 10, 20, 70], describe(events)
             assert [(e.kind, e.count) for e in events if e.kind in ("missed", "coalesced")] == [
-                ("missed", 3), ("coalesced", 1),
+                ("missed", 3),
+                ("coalesced", 1),
             ]
             assert_slots_accounted(events, 10)
 
@@ -220,7 +221,10 @@ def test_scheduler__without_coalesce_due_slots_run_one_by_one(sqlite_url: str) -
             events = h.journal("tick")
             assert slots(events) == [0, 10, 20, 30], describe(events)
             assert [e.data["reason"] for e in only(events, "iteration_started")] == [
-                "on_time", "catch_up", "catch_up", "on_time",
+                "on_time",
+                "catch_up",
+                "catch_up",
+                "on_time",
             ]
 
     run(main())
@@ -361,7 +365,10 @@ def test_scheduler__pause_waiting_loop_then_unpause(sqlite_url: str) -> None:
             await drive(clock, 2)  # the worker notices within one poll
             assert offsets(starts) == [0, 66]
             assert h.kinds("tick")[-4:] == [
-                "loop_unpaused", "loop_rescheduled", "iteration_started", "iteration_succeeded",
+                "loop_unpaused",
+                "loop_rescheduled",
+                "iteration_started",
+                "iteration_succeeded",
             ]
 
     run(main())
@@ -377,7 +384,9 @@ def test_scheduler__pause_lets_the_running_iteration_finish(sqlite_url: str) -> 
             assert (row.status, row.control) == ("running", "pause")
             await drive(clock, 30)
             assert h.kinds("tick")[-3:] == [
-                "iteration_started", "iteration_succeeded", "loop_paused",
+                "iteration_started",
+                "iteration_succeeded",
+                "loop_paused",
             ]
             assert (h.row("tick").status, len(starts)) == ("paused", 1)
 
@@ -392,8 +401,11 @@ def test_scheduler__stop_cancels_the_running_iteration(sqlite_url: str) -> None:
             await drive(clock, 1)
             h.engine.stop_loop("tick")
             await drive(clock, 2)
-            assert h.kinds("tick")[-3:] == ["iteration_started", "iteration_stopped",
-                                            "loop_stopped"]
+            assert h.kinds("tick")[-3:] == [
+                "iteration_started",
+                "iteration_stopped",
+                "loop_stopped",
+            ]
             row = h.row("tick")
             assert (row.status, row.consecutive_failures) == ("stopped", 0)
 
@@ -426,12 +438,21 @@ def fire_as_dead_worker(store: LoopStoreMixin, name: str, slot: float) -> None:
     """Fire ``slot`` as a worker on another host whose lease has already run out."""
     row = store.get_loop(name)
     assert row is not None
-    event = LoopEvent(loop=name, kind="iteration_started", at=slot, slot=slot, attempt=1,
-                      worker="elsewhere:1:dead")
+    event = LoopEvent(
+        loop=name,
+        kind="iteration_started",
+        at=slot,
+        slot=slot,
+        attempt=1,
+        worker="elsewhere:1:dead",
+    )
     fired = store.fire_loop(
-        name=name, follows_seq=row.last_seq, worker="elsewhere:1:dead", lease_seconds=-60,
-        events=[event], changes={"last_slot": slot, "last_started_at": slot,
-                                 "next_fire_at": None},
+        name=name,
+        follows_seq=row.last_seq,
+        worker="elsewhere:1:dead",
+        lease_seconds=-60,
+        events=[event],
+        changes={"last_slot": slot, "last_started_at": slot, "next_fire_at": None},
     )
     assert fired is not None
 
@@ -470,9 +491,14 @@ def test_scheduler__live_worker_recovers_a_dead_workers_loop(sqlite_url: str) ->
             h.engine.pause_loop("tick")
             await settle()
             row = h.row("tick")
-            h.store.write_loop(name="tick", owner=None, epoch=row.lease_epoch,
-                               follows_seq=row.last_seq, events=[],
-                               changes={"status": "scheduled", "next_fire_at": T0 + 10})
+            h.store.write_loop(
+                name="tick",
+                owner=None,
+                epoch=row.lease_epoch,
+                follows_seq=row.last_seq,
+                events=[],
+                changes={"status": "scheduled", "next_fire_at": T0 + 10},
+            )
             fire_as_dead_worker(h.store, "tick", T0 + 10)
             await drive(clock, 25)
             events = h.journal("tick")
@@ -523,33 +549,69 @@ def test_store__a_slot_starts_once_and_writes_are_fenced(store_url: str) -> None
         def started(worker: str) -> LoopEvent:
             return LoopEvent(loop="l", kind="iteration_started", at=T0, slot=T0, worker=worker)
 
-        won = store.fire_loop(name="l", follows_seq=row.last_seq, worker="a", lease_seconds=30,
-                              events=[started("a")], changes={"last_slot": T0})
-        lost = rival.fire_loop(name="l", follows_seq=row.last_seq, worker="b", lease_seconds=30,
-                               events=[started("b")], changes={"last_slot": T0})
+        won = store.fire_loop(
+            name="l",
+            follows_seq=row.last_seq,
+            worker="a",
+            lease_seconds=30,
+            events=[started("a")],
+            changes={"last_slot": T0},
+        )
+        lost = rival.fire_loop(
+            name="l",
+            follows_seq=row.last_seq,
+            worker="b",
+            lease_seconds=30,
+            events=[started("b")],
+            changes={"last_slot": T0},
+        )
         assert won is not None and lost is None
         # The same slot again, even from a fresh read, is refused by the unique index.
-        assert rival.write_loop(name="l", owner="a", epoch=won.lease_epoch,
-                                follows_seq=won.last_seq, events=[],
-                                changes={"status": "scheduled", "next_fire_at": T0})
+        assert rival.write_loop(
+            name="l",
+            owner="a",
+            epoch=won.lease_epoch,
+            follows_seq=won.last_seq,
+            events=[],
+            changes={"status": "scheduled", "next_fire_at": T0},
+        )
         fresh = rival.get_loop("l")
         assert fresh is not None
-        again = rival.fire_loop(name="l", follows_seq=fresh.last_seq, worker="b",
-                                lease_seconds=30, events=[started("b")], changes={})
+        again = rival.fire_loop(
+            name="l",
+            follows_seq=fresh.last_seq,
+            worker="b",
+            lease_seconds=30,
+            events=[started("b")],
+            changes={},
+        )
         assert again is None
         # An operator write does not apply while a live worker owns the loop.
         owned = store.fire_loop(
-            name="l", follows_seq=fresh.last_seq, worker="a", lease_seconds=30,
+            name="l",
+            follows_seq=fresh.last_seq,
+            worker="a",
+            lease_seconds=30,
             events=[LoopEvent(loop="l", kind="iteration_started", at=T0, slot=T0 + 10)],
             changes={},
         )
         assert owned is not None
-        assert not rival.write_loop(name="l", owner=None, epoch=owned.lease_epoch,
-                                    follows_seq=owned.last_seq, events=[],
-                                    changes={"status": "paused"})
-        assert not rival.write_loop(name="l", owner="b", epoch=owned.lease_epoch,
-                                    follows_seq=owned.last_seq, events=[],
-                                    changes={"status": "paused"})
+        assert not rival.write_loop(
+            name="l",
+            owner=None,
+            epoch=owned.lease_epoch,
+            follows_seq=owned.last_seq,
+            events=[],
+            changes={"status": "paused"},
+        )
+        assert not rival.write_loop(
+            name="l",
+            owner="b",
+            epoch=owned.lease_epoch,
+            follows_seq=owned.last_seq,
+            events=[],
+            changes={"status": "paused"},
+        )
         assert started_slots(store.loop_journal("l")) == [T0, T0 + 10]
         assert rival.running_loop_owners() == {"a"}
     finally:
@@ -565,18 +627,21 @@ def test_store__sync_loops_registers_many_in_batches(store_url: str) -> None:
         store = engine.store
         assert isinstance(store, LoopStoreMixin)
         count = SYNC_BATCH + 7
-        specs = [LoopSpec(name=f"l{i:04d}", schedule="every 60s", first_slot=T0)
-                 for i in range(count)]
+        specs = [
+            LoopSpec(name=f"l{i:04d}", schedule="every 60s", first_slot=T0) for i in range(count)
+        ]
         rows = store.sync_loops(specs, at=T0, worker="w")
         assert [r.name for r in rows] == [s.name for s in specs]
         again = store.sync_loops(
             [*specs[:-1], LoopSpec(name=specs[-1].name, schedule="every 5s", first_slot=T0 + 1)],
-            at=T0 + 1, worker="w",
+            at=T0 + 1,
+            worker="w",
         )
         assert [r.last_seq for r in again[:-1]] == [1] * (count - 1)
         assert (again[-1].schedule, again[-1].next_fire_at) == ("every 5s", T0 + 1)
         assert [e.kind for e in store.loop_journal(specs[-1].name)] == [
-            "loop_created", "loop_rescheduled",
+            "loop_created",
+            "loop_rescheduled",
         ]
         assert len(store.list_loops([s.name for s in specs])) == count
     finally:
@@ -597,8 +662,10 @@ class WorkerRun:
 
     async def __aenter__(self) -> WorkerRun:
         self.task = asyncio.create_task(self.worker.run(self.stop))
-        await until(lambda: self.worker.scheduler is not None and self.worker.scheduler.ready
-                    .is_set(), what="the worker to start")
+        await until(
+            lambda: self.worker.scheduler is not None and self.worker.scheduler.ready.is_set(),
+            what="the worker to start",
+        )
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -667,10 +734,13 @@ def test_worker__workflow_loop_runs_one_run_per_iteration(sqlite_url: str) -> No
         clock = SteppedClock()
         wf = counting_workflow()
         lp = Loop(
-            "count-loop", workflow=wf, every=10,
+            "count-loop",
+            workflow=wf,
+            every=10,
             context=lambda it: {"n": it.number * 100, "fail": it.number == 2},
         )
         async with WorkerRun(sqlite_url, [lp], clock) as w:
+
             def done(count: int) -> Callable[[], bool]:
                 return lambda: w.engine.loop("count-loop").iterations == count
 
@@ -681,11 +751,19 @@ def test_worker__workflow_loop_runs_one_run_per_iteration(sqlite_url: str) -> No
                 await until(done(number), what=f"iteration {number}")
             runs = sorted(w.engine.runs(workflow="count"), key=lambda r: r.created_at)
             assert [(r.status, r.context.n) for r in runs] == [  # type: ignore[union-attr]
-                ("succeeded", 101), ("failed", 200), ("succeeded", 301),
+                ("succeeded", 101),
+                ("failed", 200),
+                ("succeeded", 301),
             ]
             kinds = [k for k in w.kinds("count-loop") if k.startswith("iteration_")]
-            assert kinds == ["iteration_started", "iteration_succeeded", "iteration_started",
-                             "iteration_failed", "iteration_started", "iteration_succeeded"]
+            assert kinds == [
+                "iteration_started",
+                "iteration_succeeded",
+                "iteration_started",
+                "iteration_failed",
+                "iteration_started",
+                "iteration_succeeded",
+            ]
             failed = next(
                 e for e in w.engine.loop_history("count-loop") if e.kind == "iteration_failed"
             )
@@ -737,6 +815,7 @@ def test_worker__sync_iteration_cut_off_by_its_timeout_never_runs_twice_at_once(
 
         lp = Loop("stuck", stuck, every=10, timeout=0.05)
         async with WorkerRun(sqlite_url, [lp], clock) as w:
+
             def iterations(count: int) -> Callable[[], bool]:
                 return lambda: w.engine.loop("stuck").iterations == count
 
@@ -746,8 +825,11 @@ def test_worker__sync_iteration_cut_off_by_its_timeout_never_runs_twice_at_once(
             assert (inside, most[0]) == ([1], 1)  # the second waited for the first's thread
             release.set()
             await until(iterations(3), what="iteration 3")
-            failed = [e.error_message for e in w.engine.loop_history("stuck")
-                      if e.kind == "iteration_failed"]
+            failed = [
+                e.error_message
+                for e in w.engine.loop_history("stuck")
+                if e.kind == "iteration_failed"
+            ]
             assert failed[:2] == ["StepTimeout: loop 'stuck' iteration took longer than 0.05s"] * 2
 
     run(main())

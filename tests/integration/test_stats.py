@@ -114,18 +114,37 @@ def insert_history(
         else:
             kind, duration, retryable = j.STEP_INTERRUPTED, None, True
         expected.setdefault((workflow, state), []).append((run_id, kind, duration, retryable))
-        run_rows.append({
-            "id": run_id, "workflow": workflow, "version": 1, "fingerprint": "f" * 16,
-            "status": "succeeded", "state": state, "context": "{}", "attempt": 0,
-            "visits": "{}", "last_seq": 3, "priority": 0, "lease_epoch": 0,
-            "created_at": at, "updated_at": at,
-        })
+        run_rows.append(
+            {
+                "id": run_id,
+                "workflow": workflow,
+                "version": 1,
+                "fingerprint": "f" * 16,
+                "status": "succeeded",
+                "state": state,
+                "context": "{}",
+                "attempt": 0,
+                "visits": "{}",
+                "last_seq": 3,
+                "priority": 0,
+                "lease_epoch": 0,
+                "created_at": at,
+                "updated_at": at,
+            }
+        )
         for seq, event_kind in ((1, j.RUN_CREATED), (2, j.STEP_STARTED), (3, kind)):
-            event_rows.append({
-                "run_id": run_id, "seq": seq, "kind": event_kind, "at": at + i * 0.001,
-                "state": state, "attempt": 1, "duration": duration if seq == 3 else None,
-                "retryable": retryable if seq == 3 and kind != j.STEP_SUCCEEDED else None,
-            })
+            event_rows.append(
+                {
+                    "run_id": run_id,
+                    "seq": seq,
+                    "kind": event_kind,
+                    "at": at + i * 0.001,
+                    "state": state,
+                    "attempt": 1,
+                    "duration": duration if seq == 3 else None,
+                    "retryable": retryable if seq == 3 and kind != j.STEP_SUCCEEDED else None,
+                }
+            )
     with db_of(engine).begin() as conn:
         conn.execute(sa.insert(runs), run_rows)
         conn.execute(sa.insert(journal), event_rows)
@@ -178,8 +197,16 @@ def test_step_stats__json_shape(engine: Engine, clock: FakeClock) -> None:
     info = engine.run(timed_workflow(clock), {"seconds": 2.0})
     work = by_state(step_stats(db_of(engine)))["timed", "work"].as_dict()
     assert work == {
-        "workflow": "timed", "state": "work", "count": 1, "succeeded": 1, "failed": 0,
-        "retries": 0, "success_rate": 1.0, "p50": 2.0, "p95": 2.0, "p99": 2.0,
+        "workflow": "timed",
+        "state": "work",
+        "count": 1,
+        "succeeded": 1,
+        "failed": 0,
+        "retries": 0,
+        "success_rate": 1.0,
+        "p50": 2.0,
+        "p95": 2.0,
+        "p99": 2.0,
         "slowest": [{"run_id": info.id, "duration": 2.0}],
     }
 
@@ -193,7 +220,8 @@ def test_step_stats__since_is_a_range_on_the_kind_at_index(sqlite_url: str) -> N
             for table in ("flowloop_journal", "flowloop_runs"):
                 conn.exec_driver_sql(f"ANALYZE {table}")
             plan = " ".join(
-                str(row[-1]) for row in conn.exec_driver_sql(
+                str(row[-1])
+                for row in conn.exec_driver_sql(
                     "EXPLAIN QUERY PLAN SELECT count(*) FROM flowloop_journal "
                     "JOIN flowloop_runs ON flowloop_runs.id = flowloop_journal.run_id "
                     "WHERE flowloop_journal.kind IN ('step_succeeded', 'step_failed', "

@@ -156,12 +156,22 @@ def test_claim__sets_owner_fresh_lease_and_next_epoch(store: SQLStore) -> None:
 def test_claim__filters_by_workflow_and_run_ids(store: SQLStore) -> None:
     a, _ = store.create_run(new_run())
     b, _ = store.create_run(new_run(workflow="other"))
-    assert store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
-                       workflows=["nope"]) == []
-    assert [r.id for r in store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
-                                      run_ids=[b.id])] == [b.id]
-    assert [r.id for r in store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30,
-                                      workflows=["w"])] == [a.id]
+    assert (
+        store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["nope"])
+        == []
+    )
+    assert [
+        r.id
+        for r in store.claim(
+            worker="me", now=time.time(), limit=5, lease_seconds=30, run_ids=[b.id]
+        )
+    ] == [b.id]
+    assert [
+        r.id
+        for r in store.claim(
+            worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"]
+        )
+    ] == [a.id]
 
 
 def test_claim__concurrent_claimers_never_get_the_same_run(
@@ -277,18 +287,24 @@ def test_write__unowned_write_refused_while_leased(store: SQLStore) -> None:
 def test_write__batch_judges_each_boundary_alone(store: SQLStore, other: SQLStore) -> None:
     good = [claim_one(store, "a", store.create_run(new_run())[0].id) for _ in range(3)]
     stale, _fresh = _taken_over(store, other)
-    batch = [start_step(good[0], "a"), start_step(stale, "a"), start_step(good[1], "a"),
-             start_step(good[2], "a")]
+    batch = [
+        start_step(good[0], "a"),
+        start_step(stale, "a"),
+        start_step(good[1], "a"),
+        start_step(good[2], "a"),
+    ]
     assert store.write(batch) == [True, False, True, True]
     for run in good:
         assert journal_kinds(store, run.id) == [j.RUN_CREATED, j.STEP_STARTED]
     assert journal_kinds(store, stale.id) == [j.RUN_CREATED]
     # Mixed kinds of write in one batch: continue one, release another.
     rec0, rec1 = batch[0], batch[2]
-    results = store.write([
-        succeed_step(rec0.record, rec0.fence, release=False),
-        succeed_step(rec1.record, rec1.fence, release=True),
-    ])
+    results = store.write(
+        [
+            succeed_step(rec0.record, rec0.fence, release=False),
+            succeed_step(rec1.record, rec1.fence, release=True),
+        ]
+    )
     assert results == [True, True]
     row0, row1 = store.get_run(good[0].id), store.get_run(good[1].id)
     assert row0 is not None and row0.owner == "a"
@@ -430,8 +446,10 @@ def _set_schema_revision(url: str, revision: str) -> None:
 
 @pytest.mark.parametrize(
     ("revision", "words"),
-    [("0001", "older than this flowloop .*run `flowloop db upgrade`"),
-     ("9999", "newer than this flowloop .*upgrade flowloop")],
+    [
+        ("0001", "older than this flowloop .*run `flowloop db upgrade`"),
+        ("9999", "newer than this flowloop .*upgrade flowloop"),
+    ],
     ids=["older", "newer"],
 )
 def test_open__schema_version_mismatch_refused(store_url: str, revision: str, words: str) -> None:
@@ -538,4 +556,3 @@ def count_statements(store: SQLStore, action: Any) -> Counted:
     finally:
         sa.event.remove(store.engine, "before_cursor_execute", before)
     return counted
-

@@ -338,8 +338,12 @@ def test_send__event_kept_earlier_is_taken_before_a_later_direct_one(
     info = engine.run(chain, {})
     engine.send(info.id, "go")
     kept = InboxEvent(
-        run_id=info.id, event="note", payload='{"text": "one"}', dedupe_key=None,
-        sent_at=clock.now(), sender="killed",
+        run_id=info.id,
+        event="note",
+        payload='{"text": "one"}',
+        dedupe_key=None,
+        sent_at=clock.now(),
+        sender="killed",
     )
     assert engine.store.deliver(kept, None) == "buffered"
     clock.advance(1)

@@ -57,12 +57,15 @@ def test_settings__defaults_without_any_source(tmp_path: Path) -> None:
 def test_settings__precedence_is_file_then_env_then_flag(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path / "flowloop.toml", """
+    write(
+        tmp_path / "flowloop.toml",
+        """
         concurrency = 4
         lease = "1m"
         grace = 5
         log_format = "json"
-    """)
+    """,
+    )
     assert load_settings().concurrency == 4
 
     monkeypatch.setenv("FLOWLOOP_CONCURRENCY", "8")
@@ -77,11 +80,14 @@ def test_settings__precedence_is_file_then_env_then_flag(
 def test_settings__nested_env_merges_with_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    write(tmp_path / "flowloop.toml", """
+    write(
+        tmp_path / "flowloop.toml",
+        """
         [workflows.order.steps.charge]
         timeout = "30s"
         retry = { attempts = 5 }
-    """)
+    """,
+    )
     monkeypatch.setenv("FLOWLOOP_WORKFLOWS__ORDER__STEPS__CHARGE__TIMEOUT", "2m")
     monkeypatch.setenv("FLOWLOOP_ALERTS", '[{"type": "log", "level": "critical"}]')
     settings = load_settings()
@@ -92,14 +98,17 @@ def test_settings__nested_env_merges_with_the_file(
 
 
 def test_settings__pyproject_tool_table_when_no_flowloop_toml(tmp_path: Path) -> None:
-    write(tmp_path / "pyproject.toml", """
+    write(
+        tmp_path / "pyproject.toml",
+        """
         [project]
         name = "app"
 
         [tool.flowloop]
         db = "sqlite:///app.db"
         metrics_port = 9464
-    """)
+    """,
+    )
     settings = load_settings()
     assert (settings.db, settings.metrics_port) == ("sqlite:///app.db", 9464)
 
@@ -131,8 +140,18 @@ def test_settings__unrelated_flowloop_variables_are_not_keys(
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [(30, 30.0), (1.5, 1.5), ("30", 30.0), ("500ms", 0.5), ("30s", 30.0), ("5m", 300.0),
-     ("2h", 7200.0), ("7d", 604800.0), ("1w", 604800.0), (" 2.5 h ", 9000.0)],
+    [
+        (30, 30.0),
+        (1.5, 1.5),
+        ("30", 30.0),
+        ("500ms", 0.5),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        ("1w", 604800.0),
+        (" 2.5 h ", 9000.0),
+    ],
 )
 def test_parse_duration__units(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds
@@ -144,35 +163,57 @@ def test_parse_duration__units(text: object, seconds: float) -> None:
 @pytest.mark.parametrize(
     ("toml", "message"),
     [
-        ("concurrency = 0",
-         "concurrency: Input should be greater than or equal to 1 (got 0)"),
+        ("concurrency = 0", "concurrency: Input should be greater than or equal to 1 (got 0)"),
         ("concurency = 3", "concurency: unknown key (did you mean 'concurrency'?)"),
-        ('lease = "soon"',
-         "lease: 'soon' is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)"),
+        (
+            'lease = "soon"',
+            "lease: 'soon' is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)",
+        ),
         ('log_format = "xml"', "log_format: Input should be 'text' or 'json' (got 'xml')"),
-        ('log_level = "loud"',
-         "log_level: Input should be 'debug', 'info', 'warning', 'error' or 'critical' "
-         "(got 'loud')"),
-        ("metrics_port = 70000",
-         "metrics_port: Input should be less than or equal to 65535 (got 70000)"),
+        (
+            'log_level = "loud"',
+            "log_level: Input should be 'debug', 'info', 'warning', 'error' or 'critical' "
+            "(got 'loud')",
+        ),
+        (
+            "metrics_port = 70000",
+            "metrics_port: Input should be less than or equal to 65535 (got 70000)",
+        ),
         ('[[alerts]]\ntype = "webhook"', "alerts.0.url: Field required"),
-        ('[[alerts]]\ntype = "webhook"\nurl = "ftp://x"',
-         "alerts.0.url: String should match pattern '^https?://\\S+$' (got 'ftp://x')"),
-        ('[[alerts]]\ntype = "pager"',
-         "alerts.0: type 'pager' is not one of 'log', 'command', 'webhook', 'python'"),
-        ('[[alerts]]\ntype = "log"\nlevel = "info"',
-         "alerts.0.level: Input should be 'warning' or 'critical' (got 'info')"),
-        ("[workflows.order]\nmax_concurency = 3",
-         "workflows.order.max_concurency: unknown key (did you mean 'max_concurrency'?)"),
-        ("[workflows.order.steps.charge]\ntimeout = 0",
-         "workflows.order.steps.charge.timeout: Input should be greater than 0 (got 0)"),
-        ("[workflows.order.steps.charge.retry]\nattempts = 0",
-         "workflows.order.steps.charge.retry.attempts: Input should be greater than or equal "
-         "to 1 (got 0)"),
-        ('[loops.poll]\nevery = "-1s"',
-         "loops.poll.every: '-1s' is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)"),
-        ("[loops.poll]\nmax_failures = 0",
-         "loops.poll.max_failures: Input should be greater than or equal to 1 (got 0)"),
+        (
+            '[[alerts]]\ntype = "webhook"\nurl = "ftp://x"',
+            "alerts.0.url: String should match pattern '^https?://\\S+$' (got 'ftp://x')",
+        ),
+        (
+            '[[alerts]]\ntype = "pager"',
+            "alerts.0: type 'pager' is not one of 'log', 'command', 'webhook', 'python'",
+        ),
+        (
+            '[[alerts]]\ntype = "log"\nlevel = "info"',
+            "alerts.0.level: Input should be 'warning' or 'critical' (got 'info')",
+        ),
+        (
+            "[workflows.order]\nmax_concurency = 3",
+            "workflows.order.max_concurency: unknown key (did you mean 'max_concurrency'?)",
+        ),
+        (
+            "[workflows.order.steps.charge]\ntimeout = 0",
+            "workflows.order.steps.charge.timeout: Input should be greater than 0 (got 0)",
+        ),
+        (
+            "[workflows.order.steps.charge.retry]\nattempts = 0",
+            "workflows.order.steps.charge.retry.attempts: Input should be greater than or equal "
+            "to 1 (got 0)",
+        ),
+        (
+            '[loops.poll]\nevery = "-1s"',
+            "loops.poll.every: '-1s' is not a duration"
+            " (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)",
+        ),
+        (
+            "[loops.poll]\nmax_failures = 0",
+            "loops.poll.max_failures: Input should be greater than or equal to 1 (got 0)",
+        ),
     ],
 )
 def test_invalid_config__one_line_naming_key_and_problem(
@@ -230,8 +271,11 @@ def order() -> Workflow:
     @wf.step(initial=True, next="charge")
     def reserve(ctx: Ctx) -> None: ...
 
-    @wf.step(next="done", timeout=5, retry=Retry(attempts=2, backoff="fixed", base=1,
-                                                 on=(ConnectionError,)))
+    @wf.step(
+        next="done",
+        timeout=5,
+        retry=Retry(attempts=2, backoff="fixed", base=1, on=(ConnectionError,)),
+    )
     def charge(ctx: Ctx) -> None: ...
 
     wf.final("done")
@@ -242,13 +286,16 @@ def poll(it: Iteration) -> None: ...
 
 
 def test_apply_overrides__step_timeout_retry_and_workflow_concurrency(tmp_path: Path) -> None:
-    write(tmp_path / "flowloop.toml", """
+    write(
+        tmp_path / "flowloop.toml",
+        """
         [workflows.order]
         max_concurrency = 3
         [workflows.order.steps.charge]
         timeout = "1m"
         retry = { attempts = 6, backoff = "exponential", base = "2s", cap = "30s" }
-    """)
+    """,
+    )
     wf = order()
     fingerprint = wf.fingerprint
     apply_overrides(load_settings(), {"order": wf}, {})
@@ -263,13 +310,16 @@ def test_apply_overrides__step_timeout_retry_and_workflow_concurrency(tmp_path: 
 
 
 def test_apply_overrides__loop_interval_timeout_retry_max_failures(tmp_path: Path) -> None:
-    write(tmp_path / "flowloop.toml", """
+    write(
+        tmp_path / "flowloop.toml",
+        """
         [loops.poll]
         every = "5m"
         timeout = 10
         max_failures = 2
         retry = { attempts = 3, backoff = "fixed", base = 1 }
-    """)
+    """,
+    )
     loops = apply_overrides(load_settings(), {}, {"poll": Loop("poll", poll, every=30)})
     loop = loops["poll"]
     assert (loop.every, loop.timeout, loop.max_failures) == (300.0, 10.0, 2)
@@ -307,8 +357,10 @@ def test_apply_overrides__loop_rule_broken_by_override_is_a_config_error(tmp_pat
 
 
 def test_apply_overrides__names_not_loaded_here_are_skipped(tmp_path: Path) -> None:
-    write(tmp_path / "flowloop.toml", "[workflows.other]\nmax_concurrency = 1\n"
-                                      "[loops.elsewhere]\nevery = 5\n")
+    write(
+        tmp_path / "flowloop.toml",
+        "[workflows.other]\nmax_concurrency = 1\n[loops.elsewhere]\nevery = 5\n",
+    )
     wf = order()
     loops = apply_overrides(load_settings(), {"order": wf}, {})
     assert loops == {}
@@ -316,7 +368,9 @@ def test_apply_overrides__names_not_loaded_here_are_skipped(tmp_path: Path) -> N
 
 
 def test_settings__alert_sinks_from_the_file(tmp_path: Path) -> None:
-    write(tmp_path / "flowloop.toml", """
+    write(
+        tmp_path / "flowloop.toml",
+        """
         [[alerts]]
         type = "command"
         command = "cat > /dev/null"
@@ -327,7 +381,8 @@ def test_settings__alert_sinks_from_the_file(tmp_path: Path) -> None:
         [[alerts]]
         type = "python"
         callable = "flowloop.alerts:log_sink"
-    """)
+    """,
+    )
     settings = load_settings()
     sinks = settings.alert_sinks()
     assert len(sinks) == 3

@@ -132,8 +132,15 @@ def test_validate__message_names_the_workflow() -> None:
         ({"next": "done", "max_visits": 0}, "max_visits must be at least 1"),
         ({"next": "done", "name": "bad name"}, "not a valid name"),
     ],
-    ids=["neither", "both", "empty-on", "zero-timeout", "negative-timedelta", "zero-visits",
-         "bad-name"],
+    ids=[
+        "neither",
+        "both",
+        "empty-on",
+        "zero-timeout",
+        "negative-timedelta",
+        "zero-visits",
+        "bad-name",
+    ],
 )
 def test_step__bad_declaration_refused(kwargs: dict[str, Any], message: str) -> None:
     wf = Workflow("w", context=Ctx)
@@ -228,17 +235,21 @@ def test_fingerprint__depends_on_structure_not_code_or_version() -> None:
 def test_step_spec__records_settings() -> None:
     wf = Workflow("w", context=Ctx)
 
-    @wf.step(initial=True, next="done", timeout=timedelta(seconds=2), idempotent=False,
-             max_visits=3, retry=Retry(attempts=5, backoff="fixed", base=1, cap=1))
+    @wf.step(
+        initial=True,
+        next="done",
+        timeout=timedelta(seconds=2),
+        idempotent=False,
+        max_visits=3,
+        retry=Retry(attempts=5, backoff="fixed", base=1, cap=1),
+    )
     async def a(ctx: Ctx, step: Step) -> None: ...
 
     wf.final("done")
     spec = wf.validate().steps["a"]
     assert spec.is_async and spec.wants_step and not spec.returns_event
     assert spec.timeout == 2.0 and spec.max_visits == 3 and not spec.idempotent
-    assert spec.describe() == (
-        f"{spec.retry.describe()}, timeout 2s, not idempotent, max 3 visits"
-    )
+    assert spec.describe() == (f"{spec.retry.describe()}, timeout 2s, not idempotent, max 3 visits")
     assert spec.retry.attempts == 5
 
 
@@ -269,13 +280,15 @@ def test_on_cycle__finds_loops() -> None:
 
 def test_step__idempotency_key_is_stable_across_attempts() -> None:
     keys = {
-        Step(run_id="r1", workflow="w", state="charge", attempt=n, visit=1, seq=4 + n,
-             worker=f"w{n}").idempotency_key
+        Step(
+            run_id="r1", workflow="w", state="charge", attempt=n, visit=1, seq=4 + n, worker=f"w{n}"
+        ).idempotency_key
         for n in (1, 2, 3)
     }
     assert keys == {"r1:charge:1"}
-    second_visit = Step(run_id="r1", workflow="w", state="charge", attempt=1, visit=2, seq=9,
-                        worker="w")
+    second_visit = Step(
+        run_id="r1", workflow="w", state="charge", attempt=1, visit=2, seq=9, worker="w"
+    )
     assert second_visit.idempotency_key == "r1:charge:2"
 
 

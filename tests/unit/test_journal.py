@@ -19,7 +19,9 @@ class Log:
     def __init__(self, state: str = "a", context: str = '{"n":0}') -> None:
         self.events: list[JournalEvent] = []
         self.add(
-            j.RUN_CREATED, state=state, context=context,
+            j.RUN_CREATED,
+            state=state,
+            context=context,
             data={"workflow": "w", "version": 1, "fingerprint": "fp", "key": "k", "due": T0},
         )
 
@@ -33,16 +35,21 @@ class Log:
 
     def succeeded(self, state: str, nxt: str, context: str, *, final: bool = False) -> Log:
         return self.add(
-            j.STEP_SUCCEEDED, state=state, event="next", next_state=nxt, context=context,
+            j.STEP_SUCCEEDED,
+            state=state,
+            event="next",
+            next_state=nxt,
+            context=context,
             data={"final": True} if final else {},
         )
 
     def failed(self, state: str, *, retry_at: float | None = None, reason: str = "error") -> Log:
-        data: dict[str, Any] = {"retry_at": retry_at} if retry_at is not None else {
-            "reason": reason
-        }
-        return self.add(j.STEP_FAILED, state=state, error_type="ValueError",
-                        error_message="bad", data=data)
+        data: dict[str, Any] = (
+            {"retry_at": retry_at} if retry_at is not None else {"reason": reason}
+        )
+        return self.add(
+            j.STEP_FAILED, state=state, error_type="ValueError", error_message="bad", data=data
+        )
 
     def fold(self, **kwargs: Any) -> RunRecord:
         return j.fold(self.events, **kwargs)
@@ -52,17 +59,19 @@ def test_fold__created_run_is_scheduled_at_its_due_time() -> None:
     record = Log().fold()
     assert (record.status, record.state, record.context) == ("scheduled", "a", '{"n":0}')
     assert record.next_run_at == T0 and record.last_seq == 1
-    assert (record.workflow, record.version, record.fingerprint, record.key) == (
-        "w", 1, "fp", "k"
-    )
+    assert (record.workflow, record.version, record.fingerprint, record.key) == ("w", 1, "fp", "k")
     assert record.visits == {"a": 1}
 
 
 def test_fold__retry_then_success_to_final() -> None:
     log = (
-        Log().started("a").succeeded("a", "b", '{"n":1}')
-        .started("b", 1).failed("b", retry_at=T0 + 50)
-        .started("b", 2).succeeded("b", "done", '{"n":2}', final=True)
+        Log()
+        .started("a")
+        .succeeded("a", "b", '{"n":1}')
+        .started("b", 1)
+        .failed("b", retry_at=T0 + 50)
+        .started("b", 2)
+        .succeeded("b", "done", '{"n":2}', final=True)
     )
     after_failure = log.fold(until_seq=5)
     assert after_failure.status == "retrying" and after_failure.next_run_at == T0 + 50
@@ -81,12 +90,26 @@ def test_fold__failure_without_retry_is_failed_with_reason() -> None:
 
 
 def test_fold__interrupted_step_fails_or_retries() -> None:
-    retried = Log().started("a").add(j.STEP_INTERRUPTED, state="a", attempt=1,
-                                     data={"retry_at": T0 + 9}).fold()
+    retried = (
+        Log()
+        .started("a")
+        .add(j.STEP_INTERRUPTED, state="a", attempt=1, data={"retry_at": T0 + 9})
+        .fold()
+    )
     assert retried.status == "retrying" and retried.attempt == 1
-    failed = Log().started("a").add(j.STEP_INTERRUPTED, state="a", attempt=1,
-                                    error_type="Interrupted", error_message="cut",
-                                    data={"reason": "interrupted"}).fold()
+    failed = (
+        Log()
+        .started("a")
+        .add(
+            j.STEP_INTERRUPTED,
+            state="a",
+            attempt=1,
+            error_type="Interrupted",
+            error_message="cut",
+            data={"reason": "interrupted"},
+        )
+        .fold()
+    )
     assert failed.status == "failed" and failed.reason == "interrupted"
     assert failed.error == "Interrupted: cut"
 
@@ -116,22 +139,26 @@ def test_fold__pause_unpause_stop_release() -> None:
 
 def test_fold__retried_from_a_past_state_takes_its_context() -> None:
     log = (
-        Log().started("a").succeeded("a", "b", '{"n":1}').started("b").failed("b")
+        Log()
+        .started("a")
+        .succeeded("a", "b", '{"n":1}')
+        .started("b")
+        .failed("b")
         .add(j.RUN_RETRIED, state="a", context='{"n":7}', data={"by": "ops", "from": "a"})
     )
     record = log.fold()
     assert (record.status, record.state, record.context) == ("scheduled", "a", '{"n":7}')
     assert record.visits == {"a": 2, "b": 1}  # a new visit: a new idempotency key
     same_state = (
-        Log().started("a").failed("a")
-        .add(j.RUN_RETRIED, state="a", context='{"n":0}').fold()
+        Log().started("a").failed("a").add(j.RUN_RETRIED, state="a", context='{"n":0}').fold()
     )
     assert same_state.visits == {"a": 1}  # retrying the failed visit keeps its key
 
 
 def test_fold__invalid_context_failure() -> None:
-    record = Log().add(j.RUN_FAILED, error_message="bad json",
-                       data={"reason": "invalid_context"}).fold()
+    record = (
+        Log().add(j.RUN_FAILED, error_message="bad json", data={"reason": "invalid_context"}).fold()
+    )
     assert record.status == "failed" and record.reason == "invalid_context"
     assert record.error == "bad json"
 
@@ -151,8 +178,9 @@ def test_fold__gap_in_seq_refused() -> None:
 
 def test_fold__lifecycle_violation_refused() -> None:
     log = Log().started("a").succeeded("a", "done", "{}", final=True).started("done")
-    with pytest.raises(FoldError, match="seq 4 step_started: lifecycle does not allow "
-                                        "succeeded -> running"):
+    with pytest.raises(
+        FoldError, match="seq 4 step_started: lifecycle does not allow succeeded -> running"
+    ):
         log.fold()
 
 

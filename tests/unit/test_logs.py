@@ -34,11 +34,16 @@ def test_json_format__one_object_per_line_with_the_step_fields(logger: logging.L
     stream = io.StringIO()
     setup_logging("json", "info", stream=stream, logger=logger)
     logger.info(
-        "run %s seq %d: %s attempt %d started", "r1", 2, "charge", 1,
+        "run %s seq %d: %s attempt %d started",
+        "r1",
+        2,
+        "charge",
+        1,
         extra={"workflow": "order", "run": "r1", "seq": 2, "state": "charge", "attempt": 1},
     )
     logger.info(
-        "run %s finished", "r1",
+        "run %s finished",
+        "r1",
         extra={"run": "r1", "duration": 0.25, "outcome": "failed", "error_type": "ValueError"},
     )
 
@@ -47,7 +52,11 @@ def test_json_format__one_object_per_line_with_the_step_fields(logger: logging.L
     assert first["level"] == "info"
     assert first["logger"] == "flowloop.test_logs"
     assert {k: first[k] for k in ("workflow", "run", "seq", "state", "attempt")} == {
-        "workflow": "order", "run": "r1", "seq": 2, "state": "charge", "attempt": 1,
+        "workflow": "order",
+        "run": "r1",
+        "seq": 2,
+        "state": "charge",
+        "attempt": 1,
     }
     assert str(first["ts"]).endswith("+00:00")
     assert second["duration"] == 0.25
@@ -127,5 +136,10 @@ def test_json_formatter__is_a_plain_formatter_for_any_handler() -> None:
     record = logging.LogRecord("x", logging.ERROR, __file__, 1, "n=%d", (3,), None)
     record.run = "r9"
     entry = json.loads(JsonFormatter().format(record))
-    assert entry == {"ts": entry["ts"], "level": "error", "logger": "x", "message": "n=3",
-                     "run": "r9"}
+    assert entry == {
+        "ts": entry["ts"],
+        "level": "error",
+        "logger": "x",
+        "message": "n=3",
+        "run": "r9",
+    }

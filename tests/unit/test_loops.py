@@ -112,9 +112,14 @@ def test_loop__workflow_loop_needs_a_fitting_context() -> None:
 def test_loop__durations_accept_timedeltas_and_datetimes() -> None:
     start = datetime.fromtimestamp(T0, UTC)
     made = Loop(
-        "l", tick, every=timedelta(minutes=1), timeout=timedelta(seconds=5),
-        jitter=timedelta(seconds=2), misfire_grace=math.inf,
-        start_at=start, end_at=start.replace(tzinfo=None) + timedelta(hours=1),
+        "l",
+        tick,
+        every=timedelta(minutes=1),
+        timeout=timedelta(seconds=5),
+        jitter=timedelta(seconds=2),
+        misfire_grace=math.inf,
+        start_at=start,
+        end_at=start.replace(tzinfo=None) + timedelta(hours=1),
     )
     assert (made.every, made.timeout, made.jitter) == (60.0, 5.0, 2.0)
     assert made.misfire_grace is None  # infinite grace: never give a slot up
@@ -192,7 +197,8 @@ def test_next_slot__fixed_rate_overlap_skips_and_counts() -> None:
     assert lp.next_slot(T0, started=T0, ended=T0 + 10) == (T0 + 20, 1)
     # fixed_delay simply waits.
     assert every(10, mode="fixed_delay").next_slot(T0, started=T0, ended=T0 + 25) == (
-        T0 + 35, 0,
+        T0 + 35,
+        0,
     )
 
 
