@@ -156,10 +156,15 @@ class Committer:
         commit time, before the waiting task resumes (the heartbeat must not take the
         missing lease for a lost one)."""
 
-    def submit(self, boundary: Boundary) -> asyncio.Future[bool]:
+    def submit(self, boundary: Boundary, *, alone: bool = False) -> asyncio.Future[bool]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((boundary, future))
+        if alone and not self._scheduled and not self._backoff and not self._retrying:
+            # One run in flight: nothing can join the batch, so write now and save two
+            # event-loop turns (the flush callback, then waking the awaiting run).
+            self._flush()
+            return future
         if not self._scheduled and not self._backoff:
             self._scheduled = True
             loop.call_soon(self._flush)
@@ -262,6 +267,10 @@ class Executor:
         self._lease_until: dict[str, float] = {}
         """Per driven run: by this process's monotonic clock, the earliest its lease can end
         (the time just before the claim, renewal or owned write that set it, plus the lease)."""
+        self.tracked: set[str] = set()
+        self.committed: dict[str, tuple[RunRecord, float]] = {}
+        """The last committed record (and its time) of each ``tracked`` run, for the engine's
+        fast path (so it need not read the row back); the reader removes both."""
         self.reserved: Callable[[], int] = lambda: 0
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
 
@@ -609,8 +618,13 @@ class Executor:
 
     async def _commit(self, boundary: Boundary) -> bool:
         before = time.monotonic()
-        applied = await self.committer.submit(boundary)
+        applied = await self.committer.submit(boundary, alone=len(self._active) <= 1)
         if applied:
+            if boundary.run_id in self.tracked:
+                self.committed[boundary.run_id] = (
+                    boundary.record,
+                    boundary.events[-1].at if boundary.events else 0.0,
+                )
             if not boundary.release and boundary.run_id in self._lease_until:
                 # Owned writes renew the lease too.
                 self._lease_until[boundary.run_id] = before + self.lease_seconds

@@ -26,6 +26,7 @@ from flowloop.errors import (
     UnknownRun,
 )
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import runs
 
 DEADLINE_S = 10.0
@@ -125,15 +126,16 @@ def test_run__one_write_transaction_per_step_boundary(engine: Engine) -> None:
     engine.register(wf)
     writes: list[str] = []
 
-    def before(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if statement.startswith("BEGIN IMMEDIATE"):
-            writes.append(statement)
+    def begin(conn: Any) -> None:
+        # Write transactions (BEGIN IMMEDIATE); reads carry the read execution option.
+        if not conn.get_execution_options().get(READ_OPTION):
+            writes.append("BEGIN IMMEDIATE")
 
-    sa.event.listen(engine.store.engine, "before_cursor_execute", before)  # type: ignore[attr-defined]
+    sa.event.listen(engine.store.engine, "begin", begin)  # type: ignore[attr-defined]
     try:
         info = engine.run(wf, Order(order_id="C1"))
     finally:
-        sa.event.remove(engine.store.engine, "before_cursor_execute", before)  # type: ignore[attr-defined]
+        sa.event.remove(engine.store.engine, "begin", begin)  # type: ignore[attr-defined]
     assert info.status == "succeeded"
     # The run created with its first step_started, then one commit per step's outcome
     # (carrying the next step_started).
