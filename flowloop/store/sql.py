@@ -7,10 +7,13 @@ however many boundaries it carries.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -25,7 +28,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from flowloop.errors import StoreError
 from flowloop.journal import JournalEvent, RunRecord
@@ -61,6 +64,32 @@ def _event_row(event: JournalEvent) -> dict[str, Any]:
         "worker": event.worker,
         "data": _dumps(event.data) if event.data else None,
     }
+
+
+EVENT_COLUMNS = tuple(column.name for column in journal.columns)
+
+
+@dataclass(frozen=True)
+class _Raw:
+    """A statement compiled once for one dialect: its SQL, the order of its positional
+    parameters, and the values of parameters bound at build time (e.g. ``control=None``)."""
+
+    sql: str
+    order: tuple[str, ...] | None
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, stmt: Any, dialect: Any, column_keys: list[str] | None = None) -> _Raw:
+        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
+        defaults = dict(compiled.construct_params(_check=False))
+        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
+        return cls(compiled.string, order, defaults)
+
+    def args(self, params: Mapping[str, Any]) -> Any:
+        full = {**self.defaults, **params}
+        if self.order is None:
+            return full
+        return tuple(full[name] for name in self.order)
 
 
 def _event_from_row(row: Any) -> JournalEvent:
@@ -171,6 +200,7 @@ class SQLStore(LoopStoreMixin, Store):
             self.engine.dispose()
             raise
         self._build_statements()
+        self._prepare_raw()
 
     # -- connections -----------------------------------------------------------------------
 
@@ -399,6 +429,8 @@ class SQLStore(LoopStoreMixin, Store):
     # -- the hot path ----------------------------------------------------------------------
 
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        if len(boundaries) == 1 and self._raw_sqlite is not None:
+            return [self._write_one_raw(boundaries[0])]
         event_rows: list[dict[str, Any]] = []
         with self._write() as conn:
             applied = self._write_rows(conn, boundaries)
@@ -461,6 +493,56 @@ class SQLStore(LoopStoreMixin, Store):
             "owned": self._update_owned,
         }[kind]
         return stmt.values(control=None) if clear_control else stmt
+
+    def _prepare_raw(self) -> None:
+        """SQLite: compile the single-boundary write once, to run on the driver's cursor.
+
+        The sequential hot path is one UPDATE, one two-row INSERT and a commit; through
+        SQLAlchemy's execution machinery each statement costs more Python than SQLite needs
+        to run it. Batches (group commit, recovery) keep the SQLAlchemy path."""
+        self._raw_sqlite: dict[tuple[str, bool], _Raw] | None = None
+        dialect = self.engine.dialect
+        if dialect.name != "sqlite":
+            return
+        self._raw_sqlite = {
+            (kind, clear): _Raw.of(self._statement(kind, clear), dialect)
+            for kind in ("owned", "owned_release", "unowned")
+            for clear in (False, True)
+        }
+        self._raw_insert = _Raw.of(self._insert_events, dialect, list(EVENT_COLUMNS))
+
+    def _write_one_raw(self, boundary: Boundary) -> bool:
+        assert self._raw_sqlite is not None
+        update_stmt = self._raw_sqlite[self._statement_kind(boundary)]
+        sql = "BEGIN IMMEDIATE"
+        with self._lock:
+            if self._writer is None or self._writer.closed or self._writer.invalidated:
+                self._writer = self.engine.connect()
+            conn = self._writer
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            try:
+                cursor = raw.cursor()
+                cursor.execute(sql)
+                sql = update_stmt.sql
+                cursor.execute(sql, update_stmt.args(self._write_params(boundary)))
+                applied = cursor.rowcount == 1
+                if applied and boundary.events:
+                    sql = self._raw_insert.sql
+                    cursor.executemany(
+                        sql, [self._raw_insert.args(_event_row(e)) for e in boundary.events]
+                    )
+                raw.commit()
+                return bool(applied)
+            except sqlite3.Error as error:
+                with contextlib.suppress(sqlite3.Error):
+                    raw.rollback()
+                wrapped = DBAPIError.instance(sql, None, error, sqlite3.Error)
+                if isinstance(wrapped, OperationalError):
+                    # Like _write(): a broken connection must not poison the next write.
+                    conn.invalidate()
+                    self._writer = None
+                raise wrapped from error
 
     def _write_params(self, boundary: Boundary) -> dict[str, Any]:
         params = {f"p_{k}": v for k, v in _record_columns(boundary.record).items()}

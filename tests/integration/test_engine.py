@@ -26,7 +26,6 @@ from flowloop.errors import (
     UnknownRun,
 )
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import runs
 
 DEADLINE_S = 10.0
@@ -121,25 +120,31 @@ def test_run__to_success(engine: Engine) -> None:
     assert_replay_matches(engine, [info.id])
 
 
-def test_run__one_write_transaction_per_step_boundary(engine: Engine) -> None:
-    wf, _ = order_workflow()
-    engine.register(wf)
-    writes: list[str] = []
+def test_run__one_write_transaction_per_step_boundary(tmp_path: Path) -> None:
+    # Counted at the driver (SQLite's trace callback sees every statement, whichever
+    # layer sends it): every connection the store opens is traced from its start.
+    statements: list[str] = []
+    url = f"sqlite:///{tmp_path / 'count.db'}"
 
-    def begin(conn: Any) -> None:
-        # Write transactions (BEGIN IMMEDIATE); reads carry the read execution option.
-        if not conn.get_execution_options().get(READ_OPTION):
-            writes.append("BEGIN IMMEDIATE")
+    with Engine(url) as engine:
 
-    sa.event.listen(engine.store.engine, "begin", begin)  # type: ignore[attr-defined]
-    try:
+        def trace(dbapi_connection: Any, _record: Any) -> None:
+            dbapi_connection.set_trace_callback(statements.append)
+
+        engine.store.engine.dispose()  # type: ignore[attr-defined]
+        sa.event.listen(engine.store.engine, "connect", trace)  # type: ignore[attr-defined]
+        engine.store._writer = None  # type: ignore[attr-defined]
+        wf, _ = order_workflow()
+        engine.register(wf)
+        statements.clear()
         info = engine.run(wf, Order(order_id="C1"))
-    finally:
-        sa.event.remove(engine.store.engine, "begin", begin)  # type: ignore[attr-defined]
     assert info.status == "succeeded"
+    writes = [s for s in statements if s.startswith("BEGIN IMMEDIATE")]
+    commits = [s for s in statements if s == "COMMIT"]
     # The run created with its first step_started, then one commit per step's outcome
     # (carrying the next step_started).
     assert len(writes) == 1 + 3
+    assert len(commits) >= len(writes)
 
 
 def test_run__sync_steps_in_threads_async_steps_on_the_loop(engine: Engine) -> None:
