@@ -1007,13 +1007,22 @@ class Executor:
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
+        active = self._active.get(run_id)
+        if spec.is_async and spec.timeout is None and active is not None:
+            # No timeout to enforce: await the coroutine inline instead of wrapping it in a
+            # Task (a Task costs its creation and two event-loop turns per step). A stop
+            # or a lost lease then cancels the run's own task, which cuts the step off.
+            active.step_task = active.task
+            try:
+                return await spec.fn(*args)
+            finally:
+                active.step_task = None
         if spec.is_async:
             future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
         else:
             work = self._threads.submit(spec.fn, *args)
             work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
-        active = self._active.get(run_id)
         if active is not None:
             active.step_task = future
         try:

@@ -21,13 +21,16 @@ from sqlalchemy import (
     Engine,
     and_,
     bindparam,
+    exists,
     func,
     insert,
     inspect,
     or_,
     select,
+    union_all,
     update,
 )
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from flowloop.errors import StoreError
@@ -431,6 +434,8 @@ class SQLStore(LoopStoreMixin, Store):
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
         if len(boundaries) == 1 and self._raw_sqlite is not None:
             return [self._write_one_raw(boundaries[0])]
+        if len(boundaries) == 1 and self._postgres and boundaries[0].events:
+            return [self._write_one_statement(boundaries[0])]
         event_rows: list[dict[str, Any]] = []
         with self._write() as conn:
             applied = self._write_rows(conn, boundaries)
@@ -501,7 +506,9 @@ class SQLStore(LoopStoreMixin, Store):
         SQLAlchemy's execution machinery each statement costs more Python than SQLite needs
         to run it. Batches (group commit, recovery) keep the SQLAlchemy path."""
         self._raw_sqlite: dict[tuple[str, bool], _Raw] | None = None
+        self._one_statement_cache: dict[tuple[tuple[str, bool], int], _Raw] = {}
         dialect = self.engine.dialect
+        self._postgres = dialect.name == "postgresql"
         if dialect.name != "sqlite":
             return
         self._raw_sqlite = {
@@ -510,6 +517,60 @@ class SQLStore(LoopStoreMixin, Store):
             for clear in (False, True)
         }
         self._raw_insert = _Raw.of(self._insert_events, dialect, list(EVENT_COLUMNS))
+
+    def _one_statement(self, kind: tuple[str, bool], events: int) -> _Raw:
+        """PostgreSQL: a whole boundary as ONE statement — the fenced UPDATE in a CTE, the
+        journal rows inserted only if it changed the row. Sent in autocommit it is its own
+        transaction: one round trip instead of four (BEGIN, UPDATE, INSERT, COMMIT)."""
+        key = (kind, events)
+        found = self._one_statement_cache.get(key)
+        if found is None:
+            changed = self._statement(*kind).returning(runs.c.id).cte("changed")
+            selects = [
+                select(
+                    *[
+                        sql_cast(bindparam(f"e{i}_{column.name}"), column.type).label(column.name)
+                        for column in journal.columns
+                    ]
+                ).where(exists(select(changed.c.id)))
+                for i in range(events)
+            ]
+            rows = selects[0] if events == 1 else union_all(*selects)
+            stmt = (
+                insert(journal)
+                .from_select([column.name for column in journal.columns], rows)
+                .add_cte(changed)
+            )
+            found = self._one_statement_cache[key] = _Raw.of(stmt, self.engine.dialect)
+        return found
+
+    def _write_one_statement(self, boundary: Boundary) -> bool:
+        stmt = self._one_statement(self._statement_kind(boundary), len(boundary.events))
+        params = self._write_params(boundary)
+        for i, event in enumerate(boundary.events):
+            for name, value in _event_row(event).items():
+                params[f"e{i}_{name}"] = value
+        with self._lock:
+            if self._writer is None or self._writer.closed or self._writer.invalidated:
+                self._writer = self.engine.connect()
+            conn = self._writer
+            raw: Any = conn.connection.driver_connection
+            dbapi_error = self.engine.dialect.loaded_dbapi.Error
+            try:
+                raw.autocommit = True  # one statement: its own transaction
+                try:
+                    cursor = raw.cursor()
+                    cursor.execute(stmt.sql, stmt.args(params))
+                    # Applied iff the fenced UPDATE matched: then every event row went in.
+                    return bool(cursor.rowcount == len(boundary.events))
+                finally:
+                    raw.autocommit = False
+            except dbapi_error as error:
+                wrapped = DBAPIError.instance(stmt.sql, None, error, dbapi_error)
+                if isinstance(wrapped, OperationalError):
+                    conn.invalidate()
+                    self._writer = None
+                raise wrapped from error
 
     def _write_one_raw(self, boundary: Boundary) -> bool:
         assert self._raw_sqlite is not None
