@@ -1022,7 +1022,8 @@ def diagram(
     if out_path is None:
         if fmt == "png":
             raise FlowloopError("diagram: PNG is binary; write it to a file with -o FILE.png")
-        click.get_binary_stream("stdout").write(render.render_bytes(graph, fmt))
+        sys.stdout.buffer.write(render.render_bytes(graph, fmt))
+        sys.stdout.flush()
         return
     render.save(graph, out_path, fmt)
     out.print(f"wrote {out_path}", markup=False)

@@ -62,6 +62,18 @@ Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
 
 
+async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> None:
+    """Wait up to ``grace`` seconds for ``tasks``, then cancel the rest and wait for them to
+    settle (a cancelled drive journals its cut-off before it ends)."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=grace)
+    for task in pending:
+        task.cancel()
+    if pending:
+        await asyncio.wait(pending)
+
+
 def new_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -413,14 +425,7 @@ class Executor:
         """Let in-flight steps finish (their runs are released, not continued) for up to
         ``grace`` seconds, then cut the rest off: their journal shows the interruption."""
         self._draining = True
-        tasks = [active.task for active in self._active.values()]
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=grace)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        await finish_within([active.task for active in self._active.values()], grace)
 
     # -- leases and control ----------------------------------------------------------------
 

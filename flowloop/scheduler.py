@@ -25,7 +25,7 @@ from typing import Any, Final
 from flowloop.alerts import Alert
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
-from flowloop.executor import error_line, owner_is_dead_here
+from flowloop.executor import error_line, finish_within, owner_is_dead_here
 from flowloop.loops import Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 
@@ -214,14 +214,7 @@ class Scheduler:
                 waiter.cancel()
 
     async def _drain(self, grace: float) -> None:
-        tasks = [running.task for running in self._running.values()]
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=grace)
-        for task in pending:
-            task.cancel()
-        if pending:
-            await asyncio.wait(pending)
+        await finish_within([running.task for running in self._running.values()], grace)
 
     def _take_waiting(self) -> list[str]:
         taken: list[str] = []
