@@ -663,10 +663,9 @@ class Scheduler:
                     data={"reason": reason},
                 )
             )
-        changes = {
+        changes: dict[str, Any] = {
             "status": status,
             "reason": reason,
-            "control": None,
             "next_fire_at": nxt if status == "scheduled" else None,
             "last_ended_at": now,
             "last_result": outcome,
@@ -676,6 +675,10 @@ class Scheduler:
             "skipped": row.skipped + skipped,
             "updated_at": now,
         }
+        if status != "scheduled":
+            # Only a write that honours (or supersedes) a request clears it: a pause that
+            # arrived after the read above must survive this write.
+            changes["control"] = None
         ok = self.store.write_loop(
             name=loop.name,
             owner=self.worker_id,
@@ -717,7 +720,18 @@ class Scheduler:
                 log.exception("iteration listener failed")
         self._alerts(loop, status, reason, error, row.skipped, skipped)
         updated = self.store.get_loop(loop.name)
-        if updated is not None:
+        if (
+            updated is not None
+            and updated.status == "scheduled"
+            and updated.control
+            in (
+                "pause",
+                "stop",
+            )
+        ):
+            # A request that landed while this iteration was being recorded.
+            self._apply_control(updated)
+        elif updated is not None:
             self._schedule(updated)
 
     def _alerts(
