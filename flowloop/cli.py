@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -184,18 +185,9 @@ def info_json(info: RunInfo) -> dict[str, Any]:
 
 
 def event_json(event: JournalEvent) -> dict[str, Any]:
+    """A journal entry for `--json`: every field, the context parsed."""
     return {
-        "seq": event.seq,
-        "kind": event.kind,
-        "at": event.at,
-        "state": event.state,
-        "attempt": event.attempt,
-        "event": event.event,
-        "next_state": event.next_state,
-        "duration": event.duration,
-        "error_type": event.error_type,
-        "error_message": event.error_message,
-        "worker": event.worker,
+        **dataclasses.asdict(event),
         "data": dict(event.data),
         "context": json.loads(event.context) if event.context else None,
     }

@@ -31,7 +31,15 @@ from flowloop.errors import (
     UnknownRun,
     UnknownWorkflow,
 )
-from flowloop.events import NotWaiting, accepted, accepts, check_bufferable, entering, receive
+from flowloop.events import (
+    NotWaiting,
+    accepted,
+    accepts,
+    check_bufferable,
+    entering,
+    receive,
+    wait_due,
+)
 from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_CONCURRENCY,
@@ -567,9 +575,9 @@ class Engine:
     def _control(self, run_id: str, action: str, kind: str) -> RunInfo:
         stored = self._stored(run_id)
         status = stored.record.status
-        if status in FINISHED or (action == "pause" and status == "paused"):
-            if action == "pause" and status == "paused":
-                return self._info(stored)
+        if action == "pause" and status == "paused":
+            return self._info(stored)
+        if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
         if status != "running" and self._operate(stored, kind, state=stored.record.state):
             return self.get(run_id)
@@ -584,8 +592,20 @@ class Engine:
                 self.store.request_control(run_id, None)
                 return self.get(run_id)
             raise InvalidTransition(run_id, stored.record.status, "unpause")
-        if not self._operate(stored, j.RUN_UNPAUSED, state=stored.record.state):
+        record = stored.record
+        workflow = self._workflows.get(record.workflow)
+        data: dict[str, Any] = {}
+        if workflow is not None and record.state in workflow.waits:
+            # Back to waiting: due when its timeout was due (at once if that has passed),
+            # never before, and not at all without a timeout.
+            data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
+        if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
+        if "due" in data:
+            # Events kept while it was paused: the run takes them now.
+            try_deliver_pending(
+                self.store, self._workflows, run_id, now=self.clock.now(), worker=self.worker_id
+            )
         return self.get(run_id)
 
     def send(

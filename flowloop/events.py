@@ -112,7 +112,7 @@ def check_bufferable(
 def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> float | None:
     """When the run's wait in ``state`` times out (``None``: it has no timeout): the due
     time stored when the run last entered ``state``, or that entry's time plus the timeout.
-    A run claimed before then (unpaused, or created in a wait state) is not timed out."""
+    An unpaused run goes back to waiting with it, so it is not timed out early."""
     wait = workflow.waits.get(state)
     if wait is None or wait.timeout is None:
         return None

@@ -22,7 +22,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
@@ -40,7 +40,7 @@ from flowloop.definition import (
     describe_validation,
 )
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
-from flowloop.events import accepted, accepts, check_visits, entering, receive, wait_due
+from flowloop.events import accepted, accepts, check_visits, entering, receive
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, Store, StoredRun
 
@@ -135,7 +135,6 @@ class Stats:
     lost_leases: int = 0
     recovered: int = 0
     outage_retries: int = 0
-    by_status: dict[str, int] = field(default_factory=dict)
 
 
 def is_outage(error: BaseException) -> bool:
@@ -536,9 +535,6 @@ class Executor:
                 lease_seconds=self.lease_seconds,
                 workflows=list(self.workflows),
             )
-            rows = [
-                row for row in rows if row.record.workflow in self.workflows or self._release(row)
-            ]
             if not rows:
                 return recovered
             boundaries = [self._interrupted(row) for row in rows]
@@ -549,10 +545,6 @@ class Executor:
                     recovered += 1
                     self.stats.recovered += 1
                     self._notify(boundary)
-
-    def _release(self, row: StoredRun) -> bool:
-        self.store.release(worker=self.worker_id, run_ids=[row.id])
-        return False
 
     def _interrupted(self, row: StoredRun) -> Boundary:
         record = row.record
@@ -890,7 +882,9 @@ class Executor:
         else:
             message = None
         if message is None:
-            due = wait_due(workflow, record.state, self.store.journal(record.id))
+            # Claimed because its stored due time (the timeout's) has come; anything else
+            # (no timeout, or a clock that disagrees) goes back to waiting unchanged.
+            due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
             if due is None or due > self.clock.now():
                 released = self._event(
                     record,

@@ -181,7 +181,12 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=event.data.get("reason", "paused"),
         )
     elif kind == RUN_UNPAUSED:
-        change.update(status=_status(record, "scheduled", event), next_run_at=event.at, reason=None)
+        change.update(
+            status=_status(record, "scheduled", event),
+            # A run waiting in a wait state keeps its timeout's due time (or none).
+            next_run_at=event.data.get("due", event.at),
+            reason=None,
+        )
     elif kind == RUN_STOPPED:
         change.update(
             status=_status(record, "stopped", event),

@@ -9,7 +9,7 @@ index, so two workers sharing a database can never run the same slot twice.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from flowloop.store import leases
 from flowloop.store.schema import loop_journal, loops, meta
 
 CHANGES_KEY: Final = "loops_changed"
@@ -390,17 +391,15 @@ class LoopStoreMixin:
         if not names:
             return set()
         with self._write() as conn:
-            rows = conn.execute(
-                update(loops)
-                .where(
-                    loops.c.owner == worker,
-                    loops.c.name.in_(list(names)),
-                    loops.c.lease_expires_at >= self.now_sql,
-                )
-                .values(lease_expires_at=self.now_sql + lease_seconds)
-                .returning(loops.c.name)
+            return leases.renew(
+                conn,
+                loops,
+                loops.c.name,
+                now_sql=self.now_sql,
+                worker=worker,
+                keys=names,
+                lease_seconds=lease_seconds,
             )
-            return {row.name for row in rows}
 
     def request_loop_control(self, name: str, action: str | None) -> bool:
         with self._write() as conn:
@@ -428,12 +427,4 @@ class LoopStoreMixin:
         if not owners:
             return
         with self._write() as conn:
-            conn.execute(
-                update(loops)
-                .where(loops.c.owner.in_(list(owners)))
-                .values(lease_expires_at=self.now_sql - 1.0)
-            )
-
-    def iter_loop_names(self) -> Iterator[str]:
-        with self._read() as conn:
-            yield from (row.name for row in conn.execute(select(loops.c.name)))
+            leases.expire(conn, loops, now_sql=self.now_sql, owners=owners)

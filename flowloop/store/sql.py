@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sqlite3
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlch
 from flowloop.errors import StoreError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect, migrate
+from flowloop.store import dialect, leases, migrate
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
@@ -215,20 +214,40 @@ class SQLStore(LoopStoreMixin, Store):
         self.engine.dispose()
 
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
-        """A write transaction on the held connection (``BEGIN IMMEDIATE`` on SQLite)."""
+    def _held(self) -> Iterator[Connection]:
+        """The held write connection, for one caller at a time."""
         with self._lock:
             if self._writer is None or self._writer.closed or self._writer.invalidated:
                 self._writer = self.engine.connect()
             conn = self._writer
             try:
-                with conn.begin():
-                    yield conn
+                yield conn
             except OperationalError:
                 # A dropped connection must not poison the next transaction.
                 conn.invalidate()
                 self._writer = None
                 raise
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """A write transaction on the held connection (``BEGIN IMMEDIATE`` on SQLite)."""
+        with self._held() as conn, conn.begin():
+            yield conn
+
+    @contextmanager
+    def _driver(self) -> Iterator[Any]:
+        """The held connection's driver connection, for the precompiled hot path. A driver
+        error is rolled back and wrapped as SQLAlchemy would wrap it, so callers (and the
+        executor's outage handling) see the same exception types as on every other path."""
+        with self._held() as conn:
+            raw: Any = conn.connection.driver_connection
+            dbapi_error = self._dbapi_error
+            try:
+                yield raw
+            except dbapi_error as error:
+                with contextlib.suppress(dbapi_error):
+                    raw.rollback()
+                raise DBAPIError.instance(None, None, error, dbapi_error) from error
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
@@ -509,6 +528,7 @@ class SQLStore(LoopStoreMixin, Store):
         self._one_statement_cache: dict[tuple[tuple[str, bool], int], _Raw] = {}
         dialect = self.engine.dialect
         self._postgres = dialect.name == "postgresql"
+        self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
         if dialect.name != "sqlite":
             return
         self._raw_sqlite = {
@@ -550,60 +570,31 @@ class SQLStore(LoopStoreMixin, Store):
         for i, event in enumerate(boundary.events):
             for name, value in _event_row(event).items():
                 params[f"e{i}_{name}"] = value
-        with self._lock:
-            if self._writer is None or self._writer.closed or self._writer.invalidated:
-                self._writer = self.engine.connect()
-            conn = self._writer
-            raw: Any = conn.connection.driver_connection
-            dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        with self._driver() as raw:
+            raw.autocommit = True  # one statement: its own transaction
             try:
-                raw.autocommit = True  # one statement: its own transaction
-                try:
-                    cursor = raw.cursor()
-                    cursor.execute(stmt.sql, stmt.args(params))
-                    # Applied iff the fenced UPDATE matched: then every event row went in.
-                    return bool(cursor.rowcount == len(boundary.events))
-                finally:
-                    raw.autocommit = False
-            except dbapi_error as error:
-                wrapped = DBAPIError.instance(stmt.sql, None, error, dbapi_error)
-                if isinstance(wrapped, OperationalError):
-                    conn.invalidate()
-                    self._writer = None
-                raise wrapped from error
+                cursor = raw.cursor()
+                cursor.execute(stmt.sql, stmt.args(params))
+                # Applied iff the fenced UPDATE matched: then every event row went in.
+                return bool(cursor.rowcount == len(boundary.events))
+            finally:
+                raw.autocommit = False
 
     def _write_one_raw(self, boundary: Boundary) -> bool:
         assert self._raw_sqlite is not None
         update_stmt = self._raw_sqlite[self._statement_kind(boundary)]
-        sql = "BEGIN IMMEDIATE"
-        with self._lock:
-            if self._writer is None or self._writer.closed or self._writer.invalidated:
-                self._writer = self.engine.connect()
-            conn = self._writer
-            raw = conn.connection.driver_connection
-            assert raw is not None
-            try:
-                cursor = raw.cursor()
-                cursor.execute(sql)
-                sql = update_stmt.sql
-                cursor.execute(sql, update_stmt.args(self._write_params(boundary)))
-                applied = cursor.rowcount == 1
-                if applied and boundary.events:
-                    sql = self._raw_insert.sql
-                    cursor.executemany(
-                        sql, [self._raw_insert.args(_event_row(e)) for e in boundary.events]
-                    )
-                raw.commit()
-                return bool(applied)
-            except sqlite3.Error as error:
-                with contextlib.suppress(sqlite3.Error):
-                    raw.rollback()
-                wrapped = DBAPIError.instance(sql, None, error, sqlite3.Error)
-                if isinstance(wrapped, OperationalError):
-                    # Like _write(): a broken connection must not poison the next write.
-                    conn.invalidate()
-                    self._writer = None
-                raise wrapped from error
+        with self._driver() as raw:
+            cursor = raw.cursor()
+            cursor.execute("BEGIN IMMEDIATE")
+            cursor.execute(update_stmt.sql, update_stmt.args(self._write_params(boundary)))
+            applied = cursor.rowcount == 1
+            if applied and boundary.events:
+                cursor.executemany(
+                    self._raw_insert.sql,
+                    [self._raw_insert.args(_event_row(e)) for e in boundary.events],
+                )
+            raw.commit()
+            return bool(applied)
 
     def _write_params(self, boundary: Boundary) -> dict[str, Any]:
         params = {f"p_{k}": v for k, v in _record_columns(boundary.record).items()}
@@ -744,28 +735,21 @@ class SQLStore(LoopStoreMixin, Store):
         if not owners:
             return 0
         with self._write() as conn:
-            result = conn.execute(
-                update(runs)
-                .where(runs.c.owner.in_(list(owners)))
-                .values(lease_expires_at=self.now_sql - 1.0)
-            )
-            return int(result.rowcount)
+            return leases.expire(conn, runs, now_sql=self.now_sql, owners=owners)
 
     def renew(self, *, worker: str, run_ids: Sequence[str], lease_seconds: float) -> set[str]:
         if not run_ids:
             return set()
         with self._write() as conn:
-            rows = conn.execute(
-                update(runs)
-                .where(
-                    runs.c.owner == worker,
-                    runs.c.id.in_(list(run_ids)),
-                    runs.c.lease_expires_at >= self.now_sql,
-                )
-                .values(lease_expires_at=self.now_sql + lease_seconds)
-                .returning(runs.c.id)
+            return leases.renew(
+                conn,
+                runs,
+                runs.c.id,
+                now_sql=self.now_sql,
+                worker=worker,
+                keys=run_ids,
+                lease_seconds=lease_seconds,
             )
-            return {row.id for row in rows}
 
     def release(self, *, worker: str, run_ids: Sequence[str]) -> None:
         if not run_ids:
