@@ -439,9 +439,7 @@ def _override_step(workflow: Workflow, name: str, state: str, step: StepSettings
                 f"invalid configuration: workflows.{name}.steps.{state}.retry: {error}"
             ) from None
     if changes:
-        # Timeout and retry are not part of the structure (fingerprint): replacing the
-        # frozen spec keeps every stored run of this workflow compatible.
-        workflow._draft.steps[spec.name] = dataclasses.replace(spec, **changes)
+        workflow.tune_step(spec.name, **changes)
 
 
 def _override_loop(loop: Loop, override: LoopSettings) -> Loop:

@@ -10,6 +10,7 @@ This module imports neither sqlalchemy nor asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
@@ -276,6 +277,23 @@ class Workflow:
         )
         if initial:
             self._draft.initial.append(state)
+
+    def tune_step(
+        self, state: str, *, timeout: float | None = None, retry: Retry | None = None
+    ) -> None:
+        """Change a step's ``timeout`` or ``retry`` (e.g. from configuration), also after the
+        workflow is in use: they are not part of the structure (the fingerprint), so every
+        stored run of this workflow stays compatible."""
+        spec = self._draft.steps.get(state)
+        if spec is None:
+            raise DefinitionError(self.name, f"has no step {state!r}")
+        if timeout is not None and timeout <= 0:
+            raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
+        self._draft.steps[state] = dataclasses.replace(
+            spec,
+            timeout=spec.timeout if timeout is None else timeout,
+            retry=spec.retry if retry is None else retry,
+        )
 
     def wait(
         self,
