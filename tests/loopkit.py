@@ -90,13 +90,19 @@ async def until(
 
 
 def wait_for(
-    condition: Callable[[], object], *, timeout: float = WAIT_S, what: str = "condition"
+    condition: Callable[[], object],
+    *,
+    timeout: float = WAIT_S,
+    what: str = "condition",
+    describe: Callable[[], str] | None = None,
 ) -> None:
-    """:func:`until` for plain (non-async) tests that watch another process."""
+    """:func:`until` for plain (non-async) tests that watch another process; ``describe``
+    adds what those processes said to the failure."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            detail = f"\n{describe()}" if describe else ""
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
         time.sleep(0.02)
 
 

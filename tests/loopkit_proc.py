@@ -95,6 +95,14 @@ def workers() -> Iterator[list[WorkerProcess]]:
             worker.close()
 
 
+def report(started: Sequence[WorkerProcess]) -> str:
+    """Each worker's exit status and log, for a failure message."""
+    return "\n".join(
+        f"--- worker {worker.pid} (exit {worker.process.poll()}):\n{worker.text()}"
+        for worker in started
+    )
+
+
 def cli(*args: str, db: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, "-m", "flowloop.cli", *args, "--db", str(db)],

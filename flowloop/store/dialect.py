@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any, Final
 
@@ -79,6 +80,27 @@ def _prepare_sqlite_file(url: URL) -> None:
     os.close(fd)
 
 
+def _enter_wal(cursor: sqlite3.Cursor) -> None:
+    """Switch the database to WAL, waiting out other connections doing the same.
+
+    Changing the journal mode needs an exclusive lock and SQLite answers "database is
+    locked" at once, without the busy handler, while another process is switching a new
+    file too (two workers, or a worker and ``flowloop status``, opening it together).
+    Once switched, the mode is stored in the file and the pragma is a cheap no-op.
+    """
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    delay = 0.001
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
 def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:
     url = make_url(normalize_url(url_text))
     if url.get_backend_name() == "sqlite":
@@ -111,7 +133,7 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
         if not memory:
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _enter_wal(cursor)
         cursor.execute(f"PRAGMA synchronous={mode}")
         cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         cursor.execute("PRAGMA foreign_keys=ON")

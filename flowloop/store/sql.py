@@ -260,6 +260,13 @@ class SQLStore(LoopStoreMixin, Store):
 
     def _ensure_schema(self, *, create: bool) -> None:
         url = dialect.safe_url(self.url)
+        # Opening a database in use (`flowloop status` beside a worker) only reads: the
+        # write lock is taken only to create the schema, and the check is repeated under it
+        # because another process may have created it meanwhile.
+        with self._read() as conn:
+            if migrate.VERSION_TABLE in inspect(conn).get_table_names():
+                migrate.check(conn, url)
+                return
         with self._write() as conn:
             tables = set(inspect(conn).get_table_names())
             ours = {t for t in tables if t.startswith("flowloop_")}

@@ -24,6 +24,7 @@ from loopkit_proc import (
     cli_here,
     engine,
     lines,
+    report,
     wait_exists,
     workers,
     write_module,
@@ -105,13 +106,25 @@ def test_worker__sigkill_mid_iteration_then_restart_no_duplicate_no_gap(tmp_path
             worker = WorkerProcess([module], db, log=tmp_path / f"w{round_}.log", env=env)
             started.append(worker)
             done_before = count(db, "beat", "iteration_succeeded")
-            wait_for(succeeded_at_least(db, done_before + 2), what="two iterations")
-            wait_for(partial(in_flight, log, worker.pid), what="an iteration in flight")
+            wait_for(
+                succeeded_at_least(db, done_before + 2),
+                what="two iterations",
+                describe=partial(report, started),
+            )
+            wait_for(
+                partial(in_flight, log, worker.pid),
+                what="an iteration in flight",
+                describe=partial(report, started),
+            )
             worker.kill()  # SIGKILL: mid-iteration
         final = WorkerProcess([module], db, log=tmp_path / "final.log", env=env)
         started.append(final)
         done_before = count(db, "beat", "iteration_succeeded")
-        wait_for(succeeded_at_least(db, done_before + 3), what="iterations after the restart")
+        wait_for(
+            succeeded_at_least(db, done_before + 3),
+            what="iterations after the restart",
+            describe=partial(report, started),
+        )
         assert final.stop() == 0, final.text()
 
     events = loop_journal(db, "beat")
@@ -143,7 +156,12 @@ def test_worker__two_workers_on_one_sqlite_file_never_fire_a_slot_twice(tmp_path
             firing = {e.worker for e in events if e.kind == "iteration_started"}
             return len(firing) == 2 and len(events) >= 30
 
-        wait_for(both_fired, timeout=20, what="both workers to fire slots")
+        wait_for(
+            both_fired,
+            timeout=20,
+            what="both workers to fire slots",
+            describe=partial(report, started),
+        )
         for worker in started:
             worker.signal(signal.SIGTERM)
         assert [worker.wait() for worker in started] == [0, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sqlite3
 import stat
@@ -506,6 +507,50 @@ def test_sqlite_file__wal_normal_by_default_full_on_request(tmp_path: Path) -> N
         s.close()
     with pytest.raises(StoreError, match="not a SQLite mode"):
         SQLStore(f"sqlite:///{tmp_path / 'x.db'}", synchronous="SOMETIMES")
+
+
+OPENERS = 3
+ROUNDS = 20
+
+
+def _open_new_files_together(paths: list[str], barrier: Any, go: Any, errors: Any) -> None:
+    """Child process: for each path, wait for every opener, then open it at the same instant
+    (CLOCK_MONOTONIC is one clock for all processes; a barrier alone wakes them too far
+    apart to collide often)."""
+    for path in paths:
+        if barrier.wait() == 0:
+            go.value = time.monotonic() + 0.02
+        barrier.wait()
+        while time.monotonic() < go.value:
+            pass
+        try:
+            SQLStore(f"sqlite:///{path}").close()
+        except StoreError as error:
+            errors.put(str(error))
+
+
+def test_sqlite_file__processes_opening_a_new_file_together_all_succeed(tmp_path: Path) -> None:
+    """Two workers (or a worker and `flowloop status`) starting on one new file: all of them
+    open it; none fails with "database is locked" while another switches it to WAL."""
+    paths = [str(tmp_path / f"new{n}.db") for n in range(ROUNDS)]
+    spawn = multiprocessing.get_context("spawn")
+    barrier, go, errors = spawn.Barrier(OPENERS), spawn.Value("d", 0.0), spawn.Queue()
+    openers = [
+        spawn.Process(target=_open_new_files_together, args=(paths, barrier, go, errors))
+        for _ in range(OPENERS)
+    ]
+    for opener in openers:
+        opener.start()
+    for opener in openers:
+        opener.join(timeout=60)
+    assert [opener.exitcode for opener in openers] == [0] * OPENERS
+    failures = [errors.get() for _ in range(errors.qsize())]
+    assert not failures, failures
+    for path in paths:
+        with sqlite3.connect(path) as conn:
+            assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            assert conn.execute(f"SELECT count(*) FROM {migrate.VERSION_TABLE}").fetchone() == (1,)
+        conn.close()
 
 
 def test_sqlite_file__not_sqlite_refused(tmp_path: Path) -> None:
