@@ -31,6 +31,20 @@ SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
 READ_OPTION: Final = "flowloop_read"
 PG_CONNECT_TIMEOUT_S: Final = 5
+PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
+    # A server that does not answer must not hang a worker's event loop for the OS's TCP
+    # timeouts (minutes; ~15 for unacknowledged data): the database calls run on that loop.
+    "connect_timeout": PG_CONNECT_TIMEOUT_S,
+    # Sent data unacknowledged this long (a partition, a dead host) fails the call, and the
+    # worker's outage handling takes over; a slow query on a live server is not affected.
+    "tcp_user_timeout": 15_000,
+    # A call waiting for a reply learns that the host is gone after 10 + 3 x 5 s.
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+"""libpq connection parameters flowloop sets unless the URL sets them (``?keepalives_idle=…``)."""
 SQLITE_HEADER: Final = b"SQLite format 3\x00"
 
 
@@ -155,11 +169,7 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
-    # A server that does not answer must not hang a worker's event loop for the OS's TCP
-    # timeout (minutes): its heartbeat has to self-fence before its leases run out.
-    connect_args = (
-        {} if "connect_timeout" in url.query else {"connect_timeout": PG_CONNECT_TIMEOUT_S}
-    )
+    connect_args = {k: v for k, v in PG_CONNECTION_DEFAULTS.items() if k not in url.query}
     try:
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:

@@ -574,6 +574,30 @@ def test_sqlite_file__missing_directory_refused(tmp_path: Path) -> None:
         SQLStore(f"sqlite:///{tmp_path / 'nope' / 'x.db'}")
 
 
+def _libpq_parameters(url: str) -> dict[str, str]:
+    store = SQLStore(url)
+    try:
+        with store.engine.connect() as conn:
+            parameters: dict[str, str] = conn.connection.driver_connection.info.get_parameters()
+            return parameters
+    finally:
+        store.close()
+
+
+def test_postgres__connections_give_up_on_a_silent_server(pg_url: str) -> None:
+    """A partitioned or dead server fails a call within seconds instead of hanging the
+    worker's event loop for the OS's TCP timeouts; the URL's own settings win."""
+    parameters = _libpq_parameters(pg_url)
+    assert {name: parameters.get(name) for name in ("connect_timeout", "tcp_user_timeout")} == {
+        "connect_timeout": "5",
+        "tcp_user_timeout": "15000",
+    }
+    assert parameters.get("keepalives") == "1"
+    assert parameters.get("keepalives_idle") == "10"
+    tuned = _libpq_parameters(f"{pg_url}&keepalives_idle=30&tcp_user_timeout=2000")
+    assert (tuned.get("keepalives_idle"), tuned.get("tcp_user_timeout")) == ("30", "2000")
+
+
 def test_open__unknown_backend_refused() -> None:
     with pytest.raises(StoreError, match="unsupported database"):
         SQLStore("mysql://u:secret@host/db")
