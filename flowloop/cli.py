@@ -209,8 +209,10 @@ def styled(status: str) -> str:
 
 
 def describe_event(event: JournalEvent) -> str:
-    if event.kind == "step_succeeded":
+    if event.kind in ("step_succeeded", "event_received"):
         return f"{event.state} --{event.event}--> {event.next_state}"
+    if event.kind == "event_rejected":
+        return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind in ("step_failed", "step_interrupted", "run_failed"):
         return f"{event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind == "run_retried":

@@ -166,6 +166,35 @@ def receive(
     return received, j.apply(record, received)
 
 
+def reject_kept(
+    record: RunRecord,
+    event: str,
+    error: Exception,
+    *,
+    sent_at: float,
+    now: float,
+    worker: str,
+) -> tuple[JournalEvent, RunRecord]:
+    """The ``event_rejected`` entry for a kept (buffered) event the run's wait state cannot
+    take — its handler raised, its payload does not fit this state's model, … The sender
+    is long gone, so the event leaves the inbox with the reason in the journal and the run
+    keeps waiting (for its other kept events, new ones, or its timeout)."""
+    text = str(error).strip()
+    rejected = JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=j.EVENT_REJECTED,
+        at=now,
+        state=record.state,
+        event=event,
+        error_type=type(error).__name__,
+        error_message=text.splitlines()[0] if text else None,
+        worker=worker,
+        data={"buffered_at": sent_at},
+    )
+    return rejected, j.apply(record, rejected)
+
+
 def _payload(model: Any, event: str, payload: str | None) -> Any:
     if payload is None:
         raw: Any = None

@@ -40,9 +40,9 @@ from flowloop.definition import (
     describe_validation,
 )
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
-from flowloop.events import accepted, accepts, check_visits, entering, receive
+from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.store import Boundary, Fence, Store, StoredRun
+from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 
 log = logging.getLogger("flowloop")
 
@@ -873,38 +873,49 @@ class Executor:
     async def _end_wait(
         self, workflow: Workflow, record: RunRecord, fence: Fence
     ) -> RunRecord | None:
-        """A claimed waiting run: take a buffered event it accepts, else its timeout when it
-        is due; else (claimed early: unpaused, or created in its wait state) hand it back
-        with its stored due time (``None`` without a timeout)."""
+        """A claimed waiting run: take a buffered event it accepts (rejecting, one by one,
+        those it cannot take), else its timeout when it is due; else (claimed early:
+        unpaused, or created in its wait state) hand it back with its stored due time
+        (``None`` without a timeout)."""
+        now = self.clock.now()
         for message in self.store.pending_events(record.id):
-            if message.event in workflow.waits[record.state].on:
-                break
-        else:
-            message = None
-        if message is None:
-            # Claimed because its stored due time (the timeout's) has come; anything else
-            # (no timeout, or a clock that disagrees) goes back to waiting unchanged.
-            due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
-            if due is None or due > self.clock.now():
-                released = self._event(
-                    record,
-                    j.RUN_RELEASED,
-                    state=record.state,
-                    data={"due": due, "reason": "waiting for an event"},
-                )
-                await self._finish(record, fence, [released])
+            if message.event not in workflow.waits[record.state].on:
+                continue
+            entry, after = take_kept(workflow, record, message, now=now, worker=self.worker_id)
+            # On this claim: applied and handed back (the run moved on), or rejected and
+            # kept (it still waits here: the next kept event, else the timeout).
+            moved = entry.kind == j.EVENT_RECEIVED
+            boundary = Boundary(events=[entry], record=after, fence=fence, release=moved)
+            if self.store.deliver(message, boundary) != "applied":
+                # Refused (another writer moved the run): do not sit on the claim.
+                self.store.release(worker=self.worker_id, run_ids=[record.id])
                 return None
+            self._notify(boundary)
+            if not moved:
+                record = after
+                continue
+            if after.state in workflow.waits:
+                self._deliver(record.id)  # waits again: take what was kept for it
+            elif self._wake is not None:
+                self._wake.set()
+            return None
+        # Claimed because its stored due time (the timeout's) has come; anything else (no
+        # timeout, or a clock that disagrees) goes back to waiting unchanged.
+        due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
+        if due is None or due > now:
+            released = self._event(
+                record,
+                j.RUN_RELEASED,
+                state=record.state,
+                data={"due": due, "reason": "waiting for an event"},
+            )
+            await self._finish(record, fence, [released])
+            return None
         try:
             received, _ = receive(
-                workflow,
-                record,
-                message.event if message else TIMEOUT_EVENT,
-                message.payload if message else None,
-                now=self.clock.now(),
-                worker=self.worker_id,
-                extra={"buffered_at": message.sent_at} if message else None,
+                workflow, record, TIMEOUT_EVENT, None, now=now, worker=self.worker_id
             )
-        except Exception as error:
+        except Exception as error:  # the timeout's own target refuses it (max_visits, …)
             await self._finish(
                 record,
                 fence,
@@ -914,24 +925,10 @@ class Executor:
                         j.RUN_FAILED,
                         state=record.state,
                         error_message=error_line(error),
-                        data={"reason": "event_rejected"},
+                        data={"reason": "timeout_rejected"},
                     )
                 ],
             )
-            return None
-        if message is not None:
-            after = j.apply(record, received)
-            result = self.store.deliver(
-                message, Boundary(events=[received], record=after, fence=fence, release=True)
-            )
-            if result == "applied":
-                self._notify(Boundary(events=[received], record=after, fence=fence))
-                if after.state in workflow.waits:
-                    self._deliver(record.id)  # waits again: take what was kept for it
-                elif self._wake is not None:
-                    self._wake.set()
-            else:  # refused (another writer moved the run): do not sit on the claim
-                self.store.release(worker=self.worker_id, run_ids=[record.id])
             return None
         return await self._advance(workflow, record, fence, received)
 
@@ -1048,7 +1045,8 @@ def deliver_pending(
     store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
 ) -> int:
     """Hand a waiting run the oldest buffered events its current state accepts, one after
-    another (each may lead to another wait). Returns how many were consumed."""
+    another (each may lead to another wait); one it cannot take is rejected (journaled, out
+    of the inbox) and the next is tried. Returns how many left the inbox."""
     consumed = 0
     while True:
         pending = store.pending_events(run_id)
@@ -1064,7 +1062,21 @@ def deliver_pending(
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
         if message is None:
             return consumed
-        received, after = receive(
+        entry, after = take_kept(workflow, record, message, now=now, worker=worker)
+        boundary = Boundary(events=[entry], record=after, fence=Fence(None, stored.lease_epoch))
+        if store.deliver(message, boundary) != "applied":
+            return consumed
+        consumed += 1
+
+
+def take_kept(
+    workflow: Workflow, record: RunRecord, message: InboxEvent, *, now: float, worker: str
+) -> tuple[JournalEvent, RunRecord]:
+    """The journal entry for a kept event offered to a waiting run that accepts it:
+    ``event_received``, or ``event_rejected`` when the state cannot take it after all (its
+    handler raised, …) — a kept event never fails the run it was sent to."""
+    try:
+        return receive(
             workflow,
             record,
             message.event,
@@ -1073,10 +1085,18 @@ def deliver_pending(
             worker=worker,
             extra={"buffered_at": message.sent_at},
         )
-        boundary = Boundary(events=[received], record=after, fence=Fence(None, stored.lease_epoch))
-        if store.deliver(message, boundary) != "applied":
-            return consumed
-        consumed += 1
+    except Exception as error:
+        log.warning(
+            "run %s: kept event %r rejected in state %s: %s",
+            record.id,
+            message.event,
+            record.state,
+            error_line(error),
+            extra={"run": record.id, "event": "event_rejected"},
+        )
+        return reject_kept(
+            record, message.event, error, sent_at=message.sent_at, now=now, worker=worker
+        )
 
 
 def try_deliver_pending(

@@ -26,6 +26,7 @@ RUN_STOPPED: Final = "run_stopped"
 RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost claim)
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
+EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
 
 KINDS: Final = (
     RUN_CREATED,
@@ -40,6 +41,7 @@ KINDS: Final = (
     RUN_RELEASED,
     RUN_RETRIED,
     EVENT_RECEIVED,
+    EVENT_REJECTED,
 )
 
 
@@ -213,7 +215,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=None,
             error=None,
         )
-    else:
+    elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);
     # a frozen dataclass without __post_init__ can be copied field by field instead.

@@ -54,6 +54,8 @@ class Doc(BaseModel):
 
 
 def approved(ctx: Doc, approval: Approval) -> None:
+    if approval.by.startswith("!"):
+        raise PermissionError(f"{approval.by} may not approve")
     ctx.approved_by = approval.by
 
 
@@ -90,6 +92,8 @@ class Chain(BaseModel):
 
 
 def add_note(ctx: Chain, note: Note) -> None:
+    if note.text.startswith("!"):
+        raise ValueError("notes may not start with '!'")
     ctx.notes.append(note.text)
 
 

@@ -356,6 +356,53 @@ def test_send__event_kept_earlier_is_taken_before_a_later_direct_one(
     assert_journal_sound(engine, info.id)
 
 
+def test_send__kept_event_whose_handler_raises_is_rejected_and_the_next_is_taken(
+    engine: Engine,
+) -> None:
+    info = engine.run(chain, {})  # waits in `first`, which does not take notes
+    for text in ("!shout", "calm"):
+        assert engine.send(info.id, "note", {"text": text}, buffer=True).status == "buffered"
+    assert engine.send(info.id, "go").status == "applied"
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("scheduled", "second")
+    assert ctx(info).notes == ["calm"]
+    [rejected] = [e for e in engine.history(info.id) if e.kind == "event_rejected"]
+    assert (rejected.state, rejected.event, rejected.error_type) == ("second", "note", "ValueError")
+    assert rejected.error_message == "notes may not start with '!'"
+    consumed = {row.consumed_seq for row in inbox_rows(engine.url, info.id)}
+    assert rejected.seq in consumed and None not in consumed  # both left the inbox
+    assert_journal_sound(engine, info.id)
+
+
+def test_wait__kept_event_it_cannot_take_does_not_fail_the_run_at_its_timeout(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # Left as a sender killed between keeping it and delivering it would leave it: the
+    # worker that claims the run for its timeout finds it first.
+    run_id = waiting(engine)
+    kept = InboxEvent(
+        run_id=run_id,
+        event="approve",
+        payload='{"by": "!mallory"}',
+        dedupe_key=None,
+        sent_at=clock.now(),
+        sender="killed",
+    )
+    assert engine.store.deliver(kept, None) == "buffered"
+    clock.advance(3 * DAY)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state, info.owner) == ("succeeded", "expired", None)
+    assert kinds(engine, run_id)[-2:] == ["event_rejected", "event_received"]
+    [rejected] = [e for e in engine.history(run_id) if e.kind == "event_rejected"]
+    assert (rejected.error_type, rejected.error_message) == (
+        "PermissionError",
+        "!mallory may not approve",
+    )
+    assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [rejected.seq]
+    assert_journal_sound(engine, run_id)
+
+
 # -- dedupe ------------------------------------------------------------------------------------
 
 
