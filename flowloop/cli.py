@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import click
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress
 from rich.table import Table
 
 from flowloop.clock import iso
@@ -411,6 +412,11 @@ def run(
 @cli.command()
 @click.argument("target")
 @click.option("--context", "context_text", help="Context as JSON, or @file.json.")
+@click.option(
+    "--contexts",
+    "contexts_file",
+    help="Many runs: a JSON Lines file (one context per line; - reads stdin).",
+)
 @click.option("--key", help="Business key.")
 @click.option("--priority", type=int, default=0, show_default=True)
 @db_option
@@ -418,13 +424,22 @@ def run(
 def start(
     target: str,
     context_text: str | None,
+    contexts_file: str | None,
     key: str | None,
     priority: int,
     db: str | None,
     synchronous: str,
     as_json: bool,
 ) -> None:
-    """Enqueue a run of FILE[:WORKFLOW] for a worker (or `flowloop resume`)."""
+    """Enqueue a run of FILE[:WORKFLOW] for a worker (or `flowloop resume`); with
+    --contexts, one run per line, a thousand per transaction."""
+    if contexts_file is not None:
+        if context_text is not None or key is not None:
+            raise FlowloopError(
+                "--contexts takes each run's context (and key) from its line; drop --context/--key"
+            )
+        start_many(target, contexts_file, priority, db, synchronous, as_json)
+        return
     workflow, _ = load_target(target)
     with open_engine(db, synchronous) as engine:
         info = engine.start(workflow, parse_context(context_text), key=key, priority=priority)
@@ -432,6 +447,52 @@ def start(
         click.echo(json.dumps(info_json(info)))
     else:
         out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
+
+
+def read_json_lines(name: str) -> list[Any]:
+    """The JSON values of a JSON Lines file (``-``: stdin), blank lines skipped."""
+    if name == "-":
+        text, source = sys.stdin.read(), "stdin"
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FlowloopError(f"--contexts {name}: no such file")
+        text, source = path.read_text(), str(path)
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            values.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise FlowloopError(f"{source} line {number} is not valid JSON: {error}") from None
+    return values
+
+
+def start_many(
+    target: str, contexts_file: str, priority: int, db: str | None, synchronous: str, as_json: bool
+) -> None:
+    workflow, _ = load_target(target)
+    contexts = read_json_lines(contexts_file)
+    # A progress bar on a terminal only: a piped stderr gets nothing but errors.
+    bar = Progress(console=err, transient=True, disable=not err.is_terminal)
+    with open_engine(db, synchronous) as engine, bar:
+        task = bar.add_task(f"starting {workflow.name} runs", total=len(contexts))
+        before = engine.clock.now()
+        infos = engine.start_many(
+            workflow,
+            contexts,
+            priority=priority,
+            progress=lambda done, _total: bar.update(task, completed=done),
+        )
+    if as_json:
+        click.echo(json.dumps([info_json(info) for info in infos]))
+        return
+    created = sum(1 for info in infos if info.created_at >= before)
+    out.print(
+        f"{len(infos)} run(s) of {workflow.name}: {created} new, "
+        f"{len(infos) - created} already there (same key)"
+    )
 
 
 @cli.command()

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -73,6 +73,8 @@ SEND_RETRY_SECONDS: Final = 0.01
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
 INVALID_JSON_KEY: Final = "_invalid_json"
+START_BATCH: Final = 1_000
+"""Runs per transaction in :meth:`Engine.start_many`: few commits, short write locks."""
 """``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 
 
@@ -312,6 +314,50 @@ class Engine:
         )
         stored, _ = self.store.create_run(new)
         return self._info(stored)
+
+    def start_many(
+        self,
+        workflow: Workflow,
+        contexts: Iterable[BaseModel | Mapping[str, Any] | str],
+        *,
+        priority: int = 0,
+        run_at: float | None = None,
+        batch_size: int = START_BATCH,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> list[RunInfo]:
+        """Enqueue one run per context (fan-out: a run per order, per file), ``batch_size``
+        runs per transaction instead of a commit each.
+
+        Every context is validated before anything is written: an invalid one raises
+        InvalidContext naming its position (from 1). A context whose business key an
+        existing run — or an earlier context of the list — has gets that run back, as with
+        :meth:`start`, so starting the same list again after a crash adds only what is
+        missing. ``progress(done, total)`` is called after each committed batch.
+        """
+        if batch_size < 1:
+            raise FlowloopError("batch_size must be at least 1")
+        news = []
+        for position, context in enumerate(contexts, 1):
+            try:
+                new = self._new_run(
+                    workflow,
+                    context,
+                    key=None,
+                    idempotency_key=None,
+                    priority=priority,
+                    run_at=run_at,
+                    owner=None,
+                )
+            except InvalidContext as error:
+                raise InvalidContext(workflow.name, error.problems, position=position) from None
+            news.append(new)
+        infos: list[RunInfo] = []
+        for first in range(0, len(news), batch_size):
+            created = self.store.create_runs(news[first : first + batch_size])
+            infos.extend(self._info(stored) for stored, _ in created)
+            if progress is not None:
+                progress(len(infos), len(news))
+        return infos
 
     def run(
         self,

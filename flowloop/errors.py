@@ -64,9 +64,11 @@ class UnknownLoop(FlowloopError):
 class InvalidContext(FlowloopError):
     """A context does not validate against the workflow's model; the fields are listed."""
 
-    def __init__(self, workflow: str, problems: str) -> None:
-        super().__init__(f"context for workflow {workflow!r} is invalid: {problems}")
+    def __init__(self, workflow: str, problems: str, *, position: int | None = None) -> None:
+        which = "context" if position is None else f"context #{position}"
+        super().__init__(f"{which} for workflow {workflow!r} is invalid: {problems}")
         self.workflow = workflow
+        self.problems = problems
 
 
 class InvalidEvent(FlowloopError):

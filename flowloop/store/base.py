@@ -132,6 +132,11 @@ class Store(abc.ABC):
         returned with ``False``."""
 
     @abc.abstractmethod
+    def create_runs(self, news: Sequence[NewRun]) -> list[tuple[StoredRun, bool]]:
+        """:meth:`create_run` for many runs in one transaction (in order; a run whose key
+        an earlier one of the batch took is returned as existing)."""
+
+    @abc.abstractmethod
     def get_run(self, run_id: str) -> StoredRun | None: ...
 
     @abc.abstractmethod

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +41,8 @@ from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
 
 JSON_SEPARATORS = (",", ":")
+CREATE_ATTEMPTS = 3
+"""Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
 
 
 def _dumps(value: Mapping[str, Any]) -> str:
@@ -113,6 +115,25 @@ def _event_from_row(row: Any) -> JournalEvent:
         worker=row.worker,
         data=json.loads(row.data) if row.data else {},
     )
+
+
+def _new_run_row(new: NewRun) -> dict[str, Any]:
+    record = new.record
+    return {
+        "id": record.id,
+        "workflow": record.workflow,
+        "version": record.version,
+        "fingerprint": record.fingerprint,
+        "key": record.key,
+        "idempotency_key": new.idempotency_key,
+        **_record_columns(record),
+        "priority": new.priority,
+        "owner": new.owner,
+        "lease_epoch": 1 if new.owner else 0,
+        "control": None,
+        "created_at": new.events[0].at,
+        "updated_at": new.events[-1].at,
+    }
 
 
 def _record_columns(record: RunRecord) -> dict[str, Any]:
@@ -335,6 +356,7 @@ class SQLStore(LoopStoreMixin, Store):
             .values({name: bindparam(f"p_{name}") for name in run_columns})
             .returning(*runs.c)
         )
+        self._insert_runs = insert(runs).returning(*runs.c, sort_by_parameter_order=True)
         self._insert_run_owned = (
             insert(runs)
             .values(
@@ -382,41 +404,104 @@ class SQLStore(LoopStoreMixin, Store):
     # -- runs ------------------------------------------------------------------------------
 
     def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
-        record = new.record
-        first_at = new.events[0].at
-        row = {
-            "id": record.id,
-            "workflow": record.workflow,
-            "version": record.version,
-            "fingerprint": record.fingerprint,
-            "key": record.key,
-            "idempotency_key": new.idempotency_key,
-            **_record_columns(record),
-            "priority": new.priority,
-            "owner": new.owner,
-            "lease_epoch": 1 if new.owner else 0,
-            "control": None,
-            "created_at": first_at,
-            "updated_at": new.events[-1].at,
-        }
-        try:
-            with self._write() as conn:
-                existing = self._existing(conn, record, new.idempotency_key)
-                if existing is not None:
-                    return existing, False
-                stmt = self._insert_run_owned if new.owner else self._insert_run
-                params = {f"p_{name}": value for name, value in row.items()}
-                params["p_lease"] = new.lease_seconds
-                inserted = conn.execute(stmt, params).one()
-                conn.execute(self._insert_events, [_event_row(e) for e in new.events])
-        except IntegrityError:
-            # Lost a race with a concurrent start of the same key: return the winner.
-            with self._read() as conn:
-                existing = self._existing(conn, record, new.idempotency_key)
-            if existing is None:
-                raise
+        return self._retrying_key_races(lambda conn: [self._create_in(conn, new)])[0]
+
+    def create_runs(self, news: Sequence[NewRun]) -> list[tuple[StoredRun, bool]]:
+        if any(new.owner for new in news):  # created claimed: the one-by-one statement
+            return self._retrying_key_races(lambda conn: [self._create_in(conn, n) for n in news])
+        return self._retrying_key_races(lambda conn: self._create_many_in(conn, news))
+
+    def _retrying_key_races(
+        self, create: Callable[[Connection], list[tuple[StoredRun, bool]]]
+    ) -> list[tuple[StoredRun, bool]]:
+        for _ in range(CREATE_ATTEMPTS):
+            try:
+                with self._write() as conn:
+                    return create(conn)
+            except IntegrityError:
+                # Lost a race with a concurrent start of the same key (nothing was
+                # written): once more, and the winner is found and returned.
+                continue
+        with self._write() as conn:
+            return create(conn)
+
+    def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
+        existing = self._existing(conn, new.record, new.idempotency_key)
+        if existing is not None:
             return existing, False
+        stmt = self._insert_run_owned if new.owner else self._insert_run
+        params = {f"p_{name}": value for name, value in _new_run_row(new).items()}
+        params["p_lease"] = new.lease_seconds
+        inserted = conn.execute(stmt, params).one()
+        conn.execute(self._insert_events, [_event_row(e) for e in new.events])
         return _stored_from_row(inserted), True
+
+    def _create_many_in(
+        self, conn: Connection, news: Sequence[NewRun]
+    ) -> list[tuple[StoredRun, bool]]:
+        """Unowned runs in a few statements: one lookup of the keys already taken, one
+        multi-row INSERT of the runs, one of their journal events."""
+        taken = self._existing_many(conn, news)
+        # Per run: (an existing run, None), or (None, index of its row) with ``created``
+        # False when an earlier run of this batch took its key.
+        plan: list[tuple[StoredRun | None, int, bool]] = []
+        rows: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = []
+        claimed: dict[tuple[str, str], int] = {}  # keys of this batch's new rows
+        for new in news:
+            keys = [
+                key
+                for key in (
+                    (new.record.workflow, new.record.key) if new.record.key is not None else None,
+                    ("", new.idempotency_key) if new.idempotency_key else None,
+                )
+                if key is not None
+            ]
+            existing = next((taken[key] for key in keys if key in taken), None)
+            earlier = next((claimed[key] for key in keys if key in claimed), None)
+            if existing is not None or earlier is not None:
+                plan.append((existing, earlier if earlier is not None else -1, False))
+                continue
+            claimed.update((key, len(rows)) for key in keys)
+            plan.append((None, len(rows), True))
+            rows.append(_new_run_row(new))
+            events.extend(_event_row(e) for e in new.events)
+        inserted: list[StoredRun] = []
+        if rows:
+            result = conn.execute(self._insert_runs, rows)
+            inserted = [_stored_from_row(row) for row in result]
+            conn.execute(self._insert_events, events)
+        return [
+            (existing if existing is not None else inserted[index], created)
+            for existing, index, created in plan
+        ]
+
+    def _existing_many(
+        self, conn: Connection, news: Sequence[NewRun]
+    ) -> dict[tuple[str, str], StoredRun]:
+        """Runs already holding a (workflow, key) or an idempotency key (as ("", key)) of
+        ``news``."""
+        keys: dict[str, set[str]] = {}
+        idempotency = {new.idempotency_key for new in news if new.idempotency_key}
+        for new in news:
+            if new.record.key is not None:
+                keys.setdefault(new.record.workflow, set()).add(new.record.key)
+        conditions = [
+            and_(runs.c.workflow == workflow, runs.c.key.in_(sorted(names)))
+            for workflow, names in keys.items()
+        ]
+        if idempotency:
+            conditions.append(runs.c.idempotency_key.in_(sorted(idempotency)))
+        if not conditions:
+            return {}
+        found: dict[tuple[str, str], StoredRun] = {}
+        for row in conn.execute(select(runs).where(or_(*conditions))):
+            stored = _stored_from_row(row)
+            if row.key is not None:
+                found[(row.workflow, row.key)] = stored
+            if row.idempotency_key is not None:
+                found[("", row.idempotency_key)] = stored
+        return found
 
     def _existing(
         self, conn: Connection, record: RunRecord, idempotency_key: str | None

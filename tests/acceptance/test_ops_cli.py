@@ -67,12 +67,17 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def flowloop(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, code: int | None = 0
+    *args: str,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    code: int | None = 0,
+    stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         [sys.executable, "-m", "flowloop.cli", *args],
         cwd=cwd,
         env=env or clean_env(),
+        input=stdin,
         capture_output=True,
         text=True,
         timeout=60,
@@ -320,6 +325,46 @@ def test_cli__invalid_config_is_one_line_and_exit_2(here: Path) -> None:
         "error: invalid configuration: concurrency: Input should be greater than or equal to 1 "
         "(got 0) [from --concurrency]"
     ]
+
+
+def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
+    (here / "runs.jsonl").write_text('{"fail": false}\n\n{}\n{"fail": true}\n')
+    result = flowloop("start", "jobs.py", "--contexts", "runs.jsonl", "--db", "jobs.db", cwd=here)
+    assert result.stdout.splitlines() == ["3 run(s) of jobs: 3 new, 0 already there (same key)"]
+    result = flowloop(
+        "start", "jobs.py", "--contexts", "-", "--json", "--db", "jobs.db", cwd=here, stdin="{}\n"
+    )
+    [created] = json.loads(result.stdout)
+    assert (created["workflow"], created["status"]) == ("jobs", "scheduled")
+    assert len(json_lines(here_cli(here, "status", "--json"))) == 1  # one JSON list
+    assert len(json.loads(here_cli(here, "status", "--json"))) == 4
+    # A bad line: one line saying where, exit 2, nothing written.
+    result = flowloop(
+        "start",
+        "jobs.py",
+        "--contexts",
+        "-",
+        "--db",
+        "jobs.db",
+        cwd=here,
+        code=2,
+        stdin='{"fail": true}\n{"fail": \n',
+    )
+    assert len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith("error: stdin line 2 is not valid JSON")
+    result = flowloop(
+        "start",
+        "jobs.py",
+        "--contexts",
+        "-",
+        "--db",
+        "jobs.db",
+        cwd=here,
+        code=2,
+        stdin='{"fail": "sometimes"}\n',
+    )
+    assert result.stderr.startswith("error: context #1 for workflow 'jobs' is invalid: fail")
+    assert len(json.loads(here_cli(here, "status", "--json"))) == 4
 
 
 def test_cli__check_has_json_output(here: Path) -> None:

@@ -535,6 +535,41 @@ def test_start__invalid_context_refused(engine: Engine) -> None:
     assert engine.runs() == []
 
 
+def test_start_many__batches_then_runs_each_once_and_a_second_start_adds_only_the_missing(
+    engine: Engine,
+) -> None:
+    wf, calls = order_workflow()
+    batches: list[tuple[int, int]] = []
+    first_five = [{"order_id": f"M{n}"} for n in range(5)]
+    started = engine.start_many(
+        wf, first_five, batch_size=2, progress=lambda done, total: batches.append((done, total))
+    )
+    assert batches == [(2, 5), (4, 5), (5, 5)]  # three transactions
+    assert [info.key for info in started] == [f"M{n}" for n in range(5)]  # in order
+    assert {info.status for info in started} == {"scheduled"}
+    # After a crash, the whole list again (plus a duplicate within it): only M5 is new.
+    again = engine.start_many(wf, [*first_five, {"order_id": "M5"}, {"order_id": "M5"}])
+    assert [info.id for info in again[:5]] == [info.id for info in started]
+    assert again[5].id == again[6].id and again[5].id not in {info.id for info in started}
+    assert len(engine.runs(workflow="order")) == 6
+    engine.run_until_idle()
+    assert {info.status for info in engine.runs(workflow="order")} == {"succeeded"}
+    assert sorted(call[0] for call in calls).count("ship") == 6  # each run once
+    assert_replay_matches(engine, [info.id for info in again])
+
+
+def test_start_many__an_invalid_context_writes_nothing_and_names_its_position(
+    engine: Engine,
+) -> None:
+    wf, _ = order_workflow()
+    contexts = [{"order_id": "V1"}, {"order_id": "V2"}, {"in_stock": False}]
+    with pytest.raises(InvalidContext, match=r"context #3 for workflow 'order'.*order_id"):
+        engine.start_many(wf, contexts, batch_size=1)
+    assert engine.runs() == []
+    with pytest.raises(FlowloopError, match="batch_size"):
+        engine.start_many(wf, contexts[:1], batch_size=0)
+
+
 def test_start__run_at_in_the_future_waits(engine: Engine, clock: FakeClock) -> None:
     wf, calls = order_workflow()
     later = engine.start(wf, Order(order_id="L"), run_at=clock.now() + 3600)

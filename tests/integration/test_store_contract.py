@@ -71,6 +71,63 @@ def test_create_run__same_idempotency_key_returns_existing(store: SQLStore) -> N
     assert len(store.find_runs(RunFilter(workflow="w"))) == 1
 
 
+def test_create_runs__one_transaction_keys_taken_before_or_earlier_in_the_batch(
+    store: SQLStore,
+) -> None:
+    old, _ = store.create_run(new_run(key="order-1"))
+    old_request, _ = store.create_run(new_run(idempotency_key="req-1"))
+    batch = [
+        new_run(key="order-1"),  # an existing run's key
+        new_run(key="order-2"),
+        new_run(),  # no key at all
+        new_run(key="order-2"),  # the key the second run of this batch takes
+        new_run(idempotency_key="req-1"),  # an existing run's idempotency key
+        new_run(key="order-2", workflow="other"),  # same key, another workflow
+    ]
+    results = store.create_runs(batch)
+    ids = [stored.id for stored, _ in results]
+    assert [created for _, created in results] == [False, True, True, False, False, True]
+    assert ids[0] == old.id and ids[4] == old_request.id and ids[3] == ids[1]
+    assert ids[1] == batch[1].record.id and ids[2] == batch[2].record.id
+    assert results[1][0].record.status == "scheduled" and results[1][0].owner is None
+    assert len(store.find_runs(RunFilter(workflow="w"))) == 4
+    for run_id in (ids[1], ids[2], ids[5]):
+        assert journal_kinds(store, run_id) == [j.RUN_CREATED]
+    assert store.create_runs([]) == []
+
+
+def test_create_runs__a_key_race_returns_the_winner(pg_url: str) -> None:
+    # Another process inserts the key between this batch's lookup and its insert: the
+    # batch's transaction fails on the unique key, nothing of it stays, and the retry
+    # returns the winner. (PostgreSQL: on SQLite the write lock is taken before the lookup,
+    # so no other writer can come between.)
+    store, other = SQLStore(pg_url), SQLStore(pg_url)
+    try:
+        check_key_race(store, other)
+    finally:
+        store.close()
+        other.close()
+
+
+def check_key_race(store: SQLStore, other: SQLStore) -> None:
+    batch = [new_run(key="k-1"), new_run(key="k-2")]
+    real_lookup = store._existing_many
+    raced: list[str] = []
+
+    def lookup_then_lose_the_race(conn: Any, news: Any) -> Any:
+        found = real_lookup(conn, news)
+        if not raced:
+            winner, _ = other.create_run(new_run(key="k-2"))
+            raced.append(winner.id)
+        return found
+
+    store._existing_many = lookup_then_lose_the_race  # type: ignore[method-assign]
+    results = store.create_runs(batch)
+    assert [created for _, created in results] == [True, False]
+    assert results[1][0].id == raced[0]
+    assert len(store.find_runs(RunFilter(workflow="w"))) == 2
+
+
 def test_create_run__with_owner_starts_claimed(store: SQLStore) -> None:
     stored, _ = store.create_run(new_run(owner="me"))
     assert stored.owner == "me" and stored.lease_epoch == 1
