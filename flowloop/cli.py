@@ -450,22 +450,32 @@ def start(
 
 
 def read_json_lines(name: str) -> list[Any]:
-    """The JSON values of a JSON Lines file (``-``: stdin), blank lines skipped."""
+    """The JSON objects of a JSON Lines file (``-``: stdin), blank lines skipped."""
     if name == "-":
-        text, source = sys.stdin.read(), "stdin"
+        data, source = sys.stdin.buffer.read(), "stdin"
     else:
         path = Path(name)
         if not path.is_file():
             raise FlowloopError(f"--contexts {name}: no such file")
-        text, source = path.read_text(), str(path)
+        data, source = path.read_bytes(), str(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FlowloopError(f"{source} is not UTF-8 text: {error.reason}") from None
     values = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            values.append(json.loads(line))
+            value = json.loads(line)
         except json.JSONDecodeError as error:
             raise FlowloopError(f"{source} line {number} is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise FlowloopError(
+                f"{source} line {number}: a context must be a JSON object, not "
+                f"{type(value).__name__} (one object per line)"
+            )
+        values.append(value)
     return values
 
 
@@ -478,7 +488,6 @@ def start_many(
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)
     with open_engine(db, synchronous) as engine, bar:
         task = bar.add_task(f"starting {workflow.name} runs", total=len(contexts))
-        before = engine.clock.now()
         infos = engine.start_many(
             workflow,
             contexts,
@@ -488,10 +497,9 @@ def start_many(
     if as_json:
         click.echo(json.dumps([info_json(info) for info in infos]))
         return
-    created = sum(1 for info in infos if info.created_at >= before)
     out.print(
-        f"{len(infos)} run(s) of {workflow.name}: {created} new, "
-        f"{len(infos) - created} already there (same key)"
+        f"{len(infos)} run(s) of {workflow.name}: {infos.created} new, "
+        f"{len(infos) - infos.created} already there (same key)"
     )
 
 

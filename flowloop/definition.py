@@ -565,6 +565,10 @@ class Workflow:
                 return self.context.model_validate(data.model_dump())
             if isinstance(data, (str, bytes)):
                 return self.context.model_validate_json(data)
+            if not isinstance(data, Mapping):
+                raise InvalidContext(
+                    self.name, f"expected an object of fields, got {type(data).__name__}"
+                )
             return self.context.model_validate(dict(data))
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error

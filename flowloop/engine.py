@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, overload
 
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
@@ -107,6 +107,28 @@ class RunInfo:
     @property
     def finished(self) -> bool:
         return self.status in FINISHED
+
+
+@dataclass(frozen=True)
+class StartedRuns(Sequence[RunInfo]):
+    """What :meth:`Engine.start_many` enqueued: one run per context, in order (iterate or
+    index it like a list), and how many of them it created — the others already held
+    their key (an existing run, or an earlier context of the same call)."""
+
+    runs: tuple[RunInfo, ...]
+    created: int
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    @overload
+    def __getitem__(self, index: int) -> RunInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[RunInfo]: ...
+
+    def __getitem__(self, index: int | slice) -> RunInfo | Sequence[RunInfo]:
+        return self.runs[index]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -324,7 +346,7 @@ class Engine:
         run_at: float | None = None,
         batch_size: int = START_BATCH,
         progress: Callable[[int, int], None] | None = None,
-    ) -> list[RunInfo]:
+    ) -> StartedRuns:
         """Enqueue one run per context (fan-out: a run per order, per file), ``batch_size``
         runs per transaction instead of a commit each.
 
@@ -352,12 +374,14 @@ class Engine:
                 raise InvalidContext(workflow.name, error.problems, position=position) from None
             news.append(new)
         infos: list[RunInfo] = []
+        created = 0
         for first in range(0, len(news), batch_size):
-            created = self.store.create_runs(news[first : first + batch_size])
-            infos.extend(self._info(stored) for stored, _ in created)
+            results = self.store.create_runs(news[first : first + batch_size])
+            infos.extend(self._info(stored) for stored, _ in results)
+            created += sum(1 for _, is_new in results if is_new)
             if progress is not None:
                 progress(len(infos), len(news))
-        return infos
+        return StartedRuns(tuple(infos), created)
 
     def run(
         self,

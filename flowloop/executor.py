@@ -1074,7 +1074,9 @@ def take_kept(
 ) -> tuple[JournalEvent, RunRecord]:
     """The journal entry for a kept event offered to a waiting run that accepts it:
     ``event_received``, or ``event_rejected`` when the state cannot take it after all (its
-    handler raised, …) — a kept event never fails the run it was sent to."""
+    handler raised, …) — a kept event never fails the run it was sent to. A stored
+    context that no longer validates is the run's problem, not the event's: it raises."""
+    workflow.context.model_validate_json(record.context)
     try:
         return receive(
             workflow,

@@ -146,7 +146,11 @@ class Metrics:
         """An executor listener: counts what one committed boundary did."""
         workflow = record.workflow
         for event in events:
-            if event.seq == 2 and event.kind in (j.STEP_STARTED, j.EVENT_RECEIVED):
+            if event.seq == 2 and event.kind in (
+                j.STEP_STARTED,
+                j.EVENT_RECEIVED,
+                j.EVENT_REJECTED,
+            ):
                 self.runs_started.labels(workflow).inc()
             outcome = step_outcome(event)
             if outcome is None:

@@ -176,6 +176,26 @@ def _postgres_engine(url: URL) -> Engine:
         raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
 
 
+def lock_schema(conn: Any) -> None:
+    """Serialize schema creation and upgrades of one database schema within the current
+    write transaction: on PostgreSQL a transaction-scoped advisory lock keyed on the schema
+    (workers started together on a new schema would otherwise all create the tables);
+    SQLite's ``BEGIN IMMEDIATE`` already holds the database's write lock."""
+    if conn.dialect.name == "postgresql":
+        conn.exec_driver_sql(
+            "SELECT pg_advisory_xact_lock(hashtext('flowloop schema ' || current_schema()))"
+        )
+
+
+DEADLOCK_SQLSTATES: Final = ("40P01", "40001")  # deadlock detected, serialization failure
+
+
+def is_deadlock(error: BaseException) -> bool:
+    """Whether PostgreSQL aborted the transaction to break a deadlock (retrying it is safe:
+    nothing of it was written)."""
+    return getattr(getattr(error, "orig", None), "sqlstate", None) in DEADLOCK_SQLSTATES
+
+
 def db_now(engine: Engine) -> ColumnElement[float]:
     """SQL for the database server's clock in epoch seconds (leases are judged by it)."""
     if engine.dialect.name == "sqlite":

@@ -117,6 +117,16 @@ def _event_from_row(row: Any) -> JournalEvent:
     )
 
 
+def _unique_keys(new: NewRun) -> list[tuple[str, str]]:
+    """The unique keys a new run takes: (workflow, business key) and ("", idempotency key)."""
+    keys = []
+    if new.record.key is not None:
+        keys.append((new.record.workflow, new.record.key))
+    if new.idempotency_key:
+        keys.append(("", new.idempotency_key))
+    return keys
+
+
 def _new_run_row(new: NewRun) -> dict[str, Any]:
     record = new.record
     return {
@@ -281,14 +291,14 @@ class SQLStore(LoopStoreMixin, Store):
 
     def _ensure_schema(self, *, create: bool) -> None:
         url = dialect.safe_url(self.url)
-        # Opening a database in use (`flowloop status` beside a worker) only reads: the
-        # write lock is taken only to create the schema, and the check is repeated under it
-        # because another process may have created it meanwhile.
+        # Opening a database in use (`flowloop status` beside a worker) only reads. Creating
+        # the schema happens under a lock (see dialect.lock_schema), with the check
+        # repeated under it: another process may have created it meanwhile.
         with self._read() as conn:
             if migrate.VERSION_TABLE in inspect(conn).get_table_names():
                 migrate.check(conn, url)
                 return
-        with self._write() as conn:
+        with self._schema_write() as conn:
             tables = set(inspect(conn).get_table_names())
             ours = {t for t in tables if t.startswith("flowloop_")}
             if migrate.VERSION_TABLE not in tables:
@@ -305,13 +315,20 @@ class SQLStore(LoopStoreMixin, Store):
                 return
             migrate.check(conn, url)
 
-    def new_revision(self, message: str) -> None:
+    @contextmanager
+    def _schema_write(self) -> Iterator[Connection]:
+        """A write transaction that alone may change the schema."""
         with self._write() as conn:
+            dialect.lock_schema(conn)
+            yield conn
+
+    def new_revision(self, message: str) -> None:
+        with self._schema_write() as conn:
             migrate.new_revision(message, conn)
 
     def upgrade_schema(self) -> tuple[str | None, str]:
         """Apply pending migrations (``flowloop db upgrade``); returns (from, to)."""
-        with self._write() as conn:
+        with self._schema_write() as conn:
             return migrate.upgrade(conn)
 
     def _build_statements(self) -> None:
@@ -356,7 +373,7 @@ class SQLStore(LoopStoreMixin, Store):
             .values({name: bindparam(f"p_{name}") for name in run_columns})
             .returning(*runs.c)
         )
-        self._insert_runs = insert(runs).returning(*runs.c, sort_by_parameter_order=True)
+        self._insert_runs = insert(runs).returning(*runs.c)
         self._insert_run_owned = (
             insert(runs)
             .values(
@@ -422,6 +439,10 @@ class SQLStore(LoopStoreMixin, Store):
                 # Lost a race with a concurrent start of the same key (nothing was
                 # written): once more, and the winner is found and returned.
                 continue
+            except OperationalError as error:
+                if not dialect.is_deadlock(error):
+                    raise
+                continue  # chosen as a deadlock's victim (nothing was written): again
         with self._write() as conn:
             return create(conn)
 
@@ -442,38 +463,34 @@ class SQLStore(LoopStoreMixin, Store):
         """Unowned runs in a few statements: one lookup of the keys already taken, one
         multi-row INSERT of the runs, one of their journal events."""
         taken = self._existing_many(conn, news)
-        # Per run: (an existing run, None), or (None, index of its row) with ``created``
-        # False when an earlier run of this batch took its key.
-        plan: list[tuple[StoredRun | None, int, bool]] = []
-        rows: list[dict[str, Any]] = []
-        events: list[dict[str, Any]] = []
-        claimed: dict[tuple[str, str], int] = {}  # keys of this batch's new rows
+        # Per run: the existing run holding its key, else the id of the run that is
+        # inserted for it, and whether it is this run's own (not an earlier one's of the
+        # batch with the same key).
+        plan: list[tuple[StoredRun | None, str, bool]] = []
+        fresh: list[NewRun] = []
+        claimed: dict[tuple[str, str], str] = {}  # keys of this batch's new runs -> id
         for new in news:
-            keys = [
-                key
-                for key in (
-                    (new.record.workflow, new.record.key) if new.record.key is not None else None,
-                    ("", new.idempotency_key) if new.idempotency_key else None,
-                )
-                if key is not None
-            ]
+            keys = _unique_keys(new)
             existing = next((taken[key] for key in keys if key in taken), None)
             earlier = next((claimed[key] for key in keys if key in claimed), None)
             if existing is not None or earlier is not None:
-                plan.append((existing, earlier if earlier is not None else -1, False))
+                plan.append((existing, earlier or "", False))
                 continue
-            claimed.update((key, len(rows)) for key in keys)
-            plan.append((None, len(rows), True))
-            rows.append(_new_run_row(new))
-            events.extend(_event_row(e) for e in new.events)
-        inserted: list[StoredRun] = []
-        if rows:
-            result = conn.execute(self._insert_runs, rows)
-            inserted = [_stored_from_row(row) for row in result]
+            claimed.update((key, new.record.id) for key in keys)
+            plan.append((None, new.record.id, True))
+            fresh.append(new)
+        inserted: dict[str, StoredRun] = {}
+        if fresh:
+            # One order for every writer (by key): two batches with overlapping keys take
+            # the unique index's entries in the same order instead of deadlocking.
+            fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
+            rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
+            inserted = {row.id: _stored_from_row(row) for row in rows}
+            events = [_event_row(event) for new in fresh for event in new.events]
             conn.execute(self._insert_events, events)
         return [
-            (existing if existing is not None else inserted[index], created)
-            for existing, index, created in plan
+            (existing if existing is not None else inserted[run_id], created)
+            for existing, run_id, created in plan
         ]
 
     def _existing_many(

@@ -367,6 +367,31 @@ def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
     assert len(json.loads(here_cli(here, "status", "--json"))) == 4
 
 
+def test_cli__start_many_counts_runs_whose_key_was_taken_and_refuses_non_objects(
+    tmp_path: Path,
+) -> None:
+    order = str(Path(__file__).resolve().parents[2] / "workflows" / "order.py")
+    line = '{"order_id": "%s", "items": [{"sku": "pen", "qty": 1}]}\n'
+    (tmp_path / "orders.jsonl").write_text(line % "A" + line % "A" + line % "B")
+    args = ("start", order, "--contexts", "orders.jsonl", "--db", "o.db")
+    result = flowloop(*args, cwd=tmp_path)
+    assert result.stdout.splitlines() == ["3 run(s) of order: 2 new, 1 already there (same key)"]
+    (tmp_path / "orders.jsonl").write_text(line % "B" + line % "C")
+    result = flowloop(*args, cwd=tmp_path)
+    assert result.stdout.splitlines() == ["2 run(s) of order: 1 new, 1 already there (same key)"]
+    # A JSON array where JSON Lines were wanted, a bare number, bytes that are not UTF-8:
+    # one line each, exit 2.
+    for content, message in (
+        (b'[{"order_id": "D"}]\n', "line 1: a context must be a JSON object, not list"),
+        (b"5\n", "line 1: a context must be a JSON object, not int"),
+        (b'{"order_id": "\xff"}\n', "is not UTF-8 text"),
+    ):
+        (tmp_path / "orders.jsonl").write_bytes(content)
+        result = flowloop(*args, cwd=tmp_path, code=2)
+        [error] = result.stderr.splitlines()
+        assert error.startswith("error: orders.jsonl") and message in error, error
+
+
 def test_cli__check_has_json_output(here: Path) -> None:
     data = json.loads(here_cli(here, "check", str(here / "jobs.py"), "--json"))
     assert data["stranded"] == []

@@ -546,11 +546,12 @@ def test_start_many__batches_then_runs_each_once_and_a_second_start_adds_only_th
     )
     assert batches == [(2, 5), (4, 5), (5, 5)]  # three transactions
     assert [info.key for info in started] == [f"M{n}" for n in range(5)]  # in order
-    assert {info.status for info in started} == {"scheduled"}
+    assert {info.status for info in started} == {"scheduled"} and started.created == 5
     # After a crash, the whole list again (plus a duplicate within it): only M5 is new.
     again = engine.start_many(wf, [*first_five, {"order_id": "M5"}, {"order_id": "M5"}])
     assert [info.id for info in again[:5]] == [info.id for info in started]
     assert again[5].id == again[6].id and again[5].id not in {info.id for info in started}
+    assert again.created == 1 and len(again) == 7
     assert len(engine.runs(workflow="order")) == 6
     engine.run_until_idle()
     assert {info.status for info in engine.runs(workflow="order")} == {"succeeded"}

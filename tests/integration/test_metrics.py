@@ -20,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop import journal as j
 from flowloop.errors import ConfigError
+from flowloop.journal import JournalEvent
 from flowloop.loops import Iteration, Loop
 from flowloop.metrics import Metrics
 from flowloop.worker import Worker
@@ -266,3 +268,31 @@ def test_metrics__registries_are_private_to_each_instance() -> None:
     ) in list(a.samples())
     assert not any(name == "flowloop_steps_total" for name, _, _ in b.samples())
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None
+
+
+def test_metrics__a_run_whose_first_boundary_rejects_a_kept_event_counts_as_started() -> None:
+    # Created in a wait state, its first boundary (seq 2) is the rejection of a kept event;
+    # the event it then takes is seq 3, so seq 2 is where the run is counted.
+    metrics = Metrics()
+    created = JournalEvent(
+        run_id="r",
+        seq=1,
+        kind=j.RUN_CREATED,
+        at=T0,
+        state="gate",
+        context="{}",
+        data={"workflow": "gated", "version": 1, "fingerprint": "f", "key": None, "due": None},
+    )
+    rejected = JournalEvent(
+        run_id="r",
+        seq=2,
+        kind=j.EVENT_REJECTED,
+        at=T0,
+        state="gate",
+        event="open",
+        error_type="ValueError",
+        error_message="no",
+    )
+    record = j.apply(j.create(created), rejected)
+    metrics.listener(record, [rejected])
+    assert ("flowloop_runs_started_total", {"workflow": "gated"}, 1.0) in list(metrics.samples())

@@ -9,6 +9,7 @@ import stat
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,35 @@ def check_key_race(store: SQLStore, other: SQLStore) -> None:
     assert [created for _, created in results] == [True, False]
     assert results[1][0].id == raced[0]
     assert len(store.find_runs(RunFilter(workflow="w"))) == 2
+
+
+def _create_together(stores: list[SQLStore], batches: list[list[Any]]) -> list[dict[str, str]]:
+    """Each store creates its batch at the same moment; each result as {key: run id}."""
+    barrier = threading.Barrier(len(stores))
+
+    def produce(store: SQLStore, batch: list[Any]) -> dict[str, str]:
+        barrier.wait()
+        return {stored.record.key or "": stored.id for stored, _ in store.create_runs(batch)}
+
+    with ThreadPoolExecutor(len(stores)) as pool:
+        futures = [pool.submit(produce, *pair) for pair in zip(stores, batches, strict=True)]
+        return [future.result(timeout=60) for future in futures]
+
+
+def test_create_runs__overlapping_batches_in_opposite_orders_both_succeed(pg_url: str) -> None:
+    """Two producers fanning out the same keys, one list reversed: each gets every run,
+    the same ones, with no deadlock surfacing (inserts take the keys in one order)."""
+    stores = [SQLStore(pg_url), SQLStore(pg_url)]
+    try:
+        for trial in range(3):
+            keys = [f"t{trial}-{n:04d}" for n in range(600)]
+            batches = [[new_run(key=k) for k in keys], [new_run(key=k) for k in keys[::-1]]]
+            first, second = _create_together(stores, batches)
+            assert first == second and sorted(first) == keys
+        assert len(stores[0].find_runs(RunFilter(workflow="w", limit=10_000))) == 3 * 600
+    finally:
+        for store in stores:
+            store.close()
 
 
 def test_create_run__with_owner_starts_claimed(store: SQLStore) -> None:
@@ -570,30 +600,28 @@ OPENERS = 3
 ROUNDS = 20
 
 
-def _open_new_files_together(paths: list[str], barrier: Any, go: Any, errors: Any) -> None:
-    """Child process: for each path, wait for every opener, then open it at the same instant
+def _open_new_databases_together(urls: list[str], barrier: Any, go: Any, errors: Any) -> None:
+    """Child process: for each URL, wait for every opener, then open it at the same instant
     (CLOCK_MONOTONIC is one clock for all processes; a barrier alone wakes them too far
     apart to collide often)."""
-    for path in paths:
+    for url in urls:
         if barrier.wait() == 0:
             go.value = time.monotonic() + 0.02
         barrier.wait()
         while time.monotonic() < go.value:
             pass
         try:
-            SQLStore(f"sqlite:///{path}").close()
+            SQLStore(url).close()
         except StoreError as error:
             errors.put(str(error))
 
 
-def test_sqlite_file__processes_opening_a_new_file_together_all_succeed(tmp_path: Path) -> None:
-    """Two workers (or a worker and `flowloop status`) starting on one new file: all of them
-    open it; none fails with "database is locked" while another switches it to WAL."""
-    paths = [str(tmp_path / f"new{n}.db") for n in range(ROUNDS)]
+def open_together(urls: list[str]) -> None:
+    """OPENERS processes open each new database at the same instant; all must succeed."""
     spawn = multiprocessing.get_context("spawn")
     barrier, go, errors = spawn.Barrier(OPENERS), spawn.Value("d", 0.0), spawn.Queue()
     openers = [
-        spawn.Process(target=_open_new_files_together, args=(paths, barrier, go, errors))
+        spawn.Process(target=_open_new_databases_together, args=(urls, barrier, go, errors))
         for _ in range(OPENERS)
     ]
     for opener in openers:
@@ -603,11 +631,44 @@ def test_sqlite_file__processes_opening_a_new_file_together_all_succeed(tmp_path
     assert [opener.exitcode for opener in openers] == [0] * OPENERS
     failures = [errors.get() for _ in range(errors.qsize())]
     assert not failures, failures
+
+
+def test_sqlite_file__processes_opening_a_new_file_together_all_succeed(tmp_path: Path) -> None:
+    """Two workers (or a worker and `flowloop status`) starting on one new file: all of them
+    open it; none fails with "database is locked" while another switches it to WAL."""
+    paths = [str(tmp_path / f"new{n}.db") for n in range(ROUNDS)]
+    open_together([f"sqlite:///{path}" for path in paths])
     for path in paths:
         with sqlite3.connect(path) as conn:
             assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
             assert conn.execute(f"SELECT count(*) FROM {migrate.VERSION_TABLE}").fetchone() == (1,)
         conn.close()
+
+
+def test_postgres__processes_opening_a_new_schema_together_all_succeed(pg_url: str) -> None:
+    """Workers started together on a new schema: one creates the tables, the others wait
+    for it and use them (none fails on "relation already exists")."""
+    admin = sa.create_engine(pg_url)
+    schemas = [f"{pg_url[-8:]}_{n}" for n in range(ROUNDS // 2)]  # this test's own names
+
+    def url_of(schema: str) -> str:
+        url = sa.make_url(pg_url).update_query_dict({"options": f"-csearch_path=s{schema}"})
+        return url.render_as_string(hide_password=False)
+
+    try:
+        with admin.begin() as conn:
+            for schema in schemas:
+                conn.exec_driver_sql(f'CREATE SCHEMA "s{schema}"')
+        open_together([url_of(schema) for schema in schemas])
+        with admin.begin() as conn:
+            for schema in schemas:
+                version = f's{schema}".{migrate.VERSION_TABLE}'
+                assert conn.exec_driver_sql(f'SELECT count(*) FROM "{version}').scalar() == 1
+    finally:
+        with admin.begin() as conn:
+            for schema in schemas:
+                conn.exec_driver_sql(f'DROP SCHEMA IF EXISTS "s{schema}" CASCADE')
+        admin.dispose()
 
 
 def test_sqlite_file__not_sqlite_refused(tmp_path: Path) -> None:

@@ -309,6 +309,9 @@ def test_parse_context__invalid_names_the_field() -> None:
         linear().parse_context({"n": "many"})
     with pytest.raises(InvalidContext, match="invalid"):
         linear().parse_context("{not json")
+    # A list of pairs would pass dict(); a context is an object of fields, nothing else.
+    with pytest.raises(InvalidContext, match="expected an object of fields, got list"):
+        linear().parse_context([("order_id", "n")])  # type: ignore[arg-type]
 
 
 def test_business_key__field_function_or_none() -> None:
