@@ -571,6 +571,25 @@ def test_open__second_open_keeps_data(store_url: str) -> None:
     again.close()
 
 
+def test_open__migrations_build_exactly_the_schema_module(store_url: str) -> None:
+    """A database created by the Alembic revisions has every table, column and index that
+    flowloop/store/schema.py declares, and nothing else (else: `flowloop db revision`)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from flowloop.store.schema import metadata
+
+    store = SQLStore(store_url)
+    try:
+        with store.engine.connect() as conn:
+            context = MigrationContext.configure(
+                conn, opts={"version_table": migrate.VERSION_TABLE}
+            )
+            assert compare_metadata(context, metadata) == []
+    finally:
+        store.close()
+
+
 # -- SQLite specifics ---------------------------------------------------------------------
 
 
