@@ -69,6 +69,7 @@ Index("ix_flowloop_runs_owner", runs.c.owner)
 # status: each of these reads them in that order instead of sorting every run.
 Index("ix_flowloop_runs_created", runs.c.created_at.desc(), runs.c.id)
 Index("ix_flowloop_runs_workflow_created", runs.c.workflow, runs.c.created_at.desc(), runs.c.id)
+Index("ix_flowloop_runs_status_created", runs.c.status, runs.c.created_at.desc(), runs.c.id)
 Index(
     "ix_flowloop_runs_workflow",
     runs.c.workflow,
