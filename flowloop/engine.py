@@ -73,9 +73,9 @@ SEND_RETRY_SECONDS: Final = 0.01
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
 INVALID_JSON_KEY: Final = "_invalid_json"
+"""``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 START_BATCH: Final = 1_000
 """Runs per transaction in :meth:`Engine.start_many`: few commits, short write locks."""
-"""``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 
 
 def default_url() -> str:
