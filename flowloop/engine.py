@@ -704,7 +704,7 @@ class Engine:
             sent_at=self.clock.now(),
             sender=f"{_user()}@{self.worker_id}",
         )
-        for _ in range(SEND_ATTEMPTS):
+        for attempt in range(SEND_ATTEMPTS):
             stored = self._stored(run_id)
             if dedupe_key is not None and self.store.has_message(run_id, dedupe_key):
                 return SendResult(status="duplicate", run=self._info(stored))
@@ -741,6 +741,13 @@ class Engine:
                         now=self.clock.now(),
                         worker=self.worker_id,
                     )
+            elif waiting_here and not buffer and attempt < SEND_ATTEMPTS - 1:
+                # A worker holds the waiting run for a moment (its timeout is firing, or a
+                # kept event is being handed over): look again once it lets go, so the
+                # sender learns whether the event was taken or came too late, instead of
+                # it being kept behind a timeout that may end the run.
+                time.sleep(SEND_RETRY_SECONDS)
+                continue
             elif buffer or waiting_here:
                 # Busy (a worker holds it) or not there yet: keep it for later, unless it
                 # could never be taken (no wait state accepts it, or its payload is invalid).

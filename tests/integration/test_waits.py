@@ -3,7 +3,10 @@ events accepted, rejected, buffered, deduplicated; timeouts taken only when due;
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -400,6 +403,36 @@ def test_wait__kept_event_it_cannot_take_does_not_fail_the_run_at_its_timeout(
         "!mallory may not approve",
     )
     assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [rejected.seq]
+    assert_journal_sound(engine, run_id)
+
+
+def test_send__to_a_waiting_run_a_worker_holds_for_a_moment_is_taken_when_it_lets_go(
+    engine: Engine, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without buffer=True the sender gets a definite answer: the event is not kept behind a
+    # worker's claim (which might be firing the timeout that ends the run).
+    run_id = waiting(engine)
+    [claimed] = engine.store.claim(
+        worker="w2", now=clock.now() + 3 * DAY, limit=1, lease_seconds=30, run_ids=[run_id]
+    )
+    assert claimed.owner == "w2"
+    seen_held = threading.Event()
+    read = engine._stored
+
+    def observed(run: str) -> Any:
+        stored = read(run)
+        if stored.owner == "w2":
+            seen_held.set()
+        return stored
+
+    monkeypatch.setattr(engine, "_stored", observed)
+    with ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(engine.send, run_id, "approve", {"by": "ann"})
+        assert seen_held.wait(timeout=10), "send never saw the run held"
+        engine.store.release(worker="w2", run_ids=[run_id])
+        result = sending.result(timeout=10)
+    assert (result.status, result.run.state) == ("applied", "approved")
+    assert inbox_rows(engine.url, run_id)[0].consumed_seq is not None
     assert_journal_sound(engine, run_id)
 
 
