@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 
 SEND_ATTEMPTS: Final = 200
 SEND_RETRY_SECONDS: Final = 0.01
+SEND_HOLD_SECONDS: Final = 2.0
+"""How long ``send`` (without ``buffer``) waits for a worker to let go of a waiting run."""
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
 INVALID_JSON_KEY: Final = "_invalid_json"
@@ -704,7 +706,8 @@ class Engine:
             sent_at=self.clock.now(),
             sender=f"{_user()}@{self.worker_id}",
         )
-        for attempt in range(SEND_ATTEMPTS):
+        hold_until = time.monotonic() + SEND_HOLD_SECONDS
+        for _ in range(SEND_ATTEMPTS):
             stored = self._stored(run_id)
             if dedupe_key is not None and self.store.has_message(run_id, dedupe_key):
                 return SendResult(status="duplicate", run=self._info(stored))
@@ -721,7 +724,7 @@ class Engine:
                     record,
                     event,
                     message.payload,
-                    now=message.sent_at,
+                    now=self.clock.now(),  # not sent_at: after a wait, later than the holder's
                     worker=message.sender or "",
                     extra={"dedupe_key": dedupe_key} if dedupe_key else None,
                 )
@@ -741,12 +744,12 @@ class Engine:
                         now=self.clock.now(),
                         worker=self.worker_id,
                     )
-            elif waiting_here and not buffer and attempt < SEND_ATTEMPTS - 1:
+            elif waiting_here and not buffer and time.monotonic() < hold_until:
                 # A worker holds the waiting run for a moment (its timeout is firing, or a
                 # kept event is being handed over): look again once it lets go, so the
                 # sender learns whether the event was taken or came too late, instead of
                 # it being kept behind a timeout that may end the run.
-                time.sleep(SEND_RETRY_SECONDS)
+                self._wait_while_held(run_id, stored.owner, hold_until)
                 continue
             elif buffer or waiting_here:
                 # Busy (a worker holds it) or not there yet: keep it for later, unless it
@@ -769,6 +772,14 @@ class Engine:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
+
+    def _wait_while_held(self, run_id: str, owner: str | None, until: float) -> None:
+        """Poll until ``owner`` lets go of the run (or ``until``, on the monotonic clock)."""
+        while time.monotonic() < until:
+            time.sleep(SEND_RETRY_SECONDS)
+            stored = self.store.get_run(run_id)
+            if stored is None or stored.owner != owner:
+                return
 
     def _deliver_kept(self, workflow: Workflow, record: RunRecord) -> bool:
         """Before an event is applied to a waiting run, hand it the events kept for it that

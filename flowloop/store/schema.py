@@ -65,18 +65,13 @@ runs = Table(
 )
 Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
 Index("ix_flowloop_runs_owner", runs.c.owner)
-# `flowloop status` lists the newest runs first, of all workflows or of one, maybe of one
+# Claims use this one; widening it (say, with created_at) made claims 3x slower.
+Index("ix_flowloop_runs_workflow", runs.c.workflow, runs.c.status)
+# `flowloop status` lists the newest runs first, of all workflows, of one, or of one
 # status: each of these reads them in that order instead of sorting every run.
 Index("ix_flowloop_runs_created", runs.c.created_at.desc(), runs.c.id)
 Index("ix_flowloop_runs_workflow_created", runs.c.workflow, runs.c.created_at.desc(), runs.c.id)
 Index("ix_flowloop_runs_status_created", runs.c.status, runs.c.created_at.desc(), runs.c.id)
-Index(
-    "ix_flowloop_runs_workflow",
-    runs.c.workflow,
-    runs.c.status,
-    runs.c.created_at.desc(),
-    runs.c.id,
-)
 Index(
     "ux_flowloop_runs_key",
     runs.c.workflow,

@@ -3,9 +3,7 @@ events accepted, rejected, buffered, deduplicated; timeouts taken only when due;
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -58,7 +56,7 @@ def test_wait__entering_holds_no_worker_and_stores_the_timeout_as_due_time(
     run_id = waiting(engine)
     info = engine.get(run_id)
     assert info.owner is None
-    assert info.next_run_at == pytest.approx(clock.now() + 2 * DAY)
+    assert info.next_run_at == pytest.approx(clock.now() + 2 * DAY, abs=1e-3)
     info = engine.run(parked, {})  # no timeout: no due time at all
     assert (info.state, info.owner, info.next_run_at) == ("parked", None, None)
 
@@ -123,7 +121,7 @@ def test_wait__initial_wait_state_is_not_timed_out_at_creation(
     engine.run_until_idle(idle_horizon=0)
     info = engine.get(info.id)
     assert (info.status, info.state) == ("scheduled", "gate")
-    assert info.next_run_at == pytest.approx(clock.now() + 100)
+    assert info.next_run_at == pytest.approx(clock.now() + 100, abs=1e-3)
     assert engine.send(info.id, "open").status == "applied"
     assert engine.get(info.id).state == "opened"
     assert_journal_sound(engine, info.id)
@@ -265,8 +263,8 @@ def test_send__buffered_event_is_kept_until_the_run_reaches_the_wait_then_consum
     assert (info.status, info.state) == ("succeeded", "approved")
     assert ctx(info).approved_by == "early"
     [event] = received(engine, info.id)
-    assert event.data["buffered_at"] == pytest.approx(sent_at)
-    assert event.at == pytest.approx(sent_at + 5)
+    assert event.data["buffered_at"] == pytest.approx(sent_at, abs=1e-3)
+    assert event.at == pytest.approx(sent_at + 5, abs=1e-3)
     [row] = inbox_rows(engine.url, info.id)
     assert row.consumed_seq == event.seq
     engine.run_until_idle(idle_horizon=0)
@@ -354,7 +352,7 @@ def test_send__event_kept_earlier_is_taken_before_a_later_direct_one(
     info = engine.get(info.id)
     assert ctx(info).notes == ["one", "two"]
     first, second = received(engine, info.id, "note")
-    assert first.data["buffered_at"] == pytest.approx(clock.now() - 1)
+    assert first.data["buffered_at"] == pytest.approx(clock.now() - 1, abs=1e-3)
     assert "buffered_at" not in second.data
     assert_journal_sound(engine, info.id)
 
@@ -416,23 +414,25 @@ def test_send__to_a_waiting_run_a_worker_holds_for_a_moment_is_taken_when_it_let
         worker="w2", now=clock.now() + 3 * DAY, limit=1, lease_seconds=30, run_ids=[run_id]
     )
     assert claimed.owner == "w2"
-    seen_held = threading.Event()
+    seen_held: list[str] = []
     read = engine._stored
 
-    def observed(run: str) -> Any:
-        stored = read(run)
-        if stored.owner == "w2":
-            seen_held.set()
+    def let_go_once_seen(run: str) -> Any:
+        stored = read(run)  # what send decides on: the run as it was, held
+        if stored.owner == "w2" and not seen_held:
+            seen_held.append(run)
+            clock.advance(60)  # the holder works for a minute, then lets go
+            engine.store.release(worker="w2", run_ids=[run])
         return stored
 
-    monkeypatch.setattr(engine, "_stored", observed)
-    with ThreadPoolExecutor(1) as pool:
-        sending = pool.submit(engine.send, run_id, "approve", {"by": "ann"})
-        assert seen_held.wait(timeout=10), "send never saw the run held"
-        engine.store.release(worker="w2", run_ids=[run_id])
-        result = sending.result(timeout=10)
+    monkeypatch.setattr(engine, "_stored", let_go_once_seen)
+    sent_at = clock.now()
+    result = engine.send(run_id, "approve", {"by": "ann"})
+    assert seen_held == [run_id]
     assert (result.status, result.run.state) == ("applied", "approved")
     assert inbox_rows(engine.url, run_id)[0].consumed_seq is not None
+    [event] = received(engine, run_id)
+    assert event.at == pytest.approx(sent_at + 60, abs=1e-3)  # journaled when taken, not when sent
     assert_journal_sound(engine, run_id)
 
 
@@ -476,7 +476,7 @@ def test_sleep__is_a_stored_due_time_not_an_in_process_wait(
     engine.run_until_idle(idle_horizon=0)
     info = engine.get(info.id)
     assert (info.status, info.state, info.owner) == ("scheduled", "after", None)
-    assert info.next_run_at == pytest.approx(clock.now() + 1.5)
+    assert info.next_run_at == pytest.approx(clock.now() + 1.5, abs=1e-3)
     engine.run_until_idle(idle_horizon=0)
     assert kinds(engine, info.id).count("step_started") == 1  # `after` has not started
     clock.advance(1.5)
