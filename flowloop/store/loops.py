@@ -161,45 +161,9 @@ class LoopStoreMixin:
         self, *, name: str, schedule: str, first_slot: float, at: float, worker: str
     ) -> LoopRow:
         """Create the loop row if new; a changed schedule restarts it at ``first_slot``."""
-        with self._write() as conn:
-            row = conn.execute(select(loops).where(loops.c.name == name)).first()
-            if row is None:
-                conn.execute(
-                    insert(loops).values(
-                        name=name,
-                        schedule=schedule,
-                        status="scheduled",
-                        next_fire_at=first_slot,
-                        iterations=0,
-                        consecutive_failures=0,
-                        skipped=0,
-                        missed=0,
-                        lease_epoch=0,
-                        last_seq=1,
-                        updated_at=at,
-                    )
-                )
-                conn.execute(
-                    insert(loop_journal),
-                    _event_rows(
-                        [
-                            LoopEvent(
-                                loop=name,
-                                kind="loop_created",
-                                at=at,
-                                slot=first_slot,
-                                worker=worker,
-                                data={"schedule": schedule},
-                            )
-                        ],
-                        1,
-                    ),
-                )
-            elif row.schedule != schedule:
-                spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
-                self._reschedule(conn, row, spec, at=at, worker=worker)
-            fresh = conn.execute(select(loops).where(loops.c.name == name)).one()
-        return _row(fresh)
+        spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
+        [row] = self.sync_loops([spec], at=at, worker=worker)
+        return row
 
     def sync_loops(self, specs: Sequence[LoopSpec], *, at: float, worker: str) -> list[LoopRow]:
         """:meth:`sync_loop` for many loops in one transaction per ``SYNC_BATCH`` (a worker
