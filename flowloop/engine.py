@@ -675,9 +675,7 @@ class Engine:
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data:
             # Events kept while it was paused: the run takes them now.
-            try_deliver_pending(
-                self.store, self._workflows, run_id, now=self.clock.now(), worker=self.worker_id
-            )
+            self._hand_over_kept(run_id)
         return self.get(run_id)
 
     def send(
@@ -737,13 +735,7 @@ class Engine:
                     continue
                 if result == "applied" and after.state in workflow.waits:
                     # It waits again (maybe in another wait state): take what was kept for it.
-                    try_deliver_pending(
-                        self.store,
-                        self._workflows,
-                        run_id,
-                        now=self.clock.now(),
-                        worker=self.worker_id,
-                    )
+                    self._hand_over_kept(run_id)
             elif waiting_here and not buffer and time.monotonic() < hold_until:
                 # A worker holds the waiting run for a moment (its timeout is firing, or a
                 # kept event is being handed over): look again once it lets go, so the
@@ -759,19 +751,20 @@ class Engine:
                 )
                 result = self.store.deliver(message, None)
                 if result == "buffered":
-                    try_deliver_pending(
-                        self.store,
-                        self._workflows,
-                        run_id,
-                        now=self.clock.now(),
-                        worker=self.worker_id,
-                    )
+                    self._hand_over_kept(run_id)
             elif event in accepted(workflow, record.state):
                 raise NotWaiting(run_id, record.status, record.state, event)
             else:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
+
+    def _hand_over_kept(self, run_id: str) -> int | None:
+        """Give a waiting run the events kept for it that it accepts now (see
+        :func:`try_deliver_pending`)."""
+        return try_deliver_pending(
+            self.store, self._workflows, run_id, now=self.clock.now(), worker=self.worker_id
+        )
 
     def _wait_while_held(self, run_id: str, owner: str | None, until: float) -> None:
         """Poll until ``owner`` lets go of the run (or ``until``, on the monotonic clock)."""
@@ -790,10 +783,8 @@ class Engine:
             for message in self.store.pending_events(record.id)
         ):
             return False
-        consumed = try_deliver_pending(
-            self.store, self._workflows, record.id, now=self.clock.now(), worker=self.worker_id
-        )
-        return consumed is not None  # None: a kept event cannot be taken; do not wait on it
+        # None: handing over failed (logged); go on rather than wait on it.
+        return self._hand_over_kept(record.id) is not None
 
     def retry(
         self,
