@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
+from polling import poll
+
 from flowloop import Engine, FakeClock
 from flowloop.alerts import Alert
 from flowloop.loops import Iteration, Loop
@@ -98,12 +100,7 @@ def wait_for(
 ) -> None:
     """:func:`until` for plain (non-async) tests that watch another process; ``describe``
     adds what those processes said to the failure."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            detail = f"\n{describe()}" if describe else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
-        time.sleep(0.02)
+    poll(condition, timeout=timeout, what=what, every=0.02, describe=describe)
 
 
 class LoopHarness:

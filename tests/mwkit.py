@@ -36,7 +36,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from polling import poll
 
 ROOT = Path(__file__).resolve().parent.parent
 STATES = [f"s{i}" for i in range(10)]
@@ -358,15 +358,7 @@ def wait_for(
     describe: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``probe`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{describe()}" if describe is not None else ""
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{extra}")
-        time.sleep(every)
+    return poll(probe, timeout=timeout, what=what, every=every, describe=describe)
 
 
 def statuses(url: str) -> Counter[str]:

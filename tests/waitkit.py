@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Step, Workflow
@@ -324,15 +325,7 @@ def wait_until(
     diagnose: Callable[[], str] | None = None,
 ) -> T:
     """Poll ``probe`` until it returns something truthy, at most ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            extra = f"\n{diagnose()}" if diagnose is not None else ""
-            raise AssertionError(f"not within {timeout:g}s: {what}{extra}")
-        time.sleep(every)
+    return poll(probe, timeout=timeout, what=what, every=every, describe=diagnose)
 
 
 # -- processes ------------------------------------------------------------------------------
