@@ -253,6 +253,19 @@ def pg_schema(url: str, prefix: str = "bench") -> Iterator[tuple[str, str]]:
         admin.dispose()
 
 
+@contextlib.contextmanager
+def fresh_url(backend: str, directory: str, pg: str | None, name: str) -> Iterator[str]:
+    """A fresh database URL: a new SQLite file (``backend="sqlite"``) or a new schema on
+    ``pg``; removed afterwards."""
+    if backend == "sqlite":
+        with sqlite_file(directory, name) as path:
+            yield f"sqlite:///{path}"
+    else:
+        assert pg is not None
+        with pg_schema(pg, name) as (url, _):
+            yield url
+
+
 # -- the workload ------------------------------------------------------------------------
 
 

@@ -20,27 +20,15 @@ PostgreSQL.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import common
 from common import Ctx, Results
 
 TARGETS = {"sqlite": 3.0, "pg": 10.0}
-
-
-@contextlib.contextmanager
-def fresh(backend: str, directory: str, pg: str | None) -> Iterator[str]:
-    if backend == "sqlite":
-        with common.sqlite_file(directory, "conc") as path:
-            yield f"sqlite:///{path}"
-    else:
-        assert pg is not None
-        with common.pg_schema(pg, "conc") as (url, _):
-            yield url
 
 
 def concurrent_program(
@@ -60,7 +48,7 @@ def concurrent_program(
     workflow = common.chain(f"conc_{'sleep' if sleep else 'trivial'}", steps, sleep=sleep)
 
     def run(_round: int) -> Mapping[str, float]:
-        with fresh(backend, directory, pg) as url:
+        with common.fresh_url(backend, directory, pg, "conc") as url:
             engine = Engine(
                 url, workflows=[workflow], synchronous=synchronous, max_concurrency=concurrency
             )
@@ -116,7 +104,7 @@ def sequential_program(
     workflow = common.chain(f"seq_{'sleep' if sleep else 'trivial'}", steps, sleep=sleep)
 
     def run(_round: int) -> Mapping[str, float]:
-        with fresh(backend, directory, pg) as url:
+        with common.fresh_url(backend, directory, pg, "conc") as url:
             engine = Engine(url, workflows=[workflow], synchronous=synchronous)
             try:
                 engine.run(workflow, Ctx())

@@ -14,9 +14,8 @@ Timed: the enqueueing only (contexts are built beforehand); the runs are not exe
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import common
@@ -27,17 +26,6 @@ from pydantic import BaseModel
 class Order(BaseModel):
     order_id: str
     amount: float = 9.5
-
-
-@contextlib.contextmanager
-def fresh(backend: str, directory: str, pg: str | None) -> Iterator[str]:
-    if backend == "sqlite":
-        with common.sqlite_file(directory, "fanout") as path:
-            yield f"sqlite:///{path}"
-    else:
-        assert pg is not None
-        with common.pg_schema(pg, "fanout") as (url, _):
-            yield url
 
 
 def workflow() -> Any:
@@ -58,7 +46,7 @@ def program(
 
     def run(round_: int) -> Mapping[str, float]:
         contexts = [Order(order_id=f"r{round_}-{n}") for n in range(runs)]
-        with fresh(backend, directory, pg) as url:
+        with common.fresh_url(backend, directory, pg, "fanout") as url:
             engine = Engine(url, workflows=[wf])
             try:
                 with common.Timer() as t:
