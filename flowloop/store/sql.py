@@ -447,7 +447,8 @@ class SQLStore(LoopStoreMixin, Store):
             return create(conn)
 
     def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
-        existing = self._existing(conn, new.record, new.idempotency_key)
+        taken = self._existing_many(conn, [new])
+        existing = next((taken[key] for key in _unique_keys(new) if key in taken), None)
         if existing is not None:
             return existing, False
         stmt = self._insert_run_owned if new.owner else self._insert_run
@@ -519,19 +520,6 @@ class SQLStore(LoopStoreMixin, Store):
             if row.idempotency_key is not None:
                 found[("", row.idempotency_key)] = stored
         return found
-
-    def _existing(
-        self, conn: Connection, record: RunRecord, idempotency_key: str | None
-    ) -> StoredRun | None:
-        conditions = []
-        if record.key is not None:
-            conditions.append(and_(runs.c.workflow == record.workflow, runs.c.key == record.key))
-        if idempotency_key is not None:
-            conditions.append(runs.c.idempotency_key == idempotency_key)
-        if not conditions:
-            return None
-        row = conn.execute(select(runs).where(or_(*conditions)).limit(1)).first()
-        return None if row is None else _stored_from_row(row)
 
     def get_run(self, run_id: str) -> StoredRun | None:
         with self._read() as conn:
