@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -123,3 +126,14 @@ def pause(stored: StoredRun) -> Boundary:
     return Boundary(
         events=[paused], record=j.apply(record, paused), fence=Fence(None, stored.lease_epoch)
     )
+
+
+def dead_owner() -> str:
+    """A worker id on this host whose process has exited (its leases are taken over at once)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return f"{socket.gethostname()}:{done.stdout.strip()}:dead"

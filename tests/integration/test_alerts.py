@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import subprocess
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterator
@@ -19,6 +17,7 @@ from typing import Any
 import pytest
 from loopkit import SteppedClock, drive, until, wait_for
 from pydantic import BaseModel
+from storekit import dead_owner
 
 from flowloop import Engine, FakeClock, Retry, Workflow
 from flowloop import journal as j
@@ -103,16 +102,6 @@ async def run_worker(worker: Worker, body: Callable[[], Awaitable[None]]) -> Non
     finally:
         stop.set()
         await asyncio.wait_for(task, WAIT_S)
-
-
-def dead_owner() -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
 
 
 class Order(BaseModel):

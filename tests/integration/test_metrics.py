@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
-import subprocess
-import sys
 import threading
 import urllib.request
 from collections.abc import Awaitable, Callable
@@ -18,6 +15,7 @@ import pytest
 from loopkit import SteppedClock, drive, until
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel
+from storekit import dead_owner
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
@@ -93,17 +91,6 @@ async def run_worker(worker: Worker, body: Callable[[Worker], Awaitable[Any]]) -
     finally:
         stop.set()
         await asyncio.wait_for(task, WAIT_S)
-
-
-def dead_owner() -> str:
-    """A worker id on this host whose process has exited."""
-    done = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
 
 
 def test_metrics__runs_and_steps_by_outcome_with_durations(sqlite_url: str) -> None:
