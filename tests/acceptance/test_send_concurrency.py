@@ -185,39 +185,15 @@ def test_cli__send_by_run_id_and_by_business_key_then_status_by_key(
     assert (sent["run"]["status"], sent["run"]["state"]) == ("succeeded", "cancelled")
     assert sent["run"]["context"]["cancel_reason"] == "rejected by bob: too dear"
 
-    sent = flowloop(
-        "send",
-        "A1",
-        "approve",
-        "--workflow",
-        "order",
-        "--data",
-        '{"by": "ann"}',
-        "--dedupe-key",
-        "mail-1",
-        "-w",
-        ORDER_FILE,
-        *db,
-        "--json",
-    )
+    approve_by_key = (
+        "send", "A1", "approve", "--workflow", "order", "--data", '{"by": "ann"}',
+        "--dedupe-key", "mail-1", "-w", ORDER_FILE, *db, "--json",
+    )  # fmt: skip
+    sent = flowloop(*approve_by_key)
     assert sent["result"] == "applied"
     assert (sent["run"]["id"], sent["run"]["state"]) == (orders["A1"], "charge")
     assert sent["run"]["context"]["approved_by"] == "ann"
-    again = flowloop(
-        "send",
-        "A1",
-        "approve",
-        "--workflow",
-        "order",
-        "--data",
-        '{"by": "ann"}',
-        "--dedupe-key",
-        "mail-1",
-        "-w",
-        ORDER_FILE,
-        *db,
-        "--json",
-    )
+    again = flowloop(*approve_by_key)  # the same send again: deduplicated
     assert again["result"] == "duplicate"
 
     [listed] = flowloop("status", "--key", "A1", *db, "--json")
