@@ -339,30 +339,11 @@ def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
     assert len(json_lines(here_cli(here, "status", "--json"))) == 1  # one JSON list
     assert len(json.loads(here_cli(here, "status", "--json"))) == 4
     # A bad line: one line saying where, exit 2, nothing written.
-    result = flowloop(
-        "start",
-        "jobs.py",
-        "--contexts",
-        "-",
-        "--db",
-        "jobs.db",
-        cwd=here,
-        code=2,
-        stdin='{"fail": true}\n{"fail": \n',
-    )
+    from_stdin = ("start", "jobs.py", "--contexts", "-", "--db", "jobs.db")
+    result = flowloop(*from_stdin, cwd=here, code=2, stdin='{"fail": true}\n{"fail": \n')
     assert len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("error: stdin line 2 is not valid JSON")
-    result = flowloop(
-        "start",
-        "jobs.py",
-        "--contexts",
-        "-",
-        "--db",
-        "jobs.db",
-        cwd=here,
-        code=2,
-        stdin='{"fail": "sometimes"}\n',
-    )
+    result = flowloop(*from_stdin, cwd=here, code=2, stdin='{"fail": "sometimes"}\n')
     assert result.stderr.startswith("error: context #1 for workflow 'jobs' is invalid: fail")
     assert len(json.loads(here_cli(here, "status", "--json"))) == 4
 
