@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
@@ -26,6 +26,9 @@ from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES
 from flowloop.store.loops import LoopRow
 from flowloop.store.sql import SQLStore
+
+if TYPE_CHECKING:
+    import graphviz
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -1008,10 +1011,16 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     help="Draw one run from the store on its workflow (its workflow from -w).",
 )
 @click.option(
+    "--loop",
+    "loop_name",
+    metavar="NAME",
+    help="Draw one stored loop (status, counts, last error, next fire) on its machine.",
+)
+@click.option(
     "--all",
     "draw_all",
     is_flag=True,
-    help="Draw every workflow in -w and the lifecycle into --out as .dot and .svg.",
+    help="Draw every workflow and loop in -w and the lifecycle into --out as .dot and .svg.",
 )
 @click.option(
     "-o",
@@ -1032,6 +1041,7 @@ def diagram(
     target: str | None,
     draw_lifecycle: bool,
     run_id: str | None,
+    loop_name: str | None,
     draw_all: bool,
     out_path: Path | None,
     fmt: str | None,
@@ -1039,7 +1049,8 @@ def diagram(
     db: str | None,
     synchronous: str,
 ) -> None:
-    """Draw FILE[:WORKFLOW], the lifecycle, one run (--run) or everything (--all).
+    """Draw FILE[:WORKFLOW_OR_LOOP], the lifecycle, one run (--run), one stored loop
+    (--loop) or everything (--all).
 
     DOT needs nothing else; SVG and PNG need Graphviz's `dot` program."""
     from flowloop import render  # lazy: only this command needs graphviz
@@ -1048,23 +1059,25 @@ def diagram(
     given = [
         name
         for name, value in (
-            ("FILE[:WORKFLOW]", target),
+            ("FILE[:NAME]", target),
             ("--lifecycle", draw_lifecycle),
             ("--run", run_id),
+            ("--loop", loop_name),
             ("--all", draw_all),
         )
         if value
     ]
     if len(given) != 1:
         raise FlowloopError(
-            "diagram: give exactly one of FILE[:WORKFLOW], --lifecycle, --run RUN_ID or --all"
-            + (f" (got {', '.join(given)})" if given else "")
+            "diagram: give exactly one of FILE[:NAME], --lifecycle, --run RUN_ID, --loop NAME "
+            "or --all" + (f" (got {', '.join(given)})" if given else "")
         )
     if draw_all:
         if fmt is not None:
             raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
         out_dir = out_path or Path(render.DIAGRAMS_DIR)
-        diagrams = render.all_diagrams(load_workflow_paths(workflow_paths).workflows.values())
+        loaded = load_workflow_paths(workflow_paths)
+        diagrams = render.all_diagrams(loaded.workflows.values(), loaded.loops.values())
         for path in render.write_all(diagrams, out_dir):
             out.print(f"wrote {path}", markup=False)
         for path in render.stale(out_dir, diagrams):
@@ -1078,9 +1091,11 @@ def diagram(
                 graph = engine.diagram(run_id)
             except UnknownWorkflow as error:
                 raise FlowloopError(f"{error}; pass -w FILE_OR_DIR that defines it") from error
+    elif loop_name is not None:
+        graph = _stored_loop_diagram(loop_name, workflow_paths, db, synchronous)
     else:
         assert target is not None
-        graph = load_target(target)[0].diagram()
+        graph = _machine_diagram(target)
     fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
     if out_path is None:
         if fmt == "png":
@@ -1090,6 +1105,35 @@ def diagram(
         return
     render.save(graph, out_path, fmt)
     out.print(f"wrote {out_path}", markup=False)
+
+
+def _machine_diagram(target: str) -> graphviz.Digraph:
+    from flowloop import render_loops
+    from flowloop.loader import load_machine
+    from flowloop.loops import Loop
+
+    machine = load_machine(target)[0]
+    if isinstance(machine, Loop):
+        return render_loops.loop_digraph(machine)
+    return machine.diagram()
+
+
+def _stored_loop_diagram(
+    name: str, workflow_paths: tuple[str, ...], db: str | None, synchronous: str
+) -> graphviz.Digraph:
+    from flowloop import render_loops
+
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded) as engine:
+        row = engine.loop(name)
+        limit = render_loops.OVERLAY_JOURNAL_LIMIT
+        events = engine.loop_history(name, limit=limit)
+    loop = loaded.loops.get(name)
+    if loop is None:
+        raise FlowloopError(
+            f"loop {name!r} is not defined in -w; pass -w FILE_OR_DIR that defines it"
+        )
+    return render_loops.stored_loop_digraph(loop, row, events, capped=len(events) >= limit)
 
 
 @cli.command(name="stats")

@@ -113,3 +113,22 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
         names = ", ".join(loaded.workflows)
         raise LoadError(f"{path}: no workflow {name!r} (it defines: {names})")
     return loaded.workflows[name], loaded
+
+
+def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:
+    """The workflow or loop named by ``FILE.py[:NAME]`` — unnamed: the file's only workflow,
+    else its only loop (a file with a workflow and a loop of it draws the workflow)."""
+    path, name = split_target(target)
+    loaded = Loaded()
+    loaded.add(import_file(path), path)
+    if name is None and not loaded.workflows and len(loaded.loops) == 1:
+        return next(iter(loaded.loops.values())), loaded
+    if name is not None and name in loaded.loops and name not in loaded.workflows:
+        return loaded.loops[name], loaded
+    if not loaded.workflows and not loaded.loops:
+        raise LoadError(f"{path}: defines no Workflow and no Loop")
+    if not loaded.workflows or (name is not None and name not in loaded.workflows):
+        names = ", ".join([*loaded.workflows, *loaded.loops])
+        what = "several loops" if name is None else f"no workflow or loop {name!r}"
+        raise LoadError(f"{path}: {what} (it defines: {names}); use {path}:NAME")
+    return load_target(target)

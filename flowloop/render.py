@@ -32,6 +32,7 @@ from flowloop import journal as j
 from flowloop import lifecycle
 from flowloop.definition import TIMEOUT_EVENT, StepSpec, WaitSpec, Workflow
 from flowloop.errors import FlowloopError, RenderError
+from flowloop.loops import Loop
 
 FORMATS: Final = ("dot", "svg", "png")
 ALL_FORMATS: Final = ("dot", "svg")
@@ -92,6 +93,8 @@ class DiagramNode:
     """Lines an overlay adds under the state (counts, the error)."""
     declared: bool = True
     """False for a state a run visited that the current definition no longer has."""
+    url: str = ""
+    """A link (relative URL) on the state, e.g. from a workflow loop to its workflow."""
 
     @property
     def title(self) -> str:
@@ -112,6 +115,8 @@ class DiagramEdge:
     """Taken when a wait state's timeout passes (drawn dashed)."""
     declared: bool = True
     """False for a transition a run took that the current definition no longer has."""
+    secondary: bool = False
+    """Drawn in grey, like events shared by many states: an operator's action, say."""
 
     @property
     def label(self) -> str:
@@ -446,8 +451,9 @@ def _small(text: str, color: str) -> str:
 def _node_label(node: DiagramNode) -> str | None:
     """An HTML-like label when there is more than the name to show (else the name)."""
     lines = []
-    if node.settings:
-        lines.append(_small(node.settings, FADED if node.mark == "faded" else MUTED))
+    if node.settings:  # one sub-line per line of the settings
+        color = FADED if node.mark == "faded" else MUTED
+        lines += [_small(part, color) for part in node.settings.splitlines()]
     note_color = {"failed": FAILED, "faded": FADED}.get(node.mark, ACCENT)
     lines += [_small(note, note_color) for note in node.notes]
     if not lines and not node.cyclic:
@@ -501,6 +507,8 @@ def node_attrs(node: DiagramNode) -> dict[str, str]:
     if node.notes:
         tooltip += "\n" + "\n".join(node.notes)
     attrs["tooltip"] = _esc_lines(tooltip)
+    if node.url:
+        attrs["URL"] = graphviz.escape(node.url)
     return attrs
 
 
@@ -574,7 +582,7 @@ def to_digraph(model: DiagramModel) -> graphviz.Digraph:
     shared = _shared_events(model.edges)
     for edge in model.edges:
         attrs = edge_attrs(edge)
-        if edge.mark == "plain" and (edge.event, edge.dest) in shared:
+        if edge.mark == "plain" and (edge.secondary or (edge.event, edge.dest) in shared):
             attrs.update(color=SECONDARY, fontcolor=SECONDARY)
         graph.edge(edge.source, edge.dest, **attrs)
     return graph
@@ -647,8 +655,13 @@ def save(graph: graphviz.Digraph, path: Path, fmt: str | None = None) -> Path:
     return path
 
 
-def all_models(workflows: Iterable[Workflow]) -> dict[str, DiagramModel]:
-    """The lifecycle and every workflow, by file stem, in a stable order."""
+def all_models(
+    workflows: Iterable[Workflow], loops: Iterable[Loop] = ()
+) -> dict[str, DiagramModel]:
+    """The lifecycle, every workflow and every loop (``<name>.loop``), by file stem, in a
+    stable order."""
+    from flowloop import render_loops  # it builds on this module
+
     models: dict[str, DiagramModel] = {LIFECYCLE: lifecycle_model()}
     for workflow in sorted(workflows, key=lambda w: w.name):
         if workflow.name in models:
@@ -656,12 +669,19 @@ def all_models(workflows: Iterable[Workflow]) -> dict[str, DiagramModel]:
                 f"workflow {workflow.name!r} would overwrite the {LIFECYCLE} diagram; rename it"
             )
         models[workflow.name] = workflow_model(workflow)
+    for loop in sorted(loops, key=lambda loop: loop.name):
+        stem = render_loops.diagram_name(loop.name)
+        if stem in models:
+            raise RenderError(f"loop {loop.name!r} would overwrite the {stem} diagram; rename it")
+        models[stem] = render_loops.loop_model(loop)
     return models
 
 
-def all_diagrams(workflows: Iterable[Workflow]) -> dict[str, graphviz.Digraph]:
+def all_diagrams(
+    workflows: Iterable[Workflow], loops: Iterable[Loop] = ()
+) -> dict[str, graphviz.Digraph]:
     """What ``flowloop diagram --all`` draws: :func:`all_models`, rendered."""
-    return {name: to_digraph(model) for name, model in all_models(workflows).items()}
+    return {name: to_digraph(model) for name, model in all_models(workflows, loops).items()}
 
 
 def write_all(

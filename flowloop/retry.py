@@ -111,15 +111,16 @@ class Retry:
         return max(0.0, capped)
 
     def describe(self) -> str:
-        """A compact summary for diagrams and listings, e.g. ``retry 5x exp 0.5s..30s``."""
+        """A compact summary for diagrams and listings, counting every try:
+        ``5 attempts, exponential 0.5s..30s``, ``4 attempts, 2s apart``, ``no retry``."""
         if self.attempts == 1:
             return "no retry"
         if self.backoff == "fixed":
-            text = f"retry {self.attempts}x every {human(min(self.base_seconds, self.cap_seconds))}"
+            delay = human(min(self.base_seconds, self.cap_seconds))
+            text = f"{self.attempts} attempts, {delay} apart"
         else:
-            short = "lin" if self.backoff == "linear" else "exp"
             text = (
-                f"retry {self.attempts}x {short} "
+                f"{self.attempts} attempts, {self.backoff} "
                 f"{human(self.base_seconds)}..{human(self.cap_seconds)}"
             )
         if self.jitter:

@@ -12,19 +12,26 @@ from pathlib import Path
 
 import pytest
 
-from flowloop import Engine, FakeClock, render
-from flowloop.loader import load_paths, load_target
+from flowloop import Engine, FakeClock, render, render_loops
+from flowloop.loader import load_machine, load_paths, load_target
+from flowloop.store.loops import LoopEvent, LoopStoreMixin
 
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ROOT / "workflows" / "order.py"
 WORKFLOWS = ROOT / "workflows"
+POLL = ROOT / "workflows" / "poll.py"
 SVG_TEXT = "{http://www.w3.org/2000/svg}text"
 ORDER_STATES = ("reserve", "awaiting_approval", "charge", "ship", "delivered", "cancelled")
 
 
 def machines() -> list[str]:
-    """What `--all` draws: the lifecycle and every example workflow."""
-    return [render.LIFECYCLE, *load_paths([WORKFLOWS]).workflows]
+    """What `--all` draws: the lifecycle, every example workflow and every example loop."""
+    loaded = load_paths([WORKFLOWS])
+    return [
+        render.LIFECYCLE,
+        *loaded.workflows,
+        *(render_loops.diagram_name(name) for name in loaded.loops),
+    ]
 
 
 needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="needs Graphviz's dot")
@@ -99,6 +106,72 @@ def test_diagram__run_overlay_from_the_store(tmp_path: Path) -> None:
     assert dot.count(render.TIMES) == 3
 
 
+def test_diagram__a_file_that_defines_a_loop_draws_its_machine(tmp_path: Path) -> None:
+    result = flowloop("diagram", str(POLL), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    loop, _ = load_machine(str(POLL))
+    assert result.stdout.decode() == (ROOT / "diagrams" / "poll_feed.loop.dot").read_text()
+    assert result.stdout.decode() == render_loops.loop_digraph(loop).source  # type: ignore[arg-type]
+    dot = result.stdout.decode()
+    assert "every 30s after each end (fixed_delay)" in dot and "3 attempts, 1s apart" in dot
+    result = flowloop("diagram", f"{WORKFLOWS / 'etl.py'}:etl_inbox", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert 'URL="etl.svg"' in result.stdout.decode()
+
+
+def test_diagram__stored_loop_overlay(tmp_path: Path) -> None:
+    with Engine(str(tmp_path / "cli.db"), clock=FakeClock()) as engine:
+        store = engine.store
+        assert isinstance(store, LoopStoreMixin)
+        row = store.sync_loop(
+            name="poll_feed", schedule="every 30s (fixed_delay)", first_slot=1e9, at=1e9, worker="w"
+        )
+        fired = store.fire_loop(
+            name="poll_feed",
+            follows_seq=row.last_seq,
+            worker="w",
+            lease_seconds=30,
+            events=[LoopEvent(loop="poll_feed", kind="iteration_started", at=1e9, slot=1e9)],
+            changes={"last_slot": 1e9, "next_fire_at": None},
+        )
+        assert fired is not None
+        done = LoopEvent(
+            loop="poll_feed",
+            kind="iteration_failed",
+            at=1e9 + 1,
+            slot=1e9,
+            attempt=3,
+            error_message="OSError: feed gone",
+        )
+        assert store.write_loop(
+            name="poll_feed",
+            owner="w",
+            epoch=fired.lease_epoch,
+            follows_seq=fired.last_seq,
+            changes={
+                "status": "scheduled",
+                "next_fire_at": 1e9 + 31,
+                "last_error": "OSError: feed gone",
+                "iterations": 1,
+            },
+            events=[done],
+        )
+    result = flowloop("diagram", "--loop", "poll_feed", "-w", str(POLL), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    dot = result.stdout.decode()
+    assert "loop poll_feed: now scheduled, next fire 2001-09-09 01:47:11Z" in dot
+    assert "1 iteration: 0 succeeded, 1 failed" in dot and "2 retried" in dot
+    assert "last error: OSError: feed gone" in dot
+    assert f'label="failed {render.TIMES}1"' in dot
+
+    empty = tmp_path / "none"
+    empty.mkdir()
+    result = flowloop("diagram", "--loop", "poll_feed", "-w", str(empty), cwd=tmp_path)
+    assert result.returncode == 2 and "not defined in -w" in result.stderr.decode()
+    result = flowloop("diagram", "--loop", "nope", "-w", str(POLL), cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr.decode().count("\n") == 1
+
+
 def test_diagram__run_needs_its_workflow(tmp_path: Path) -> None:
     workflow, _ = load_target(str(ORDER))
     with Engine(str(tmp_path / "cli.db"), clock=FakeClock()) as engine:
@@ -112,7 +185,7 @@ def test_diagram__run_needs_its_workflow(tmp_path: Path) -> None:
 
 
 @needs_dot
-def test_diagram__all_writes_dot_and_svg_for_every_workflow_and_the_lifecycle(
+def test_diagram__all_writes_dot_and_svg_for_every_workflow_loop_and_the_lifecycle(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "diagrams"
@@ -124,6 +197,7 @@ def test_diagram__all_writes_dot_and_svg_for_every_workflow_and_the_lifecycle(
     assert sorted(p.name for p in out.iterdir()) == sorted({"gone.dot", *written})
     assert "stale" in result.stderr.decode() and "gone.dot" in result.stderr.decode()
     assert (out / "order.dot").read_text() == (ROOT / "diagrams" / "order.dot").read_text()
+    assert "poll_feed.loop.svg" in written and "etl_inbox.loop.svg" in written
     texts = svg_texts((out / "lifecycle.svg").read_bytes())
     assert all(status in texts for status in ("idle", "scheduled", "running", "succeeded"))
 

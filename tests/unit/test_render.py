@@ -95,7 +95,7 @@ def test_workflow_model__step_settings_compact_and_in_tooltip() -> None:
     model = render.workflow_model(wf)
     charge = model.node("charge")
     assert charge.settings == wf.steps["charge"].describe()
-    assert "timeout 10s" in charge.settings and "retry 5x" in charge.settings
+    assert "timeout 10s" in charge.settings and "5 attempts" in charge.settings
     assert "on ConnectionError" in charge.tooltip and "timeout: 10s" in charge.tooltip
     assert "not idempotent" in model.node("ship").settings
     assert "idempotent: no" in model.node("ship").tooltip
@@ -180,7 +180,7 @@ def test_dot__settings_in_a_second_smaller_line() -> None:
     dot = order_like().diagram().source
     assert (
         'charge [label=<charge<BR/><FONT POINT-SIZE="9" COLOR="#666666">'
-        "retry 5x exp 0.2s..5s, timeout 10s</FONT>>"
+        "5 attempts, exponential 0.2s..5s, timeout 10s</FONT>>"
     ) in dot
 
 
@@ -486,7 +486,8 @@ def test_all_diagrams__lifecycle_first_then_workflows_by_name() -> None:
 
 
 def example_diagrams() -> dict[str, graphviz.Digraph]:
-    return render.all_diagrams(load_paths([ROOT / "workflows"]).workflows.values())
+    loaded = load_paths([ROOT / "workflows"])
+    return render.all_diagrams(loaded.workflows.values(), loaded.loops.values())
 
 
 @pytest.mark.parametrize("name", list(example_diagrams()))

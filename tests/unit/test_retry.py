@@ -115,10 +115,11 @@ def test_retry__invalid_policy_refused(kwargs: dict[str, object], message: str) 
 
 def test_describe__compact_summary() -> None:
     assert NO_RETRY.describe() == "no retry"
-    assert Retry(attempts=4, backoff="fixed", base=2, cap=60).describe() == "retry 4x every 2s"
-    assert Retry(attempts=5, base=0.5, cap=30).describe() == "retry 5x exp 0.5s..30s"
+    # Counted as attempts (every try), never as "retry 3x", which reads as 1 + 3 tries.
+    assert Retry(attempts=4, backoff="fixed", base=2, cap=60).describe() == "4 attempts, 2s apart"
+    assert Retry(attempts=5, base=0.5, cap=30).describe() == "5 attempts, exponential 0.5s..30s"
     assert Retry(attempts=2, backoff="linear", base=1, cap=9, jitter=0.1).describe() == (
-        "retry 2x lin 1s..9s ±10%"
+        "2 attempts, linear 1s..9s ±10%"
     )
 
 
