@@ -35,3 +35,34 @@ def can_reach(edges: Mapping[str, Set[str]], targets: Iterable[str]) -> set[str]
 def on_cycle(edges: Mapping[str, Set[str]]) -> set[str]:
     """States that can reach themselves again (self loops included)."""
     return {node for node, successors in edges.items() if node in reachable(edges, successors)}
+
+
+def longest_chain(edges: Mapping[str, Set[str]], start: str) -> int:
+    """The most edges on a path from ``start`` that never goes back (each cycle cut where a
+    depth-first walk from ``start`` meets it): the ranks a layered drawing needs, less one."""
+    order: list[str] = []  # postorder of the depth-first walk
+    on_path: set[str] = set()
+    done: set[str] = set()
+    forward: dict[str, list[str]] = {}
+    stack: list[tuple[str, list[str]]] = [(start, sorted(edges.get(start, ())))]
+    on_path.add(start)
+    while stack:
+        node, pending = stack[-1]
+        if pending:
+            nxt = pending.pop()
+            if nxt in on_path:
+                continue  # a back edge: where the cycle is cut
+            forward.setdefault(node, []).append(nxt)
+            if nxt not in done:
+                on_path.add(nxt)
+                stack.append((nxt, sorted(edges.get(nxt, ()))))
+            continue
+        stack.pop()
+        on_path.discard(node)
+        done.add(node)
+        order.append(node)
+    depth = dict.fromkeys(order, 0)
+    for node in reversed(order):  # a topological order of the walk's forward edges
+        for nxt in forward.get(node, ()):
+            depth[nxt] = max(depth[nxt], depth[node] + 1)
+    return max(depth.values(), default=0)

@@ -1,20 +1,14 @@
 """The lifecycle machine shared by every run and every loop.
 
-::
-
-    idle → scheduled → running → succeeded
-                         │  ↘ retrying → running
-                         │  ↘ failed
-     (any non-final) → paused → scheduled
-     (any non-final) → stopped
-    failed / stopped → scheduled  (an operator's retry)
-
-It is declared with ``transitions`` (so it is drawn like every other machine) and turned
-into a lookup table once, at import: checking a status change costs a dict lookup.
+:data:`RULES` is the one source: each trigger with its source statuses, destination and
+meaning. It is declared with ``transitions`` from there (so it is drawn like every other
+machine), rendered as the README's text block by :func:`text`, and turned into a lookup
+table once, at import: checking a status change costs a dict lookup.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final, Literal
 
 from transitions import Machine
@@ -37,21 +31,69 @@ FINISHED: Final[frozenset[str]] = frozenset({"succeeded", "failed", "stopped"})
 LIVE: Final[frozenset[str]] = frozenset({"idle", "scheduled", "running", "retrying", "paused"})
 CLAIMABLE: Final[frozenset[str]] = frozenset({"scheduled", "retrying"})
 
-_NON_FINAL = ["idle", "scheduled", "running", "retrying", "paused"]
+ANY_LIVE: Final = "(any live status)"
+"""A rule's source meaning every live status (but the rule's own destination)."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One trigger of the lifecycle: from which statuses to which, and what it means."""
+
+    trigger: str
+    sources: tuple[str, ...] | str
+    """Statuses, or :data:`ANY_LIVE`."""
+    dest: str
+    meaning: str
+
+    def expanded(self) -> tuple[str, ...]:
+        """The source statuses, :data:`ANY_LIVE` spelt out (staying put is no change)."""
+        if self.sources == ANY_LIVE:
+            return tuple(s for s in STATUSES if s in LIVE and s != self.dest)
+        return tuple(self.sources)
+
+
+RULES: Final[tuple[Rule, ...]] = (
+    Rule("schedule", ("idle",), "scheduled", "a run is queued"),
+    Rule("start", ("scheduled", "retrying"), "running", "a worker claims it and runs a step"),
+    Rule(
+        "succeed",
+        ("running", "scheduled"),
+        "succeeded",
+        "a final state is reached (a waiting run: by an event)",
+    ),
+    Rule("retry", ("running",), "retrying", "a step failed; it is tried again after a backoff"),
+    Rule(
+        "fail", ("running", "scheduled", "retrying"), "failed", "out of attempts, or not retryable"
+    ),
+    Rule("release", ("running",), "scheduled", "back to the queue: a wait, a timer, a shutdown"),
+    Rule("pause", ANY_LIVE, "paused", "at once, or at the running step's end"),
+    Rule("unpause", ("paused",), "scheduled", "it goes on where it was"),
+    Rule("stop", ANY_LIVE, "stopped", "a running step is cancelled"),
+    Rule("rerun", ("failed", "stopped"), "scheduled", "an operator's retry"),
+)
+"""The lifecycle, one source for the machine, its diagram and the README's text."""
 
 TRANSITIONS: Final[list[dict[str, object]]] = [
-    {"trigger": "schedule", "source": "idle", "dest": "scheduled"},
-    {"trigger": "start", "source": ["scheduled", "retrying"], "dest": "running"},
-    # A waiting run (scheduled, no step) can finish when an event leads it to a final state.
-    {"trigger": "succeed", "source": ["running", "scheduled"], "dest": "succeeded"},
-    {"trigger": "retry", "source": "running", "dest": "retrying"},
-    {"trigger": "fail", "source": ["running", "scheduled", "retrying"], "dest": "failed"},
-    {"trigger": "release", "source": "running", "dest": "scheduled"},
-    {"trigger": "pause", "source": ["idle", "scheduled", "running", "retrying"], "dest": "paused"},
-    {"trigger": "unpause", "source": "paused", "dest": "scheduled"},
-    {"trigger": "stop", "source": _NON_FINAL, "dest": "stopped"},
-    {"trigger": "rerun", "source": ["failed", "stopped"], "dest": "scheduled"},
+    {"trigger": rule.trigger, "source": list(rule.expanded()), "dest": rule.dest} for rule in RULES
 ]
+
+
+def text() -> str:
+    """The lifecycle as a text block (the README shows exactly this), one line per rule:
+    ``sources → dest   trigger: meaning``."""
+    arrows = [
+        f"{rule.sources if isinstance(rule.sources, str) else ', '.join(rule.sources)}"
+        f" → {rule.dest}"
+        for rule in RULES
+    ]
+    width = max(len(arrow) for arrow in arrows)
+    lines = [
+        f"{arrow.ljust(width)}   {rule.trigger}: {rule.meaning}"
+        for arrow, rule in zip(arrows, RULES, strict=True)
+    ]
+    live = ", ".join(s for s in STATUSES if s in LIVE)
+    lines.append(f"{ANY_LIVE} = {live}")
+    return "\n".join(lines) + "\n"
 
 
 def build_machine() -> Machine:

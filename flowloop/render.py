@@ -21,7 +21,7 @@ from __future__ import annotations
 import html
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final, Literal
 
@@ -32,6 +32,7 @@ from flowloop import journal as j
 from flowloop import lifecycle
 from flowloop.definition import TIMEOUT_EVENT, StepSpec, WaitSpec, Workflow
 from flowloop.errors import FlowloopError, RenderError
+from flowloop.graph import longest_chain
 from flowloop.loops import Loop
 
 FORMATS: Final = ("dot", "svg", "png")
@@ -51,13 +52,20 @@ START_NODE: Final = "(start)"
 """The point the initial arrow comes from: parentheses keep it apart from state names."""
 SHARED_EVENT_SOURCES: Final = 3
 """An event leading to one state from this many states or more is drawn in grey."""
+TOP_TO_BOTTOM_CHAIN: Final = 4
+"""A workflow whose longest chain has this many transitions or more is drawn top to bottom
+(left to right it would outgrow a page or a screen); shorter ones left to right."""
+SETTINGS_LINE_CHARS: Final = 34
+"""Longest line of step settings under a state's name before it is broken after a comma."""
 ERROR_LINE_CHARS: Final = 80
 """Longest error line drawn under a failed state (the tooltip holds the whole line)."""
 
 # Look: one font, black ink, an accent for what a run did, red for failure, grey for the rest.
 FONT: Final = "Helvetica"
 INK: Final = "#333333"
-MUTED: Final = "#666666"
+MUTED: Final = "#555555"
+SUB_TEXT_POINTS: Final = 10
+"""Settings and counts under a state's name: 2 points below the name, still readable."""
 SECONDARY: Final = "#8a8a8a"
 ACCENT: Final = "#1a5fb4"
 ACCENT_FILL: Final = "#e3edf9"
@@ -68,10 +76,11 @@ FADED: Final = "#b8b8b8"
 CYCLE_MARK: Final = "\u21bb"  # ↻
 TIMES: Final = "\u00d7"  # multiplication sign
 
-NodeKind = Literal["step", "wait", "final", "state"]
+NodeKind = Literal["step", "wait", "final", "state", "group"]
 """``step``: a state with a step function; ``wait``: a state without one that advances on an
 external event or a timeout; ``final``: a run that gets there has succeeded; ``state``: a
-plain state of a machine that is not a workflow (the lifecycle)."""
+plain state of a machine that is not a workflow (the lifecycle); ``group``: stands for
+several states (its settings name them), the source of transitions they all have."""
 NodeMark = Literal["plain", "visited", "current", "failed", "faded"]
 EdgeMark = Literal["plain", "taken", "faded"]
 
@@ -117,6 +126,8 @@ class DiagramEdge:
     """False for a transition a run took that the current definition no longer has."""
     secondary: bool = False
     """Drawn in grey, like events shared by many states: an operator's action, say."""
+    tooltip: str = ""
+    """What the transition means (added to the hover text)."""
 
     @property
     def label(self) -> str:
@@ -201,7 +212,16 @@ def workflow_model(workflow: Workflow) -> DiagramModel:
         nodes=tuple(nodes),
         edges=edges,
         fingerprint=workflow.fingerprint,
+        rankdir=_rankdir(workflow),
     )
+
+
+def _rankdir(workflow: Workflow) -> Literal["LR", "TB"]:
+    successors: dict[str, set[str]] = {}
+    for transition in workflow.transitions():
+        successors.setdefault(transition.source, set()).add(transition.dest)
+    long = longest_chain(successors, workflow.initial) >= TOP_TO_BOTTOM_CHAIN
+    return "TB" if long else "LR"
 
 
 def machine_model(
@@ -241,15 +261,46 @@ def machine_model(
 
 
 def lifecycle_model() -> DiagramModel:
-    """The lifecycle every run and loop follows (``flowloop.lifecycle``)."""
-    return machine_model(
-        lifecycle.build_machine(),
+    """The lifecycle every run follows, drawn from ``flowloop.lifecycle.RULES`` (the same
+    table the README's text block is printed from): a rule from any live status is one
+    edge from the "(any live status)" group, as in the text."""
+    nodes = [
+        DiagramNode(
+            name=status,
+            kind="final" if status == "succeeded" else "state",
+            initial=status == "idle",
+        )
+        for status in lifecycle.STATUSES
+    ]
+    live = ", ".join(s for s in lifecycle.STATUSES if s in lifecycle.LIVE)
+    nodes.append(
+        DiagramNode(
+            name=lifecycle.ANY_LIVE,
+            kind="group",
+            settings=live,
+            tooltip=f"{lifecycle.ANY_LIVE}: {live}",
+        )
+    )
+    edges = tuple(
+        DiagramEdge(
+            source=source,
+            dest=rule.dest,
+            event=rule.trigger,
+            tooltip=rule.meaning,
+            secondary=isinstance(rule.sources, str),
+        )
+        for rule in lifecycle.RULES
+        for source in ((rule.sources,) if isinstance(rule.sources, str) else rule.sources)
+    )
+    return DiagramModel(
         name=LIFECYCLE,
-        title="run / loop lifecycle",
+        title="run lifecycle",
         caption=(
-            "grey: events possible from many statuses; "
-            "rerun is an operator's retry of a failed or stopped run"
+            "grey: a rule of many statuses; rerun: an operator's retry of a failed or stopped run"
         ),
+        comment="run lifecycle; drawn by `flowloop diagram`",
+        nodes=tuple(nodes),
+        edges=edges,
         rankdir="TB",
     )
 
@@ -261,7 +312,19 @@ def _settings(described: str, max_visits: int | None, *, cyclic: bool) -> str:
     if cyclic and max_visits is None:
         # A cycle without a visit limit can spin forever: make that visible in review.
         text += ", no max_visits"
-    return text
+    return wrap_settings(text)
+
+
+def wrap_settings(text: str, width: int = SETTINGS_LINE_CHARS) -> str:
+    """Comma-separated settings in lines of about ``width`` characters (broken only after
+    a comma), so a state's box stays narrow."""
+    lines: list[str] = []
+    for part in text.split(", "):
+        if lines and len(lines[-1]) + 2 + len(part) <= width:
+            lines[-1] += f", {part}"
+        else:
+            lines.append(part)
+    return ",\n".join(lines)
 
 
 def _wait_tooltip(wait: WaitSpec, *, cyclic: bool) -> str:
@@ -326,6 +389,8 @@ class RunOverlay:
     """Times each ``(source, event, dest)`` transition was taken, in the order first taken."""
     error: str | None = None
     """The error's first line, when the run failed."""
+    interrupted: Mapping[str, int] = field(default_factory=dict)
+    """Attempts of each state cut off by a crash (``step_interrupted``)."""
 
     @property
     def failed_state(self) -> str | None:
@@ -339,10 +404,13 @@ class RunOverlay:
         except j.FoldError as error:
             raise RenderError(f"cannot draw this run: {error}") from error
         attempts: Counter[str] = Counter()
+        interrupted: Counter[str] = Counter()
         taken: Counter[tuple[str, str, str]] = Counter()
         for event in events:
             if event.kind == j.STEP_STARTED and event.state is not None:
                 attempts[event.state] += 1
+            elif event.kind == j.STEP_INTERRUPTED and event.state is not None:
+                interrupted[event.state] += 1
             elif (
                 event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
                 and event.state is not None
@@ -364,6 +432,7 @@ class RunOverlay:
             attempts=dict(attempts),
             taken=dict(taken),
             error=failure,
+            interrupted=dict(interrupted),
         )
 
 
@@ -373,10 +442,12 @@ def first_line(text: str, limit: int = ERROR_LINE_CHARS) -> str:
     return line if len(line) <= limit else line[: limit - 1].rstrip() + "\u2026"
 
 
-def _counts(visits: int, attempts: int) -> str:
+def _counts(visits: int, attempts: int, interrupted: int = 0) -> str:
     text = f"{visits} visit{'s' if visits != 1 else ''}"
-    if attempts > visits:
+    if attempts > visits or interrupted:
         text += f", {attempts} attempts"
+    if interrupted:
+        text += f" ({interrupted} interrupted)"
     return text
 
 
@@ -397,7 +468,7 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
     for node in nodes:
         visits = overlay.visits.get(node.name, 0)
         attempts = overlay.attempts.get(node.name, 0)
-        counts = _counts(visits, attempts)
+        counts = _counts(visits, attempts, overlay.interrupted.get(node.name, 0))
         if node.name == overlay.failed_state:
             marked.append(replace(node, mark="failed", notes=(counts, f"failed: {overlay.error}")))
         elif node.name == overlay.state:
@@ -445,7 +516,7 @@ def _html(text: str) -> str:
 
 
 def _small(text: str, color: str) -> str:
-    return f'<FONT POINT-SIZE="9" COLOR="{color}">{_html(text)}</FONT>'
+    return f'<FONT POINT-SIZE="{SUB_TEXT_POINTS}" COLOR="{color}">{_html(text)}</FONT>'
 
 
 def _node_label(node: DiagramNode) -> str | None:
@@ -468,7 +539,9 @@ _SHAPES: Final[Mapping[NodeKind, dict[str, str]]] = {
     "step": {},
     "state": {},
     "wait": {"style": "rounded,dashed,filled"},
-    "final": {"shape": "doublecircle", "style": "filled", "margin": "0.02"},
+    # A double border, not a double circle: a circle grows with its name in both directions.
+    "final": {"peripheries": "2"},
+    "group": {"style": "rounded,dashed", "color": SECONDARY, "fontcolor": MUTED},
 }
 
 _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
@@ -476,6 +549,7 @@ _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
     "wait": "wait state",
     "final": "final state",
     "state": "state",
+    "group": "group of states",
 }
 
 _NODE_MARKS: Final[Mapping[NodeMark, dict[str, str]]] = {
@@ -522,7 +596,8 @@ def edge_attrs(edge: DiagramEdge) -> dict[str, str]:
         attrs["style"] = "dotted"
     how = "when its timeout passes" if edge.timer else f"on {edge.event}"
     taken = f" (taken {edge.count}x)" if edge.count else ""
-    attrs["tooltip"] = _esc_lines(f"{edge.source} -> {edge.dest} {how}{taken}")
+    meaning = f": {edge.tooltip}" if edge.tooltip else ""
+    attrs["tooltip"] = _esc_lines(f"{edge.source} -> {edge.dest} {how}{taken}{meaning}")
     return attrs
 
 

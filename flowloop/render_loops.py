@@ -173,11 +173,15 @@ def loop_model(loop: Loop, *, workflow_diagram: str | None = None) -> DiagramMod
         DiagramEdge(source=source, dest=dest, event=event, secondary=True)
         for source, event, dest in operator
     ]
-    what = f"workflow {loop.workflow.name}" if loop.workflow is not None else "a function"
+    what = (
+        f"runs workflow {loop.workflow.name} (drawn in {link})"
+        if loop.workflow is not None
+        else f"calls {getattr(loop.fn, '__name__', 'its function')}()"
+    )
     return DiagramModel(
         name=diagram_name(loop.name),
         title=f"loop {loop.name}",
-        caption=f"{schedule_text(loop)}; each iteration runs {what}",
+        caption=f"each iteration {what}; grey: an operator's actions",
         comment=f"loop {loop.name}, {loop.schedule}; drawn by `flowloop diagram`",
         nodes=nodes,
         edges=tuple(edges),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from flowloop import lifecycle
@@ -69,3 +71,16 @@ def test_machine__drawn_with_transitions() -> None:
     machine = lifecycle.build_machine()
     assert set(machine.states) == set(lifecycle.STATUSES)
     assert set(machine.events) == {t["trigger"] for t in lifecycle.TRANSITIONS}
+
+
+def test_text__is_the_readme_block_and_says_what_the_machine_allows() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert f"```\n{lifecycle.text()}```\n" in readme, (
+        "README.md's lifecycle block differs from flowloop.lifecycle.text(); paste it in"
+    )
+    # Every (source, dest) pair the text states is one the machine allows, and back.
+    said = set()
+    for rule in lifecycle.RULES:
+        assert f"{rule.trigger}: {rule.meaning}" in lifecycle.text()
+        said |= {(source, rule.dest) for source in rule.expanded()}
+    assert said == set(lifecycle.ALLOWED)

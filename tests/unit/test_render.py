@@ -94,7 +94,7 @@ def test_workflow_model__step_settings_compact_and_in_tooltip() -> None:
     wf = order_like()
     model = render.workflow_model(wf)
     charge = model.node("charge")
-    assert charge.settings == wf.steps["charge"].describe()
+    assert charge.settings == render.wrap_settings(wf.steps["charge"].describe())
     assert "timeout 10s" in charge.settings and "5 attempts" in charge.settings
     assert "on ConnectionError" in charge.tooltip and "timeout: 10s" in charge.tooltip
     assert "not idempotent" in model.node("ship").settings
@@ -119,10 +119,21 @@ def test_workflow_model__unbounded_cycle_named_on_every_state_without_a_limit() 
 
 def test_lifecycle_model__is_the_lifecycle_machine() -> None:
     model = render.lifecycle_model()
-    assert [n.name for n in model.nodes] == list(lifecycle.STATUSES)
+    assert [n.name for n in model.nodes] == [*lifecycle.STATUSES, lifecycle.ANY_LIVE]
     assert model.initial == "idle"
     assert [n.name for n in model.nodes if n.kind == "final"] == ["succeeded"]
-    assert {(e.source, e.dest) for e in model.edges} == set(lifecycle.ALLOWED)
+    # One edge from the "(any live status)" group stands for the rule's every source, as
+    # in the README's text: spelt out, the drawing allows exactly what the machine does.
+    group = {rule.trigger: rule for rule in lifecycle.RULES}
+    drawn = set()
+    for edge in model.edges:
+        if edge.source == lifecycle.ANY_LIVE:
+            assert edge.secondary
+            drawn |= {(s, edge.dest) for s in group[edge.event].expanded()}
+        else:
+            drawn.add((edge.source, edge.dest))
+    assert drawn == set(lifecycle.ALLOWED)
+    assert [e.event for e in model.edges if e.source == lifecycle.ANY_LIVE] == ["pause", "stop"]
     assert {e.event for e in model.edges} == {str(t["trigger"]) for t in lifecycle.TRANSITIONS}
 
 
@@ -152,16 +163,39 @@ def dot_of(model: render.DiagramModel) -> str:
     return source
 
 
-def test_dot__initial_marked_and_finals_are_double_circles() -> None:
+def test_dot__initial_marked_and_finals_have_a_double_border() -> None:
     dot = order_like().diagram().source
     assert f'"{render.START_NODE}" -> reserve' in dot
     assert f'"{render.START_NODE}" [label="" ' in dot and "shape=point" in dot
     for final in ("delivered", "cancelled"):
         line = next(line for line in dot.splitlines() if line.startswith(f"\t{final} ["))
-        assert "shape=doublecircle" in line
+        # A double border on the usual box: a double circle grows with the name.
+        assert "peripheries=2" in line and "circle" not in line
     for step in ("reserve", "charge", "ship"):
         line = next(line for line in dot.splitlines() if line.startswith(f"\t{step} ["))
-        assert "doublecircle" not in line
+        assert "peripheries" not in line
+
+
+def test_workflow_model__long_chains_top_to_bottom_short_ones_left_to_right() -> None:
+    # reserve → charge → ship → delivered: 3 transitions; polling: 1 (its cycle is cut).
+    assert render.workflow_model(order_like()).rankdir == "LR"
+    assert render.workflow_model(polling(4)).rankdir == "LR"
+    wf = Workflow("long", context=Ctx)
+    names = ["a", "b", "c", "d"]
+    for name, nxt in zip(names, [*names[1:], "end"], strict=True):
+        wf.step(name=name, initial=name == "a", next=nxt)(lambda ctx: None)
+    wf.final("end")
+    model = render.workflow_model(wf)
+    assert model.rankdir == "TB"
+    assert "rankdir=TB" in render.to_digraph(model).source
+
+
+def test_wrap_settings__break_after_a_comma_near_the_width() -> None:
+    text = "3 attempts, exponential 1s..5m, timeout 10s, not idempotent"
+    assert render.wrap_settings(text, 34) == (
+        "3 attempts, exponential 1s..5m,\ntimeout 10s, not idempotent"
+    )
+    assert render.wrap_settings("no retry") == "no retry"
 
 
 def test_dot__every_transition_labelled_with_its_event() -> None:
@@ -179,8 +213,9 @@ def test_dot__every_transition_labelled_with_its_event() -> None:
 def test_dot__settings_in_a_second_smaller_line() -> None:
     dot = order_like().diagram().source
     assert (
-        'charge [label=<charge<BR/><FONT POINT-SIZE="9" COLOR="#666666">'
-        "5 attempts, exponential 0.2s..5s, timeout 10s</FONT>>"
+        'charge [label=<charge<BR/><FONT POINT-SIZE="10" COLOR="#555555">'
+        '5 attempts, exponential 0.2s..5s,</FONT><BR/><FONT POINT-SIZE="10" COLOR="#555555">'
+        "timeout 10s</FONT>>"
     ) in dot
 
 
@@ -213,8 +248,11 @@ def test_dot__labels_and_tooltips_are_escaped() -> None:
 
 def test_dot__events_shared_by_many_states_are_grey() -> None:
     dot = render.lifecycle_digraph().source
+    fail_lines = [line for line in dot.splitlines() if "label=fail" in line]
+    assert len(fail_lines) == 3 and all(render.SECONDARY in line for line in fail_lines)
+    # A rule from any live status is one grey edge from the group, not one per status.
     stop_lines = [line for line in dot.splitlines() if "label=stop" in line]
-    assert len(stop_lines) == 5 and all(render.SECONDARY in line for line in stop_lines)
+    assert len(stop_lines) == 1 and render.SECONDARY in stop_lines[0]
     start_line = next(line for line in dot.splitlines() if "scheduled -> running" in line)
     assert render.SECONDARY not in start_line
 
@@ -248,7 +286,9 @@ def test_workflow_model__wait_states_with_events_and_timeout() -> None:
     ]
     awaiting = model.node("awaiting")
     assert awaiting.cyclic
-    assert awaiting.settings == wf.waits["awaiting"].describe() + ", max 3 visits"
+    assert awaiting.settings == render.wrap_settings(
+        wf.waits["awaiting"].describe() + ", max 3 visits"
+    )
     assert "timeout: 60s, then expired" in awaiting.tooltip
     assert [(e.source, e.event, e.dest, e.timer) for e in model.edges] == [
         ("ask", "next", "awaiting", False),
@@ -410,6 +450,33 @@ def test_overlay__events_received_by_a_wait_state_count_as_taken() -> None:
     ]
     assert model.node("awaiting").mark == "current"
     assert model.node("awaiting").notes == ("2 visits", "now scheduled")
+
+
+def test_overlay__attempts_cut_off_by_a_crash_are_marked_interrupted() -> None:
+    events = journal(
+        created(),
+        started("reserve"),
+        succeeded("reserve", "reserved", "charge"),
+        started("charge"),
+        (
+            j.STEP_INTERRUPTED,
+            {
+                "state": "charge",
+                "attempt": 1,
+                "error_type": "Interrupted",
+                "error_message": "the worker died during this step; it runs again",
+                "data": {"retry_at": 5.0},
+            },
+        ),
+        started("charge", 2),
+        succeeded("charge", "charged", "ship"),
+    )
+    overlay = render.RunOverlay.from_journal(events)
+    assert dict(overlay.interrupted) == {"charge": 1}
+    model = render.apply_overlay(render.workflow_model(order_like()), overlay)
+    assert model.node("charge").notes == ("1 visit, 2 attempts (1 interrupted)",)
+    assert model.node("reserve").notes == ("1 visit",)
+    assert "2 attempts (1 interrupted)" in dot_of(model)
 
 
 def test_overlay__long_error_cut_to_one_line() -> None:
