@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import getpass
 import json
+import logging
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
 from flowloop import journal as j
+from flowloop import tracecontext
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
@@ -199,6 +201,14 @@ class Engine:
         if isinstance(self.store, SQLStore):
             self.store.set_write_lease(lease_seconds)
         self.listeners: list[Listener] = []
+        self.direct_listeners: list[Listener] = []
+        """Told of what this engine writes itself, outside an executor: a run it creates
+        (``start``/``run``), an event sent to a waiting run, an operator's pause, stop or
+        retry. Tracing needs them."""
+        self.trace_new: Callable[[str, Mapping[str, str] | None], Mapping[str, Any]] | None = None
+        """Set by ``flowloop.tracing.instrument``: ``(run_id, trace_context)`` → the trace
+        context a new run journals (the caller's current span when none is given);
+        ``None``: tracing is off."""
         self._workflows: dict[str, Workflow] = {}
         self._shared: Executor | None = None
         self._runners = threading.local()
@@ -257,14 +267,16 @@ class Engine:
         priority: int,
         run_at: float | None,
         owner: str | None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> NewRun:
         if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
             self.register(workflow)
         ctx = workflow.parse_context(context)
         now = self.clock.now()
         business_key = key if key is not None else workflow.business_key(ctx)
+        run_id = uuid.uuid4().hex
         created = JournalEvent(
-            run_id=uuid.uuid4().hex,
+            run_id=run_id,
             seq=1,
             kind=j.RUN_CREATED,
             at=now,
@@ -277,6 +289,7 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                **self._trace_data(run_id, trace_context),
             },
         )
         events = [created]
@@ -302,6 +315,15 @@ class Engine:
             lease_seconds=self.lease_seconds,
         )
 
+    def _trace_data(self, run_id: str, carrier: Mapping[str, str] | None) -> dict[str, Any]:
+        """The run's trace context for its ``run_created`` data: nothing (and no cost) while
+        tracing is off and no context is given."""
+        if self.trace_new is not None:
+            return {tracecontext.TRACE_KEY: self.trace_new(run_id, carrier)}
+        if carrier is None:
+            return {}
+        return {tracecontext.TRACE_KEY: tracecontext.new_run_trace(carrier).to_data()}
+
     @staticmethod
     def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:
         """When a new run is first due: ``run_at``/now for a step, the timeout (or never)
@@ -321,11 +343,14 @@ class Engine:
         idempotency_key: str | None = None,
         priority: int = 0,
         run_at: float | None = None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> RunInfo:
         """Enqueue a run (a worker or :meth:`run_until_idle` executes it).
 
         Starting with a ``key`` (or the workflow's key field) or ``idempotency_key`` that an
-        existing run has returns that run instead of creating another.
+        existing run has returns that run instead of creating another. ``trace_context``: a
+        W3C carrier (``{"traceparent": ...}``) whose span the run's trace span is a child
+        of (see ``flowloop.tracing``); stored with the run, so it survives a crash.
         """
         new = self._new_run(
             workflow,
@@ -335,8 +360,11 @@ class Engine:
             priority=priority,
             run_at=run_at,
             owner=None,
+            trace_context=trace_context,
         )
-        stored, _ = self.store.create_run(new)
+        stored, created = self.store.create_run(new)
+        if created and self.direct_listeners:
+            self._tell_created(new)
         return self._info(stored)
 
     def start_many(
@@ -392,13 +420,20 @@ class Engine:
         *,
         key: str | None = None,
         idempotency_key: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> RunInfo:
         """Start a run and drive it until it finishes or waits (this process executes it).
 
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
         return self._runner().run(
-            self.arun(workflow, context, key=key, idempotency_key=idempotency_key)
+            self.arun(
+                workflow,
+                context,
+                key=key,
+                idempotency_key=idempotency_key,
+                trace_context=trace_context,
+            )
         )
 
     def _runner(self) -> asyncio.Runner:
@@ -418,6 +453,7 @@ class Engine:
         *,
         key: str | None = None,
         idempotency_key: str | None = None,
+        trace_context: Mapping[str, str] | None = None,
     ) -> RunInfo:
         """:meth:`run` for callers already inside an event loop."""
         new = self._new_run(
@@ -427,11 +463,14 @@ class Engine:
             idempotency_key=idempotency_key,
             priority=0,
             run_at=None,
+            trace_context=trace_context,
             # Claimed at birth when it starts with a step; a run that starts waiting
             # holds nothing.
             owner=self.worker_id if workflow.initial in workflow.steps else None,
         )
         stored, created = self.store.create_run(new)
+        if created and self.direct_listeners:
+            self._tell_created(new)
         executor = self._executor()
         if created and stored.owner is not None:
             # Fast path: drive the run we just created and claimed, without polling the
@@ -634,7 +673,23 @@ class Engine:
             fence=Fence(None, stored.lease_epoch),
             clear_control=True,
         )
-        return self.store.write([boundary])[0]
+        written = self.store.write([boundary])[0]
+        if written:
+            self._tell(boundary)
+        return written
+
+    def _tell(self, boundary: Boundary) -> None:
+        self._tell_events(boundary.record, boundary.events)
+
+    def _tell_created(self, new: NewRun) -> None:
+        self._tell_events(new.record, new.events)
+
+    def _tell_events(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        for listener in self.direct_listeners:
+            try:
+                listener(record, events)
+            except Exception:  # a listener must never break an operator's write
+                logging.getLogger("flowloop.engine").exception("listener failed")
 
     def pause(self, run_id: str) -> RunInfo:
         """Pause a run: at once if it is queued, else at its next step boundary."""
@@ -733,6 +788,8 @@ class Engine:
                 if result == "conflict":
                     time.sleep(SEND_RETRY_SECONDS)  # another writer moved the run: look again
                     continue
+                if result == "applied":
+                    self._tell(boundary)
                 if result == "applied" and after.state in workflow.waits:
                     # It waits again (maybe in another wait state): take what was kept for it.
                     self._hand_over_kept(run_id)

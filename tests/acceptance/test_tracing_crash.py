@@ -1,0 +1,105 @@
+"""Tracing across a crash: a run SIGKILLed in the middle of a step (a real process) and
+resumed by another process is one trace — every attempt a span under the run span, the
+killed attempt marked interrupted, the run span a child of the request that started it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from polling import poll
+from tracekit import read_spans
+
+from flowloop import Engine
+from flowloop import journal as j
+from flowloop.tracecontext import run_trace
+
+TRACEKIT = Path(__file__).resolve().parents[1] / "tracekit.py"
+
+
+def process(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(TRACEKIT.parent)}
+    return subprocess.Popen(
+        [sys.executable, str(TRACEKIT), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_tracing__killed_run_resumed_elsewhere_is_one_trace(tmp_path: Path) -> None:
+    db, marker = str(tmp_path / "runs.db"), tmp_path / "load.started"
+    first_spans, second_spans = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+
+    first = process("run", db, str(first_spans), str(marker), cwd=tmp_path)
+    assert first.stdout is not None
+    request = json.loads(first.stdout.readline() or "{}")
+    poll(
+        lambda: marker.exists() or first.poll() is not None,
+        timeout=60,
+        what="the first process to reach `load`",
+        every=0.02,
+    )
+    assert first.poll() is None, first.stderr.read() if first.stderr else ""
+    first.send_signal(signal.SIGKILL)  # in the middle of `load`, attempt 1
+    first.wait(timeout=30)
+    assert first.returncode == -signal.SIGKILL
+    killed_pid = int(marker.read_text())
+
+    second = process("resume", db, str(second_spans), cwd=tmp_path)
+    _, stderr = second.communicate(timeout=120)
+    assert second.returncode == 0, stderr
+
+    with Engine(db) as engine:
+        [run] = engine.runs()
+        assert run.status == "succeeded"
+        journal = engine.history(run.id)
+    stored = run_trace(run.id, journal[0].data)
+    assert stored.trace_id == request["trace_id"] and stored.parent_id == request["span_id"]
+
+    spans = read_spans(first_spans, second_spans)
+    assert {span["trace_id"] for span in spans} == {request["trace_id"]}, "one trace"
+    [run_span] = [span for span in spans if span["name"] == "flowloop.run traced"]
+    assert run_span["span_id"] == stored.span_id
+    assert run_span["parent_id"] == request["span_id"]
+    assert run_span["status"] == "UNSET" and run_span["pid"] != killed_pid
+    assert "flowloop.interrupted" in run_span["events"]
+
+    attempts = sorted(
+        (span for span in spans if span["name"].startswith("flowloop.step ")),
+        key=lambda span: span["start"],
+    )
+    shape = [
+        (
+            span["attributes"]["flowloop.state"],
+            span["attributes"]["flowloop.attempt"],
+            span["attributes"]["flowloop.outcome"],
+            "first" if span["pid"] == killed_pid else "second",
+        )
+        for span in attempts
+    ]
+    assert shape == [
+        ("fetch", 1, "succeeded", "first"),
+        ("load", 1, "interrupted", "second"),  # the killed attempt, found by the resume
+        ("load", 2, "succeeded", "second"),
+        ("publish", 1, "succeeded", "second"),
+    ]
+    assert all(span["parent_id"] == stored.span_id for span in attempts)
+    assert len({span["span_id"] for span in spans}) == len(spans)
+    killed = attempts[1]
+    assert killed["status"] == "ERROR" and killed["attributes"]["flowloop.interrupted"] is True
+    assert killed["attributes"]["flowloop.run_id"] == run.id
+    # The killed attempt's span starts at its journaled step_started, written by the
+    # process that died, and ends when the resume journaled it interrupted.
+    started = next(e for e in journal if e.kind == j.STEP_STARTED and e.state == "load")
+    interrupted = next(e for e in journal if e.kind == j.STEP_INTERRUPTED)
+    assert killed["start"] == int(started.at * 1e9)
+    assert killed["end"] == int(interrupted.at * 1e9)
+    assert run_span["start"] == int(journal[0].at * 1e9)
+    assert run_span["end"] == int(journal[-1].at * 1e9)

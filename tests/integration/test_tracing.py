@@ -1,0 +1,206 @@
+"""OpenTelemetry spans of runs on a real SQLite file, collected by the SDK's in-memory
+exporter: the run span and its attempt spans, their attributes and events, the caller's
+context as the run's parent, and nothing at all (not even an import) while tracing is off."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow, tracing
+from flowloop.tracecontext import InvalidTraceContext, derived_run_trace, run_trace
+
+
+class Ctx(BaseModel):
+    n: int = 0
+
+
+def flaky_job() -> Workflow:
+    """``a`` fails once (retried), ``b`` sleeps durably before ``c``, which leads to a wait
+    for ``go``, then the end;
+    ``bad`` fails for good."""
+    wf = Workflow("job", context=Ctx, version=3)
+
+    @wf.step(
+        initial=True,
+        on={"ok": "b", "break": "bad"},
+        retry=Retry(attempts=3, backoff="fixed", base=1, on=(ConnectionError,)),
+    )
+    def a(ctx: Ctx, step: Step) -> str:
+        if step.attempt == 1:
+            raise ConnectionError("refused")
+        return "break" if ctx.n < 0 else "ok"
+
+    @wf.step(next="c")
+    def b(ctx: Ctx, step: Step) -> object:
+        return step.sleep(timedelta(minutes=5))  # c starts 5 minutes later
+
+    @wf.step(next="gate")
+    def c(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.wait("gate", on={"go": "done"})
+
+    @wf.step(next="done", retry=Retry(attempts=1))
+    def bad(ctx: Ctx) -> None:
+        raise ValueError("cannot")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.fixture
+def traced(tmp_path: Path) -> Iterator[tuple[Engine, InMemorySpanExporter, TracerProvider]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with Engine(str(tmp_path / "t.db"), clock=FakeClock()) as engine:
+        tracing.instrument(engine, tracer_provider=provider)
+        yield engine, exporter, provider
+
+
+def hexid(value: int) -> str:
+    return format(value, "016x")
+
+
+def by_name(spans: tuple[ReadableSpan, ...], prefix: str) -> list[ReadableSpan]:
+    return [span for span in spans if span.name.startswith(prefix)]
+
+
+def test_tracing__run_span_parents_every_attempt_with_attributes_and_events(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    engine, exporter, provider = traced
+    wf = flaky_job()
+    with provider.get_tracer("web").start_as_current_span("POST /jobs") as request:
+        info = engine.run(wf, {"n": 1})
+    assert (info.status, info.state) == ("scheduled", "gate")
+    assert not by_name(exporter.get_finished_spans(), "flowloop.run")  # not finished yet
+    engine.send(info.id, "go")
+    engine.run_until_idle()
+    assert engine.get(info.id).status == "succeeded"
+
+    spans = exporter.get_finished_spans()
+    [run] = by_name(spans, "flowloop.run job")
+    stored = run_trace(info.id, engine.history(info.id)[0].data)
+    assert run.context is not None and run.parent is not None
+    assert hexid(run.context.span_id) == stored.span_id
+    assert run.parent.span_id == request.get_span_context().span_id
+    assert run.context.trace_id == request.get_span_context().trace_id
+    assert dict(run.attributes or {}) == {
+        "flowloop.workflow": "job",
+        "flowloop.version": 3,
+        "flowloop.run_id": info.id,
+        "flowloop.status": "succeeded",
+        "flowloop.state": "done",
+    }
+    assert [event.name for event in run.events] == [
+        "flowloop.retry",
+        "flowloop.timer",
+        "flowloop.wait",
+        "flowloop.event",
+    ]
+
+    attempts = by_name(spans, "flowloop.step ")
+    assert [
+        (
+            s.attributes["flowloop.state"],
+            s.attributes["flowloop.attempt"],
+            s.attributes["flowloop.outcome"],
+        )  # type: ignore[index]
+        for s in attempts
+    ] == [("a", 1, "retried"), ("a", 2, "succeeded"), ("b", 1, "succeeded"), ("c", 1, "succeeded")]
+    assert all(s.parent is not None and s.parent.span_id == run.context.span_id for s in attempts)
+    first = attempts[0]
+    assert first.attributes is not None and first.attributes["error.type"] == "ConnectionError"
+    assert first.status.status_code.name == "ERROR"
+    assert [event.name for event in first.events] == ["exception", "flowloop.retry"]
+    assert [event.name for event in attempts[2].events] == ["flowloop.timer"]
+    assert [event.name for event in attempts[3].events] == ["flowloop.wait"]
+    assert run.start_time is not None and first.start_time is not None
+    assert run.start_time <= first.start_time
+
+
+def test_tracing__failed_run_span_is_an_error_and_names_the_error_type(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    engine, exporter, _ = traced
+    info = engine.run(flaky_job(), {"n": -1})
+    assert info.status == "failed"
+    [run] = by_name(exporter.get_finished_spans(), "flowloop.run")
+    assert run.status.status_code.name == "ERROR"
+    assert run.attributes is not None and run.attributes["error.type"] == "ValueError"
+    assert run.parent is None  # started outside any span: the root of its own trace
+    stored = run_trace(info.id, engine.history(info.id)[0].data)
+    assert run.context is not None and format(run.context.trace_id, "032x") == stored.trace_id
+
+
+def test_tracing__explicit_trace_context_is_the_parent_and_a_bad_one_is_refused(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    engine, exporter, _ = traced
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    wf = flaky_job()
+    info = engine.start(wf, {"n": -1}, trace_context={"traceparent": parent})
+    engine.run_until_idle()
+    [run] = by_name(exporter.get_finished_spans(), "flowloop.run")
+    assert run.context is not None and run.parent is not None
+    assert format(run.context.trace_id, "032x") == "0af7651916cd43dd8448eb211c80319c"
+    assert hexid(run.parent.span_id) == "b7ad6b7169203331"
+    assert run_trace(info.id, engine.history(info.id)[0].data).parent_id == "b7ad6b7169203331"
+    before = len(engine.runs())
+    with pytest.raises(InvalidTraceContext, match="traceparent"):
+        engine.start(wf, {}, trace_context={"traceparent": "not-a-trace"})
+    assert len(engine.runs()) == before
+
+
+def test_tracing__a_run_created_without_tracing_joins_its_derived_trace(tmp_path: Path) -> None:
+    db = str(tmp_path / "t.db")
+    with Engine(db, clock=FakeClock()) as plain:
+        info = plain.start(flaky_job(), {"n": 1})
+        assert "trace" not in plain.history(info.id)[0].data
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with Engine(db, clock=FakeClock()) as engine:
+        engine.register(flaky_job())
+        tracing.instrument(engine, tracer_provider=provider)
+        engine.run_until_idle()
+    derived = derived_run_trace(info.id)
+    spans = exporter.get_finished_spans()
+    assert spans and all(
+        s.context is not None and format(s.context.trace_id, "032x") == derived.trace_id
+        for s in spans
+    )
+    assert all(s.parent is not None and hexid(s.parent.span_id) == derived.span_id for s in spans)
+
+
+def test_tracing__off_stores_nothing_and_never_imports_opentelemetry(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from pydantic import BaseModel\n"
+        "import flowloop, flowloop.engine, flowloop.cli, flowloop.worker\n"
+        "from flowloop import Engine, Workflow\n"
+        "class C(BaseModel):\n    n: int = 0\n"
+        "wf = Workflow('w', context=C)\n"
+        "wf.step(name='go', initial=True, next='end')(lambda ctx: None)\n"
+        "wf.final('end')\n"
+        "with Engine('off.db') as engine:\n"
+        "    info = engine.run(wf, {})\n"
+        "    assert info.status == 'succeeded'\n"
+        "    assert 'trace' not in engine.history(info.id)[0].data\n"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported'\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stderr.decode()
