@@ -62,6 +62,16 @@ def db_option(fn: F) -> F:
     )(fn)
 
 
+def _trace(engine: Engine) -> None:
+    try:
+        from flowloop import tracing  # lazy: OpenTelemetry only when asked for
+    except ImportError as error:
+        raise FlowloopError(
+            f"--trace needs OpenTelemetry ({error.name} is missing): pip install 'flowloop[otel]'"
+        ) from None
+    tracing.instrument_from_env(engine)
+
+
 def workflows_option(fn: F) -> F:
     return click.option(
         "-w",
@@ -99,6 +109,9 @@ def open_engine(
     db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None
 ) -> Engine:
     engine = Engine(database(db), synchronous=synchronous)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get(TRACE):
+        _trace(engine)
     if loaded is not None:
         engine.register(*loaded.workflows.values())
     return engine
@@ -345,6 +358,7 @@ def progress_printer(
 
 GLOBAL_FLAGS = "flowloop.flags"
 CONFIG_PATH = "flowloop.config"
+TRACE = "flowloop.trace"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -369,9 +383,19 @@ CONFIG_PATH = "flowloop.config"
     default=None,
     help="[default: info for worker, warning otherwise]",
 )
+@click.option(
+    "--trace",
+    is_flag=True,
+    help="Trace runs with OpenTelemetry (needs flowloop[otel]; exporter from "
+    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none).",
+)
 @click.pass_context
 def cli(
-    ctx: click.Context, config_path: str | None, log_format: str | None, log_level: str | None
+    ctx: click.Context,
+    config_path: str | None,
+    log_format: str | None,
+    log_level: str | None,
+    trace: bool,
 ) -> None:
     """flowloop: explicit state-machine workflows, journaled step by step.
 
@@ -380,6 +404,7 @@ def cli(
     flags = {"log_format": log_format, "log_level": log_level}
     ctx.meta[GLOBAL_FLAGS] = flags
     ctx.meta[CONFIG_PATH] = config_path
+    ctx.meta[TRACE] = trace
     ctx.obj = config = load_settings(flags, config_file=config_path)
     default_level = "info" if ctx.invoked_subcommand == "worker" else "warning"
     setup_logging(config.log_format, config.log_level or default_level)
@@ -773,6 +798,8 @@ def worker(
         lease_seconds=config.lease,
     ) as engine:
         engine.register(*loaded.workflows.values())
+        if click.get_current_context().meta.get(TRACE):
+            _trace(engine)
         Worker(
             engine,
             list(loaded.loops.values()),

@@ -411,3 +411,52 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
 def carrier_of(trace: Mapping[str, Any]) -> dict[str, str]:
     """The W3C carrier of a stored run trace (``run_created``'s ``data["trace"]``)."""
     return {"traceparent": RunTrace.from_data(trace).traceparent}
+
+
+EXPORTERS: Final = ("console", "otlp", "none")
+"""What ``OTEL_TRACES_EXPORTER`` may name for :func:`instrument_from_env`."""
+
+
+def instrument_from_env(engine: Engine) -> RunTracing:
+    """:func:`instrument` with the global tracer provider — set up here from the standard
+    ``OTEL_*`` environment when the application has not set one: ``OTEL_TRACES_EXPORTER``
+    ``console`` (spans as JSON on stderr; the default), ``otlp`` (needs
+    ``opentelemetry-exporter-otlp``) or ``none``; ``OTEL_SERVICE_NAME`` names the service.
+    What the provider holds is exported when the process exits."""
+    import atexit
+    import os
+    import sys
+
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+        SpanExporter,
+    )
+
+    current = api.get_tracer_provider()
+    if isinstance(current, TracerProvider):
+        return instrument(engine, tracer_provider=current)
+    name = (os.environ.get("OTEL_TRACES_EXPORTER") or "console").split(",")[0].strip().lower()
+    if name not in EXPORTERS:
+        raise FlowloopError(
+            f"OTEL_TRACES_EXPORTER={name!r} is not supported here; use one of "
+            f"{', '.join(EXPORTERS)} (or set up a TracerProvider in your own code)"
+        )
+    provider = TracerProvider(resource=Resource.create())
+    if name == "console":
+        exporter: SpanExporter = ConsoleSpanExporter(out=sys.stderr)
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif name == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            raise FlowloopError(
+                "OTEL_TRACES_EXPORTER=otlp needs pip install opentelemetry-exporter-otlp-proto-http"
+            ) from None
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    api.set_tracer_provider(provider)
+    atexit.register(provider.shutdown)
+    return instrument(engine, tracer_provider=provider)

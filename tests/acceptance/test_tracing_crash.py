@@ -103,3 +103,42 @@ def test_tracing__killed_run_resumed_elsewhere_is_one_trace(tmp_path: Path) -> N
     assert killed["end"] == int(interrupted.at * 1e9)
     assert run_span["start"] == int(journal[0].at * 1e9)
     assert run_span["end"] == int(journal[-1].at * 1e9)
+
+
+def test_cli__trace_flag_exports_the_run_with_the_console_exporter(tmp_path: Path) -> None:
+    order = Path(__file__).resolve().parents[2] / "workflows" / "order.py"
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "shop"}
+    context = '{"order_id": "A1", "items": [{"sku": "book", "qty": 1}]}'
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "--trace", "run", str(order), "--context", context],
+        cwd=tmp_path,
+        env={**env, "FLOWLOOP_DB": str(tmp_path / "cli.db")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    decoder, text, spans = json.JSONDecoder(), result.stderr, []
+    at = text.find("{")
+    while at != -1:
+        span, end = decoder.raw_decode(text, at)
+        spans.append(span)
+        at = text.find("{", end)
+    names = [span["name"] for span in spans]
+    assert names.count("flowloop.run order") == 1
+    assert names.count("flowloop.step order.charge") == 2  # the flaky provider: one retry
+    [run] = [span for span in spans if span["name"] == "flowloop.run order"]
+    assert run["resource"]["attributes"]["service.name"] == "shop"
+    assert {span["context"]["trace_id"] for span in spans} == {run["context"]["trace_id"]}
+
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "--trace", "status"],
+        cwd=tmp_path,
+        env={**env, "OTEL_TRACES_EXPORTER": "zipkin", "FLOWLOOP_DB": str(tmp_path / "cli.db")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2 and "OTEL_TRACES_EXPORTER='zipkin'" in result.stderr
