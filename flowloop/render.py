@@ -617,7 +617,7 @@ def _graph_label(model: DiagramModel) -> str:
 
 def to_digraph(model: DiagramModel) -> graphviz.Digraph:
     """The model as a ``graphviz.Digraph``: initial state marked by an arrow from a point,
-    final states as double circles, every transition labelled with its event."""
+    final states with a double border, every transition labelled with its event."""
     graph = graphviz.Digraph(name=model.name, comment=model.comment or None)
     graph.attr(
         "graph",
