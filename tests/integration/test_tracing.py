@@ -204,3 +204,38 @@ def test_tracing__off_stores_nothing_and_never_imports_opentelemetry(tmp_path: P
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr.decode()
+
+
+def test_tracing__stopped_and_rerun_runs_close_their_spans(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    engine, exporter, _ = traced
+    wf = flaky_job()
+    waiting = engine.run(wf, {"n": 1})
+    assert waiting.state == "gate"
+    engine.stop(waiting.id)  # an operator's write: no executor involved
+    failed = engine.run(wf, {"n": -1})
+    engine.retry(failed.id)
+    engine.run_until_idle()
+    assert engine.get(failed.id).status == "failed"
+
+    spans = exporter.get_finished_spans()
+    runs = {
+        s.attributes["flowloop.run_id"]: s  # type: ignore[index]
+        for s in by_name(spans, "flowloop.run job")
+    }
+    stopped = runs[waiting.id]
+    assert stopped.attributes is not None and stopped.attributes["flowloop.status"] == "stopped"
+    assert stopped.status.status_code.name == "ERROR"
+    assert [e.name for e in stopped.events][-1] == "flowloop.run_stopped"
+    # The operator's retry: the run span ended at the first failure; the rerun is its child.
+    [rerun] = by_name(spans, "flowloop.rerun job")
+    first = runs[failed.id]
+    assert first.context is not None and rerun.parent is not None
+    assert rerun.parent.span_id == first.context.span_id
+    assert rerun.events and rerun.events[0].name == "flowloop.run_retried"
+    bad_attempts = [s for s in by_name(spans, "flowloop.step job.bad") if s.attributes is not None]
+    assert [s.attributes["flowloop.outcome"] for s in bad_attempts] == ["failed", "failed"]  # type: ignore[index]
+    assert all(
+        s.parent is not None and s.parent.span_id == first.context.span_id for s in bad_attempts
+    )
