@@ -239,3 +239,14 @@ def test_tracing__stopped_and_rerun_runs_close_their_spans(
     assert all(
         s.parent is not None and s.parent.span_id == first.context.span_id for s in bad_attempts
     )
+
+
+def test_readme__the_tracing_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Tracing with OpenTelemetry") :]
+    block = section[section.index("```python\n") + len("```python\n") :]
+    block = block[: block.index("```")]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md (tracing)", "exec"), namespace)
+    assert (tmp_path / "traced.db").exists()
