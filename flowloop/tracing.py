@@ -395,6 +395,9 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
     (or ``trace_context=``) as their parent. Returns the listener.
 
     Raises FlowloopError when the provider is not the OpenTelemetry SDK's."""
+    for listener in engine.listeners:
+        if isinstance(listener, RunTracing):
+            return listener  # instrumented already: a second listener would double every span
     provider = tracer_provider or api.get_tracer_provider()
     from flowloop import __version__
 
