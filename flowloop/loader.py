@@ -98,7 +98,8 @@ def load_paths(paths: Iterable[str | Path]) -> Loaded:
 
 
 def load_target(target: str) -> tuple[Workflow, Loaded]:
-    """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed)."""
+    """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed);
+    WORKFLOW is the workflow's name or the module variable that holds it."""
     path, name = split_target(target)
     loaded = Loaded()
     loaded.add(import_file(path), path)
@@ -109,7 +110,11 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
             names = ", ".join(loaded.workflows)
             raise LoadError(f"{path} defines several workflows ({names}); use {path}:NAME")
         return next(iter(loaded.workflows.values())), loaded
-    if name not in loaded.workflows:
-        names = ", ".join(loaded.workflows)
-        raise LoadError(f"{path}: no workflow {name!r} (it defines: {names})")
-    return loaded.workflows[name], loaded
+    if name in loaded.workflows:
+        return loaded.workflows[name], loaded
+    # The Python variable, as uvicorn and prefect take it (`orders.py:order_flow`).
+    variable = getattr(loaded.modules[-1], name, None)
+    if isinstance(variable, Workflow):
+        return variable, loaded
+    names = ", ".join(loaded.workflows)
+    raise LoadError(f"{path}: no workflow {name!r}, by name or variable (it defines: {names})")
