@@ -977,12 +977,9 @@ def loops_command(
             str(row.skipped),
             str(row.missed),
             str(row.consecutive_failures),
+            # Whole (wrapped, not cut): a loop's last error is what the operator needs.
             escape(
-                (
-                    row.last_error
-                    or row.reason
-                    or (f"{row.control} requested" if row.control else "")
-                )[:50]
+                row.last_error or row.reason or (f"{row.control} requested" if row.control else "")
             ),
         )
     out.print(table)
@@ -996,7 +993,7 @@ def loops_command(
                 iso(event.slot),
                 str(event.count or ""),
                 f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-                escape((event.error_message or str(event.data.get("reason", "")) or "")[:60]),
+                escape(event.error_message or str(event.data.get("reason", "")) or ""),
             )
         out.print(journal_table)
 

@@ -173,7 +173,10 @@ def _postgres_engine(url: URL) -> Engine:
     try:
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
-        raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
+        raise StoreError(
+            "PostgreSQL needs psycopg 3: pip install -e '.[postgres]' in the flowloop "
+            "checkout (or pip install 'psycopg[binary]')"
+        ) from error
 
 
 def lock_schema(conn: Any) -> None:

@@ -282,6 +282,10 @@ def test_exit_codes__wrong_databases_are_input_mistakes(here: Path, waiting_run:
     assert "newer than this flowloop" in refused("db", "upgrade", cwd=here)
     assert digest(here / "flowloop.db") == before
     assert digest(here / "notes.db") == hashlib.sha256(b"not a database at all\n").hexdigest()
+    # A damaged file is a failure (exit 1), still one line rather than Alembic's traceback.
+    (here / "broken.db").write_bytes((here / "flowloop.db").read_bytes()[:100] + b"x" * 8192)
+    line = refused("db", "upgrade", "--db", "broken.db", cwd=here, code=1)
+    assert line == "error: cannot upgrade database broken.db: database disk image is malformed"
 
 
 # -- item 14: --json everywhere -------------------------------------------------------------
