@@ -788,7 +788,7 @@ def retry(
             engine.run_until_idle()
             info = engine.get(info.id)
         if as_json:
-            click.echo(json.dumps(info_json(info, support.WaitStates(engine))))
+            click.echo(json.dumps({"run": info_json(info, support.WaitStates(engine))}))
         if drive and info.status != "succeeded":
             raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 

@@ -156,7 +156,7 @@ def test_run_ids__a_prefix_works_everywhere_an_id_is_taken(here: Path, waiting_r
     )
     assert (sent["run"]["id"], sent["run"]["state"]) == (waiting_run, "ship")
     assert as_json("stop", prefix, cwd=here)["run"]["status"] == "stopped"
-    retried = as_json("retry", prefix, "--no-run", "-w", "orders.py", cwd=here)
+    retried = as_json("retry", prefix, "--no-run", "-w", "orders.py", cwd=here)["run"]
     assert (retried["id"], retried["status"]) == (waiting_run, "scheduled")
 
 
@@ -318,7 +318,7 @@ def test_json__every_command_and_iso_timestamps(here: Path, waiting_run: str) ->
     assert ended["recovered"] == 0 and ended["commits"] > 0  # ship ran, and failed
     retried = json.loads(
         flowloop("retry", failed["id"][:8], "-w", "orders.py", "--json", cwd=here, code=1).stdout
-    )
+    )["run"]
     assert retried["status"] == "failed" and "a negative amount" in retried["error"]
 
 
