@@ -493,8 +493,10 @@ def start(
         info = engine.start(workflow, context, key=key, priority=priority)
     if as_json:
         click.echo(json.dumps(info_json(info) | {"existing": note is not None}))
+    elif note is not None:
+        out.print(note, markup=False)
     else:
-        out.print(note or f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
+        out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
 
 
 def read_json_lines(name: str) -> list[Any]:
@@ -787,9 +789,10 @@ def retry(
                 engine.listeners.append(progress_printer())
             engine.run_until_idle()
             info = engine.get(info.id)
+        waits = support.WaitStates(engine)
         if as_json:
-            click.echo(json.dumps({"run": info_json(info, support.WaitStates(engine))}))
-        if drive and info.status != "succeeded":
+            click.echo(json.dumps({"run": info_json(info, waits)}))
+        if drive and info.status != "succeeded" and waits.of(info) is None:
             raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 
 

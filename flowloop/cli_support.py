@@ -4,8 +4,10 @@ shown, and telling a user that the business key they passed already has a run.""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -15,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Final
 from sqlalchemy.engine import make_url
 
 from flowloop.definition import TIMEOUT_EVENT, Workflow
-from flowloop.errors import FlowloopError, MissingDatabase
+from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
+from flowloop.store import migrate
 from flowloop.store.dialect import normalize_url
 from flowloop.store.sql import SQLStore
 
@@ -61,7 +64,10 @@ def require_database(url: str) -> None:
     """Refuse (MissingDatabase, exit 2) a SQLite file that does not exist: a command that
     only reads must not create an empty database because of a typo in ``--db``."""
     path = sqlite_path(url)
-    if path is None or path.exists():
+    if path is None:
+        return
+    if path.exists():
+        _refuse_foreign_sqlite(path)
         return
     guesses = close_names(path)
     hint = (
@@ -70,6 +76,33 @@ def require_database(url: str) -> None:
         else "commands that write (run, start, worker, db upgrade) create it"
     )
     raise MissingDatabase(f"no database at {path}; {hint}")
+
+
+def _refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse a SQLite file without flowloop's schema by reading it read-only: opening it
+    as a store would switch it to WAL mode first, changing a file that is not ours."""
+    if not path.is_file():
+        return  # a directory: the store says so
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            tables = {str(row[0]) for row in rows}
+    except sqlite3.DatabaseError:
+        return  # not SQLite at all: the store's own check names it
+    if migrate.VERSION_TABLE in tables:
+        return
+    if tables:
+        foreign = sorted(t for t in tables if not t.startswith("flowloop_"))
+        shown = ", ".join((foreign or sorted(tables))[:5])
+        raise WrongDatabase(
+            f"{path} is not a flowloop database (it has tables {shown}); "
+            "point --db at a flowloop database"
+        )
+    raise MissingDatabase(
+        f"{path} has no flowloop schema yet (a command that writes, or "
+        "`flowloop db upgrade`, creates it)"
+    )
 
 
 def read_store(url: str, synchronous: str) -> SQLStore:

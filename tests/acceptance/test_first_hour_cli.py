@@ -7,6 +7,7 @@ traceback, and the database (or the folder) unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -271,9 +272,13 @@ def test_exit_codes__wrong_databases_are_input_mistakes(here: Path, waiting_run:
     (here / "notes.db").write_text("not a database at all\n")
     assert "is not a SQLite database" in refused("status", "--db", "notes.db", cwd=here)
     assert "is not a SQLite database" in refused("db", "upgrade", "--db", "notes.db", cwd=here)
-    with sqlite3.connect(here / "app.db") as conn:
+    with contextlib.closing(sqlite3.connect(here / "app.db")) as conn:
         conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    app = digest(here / "app.db")  # another application's: not even switched to WAL
     assert "is not a flowloop database" in refused("status", "--db", "app.db", cwd=here)
+    assert "is not a flowloop database" in refused("history", "abcd", "--db", "app.db", cwd=here)
+    assert digest(here / "app.db") == app
     with sqlite3.connect(here / "flowloop.db") as conn:
         conn.execute("UPDATE flowloop_alembic_version SET version_num = '9999'")
     conn.close()
