@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import signal
@@ -19,13 +20,16 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import sqlalchemy as sa
+from click.testing import CliRunner
 from polling import poll
 from storekit import new_run
 
 from flowloop import Engine
+from flowloop.cli import cli, main
 
 WAIT_S = 20.0
 
@@ -103,18 +107,49 @@ def flowloop(
     return result
 
 
-def refused(*args: str, cwd: Path, code: int = 2) -> str:
-    """The one stderr line of a refused command (no traceback)."""
-    result = flowloop(*args, cwd=cwd, code=code)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "Traceback" not in result.stderr
+def refused(*args: str, cwd: Path, code: int = 2, process: bool = True) -> str:
+    """The one stderr line of a refused command (no traceback): from a real process, or
+    (``process=False``, for variations of a refusal a real process showed already) from
+    the command's ``main()`` in this process, which exits the same way."""
+    if process:
+        stderr = flowloop(*args, cwd=cwd, code=code).stderr
+    else:
+        clean = clean_env()
+        buffer = io.StringIO()
+        with (
+            contextlib.chdir(cwd),
+            mock.patch.dict(os.environ, clean, clear=True),
+            contextlib.redirect_stderr(buffer),
+            pytest.raises(SystemExit) as exited,
+        ):
+            main(list(args))
+        stderr = buffer.getvalue()
+        assert exited.value.code == code, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
     assert lines[0].startswith("error: "), lines
     return lines[0]
 
 
-def as_json(*args: str, cwd: Path, code: int = 0) -> Any:
-    return json.loads(flowloop(*args, "--json", cwd=cwd, code=code).stdout)
+def quick(*args: str, cwd: Path, code: int = 2) -> str:
+    """:func:`refused` in this process."""
+    return refused(*args, cwd=cwd, code=code, process=False)
+
+
+def here_cli(*args: str, cwd: Path) -> str:
+    """A command that succeeds, run through the real CLI in this process from ``cwd`` (a
+    new interpreter per command would double these tests' time): its stdout. Refusals
+    are checked in real processes (`refused`)."""
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("FLOWLOOP_")}
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(cli, list(args), env=unset, catch_exceptions=False)
+    assert result.exit_code == 0, f"flowloop {' '.join(args)}: {result.output}"
+    return result.stdout
+
+
+def as_json(*args: str, cwd: Path) -> Any:
+    return json.loads(here_cli(*args, "--json", cwd=cwd))
 
 
 def dump(db: Path) -> list[str]:
@@ -146,10 +181,10 @@ def waiting_run(here: Path) -> str:
 
 def test_run_ids__a_prefix_works_everywhere_an_id_is_taken(here: Path, waiting_run: str) -> None:
     prefix = waiting_run[:6]
-    assert f"run       {waiting_run}" in flowloop("status", prefix, cwd=here).stdout
-    assert "run_created" in flowloop("history", prefix, cwd=here).stdout
+    assert f"run       {waiting_run}" in here_cli("status", prefix, cwd=here)
+    assert "run_created" in here_cli("history", prefix, cwd=here)
     assert as_json("replay", prefix, "--at", "1", cwd=here)["run_id"] == waiting_run
-    assert "digraph" in flowloop("diagram", "--run", prefix, "-w", "orders.py", cwd=here).stdout
+    assert "digraph" in here_cli("diagram", "--run", prefix, "-w", "orders.py", cwd=here)
     assert as_json("pause", prefix, cwd=here)["run"]["status"] == "paused"
     assert as_json("unpause", prefix, cwd=here)["run"]["status"] == "scheduled"
     sent = as_json(
@@ -168,8 +203,8 @@ def test_run_ids__ambiguous_and_unknown_prefixes_are_one_line(here: Path) -> Non
     before = dump(here / "flowloop.db")
     line = refused("history", "abcd", cwd=here)
     assert "ambiguous" in line and "abcd1" + "0" * 27 in line and "abcd2" + "0" * 27 in line
-    assert "no run 'abc'" in refused("status", "abc", cwd=here)  # fewer than 4 characters
-    assert "no run 'ffff'" in refused("pause", "ffff", cwd=here)
+    assert "no run 'abc'" in quick("status", "abc", cwd=here)  # fewer than 4 characters
+    assert "no run 'ffff'" in quick("pause", "ffff", cwd=here)
     assert dump(here / "flowloop.db") == before
 
 
@@ -180,8 +215,8 @@ def test_status__on_a_narrow_terminal_shows_short_ids_that_work(
     assert "…" not in table.splitlines()[3]
     shown = table.splitlines()[3].split("│")[1].strip()
     assert 8 <= len(shown) < len(waiting_run) and waiting_run.startswith(shown)
-    assert "run_created" in flowloop("history", shown, cwd=here).stdout
-    wide = flowloop("status", cwd=here).stdout  # piped: wide enough for whole ids
+    assert "run_created" in here_cli("history", shown, cwd=here)
+    wide = here_cli("status", cwd=here)  # piped: wide enough for whole ids
     assert waiting_run in wide
 
 
@@ -191,15 +226,15 @@ def test_status__on_a_narrow_terminal_shows_short_ids_that_work(
 def test_run__a_taken_key_same_context_says_so_other_context_is_refused(
     here: Path, waiting_run: str
 ) -> None:
-    same = flowloop("run", "orders.py", "--context", '{"order_id": "A1"}', cwd=here)
-    assert same.stdout.startswith(f"run {waiting_run} already exists for key 'A1'")
-    assert "same context" in same.stdout
+    same = here_cli("run", "orders.py", "--context", '{"order_id": "A1"}', cwd=here)
+    assert same.startswith(f"run {waiting_run} already exists for key 'A1'")
+    assert "same context" in same
     before = dump(here / "flowloop.db")
     context = '{"order_id": "A1", "amount": 7}'
     line = refused("run", "orders.py", "--context", context, cwd=here)
     assert f"run {waiting_run} already exists for key 'A1'" in line
     assert "different context (differs in amount)" in line
-    assert "nothing started" in refused("start", "orders.py", "--context", context, cwd=here)
+    assert "nothing started" in quick("start", "orders.py", "--context", context, cwd=here)
     assert dump(here / "flowloop.db") == before
 
 
@@ -218,12 +253,12 @@ READ_COMMANDS = [
 
 
 def test_read_commands__refuse_a_missing_database_and_create_nothing(here: Path) -> None:
-    flowloop("db", "upgrade", "--db", "orders.db", cwd=here)
+    here_cli("db", "upgrade", "--db", "orders.db", cwd=here)
     files = sorted(p.name for p in here.iterdir())
-    for command in READ_COMMANDS:
-        line = refused(*command, "--db", "order.db", cwd=here)
+    for number, command in enumerate(READ_COMMANDS):
+        line = refused(*command, "--db", "order.db", cwd=here, process=number == 0)
         assert line == "error: no database at order.db; did you mean orders.db?", command
-    line = refused("status", "--db", str(here / "elsewhere.sqlite"), cwd=here)
+    line = quick("status", "--db", str(here / "elsewhere.sqlite"), cwd=here)
     assert line == (
         f"error: no database at {here / 'elsewhere.sqlite'}; "
         "commands that write (run, start, worker, db upgrade) create it"
@@ -248,19 +283,19 @@ def test_read_commands__refuse_an_empty_postgresql_schema(here: Path, pg_url: st
 def test_waiting_runs__shown_as_waiting_and_send_says_what_continues(
     here: Path, waiting_run: str
 ) -> None:
-    table = flowloop("status", cwd=here).stdout
+    table = here_cli("status", cwd=here)
     assert "waiting" in table and "scheduled" not in table
-    one = flowloop("status", waiting_run, cwd=here).stdout
+    one = here_cli("status", waiting_run, cwd=here)
     assert "status    waiting" in one and "waits     waiting in awaiting for approve or" in one
     listed = as_json("status", cwd=here)["runs"][0]
     assert (listed["status"], listed["display_status"]) == ("scheduled", "waiting")
     assert listed["waiting"]["events"] == ["approve", "reject"]
     assert listed["waiting"]["until"] == listed["next_run_at"]
-    history = flowloop("history", waiting_run, cwd=here).stdout
+    history = here_cli("history", waiting_run, cwd=here)
     assert f"run {waiting_run} is waiting in awaiting for approve or reject until 20" in history
-    sent = flowloop(
+    sent = here_cli(
         "send", waiting_run, "approve", "--data", '{"by": "ann"}', "-w", "orders.py", cwd=here
-    ).stdout
+    )
     assert f"approve: applied; run {waiting_run} scheduled at ship" in sent
     assert "`flowloop worker -w FILE_OR_DIR`) or `flowloop resume -w FILE_OR_DIR`" in sent
 
@@ -271,20 +306,20 @@ def test_waiting_runs__shown_as_waiting_and_send_says_what_continues(
 def test_exit_codes__wrong_databases_are_input_mistakes(here: Path, waiting_run: str) -> None:
     (here / "notes.db").write_text("not a database at all\n")
     assert "is not a SQLite database" in refused("status", "--db", "notes.db", cwd=here)
-    assert "is not a SQLite database" in refused("db", "upgrade", "--db", "notes.db", cwd=here)
+    assert "is not a SQLite database" in quick("db", "upgrade", "--db", "notes.db", cwd=here)
     with contextlib.closing(sqlite3.connect(here / "app.db")) as conn:
         conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
         conn.commit()
     app = digest(here / "app.db")  # another application's: not even switched to WAL
     assert "is not a flowloop database" in refused("status", "--db", "app.db", cwd=here)
-    assert "is not a flowloop database" in refused("history", "abcd", "--db", "app.db", cwd=here)
+    assert "is not a flowloop database" in quick("history", "abcd", "--db", "app.db", cwd=here)
     assert digest(here / "app.db") == app
     with sqlite3.connect(here / "flowloop.db") as conn:
         conn.execute("UPDATE flowloop_alembic_version SET version_num = '9999'")
     conn.close()
     before = digest(here / "flowloop.db")
     assert "newer than this flowloop" in refused("status", cwd=here)
-    assert "newer than this flowloop" in refused("db", "upgrade", cwd=here)
+    assert "newer than this flowloop" in quick("db", "upgrade", cwd=here)
     assert digest(here / "flowloop.db") == before
     assert digest(here / "notes.db") == hashlib.sha256(b"not a database at all\n").hexdigest()
     # A damaged file is a failure (exit 1), still one line rather than Alembic's traceback.
@@ -329,14 +364,14 @@ def test_json__every_command_and_iso_timestamps(here: Path, waiting_run: str) ->
 
 def test_status_json__says_when_it_is_cut_and_pages_with_after(here: Path) -> None:
     for number in range(3):
-        flowloop("start", "orders.py", "--context", f'{{"order_id": "P{number}"}}', cwd=here)
+        here_cli("start", "orders.py", "--context", f'{{"order_id": "P{number}"}}', cwd=here)
     first = as_json("status", "--limit", "2", cwd=here)
     assert [r["key"] for r in first["runs"]] == ["P2", "P1"]
     assert first["truncated"] is True and first["next_after"] == first["runs"][-1]["id"]
     rest = as_json("status", "--limit", "2", "--after", first["next_after"][:8], cwd=here)
     assert [r["key"] for r in rest["runs"]] == ["P0"]
     assert (rest["truncated"], rest["next_after"]) == (False, None)
-    table = flowloop("status", "--limit", "2", cwd=here).stdout
+    table = here_cli("status", "--limit", "2", cwd=here)
     assert f"more: `flowloop status --after {first['next_after']}`" in table
 
 
@@ -390,5 +425,5 @@ def test_small_things__version_module_hint_and_variable_names(here: Path, waitin
     by_name = as_json("run", "orders.py:order", "--context", '{"order_id": "W"}', cwd=here)
     assert by_variable["run"]["workflow"] == by_name["run"]["workflow"] == "order"
     assert "no workflow 'nope', by name or variable" in refused(
-        "run", "orders.py:nope", "--context", "{}", cwd=here
+        "run", "orders.py:nope", "--context", "{}", cwd=here, process=False
     )
