@@ -556,7 +556,12 @@ def start_many(
 @cli.command()
 @click.argument("run_id", required=False)
 @click.option("--workflow", help="Only runs of this workflow.")
-@click.option("--status", "statuses", multiple=True, help="Only runs with this status.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    help="Only runs with this status (as shown: `waiting`, `scheduled`, `failed` …).",
+)
 @click.option("--key", help="Only runs with this business key.")
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
 @click.option("--after", "after_id", metavar="RUN_ID", help="The runs listed after this one.")
@@ -584,15 +589,15 @@ def status(
                 return
             show_run(info, waits.of(info))
             return
-        infos = engine.runs(
+        infos, truncated = support.list_runs(
+            engine,
+            waits,
             workflow=workflow,
-            status=list(statuses) or None,
+            statuses=statuses,
             key=key,
-            limit=limit + 1,
+            limit=limit,
             after=after_id,
         )
-        truncated = len(infos) > limit
-        infos = infos[:limit]
         if as_json:
             listed = [info_json(i, waits) for i in infos]
         else:

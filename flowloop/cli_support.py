@@ -270,3 +270,34 @@ def short_ids(engine: Engine, run_ids: Sequence[str]) -> dict[str, str]:
     from flowloop.ids import short_id
 
     return {run_id: short_id(engine.store, run_id) for run_id in run_ids}
+
+
+def list_runs(
+    engine: Engine,
+    waits: WaitStates,
+    *,
+    workflow: str | None,
+    statuses: Sequence[str],
+    key: str | None,
+    limit: int,
+    after: str | None,
+) -> tuple[list[RunInfo], bool]:
+    """Up to ``limit`` runs, newest first, and whether more match. ``statuses`` are the
+    statuses shown: ``waiting`` selects scheduled runs in a wait state and ``scheduled``
+    the others, so the stored status is asked for and the answer filtered (page by page)."""
+    if not statuses or not {WAITING, "scheduled"} & set(statuses):
+        found = engine.runs(
+            workflow=workflow, status=list(statuses) or None, key=key, limit=limit + 1, after=after
+        )
+        return found[:limit], len(found) > limit
+    stored = sorted({"scheduled" if s == WAITING else s for s in statuses})
+    wanted = set(statuses)
+    page = max(2 * (limit + 1), 200)
+    matched: list[RunInfo] = []
+    while len(matched) <= limit:
+        batch = engine.runs(workflow=workflow, status=stored, key=key, limit=page, after=after)
+        matched.extend(info for info in batch if waits.status(info) in wanted)
+        if len(batch) < page:
+            break
+        after = batch[-1].id
+    return matched[:limit], len(matched) > limit

@@ -291,6 +291,12 @@ def test_waiting_runs__shown_as_waiting_and_send_says_what_continues(
     assert (listed["status"], listed["display_status"]) == ("scheduled", "waiting")
     assert listed["waiting"]["events"] == ["approve", "reject"]
     assert listed["waiting"]["until"] == listed["next_run_at"]
+    here_cli("start", "orders.py", "--context", '{"order_id": "Q1"}', cwd=here)
+    by_status = {
+        shown: [r["key"] for r in as_json("status", "--status", shown, cwd=here)["runs"]]
+        for shown in ("waiting", "scheduled")
+    }
+    assert by_status == {"waiting": ["A1"], "scheduled": ["Q1"]}
     history = here_cli("history", waiting_run, cwd=here)
     assert f"run {waiting_run} is waiting in awaiting for approve or reject until 20" in history
     sent = here_cli(
