@@ -62,7 +62,9 @@ def close_names(path: Path) -> list[str]:
 
 def require_database(url: str) -> None:
     """Refuse (MissingDatabase, exit 2) a SQLite file that does not exist: a command that
-    only reads must not create an empty database because of a typo in ``--db``."""
+    only reads must not create an empty database because of a typo in ``--db``. An
+    existing file without flowloop's schema is refused too (WrongDatabase or
+    MissingDatabase), read-only."""
     path = sqlite_path(url)
     if path is None:
         return
