@@ -28,6 +28,7 @@ demo: system venv
 	$(BIN)/flowloop status --db demo.db
 	$(BIN)/flowloop diagram workflows/order.py --format svg -o diagrams/order.svg
 	@echo "diagram: diagrams/order.svg"
+	@echo "the flowloop command is in $(BIN): export PATH=\"$$PWD/$(BIN):\$$PATH\" (or: . $(BIN)/activate)"
 
 lint: venv
 	$(BIN)/ruff check flowloop tests bench workflows

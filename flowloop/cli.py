@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,16 +15,17 @@ import click
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress
-from rich.table import Table
+from rich.table import Column, Table
 
+from flowloop import cli_support as support
 from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.engine import Engine, RunInfo, default_url
-from flowloop.errors import EXIT_FAILURE, FlowloopError
+from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownRun
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.loader import Loaded, load_paths, load_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
-from flowloop.store.dialect import SYNCHRONOUS_MODES
+from flowloop.store.dialect import SYNCHRONOUS_MODES, safe_url
 from flowloop.store.loops import LoopRow
 from flowloop.store.sql import SQLStore
 
@@ -32,8 +34,10 @@ if TYPE_CHECKING:
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Wide enough for run ids when piped (rich falls back to 80 columns without a terminal).
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+# Wide enough for run ids when piped (rich falls back to 80 columns without a terminal),
+# unless $COLUMNS says how wide.
+WIDE = sys.stdout.isatty() or bool(os.environ.get("COLUMNS"))
+out = Console(highlight=False, soft_wrap=True, width=None if WIDE else 200)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEFAULT_WORKFLOWS = "workflows"
@@ -106,9 +110,17 @@ def database(db: str | None) -> str:
 
 
 def open_engine(
-    db: str | None, synchronous: str = "NORMAL", loaded: Loaded | None = None
+    db: str | None,
+    synchronous: str = "NORMAL",
+    loaded: Loaded | None = None,
+    *,
+    read: bool = False,
 ) -> Engine:
-    engine = Engine(database(db), synchronous=synchronous)
+    """The engine on --db; ``read``: for a command that only reads, so a database that does
+    not exist is refused (exit 2), not created."""
+    url = database(db)
+    store = support.read_store(url, synchronous) if read else None
+    engine = Engine(url, synchronous=synchronous, store=store)
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         _trace(engine)
@@ -183,8 +195,19 @@ def context_json(info: RunInfo) -> Any:
     return context if isinstance(context, dict) else context.model_dump(mode="json")
 
 
-def info_json(info: RunInfo) -> dict[str, Any]:
-    return {
+def info_json(info: RunInfo, waits: support.WaitStates | None = None) -> dict[str, Any]:
+    """A run for `--json`: times as ISO-8601 (``created_at``) and epoch (``created_at_epoch``);
+    with ``waits``, ``display_status`` (``waiting``) and ``waiting`` (events, until)."""
+    waiting = waits.of(info) if waits is not None else None
+    extra = (
+        {}
+        if waits is None
+        else {
+            "display_status": support.WAITING if waiting else info.status,
+            "waiting": waiting.as_dict() if waiting else None,
+        }
+    )
+    data = {
         "id": info.id,
         "workflow": info.workflow,
         "version": info.version,
@@ -198,19 +221,23 @@ def info_json(info: RunInfo) -> dict[str, Any]:
         "created_at": info.created_at,
         "updated_at": info.updated_at,
         "context": context_json(info),
+        **extra,
     }
+    return support.with_times(data, "next_run_at", "created_at", "updated_at")
 
 
 def event_json(event: JournalEvent) -> dict[str, Any]:
     """A journal entry for `--json`: every field, the context parsed."""
-    return {
+    data = {
         **dataclasses.asdict(event),
         "data": dict(event.data),
         "context": json.loads(event.context) if event.context else None,
     }
+    return support.with_times(data, "at")
 
 
 STATUS_STYLE = {
+    "waiting": "blue",
     "succeeded": "green",
     "failed": "red",
     "running": "cyan",
@@ -362,7 +389,7 @@ TRACE = "flowloop.trace"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="flowloop")
+@click.version_option(package_name="flowloop", prog_name="flowloop")
 @click.option(
     "--config",
     "config_path",
@@ -415,16 +442,35 @@ def cli(
 @click.option("--context", "context_text", help="Context as JSON, or @file.json.")
 @click.option("--key", help="Business key (a second run with it returns the first).")
 @db_option
+@json_option
 def run(
-    target: str, context_text: str | None, key: str | None, db: str | None, synchronous: str
+    target: str,
+    context_text: str | None,
+    key: str | None,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
-    """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step."""
+    """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step.
+
+    A business key that has a run already: the same context goes on with that run (a line
+    says so); a different context is refused (exit 2), nothing started."""
     workflow, _ = load_target(target)
     apply_overrides(settings(), {workflow.name: workflow}, {})
     context = parse_context(context_text)
     with open_engine(db, synchronous) as engine:
-        engine.listeners.append(progress_printer())
+        note = support.refuse_or_note_existing(engine, workflow, context, key)
+        if note is not None and not as_json:
+            out.print(note, markup=False)
+        if not as_json:
+            engine.listeners.append(progress_printer())
         info = engine.run(workflow, context, key=key)
+        waits = support.WaitStates(engine)
+    if as_json:
+        click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
+        if info.status != "succeeded" and waits.of(info) is None:
+            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+        return
     if info.status == "scheduled" and info.state in workflow.waits:
         wait = workflow.waits[info.state]
         until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""
@@ -469,10 +515,14 @@ def start(
         start_many(target, contexts_file, priority, db, synchronous, as_json)
         return
     workflow, _ = load_target(target)
+    context = parse_context(context_text)
     with open_engine(db, synchronous) as engine:
-        info = engine.start(workflow, parse_context(context_text), key=key, priority=priority)
+        note = support.refuse_or_note_existing(engine, workflow, context, key)
+        info = engine.start(workflow, context, key=key, priority=priority)
     if as_json:
-        click.echo(json.dumps(info_json(info)))
+        click.echo(json.dumps(info_json(info) | {"existing": note is not None}))
+    elif note is not None:
+        out.print(note, markup=False)
     else:
         out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
 
@@ -534,9 +584,15 @@ def start_many(
 @cli.command()
 @click.argument("run_id", required=False)
 @click.option("--workflow", help="Only runs of this workflow.")
-@click.option("--status", "statuses", multiple=True, help="Only runs with this status.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    help="Only runs with this status (as shown: `waiting`, `scheduled`, `failed` …).",
+)
 @click.option("--key", help="Only runs with this business key.")
-@click.option("--limit", type=int, default=50, show_default=True)
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--after", "after_id", metavar="RUN_ID", help="The runs listed after this one.")
 @db_option
 @json_option
 def status(
@@ -545,44 +601,87 @@ def status(
     statuses: tuple[str, ...],
     key: str | None,
     limit: int,
+    after_id: str | None,
     db: str | None,
     synchronous: str,
     as_json: bool,
 ) -> None:
-    """Show one run, or list runs (newest first)."""
-    with open_engine(db, synchronous) as engine:
+    """Show one run, or list runs (newest first, --limit at a time: --after the last one
+    shown lists the next ones). A run resting in a wait state shows as `waiting`."""
+    with open_engine(db, synchronous, read=True) as engine:
+        waits = support.WaitStates(engine)
         if run_id:
             info = engine.get(run_id)
             if as_json:
-                click.echo(json.dumps(info_json(info)))
+                click.echo(json.dumps(info_json(info, waits)))
                 return
-            show_run(info)
+            show_run(info, waits.of(info))
             return
-        infos = engine.runs(workflow=workflow, status=list(statuses) or None, key=key, limit=limit)
+        infos, truncated = support.list_runs(
+            engine,
+            waits,
+            workflow=workflow,
+            statuses=statuses,
+            key=key,
+            limit=limit,
+            after=after_id,
+        )
+        if as_json:
+            listed = [info_json(i, waits) for i in infos]
+        else:
+            rows = [(info, waits.status(info)) for info in infos]
+            table = status_table(rows, {})
+            natural = out.measure(table, options=out.options.update_width(10_000)).maximum
+            if natural > out.width:  # a narrow terminal: short ids that still work
+                table = status_table(rows, support.short_ids(engine, [i.id for i in infos]))
     if as_json:
-        click.echo(json.dumps([info_json(i) for i in infos]))
+        page = {
+            "runs": listed,
+            "limit": limit,
+            "truncated": truncated,
+            "next_after": infos[-1].id if truncated else None,
+        }
+        click.echo(json.dumps(page))
         return
-    table = Table("run", "workflow", "status", "state", "attempt", "key", "updated", "note")
-    for info in infos:
+    out.print(table)
+    if truncated:
+        out.print(
+            f"(the newest {limit} shown; more: `flowloop status --after {infos[-1].id}` "
+            "or --limit N)",
+            markup=False,
+        )
+
+
+def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> Table:
+    """The runs table; ``short``: the short form of (some) ids (see flowloop.ids)."""
+    shown_ids = [short.get(info.id, info.id) for info, _ in rows]
+    # Never cut an id short with an ellipsis: a shown id must work as a RUN argument.
+    run_column = Column("run", no_wrap=True, min_width=max(map(len, shown_ids), default=3))
+    status_column = Column("status", no_wrap=True)
+    table = Table(
+        run_column, "workflow", status_column, "state", "attempt", "key", "updated", "note"
+    )
+    for info, shown in rows:
         table.add_row(
-            info.id,
+            short.get(info.id, info.id),
             f"{info.workflow} v{info.version}",
-            styled(info.status),
+            styled(shown),
             info.state,
             str(info.attempt),
             escape(info.key or ""),
             iso(info.updated_at),
             escape((info.error or info.reason or "")[:60]),
         )
-    out.print(table)
+    return table
 
 
-def show_run(info: RunInfo) -> None:
+def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
-    out.print(
-        f"status    {styled(info.status)}" + (f" ({escape(info.reason)})" if info.reason else "")
-    )
+    shown = support.WAITING if waiting is not None else info.status
+    out.print(f"status    {styled(shown)}" + (f" ({escape(info.reason)})" if info.reason else ""))
+    if waiting is not None:
+        out.print(f"waits     {escape(waiting.describe())} (stored status {info.status})")
     out.print(f"state     {info.state} (attempt {info.attempt})")
     if info.key:
         out.print(f"key       {escape(info.key)}")
@@ -600,8 +699,10 @@ def show_run(info: RunInfo) -> None:
 @json_option
 def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> None:
     """The journal of RUN_ID: one line per boundary."""
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         events = engine.history(run_id)
+        info = engine.get(run_id)
+        waiting = support.WaitStates(engine).of(info)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return
@@ -617,6 +718,8 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
             escape(describe_event(event)[:80]),
         )
     out.print(table)
+    if waiting is not None:
+        out.print(f"run {info.id} is {escape(waiting.describe())}")
 
 
 @cli.command()
@@ -629,14 +732,14 @@ def replay(
 ) -> None:
     """Fold the journal of RUN_ID, print the context (at --at SEQ) and verify the fold
     equals the stored row (exit 1 when it does not)."""
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         result = engine.replay(run_id, at=at_seq)
     record = result.record
     if as_json:
         click.echo(
             json.dumps(
                 {
-                    "run_id": run_id,
+                    "run_id": result.run_id,
                     "seq": result.seq,
                     "status": record.status,
                     "state": record.state,
@@ -659,8 +762,13 @@ def replay(
 @workflows_option
 @click.option("--concurrency", type=int, default=16, show_default=True)
 @db_option
+@json_option
 def resume(
-    workflow_paths: tuple[str, ...], concurrency: int, db: str | None, synchronous: str
+    workflow_paths: tuple[str, ...],
+    concurrency: int,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
 ) -> None:
     """Recover runs interrupted by a crash and drive every due run to the end."""
     loaded = load_workflow_paths(workflow_paths)
@@ -668,8 +776,13 @@ def resume(
         raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
     with Engine(database(db), synchronous=synchronous, max_concurrency=concurrency) as engine:
         engine.register(*loaded.workflows.values())
-        engine.listeners.append(progress_printer())
+        if not as_json:
+            engine.listeners.append(progress_printer())
         stats = engine.resume()
+    if as_json:
+        done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
+        click.echo(json.dumps(done))
+        return
     out.print(
         f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
         f"run, {stats.commits} commit(s)"
@@ -685,6 +798,7 @@ def resume(
 )
 @workflows_option
 @db_option
+@json_option
 def retry(
     run_id: str,
     from_state: str | None,
@@ -693,6 +807,7 @@ def retry(
     workflow_paths: tuple[str, ...],
     db: str | None,
     synchronous: str,
+    as_json: bool,
 ) -> None:
     """Run a failed or stopped run again."""
     loaded = load_workflow_paths(workflow_paths)
@@ -700,25 +815,33 @@ def retry(
         info = engine.retry(
             run_id, from_state=from_state, set_fields=parse_assignments(assignments)
         )
-        out.print(f"run {info.id} {styled(info.status)} at {info.state}")
+        if not as_json:
+            out.print(f"run {info.id} {styled(info.status)} at {info.state}")
         if drive:
-            engine.listeners.append(progress_printer())
+            if not as_json:
+                engine.listeners.append(progress_printer())
             engine.run_until_idle()
-            info = engine.get(run_id)
-            if info.status != "succeeded":
-                raise Failed(
-                    f"run {info.id} ended {info.status}: {info.error or info.reason or ''}"
-                )
+            info = engine.get(info.id)
+        waits = support.WaitStates(engine)
+        if as_json:
+            click.echo(json.dumps({"run": info_json(info, waits)}))
+        if drive and info.status != "succeeded" and waits.of(info) is None:
+            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 
 
 def _control_command(name: str, doc: str) -> None:
     @cli.command(name=name, help=doc)
     @click.argument("target")
     @db_option
-    def command(target: str, db: str | None, synchronous: str) -> None:
-        with open_engine(db, synchronous) as engine:
+    @json_option
+    def command(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
+        with open_engine(db, synchronous, read=True) as engine:
+            # A loop's name first: a name is never taken for a run id prefix.
             if any(row.name == target for row in engine.loops()):
                 row = getattr(engine, f"{name}_loop")(target)
+                if as_json:
+                    click.echo(json.dumps({"loop": loop_json(row)}))
+                    return
                 pending = (
                     f" ({row.control} requested; after the running iteration)"
                     if row.control
@@ -726,7 +849,17 @@ def _control_command(name: str, doc: str) -> None:
                 )
                 out.print(f"loop {row.name} {styled(row.status)}{pending}")
                 return
-            info = getattr(engine, name)(target)
+            try:
+                info = getattr(engine, name)(target)
+            except UnknownRun as error:
+                raise UnknownRun(
+                    target,
+                    "and no loop of that name: list runs with `flowloop status`, loops with "
+                    "`flowloop loops` (a loop is listed once a worker has started it)",
+                ) from error
+            if as_json:
+                click.echo(json.dumps({"run": info_json(info, support.WaitStates(engine))}))
+                return
         pending = (
             " (requested; its worker acts at the next step boundary)"
             if info.status == "running"
@@ -746,6 +879,7 @@ _control_command(
 
 @cli.command()
 @click.argument("paths", nargs=-1)
+@workflows_option
 @click.option(
     "--concurrency", type=int, default=None, help="Steps and loop iterations at once [default: 16]."
 )
@@ -765,8 +899,12 @@ _control_command(
     "--metrics-host", default=None, help="Address for --metrics-port [default: 127.0.0.1]."
 )
 @db_option
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the start-up line as a JSON object on stdout."
+)
 def worker(
     paths: tuple[str, ...],
+    workflow_paths: tuple[str, ...],
     concurrency: int | None,
     grace: str | None,
     lease: str | None,
@@ -774,9 +912,14 @@ def worker(
     metrics_host: str | None,
     db: str | None,
     synchronous: str,
+    as_json: bool,
 ) -> None:
-    """Execute due runs and loop iterations from PATHS (default ./workflows) until stopped."""
+    """Execute due runs and loop iterations from PATHS or -w (default ./workflows) until
+    stopped."""
+    from flowloop.metrics import Metrics
     from flowloop.worker import Worker
+
+    paths = paths + workflow_paths
 
     config = command_settings(
         db=db,
@@ -800,15 +943,35 @@ def worker(
         engine.register(*loaded.workflows.values())
         if click.get_current_context().meta.get(TRACE):
             _trace(engine)
-        Worker(
+        metrics, serving = None, None
+        if as_json and config.metrics_port is not None:
+            # Served before the worker starts, so the start-up line can name the port.
+            metrics = Metrics()
+            port = metrics.serve(config.metrics_port, config.metrics_host)
+            serving = f"http://{config.metrics_host}:{port}/metrics"
+        running = Worker(
             engine,
             list(loaded.loops.values()),
             concurrency=config.concurrency,
             grace=config.grace,
             alerts=config.make_alerts(),
-            metrics_port=config.metrics_port,
+            metrics=metrics,
+            metrics_port=None if as_json else config.metrics_port,
             metrics_host=config.metrics_host,
-        ).run_forever()
+        )
+        if as_json:
+            started = {
+                "event": "worker_started",
+                "worker": engine.worker_id,
+                "db": safe_url(engine.url),
+                "workflows": sorted(loaded.workflows),
+                "loops": sorted(loaded.loops),
+                "concurrency": running.concurrency,
+                "metrics": serving,
+            }
+            click.echo(json.dumps(started))
+            sys.stdout.flush()
+        running.run_forever()
 
 
 @cli.command(name="loops")
@@ -820,18 +983,14 @@ def loops_command(
     name: str | None, limit: int, db: str | None, synchronous: str, as_json: bool
 ) -> None:
     """List loops (name, schedule, status, last result, next fire …), or one loop's journal."""
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         rows = [engine.loop(name)] if name else engine.loops()
         events = engine.loop_history(name, limit=limit) if name else []
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "loops": [loop_json(r) for r in rows],
-                    "journal": [vars(e) | {"data": dict(e.data)} for e in events],
-                }
-            )
-        )
+        journal = [
+            support.with_times(vars(e) | {"data": dict(e.data)}, "at", "slot") for e in events
+        ]
+        click.echo(json.dumps({"loops": [loop_json(r) for r in rows], "journal": journal}))
         return
     table = Table(
         "loop",
@@ -856,12 +1015,9 @@ def loops_command(
             str(row.skipped),
             str(row.missed),
             str(row.consecutive_failures),
+            # Whole (wrapped, not cut): a loop's last error is what the operator needs.
             escape(
-                (
-                    row.last_error
-                    or row.reason
-                    or (f"{row.control} requested" if row.control else "")
-                )[:50]
+                row.last_error or row.reason or (f"{row.control} requested" if row.control else "")
             ),
         )
     out.print(table)
@@ -875,26 +1031,29 @@ def loops_command(
                 iso(event.slot),
                 str(event.count or ""),
                 f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-                escape((event.error_message or str(event.data.get("reason", "")) or "")[:60]),
+                escape(event.error_message or str(event.data.get("reason", "")) or ""),
             )
         out.print(journal_table)
 
 
 def loop_json(row: LoopRow) -> dict[str, Any]:
-    return {
-        "name": row.name,
-        "schedule": row.schedule,
-        "status": row.status,
-        "last_result": row.last_result,
-        "last_error": row.last_error,
-        "next_fire_at": row.next_fire_at,
-        "iterations": row.iterations,
-        "skipped": row.skipped,
-        "missed": row.missed,
-        "consecutive_failures": row.consecutive_failures,
-        "reason": row.reason,
-        "control": row.control,
-    }
+    return support.with_times(
+        {
+            "name": row.name,
+            "schedule": row.schedule,
+            "status": row.status,
+            "last_result": row.last_result,
+            "last_error": row.last_error,
+            "next_fire_at": row.next_fire_at,
+            "iterations": row.iterations,
+            "skipped": row.skipped,
+            "missed": row.missed,
+            "consecutive_failures": row.consecutive_failures,
+            "reason": row.reason,
+            "control": row.control,
+        },
+        "next_fire_at",
+    )
 
 
 @cli.command()
@@ -920,21 +1079,37 @@ def send(
     as_json: bool,
 ) -> None:
     """Send EVENT to a waiting run (TARGET: run id, or a business key with --workflow)."""
+    from flowloop.errors import UnknownWorkflow
+
     loaded = load_workflow_paths(workflow_paths)
     payload = parse_context(data_text, "--data") if data_text is not None else None
-    with open_engine(db, synchronous, loaded) as engine:
+    with open_engine(db, synchronous, loaded, read=True) as engine:
         run_id = target
         if workflow is not None:
             found = engine.find(workflow, key=target)
             if found is None:
                 raise FlowloopError(f"no run of workflow {workflow!r} has key {target!r}")
             run_id = found.id
-        result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
-    if as_json:
-        click.echo(json.dumps({"result": result.status, "run": info_json(result.run)}))
-        return
+        try:
+            result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
+        except UnknownWorkflow as error:
+            where = ", ".join(workflow_paths) or (
+                f"./{DEFAULT_WORKFLOWS}" if Path(DEFAULT_WORKFLOWS).is_dir() else "no ./workflows"
+            )
+            raise FlowloopError(
+                f"{error}, loaded from {where}; pass -w FILE_OR_DIR that defines it"
+            ) from error
+        waits = support.WaitStates(engine)
+        waiting = waits.of(result.run)
     info = result.run
-    out.print(f"{event}: {result.status}; run {info.id} {styled(info.status)} at {info.state}")
+    if as_json:
+        click.echo(json.dumps({"result": result.status, "run": info_json(info, waits)}))
+        return
+    shown = styled(support.WAITING if waiting else info.status)
+    out.print(
+        f"{event}: {result.status}; run {info.id} {shown} at {info.state}"
+        + escape(support.what_continues(info, waiting))
+    )
 
 
 @cli.group()
@@ -944,14 +1119,17 @@ def db() -> None:
 
 @db.command()
 @db_option
-def upgrade(db: str | None, synchronous: str) -> None:
-    """Bring the database schema up to this flowloop's version."""
+@json_option
+def upgrade(db: str | None, synchronous: str, as_json: bool) -> None:
+    """Bring the database schema up to this flowloop's version (creates it if new)."""
     store = SQLStore(database(db), synchronous=synchronous, check_schema=False)
     try:
         before, after = store.upgrade_schema()
     finally:
         store.close()
-    if before == after:
+    if as_json:
+        click.echo(json.dumps({"from": before, "to": after, "changed": before != after}))
+    elif before == after:
         out.print(f"schema already at revision {after}")
     else:
         out.print(f"schema upgraded from {before or 'nothing'} to {after}")
@@ -980,7 +1158,7 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     """Validate the workflows in FILE and list live runs the new definitions would strand."""
     path = target.split(":")[0]
     loaded = load_paths([path])
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
     if as_json:
         click.echo(
@@ -1064,6 +1242,7 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
 )
 @workflows_option
 @db_option
+@json_option
 def diagram(
     target: str | None,
     draw_lifecycle: bool,
@@ -1075,6 +1254,7 @@ def diagram(
     workflow_paths: tuple[str, ...],
     db: str | None,
     synchronous: str,
+    as_json: bool,
 ) -> None:
     """Draw FILE[:WORKFLOW_OR_LOOP], the lifecycle, one run (--run), one stored loop
     (--loop) or everything (--all).
@@ -1105,15 +1285,22 @@ def diagram(
         out_dir = out_path or Path(render.DIAGRAMS_DIR)
         loaded = load_workflow_paths(workflow_paths)
         diagrams = render.all_diagrams(loaded.workflows.values(), loaded.loops.values())
-        for path in render.write_all(diagrams, out_dir):
+        written = render.write_all(diagrams, out_dir)
+        stale = render.stale(out_dir, diagrams)
+        if as_json:
+            listed = {"wrote": [str(p) for p in written], "stale": [str(p) for p in stale]}
+            click.echo(json.dumps(listed))
+            return
+        for path in written:
             out.print(f"wrote {path}", markup=False)
-        for path in render.stale(out_dir, diagrams):
+        for path in stale:
             err.print(f"stale: {path} is drawn from no workflow any more; delete it", markup=False)
         return
     if draw_lifecycle:
         graph = render.lifecycle_digraph()
     elif run_id is not None:
-        with open_engine(db, synchronous, load_workflow_paths(workflow_paths)) as engine:
+        loaded = load_workflow_paths(workflow_paths)
+        with open_engine(db, synchronous, loaded, read=True) as engine:
             try:
                 graph = engine.diagram(run_id)
             except UnknownWorkflow as error:
@@ -1127,10 +1314,17 @@ def diagram(
     if out_path is None:
         if fmt == "png":
             raise FlowloopError("diagram: PNG is binary; write it to a file with -o FILE.png")
-        sys.stdout.buffer.write(render.render_bytes(graph, fmt))
+        content = render.render_bytes(graph, fmt)
+        if as_json:
+            click.echo(json.dumps({"format": fmt, "content": content.decode("utf-8")}))
+            return
+        sys.stdout.buffer.write(content)
         sys.stdout.flush()
         return
     render.save(graph, out_path, fmt)
+    if as_json:
+        click.echo(json.dumps({"wrote": str(out_path), "format": fmt}))
+        return
     out.print(f"wrote {out_path}", markup=False)
 
 
@@ -1151,7 +1345,7 @@ def _stored_loop_diagram(
     from flowloop import render_loops
 
     loaded = load_workflow_paths(workflow_paths)
-    with open_engine(db, synchronous, loaded) as engine:
+    with open_engine(db, synchronous, loaded, read=True) as engine:
         row = engine.loop(name)
         limit = render_loops.OVERLAY_JOURNAL_LIMIT
         events = engine.loop_history(name, limit=limit)
@@ -1193,11 +1387,12 @@ def stats_command(
     from flowloop.stats import step_stats
 
     window = None if since.strip().lower() == "all" else seconds_option(since, "--since")
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         start = None if window is None else engine.clock.now() - window
         found = step_stats(sql_engine(engine), workflow=workflow, since=start, slowest=slowest)
     if as_json:
-        click.echo(json.dumps({"since": start, "states": [row.as_dict() for row in found]}))
+        page = {"since": start, "states": [row.as_dict() for row in found]}
+        click.echo(json.dumps(support.with_times(page, "since")))
         return
     scope = "all history" if start is None else f"since {iso(start)} ({since})"
     if not found:
@@ -1289,7 +1484,7 @@ def prune_command(
             dry_run=dry_run,
         )
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps(support.with_times(result.as_dict(), "cutoff")))
         return
     kept = " (failed runs kept)" if keep_failed else ""
     verb = "would delete" if dry_run else "deleted"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
+from flowloop import ids
 from flowloop import journal as j
 from flowloop import tracecontext
 from flowloop.clock import Clock, SystemClock
@@ -107,6 +108,8 @@ class RunInfo:
     created_at: float
     updated_at: float
     visits: Mapping[str, int]
+    fingerprint: str = ""
+    """The definition the run follows (its structure is stored under this fingerprint)."""
 
     @property
     def finished(self) -> bool:
@@ -552,10 +555,18 @@ class Engine:
     # -- reading ---------------------------------------------------------------------------
 
     def _stored(self, run_id: str) -> StoredRun:
+        """The run ``run_id`` names: its whole id or a unique prefix (see flowloop.ids)."""
         stored = self.store.get_run(run_id)
+        if stored is None:
+            stored = self.store.get_run(ids.resolve(self.store, run_id))
         if stored is None:
             raise UnknownRun(run_id)
         return stored
+
+    def resolve(self, run_id: str) -> str:
+        """The whole id of the run that ``run_id`` (an id or a unique prefix of at least
+        four characters) names. Raises UnknownRun, AmbiguousRunId."""
+        return self._stored(run_id).id
 
     def _info(self, stored: StoredRun) -> RunInfo:
         record = stored.record
@@ -593,6 +604,7 @@ class Engine:
             created_at=stored.created_at,
             updated_at=stored.updated_at,
             visits=dict(record.visits),
+            fingerprint=record.fingerprint,
         )
 
     def get(self, run_id: str) -> RunInfo:
@@ -605,10 +617,16 @@ class Engine:
         status: str | Sequence[str] | None = None,
         key: str | None = None,
         limit: int = 100,
+        after: str | None = None,
     ) -> list[RunInfo]:
+        """Runs, newest first; ``after`` (a run id or prefix): the ones listed after it."""
         statuses = [status] if isinstance(status, str) else status
+        start = None
+        if after is not None:
+            stored = self._stored(after)
+            start = (stored.created_at, stored.id)
         found = self.store.find_runs(
-            RunFilter(workflow=workflow, statuses=statuses, key=key, limit=limit)
+            RunFilter(workflow=workflow, statuses=statuses, key=key, limit=limit, after=start)
         )
         return [self._info(stored) for stored in found]
 
@@ -619,8 +637,7 @@ class Engine:
         return found[0] if found else None
 
     def history(self, run_id: str) -> list[JournalEvent]:
-        self._stored(run_id)
-        return self.store.journal(run_id)
+        return self.store.journal(self._stored(run_id).id)
 
     def diagram(self, run_id: str | None = None) -> graphviz.Digraph:
         """Run ``run_id`` drawn on its workflow (visited states and transitions with counts,
@@ -634,12 +651,13 @@ class Engine:
             return render.lifecycle_digraph()
         stored = self._stored(run_id)
         workflow = self.workflow(stored.record.workflow)
-        return render.run_digraph(workflow, self.store.journal(run_id))
+        return render.run_digraph(workflow, self.store.journal(stored.id))
 
     def replay(self, run_id: str, *, at: int | None = None) -> Replay:
         """Fold the journal; the record at ``at`` (default: the end) and the differences
         between the full fold and the stored row (none, unless something is wrong)."""
         stored = self._stored(run_id)
+        run_id = stored.id
         events = self.store.journal(run_id)
         if at is not None and not 1 <= at <= len(events):
             raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; --at {at} is outside")
@@ -701,6 +719,7 @@ class Engine:
 
     def _control(self, run_id: str, action: str, kind: str) -> RunInfo:
         stored = self._stored(run_id)
+        run_id = stored.id
         status = stored.record.status
         if action == "pause" and status == "paused":
             return self._info(stored)
@@ -714,6 +733,7 @@ class Engine:
 
     def unpause(self, run_id: str) -> RunInfo:
         stored = self._stored(run_id)
+        run_id = stored.id
         if stored.record.status != "paused":
             if stored.control == "pause":
                 self.store.request_control(run_id, None)
@@ -751,6 +771,7 @@ class Engine:
         """
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
+        run_id = self.resolve(run_id)
         message = InboxEvent(
             run_id=run_id,
             event=event,
@@ -855,6 +876,7 @@ class Engine:
         with the context recorded when the run entered it; ``set_fields`` edits that
         context (validated). The journal records who changed what."""
         stored = self._stored(run_id)
+        run_id = stored.id
         record = stored.record
         if record.status not in ("failed", "stopped"):
             raise InvalidTransition(run_id, record.status, "retry")
@@ -994,7 +1016,8 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
 def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
     """The context a run had when it last entered ``state``."""
     for event in reversed(events):
-        if event.kind == j.STEP_SUCCEEDED and event.next_state == state:
+        # An event that a wait state took moves the run on as a step does.
+        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
             return event.context
         if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
             return event.context

@@ -48,8 +48,9 @@ class UnknownWorkflow(FlowloopError):
 class UnknownRun(FlowloopError):
     """No run with that id exists in this database; check the id with `flowloop status`."""
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"no run {run_id!r} in this database (list runs with `flowloop status`)")
+    def __init__(self, run_id: str, hint: str | None = None) -> None:
+        hint = hint or "list runs with `flowloop status`"
+        super().__init__(f"no run {run_id!r} in this database ({hint})")
         self.run_id = run_id
 
 
@@ -109,8 +110,24 @@ class StoreError(FlowloopError):
     exit_code = EXIT_FAILURE
 
 
+class WrongDatabase(StoreError):
+    """``--db`` names something that is not a usable flowloop database (a file that is not
+    SQLite, another application's tables, an unsupported URL); point it at the right one.
+    A mistake in the input: exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class MissingDatabase(WrongDatabase):
+    """A command that only reads was pointed at a database that does not exist (a typo in
+    ``--db``?); it creates nothing. The message names close file names."""
+
+
 class SchemaMismatch(StoreError):
-    """The database schema is older or newer than this flowloop; upgrade one of them."""
+    """The database schema is older or newer than this flowloop; upgrade one of them.
+    Exit code 2: nothing failed, the command must be run differently."""
+
+    exit_code = EXIT_USAGE
 
 
 class LeaseLost(FlowloopError):

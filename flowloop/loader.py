@@ -98,7 +98,8 @@ def load_paths(paths: Iterable[str | Path]) -> Loaded:
 
 
 def load_target(target: str) -> tuple[Workflow, Loaded]:
-    """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed)."""
+    """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed);
+    WORKFLOW is the workflow's name or the module variable that holds it."""
     path, name = split_target(target)
     loaded = Loaded()
     loaded.add(import_file(path), path)
@@ -109,10 +110,14 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
             names = ", ".join(loaded.workflows)
             raise LoadError(f"{path} defines several workflows ({names}); use {path}:NAME")
         return next(iter(loaded.workflows.values())), loaded
-    if name not in loaded.workflows:
-        names = ", ".join(loaded.workflows)
-        raise LoadError(f"{path}: no workflow {name!r} (it defines: {names})")
-    return loaded.workflows[name], loaded
+    if name in loaded.workflows:
+        return loaded.workflows[name], loaded
+    # The Python variable, as uvicorn and prefect take it (`orders.py:order_flow`).
+    variable = getattr(loaded.modules[-1], name, None)
+    if isinstance(variable, Workflow):
+        return variable, loaded
+    names = ", ".join(loaded.workflows)
+    raise LoadError(f"{path}: no workflow {name!r}, by name or variable (it defines: {names})")
 
 
 def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:
@@ -125,6 +130,9 @@ def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:
         return next(iter(loaded.loops.values())), loaded
     if name is not None and name in loaded.loops and name not in loaded.workflows:
         return loaded.loops[name], loaded
+    variable = getattr(loaded.modules[-1], name, None) if name is not None else None
+    if isinstance(variable, (Workflow, Loop)):  # the Python variable's name
+        return variable, loaded
     if not loaded.workflows and not loaded.loops:
         raise LoadError(f"{path}: defines no Workflow and no Loop")
     if not loaded.workflows or (name is not None and name not in loaded.workflows):

@@ -105,6 +105,8 @@ class RunFilter:
     statuses: Sequence[str] | None = None
     key: str | None = None
     limit: int = 100
+    after: tuple[float, str] | None = None
+    """(created_at, id) of a run: only runs listed after it (older), for paging."""
 
 
 class Store(abc.ABC):
@@ -138,6 +140,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get_run(self, run_id: str) -> StoredRun | None: ...
+
+    @abc.abstractmethod
+    def run_ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
+        """Up to ``limit`` ids of runs that start with ``prefix``, in id order (an indexed
+        range on the primary key: see :mod:`flowloop.ids`)."""
 
     @abc.abstractmethod
     def find_runs(self, where: RunFilter) -> list[StoredRun]:

@@ -24,7 +24,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import StaticPool
 
-from flowloop.errors import StoreError
+from flowloop.errors import StoreError, WrongDatabase
 
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
@@ -78,15 +78,15 @@ def _prepare_sqlite_file(url: URL) -> None:
         return
     path = Path(database)
     if path.is_dir():
-        raise StoreError(f"{path} is a directory, not a database file")
+        raise WrongDatabase(f"{path} is a directory, not a database file")
     if path.exists():
         with path.open("rb") as handle:
             header = handle.read(len(SQLITE_HEADER))
         if header and header != SQLITE_HEADER:
-            raise StoreError(f"{path} is not a SQLite database (point --db at a new file)")
+            raise WrongDatabase(f"{path} is not a SQLite database (point --db at a new file)")
         return
     if not path.parent.exists():
-        raise StoreError(
+        raise WrongDatabase(
             f"directory {path.parent} does not exist (create it or choose another --db)"
         )
     # Created by us, readable by the owner only: contexts may hold personal data.
@@ -121,7 +121,7 @@ def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) 
         return _sqlite_engine(url, synchronous)
     if url.get_backend_name() == "postgresql":
         return _postgres_engine(url)
-    raise StoreError(
+    raise WrongDatabase(
         f"unsupported database {safe_url(url)}: use sqlite:///path or postgresql+psycopg://…"
     )
 
@@ -129,7 +129,7 @@ def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) 
 def _sqlite_engine(url: URL, synchronous: str) -> Engine:
     mode = synchronous.upper()
     if mode not in SYNCHRONOUS_MODES:
-        raise StoreError(
+        raise WrongDatabase(
             f"synchronous={synchronous!r} is not a SQLite mode (use {', '.join(SYNCHRONOUS_MODES)})"
         )
     _prepare_sqlite_file(url)
@@ -173,7 +173,10 @@ def _postgres_engine(url: URL) -> Engine:
     try:
         return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
-        raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
+        raise StoreError(
+            "PostgreSQL needs psycopg 3: pip install -e '.[postgres]' in the flowloop "
+            "checkout (or pip install 'psycopg[binary]')"
+        ) from error
 
 
 def lock_schema(conn: Any) -> None:

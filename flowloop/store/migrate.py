@@ -14,9 +14,10 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Connection
 
-from flowloop.errors import SchemaMismatch
+from flowloop.errors import SchemaMismatch, StoreError
 
 VERSION_TABLE: Final = "flowloop_alembic_version"
 MIGRATIONS: Final = Path(__file__).with_name("migrations")
@@ -54,10 +55,21 @@ def current(connection: Connection) -> str | None:
     return context.get_current_revision()
 
 
-def upgrade(connection: Connection) -> tuple[str | None, str]:
-    """Bring the schema to :func:`head`; returns (from, to)."""
+def upgrade(connection: Connection, url: str = "the database") -> tuple[str | None, str]:
+    """Bring the schema to :func:`head`; returns (from, to).
+
+    Raises SchemaMismatch when the database is newer than this code, StoreError when
+    Alembic cannot apply a revision (one line, the cause kept as ``__cause__``)."""
     before = current(connection)
-    command.upgrade(_config(connection), "head")
+    if before is not None and not known(before):
+        raise SchemaMismatch(
+            f"{url}: schema revision {before} is newer than this flowloop ({head()}); "
+            "upgrade flowloop instead"
+        )
+    try:
+        command.upgrade(_config(connection), "head")
+    except CommandError as error:
+        raise StoreError(f"{url}: cannot upgrade the schema: {error}") from error
     return before, head()
 
 

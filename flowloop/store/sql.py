@@ -32,7 +32,8 @@ from sqlalchemy import (
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
-from flowloop.errors import StoreError
+from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
+from flowloop.ids import prefix_bounds
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate
@@ -304,13 +305,16 @@ class SQLStore(LoopStoreMixin, Store):
             if migrate.VERSION_TABLE not in tables:
                 foreign = sorted(tables - ours)
                 if foreign or ours:
-                    raise StoreError(
+                    raise WrongDatabase(
                         f"{url} is not a flowloop database (it has tables "
                         f"{', '.join((foreign or sorted(ours))[:5])}); "
                         "point --db at a new file or schema"
                     )
                 if not create:
-                    raise StoreError(f"{url} has no flowloop schema yet")
+                    raise MissingDatabase(
+                        f"{url} has no flowloop schema yet (a command that writes, or "
+                        "`flowloop db upgrade`, creates it)"
+                    )
                 migrate.upgrade(conn)  # a new database: create the schema at head
                 return
             migrate.check(conn, url)
@@ -327,9 +331,16 @@ class SQLStore(LoopStoreMixin, Store):
             migrate.new_revision(message, conn)
 
     def upgrade_schema(self) -> tuple[str | None, str]:
-        """Apply pending migrations (``flowloop db upgrade``); returns (from, to)."""
-        with self._schema_write() as conn:
-            return migrate.upgrade(conn)
+        """Apply pending migrations (``flowloop db upgrade``); returns (from, to). A database
+        error is a StoreError of one line (the cause kept)."""
+        url = dialect.safe_url(self.url)
+        try:
+            with self._schema_write() as conn:
+                return migrate.upgrade(conn, url)
+        except SQLAlchemyError as error:
+            raise StoreError(
+                f"cannot upgrade database {url}: {dialect.first_line(error)}"
+            ) from error
 
     def _build_statements(self) -> None:
         record_params: dict[str, Any] = {
@@ -526,6 +537,21 @@ class SQLStore(LoopStoreMixin, Store):
             row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
         return None if row is None else _stored_from_row(row)
 
+    def run_ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
+        if not prefix:
+            return []
+        low, high = prefix_bounds(prefix)
+        query = (
+            select(runs.c.id)
+            .where(runs.c.id >= low, runs.c.id < high)
+            .order_by(runs.c.id)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            # The range is exact in codepoint order (SQLite; PostgreSQL in a C collation,
+            # and for hex ids in any locale); the filter keeps the answer exact anyway.
+            return [row.id for row in conn.execute(query) if row.id.startswith(prefix)]
+
     def find_runs(self, where: RunFilter) -> list[StoredRun]:
         query = select(runs)
         if where.workflow is not None:
@@ -534,6 +560,14 @@ class SQLStore(LoopStoreMixin, Store):
             query = query.where(runs.c.status.in_(list(where.statuses)))
         if where.key is not None:
             query = query.where(runs.c.key == where.key)
+        if where.after is not None:
+            created, run_id = where.after
+            query = query.where(
+                or_(
+                    runs.c.created_at < created,
+                    and_(runs.c.created_at == created, runs.c.id > run_id),
+                )
+            )
         query = query.order_by(runs.c.created_at.desc(), runs.c.id).limit(where.limit)
         with self._read() as conn:
             return [_stored_from_row(row) for row in conn.execute(query)]

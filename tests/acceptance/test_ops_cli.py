@@ -183,7 +183,7 @@ def test_cli__prune_keeps_live_failed_and_new_runs(here: Path) -> None:
     assert done.startswith("deleted 1 run(s) finished before ")
     assert "(failed runs kept): 7 journal row(s)" in done
 
-    left = json.loads(here_cli(here, "status", "--json"))
+    left = json.loads(here_cli(here, "status", "--json"))["runs"]
     assert sorted(r["status"] for r in left) == ["failed", "scheduled"]
     assert queued in {r["id"] for r in left}
     assert ok not in {r["id"] for r in left}
@@ -336,8 +336,8 @@ def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
     )
     [created] = json.loads(result.stdout)
     assert (created["workflow"], created["status"]) == ("jobs", "scheduled")
-    assert len(json_lines(here_cli(here, "status", "--json"))) == 1  # one JSON list
-    assert len(json.loads(here_cli(here, "status", "--json"))) == 4
+    assert len(json_lines(here_cli(here, "status", "--json"))) == 1  # one JSON object
+    assert len(json.loads(here_cli(here, "status", "--json"))["runs"]) == 4
     # A bad line: one line saying where, exit 2, nothing written.
     from_stdin = ("start", "jobs.py", "--contexts", "-", "--db", "jobs.db")
     result = flowloop(*from_stdin, cwd=here, code=2, stdin='{"fail": true}\n{"fail": \n')
@@ -345,7 +345,7 @@ def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
     assert result.stderr.startswith("error: stdin line 2 is not valid JSON")
     result = flowloop(*from_stdin, cwd=here, code=2, stdin='{"fail": "sometimes"}\n')
     assert result.stderr.startswith("error: context #1 for workflow 'jobs' is invalid: fail")
-    assert len(json.loads(here_cli(here, "status", "--json"))) == 4
+    assert len(json.loads(here_cli(here, "status", "--json"))["runs"]) == 4
 
 
 def test_cli__start_many_counts_runs_whose_key_was_taken_and_refuses_non_objects(
@@ -374,6 +374,7 @@ def test_cli__start_many_counts_runs_whose_key_was_taken_and_refuses_non_objects
 
 
 def test_cli__check_has_json_output(here: Path) -> None:
+    here_cli(here, "db", "upgrade")  # check reads a database; it creates none
     data = json.loads(here_cli(here, "check", str(here / "jobs.py"), "--json"))
     assert data["stranded"] == []
     assert [(w["name"], w["states"]) for w in data["workflows"]] == [("jobs", 3)]

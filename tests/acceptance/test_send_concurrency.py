@@ -196,7 +196,7 @@ def test_cli__send_by_run_id_and_by_business_key_then_status_by_key(
     again = flowloop(*approve_by_key)  # the same send again: deduplicated
     assert again["result"] == "duplicate"
 
-    [listed] = flowloop("status", "--key", "A1", *db, "--json")
+    [listed] = flowloop("status", "--key", "A1", *db, "--json")["runs"]
     assert (listed["id"], listed["key"], listed["state"]) == (orders["A1"], "A1", "charge")
     table = flowloop("status", "--key", "A1", *db)
     assert orders["A1"] in table and orders["A2"] not in table

@@ -420,5 +420,6 @@ def test_converge_example__patience_ends_a_run_that_stops_improving(tmp_path: Pa
 
 
 def test_cli__loops_on_an_empty_database(tmp_path: Path) -> None:
+    cli_here("db", "upgrade", db=tmp_path / "empty.db")  # loops reads; it creates nothing
     out = cli_here("loops", "--json", db=tmp_path / "empty.db")
     assert json.loads(out) == {"loops": [], "journal": []}

@@ -1,0 +1,305 @@
+"""What several `flowloop` commands share and cli.py need not hold: refusing a database that
+does not exist for commands that only read, timestamps in JSON output, how a waiting run is
+shown, and telling a user that the business key they passed already has a run."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import sqlite3
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+from sqlalchemy.engine import make_url
+
+from flowloop.definition import TIMEOUT_EVENT, Workflow
+from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
+from flowloop.store import migrate
+from flowloop.store.dialect import normalize_url
+from flowloop.store.sql import SQLStore
+
+if TYPE_CHECKING:
+    from flowloop.engine import Engine, RunInfo
+
+DATABASE_SUFFIXES: Final = (".db", ".sqlite", ".sqlite3")
+CLOSE_NAMES: Final = 3
+WAITING: Final = "waiting"
+"""The status shown (never stored) for a run that rests in a wait state."""
+
+
+# -- databases that must exist ------------------------------------------------------------
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (``None``: not SQLite, or in memory)."""
+    parsed = make_url(normalize_url(url))
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    if database.startswith("file:"):
+        return None
+    return Path(database)
+
+
+def close_names(path: Path) -> list[str]:
+    """Files in ``path``'s folder whose names are close to its name (databases first)."""
+    folder = path.parent if str(path.parent) else Path(".")
+    try:
+        names = [p.name for p in folder.iterdir() if p.is_file()]
+    except OSError:
+        return []
+    names = [n for n in names if not n.endswith(("-wal", "-shm", "-journal"))]
+    databases = [n for n in names if n.endswith(DATABASE_SUFFIXES)]
+    found = difflib.get_close_matches(path.name, databases, n=CLOSE_NAMES, cutoff=0.5)
+    if not found:
+        found = difflib.get_close_matches(path.name, names, n=CLOSE_NAMES, cutoff=0.6)
+    return [str(folder / name) if str(path.parent) not in ("", ".") else name for name in found]
+
+
+def require_database(url: str) -> None:
+    """Refuse (MissingDatabase, exit 2) a SQLite file that does not exist: a command that
+    only reads must not create an empty database because of a typo in ``--db``. An
+    existing file without flowloop's schema is refused too (WrongDatabase or
+    MissingDatabase), read-only."""
+    path = sqlite_path(url)
+    if path is None:
+        return
+    if path.exists():
+        _refuse_foreign_sqlite(path)
+        return
+    guesses = close_names(path)
+    hint = (
+        f"did you mean {' or '.join(guesses)}?"
+        if guesses
+        else "commands that write (run, start, worker, db upgrade) create it"
+    )
+    raise MissingDatabase(f"no database at {path}; {hint}")
+
+
+def _refuse_foreign_sqlite(path: Path) -> None:
+    """Refuse a SQLite file without flowloop's schema by reading it read-only: opening it
+    as a store would switch it to WAL mode first, changing a file that is not ours."""
+    if not path.is_file():
+        return  # a directory: the store says so
+    uri = f"{path.resolve().as_uri()}?mode=ro"
+    try:
+        with contextlib.closing(sqlite3.connect(uri, uri=True)) as conn:
+            rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            tables = {str(row[0]) for row in rows}
+    except sqlite3.DatabaseError:
+        return  # not SQLite at all: the store's own check names it
+    if migrate.VERSION_TABLE in tables:
+        return
+    if tables:
+        foreign = sorted(t for t in tables if not t.startswith("flowloop_"))
+        shown = ", ".join((foreign or sorted(tables))[:5])
+        raise WrongDatabase(
+            f"{path} is not a flowloop database (it has tables {shown}); "
+            "point --db at a flowloop database"
+        )
+    raise MissingDatabase(
+        f"{path} has no flowloop schema yet (a command that writes, or "
+        "`flowloop db upgrade`, creates it)"
+    )
+
+
+def read_store(url: str, synchronous: str) -> SQLStore:
+    """A store for a command that only reads: the database must exist and have flowloop's
+    schema (on PostgreSQL: an empty schema is refused, not created)."""
+    require_database(url)
+    return SQLStore(normalize_url(url), synchronous=synchronous, create=False)
+
+
+# -- JSON ---------------------------------------------------------------------------------
+
+
+def iso8601(ts: float | None) -> str | None:
+    """Epoch seconds as ISO-8601 UTC (``2026-12-01T09:16:08.974123+00:00``), or None."""
+    return None if ts is None else datetime.fromtimestamp(ts, UTC).isoformat()
+
+
+def with_times(data: Mapping[str, Any], *keys: str) -> dict[str, Any]:
+    """``data`` with each time in ``keys`` as ISO-8601 and the epoch kept as ``KEY_epoch``."""
+    out = dict(data)
+    for key in keys:
+        if key in out:
+            value = out[key]
+            out[key] = iso8601(value)
+            out[f"{key}_epoch"] = value
+    return out
+
+
+def dumps(value: Any) -> str:
+    """One line of JSON (what ``--json`` prints)."""
+    return json.dumps(value)
+
+
+# -- waiting runs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A run resting in a wait state: the events that move it on and its timeout."""
+
+    state: str
+    events: tuple[str, ...]
+    until: float | None
+
+    def describe(self) -> str:
+        from flowloop.clock import iso
+
+        until = f" until {iso(self.until)}" if self.until is not None else ""
+        return f"waiting in {self.state} for {' or '.join(self.events) or 'an event'}{until}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "events": list(self.events),
+            "until": iso8601(self.until),
+            "until_epoch": self.until,
+        }
+
+
+class WaitStates:
+    """Which runs wait, judged by each run's own definition (the registered workflow, else
+    the structure stored when the run started), read once per definition."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._waits: dict[str, dict[str, tuple[str, ...]]] = {}
+
+    def _of(self, info: RunInfo) -> dict[str, tuple[str, ...]]:
+        fingerprint = info.fingerprint
+        if fingerprint not in self._waits:
+            workflow: Workflow | None = self.engine.workflows.get(info.workflow)
+            waits: dict[str, tuple[str, ...]] = {}
+            if workflow is not None and workflow.fingerprint == fingerprint:
+                waits = {name: tuple(spec.on) for name, spec in workflow.waits.items()}
+            else:
+                structure = self.engine.store.definition(fingerprint) or {}
+                for name, state in dict(structure.get("states", {})).items():
+                    if state.get("kind") == "wait":
+                        on = [e for e in state.get("on", {}) if e != TIMEOUT_EVENT]
+                        waits[name] = tuple(on)
+            self._waits[fingerprint] = waits
+        return self._waits[fingerprint]
+
+    def of(self, info: RunInfo) -> Waiting | None:
+        """How ``info`` waits, or None when it does not (only a ``scheduled`` run waits;
+        a paused one is shown paused)."""
+        if info.status != "scheduled":
+            return None
+        events = self._of(info).get(info.state)
+        if events is None:
+            return None
+        return Waiting(info.state, events, info.next_run_at)
+
+    def status(self, info: RunInfo) -> str:
+        """The status to show: ``waiting`` for a waiting run, else the stored one."""
+        return WAITING if self.of(info) is not None else info.status
+
+
+def what_continues(info: RunInfo, waiting: Waiting | None) -> str:
+    """After an event: what moves the run on from here, in words."""
+    if info.finished:
+        return ""
+    if waiting is not None:
+        return f"; {waiting.describe()}"
+    if info.status in ("scheduled", "retrying"):
+        return (
+            f"; a worker (`flowloop worker -w FILE_OR_DIR`) or `flowloop resume -w FILE_OR_DIR` "
+            f"continues it from {info.state}"
+        )
+    return ""
+
+
+# -- a business key that has a run already ------------------------------------------------
+
+
+def differing_fields(first: Any, second: Any) -> list[str]:
+    """Top-level fields whose values differ between two JSON objects."""
+    if not isinstance(first, dict) or not isinstance(second, dict):
+        return [] if first == second else ["(the whole context)"]
+    return sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
+
+
+def existing_for_key(
+    engine: Engine, workflow: Workflow, context: Any, key: str | None
+) -> tuple[RunInfo, list[str]] | None:
+    """The run that already holds the business key of a run about to be started, with
+    the fields in which its starting context differs from ``context`` (empty: the same);
+    None when the key is free (or the workflow has no key)."""
+    parsed = workflow.parse_context(context)
+    business_key = key if key is not None else workflow.business_key(parsed)
+    if business_key is None:
+        return None
+    found = engine.find(workflow, key=business_key)
+    if found is None:
+        return None
+    journal = engine.history(found.id)
+    first = journal[0].context if journal and journal[0].context else "{}"
+    return found, differing_fields(json.loads(first), json.loads(parsed.model_dump_json()))
+
+
+def refuse_or_note_existing(
+    engine: Engine, workflow: Workflow, context: Any, key: str | None
+) -> str | None:
+    """For ``run``/``start``: when the business key has a run already, a line saying so
+    (its context is the same: nothing new is started, the caller goes on with that run);
+    raise a FlowloopError (exit 2) when that run was started with a different context,
+    which would otherwise be ignored without a word."""
+    existing = existing_for_key(engine, workflow, context, key)
+    if existing is None:
+        return None
+    info, differences = existing
+    where = f"{info.status} at {info.state}"
+    if differences:
+        raise FlowloopError(
+            f"run {info.id} already exists for key {info.key!r} ({where}) with a different "
+            f"context (differs in {', '.join(differences)}); nothing started: use another "
+            f"key, or see it with `flowloop status {info.id}`"
+        )
+    return f"run {info.id} already exists for key {info.key!r} ({where}), same context"
+
+
+def short_ids(engine: Engine, run_ids: Sequence[str]) -> dict[str, str]:
+    """Each id's shortest unique prefix (8 characters or more): what fits a narrow table
+    and still works as a run id."""
+    from flowloop.ids import short_id
+
+    return {run_id: short_id(engine.store, run_id) for run_id in run_ids}
+
+
+def list_runs(
+    engine: Engine,
+    waits: WaitStates,
+    *,
+    workflow: str | None,
+    statuses: Sequence[str],
+    key: str | None,
+    limit: int,
+    after: str | None,
+) -> tuple[list[RunInfo], bool]:
+    """Up to ``limit`` runs, newest first, and whether more match. ``statuses`` are the
+    statuses shown: ``waiting`` selects scheduled runs in a wait state and ``scheduled``
+    the others, so the stored status is asked for and the answer filtered (page by page)."""
+    if not statuses or not {WAITING, "scheduled"} & set(statuses):
+        found = engine.runs(
+            workflow=workflow, status=list(statuses) or None, key=key, limit=limit + 1, after=after
+        )
+        return found[:limit], len(found) > limit
+    stored = sorted({"scheduled" if s == WAITING else s for s in statuses})
+    wanted = set(statuses)
+    page = max(2 * (limit + 1), 200)
+    matched: list[RunInfo] = []
+    while len(matched) <= limit:
+        batch = engine.runs(workflow=workflow, status=stored, key=key, limit=page, after=after)
+        matched.extend(info for info in batch if waits.status(info) in wanted)
+        if len(batch) < page:
+            break
+        after = batch[-1].id
+    return matched[:limit], len(matched) > limit

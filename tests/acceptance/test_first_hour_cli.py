@@ -1,0 +1,435 @@
+"""The first hour of a new user at the command line (issue 21), as real processes: run ids
+by prefix, a business key taken with another context, read commands on a database that is
+not there, waiting runs, exit codes, --json everywhere and the small inconsistencies.
+
+Every refusal is checked the same way: its exit code, exactly one line on stderr, no
+traceback, and the database (or the folder) unchanged."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from polling import poll
+from storekit import new_run
+
+from flowloop import Engine
+from flowloop.cli import cli, main
+
+WAIT_S = 20.0
+
+ORDERS = """
+    from datetime import timedelta
+
+    from pydantic import BaseModel
+
+    from flowloop import Retry, Workflow
+    from flowloop.loops import Iteration, loop
+
+
+    class Order(BaseModel):
+        order_id: str
+        amount: float = 1.0
+        approved_by: str | None = None
+
+
+    class Approval(BaseModel):
+        by: str
+
+
+    order_flow = Workflow("order", context=Order, key="order_id")
+
+
+    @order_flow.step(initial=True, next="awaiting")
+    def reserve(ctx: Order) -> None: ...
+
+
+    order_flow.wait(
+        "awaiting",
+        on={"approve": "ship", "reject": "cancelled"},
+        payloads={"approve": Approval, "reject": Approval},
+        handlers={"approve": lambda ctx, a: setattr(ctx, "approved_by", a.by)},
+        timeout=timedelta(days=2),
+        on_timeout="cancelled",
+    )
+
+
+    @order_flow.step(next="shipped", retry=Retry(attempts=1))
+    def ship(ctx: Order) -> None:
+        if ctx.amount < 0:
+            raise ValueError("a negative amount")
+
+
+    order_flow.final("shipped", "cancelled")
+
+
+    @loop(every=3600)
+    async def tidy(it: Iteration) -> None: ...
+"""
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FLOWLOOP_")}
+    env.pop("COLUMNS", None)
+    return {**env, **extra}
+
+
+def flowloop(
+    *args: str, cwd: Path, code: int = 0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop", *args],
+        cwd=cwd,
+        env=env or clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == code, (
+        f"flowloop {' '.join(args)} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    )
+    return result
+
+
+def refused(*args: str, cwd: Path, code: int = 2, process: bool = True) -> str:
+    """The one stderr line of a refused command (no traceback): from a real process, or
+    (``process=False``, for variations of a refusal a real process showed already) from
+    the command's ``main()`` in this process, which exits the same way."""
+    if process:
+        stderr = flowloop(*args, cwd=cwd, code=code).stderr
+    else:
+        clean = clean_env()
+        buffer = io.StringIO()
+        with (
+            contextlib.chdir(cwd),
+            mock.patch.dict(os.environ, clean, clear=True),
+            contextlib.redirect_stderr(buffer),
+            pytest.raises(SystemExit) as exited,
+        ):
+            main(list(args))
+        stderr = buffer.getvalue()
+        assert exited.value.code == code, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    assert lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def quick(*args: str, cwd: Path, code: int = 2) -> str:
+    """:func:`refused` in this process."""
+    return refused(*args, cwd=cwd, code=code, process=False)
+
+
+def here_cli(*args: str, cwd: Path) -> str:
+    """A command that succeeds, run through the real CLI in this process from ``cwd`` (a
+    new interpreter per command would double these tests' time): its stdout. Refusals
+    are checked in real processes (`refused`)."""
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("FLOWLOOP_")}
+    with contextlib.chdir(cwd):
+        result = CliRunner().invoke(cli, list(args), env=unset, catch_exceptions=False)
+    assert result.exit_code == 0, f"flowloop {' '.join(args)}: {result.output}"
+    return result.stdout
+
+
+def as_json(*args: str, cwd: Path) -> Any:
+    return json.loads(here_cli(*args, "--json", cwd=cwd))
+
+
+def dump(db: Path) -> list[str]:
+    """Everything a SQLite database holds, as SQL text (to compare before and after)."""
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
+        return list(conn.iterdump())
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    (tmp_path / "orders.py").write_text(textwrap.dedent(ORDERS).lstrip())
+    return tmp_path
+
+
+@pytest.fixture
+def waiting_run(here: Path) -> str:
+    """A run of orders.py in ./flowloop.db, waiting in `awaiting` for approve/reject."""
+    started = as_json("run", "orders.py", "--context", '{"order_id": "A1"}', cwd=here)
+    assert started["run"]["state"] == "awaiting" and started["existing"] is False
+    return str(started["run"]["id"])
+
+
+# -- item 2: run ids by prefix ------------------------------------------------------------
+
+
+def test_run_ids__a_prefix_works_everywhere_an_id_is_taken(here: Path, waiting_run: str) -> None:
+    prefix = waiting_run[:6]
+    assert f"run       {waiting_run}" in here_cli("status", prefix, cwd=here)
+    assert "run_created" in here_cli("history", prefix, cwd=here)
+    assert as_json("replay", prefix, "--at", "1", cwd=here)["run_id"] == waiting_run
+    assert "digraph" in here_cli("diagram", "--run", prefix, "-w", "orders.py", cwd=here)
+    assert as_json("pause", prefix, cwd=here)["run"]["status"] == "paused"
+    assert as_json("unpause", prefix, cwd=here)["run"]["status"] == "scheduled"
+    sent = as_json(
+        "send", prefix, "approve", "--data", '{"by": "ann"}', "-w", "orders.py", cwd=here
+    )
+    assert (sent["run"]["id"], sent["run"]["state"]) == (waiting_run, "ship")
+    assert as_json("stop", prefix, cwd=here)["run"]["status"] == "stopped"
+    retried = as_json("retry", prefix, "--no-run", "-w", "orders.py", cwd=here)["run"]
+    assert (retried["id"], retried["status"]) == (waiting_run, "scheduled")
+
+
+def test_run_ids__ambiguous_and_unknown_prefixes_are_one_line(here: Path) -> None:
+    with Engine(str(here / "flowloop.db")) as engine:
+        for run_id in ("abcd1" + "0" * 27, "abcd2" + "0" * 27):
+            engine.store.create_run(new_run(run_id))
+    before = dump(here / "flowloop.db")
+    line = refused("history", "abcd", cwd=here)
+    assert "ambiguous" in line and "abcd1" + "0" * 27 in line and "abcd2" + "0" * 27 in line
+    assert "no run 'abc'" in quick("status", "abc", cwd=here)  # fewer than 4 characters
+    assert "no run 'ffff'" in quick("pause", "ffff", cwd=here)
+    assert dump(here / "flowloop.db") == before
+
+
+def test_status__on_a_narrow_terminal_shows_short_ids_that_work(
+    here: Path, waiting_run: str
+) -> None:
+    table = flowloop("status", cwd=here, env=clean_env(COLUMNS="80")).stdout
+    assert "…" not in table.splitlines()[3]
+    shown = table.splitlines()[3].split("│")[1].strip()
+    assert 8 <= len(shown) < len(waiting_run) and waiting_run.startswith(shown)
+    assert "run_created" in here_cli("history", shown, cwd=here)
+    wide = here_cli("status", cwd=here)  # piped: wide enough for whole ids
+    assert waiting_run in wide
+
+
+# -- item 3: a business key that has a run already -----------------------------------------
+
+
+def test_run__a_taken_key_same_context_says_so_other_context_is_refused(
+    here: Path, waiting_run: str
+) -> None:
+    same = here_cli("run", "orders.py", "--context", '{"order_id": "A1"}', cwd=here)
+    assert same.startswith(f"run {waiting_run} already exists for key 'A1'")
+    assert "same context" in same
+    before = dump(here / "flowloop.db")
+    context = '{"order_id": "A1", "amount": 7}'
+    line = refused("run", "orders.py", "--context", context, cwd=here)
+    assert f"run {waiting_run} already exists for key 'A1'" in line
+    assert "different context (differs in amount)" in line
+    assert "nothing started" in quick("start", "orders.py", "--context", context, cwd=here)
+    assert dump(here / "flowloop.db") == before
+
+
+# -- item 4: read commands refuse a database that is not there -----------------------------
+
+
+READ_COMMANDS = [
+    ("status",),
+    ("history", "abcd1234"),
+    ("replay", "abcd1234"),
+    ("stats",),
+    ("loops",),
+    ("check", "orders.py"),
+    ("diagram", "--run", "abcd1234", "-w", "orders.py"),
+]
+
+
+def test_read_commands__refuse_a_missing_database_and_create_nothing(here: Path) -> None:
+    here_cli("db", "upgrade", "--db", "orders.db", cwd=here)
+    files = sorted(p.name for p in here.iterdir())
+    for number, command in enumerate(READ_COMMANDS):
+        line = refused(*command, "--db", "order.db", cwd=here, process=number == 0)
+        assert line == "error: no database at order.db; did you mean orders.db?", command
+    line = quick("status", "--db", str(here / "elsewhere.sqlite"), cwd=here)
+    assert line == (
+        f"error: no database at {here / 'elsewhere.sqlite'}; "
+        "commands that write (run, start, worker, db upgrade) create it"
+    )
+    assert sorted(p.name for p in here.iterdir()) == files
+
+
+def test_read_commands__refuse_an_empty_postgresql_schema(here: Path, pg_url: str) -> None:
+    line = refused("status", "--db", pg_url, cwd=here)
+    assert "has no flowloop schema yet" in line
+    engine = sa.create_engine(pg_url)
+    try:
+        with engine.connect() as conn:
+            assert sa.inspect(conn).get_table_names() == []
+    finally:
+        engine.dispose()
+
+
+# -- item 6: waiting runs ------------------------------------------------------------------
+
+
+def test_waiting_runs__shown_as_waiting_and_send_says_what_continues(
+    here: Path, waiting_run: str
+) -> None:
+    table = here_cli("status", cwd=here)
+    assert "waiting" in table and "scheduled" not in table
+    one = here_cli("status", waiting_run, cwd=here)
+    assert "status    waiting" in one and "waits     waiting in awaiting for approve or" in one
+    listed = as_json("status", cwd=here)["runs"][0]
+    assert (listed["status"], listed["display_status"]) == ("scheduled", "waiting")
+    assert listed["waiting"]["events"] == ["approve", "reject"]
+    assert listed["waiting"]["until"] == listed["next_run_at"]
+    here_cli("start", "orders.py", "--context", '{"order_id": "Q1"}', cwd=here)
+    by_status = {
+        shown: [r["key"] for r in as_json("status", "--status", shown, cwd=here)["runs"]]
+        for shown in ("waiting", "scheduled")
+    }
+    assert by_status == {"waiting": ["A1"], "scheduled": ["Q1"]}
+    history = here_cli("history", waiting_run, cwd=here)
+    assert f"run {waiting_run} is waiting in awaiting for approve or reject until 20" in history
+    sent = here_cli(
+        "send", waiting_run, "approve", "--data", '{"by": "ann"}', "-w", "orders.py", cwd=here
+    )
+    assert f"approve: applied; run {waiting_run} scheduled at ship" in sent
+    assert "`flowloop worker -w FILE_OR_DIR`) or `flowloop resume -w FILE_OR_DIR`" in sent
+
+
+# -- item 13: exit codes --------------------------------------------------------------------
+
+
+def test_exit_codes__wrong_databases_are_input_mistakes(here: Path, waiting_run: str) -> None:
+    (here / "notes.db").write_text("not a database at all\n")
+    assert "is not a SQLite database" in refused("status", "--db", "notes.db", cwd=here)
+    assert "is not a SQLite database" in quick("db", "upgrade", "--db", "notes.db", cwd=here)
+    with contextlib.closing(sqlite3.connect(here / "app.db")) as conn:
+        conn.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+        conn.commit()
+    app = digest(here / "app.db")  # another application's: not even switched to WAL
+    assert "is not a flowloop database" in refused("status", "--db", "app.db", cwd=here)
+    assert "is not a flowloop database" in quick("history", "abcd", "--db", "app.db", cwd=here)
+    assert digest(here / "app.db") == app
+    with sqlite3.connect(here / "flowloop.db") as conn:
+        conn.execute("UPDATE flowloop_alembic_version SET version_num = '9999'")
+    conn.close()
+    before = digest(here / "flowloop.db")
+    assert "newer than this flowloop" in refused("status", cwd=here)
+    assert "newer than this flowloop" in quick("db", "upgrade", cwd=here)
+    assert digest(here / "flowloop.db") == before
+    assert digest(here / "notes.db") == hashlib.sha256(b"not a database at all\n").hexdigest()
+    # A damaged file is a failure (exit 1), still one line rather than Alembic's traceback.
+    (here / "broken.db").write_bytes((here / "flowloop.db").read_bytes()[:100] + b"x" * 8192)
+    line = refused("db", "upgrade", "--db", "broken.db", cwd=here, code=1)
+    assert line == "error: cannot upgrade database broken.db: database disk image is malformed"
+
+
+# -- item 14: --json everywhere -------------------------------------------------------------
+
+
+def test_json__every_command_and_iso_timestamps(here: Path, waiting_run: str) -> None:
+    shown = as_json("status", waiting_run, cwd=here)
+    assert shown["created_at"].endswith("+00:00") and "T" in shown["created_at"]
+    assert isinstance(shown["created_at_epoch"], float)
+    event = as_json("history", waiting_run, cwd=here)[0]
+    assert event["at"].endswith("+00:00") and isinstance(event["at_epoch"], float)
+    assert as_json("resume", "-w", "orders.py", cwd=here) == {
+        "recovered": 0,
+        "steps": 0,
+        "commits": 0,
+    }
+    dot = as_json("diagram", "orders.py:order_flow", cwd=here)
+    assert dot["format"] == "dot" and "awaiting" in dot["content"]
+    wrote = as_json("diagram", "--lifecycle", "-o", "life.dot", cwd=here)
+    assert wrote == {"wrote": "life.dot", "format": "dot"} and (here / "life.dot").is_file()
+    assert as_json("db", "upgrade", cwd=here)["changed"] is False
+    failed = as_json("run", "orders.py", "--context", '{"order_id": "N1", "amount": -1}', cwd=here)[
+        "run"
+    ]
+    sent = as_json(
+        "send", failed["id"], "approve", "--data", '{"by": "bo"}', "-w", "orders.py", cwd=here
+    )
+    assert sent["run"]["state"] == "ship"
+    ended = as_json("resume", "-w", "orders.py", cwd=here)
+    assert ended["recovered"] == 0 and ended["commits"] > 0  # ship ran, and failed
+    retried = json.loads(
+        flowloop("retry", failed["id"][:8], "-w", "orders.py", "--json", cwd=here, code=1).stdout
+    )["run"]
+    assert retried["status"] == "failed" and "a negative amount" in retried["error"]
+
+
+def test_status_json__says_when_it_is_cut_and_pages_with_after(here: Path) -> None:
+    for number in range(3):
+        here_cli("start", "orders.py", "--context", f'{{"order_id": "P{number}"}}', cwd=here)
+    first = as_json("status", "--limit", "2", cwd=here)
+    assert [r["key"] for r in first["runs"]] == ["P2", "P1"]
+    assert first["truncated"] is True and first["next_after"] == first["runs"][-1]["id"]
+    rest = as_json("status", "--limit", "2", "--after", first["next_after"][:8], cwd=here)
+    assert [r["key"] for r in rest["runs"]] == ["P0"]
+    assert (rest["truncated"], rest["next_after"]) == (False, None)
+    table = here_cli("status", "--limit", "2", cwd=here)
+    assert f"more: `flowloop status --after {first['next_after']}`" in table
+
+
+# -- item 15: small inconsistencies ---------------------------------------------------------
+
+
+@pytest.fixture
+def worker(here: Path) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowloop", "worker", "-w", "orders.py", "--json"],
+        cwd=here,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=WAIT_S)
+
+
+def test_worker__takes_w_prints_json_and_pause_knows_its_loop(
+    here: Path, worker: subprocess.Popen[str]
+) -> None:
+    assert worker.stdout is not None
+    started = json.loads(worker.stdout.readline())
+    assert started["event"] == "worker_started"
+    assert (started["workflows"], started["loops"]) == (["order"], ["tidy"])
+    poll(
+        lambda: as_json("loops", cwd=here)["loops"],
+        timeout=WAIT_S,
+        what="the worker to list its loop",
+        every=0.1,
+    )
+    paused = as_json("pause", "tidy", cwd=here)["loop"]
+    assert paused["name"] == "tidy" and "paused" in (paused["status"], paused["control"])
+    line = refused("pause", "nightly", cwd=here)
+    assert "no run 'nightly'" in line and "and no loop of that name" in line
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=WAIT_S) == 0
+
+
+def test_small_things__version_module_hint_and_variable_names(here: Path, waiting_run: str) -> None:
+    assert flowloop("--version", cwd=here).stdout.startswith("flowloop, version ")
+    line = refused("send", waiting_run, "approve", "--data", '{"by": "ann"}', cwd=here)
+    assert "unknown workflow 'order'" in line and "pass -w FILE_OR_DIR" in line
+    by_variable = as_json("run", "orders.py:order_flow", "--context", '{"order_id": "V"}', cwd=here)
+    by_name = as_json("run", "orders.py:order", "--context", '{"order_id": "W"}', cwd=here)
+    assert by_variable["run"]["workflow"] == by_name["run"]["workflow"] == "order"
+    assert "no workflow 'nope', by name or variable" in refused(
+        "run", "orders.py:nope", "--context", "{}", cwd=here, process=False
+    )

@@ -1,0 +1,79 @@
+"""The README's Python samples run as written.
+
+How it works (keep it this simple): every fenced block that opens with ```python in
+README.md is executed, in the order of the file, in ONE namespace (a block may use names an
+earlier block defined), in a fresh temporary working directory with FLOWLOOP_DB unset, so
+``Engine()`` creates ./flowloop.db there. A failing block fails the test with its line in
+README.md (tracebacks point at README lines too). Engines the samples leave open are
+closed at the end.
+
+Adding a sample: give it its own imports, or use names from blocks above it. Text that is
+not meant to run (signatures, fragments with ``...``) goes in a ```text block instead.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from pathlib import Path
+
+import pytest
+
+from flowloop import Engine
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+FENCE = re.compile(r"^```(\S*)\s*$")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """(line of the block's first code line, code) for each ```python block, in order."""
+    blocks: list[tuple[int, str]] = []
+    language: str | None = None
+    start, lines = 0, []
+    for number, line in enumerate(text.splitlines(), 1):
+        fence = FENCE.match(line)
+        if language is None:
+            if fence:
+                language, start, lines = fence.group(1), number + 1, []
+        elif line.rstrip() == "```":
+            if language == "python":
+                blocks.append((start, "\n".join(lines) + "\n"))
+            language = None
+        else:
+            lines.append(line)
+    assert language is None, f"README.md: the block opened at line {start - 1} is not closed"
+    return blocks
+
+
+def test_python_blocks__are_found_with_their_lines() -> None:
+    text = "intro\n```python\nx = 1\n```\n```text\nnot run\n```\n```python\ny = x\n```\n"
+    assert python_blocks(text) == [(3, "x = 1\n"), (9, "y = x\n")]
+
+
+def test_readme__every_python_block_runs_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWLOOP_DB", raising=False)
+    blocks = python_blocks(README.read_text())
+    assert blocks, "README.md has no ```python block"
+    namespace: dict[str, object] = {"__name__": "readme"}
+    failure = None
+    try:
+        for line, code in blocks:
+            try:
+                # Padded so that line numbers in a traceback are README.md's.
+                exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)
+            except Exception as error:
+                detail = "".join(traceback.format_exception(error)[-3:])
+                failure = (
+                    f"README.md line {line}: the ```python block there fails: "
+                    f"{type(error).__name__}: {error}\n{detail}"
+                )
+                break
+    finally:
+        for value in namespace.values():
+            if isinstance(value, Engine):
+                value.close()
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
