@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids
+from flowloop import ids, tracecontext
 from flowloop import journal as j
-from flowloop import tracecontext
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
