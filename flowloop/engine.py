@@ -264,7 +264,7 @@ class Engine:
         now = self.clock.now()
         business_key = key if key is not None else workflow.business_key(ctx)
         created = JournalEvent(
-            run_id=uuid.uuid4().hex,
+            run_id=self._new_run_id(workflow.name, business_key, idempotency_key),
             seq=1,
             kind=j.RUN_CREATED,
             at=now,
@@ -301,6 +301,10 @@ class Engine:
             owner=owner,
             lease_seconds=self.lease_seconds,
         )
+
+    def _new_run_id(self, workflow: str, key: str | None, idempotency_key: str | None) -> str:
+        """A new run's id: random (flowloop.testing's TestEngine makes it reproducible)."""
+        return uuid.uuid4().hex
 
     @staticmethod
     def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:

@@ -1,0 +1,383 @@
+"""TestEngine: the real engine on a temporary SQLite file, with a fake clock that jumps to
+the next due timer, in-process crash injection, and step overrides."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import math
+import os
+import random
+import shutil
+import tempfile
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+from pydantic import BaseModel
+
+from flowloop.clock import FakeClock
+from flowloop.definition import StepFunction, Workflow, _wants_step
+from flowloop.engine import Engine, RunInfo
+from flowloop.errors import DefinitionError, FlowloopError
+from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
+from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
+from flowloop.testing import assertions
+from flowloop.testing.crash import (
+    DRIVING,
+    Commit,
+    CrashingStore,
+    CrashState,
+    SimulatedCrash,
+    When,
+    _Death,
+    at_commit,
+    at_state,
+)
+
+T = TypeVar("T")
+
+MAX_JUMPS: Final = 10_000
+"""How many times :meth:`TestEngine.run_until_idle` may move the clock to the next due
+time before it decides the workflows never go idle (a run sleeping in an endless cycle)."""
+RUN_ID_NAMESPACE: Final = uuid.UUID("6f1c9f0e-4a7e-4a43-9b7e-0f10f1005eed")
+TEST_POLL_SECONDS: Final = 0.05
+"""How often the test engine's heartbeat looks for pause/stop requests (real seconds)."""
+
+
+class TestEngine(Engine):
+    """The real :class:`~flowloop.Engine` for tests: a real SQLite file (WAL, the same
+    store and guarantees as production) in a temporary directory unless ``db`` names one,
+    driven on a :class:`~flowloop.FakeClock`.
+
+    * :meth:`run_until_idle` jumps the clock to each next due time (a wait's timeout, a
+      ``step.sleep``, a retry's backoff) instead of sleeping; :meth:`advance` moves it by a
+      given amount, firing everything due on the way, in order.
+    * :meth:`crash_at` / :meth:`crash_at_commit` make the engine "die" at a journal point
+      as SIGKILL would; :meth:`resume` goes on with a fresh engine on the same database.
+    * :meth:`override` swaps one step's function for a test; the definition is unchanged.
+
+    Leases and fencing keep working however far the fake clock jumps: leases are judged by
+    the database's clock, due times by the engine's (fake) clock.
+    """
+
+    __test__ = False  # a class named Test* is not a pytest test class
+    clock: FakeClock
+
+    def __init__(
+        self,
+        db: str | os.PathLike[str] | None = None,
+        *,
+        workflows: Iterable[Workflow] = (),
+        clock: FakeClock | None = None,
+        max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        poll_seconds: float = TEST_POLL_SECONDS,
+        synchronous: str = DEFAULT_SYNCHRONOUS,
+        seed: int | None = 0,
+    ) -> None:
+        self._ids = random.Random(seed)
+        self._tmpdir: str | None = None
+        if db is None:
+            self._tmpdir = tempfile.mkdtemp(prefix="flowloop-test-")
+            db = Path(self._tmpdir) / "flowloop.db"
+        url = normalize_url(os.fspath(db))
+        self._crash = CrashState(on_crash=self._stop_driving)
+        self._synchronous = synchronous
+        self._executors: weakref.WeakSet[Executor] = weakref.WeakSet()
+        self._incarnation = 1
+        store = CrashingStore(url, state=self._crash, synchronous=synchronous)
+        super().__init__(
+            url,
+            workflows=workflows,
+            clock=clock if clock is not None else FakeClock(),
+            max_concurrency=max_concurrency,
+            lease_seconds=lease_seconds,
+            poll_seconds=poll_seconds,
+            worker_id=self._next_worker_id(),
+            store=store,
+        )
+
+    def _new_run_id(self, workflow: str, key: str | None, idempotency_key: str | None) -> str:
+        # Reproducible ids, so two runs of one test script get the same ids and hence the
+        # same idempotency keys (a crashed run compares with an uninterrupted one field by
+        # field): derived from the run's key when it has one (a start repeated after a
+        # crash gets the same id), else drawn from a generator seeded with ``seed``.
+        if idempotency_key is not None or key is not None:
+            name = f"{workflow}\0{key}\0{idempotency_key}"
+            return uuid.uuid5(RUN_ID_NAMESPACE, name).hex
+        return uuid.UUID(int=self._ids.getrandbits(128), version=4).hex
+
+    def _next_worker_id(self) -> str:
+        return f"testengine:{id(self):x}:{self._incarnation}"
+
+    def __enter__(self) -> TestEngine:
+        return self
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception, _Death):
+            super().close()
+        self._executors.clear()
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    # -- driving on the fake clock ---------------------------------------------------------
+
+    def _new_executor(self, *, max_concurrency: int | None = None) -> Executor:
+        executor = super()._new_executor(max_concurrency=max_concurrency)
+        self._executors.add(executor)
+        return executor
+
+    def run_until_idle(
+        self,
+        *,
+        idle_horizon: float = math.inf,
+        skip_time: bool = True,
+        max_jumps: int = MAX_JUMPS,
+    ) -> Stats:
+        """Execute everything due; with ``skip_time`` (default) jump the fake clock to the
+        next due time (wait timeouts, durable sleeps, retry backoff) — at most
+        ``idle_horizon`` seconds ahead of now — and go on, until nothing is due any more.
+
+        Raises SimulatedCrash when an armed crash point is reached, FlowloopError when the
+        runs never go idle (more than ``max_jumps`` jumps: use :meth:`advance`)."""
+        return asyncio.run(
+            self.arun_until_idle(
+                idle_horizon=idle_horizon, skip_time=skip_time, max_jumps=max_jumps
+            )
+        )
+
+    async def arun_until_idle(
+        self,
+        *,
+        idle_horizon: float = math.inf,
+        skip_time: bool = True,
+        max_jumps: int = MAX_JUMPS,
+    ) -> Stats:
+        """:meth:`run_until_idle` inside a running event loop (an async test)."""
+        limit = self.clock.now() + idle_horizon if skip_time else -math.inf
+        return await self._driving(self._drive(limit=limit, land=None, max_jumps=max_jumps))
+
+    def advance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
+        """Move the fake clock forward by ``delta`` (a timedelta or seconds), executing on
+        the way everything that falls due, in time order, then what is due at the end."""
+        return asyncio.run(self.aadvance(delta, max_jumps=max_jumps))
+
+    async def aadvance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
+        """:meth:`advance` inside a running event loop."""
+        seconds = delta.total_seconds() if isinstance(delta, timedelta) else float(delta)
+        if seconds < 0:
+            raise FlowloopError("advance: time only moves forward (got a negative delta)")
+        target = self.clock.now() + seconds
+        return await self._driving(self._drive(limit=target, land=target, max_jumps=max_jumps))
+
+    async def _drive(self, *, limit: float, land: float | None, max_jumps: int) -> Stats:
+        total = Stats()
+        for _ in range(max_jumps + 1):
+            await self._pass(total)
+            due = self.store.next_due(workflows=list(self.workflows))
+            # Due but not taken (a lease held elsewhere): nothing more to do in this pass.
+            if due is None or due <= self.clock.now() or due > limit:
+                break
+            self.clock.set(due)
+        else:
+            raise FlowloopError(
+                f"runs still had timers due after {max_jumps} jumps of the clock: a workflow "
+                "that never goes idle (a cycle of sleeps?); drive it with advance(…) instead"
+            )
+        if land is not None and self.clock.now() < land:
+            self.clock.set(land)
+            await self._pass(total)
+        return total
+
+    async def _pass(self, total: Stats) -> None:
+        """One executor pass over what is due now (a new executor: a finished one drains)."""
+        executor = self._new_executor()
+        try:
+            stats = await executor.run(until_idle=True, idle_horizon=-math.inf)
+        finally:
+            executor.close()
+        for name, value in dataclasses.asdict(stats).items():
+            setattr(total, name, getattr(total, name) + value)
+
+    async def arun(
+        self,
+        workflow: Workflow,
+        context: BaseModel | Mapping[str, Any] | str,
+        *,
+        key: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> RunInfo:
+        """:meth:`Engine.arun` as "the process" (an armed crash raises SimulatedCrash)."""
+        return await self._driving(
+            super().arun(workflow, context, key=key, idempotency_key=idempotency_key)
+        )
+
+    async def _driving(self, work: Awaitable[T]) -> T:
+        """Run engine work as "the process": a crash inside it becomes SimulatedCrash."""
+        if self._crash.crashed is not None:
+            _close(work)
+            raise SimulatedCrash(self._crash.crashed)
+        token = DRIVING.set(True)
+        try:
+            return await work
+        except _Death:
+            raise SimulatedCrash(self._crash.crashed or "earlier") from None
+        except asyncio.CancelledError:
+            if self._crash.crashed is None:
+                raise
+            raise SimulatedCrash(self._crash.crashed) from None
+        finally:
+            DRIVING.reset(token)
+
+    def _stop_driving(self) -> None:
+        """At the crash: every run task of this engine stops where it is (it can write
+        nothing more: the store refuses every call)."""
+        for executor in self._executors:
+            for active in list(executor._active.values()):
+                active.task.add_done_callback(_retrieve)
+                active.task.cancel()
+
+    # -- crashes ---------------------------------------------------------------------------
+
+    def crash_at(self, state: str, when: When = "inside", *, occurrence: int = 1) -> None:
+        """Arm a crash at ``state``'s journal point (the next drive or start reaching it
+        raises SimulatedCrash; then call :meth:`resume`):
+
+        * ``"before"``: just before the commit that starts the state (its
+          ``step_started``; for a wait or final state, the transition into it);
+        * ``"inside"``: the step function has run, its outcome is not committed (for a
+          wait state: the event or timeout it takes is not committed);
+        * ``"after"``: just after its outcome is committed.
+
+        ``occurrence`` picks a later visit or attempt (the n-th matching commit)."""
+        known = [wf for wf in self.workflows.values() if state in wf.states]
+        if not known:
+            raise DefinitionError(
+                ", ".join(self.workflows) or "(none registered)",
+                f"has no state {state!r} to crash at",
+            )
+        is_step = any(state in wf.steps for wf in known)
+        self._crash.trigger = at_state(state, when, is_step=is_step, occurrence=occurrence)
+
+    def crash_at_commit(self, number: int, when: str = "after") -> None:
+        """Arm a crash just ``"before"`` or ``"after"`` the ``number``-th journal commit of
+        this engine (counted from 1 across resumes; see :attr:`commits`)."""
+        if when not in ("before", "after"):
+            raise FlowloopError(f"crash_at_commit: when must be 'before' or 'after', not {when!r}")
+        self._crash.trigger = at_commit(number, "before" if when == "before" else "after")
+
+    def disarm(self) -> None:
+        """Forget an armed crash that has not happened."""
+        self._crash.trigger = None
+
+    @property
+    def crashed(self) -> str | None:
+        """The crash point's description while this engine is dead, else ``None``."""
+        return self._crash.crashed
+
+    @property
+    def commits(self) -> list[Commit]:
+        """Every journal commit this engine made (or was about to make when it crashed
+        before one), across resumes, numbered from 1."""
+        return list(self._crash.commits)
+
+    def resume(self) -> Stats:
+        """After a crash: a fresh engine (new worker id, new connections, nothing of the
+        dead one's memory) takes over the database — the dead worker's leases are expired,
+        as a restarted worker on its host would see it dead — and drives everything to
+        idle like :meth:`run_until_idle`. Without a crash it just runs until idle."""
+        if self._crash.crashed is not None:
+            self._reincarnate()
+        return self.run_until_idle()
+
+    def _reincarnate(self) -> None:
+        dead = self.worker_id
+        workflows = list(self.workflows.values())
+        with contextlib.suppress(Exception, _Death):
+            Engine.close(self)  # the dead store refuses writes: closing writes nothing
+        self._executors = weakref.WeakSet()
+        self._incarnation += 1
+        store = CrashingStore(self.url, state=self._crash, synchronous=self._synchronous)
+        store.expire_leases([dead])
+        store.expire_loop_leases([dead])
+        self._crash.crashed = None
+        Engine.__init__(
+            self,
+            self.url,
+            workflows=workflows,
+            clock=self.clock,
+            max_concurrency=self.max_concurrency,
+            lease_seconds=self.lease_seconds,
+            poll_seconds=self.poll_seconds,
+            worker_id=self._next_worker_id(),
+            store=store,
+        )
+
+    # -- step overrides --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def override(
+        self, workflow: Workflow | str, state: str, function: StepFunction
+    ) -> Iterator[Workflow]:
+        """Replace ``state``'s step function with ``function`` (sync or async, ``(ctx)`` or
+        ``(ctx, step)``) inside the ``with`` block; restored after. The definition — its
+        states, transitions, retry, timeout and fingerprint — stays the same, so runs
+        started with the real function continue under the fake one and back.
+
+        The swap is made on the Workflow object itself: in the block, every engine of this
+        process that runs the workflow uses ``function``."""
+        wf = self.workflow(workflow) if isinstance(workflow, str) else workflow
+        if wf.name not in self.workflows:
+            self.register(wf)
+        steps = wf._draft.steps  # the definition's own table (as Workflow.tune_step edits)
+        original = steps.get(state)
+        if original is None:
+            raise DefinitionError(
+                wf.name, f"has no step {state!r} to override (steps: {', '.join(wf.steps)})"
+            )
+        steps[state] = dataclasses.replace(
+            original,
+            fn=function,
+            is_async=inspect.iscoroutinefunction(function),
+            wants_step=_wants_step(wf.name, state, function),
+        )
+        try:
+            yield wf
+        finally:
+            steps[state] = original
+
+    # -- reading the journal ---------------------------------------------------------------
+
+    def path(self, run: assertions.RunRef) -> list[str]:
+        """The states ``run`` entered, in order (see :func:`flowloop.testing.path`)."""
+        return assertions.path(self, run)
+
+    def attempts(
+        self, run: assertions.RunRef, state: str | None = None
+    ) -> list[assertions.Attempt]:
+        """Every attempt of the run's steps (of ``state`` only, if given)."""
+        return assertions.attempts(self, run, state)
+
+    def context_at(self, run: assertions.RunRef, seq: int) -> dict[str, Any]:
+        """The run's context after journal entry ``seq``."""
+        return assertions.context_at(self, run, seq)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Mark a dead run task's exception (the crash itself) as seen: it is no error."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _close(work: Awaitable[Any]) -> None:
+    """Close a coroutine that will not run (avoids the "never awaited" warning)."""
+    close: Callable[[], None] | None = getattr(work, "close", None)
+    if close is not None:
+        close()
