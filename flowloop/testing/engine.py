@@ -26,6 +26,7 @@ from flowloop.definition import StepFunction, Workflow, _wants_step
 from flowloop.engine import Engine, RunInfo
 from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
+from flowloop.retry import Retry, seconds
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
 from flowloop.testing import assertions
 from flowloop.testing.crash import (
@@ -324,15 +325,22 @@ class TestEngine(Engine):
 
     @contextlib.contextmanager
     def override(
-        self, workflow: Workflow | str, state: str, function: StepFunction
+        self,
+        workflow: Workflow | str,
+        state: str,
+        function: StepFunction | None = None,
+        *,
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
     ) -> Iterator[Workflow]:
         """Replace ``state``'s step function with ``function`` (sync or async, ``(ctx)`` or
-        ``(ctx, step)``) inside the ``with`` block; restored after. The definition — its
-        states, transitions, retry, timeout and fingerprint — stays the same, so runs
-        started with the real function continue under the fake one and back.
+        ``(ctx, step)``) — and/or its ``retry`` policy or ``timeout`` — inside the ``with``
+        block; restored after. The definition's structure (states, transitions) and so its
+        fingerprint stay the same: runs started before continue under the override and
+        back.
 
         The swap is made on the Workflow object itself: in the block, every engine of this
-        process that runs the workflow uses ``function``."""
+        process that runs the workflow uses it."""
         wf = self.workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self.workflows:
             self.register(wf)
@@ -342,12 +350,19 @@ class TestEngine(Engine):
             raise DefinitionError(
                 wf.name, f"has no step {state!r} to override (steps: {', '.join(wf.steps)})"
             )
-        steps[state] = dataclasses.replace(
-            original,
-            fn=function,
-            is_async=inspect.iscoroutinefunction(function),
-            wants_step=_wants_step(wf.name, state, function),
-        )
+        replacement = original
+        if function is not None:
+            replacement = dataclasses.replace(
+                replacement,
+                fn=function,
+                is_async=inspect.iscoroutinefunction(function),
+                wants_step=_wants_step(wf.name, state, function),
+            )
+        if retry is not None:
+            replacement = dataclasses.replace(replacement, retry=retry)
+        if timeout is not None:
+            replacement = dataclasses.replace(replacement, timeout=seconds(timeout))
+        steps[state] = replacement
         try:
             yield wf
         finally:
