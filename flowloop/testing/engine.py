@@ -289,14 +289,21 @@ class TestEngine(Engine):
         before one), across resumes, numbered from 1."""
         return list(self._crash.commits)
 
-    def resume(self) -> Stats:
+    def resume(self, *, skip_time: bool = True) -> Stats:
         """After a crash: a fresh engine (new worker id, new connections, nothing of the
         dead one's memory) takes over the database — the dead worker's leases are expired,
         as a restarted worker on its host would see it dead — and drives everything to
-        idle like :meth:`run_until_idle`. Without a crash it just runs until idle."""
+        idle like :meth:`run_until_idle` (``skip_time=False``: only what is due now).
+        Without a crash it just runs until idle."""
         if self._crash.crashed is not None:
             self._reincarnate()
-        return self.run_until_idle()
+        return self.run_until_idle(skip_time=skip_time)
+
+    async def aresume(self, *, skip_time: bool = True) -> Stats:
+        """:meth:`resume` inside a running event loop (an async test)."""
+        if self._crash.crashed is not None:
+            self._reincarnate()
+        return await self.arun_until_idle(skip_time=skip_time)
 
     def _reincarnate(self) -> None:
         dead = self.worker_id

@@ -240,7 +240,7 @@ def _crashed(
                     problems.append("crashed more than once (one crash was armed)")
                     break
                 problems.extend(_only_committed(engine.url, engine.commits))
-                engine.resume()
+                engine.resume(skip_time=False)  # time moves as the script says
                 if run and operator_retry:
                     retried = _retry_interrupted(engine, run[0], workflows)
         if crashes == 0:
@@ -265,7 +265,7 @@ def _retry_interrupted(engine: TestEngine, run_id: str, workflows: Sequence[Work
     if spec is None or spec.idempotent:
         return False  # an idempotent step out of attempts: not the operator's case
     engine.retry(run_id, by="flowloop.testing")
-    engine.run_until_idle()
+    engine.run_until_idle(skip_time=False)
     return True
 
 
