@@ -10,6 +10,9 @@ import pytest
 from pydantic import BaseModel
 from waitkit import (
     ALL,
+    Approval,
+    Doc,
+    approved,
     assert_journal_sound,
     chain,
     ctx,
@@ -22,7 +25,7 @@ from waitkit import (
     review,
 )
 
-from flowloop import Engine, FakeClock, Workflow
+from flowloop import Engine, FakeClock, Retry, Workflow
 from flowloop.errors import DefinitionError, InvalidEvent, InvalidTransition
 from flowloop.events import InvalidPayload, NeverAccepted, NotWaiting
 from flowloop.store import InboxEvent
@@ -513,3 +516,38 @@ def test_wait__definition_refuses_bad_payloads_handlers_and_visits() -> None:
         wf.wait("w", on={"e": "done"}, max_visits=0)
     with pytest.raises(DefinitionError, match="give timeout= and on_timeout= together"):
         wf.wait("w", on={"e": "done"}, timeout=5)
+
+
+def test_wait__failed_step_entered_by_an_event_can_be_retried(engine: TestEngine) -> None:
+    # Bug: retry looked for the context a state was entered with among step outcomes
+    # only, so a run failed in a state entered by a wait's event "never reached" it.
+    flow = Workflow("after_wait", context=Doc)
+    failures = [1]
+
+    @flow.step(initial=True, next="awaiting")
+    def draft(ctx: Doc) -> None:
+        ctx.prepared += 1
+
+    flow.wait(
+        "awaiting",
+        on={"approve": "publish"},
+        payloads={"approve": Approval},
+        handlers={"approve": approved},
+    )
+
+    @flow.step(next="published", retry=Retry(attempts=1))
+    def publish(ctx: Doc) -> None:
+        if failures:
+            failures.pop()
+            raise RuntimeError("publisher down")
+
+    flow.final("published")
+    run = engine.start(flow, {})
+    engine.run_until_idle()
+    engine.send(run.id, "approve", {"by": "ann"})
+    engine.run_until_idle()
+    assert (engine.get(run.id).status, engine.get(run.id).state) == ("failed", "publish")
+    engine.retry(run.id)
+    engine.run_until_idle()
+    info = engine.get(run.id)
+    assert (info.status, info.context.approved_by) == ("succeeded", "ann")  # type: ignore[union-attr]
