@@ -188,10 +188,12 @@ class CrashState:
 class CrashingStore(SQLStore):
     """The real SQL store, recording its journal commits and dying at an armed trigger."""
 
-    def __init__(self, url: str, *, state: CrashState, synchronous: str) -> None:
+    def __init__(
+        self, url: str, *, state: CrashState, synchronous: str, check_schema: bool = True
+    ) -> None:
         self._crash = state
         self._dead = False
-        super().__init__(url, synchronous=synchronous)
+        super().__init__(url, synchronous=synchronous, check_schema=check_schema)
 
     def __getattribute__(self, name: str) -> Any:
         # A dead process answers nothing: every public call after the crash fails, so the

@@ -4,6 +4,7 @@ the next due timer, in-process crash injection, and step overrides."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import inspect
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel
+from sqlalchemy import make_url
 
 from flowloop.clock import FakeClock
 from flowloop.definition import StepFunction, Workflow, _wants_step
@@ -27,7 +29,8 @@ from flowloop.engine import Engine, RunInfo
 from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
 from flowloop.retry import Retry, seconds
-from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
+from flowloop.store import SQLStore
+from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url, sqlite_url
 from flowloop.testing import assertions
 from flowloop.testing.crash import (
     DRIVING,
@@ -88,6 +91,7 @@ class TestEngine(Engine):
             self._tmpdir = tempfile.mkdtemp(prefix="flowloop-test-")
             db = Path(self._tmpdir) / "flowloop.db"
         url = normalize_url(os.fspath(db))
+        _from_template(url)
         self._crash = CrashState(on_crash=self._stop_driving)
         self._synchronous = synchronous
         self._executors: weakref.WeakSet[Executor] = weakref.WeakSet()
@@ -312,7 +316,9 @@ class TestEngine(Engine):
             Engine.close(self)  # the dead store refuses writes: closing writes nothing
         self._executors = weakref.WeakSet()
         self._incarnation += 1
-        store = CrashingStore(self.url, state=self._crash, synchronous=self._synchronous)
+        store = CrashingStore(
+            self.url, state=self._crash, synchronous=self._synchronous, check_schema=False
+        )
         store.expire_leases([dead])
         store.expire_loop_leases([dead])
         self._crash.crashed = None
@@ -390,6 +396,35 @@ class TestEngine(Engine):
     def context_at(self, run: assertions.RunRef, seq: int) -> dict[str, Any]:
         """The run's context after journal entry ``seq``."""
         return assertions.context_at(self, run, seq)
+
+
+_TEMPLATE: list[Path] = []
+"""A SQLite file holding an empty schema at head, made once per process."""
+
+
+def _from_template(url: str) -> None:
+    """Create a new SQLite database file as a copy of a schema-ready template: building
+    the schema through the migrations costs tens of milliseconds, a copy almost nothing
+    (the crash sweep makes a database per crash point). Other URLs are left alone."""
+    parsed = make_url(url)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return
+    if database.startswith("file:") or Path(database).exists():
+        return
+    if not _TEMPLATE or not _TEMPLATE[0].exists():
+        folder = tempfile.mkdtemp(prefix="flowloop-template-")
+        atexit.register(shutil.rmtree, folder, True)
+        template = Path(folder) / "template.db"
+        SQLStore(sqlite_url(template)).close()  # the last close checkpoints the WAL
+        _TEMPLATE[:] = [template]
+    if not Path(database).parent.is_dir():
+        return  # the store reports the missing directory
+    data = _TEMPLATE[0].read_bytes()
+    # Readable by the owner only, as the store creates its files.
+    fd = os.open(database, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

@@ -96,4 +96,4 @@ def test_a_step_replaced_for_one_test(flowloop_engine: TestEngine) -> None:
     with flowloop_engine.override(signup, "send_welcome", no_mail):
         run = flowloop_engine.run(signup, {"email": "eve@example.com"})
     assert run.state == "awaiting_confirmation"
-    assert run.context.welcome_id == "mail-test"  # type: ignore[union-attr]
+    assert run.context == Signup(email="eve@example.com", welcome_id="mail-test")

@@ -494,3 +494,21 @@ def test_plugin_fixtures__usable_from_async_code(flowloop_engine: TestEngine) ->
 
     assert asyncio.run(scenario()) == "succeeded"
     assert {r.state for r in flowloop_engine.runs()} == {"done", "expired"}
+
+
+# -- the README example ------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_readme__testing_example_is_the_tested_file_and_runs_as_plain_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Testing your workflows") :]
+    block = section.split("```python\n", 1)[1].split("```", 1)[0]
+    example = (ROOT / "tests" / "examples" / "test_readme_testing_example.py").read_text()
+    body = example[example.index("from datetime import timedelta") :]
+    assert block.startswith(body), "README's testing example differs from its test file"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block, "README.md (Testing your workflows)", "exec"), {"__name__": "readme"})
