@@ -3,7 +3,8 @@
 * :class:`TestEngine` — the real engine on a temporary SQLite file (WAL, the production
   store) and a :class:`FakeClock`: ``run_until_idle()`` jumps the clock to each next due
   timer (wait timeouts, ``step.sleep``, retry backoff) instead of sleeping, ``advance(…)``
-  moves it by a given amount.
+  moves it by a given amount; ``run_loops(loops, timedelta)`` drives ``@loop`` schedules
+  slot by slot on the same clock.
 * Crash injection: ``engine.crash_at("ship", "inside")`` or ``crash_at_commit(k)`` makes the
   engine die at that journal point as SIGKILL would (the database keeps what was committed,
   nothing else is written); ``engine.resume()`` goes on with a fresh engine.

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import uuid
 import weakref
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -28,9 +28,11 @@ from flowloop.definition import StepFunction, Workflow, _wants_step
 from flowloop.engine import Engine, RunInfo
 from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
+from flowloop.loops import Loop
 from flowloop.retry import Retry, seconds
 from flowloop.store import SQLStore
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url, sqlite_url
+from flowloop.store.loops import LoopEvent
 from flowloop.testing import assertions
 from flowloop.testing.crash import (
     DRIVING,
@@ -249,6 +251,28 @@ class TestEngine(Engine):
                 active.task.add_done_callback(_retrieve)
                 active.task.cancel()
 
+    def run_loops(
+        self, loops: Sequence[Loop], duration: timedelta | float, *, max_jumps: int = MAX_JUMPS
+    ) -> list[LoopEvent]:
+        """Run ``loops`` (``@loop`` functions or workflow loops) for ``duration`` of fake
+        time, as a worker would: each slot fires when the clock reaches it, its iteration
+        runs to the end (retries included), then the clock jumps to the next slot. Returns
+        the loop journal entries written meanwhile (``iteration_succeeded``, ``missed`` …);
+        ``loop(name)`` and ``loop_history(name)`` read the rest."""
+        return asyncio.run(self.arun_loops(loops, duration, max_jumps=max_jumps))
+
+    async def arun_loops(
+        self, loops: Sequence[Loop], duration: timedelta | float, *, max_jumps: int = MAX_JUMPS
+    ) -> list[LoopEvent]:
+        """:meth:`run_loops` inside a running event loop."""
+        from flowloop.testing.loops import drive_loops  # the worker's modules, when needed
+
+        seconds = duration.total_seconds() if isinstance(duration, timedelta) else duration
+        if seconds < 0:
+            raise FlowloopError("run_loops: time only moves forward (got a negative duration)")
+        until = self.clock.now() + seconds
+        return await self._driving(drive_loops(self, loops, until=until, max_jumps=max_jumps))
+
     # -- crashes ---------------------------------------------------------------------------
 
     def crash_at(self, state: str, when: When = "inside", *, occurrence: int = 1) -> None:
@@ -312,6 +336,7 @@ class TestEngine(Engine):
     def _reincarnate(self) -> None:
         dead = self.worker_id
         workflows = list(self.workflows.values())
+        listeners = list(self.listeners)  # the test's own hooks, not the dead process's state
         with contextlib.suppress(Exception, _Death):
             Engine.close(self)  # the dead store refuses writes: closing writes nothing
         self._executors = weakref.WeakSet()
@@ -333,6 +358,7 @@ class TestEngine(Engine):
             worker_id=self._next_worker_id(),
             store=store,
         )
+        self.listeners.extend(listeners)
 
     # -- step overrides --------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kitflows import EXECUTED, Ctx, sleeper, three_steps, waiting
 
-from flowloop import FakeClock, Retry, Step, Workflow
+from flowloop import FakeClock, Iteration, Loop, Retry, Step, Workflow, loop
 from flowloop import journal as j
 from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.store import SQLStore
@@ -234,12 +234,15 @@ def test_crash_at_after__a_committed_outcome_never_runs_again(engine: TestEngine
     flow = three_steps()
     engine.register(flow)
     run = engine.start(flow, {"name": "r1"})
+    seen: list[str] = []
+    engine.listeners.append(lambda record, events: seen.extend(e.kind for e in events))
     engine.crash_at("b", "after")
     with pytest.raises(SimulatedCrash):
         engine.run_until_idle()
     engine.resume()
     assert EXECUTED == [("a", 1), ("b", 1), ("c", 2)]  # c was started, then cut off
     assert engine.path(run) == ["a", "b", "c", "done"]
+    assert seen[-3:] == [j.STEP_INTERRUPTED, j.STEP_STARTED, j.STEP_SUCCEEDED]  # kept hooks
 
 
 def test_crash_at__inside_engine_run_and_at_start(engine: TestEngine) -> None:
@@ -512,3 +515,50 @@ def test_readme__testing_example_is_the_tested_file_and_runs_as_plain_python(
     assert block.startswith(body), "README's testing example differs from its test file"
     monkeypatch.chdir(tmp_path)
     exec(compile(block, "README.md (Testing your workflows)", "exec"), {"__name__": "readme"})
+
+
+# -- loops --------------------------------------------------------------------------------
+
+
+def test_run_loops__hourly_function_fires_each_slot_on_the_fake_clock(engine: TestEngine) -> None:
+    slots: list[float] = []
+
+    @loop(every=timedelta(hours=1))
+    def hourly(iteration: Iteration) -> None:
+        slots.append(iteration.slot)
+
+    start = engine.clock.now()
+    began = time.perf_counter()
+    events = engine.run_loops([hourly], timedelta(days=1))
+    wall = time.perf_counter() - began
+    assert [slot - start for slot in slots] == [3600.0 * h for h in range(25)]
+    assert engine.clock.now() == start + DAY
+    assert [e.kind for e in events].count("iteration_succeeded") == 25
+    assert engine.loop("hourly").next_fire_at == start + 25 * 3600
+    assert wall < 5.0
+
+
+def test_run_loops__workflow_loop_whose_run_sleeps_and_a_retried_iteration(
+    engine: TestEngine,
+) -> None:
+    nightly_flow = sleeper(naps=1, hours=1)  # each run sleeps an hour, then ends
+    nightly = Loop("nightly", workflow=nightly_flow, every=timedelta(days=1), context={})
+    failures = [1]
+
+    @loop(every=timedelta(hours=6), retry=Retry(attempts=2, backoff="fixed", base=60))
+    def flaky(iteration: Iteration) -> None:
+        if failures:
+            failures.pop()
+            raise ConnectionError("once")
+
+    start = engine.clock.now()
+    events = engine.run_loops([nightly, flaky], timedelta(days=2))
+    runs = engine.runs(workflow="sleeper")
+    assert sorted(r.created_at - start for r in runs) == [0.0, DAY, 2 * DAY]
+    assert all(r.status == "succeeded" for r in runs)
+    # The run of the last slot slept its hour: the iteration ends past the duration.
+    assert engine.clock.now() == start + 2 * DAY + 3600
+    flaky_events = [(e.kind, e.at - start, e.attempt) for e in events if e.loop == "flaky"]
+    # The first iteration failed once and succeeded a (fake) minute later, on attempt 2.
+    assert flaky_events[1:3] == [("iteration_started", 0.0, 1), ("iteration_succeeded", 60.0, 2)]
+    assert flaky_events[-1] == ("iteration_succeeded", 2 * DAY, 1)
