@@ -562,3 +562,19 @@ def test_run_loops__workflow_loop_whose_run_sleeps_and_a_retried_iteration(
     # The first iteration failed once and succeeded a (fake) minute later, on attempt 2.
     assert flaky_events[1:3] == [("iteration_started", 0.0, 1), ("iteration_succeeded", 60.0, 2)]
     assert flaky_events[-1] == ("iteration_succeeded", 2 * DAY, 1)
+
+
+def test_crash_sweep__post_crash_check_sees_writes_that_were_not_committed_at_the_crash(
+    engine: TestEngine,
+) -> None:
+    from flowloop.testing.sweep import _only_committed
+
+    flow = three_steps()
+    run = engine.start(flow, {"name": "leak"})
+    engine.run_until_idle()
+    commits = engine.commits
+    assert _only_committed(engine.url, commits) == []
+    # As if the last commit had come after the crash: the check names the extra entry.
+    (problem,) = _only_committed(engine.url, commits[:-1])
+    last = engine.history(run.id)[-1]
+    assert f"extra [('{run.id}', {last.seq}, '{last.kind}')]" in problem
