@@ -7,30 +7,47 @@ and from then on refuses every call — so the dead engine can write nothing mor
 ``step_interrupted`` cut-off, no release, no lease renewal), exactly as after SIGKILL. The
 kit then abandons that engine and continues on a fresh one (:meth:`TestEngine.resume`).
 
-Journal commits are the store calls that append journal events or keep a sent event:
-``create_run``, ``create_runs``, ``write`` and ``deliver``. They are numbered from 1 per
-engine, and each is recorded as a :class:`Commit` (what it carried), so a test can name a
-crash point by number or by state.
+Journal commits are the store calls that append journal events or keep a sent event
+(``create_run``, ``create_runs``, ``write``, ``deliver``; with composition also the calls
+that open joins and create children). They are numbered from 1 per engine, and each is
+recorded as a :class:`Commit` (what it carried), so a test can name a crash point by number
+or by state.
 """
 
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
+
+from sqlalchemy import select
 
 from flowloop import journal as j
 from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent
-from flowloop.store import Boundary, InboxEvent, NewRun, SQLStore, StoredRun
+from flowloop.store import Boundary, NewRun, SQLStore
+from flowloop.store.schema import journal, runs
 
 When = Literal["before", "inside", "after"]
 WHENS: Final = ("before", "inside", "after")
 OUTCOME_KINDS: Final = frozenset({j.STEP_SUCCEEDED, j.STEP_FAILED, j.EVENT_RECEIVED})
 """The journal entries that end a visit of a state (a step's outcome, a wait's event)."""
-JOURNAL_WRITES: Final = ("create_run", "create_runs", "write", "deliver")
+JOURNAL_WRITES: Final = frozenset(
+    {
+        "create_run",
+        "create_runs",
+        "write",
+        "deliver",
+        # Composition (child runs and joins), where the store has them.
+        "open_join",
+        "create_children",
+        "wait_join",
+    }
+)
 _STILL_ALLOWED: Final = frozenset({"close", "commits", "crashed", "url", "engine", "now_sql"})
+"""What a dead store still answers: closing (no write), and what the kit reads of it."""
 
 
 class SimulatedCrash(FlowloopError):
@@ -150,28 +167,28 @@ def at_state(state: str, when: When, *, is_step: bool, occurrence: int = 1) -> T
     )
 
 
-def _events_of(call: str, args: tuple[Any, ...]) -> tuple[JournalEvent, ...]:
-    if call == "create_run":
-        new: NewRun = args[0]
-        return tuple(new.events)
-    if call == "create_runs":
-        news: Sequence[NewRun] = args[0]
-        return tuple(event for n in news for event in n.events)
-    if call == "write":
-        boundaries: Sequence[Boundary] = args[0]
-        return tuple(event for b in boundaries for event in b.events)
-    boundary: Boundary | None = args[1]
-    return () if boundary is None else tuple(boundary.events)
+def _events_of(args: tuple[Any, ...]) -> tuple[JournalEvent, ...]:
+    """The journal events a store call carries: those of its NewRun(s) and Boundary(s)."""
+    found: list[JournalEvent] = []
+    for arg in args:
+        items = arg if isinstance(arg, (list, tuple)) else [arg]
+        for item in items:
+            if isinstance(item, (NewRun, Boundary)):
+                found.extend(item.events)
+    return tuple(found)
 
 
-def _applied(call: str, result: Any) -> bool:
-    if call == "create_run":
-        return bool(result[1])
-    if call == "create_runs":
-        return any(created for _, created in result)
-    if call == "write":
-        return any(result)
-    return result in ("applied", "buffered")
+def _applied(result: Any) -> bool | None:
+    """Whether a journal call changed something, when its result says so."""
+    if isinstance(result, bool):
+        return result
+    if isinstance(result, str):
+        return result in ("applied", "buffered")
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bool):
+        return result[1]  # create_run: (run, created)
+    if isinstance(result, list):
+        return any(item[1] if isinstance(item, tuple) else bool(item) for item in result)
+    return None
 
 
 @dataclass
@@ -183,6 +200,20 @@ class CrashState:
     crashed: str | None = None
     """The crash point's label once the crash happened."""
     on_crash: Callable[[], None] = lambda: None
+    at_crash: Snapshot | None = None
+    """The database as the crash left it (to check that nothing was written after)."""
+
+
+Snapshot = tuple[frozenset[tuple[Any, ...]], frozenset[tuple[Any, ...]]]
+"""Every journal row and every run row of a database, as tuples."""
+
+
+def snapshot(store: SQLStore) -> Snapshot:
+    """The journal and run rows of ``store``'s database, read on a connection of its own."""
+    with store.engine.connect() as conn:
+        entries = frozenset(tuple(row) for row in conn.execute(select(journal)))
+        rows = frozenset(tuple(row) for row in conn.execute(select(runs)))
+    return entries, rows
 
 
 class CrashingStore(SQLStore):
@@ -196,15 +227,17 @@ class CrashingStore(SQLStore):
         super().__init__(url, synchronous=synchronous, check_schema=check_schema)
 
     def __getattribute__(self, name: str) -> Any:
+        if name.startswith("_") or name in _STILL_ALLOWED:
+            return super().__getattribute__(name)
         # A dead process answers nothing: every public call after the crash fails, so the
         # abandoned engine cannot write a cut-off, a release or a renewal (SIGKILL semantics).
-        if (
-            not name.startswith("_")
-            and name not in _STILL_ALLOWED
-            and object.__getattribute__(self, "_dead")
-        ):
+        if object.__getattribute__(self, "_dead"):
             raise object.__getattribute__(self, "_death")()
-        return super().__getattribute__(name)
+        attribute = super().__getattribute__(name)
+        if name in JOURNAL_WRITES and callable(attribute):
+            journal_call = object.__getattribute__(self, "_journal_call")
+            return functools.partial(journal_call, name, attribute)
+        return attribute
 
     def _death(self) -> BaseException:
         label = self._crash.crashed or "earlier"
@@ -218,43 +251,25 @@ class CrashingStore(SQLStore):
     def crashed(self) -> bool:
         return self._dead
 
-    def _journal_call(self, call: str, real: Callable[..., Any], *args: Any) -> Any:
+    def _journal_call(self, call: str, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         state = self._crash
-        commit = Commit(number=len(state.commits) + 1, call=call, events=_events_of(call, args))
+        carried = _events_of(args) + _events_of(tuple(kwargs.values()))
+        commit = Commit(number=len(state.commits) + 1, call=call, events=carried)
         trigger = state.trigger
         fire = trigger is not None and trigger.fires(commit)
         if fire and trigger is not None and not trigger.after:
             state.commits.append(commit)
             self._die(trigger.label)
-        result = real(*args)
-        state.commits.append(
-            Commit(commit.number, call, commit.events, applied=_applied(call, result))
-        )
+        result = real(*args, **kwargs)
+        state.commits.append(Commit(commit.number, call, carried, applied=_applied(result)))
         if fire and trigger is not None:
             self._die(trigger.label)
         return result
 
     def _die(self, label: str) -> None:
+        self._crash.at_crash = snapshot(self)
         self._crash.crashed = label
         self._crash.trigger = None
         self._dead = True
         self._crash.on_crash()
         raise self._death()
-
-    def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
-        result: tuple[StoredRun, bool] = self._journal_call("create_run", super().create_run, new)
-        return result
-
-    def create_runs(self, news: Sequence[NewRun]) -> list[tuple[StoredRun, bool]]:
-        result: list[tuple[StoredRun, bool]] = self._journal_call(
-            "create_runs", super().create_runs, news
-        )
-        return result
-
-    def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
-        result: list[bool] = self._journal_call("write", super().write, boundaries)
-        return result
-
-    def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
-        result: str = self._journal_call("deliver", super().deliver, message, boundary)
-        return result

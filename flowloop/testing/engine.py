@@ -44,6 +44,7 @@ from flowloop.testing.crash import (
     _Death,
     at_commit,
     at_state,
+    snapshot,
 )
 
 T = TypeVar("T")
@@ -316,6 +317,24 @@ class TestEngine(Engine):
         """Every journal commit this engine made (or was about to make when it crashed
         before one), across resumes, numbered from 1."""
         return list(self._crash.commits)
+
+    def writes_after_crash(self) -> list[str]:
+        """While the engine is dead (after a crash, before :meth:`resume`): what reached the
+        database after the crash instant — journal entries and run rows that differ from the
+        snapshot taken at the crash, one line each. Empty, as after a real SIGKILL."""
+        before = self._crash.at_crash
+        if self._crash.crashed is None or before is None:
+            raise FlowloopError("writes_after_crash: this engine has not crashed (or resumed)")
+        store = SQLStore(self.url, create=False, check_schema=False)  # read only
+        try:
+            entries, rows = snapshot(store)
+        finally:
+            store.close()
+        lines = [f"journal entry written after the crash: {e}" for e in sorted(entries - before[0])]
+        lines += [f"journal entry gone after the crash: {e}" for e in sorted(before[0] - entries)]
+        changed = {row[0] for row in rows ^ before[1]}
+        lines += [f"run row {run_id} changed after the crash" for run_id in sorted(changed)]
+        return lines
 
     def resume(self, *, skip_time: bool = True) -> Stats:
         """After a crash: a fresh engine (new worker id, new connections, nothing of the

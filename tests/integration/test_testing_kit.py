@@ -564,17 +564,22 @@ def test_run_loops__workflow_loop_whose_run_sleeps_and_a_retried_iteration(
     assert flaky_events[-1] == ("iteration_succeeded", 2 * DAY, 1)
 
 
-def test_crash_sweep__post_crash_check_sees_writes_that_were_not_committed_at_the_crash(
+def test_writes_after_crash__sees_a_write_that_reaches_the_database_after_the_crash(
     engine: TestEngine,
 ) -> None:
-    from flowloop.testing.sweep import _only_committed
-
     flow = three_steps()
     run = engine.start(flow, {"name": "leak"})
-    engine.run_until_idle()
-    commits = engine.commits
-    assert _only_committed(engine.url, commits) == []
-    # As if the last commit had come after the crash: the check names the extra entry.
-    (problem,) = _only_committed(engine.url, commits[:-1])
-    last = engine.history(run.id)[-1]
-    assert f"extra [('{run.id}', {last.seq}, '{last.kind}')]" in problem
+    engine.crash_at("b", "inside")
+    with pytest.raises(SimulatedCrash):
+        engine.run_until_idle()
+    assert engine.writes_after_crash() == []  # the dead engine wrote nothing
+    # What a worker that was not really dead would do: release the run it held.
+    other = SQLStore(engine.url)
+    try:
+        other.release(worker=engine.worker_id, run_ids=[run.id])
+    finally:
+        other.close()
+    assert engine.writes_after_crash() == [f"run row {run.id} changed after the crash"]
+    engine.resume()
+    with pytest.raises(FlowloopError, match="has not crashed"):
+        engine.writes_after_crash()
