@@ -941,8 +941,9 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
 def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
     """The context a run had when it last entered ``state``."""
     for event in reversed(events):
-        # Entered by a step's outcome or by a wait state's event (or its timeout).
-        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
+        # Entered by any transition that records the context it entered with: a step's
+        # outcome, a wait state's event or timeout, a child run's result.
+        if event.next_state == state and event.context is not None:
             return event.context
         if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
             return event.context
