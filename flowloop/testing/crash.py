@@ -90,7 +90,9 @@ class Commit:
 
     def describe(self) -> str:
         """One line: ``#3 write: step_succeeded charge->ship, step_started ship``."""
-        parts = [_describe_event(event) for event in self.events] or ["an event kept for later"]
+        parts = [_describe_event(event) for event in self.events]
+        if not parts:
+            parts = ["an event kept for later" if self.call == "deliver" else "no journal entry"]
         return f"#{self.number} {self.call}: {', '.join(parts)}"
 
 
