@@ -69,8 +69,13 @@ class TestEngine(Engine):
       as SIGKILL would; :meth:`resume` goes on with a fresh engine on the same database.
     * :meth:`override` swaps one step's function for a test; the definition is unchanged.
 
+    * :meth:`run_loops` drives ``@loop`` schedules slot by slot on the same clock.
+
     Leases and fencing keep working however far the fake clock jumps: leases are judged by
-    the database's clock, due times by the engine's (fake) clock.
+    the database's clock, due times by the engine's (fake) clock. Run ids are reproducible:
+    derived from a run's key or idempotency key when it has one, else drawn from a
+    generator seeded with ``seed`` — the same test script gives the same ids (and so the
+    same ``step.idempotency_key`` values) every time.
     """
 
     __test__ = False  # a class named Test* is not a pytest test class
@@ -119,7 +124,11 @@ class TestEngine(Engine):
         if idempotency_key is not None or key is not None:
             name = f"{workflow}\0{key}\0{idempotency_key}"
             return uuid.uuid5(RUN_ID_NAMESPACE, name).hex
-        return uuid.UUID(int=self._ids.getrandbits(128), version=4).hex
+        while True:
+            # Another engine with the same seed on this database drew the same ones: skip.
+            candidate = uuid.UUID(int=self._ids.getrandbits(128), version=4).hex
+            if self.store.get_run(candidate) is None:
+                return candidate
 
     def _next_worker_id(self) -> str:
         return f"testengine:{id(self):x}:{self._incarnation}"

@@ -583,3 +583,15 @@ def test_writes_after_crash__sees_a_write_that_reaches_the_database_after_the_cr
     engine.resume()
     with pytest.raises(FlowloopError, match="has not crashed"):
         engine.writes_after_crash()
+
+
+def test_test_engine__two_engines_with_one_seed_on_one_database_never_share_an_id(
+    tmp_path: Path,
+) -> None:
+    flow = waiting()
+    db = tmp_path / "shared.db"
+    with TestEngine(db) as first, TestEngine(db) as second:
+        a = first.start(flow, {})
+        b = second.start(flow, {})
+        assert a.id != b.id
+        assert {r.id for r in first.runs()} == {a.id, b.id}
