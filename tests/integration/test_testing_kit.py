@@ -595,3 +595,20 @@ def test_test_engine__two_engines_with_one_seed_on_one_database_never_share_an_i
         b = second.start(flow, {})
         assert a.id != b.id
         assert {r.id for r in first.runs()} == {a.id, b.id}
+
+
+def test_crash__amid_a_group_commit_of_several_runs(
+    engine: TestEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    flow = three_steps()
+    ids = [engine.start(flow, {"name": f"g{i}"}).id for i in range(5)]
+    created = len(engine.commits)
+    engine.crash_at_commit(created + 3, "after")  # starts of a, then a->b, then b->c
+    with pytest.raises(SimulatedCrash):
+        engine.run_until_idle()
+    batch = engine.commits[-1]
+    assert len({e.run_id for e in batch.events}) > 1  # one commit for several runs
+    assert engine.writes_after_crash() == []
+    engine.resume()
+    assert {engine.get(run_id).status for run_id in ids} == {"succeeded"}
+    assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()]
