@@ -30,8 +30,8 @@ demo: system venv
 	@echo "diagram: diagrams/order.svg"
 
 lint: venv
-	$(BIN)/ruff check flowloop tests bench workflows
-	$(BIN)/ruff format --check flowloop tests bench workflows
+	$(BIN)/ruff check flowloop flowloop_pytest.py tests bench workflows
+	$(BIN)/ruff format --check flowloop flowloop_pytest.py tests bench workflows
 	$(BIN)/mypy
 
 test: system venv lint

@@ -1,5 +1,6 @@
 """The pytest plugin of flowloop.testing (registered through the ``pytest11`` entry point,
-so installing flowloop makes these fixtures available in every test suite):
+so installing flowloop makes these fixtures available in every test suite). A top-level
+module, so that loading it imports pytest only — not flowloop:
 
 * ``fake_clock`` — a :class:`~flowloop.FakeClock` (starts 2027-01-15 08:00 UTC);
 * ``flowloop_engine`` — a :class:`~flowloop.testing.TestEngine` on a SQLite file in the
@@ -7,7 +8,7 @@ so installing flowloop makes these fixtures available in every test suite):
 
 Both are plain (sync) fixtures, so they serve sync tests and async ones alike (with
 pytest-asyncio, call the engine's ``a…`` methods: ``await flowloop_engine.arun_until_idle()``).
-flowloop is imported only when a test asks for a fixture: loading the plugin costs nothing.
+flowloop is imported only when a test asks for a fixture.
 """
 
 from __future__ import annotations
