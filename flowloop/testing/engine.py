@@ -53,6 +53,8 @@ MAX_JUMPS: Final = 10_000
 """How many times :meth:`TestEngine.run_until_idle` may move the clock to the next due
 time before it decides the workflows never go idle (a run sleeping in an endless cycle)."""
 RUN_ID_NAMESPACE: Final = uuid.UUID("6f1c9f0e-4a7e-4a43-9b7e-0f10f1005eed")
+_KEPT_HOOKS: Final = ("listeners", "direct_listeners", "trace_new")
+"""Engine attributes a resumed test engine carries over from its dead incarnation."""
 TEST_POLL_SECONDS: Final = 0.05
 """How often the test engine's heartbeat looks for pause/stop requests (real seconds)."""
 
@@ -378,7 +380,9 @@ class TestEngine(Engine):
     def _reincarnate(self) -> None:
         dead = self.worker_id
         workflows = list(self.workflows.values())
-        listeners = list(self.listeners)  # the test's own hooks, not the dead process's state
+        # The test's own hooks (listeners; tracing's, where the engine has them) are the
+        # test's, not the dead process's state: the new incarnation keeps them.
+        hooks = {name: getattr(self, name) for name in _KEPT_HOOKS if hasattr(self, name)}
         with contextlib.suppress(Exception, _Death):
             Engine.close(self)  # the dead store refuses writes: closing writes nothing
         self._executors = weakref.WeakSet()
@@ -400,7 +404,11 @@ class TestEngine(Engine):
             worker_id=self._next_worker_id(),
             store=store,
         )
-        self.listeners.extend(listeners)
+        for name, value in hooks.items():
+            if isinstance(value, list):
+                getattr(self, name).extend(value)
+            else:
+                setattr(self, name, value)
 
     # -- step overrides --------------------------------------------------------------------
 
