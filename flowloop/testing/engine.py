@@ -229,14 +229,11 @@ class TestEngine(Engine):
         self,
         workflow: Workflow,
         context: BaseModel | Mapping[str, Any] | str,
-        *,
-        key: str | None = None,
-        idempotency_key: str | None = None,
+        **options: Any,
     ) -> RunInfo:
-        """:meth:`Engine.arun` as "the process" (an armed crash raises SimulatedCrash)."""
-        return await self._driving(
-            super().arun(workflow, context, key=key, idempotency_key=idempotency_key)
-        )
+        """:meth:`Engine.arun` as "the process" (an armed crash raises SimulatedCrash);
+        ``options`` are Engine.arun's (``key``, ``idempotency_key`` …)."""
+        return await self._driving(super().arun(workflow, context, **options))
 
     async def _driving(self, work: Awaitable[T]) -> T:
         """Run engine work as "the process": a crash inside it becomes SimulatedCrash."""
