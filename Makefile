@@ -31,8 +31,8 @@ demo: system venv
 	@echo "the flowloop command is in $(BIN): export PATH=\"$$PWD/$(BIN):\$$PATH\" (or: . $(BIN)/activate)"
 
 lint: venv
-	$(BIN)/ruff check flowloop tests bench workflows
-	$(BIN)/ruff format --check flowloop tests bench workflows
+	$(BIN)/ruff check flowloop flowloop_pytest.py tests bench workflows
+	$(BIN)/ruff format --check flowloop flowloop_pytest.py tests bench workflows
 	$(BIN)/mypy
 
 test: system venv lint
