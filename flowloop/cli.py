@@ -20,8 +20,9 @@ from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError
+from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.loader import Loaded, load_paths, load_target
+from flowloop.loader import Loaded, load_paths, load_target, split_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES
 from flowloop.store.loops import LoopRow
@@ -396,7 +397,11 @@ def run(
     context = parse_context(context_text)
     with open_engine(db, synchronous) as engine:
         engine.listeners.append(progress_printer())
-        info = engine.run(workflow, context, key=key)
+        info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
+    if isinstance(info, Interrupted):
+        where = f"-w {split_target(target)[0]} --db {database(db)}"
+        resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        leave(interrupted_line(info, resume=resume_with, retry=retry_with))
     if info.status == "scheduled" and info.state in workflow.waits:
         wait = workflow.waits[info.state]
         until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""

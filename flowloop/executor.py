@@ -28,6 +28,7 @@ from typing import Any, Final
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
+from flowloop import interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.definition import (
@@ -273,6 +274,11 @@ class Executor:
         self._active: dict[str, _Active] = {}
         self._controls: dict[str, str] = {}
         self._draining = False
+        self.handing_back = False
+        """Set by :meth:`hand_back`: claim nothing more and stop once the steps in flight
+        have finished (their runs are released)."""
+        self._given_up: set[str] = set()
+        """Runs this worker abandoned (lost lease): recovering one later says so."""
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
         self._lease_until: dict[str, float] = {}
@@ -318,7 +324,7 @@ class Executor:
             await self.recover()
             last_recovery = self.clock.monotonic()
             outage = 0.0
-            while not (stop is not None and stop.is_set()):
+            while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
                     claimed = self._claim(run_ids)
                     if self.clock.monotonic() - last_recovery > min(
@@ -420,6 +426,15 @@ class Executor:
         task.add_done_callback(done)
         return task
 
+    def hand_back(self) -> None:
+        """Claim nothing more, let the steps in flight finish and journal their outcome,
+        then release their runs (``run_released``: released on shutdown) and stop: what a
+        first Ctrl-C does to ``flowloop run``. Cancelling the driving task then cuts off."""
+        self.handing_back = True
+        self._draining = True
+        if self._wake is not None:
+            self._wake.set()
+
     async def drain(self, grace: float) -> None:
         """Let in-flight steps finish (their runs are released, not continued) for up to
         ``grace`` seconds, then cut the rest off: their journal shows the interruption."""
@@ -503,6 +518,7 @@ class Executor:
     def _abandon(self, run_id: str, why: str) -> None:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
         log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
+        self._given_up.add(run_id)
         self.stats.lost_leases += 1
         self._lease_lost(run_id, why)
         self._controls[run_id] = "lost"
@@ -546,21 +562,26 @@ class Executor:
                     self.stats.recovered += 1
                     self._notify(boundary)
 
-    def _interrupted(self, row: StoredRun) -> Boundary:
+    def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
         workflow = self.workflows[record.workflow]
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
+        if cause is None:
+            cause = (
+                interruptions.LEASE_LOST if row.id in self._given_up else interruptions.WORKER_GONE
+            )
+        self._given_up.discard(row.id)
         data: dict[str, Any]
-        if spec is not None and spec.idempotent and spec.retry.has_attempts_left(record.attempt):
-            data = {"retry_at": now}
-            message = "the worker died during this step; it runs again"
-        elif spec is not None and spec.idempotent:
-            data = {"reason": "interrupted"}
-            message = f"interrupted {record.attempt} time(s); no attempts left"
+        idempotent = spec is not None and spec.idempotent
+        attempts_left = spec is not None and spec.retry.has_attempts_left(record.attempt)
+        if idempotent and attempts_left:
+            data = {"retry_at": now, "cause": cause}
         else:
-            data = {"reason": "interrupted"}
-            message = "interrupted and not idempotent: not re-run; check its effect, then retry"
+            data = {"reason": "interrupted", "cause": cause}
+        message = interruptions.message(
+            cause, idempotent=idempotent, attempts_left=attempts_left, attempt=record.attempt
+        )
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,
@@ -635,6 +656,7 @@ class Executor:
                 why,
                 extra={"run": boundary.run_id, "event": "lease_lost"},
             )
+            self._given_up.add(boundary.run_id)
             self._lease_lost(boundary.run_id, why)
         return applied
 
@@ -754,7 +776,7 @@ class Executor:
             created_at=0.0,
             updated_at=0.0,
         )
-        boundary = self._interrupted(row)
+        boundary = self._interrupted(row, interruptions.CUT_OFF)
         with contextlib.suppress(Exception):
             await self._commit(boundary)
 
@@ -851,6 +873,13 @@ class Executor:
             if action in ("pause", "stop"):
                 kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
                 events.append(self._event(record, kind, offset=2, state=target))
+            else:  # draining: say so in the journal (the due time stays the transition's)
+                reason = interruptions.RELEASED_ON_SHUTDOWN
+                due = after.next_run_at
+                released = {"due": due, "reason": reason}
+                events.append(
+                    self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
+                )
             await self._finish(record, fence, events, clear_control=action is not None)
             if action is None and target in workflow.waits:
                 self._deliver(record.id)  # draining: still hand it what was kept for it
