@@ -567,10 +567,9 @@ class Executor:
         workflow = self.workflows[record.workflow]
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
-        if cause is None:
-            cause = (
-                interruptions.LEASE_LOST if row.id in self._given_up else interruptions.WORKER_GONE
-            )
+        if cause is None:  # found by recovery: this worker's own lease, or another's
+            mine = row.id in self._given_up or row.id in self._active
+            cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
         self._given_up.discard(row.id)
         data: dict[str, Any]
         idempotent = spec is not None and spec.idempotent
