@@ -31,6 +31,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from flowloop import interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
+from flowloop.contexts import dump_context
 from flowloop.definition import (
     TIMEOUT_EVENT,
     Sleep,
@@ -40,7 +41,13 @@ from flowloop.definition import (
     compatible,
     describe_validation,
 )
-from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
+from flowloop.errors import (
+    ContextNotSerializable,
+    FlowloopError,
+    InvalidEvent,
+    MaxVisitsExceeded,
+    StepTimeout,
+)
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
@@ -810,7 +817,7 @@ class Executor:
             returned = await self._call(record.id, spec, ctx, step)
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
-            context = ctx.model_dump_json()
+            context = dump_context(ctx, workflow=workflow.name, state=record.state)
             workflow.context.model_validate_json(context)
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
@@ -976,7 +983,9 @@ class Executor:
         error: Exception,
         duration: float,
     ) -> None:
-        definitive = isinstance(error, (InvalidEvent, MaxVisitsExceeded, ValidationError))
+        definitive = isinstance(
+            error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
+        )
         retryable = not definitive and spec.retry.should_retry(error, record.attempt)
         data: dict[str, Any]
         if retryable:
