@@ -149,6 +149,9 @@ class Worker:
         store, clock, names = self.engine.store, self.engine.clock, list(self.engine.workflows)
         metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
         metrics.track_in_flight(lambda: executor.busy)
+        metrics.known(
+            {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
+        )
 
     def _alert(self, alert: Alert) -> None:
         if self.metrics is not None:
