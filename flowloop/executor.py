@@ -51,6 +51,7 @@ from flowloop.errors import (
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
+from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
 
@@ -284,6 +285,9 @@ class Executor:
         self.handing_back = False
         """Set by :meth:`hand_back`: claim nothing more and stop once the steps in flight
         have finished (their runs are released)."""
+        self.async_steps: dict[str, Step] = {}
+        """The async steps in flight by run id, named by the loop watchdog on a stall."""
+        self.watchdog = LoopWatchdog(self.async_steps)
         self._given_up: set[str] = set()
         """Runs this worker abandoned (lost lease): recovering one later says so."""
         self._wake: asyncio.Event | None = None
@@ -460,6 +464,7 @@ class Executor:
         # Ticks at most lease/12 apart: a run is fenced off with lease/6 to spare at the
         # latest one tick (lease/12) after that point, so with lease/12 left at worst.
         tick = max(0.01, min(self.poll_seconds, self.lease_seconds / 12))
+        self._watch_loop_while_beating()
         last_renewal = last_poll = time.monotonic()
         failing = False
         while True:
@@ -481,6 +486,13 @@ class Executor:
                     log.warning("heartbeat failed (retrying): %s", error_line(error))
                 failing = True
             self._fence_expiring()
+
+    def _watch_loop_while_beating(self) -> None:
+        """The loop watchdog (flowloop/watchdog.py) runs as long as a heartbeat does."""
+        beating = asyncio.current_task()
+        if beating is not None:
+            self.watchdog.start()
+            beating.add_done_callback(lambda _: self.watchdog.stop())
 
     def _renew(self) -> None:
         released = self.committer.released
@@ -1038,6 +1050,15 @@ class Executor:
         return None
 
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        if not spec.is_async:
+            return await self._invoke(run_id, spec, ctx, step)
+        self.async_steps[run_id] = step
+        try:
+            return await self._invoke(run_id, spec, ctx, step)
+        finally:
+            self.async_steps.pop(run_id, None)
+
+    async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
         active = self._active.get(run_id)
@@ -1075,6 +1096,7 @@ class Executor:
                 active.step_task = None
 
     def close(self) -> None:
+        self.watchdog.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 

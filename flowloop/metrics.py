@@ -147,6 +147,18 @@ class Metrics:
             ["level", "what"],
             registry=r,
         )
+        self.loop_stalls = Counter(
+            "flowloop_event_loop_stalls",
+            "Times the worker's event loop did not run for the stall threshold or longer "
+            "(a blocking call in an async step; the log names the step).",
+            registry=r,
+        )
+        self.loop_stall_seconds = Histogram(
+            "flowloop_event_loop_stall_seconds",
+            "Length of event-loop stalls.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "flowloop_queue_depth",
             "Runs due but not yet claimed (scheduled or retrying).",
@@ -227,6 +239,11 @@ class Metrics:
             counter.inc()
 
         return hook
+
+    def stall(self, lag: float, _steps: list[str]) -> None:
+        """A loop-watchdog stall listener."""
+        self.loop_stalls.inc()
+        self.loop_stall_seconds.observe(lag)
 
     def alert(self, level: str, what: str) -> None:
         self.alerts.labels(level, what).inc()

@@ -143,6 +143,7 @@ class Worker:
         if metrics is None:
             return
         executor.listeners.append(metrics.listener)
+        executor.watchdog.listeners.append(metrics.stall)
         executor.lease_lost.append(metrics.lease_lost("run"))
         scheduler.lease_lost.append(metrics.lease_lost("loop"))
         scheduler.iteration_listeners.append(metrics.iteration)
