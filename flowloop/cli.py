@@ -212,7 +212,8 @@ def styled(status: str) -> str:
 
 def describe_event(event: JournalEvent) -> str:
     if event.kind in ("step_succeeded", "event_received"):
-        return f"{event.state} --{event.event}--> {event.next_state}"
+        note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
+        return f"{event.state} --{event.event}--> {event.next_state}{note}"
     if event.kind == "event_rejected":
         return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind in ("step_failed", "step_interrupted", "run_failed"):

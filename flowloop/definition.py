@@ -53,6 +53,14 @@ class Step:
     visit: int
     seq: int
     worker: str
+    notes: list[str] = field(default_factory=list, compare=False, repr=False)
+    """What :meth:`note` was told, in order."""
+
+    def note(self, text: str) -> None:
+        """Say in a few words what this attempt did (``a.csv bytes 85-1,210, rows 2-19``):
+        journaled with the step's success (``data["note"]``) and shown by ``flowloop
+        history``, so a reader sees the work without opening every context."""
+        self.notes.append(text)
 
     @property
     def idempotency_key(self) -> str:

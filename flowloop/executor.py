@@ -67,6 +67,9 @@ RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
 
+MAX_NOTE_CHARS: Final = 500
+"""Of a step's notes (``Step.note``), kept in its journal entry."""
+
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
 
@@ -850,7 +853,8 @@ class Executor:
             next_state=next_state,
             context=context,
             duration=duration,
-            data=entering(workflow, next_state, self.clock.now(), delay=delay),
+            data=entering(workflow, next_state, self.clock.now(), delay=delay)
+            | ({"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]} if step.notes else {}),
         )
         if logged:
             log.info(

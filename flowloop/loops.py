@@ -29,6 +29,20 @@ MAX_COUNTED_SLOTS = 100_000
 """Cron slots are counted one by one; past this many, a gap is not counted further."""
 
 
+class Idle:
+    """The type of :data:`IDLE`."""
+
+    def __repr__(self) -> str:
+        return "IDLE"
+
+
+IDLE = Idle()
+"""Nothing to do in this slot: what a loop function returns, or what a workflow loop's
+``context`` function returns instead of a context (``None`` means the same), so that no
+run is created. The iteration is journaled ``iteration_skipped_idle``: it neither counts
+as a failure nor resets the failure count."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Iteration:
     """What a loop function learns about the iteration it runs."""
@@ -54,7 +68,11 @@ class Loop:
 
     ``fn`` is a function ``(Iteration) -> Any`` (sync or async) — or give ``workflow=`` and
     ``context=`` (a model, a dict, or a function of the Iteration returning one) to start one
-    run of that workflow per iteration; the iteration ends when the run does.
+    run of that workflow per iteration; the iteration ends when the run does. A context
+    function that returns ``None`` (or :data:`IDLE`) says there is nothing to do: no run is
+    created and the iteration is journaled ``iteration_skipped_idle`` (so a loop that polls
+    an empty inbox does not fill ``status`` with no-op runs). A loop function may return
+    :data:`IDLE` for the same journal entry.
 
     ``mode``: ``fixed_rate`` (next = slot + every; a slot that comes due while the previous
     iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs

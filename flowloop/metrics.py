@@ -52,7 +52,7 @@ STEP_BUCKETS: Final = (
 """Step duration buckets in seconds: from a 1 ms database step to a 5 min batch job."""
 STEP_OUTCOMES: Final = ("succeeded", "failed", "retried", "timed_out", "interrupted")
 FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
-ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "stopped", "cancelled")
+ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "skipped_idle", "stopped", "cancelled")
 LEASE_KINDS: Final = ("run", "loop")
 KNOWN_ALERTS: Final = (
     ("critical", "interrupted step (not idempotent)"),
@@ -124,7 +124,7 @@ class Metrics:
         self.iterations = Counter(
             "flowloop_loop_iterations",
             "Loop iterations by outcome: ok, failed, skipped (slots skipped while the previous "
-            "iteration still ran), stopped, cancelled.",
+            "iteration still ran), skipped_idle (nothing to do), stopped, cancelled.",
             ["loop", "outcome"],
             registry=r,
         )

@@ -21,7 +21,7 @@ from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
-from flowloop.loops import Iteration, Loop
+from flowloop.loops import IDLE, Idle, Iteration, Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.loops import LoopStoreMixin
@@ -192,13 +192,16 @@ class Worker:
         self._sync_calls[loop.name] = call
         return await asyncio.wrap_future(call)
 
-    async def _run_workflow(self, loop: Loop, iteration: Iteration) -> str:
+    async def _run_workflow(self, loop: Loop, iteration: Iteration) -> str | Idle:
         assert loop.workflow is not None and self.executor is not None
         engine = self.engine
         key = f"{iteration.idempotency_key}:a{iteration.attempt}"
+        context = loop.context_for(iteration)
+        if context is None or context is IDLE:
+            return IDLE  # nothing to do in this slot: no run
         new = engine._new_run(
             loop.workflow,
-            loop.context_for(iteration),
+            context,
             key=None,
             idempotency_key=key,
             priority=0,

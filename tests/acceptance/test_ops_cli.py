@@ -291,7 +291,14 @@ def test_cli__worker_serves_metrics_on_loopback_until_sigterm(
         for (name, labels), v in samples.items()
         if name == "flowloop_steps_total" and dict(labels)["state"] == "check"
     }
-    assert outcomes == {"retried": 1.0, "succeeded": 1.0}
+    # Every outcome's series exists (at 0 until it happens).
+    assert outcomes == {
+        "retried": 1.0,
+        "succeeded": 1.0,
+        "failed": 0.0,
+        "timed_out": 0.0,
+        "interrupted": 0.0,
+    }
     assert samples[("flowloop_runs_started_total", frozenset({("workflow", "jobs")}))] == 1.0
 
     finished = [e for e in worker.seen if e.get("event") == "step_finished"]

@@ -1,0 +1,89 @@
+"""A loop with nothing to do creates no run: a workflow loop's context function returning
+None (or a loop function returning IDLE) is journaled ``iteration_skipped_idle``.
+And `flowloop worker workflows/` does not start the ETL inbox loop unless ETL_INPUT asks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop.loops import IDLE, Iteration, Loop
+from flowloop.worker import Worker
+
+ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 30.0
+
+
+class Job(BaseModel):
+    item: str
+
+
+def test_loop__context_none_creates_no_run_and_journals_skipped_idle(sqlite_url: str) -> None:
+    wf = Workflow("job", context=Job)
+
+    @wf.step(initial=True, next="done")
+    def work(ctx: Job) -> None: ...
+
+    wf.final("done")
+    queue = ["a"]  # one item, then nothing to do
+
+    def next_job(_: Iteration) -> Job | None:
+        return Job(item=queue.pop()) if queue else None
+
+    loops = [
+        Loop(name="jobs", workflow=wf, context=next_job, every=0.05, mode="fixed_delay"),
+        Loop(name="idle_fn", fn=lambda _: IDLE, every=0.05),
+    ]
+
+    async def scenario(engine: Engine) -> None:
+        stop = asyncio.Event()
+        worker = asyncio.create_task(Worker(engine, loops, grace=5).run(stop))
+
+        def idle(name: str) -> int:
+            history = engine.loop_history(name) if engine.loops() else []
+            return sum(event.kind == "iteration_skipped_idle" for event in history)
+
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while idle("jobs") < 3 or idle("idle_fn") < 2:
+                assert time.monotonic() < deadline, "no idle iterations journaled"
+                await asyncio.sleep(0.02)
+        finally:
+            stop.set()
+            await asyncio.wait_for(worker, WAIT_S)
+
+    with Engine(sqlite_url, poll_seconds=0.02) as engine:
+        asyncio.run(scenario(engine))
+        runs = engine.runs(limit=1000)
+        rows = {row.name: row for row in engine.loops()}
+        kinds = [event.kind for event in engine.loop_history("jobs")]
+    assert [(run.status, run.context.item) for run in runs] == [("succeeded", "a")]
+    assert kinds.count("iteration_succeeded") == 1  # the run for "a"
+    assert "iteration_failed" not in kinds
+    assert rows["jobs"].consecutive_failures == 0
+    assert rows["jobs"].last_result == "skipped_idle"
+
+
+def loops_in_workflows_dir(env: dict[str, str]) -> list[str]:
+    code = (
+        "import json; from flowloop.loader import load_paths; "
+        "print(json.dumps(sorted(load_paths(['workflows']).loops)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    return list(json.loads(out.stdout))
+
+
+def test_workflows_dir__etl_inbox_loop_only_with_etl_input(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_")}
+    assert "etl_inbox" not in loops_in_workflows_dir(env)
+    assert "etl_inbox" in loops_in_workflows_dir({**env, "ETL_INPUT": str(tmp_path)})
