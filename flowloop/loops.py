@@ -13,9 +13,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from croniter import croniter
+from cronsim import CronSim, CronSimError
 from pydantic import BaseModel
 
 from flowloop.definition import NAME_PATTERN, Workflow
@@ -380,16 +380,40 @@ def _check_function(bad: Callable[[str], LoopDefinitionError], fn: Callable[...,
         ) from None
 
 
+CRON_ALIASES: Final = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+"""The usual cron shorthands (cronsim parses five fields only)."""
+
+
+def _cron_fields(expression: str) -> str:
+    expanded = CRON_ALIASES.get(expression.strip().lower(), expression)
+    if len(expanded.split()) != 5:
+        # Six fields mean seconds to some parsers and years to others: refuse the doubt
+        # (sub-minute schedules are every=).
+        raise ValueError("a cron expression has five fields (minute hour day month weekday)")
+    return expanded
+
+
 def _cron_valid(expression: str) -> bool:
     try:
-        return bool(croniter.is_valid(expression))
-    except Exception:
+        CronSim(_cron_fields(expression), datetime.fromtimestamp(0, UTC))
+    except (ValueError, CronSimError):
         return False
+    return True
 
 
 def _cron_next(expression: str, moment: float) -> float:
-    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_next(float))
+    start = datetime.fromtimestamp(moment, UTC)
+    return next(CronSim(_cron_fields(expression), start)).timestamp()
 
 
 def _cron_prev(expression: str, moment: float) -> float:
-    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_prev(float))
+    start = datetime.fromtimestamp(moment, UTC)
+    return next(CronSim(_cron_fields(expression), start, reverse=True)).timestamp()
