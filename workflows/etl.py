@@ -38,10 +38,10 @@ up to the size it had when it was discovered, and one that changes meanwhile is 
 next run. The target is ``etl_target.db`` inside the input folder unless ``target_url``
 (any SQLAlchemy URL, or ``$ETL_TARGET``) says otherwise; for the bundled sample folder it is
 ``$XDG_DATA_HOME/flowloop/etl_target.db`` (``~/.local/share/…``), never the source tree.
-The loop is defined only when ``ETL_INPUT`` is set, and an iteration that finds no new
-file creates no run (its context function returns ``None``: journaled
-``iteration_skipped_idle``). The context, target URL included, is journaled: keep
-passwords out of the URL (use ``~/.pgpass`` or ``PGPASSWORD`` for PostgreSQL).
+The loop does nothing unless ``ETL_INPUT`` is set, and an iteration that finds no new file
+creates no run (its context function returns ``None``: journaled ``iteration_skipped_idle``).
+The context, target URL included, is journaled: keep passwords out of the URL (use
+``~/.pgpass`` or ``PGPASSWORD`` for PostgreSQL).
 """
 
 from __future__ import annotations
@@ -946,8 +946,13 @@ def inbox_loop(
     fixed = dict(context or {})
 
     def when_new_files(_iteration: Any) -> EtlContext | None:
+        # None: nothing to do, no run (journaled iteration_skipped_idle). Without ETL_INPUT
+        # (or an input_dir here) the loop stays idle: `flowloop worker workflows/` must not
+        # load the bundled sample folder unasked.
+        if "input_dir" not in fixed and not os.environ.get("ETL_INPUT"):
+            return None
         ctx = EtlContext.model_validate(fixed)
-        return ctx if has_new_files(ctx) else None  # None: nothing to do, no run
+        return ctx if has_new_files(ctx) else None
 
     return Loop(
         name,
@@ -983,9 +988,7 @@ def has_new_files(ctx: EtlContext) -> bool:
     return bool(seen - {(r.file, r.size, r.mtime_ns) for r in known})
 
 
-# Only with ETL_INPUT set: `flowloop worker workflows/` must not poll the bundled sample
-# folder (and write a target) unasked.
-etl_inbox = inbox_loop() if os.environ.get("ETL_INPUT") else None
+etl_inbox = inbox_loop()
 
 
 # -- without flowloop ------------------------------------------------------------------------

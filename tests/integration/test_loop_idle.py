@@ -1,24 +1,21 @@
 """A loop with nothing to do creates no run: a workflow loop's context function returning
 None (or a loop function returning IDLE) is journaled ``iteration_skipped_idle``.
-And `flowloop worker workflows/` does not start the ETL inbox loop unless ETL_INPUT asks."""
+And the ETL inbox loop of `flowloop worker workflows/` stays idle unless ETL_INPUT asks."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import etlkit
+import pytest
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
 from flowloop.loops import IDLE, Iteration, Loop
 from flowloop.worker import Worker
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
 
 
@@ -72,18 +69,22 @@ def test_loop__context_none_creates_no_run_and_journals_skipped_idle(sqlite_url:
     assert rows["jobs"].last_result == "skipped_idle"
 
 
-def loops_in_workflows_dir(env: dict[str, str]) -> list[str]:
-    code = (
-        "import json; from flowloop.loader import load_paths; "
-        "print(json.dumps(sorted(load_paths(['workflows']).loops)))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    return list(json.loads(out.stdout))
-
-
-def test_workflows_dir__etl_inbox_loop_only_with_etl_input(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ETL_")}
-    assert "etl_inbox" not in loops_in_workflows_dir(env)
-    assert "etl_inbox" in loops_in_workflows_dir({**env, "ETL_INPUT": str(tmp_path)})
+def test_etl_inbox__idle_without_etl_input_and_without_new_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`flowloop worker workflows/` registers the ETL inbox loop, but without ETL_INPUT it
+    creates no run (nor a target next to the sample data); with it, a run only when a file
+    is new."""
+    etl = etlkit.load_etl()
+    for name in ("ETL_INPUT", "ETL_TARGET"):
+        monkeypatch.delenv(name, raising=False)
+    it = Iteration(loop="etl_inbox", slot=0.0, number=1, attempt=1)
+    assert etl.inbox_loop().context_for(it) is None
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    monkeypatch.setenv("ETL_INPUT", str(inbox))
+    loop = etl.inbox_loop()
+    assert loop.context_for(it) is None  # an empty inbox
+    etlkit.write_csv(inbox / "a.csv", [])
+    ctx = loop.context_for(it)
+    assert ctx is not None and ctx.input_dir == str(inbox)
