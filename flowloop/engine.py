@@ -509,7 +509,11 @@ class Engine:
             )
         else:
             info = self.get(stored.id)
-        if info.status in ("scheduled", "retrying") and info.state not in workflow.waits:
+        if (
+            info.status in ("scheduled", "retrying")
+            and info.state not in workflow.waits
+            and not executor.handing_back  # a first Ctrl-C (flowloop.interrupt): stop here
+        ):
             # Retry backoff or a durable sleep: wait for it like run_until_idle would.
             await executor.run(until_idle=True, run_ids=[stored.id])
             info = self.get(stored.id)
