@@ -188,25 +188,28 @@ class Zygote:
 
 def _worker(module: ModuleType, db: str, mode: str, n: int) -> None:
     from flowloop import Engine
+    from flowloop.etl import writers
 
     if mode in ("after_commit", "mid_transaction"):
-        original_load, original_upsert = module.load, module.upsert
+        loader = module.loader
+        original_write, original_upsert = loader.write, writers.upsert
         batches = [0]
 
-        def load(url: str, rows: Any, bad: Any) -> None:
+        def write(url: str, rows: Any, bad: Any) -> None:
             batches[0] += 1
-            original_load(url, rows, bad)
+            original_write(url, rows, bad)
             if mode == "after_commit" and batches[0] == n:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def upsert(conn: Any, table: Any, rows: Any) -> None:
             original_upsert(conn, table, rows)
-            if mode == "mid_transaction" and batches[0] == n and table is module.orders:
+            if mode == "mid_transaction" and batches[0] == n and table is loader.table:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        # The step functions look these names up in the module at each call.
-        setattr(module, "load", load)  # noqa: B010 - a module loaded from a file path
-        setattr(module, "upsert", upsert)  # noqa: B010
+        # The loader calls its write method and writers.upsert by name at each batch (this
+        # is a forked worker: the patches die with it).
+        loader.write = write
+        writers.upsert = upsert
     with Engine(db) as engine:
         engine.register(module.etl)
         engine.resume()
