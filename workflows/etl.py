@@ -1,34 +1,28 @@
 """ETL: load a folder of order CSV files into a database table, one batch per step.
 
-    discover --found--> open_file --ready--> load_batch --more--> load_batch (one batch
-       |                  |    ^                 |                 per step, to itself)
-       | nothing  rejected|    | next            | eof
-       |                  v    |                 |
-       |                close_file <-------------+
-       |                  | finished
-       v                  |
-     report <-------------+  --next--> done
+    discover --found--> open_file --ready--> load_batch --more--> load_batch (to itself)
+       | nothing          | rejected ^ next     | eof
+       v                  v          |          v
+     report <--finished-- close_file <----------+        report --next--> done
 
-This file is the user's part: the row model (one field per CSV column, with its checks),
-the target table with its key (``order_id``: an order seen again is overwritten, the file
-loaded last wins; files load in name order), the transform, and the workflow. Reading at
-a byte offset, rejects with reasons, malformed files, idempotent upserts, skipping loaded
-files and the progress counters are :mod:`flowloop.etl`'s. Each batch is a step boundary:
-killed mid-file, a run resumes at the last committed offset.
+This file is the user's part, on top of :mod:`flowloop.etl`: the row model (a field per
+CSV column, with its checks), the target table and its key (``order_id``: an order seen
+again is overwritten, the file loaded last wins; files load in name order), the transform
+and the workflow. Each batch is a step boundary: killed mid-file, a run resumes at the
+last committed byte offset and re-running a batch rewrites the same keys.
 
     flowloop run workflows/etl.py --context '{}'          # the sample data in workflows/data
     flowloop run workflows/etl.py --context '{"input_dir": "inbox", "batch_size": 10000}'
     ETL_INPUT=inbox flowloop worker workflows/etl.py      # a loop: new files every ETL_EVERY s
 
-The target is ``etl_target.db`` inside the input folder unless ``target_url`` (any
-SQLAlchemy URL, or ``$ETL_TARGET``) says otherwise; for the bundled sample folder it is
-``$XDG_DATA_HOME/flowloop/etl_target.db``. The context, target URL included, is journaled:
-keep passwords out of the URL (use ``~/.pgpass`` or ``PGPASSWORD`` for PostgreSQL).
+The target is ``etl_target.db`` in the input folder unless ``target_url`` (a SQLAlchemy URL,
+or ``$ETL_TARGET``) says otherwise; for the sample folder, ``$XDG_DATA_HOME/flowloop/``. The
+context, target URL included, is journaled: keep passwords out of it (``~/.pgpass``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
 from datetime import UTC, datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from pathlib import Path
@@ -39,7 +33,6 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from flowloop import Retry, Step, Workflow
 from flowloop import etl as kit
-from flowloop.loops import Loop
 
 SAMPLE_DIR: Final = Path(__file__).resolve().parent / "data"
 MAX_BATCHES_PER_RUN: Final = kit.MAX_BATCHES_PER_RUN
@@ -89,7 +82,6 @@ EXPLAIN: Final = {
     "currency": f"not one of {', '.join(CURRENCIES)}",
     "status": f"not one of {', '.join(STATUSES)}",
 }
-COLUMNS: Final = tuple(OrderRow.model_fields)
 
 target_metadata = sa.MetaData()
 orders = sa.Table(
@@ -97,16 +89,11 @@ orders = sa.Table(
     target_metadata,
     sa.Column("order_id", sa.String(32), primary_key=True),  # the key of the upsert
     sa.Column("ordered_at", sa.String(32), nullable=False),  # ISO-8601, UTC
-    *(
-        sa.Column(name, sa.String(size), nullable=False)
-        for name, size in (
-            ("customer_id", 32),
-            ("email", 254),
-            ("country", 2),
-            ("sku", 32),
-            ("product", 200),
-        )
-    ),
+    sa.Column("customer_id", sa.String(32), nullable=False),
+    sa.Column("email", sa.String(254), nullable=False),
+    sa.Column("country", sa.String(2), nullable=False),
+    sa.Column("sku", sa.String(32), nullable=False),
+    sa.Column("product", sa.String(200), nullable=False),
     sa.Column("quantity", sa.Integer, nullable=False),
     sa.Column("unit_price_cents", sa.BigInteger, nullable=False),
     sa.Column("currency", sa.String(3), nullable=False),
@@ -157,6 +144,8 @@ class EtlContext(kit.FolderContext):
 
 TRANSIENT: Final = (sa.exc.OperationalError, sa.exc.InterfaceError, OSError)
 retry_transient = Retry(attempts=5, backoff="exponential", base=0.5, cap=30, on=TRANSIENT)
+per_file: Final[dict[str, Any]] = {"retry": retry_transient, "max_visits": MAX_FILES_PER_RUN}
+per_batch: Final[dict[str, Any]] = {"retry": retry_transient, "max_visits": MAX_BATCHES_PER_RUN}
 
 etl = Workflow(
     "etl",
@@ -172,31 +161,19 @@ def discover(ctx: EtlContext, step: Step) -> str:
     return loader.discover(ctx, max_batches=MAX_BATCHES_PER_RUN, max_files=MAX_FILES_PER_RUN)
 
 
-@etl.step(
-    on={"ready": "load_batch", "rejected": "close_file"},
-    retry=retry_transient,
-    max_visits=MAX_FILES_PER_RUN,
-)
+@etl.step(on={"ready": "load_batch", "rejected": "close_file"}, **per_file)
 def open_file(ctx: EtlContext, step: Step) -> str:
     """Check the file's header; a malformed file becomes one reject (row 0)."""
     return loader.open_file(ctx, step)
 
 
-@etl.step(
-    on={"more": "load_batch", "eof": "close_file"},
-    retry=retry_transient,
-    max_visits=MAX_BATCHES_PER_RUN,
-)
+@etl.step(on={"more": "load_batch", "eof": "close_file"}, **per_batch)
 def load_batch(ctx: EtlContext, step: Step) -> str:
     """One batch from the committed offset: read, validate, transform, upsert."""
     return loader.load_batch(ctx, step)
 
 
-@etl.step(
-    on={"next": "open_file", "finished": "report"},
-    retry=retry_transient,
-    max_visits=MAX_FILES_PER_RUN,
-)
+@etl.step(on={"next": "open_file", "finished": "report"}, **per_file)
 def close_file(ctx: EtlContext, step: Step) -> str:
     """Record the file in ``loaded_files`` (loaded or rejected), so no run takes it again."""
     return loader.close_file(ctx, step)
@@ -211,18 +188,10 @@ def report(ctx: EtlContext, step: Step) -> None:
 etl.final("done")
 
 
-def inbox_loop(
-    name: str = "etl_inbox", *, every: float | None = None, context: Mapping[str, Any] | None = None
-) -> Loop:
-    """A loop that runs :data:`etl` every ``every`` seconds (``$ETL_EVERY``, default 10)
-    after the previous run ended; idle unless ``$ETL_INPUT`` (or ``input_dir``) is given."""
-    return kit.inbox_loop(name, etl, loader, every=every, context=context)
-
-
+inbox_loop = functools.partial(kit.inbox_loop, workflow=etl, loader=loader)
+"""``inbox_loop(name="etl_inbox", every=None, context=None)``: runs :data:`etl` every
+``every`` seconds (``$ETL_EVERY``, default 10) after the previous run ended; idle unless
+``$ETL_INPUT`` (or an ``input_dir`` in ``context``) is given."""
 etl_inbox = inbox_loop()
-
-
-def run_plain(context: Mapping[str, Any] | EtlContext) -> EtlContext:
-    """The same steps in a plain loop, with no journal (benchmarks, reference in tests)."""
-    ctx: EtlContext = kit.run_plain(etl, context)
-    return ctx
+run_plain = functools.partial(kit.run_plain, etl)
+"""``run_plain(context)``: the same steps in a plain loop, no journal (benchmarks, tests)."""

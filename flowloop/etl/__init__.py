@@ -11,12 +11,15 @@ The parts, one module each:
   delete+insert), the rejects and loaded-files tables, a table derived from a row model;
 * :mod:`~flowloop.etl.context`  the context of a load: resume point and progress counters;
 * :mod:`~flowloop.etl.loader`   the bodies of the five steps (:class:`FolderLoader`);
+* :mod:`~flowloop.etl.workflow` the standard five-step workflow in one call;
 * :mod:`~flowloop.etl.loop`     a loop that loads new files as they arrive;
 * :mod:`~flowloop.etl.plain`    the same steps without flowloop (benchmarks, references).
 
-A load is a workflow of five steps in the user's file (see ``workflows/etl.py``)::
+A load is a workflow of five steps in the user's file: spelled out in ``workflows/etl.py``,
+built by :func:`folder_workflow` in ``workflows/etl_readings.py``::
 
     loader = FolderLoader(Reading, "readings", key=None, nulls=Nulls(("NA", "")))
+    readings = folder_workflow("readings", loader, context=ReadingsContext)
 """
 
 from __future__ import annotations
@@ -43,12 +46,14 @@ from flowloop.etl.loader import (
 from flowloop.etl.loop import inbox_loop
 from flowloop.etl.plain import run_plain
 from flowloop.etl.validate import Nulls, validate, why_invalid
+from flowloop.etl.workflow import RETRY_TRANSIENT, folder_workflow
 from flowloop.etl.writers import source_columns, table_from_model, target_engine, upsert
 
 __all__ = [
     "FILE_ROW",
     "MAX_BATCHES_PER_RUN",
     "MAX_FILES_PER_RUN",
+    "RETRY_TRANSIENT",
     "Batch",
     "BatchBudgetExceeded",
     "CsvFormat",
@@ -61,6 +66,7 @@ __all__ = [
     "JsonLinesFormat",
     "Nulls",
     "Record",
+    "folder_workflow",
     "inbox_loop",
     "inspect_file",
     "normalize_column",

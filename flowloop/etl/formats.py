@@ -139,7 +139,9 @@ class CsvFormat:
 
     ``dialect`` is a ``csv`` dialect name (``"excel"``, ``"excel-tab"``, ``"unix"``), a
     ``csv.Dialect``, a mapping of its attributes (``{"delimiter": ";"}``), or ``"sniff"``:
-    guessed per file from its first 64 KiB (``csv.Sniffer``, delimiters ``, ; \\t |``). The
+    the delimiter, quote character and initial spaces guessed per file from its first
+    64 KiB (``csv.Sniffer``, delimiters ``, ; \\t |``; the rest as ``"excel"``, and
+    ``"excel"`` when the sniffer cannot tell). The
     dialect used is kept in the context, so a resumed run reads the rest alike. The first
     record is the header; its names are normalised (:func:`normalize_column`).
     ``extra_columns="reject"`` rejects a file with columns the row model does not name.
@@ -163,11 +165,17 @@ class CsvFormat:
             return self.fixed
         with path.open("rb") as handle:
             sample = handle.read(SNIFF_BYTES)
-        text = sample[bom_length(sample) :].decode("utf-8", "ignore")
+        if len(sample) == SNIFF_BYTES and b"\n" in sample:
+            sample = sample[: sample.rindex(b"\n") + 1]  # whole lines only
+        # The sniffer cannot tell the delimiter of CRLF lines: it sees them as LF.
+        text = sample[bom_length(sample) :].decode("utf-8", "ignore").replace("\r\n", "\n")
         try:
-            return dialect_values(csv.Sniffer().sniff(text, delimiters=self.sniff_delimiters))
+            found = csv.Sniffer().sniff(text, delimiters=self.sniff_delimiters)
         except csv.Error:
             return dialect_values("excel")
+        # Only what a sample shows reliably; a doubled quote may first come later.
+        guessed = ("delimiter", "quotechar", "skipinitialspace")
+        return dialect_values({key: getattr(found, key) for key in guessed})
 
     def header(self, path: Path) -> tuple[Header | None, str | None]:
         dialect = self.dialect_for(path)

@@ -19,15 +19,16 @@ DEFAULT_EVERY_SECONDS = 10.0
 
 
 def inbox_loop(
-    name: str,
+    name: str | None = None,
+    *,
     workflow: Workflow,
     loader: FolderLoader,
-    *,
     every: float | None = None,
     context: Mapping[str, Any] | None = None,
     max_failures: int = 5,
 ) -> Loop:
-    """A loop running ``workflow`` over its context's input folder. ``every`` defaults to
+    """A loop (default name ``<workflow>_inbox``) running ``workflow`` over its context's
+    input folder. ``every`` defaults to
     ``$<env_prefix>EVERY`` (else 10 s). Without an ``input_dir`` in ``context`` or
     ``$<env_prefix>INPUT`` the loop stays idle: ``flowloop worker workflows/`` must not load
     a bundled sample folder unasked."""
@@ -49,7 +50,7 @@ def inbox_loop(
         return ctx if has_new_files(loader, ctx) else None
 
     return Loop(
-        name,
+        name or f"{workflow.name}_inbox",
         workflow=workflow,
         context=when_new_files,
         every=interval,
