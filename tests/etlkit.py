@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ETL_FILE = ROOT / "workflows" / "etl.py"
 GEN_FILE = ROOT / "bench" / "gen_etl_data.py"
 SAMPLE_DIR = ROOT / "workflows" / "data"
+READINGS_FILE = ROOT / "workflows" / "etl_readings.py"
 
 
 def load_etl() -> ModuleType:
@@ -139,13 +140,14 @@ def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
 
 
 class Zygote:
-    """The parent's handle on ``python etlkit.py zygote``."""
+    """The parent's handle on ``python etlkit.py zygote FILE WORKFLOW`` (default: the
+    ``etl`` workflow of workflows/etl.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, file: Path = ETL_FILE, workflow: str = "etl") -> None:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "zygote"],
+            [sys.executable, __file__, "zygote", str(file), workflow],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -186,7 +188,7 @@ class Zygote:
             self.process.wait()
 
 
-def _worker(module: ModuleType, db: str, mode: str, n: int) -> None:
+def _worker(module: ModuleType, workflow: str, db: str, mode: str, n: int) -> None:
     from flowloop import Engine
     from flowloop.etl import writers
 
@@ -211,12 +213,14 @@ def _worker(module: ModuleType, db: str, mode: str, n: int) -> None:
         loader.write = write
         writers.upsert = upsert
     with Engine(db) as engine:
-        engine.register(module.etl)
+        engine.register(getattr(module, workflow))
         engine.resume()
 
 
-def zygote(stdin: IO[str], stdout: IO[str]) -> None:
-    module = load_etl()
+def zygote(stdin: IO[str], stdout: IO[str], file: Path, workflow: str) -> None:
+    from flowloop.loader import import_file
+
+    module = import_file(file)
     import flowloop.engine  # noqa: F401 - imported once here, not in each worker
 
     stdout.write("ready\n")
@@ -227,7 +231,7 @@ def zygote(stdin: IO[str], stdout: IO[str]) -> None:
         if pid == 0:
             code = 0
             try:
-                _worker(module, db, mode, int(n))
+                _worker(module, workflow, db, mode, int(n))
             except BaseException:
                 traceback.print_exc()
                 code = 1
@@ -255,5 +259,5 @@ def cli(
     )
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["zygote"]:
-    zygote(sys.stdin, sys.stdout)
+if __name__ == "__main__" and sys.argv[1:2] == ["zygote"]:
+    zygote(sys.stdin, sys.stdout, Path(sys.argv[2]), sys.argv[3])
