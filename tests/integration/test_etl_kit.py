@@ -352,3 +352,25 @@ def test_loader__a_key_that_is_not_the_tables_primary_key_is_refused() -> None:
     table = sa.Table("t", sa.MetaData(), sa.Column("id", sa.Integer, primary_key=True))
     with pytest.raises(FlowloopError, match="not the primary key of table 't'"):
         kit.FolderLoader(Row, table, key="text")
+
+
+def test_json_lines__through_the_loader__natural_key_upsert_and_rejects(tmp_path: Path) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    lines = [{"id": 1, "text": "a"}, {"id": 2, "text": "NA"}, {"id": "x", "text": "b"}]
+    (folder / "a.jsonl").write_text("\n".join(json.dumps(v) for v in lines) + "\n[]\n")
+    (folder / "b.jsonl").write_text(json.dumps({"id": 1, "text": "again"}) + "\n")
+    loader = kit.FolderLoader(
+        Row, "rows", key="id", fmt=kit.JsonLinesFormat(), nulls=kit.Nulls(("NA",))
+    )
+    target = f"sqlite:///{tmp_path / 't.db'}"
+    ctx = kit.run_plain(
+        kit.folder_workflow("jsonl", loader, context=Ctx),
+        {"input_dir": str(folder), "target_url": target, "pattern": "*.jsonl", "batch_size": 2},
+    )
+    assert ctx.loaded == ["a.jsonl", "b.jsonl"] and (ctx.rows_done, ctx.rejects) == (5, 3)
+    assert [(r[0], r[1]) for r in dump(target, "rows")] == [(1, "again")]
+    reasons = {r[1]: r[2] for r in dump(target, "rejects")}
+    assert reasons[2].startswith("text: Input should be a valid string")  # NA became None
+    assert reasons[3].startswith("id: Input should be a valid integer")
+    assert reasons[4] == "not a JSON object (a list)"
