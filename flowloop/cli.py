@@ -1231,6 +1231,12 @@ def prune_command(
     )
 
 
+# The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.
+from flowloop.ui.command import ui_command  # noqa: E402
+
+cli.add_command(ui_command)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     try:
         cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
