@@ -191,7 +191,7 @@ def heat_digraph(model: render.DiagramModel, found: Heat, *, window: str = "") -
         if state.live_total:
             attrs["penwidth"] = STUCK_PEN
         # A second statement for the node: DOT merges it into the first (later wins).
-        graph.node(node.name, **attrs)
+        graph.node(render.node_id(node.name), **attrs)
     return graph
 
 

@@ -264,9 +264,10 @@ def routes() -> list[Route]:
         Route("/api/runs/{run_id}/diff", diff_json),
         Route("/api/runs/{run_id}/diagram.svg", run_svg),
         Route("/api/workflows", workflows_json),
-        Route("/api/workflows/{name}", workflow_json),
-        Route("/api/workflows/{name}/heat.svg", heat_svg),
+        # :path, so a name with a slash (a stored one; definitions refuse it) still routes.
+        Route("/api/workflows/{name:path}/heat.svg", heat_svg),
+        Route("/api/workflows/{name:path}", workflow_json),
         Route("/api/loops", loops_json),
-        Route("/api/loops/{name}", loop_json),
+        Route("/api/loops/{name:path}", loop_json),
         Route("/api/workers", workers_json),
     ]

@@ -243,8 +243,8 @@ def routes() -> list[Route]:
         Route("/runs/{run_id}", run_page),
         Route("/runs/{run_id}/live", run_live),
         Route("/workflows", workflows_page),
-        Route("/workflows/{name}", workflow_page),
+        Route("/workflows/{name:path}", workflow_page),
         Route("/loops", loops_page),
-        Route("/loops/{name}", loop_page),
+        Route("/loops/{name:path}", loop_page),
         Route("/workers", workers_page),
     ]
