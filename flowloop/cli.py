@@ -1026,6 +1026,13 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     type=click.Choice(["dot", "svg", "png"]),
     help="Output format [default: from the -o suffix, else dot].",
 )
+@click.option(
+    "--runs",
+    "draw_runs",
+    is_flag=True,
+    help="With FILE: all runs of --since from the store drawn on it (a heat map).",
+)
+@click.option("--since", default="24h", show_default=True, help="Window of --runs, or 'all'.")
 @workflows_option
 @db_option
 def diagram(
@@ -1035,6 +1042,8 @@ def diagram(
     draw_all: bool,
     out_path: Path | None,
     fmt: str | None,
+    draw_runs: bool,
+    since: str,
     workflow_paths: tuple[str, ...],
     db: str | None,
     synchronous: str,
@@ -1060,6 +1069,8 @@ def diagram(
             "diagram: give exactly one of FILE[:WORKFLOW], --lifecycle, --run RUN_ID or --all"
             + (f" (got {', '.join(given)})" if given else "")
         )
+    if draw_runs and target is None:
+        raise FlowloopError("diagram: --runs draws FILE[:WORKFLOW] with its runs; give FILE")
     if draw_all:
         if fmt is not None:
             raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
@@ -1080,7 +1091,13 @@ def diagram(
                 raise FlowloopError(f"{error}; pass -w FILE_OR_DIR that defines it") from error
     else:
         assert target is not None
-        graph = load_target(target)[0].diagram()
+        chosen = load_target(target)[0]
+        if draw_runs:  # all runs of the window on it: flowloop/heat.py
+            from flowloop.heat import workflow_heat_digraph
+
+            graph = workflow_heat_digraph(chosen, database(db), since=since)
+        else:
+            graph = chosen.diagram()
     fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
     if out_path is None:
         if fmt == "png":

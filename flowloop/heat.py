@@ -24,6 +24,8 @@ from sqlalchemy import func, select
 
 from flowloop import journal as j
 from flowloop import render
+from flowloop.definition import Workflow
+from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import step_stats
 from flowloop.store.dialect import READ_OPTION
@@ -223,3 +225,28 @@ def structure_model(structure: Mapping[str, Any], *, version: int) -> render.Dia
         nodes=tuple(nodes),
         edges=tuple(edges),
     )
+
+
+def workflow_heat_digraph(workflow: Workflow, url: str, *, since: str) -> graphviz.Digraph:
+    """``flowloop diagram FILE --runs --since 24h``: ``workflow`` with all its runs of the
+    window (``since``: a duration or ``all``) from the database at ``url``, opened only to
+    read. Raises FlowloopError for a bad ``since``, StoreError for a database without
+    flowloop's schema."""
+    from flowloop.config import parse_duration
+    from flowloop.store.sql import SQLStore
+
+    window = since.strip()
+    seconds: float | None = None
+    if window.lower() != "all":
+        try:
+            seconds = parse_duration(window)
+        except ValueError as error:
+            raise FlowloopError(f"--since {error}") from None
+    store = SQLStore(url, create=False)
+    try:
+        start = None if seconds is None else store.db_now() - seconds
+        found = heat(store.engine, workflow.name, since=start)
+    finally:
+        store.close()
+    shown = "" if seconds is None else window
+    return heat_digraph(render.workflow_model(workflow), found, window=shown)

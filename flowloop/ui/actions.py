@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from flowloop.engine import RunInfo
-from flowloop.errors import FlowloopError
+from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun
 from flowloop.store.loops import LoopRow
 from flowloop.ui.queries import NAME_LIMIT, BadInput, NotFound
 
@@ -156,7 +156,7 @@ async def run_action(request: Request) -> Response:
     try:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
-        if form and not isinstance(error, NotFound):
+        if form and not isinstance(error, NotFound | UnknownRun):
             return _back(f"/runs/{run_id}", error=str(error))
         raise
     if form:
@@ -185,7 +185,7 @@ async def loop_action(request: Request) -> Response:
     try:
         row = await run_in_threadpool(_loop_action, request, name, action)
     except FlowloopError as error:
-        if form and not isinstance(error, NotFound):
+        if form and not isinstance(error, NotFound | UnknownLoop):
             return _back(f"/loops/{name}", error=str(error))
         raise
     if form:

@@ -29,7 +29,7 @@ from starlette.templating import Jinja2Templates
 
 from flowloop.definition import Workflow
 from flowloop.engine import Engine
-from flowloop.errors import EXIT_USAGE, FlowloopError, StoreError
+from flowloop.errors import EXIT_USAGE, FlowloopError, StoreError, UnknownLoop, UnknownRun
 from flowloop.loops import Loop
 from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
@@ -72,7 +72,7 @@ def _wants_json(request: Request) -> bool:
 
 
 def _status_for(error: BaseException) -> int:
-    if isinstance(error, NotFound):
+    if isinstance(error, NotFound | UnknownRun | UnknownLoop):
         return 404
     if isinstance(error, BadInput):
         return 400
@@ -81,6 +81,7 @@ def _status_for(error: BaseException) -> int:
     if isinstance(error, StoreError):
         return 503
     if isinstance(error, FlowloopError):
+        # The CLI's exit 2 (the request was wrong) or 1 (it could not be done now).
         return 400 if error.exit_code == EXIT_USAGE else 409
     return 500
 
