@@ -87,6 +87,8 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         problem = None
     except (q.NotFound, RenderError) as error:
         svg, problem = None, str(error)
+    except (KeyError, TypeError, ValueError) as error:  # a journal written badly elsewhere
+        svg, problem = None, f"cannot draw this run from its journal: {error!r}"
     steps = q.timeline(events)
     longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
     failures = [e for e in events if e.traceback or e.error_message]

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, and_, func, or_, select
 from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
-from flowloop.errors import FlowloopError
+from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
 from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import definitions, loop_journal, loops, runs
@@ -43,6 +43,12 @@ class BadInput(FlowloopError):
 
 class NotFound(FlowloopError):
     """What the request names does not exist (HTTP 404)."""
+
+
+class Unreadable(FlowloopError):
+    """What the store holds cannot be read (a corrupt journal; HTTP 409)."""
+
+    exit_code = EXIT_FAILURE
 
 
 @contextmanager
@@ -281,7 +287,12 @@ def context_at(events: Sequence[j.JournalEvent], seq: int) -> Any:
     """The run's context as of ``seq`` (the journal folded up to it); BadInput outside."""
     if not 1 <= seq <= len(events):
         raise BadInput(f"seq {seq} is outside this run's journal (1..{len(events)})")
-    return _json_or_text(j.fold(events, until_seq=seq).context)
+    try:
+        record = j.fold(events, until_seq=seq)
+    except (j.FoldError, KeyError, TypeError, ValueError) as error:
+        # A journal another tool wrote badly must not take the page down with it.
+        raise Unreadable(f"cannot fold this run's journal to seq {seq}: {error!r}") from None
+    return _json_or_text(record.context)
 
 
 def timeline(events: Sequence[j.JournalEvent]) -> list[dict[str, Any]]:
