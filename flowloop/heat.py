@@ -19,8 +19,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import graphviz
-from sqlalchemy import Engine as SQLEngine
 from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
 from flowloop import render
