@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import graphviz
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, case, func, or_, select, true
 from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
@@ -27,7 +27,7 @@ from flowloop import render
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
-from flowloop.stats import StateStats, step_stats
+from flowloop.stats import OUTCOME_KINDS, PERCENTILES, StateStats, rank
 from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import journal, runs
 
@@ -77,6 +77,8 @@ class Heat:
     edges: Mapping[tuple[str, str, str], tuple[int, int]]
     """(source, event, dest) → (times taken, distinct runs)."""
     states: Mapping[str, StateHeat]
+    stats: tuple[StateStats, ...] = ()
+    """Per state: attempts, successes, retries, p50/p95/p99 (as ``flowloop stats``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -90,17 +92,85 @@ class Heat:
         }
 
 
+def _of_workflow(workflow: str) -> ColumnElement[bool]:
+    # Not ``runs.workflow = :w``: given that, SQLite drives the join from the runs index
+    # (every run of the workflow ever, then its journal: 0.5 s at 100k runs, whatever the
+    # window) instead of the (kind, at) range of the window and a lookup of each run.
+    return func.coalesce(runs.c.workflow, "") == workflow
+
+
+def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[StateStats]:
+    """:func:`flowloop.stats.step_stats` for one workflow (same counts and nearest-rank
+    percentiles, no slowest runs), planned to read only the window's journal entries."""
+    where: list[ColumnElement[bool]] = [journal.c.kind.in_(OUTCOME_KINDS), _of_workflow(workflow)]
+    if since is not None:
+        where.append(journal.c.at >= since)
+    joined = journal.join(runs, runs.c.id == journal.c.run_id)
+    counts = (
+        select(
+            journal.c.state,
+            func.count().label("n"),
+            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
+            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
+        )
+        .select_from(joined)
+        .where(*where)
+        .group_by(journal.c.state)
+    )
+    ranked = (
+        select(
+            journal.c.state.label("state"),
+            journal.c.duration,
+            func.row_number()
+            .over(partition_by=journal.c.state, order_by=journal.c.duration)
+            .label("rn"),
+            func.count().over(partition_by=journal.c.state).label("n"),
+        )
+        .select_from(joined)
+        .where(*where, journal.c.duration.is_not(None))
+        .subquery()
+    )
+    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
+    with db.connect() as conn:
+        conn = conn.execution_options(**{READ_OPTION: True})
+        with conn.begin():
+            count_rows = conn.execute(counts).all()
+            at_rank: dict[tuple[str, int], float] = {}
+            sizes: dict[str, int] = {}
+            for row in conn.execute(picked):
+                at_rank[(row.state or "", int(row.rn))] = float(row.duration)
+                sizes[row.state or ""] = int(row.n)
+    found = []
+    for row in count_rows:
+        state = row.state or ""
+        size = sizes.get(state, 0)
+
+        def pick(percentile: int, state: str = state, size: int = size) -> float | None:
+            return at_rank.get((state, rank(percentile, size))) if size else None
+
+        found.append(
+            StateStats(
+                workflow=workflow,
+                state=state,
+                count=int(row.n),
+                succeeded=int(row.ok or 0),
+                retries=int(row.retries or 0),
+                p50=pick(50),
+                p95=pick(95),
+                p99=pick(99),
+                slowest=(),
+            )
+        )
+    return sorted(found, key=lambda s: s.state)
+
+
 def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
     """The heat of ``workflow`` over the journal since ``since`` (``None``: all history)."""
-    # No workflow filter in the WHERE: given one, SQLite drives the join from the runs
-    # index (every run of the workflow, then its journal: seconds at 100k runs) instead of
-    # the (kind, at) range of the window. Grouped by workflow, the others are dropped here.
-    where: list[ColumnElement[bool]] = [journal.c.kind.in_(TAKEN_KINDS)]
+    where: list[ColumnElement[bool]] = [journal.c.kind.in_(TAKEN_KINDS), _of_workflow(workflow)]
     if since is not None:
         where.append(journal.c.at >= since)
     edges_query = (
         select(
-            runs.c.workflow,
             journal.c.state,
             journal.c.event,
             journal.c.next_state,
@@ -109,7 +179,7 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         )
         .select_from(journal.join(runs, runs.c.id == journal.c.run_id))
         .where(*where)
-        .group_by(runs.c.workflow, journal.c.state, journal.c.event, journal.c.next_state)
+        .group_by(journal.c.state, journal.c.event, journal.c.next_state)
     )
     live_query = (
         select(runs.c.state, runs.c.status, func.count())
@@ -121,20 +191,21 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         with conn.begin():
             edges = {
                 (source, event, dest): (int(taken), int(distinct))
-                for name, source, event, dest, taken, distinct in conn.execute(edges_query)
-                if name == workflow and None not in (source, event, dest)
+                for source, event, dest, taken, distinct in conn.execute(edges_query)
+                if None not in (source, event, dest)
             }
             live: dict[str, dict[str, int]] = {}
             for state, status, n in conn.execute(live_query):
                 live.setdefault(state, {})[status] = int(n)
+    stats = state_stats(db, workflow, since=since)
     states: dict[str, StateHeat] = {}
-    for row in workflow_stats(db, workflow, since=since, slowest=0):
+    for row in stats:
         states[row.state] = StateHeat(
             attempts=row.count, failed=row.failed, p95=row.p95, live=live.get(row.state, {})
         )
     for state, counts in live.items():
         states.setdefault(state, StateHeat(live=counts))
-    return Heat(workflow=workflow, since=since, edges=edges, states=states)
+    return Heat(workflow=workflow, since=since, edges=edges, states=states, stats=tuple(stats))
 
 
 def heat_color(rate: float) -> str:
@@ -254,15 +325,3 @@ def workflow_heat_digraph(workflow: Workflow, url: str, *, since: str) -> graphv
         store.close()
     shown = "" if seconds is None else window
     return heat_digraph(render.workflow_model(workflow), found, window=shown)
-
-
-def workflow_stats(
-    db: SQLEngine, workflow: str, *, since: float | None, slowest: int = 3
-) -> list[StateStats]:
-    """:func:`flowloop.stats.step_stats` of one workflow, asked for all workflows of the
-    window and filtered here (the plan that reads only the window; see :func:`heat`)."""
-    return [
-        row
-        for row in step_stats(db, workflow=None, since=since, slowest=slowest)
-        if row.workflow == workflow
-    ]

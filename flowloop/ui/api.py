@@ -11,7 +11,7 @@ from starlette.routing import Route
 from flowloop import journal as j
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
-from flowloop.heat import heat, workflow_stats
+from flowloop.heat import heat
 from flowloop.ui import queries as q
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.openapi import document
@@ -177,7 +177,6 @@ def workflow_overview(request: Request, name: str) -> dict[str, Any]:
     if not seen and name not in dash.workflows:
         raise q.NotFound(f"no workflow {name[:80]}")
     text, since = since_epoch(request, params)
-    states = workflow_stats(dash.db, name, since=since)
     counts = q.status_counts(dash.db).get(name, {})
     found = heat(dash.db, name, since=since)
     finished = counts.get("succeeded", 0) + counts.get("failed", 0) + counts.get("stopped", 0)
@@ -189,7 +188,7 @@ def workflow_overview(request: Request, name: str) -> dict[str, Any]:
         "counts": counts,
         "runs": sum(counts.values()),
         "success_rate": (counts.get("succeeded", 0) / finished) if finished else None,
-        "states": [s.as_dict() for s in states],
+        "states": [s.as_dict() for s in found.stats],
         "heat": found,
     }
 
