@@ -22,6 +22,24 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _require_existing(url: str) -> None:
+    """A SQLite file must exist: the store would create an empty one, and a dashboard
+    creates nothing."""
+    from pathlib import Path
+
+    from sqlalchemy import make_url
+
+    from flowloop.errors import FlowloopError
+    from flowloop.store.dialect import normalize_url
+
+    parsed = make_url(normalize_url(url))
+    name = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not name or name == ":memory:":
+        return
+    if not name.startswith("file:") and not Path(name).exists():
+        raise FlowloopError(f"no database at {name} (start a run or a worker first, or --db)")
+
+
 @click.command(name="ui")
 @click.option("--db", envvar="FLOWLOOP_DB", default=None, help="Database URL or SQLite file.")
 @click.option(
@@ -70,6 +88,7 @@ def ui_command(
 
     loaded = load_workflow_paths(workflow_paths)
     url = database(db)
+    _require_existing(url)
     # Opened without creating anything: a dashboard never writes a schema.
     store = SQLStore(url, create=False)
     app = create_app(

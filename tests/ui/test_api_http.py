@@ -5,26 +5,54 @@ seq and diffs, workflows with heat, loops, workers, and every kind of bad input 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+import sqlalchemy as sa
+from conftest import pg_base_url, require_pg, with_search_path
 from uikit import parcel, parcels, serve
 
 from flowloop.store.sql import SQLStore
 from flowloop.ui.app import create_app
 
 
-@pytest.fixture
-def served(store_url: str) -> Iterator[tuple[str, str]]:
-    parcels(store_url, 7, failing=2)
-    store = SQLStore(store_url, create=False)
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    """One server per database for the whole module (the tests only read)."""
+    with module_url(request.param, tmp_path_factory) as url:
+        parcels(url, 7, failing=2)
+        store = SQLStore(url, create=False)
+        try:
+            with serve(create_app(store, workflows={"parcel": parcel})) as base:
+                yield base, url
+        finally:
+            store.close()
+
+
+@contextmanager
+def module_url(backend: str, factory: pytest.TempPathFactory) -> Iterator[str]:
+    if backend == "sqlite":
+        yield f"sqlite:///{factory.mktemp('api') / 'flowloop.db'}"
+        return
+    require_pg()
+    schema = f"t_{uuid.uuid4().hex[:16]}"
+    admin = sa.create_engine(pg_base_url())
     try:
-        with serve(create_app(store, workflows={"parcel": parcel})) as base:
-            yield base, store_url
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'CREATE SCHEMA "{schema}"'))
+        yield with_search_path(pg_base_url(), schema)
     finally:
-        store.close()
+        with admin.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
 
 
 def get(base: str, path: str, **params: Any) -> httpx.Response:
