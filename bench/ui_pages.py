@@ -141,8 +141,10 @@ def fill(url: str, n: int) -> int:
             conn.execute(insert(runs), run_rows)
             conn.execute(insert(journal), journal_rows)
             rows += len(journal_rows)
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql("ANALYZE")  # fresh statistics, as autovacuum would give later
+    # Fresh statistics (and on PostgreSQL the visibility map), as autovacuum gives later.
+    with store.engine.connect() as conn:
+        conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.exec_driver_sql("ANALYZE" if conn.dialect.name == "sqlite" else "VACUUM ANALYZE")
     store.close()
     return rows
 

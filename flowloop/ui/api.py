@@ -177,6 +177,7 @@ def workflow_overview(request: Request, name: str) -> dict[str, Any]:
     if not seen and name not in dash.workflows:
         raise q.NotFound(f"no workflow {name[:80]}")
     text, since = since_epoch(request, params)
+    now = dash.store.db_now()
     counts = q.status_counts(dash.db).get(name, {})
     found = heat(dash.db, name, since=since)
     finished = counts.get("succeeded", 0) + counts.get("failed", 0) + counts.get("stopped", 0)
@@ -189,6 +190,7 @@ def workflow_overview(request: Request, name: str) -> dict[str, Any]:
         "runs": sum(counts.values()),
         "success_rate": (counts.get("succeeded", 0) / finished) if finished else None,
         "states": [s.as_dict() for s in found.stats],
+        "whole_runs": q.run_summary(dash.db, name, since=since, now=now),
         "heat": found,
     }
 

@@ -18,12 +18,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import Connection, and_, func, or_, select
+from sqlalchemy import Connection, Integer, and_, func, or_, select
 from sqlalchemy import Engine as SQLEngine
+from sqlalchemy import cast as sql_cast
 
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
+from flowloop.stats import PERCENTILES, rank
 from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import definitions, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
@@ -514,3 +516,66 @@ def _least(a: float | None, b: float | None) -> float | None:
 
 def _most(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
+
+
+# -- whole runs of a window ----------------------------------------------------------------
+
+CHART_BUCKETS: Final = 24
+FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
+
+
+def run_summary(db: SQLEngine, workflow: str, *, since: float | None, now: float) -> dict[str, Any]:
+    """Runs of ``workflow`` created since ``since`` (``None``: all): p50/p95/p99 of the
+    whole run (created to last update, finished runs), and runs started per time bucket
+    and status for a small chart. Both read the ``(workflow, created_at)`` index."""
+    where = [runs.c.workflow == workflow]
+    if since is not None:
+        where.append(runs.c.created_at >= since)
+    took = runs.c.updated_at - runs.c.created_at
+    ranked = (
+        select(
+            took.label("took"),
+            func.row_number().over(order_by=took).label("rn"),
+            func.count().over().label("n"),
+        )
+        .where(*where, runs.c.status.in_(FINISHED_STATUSES))
+        .subquery()
+    )
+    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
+    with reading(db) as conn:
+        at_rank = {int(row.rn): (float(row.took), int(row.n)) for row in conn.execute(picked)}
+        start = since
+        if start is None:
+            start = conn.execute(select(func.min(runs.c.created_at)).where(*where)).scalar()
+        buckets: list[dict[str, Any]] = []
+        if start is not None:
+            width = max((now - float(start)) / CHART_BUCKETS, 1e-6)
+            offset = (runs.c.created_at - float(start)) / width
+            index = sql_cast(offset, Integer) if db.dialect.name == "sqlite" else func.floor(offset)
+            counted = (
+                select(index.label("i"), runs.c.status, func.count())
+                .where(*where)
+                .group_by(index, runs.c.status)
+            )
+            buckets = [
+                {"start": float(start) + i * width, "width": width, "counts": {}}
+                for i in range(CHART_BUCKETS)
+            ]
+            for i, status, n in conn.execute(counted):
+                slot = min(max(int(i), 0), CHART_BUCKETS - 1)
+                counts = buckets[slot]["counts"]
+                counts[status] = counts.get(status, 0) + int(n)
+    size = next(iter(at_rank.values()))[1] if at_rank else 0
+
+    def pick(percentile: int) -> float | None:
+        found = at_rank.get(rank(percentile, size)) if size else None
+        return None if found is None else found[0]
+
+    return {
+        "finished": size,
+        "p50": pick(50),
+        "p95": pick(95),
+        "p99": pick(99),
+        "buckets": buckets,
+        "peak": max((sum(b["counts"].values()) for b in buckets), default=0),
+    }

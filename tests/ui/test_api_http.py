@@ -140,6 +140,10 @@ def test_workflows__versions_counts_stats_and_heat(served: tuple[str, str]) -> N
     assert edges[("weigh", "next", "pack")] == 7 and edges[("pack", "next", "send")] == 5
     assert one["heat"]["states"]["pack"]["failure_rate"] == pytest.approx(2 / 7)
     assert "<svg" in get(base, "/api/workflows/parcel/heat.svg", since="all").text
+    whole = one["whole_runs"]
+    assert whole["finished"] == 7 and 0 <= whole["p50"] <= whole["p95"] <= whole["p99"]
+    started = sum(sum(b["counts"].values()) for b in whole["buckets"])
+    assert started == 7 and whole["peak"] >= 1
 
 
 def test_loops_workers_and_openapi_answer(served: tuple[str, str]) -> None:
