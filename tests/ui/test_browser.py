@@ -15,6 +15,7 @@ from loopkit import LoopHarness, SteppedClock, drive
 from uikit import (
     CHROMIUM_ARGS,
     GATES,
+    Parcel,
     chromium_path,
     gated,
     off_loop,
@@ -25,6 +26,7 @@ from uikit import (
     start_gated,
 )
 
+from flowloop import Engine
 from flowloop.loops import Iteration, Loop
 from flowloop.store.sql import SQLStore
 from flowloop.ui.app import create_app
@@ -135,6 +137,46 @@ def test_loop_page__schedule_iterations_and_decisions(
             assert "failed" in outcomes and "succeeded" in outcomes
             assert "the probe timed out" in page.locator("#iterations").inner_text()
             page.screenshot(path=str(tmp_path / "loop.png"), full_page=True)
+            page.close()
+    finally:
+        store.close()
+
+
+def test_actions__sign_in_then_pause_and_unpause_from_the_run_page(
+    browser: object, sqlite_url: str, tmp_path: Path
+) -> None:
+    def queued() -> str:
+        with Engine(sqlite_url, workflows=[parcel]) as engine:
+            return engine.start(parcel, Parcel(parcel_id="Q1")).id
+
+    run_id = off_loop(queued)
+    store = SQLStore(sqlite_url, create=False)
+    try:
+        app = create_app(store, workflows={"parcel": parcel}, allow_actions=True, token="tok")
+        with serve(app) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{run_id}")
+            assert page.locator("#actions").count() == 0  # not signed in: no buttons
+            page.goto(f"{base}/login")
+            page.fill("input[name=token]", "tok")
+            page.click("button[type=submit]")
+            page.wait_for_url("**/runs")
+            page.goto(f"{base}/runs/{run_id}")
+            page.click("button[data-action=pause]")
+            page.wait_for_selector(".flash.done")
+            assert "the run is paused" in page.locator(".flash.done").inner_text()
+            page.wait_for_function(
+                "document.querySelector('#live-body').dataset.status === 'paused'"
+            )
+            page.screenshot(path=str(tmp_path / "actions.png"), full_page=True)
+            page.click("button[data-action=retry]")
+            refused = page.locator(".flash.error[role=alert]")
+            refused.wait_for()
+            assert "is paused" in refused.inner_text()
+            page.click("button[data-action=unpause]")
+            page.wait_for_function(
+                "document.querySelector('#live-body').dataset.status === 'scheduled'"
+            )
             page.close()
     finally:
         store.close()
