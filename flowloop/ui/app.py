@@ -161,7 +161,10 @@ def create_app(
     )
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals.update(
-        fmt_time=_fmt_time, fmt_duration=_fmt_duration, allow_actions=allow_actions
+        fmt_time=_fmt_time,
+        fmt_duration=_fmt_duration,
+        num=lambda n: f"{n:,}" if isinstance(n, int) else str(n),
+        allow_actions=allow_actions,
     )
     routes = [
         *pages.routes(),

@@ -155,6 +155,7 @@ def workflows_page(request: Request) -> Response:
                 "counts": found,
                 "runs": sum(found.values()),
                 "success_rate": found.get("succeeded", 0) / finished if finished else None,
+                "parts": [(s, found[s]) for s in STATUSES if found.get(s)],
             }
         )
     return _render(request, "workflows.html", {"cards": cards, "statuses": STATUSES})
