@@ -33,6 +33,7 @@ from flowloop.ui.app import create_app
 
 DAY = 86_400.0
 BATCH = 2_000
+ANALYZE_SQLITE = False
 
 
 class Ctx(BaseModel):
@@ -141,10 +142,14 @@ def fill(url: str, n: int) -> int:
             conn.execute(insert(runs), run_rows)
             conn.execute(insert(journal), journal_rows)
             rows += len(journal_rows)
-    # Fresh statistics (and on PostgreSQL the visibility map), as autovacuum gives later.
+    # PostgreSQL: statistics and the visibility map, as autovacuum keeps them. SQLite: as a
+    # flowloop database is in use, without ANALYZE (nothing runs it), unless --analyze.
     with store.engine.connect() as conn:
         conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        conn.exec_driver_sql("ANALYZE" if conn.dialect.name == "sqlite" else "VACUUM ANALYZE")
+        if conn.dialect.name != "sqlite":
+            conn.exec_driver_sql("VACUUM ANALYZE")
+        elif ANALYZE_SQLITE:
+            conn.exec_driver_sql("ANALYZE")
     store.close()
     return rows
 
@@ -202,7 +207,10 @@ def measure(url: str, n: int, rounds: int) -> list[tuple[str, float, int]]:
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--runs", type=int, default=100_000)
+    p.add_argument("--analyze", action="store_true", help="run ANALYZE on the SQLite file")
     args = p.parse_args()
+    global ANALYZE_SQLITE
+    ANALYZE_SQLITE = args.analyze
     n = 2_000 if args.quick else args.runs
     rounds = rounds_for(args)
     backends = ["sqlite"] + (

@@ -17,6 +17,7 @@ import json
 from typing import Any, Final
 from urllib.parse import urlencode
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -151,8 +152,6 @@ async def run_action(request: Request) -> Response:
         raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
     form = _is_form(request)
     fields = await _authorize(request)
-    from starlette.concurrency import run_in_threadpool
-
     try:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
@@ -180,8 +179,6 @@ async def loop_action(request: Request) -> Response:
         raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")
     form = _is_form(request)
     await _authorize(request)
-    from starlette.concurrency import run_in_threadpool
-
     try:
         row = await run_in_threadpool(_loop_action, request, name, action)
     except FlowloopError as error:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+from pathlib import Path
 from typing import Final
 
 import click
@@ -25,8 +26,6 @@ def is_loopback(host: str) -> bool:
 def _require_existing(url: str) -> None:
     """A SQLite file must exist: the store would create an empty one, and a dashboard
     creates nothing."""
-    from pathlib import Path
-
     from sqlalchemy import make_url
 
     from flowloop.errors import FlowloopError

@@ -8,6 +8,7 @@ Each page is rendered on the server from the same queries as the JSON API; the o
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -206,8 +207,6 @@ def loop_page(request: Request) -> Response:
         "failed": f"{counts.get('iteration_failed', 0)} failed",
         "paused": f"{counts.get('loop_paused', 0)} pauses",
     }
-    from dataclasses import replace
-
     nodes = tuple(
         replace(
             node,
