@@ -15,7 +15,8 @@ from flowloop.ui.openapi import document
 
 schemathesis = pytest.importorskip("schemathesis")
 schema = schemathesis.openapi.from_dict(document(actions=True))
-MAX_EXAMPLES = 6
+CALLS: list[int] = []
+MAX_EXAMPLES = int(__import__("os").environ.get("UI_FUZZ_EXAMPLES", "6"))
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,19 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 )
 def test_api__no_request_gets_a_server_error(case: object, site: str) -> None:
     response = case.call(base_url=site, timeout=30)  # type: ignore[attr-defined]
+    CALLS.append(response.status_code)
     assert response.status_code < 500, (
         f"{case.method} {response.request.url} -> {response.status_code}: "  # type: ignore[attr-defined]
         f"{response.text[:300]}"
     )
     if case.method == "POST":  # type: ignore[attr-defined]
         assert response.status_code in (400, 403, 404, 405), response.text[:300]
+
+
+def test_api__the_fuzzer_really_sent_requests() -> None:
+    """Runs after the fuzz test (file order): it must have sent many, of several kinds."""
+    if not CALLS:
+        pytest.skip("checks what test_api__no_request_gets_a_server_error sent; run the file")
+    print(f"fuzz: {len(CALLS)} requests, statuses {sorted(set(CALLS))}")
+    assert len(CALLS) >= 15, CALLS
+    assert {200, 400, 404} <= set(CALLS), sorted(set(CALLS))
