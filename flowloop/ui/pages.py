@@ -80,9 +80,19 @@ def runs_page(request: Request) -> Response:
 
 
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:
+    """Everything the live part of a run page shows (header, diagram, timeline, errors,
+    context at ``?seq=`` and the changes ``?from=&to=``, by default the latest)."""
     dash = request.app.state.dash
     row = q.run_row(dash.db, run_id)
     events = q.run_journal(dash.store, run_id)
+    params = dict(request.query_params)
+    last = len(events)
+    seq = api.seq_param(params, "seq", last)
+    start = api.seq_param(params, "from", max(1, last - 1))
+    to = api.seq_param(params, "to", last)
+    context = q.context_at(events, seq)
+    changes = diff(q.context_at(events, start), q.context_at(events, to))
+    workflow = dash.workflows.get(row["workflow"])
     try:
         svg = api.run_diagram(dash, run_id, events)
         problem = None
@@ -102,35 +112,18 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "diagram_problem": problem,
         "failures": failures,
         "live": row["status"] not in ("succeeded", "failed", "stopped"),
+        "seq": seq,
+        "diff_from": start,
+        "diff_to": to,
+        "context_text": json.dumps(context, indent=2, sort_keys=True),
+        "changes": changes,
+        "step_states": list(workflow.steps) if workflow is not None else [],
     }
 
 
 def run_page(request: Request) -> Response:
     run_id = api.path_text(request, "run_id")
-    view = _run_view(request, run_id)
-    events = view["events"]
-    params = dict(request.query_params)
-    last = len(events)
-    seq = api.seq_param(params, "seq", last)
-    start = api.seq_param(params, "from", max(1, last - 1))
-    to = api.seq_param(params, "to", last)
-    context = q.context_at(events, seq)
-    changes = diff(q.context_at(events, start), q.context_at(events, to))
-    dash = request.app.state.dash
-    workflow = dash.workflows.get(view["run"]["workflow"])
-    return _render(
-        request,
-        "run.html",
-        {
-            **view,
-            "seq": seq,
-            "diff_from": start,
-            "diff_to": to,
-            "context_text": json.dumps(context, indent=2, sort_keys=True),
-            "changes": changes,
-            "step_states": list(workflow.steps) if workflow is not None else [],
-        },
-    )
+    return _render(request, "run.html", _run_view(request, run_id))
 
 
 def run_live(request: Request) -> Response:
@@ -170,8 +163,13 @@ def workflow_page(request: Request) -> Response:
     plain = dash.machines.workflow_graph(
         name, newest.get("fingerprint"), int(newest.get("version", 0))
     )
-    plain_svg = dash.svgs.svg(plain) if plain is not None else None
-    heat_svg = api.heat_diagram(dash, name, found) if plain is not None else None
+    problem = None
+    try:
+        plain_svg = dash.svgs.svg(plain) if plain is not None else None
+        heat_svg = api.heat_diagram(dash, name, found) if plain is not None else None
+    except RenderError as error:  # no `dot`: the numbers still show
+        plain_svg = heat_svg = None
+        problem = str(error)
     slowest = max((s["p99"] or 0.0 for s in found["states"]), default=0.0)
     return _render(
         request,
@@ -180,6 +178,7 @@ def workflow_page(request: Request) -> Response:
             "wf": found,
             "plain_svg": plain_svg,
             "heat_svg": heat_svg,
+            "diagram_problem": problem,
             "windows": WINDOWS,
             "slowest": slowest or 1.0,
             "statuses": STATUSES,

@@ -97,6 +97,8 @@ def test_runs_page__filter_then_open_a_run_that_moves_without_a_reload(
                 "document.querySelector('#live-body').dataset.status === 'succeeded'"
             )
             assert "done" in page.locator("#diagram svg").text_content()
+            # The context shown is the latest one, also swapped in without a reload.
+            assert '"third"' in page.locator("#context-json").inner_text()
             page.screenshot(path=str(tmp_path / "run-live.png"), full_page=True)
             page.close()
     finally:

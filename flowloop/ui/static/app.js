@@ -12,7 +12,9 @@
   var busy = false;
 
   function refresh() {
-    return fetch("/runs/" + encodeURIComponent(runId) + "/live", { headers: { "Accept": "text/html" } })
+    // The same ?seq=&from=&to= as the page: the context shown follows the user's choice.
+    var url = "/runs/" + encodeURIComponent(runId) + "/live" + window.location.search;
+    return fetch(url, { headers: { "Accept": "text/html" } })
       .then(function (r) { if (!r.ok) { throw new Error(r.status); } return r.text(); })
       .then(function (html) {
         live.innerHTML = html;
@@ -34,7 +36,9 @@
     fetch(base + "/progress", { headers: { "Accept": "application/json" } })
       .then(function (r) { if (!r.ok) { throw new Error(r.status); } return r.json(); })
       .then(function (p) {
-        if (String(p.last_seq) !== String(seq)) {
+        var typing = live.contains(document.activeElement) &&
+          ["INPUT", "SELECT"].indexOf(document.activeElement.tagName) >= 0;
+        if (String(p.last_seq) !== String(seq) && !typing) { // never swap away what is typed
           seq = String(p.last_seq);
           return refresh();
         }
