@@ -84,6 +84,21 @@ class Machines:
         model = self.model(name, fingerprint, version)
         return None if model is None else render.to_digraph(model)
 
+    def definition_graph(
+        self, name: str, fingerprint: str | None, version: int
+    ) -> graphviz.Digraph | None:
+        """One stored version of a workflow: the code given with ``-w`` when it is that
+        version (it draws step settings too), else the structure stored for it."""
+        workflow = self.workflows.get(name)
+        if workflow is not None and (fingerprint is None or workflow.fingerprint == fingerprint):
+            return render.to_digraph(render.workflow_model(workflow))
+        if fingerprint is None:
+            return None
+        structure = self.store.definition(fingerprint)
+        if not structure:
+            return None
+        return render.to_digraph(structure_model(structure, version=version))
+
     def heat_graph(
         self, name: str, fingerprint: str | None, version: int, found: Heat, window: str
     ) -> graphviz.Digraph | None:

@@ -160,8 +160,14 @@ def workflow_page(request: Request) -> Response:
     name = api.path_text(request, "name")
     found = api.workflow_overview(request, name)
     newest = found["versions"][0] if found["versions"] else {}
-    plain = dash.machines.workflow_graph(
-        name, newest.get("fingerprint"), int(newest.get("version", 0))
+    chosen = newest
+    wanted = request.query_params.get("fingerprint")
+    if wanted:
+        chosen = next((v for v in found["versions"] if v["fingerprint"] == wanted), {})
+        if not chosen:
+            raise q.NotFound(f"workflow {name[:80]} has no stored version {wanted[:40]}")
+    plain = dash.machines.definition_graph(
+        name, chosen.get("fingerprint"), int(chosen.get("version", 0))
     )
     problem = None
     try:
@@ -179,6 +185,7 @@ def workflow_page(request: Request) -> Response:
             "plain_svg": plain_svg,
             "heat_svg": heat_svg,
             "diagram_problem": problem,
+            "shown": chosen,
             "windows": WINDOWS,
             "slowest": slowest or 1.0,
             "statuses": STATUSES,
