@@ -1329,6 +1329,7 @@ def diagram(
         if draw_runs:  # all runs of the window on it: flowloop/heat.py
             from flowloop.heat import workflow_heat_digraph
 
+            support.require_database(database(db))  # a read: a typo in --db creates nothing
             graph = workflow_heat_digraph(load_target(target)[0], database(db), since=since)
         else:
             graph = _machine_diagram(target)
