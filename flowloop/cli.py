@@ -1246,6 +1246,13 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     type=click.Choice(["dot", "svg", "png"]),
     help="Output format [default: from the -o suffix, else dot].",
 )
+@click.option(
+    "--runs",
+    "draw_runs",
+    is_flag=True,
+    help="With FILE: all runs of --since from the store drawn on it (a heat map).",
+)
+@click.option("--since", default="24h", show_default=True, help="Window of --runs, or 'all'.")
 @workflows_option
 @db_option
 @json_option
@@ -1257,6 +1264,8 @@ def diagram(
     draw_all: bool,
     out_path: Path | None,
     fmt: str | None,
+    draw_runs: bool,
+    since: str,
     workflow_paths: tuple[str, ...],
     db: str | None,
     synchronous: str,
@@ -1285,6 +1294,8 @@ def diagram(
             "diagram: give exactly one of FILE[:NAME], --lifecycle, --run RUN_ID, --loop NAME "
             "or --all" + (f" (got {', '.join(given)})" if given else "")
         )
+    if draw_runs and target is None:
+        raise FlowloopError("diagram: --runs draws FILE[:WORKFLOW] with its runs; give FILE")
     if draw_all:
         if fmt is not None:
             raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
@@ -1315,7 +1326,13 @@ def diagram(
         graph = _stored_loop_diagram(loop_name, workflow_paths, db, synchronous)
     else:
         assert target is not None
-        graph = _machine_diagram(target)
+        if draw_runs:  # all runs of the window on it: flowloop/heat.py
+            from flowloop.heat import workflow_heat_digraph
+
+            support.require_database(database(db))  # a read: a typo in --db creates nothing
+            graph = workflow_heat_digraph(load_target(target)[0], database(db), since=since)
+        else:
+            graph = _machine_diagram(target)
     fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
     if out_path is None:
         if fmt == "png":
@@ -1562,6 +1579,12 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+
+
+# The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.
+from flowloop.ui.command import ui_command  # noqa: E402
+
+cli.add_command(ui_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
