@@ -58,6 +58,9 @@ RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
 
+CUT_OFF_WRITE_SECONDS: Final = 5.0
+"""How long, after the grace period, shutdown waits for the cut-offs to be journaled."""
+
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
 
@@ -71,7 +74,10 @@ async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> Non
     for task in pending:
         task.cancel()
     if pending:
-        await asyncio.wait(pending)
+        # Journaling the cut-offs needs the database: during an outage, give up after a
+        # bounded time (the runs stay ``running`` and the next worker's recovery settles
+        # them) rather than break the grace period's promise for good.
+        await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
 
 
 def new_worker_id() -> str:
@@ -162,6 +168,12 @@ class Committer:
         self._scheduled = False
         self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._backoff = 0.0
+        """The last retry gap (doubled at each failed retry, back to 0 after a write)."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The retry of a kept batch, while one is due. Every boundary submitted meanwhile
+        joins it; with no retry due, :meth:`submit` schedules a flush itself — also after
+        every kept boundary's run was fenced off (the retry found nothing left to write),
+        which used to leave the committer waiting for a retry that never came."""
         self.released: set[str] = set()
         """Runs whose releasing boundary was applied (their owner let go of them), noted at
         commit time, before the waiting task resumes (the heartbeat must not take the
@@ -171,18 +183,22 @@ class Committer:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((boundary, future))
-        if alone and not self._scheduled and not self._backoff and not self._retrying:
+        # While a retry is due (``_timer``), that flush takes the new boundaries along; in
+        # every other state something must be scheduled, or the boundary waits for ever.
+        if self._scheduled or self._timer is not None:
+            return future
+        if alone and not self._retrying:
             # One run in flight: nothing can join the batch, so write now and save two
             # event-loop turns (the flush callback, then waking the awaiting run).
             self._flush()
             return future
-        if not self._scheduled and not self._backoff:
-            self._scheduled = True
-            loop.call_soon(self._flush)
+        self._scheduled = True
+        loop.call_soon(self._flush)
         return future
 
     def _flush(self) -> None:
         self._scheduled = False
+        self._timer = None
         retried, self._retrying = self._retrying, []
         # A cancelled waiter (its run was abandoned: lease lost, cut off) must not have
         # its boundary written after the fact.
@@ -194,6 +210,7 @@ class Committer:
             results = self.store.write([boundary for boundary, _ in batch])
         except Exception as error:
             if not is_outage(error):
+                self._backoff = 0.0
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
@@ -224,8 +241,7 @@ class Committer:
             len(batch),
             self._backoff,
         )
-
-        asyncio.get_running_loop().call_later(self._backoff, self._flush)
+        self._timer = asyncio.get_running_loop().call_later(self._backoff, self._flush)
 
     def _already_applied(self, boundary: Boundary) -> bool:
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,6 +30,7 @@ from flowloop.errors import StoreError
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
+BUSY_FLOOR_MS: Final = 100
 READ_OPTION: Final = "flowloop_read"
 PG_CONNECT_TIMEOUT_S: Final = 5
 PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
@@ -115,6 +117,25 @@ def _enter_wal(cursor: sqlite3.Cursor) -> None:
         delay = min(delay * 2, 0.05)
 
 
+_busy_ms: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+
+
+def busy_timeout_ms(lease_seconds: float) -> int:
+    """SQLite's busy timeout for a worker holding leases of ``lease_seconds``: a sixth of
+    the lease (at most 30 s, at least 0.1 s). Database calls run on the worker's event
+    loop, so a write waiting out another process's lock must give up — and the worker's
+    outage handling take over — well before the heartbeat has to fence its runs off."""
+    return int(min(BUSY_TIMEOUT_MS, max(BUSY_FLOOR_MS, lease_seconds * 1000 / 6)))
+
+
+def set_busy_timeout(engine: Engine, milliseconds: int) -> None:
+    """The busy timeout of ``engine``'s SQLite connections from now on (new connections;
+    the caller drops the ones it holds). No-op on PostgreSQL."""
+    if engine.dialect.name == "sqlite":
+        _busy_ms[engine] = milliseconds
+        engine.dispose()
+
+
 def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:
     url = make_url(normalize_url(url_text))
     if url.get_backend_name() == "sqlite":
@@ -149,7 +170,7 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
         if not memory:
             _enter_wal(cursor)
         cursor.execute(f"PRAGMA synchronous={mode}")
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={_busy_ms.get(engine, BUSY_TIMEOUT_MS)}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 

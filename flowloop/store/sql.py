@@ -710,8 +710,15 @@ class SQLStore(LoopStoreMixin, Store):
     _lease_for_write = 30.0
 
     def set_write_lease(self, seconds: float) -> None:
-        """The lease that every owned write renews (the worker's lease length)."""
+        """The lease that every owned write renews (the worker's lease length); on SQLite
+        it also bounds how long a call waits for another process's lock."""
         self._lease_for_write = seconds
+        if self.engine.dialect.name == "sqlite":
+            with self._lock:
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+                dialect.set_busy_timeout(self.engine, dialect.busy_timeout_ms(seconds))
 
     # -- claiming --------------------------------------------------------------------------
 
