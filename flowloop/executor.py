@@ -21,7 +21,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,6 +42,7 @@ from flowloop.definition import (
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 
 log = logging.getLogger("flowloop")
@@ -283,9 +284,10 @@ class Executor:
         """Called with (run id, why) when this worker stops driving a run it lost."""
         self.stats = Stats()
         self.committer = Committer(store, self.stats)
-        self._threads = ThreadPoolExecutor(
-            max_workers=max_concurrency, thread_name_prefix="flowloop-step"
-        )
+        self._threads = StepThreads(max_concurrency)
+        self.pool_exhausted: list[Callable[[int], None]] = []
+        """Called (with the number of abandoned threads) when hung sync steps reach the
+        step pool's bound (see flowloop.steppool)."""
         self._active: dict[str, _Active] = {}
         self._controls: dict[str, str] = {}
         self._draining = False
@@ -300,6 +302,11 @@ class Executor:
         fast path (so it need not read the row back); the reader removes both."""
         self.reserved: Callable[[], int] = lambda: 0
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Threads still running a sync step this executor gave up on (timed out, cut off)."""
+        return self._threads.abandoned
 
     @property
     def busy(self) -> int:
@@ -1019,6 +1026,7 @@ class Executor:
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
+        thread: Future[Any] | None = None
         active = self._active.get(run_id)
         if spec.is_async and spec.timeout is None and active is not None:
             # No timeout to enforce: await the coroutine inline instead of wrapping it in a
@@ -1035,6 +1043,7 @@ class Executor:
             work = self._threads.submit(spec.fn, *args)
             work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
+            thread = work
         if active is not None:
             active.step_task = future
         try:
@@ -1048,13 +1057,43 @@ class Executor:
                 ) from None
         except BaseException:
             abandoned.append(True)
+            if thread is not None:
+                self._abandoned(run_id, spec.name, thread)
             raise
         finally:
             if active is not None:
                 active.step_task = None
 
+    def _abandoned(self, run_id: str, state: str, work: Future[Any]) -> None:
+        """A sync step given up on: its thread is replaced (within the pool's bound)."""
+        if not self._threads.abandon(work):
+            return
+        count, bound = self._threads.abandoned, self._threads.spare
+        log.warning(
+            "run %s: step %s still runs in its thread after its timeout or cancellation "
+            "(%d abandoned step thread(s), bound %d)",
+            run_id,
+            state,
+            count,
+            bound,
+            extra={"run": run_id, "event": "thread_abandoned", "abandoned": count},
+        )
+        if count >= bound:
+            log.error(
+                "%d sync step thread(s) hang past their timeouts (the bound is %d): "
+                "each further one takes a slot of this process",
+                count,
+                bound,
+                extra={"event": "step_pool_exhausted", "abandoned": count},
+            )
+            for hook in self.pool_exhausted:
+                try:
+                    hook(count)
+                except Exception:  # a hook must never break the worker
+                    log.exception("pool-exhausted hook failed")
+
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown()
 
 
 def deliver_pending(
