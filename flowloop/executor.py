@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from flowloop import journal as j
 from flowloop.clock import Clock
@@ -44,6 +43,7 @@ from flowloop.events import accepted, accepts, check_visits, entering, receive, 
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
+from flowloop.store.outage import is_outage
 
 log = logging.getLogger("flowloop")
 
@@ -142,13 +142,6 @@ class Stats:
     lost_leases: int = 0
     recovered: int = 0
     outage_retries: int = 0
-
-
-def is_outage(error: BaseException) -> bool:
-    """A database that is unreachable or restarting (retry later), not a bug or a conflict."""
-    if isinstance(error, (OperationalError, InterfaceError)):
-        return True
-    return isinstance(error, DBAPIError) and bool(error.connection_invalidated)
 
 
 class Committer:
@@ -338,17 +331,23 @@ class Executor:
             self.spawn(stored, starting=False)
         helpers = [asyncio.create_task(self.heartbeat())]
         try:
-            await self.recover()
-            last_recovery = self.clock.monotonic()
+            # Recovery, the first one included, is inside the outage handling: a worker or
+            # `resume` starting while the database refuses writes waits for it.
+            last_recovery: float | None = None
             outage = 0.0
             while not (stop is not None and stop.is_set()):
                 try:
-                    claimed = self._claim(run_ids)
-                    if self.clock.monotonic() - last_recovery > min(
+                    if last_recovery is None or self.clock.monotonic() - last_recovery > min(
                         RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
                     ):
                         await self.recover()
                         last_recovery = self.clock.monotonic()
+                    claimed = self._claim(run_ids)
+                    due = (
+                        self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
+                        if until_idle and not claimed and not self._active
+                        else None
+                    )
                     outage = 0.0
                 except Exception as error:
                     if not is_outage(error):
@@ -364,7 +363,6 @@ class Executor:
                 if until_idle and not self._active:
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
-                    due = self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
                     if due is None or due - self.clock.now() > idle_horizon:
                         break
                     await self.clock.sleep(min(max(0.0, due - self.clock.now()), idle_horizon))

@@ -95,3 +95,30 @@ class SqliteLock:
         self.flag.write_text("go")
         self.proc.wait(30)
         assert self.proc.returncode == 0
+
+
+class PgReadOnly:
+    """The scratch database turns read-only (``default_transaction_read_only``), its
+    sessions are terminated so that the new ones get it, then it turns writable again."""
+
+    def __init__(self, base_url: str, database: str) -> None:
+        self.outage = PgOutage(base_url, database)
+
+    def _set(self, sql: str) -> None:
+        with self.outage.admin.connect() as conn:
+            conn.execute(sa.text(sql))
+            conn.execute(
+                sa.text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :db"
+                ),
+                {"db": self.outage.database},
+            )
+
+    def begin(self) -> None:
+        self._set(f'ALTER DATABASE "{self.outage.database}" SET default_transaction_read_only = on')
+
+    def end(self) -> None:
+        self._set(f'ALTER DATABASE "{self.outage.database}" RESET default_transaction_read_only')
+
+    def close(self) -> None:
+        self.outage.close()

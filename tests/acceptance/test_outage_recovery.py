@@ -10,7 +10,6 @@ retry — the state that used to wedge the committer for good.
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -119,4 +118,20 @@ def test_worker_recovers_after_postgres_refused_connections_longer_than_its_leas
             workers.stop_all()
             outage.end()
             outage.close()
-    assert os.environ  # the scratch database is dropped by the context manager
+
+
+@pytest.mark.postgres
+def test_worker_rides_out_postgres_turning_read_only(
+    tmp_path: Path, workers: mwkit.Workers
+) -> None:
+    """SQLSTATE 25006 (read_only_sql_transaction) arrives as InternalError, not as an
+    OperationalError: it is an outage all the same (issue 20, item 5)."""
+    require_pg()
+    with faultkit.scratch_pg_database(pg_base_url()) as url:
+        fault = faultkit.PgReadOnly(pg_base_url(), url.rsplit("/", 1)[1])
+        try:
+            _ride_out(url, tmp_path, workers, (fault.begin, fault.end))
+            assert "read-only transaction" in workers.procs[0].output()
+        finally:
+            workers.stop_all()
+            fault.close()
