@@ -21,6 +21,7 @@ from flowloop.config import Settings, apply_overrides, load_settings, parse_dura
 from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lastresort import last_resort
 from flowloop.loader import Loaded, load_paths, load_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES
@@ -1246,6 +1247,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
         sys.exit(130)
+    except Exception as error:
+        # The last line of defence: storage and encoding errors that no command turned
+        # into a FlowloopError still get one line, never a traceback.
+        line, code = last_resort(error)
+        if line is None:
+            raise
+        err.print(f"error: {line}", markup=False)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

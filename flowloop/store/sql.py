@@ -35,7 +35,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlch
 from flowloop.errors import StoreError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect, leases, migrate
+from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
@@ -216,6 +216,7 @@ class SQLStore(LoopStoreMixin, Store):
         check_schema: bool = True,
     ) -> None:
         self.url = url
+        outage.note_opened(url)
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
@@ -226,9 +227,7 @@ class SQLStore(LoopStoreMixin, Store):
                 self._ensure_schema(create=create)
         except SQLAlchemyError as error:
             self.engine.dispose()
-            raise StoreError(
-                f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}"
-            ) from error
+            raise StoreError(f"cannot use {outage.describe(error, url)}") from error
         except StoreError:
             self.engine.dispose()
             raise
