@@ -732,6 +732,14 @@ class Executor:
         record = stored.record
         if stored.problem is not None:
             return j.RUN_FAILED, "invalid_row", stored.problem
+        if record.fingerprint == workflow.fingerprint and record.state not in workflow.states:
+            # Same definition, yet a state it does not have: the row was changed by hand
+            # (or damaged). Fail now, saying so, rather than die on it in the step.
+            message = (
+                f"the run is in state {record.state!r}, which {workflow.name} "
+                f"v{workflow.version} does not have (the stored row was changed)"
+            )
+            return j.RUN_FAILED, f"unknown_state: {record.state}", message
         if record.fingerprint != workflow.fingerprint:
             old = self.store.definition(record.fingerprint) or {}
             why = compatible(old, workflow, record.state)

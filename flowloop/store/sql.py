@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,7 +34,7 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from flowloop.errors import StoreError
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
@@ -43,6 +44,8 @@ from flowloop.store.schema import definitions, inbox, journal, runs
 JSON_SEPARATORS = (",", ":")
 CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
+
+log = logging.getLogger("flowloop.store")
 
 
 def _dumps(value: Mapping[str, Any]) -> str:
@@ -113,7 +116,7 @@ def _event_from_row(row: Any) -> JournalEvent:
         traceback=row.traceback,
         retryable=row.retryable,
         worker=row.worker,
-        data=json.loads(row.data) if row.data else {},
+        data=load_data(row.data),
     )
 
 
@@ -391,7 +394,11 @@ class SQLStore(LoopStoreMixin, Store):
             return float(conn.execute(select(self.now_sql)).scalar_one())
 
     def save_definition(self, fingerprint: str, name: str, version: int, structure: str) -> None:
-        if self.definition(fingerprint) is not None:
+        with self._read() as conn:
+            saved = conn.execute(
+                select(definitions.c.fingerprint).where(definitions.c.fingerprint == fingerprint)
+            ).first()
+        if saved is not None:
             return
         try:
             with self._write() as conn:
@@ -415,7 +422,22 @@ class SQLStore(LoopStoreMixin, Store):
             text = conn.execute(
                 select(definitions.c.structure).where(definitions.c.fingerprint == fingerprint)
             ).scalar_one_or_none()
-        return None if text is None else dict(json.loads(text))
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            # A damaged row concerns the runs of this one definition only: they are judged
+            # as if it were unknown (a run whose state still exists goes on).
+            log.warning(
+                "definition %s: its stored structure is not a JSON object; runs started "
+                "under it are checked against the current definition only",
+                fingerprint,
+            )
+            return None
+        return value
 
     # -- runs ------------------------------------------------------------------------------
 
