@@ -30,7 +30,8 @@ from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 if TYPE_CHECKING:
     import graphviz
 
-NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
+"""Names of workflows, states and loops: at most 200 characters (flowloop.limits)."""
 NEXT_EVENT = "next"
 """The event a ``next=`` step takes implicitly when it returns ``None``."""
 
@@ -176,7 +177,9 @@ class Workflow:
         description: str = "",
     ) -> None:
         if not NAME_PATTERN.match(name):
-            raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
+            raise DefinitionError(
+                name[:40], "name must be letters, digits, '_', '.' or '-', at most 200 of them"
+            )
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
         if max_concurrency is not None and max_concurrency < 1:

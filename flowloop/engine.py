@@ -52,6 +52,7 @@ from flowloop.executor import (
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.limits import MAX_NAME_LENGTH, check_key, check_text
 from flowloop.store import (
     Boundary,
     Fence,
@@ -262,7 +263,8 @@ class Engine:
             self.register(workflow)
         ctx = workflow.parse_context(context)
         now = self.clock.now()
-        business_key = key if key is not None else workflow.business_key(ctx)
+        business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
+        check_key("idempotency key", idempotency_key)
         created = JournalEvent(
             run_id=uuid.uuid4().hex,
             seq=1,
@@ -568,6 +570,9 @@ class Engine:
         limit: int = 100,
     ) -> list[RunInfo]:
         statuses = [status] if isinstance(status, str) else status
+        if limit < 0:
+            raise FlowloopError(f"limit {limit} is negative: give 0 or more")
+        check_key("key", key)
         found = self.store.find_runs(
             RunFilter(workflow=workflow, statuses=statuses, key=key, limit=limit)
         )
@@ -696,6 +701,8 @@ class Engine:
         """
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
+        check_key("dedupe key", dedupe_key)
+        check_text("event", event, MAX_NAME_LENGTH)
         message = InboxEvent(
             run_id=run_id,
             event=event,

@@ -6,8 +6,10 @@ not UTF-8. Anything else is a bug and keeps its traceback."""
 from __future__ import annotations
 
 import errno
+import re
 from typing import Final
 
+from pydantic_core import PydanticSerializationError
 from sqlalchemy.exc import SQLAlchemyError
 
 from flowloop.errors import EXIT_FAILURE, EXIT_USAGE
@@ -16,6 +18,8 @@ from flowloop.store import outage
 STORAGE_ERRNOS: Final = frozenset(
     {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EIO}
 )
+
+_SURROGATE: Final = re.compile(r"\\udc([89a-f][0-9a-f])")
 
 
 def _bad_byte(error: UnicodeError) -> str:
@@ -32,9 +36,15 @@ def last_resort(error: BaseException) -> tuple[str | None, int]:
     """The line to print for ``error`` and the exit code; ``(None, …)``: not ours to hide."""
     if isinstance(error, SQLAlchemyError):
         return outage.describe(error, outage.last_opened() or "(not opened)"), EXIT_FAILURE
-    if isinstance(error, UnicodeError):
+    if isinstance(error, UnicodeError) or (
+        isinstance(error, PydanticSerializationError) and "UnicodeEncodeError" in str(error)
+    ):
+        found = _SURROGATE.search(str(error))
+        byte = _bad_byte(error) if isinstance(error, UnicodeError) else ""
+        if not byte and found is not None:
+            byte = f" (byte 0x{found.group(1)})"
         return (
-            f"an argument, option or file is not valid UTF-8 text{_bad_byte(error)}: "
+            f"an argument, option or file is not valid UTF-8 text{byte}: "
             "flowloop takes names, keys and JSON as UTF-8",
             EXIT_USAGE,
         )

@@ -22,7 +22,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Engine, Float, create_engine, event, literal_column, make_url
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import StoreError
@@ -137,11 +137,20 @@ def set_busy_timeout(engine: Engine, milliseconds: int) -> None:
 
 
 def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:
-    url = make_url(normalize_url(url_text))
-    if url.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, synchronous)
-    if url.get_backend_name() == "postgresql":
-        return _postgres_engine(url)
+    try:
+        url = make_url(normalize_url(url_text))
+    except ArgumentError as error:
+        raise StoreError(f"{url_text!r} is not a database URL ({error})") from None
+    try:
+        if url.get_backend_name() == "sqlite":
+            return _sqlite_engine(url, synchronous)
+        if url.get_backend_name() == "postgresql":
+            return _postgres_engine(url)
+    except NoSuchModuleError:
+        raise StoreError(
+            f"unknown database driver {url.drivername!r} in {safe_url(url)}: "
+            "use sqlite:///path or postgresql+psycopg://…"
+        ) from None
     raise StoreError(
         f"unsupported database {safe_url(url)}: use sqlite:///path or postgresql+psycopg://…"
     )

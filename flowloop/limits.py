@@ -1,0 +1,40 @@
+"""Lengths and characters the schema stores, checked before the database sees them.
+
+PostgreSQL refuses a value longer than its column (``varchar(400)``) and any text with a
+NUL character; SQLite stores both. The same limits apply on both databases, so a flowloop
+that works on SQLite in development keeps working on PostgreSQL, and a value that cannot
+be stored is refused with one line naming it instead of a driver traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from flowloop.errors import FlowloopError
+
+MAX_NAME_LENGTH: Final = 200
+"""Workflow, state, event and loop names (``varchar(200)`` columns)."""
+MAX_KEY_LENGTH: Final = 400
+"""Business keys, idempotency keys and dedupe keys (``varchar(400)`` columns)."""
+
+
+def shown(value: str, limit: int = 40) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
+
+
+def check_text(what: str, value: str | None, limit: int) -> str | None:
+    """``value`` if it fits a column of ``limit`` characters and holds no NUL, else
+    FlowloopError naming ``what``."""
+    if value is None:
+        return None
+    if len(value) > limit:
+        raise FlowloopError(
+            f"{what} {shown(value)} is {len(value)} characters long; at most {limit} fit"
+        )
+    if "\x00" in value:
+        raise FlowloopError(f"{what} {shown(value)} contains a NUL character (\\0)")
+    return value
+
+
+def check_key(what: str, value: str | None) -> str | None:
+    return check_text(what, value, MAX_KEY_LENGTH)
