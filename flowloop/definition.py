@@ -261,7 +261,7 @@ class Workflow:
         transitions = dict(on) if on is not None else {NEXT_EVENT: str(next_state)}
         if not transitions:
             raise DefinitionError(self.name, f"state {state!r} declares no transition")
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {state!r} timeout")
         if timeout_s is not None and timeout_s <= 0:
             raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
         if max_visits is not None and max_visits < 1:
@@ -327,7 +327,7 @@ class Workflow:
             raise DefinitionError(
                 self.name, f"wait state {name!r}: use on_timeout= for the {TIMEOUT_EVENT!r} event"
             )
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {name!r} timeout")
         if (timeout_s is None) != (on_timeout is None):
             raise DefinitionError(
                 self.name, f"wait state {name!r}: give timeout= and on_timeout= together"

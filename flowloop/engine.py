@@ -52,7 +52,8 @@ from flowloop.executor import (
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
-from flowloop.limits import MAX_NAME_LENGTH, check_key, check_text
+from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
+from flowloop.retry import seconds
 from flowloop.store import (
     Boundary,
     Fence,
@@ -190,6 +191,9 @@ class Engine:
     ) -> None:
         if max_concurrency < 1:
             raise FlowloopError("max_concurrency must be at least 1")
+        for what, value in (("lease_seconds", lease_seconds), ("poll_seconds", poll_seconds)):
+            if (seconds(value, what) or 0.0) <= 0:
+                raise FlowloopError(f"{what}={value!r}: must be positive")
         self.url = normalize_url(url) if url else default_url()
         self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
         self.clock: Clock = clock or SystemClock()
@@ -262,6 +266,7 @@ class Engine:
         if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
             self.register(workflow)
         ctx = workflow.parse_context(context)
+        check_finite("context", ctx.model_dump())
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         check_key("idempotency key", idempotency_key)
@@ -702,6 +707,7 @@ class Engine:
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
         check_key("dedupe key", dedupe_key)
+        check_finite("payload", payload)
         check_text("event", event, MAX_NAME_LENGTH)
         message = InboxEvent(
             run_id=run_id,

@@ -8,6 +8,8 @@ be stored is refused with one line naming it instead of a driver traceback.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Final
 
 from flowloop.errors import FlowloopError
@@ -38,3 +40,31 @@ def check_text(what: str, value: str | None, limit: int) -> str | None:
 
 def check_key(what: str, value: str | None) -> str | None:
     return check_text(what, value, MAX_KEY_LENGTH)
+
+
+def non_finite(value: object, path: str = "") -> str | None:
+    """The path of the first NaN or infinite number in a JSON-like value (``None``: none).
+    JSON has no such numbers: stored, they would silently become ``null``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(the value)"
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = non_finite(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = non_finite(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def check_finite(what: str, value: object) -> None:
+    """FlowloopError naming the field of ``value`` that is NaN or infinite."""
+    found = non_finite(value)
+    if found is not None:
+        raise FlowloopError(
+            f"{what} field {found} is NaN or infinite: JSON has no such number "
+            "(it would be stored as null); give a finite number"
+        )

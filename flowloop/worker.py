@@ -23,6 +23,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import Iteration, Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
+from flowloop.retry import seconds
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.loops import LoopStoreMixin
 
@@ -74,7 +75,9 @@ class Worker:
             if loop.workflow is not None:
                 engine.register(loop.workflow)
         self.concurrency = concurrency or engine.max_concurrency
-        self.grace = grace
+        self.grace = seconds(grace, "grace") or 0.0
+        if self.grace < 0:
+            raise FlowloopError(f"grace={grace!r}: must not be negative")
         self.alerts = alerts if alerts is not None else Alerts(background=True)
         self.metrics = metrics if metrics is not None or metrics_port is None else Metrics()
         self.metrics_port = metrics_port
