@@ -48,6 +48,8 @@ PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
 }
 """libpq connection parameters flowloop sets unless the URL sets them (``?keepalives_idle=…``)."""
 SQLITE_HEADER: Final = b"SQLite format 3\x00"
+VERSION_TABLE: Final = "flowloop_alembic_version"
+"""The table that marks a flowloop database (flowloop.store.migrate.VERSION_TABLE)."""
 
 
 def safe_url(url: str | URL) -> str:
@@ -74,11 +76,43 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def _prepare_sqlite_file(url: URL) -> None:
+def _sqlite_file(url: URL) -> Path | None:
+    """The file of a SQLite URL, ``file:`` URIs (``?uri=true``) included; ``None`` for an
+    in-memory database."""
     database = url.database
-    if not database or database == ":memory:" or database.startswith("file:"):
+    if not database or database == ":memory:":
+        return None
+    if database.startswith("file:"):
+        if url.query.get("mode") == "memory":
+            return None
+        database = database[len("file:") :].partition("?")[0]
+        if not database or database == ":memory:":
+            return None
+    return Path(database)
+
+
+def _foreign_tables(path: Path) -> list[str] | None:
+    """The tables of an existing SQLite file when it is not a flowloop database (``[]``:
+    it has none), read without changing a byte of it; ``None`` when it is flowloop's or
+    cannot be read that way (the store's own check then decides)."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    tables = sorted(str(row[0]) for row in rows)
+    return None if VERSION_TABLE in tables else tables
+
+
+def _prepare_sqlite_file(url: URL) -> None:
+    path = _sqlite_file(url)
+    if path is None:
         return
-    path = Path(database)
     if path.is_dir():
         raise StoreError(f"{path} is a directory, not a database file")
     if path.exists():
@@ -86,6 +120,16 @@ def _prepare_sqlite_file(url: URL) -> None:
             header = handle.read(len(SQLITE_HEADER))
         if header and header != SQLITE_HEADER:
             raise StoreError(f"{path} is not a SQLite database (point --db at a new file)")
+        # Another application's database: refuse it before anything (switching it to WAL
+        # rewrites its header) touches it.
+        foreign = _foreign_tables(path) if header else None
+        if foreign:
+            raise StoreError(
+                f"{path} is not a flowloop database (it has tables {', '.join(foreign[:5])}); "
+                "point --db at a new file"
+            )
+        return
+    if url.query.get("mode") == "ro":
         return
     if not path.parent.exists():
         raise StoreError(
