@@ -41,6 +41,7 @@ from flowloop.definition import (
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.localdue import LocalDue
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.outage import is_outage
@@ -293,6 +294,9 @@ class Executor:
         self.committed: dict[str, tuple[RunRecord, float]] = {}
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
+        self.due_here = LocalDue(clock)
+        """Due times of runs this executor handed back, on the monotonic clock too (a wall
+        clock set back must not stall a 3 s retry for an hour)."""
         self.reserved: Callable[[], int] = lambda: 0
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
 
@@ -363,9 +367,13 @@ class Executor:
                 if until_idle and not self._active:
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
-                    if due is None or due - self.clock.now() > idle_horizon:
+                    wait = None if due is None else max(0.0, due - self.clock.now())
+                    local = self.due_here.next_wait(run_ids)
+                    if local is not None and (wait is None or local < wait):
+                        wait = local  # the wall clock was set back: trust the monotonic one
+                    if wait is None or wait > idle_horizon:
                         break
-                    await self.clock.sleep(min(max(0.0, due - self.clock.now()), idle_horizon))
+                    await self.clock.sleep(wait)
                     continue
                 await self._wait_for_work(stop)
             await self.drain(grace)
@@ -385,14 +393,30 @@ class Executor:
         ]
         if free <= 0 or not eligible:
             return 0
-        rows = self.store.claim(
-            worker=self.worker_id,
-            now=self.clock.now(),
-            limit=free,
-            lease_seconds=self.lease_seconds,
-            workflows=eligible,
-            run_ids=run_ids,
-        )
+        rows: list[StoredRun] = []
+        overdue, at = self.due_here.overdue(run_ids)
+        if overdue:
+            # Due by this process's monotonic clock although the wall clock (set back)
+            # says not yet: claim them as of their stored due time.
+            self.due_here.forget(overdue)
+            rows = self.store.claim(
+                worker=self.worker_id,
+                now=at,
+                limit=free,
+                lease_seconds=self.lease_seconds,
+                workflows=eligible,
+                run_ids=overdue,
+            )
+            free -= len(rows)
+        if free > 0:
+            rows += self.store.claim(
+                worker=self.worker_id,
+                now=self.clock.now(),
+                limit=free,
+                lease_seconds=self.lease_seconds,
+                workflows=eligible,
+                run_ids=run_ids,
+            )
         taken = 0
         for stored in rows:
             workflow = self.workflows[stored.record.workflow]
@@ -426,6 +450,7 @@ class Executor:
         self._active[stored.id] = active = _Active(task)
         self._lease_until[stored.id] = time.monotonic() + self.lease_seconds
         self.committer.released.discard(stored.id)
+        self.due_here.forget((stored.id,))
 
         def done(_: asyncio.Task[None]) -> None:
             self._per_workflow[name] -= 1
@@ -637,6 +662,8 @@ class Executor:
     async def _commit(self, boundary: Boundary) -> bool:
         before = time.monotonic()
         applied = await self.committer.submit(boundary, alone=len(self._active) <= 1)
+        if applied and boundary.release:
+            self.due_here.note(boundary.run_id, boundary.record.next_run_at)
         if applied:
             if boundary.run_id in self.tracked:
                 self.committed[boundary.run_id] = (
