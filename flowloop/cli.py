@@ -1193,6 +1193,12 @@ def stats_command(
     help="Runs deleted per transaction.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--vacuum",
+    "run_vacuum",
+    is_flag=True,
+    help="Then VACUUM: PostgreSQL reuses the freed space, a SQLite file shrinks.",
+)
 @db_option
 @json_option
 def prune_command(
@@ -1201,12 +1207,13 @@ def prune_command(
     loop_history: bool,
     batch: int,
     dry_run: bool,
+    run_vacuum: bool,
     db: str | None,
     synchronous: str,
     as_json: bool,
 ) -> None:
     """Delete old finished runs with their journal and inbox (live runs are never touched)."""
-    from flowloop.prune import prune
+    from flowloop.prune import prune, vacuum
 
     age = seconds_option(older_than, "--older-than")
     with open_engine(db, synchronous) as engine:
@@ -1218,8 +1225,9 @@ def prune_command(
             batch=batch,
             dry_run=dry_run,
         )
+        vacuumed = vacuum(sql_engine(engine)) if run_vacuum and not dry_run else None
     if as_json:
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps({**result.as_dict(), "vacuumed": vacuumed is not None}))
         return
     kept = " (failed runs kept)" if keep_failed else ""
     verb = "would delete" if dry_run else "deleted"
@@ -1230,6 +1238,8 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+    if vacuumed is not None:
+        out.print(vacuumed, markup=False)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
