@@ -360,7 +360,11 @@ class Executor:
                     log.warning(
                         "database unreachable (%s); retrying in %.1fs", error_line(error), outage
                     )
-                    await asyncio.sleep(outage)
+                    if stop is None:
+                        await asyncio.sleep(outage)
+                    else:  # a shutdown asked for during an outage does not wait it out
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), outage)
                     continue
                 if claimed:
                     continue

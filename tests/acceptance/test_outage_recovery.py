@@ -135,3 +135,67 @@ def test_worker_rides_out_postgres_turning_read_only(
         finally:
             workers.stop_all()
             fault.close()
+
+
+@pytest.mark.postgres
+def test_sigterm_during_an_outage_ends_the_worker_and_nothing_is_lost(
+    tmp_path: Path, workers: mwkit.Workers
+) -> None:
+    """SIGTERM while the database still refuses connections: the worker exits within its
+    grace plus the bounded wait for journaling cut-offs — long before self-fencing would
+    end its runs (5/6 of a 30 s lease) — and a worker started after the outage finishes
+    every run (the journal holds; the first worker's process is gone, so its leases are
+    taken over at once)."""
+    from flowloop.executor import CUT_OFF_WRITE_SECONDS
+
+    lease, grace = 30.0, 1.0
+
+    require_pg()
+    with faultkit.scratch_pg_database(pg_base_url()) as url:
+        outage = faultkit.PgOutage(pg_base_url(), url.rsplit("/", 1)[1])
+        try:
+            flow = mwkit.write_flow(tmp_path)
+            mwkit.enqueue(url, flow, RUNS, lease=lease)
+            first = workers.add(
+                mwkit.spawn_worker(
+                    flow, url, tmp_path, "w1", concurrency=4, lease=lease, grace=grace, env=ENV
+                )
+            )
+            mwkit.wait_for(
+                "the worker to get going",
+                lambda: _steps_done(url) >= RUNS,
+                timeout=60,
+                describe=workers.logs,
+            )
+            outage.begin()
+            mwkit.wait_for(
+                "the worker to notice the outage",
+                lambda: "database unreachable" in first.output(),
+                timeout=30,
+                describe=workers.logs,
+            )
+            asked = time.monotonic()
+            first.terminate()
+            first.proc.wait(grace + CUT_OFF_WRITE_SECONDS + 10)
+            took = time.monotonic() - asked
+            outage.end()
+            second = workers.add(
+                mwkit.spawn_worker(
+                    flow, url, tmp_path, "w2", concurrency=4, lease=LEASE_S, grace=GRACE_S, env=ENV
+                )
+            )
+            mwkit.wait_for(
+                "the second worker to finish every run",
+                lambda: mwkit.all_finished(url, RUNS),
+                timeout=RECOVERY_BOUND_S,
+                describe=lambda: f"{mwkit.statuses(url)}\n{workers.logs()}",
+            )
+            assert mwkit.statuses(url) == Counter({"succeeded": RUNS}), workers.logs()
+            assert mwkit.succeeded_once_per_visit(mwkit.journal_rows(url)) == []
+            assert second.stop() == 0, workers.logs()
+            assert "self-fencing" not in first.output(), workers.logs()
+            print(f"SIGTERM during the outage: exit after {took:.1f}s (grace {grace:g}s)")
+        finally:
+            workers.stop_all()
+            outage.end()
+            outage.close()
