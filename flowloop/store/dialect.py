@@ -240,14 +240,57 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
     return engine
 
 
+PG_SESSION_DEFAULTS: Final[dict[str, int]] = {
+    # The server's side of a vanished client. A host lost between the statements of a
+    # boundary write leaves an "idle in transaction" session holding the run's row lock,
+    # and every other worker's claim skips the row (SKIP LOCKED) until the session ends:
+    # the server ends it after this long idle in a transaction (set from the lease, see
+    # pg_idle_in_transaction_ms) ...
+    "idle_in_transaction_session_timeout": 10_000,
+    # ... and probes an idle connection whose client went silent (10 + 3 x 5 s).
+    "tcp_keepalives_idle": 10,
+    "tcp_keepalives_interval": 5,
+    "tcp_keepalives_count": 3,
+}
+"""Session settings flowloop sets on each PostgreSQL connection it opens (``SET`` at
+connect time, so a URL's own ``options=`` such as a search_path are kept)."""
+_pg_session: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def pg_idle_in_transaction_ms(lease_seconds: float) -> int:
+    """How long a flowloop session may sit idle inside a transaction: a third of the lease
+    (2 s to 60 s). flowloop's own transactions never pause between statements, so only a
+    vanished or frozen client hits it — and its runs are then free to be taken over soon
+    after their leases end."""
+    return int(min(60_000, max(2_000, lease_seconds * 1000 / 3)))
+
+
+def set_pg_session(engine: Engine, **settings: int) -> None:
+    """Override session settings of ``engine``'s PostgreSQL connections from now on (the
+    pool is emptied; connections in use keep theirs). No-op on SQLite."""
+    if engine.dialect.name == "postgresql":
+        _pg_session.setdefault(engine, dict(PG_SESSION_DEFAULTS)).update(settings)
+        engine.dispose()
+
+
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     connect_args = {k: v for k, v in PG_CONNECTION_DEFAULTS.items() if k not in url.query}
     try:
-        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+        engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
         raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        settings = _pg_session.get(engine, PG_SESSION_DEFAULTS)
+        with dbapi_connection.cursor() as cursor:
+            for name, value in settings.items():
+                cursor.execute(f"SET {name} = {int(value)}")
+        dbapi_connection.commit()
+
+    return engine
 
 
 def lock_schema(conn: Any) -> None:

@@ -731,15 +731,19 @@ class SQLStore(LoopStoreMixin, Store):
     _lease_for_write = 30.0
 
     def set_write_lease(self, seconds: float) -> None:
-        """The lease that every owned write renews (the worker's lease length); on SQLite
-        it also bounds how long a call waits for another process's lock."""
+        """The lease that every owned write renews (the worker's lease length). It also
+        bounds how long a call waits for another process's lock (SQLite) and how long a
+        session may sit idle in a transaction (PostgreSQL: a vanished client's locks)."""
         self._lease_for_write = seconds
-        if self.engine.dialect.name == "sqlite":
-            with self._lock:
-                if self._writer is not None:
-                    self._writer.close()
-                    self._writer = None
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self.engine.dialect.name == "sqlite":
                 dialect.set_busy_timeout(self.engine, dialect.busy_timeout_ms(seconds))
+            else:
+                idle = dialect.pg_idle_in_transaction_ms(seconds)
+                dialect.set_pg_session(self.engine, idle_in_transaction_session_timeout=idle)
 
     # -- claiming --------------------------------------------------------------------------
 
