@@ -55,7 +55,14 @@ DEFAULT_POLL_SECONDS: Final = 0.5
 RECOVERY_BATCH: Final = 500
 OUTAGE_BACKOFF_START: Final = 0.2
 OUTAGE_BACKOFF_CAP: Final = 5.0
-"""Seconds between attempts to reach a database that went away."""
+"""Seconds between attempts to reach a database that went away (at most; a third of the
+lease when that is shorter, so a worker notices the database is back well within a lease)."""
+
+
+def backoff_cap(lease_seconds: float) -> float:
+    return min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, lease_seconds / 3))
+
+
 RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
@@ -156,9 +163,10 @@ class Committer:
     committed just before the connection dropped; the stored row says which.
     """
 
-    def __init__(self, store: Store, stats: Stats) -> None:
+    def __init__(self, store: Store, stats: Stats, *, cap: float = OUTAGE_BACKOFF_CAP) -> None:
         self.store = store
         self.stats = stats
+        self.cap = cap
         self._pending: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._scheduled = False
         self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
@@ -228,7 +236,7 @@ class Committer:
         self, batch: list[tuple[Boundary, asyncio.Future[bool]]], error: Exception
     ) -> None:
         self._retrying = batch
-        self._backoff = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, self._backoff * 2))
+        self._backoff = min(self.cap, max(OUTAGE_BACKOFF_START, self._backoff * 2))
         self.stats.outage_retries += 1
         log.warning(
             "database unreachable (%s); %d boundary write(s) kept, retrying in %.1fs",
@@ -277,7 +285,7 @@ class Executor:
         self.lease_lost: list[Callable[[str, str], None]] = []
         """Called with (run id, why) when this worker stops driving a run it lost."""
         self.stats = Stats()
-        self.committer = Committer(store, self.stats)
+        self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
         self._threads = StepThreads(max_concurrency)
         self.pool_exhausted: list[Callable[[int], None]] = []
         """Called (with the number of abandoned threads) when hung sync steps reach the
@@ -356,7 +364,8 @@ class Executor:
                 except Exception as error:
                     if not is_outage(error):
                         raise
-                    outage = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, outage * 2))
+                    cap = backoff_cap(self.lease_seconds)
+                    outage = min(cap, max(OUTAGE_BACKOFF_START, outage * 2))
                     log.warning(
                         "database unreachable (%s); retrying in %.1fs", error_line(error), outage
                     )
@@ -544,10 +553,14 @@ class Executor:
                 and run_id not in self.committer.released
                 and self._controls.get(run_id) != "lost"
             ):
+                late = time.monotonic() - until
                 self._abandon(
                     run_id,
                     "could not renew its lease in time; abandoning it before "
-                    "the lease ends (self-fencing)",
+                    "the lease ends (self-fencing)"
+                    if late < 0
+                    else "could not renew its lease in time and was blocked past its end "
+                    f"({late:.1f}s, in a database call); abandoning it (self-fencing)",
                 )
 
     def _abandon(self, run_id: str, why: str) -> None:

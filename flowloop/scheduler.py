@@ -26,8 +26,8 @@ from flowloop.alerts import Alert
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
 from flowloop.executor import (
-    OUTAGE_BACKOFF_CAP,
     OUTAGE_BACKOFF_START,
+    backoff_cap,
     error_line,
     finish_within,
     owner_is_dead_here,
@@ -185,7 +185,8 @@ class Scheduler:
             except Exception as error:
                 if not is_outage(error):
                     raise
-                backoff = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, backoff * 2))
+                cap = backoff_cap(self.lease_seconds)
+                backoff = min(cap, max(OUTAGE_BACKOFF_START, backoff * 2))
                 log.warning(
                     "loops: database unreachable at start (%s); retrying in %.1fs",
                     error_line(error),
