@@ -119,3 +119,25 @@ def test_a_damaged_definition_row_concerns_its_own_runs_only(store_url: str) -> 
         assert engine.get(fine).status == "succeeded"
         assert engine.get(old).status == "succeeded"
         assert engine.check(damaged) == []
+
+
+def test_a_damaged_loop_journal_row_is_shown_and_named(
+    store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flowloop.store.loops import LoopSpec
+    from flowloop.store.sql import SQLStore
+
+    store = SQLStore(store_url)
+    try:
+        store.sync_loops(
+            [LoopSpec(name="tick", schedule="every 60s", first_slot=0.0)], at=0.0, worker="w"
+        )
+    finally:
+        store.close()
+    damage(
+        store_url,
+        "UPDATE flowloop_loop_journal SET data = 'garbage' WHERE loop = 'tick' AND seq = 1",
+    )
+    code, out, err = cli(capsys, "loops", "tick", "--db", store_url)
+    assert code == 0, err
+    assert "unreadable" in out, out
