@@ -177,7 +177,8 @@ def set_busy_timeout(engine: Engine, milliseconds: int) -> None:
     the caller drops the ones it holds). No-op on PostgreSQL."""
     if engine.dialect.name == "sqlite":
         _busy_ms[engine] = milliseconds
-        engine.dispose()
+        if not isinstance(engine.pool, StaticPool):  # in memory: its one connection is it
+            engine.dispose()
 
 
 def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:

@@ -66,3 +66,11 @@ def test_resume_started_on_a_locked_database_waits_and_finishes(
         assert errors == []
         assert engine.get(run_id).status == "succeeded"
     assert "database unreachable" in caplog.text
+
+
+def test_an_in_memory_database_survives_the_lease_setting() -> None:
+    """Setting the lease bounds the busy timeout by emptying the pool of file databases;
+    an in-memory one is its single connection and must keep its schema."""
+    wf = flow()
+    with Engine("sqlite://", workflows=[wf], lease_seconds=LEASE_S) as engine:
+        assert engine.run(wf, Ctx()).status == "succeeded"
