@@ -20,6 +20,7 @@ from pydantic_core import to_jsonable_python
 
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
+from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
     DefinitionError,
@@ -196,7 +197,7 @@ class Engine:
                 raise FlowloopError(f"{what}={value!r}: must be positive")
         self.url = normalize_url(url) if url else default_url()
         self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or self._default_clock()
         self.max_concurrency = max_concurrency
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
@@ -209,6 +210,16 @@ class Engine:
         self._runners = threading.local()
         self._all_runners: list[asyncio.Runner] = []
         self.register(*workflows)
+
+    def _default_clock(self) -> Clock:
+        """The system clock; on PostgreSQL corrected to the server's (see flowloop.dbclock)."""
+        store = self.store
+        if not isinstance(store, SQLStore) or store.engine.dialect.name != "postgresql":
+            return SystemClock()
+        clock = DatabaseClock(store.db_now)
+        with contextlib.suppress(Exception):  # unreachable now: measured at the next sweep
+            clock.refresh()
+        return clock
 
     def __enter__(self) -> Engine:
         return self

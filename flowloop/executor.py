@@ -587,6 +587,12 @@ class Executor:
     async def recover(self) -> int:
         """Settle every run left ``running`` by a dead worker, in batches: an idempotent
         step runs again (the attempt counts), a non-idempotent one fails as ``interrupted``."""
+        refresh = getattr(self.clock, "refresh", None)  # a DatabaseClock: measure again
+        if refresh is not None:
+            try:
+                refresh()
+            except Exception as error:  # the sweep itself reports an outage
+                log.debug("clock offset not measured: %s", error_line(error))
         dead = [owner for owner in self.store.running_owners() if owner_is_dead_here(owner)]
         if dead:
             self.store.expire_leases(dead)
