@@ -266,6 +266,35 @@ def pg_idle_in_transaction_ms(lease_seconds: float) -> int:
     return int(min(60_000, max(2_000, lease_seconds * 1000 / 3)))
 
 
+_pg_connect: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def pg_connect_params(lease_seconds: float) -> dict[str, int]:
+    """libpq timeouts for a worker holding leases of ``lease_seconds``: database calls run
+    on the worker's event loop, so a silent network must fail a call (and the reconnect
+    after it) well before the heartbeat has to fence the runs off — a sixth of the lease
+    each (``tcp_user_timeout`` 1 to 15 s, ``connect_timeout`` 2 to 5 s, libpq: at least 2)."""
+    return {
+        "tcp_user_timeout": int(min(15_000, max(1_000, lease_seconds * 1000 / 6))),
+        "connect_timeout": int(min(PG_CONNECT_TIMEOUT_S, max(2, lease_seconds / 6))),
+    }
+
+
+def pg_shortest_lease() -> float:
+    """The shortest lease whose deadline the timeouts can keep when the network drops
+    every packet: a blocked call (a failed statement, then a reconnect) must end within
+    half the lease."""
+    floor = pg_connect_params(0.0)
+    return 2 * (floor["tcp_user_timeout"] / 1000 + floor["connect_timeout"])
+
+
+def set_pg_connect(engine: Engine, **params: int) -> None:
+    """libpq parameters of ``engine``'s new connections (a URL's own win)."""
+    if engine.dialect.name == "postgresql":
+        _pg_connect[engine] = dict(params)
+        engine.dispose()
+
+
 def set_pg_session(engine: Engine, **settings: int) -> None:
     """Override session settings of ``engine``'s PostgreSQL connections from now on (the
     pool is emptied; connections in use keep theirs). No-op on SQLite."""
@@ -282,6 +311,12 @@ def _postgres_engine(url: URL) -> Engine:
         engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
         raise StoreError("PostgreSQL needs psycopg 3: pip install 'flowloop[postgres]'") from error
+
+    @event.listens_for(engine, "do_connect")
+    def _on_do_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
+        for name, value in _pg_connect.get(engine, {}).items():
+            if name not in url.query:
+                cparams[name] = value
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

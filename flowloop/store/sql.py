@@ -742,8 +742,20 @@ class SQLStore(LoopStoreMixin, Store):
             if self.engine.dialect.name == "sqlite":
                 dialect.set_busy_timeout(self.engine, dialect.busy_timeout_ms(seconds))
             else:
+                dialect.set_pg_connect(self.engine, **dialect.pg_connect_params(seconds))
                 idle = dialect.pg_idle_in_transaction_ms(seconds)
                 dialect.set_pg_session(self.engine, idle_in_transaction_session_timeout=idle)
+                shortest = dialect.pg_shortest_lease()
+                if seconds < shortest:
+                    log.warning(
+                        "lease %gs is shorter than PostgreSQL's timeouts can keep when the "
+                        "network drops packets (%gs): a partitioned worker may fence its "
+                        "runs off only after the lease ended; use --lease %gs or more",
+                        seconds,
+                        shortest,
+                        shortest,
+                        extra={"event": "lease_too_short"},
+                    )
 
     # -- claiming --------------------------------------------------------------------------
 
