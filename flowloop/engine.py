@@ -281,6 +281,8 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                # The whole run's deadline: a durable due time (waiting, retrying included).
+                **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
             },
         )
         events = [created]
