@@ -43,8 +43,8 @@ def workflows(max_parallel: int) -> tuple[Workflow, Workflow]:
     child.final("done")
     parent = Workflow("bench_map", context=Batch)
 
-    def reduce(ctx: Batch, results: list[ChildResult]) -> None:
-        ctx.total = sum(r.context.doubled for r in results)  # type: ignore[attr-defined]
+    def reduce(ctx: Batch, results: list[ChildResult[Item]]) -> None:
+        ctx.total = sum(r.context.doubled for r in results)
 
     parent.map(
         "fan",

@@ -211,7 +211,7 @@ async def _join(
 ) -> RunRecord | None:
     store = joins_of(executor)
     ctx = workflow.context.model_validate_json(record.context)
-    results: list[ChildResult] = []
+    results: list[ChildResult[Any]] = []
     for row in store.join_results(join_id):
         results.append(
             ChildResult(

@@ -14,7 +14,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -121,14 +121,18 @@ def step_error(record: RunRecord) -> StepError | None:
 # -- child runs and joins -----------------------------------------------------------------
 
 
+ChildContext = TypeVar("ChildContext", bound=BaseModel)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ChildResult:
+class ChildResult(Generic[ChildContext]):
     """One child of a ``map`` as ``reduce`` sees it: its item's index, how it ended, its
-    final context (a model of the child workflow's context) and its error, if any."""
+    final context (a model of the child workflow's context: annotate ``reduce``'s
+    argument as ``list[ChildResult[FileJob]]``) and its error, if any."""
 
     index: int
     status: str
-    context: BaseModel
+    context: ChildContext
     error: str | None = None
 
     @property
@@ -165,7 +169,7 @@ class MapSpec:
     max_parallel: int = DEFAULT_MAX_PARALLEL
     max_items: int = DEFAULT_MAX_ITEMS
     tolerate_failures: float = 0
-    reduce: Callable[[Any, list[ChildResult]], None] | None = None
+    reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None
 
     kind: ClassVar[str] = "map"
 

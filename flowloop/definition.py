@@ -455,7 +455,7 @@ class Workflow:
         max_parallel: int = compose.DEFAULT_MAX_PARALLEL,
         max_items: int = compose.DEFAULT_MAX_ITEMS,
         tolerate_failures: float = 0,
-        reduce: Callable[[Any, list[ChildResult]], None] | None = None,
+        reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None,
         initial: bool = False,
     ) -> None:
         """Declare a map state (fan-out and join): one child run of ``child`` per item of

@@ -96,8 +96,8 @@ def load_one() -> Workflow:
 def etl(child: Workflow, *, tolerate: float = 0, max_parallel: int = 3) -> Workflow:
     wf = Workflow("etl_c", context=Etl)
 
-    def reduce(ctx: Etl, results: list[ChildResult]) -> None:
-        ctx.total_rows = sum(r.context.rows for r in results if r.ok)  # type: ignore[attr-defined]
+    def reduce(ctx: Etl, results: list[ChildResult[FileJob]]) -> None:
+        ctx.total_rows = sum(r.context.rows for r in results if r.ok)
         ctx.failed = [r.index for r in results if not r.ok]
 
     wf.map(

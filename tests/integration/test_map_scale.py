@@ -38,9 +38,9 @@ def workflows() -> Workflow:
     child.final("done")
     parent = Workflow("scale_map", context=Batch)
 
-    def reduce(ctx: Batch, results: list[ChildResult]) -> None:
+    def reduce(ctx: Batch, results: list[ChildResult[Item]]) -> None:
         ctx.seen = len(results)
-        ctx.total = sum(r.context.doubled for r in results)  # type: ignore[attr-defined]
+        ctx.total = sum(r.context.doubled for r in results)
 
     parent.map(
         "fan",
