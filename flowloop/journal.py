@@ -130,6 +130,10 @@ def create(event: JournalEvent) -> RunRecord:
     if event.kind != RUN_CREATED or event.state is None or event.context is None:
         raise FoldError(f"run {event.run_id}: journal must start with {RUN_CREATED}")
     data = event.data
+    due = data.get("due", event.at)
+    deadline = data.get("deadline")
+    if deadline is not None:  # due by its deadline at the latest (a run starting to wait)
+        due = deadline if due is None else min(due, deadline)
     return RunRecord(
         id=event.run_id,
         workflow=str(data["workflow"]),
@@ -141,11 +145,11 @@ def create(event: JournalEvent) -> RunRecord:
         context=event.context,
         attempt=0,
         visits={event.state: 1},
-        next_run_at=data.get("due", event.at),
+        next_run_at=due,
         last_seq=event.seq,
         reason=None,
         error=None,
-        deadline=data.get("deadline"),
+        deadline=deadline,
         join=data.get("join"),
     )
 
