@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from flowloop import compose
 from flowloop import journal as j
 from flowloop.clock import Clock
-from flowloop.compose import CallSpec, ChildResult, Composite, MapSpec
+from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted
 from flowloop.events import check_visits, entering
@@ -57,10 +57,12 @@ def joins_of(executor: Executor) -> JoinStoreMixin:
 def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
     """Every child's context as JSON, validated against the child workflow's model, before
     any child is created. Raises ChildContextError naming the item's index and field."""
-    child = spec.child
     if isinstance(spec, CallSpec):
         values: list[Any] = [spec.context(ctx)]
         where = [f"call state {spec.name!r}"]
+    elif isinstance(spec, ParallelSpec):
+        values = [make(ctx) for _, make in spec.branches.values()]
+        where = [f"parallel state {spec.name!r}: branch {name!r}" for name in spec.branches]
     else:
         items = list(spec.items(ctx))
         if len(items) > spec.max_items:
@@ -70,7 +72,8 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
         values = [spec.context(ctx, item) for item in items]
         where = [f"map state {spec.name!r}: item {index}" for index in range(len(items))]
     out = []
-    for label, value in zip(where, values, strict=True):
+    for index, (label, value) in enumerate(zip(where, values, strict=True)):
+        child = child_workflow(spec, index)
         try:
             if isinstance(value, BaseModel):
                 model = child.context.model_validate(value.model_dump())
@@ -82,6 +85,13 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
             ) from None
         out.append(model.model_dump_json())
     return out
+
+
+def child_workflow(spec: Composite, index: int) -> Workflow:
+    """The workflow of the composite's child number ``index``."""
+    if isinstance(spec, ParallelSpec):
+        return list(spec.branches.values())[index][0]
+    return spec.child
 
 
 def new_child(
@@ -155,7 +165,7 @@ async def drive(
                 child_workflow=spec.child.name,
                 total=len(contexts),
                 created=0,
-                max_parallel=spec.max_parallel if isinstance(spec, MapSpec) else 1,
+                max_parallel=1 if isinstance(spec, CallSpec) else spec.max_parallel,
             ),
             at=now,
         )
@@ -169,7 +179,7 @@ async def drive(
                     new_child(
                         executor,
                         record,
-                        spec.child,
+                        child_workflow(spec, first + offset),
                         join_id=join_id,
                         index=first + offset,
                         context=context,
@@ -187,7 +197,11 @@ async def drive(
         record,
         j.CHILDREN_STARTED,
         state=record.state,
-        data={"join": join_id, "children": join.total, "child_workflow": spec.child.name},
+        data={
+            "join": join_id,
+            "children": join.total,
+            "child_workflow": ",".join(wf.name for wf in spec.workflows()),
+        },
     )
     boundary = Boundary(
         events=[started], record=j.apply(record, started), fence=fence, release=True
@@ -217,8 +231,9 @@ async def _join(
             ChildResult(
                 index=row.index,
                 status=row.status,
-                context=spec.child.context.model_validate_json(row.context),
+                context=child_workflow(spec, row.index).context.model_validate_json(row.context),
                 error=row.error,
+                branch=list(spec.branches)[row.index] if isinstance(spec, ParallelSpec) else None,
             )
         )
     counts = {"succeeded": 0, "failed": 0, "stopped": 0}
@@ -421,3 +436,40 @@ def paused_children(store: Any, run_id: str) -> list[str]:
 def retryable_state(workflow: Workflow, state: str) -> bool:
     """An operator may retry a run from a call, map or compensating state too."""
     return state in workflow.composites or workflow.compensates(state)
+
+
+def family_lines(store: Any, run_id: str) -> list[str]:
+    """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
+    and how many of its children are in each status (nothing when it has neither)."""
+    if not isinstance(store, JoinStoreMixin):
+        return []
+    lines = []
+    parent = store.parent_of(run_id)
+    if parent is not None:
+        lines.append(f"parent    {parent}")
+    counts = store.child_counts(run_id)
+    if counts:
+        total = sum(counts.values())
+        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        lines.append(f"children  {total} ({parts})")
+    return lines
+
+
+def describe_entry(event: JournalEvent) -> str | None:
+    """One line for a composition journal entry (``None`` for the others)."""
+    data = event.data
+    if event.kind == j.CHILDREN_STARTED:
+        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
+    if event.kind in (j.CHILDREN_JOINED, j.DEADLINE_PASSED) or (
+        event.kind in (j.STEP_FAILED, j.STEP_INTERRUPTED) and event.next_state
+    ):
+        counts = ", ".join(
+            f"{data[k]} {k}" for k in ("succeeded", "failed", "stopped") if data.get(k)
+        )
+        why = f" ({counts})" if counts else f" ({event.error_type})" if event.error_type else ""
+        return f"{event.state} --{event.event}--> {event.next_state}{why}"
+    if event.kind in (j.COMPENSATION_STARTED, j.COMPENSATION_SUCCEEDED):
+        return f"undo {event.state}"
+    if event.kind == j.COMPENSATION_FAILED:
+        return f"undo {event.state}: {event.error_type}: {event.error_message}"
+    return None

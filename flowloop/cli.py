@@ -16,6 +16,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Table
 
+from flowloop import children
 from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.engine import Engine, RunInfo, default_url
@@ -210,6 +211,9 @@ def styled(status: str) -> str:
 
 
 def describe_event(event: JournalEvent) -> str:
+    composed = children.describe_entry(event)  # call/map, compensation, deadline entries
+    if composed is not None:
+        return composed
     if event.kind in ("step_succeeded", "event_received"):
         return f"{event.state} --{event.event}--> {event.next_state}"
     if event.kind == "event_rejected":
@@ -529,6 +533,8 @@ def status(
                 click.echo(json.dumps(info_json(info)))
                 return
             show_run(info)
+            for line in children.family_lines(engine.store, info.id):
+                out.print(line)
             return
         infos = engine.runs(workflow=workflow, status=list(statuses) or None, key=key, limit=limit)
     if as_json:
@@ -574,6 +580,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
     """The journal of RUN_ID: one line per boundary."""
     with open_engine(db, synchronous) as engine:
         events = engine.history(run_id)
+        family = children.family_lines(engine.store, run_id)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return
@@ -589,6 +596,8 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
             escape(describe_event(event)[:80]),
         )
     out.print(table)
+    for line in family:
+        out.print(line)
 
 
 @cli.command()

@@ -134,6 +134,8 @@ class ChildResult(Generic[ChildContext]):
     status: str
     context: ChildContext
     error: str | None = None
+    branch: str | None = None
+    """The branch's name (a ``parallel`` state's children), else ``None``."""
 
     @property
     def ok(self) -> bool:
@@ -154,6 +156,9 @@ class CallSpec:
 
     def describe(self) -> str:
         return f"calls {self.child.name}"
+
+    def workflows(self) -> list[Workflow]:
+        return [self.child]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,8 +184,42 @@ class MapSpec:
             parts.append(f"tolerates {self.tolerate_failures:g}")
         return ", ".join(parts)
 
+    def workflows(self) -> list[Workflow]:
+        return [self.child]
 
-Composite = CallSpec | MapSpec
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """A ``parallel`` state: one child run per branch (each of its own workflow), all at
+    once; joins like a map (``done`` or ``failed`` by ``tolerate_failures``)."""
+
+    name: str
+    branches: Mapping[str, tuple[Workflow, Callable[[Any], Any]]]
+    on: Mapping[str, str]
+    tolerate_failures: float = 0
+    reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None
+
+    kind: ClassVar[str] = "parallel"
+
+    @property
+    def child(self) -> Workflow:
+        """The first branch's workflow (what a join row names)."""
+        return next(iter(self.branches.values()))[0]
+
+    @property
+    def max_parallel(self) -> int:
+        return len(self.branches)
+
+    def describe(self) -> str:
+        return "parallel: " + ", ".join(
+            f"{name} ({wf.name})" for name, (wf, _) in self.branches.items()
+        )
+
+    def workflows(self) -> list[Workflow]:
+        return [wf for wf, _ in self.branches.values()]
+
+
+Composite = CallSpec | MapSpec | ParallelSpec
 
 
 def check_composite(workflow: str, spec: Composite) -> None:
@@ -188,7 +227,19 @@ def check_composite(workflow: str, spec: Composite) -> None:
     from flowloop.definition import Workflow  # a runtime import: definition imports us
 
     where = f"{spec.kind} state {spec.name!r}"
-    if not isinstance(spec.child, Workflow):
+    if isinstance(spec, ParallelSpec):
+        if not spec.branches:
+            raise DefinitionError(workflow, f"{where}: needs at least one branch")
+        for branch, pair in spec.branches.items():
+            if not (isinstance(pair, tuple) and len(pair) == 2 and callable(pair[1])):
+                raise DefinitionError(
+                    workflow, f"{where}: branch {branch!r} must be (workflow, context function)"
+                )
+            if not isinstance(pair[0], Workflow):
+                raise DefinitionError(
+                    workflow, f"{where}: branch {branch!r} must name a Workflow, not {pair[0]!r}"
+                )
+    elif not isinstance(spec.child, Workflow):
         raise DefinitionError(workflow, f"{where}: child must be a Workflow, not {spec.child!r}")
     allowed = CALL_OUTCOMES if isinstance(spec, CallSpec) else MAP_OUTCOMES
     unknown = sorted(set(spec.on) - set(allowed))
@@ -199,8 +250,16 @@ def check_composite(workflow: str, spec: Composite) -> None:
         )
     if allowed[0] not in spec.on:
         raise DefinitionError(workflow, f"{where}: on= needs {allowed[0]!r}")
-    if not callable(spec.context):
+    if not isinstance(spec, ParallelSpec) and not callable(spec.context):
         raise DefinitionError(workflow, f"{where}: context= must be a function")
+    if isinstance(spec, ParallelSpec) and not (
+        spec.tolerate_failures >= 0
+        and (float(spec.tolerate_failures).is_integer() or spec.tolerate_failures < 1)
+    ):
+        raise DefinitionError(
+            workflow,
+            f"{where}: tolerate_failures is a count (0, 1, 2, ...) or a fraction below 1",
+        )
     if isinstance(spec, MapSpec):
         if not callable(spec.items):
             raise DefinitionError(workflow, f"{where}: items= must be a function")
@@ -222,15 +281,16 @@ def check_no_call_cycle(parent: Workflow) -> None:
     while stack:
         workflow, path = stack.pop()
         for spec in workflow.composites.values():
-            child_path = (*path, spec.child.name)
-            if spec.child is parent or spec.child.name == parent.name:
-                raise DefinitionError(
-                    parent.name,
-                    f"{spec.kind} state {spec.name!r} starts a cycle of calls: "
-                    + " -> ".join(child_path),
-                )
-            if len(child_path) < 32:
-                stack.append((spec.child, child_path))
+            for child in spec.workflows():
+                child_path = (*path, child.name)
+                if child is parent or child.name == parent.name:
+                    raise DefinitionError(
+                        parent.name,
+                        f"{spec.kind} state {spec.name!r} starts a cycle of calls: "
+                        + " -> ".join(child_path),
+                    )
+                if len(child_path) < 32:
+                    stack.append((child, child_path))
 
 
 def child_id(parent_id: str, state: str, visit: int, index: int = 0) -> str:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
 from flowloop import compose, graph
-from flowloop.compose import CallSpec, ChildResult, Composite, MapSpec, StepError
+from flowloop.compose import CallSpec, ChildResult, Composite, MapSpec, ParallelSpec, StepError
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
@@ -481,6 +481,31 @@ class Workflow:
             initial=initial,
         )
 
+    def parallel(
+        self,
+        name: str,
+        *,
+        branches: Mapping[str, tuple[Workflow, Callable[[Any], Any]]],
+        on: Mapping[str, str],
+        tolerate_failures: float = 0,
+        reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None,
+        initial: bool = False,
+    ) -> None:
+        """Declare a parallel state: one child run per branch, each of its own workflow,
+        ``branches={"fraud": (fraud_check, lambda ctx: ...), ...}``, all at once; joins like
+        a map (``reduce(ctx, results)``, each result's ``branch`` names it; ``done`` or
+        ``failed`` by ``tolerate_failures``)."""
+        self._add_composite(
+            ParallelSpec(
+                name=name,
+                branches=dict(branches),
+                on=dict(on),
+                tolerate_failures=tolerate_failures,
+                reduce=reduce,
+            ),
+            initial=initial,
+        )
+
     def _add_composite(self, spec: Composite, *, initial: bool) -> None:
         self._ensure_open()
         if not NAME_PATTERN.match(spec.name):
@@ -620,7 +645,8 @@ class Workflow:
         """The workflows this one's call and map states start runs of."""
         seen: dict[str, Workflow] = {}
         for spec in self._draft.composites.values():
-            seen.setdefault(spec.child.name, spec.child)
+            for child in spec.workflows():
+                seen.setdefault(child.name, child)
         return list(seen.values())
 
     def max_visits(self, state: str) -> int | None:
@@ -702,7 +728,7 @@ class Workflow:
                     spec.name: {
                         "kind": spec.kind,
                         "on": dict(sorted(spec.on.items())),
-                        "child": spec.child.name,
+                        "child": ",".join(wf.name for wf in spec.workflows()),
                     }
                     for spec in self._draft.composites.values()
                 },

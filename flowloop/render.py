@@ -68,7 +68,7 @@ FADED: Final = "#b8b8b8"
 CYCLE_MARK: Final = "\u21bb"  # ↻
 TIMES: Final = "\u00d7"  # multiplication sign
 
-NodeKind = Literal["step", "wait", "final", "state", "call", "map"]
+NodeKind = Literal["step", "wait", "final", "state", "call", "map", "parallel"]
 """``step``: a state with a step function; ``wait``: a state without one that advances on an
 external event or a timeout; ``final``: a run that gets there has succeeded; ``state``: a
 plain state of a machine that is not a workflow (the lifecycle); ``call`` / ``map``: a state
@@ -187,7 +187,13 @@ def workflow_model(workflow: Workflow) -> DiagramModel:
             )
         elif state in workflow.composites:
             composite = workflow.composites[state]
-            node_kind: NodeKind = "call" if composite.kind == "call" else "map"
+            node_kind: NodeKind = (
+                "call"
+                if composite.kind == "call"
+                else "map"
+                if composite.kind == "map"
+                else "parallel"
+            )
             nodes.append(
                 DiagramNode(
                     name=state,
@@ -541,6 +547,7 @@ _SHAPES: Final[Mapping[NodeKind, dict[str, str]]] = {
     "final": {"shape": "doublecircle", "style": "filled", "margin": "0.02"},
     "call": {"peripheries": "2"},
     "map": {"shape": "box3d", "style": "filled"},
+    "parallel": {"shape": "box3d", "style": "filled,bold"},
 }
 
 _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
@@ -550,6 +557,7 @@ _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
     "state": "state",
     "call": "call state (starts one child run and waits for it)",
     "map": "map state (one child run per item; joins when all have ended)",
+    "parallel": "parallel state (one child run per branch, all at once; joins)",
 }
 
 _NODE_MARKS: Final[Mapping[NodeMark, dict[str, str]]] = {

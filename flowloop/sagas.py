@@ -53,19 +53,19 @@ async def drive(
     for undo in owed:
         spec = workflow.steps[undo.state]
         assert spec.compensate is not None
-        attempt = record.attempt + 1
+        after = record
+        for event in pending:  # the previous one's success (attempt back to 0)
+            after = j.apply(after, event)
+        attempt = after.attempt + 1
         started = executor._event(
-            record,
+            after,
             j.COMPENSATION_STARTED,
-            offset=len(pending) + 1,
             state=undo.state,
             attempt=attempt,
             data={"for_seq": undo.seq},
         )
         batch = [*pending, started]
-        after = record
-        for event in batch:
-            after = j.apply(after, event)
+        after = j.apply(after, started)
         if not await executor._commit(Boundary(events=batch, record=after, fence=fence)):
             return None
         record, pending = after, []

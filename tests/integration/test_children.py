@@ -275,3 +275,69 @@ def test_map__an_invalid_item_fails_the_run_before_any_child(engine: Engine) -> 
     assert info.reason == "invalid_child_context"
     assert "item 2" in (info.error or "") and "path" in (info.error or "")
     assert joins(engine).children_of(info.id) == []
+
+
+# -- parallel ---------------------------------------------------------------------------------
+
+
+class Check(BaseModel):
+    order_id: str
+    ok: bool = True
+    verdict: str = ""
+
+
+class Review(BaseModel):
+    order_id: str
+    risky: bool = False
+    verdicts: dict[str, str] = {}
+
+
+def checker(name: str) -> Workflow:
+    wf = Workflow(f"check_{name}", context=Check)
+
+    @wf.step(initial=True, next="checked")
+    def check(ctx: Check) -> None:
+        if not ctx.ok:
+            raise RuntimeError(f"{name}: flagged")
+        ctx.verdict = f"{name} ok"
+
+    wf.final("checked")
+    return wf
+
+
+def review() -> Workflow:
+    wf = Workflow("review_p", context=Review)
+
+    def collect(ctx: Review, results: list[ChildResult[Check]]) -> None:
+        ctx.verdicts = {str(r.branch): r.context.verdict or str(r.status) for r in results}
+
+    wf.parallel(
+        "checks",
+        branches={
+            "fraud": (checker("fraud"), lambda ctx: Check(order_id=ctx.order_id, ok=not ctx.risky)),
+            "stock": (checker("stock"), lambda ctx: {"order_id": ctx.order_id}),
+        },
+        on={"done": "approved", "failed": "held"},
+        reduce=collect,
+        initial=True,
+    )
+    wf.final("approved", "held")
+    return wf
+
+
+def test_parallel__branches_of_different_workflows_join(engine: Engine) -> None:
+    info = engine.run(review(), Review(order_id="R1"))
+    assert (info.state, info.context.verdicts) == (  # type: ignore[union-attr]
+        "approved",
+        {"fraud": "fraud ok", "stock": "stock ok"},
+    )
+    kids = joins(engine).children_of(info.id)
+    assert sorted(k.record.workflow for k in kids) == ["check_fraud", "check_stock"]
+
+
+def test_parallel__a_failed_branch_takes_failed(engine: Engine) -> None:
+    info = engine.run(review(), Review(order_id="R2", risky=True))
+    assert (info.state, info.context.verdicts) == (  # type: ignore[union-attr]
+        "held",
+        {"fraud": "failed", "stock": "stock ok"},
+    )

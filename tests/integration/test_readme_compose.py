@@ -24,7 +24,7 @@ def test_readme__composing_machines_blocks_run(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     found = blocks()
-    assert len(found) == 5
+    assert len(found) == 6
     namespace: dict[str, object] = {"__name__": "readme_compose"}
     for number, code in enumerate(found, 1):
         exec(compile(code, f"README.md {SECTION!r} block {number}", "exec"), namespace)

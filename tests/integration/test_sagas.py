@@ -90,6 +90,8 @@ def test_saga__compensations_run_newest_first_each_journaled(engine: Engine) -> 
         (j.RUN_COMPENSATED, "cancelled"),
     ]
     assert engine.replay(info.id).differences == []
+    started = [e.attempt for e in engine.history(info.id) if e.kind == j.COMPENSATION_STARTED]
+    assert started == [1, 1]  # each compensation's first attempt
 
 
 def test_saga__a_compensation_retries_on_its_own_policy(engine: Engine) -> None:

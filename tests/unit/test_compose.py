@@ -351,3 +351,27 @@ def test_fold__deadline_makes_a_waiting_run_due_by_it_and_passing_spends_it() ->
     )
     assert (passed.state, passed.deadline, passed.status) == ("b", None, "scheduled")
     assert passed.error == "DeadlineExceeded: late"
+
+
+def test_parallel__branches_are_checked_and_their_workflows_registered() -> None:
+    with pytest.raises(DefinitionError, match="parallel state 'p': needs at least one branch"):
+        Workflow("w", context=Ctx).parallel("p", branches={}, on={"done": "x"})
+    with pytest.raises(DefinitionError, match="branch 'a' must be \\(workflow, context"):
+        Workflow("w", context=Ctx).parallel("p", branches={"a": child()}, on={"done": "x"})  # type: ignore[dict-item]
+    wf = Workflow("w", context=Ctx)
+    a, b = child(), Workflow("other", context=Ctx)
+
+    @b.step(initial=True, next="ok")
+    def go(ctx: Ctx) -> None: ...
+
+    b.final("ok")
+    wf.parallel(
+        "p",
+        branches={"a": (a, lambda c: c), "b": (b, lambda c: c)},
+        on={"done": "x"},
+        initial=True,
+    )
+    wf.final("x")
+    wf.validate()
+    assert [w.name for w in wf.children] == ["child", "other"]
+    assert wf.structure()["states"]["p"]["child"] == "child,other"
