@@ -145,6 +145,20 @@ def per_run(url: str, runs: int) -> dict[str, float]:
     return out
 
 
+def per_run_batch(url: str, runs: int) -> dict[str, float]:
+    """Per-run cost when a worker drives many (start them all, then run until idle)."""
+    with_call, inline = call_vs_inline()
+    out = {}
+    with Engine(url, max_concurrency=64) as engine:
+        for name, wf in (("inline_batch_ms", inline), ("call_batch_ms", with_call)):
+            engine.start_many(wf, [Item(n=i) for i in range(runs)])
+            t0 = time.perf_counter()
+            engine.run_until_idle()
+            out[name] = (time.perf_counter() - t0) / runs * 1000
+            assert len(engine.runs(workflow=wf.name, status="succeeded", limit=runs)) == runs
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--items", type=int, default=10_000)
@@ -160,6 +174,8 @@ def main() -> None:
                 figures = fan(url, args.items, args.max_parallel)
             with fresh_url(backend, directory, pg, "call") as url:
                 figures.update(per_run(url, args.runs))
+            with fresh_url(backend, directory, pg, "batch") as url:
+                figures.update(per_run_batch(url, args.runs * 5))
             print(
                 f"{backend:8s} items={args.items} max_parallel={args.max_parallel}: "
                 f"fan-out {figures['fan_out_s']:.2f}s / {figures['fan_out_commits']} commits; "
@@ -167,7 +183,10 @@ def main() -> None:
                 f"{figures['run_and_join_commits']} commits; "
                 f"per run: inline step {figures['inline_ms']:.2f} ms, "
                 f"call {figures['call_ms']:.2f} ms "
-                f"({figures['call_ms'] / figures['inline_ms']:.1f}x)"
+                f"({figures['call_ms'] / figures['inline_ms']:.1f}x); "
+                f"{args.runs * 5} runs by one worker: inline {figures['inline_batch_ms']:.2f} ms, "
+                f"call {figures['call_batch_ms']:.2f} ms per run "
+                f"({figures['call_batch_ms'] / figures['inline_batch_ms']:.1f}x)"
             )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel, ValidationError
@@ -156,25 +156,21 @@ async def drive(
             await _fail(executor, record, fence, error, "invalid_child_context")
             return None
         now = executor.clock.now()
-        join = store.open_join(
-            JoinRow(
-                id=join_id,
-                parent_id=record.id,
-                state=record.state,
-                visit=visit,
-                child_workflow=spec.child.name,
-                total=len(contexts),
-                created=0,
-                max_parallel=1 if isinstance(spec, CallSpec) else spec.max_parallel,
-            ),
-            at=now,
+        row = JoinRow(
+            id=join_id,
+            parent_id=record.id,
+            state=record.state,
+            visit=visit,
+            child_workflow=spec.child.name,
+            total=len(contexts),
+            created=0,
+            max_parallel=1 if isinstance(spec, CallSpec) else spec.max_parallel,
         )
-        for first in range(join.created, len(contexts), CREATE_BATCH):
+
+        def batch_of(first: int) -> Callable[[int], list[NewRun]]:
             batch = contexts[first : first + CREATE_BATCH]
 
-            def build(
-                runnable: int, first: int = first, batch: Sequence[str] = batch
-            ) -> list[NewRun]:
+            def build(runnable: int) -> list[NewRun]:
                 return [
                     new_child(
                         executor,
@@ -189,30 +185,55 @@ async def drive(
                     for offset, context in enumerate(batch)
                 ]
 
-            store.create_children(join_id, first, build)
+            return build
+
+        if join is None and 0 < len(contexts) <= CREATE_BATCH:
+            # The usual case (a call, a small map): the join row, the children and the
+            # parent's children_started in ONE transaction.
+            boundary = _waiting(executor, spec, record, fence, join_id, len(contexts))
+            if store.start_children(row, batch_of(0), boundary, at=now):
+                _waited(executor, boundary)
+            return None
+        join = store.open_join(row, at=now)
+        for first in range(join.created, len(contexts), CREATE_BATCH):
+            store.create_children(join_id, first, batch_of(first))
             executor.stats.commits += 1
         if not contexts:  # nothing to wait for: join at once
             return await _join(executor, workflow, spec, record, fence, join_id)
+    boundary = _waiting(executor, spec, record, fence, join_id, join.total)
+    if store.wait_join(boundary, join_id):
+        _waited(executor, boundary)
+    return None
+
+
+def _waiting(
+    executor: Executor,
+    spec: Composite,
+    record: RunRecord,
+    fence: Fence,
+    join_id: str,
+    total: int,
+) -> Boundary:
+    """The parent's boundary that leaves it waiting for its children (released)."""
     started = executor._event(
         record,
         j.CHILDREN_STARTED,
         state=record.state,
         data={
             "join": join_id,
-            "children": join.total,
+            "children": total,
             "child_workflow": ",".join(wf.name for wf in spec.workflows()),
         },
     )
-    boundary = Boundary(
-        events=[started], record=j.apply(record, started), fence=fence, release=True
-    )
-    if store.wait_join(boundary, join_id):
-        executor.committer.released.add(record.id)
-        executor.stats.commits += 1
-        executor._notify(boundary)
+    return Boundary(events=[started], record=j.apply(record, started), fence=fence, release=True)
+
+
+def _waited(executor: Executor, boundary: Boundary) -> None:
+    executor.committer.released.add(boundary.run_id)
+    executor.stats.commits += 1
+    executor._notify(boundary)
     if executor._wake is not None:
         executor._wake.set()  # its children are due
-    return None
 
 
 async def _join(

@@ -26,6 +26,7 @@ import crashkit
 from pydantic import BaseModel
 
 from flowloop import ChildResult, Engine, Retry, Step, Workflow
+from flowloop.errors import Interrupted
 
 LEDGER: Path | None = None
 CHILDREN = 200
@@ -101,7 +102,10 @@ def saga() -> Workflow:
             compensate_retry=CRASH_RETRY,
         )(book)
 
-    @wf.step(next="ok", retry=Retry(attempts=1), on_error={"*": "cancelled"})
+    # One attempt: cut off by a kill, it has none left, so Interrupted routes it too.
+    @wf.step(
+        next="ok", retry=Retry(attempts=1), on_error={"*": "cancelled", Interrupted: "cancelled"}
+    )
     async def fail(ctx: SagaCtx, step: Step) -> None:
         await pause()
         record("step", step)

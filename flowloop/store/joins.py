@@ -91,6 +91,27 @@ def _join(row: Any) -> JoinRow:
     )
 
 
+class _Refused(Exception):
+    """Rolls a transaction back: the parent's fenced write was refused."""
+
+
+def _join_values(join: JoinRow, at: float) -> dict[str, Any]:
+    return {
+        "id": join.id,
+        "parent_id": join.parent_id,
+        "state": join.state,
+        "visit": join.visit,
+        "child_workflow": join.child_workflow,
+        "total": join.total,
+        "created": 0,
+        "max_parallel": join.max_parallel,
+        "succeeded": 0,
+        "failed": 0,
+        "stopped": 0,
+        "created_at": at,
+    }
+
+
 class JoinStoreMixin:
     """Join persistence for :class:`~flowloop.store.sql.SQLStore`."""
 
@@ -125,22 +146,7 @@ class JoinStoreMixin:
             found = conn.execute(select(joins).where(joins.c.id == join.id)).first()
             if found is not None:
                 return _join(found)
-            conn.execute(
-                insert(joins).values(
-                    id=join.id,
-                    parent_id=join.parent_id,
-                    state=join.state,
-                    visit=join.visit,
-                    child_workflow=join.child_workflow,
-                    total=join.total,
-                    created=0,
-                    max_parallel=join.max_parallel,
-                    succeeded=0,
-                    failed=0,
-                    stopped=0,
-                    created_at=at,
-                )
-            )
+            conn.execute(insert(joins).values(_join_values(join, at)))
         return join
 
     def get_join(self, join_id: str) -> JoinRow | None:
@@ -171,6 +177,31 @@ class JoinStoreMixin:
                 .values(created=func.greatest(joins.c.created, first + len(news)))
             )
             return sum(1 for _, created in results if created)
+
+    def start_children(
+        self,
+        join: JoinRow,
+        build: Callable[[int], Sequence[NewRun]],
+        boundary: Boundary,
+        *,
+        at: float,
+    ) -> bool:
+        """A fan-out that fits one batch, in ONE transaction: the join row, every child
+        (``build(runnable)`` as in :meth:`create_children`) and the parent's boundary that
+        leaves it waiting. A refused boundary (lost lease) undoes it all: False."""
+        try:
+            with self._write() as conn:
+                if conn.execute(select(joins.c.id).where(joins.c.id == join.id)).first() is None:
+                    conn.execute(insert(joins).values(_join_values(join, at)))
+                news = build(join.runnable())
+                self._create_many_in(conn, news)
+                conn.execute(update(joins).where(joins.c.id == join.id).values(created=len(news)))
+                if not self._write_rows(conn, [boundary])[0]:
+                    raise _Refused
+                conn.execute(self._insert_events, self._events_of([boundary]))
+        except _Refused:
+            return False
+        return True
 
     def wait_join(self, boundary: Boundary, join_id: str) -> bool:
         """Write the parent's boundary that leaves it waiting for its children; in the same
