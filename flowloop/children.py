@@ -31,7 +31,7 @@ from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted
 from flowloop.events import check_visits, entering
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.store import Boundary, Fence, NewRun
+from flowloop.store import Boundary, Fence, NewRun, Store
 from flowloop.store.joins import JoinRow, JoinStoreMixin
 
 if TYPE_CHECKING:
@@ -373,7 +373,42 @@ async def past_deadline(
         workflow.on_deadline,
         extra={"run": record.id, "event": "deadline_passed"},
     )
-    return await executor._advance(workflow, record, fence, event)
+    moved = await executor._advance(workflow, record, fence, event)
+    if record.state in workflow.composites:  # its children are no longer waited for
+        stopped = stop_children(executor.store, record.id, now=now, worker=executor.worker_id)
+        log.info("run %s: deadline passed; %d child run(s) stopped", record.id, stopped)
+    return moved
+
+
+def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
+    """Stop the live children of ``run_id`` (and theirs): at once when nobody holds one,
+    else by a request its worker honours at the next boundary. Returns how many."""
+    if not isinstance(store, JoinStoreMixin):
+        return 0
+    count = 0
+    for child in store.live_children(run_id):
+        count += stop_children(store, child.id, now=now, worker=worker)
+        if child.owner is not None or child.record.status == "running":
+            store.request_control(child.id, "stop")
+            count += 1
+            continue
+        event = JournalEvent(
+            run_id=child.id,
+            seq=child.record.last_seq + 1,
+            kind=j.RUN_STOPPED,
+            at=now,
+            state=child.record.state,
+            worker=worker,
+            data={"reason": "its parent's deadline passed"},
+        )
+        boundary = Boundary(
+            events=[event],
+            record=j.apply(child.record, event),
+            fence=Fence(None, child.lease_epoch),
+            clear_control=True,
+        )
+        count += sum(store.write([boundary]))
+    return count
 
 
 async def claimed(

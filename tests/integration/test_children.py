@@ -341,3 +341,48 @@ def test_parallel__a_failed_branch_takes_failed(engine: Engine) -> None:
         "held",
         {"fraud": "failed", "stock": "stock ok"},
     )
+
+
+def test_call__pause_cascades_and_unpause_resumes_the_children(engine: Engine) -> None:
+    wf = order(packing())
+    engine.register(wf)
+    started = engine.start(wf, Order(order_id="A5"))
+    drive_only(engine, started.id)
+    [child] = joins(engine).children_of(started.id)
+    engine.pause(started.id)
+    assert engine.get(child.id).status == "paused"
+    engine.run_until_idle()  # nothing runs while paused
+    assert engine.get(child.id).status == "paused"
+    engine.unpause(started.id)
+    assert engine.get(child.id).status == "scheduled"
+    engine.run_until_idle()
+    assert engine.get(started.id).state == "shipped"
+
+
+def test_call__the_child_runs_on_another_worker_than_its_parent(store_url: str) -> None:
+    child = packing()
+    parent = order(child)
+    with Engine(store_url, clock=FakeClock(), worker_id="parent-worker") as engine:
+        engine.register(parent)
+        started = engine.start(parent, Order(order_id="A6"))
+
+        def worker(name: str, workflows: dict[str, Workflow]) -> None:
+            from flowloop.executor import Executor
+
+            executor = Executor(engine.store, workflows, clock=engine.clock, worker_id=name)
+            try:
+                asyncio.run(executor.run(until_idle=True))
+            finally:
+                executor.close()
+
+        worker("parents", {parent.name: parent})  # fans out, then waits
+        worker("children", {child.name: child})  # only this one may run packing
+        worker("parents", {parent.name: parent})  # joins and ships
+        info = engine.get(started.id)
+        assert (info.state, info.context.boxes) == ("shipped", 3)  # type: ignore[union-attr]
+        [kid] = joins(engine).children_of(started.id)
+        workers = {e.worker for e in engine.history(kid.id) if e.kind == j.STEP_STARTED}
+        assert workers == {"children"}
+        assert {e.worker for e in engine.history(started.id) if e.kind == j.CHILDREN_JOINED} == {
+            "parents"
+        }

@@ -125,3 +125,41 @@ def test_deadline__cuts_off_a_step_in_flight(store_url: str, kind: str) -> None:
             assert j.DEADLINE_PASSED in kinds and j.STEP_SUCCEEDED in kinds
     finally:
         RELEASE.set()
+
+
+class Job(BaseModel):
+    n: int = 0
+
+
+def waiting_child() -> Workflow:
+    wf = Workflow("waits_forever", context=Job)
+    wf.wait("idle", on={"go": "done"}, initial=True)
+    wf.final("done")
+    return wf
+
+
+def test_deadline__a_parent_past_it_stops_the_children_it_waited_for(
+    engine: Engine, clock: FakeClock
+) -> None:
+    wf = Workflow("fan_deadline", context=Ctx, deadline=HOUR, on_deadline="expired")
+    wf.map(
+        "fan",
+        child=waiting_child(),
+        items=lambda ctx: range(3),
+        context=lambda ctx, i: Job(n=i),
+        on={"done": "done"},
+        initial=True,
+    )
+    wf.final("done", "expired")
+    engine.register(wf)
+    started = engine.start(wf, Ctx())
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(started.id).state == "fan"
+    clock.advance(HOUR + 1)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(started.id).state == "expired"
+    store = engine.store
+    from flowloop.store.joins import JoinStoreMixin
+
+    assert isinstance(store, JoinStoreMixin)
+    assert store.child_counts(started.id) == {"stopped": 3}
