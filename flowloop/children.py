@@ -133,6 +133,7 @@ def new_child(
         idempotency_key=f"child:{run_id}",
         parent_id=parent.id,
         child_index=index,
+        held=not due,
     )
 
 
@@ -529,3 +530,8 @@ def describe_entry(event: JournalEvent) -> str | None:
     if event.kind == j.COMPENSATION_FAILED:
         return f"undo {event.state}: {event.error_type}: {event.error_message}"
     return None
+
+
+def is_held(store: Store, run_id: str) -> bool:
+    """A map's child not allowed to run yet (``max_parallel``)."""
+    return isinstance(store, JoinStoreMixin) and store.is_held(run_id)

@@ -687,6 +687,8 @@ class Engine:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
+        elif record.join is not None and children.is_held(self.store, run_id):
+            data["due"] = None  # a map's child paused before its turn: held again
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data:

@@ -7,10 +7,11 @@ Contract:
   that also counts them in ``created``. A child's id is derived too, so creating a batch
   again after a crash returns the children that exist instead of adding others.
 * ``max_parallel`` without polling: at any time the first ``min(total, max_parallel +
-  ended)`` children (by item index) are due; the others are created *held* (scheduled, no
-  due time). Each child's first end — the transaction of its final boundary — marks the
-  child reported, adds one to its join's counter, makes the next held child due and, when
-  that was the last child, makes the parent due. No scan per child, no timer.
+  ended)`` children (by item index) are due; the others are created *held* (scheduled,
+  ``join_state`` "held", no due time). Each child's first end — the transaction of its
+  final boundary — marks the child reported, adds one to its join's counter, makes the
+  next held child due and, when that was the last child, makes the parent due. No scan
+  per child, no timer.
 * The parent's own "children started" boundary is written with :meth:`wait_join`, which
   makes it due in the same transaction if every child has already ended.
 """
@@ -275,6 +276,12 @@ class JoinStoreMixin:
     def live_children(self, parent_id: str) -> list[StoredRun]:
         return [c for c in self.children_of(parent_id) if c.record.status in LIVE]
 
+    def is_held(self, run_id: str) -> bool:
+        """A map's child whose turn has not come yet (created held, not released)."""
+        with self._read() as conn:
+            state = conn.execute(select(runs.c.join_state).where(runs.c.id == run_id)).scalar()
+        return state == "held"
+
     def parent_of(self, run_id: str) -> str | None:
         with self._read() as conn:
             value = conn.execute(select(runs.c.parent_id).where(runs.c.id == run_id)).scalar()
@@ -301,7 +308,7 @@ class JoinStoreMixin:
             at = boundary.events[-1].at if boundary.events else 0.0
             marked = conn.execute(
                 update(runs)
-                .where(runs.c.id == record.id, runs.c.join_state == "open")
+                .where(runs.c.id == record.id, runs.c.join_state.in_(("open", "held")))
                 .values(join_state=outcome)
             ).rowcount
             if marked != 1:
@@ -320,12 +327,10 @@ class JoinStoreMixin:
                         and_(
                             runs.c.join_id == join.id,
                             runs.c.child_index == nxt,
-                            runs.c.status == "scheduled",
-                            runs.c.next_run_at.is_(None),
-                            runs.c.join_state == "open",
+                            runs.c.join_state == "held",
                         )
                     )
-                    .values(next_run_at=at)
+                    .values(join_state="open", next_run_at=at)
                 )
             if join.complete:
                 conn.execute(

@@ -147,7 +147,7 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "parent_id": new.parent_id,
         "join_id": record.join,
         "child_index": new.child_index,
-        "join_state": "open" if record.join is not None else None,
+        "join_state": None if record.join is None else "held" if new.held else "open",
     }
 
 

@@ -386,3 +386,17 @@ def test_call__the_child_runs_on_another_worker_than_its_parent(store_url: str) 
         assert {e.worker for e in engine.history(started.id) if e.kind == j.CHILDREN_JOINED} == {
             "parents"
         }
+
+
+def test_map__pausing_and_unpausing_keeps_held_children_held(engine: Engine) -> None:
+    wf = etl(load_one(), max_parallel=2)
+    engine.register(wf)
+    started = engine.start(wf, Etl(files=[f"f{i}.csv" for i in range(5)]))
+    drive_only(engine, started.id)
+    engine.pause(started.id)
+    engine.unpause(started.id)
+    kids = joins(engine).children_of(started.id)
+    assert [k.record.status for k in kids] == ["scheduled"] * 5
+    assert [k.record.next_run_at is not None for k in kids] == [True, True, False, False, False]
+    engine.run_until_idle()
+    assert engine.get(started.id).state == "reported"
