@@ -222,6 +222,95 @@ class ParallelSpec:
 Composite = CallSpec | MapSpec | ParallelSpec
 
 
+class Composing:
+    """The call, map and parallel declarations of :class:`~flowloop.definition.Workflow`."""
+
+    def _add_composite(self, spec: Composite, *, initial: bool) -> None:
+        raise NotImplementedError  # provided by Workflow
+
+    def call(
+        self,
+        name: str,
+        *,
+        child: Workflow,
+        context: Callable[[Any], Any],
+        on: Mapping[str, str],
+        result: Callable[[Any, Any], None] | None = None,
+        initial: bool = False,
+    ) -> None:
+        """Declare a call state: it starts one child run of ``child`` with the context
+        ``context(ctx)`` returns, waits (no worker, no thread) until the child ends, and
+        goes on by its outcome: ``on={"succeeded": ..., "failed": ..., "stopped": ...}``
+        (an outcome left out fails the run). ``result(ctx, child_ctx)`` merges the child's
+        final context into this run's before it goes on."""
+        self._add_composite(
+            CallSpec(name=name, child=child, context=context, on=dict(on), result=result),
+            initial=initial,
+        )
+
+    def map(
+        self,
+        name: str,
+        *,
+        child: Workflow,
+        items: Callable[[Any], Any],
+        context: Callable[[Any, Any], Any],
+        on: Mapping[str, str],
+        max_parallel: int = DEFAULT_MAX_PARALLEL,
+        max_items: int = DEFAULT_MAX_ITEMS,
+        tolerate_failures: float = 0,
+        reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None,
+        initial: bool = False,
+    ) -> None:
+        """Declare a map state (fan-out and join): one child run of ``child`` per item of
+        ``items(ctx)``, with the context ``context(ctx, item)``; at most ``max_parallel``
+        run at once. When every child has ended, ``reduce(ctx, results)`` folds their
+        :class:`ChildResult` list (item order) into this run's context and the run takes
+        ``done`` — or ``failed`` when more children failed than ``tolerate_failures`` (a
+        count, or a fraction of the items below 1) allows. Every item's context is
+        validated before any child is created; more than ``max_items`` items fail the run.
+        """
+        self._add_composite(
+            MapSpec(
+                name=name,
+                child=child,
+                items=items,
+                context=context,
+                on=dict(on),
+                max_parallel=max_parallel,
+                max_items=max_items,
+                tolerate_failures=tolerate_failures,
+                reduce=reduce,
+            ),
+            initial=initial,
+        )
+
+    def parallel(
+        self,
+        name: str,
+        *,
+        branches: Mapping[str, tuple[Workflow, Callable[[Any], Any]]],
+        on: Mapping[str, str],
+        tolerate_failures: float = 0,
+        reduce: Callable[[Any, list[ChildResult[Any]]], None] | None = None,
+        initial: bool = False,
+    ) -> None:
+        """Declare a parallel state: one child run per branch, each of its own workflow,
+        ``branches={"fraud": (fraud_check, lambda ctx: ...), ...}``, all at once; joins like
+        a map (``reduce(ctx, results)``, each result's ``branch`` names it; ``done`` or
+        ``failed`` by ``tolerate_failures``)."""
+        self._add_composite(
+            ParallelSpec(
+                name=name,
+                branches=dict(branches),
+                on=dict(on),
+                tolerate_failures=tolerate_failures,
+                reduce=reduce,
+            ),
+            initial=initial,
+        )
+
+
 def check_composite(workflow: str, spec: Composite) -> None:
     """Define-time checks of a call or map state (DefinitionError naming the state)."""
     from flowloop.definition import Workflow  # a runtime import: definition imports us
