@@ -400,3 +400,37 @@ def test_map__pausing_and_unpausing_keeps_held_children_held(engine: Engine) -> 
     assert [k.record.next_run_at is not None for k in kids] == [True, True, False, False, False]
     engine.run_until_idle()
     assert engine.get(started.id).state == "reported"
+
+
+def test_map__a_fan_out_cut_off_between_batches_resumes_without_a_second_child(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flowloop import children as runtime
+    from flowloop.store.joins import JoinStoreMixin as Joins
+
+    real = Joins.create_children
+    calls: list[int] = []
+
+    def crash_after_first_batch(self: Joins, join_id: str, first: int, build: object) -> int:
+        calls.append(first)
+        if len(calls) == 2:  # the first batch is committed; its worker dies here
+            raise RuntimeError("killed between two batches")
+        return real(self, join_id, first, build)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Joins, "create_children", crash_after_first_batch)
+    files = [f"f{i:04d}.csv" for i in range(2 * runtime.CREATE_BATCH + 7)]
+    # A short lease: the dead drive's claim runs out and the run is taken over.
+    with Engine(store_url, clock=FakeClock(), lease_seconds=1.0) as engine:
+        wf = etl(load_one(), max_parallel=50)
+        engine.register(wf)
+        started = engine.start(wf, Etl(files=files))
+        engine.run_until_idle()
+        info = engine.get(started.id)
+        assert info.state == "reported"
+        assert info.context.total_rows == sum(len(f) for f in files)  # type: ignore[union-attr]
+        kids = joins(engine).children_of(started.id)
+        assert len(kids) == len(files) == len({k.id for k in kids})
+        join = joins(engine).get_join(kids[0].record.join or "")
+        assert join is not None and (join.created, join.succeeded) == (len(files), len(files))
+    # Resumed at the first missing batch: the committed one was not created again.
+    assert calls == [0, runtime.CREATE_BATCH, runtime.CREATE_BATCH, 2 * runtime.CREATE_BATCH]
