@@ -62,6 +62,7 @@ def workflows(max_parallel: int) -> tuple[Workflow, Workflow]:
 
 
 def call_vs_inline() -> tuple[Workflow, Workflow]:
+    """prep -> (the work as a child run | the work as an inline step) -> done."""
     child = Workflow("bench_callee", context=Item)
 
     @child.step(initial=True, next="done")
@@ -70,18 +71,24 @@ def call_vs_inline() -> tuple[Workflow, Workflow]:
 
     child.final("done")
     with_call = Workflow("bench_caller", context=Item)
+
+    @with_call.step(initial=True, next="sub")
+    async def prep(ctx: Item) -> None: ...
+
     with_call.call(
         "sub",
         child=child,
         context=lambda ctx: ctx,
         on={"succeeded": "done"},
         result=lambda ctx, c: setattr(ctx, "doubled", c.doubled),
-        initial=True,
     )
     with_call.final("done")
     inline = Workflow("bench_inline", context=Item)
 
-    @inline.step(initial=True, next="done")
+    @inline.step(initial=True, next="work_inline")
+    async def prep_inline(ctx: Item) -> None: ...
+
+    @inline.step(next="done")
     async def work_inline(ctx: Item) -> None:
         ctx.doubled = ctx.n * 2
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel, ValidationError
@@ -138,23 +138,46 @@ def new_child(
 
 
 async def drive(
-    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence
+    executor: Executor,
+    workflow: Workflow,
+    record: RunRecord,
+    fence: Fence,
+    *,
+    entered: JournalEvent | None = None,
 ) -> RunRecord | None:
     """A claimed run in a call or map state: fan out, wait again, or join. Returns the
-    record when the run goes straight on with a step (as ``_advance`` does)."""
+    record when the run goes straight on with a step (as ``_advance`` does).
+
+    ``entered``: the transition into the state, not committed yet (``record`` is the
+    record before it), when an owned run goes on into the state: it is committed in the
+    fan-out's transaction when that is one (a call, a small map), else first, alone."""
+    if entered is not None:
+        record = j.apply(record, entered)
+    pending = [entered] if entered is not None else []
+
+    async def flush() -> bool:
+        if not pending:
+            return True
+        boundary = Boundary(events=list(pending), record=record, fence=fence)
+        pending.clear()
+        return await executor._commit(boundary)
+
     spec = workflow.composites[record.state]
     store = joins_of(executor)
     visit = record.visit(record.state)
     join_id = compose.join_id(record.id, record.state, visit)
     join = store.get_join(join_id)
     if join is not None and join.complete:
+        if not await flush():
+            return None
         return await _join(executor, workflow, spec, record, fence, join_id)
     if join is None or join.created < join.total:
         ctx = workflow.context.model_validate_json(record.context)
         try:
             contexts = child_contexts(spec, ctx)
         except Exception as error:
-            await _fail(executor, record, fence, error, "invalid_child_context")
+            if await flush():
+                await _fail(executor, record, fence, error, "invalid_child_context")
             return None
         now = executor.clock.now()
         row = JoinRow(
@@ -191,9 +214,13 @@ async def drive(
         if join is None and 0 < len(contexts) <= CREATE_BATCH:
             # The usual case (a call, a small map): the join row, the children and the
             # parent's children_started in ONE transaction.
-            boundary = _waiting(executor, spec, record, fence, join_id, len(contexts))
+            boundary = _waiting(
+                executor, spec, record, fence, join_id, len(contexts), pending=pending
+            )
             if store.start_children(row, batch_of(0), boundary, at=now):
                 _waited(executor, boundary)
+            return None
+        if not await flush():
             return None
         join = store.open_join(row, at=now)
         for first in range(join.created, len(contexts), CREATE_BATCH):
@@ -201,6 +228,8 @@ async def drive(
             executor.stats.commits += 1
         if not contexts:  # nothing to wait for: join at once
             return await _join(executor, workflow, spec, record, fence, join_id)
+    if not await flush():
+        return None
     boundary = _waiting(executor, spec, record, fence, join_id, join.total)
     if store.wait_join(boundary, join_id):
         _waited(executor, boundary)
@@ -214,8 +243,11 @@ def _waiting(
     fence: Fence,
     join_id: str,
     total: int,
+    *,
+    pending: Sequence[JournalEvent] = (),
 ) -> Boundary:
-    """The parent's boundary that leaves it waiting for its children (released)."""
+    """The parent's boundary that leaves it waiting for its children (released), after
+    the ``pending`` events that led ``record`` here (already applied to it)."""
     started = executor._event(
         record,
         j.CHILDREN_STARTED,
@@ -226,7 +258,9 @@ def _waiting(
             "child_workflow": ",".join(wf.name for wf in spec.workflows()),
         },
     )
-    return Boundary(events=[started], record=j.apply(record, started), fence=fence, release=True)
+    return Boundary(
+        events=[*pending, started], record=j.apply(record, started), fence=fence, release=True
+    )
 
 
 def _waited(executor: Executor, boundary: Boundary) -> None:

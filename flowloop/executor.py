@@ -878,6 +878,9 @@ class Executor:
             if action is None and target in workflow.waits:
                 self._deliver(record.id)  # draining: still hand it what was kept for it
             return None
+        if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
+            # A call/map state: fan out now (the entry committed with it), no claim first.
+            return await children.drive(self, workflow, record, fence, entered=transition)
         if target not in workflow.steps or (after.next_run_at or 0.0) > transition.at:
             # Waiting or sleeping: hand the run back; its due time (if any) is stored. (A
             # call, map or compensating state is due now: a claim takes it on.)
