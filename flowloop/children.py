@@ -490,6 +490,10 @@ def interrupted(
     idempotent by their key); a non-idempotent step goes where ``on_error={Interrupted:
     ...}`` says. Returns the event's data, message and ``event``/``next_state`` fields."""
     if workflow.compensates(record.state):
+        if record.attempt >= compose.MAX_COMPENSATION_INTERRUPTIONS:
+            # A compensation that takes its process down every time must not loop forever.
+            reason = f"compensation_failed: interrupted {record.attempt} time(s)"
+            return {"reason": reason}, f"{reason}; fix it, then retry", {}
         return {"retry_at": now}, "the worker died during a compensation; it runs again", {}
     spec = workflow.steps.get(record.state)
     if spec is None or "retry_at" in data:

@@ -37,6 +37,8 @@ MAP_OUTCOMES: Final = ("done", "failed")
 CHILD_ID_LENGTH: Final = 32
 DEFAULT_MAX_PARALLEL: Final = 16
 DEFAULT_MAX_ITEMS: Final = 100_000
+MAX_COMPENSATION_INTERRUPTIONS: Final = 25
+"""A compensation cut off this many times in a row (its worker died) parks the run."""
 
 
 # -- failure transitions ------------------------------------------------------------------

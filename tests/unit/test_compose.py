@@ -375,3 +375,26 @@ def test_parallel__branches_are_checked_and_their_workflows_registered() -> None
     wf.validate()
     assert [w.name for w in wf.children] == ["child", "other"]
     assert wf.structure()["states"]["p"]["child"] == "child,other"
+
+
+def test_interrupted_compensation__runs_again_until_the_cap_then_parks() -> None:
+    from flowloop import children
+
+    wf = saga()
+    wf.validate()
+    record = j.create(
+        entry(
+            1,
+            j.RUN_CREATED,
+            state="cancelled",
+            context="{}",
+            data={"workflow": "saga", "version": 1, "fingerprint": "f"},
+        )
+    )
+    again, _, _ = children.interrupted(wf, record, {"reason": "interrupted"}, "cut", 9.0)
+    assert again == {"retry_at": 9.0}
+    worn = object.__new__(j.RunRecord)
+    worn.__dict__.update({**record.__dict__, "attempt": compose.MAX_COMPENSATION_INTERRUPTIONS})
+    parked, message, _ = children.interrupted(wf, worn, {}, "cut", 9.0)
+    assert parked["reason"].startswith("compensation_failed: interrupted 25 time(s)")
+    assert "retry" in message
