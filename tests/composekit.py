@@ -211,10 +211,31 @@ def all_workflows() -> list[Workflow]:
     return [saga(), caller(callee()), mapper(item())]
 
 
+def exit_after_commits(store: Any, count: int) -> None:
+    """Make this process die (``os._exit``) right after its ``count``-th committed store
+    transaction: a crash at exactly that commit boundary."""
+    done = [0]
+    for name in ("_write", "_driver"):
+        original = getattr(store, name)
+
+        @contextlib.contextmanager
+        def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            with _original(*args, **kwargs) as value:
+                yield value
+            done[0] += 1
+            if done[0] >= count:
+                crashkit.say(f"exiting {os.getpid()}")
+                os._exit(9)
+
+        setattr(store, name, counted)
+
+
 def worker(command: dict[str, Any]) -> int:
     global LEDGER
     LEDGER = Path(command["ledger"])
     with Engine(command["db"], workflows=all_workflows()) as engine:
+        if command.get("exit_after"):
+            exit_after_commits(engine.store, int(command["exit_after"]))
         crashkit.say(f"started {os.getpid()}")
         engine.resume()
     crashkit.say(f"finished {os.getpid()}")
@@ -249,6 +270,16 @@ def zygote() -> None:
 
 class Zygote(crashkit.Zygote):
     """crashkit's zygote harness, forking composekit workers."""
+
+    def fork_exiting(self, db: str, ledger: Path, exit_after: int) -> int:
+        """A worker that dies right after its ``exit_after``-th commit."""
+        assert self.proc.stdin is not None
+        command = {"db": db, "ledger": str(ledger), "exit_after": exit_after}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        pid = int(self.expect("forked", timeout=30).split()[1])
+        self.forked.append(pid)
+        return pid
 
     def __init__(self) -> None:
         import queue

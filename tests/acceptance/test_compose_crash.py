@@ -191,3 +191,59 @@ def test_compose_crash__sigkill_on_postgres_then_resume_is_exact(
     except BaseException:
         print(f"FLOWLOOP_CRASH_SEED={seed}")
         raise
+
+
+WORKLOADS = {
+    "saga": lambda: SagaCtx(n=1),
+    "call": lambda: Work(n=4),
+    "map": lambda: Fan(count=6),
+}
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_compose_crash__killed_at_every_commit_then_resume_is_exact(
+    tmp_path: Path, zygote: composekit.Zygote, ledger: Path, workload: str
+) -> None:
+    """For N = 1, 2, ...: a worker dies right after its N-th commit (claims, fan-out,
+    children, join, compensations), a survivor resumes; until a worker finishes alone."""
+    saga, caller, mapper = composekit.all_workflows()
+    wf = {"saga": saga, "call": caller, "map": mapper}[workload]
+    with Engine(str(tmp_path / "reference.db"), clock=FakeClock(), workflows=[wf]) as ref:
+        want = ref.get(ref.start(wf, WORKLOADS[workload]()).id).id
+        ref.run_until_idle()
+        reference_context = ref.get(want).context
+    cut = 0
+    for n in range(1, 200):
+        url = f"sqlite:///{tmp_path / f'every_{n}.db'}"
+        with Engine(url, workflows=composekit.all_workflows()) as engine:
+            run_id = engine.start(wf, WORKLOADS[workload]()).id
+        composekit.create_ledger(ledger)
+        pid = zygote.fork_exiting(url, ledger, n)
+        line = zygote.expect("", timeout=30, pid=None)
+        while not (line.startswith(f"exiting {pid}") or line.startswith(f"finished {pid}")):
+            line = zygote.expect("", timeout=30)
+        crashkit.wait_gone(pid)
+        with Engine(url, workflows=composekit.all_workflows()) as survivor:
+            survivor.resume()
+            info = survivor.get(run_id)
+            assert info.status == "succeeded", (workload, n, info.status, info.reason)
+            assert info.context == reference_context, (workload, n)
+            assert survivor.replay(run_id).matches, (workload, n)
+            store = survivor.store
+            assert isinstance(store, JoinStoreMixin)
+            kids = store.children_of(run_id)
+            assert len(kids) == {"saga": 0, "call": 1, "map": 6}[workload], (workload, n)
+            if kids:
+                join = store.get_join(kids[0].record.join or "")
+                assert join is not None and join.succeeded == join.total == len(kids)
+            succeeded: set[str] = set()
+            for event in survivor.history(run_id):
+                if event.kind == j.COMPENSATION_STARTED:
+                    assert event.state not in succeeded, (workload, n, event.seq)
+                elif event.kind == j.COMPENSATION_SUCCEEDED:
+                    succeeded.add(str(event.state))
+        if line.startswith(f"finished {pid}"):
+            break
+        cut += 1
+    assert cut >= 3, f"{workload}: only {cut} commit boundaries cut"
+    print(f"{workload}: killed at each of {cut} commits, then finished uninterrupted")
