@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Column, Table
 
+from flowloop import children
 from flowloop import cli_support as support
 from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
@@ -24,6 +25,7 @@ from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownRun
 from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lastresort import last_resort
 from flowloop.loader import Loaded, load_paths, load_target, split_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES, safe_url
@@ -254,6 +256,9 @@ def styled(status: str) -> str:
 
 
 def describe_event(event: JournalEvent) -> str:
+    composed = children.describe_entry(event)  # call/map, compensation, deadline entries
+    if composed is not None:
+        return composed
     if event.kind in ("step_succeeded", "event_received"):
         note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
         return f"{event.state} --{event.event}--> {event.next_state}{note}"
@@ -622,6 +627,8 @@ def status(
                 click.echo(json.dumps(info_json(info, waits)))
                 return
             show_run(info, waits.of(info))
+            for line in children.family_lines(engine.store, info.id):
+                out.print(line)
             return
         infos, truncated = support.list_runs(
             engine,
@@ -709,6 +716,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
         events = engine.history(run_id)
         info = engine.get(run_id)
         waiting = support.WaitStates(engine).of(info)
+        family = children.family_lines(engine.store, run_id)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return
@@ -726,6 +734,8 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
     out.print(table)
     if waiting is not None:
         out.print(f"run {info.id} is {escape(waiting.describe())}")
+    for line in family:
+        out.print(line)
 
 
 @cli.command()
@@ -1542,6 +1552,12 @@ def stats_command(
     help="Runs deleted per transaction.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--vacuum",
+    "run_vacuum",
+    is_flag=True,
+    help="Then VACUUM: PostgreSQL reuses the freed space, a SQLite file shrinks.",
+)
 @db_option
 @json_option
 def prune_command(
@@ -1550,12 +1566,13 @@ def prune_command(
     loop_history: bool,
     batch: int,
     dry_run: bool,
+    run_vacuum: bool,
     db: str | None,
     synchronous: str,
     as_json: bool,
 ) -> None:
     """Delete old finished runs with their journal and inbox (live runs are never touched)."""
-    from flowloop.prune import prune
+    from flowloop.prune import prune, vacuum
 
     age = seconds_option(older_than, "--older-than")
     with open_engine(db, synchronous) as engine:
@@ -1567,8 +1584,13 @@ def prune_command(
             batch=batch,
             dry_run=dry_run,
         )
+        vacuumed = vacuum(sql_engine(engine)) if run_vacuum and not dry_run else None
     if as_json:
-        click.echo(json.dumps(support.with_times(result.as_dict(), "cutoff")))
+        click.echo(
+            json.dumps(
+                support.with_times({**result.as_dict(), "vacuumed": vacuumed is not None}, "cutoff")
+            )
+        )
         return
     kept = " (failed runs kept)" if keep_failed else ""
     verb = "would delete" if dry_run else "deleted"
@@ -1579,6 +1601,8 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+    if vacuumed is not None:
+        out.print(vacuumed, markup=False)
 
 
 # The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.
@@ -1602,6 +1626,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
         sys.exit(130)
+    except Exception as error:
+        # The last line of defence: storage and encoding errors that no command turned
+        # into a FlowloopError still get one line, never a traceback.
+        line, code = last_resort(error)
+        if line is None:
+            raise
+        err.print(f"error: {line}", markup=False)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

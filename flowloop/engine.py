@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids, tracecontext
+from flowloop import children, ids, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
+from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
     DefinitionError,
@@ -53,7 +54,9 @@ from flowloop.executor import (
     try_deliver_pending,
 )
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.lifecycle import CLAIMABLE, FINISHED, LIVE
+from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
+from flowloop.retry import seconds
 from flowloop.store import (
     Boundary,
     Fence,
@@ -193,9 +196,12 @@ class Engine:
     ) -> None:
         if max_concurrency < 1:
             raise FlowloopError("max_concurrency must be at least 1")
+        for what, value in (("lease_seconds", lease_seconds), ("poll_seconds", poll_seconds)):
+            if (seconds(value, what) or 0.0) <= 0:
+                raise FlowloopError(f"{what}={value!r}: must be positive")
         self.url = normalize_url(url) if url else default_url()
         self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or self._default_clock()
         self.max_concurrency = max_concurrency
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
@@ -216,6 +222,16 @@ class Engine:
         self._runners = threading.local()
         self._all_runners: list[asyncio.Runner] = []
         self.register(*workflows)
+
+    def _default_clock(self) -> Clock:
+        """The system clock; on PostgreSQL corrected to the server's (see flowloop.dbclock)."""
+        store = self.store
+        if not isinstance(store, SQLStore) or store.engine.dialect.name != "postgresql":
+            return SystemClock()
+        clock = DatabaseClock(store.db_now)
+        with contextlib.suppress(Exception):  # unreachable now: measured at the next sweep
+            clock.refresh()
+        return clock
 
     def __enter__(self) -> Engine:
         return self
@@ -239,6 +255,9 @@ class Engine:
         """Make workflows runnable by this engine (validates them)."""
         for workflow in workflows:
             workflow.validate()
+            for child in workflow.children:  # a parent's children run where it runs
+                if self._workflows.get(child.name) is not child:
+                    self.register(child)
             self.store.save_definition(
                 workflow.fingerprint,
                 workflow.name,
@@ -274,8 +293,10 @@ class Engine:
         if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
             self.register(workflow)
         ctx = workflow.parse_context(context)
+        check_finite("context", ctx.model_dump())
         now = self.clock.now()
-        business_key = key if key is not None else workflow.business_key(ctx)
+        business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
+        check_key("idempotency key", idempotency_key)
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         created = JournalEvent(
             run_id=run_id,
@@ -291,6 +312,8 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                # The whole run's deadline: a durable due time (waiting, retrying included).
+                **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
                 **self._trace_data(run_id, trace_context),
             },
         )
@@ -514,9 +537,15 @@ class Engine:
             and info.state not in workflow.waits
             and not executor.handing_back  # a first Ctrl-C (flowloop.interrupt): stop here
         ):
-            # Retry backoff or a durable sleep: wait for it like run_until_idle would.
-            await executor.run(until_idle=True, run_ids=[stored.id])
-            info = self.get(stored.id)
+            # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
+            # run in a call or map state is driven with its children until it moves on.
+            while True:
+                await executor.run(until_idle=True, run_ids=children.family(self.store, stored.id))
+                before, info = info, self.get(stored.id)
+                if info.state not in workflow.composites or info.status not in CLAIMABLE:
+                    break
+                if (before.state, before.last_seq) == (info.state, info.last_seq):
+                    break  # nothing of its family is due (children waiting for events)
         return info
 
     # -- driving ---------------------------------------------------------------------------
@@ -628,6 +657,9 @@ class Engine:
     ) -> list[RunInfo]:
         """Runs, newest first; ``after`` (a run id or prefix): the ones listed after it."""
         statuses = [status] if isinstance(status, str) else status
+        if limit < 0:
+            raise FlowloopError(f"limit {limit} is negative: give 0 or more")
+        check_key("key", key)
         start = None
         if after is not None:
             stored = self._stored(after)
@@ -732,6 +764,10 @@ class Engine:
             return self._info(stored)
         if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
+        # Stop and pause cascade to the run's live children (and theirs).
+        children.cascade(
+            self.store, run_id, action, lambda child, act: self._control(child, act, kind)
+        )
         if status != "running" and self._operate(stored, kind, state=stored.record.state):
             return self.get(run_id)
         # Owned (running): its worker honours the request at the next boundary.
@@ -753,11 +789,16 @@ class Engine:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
+        elif record.join is not None and children.is_held(self.store, run_id):
+            data["due"] = None  # a map's child paused before its turn: held again
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data:
             # Events kept while it was paused: the run takes them now.
             self._hand_over_kept(run_id)
+        for child in children.paused_children(self.store, run_id):
+            with contextlib.suppress(FlowloopError):  # unpaused or ended meanwhile
+                self.unpause(child)
         return self.get(run_id)
 
     def send(
@@ -779,6 +820,9 @@ class Engine:
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
         run_id = self.resolve(run_id)
+        check_key("dedupe key", dedupe_key)
+        check_finite("payload", payload)
+        check_text("event", event, MAX_NAME_LENGTH)
         message = InboxEvent(
             run_id=run_id,
             event=event,
@@ -889,13 +933,15 @@ class Engine:
             raise InvalidTransition(run_id, record.status, "retry")
         workflow = self.workflow(record.workflow)
         state = from_state or record.state
-        if state not in workflow.steps:
+        if state not in workflow.steps and not children.retryable_state(workflow, state):
             raise DefinitionError(
                 workflow.name,
                 f"cannot retry from {state!r}: not a state with a step "
                 f"(states: {', '.join(workflow.steps)})",
             )
         context = _context_entering(self.store.journal(run_id), state)
+        if state == record.state and workflow.compensates(state):
+            context = record.context  # the compensations owed go on from where they were
         if context is None:
             raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
         data: dict[str, Any] = {"by": by or _user(), "from": state}

@@ -7,11 +7,13 @@ reproduces the stored row exactly; :func:`compare` says where it does not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from flowloop import lifecycle
+from flowloop.errors import EXIT_FAILURE, FlowloopError
 
 # Event kinds. The comment says what the event does to the run.
 RUN_CREATED: Final = "run_created"  # state, context; status scheduled (due at next_run_at)
@@ -27,6 +29,13 @@ RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
+CHILDREN_STARTED: Final = "children_started"  # a call/map created its children; waits (no due)
+CHILDREN_JOINED: Final = "children_joined"  # every child ended: state -> next_state, context
+COMPENSATION_STARTED: Final = "compensation_started"  # status running, attempt
+COMPENSATION_SUCCEEDED: Final = "compensation_succeeded"  # context; still running
+COMPENSATION_FAILED: Final = "compensation_failed"  # retrying (next_run_at) or failed
+RUN_COMPENSATED: Final = "run_compensated"  # every compensation ran: succeeded, reason
+DEADLINE_PASSED: Final = "deadline_passed"  # state -> on_deadline; the deadline is spent
 
 KINDS: Final = (
     RUN_CREATED,
@@ -42,7 +51,17 @@ KINDS: Final = (
     RUN_RETRIED,
     EVENT_RECEIVED,
     EVENT_REJECTED,
+    CHILDREN_STARTED,
+    CHILDREN_JOINED,
+    COMPENSATION_STARTED,
+    COMPENSATION_SUCCEEDED,
+    COMPENSATION_FAILED,
+    RUN_COMPENSATED,
+    DEADLINE_PASSED,
 )
+TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
+"""Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
+``step_interrupted`` that carries one: an ``on_error`` route)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,13 +105,49 @@ class RunRecord:
     last_seq: int
     reason: str | None
     error: str | None
+    deadline: float | None = None
+    """When the whole run's deadline passes (``None``: it has none, or it was spent)."""
+    join: str | None = None
+    """The join row this run reports its end to (a child of a call or map), else ``None``."""
 
     def visit(self, state: str) -> int:
         return self.visits.get(state, 0)
 
 
-class FoldError(Exception):
-    """A journal that cannot be folded (a bug or a tampered database)."""
+class FoldError(FlowloopError):
+    """A journal that cannot be folded (a bug or a tampered database); the message names
+    the run and the row (``flowloop history RUN`` shows every readable row)."""
+
+    exit_code = EXIT_FAILURE
+
+
+UNREADABLE: Final = "unreadable"
+"""The key of a journal row's ``data`` when the stored text was not a JSON object: the row
+is still shown (with the reason under ``reason``), and folding it raises FoldError."""
+
+
+def load_data(text: str | None) -> dict[str, Any]:
+    """A journal row's ``data`` column as a dict; a damaged one (not JSON, not an object)
+    becomes ``{"unreadable": True, "reason": …}`` instead of making the whole journal
+    unreadable."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, dict):
+        return value
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    return {UNREADABLE: True, "reason": f"unreadable row: data is not a JSON object: {shown!r}"}
+
+
+def _readable(event: JournalEvent) -> None:
+    if event.data.get(UNREADABLE) is True:
+        raise FoldError(
+            f"run {event.run_id} seq {event.seq} ({event.kind}): its data is not JSON; "
+            "the journal cannot be replayed past it (see `flowloop history`)"
+        )
 
 
 def _status(record: RunRecord, dest: str, event: JournalEvent) -> str:
@@ -108,7 +163,12 @@ def create(event: JournalEvent) -> RunRecord:
     """The record a ``run_created`` event starts."""
     if event.kind != RUN_CREATED or event.state is None or event.context is None:
         raise FoldError(f"run {event.run_id}: journal must start with {RUN_CREATED}")
+    _readable(event)
     data = event.data
+    due = data.get("due", event.at)
+    deadline = data.get("deadline")
+    if deadline is not None:  # due by its deadline at the latest (a run starting to wait)
+        due = deadline if due is None else min(due, deadline)
     return RunRecord(
         id=event.run_id,
         workflow=str(data["workflow"]),
@@ -120,8 +180,29 @@ def create(event: JournalEvent) -> RunRecord:
         context=event.context,
         attempt=0,
         visits={event.state: 1},
-        next_run_at=data.get("due", event.at),
+        next_run_at=due,
         last_seq=event.seq,
+        reason=None,
+        error=None,
+        deadline=deadline,
+        join=data.get("join"),
+    )
+
+
+def _moved(record: RunRecord, event: JournalEvent, change: dict[str, Any]) -> None:
+    """A transition: the run enters ``next_state`` (final: succeeded; else scheduled, due
+    at the entry's ``due``, or now)."""
+    assert event.next_state is not None
+    final = bool(event.data.get("final"))
+    visits = dict(record.visits)
+    visits[event.next_state] = visits.get(event.next_state, 0) + 1
+    change.update(
+        status=_status(record, "succeeded" if final else "scheduled", event),
+        state=event.next_state,
+        context=event.context if event.context is not None else record.context,
+        attempt=0,
+        visits=visits,
+        next_run_at=None if final else event.data.get("due", event.at),
         reason=None,
         error=None,
     )
@@ -130,29 +211,30 @@ def create(event: JournalEvent) -> RunRecord:
 def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     """The record after ``event``. Pure: the executor and replay both use it."""
     if event.seq != record.last_seq + 1:
-        raise FoldError(f"run {record.id}: seq {event.seq} follows {record.last_seq}")
+        raise FoldError(
+            f"run {record.id}: seq {event.seq} follows {record.last_seq} (a journal row is "
+            "missing; see `flowloop history`)"
+        )
+    if event.data and UNREADABLE in event.data:
+        _readable(event)
     kind = event.kind
     change: dict[str, Any] = {"last_seq": event.seq}
     if kind == STEP_STARTED:
         change.update(
             status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
         )
-    elif kind in (STEP_SUCCEEDED, EVENT_RECEIVED):
+    elif kind in (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED):
         assert event.next_state is not None and event.context is not None
-        final = bool(event.data.get("final"))
-        visits = dict(record.visits)
-        visits[event.next_state] = visits.get(event.next_state, 0) + 1
-        change.update(
-            status=_status(record, "succeeded" if final else "scheduled", event),
-            state=event.next_state,
-            context=event.context,
-            attempt=0,
-            visits=visits,
-            next_run_at=None if final else event.data.get("due", event.at),
-            reason=None,
-            error=None,
-        )
-    elif kind in (STEP_FAILED, STEP_INTERRUPTED):
+        _moved(record, event, change)
+    elif kind in (STEP_FAILED, STEP_INTERRUPTED, DEADLINE_PASSED) and event.next_state:
+        # An on_error route (or a passed deadline): the run moves on, the error kept for
+        # the state it enters to see.
+        _moved(record, event, change)
+        if event.error_type:
+            change["error"] = f"{event.error_type}: {event.error_message}"
+        if kind == DEADLINE_PASSED:
+            change["deadline"] = None
+    elif kind in (STEP_FAILED, STEP_INTERRUPTED, COMPENSATION_FAILED):
         retry_at = event.data.get("retry_at")
         error = f"{event.error_type}: {event.error_message}" if event.error_type else None
         if retry_at is not None:
@@ -169,6 +251,23 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
                 error=error,
                 reason=event.data.get("reason", "error"),
             )
+    elif kind == CHILDREN_STARTED:
+        # Waits for its children: due only when the join completes (the store sets it).
+        change.update(status=_status(record, "scheduled", event), next_run_at=None)
+    elif kind == COMPENSATION_STARTED:
+        change.update(
+            status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
+        )
+    elif kind == COMPENSATION_SUCCEEDED:
+        assert event.context is not None
+        change.update(context=event.context, attempt=0)
+    elif kind == RUN_COMPENSATED:
+        change.update(
+            status=_status(record, "succeeded", event),
+            next_run_at=None,
+            reason=event.data.get("reason", "compensated"),
+            error=None,
+        )
     elif kind == RUN_FAILED:
         change.update(
             status=_status(record, "failed", event),
@@ -217,6 +316,12 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         )
     elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
+    if record.deadline is not None and change.get("deadline", 1) is not None:
+        # A run with a deadline is due by it at the latest (waiting, sleeping, retrying).
+        status = change.get("status", record.status)
+        if status in lifecycle.CLAIMABLE:
+            due = change.get("next_run_at", record.next_run_at)
+            change["next_run_at"] = record.deadline if due is None else min(due, record.deadline)
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);
     # a frozen dataclass without __post_init__ can be copied field by field instead.
     new = object.__new__(RunRecord)
