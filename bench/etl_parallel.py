@@ -85,7 +85,9 @@ def worker_process(store: str, run_id: str, max_parallel: int) -> None:
             engine.register(WORKFLOWS[max_parallel])
             engine.register(etl_module.etl)
             stop = asyncio.Event()
-            task = asyncio.create_task(Worker(engine, [], concurrency=2).run(stop))
+            # One run at a time: with two, one process takes both children and the GIL
+            # keeps them to one core.
+            task = asyncio.create_task(Worker(engine, [], concurrency=1).run(stop))
             while engine.get(run_id).status not in ("succeeded", "failed", "stopped"):
                 await asyncio.sleep(POLL_S)
             stop.set()
