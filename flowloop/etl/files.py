@@ -24,7 +24,8 @@ class FileInfo(BaseModel):
     sha256: str
     rows: int
     """Records expected: data lines outside quoted fields (exact for CSV unless a record is
-    blank or unreadable; JSON lines: non-header lines)."""
+    blank or unreadable, counted with ``"`` as the quote when the dialect is sniffed;
+    JSON lines: lines). Used for progress and the batch budget; the load counts records."""
     problem: str | None = None
     """Why the whole file is rejected (empty, not UTF-8, wrong header), or None."""
 
