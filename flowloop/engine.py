@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids, tracecontext
+from flowloop import ids, loop_requests, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
@@ -971,6 +971,26 @@ class Engine:
                 "reason": None,
                 "consecutive_failures": 0,
             },
+        )
+        return self.loop(name)
+
+    def trigger_loop(self, name: str) -> LoopRow:
+        """Ask the loop's worker for one iteration now, journaled ``manual`` (never while
+        another iteration of the loop runs); the schedule is unchanged."""
+        loop_requests.ask(
+            self._loop_store(), self.loop(name), loop_requests.TRIGGER, now=self.clock.now()
+        )
+        return self.loop(name)
+
+    def backfill_loop(self, name: str, request: loop_requests.BackfillRequest) -> LoopRow:
+        """Ask the loop's worker to run the slots of ``request``'s range that never started,
+        one at a time (journaled ``backfill``, ended by ``backfill_finished``)."""
+        loop_requests.ask(
+            self._loop_store(),
+            self.loop(name),
+            loop_requests.BACKFILL,
+            request,
+            now=self.clock.now(),
         )
         return self.loop(name)
 
