@@ -14,13 +14,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, overload
 
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids, loop_requests, tracecontext
+from flowloop import ids, loop_requests, starts, tracecontext
 from flowloop import journal as j
+from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
@@ -350,6 +352,8 @@ class Engine:
         priority: int = 0,
         run_at: float | None = None,
         trace_context: Mapping[str, str] | None = None,
+        debounce: float | timedelta | None = None,
+        throttle: tuple[int, float | timedelta] | None = None,
     ) -> RunInfo:
         """Enqueue a run (a worker or :meth:`run_until_idle` executes it).
 
@@ -357,7 +361,30 @@ class Engine:
         existing run has returns that run instead of creating another. ``trace_context``: a
         W3C carrier (``{"traceparent": ...}``) whose span the run's trace span is a child
         of (see ``flowloop.tracing``); stored with the run, so it survives a crash.
+
+        ``debounce`` (seconds or a timedelta) turns a burst of starts with one ``key`` into
+        one run with the last context, due that long after the last start; ``throttle=(n,
+        period)`` refuses (:class:`~flowloop.admission.StartThrottled`) more than ``n``
+        starts with one key per period. See :mod:`flowloop.admission`.
         """
+        if debounce is not None or throttle is not None:
+            if idempotency_key is not None or run_at is not None:
+                raise AdmissionError(
+                    "debounce=/throttle= decide the due time and identity: "
+                    "drop idempotency_key= and run_at="
+                )
+            return self._info(
+                starts.admitted_start(
+                    self,
+                    workflow,
+                    context,
+                    key=key,
+                    priority=priority,
+                    debounce=debounce,
+                    throttle=throttle,
+                    trace_context=trace_context,
+                )
+            )
         new = self._new_run(
             workflow,
             context,

@@ -37,6 +37,7 @@ from flowloop.ids import prefix_bounds
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate
+from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
@@ -205,7 +206,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(LoopStoreMixin, Store):
+class SQLStore(LoopStoreMixin, AdmissionStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
