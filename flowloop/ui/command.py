@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from pathlib import Path
 from typing import Final
 
@@ -90,12 +91,14 @@ def ui_command(
     _require_existing(url)
     # Opened without creating anything: a dashboard never writes a schema.
     store = SQLStore(url, create=False)
+    sock = _bind(host, port)
     app = create_app(
         store,
         workflows=loaded.workflows,
         loops=loaded.loops,
         allow_actions=allow_actions,
         token=token,
+        allowed_hosts=_allowed_hosts(host),
     )
     if not is_loopback(host):
         err.print(
@@ -103,11 +106,42 @@ def ui_command(
             "run and its context",
             markup=False,
         )
+    bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    out.print(f"flowloop dashboard on http://{shown}:{port}/ (Ctrl-C stops it)", markup=False)
+    out.print(f"flowloop dashboard on http://{shown}:{bound_port}/ (Ctrl-C stops it)", markup=False)
     if allow_actions:
         out.print(f"actions enabled; token: {app.state.dash.token}", markup=False)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         store.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything is printed: a port in use or a host
+    that does not resolve is one line (exit 2), and ``--port 0`` shows the port it got."""
+    from flowloop.errors import FlowloopError
+
+    try:
+        return socket.create_server((host, port), family=_family(host))
+    except OSError as error:
+        raise FlowloopError(
+            f"cannot listen on {host}:{port}: {error.strerror or error}; choose another "
+            "--port (or --host)"
+        ) from error
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _allowed_hosts(host: str) -> list[str]:
+    """Host headers to answer: the loopback names, plus the one given with --host; every
+    name when bound to all interfaces (the warning above says what that means)."""
+    from flowloop.ui.app import LOOPBACK_HOSTS
+
+    if host in ("0.0.0.0", "::", ""):
+        return ["*"]
+    return [*LOOPBACK_HOSTS, host]
