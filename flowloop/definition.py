@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
 from flowloop import graph
+from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
@@ -171,6 +172,10 @@ class Workflow:
     ``key`` names a context field (or a function of the context) that identifies the run in
     business terms (an order id). It is unique per workflow: starting a second run with the
     same key returns the first one (``engine.find(workflow, key=...)`` finds it).
+
+    ``max_inbox``/``inbox_overflow`` bound each run's kept events, ``max_queued``/
+    ``queue_overflow`` the runs not yet started, ``overflow_timeout`` how long ``"block"``
+    waits: see :mod:`flowloop.backpressure`.
     """
 
     def __init__(
@@ -182,6 +187,11 @@ class Workflow:
         key: str | Callable[[Any], str] | None = None,
         max_concurrency: int | None = None,
         description: str = "",
+        max_inbox: int | None = None,
+        inbox_overflow: str = "reject_newest",
+        max_queued: int | None = None,
+        queue_overflow: str = "reject_newest",
+        overflow_timeout: float | timedelta = DEFAULT_OVERFLOW_TIMEOUT_SECONDS,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
@@ -195,6 +205,15 @@ class Workflow:
         self.key = key
         self.max_concurrency = max_concurrency
         self.description = description
+        # Backpressure (flowloop/backpressure.py): not part of the fingerprint.
+        self.bounds = Bounds.of(
+            name,
+            max_inbox=max_inbox,
+            inbox_overflow=inbox_overflow,
+            max_queued=max_queued,
+            queue_overflow=queue_overflow,
+            overflow_timeout=overflow_timeout,
+        )
         self._draft = _Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}

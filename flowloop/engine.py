@@ -395,7 +395,10 @@ class Engine:
             owner=None,
             trace_context=trace_context,
         )
-        stored, created = self.store.create_run(new)
+        if workflow.bounds.max_queued is not None:
+            stored, created = starts.bounded_start(self, workflow, new)  # backpressure
+        else:
+            stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
         return self._info(stored)
@@ -861,7 +864,10 @@ class Engine:
                 check_bufferable(
                     workflow, event, message.payload, state=record.state if waiting_here else None
                 )
-                result = self.store.deliver(message, None)
+                if workflow.bounds.max_inbox is not None:
+                    result = starts.keep_bounded(self, workflow, message)  # backpressure
+                else:
+                    result = self.store.deliver(message, None)
                 if result == "buffered":
                     self._hand_over_kept(run_id)
             elif event in accepted(workflow, record.state):

@@ -27,6 +27,7 @@ RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
+EVENT_DROPPED: Final = "event_dropped"  # a kept event dropped for max_inbox; only the seq
 RUN_DEBOUNCED: Final = "run_debounced"  # a later start of a burst: context, due (admission.py)
 
 KINDS: Final = (
@@ -44,6 +45,7 @@ KINDS: Final = (
     EVENT_RECEIVED,
     EVENT_REJECTED,
     RUN_DEBOUNCED,
+    EVENT_DROPPED,
 )
 
 
@@ -220,7 +222,10 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
         change.update(context=event.context, next_run_at=event.data.get("due", event.at))
-    elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
+    elif kind not in (
+        EVENT_REJECTED,
+        EVENT_DROPPED,
+    ):  # a rejected or dropped kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);
     # a frozen dataclass without __post_init__ can be copied field by field instead.

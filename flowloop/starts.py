@@ -4,20 +4,23 @@ and flowloop/store/admission.py (the SQL)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import admission
+from flowloop import admission, backpressure
 from flowloop import journal as j
 from flowloop.store.admission import AdmissionStoreMixin
-from flowloop.store.base import NewRun, StoredRun
+from flowloop.store.base import InboxEvent, NewRun, StoredRun
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
     from flowloop.engine import Engine
+
+T = TypeVar("T")
 
 
 def admitted_start(
@@ -83,3 +86,74 @@ def _keyless(new: NewRun, idempotency_key: str, group: str) -> NewRun:
     return dataclasses.replace(
         new, record=j.create(created), events=[created], idempotency_key=idempotency_key
     )
+
+
+# -- backpressure (flowloop/backpressure.py) ----------------------------------------------
+
+
+def _blocking(timeout: float, attempt: Callable[[], T | None]) -> tuple[T | None, float]:
+    """``attempt()`` until it gives a result or ``timeout`` seconds have passed (polling)."""
+    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    while True:
+        result = attempt()
+        if result is not None or time.monotonic() >= deadline:
+            return result, time.monotonic() - started
+        time.sleep(min(backpressure.BLOCK_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+def bounded_start(engine: Engine, workflow: Workflow, new: NewRun) -> tuple[StoredRun, bool]:
+    """Create ``new`` under its workflow's ``max_queued`` and ``queue_overflow``."""
+    bounds = workflow.bounds
+    assert bounds.max_queued is not None
+    store = engine.store
+    assert isinstance(store, AdmissionStoreMixin)
+    limit = bounds.max_queued
+
+    def attempt() -> tuple[StoredRun, bool] | None:
+        return store.start_bounded(
+            new,
+            limit,
+            drop_oldest=bounds.queue_overflow == "drop_oldest",
+            now=engine.clock.now(),
+            worker=engine.worker_id,
+        )
+
+    if bounds.queue_overflow != "block":
+        created = attempt()
+        if created is None:
+            raise backpressure.queue_full(workflow.name, bounds)
+        return created
+    created, waited = _blocking(bounds.overflow_timeout, attempt)
+    if created is None:
+        raise backpressure.queue_full(workflow.name, bounds, waited=waited)
+    return created
+
+
+def keep_bounded(engine: Engine, workflow: Workflow, message: InboxEvent) -> str:
+    """Keep ``message`` under its workflow's ``max_inbox`` and ``inbox_overflow``
+    (``"buffered"`` or ``"duplicate"``), or raise :class:`~flowloop.backpressure.InboxFull`."""
+    bounds = workflow.bounds
+    assert bounds.max_inbox is not None
+    store = engine.store
+    assert isinstance(store, AdmissionStoreMixin)
+    limit = bounds.max_inbox
+
+    def attempt() -> str | None:
+        result = store.keep_bounded(
+            message,
+            limit,
+            drop_oldest=bounds.inbox_overflow == "drop_oldest",
+            now=engine.clock.now(),
+            worker=message.sender or engine.worker_id,
+        )
+        return None if result in ("full", "busy") else result
+
+    # drop_oldest waits (briefly) for a worker holding the run to let go of it.
+    timeout = 0.0 if bounds.inbox_overflow == "reject_newest" else bounds.overflow_timeout
+    result, waited = _blocking(timeout, attempt)
+    if result is None:
+        raise backpressure.inbox_full(
+            message.run_id, bounds, waited=waited if bounds.inbox_overflow == "block" else None
+        )
+    return result

@@ -14,12 +14,12 @@ import json
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from sqlalchemy import Connection, select, text, update
+from sqlalchemy import ColumnElement, Connection, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from flowloop import journal as j
-from flowloop.store.base import NewRun, StoredRun
-from flowloop.store.schema import journal, runs
+from flowloop.store.base import InboxEvent, NewRun, StoredRun
+from flowloop.store.schema import inbox, journal, runs
 
 ATTEMPTS: Final = 5
 """Tries when a concurrent start of the same key wins a race (nothing is written then)."""
@@ -132,3 +132,140 @@ class AdmissionStoreMixin:
                 return None, verdict
             stored, _ = self._create_in(conn, new)
             return stored, verdict
+
+    # -- backpressure (flowloop/backpressure.py) ------------------------------------------
+
+    def _serialize(self, conn: Connection, name: str) -> None:
+        """Serialize count-then-insert on ``name`` (SQLite's writes are serialized already)."""
+        if self._postgres:
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": name})
+
+    def keep_bounded(
+        self, message: InboxEvent, limit: int, *, drop_oldest: bool, now: float, worker: str
+    ) -> str:
+        """Keep ``message`` for its run if fewer than ``limit`` events are kept for it, or
+        (``drop_oldest``) after dropping the oldest kept one — journaled ``event_dropped`` on
+        the run, which only an unowned run allows. ``"buffered"``, ``"full"``, ``"busy"``
+        (a worker holds the run: nothing dropped) or ``"duplicate"``; nothing is written
+        unless ``"buffered"``."""
+        try:
+            with self._write() as conn:
+                self._serialize(conn, f"inbox:{message.run_id}")
+                kept = conn.execute(
+                    select(func.count()).where(
+                        inbox.c.run_id == message.run_id, inbox.c.consumed_seq.is_(None)
+                    )
+                ).scalar_one()
+                if kept >= limit:
+                    if not drop_oldest:
+                        return "full"
+                    if not self._drop_oldest_kept(conn, message.run_id, limit, now, worker):
+                        return "busy"
+                conn.execute(
+                    insert(inbox).values(
+                        run_id=message.run_id,
+                        event=message.event,
+                        payload=message.payload,
+                        dedupe_key=message.dedupe_key,
+                        sent_at=message.sent_at,
+                        sender=message.sender,
+                    )
+                )
+        except IntegrityError:
+            if message.dedupe_key is not None:
+                return "duplicate"
+            raise
+        return "buffered"
+
+    def _drop_oldest_kept(
+        self, conn: Connection, run_id: str, limit: int, now: float, worker: str
+    ) -> bool:
+        run = conn.execute(select(runs.c.owner, runs.c.last_seq).where(runs.c.id == run_id)).one()
+        oldest = conn.execute(
+            select(inbox.c.id, inbox.c.event, inbox.c.sent_at)
+            .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
+            .order_by(inbox.c.id)
+            .limit(1)
+        ).one()
+        seq = run.last_seq + 1
+        # The journal protocol: only the run's lease holder appends while it is owned.
+        moved = conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.last_seq == run.last_seq, runs.c.owner.is_(None))
+            .values(last_seq=seq, updated_at=now)
+        )
+        if moved.rowcount != 1:
+            return False
+        conn.execute(update(inbox).where(inbox.c.id == oldest.id).values(consumed_seq=seq))
+        data = {"inbox_id": oldest.id, "sent_at": oldest.sent_at, "reason": f"max_inbox={limit}"}
+        conn.execute(
+            journal.insert().values(
+                run_id=run_id,
+                seq=seq,
+                kind=j.EVENT_DROPPED,
+                at=now,
+                attempt=0,
+                event=oldest.event,
+                worker=worker,
+                data=json.dumps(data, sort_keys=True),
+            )
+        )
+        return True
+
+    def start_bounded(
+        self, new: NewRun, limit: int, *, drop_oldest: bool, now: float, worker: str
+    ) -> tuple[StoredRun, bool] | None:
+        """Create ``new`` if fewer than ``limit`` runs of its workflow wait to start
+        (scheduled, unowned, only ``run_created`` journaled), or (``drop_oldest``) after
+        stopping the oldest of them (``run_stopped``, reason ``dropped``). A run that
+        already holds ``new``'s key is returned as by ``create_run``. None: full, nothing
+        written."""
+        workflow = new.record.workflow
+        with self._write() as conn:
+            self._serialize(conn, f"queue:{workflow}")
+            queued = (runs.c.workflow == workflow, runs.c.status == "scheduled")
+            waiting = (runs.c.last_seq == 1, runs.c.owner.is_(None))
+            count = conn.execute(select(func.count()).where(*queued, *waiting)).scalar_one()
+            if count >= limit and not self._holds_key(conn, new):
+                if not drop_oldest:
+                    return None
+                oldest = conn.execute(
+                    select(runs.c.id)
+                    .where(*queued, *waiting)
+                    .order_by(runs.c.created_at, runs.c.id)
+                    .limit(1)
+                ).scalar_one()
+                reason = f"dropped: max_queued={limit}"
+                conn.execute(
+                    update(runs)
+                    .where(runs.c.id == oldest, *queued, *waiting)
+                    .values(
+                        status="stopped",
+                        reason=reason,
+                        next_run_at=None,
+                        last_seq=2,
+                        updated_at=now,
+                    )
+                )
+                conn.execute(
+                    journal.insert().values(
+                        run_id=oldest,
+                        seq=2,
+                        kind=j.RUN_STOPPED,
+                        at=now,
+                        attempt=0,
+                        worker=worker,
+                        data=json.dumps({"reason": reason}),
+                    )
+                )
+            return self._create_in(conn, new)
+
+    def _holds_key(self, conn: Connection, new: NewRun) -> bool:
+        held: list[ColumnElement[bool]] = []
+        if new.record.key is not None:
+            held.append((runs.c.workflow == new.record.workflow) & (runs.c.key == new.record.key))
+        if new.idempotency_key is not None:
+            held.append(runs.c.idempotency_key == new.idempotency_key)
+        if not held:
+            return False
+        return conn.execute(select(runs.c.id).where(or_(*held)).limit(1)).first() is not None
