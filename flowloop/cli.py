@@ -643,6 +643,7 @@ def status(
             natural = out.measure(table, options=out.options.update_width(10_000)).maximum
             if natural > out.width:  # a narrow terminal: short ids that still work
                 table = status_table(rows, support.short_ids(engine, [i.id for i in infos]))
+            pressure = support.backpressure_lines(engine, workflow)
     if as_json:
         page = {
             "runs": listed,
@@ -653,6 +654,8 @@ def status(
         click.echo(json.dumps(page))
         return
     out.print(table)
+    for line in pressure:
+        out.print(line, markup=False)
     if truncated:
         out.print(
             f"(the newest {limit} shown; more: `flowloop status --after {infos[-1].id}` "

@@ -33,6 +33,9 @@ class AdmissionStoreMixin:
     def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
 
+    def _read(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
     def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
         raise NotImplementedError  # provided by SQLStore
 
@@ -269,3 +272,46 @@ class AdmissionStoreMixin:
         if not held:
             return False
         return conn.execute(select(runs.c.id).where(or_(*held)).limit(1)).first() is not None
+
+    def backpressure_usage(self) -> dict[str, dict[str, int]]:
+        """Per workflow (only those with something to show): ``queued`` runs not yet started,
+        ``kept`` events kept for its runs and ``kept_max`` on one run, ``dropped_events``
+        (``event_dropped`` entries) and ``dropped_runs`` (stopped for ``max_queued``)."""
+        usage: dict[str, dict[str, int]] = {}
+
+        def put(workflow: str, name: str, value: int) -> None:
+            entry = usage.setdefault(
+                workflow,
+                {"queued": 0, "kept": 0, "kept_max": 0, "dropped_events": 0, "dropped_runs": 0},
+            )
+            entry[name] = max(entry[name], value) if name == "kept_max" else entry[name] + value
+
+        with self._read() as conn:
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .where(runs.c.status == "scheduled", runs.c.last_seq == 1)
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "queued", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .select_from(inbox.join(runs, runs.c.id == inbox.c.run_id))
+                .where(inbox.c.consumed_seq.is_(None))
+                .group_by(runs.c.workflow, inbox.c.run_id)
+            ):
+                put(workflow, "kept", int(count))
+                put(workflow, "kept_max", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .select_from(journal.join(runs, runs.c.id == journal.c.run_id))
+                .where(journal.c.kind == j.EVENT_DROPPED)
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "dropped_events", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .where(runs.c.status == "stopped", runs.c.reason.like("dropped: max_queued=%"))
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "dropped_runs", int(count))
+        return usage

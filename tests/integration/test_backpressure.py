@@ -162,3 +162,37 @@ def test_queue__block_gives_up_after_the_timeout(engine: Engine) -> None:
 def test_bounds__bad_values_fail_at_definition(bounds: dict[str, Any], message: str) -> None:
     with pytest.raises(DefinitionError, match=message):
         Workflow("bad", context=Ticket, **bounds)
+
+
+def test_backpressure__visible_in_status_and_metrics(store_url: str, engine: Engine) -> None:
+    from click.testing import CliRunner
+    from prometheus_client import generate_latest
+
+    from flowloop import backpressure_metrics
+    from flowloop.cli import cli
+    from flowloop.metrics import Metrics
+    from flowloop.store.admission import AdmissionStoreMixin
+
+    inbox = ticket_workflow("shown-inbox", max_inbox=1, inbox_overflow="drop_oldest")
+    run = engine.start(inbox, Ticket(id="t1"))
+    for n in (1, 2, 3):
+        engine.send(run.id, "note", {"n": n}, buffer=True)
+    queue = order_like("shown-queue", max_queued=1, queue_overflow="drop_oldest")
+    engine.start(queue, Ticket(id="a"))
+    engine.clock.advance(1)  # type: ignore[attr-defined]
+    engine.start(queue, Ticket(id="b"))
+    shown = CliRunner().invoke(cli, ["status", "--db", store_url], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    assert (
+        "backpressure shown-inbox: 0 run(s) waiting to start, 1 kept event(s) (at most 1 on one "
+        "run); dropped: 2 kept event(s), 0 queued run(s)"
+    ) in shown.output
+    assert "backpressure shown-queue: 1 run(s) waiting to start, 0 kept event(s)" in shown.output
+    metrics = Metrics()
+    assert isinstance(engine.store, AdmissionStoreMixin)
+    backpressure_metrics.track(metrics.registry, engine.store.backpressure_usage)
+    text = generate_latest(metrics.registry).decode()
+    assert 'flowloop_backpressure_dropped_total{what="event",workflow="shown-inbox"} 2.0' in text
+    assert 'flowloop_backpressure_dropped_total{what="run",workflow="shown-queue"} 1.0' in text
+    assert 'flowloop_inbox_kept_max{workflow="shown-inbox"} 1.0' in text
+    assert 'flowloop_runs_queued{workflow="shown-queue"} 1.0' in text
