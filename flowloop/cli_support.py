@@ -325,4 +325,3 @@ def backpressure_lines(engine: Engine, workflow: str | None = None) -> list[str]
             f"{use['dropped_events']} kept event(s), {use['dropped_runs']} queued run(s)"
         )
     return lines
-
