@@ -62,6 +62,7 @@ class AdmissionStoreMixin:
     def _debounce_in(
         self, conn: Connection, new: NewRun, marker: str, *, due: float, now: float, key: str
     ) -> tuple[StoredRun, bool]:
+        self._serialize(conn, marker)  # concurrent starts of one burst take turns
         row = conn.execute(
             select(runs.c.id, runs.c.status, runs.c.owner, runs.c.last_seq).where(
                 runs.c.idempotency_key == marker

@@ -129,3 +129,72 @@ def test_admission__needs_a_key(engine: Engine) -> None:
         engine.start(wf, Change(customer="c1", n=1), debounce=5)
     assert engine.runs() == []
     assert engine.start(wf, Change(customer="c1", n=1), key="k", debounce=5).status == "scheduled"
+
+
+def test_throttle__holds_across_engines_starting_at_once(store_url: str) -> None:
+    """Four engines (own connections) start 10 runs of one key each at once under a
+    throttle of 5: exactly 5 are created, the rest refused."""
+    import threading
+
+    clock = FakeClock()
+    wf = sync_workflow([])
+    engines = [Engine(store_url, clock=clock) for _ in range(4)]
+    gate = threading.Barrier(len(engines))
+    outcomes: list[str] = []
+
+    def starter(engine: Engine, base: int) -> None:
+        gate.wait()
+        for n in range(10):
+            try:
+                engine.start(wf, Change(customer="c1", n=base + n), throttle=(5, 60))
+                outcomes.append("created")
+            except StartThrottled:
+                outcomes.append("refused")
+
+    threads = [
+        threading.Thread(target=starter, args=(engine, 100 * i)) for i, engine in enumerate(engines)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert sorted(set(outcomes)) == ["created", "refused"]
+        assert outcomes.count("created") == 5 and len(outcomes) == 40
+        assert len(engines[0].runs()) == 5
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def test_debounce__engines_starting_at_once_make_one_run(store_url: str) -> None:
+    import threading
+
+    clock = FakeClock()
+    wf = sync_workflow([])
+    engines = [Engine(store_url, clock=clock) for _ in range(4)]
+    gate = threading.Barrier(len(engines))
+    ids: list[str] = []
+
+    def starter(engine: Engine, base: int) -> None:
+        gate.wait()
+        for n in range(5):
+            ids.append(engine.start(wf, Change(customer="c1", n=base + n), debounce=30).id)
+
+    threads = [
+        threading.Thread(target=starter, args=(engine, 100 * i)) for i, engine in enumerate(engines)
+    ]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(ids) == 20 and len(set(ids)) == 1
+        history = engines[0].history(ids[0])
+        assert [e.kind for e in history].count("run_debounced") == 19
+        last = Change.model_validate_json(history[-1].context or "{}").n
+        assert Change.model_validate(engines[0].get(ids[0]).context).n == last
+        assert engines[0].replay(ids[0]).matches
+    finally:
+        for engine in engines:
+            engine.close()

@@ -196,3 +196,32 @@ def test_backpressure__visible_in_status_and_metrics(store_url: str, engine: Eng
     assert 'flowloop_backpressure_dropped_total{what="run",workflow="shown-queue"} 1.0' in text
     assert 'flowloop_inbox_kept_max{workflow="shown-inbox"} 1.0' in text
     assert 'flowloop_runs_queued{workflow="shown-queue"} 1.0' in text
+
+
+def test_queue__bound_holds_for_engines_starting_at_once(store_url: str) -> None:
+    clock = FakeClock()
+    wf = order_like("q-race", max_queued=6)
+    engines = [Engine(store_url, clock=clock) for _ in range(4)]
+    gate = threading.Barrier(len(engines))
+    outcomes: list[str] = []
+
+    def starter(engine: Engine, base: int) -> None:
+        gate.wait()
+        for n in range(5):
+            try:
+                engine.start(wf, Ticket(id=f"{base}-{n}"))
+                outcomes.append("created")
+            except QueueFull:
+                outcomes.append("refused")
+
+    threads = [threading.Thread(target=starter, args=(e, i)) for i, e in enumerate(engines)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert len(outcomes) == 20 and outcomes.count("created") == 6
+        assert len(engines[0].runs()) == 6
+    finally:
+        for engine in engines:
+            engine.close()
