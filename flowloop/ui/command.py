@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from pathlib import Path
 from typing import Final
 
 import click
@@ -22,22 +21,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _require_existing(url: str) -> None:
-    """A SQLite file must exist: the store would create an empty one, and a dashboard
-    creates nothing."""
-    from sqlalchemy import make_url
-
-    from flowloop.errors import FlowloopError
-    from flowloop.store.dialect import normalize_url
-
-    parsed = make_url(normalize_url(url))
-    name = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not name or name == ":memory:":
-        return
-    if not name.startswith("file:") and not Path(name).exists():
-        raise FlowloopError(f"no database at {name} (start a run or a worker first, or --db)")
 
 
 @click.command(name="ui")
@@ -76,6 +59,7 @@ def ui_command(
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
     from flowloop.cli import database, err, load_workflow_paths, out
+    from flowloop.cli_support import require_database
     from flowloop.errors import FlowloopError
 
     try:
@@ -88,7 +72,7 @@ def ui_command(
 
     loaded = load_workflow_paths(workflow_paths)
     url = database(db)
-    _require_existing(url)
+    require_database(url)
     # Opened without creating anything: a dashboard never writes a schema.
     store = SQLStore(url, create=False)
     sock = _bind(host, port)
