@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
-from flowloop import graph
+from flowloop import graph, upcast
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
@@ -163,6 +163,11 @@ class Workflow:
     ``key`` names a context field (or a function of the context) that identifies the run in
     business terms (an order id). It is unique per workflow: starting a second run with the
     same key returns the first one (``engine.find(workflow, key=...)`` finds it).
+
+    ``context_version`` numbers the context model; ``migrate={1: v1_to_v2, ...}`` are the
+    upcasters (pure functions on JSON objects) that carry an older stored context to it.
+    ``migrates_from={1: {"old_state": "new_state"}}`` declares how runs of an older
+    ``version`` map onto this one's states (``flowloop migrate``).
     """
 
     def __init__(
@@ -174,6 +179,9 @@ class Workflow:
         key: str | Callable[[Any], str] | None = None,
         max_concurrency: int | None = None,
         description: str = "",
+        context_version: int = 1,
+        migrate: Mapping[int, upcast.Upcaster] | None = None,
+        migrates_from: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
@@ -187,11 +195,20 @@ class Workflow:
         self.key = key
         self.max_concurrency = max_concurrency
         self.description = description
+        # Deploying a change (see flowloop/upcast.py, flowloop/verdicts.py): the context's
+        # version and the upcasters to it; the state mapping from older versions.
+        upcast.check_chain(name, context_version, migrate or {})
+        self.context_version = context_version
+        self.migrate: Mapping[int, upcast.Upcaster] = dict(migrate or {})
+        self.migrates_from: Mapping[int, Mapping[str, str]] = {
+            int(old): dict(mapping) for old, mapping in (migrates_from or {}).items()
+        }
         self._draft = _Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}
         self._machine: Machine | None = None
         self._fingerprint = ""
+        self._record: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"Workflow({self.name!r}, version={self.version})"
@@ -423,8 +440,10 @@ class Workflow:
             )
         self._machine = self._build_machine()
         self._table = {(t.source, t.event): t.dest for t in self.transitions()}
+        self._check_migrates_from()
+        self._record = self.definition_record()
         self._fingerprint = hashlib.sha256(
-            json.dumps(self.structure(), sort_keys=True).encode()
+            json.dumps(self._record, sort_keys=True).encode()
         ).hexdigest()[:16]
         self._frozen = True
         return self
@@ -482,7 +501,11 @@ class Workflow:
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the structure (states and transitions), not of the code."""
+        """A short hash of what changes behaviour: the structure (states, transitions,
+        waits) and the context (its version and its JSON schema without titles and
+        descriptions); not of the code: docstrings, step bodies, retry and timeout settings
+        leave it unchanged (a body change is deployed as it is; see README, "Changing a
+        workflow safely")."""
         self.validate()
         return self._fingerprint
 
@@ -541,6 +564,37 @@ class Workflow:
             },
         }
 
+    def definition_record(self) -> dict[str, Any]:
+        """:meth:`structure` with the context (version, normalized schema): what the
+        fingerprint hashes and what the store keeps under it, so ``flowloop check`` can
+        compare a stored run's context model with this one."""
+        if self._frozen:
+            return self._record
+        return {
+            **self.structure(),
+            "context": {
+                "version": self.context_version,
+                "schema": upcast.schema_of(self.context),
+            },
+        }
+
+    def _check_migrates_from(self) -> None:
+        own = set(self.states)
+        for old, mapping in self.migrates_from.items():
+            if old >= self.version:
+                raise DefinitionError(
+                    self.name,
+                    f"migrates_from={{{old}: ...}}: version {old} is not older than "
+                    f"this definition's version {self.version}",
+                )
+            unknown = sorted(dest for dest in mapping.values() if dest not in own)
+            if unknown:
+                raise DefinitionError(
+                    self.name,
+                    f"migrates_from={{{old}: ...}} maps to unknown state(s) "
+                    f"{', '.join(map(repr, unknown))}",
+                )
+
     def on_cycle(self) -> set[str]:
         """States on a cycle (where ``max_visits`` matters)."""
         edges = {state: set(targets.values()) for state, targets in self._outgoing().items()}
@@ -572,6 +626,37 @@ class Workflow:
             return self.context.model_validate(dict(data))
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
+
+    def load_context(self, text: str, version: int = 1) -> BaseModel:
+        """A stored context (JSON text written at context ``version``) as this workflow's
+        model: the upcasters from ``version`` run first. Raises InvalidContext (it does not
+        validate) or ContextMigrationError (it cannot be migrated)."""
+        if version == self.context_version:
+            try:
+                return self.context.model_validate_json(text)
+            except ValidationError as error:
+                raise InvalidContext(self.name, describe_validation(error)) from error
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise InvalidContext(self.name, f"stored context is not JSON: {error}") from error
+        if not isinstance(data, dict):
+            raise InvalidContext(self.name, "stored context is not a JSON object")
+        data = upcast.upcast(
+            self.name,
+            data,
+            from_version=version,
+            to_version=self.context_version,
+            migrate=self.migrate,
+        )
+        return self.parse_context(data)
+
+    def context_stamp(self) -> dict[str, Any]:
+        """What an entry that writes a context of this workflow adds to its ``data``: its
+        context version (nothing for version 1, so such journals stay as they were)."""
+        if self.context_version == 1:
+            return {}
+        return {upcast.VERSION_KEY: self.context_version}
 
     def business_key(self, context: BaseModel) -> str | None:
         if self.key is None:

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids
+from flowloop import ids, tracecontext
 from flowloop import journal as j
-from flowloop import tracecontext
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
@@ -292,6 +291,7 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                **workflow.context_stamp(),
                 **self._trace_data(run_id, trace_context),
             },
         )
@@ -574,11 +574,11 @@ class Engine:
         context: BaseModel | dict[str, Any]
         try:
             context = (
-                workflow.context.model_validate_json(record.context)
+                workflow.load_context(record.context, record.context_version)
                 if workflow is not None
                 else json.loads(record.context)
             )
-        except ValueError:
+        except (ValueError, FlowloopError):
             # A stored context that no longer validates (or parses) must not make the run
             # unreadable: show what is there.
             try:
@@ -888,16 +888,20 @@ class Engine:
                 f"cannot retry from {state!r}: not a state with a step "
                 f"(states: {', '.join(workflow.steps)})",
             )
-        context = _context_entering(self.store.journal(run_id), state)
-        if context is None:
+        entered = _context_entering(self.store.journal(run_id), state)
+        if entered is None:
             raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
+        context, version = entered
         data: dict[str, Any] = {"by": by or _user(), "from": state}
         if set_fields:
             _check_fields(workflow, set_fields)
-            merged = {**json.loads(context), **set_fields}
-            context = workflow.parse_context(merged).model_dump_json()
+            loaded = workflow.load_context(context, version).model_dump(mode="json")
+            context = workflow.parse_context({**loaded, **set_fields}).model_dump_json()
+            version = workflow.context_version
             # As JSON (a datetime, a UUID ...): the journal stores what was set.
             data["set"] = to_jsonable_python(dict(set_fields))
+        if version != 1:
+            data[j.CONTEXT_VERSION] = version
         if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
         return self.get(run_id)
@@ -1013,14 +1017,15 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
         )
 
 
-def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
-    """The context a run had when it last entered ``state``."""
+def _context_entering(events: Sequence[JournalEvent], state: str) -> tuple[str, int] | None:
+    """The context a run had when it last entered ``state``, with its context version."""
     for event in reversed(events):
         # An event that a wait state took moves the run on as a step does.
-        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
-            return event.context
-        if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
-            return event.context
+        entered = (
+            event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state
+        ) or (event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state)
+        if entered and event.context is not None:
+            return event.context, int(event.data.get(j.CONTEXT_VERSION, 1))
     return None
 
 

@@ -36,13 +36,13 @@ from flowloop.definition import (
     Step,
     StepSpec,
     Workflow,
-    compatible,
     describe_validation,
 )
-from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
+from flowloop.errors import InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
+from flowloop.verdicts import Verdict, judge
 
 log = logging.getLogger("flowloop")
 
@@ -551,6 +551,9 @@ class Executor:
         workflow = self.workflows[record.workflow]
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
+        parked = self._park_interrupted(workflow, row, now)
+        if parked is not None:
+            return parked
         data: dict[str, Any]
         if spec is not None and spec.idempotent and spec.retry.has_attempts_left(record.attempt):
             data = {"retry_at": now}
@@ -590,6 +593,33 @@ class Executor:
                 "retryable": "retry_at" in data,
             },
         )
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
+        """A run cut off in a state (or with a context) the deployed definition no longer
+        fits is parked ``paused`` with the reason, not judged by a step spec it lacks."""
+        record = row.record
+        if record.fingerprint == workflow.fingerprint:
+            return None
+        verdict = self._verdict(workflow, record)
+        if verdict.outcome != "paused":
+            return None
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.RUN_PAUSED,
+            at=now,
+            state=record.state,
+            error_message=f"interrupted in attempt {record.attempt}; {verdict.message}",
+            worker=self.worker_id,
+            data={"reason": verdict.reason, "interrupted": record.attempt},
+        )
+        log.warning("run %s parked: %s", record.id, verdict.reason)
         return Boundary(
             events=[event],
             record=j.apply(record, event),
@@ -711,18 +741,24 @@ class Executor:
         record = stored.record
         if stored.problem is not None:
             return j.RUN_FAILED, "invalid_row", stored.problem
-        if record.fingerprint != workflow.fingerprint:
-            old = self.store.definition(record.fingerprint) or {}
-            why = compatible(old, workflow, record.state)
-            if why is not None:
-                # The reason says why, so `status` shows it without digging in the journal.
-                reason = f"definition_mismatch: {why}"
-                return j.RUN_PAUSED, reason, reason
-        try:
-            workflow.parse_context(record.context)
-        except FlowloopError as error:
-            return j.RUN_FAILED, "invalid_context", str(error)
-        return None
+        verdict = self._verdict(workflow, record)
+        if verdict.goes_on:
+            return None
+        # The reason says why, so `status` shows it without digging in the journal.
+        kind = j.RUN_PAUSED if verdict.outcome == "paused" else j.RUN_FAILED
+        return kind, verdict.reason or "", verdict.message or ""
+
+    def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict:
+        """What this definition does with the run (flowloop/verdicts.py, as check says)."""
+        same = record.fingerprint == workflow.fingerprint
+        return judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=None if same else self.store.definition(record.fingerprint),
+        )
 
     async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
         action = self._controls.get(record.id)
@@ -771,7 +807,8 @@ class Executor:
             seq=record.last_seq,
             worker=self.worker_id,
         )
-        ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
+        # The step's own copy, carried to the current context version (issue 16).
+        ctx = workflow.load_context(record.context, record.context_version)
         # One line when the step starts and one when it ends (fields for JSON logs); built
         # only when someone listens: this is the hot path.
         logged = log.isEnabledFor(logging.INFO)
@@ -1076,7 +1113,7 @@ def take_kept(
     ``event_received``, or ``event_rejected`` when the state cannot take it after all (its
     handler raised, …) — a kept event never fails the run it was sent to. A stored
     context that no longer validates is the run's problem, not the event's: it raises."""
-    workflow.context.model_validate_json(record.context)
+    workflow.load_context(record.context, record.context_version)
     try:
         return receive(
             workflow,

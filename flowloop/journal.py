@@ -28,6 +28,9 @@ RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past sta
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
 
+CONTEXT_VERSION: Final = "cv"
+"""The ``data`` key of an entry that writes a context: the context's version (absent: 1)."""
+
 KINDS: Final = (
     RUN_CREATED,
     STEP_STARTED,
@@ -86,6 +89,8 @@ class RunRecord:
     last_seq: int
     reason: str | None
     error: str | None
+    context_version: int = 1
+    """The context version ``context`` was written with (its entry's ``data["cv"]``)."""
 
     def visit(self, state: str) -> int:
         return self.visits.get(state, 0)
@@ -124,6 +129,7 @@ def create(event: JournalEvent) -> RunRecord:
         last_seq=event.seq,
         reason=None,
         error=None,
+        context_version=int(data.get(CONTEXT_VERSION, 1)),
     )
 
 
@@ -146,6 +152,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             status=_status(record, "succeeded" if final else "scheduled", event),
             state=event.next_state,
             context=event.context,
+            context_version=int(event.data.get(CONTEXT_VERSION, 1)),
             attempt=0,
             visits=visits,
             next_run_at=None if final else event.data.get("due", event.at),
@@ -209,6 +216,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             status=_status(record, "scheduled", event),
             state=event.state,
             context=event.context,
+            context_version=int(event.data.get(CONTEXT_VERSION, 1)),
             attempt=0,
             visits=visits,
             next_run_at=event.at,
@@ -237,7 +245,15 @@ def fold(events: Iterable[JournalEvent], *, until_seq: int | None = None) -> Run
     return record
 
 
-COMPARED_FIELDS: Final = ("status", "state", "context", "attempt", "visits", "last_seq")
+COMPARED_FIELDS: Final = (
+    "status",
+    "state",
+    "context",
+    "context_version",
+    "attempt",
+    "visits",
+    "last_seq",
+)
 
 
 def compare(folded: RunRecord, stored: RunRecord) -> list[str]:
