@@ -1160,51 +1160,38 @@ def revision(message: str) -> None:
 @click.argument("target")
 @db_option
 @json_option
-def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
-    """Validate the workflows in FILE and list live runs the new definitions would strand."""
+@click.option("--all-runs", is_flag=True, help="List every live run, not only those that change.")
+def check(target: str, db: str | None, synchronous: str, as_json: bool, all_runs: bool) -> None:
+    """Validate the workflows in FILE and tell, run by run, what they do to live runs:
+    continues as is, continues after migration, would be parked, would fail. Exit 0 only
+    when nothing would be parked or fail."""
+    from flowloop.checking import check_workflows
+    from flowloop.cli_deploy import print_check_report
+
     path = target.split(":")[0]
     loaded = load_paths([path])
     with open_engine(db, synchronous, read=True) as engine:
-        stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
+        assert isinstance(engine.store, SQLStore)
+        reports = check_workflows(engine.store, loaded.all_versions(), every=all_runs)
+    bad = [run for _, report in reports for run in report.runs if run.kind in ("parks", "fails")]
     if as_json:
         click.echo(
             json.dumps(
                 {
+                    "ok": not bad,
                     "workflows": [
-                        {
-                            "name": w.name,
-                            "version": w.version,
-                            "states": len(w.states),
-                            "fingerprint": w.fingerprint,
-                        }
-                        for w in loaded.workflows.values()
+                        {**report.as_dict(), "states": len(workflow.states)}
+                        for workflow, report in reports
                     ],
-                    "stranded": [
-                        {
-                            "workflow": w.name,
-                            "run_id": item.run_id,
-                            "status": item.status,
-                            "state": item.state,
-                            "reason": item.reason,
-                        }
-                        for w, item in stranded
-                    ],
+                    "stranded": [run.as_dict() for run in bad],
                 }
             )
         )
     else:
-        for workflow in loaded.workflows.values():
-            out.print(
-                f"[green]ok[/] {workflow.name} v{workflow.version} "
-                f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})"
-            )
-    for workflow, item in [] if as_json else stranded:
-        out.print(
-            f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
-            f"{item.state}): {item.reason}"
-        )
-    if stranded:
-        raise Failed(f"{len(stranded)} live run(s) would be stranded by this definition")
+        for workflow, report in reports:
+            print_check_report(out, workflow, report)
+    if bad:
+        raise Failed(f"{len(bad)} live run(s) would be parked or fail under this definition")
 
 
 @cli.command()

@@ -22,9 +22,10 @@ from pydantic_core import to_jsonable_python
 from flowloop import ids, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
-from flowloop.definition import Workflow, compatible
+from flowloop.definition import Workflow
 from flowloop.errors import (
     DefinitionError,
+    DefinitionMismatch,
     FlowloopError,
     InvalidContext,
     InvalidEvent,
@@ -53,7 +54,7 @@ from flowloop.executor import (
     try_deliver_pending,
 )
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.lifecycle import FINISHED
 from flowloop.store import (
     Boundary,
     Fence,
@@ -66,6 +67,8 @@ from flowloop.store import (
 )
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
 from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
+from flowloop.verdicts import judge
+from flowloop.versions import Registry
 
 if TYPE_CHECKING:
     import graphviz
@@ -211,7 +214,7 @@ class Engine:
         """Set by ``flowloop.tracing.instrument``: ``(run_id, trace_context)`` → the trace
         context a new run journals (the caller's current span when none is given);
         ``None``: tracing is off."""
-        self._workflows: dict[str, Workflow] = {}
+        self._workflows = Registry()
         self._shared: Executor | None = None
         self._runners = threading.local()
         self._all_runners: list[asyncio.Runner] = []
@@ -245,11 +248,23 @@ class Engine:
                 workflow.version,
                 json.dumps(workflow.definition_record(), sort_keys=True),
             )
-            self._workflows[workflow.name] = workflow
+            self._workflows.add(workflow)
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
+        """The newest registered version of each workflow, by name."""
         return dict(self._workflows)
+
+    def versions_of(self, name: str) -> list[Workflow]:
+        """Every registered version of workflow ``name``, oldest first (several live)."""
+        return self._workflows.versions(name)
+
+    def _workflow_for(self, record: RunRecord) -> Workflow | None:
+        """The registered definition a stored run follows (its own version while it is
+        registered, else the newest); ``None`` when its workflow is not registered."""
+        if record.workflow not in self._workflows:
+            return None
+        return self._workflows.for_run(record)
 
     def workflow(self, name: str) -> Workflow:
         try:
@@ -271,7 +286,7 @@ class Engine:
         owner: str | None,
         trace_context: Mapping[str, str] | None = None,
     ) -> NewRun:
-        if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
+        if not self._workflows.holds(workflow):
             self.register(workflow)
         ctx = workflow.parse_context(context)
         now = self.clock.now()
@@ -578,7 +593,7 @@ class Engine:
 
     def _info(self, stored: StoredRun) -> RunInfo:
         record = stored.record
-        workflow = self._workflows.get(record.workflow)
+        workflow = self._workflow_for(record)
         context: BaseModel | dict[str, Any]
         try:
             context = (
@@ -748,7 +763,7 @@ class Engine:
                 return self.get(run_id)
             raise InvalidTransition(run_id, stored.record.status, "unpause")
         record = stored.record
-        workflow = self._workflows.get(record.workflow)
+        workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
         if workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
@@ -796,7 +811,9 @@ class Engine:
             record = stored.record
             if record.status in FINISHED:
                 raise InvalidTransition(run_id, record.status, f"send {event!r} to")
-            workflow = self.workflow(record.workflow)
+            self.workflow(record.workflow)  # UnknownWorkflow unless registered
+            workflow = self._workflows.for_run(record)
+            self._refuse_mismatch(workflow, record)
             waiting_here = accepts(workflow, record, event)
             if waiting_here and stored.owner is None:
                 if self._deliver_kept(workflow, record):
@@ -845,6 +862,24 @@ class Engine:
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
 
+    def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
+        """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition
+        cannot take the run on (flowloop/verdicts.py); a worker parks such a run."""
+        if record.fingerprint == workflow.fingerprint and (
+            record.context_version == workflow.context_version
+        ):
+            return
+        verdict = judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=self.store.definition(record.fingerprint),
+        )
+        if not verdict.goes_on:
+            raise DefinitionMismatch(record.id, verdict.reason or "")
+
     def _hand_over_kept(self, run_id: str) -> int | None:
         """Give a waiting run the events kept for it that it accepts now (see
         :func:`try_deliver_pending`)."""
@@ -888,7 +923,8 @@ class Engine:
         record = stored.record
         if record.status not in ("failed", "stopped"):
             raise InvalidTransition(run_id, record.status, "retry")
-        workflow = self.workflow(record.workflow)
+        self.workflow(record.workflow)  # UnknownWorkflow unless registered
+        workflow = self._workflows.for_run(record)
         state = from_state or record.state
         if state not in workflow.steps:
             raise DefinitionError(
@@ -915,20 +951,25 @@ class Engine:
         return self.get(run_id)
 
     def check(self, workflow: Workflow) -> list[Stranded]:
-        """Live runs of ``workflow``'s name that this definition could not continue."""
+        """Live runs of ``workflow``'s name that this definition would park or fail (see
+        flowloop/checking.py for the whole report); older versions registered with this
+        engine keep their runs (pinning)."""
+        from flowloop.checking import check_runs
+
         workflow.validate()
-        stranded = []
-        for stored in self.store.find_runs(
-            RunFilter(workflow=workflow.name, statuses=sorted(LIVE), limit=1_000_000)
-        ):
-            record = stored.record
-            if record.fingerprint == workflow.fingerprint:
-                continue
-            old = self.store.definition(record.fingerprint) or {}
-            why = compatible(old, workflow, record.state)
-            if why is not None:
-                stranded.append(Stranded(record.id, record.state, record.status, why))
-        return stranded
+        if not isinstance(self.store, SQLStore):
+            raise FlowloopError("check needs a SQL store")
+        pinned = {
+            w.fingerprint: w
+            for w in self.versions_of(workflow.name)
+            if w.fingerprint != workflow.fingerprint
+        }
+        report = check_runs(self.store, workflow, pinned=pinned)
+        return [
+            Stranded(run.run_id, run.state, run.status, run.reason or "")
+            for run in report.runs
+            if run.kind in ("parks", "fails")
+        ]
 
     # -- loops -----------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from flowloop.events import accepted, accepts, check_visits, entering, receive, 
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.verdicts import Verdict, judge
+from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
@@ -393,7 +394,7 @@ class Executor:
         )
         taken = 0
         for stored in rows:
-            workflow = self.workflows[stored.record.workflow]
+            workflow = workflow_for(self.workflows, stored.record)
             count = self._per_workflow.get(workflow.name, 0)
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
@@ -585,7 +586,7 @@ class Executor:
 
     def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
-        workflow = self.workflows[record.workflow]
+        workflow = workflow_for(self.workflows, record)
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
         if cause is None:  # found by recovery: this worker's own lease, or another's
@@ -731,7 +732,7 @@ class Executor:
 
     async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
-        workflow = self.workflows[record.workflow]
+        workflow = workflow_for(self.workflows, record)
         try:
             problem = self._cannot_run(workflow, stored)
             if problem is not None:
@@ -1154,7 +1155,7 @@ def deliver_pending(
         stored = store.get_run(run_id)
         if stored is None or stored.record.workflow not in workflows:
             return consumed
-        workflow = workflows[stored.record.workflow]
+        workflow = workflow_for(workflows, stored.record)
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
