@@ -125,8 +125,8 @@ def open_engine(
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         _trace(engine)
-    if loaded is not None:
-        engine.register(*loaded.workflows.values())
+    if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
+        engine.register(*loaded.all_versions())
     return engine
 
 
@@ -1565,6 +1565,43 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--workflow", "workflow_name", help="Move every live run of this workflow.")
+@click.option("--to", "to_version", type=int, required=True, help="The version to move to.")
+@workflows_option
+@db_option
+@json_option
+def migrate(
+    run_id: str | None,
+    workflow_name: str | None,
+    to_version: int,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Move RUN (or every live run of --workflow) to version --to of its workflow, as that
+    version's migrates_from= maps the states; journaled with who, from and to. A run parked
+    for a mismatch goes on; one that cannot move is listed and left as it is."""
+    from flowloop.cli_deploy import print_moved
+
+    if (run_id is None) == (workflow_name is None):
+        raise click.UsageError("give a RUN id or --workflow NAME (not both)")
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded, read=True) as engine:
+        if run_id is not None:
+            info = engine.migrate(run_id, to=to_version)
+            moved: list[tuple[str, str | None]] = [(info.id, None)]
+        else:
+            assert workflow_name is not None
+            results = engine.migrate_workflow(workflow_name, to=to_version)
+            moved = [(m.run_id, m.problem) for m in results]
+    failed = print_moved(out, moved, to_version, as_json=as_json)
+    if failed:
+        raise Failed(f"{failed} run(s) could not be moved to v{to_version}")
 
 
 # The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.

@@ -33,3 +33,36 @@ def print_check_report(out: Console, workflow: Workflow, report: CheckReport) ->
             f"  [{STYLES[run.kind]}]{LABELS[run.kind]}[/] run {run.run_id} "
             f"({run.status} at {escape(run.state)}){reason}"
         )
+
+
+def print_moved(
+    out: Console, moved: list[tuple[str, str | None]], to: int, *, as_json: bool
+) -> int:
+    """What ``flowloop migrate`` prints: each run moved, or why not. Returns how many
+    could not move."""
+    import json
+
+    failed = sum(1 for _, problem in moved if problem is not None)
+    if as_json:
+        print(
+            json.dumps(
+                {
+                    "to": to,
+                    "moved": [run for run, problem in moved if problem is None],
+                    "refused": [
+                        {"run_id": run, "problem": problem}
+                        for run, problem in moved
+                        if problem is not None
+                    ],
+                }
+            )
+        )
+        return failed
+    for run, problem in moved:
+        if problem is None:
+            out.print(f"run {run} moved to v{to}")
+        else:
+            out.print(f"[red]not moved[/] run {run}: {escape(problem)}")
+    if not moved:
+        out.print(f"no live run below v{to}")
+    return failed

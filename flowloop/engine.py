@@ -73,6 +73,8 @@ from flowloop.versions import Registry
 if TYPE_CHECKING:
     import graphviz
 
+    from flowloop.migration import Moved
+
 SEND_ATTEMPTS: Final = 200
 SEND_RETRY_SECONDS: Final = 0.01
 SEND_HOLD_SECONDS: Final = 2.0
@@ -258,6 +260,37 @@ class Engine:
     def versions_of(self, name: str) -> list[Workflow]:
         """Every registered version of workflow ``name``, oldest first (several live)."""
         return self._workflows.versions(name)
+
+    def version_of(self, name: str, version: int) -> Workflow:
+        """The registered ``version`` of workflow ``name``; UnknownWorkflow otherwise."""
+        found = self._workflows.version(name, version)
+        if found is None:
+            loaded = ", ".join(f"v{w.version}" for w in self.versions_of(name)) or "none"
+            raise FlowloopError(
+                f"workflow {name!r} version {version} is not loaded (loaded: {loaded}); "
+                "load the file that defines it (-w)"
+            )
+        return found
+
+    def migrate(self, run_id: str, *, to: int, by: str | None = None) -> RunInfo:
+        """Move a live run to version ``to`` of its workflow (registered, declaring
+        ``migrates_from`` for the run's version); journaled with who, from and to. A run
+        parked for a mismatch goes on. Raises FlowloopError saying why it cannot move."""
+        from flowloop.migration import migrate_run
+
+        stored = self._stored(run_id)
+        migrate_run(self, stored, to=to, by=by or _user())
+        return self.get(stored.id)
+
+    def migrate_workflow(self, name: str, *, to: int, by: str | None = None) -> list[Moved]:
+        """:meth:`migrate` every live run of ``name`` below version ``to``."""
+        from flowloop.migration import migrate_all
+
+        return migrate_all(self, name, to=to, by=by or _user())
+
+    def operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
+        """Write one operator entry on a run nobody owns (fenced); False if it moved."""
+        return self._operate(stored, kind, **fields)
 
     def _workflow_for(self, record: RunRecord) -> Workflow | None:
         """The registered definition a stored run follows (its own version while it is

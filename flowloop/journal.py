@@ -27,6 +27,7 @@ RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
+RUN_MIGRATED: Final = "run_migrated"  # moved to a newer version: version, fingerprint, state
 
 CONTEXT_VERSION: Final = "cv"
 """The ``data`` key of an entry that writes a context: the context's version (absent: 1)."""
@@ -45,6 +46,7 @@ KINDS: Final = (
     RUN_RETRIED,
     EVENT_RECEIVED,
     EVENT_REJECTED,
+    RUN_MIGRATED,
 )
 
 
@@ -223,6 +225,9 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=None,
             error=None,
         )
+    elif kind == RUN_MIGRATED:
+        assert event.state is not None
+        change.update(_migrated(record, event))
     elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);
@@ -231,6 +236,30 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     new.__dict__.update(record.__dict__)
     new.__dict__.update(change)
     return new
+
+
+def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:
+    """``flowloop migrate``: the run follows version ``to`` (its fingerprint) from the
+    mapped state on; a parked run is unparked (``status``/``due`` in the data)."""
+    assert event.state is not None
+    data = event.data
+    visits = dict(record.visits)
+    if event.state != record.state:  # a renamed state keeps its visit count
+        visits[event.state] = visits.get(event.state, 0) + visits.pop(record.state, 0)
+    change: dict[str, Any] = {
+        "version": int(data["to"]),
+        "fingerprint": str(data["fingerprint"]),
+        "state": event.state,
+        "visits": visits,
+    }
+    if "status" in data:
+        change.update(
+            status=_status(record, str(data["status"]), event),
+            next_run_at=data.get("due"),
+            reason=None,
+            error=None,
+        )
+    return change
 
 
 def fold(events: Iterable[JournalEvent], *, until_seq: int | None = None) -> RunRecord:
