@@ -13,12 +13,19 @@ is ``OrderV1(order_id)``. The later versions change exactly one thing each:
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from flowloop import Retry, Step, Workflow
 
+KILL_ENV = "DEPLOYKIT_KILL"
+KILL_ORDER = "killed-in-charge"
 WAIT_TIMEOUT_S = 3600.0
 SLEEP_S = 600.0
 
@@ -73,6 +80,8 @@ def order(
 
     @wf.step(name=charge_name, next="confirm" if with_confirm else "ship")
     def charge(ctx: Any) -> None:
+        if ctx.order_id == KILL_ORDER and os.environ.get(KILL_ENV) == "1":
+            os.kill(os.getpid(), signal.SIGKILL)  # the worker dies inside the step
         ctx.trail.append(f"{charge_name}@v{version}")
 
     if with_confirm:
@@ -101,3 +110,27 @@ def renamed_state() -> Workflow:
 
 def removed_state() -> Workflow:
     return order(version=2, with_confirm=False)
+
+
+def run_killed_in_charge(url: str) -> str:
+    """A real worker process (v1) that is SIGKILLed inside ``charge``: the run it leaves is
+    ``running`` with a dead owner (interrupted). Returns its id."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[2]);"
+        "from deploykit import OrderV1, KILL_ORDER, order;"
+        "from flowloop import Engine;"
+        "e = Engine(sys.argv[1], workflows=[order()]);"
+        "run = e.start(e.workflow('order'), OrderV1(order_id=KILL_ORDER));"
+        "print(run.id, flush=True);"
+        "e.run_until_idle()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, url, str(Path(__file__).resolve().parent)],
+        env={**os.environ, KILL_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    return done.stdout.split()[0]
