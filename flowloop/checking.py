@@ -99,6 +99,7 @@ def check_runs(
         workflow=workflow.name, version=workflow.version, fingerprint=workflow.fingerprint
     )
     olds: dict[str, Mapping[str, Any] | None] = {}
+    structures: dict[tuple[str, str], str | None] = {}
     listed: Counter[str] = Counter()
     for page in live_runs(store, workflow.name, batch=batch):
         for run in page:
@@ -117,6 +118,7 @@ def check_runs(
                 context_version=run.context_version,
                 old=olds[run.fingerprint],
                 validate=False,
+                cache=structures if target is workflow else None,
             )
             report.counts[verdict.kind] += 1
             if every or (verdict.kind != "continues" and listed[verdict.kind] < REPORT_RUNS_LIMIT):

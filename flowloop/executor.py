@@ -336,6 +336,7 @@ class Executor:
         helpers = [asyncio.create_task(self.heartbeat())]
         try:
             await self.recover()
+            self._park_stranded_waits()
             last_recovery = self.clock.monotonic()
             outage = 0.0
             while not (stop is not None and stop.is_set()) and not self.handing_back:
@@ -641,6 +642,17 @@ class Executor:
             fence=Fence(self.worker_id, row.lease_epoch),
             release=True,
         )
+
+    def _park_stranded_waits(self) -> None:
+        """Waiting runs without a timeout are never claimed: park, once at start, those
+        the loaded definitions cannot take (flowloop/parking.py)."""
+        from flowloop.parking import park_stranded_waits
+        from flowloop.store.sql import SQLStore
+
+        if isinstance(self.store, SQLStore):
+            park_stranded_waits(
+                self.store, self.workflows, worker=self.worker_id, now=self.clock.now()
+            )
 
     def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
         """A run cut off in a state (or with a context) the deployed definition no longer

@@ -63,11 +63,13 @@ def judge(
     context_version: int,
     old: Mapping[str, Any] | None,
     validate: bool = True,
+    cache: dict[tuple[str, str], str | None] | None = None,
 ) -> Verdict:
     """The verdict for a run in ``state`` written under the definition ``fingerprint``
     (whose stored record is ``old``; ``None``/empty when unknown) with ``context`` at
     ``context_version``. ``validate=False`` trusts the context when its model and
-    version are unchanged (``flowloop check`` on many runs)."""
+    version are unchanged (``flowloop check`` on many runs); ``cache`` keeps the structure
+    verdict per (fingerprint, state) across calls for one ``workflow``."""
     same = fingerprint == workflow.fingerprint
     if same and state not in workflow.states:
         # Same definition, yet a state it does not have: the row was changed by hand (or
@@ -80,7 +82,13 @@ def judge(
             kind="fails", reason=f"unknown_state: {state}", message=message, outcome="failed"
         )
     if not same:
-        why = compatible(old or {}, workflow, state)
+        if cache is None:
+            why = compatible(old or {}, workflow, state)
+        else:
+            key = (fingerprint, state)
+            if key not in cache:
+                cache[key] = compatible(old or {}, workflow, state)
+            why = cache[key]
         if why is not None:
             reason = f"{DEFINITION_MISMATCH}: {why}"
             return Verdict(kind="parks", reason=reason, message=reason, outcome="paused")

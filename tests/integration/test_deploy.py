@@ -208,6 +208,35 @@ def test_deploy__both_versions_loaded__runs_stay_on_theirs(store_url: str) -> No
     VERDICT_COUNTS["continues"] += len(runs)
 
 
+def _approval(with_wait: bool) -> Workflow:
+    wf = Workflow("approval", context=OrderV1, version=2 if not with_wait else 1)
+    wf.step(name="ask", initial=True, next="approve" if with_wait else "done")(lambda ctx: None)
+    if with_wait:
+        wf.wait("approve", on={"approved": "done"})  # no timeout: never claimed
+    wf.final("done")
+    return wf
+
+
+def test_deploy__waiting_without_timeout__parked_when_a_worker_starts(store_url: str) -> None:
+    with Engine(store_url, workflows=[_approval(True)]) as engine:
+        run_id = engine.start(engine.workflow("approval"), OrderV1(order_id="a")).id
+        engine.run_until_idle()
+        assert engine.get(run_id).next_run_at is None  # waits, with nothing due
+    new = _approval(False)
+    with Engine(store_url, workflows=[new]) as engine:
+        assert isinstance(engine.store, SQLStore)
+        (verdict,) = check_runs(engine.store, new).runs
+        assert verdict.kind == "parks"
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        assert (info.status, info.reason) == ("paused", verdict.reason)
+        VERDICT_COUNTS["parks"] += 1
+    with Engine(store_url, workflows=[_approval(True)]) as engine:  # rolled back
+        engine.unpause(run_id)
+        engine.send(run_id, "approved")
+        assert engine.get(run_id).status == "succeeded"
+
+
 def test_deploy__verdict_counts(capsys: pytest.CaptureFixture[str]) -> None:
     """Not a check of its own: prints how many verdicts of each kind were matched against
     a worker above (for the closing note)."""
