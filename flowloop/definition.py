@@ -30,7 +30,8 @@ from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 if TYPE_CHECKING:
     import graphviz
 
-NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
+"""Names of workflows, states and loops: at most 200 characters (flowloop.limits)."""
 NEXT_EVENT = "next"
 """The event a ``next=`` step takes implicitly when it returns ``None``."""
 
@@ -192,7 +193,9 @@ class Workflow:
         migrates_from: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
-            raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
+            raise DefinitionError(
+                name[:40], "name must be letters, digits, '_', '.' or '-', at most 200 of them"
+            )
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
         if max_concurrency is not None and max_concurrency < 1:
@@ -283,7 +286,7 @@ class Workflow:
         transitions = dict(on) if on is not None else {NEXT_EVENT: str(next_state)}
         if not transitions:
             raise DefinitionError(self.name, f"state {state!r} declares no transition")
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {state!r} timeout")
         if timeout_s is not None and timeout_s <= 0:
             raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
         if max_visits is not None and max_visits < 1:
@@ -349,7 +352,7 @@ class Workflow:
             raise DefinitionError(
                 self.name, f"wait state {name!r}: use on_timeout= for the {TIMEOUT_EVENT!r} event"
             )
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {name!r} timeout")
         if (timeout_s is None) != (on_timeout is None):
             raise DefinitionError(
                 self.name, f"wait state {name!r}: give timeout= and on_timeout= together"

@@ -1,0 +1,70 @@
+"""Lengths and characters the schema stores, checked before the database sees them.
+
+PostgreSQL refuses a value longer than its column (``varchar(400)``) and any text with a
+NUL character; SQLite stores both. The same limits apply on both databases, so a flowloop
+that works on SQLite in development keeps working on PostgreSQL, and a value that cannot
+be stored is refused with one line naming it instead of a driver traceback.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Final
+
+from flowloop.errors import FlowloopError
+
+MAX_NAME_LENGTH: Final = 200
+"""Workflow, state, event and loop names (``varchar(200)`` columns)."""
+MAX_KEY_LENGTH: Final = 400
+"""Business keys, idempotency keys and dedupe keys (``varchar(400)`` columns)."""
+
+
+def shown(value: str, limit: int = 40) -> str:
+    return repr(value if len(value) <= limit else value[: limit - 3] + "...")
+
+
+def check_text(what: str, value: str | None, limit: int) -> str | None:
+    """``value`` if it fits a column of ``limit`` characters and holds no NUL, else
+    FlowloopError naming ``what``."""
+    if value is None:
+        return None
+    if len(value) > limit:
+        raise FlowloopError(
+            f"{what} {shown(value)} is {len(value)} characters long; at most {limit} fit"
+        )
+    if "\x00" in value:
+        raise FlowloopError(f"{what} {shown(value)} contains a NUL character (\\0)")
+    return value
+
+
+def check_key(what: str, value: str | None) -> str | None:
+    return check_text(what, value, MAX_KEY_LENGTH)
+
+
+def non_finite(value: object, path: str = "") -> str | None:
+    """The path of the first NaN or infinite number in a JSON-like value (``None``: none).
+    JSON has no such numbers: stored, they would silently become ``null``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path or "(the value)"
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            found = non_finite(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            found = non_finite(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
+
+
+def check_finite(what: str, value: object) -> None:
+    """FlowloopError naming the field of ``value`` that is NaN or infinite."""
+    found = non_finite(value)
+    if found is not None:
+        raise FlowloopError(
+            f"{what} field {found} is NaN or infinite: JSON has no such number "
+            "(it would be stored as null); give a finite number"
+        )
