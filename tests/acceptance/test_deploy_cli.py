@@ -160,3 +160,14 @@ def test_migrate__moves_parked_runs_and_refuses_without_a_mapping(here: Path) ->
     assert result.exit_code == 2 and "version 9 is not loaded" in result.output
     result = _cli(here, "migrate", "--to", "2", "-w", str(renamed))
     assert result.exit_code == 2
+
+
+def test_check__old_and_new_version_in_one_file__runs_stay_on_theirs(here: Path) -> None:
+    both = _file(here, "both", "order_v1, order_v2 = deploykit.order(), deploykit.renamed_state()")
+    data = json.loads(_cli(here, "check", str(both), "--json").stdout)
+    assert data["ok"] is True
+    (report,) = data["workflows"]
+    assert (report["version"], report["counts"]["continues"]) == (2, 2)
+    twice = _file(here, "twice", "a, b = deploykit.order(), deploykit.order()")
+    result = _cli(here, "check", str(twice))
+    assert result.exit_code == 2 and "version 1 is defined twice" in result.output
