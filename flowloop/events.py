@@ -57,6 +57,8 @@ def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) 
     durable ``delay``), due at the wait's timeout, or not due at all (a wait without one)."""
     # The entry writes a context: it says which context version (issue 16).
     stamp = workflow.context_stamp()
+    if workflow.compensates(state):
+        return {"compensate": True, **stamp}  # due now: its compensations run before it ends
     if workflow.is_final(state):
         return {"final": True, **stamp}
     wait = workflow.waits.get(state)

@@ -82,6 +82,12 @@ class NewRun:
     owner: str | None = None
     """Create the run already claimed by this worker (saves a claim round trip)."""
     lease_seconds: float = 30.0
+    parent_id: str | None = None
+    """The run that started this one (a call's or map's child), else ``None``."""
+    child_index: int | None = None
+    """The child's item index in its join (0 for a call's child)."""
+    held: bool = False
+    """A child created before its turn (``max_parallel``): not due until a sibling ends."""
 
 
 @dataclass(frozen=True, kw_only=True)
