@@ -1190,7 +1190,7 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool, all_runs
                 {
                     "ok": not bad,
                     "workflows": [
-                        {**report.as_dict(), "states": len(workflow.states)}
+                        {**report.as_dict(), "name": workflow.name, "states": len(workflow.states)}
                         for workflow, report in reports
                     ],
                     "stranded": [run.as_dict() for run in bad],
