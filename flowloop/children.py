@@ -131,6 +131,7 @@ def new_child(
             "due": first_due if due else None,
             "join": join_id,
             "parent": parent.id,
+            **child.context_stamp(),
             **({"deadline": now + child.deadline} if child.deadline is not None else {}),
             **traced,
         },
@@ -180,7 +181,7 @@ async def drive(
             return None
         return await _join(executor, workflow, spec, record, fence, join_id)
     if join is None or join.created < join.total:
-        ctx = workflow.context.model_validate_json(record.context)
+        ctx = workflow.load_context(record.context, record.context_version)
         try:
             contexts = child_contexts(spec, ctx)
         except Exception as error:
@@ -292,7 +293,7 @@ async def _join(
     join_id: str,
 ) -> RunRecord | None:
     store = joins_of(executor)
-    ctx = workflow.context.model_validate_json(record.context)
+    ctx = workflow.load_context(record.context, record.context_version)
     results: list[ChildResult[Any]] = []
     for row in store.join_results(join_id):
         results.append(

@@ -129,8 +129,8 @@ def open_engine(
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         _trace(engine)
-    if loaded is not None:
-        engine.register(*loaded.workflows.values())
+    if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
+        engine.register(*loaded.all_versions())
     return engine
 
 
@@ -1268,51 +1268,38 @@ def revision(message: str) -> None:
 @click.argument("target")
 @db_option
 @json_option
-def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
-    """Validate the workflows in FILE and list live runs the new definitions would strand."""
+@click.option("--all-runs", is_flag=True, help="List every live run, not only those that change.")
+def check(target: str, db: str | None, synchronous: str, as_json: bool, all_runs: bool) -> None:
+    """Validate the workflows in FILE and tell, run by run, what they do to live runs:
+    continues as is, continues after migration, would be parked, would fail. Exit 0 only
+    when nothing would be parked or fail."""
+    from flowloop.checking import check_workflows
+    from flowloop.cli_deploy import print_check_report
+
     path = target.split(":")[0]
     loaded = load_paths([path])
     with open_engine(db, synchronous, read=True) as engine:
-        stranded = [(w, s) for w in loaded.workflows.values() for s in engine.check(w)]
+        assert isinstance(engine.store, SQLStore)
+        reports = check_workflows(engine.store, loaded.all_versions(), every=all_runs)
+    bad = [run for _, report in reports for run in report.runs if run.kind in ("parks", "fails")]
     if as_json:
         click.echo(
             json.dumps(
                 {
+                    "ok": not bad,
                     "workflows": [
-                        {
-                            "name": w.name,
-                            "version": w.version,
-                            "states": len(w.states),
-                            "fingerprint": w.fingerprint,
-                        }
-                        for w in loaded.workflows.values()
+                        {**report.as_dict(), "name": workflow.name, "states": len(workflow.states)}
+                        for workflow, report in reports
                     ],
-                    "stranded": [
-                        {
-                            "workflow": w.name,
-                            "run_id": item.run_id,
-                            "status": item.status,
-                            "state": item.state,
-                            "reason": item.reason,
-                        }
-                        for w, item in stranded
-                    ],
+                    "stranded": [run.as_dict() for run in bad],
                 }
             )
         )
     else:
-        for workflow in loaded.workflows.values():
-            out.print(
-                f"[green]ok[/] {workflow.name} v{workflow.version} "
-                f"({len(workflow.states)} states, fingerprint {workflow.fingerprint})"
-            )
-    for workflow, item in [] if as_json else stranded:
-        out.print(
-            f"[red]stranded[/] {workflow.name} run {item.run_id} ({item.status} at "
-            f"{item.state}): {item.reason}"
-        )
-    if stranded:
-        raise Failed(f"{len(stranded)} live run(s) would be stranded by this definition")
+        for workflow, report in reports:
+            print_check_report(out, workflow, report)
+    if bad:
+        raise Failed(f"{len(bad)} live run(s) would be parked or fail under this definition")
 
 
 @cli.command()
@@ -1701,6 +1688,43 @@ def prune_command(
     )
     if vacuumed is not None:
         out.print(vacuumed, markup=False)
+
+
+@cli.command()
+@click.argument("run_id", required=False)
+@click.option("--workflow", "workflow_name", help="Move every live run of this workflow.")
+@click.option("--to", "to_version", type=int, required=True, help="The version to move to.")
+@workflows_option
+@db_option
+@json_option
+def migrate(
+    run_id: str | None,
+    workflow_name: str | None,
+    to_version: int,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Move RUN (or every live run of --workflow) to version --to of its workflow, as that
+    version's migrates_from= maps the states; journaled with who, from and to. A run parked
+    for a mismatch goes on; one that cannot move is listed and left as it is."""
+    from flowloop.cli_deploy import print_moved
+
+    if (run_id is None) == (workflow_name is None):
+        raise click.UsageError("give a RUN id or --workflow NAME (not both)")
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded, read=True) as engine:
+        if run_id is not None:
+            info = engine.migrate(run_id, to=to_version)
+            moved: list[tuple[str, str | None]] = [(info.id, None)]
+        else:
+            assert workflow_name is not None
+            results = engine.migrate_workflow(workflow_name, to=to_version)
+            moved = [(m.run_id, m.problem) for m in results]
+    failed = print_moved(out, moved, to_version, as_json=as_json)
+    if failed:
+        raise Failed(f"{failed} run(s) could not be moved to v{to_version}")
 
 
 # The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
-from flowloop import compose, graph
+from flowloop import compose, graph, upcast
 from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite, StepError
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
@@ -192,6 +192,10 @@ class Workflow(compose.Composing):
     ``max_inbox``/``inbox_overflow`` bound each run's kept events, ``max_queued``/
     ``queue_overflow`` the runs not yet started, ``overflow_timeout`` how long ``"block"``
     waits: see :mod:`flowloop.backpressure`.
+    ``context_version`` numbers the context model; ``migrate={1: v1_to_v2, ...}`` are the
+    upcasters (pure functions on JSON objects) that carry an older stored context to it.
+    ``migrates_from={1: {"old_state": "new_state"}}`` declares how runs of an older
+    ``version`` map onto this one's states (``flowloop migrate``).
     """
 
     def __init__(
@@ -210,6 +214,9 @@ class Workflow(compose.Composing):
         max_queued: int | None = None,
         queue_overflow: str = "reject_newest",
         overflow_timeout: float | timedelta = DEFAULT_OVERFLOW_TIMEOUT_SECONDS,
+        context_version: int = 1,
+        migrate: Mapping[int, upcast.Upcaster] | None = None,
+        migrates_from: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(
@@ -241,11 +248,20 @@ class Workflow(compose.Composing):
             queue_overflow=queue_overflow,
             overflow_timeout=overflow_timeout,
         )
+        # Deploying a change (see flowloop/upcast.py, flowloop/verdicts.py): the context's
+        # version and the upcasters to it; the state mapping from older versions.
+        upcast.check_chain(name, context_version, migrate or {})
+        self.context_version = context_version
+        self.migrate: Mapping[int, upcast.Upcaster] = dict(migrate or {})
+        self.migrates_from: Mapping[int, Mapping[str, str]] = {
+            int(old): dict(mapping) for old, mapping in (migrates_from or {}).items()
+        }
         self._draft = _Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}
         self._machine: Machine | None = None
         self._fingerprint = ""
+        self._record: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"Workflow({self.name!r}, version={self.version})"
@@ -531,8 +547,10 @@ class Workflow(compose.Composing):
         compose.check_no_call_cycle(self)
         self._machine = self._build_machine()
         self._table = {(t.source, t.event): t.dest for t in self.transitions()}
+        self._check_migrates_from()
+        self._record = self.definition_record()
         self._fingerprint = hashlib.sha256(
-            json.dumps(self.structure(), sort_keys=True).encode()
+            json.dumps(self._record, sort_keys=True).encode()
         ).hexdigest()[:16]
         self._frozen = True
         return self
@@ -617,7 +635,11 @@ class Workflow(compose.Composing):
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of the structure (states and transitions), not of the code."""
+        """A short hash of what changes behaviour: the structure (states, transitions,
+        waits) and the context (its version and its JSON schema without titles and
+        descriptions); not of the code: docstrings, step bodies, retry and timeout settings
+        leave it unchanged (a body change is deployed as it is; see README, "Changing a
+        workflow safely")."""
         self.validate()
         return self._fingerprint
 
@@ -688,6 +710,37 @@ class Workflow(compose.Composing):
             **({"on_deadline": self.on_deadline} if self.on_deadline else {}),
         }
 
+    def definition_record(self) -> dict[str, Any]:
+        """:meth:`structure` with the context (version, normalized schema): what the
+        fingerprint hashes and what the store keeps under it, so ``flowloop check`` can
+        compare a stored run's context model with this one."""
+        if self._frozen:
+            return self._record
+        return {
+            **self.structure(),
+            "context": {
+                "version": self.context_version,
+                "schema": upcast.schema_of(self.context),
+            },
+        }
+
+    def _check_migrates_from(self) -> None:
+        own = set(self.states)
+        for old, mapping in self.migrates_from.items():
+            if old >= self.version:
+                raise DefinitionError(
+                    self.name,
+                    f"migrates_from={{{old}: ...}}: version {old} is not older than "
+                    f"this definition's version {self.version}",
+                )
+            unknown = sorted(dest for dest in mapping.values() if dest not in own)
+            if unknown:
+                raise DefinitionError(
+                    self.name,
+                    f"migrates_from={{{old}: ...}} maps to unknown state(s) "
+                    f"{', '.join(map(repr, unknown))}",
+                )
+
     def on_cycle(self) -> set[str]:
         """States on a cycle (where ``max_visits`` matters)."""
         edges = {state: set(targets.values()) for state, targets in self._outgoing().items()}
@@ -719,6 +772,37 @@ class Workflow(compose.Composing):
             return self.context.model_validate(dict(data))
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
+
+    def load_context(self, text: str, version: int = 1) -> BaseModel:
+        """A stored context (JSON text written at context ``version``) as this workflow's
+        model: the upcasters from ``version`` run first. Raises InvalidContext (it does not
+        validate) or ContextMigrationError (it cannot be migrated)."""
+        if version == self.context_version:
+            try:
+                return self.context.model_validate_json(text)
+            except ValidationError as error:
+                raise InvalidContext(self.name, describe_validation(error)) from error
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise InvalidContext(self.name, f"stored context is not JSON: {error}") from error
+        if not isinstance(data, dict):
+            raise InvalidContext(self.name, "stored context is not a JSON object")
+        data = upcast.upcast(
+            self.name,
+            data,
+            from_version=version,
+            to_version=self.context_version,
+            migrate=self.migrate,
+        )
+        return self.parse_context(data)
+
+    def context_stamp(self) -> dict[str, Any]:
+        """What an entry that writes a context of this workflow adds to its ``data``: its
+        context version (nothing for version 1, so such journals stay as they were)."""
+        if self.context_version == 1:
+            return {}
+        return {upcast.VERSION_KEY: self.context_version}
 
     def business_key(self, context: BaseModel) -> str | None:
         if self.key is None:

@@ -25,9 +25,10 @@ from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
-from flowloop.definition import Workflow, compatible
+from flowloop.definition import Workflow
 from flowloop.errors import (
     DefinitionError,
+    DefinitionMismatch,
     FlowloopError,
     InvalidContext,
     InvalidEvent,
@@ -56,7 +57,7 @@ from flowloop.executor import (
     try_deliver_pending,
 )
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import CLAIMABLE, FINISHED, LIVE
+from flowloop.lifecycle import CLAIMABLE, FINISHED
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.retry import seconds
 from flowloop.store import (
@@ -71,9 +72,13 @@ from flowloop.store import (
 )
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
 from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
+from flowloop.verdicts import judge
+from flowloop.versions import Registry
 
 if TYPE_CHECKING:
     import graphviz
+
+    from flowloop.migration import Moved
 
 SEND_ATTEMPTS: Final = 200
 SEND_RETRY_SECONDS: Final = 0.01
@@ -219,7 +224,7 @@ class Engine:
         """Set by ``flowloop.tracing.instrument``: ``(run_id, trace_context)`` → the trace
         context a new run journals (the caller's current span when none is given);
         ``None``: tracing is off."""
-        self._workflows: dict[str, Workflow] = {}
+        self._workflows = Registry()
         self._shared: Executor | None = None
         self._runners = threading.local()
         self._all_runners: list[asyncio.Runner] = []
@@ -264,13 +269,56 @@ class Engine:
                 workflow.fingerprint,
                 workflow.name,
                 workflow.version,
-                json.dumps(workflow.structure(), sort_keys=True),
+                json.dumps(workflow.definition_record(), sort_keys=True),
             )
-            self._workflows[workflow.name] = workflow
+            self._workflows.add(workflow)
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
+        """The newest registered version of each workflow, by name."""
         return dict(self._workflows)
+
+    def versions_of(self, name: str) -> list[Workflow]:
+        """Every registered version of workflow ``name``, oldest first (several live)."""
+        return self._workflows.versions(name)
+
+    def version_of(self, name: str, version: int) -> Workflow:
+        """The registered ``version`` of workflow ``name``; UnknownWorkflow otherwise."""
+        found = self._workflows.version(name, version)
+        if found is None:
+            loaded = ", ".join(f"v{w.version}" for w in self.versions_of(name)) or "none"
+            raise FlowloopError(
+                f"workflow {name!r} version {version} is not loaded (loaded: {loaded}); "
+                "load the file that defines it (-w)"
+            )
+        return found
+
+    def migrate(self, run_id: str, *, to: int, by: str | None = None) -> RunInfo:
+        """Move a live run to version ``to`` of its workflow (registered, declaring
+        ``migrates_from`` for the run's version); journaled with who, from and to. A run
+        parked for a mismatch goes on. Raises FlowloopError saying why it cannot move."""
+        from flowloop.migration import migrate_run
+
+        stored = self._stored(run_id)
+        migrate_run(self, stored, to=to, by=by or _user())
+        return self.get(stored.id)
+
+    def migrate_workflow(self, name: str, *, to: int, by: str | None = None) -> list[Moved]:
+        """:meth:`migrate` every live run of ``name`` below version ``to``."""
+        from flowloop.migration import migrate_all
+
+        return migrate_all(self, name, to=to, by=by or _user())
+
+    def operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
+        """Write one operator entry on a run nobody owns (fenced); False if it moved."""
+        return self._operate(stored, kind, **fields)
+
+    def _workflow_for(self, record: RunRecord) -> Workflow | None:
+        """The registered definition a stored run follows (its own version while it is
+        registered, else the newest); ``None`` when its workflow is not registered."""
+        if record.workflow not in self._workflows:
+            return None
+        return self._workflows.for_run(record)
 
     def workflow(self, name: str) -> Workflow:
         try:
@@ -292,7 +340,7 @@ class Engine:
         owner: str | None,
         trace_context: Mapping[str, str] | None = None,
     ) -> NewRun:
-        if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
+        if not self._workflows.holds(workflow):
             self.register(workflow)
         ctx = workflow.parse_context(context)
         check_finite("context", ctx.model_dump())
@@ -314,6 +362,7 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                **workflow.context_stamp(),
                 # The whole run's deadline: a durable due time (waiting, retrying included).
                 **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
                 **self._trace_data(run_id, trace_context),
@@ -636,15 +685,15 @@ class Engine:
 
     def _info(self, stored: StoredRun) -> RunInfo:
         record = stored.record
-        workflow = self._workflows.get(record.workflow)
+        workflow = self._workflow_for(record)
         context: BaseModel | dict[str, Any]
         try:
             context = (
-                workflow.context.model_validate_json(record.context)
+                workflow.load_context(record.context, record.context_version)
                 if workflow is not None
                 else json.loads(record.context)
             )
-        except ValueError:
+        except (ValueError, FlowloopError):
             # A stored context that no longer validates (or parses) must not make the run
             # unreadable: show what is there.
             try:
@@ -813,7 +862,7 @@ class Engine:
                 return self.get(run_id)
             raise InvalidTransition(run_id, stored.record.status, "unpause")
         record = stored.record
-        workflow = self._workflows.get(record.workflow)
+        workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
         if workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
@@ -869,7 +918,9 @@ class Engine:
             record = stored.record
             if record.status in FINISHED:
                 raise InvalidTransition(run_id, record.status, f"send {event!r} to")
-            workflow = self.workflow(record.workflow)
+            self.workflow(record.workflow)  # UnknownWorkflow unless registered
+            workflow = self._workflows.for_run(record)
+            self._refuse_mismatch(workflow, record)
             waiting_here = accepts(workflow, record, event)
             if waiting_here and stored.owner is None:
                 if self._deliver_kept(workflow, record):
@@ -921,6 +972,24 @@ class Engine:
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
 
+    def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
+        """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition
+        cannot take the run on (flowloop/verdicts.py); a worker parks such a run."""
+        if record.fingerprint == workflow.fingerprint and (
+            record.context_version == workflow.context_version
+        ):
+            return
+        verdict = judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=self.store.definition(record.fingerprint),
+        )
+        if not verdict.goes_on:
+            raise DefinitionMismatch(record.id, verdict.reason or "")
+
     def _hand_over_kept(self, run_id: str) -> int | None:
         """Give a waiting run the events kept for it that it accepts now (see
         :func:`try_deliver_pending`)."""
@@ -964,7 +1033,8 @@ class Engine:
         record = stored.record
         if record.status not in ("failed", "stopped"):
             raise InvalidTransition(run_id, record.status, "retry")
-        workflow = self.workflow(record.workflow)
+        self.workflow(record.workflow)  # UnknownWorkflow unless registered
+        workflow = self._workflows.for_run(record)
         state = from_state or record.state
         if state not in workflow.steps and not children.retryable_state(workflow, state):
             raise DefinitionError(
@@ -972,37 +1042,47 @@ class Engine:
                 f"cannot retry from {state!r}: not a state with a step "
                 f"(states: {', '.join(workflow.steps)})",
             )
-        context = _context_entering(self.store.journal(run_id), state)
+        entered = _context_entering(self.store.journal(run_id), state)
         if state == record.state and workflow.compensates(state):
-            context = record.context  # the compensations owed go on from where they were
-        if context is None:
+            # the compensations owed go on from where they were
+            entered = (record.context, record.context_version)
+        if entered is None:
             raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
+        context, version = entered
         data: dict[str, Any] = {"by": by or _user(), "from": state}
         if set_fields:
             _check_fields(workflow, set_fields)
-            merged = {**json.loads(context), **set_fields}
-            context = workflow.parse_context(merged).model_dump_json()
+            loaded = workflow.load_context(context, version).model_dump(mode="json")
+            context = workflow.parse_context({**loaded, **set_fields}).model_dump_json()
+            version = workflow.context_version
             # As JSON (a datetime, a UUID ...): the journal stores what was set.
             data["set"] = to_jsonable_python(dict(set_fields))
+        if version != 1:
+            data[j.CONTEXT_VERSION] = version
         if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
         return self.get(run_id)
 
     def check(self, workflow: Workflow) -> list[Stranded]:
-        """Live runs of ``workflow``'s name that this definition could not continue."""
+        """Live runs of ``workflow``'s name that this definition would park or fail (see
+        flowloop/checking.py for the whole report); older versions registered with this
+        engine keep their runs (pinning)."""
+        from flowloop.checking import check_runs
+
         workflow.validate()
-        stranded = []
-        for stored in self.store.find_runs(
-            RunFilter(workflow=workflow.name, statuses=sorted(LIVE), limit=1_000_000)
-        ):
-            record = stored.record
-            if record.fingerprint == workflow.fingerprint:
-                continue
-            old = self.store.definition(record.fingerprint) or {}
-            why = compatible(old, workflow, record.state)
-            if why is not None:
-                stranded.append(Stranded(record.id, record.state, record.status, why))
-        return stranded
+        if not isinstance(self.store, SQLStore):
+            raise FlowloopError("check needs a SQL store")
+        pinned = {
+            w.fingerprint: w
+            for w in self.versions_of(workflow.name)
+            if w.fingerprint != workflow.fingerprint
+        }
+        report = check_runs(self.store, workflow, pinned=pinned)
+        return [
+            Stranded(run.run_id, run.state, run.status, run.reason or "")
+            for run in report.runs
+            if run.kind in ("parks", "fails")
+        ]
 
     # -- loops -----------------------------------------------------------------------------
 
@@ -1119,15 +1199,16 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
         )
 
 
-def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
-    """The context a run had when it last entered ``state``."""
+def _context_entering(events: Sequence[JournalEvent], state: str) -> tuple[str, int] | None:
+    """The context a run had when it last entered ``state``, with its context version."""
     for event in reversed(events):
         # Entered by any transition that records the context it entered with: a step's
         # outcome, a wait state's event or timeout, a child run's result.
-        if event.next_state == state and event.context is not None:
-            return event.context
-        if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
-            return event.context
+        entered = (event.next_state == state) or (
+            event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state
+        )
+        if entered and event.context is not None:
+            return event.context, int(event.data.get(j.CONTEXT_VERSION, 1))
     return None
 
 

@@ -116,7 +116,13 @@ class DefinitionMismatch(FlowloopError):
     exit_code = EXIT_FAILURE
 
     def __init__(self, run_id: str, reason: str) -> None:
-        super().__init__(f"run {run_id!r}: definition_mismatch: {reason}")
+        # A reason that says which mismatch (``context_mismatch: …``) is shown as it is.
+        known = reason.startswith(("definition_mismatch", "context_mismatch"))
+        shown = reason if known else f"definition_mismatch: {reason}"
+        super().__init__(
+            f"run {run_id!r}: {shown} "
+            "(nothing is lost: fix and deploy, or flowloop migrate, then unpause)"
+        )
         self.run_id = run_id
         self.reason = reason
 

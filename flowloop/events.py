@@ -55,14 +55,16 @@ class NotWaiting(InvalidTransition):
 def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:
     """The ``data`` of a transition into ``state``: final, due now (a step, maybe after a
     durable ``delay``), due at the wait's timeout, or not due at all (a wait without one)."""
+    # The entry writes a context: it says which context version (issue 16).
+    stamp = workflow.context_stamp()
     if workflow.compensates(state):
-        return {"compensate": True}  # due now: its compensations run before it ends
+        return {"compensate": True, **stamp}  # due now: its compensations run before it ends
     if workflow.is_final(state):
-        return {"final": True}
+        return {"final": True, **stamp}
     wait = workflow.waits.get(state)
     if wait is not None:
-        return {"due": None if wait.timeout is None else now + wait.timeout}
-    return {"due": now + delay} if delay else {}
+        return {"due": None if wait.timeout is None else now + wait.timeout, **stamp}
+    return {"due": now + delay, **stamp} if delay else stamp
 
 
 def check_visits(workflow: Workflow, record: RunRecord, target: str) -> None:
@@ -144,7 +146,7 @@ def receive(
         raise InvalidEvent(record.state, event, accepted(workflow, record.state))
     target = wait.transitions[event]
     check_visits(workflow, record, target)
-    ctx = workflow.context.model_validate_json(record.context)
+    ctx = workflow.load_context(record.context, record.context_version)
     if event != TIMEOUT_EVENT:
         value = _payload(wait.payloads.get(event), event, payload)
         handler = wait.handlers.get(event)

@@ -38,12 +38,10 @@ from flowloop.definition import (
     Step,
     StepSpec,
     Workflow,
-    compatible,
     describe_validation,
 )
 from flowloop.errors import (
     ContextNotSerializable,
-    FlowloopError,
     InvalidEvent,
     MaxVisitsExceeded,
     StepTimeout,
@@ -54,6 +52,8 @@ from flowloop.localdue import LocalDue
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.outage import is_outage
+from flowloop.verdicts import Verdict, judge
+from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
@@ -373,6 +373,8 @@ class Executor:
                         RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
                     ):
                         await self.recover()
+                        if last_recovery is None:
+                            self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
                     claimed = self._claim(run_ids)
                     due = (
@@ -455,7 +457,7 @@ class Executor:
             )
         taken = 0
         for stored in rows:
-            workflow = self.workflows[stored.record.workflow]
+            workflow = workflow_for(self.workflows, stored.record)
             count = self._per_workflow.get(workflow.name, 0)
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
@@ -663,13 +665,16 @@ class Executor:
 
     def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
-        workflow = self.workflows[record.workflow]
+        workflow = workflow_for(self.workflows, record)
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
         if cause is None:  # found by recovery: this worker's own lease, or another's
             mine = row.id in self._given_up or row.id in self._active
             cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
         self._given_up.discard(row.id)
+        parked = self._park_interrupted(workflow, row, now)
+        if parked is not None:
+            return parked
         data: dict[str, Any]
         idempotent = spec is not None and spec.idempotent
         attempts_left = spec is not None and spec.retry.has_attempts_left(record.attempt)
@@ -712,6 +717,44 @@ class Executor:
                 "retryable": "retry_at" in data,
             },
         )
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    def _park_stranded_waits(self) -> None:
+        """Waiting runs without a timeout are never claimed: park, once at start, those
+        the loaded definitions cannot take (flowloop/parking.py)."""
+        from flowloop.parking import park_stranded_waits
+        from flowloop.store.sql import SQLStore
+
+        if isinstance(self.store, SQLStore):
+            park_stranded_waits(
+                self.store, self.workflows, worker=self.worker_id, now=self.clock.now()
+            )
+
+    def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
+        """A run cut off in a state (or with a context) the deployed definition no longer
+        fits is parked ``paused`` with the reason, not judged by a step spec it lacks."""
+        record = row.record
+        if record.fingerprint == workflow.fingerprint:
+            return None
+        verdict = self._verdict(workflow, record)
+        if verdict.outcome != "paused":
+            return None
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.RUN_PAUSED,
+            at=now,
+            state=record.state,
+            error_message=f"interrupted in attempt {record.attempt}; {verdict.message}",
+            worker=self.worker_id,
+            data={"reason": verdict.reason, "interrupted": record.attempt},
+        )
+        log.warning("run %s parked: %s", record.id, verdict.reason)
         return Boundary(
             events=[event],
             record=j.apply(record, event),
@@ -784,7 +827,7 @@ class Executor:
 
     async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
-        workflow = self.workflows[record.workflow]
+        workflow = workflow_for(self.workflows, record)
         try:
             problem = self._cannot_run(workflow, stored)
             if problem is not None:
@@ -848,26 +891,24 @@ class Executor:
         record = stored.record
         if stored.problem is not None:
             return j.RUN_FAILED, "invalid_row", stored.problem
-        if record.fingerprint == workflow.fingerprint and record.state not in workflow.states:
-            # Same definition, yet a state it does not have: the row was changed by hand
-            # (or damaged). Fail now, saying so, rather than die on it in the step.
-            message = (
-                f"the run is in state {record.state!r}, which {workflow.name} "
-                f"v{workflow.version} does not have (the stored row was changed)"
-            )
-            return j.RUN_FAILED, f"unknown_state: {record.state}", message
-        if record.fingerprint != workflow.fingerprint:
-            old = self.store.definition(record.fingerprint) or {}
-            why = compatible(old, workflow, record.state)
-            if why is not None:
-                # The reason says why, so `status` shows it without digging in the journal.
-                reason = f"definition_mismatch: {why}"
-                return j.RUN_PAUSED, reason, reason
-        try:
-            workflow.parse_context(record.context)
-        except FlowloopError as error:
-            return j.RUN_FAILED, "invalid_context", str(error)
-        return None
+        verdict = self._verdict(workflow, record)
+        if verdict.goes_on:
+            return None
+        # The reason says why, so `status` shows it without digging in the journal.
+        kind = j.RUN_PAUSED if verdict.outcome == "paused" else j.RUN_FAILED
+        return kind, verdict.reason or "", verdict.message or ""
+
+    def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict:
+        """What this definition does with the run (flowloop/verdicts.py, as check says)."""
+        same = record.fingerprint == workflow.fingerprint
+        return judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=None if same else self.store.definition(record.fingerprint),
+        )
 
     async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
         action = self._controls.get(record.id)
@@ -917,7 +958,8 @@ class Executor:
             worker=self.worker_id,
             error=step_error(record) if record.error else None,
         )
-        ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
+        # The step's own copy, carried to the current context version (issue 16).
+        ctx = workflow.load_context(record.context, record.context_version)
         # One line when the step starts and one when it ends (fields for JSON logs); built
         # only when someone listens: this is the hot path.
         logged = log.isEnabledFor(logging.INFO)
@@ -1272,7 +1314,7 @@ def deliver_pending(
         stored = store.get_run(run_id)
         if stored is None or stored.record.workflow not in workflows:
             return consumed
-        workflow = workflows[stored.record.workflow]
+        workflow = workflow_for(workflows, stored.record)
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
@@ -1293,7 +1335,7 @@ def take_kept(
     ``event_received``, or ``event_rejected`` when the state cannot take it after all (its
     handler raised, …) — a kept event never fails the run it was sent to. A stored
     context that no longer validates is the run's problem, not the event's: it raises."""
-    workflow.context.model_validate_json(record.context)
+    workflow.load_context(record.context, record.context_version)
     try:
         return receive(
             workflow,

@@ -38,6 +38,10 @@ RUN_COMPENSATED: Final = "run_compensated"  # every compensation ran: succeeded,
 DEADLINE_PASSED: Final = "deadline_passed"  # state -> on_deadline; the deadline is spent
 EVENT_DROPPED: Final = "event_dropped"  # a kept event dropped for max_inbox; only the seq
 RUN_DEBOUNCED: Final = "run_debounced"  # a later start of a burst: context, due (admission.py)
+RUN_MIGRATED: Final = "run_migrated"  # moved to a newer version: version, fingerprint, state
+
+CONTEXT_VERSION: Final = "cv"
+"""The ``data`` key of an entry that writes a context: the context's version (absent: 1)."""
 
 KINDS: Final = (
     RUN_CREATED,
@@ -62,6 +66,7 @@ KINDS: Final = (
     DEADLINE_PASSED,
     RUN_DEBOUNCED,
     EVENT_DROPPED,
+    RUN_MIGRATED,
 )
 TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
 """Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
@@ -109,6 +114,8 @@ class RunRecord:
     last_seq: int
     reason: str | None
     error: str | None
+    context_version: int = 1
+    """The context version ``context`` was written with (its entry's ``data["cv"]``)."""
     deadline: float | None = None
     """When the whole run's deadline passes (``None``: it has none, or it was spent)."""
     join: str | None = None
@@ -188,6 +195,7 @@ def create(event: JournalEvent) -> RunRecord:
         last_seq=event.seq,
         reason=None,
         error=None,
+        context_version=int(data.get(CONTEXT_VERSION, 1)),
         deadline=deadline,
         join=data.get("join"),
     )
@@ -204,6 +212,9 @@ def _moved(record: RunRecord, event: JournalEvent, change: dict[str, Any]) -> No
         status=_status(record, "succeeded" if final else "scheduled", event),
         state=event.next_state,
         context=event.context if event.context is not None else record.context,
+        # An entry that writes a context says its version; one that does not (or a
+        # version-1 workflow's) keeps the run's.
+        context_version=int(event.data.get(CONTEXT_VERSION, record.context_version)),
         attempt=0,
         visits=visits,
         next_run_at=None if final else event.data.get("due", event.at),
@@ -312,6 +323,7 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             status=_status(record, "scheduled", event),
             state=event.state,
             context=event.context,
+            context_version=int(event.data.get(CONTEXT_VERSION, 1)),
             attempt=0,
             visits=visits,
             next_run_at=event.at,
@@ -321,6 +333,9 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
         change.update(context=event.context, next_run_at=event.data.get("due", event.at))
+    elif kind == RUN_MIGRATED:
+        assert event.state is not None
+        change.update(_migrated(record, event))
     elif kind not in (
         EVENT_REJECTED,
         EVENT_DROPPED,
@@ -340,6 +355,30 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     return new
 
 
+def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:
+    """``flowloop migrate``: the run follows version ``to`` (its fingerprint) from the
+    mapped state on; a parked run is unparked (``status``/``due`` in the data)."""
+    assert event.state is not None
+    data = event.data
+    visits = dict(record.visits)
+    if event.state != record.state:  # a renamed state keeps its visit count
+        visits[event.state] = visits.get(event.state, 0) + visits.pop(record.state, 0)
+    change: dict[str, Any] = {
+        "version": int(data["to"]),
+        "fingerprint": str(data["fingerprint"]),
+        "state": event.state,
+        "visits": visits,
+    }
+    if "status" in data:
+        change.update(
+            status=_status(record, str(data["status"]), event),
+            next_run_at=data.get("due"),
+            reason=None,
+            error=None,
+        )
+    return change
+
+
 def fold(events: Iterable[JournalEvent], *, until_seq: int | None = None) -> RunRecord:
     """Replay a journal from seq 1 (up to and including ``until_seq``)."""
     record: RunRecord | None = None
@@ -352,7 +391,15 @@ def fold(events: Iterable[JournalEvent], *, until_seq: int | None = None) -> Run
     return record
 
 
-COMPARED_FIELDS: Final = ("status", "state", "context", "attempt", "visits", "last_seq")
+COMPARED_FIELDS: Final = (
+    "status",
+    "state",
+    "context",
+    "context_version",
+    "attempt",
+    "visits",
+    "last_seq",
+)
 
 
 def compare(folded: RunRecord, stored: RunRecord) -> list[str]:

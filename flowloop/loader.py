@@ -24,18 +24,21 @@ class Loaded:
     """What a set of files defines, in file order."""
 
     workflows: dict[str, Workflow] = field(default_factory=dict)
+    """The newest version of each workflow, by name."""
+    older: list[Workflow] = field(default_factory=list)
+    """Older versions loaded beside the newest (several versions live, issue 16)."""
     loops: dict[str, Loop] = field(default_factory=dict)
     modules: list[ModuleType] = field(default_factory=list)
+
+    def all_versions(self) -> list[Workflow]:
+        """Every workflow loaded: the newest of each name and the older versions."""
+        return [*self.workflows.values(), *self.older]
 
     def add(self, module: ModuleType, path: Path) -> None:
         self.modules.append(module)
         for value in vars(module).values():
             if isinstance(value, Workflow):
-                existing = self.workflows.get(value.name)
-                if existing is not None and existing is not value:
-                    raise LoadError(f"{path}: workflow {value.name!r} is defined twice")
-                value.validate()
-                self.workflows[value.name] = value
+                self._add_workflow(value, path)
             elif isinstance(value, Loop):
                 known = self.loops.get(value.name)
                 if known is not None and known is not value:
@@ -43,6 +46,24 @@ class Loaded:
                 self.loops[value.name] = value
                 if value.workflow is not None:
                     self.workflows.setdefault(value.workflow.name, value.workflow)
+
+    def _add_workflow(self, value: Workflow, path: Path) -> None:
+        existing = self.workflows.get(value.name)
+        if existing is value or any(w is value for w in self.older):
+            return
+        value.validate()
+        versions = [w for w in (existing, *self.older) if w is not None and w.name == value.name]
+        if any(w.version == value.version for w in versions):
+            raise LoadError(
+                f"{path}: workflow {value.name!r} version {value.version} is defined twice "
+                "(several versions live need distinct version=)"
+            )
+        if existing is None or value.version > existing.version:
+            if existing is not None:
+                self.older.append(existing)
+            self.workflows[value.name] = value
+        else:
+            self.older.append(value)
 
 
 def split_target(target: str) -> tuple[Path, str | None]:

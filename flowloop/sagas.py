@@ -86,7 +86,7 @@ async def drive(
             worker=executor.worker_id,
             compensating=True,
         )
-        ctx = workflow.context.model_validate_json(record.context)
+        ctx = workflow.load_context(record.context, record.context_version)
         began = executor.clock.monotonic()
         try:
             await executor._call(record.id, undo_spec, ctx, step)

@@ -49,6 +49,7 @@ runs = Table(
     Column("status", String(16), nullable=False),
     Column("state", String(200), nullable=False),
     Column("context", Text, nullable=False),
+    Column("context_version", Integer, nullable=False, server_default=text("1")),
     Column("attempt", Integer, nullable=False, default=0),
     Column("visits", Text, nullable=False),
     Column("next_run_at", Float),

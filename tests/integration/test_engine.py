@@ -965,7 +965,7 @@ def test_definition_change__incompatible_change_parks_the_run(
     with Engine(sqlite_url, clock=FakeClock(later), workflows=[new]) as second:
         stranded = second.check(new)
         assert [(s.run_id, s.state, s.status, s.reason) for s in stranded] == [
-            (run_id, "b", "retrying", why)
+            (run_id, "b", "retrying", f"definition_mismatch: {why}")
         ]
         before = second.get(run_id)
         second.run_until_idle()

@@ -1,0 +1,119 @@
+"""``flowloop migrate``: move live runs to a newer loaded version of their workflow.
+
+The newer definition declares how the states of an older version map onto its own:
+``Workflow(..., version=2, migrates_from={1: {"charge": "bill"}})`` (a state not named
+keeps its name). A run moves only when its mapped state exists in the new version and its
+context validates there (after the upcasters); each move is one journal entry
+(``run_migrated``: who, from, to, the state before), written like an operator's pause.
+A run parked for a mismatch is unparked by the move; any other keeps its status.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from flowloop import journal as j
+from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
+from flowloop.events import wait_due
+from flowloop.lifecycle import LIVE
+from flowloop.upcast import ContextMigrationError
+from flowloop.verdicts import CONTEXT_MISMATCH, DEFINITION_MISMATCH
+
+if TYPE_CHECKING:
+    from flowloop.engine import Engine
+    from flowloop.store import StoredRun
+
+
+@dataclass(frozen=True)
+class Moved:
+    """One run's outcome: moved (``problem is None``) or left where it is, and why."""
+
+    run_id: str
+    from_version: int
+    to_version: int
+    from_state: str
+    state: str
+    problem: str | None = None
+
+
+def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved:
+    """Move one run to version ``to`` (loaded in ``engine``). Raises FlowloopError saying
+    why it cannot move (nothing is changed then)."""
+    record = stored.record
+    if record.status not in LIVE or record.status == "running" or stored.owner is not None:
+        raise InvalidTransition(record.id, record.status, "migrate")
+    target = engine.version_of(record.workflow, to)
+    if to <= record.version:
+        raise FlowloopError(
+            f"run {record.id} is on {record.workflow} v{record.version}: migrate moves a run "
+            "to a newer version"
+        )
+    mapping = target.migrates_from.get(record.version)
+    if mapping is None:
+        raise DefinitionError(
+            target.name,
+            f"v{to} declares no migrates_from={{{record.version}: {{...}}}}: say how the "
+            f"states of v{record.version} map onto v{to} (an empty mapping keeps the names)",
+        )
+    state = mapping.get(record.state, record.state)
+    if state not in target.states or target.is_final(state):
+        raise DefinitionMismatch(
+            record.id,
+            f"{DEFINITION_MISMATCH}: state {record.state!r} maps to {state!r}, which "
+            f"{target.name} v{to} does not have as a live state; add it to migrates_from",
+        )
+    try:
+        target.load_context(record.context, record.context_version)
+    except (FlowloopError, ContextMigrationError) as error:
+        problem = getattr(error, "problems", None) or getattr(error, "problem", str(error))
+        raise DefinitionMismatch(record.id, f"{CONTEXT_MISMATCH}: {problem}") from None
+    data: dict[str, Any] = {
+        "by": by,
+        "from": record.version,
+        "to": to,
+        "fingerprint": target.fingerprint,
+        "from_state": record.state,
+    }
+    reason = record.reason or ""
+    if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):
+        data["status"] = "scheduled"
+        if state in target.waits:
+            wait = target.waits[state]
+            data["due"] = (
+                wait_due(target, state, engine.store.journal(record.id))
+                if state == record.state
+                else None
+                if wait.timeout is None
+                else engine.clock.now() + wait.timeout
+            )
+        else:
+            data["due"] = engine.clock.now()
+    if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data):
+        raise FlowloopError(f"run {record.id} changed while migrating; try again")
+    return Moved(record.id, record.version, to, record.state, state)
+
+
+def migrate_all(engine: Engine, workflow: str, *, to: int, by: str) -> list[Moved]:
+    """Move every live run of ``workflow`` below version ``to``; a run that cannot move is
+    listed with its problem and left as it is (the others still move)."""
+    from flowloop.store.scan import live_runs
+    from flowloop.store.sql import SQLStore
+
+    if not isinstance(engine.store, SQLStore):
+        raise FlowloopError("migrate needs a SQL store")
+    engine.version_of(workflow, to)  # refuse at once when that version is not loaded
+    ids = [run.id for page in live_runs(engine.store, workflow) for run in page]
+    results = []
+    for run_id in ids:
+        stored = engine.store.get_run(run_id)
+        if stored is None or stored.record.version >= to:
+            continue
+        record = stored.record
+        try:
+            results.append(migrate_run(engine, stored, to=to, by=by))
+        except FlowloopError as error:
+            results.append(
+                Moved(record.id, record.version, to, record.state, record.state, str(error))
+            )
+    return results

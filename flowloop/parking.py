@@ -1,0 +1,89 @@
+"""Parking, at a worker's start, the waiting runs that the deployed definition cannot take.
+
+A run waiting for an event without a timeout is never claimed: nothing would tell that its
+wait state (or its context) no longer fits a newly deployed definition until someone sends
+it an event. So a worker, when it starts, looks once at the waiting runs without a due
+time whose definition is not one it has loaded, judges each (flowloop/verdicts.py, as
+``flowloop check`` does) and parks those that cannot go on — ``paused`` with the reason —
+in one fenced write each, as an operator's pause. The runs a worker claims are judged at
+claim time instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from sqlalchemy import select
+
+from flowloop import journal as j
+from flowloop.definition import Workflow
+from flowloop.journal import JournalEvent
+from flowloop.store import Boundary, Fence
+from flowloop.store.schema import runs
+from flowloop.store.sql import SQLStore
+from flowloop.verdicts import judge
+from flowloop.versions import Registry, workflow_for
+
+log = logging.getLogger("flowloop")
+
+PARK_BATCH = 1_000
+
+
+def park_stranded_waits(
+    store: SQLStore, workflows: Mapping[str, Workflow], *, worker: str, now: float
+) -> int:
+    """Park the waiting runs (no due time, no owner) that the loaded definitions cannot
+    take; returns how many."""
+    parked = 0
+    for name in list(workflows):
+        loaded = workflows.versions(name) if isinstance(workflows, Registry) else [workflows[name]]
+        fingerprints = [w.fingerprint for w in loaded]
+        query = (
+            select(runs.c.id)
+            .where(
+                runs.c.workflow == name,
+                runs.c.status == "scheduled",
+                runs.c.next_run_at.is_(None),
+                runs.c.owner.is_(None),
+                runs.c.fingerprint.not_in(fingerprints),
+            )
+            .limit(PARK_BATCH)
+        )
+        with store.engine.connect() as conn:
+            ids = [row.id for row in conn.execute(query)]
+        for run_id in ids:
+            stored = store.get_run(run_id)
+            if stored is None or stored.owner is not None or stored.problem is not None:
+                continue
+            record = stored.record
+            workflow = workflow_for(workflows, record)
+            verdict = judge(
+                workflow,
+                state=record.state,
+                fingerprint=record.fingerprint,
+                context=record.context,
+                context_version=record.context_version,
+                old=store.definition(record.fingerprint),
+            )
+            if verdict.goes_on or verdict.outcome != "paused":
+                continue
+            event = JournalEvent(
+                run_id=record.id,
+                seq=record.last_seq + 1,
+                kind=j.RUN_PAUSED,
+                at=now,
+                state=record.state,
+                error_message=verdict.message,
+                worker=worker,
+                data={"reason": verdict.reason},
+            )
+            boundary = Boundary(
+                events=[event],
+                record=j.apply(record, event),
+                fence=Fence(None, stored.lease_epoch),
+            )
+            if store.write([boundary])[0]:
+                parked += 1
+                log.warning("run %s parked: %s", record.id, verdict.reason)
+    return parked

@@ -1,0 +1,121 @@
+"""What happens to a stored run under a (new) definition: the one decision that the worker,
+recovery, the read commands and ``flowloop check`` share, so check tells what a worker does.
+
+``judge`` answers, for one run:
+
+- ``continues``: the definition is the one it started with, or its state and transitions
+  still exist and its context validates as stored;
+- ``migrates``: the same, after the upcasters carry its context to the new version;
+- ``parks``: its state or one of that state's transitions is gone
+  (``definition_mismatch: …``) — a worker pauses it; nothing is lost, ``flowloop unpause``
+  after a fix (or ``flowloop migrate``) continues it;
+- ``fails``: its context does not validate after migration, or cannot be migrated
+  (``context_mismatch: field: problem``). A worker pauses it too (so an operator can deploy
+  a fixed upcaster and unpause it); only a run whose row contradicts its own, unchanged
+  definition (a corrupt row) is failed at once (``outcome == "failed"``).
+
+This module imports neither sqlalchemy nor asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from flowloop.definition import Workflow, compatible
+from flowloop.errors import InvalidContext
+from flowloop.upcast import ContextMigrationError
+
+Kind = Literal["continues", "migrates", "parks", "fails"]
+KINDS: Final[tuple[Kind, ...]] = ("continues", "migrates", "parks", "fails")
+
+DEFINITION_MISMATCH: Final = "definition_mismatch"
+CONTEXT_MISMATCH: Final = "context_mismatch"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """What a worker does with one run under one definition."""
+
+    kind: Kind
+    reason: str | None = None
+    """``definition_mismatch: …`` / ``context_mismatch: …`` (or ``invalid_context``,
+    ``unknown_state: S`` for a corrupt row); ``None`` when the run goes on."""
+    message: str | None = None
+    """The same in words, for the journal and the operator."""
+    outcome: Literal["runs", "paused", "failed"] = "runs"
+
+    @property
+    def goes_on(self) -> bool:
+        return self.kind in ("continues", "migrates")
+
+
+CONTINUES: Final = Verdict(kind="continues")
+
+
+def judge(
+    workflow: Workflow,
+    *,
+    state: str,
+    fingerprint: str,
+    context: str,
+    context_version: int,
+    old: Mapping[str, Any] | None,
+    validate: bool = True,
+    cache: dict[tuple[str, str], str | None] | None = None,
+) -> Verdict:
+    """The verdict for a run in ``state`` written under the definition ``fingerprint``
+    (whose stored record is ``old``; ``None``/empty when unknown) with ``context`` at
+    ``context_version``. ``validate=False`` trusts the context when its model and
+    version are unchanged (``flowloop check`` on many runs); ``cache`` keeps the structure
+    verdict per (fingerprint, state) across calls for one ``workflow``."""
+    same = fingerprint == workflow.fingerprint
+    if same and state not in workflow.states:
+        # Same definition, yet a state it does not have: the row was changed by hand (or
+        # damaged). Fail now, saying so: no deploy can fix it.
+        message = (
+            f"the run is in state {state!r}, which {workflow.name} v{workflow.version} "
+            "does not have (the stored row was changed)"
+        )
+        return Verdict(
+            kind="fails", reason=f"unknown_state: {state}", message=message, outcome="failed"
+        )
+    if not same:
+        if cache is None:
+            why = compatible(old or {}, workflow, state)
+        else:
+            key = (fingerprint, state)
+            if key not in cache:
+                cache[key] = compatible(old or {}, workflow, state)
+            why = cache[key]
+        if why is not None:
+            reason = f"{DEFINITION_MISMATCH}: {why}"
+            return Verdict(kind="parks", reason=reason, message=reason, outcome="paused")
+    migrating = context_version != workflow.context_version
+    if not validate and not migrating and (same or _same_context(old, workflow)):
+        return CONTINUES
+    try:
+        workflow.load_context(context, context_version)
+    except (InvalidContext, ContextMigrationError) as error:
+        problem = error.problems if isinstance(error, InvalidContext) else error.problem
+        if same and not migrating:
+            # The run's own definition refuses its context: the row is corrupt.
+            return Verdict(
+                kind="fails", reason="invalid_context", message=str(error), outcome="failed"
+            )
+        version = (
+            f"context v{context_version} -> v{workflow.context_version}"
+            if migrating
+            else f"context v{context_version}"
+        )
+        reason = f"{CONTEXT_MISMATCH}: {problem} ({version})"
+        return Verdict(kind="fails", reason=reason, message=reason, outcome="paused")
+    return Verdict(kind="migrates") if migrating else CONTINUES
+
+
+def _same_context(old: Mapping[str, Any] | None, workflow: Workflow) -> bool:
+    """The old definition's context model is this one's (so a stored context validates)."""
+    if not old or "context" not in old:
+        return False
+    return bool(old["context"] == workflow.definition_record()["context"])

@@ -1,0 +1,173 @@
+"""The CLI on runs a new definition cannot take (issue 16): ``check`` tells the truth
+(exit 1, --json), every command on a run whose context does not validate answers in one
+line — never a traceback — and ``migrate`` moves runs."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from deploykit import OrderV1, order
+
+from flowloop import Engine
+from flowloop.cli import main
+from flowloop.clock import FakeClock
+
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def _file(here: Path, name: str, body: str) -> Path:
+    path = here / f"{name}.py"
+    path.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            import deploykit
+            {body}
+            """
+        )
+    )
+    return path
+
+
+@dataclass
+class Result:
+    exit_code: int
+    output: str
+    """stdout and stderr."""
+    stdout: str
+
+
+def _cli(here: Path, *args: str) -> Result:
+    """``flowloop ARGS --db here/flowloop.db`` through ``main()`` in this process (it turns
+    errors into one line and an exit code as the real command does); any other exception
+    escapes and fails the test."""
+    buffer, errors = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(errors):
+        try:
+            main([*args, "--db", str(here / "flowloop.db")])
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    output = buffer.getvalue() + errors.getvalue()
+    assert "Traceback" not in output, output
+    return Result(code, output, buffer.getvalue())
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    """A database with one v1 run waiting in ``confirm`` and one queued in ``reserve``."""
+    url = str(tmp_path / "flowloop.db")
+    with Engine(url, clock=FakeClock(time.time()), workflows=[order()]) as engine:
+        wf = engine.workflow("order")
+        engine.start(wf, OrderV1(order_id="w"))
+        engine.run_until_idle(idle_horizon=10)
+        engine.start(wf, OrderV1(order_id="q"))
+    return tmp_path
+
+
+def _ids(here: Path) -> list[str]:
+    with Engine(str(here / "flowloop.db")) as engine:
+        return sorted((r.id for r in engine.runs(limit=10)), key=lambda i: i)
+
+
+def test_check__tells_what_each_run_would_do_and_exits_1(here: Path) -> None:
+    v1 = _file(here, "v1", "order = deploykit.order()")
+    assert _cli(here, "check", str(v1)).exit_code == 0
+    broken = _file(here, "v2", "order = deploykit.added_field(migrated=False)")
+    result = _cli(here, "check", str(broken))
+    assert result.exit_code == 1
+    assert "2 live run(s): 0 continues as is, 0 continues after migration, 0 would be parked, "
+    assert "2 would fail" in result.output
+    assert "context field 'currency' added (required)" in result.output
+    assert "context_mismatch: no upcaster from context version 1 to 2" in result.output
+    data = json.loads(_cli(here, "check", str(broken), "--json").stdout)
+    assert data["ok"] is False
+    (report,) = data["workflows"]
+    assert report["counts"] == {"continues": 0, "migrates": 0, "parks": 0, "fails": 2}
+    assert sorted(r["run_id"] for r in data["stranded"]) == _ids(here)
+    fixed = _file(here, "v2ok", "order = deploykit.added_field(migrated=True)")
+    data = json.loads(_cli(here, "check", str(fixed), "--json").stdout)
+    assert data["ok"] is True and data["workflows"][0]["counts"]["migrates"] == 2
+    removed = _file(here, "v2rm", "order = deploykit.removed_state()")
+    result = _cli(here, "check", str(removed))
+    assert result.exit_code == 1
+    assert "1 continues as is, 0 continues after migration, 1 would be parked" in result.output
+    assert "state 'confirm' removed" in result.output
+
+
+def test_every_command__on_a_run_whose_context_does_not_validate__no_traceback(
+    here: Path,
+) -> None:
+    broken = _file(here, "v2", "order = deploykit.added_field(migrated=False)")
+    w = ("-w", str(broken))
+    # A worker under the broken definition parks the queued run, and status says why.
+    assert _cli(here, "resume", *w).exit_code == 0
+    data = json.loads(_cli(here, "status", "--json").stdout)
+    reasons = sorted(str(row.get("reason")) for row in data["runs"])
+    assert reasons[-1].startswith("context_mismatch: no upcaster"), reasons
+    for run_id in _ids(here):
+        for args in (
+            ("status", run_id),
+            ("status",),
+            ("history", run_id),
+            ("replay", run_id),
+            ("send", run_id, "confirmed", *w),
+            ("retry", run_id, *w),
+            ("pause", run_id),
+            ("unpause", run_id),
+            ("stop", run_id),
+            ("retry", run_id, *w),
+            ("resume", *w),
+            ("migrate", run_id, "--to", "2", *w),
+        ):
+            result = _cli(here, *args)
+            assert result.exit_code in (0, 1, 2), (args, result.output)
+            assert len(result.output.strip().splitlines()) >= 1, args
+
+
+def test_send__to_a_run_the_deployed_definition_cannot_take__one_line(here: Path) -> None:
+    broken = _file(here, "v2", "order = deploykit.added_field(migrated=False)")
+    with Engine(str(here / "flowloop.db")) as engine:
+        waiting = next(r.id for r in engine.runs(limit=10) if r.state == "confirm")
+    result = _cli(here, "send", waiting, "confirmed", "-w", str(broken))
+    assert result.exit_code == 1
+    assert "context_mismatch: no upcaster from context version 1 to 2" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_migrate__moves_parked_runs_and_refuses_without_a_mapping(here: Path) -> None:
+    renamed = _file(here, "v2", "order = deploykit.renamed_state()")
+    assert _cli(here, "resume", "-w", str(renamed)).exit_code in (0, 1)  # parks the queued run
+    data = json.loads(
+        _cli(
+            here, "migrate", "--workflow", "order", "--to", "2", "-w", str(renamed), "--json"
+        ).stdout
+    )
+    assert data["refused"] == [] and sorted(data["moved"]) == _ids(here)  # parked and waiting
+    no_map = _file(here, "v3", "order = deploykit.order(version=3)")
+    result = _cli(here, "migrate", "--workflow", "order", "--to", "3", "-w", str(no_map))
+    assert result.exit_code == 1
+    assert "declares no migrates_from={2: {...}}" in result.output
+    result = _cli(here, "migrate", "--workflow", "order", "--to", "9", "-w", str(no_map))
+    assert result.exit_code == 2 and "version 9 is not loaded" in result.output
+    result = _cli(here, "migrate", "--to", "2", "-w", str(renamed))
+    assert result.exit_code == 2
+
+
+def test_check__old_and_new_version_in_one_file__runs_stay_on_theirs(here: Path) -> None:
+    both = _file(here, "both", "order_v1, order_v2 = deploykit.order(), deploykit.renamed_state()")
+    data = json.loads(_cli(here, "check", str(both), "--json").stdout)
+    assert data["ok"] is True
+    (report,) = data["workflows"]
+    assert (report["version"], report["counts"]["continues"]) == (2, 2)
+    twice = _file(here, "twice", "a, b = deploykit.order(), deploykit.order()")
+    result = _cli(here, "check", str(twice))
+    assert result.exit_code == 2 and "version 1 is defined twice" in result.output
