@@ -25,6 +25,7 @@ from transitions import Machine
 
 from flowloop import graph
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
+from flowloop.limits import Breaker, RateLimit, check_step_limits, check_workflow_limits
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 if TYPE_CHECKING:
@@ -93,10 +94,13 @@ class StepSpec:
     """False for ``next=`` steps: whatever they return, they take ``next``."""
     wants_step: bool
     """The function takes ``(ctx, step)``; otherwise just ``(ctx)``."""
+    rate_limit: RateLimit | None = None
+    breaker: Breaker | None = None
 
     def describe(self) -> str:
-        """Compact settings for diagrams: retry, timeout, idempotency, max visits."""
+        """Compact settings for diagrams: retry, timeout, idempotency, max visits, limits."""
         parts = [self.retry.describe()]
+        parts.extend(g.describe() for g in (self.rate_limit, self.breaker) if g is not None)
         if self.timeout is not None:
             parts.append(f"timeout {human(self.timeout)}")
         if not self.idempotent:
@@ -173,14 +177,26 @@ class Workflow:
         version: int = 1,
         key: str | Callable[[Any], str] | None = None,
         max_concurrency: int | None = None,
+        concurrency_key: Callable[[Any], str] | None = None,
+        key_limit: int | None = None,
+        rate_limit: RateLimit | None = None,
         description: str = "",
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
-        if max_concurrency is not None and max_concurrency < 1:
-            raise DefinitionError(name, "max_concurrency must be at least 1")
+        # Limits hold for every worker sharing the database (flowloop/store/limits.py).
+        check_workflow_limits(
+            name,
+            max_concurrency=max_concurrency,
+            concurrency_key=concurrency_key,
+            key_limit=key_limit,
+            rate_limit=rate_limit,
+        )
+        self.concurrency_key = concurrency_key
+        self.key_limit = key_limit
+        self.rate_limit = rate_limit
         self.name = name
         self.context = context
         self.version = version
@@ -209,12 +225,16 @@ class Workflow:
         retry: Retry | None = None,
         idempotent: bool = True,
         max_visits: int | None = None,
+        rate_limit: RateLimit | None = None,
+        breaker: Breaker | None = None,
     ) -> Callable[[F], F]:
         """Declare a state whose step function returns the event that picks the next state.
 
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
+        ``rate_limit``/``breaker``: taken before each call of the step (flowloop.limits).
         """
+        check_step_limits(self.name, name or "?", rate_limit, breaker)
 
         def register(function: F) -> F:
             state = name or function.__name__
@@ -229,6 +249,11 @@ class Workflow:
                 idempotent=idempotent,
                 max_visits=max_visits,
             )
+            if rate_limit is not None or breaker is not None:
+                spec = self._draft.steps[state]
+                self._draft.steps[state] = dataclasses.replace(
+                    spec, rate_limit=rate_limit, breaker=breaker
+                )
             return function
 
         return register
@@ -572,6 +597,26 @@ class Workflow:
             return self.context.model_validate(dict(data))
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
+
+    @property
+    def limited(self) -> bool:
+        """Claims of this workflow count slots (``max_concurrency`` or ``concurrency_key``)."""
+        return self.max_concurrency is not None or self.concurrency_key is not None
+
+    def rate_limits(self, state: str, record_visit: int, attempt: int) -> list[RateLimit]:
+        """The rate limits a call of ``state``'s step takes: the step's, and the workflow's
+        before the first call of the run (initial state, first visit, first attempt)."""
+        spec = self._draft.steps.get(state)
+        found = [] if spec is None or spec.rate_limit is None else [spec.rate_limit]
+        if (
+            self.rate_limit is not None
+            and state == self.initial
+            and record_visit <= 1
+            and attempt == 0
+            and self.rate_limit not in found
+        ):
+            found.append(self.rate_limit)
+        return found
 
     def business_key(self, context: BaseModel) -> str | None:
         if self.key is None:

@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import ids
+from flowloop import gates, ids, tracecontext
 from flowloop import journal as j
-from flowloop import tracecontext
 from flowloop.clock import Clock, SystemClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
@@ -55,6 +54,7 @@ from flowloop.executor import (
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.limits import concurrency_key_of
 from flowloop.store import (
     Boundary,
     Fence,
@@ -247,6 +247,7 @@ class Engine:
                 json.dumps(workflow.structure(), sort_keys=True),
             )
             self._workflows[workflow.name] = workflow
+        gates.share_limits(self.store, self._workflows)
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
@@ -277,6 +278,11 @@ class Engine:
         ctx = workflow.parse_context(context)
         now = self.clock.now()
         business_key = key if key is not None else workflow.business_key(ctx)
+        limit_key = (
+            None
+            if workflow.concurrency_key is None
+            else concurrency_key_of(workflow.name, workflow.concurrency_key, ctx)
+        )
         run_id = uuid.uuid4().hex
         created = JournalEvent(
             run_id=run_id,
@@ -292,6 +298,7 @@ class Engine:
                 "fingerprint": workflow.fingerprint,
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
+                **({"limit_key": limit_key} if limit_key is not None else {}),
                 **self._trace_data(run_id, trace_context),
             },
         )
@@ -316,6 +323,7 @@ class Engine:
             priority=priority,
             owner=owner,
             lease_seconds=self.lease_seconds,
+            limit_key=limit_key,
         )
 
     def _trace_data(self, run_id: str, carrier: Mapping[str, str] | None) -> dict[str, Any]:
@@ -469,7 +477,11 @@ class Engine:
             trace_context=trace_context,
             # Claimed at birth when it starts with a step; a run that starts waiting
             # holds nothing.
-            owner=self.worker_id if workflow.initial in workflow.steps else None,
+            # A limited or gated first step is claimed like any other (its limits are
+            # decided in the claim / before the call).
+            owner=self.worker_id
+            if workflow.initial in workflow.steps and not gates.gated_start(workflow)
+            else None,
         )
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:

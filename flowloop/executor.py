@@ -41,6 +41,7 @@ from flowloop.definition import (
 )
 from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
+from flowloop.gates import Gates
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 
@@ -283,6 +284,8 @@ class Executor:
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
         self.reserved: Callable[[], int] = lambda: 0
+        self.gates = Gates(store, worker_id, clock)
+        """Breakers and rate limits checked before calls (flowloop/gates.py)."""
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
 
     @property
@@ -390,7 +393,9 @@ class Executor:
             waiters.append(asyncio.ensure_future(stop.wait()))
         try:
             await asyncio.wait(
-                waiters, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED
+                waiters,
+                timeout=self.gates.wake_in(self.poll_seconds),
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
             for waiter in waiters:
@@ -691,8 +696,18 @@ class Executor:
             elif starting:
                 if await self._honour_control(record, fence):
                     return
+                held = await self.gates.check(
+                    workflow, record, record.state, attempt=record.attempt
+                )
+                if held is not None:  # not called now: deferred or failed (flowloop/gates.py)
+                    await self._finish(record, fence, [held])
+                    return
                 started = self._event(
-                    record, j.STEP_STARTED, state=record.state, attempt=record.attempt + 1
+                    record,
+                    j.STEP_STARTED,
+                    state=record.state,
+                    attempt=record.attempt + 1,
+                    data=self.gates.granted(record.id),
                 )
                 record = j.apply(record, started)
                 if not await self._commit(Boundary(events=[started], record=record, fence=fence)):
@@ -796,9 +811,11 @@ class Executor:
             raise
         except Exception as error:
             duration = self.clock.monotonic() - started
+            self.gates.called(spec, error)
             await self._failed(workflow, spec, record, fence, error, duration)
             return None
         duration = self.clock.monotonic() - started
+        self.gates.called(spec, None)
         self.stats.steps += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0
         succeeded = self._event(
@@ -863,8 +880,19 @@ class Executor:
             if applied and target in workflow.waits:
                 self._deliver(record.id)
             return None
+        held = await self.gates.check(workflow, after, target, attempt=0)
+        if held is not None:  # not called now: deferred (rate limit, breaker) or failed
+            await self._finish(record, fence, [transition, held])
+            return None
         # The usual case: the outcome and the next step_started in one commit.
-        nxt = self._event(record, j.STEP_STARTED, offset=2, state=target, attempt=1)
+        nxt = self._event(
+            record,
+            j.STEP_STARTED,
+            offset=2,
+            state=target,
+            attempt=1,
+            data=self.gates.granted(record.id),
+        )
         after = j.apply(after, nxt)
         if not await self._commit(Boundary(events=[transition, nxt], record=after, fence=fence)):
             return None

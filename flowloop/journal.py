@@ -27,6 +27,7 @@ RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
+RUN_DEFERRED: Final = "run_deferred"  # a rate limit / open breaker: due later, status kept
 
 KINDS: Final = (
     RUN_CREATED,
@@ -42,6 +43,7 @@ KINDS: Final = (
     RUN_RETRIED,
     EVENT_RECEIVED,
     EVENT_REJECTED,
+    RUN_DEFERRED,
 )
 
 
@@ -215,6 +217,9 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=None,
             error=None,
         )
+    elif kind == RUN_DEFERRED:
+        # The step was not called (flowloop/gates.py): nothing but when and why changes.
+        change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))
     elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);

@@ -82,6 +82,8 @@ class NewRun:
     owner: str | None = None
     """Create the run already claimed by this worker (saves a claim round trip)."""
     lease_seconds: float = 30.0
+    limit_key: str | None = None
+    """The run's concurrency key (``Workflow(concurrency_key=...)``), kept on its row."""
 
 
 @dataclass(frozen=True, kw_only=True)

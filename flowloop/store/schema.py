@@ -62,6 +62,9 @@ runs = Table(
     Column("control", String(16)),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # The run's concurrency key (Workflow(concurrency_key=...)), set at start: claims count
+    # the runs held per key and go round-robin between keys (flowloop/store/limits.py).
+    Column("limit_key", String(400)),
 )
 Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
 Index("ix_flowloop_runs_owner", runs.c.owner)
@@ -183,4 +186,40 @@ Index(
     unique=True,
     sqlite_where=text("dedupe_key IS NOT NULL"),
     postgresql_where=text("dedupe_key IS NOT NULL"),
+)
+
+# Flow control shared by all workers (flowloop/limits.py, flowloop/store/limits.py).
+rate_limits = Table(
+    "flowloop_rate_limits",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("last_grant", Float),
+    Column("queue_end", Float, nullable=False),
+    Column("grants", Integer, nullable=False, default=0),
+    Column("deferrals", Integer, nullable=False, default=0),
+    Column("updated_at", Float, nullable=False),
+)
+
+breakers = Table(
+    "flowloop_breakers",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("failures", Text, nullable=False),
+    Column("until", Float),
+    Column("trial", String(200)),
+    Column("opened", Integer, nullable=False, default=0),
+    Column("last_seq", Integer, nullable=False, default=0),
+    Column("updated_at", Float, nullable=False),
+)
+
+breaker_journal = Table(
+    "flowloop_breaker_journal",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String(32), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("worker", String(200)),
+    Column("data", Text),
 )

@@ -38,6 +38,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
 
@@ -144,6 +145,7 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "control": None,
         "created_at": new.events[0].at,
         "updated_at": new.events[-1].at,
+        "limit_key": new.limit_key,
     }
 
 
@@ -205,7 +207,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(LoopStoreMixin, Store):
+class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
@@ -222,6 +224,7 @@ class SQLStore(LoopStoreMixin, Store):
         self._lock = threading.RLock()
         self._writer: Connection | None = None
         self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
+        self._claim_limits: dict[str, ClaimLimits] = {}
         try:
             if check_schema:
                 self._ensure_schema(create=create)
@@ -804,6 +807,10 @@ class SQLStore(LoopStoreMixin, Store):
     ) -> list[StoredRun]:
         if (workflows is not None and not workflows) or (run_ids is not None and not run_ids):
             return []
+        limited = [w for w in workflows or () if w in self._claim_limits] if kind == "due" else []
+        if limited:  # counted against their limits, in this same transaction
+            assert workflows is not None
+            workflows = [w for w in workflows if w not in self._claim_limits]
         stmt = self._claim_statement(kind, workflows is not None, run_ids is not None)
         params: dict[str, Any] = {
             "p_worker": worker,
@@ -816,7 +823,23 @@ class SQLStore(LoopStoreMixin, Store):
         if run_ids is not None:
             params["p_ids"] = list(run_ids)
         with self._write() as conn:
-            rows = [_stored_from_row(row) for row in conn.execute(stmt, params)]
+            found = (
+                self._claim_limited(
+                    conn,
+                    limited,
+                    worker=worker,
+                    lease_seconds=lease_seconds,
+                    limit=limit,
+                    now=now,
+                    run_ids=run_ids,
+                )
+                if limited
+                else []
+            )
+            params["p_limit"] = limit - len(found)
+            if (workflows is None or workflows) and params["p_limit"] > 0:
+                found.extend(conn.execute(stmt, params))
+            rows = [_stored_from_row(row) for row in found]
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
         return rows
 
