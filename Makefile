@@ -5,13 +5,20 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test lint system venv bench clean
+.PHONY: demo test lint system browser venv bench clean
 
 system:
 	@command -v dot >/dev/null 2>&1 || { \
 	  echo "installing graphviz (the dot program) ..."; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq graphviz >/dev/null; }
+
+# The dashboard's browser tests drive Debian's chromium (make test only; make demo needs no browser).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing chromium (the dashboard's browser tests) ..."; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 $(BIN)/flowloop: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,11 +38,11 @@ demo: system venv
 	@echo "the flowloop command is in $(BIN): export PATH=\"$$PWD/$(BIN):\$$PATH\" (or: . $(BIN)/activate)"
 
 lint: venv
-	$(BIN)/ruff check flowloop tests bench workflows
-	$(BIN)/ruff format --check flowloop tests bench workflows
+	$(BIN)/ruff check flowloop flowloop_pytest.py tests bench workflows
+	$(BIN)/ruff format --check flowloop flowloop_pytest.py tests bench workflows
 	$(BIN)/mypy
 
-test: system venv lint
+test: system browser venv lint
 	$(BIN)/python -m pytest tests -q
 
 bench: system venv

@@ -22,8 +22,9 @@ from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownRun
+from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.loader import Loaded, load_paths, load_target
+from flowloop.loader import Loaded, load_paths, load_target, split_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES, safe_url
 from flowloop.store.loops import LoopRow
@@ -254,7 +255,8 @@ def styled(status: str) -> str:
 
 def describe_event(event: JournalEvent) -> str:
     if event.kind in ("step_succeeded", "event_received"):
-        return f"{event.state} --{event.event}--> {event.next_state}"
+        note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
+        return f"{event.state} --{event.event}--> {event.next_state}{note}"
     if event.kind == "event_rejected":
         return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind in ("step_failed", "step_interrupted", "run_failed"):
@@ -464,8 +466,12 @@ def run(
             out.print(note, markup=False)
         if not as_json:
             engine.listeners.append(progress_printer())
-        info = engine.run(workflow, context, key=key)
+        info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
         waits = support.WaitStates(engine)
+    if isinstance(info, Interrupted):
+        where = f"-w {split_target(target)[0]} --db {database(db)}"
+        resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        leave(interrupted_line(info, resume=resume_with, retry=retry_with))
     if as_json:
         click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
         if info.status != "succeeded" and waits.of(info) is None:
@@ -1240,6 +1246,13 @@ def check(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
     type=click.Choice(["dot", "svg", "png"]),
     help="Output format [default: from the -o suffix, else dot].",
 )
+@click.option(
+    "--runs",
+    "draw_runs",
+    is_flag=True,
+    help="With FILE: all runs of --since from the store drawn on it (a heat map).",
+)
+@click.option("--since", default="24h", show_default=True, help="Window of --runs, or 'all'.")
 @workflows_option
 @db_option
 @json_option
@@ -1251,6 +1264,8 @@ def diagram(
     draw_all: bool,
     out_path: Path | None,
     fmt: str | None,
+    draw_runs: bool,
+    since: str,
     workflow_paths: tuple[str, ...],
     db: str | None,
     synchronous: str,
@@ -1279,6 +1294,8 @@ def diagram(
             "diagram: give exactly one of FILE[:NAME], --lifecycle, --run RUN_ID, --loop NAME "
             "or --all" + (f" (got {', '.join(given)})" if given else "")
         )
+    if draw_runs and target is None:
+        raise FlowloopError("diagram: --runs draws FILE[:WORKFLOW] with its runs; give FILE")
     if draw_all:
         if fmt is not None:
             raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
@@ -1309,7 +1326,12 @@ def diagram(
         graph = _stored_loop_diagram(loop_name, workflow_paths, db, synchronous)
     else:
         assert target is not None
-        graph = _machine_diagram(target)
+        if draw_runs:  # all runs of the window on it: flowloop/heat.py
+            from flowloop.heat import workflow_heat_digraph
+
+            graph = workflow_heat_digraph(load_target(target)[0], database(db), since=since)
+        else:
+            graph = _machine_diagram(target)
     fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
     if out_path is None:
         if fmt == "png":
@@ -1382,54 +1404,115 @@ def stats_command(
     synchronous: str,
     as_json: bool,
 ) -> None:
-    """Per workflow and state: step attempts, success rate, retries, p50/p95/p99 duration
-    and the slowest runs, computed from the journal."""
-    from flowloop.stats import step_stats
+    """Per workflow: runs finished, their success rate and whole-run latency p50/p95/p99;
+    per workflow and state: step attempts, their success rate, retries, p50/p95/p99
+    duration and the slowest runs; per loop: iterations by outcome and p50/p95 duration.
+    Computed from the journals."""
+    from flowloop.stats import loop_stats, run_stats, step_stats
 
     window = None if since.strip().lower() == "all" else seconds_option(since, "--since")
     with open_engine(db, synchronous, read=True) as engine:
         start = None if window is None else engine.clock.now() - window
-        found = step_stats(sql_engine(engine), workflow=workflow, since=start, slowest=slowest)
+        db_engine = sql_engine(engine)
+        found = step_stats(db_engine, workflow=workflow, since=start, slowest=slowest)
+        whole = run_stats(db_engine, workflow=workflow, since=start)
+        looped = [] if workflow else loop_stats(db_engine, since=start)
     if as_json:
-        page = {"since": start, "states": [row.as_dict() for row in found]}
+        page = {
+            "since": start,
+            "runs": [row.as_dict() for row in whole],
+            "states": [row.as_dict() for row in found],
+            "loops": [row.as_dict() for row in looped],
+        }
         click.echo(json.dumps(support.with_times(page, "since")))
         return
     scope = "all history" if start is None else f"since {iso(start)} ({since})"
-    if not found:
+    if not (found or whole or looped):
         out.print(
-            f"no step attempts journaled {'in ' if start is None else ''}{scope}"
+            f"nothing journaled {'in ' if start is None else ''}{scope}"
             + (f" for workflow {workflow}" if workflow else ""),
             markup=False,
         )
         return
-    table = Table(
-        "workflow",
-        "state",
-        "attempts",
-        "ok",
-        "retries",
-        "p50",
-        "p95",
-        "p99",
-        "slowest runs",
-        title=f"steps, {scope}",
-        title_justify="left",
-    )
-    for column in table.columns[2:8]:
-        column.justify = "right"
-    for row in found:
-        table.add_row(
-            row.workflow,
-            row.state,
-            str(row.count),
-            f"{row.success_rate:.1%}",
-            str(row.retries),
-            seconds_text(row.p50),
-            seconds_text(row.p95),
-            seconds_text(row.p99),
-            " ".join(run_id for run_id, _ in row.slowest),
+    if whole:
+        runs_table = Table(
+            "workflow",
+            "finished",
+            "succeeded",
+            "failed",
+            "stopped",
+            "run success",
+            "latency p50",
+            "p95",
+            "p99",
+            title=f"runs finished {scope} (latency: run_created to the end, succeeded runs)",
+            title_justify="left",
         )
-    out.print(table)
+        for column in runs_table.columns[1:]:
+            column.justify = "right"
+        for run_row in whole:
+            runs_table.add_row(
+                run_row.workflow,
+                str(run_row.finished),
+                str(run_row.succeeded),
+                str(run_row.failed),
+                str(run_row.stopped),
+                f"{run_row.success_rate:.1%}",
+                seconds_text(run_row.p50),
+                seconds_text(run_row.p95),
+                seconds_text(run_row.p99),
+            )
+        out.print(runs_table)
+    if found:
+        table = Table(
+            "workflow",
+            "state",
+            "attempts",
+            "attempts ok",
+            "retries",
+            "p50",
+            "p95",
+            "p99",
+            "slowest runs",
+            title=f"step attempts, {scope}",
+            title_justify="left",
+        )
+        for column in table.columns[2:8]:
+            column.justify = "right"
+        for row in found:
+            table.add_row(
+                row.workflow,
+                row.state,
+                str(row.count),
+                f"{row.success_rate:.1%}",
+                str(row.retries),
+                seconds_text(row.p50),
+                seconds_text(row.p95),
+                seconds_text(row.p99),
+                " ".join(run_id for run_id, _ in row.slowest),
+            )
+        out.print(table)
+    if looped:
+        loops_table = Table(
+            "loop",
+            "iterations",
+            "by outcome",
+            "slots not run",
+            "p50",
+            "p95",
+            title=f"loop iterations ended {scope}",
+            title_justify="left",
+        )
+        for loop_row in looped:
+            loops_table.add_row(
+                loop_row.loop,
+                str(loop_row.iterations),
+                ", ".join(f"{k} {v}" for k, v in loop_row.outcomes.items()) or "-",
+                ", ".join(f"{k} {v}" for k, v in loop_row.slots_not_run.items()) or "-",
+                seconds_text(loop_row.p50),
+                seconds_text(loop_row.p95),
+            )
+        out.print(loops_table)
 
 
 @cli.command(name="prune")
@@ -1495,6 +1578,12 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+
+
+# The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.
+from flowloop.ui.command import ui_command  # noqa: E402
+
+cli.add_command(ui_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Protocol
 
 
@@ -54,10 +54,22 @@ class FakeClock:
     def monotonic(self) -> float:
         return self._mono
 
-    def advance(self, seconds: float) -> None:
-        """Move both clocks forward."""
-        self._wall += seconds
-        self._mono += seconds
+    def advance(self, seconds: float | timedelta) -> None:
+        """Move both clocks forward by ``seconds`` (or a ``timedelta``)."""
+        delta = seconds.total_seconds() if isinstance(seconds, timedelta) else float(seconds)
+        if delta < 0:
+            raise ValueError("FakeClock.advance: time cannot go back (use jump_wall)")
+        self._wall += delta
+        self._mono += delta
+
+    def set(self, when: float | datetime) -> None:
+        """Move both clocks forward to ``when`` (epoch seconds or an aware datetime)."""
+        target = when.timestamp() if isinstance(when, datetime) else float(when)
+        self.advance(max(0.0, target - self._wall))
+
+    def utcnow(self) -> datetime:
+        """The wall time as an aware UTC datetime."""
+        return datetime.fromtimestamp(self._wall, UTC)
 
     def jump_wall(self, seconds: float) -> None:
         """Move only the wall clock (forwards or backwards), as NTP or an operator might."""

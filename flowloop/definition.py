@@ -54,6 +54,14 @@ class Step:
     visit: int
     seq: int
     worker: str
+    notes: list[str] = field(default_factory=list, compare=False, repr=False)
+    """What :meth:`note` was told, in order."""
+
+    def note(self, text: str) -> None:
+        """Say in a few words what this attempt did (``a.csv bytes 85-1,210, rows 2-19``):
+        journaled with the step's success (``data["note"]``) and shown by ``flowloop
+        history``, so a reader sees the work without opening every context."""
+        self.notes.append(text)
 
     @property
     def idempotency_key(self) -> str:
@@ -626,16 +634,29 @@ class Workflow:
 
 
 def _wants_step(workflow: str, state: str, function: StepFunction) -> bool:
+    """Whether the step is called as (ctx, step) rather than (ctx); a function that cannot
+    be called either way (a third required parameter, a required keyword-only one, none at
+    all) fails here, at definition, instead of on every attempt at run time."""
     try:
-        parameters = inspect.signature(function).parameters.values()
+        signature = inspect.signature(function)
     except (TypeError, ValueError):
         return True
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if any(p.kind == p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2:
-        return True
-    if len(positional) == 1:
-        return False
-    raise DefinitionError(workflow, f"step {state!r} must take (ctx) or (ctx, step)")
+    for wanted in (2, 1):
+        try:
+            signature.bind(*range(wanted))
+        except TypeError:
+            continue
+        return wanted == 2
+    required = [
+        p.name
+        for p in signature.parameters.values()
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    raise DefinitionError(
+        workflow,
+        f"step {state!r} must take (ctx) or (ctx, step); its function requires "
+        f"({', '.join(required)}): give the others defaults or drop them",
+    )
 
 
 def describe_validation(error: ValidationError) -> str:

@@ -283,7 +283,7 @@ class Engine:
             if workflow.concurrency_key is None
             else concurrency_key_of(workflow.name, workflow.concurrency_key, ctx)
         )
-        run_id = uuid.uuid4().hex
+        run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         created = JournalEvent(
             run_id=run_id,
             seq=1,
@@ -334,6 +334,10 @@ class Engine:
         if carrier is None:
             return {}
         return {tracecontext.TRACE_KEY: tracecontext.new_run_trace(carrier).to_data()}
+
+    def _new_run_id(self, workflow: str, key: str | None, idempotency_key: str | None) -> str:
+        """A new run's id: random (flowloop.testing's TestEngine makes it reproducible)."""
+        return uuid.uuid4().hex
 
     @staticmethod
     def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:
@@ -518,7 +522,11 @@ class Engine:
             )
         else:
             info = self.get(stored.id)
-        if info.status in ("scheduled", "retrying") and info.state not in workflow.waits:
+        if (
+            info.status in ("scheduled", "retrying")
+            and info.state not in workflow.waits
+            and not executor.handing_back  # a first Ctrl-C (flowloop.interrupt): stop here
+        ):
             # Retry backoff or a durable sleep: wait for it like run_until_idle would.
             await executor.run(until_idle=True, run_ids=[stored.id])
             info = self.get(stored.id)
@@ -1028,8 +1036,9 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
 def _context_entering(events: Sequence[JournalEvent], state: str) -> str | None:
     """The context a run had when it last entered ``state``."""
     for event in reversed(events):
-        # An event that a wait state took moves the run on as a step does.
-        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
+        # Entered by any transition that records the context it entered with: a step's
+        # outcome, a wait state's event or timeout, a child run's result.
+        if event.next_state == state and event.context is not None:
             return event.context
         if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
             return event.context

@@ -72,6 +72,23 @@ class InvalidContext(FlowloopError):
         self.problems = problems
 
 
+class ContextNotSerializable(FlowloopError):
+    """A step left a value in its context that JSON cannot hold (a lock, a connection …):
+    the journal cannot keep it, so retrying cannot help. Keep such objects out of the
+    context (in a module-level or per-process resource) and store only plain data."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, workflow: str, state: str, field: str, problem: str) -> None:
+        super().__init__(
+            f"workflow {workflow!r} step {state!r} left context field {field!r} holding a "
+            f"value the journal cannot store ({problem}); keep only plain data in the context"
+        )
+        self.workflow = workflow
+        self.state = state
+        self.field = field
+
+
 class InvalidEvent(FlowloopError):
     """A step returned (or a caller sent) an event its state does not declare."""
 

@@ -28,8 +28,10 @@ from typing import Any, Final
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
+from flowloop import interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
+from flowloop.contexts import dump_context
 from flowloop.definition import (
     TIMEOUT_EVENT,
     Sleep,
@@ -39,11 +41,18 @@ from flowloop.definition import (
     compatible,
     describe_validation,
 )
-from flowloop.errors import FlowloopError, InvalidEvent, MaxVisitsExceeded, StepTimeout
+from flowloop.errors import (
+    ContextNotSerializable,
+    FlowloopError,
+    InvalidEvent,
+    MaxVisitsExceeded,
+    StepTimeout,
+)
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.gates import Gates
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
+from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
 
@@ -58,6 +67,9 @@ OUTAGE_BACKOFF_CAP: Final = 5.0
 RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
+
+MAX_NOTE_CHARS: Final = 500
+"""Of a step's notes (``Step.note``), kept in its journal entry."""
 
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
@@ -274,6 +286,14 @@ class Executor:
         self._active: dict[str, _Active] = {}
         self._controls: dict[str, str] = {}
         self._draining = False
+        self.handing_back = False
+        """Set by :meth:`hand_back`: claim nothing more and stop once the steps in flight
+        have finished (their runs are released)."""
+        self.async_steps: dict[str, Step] = {}
+        """The async steps in flight by run id, named by the loop watchdog on a stall."""
+        self.watchdog = LoopWatchdog(self.async_steps)
+        self._given_up: set[str] = set()
+        """Runs this worker abandoned (lost lease): recovering one later says so."""
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
         self._lease_until: dict[str, float] = {}
@@ -321,7 +341,7 @@ class Executor:
             await self.recover()
             last_recovery = self.clock.monotonic()
             outage = 0.0
-            while not (stop is not None and stop.is_set()):
+            while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
                     claimed = self._claim(run_ids)
                     if self.clock.monotonic() - last_recovery > min(
@@ -425,6 +445,15 @@ class Executor:
         task.add_done_callback(done)
         return task
 
+    def hand_back(self) -> None:
+        """Claim nothing more, let the steps in flight finish and journal their outcome,
+        then release their runs (``run_released``: released on shutdown) and stop: what a
+        first Ctrl-C does to ``flowloop run``. Cancelling the driving task then cuts off."""
+        self.handing_back = True
+        self._draining = True
+        if self._wake is not None:
+            self._wake.set()
+
     async def drain(self, grace: float) -> None:
         """Let in-flight steps finish (their runs are released, not continued) for up to
         ``grace`` seconds, then cut the rest off: their journal shows the interruption."""
@@ -443,6 +472,7 @@ class Executor:
         # Ticks at most lease/12 apart: a run is fenced off with lease/6 to spare at the
         # latest one tick (lease/12) after that point, so with lease/12 left at worst.
         tick = max(0.01, min(self.poll_seconds, self.lease_seconds / 12))
+        self._watch_loop_while_beating()
         last_renewal = last_poll = time.monotonic()
         failing = False
         while True:
@@ -464,6 +494,13 @@ class Executor:
                     log.warning("heartbeat failed (retrying): %s", error_line(error))
                 failing = True
             self._fence_expiring()
+
+    def _watch_loop_while_beating(self) -> None:
+        """The loop watchdog (flowloop/watchdog.py) runs as long as a heartbeat does."""
+        beating = asyncio.current_task()
+        if beating is not None:
+            self.watchdog.start()
+            beating.add_done_callback(lambda _: self.watchdog.stop())
 
     def _renew(self) -> None:
         released = self.committer.released
@@ -508,6 +545,7 @@ class Executor:
     def _abandon(self, run_id: str, why: str) -> None:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
         log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
+        self._given_up.add(run_id)
         self.stats.lost_leases += 1
         self._lease_lost(run_id, why)
         self._controls[run_id] = "lost"
@@ -551,21 +589,25 @@ class Executor:
                     self.stats.recovered += 1
                     self._notify(boundary)
 
-    def _interrupted(self, row: StoredRun) -> Boundary:
+    def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
         workflow = self.workflows[record.workflow]
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
+        if cause is None:  # found by recovery: this worker's own lease, or another's
+            mine = row.id in self._given_up or row.id in self._active
+            cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
+        self._given_up.discard(row.id)
         data: dict[str, Any]
-        if spec is not None and spec.idempotent and spec.retry.has_attempts_left(record.attempt):
-            data = {"retry_at": now}
-            message = "the worker died during this step; it runs again"
-        elif spec is not None and spec.idempotent:
-            data = {"reason": "interrupted"}
-            message = f"interrupted {record.attempt} time(s); no attempts left"
+        idempotent = spec is not None and spec.idempotent
+        attempts_left = spec is not None and spec.retry.has_attempts_left(record.attempt)
+        if idempotent and attempts_left:
+            data = {"retry_at": now, "cause": cause}
         else:
-            data = {"reason": "interrupted"}
-            message = "interrupted and not idempotent: not re-run; check its effect, then retry"
+            data = {"reason": "interrupted", "cause": cause}
+        message = interruptions.message(
+            cause, idempotent=idempotent, attempts_left=attempts_left, attempt=record.attempt
+        )
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,
@@ -640,6 +682,7 @@ class Executor:
                 why,
                 extra={"run": boundary.run_id, "event": "lease_lost"},
             )
+            self._given_up.add(boundary.run_id)
             self._lease_lost(boundary.run_id, why)
         return applied
 
@@ -769,7 +812,7 @@ class Executor:
             created_at=0.0,
             updated_at=0.0,
         )
-        boundary = self._interrupted(row)
+        boundary = self._interrupted(row, interruptions.CUT_OFF)
         with contextlib.suppress(Exception):
             await self._commit(boundary)
 
@@ -804,7 +847,7 @@ class Executor:
             returned = await self._call(record.id, spec, ctx, step)
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
-            context = ctx.model_dump_json()
+            context = dump_context(ctx, workflow=workflow.name, state=record.state)
             workflow.context.model_validate_json(context)
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
@@ -827,7 +870,8 @@ class Executor:
             next_state=next_state,
             context=context,
             duration=duration,
-            data=entering(workflow, next_state, self.clock.now(), delay=delay),
+            data=entering(workflow, next_state, self.clock.now(), delay=delay)
+            | ({"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]} if step.notes else {}),
         )
         if logged:
             log.info(
@@ -868,6 +912,13 @@ class Executor:
             if action in ("pause", "stop"):
                 kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
                 events.append(self._event(record, kind, offset=2, state=target))
+            else:  # draining: say so in the journal (the due time stays the transition's)
+                reason = interruptions.RELEASED_ON_SHUTDOWN
+                due = after.next_run_at
+                released = {"due": due, "reason": reason}
+                events.append(
+                    self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
+                )
             await self._finish(record, fence, events, clear_control=action is not None)
             if action is None and target in workflow.waits:
                 self._deliver(record.id)  # draining: still hand it what was kept for it
@@ -976,7 +1027,9 @@ class Executor:
         error: Exception,
         duration: float,
     ) -> None:
-        definitive = isinstance(error, (InvalidEvent, MaxVisitsExceeded, ValidationError))
+        definitive = isinstance(
+            error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
+        )
         retryable = not definitive and spec.retry.should_retry(error, record.attempt)
         data: dict[str, Any]
         if retryable:
@@ -1029,6 +1082,15 @@ class Executor:
         return None
 
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        if not spec.is_async:
+            return await self._invoke(run_id, spec, ctx, step)
+        self.async_steps[run_id] = step
+        try:
+            return await self._invoke(run_id, spec, ctx, step)
+        finally:
+            self.async_steps.pop(run_id, None)
+
+    async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
         active = self._active.get(run_id)
@@ -1066,6 +1128,7 @@ class Executor:
                 active.step_task = None
 
     def close(self) -> None:
+        self.watchdog.close()
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 

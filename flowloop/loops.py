@@ -13,9 +13,9 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from croniter import croniter
+from cronsim import CronSim, CronSimError
 from pydantic import BaseModel
 
 from flowloop.definition import NAME_PATTERN, Workflow
@@ -27,6 +27,20 @@ MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
 DEFAULT_MISFIRE_GRACE_SECONDS = 3600.0
 MAX_COUNTED_SLOTS = 100_000
 """Cron slots are counted one by one; past this many, a gap is not counted further."""
+
+
+class Idle:
+    """The type of :data:`IDLE`."""
+
+    def __repr__(self) -> str:
+        return "IDLE"
+
+
+IDLE = Idle()
+"""Nothing to do in this slot: what a loop function returns, or what a workflow loop's
+``context`` function returns instead of a context (``None`` means the same), so that no
+run is created. The iteration is journaled ``iteration_skipped_idle``: it neither counts
+as a failure nor resets the failure count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +68,11 @@ class Loop:
 
     ``fn`` is a function ``(Iteration) -> Any`` (sync or async) — or give ``workflow=`` and
     ``context=`` (a model, a dict, or a function of the Iteration returning one) to start one
-    run of that workflow per iteration; the iteration ends when the run does.
+    run of that workflow per iteration; the iteration ends when the run does. A context
+    function that returns ``None`` (or :data:`IDLE`) says there is nothing to do: no run is
+    created and the iteration is journaled ``iteration_skipped_idle`` (so a loop that polls
+    an empty inbox does not fill ``status`` with no-op runs). A loop function may return
+    :data:`IDLE` for the same journal entry.
 
     ``mode``: ``fixed_rate`` (next = slot + every; a slot that comes due while the previous
     iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs
@@ -362,16 +380,40 @@ def _check_function(bad: Callable[[str], LoopDefinitionError], fn: Callable[...,
         ) from None
 
 
+CRON_ALIASES: Final = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+"""The usual cron shorthands (cronsim parses five fields only)."""
+
+
+def _cron_fields(expression: str) -> str:
+    expanded = CRON_ALIASES.get(expression.strip().lower(), expression)
+    if len(expanded.split()) != 5:
+        # Six fields mean seconds to some parsers and years to others: refuse the doubt
+        # (sub-minute schedules are every=).
+        raise ValueError("a cron expression has five fields (minute hour day month weekday)")
+    return expanded
+
+
 def _cron_valid(expression: str) -> bool:
     try:
-        return bool(croniter.is_valid(expression))
-    except Exception:
+        CronSim(_cron_fields(expression), datetime.fromtimestamp(0, UTC))
+    except (ValueError, CronSimError):
         return False
+    return True
 
 
 def _cron_next(expression: str, moment: float) -> float:
-    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_next(float))
+    start = datetime.fromtimestamp(moment, UTC)
+    return next(CronSim(_cron_fields(expression), start)).timestamp()
 
 
 def _cron_prev(expression: str, moment: float) -> float:
-    return float(croniter(expression, datetime.fromtimestamp(moment, UTC)).get_prev(float))
+    start = datetime.fromtimestamp(moment, UTC)
+    return next(CronSim(_cron_fields(expression), start, reverse=True)).timestamp()

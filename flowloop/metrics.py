@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    start_http_server,
+)
 
 from flowloop import journal as j
 from flowloop.errors import ConfigError
@@ -45,6 +52,16 @@ STEP_BUCKETS: Final = (
 """Step duration buckets in seconds: from a 1 ms database step to a 5 min batch job."""
 STEP_OUTCOMES: Final = ("succeeded", "failed", "retried", "timed_out", "interrupted")
 FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
+ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "skipped_idle", "stopped", "cancelled")
+LEASE_KINDS: Final = ("run", "loop")
+KNOWN_ALERTS: Final = (
+    ("critical", "interrupted step (not idempotent)"),
+    ("critical", "run failed"),
+    ("critical", "loop paused"),
+    ("warning", "lease lost"),
+    ("warning", "loop iterations skipped"),
+)
+"""(level, what) of every alert flowloop raises (alerts.py, scheduler.py)."""
 TIMEOUT_ERROR: Final = "StepTimeout"
 
 
@@ -74,6 +91,9 @@ class Metrics:
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        # The `_created` series double every counter and histogram and are not used by
+        # rate()/increase(); prometheus-client's switch for them is process-wide.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.runs_started = Counter(
@@ -104,7 +124,7 @@ class Metrics:
         self.iterations = Counter(
             "flowloop_loop_iterations",
             "Loop iterations by outcome: ok, failed, skipped (slots skipped while the previous "
-            "iteration still ran), stopped, cancelled.",
+            "iteration still ran), skipped_idle (nothing to do), stopped, cancelled.",
             ["loop", "outcome"],
             registry=r,
         )
@@ -127,6 +147,18 @@ class Metrics:
             ["level", "what"],
             registry=r,
         )
+        self.loop_stalls = Counter(
+            "flowloop_event_loop_stalls",
+            "Times the worker's event loop did not run for the stall threshold or longer "
+            "(a blocking call in an async step; the log names the step).",
+            registry=r,
+        )
+        self.loop_stall_seconds = Histogram(
+            "flowloop_event_loop_stall_seconds",
+            "Length of event-loop stalls.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "flowloop_queue_depth",
             "Runs due but not yet claimed (scheduled or retrying).",
@@ -139,6 +171,29 @@ class Metrics:
         )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+
+    def known(self, workflows: Mapping[str, Iterable[str]], loops: Iterable[str]) -> None:
+        """Create every labelled series this worker can produce at 0: per workflow (name →
+        its step states) each step outcome, run status and duration histogram, per loop
+        each iteration outcome, and every lease kind and alert. Prometheus's ``increase()``
+        needs a series to exist before its first event, or the first failures after a
+        worker starts are never counted by an alert rule."""
+        for kind in LEASE_KINDS:
+            self.leases_lost.labels(kind)
+        for level, what in KNOWN_ALERTS:
+            self.alerts.labels(level, what)
+        for workflow, states in workflows.items():
+            self.runs_started.labels(workflow)
+            for status in FINISHED_STATUSES:
+                self.runs_finished.labels(workflow, status)
+            for state in states:
+                self.step_duration.labels(workflow, state)
+                for outcome in STEP_OUTCOMES:
+                    self.steps.labels(workflow, state, outcome)
+        for loop in loops:
+            self.iteration_duration.labels(loop)
+            for outcome in ITERATION_OUTCOMES:
+                self.iterations.labels(loop, outcome)
 
     # -- feeding ---------------------------------------------------------------------------
 
@@ -184,6 +239,11 @@ class Metrics:
             counter.inc()
 
         return hook
+
+    def stall(self, lag: float, _steps: list[str]) -> None:
+        """A loop-watchdog stall listener."""
+        self.loop_stalls.inc()
+        self.loop_stall_seconds.observe(lag)
 
     def alert(self, level: str, what: str) -> None:
         self.alerts.labels(level, what).inc()

@@ -651,16 +651,26 @@ def to_digraph(model: DiagramModel) -> graphviz.Digraph:
             fillcolor=INK,
             tooltip="start",
         )
-        graph.edge(START_NODE, initial, tooltip=graphviz.escape(f"initial state: {initial}"))
+        graph.edge(
+            START_NODE, node_id(initial), tooltip=graphviz.escape(f"initial state: {initial}")
+        )
     for node in model.nodes:
-        graph.node(node.name, **node_attrs(node))
+        graph.node(node_id(node.name), **node_attrs(node))
     shared = _shared_events(model.edges)
     for edge in model.edges:
         attrs = edge_attrs(edge)
         if edge.mark == "plain" and (edge.secondary or (edge.event, edge.dest) in shared):
             attrs.update(color=SECONDARY, fontcolor=SECONDARY)
-        graph.edge(edge.source, edge.dest, **attrs)
+        graph.edge(node_id(edge.source), node_id(edge.dest), **attrs)
     return graph
+
+
+def node_id(name: str) -> str:
+    """A state name as a DOT node id: always quoted as text. graphviz leaves a string that
+    starts with ``<`` and ends with ``>`` unquoted (an HTML-like id), so a stored state
+    named ``</svg><script>…</script>`` would break the DOT (or inject into the SVG)."""
+    quoted: str = graphviz.nohtml(name)
+    return quoted
 
 
 def _shared_events(edges: Sequence[DiagramEdge]) -> set[tuple[str, str]]:

@@ -26,7 +26,7 @@ from flowloop.alerts import Alert
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
 from flowloop.executor import error_line, finish_within, owner_is_dead_here
-from flowloop.loops import Iteration, Loop, decide
+from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 
 log = logging.getLogger("flowloop.loops")
@@ -576,14 +576,14 @@ class Scheduler:
                 call = self.run_iteration(loop, iteration)
                 if loop.timeout is not None:
                     try:
-                        await asyncio.wait_for(call, loop.timeout)
+                        result = await asyncio.wait_for(call, loop.timeout)
                     except TimeoutError:
                         raise StepTimeout(
                             f"loop {loop.name!r} iteration took longer than {loop.timeout:g}s"
                         ) from None
                 else:
-                    await call
-                return "ok", None, attempt
+                    result = await call
+                return ("skipped_idle" if result is IDLE else "ok"), None, attempt
             except asyncio.CancelledError:
                 raise
             except Exception as error:

@@ -1,5 +1,8 @@
-"""Step statistics straight from the journal: per workflow and state, how many attempts,
-how many succeeded, how many were retried, p50/p95/p99 duration and the slowest runs.
+"""Statistics straight from the journals: per workflow and state, how many step attempts,
+how many succeeded, how many were retried, p50/p95/p99 duration and the slowest runs
+(:func:`step_stats`); per workflow, the runs that finished, their success rate and the
+whole-run latency (:func:`run_stats`); per loop, iterations by outcome, slots not run and
+p50/p95 iteration duration (:func:`loop_stats`).
 
 Computed in SQL, one code path for SQLite and PostgreSQL: plain aggregates for the counts,
 and window functions (``ROW_NUMBER``/``COUNT`` over a partition per workflow and state)
@@ -20,7 +23,7 @@ from sqlalchemy import ColumnElement, Engine, case, func, or_, select, true
 
 from flowloop import journal as j
 from flowloop.store.dialect import READ_OPTION
-from flowloop.store.schema import journal, runs
+from flowloop.store.schema import journal, loop_journal, runs
 
 OUTCOME_KINDS: Final = (j.STEP_SUCCEEDED, j.STEP_FAILED, j.STEP_INTERRUPTED)
 PERCENTILES: Final = (50, 95, 99)
@@ -178,4 +181,230 @@ def step_stats(
             )
         )
     result.sort(key=lambda s: (s.workflow, s.state))
+    return result
+
+
+# -- whole runs ------------------------------------------------------------------------------
+
+RUN_FINAL_STATUSES: Final = ("succeeded", "failed", "stopped")
+FINAL_ENTRY_KINDS: Final = (
+    j.STEP_SUCCEEDED,
+    j.EVENT_RECEIVED,
+    j.STEP_FAILED,
+    j.STEP_INTERRUPTED,
+    j.RUN_FAILED,
+    j.RUN_STOPPED,
+)
+"""The kinds a finished run's last entry can have: a range on the journal's ``(kind, at)``
+index finds the runs that finished in the window without reading every run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunStats:
+    """One workflow's runs that finished in the window (their final journal entry in it)."""
+
+    workflow: str
+    finished: int
+    succeeded: int
+    failed: int
+    stopped: int
+    p50: float | None
+    p95: float | None
+    p99: float | None
+    """Nearest-rank percentiles, in seconds, of the whole-run latency of the *succeeded*
+    runs: from ``run_created`` to the final entry (waits, retries and backoff included)."""
+
+    @property
+    def success_rate(self) -> float:
+        """Succeeded runs among the finished ones (whatever their steps' retries)."""
+        return self.succeeded / self.finished if self.finished else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "workflow": self.workflow,
+            "finished": self.finished,
+            "succeeded": self.succeeded,
+            "failed": self.failed,
+            "stopped": self.stopped,
+            "success_rate": round(self.success_rate, 6),
+            "latency_p50": self.p50,
+            "latency_p95": self.p95,
+            "latency_p99": self.p99,
+        }
+
+
+def run_stats(
+    db: Engine, *, workflow: str | None = None, since: float | None = None
+) -> list[RunStats]:
+    """Per workflow: runs whose final entry was journaled at or after ``since`` (``None``:
+    all history), by final status, with percentiles of the succeeded runs' latency."""
+    created = journal.alias("created")
+    ended = journal.alias("ended")
+    joined = runs.join(created, (created.c.run_id == runs.c.id) & (created.c.seq == 1)).join(
+        ended, (ended.c.run_id == runs.c.id) & (ended.c.seq == runs.c.last_seq)
+    )
+    filters: list[ColumnElement[bool]] = [runs.c.status.in_(RUN_FINAL_STATUSES)]
+    if since is not None:
+        filters.append(ended.c.at >= since)
+    if workflow is not None:
+        filters.append(runs.c.workflow == workflow)
+    where = [*filters, ended.c.kind.in_(FINAL_ENTRY_KINDS)]
+    # A finished run whose last entry is a success is a succeeded run: said by the entry's
+    # kind (not `status = 'succeeded'`, which would make the planner read every such run).
+    succeeded = [*filters, ended.c.kind.in_((j.STEP_SUCCEEDED, j.EVENT_RECEIVED))]
+
+    def of(status: str) -> ColumnElement[Any]:
+        return func.sum(case((runs.c.status == status, 1), else_=0)).label(status)
+
+    counts = (
+        select(runs.c.workflow, func.count().label("n"), *map(of, RUN_FINAL_STATUSES))
+        .select_from(joined)
+        .where(*where)
+        .group_by(runs.c.workflow)
+    )
+    latency = (ended.c.at - created.c.at).label("latency")
+    ranked = (
+        select(
+            runs.c.workflow.label("workflow"),
+            latency,
+            func.row_number().over(partition_by=runs.c.workflow, order_by=latency).label("rn"),
+            func.count()
+            .over(partition_by=runs.c.workflow, order_by=latency, rows=(None, None))
+            .label("n"),
+        )
+        .select_from(joined)
+        .where(*succeeded)
+        .subquery()
+    )
+    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
+    with db.connect() as conn:
+        conn = conn.execution_options(**{READ_OPTION: True})
+        with conn.begin():
+            count_rows = conn.execute(counts).all()
+            ranked_rows = conn.execute(picked).all()
+    at_rank: dict[str, dict[int, float]] = {}
+    sizes: dict[str, int] = {}
+    for row in ranked_rows:
+        at_rank.setdefault(row.workflow, {})[int(row.rn)] = float(row.latency)
+        sizes[row.workflow] = int(row.n)
+    result = []
+    for row in count_rows:
+        values, n = at_rank.get(row.workflow, {}), sizes.get(row.workflow, 0)
+        p50, p95, p99 = (values.get(rank(p, n)) if n else None for p in PERCENTILES)
+        result.append(
+            RunStats(
+                workflow=row.workflow,
+                finished=int(row.n),
+                succeeded=int(row.succeeded or 0),
+                failed=int(row.failed or 0),
+                stopped=int(row.stopped or 0),
+                p50=p50,
+                p95=p95,
+                p99=p99,
+            )
+        )
+    result.sort(key=lambda s: s.workflow)
+    return result
+
+
+# -- loops -----------------------------------------------------------------------------------
+
+ITERATION_PREFIX: Final = "iteration_"
+SLOT_KINDS: Final = ("skipped_overlap", "missed", "coalesced")
+"""Loop journal kinds that count slots not run; their ``count`` says how many."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopStats:
+    """One loop's iterations that ended in the window, and the slots it did not run."""
+
+    loop: str
+    outcomes: dict[str, int]
+    """Ended iterations by outcome (succeeded, failed, interrupted, stopped, cancelled)."""
+    slots_not_run: dict[str, int]
+    """Slots skipped while an iteration still ran, missed, or coalesced, by kind."""
+    p50: float | None
+    p95: float | None
+    """Nearest-rank percentiles of the ended iterations' durations in seconds."""
+
+    @property
+    def iterations(self) -> int:
+        return sum(self.outcomes.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "loop": self.loop,
+            "iterations": self.iterations,
+            "outcomes": dict(self.outcomes),
+            "slots_not_run": dict(self.slots_not_run),
+            "p50": self.p50,
+            "p95": self.p95,
+        }
+
+
+def loop_stats(db: Engine, *, since: float | None = None) -> list[LoopStats]:
+    """Per loop: iterations that ended at or after ``since`` by outcome, the slots it did
+    not run, and p50/p95 iteration duration, from the loop journal."""
+    ended = loop_journal.c.kind.like(ITERATION_PREFIX + "%") & (
+        loop_journal.c.kind != "iteration_started"
+    )
+    counted = ended | loop_journal.c.kind.in_(SLOT_KINDS)
+    where: list[ColumnElement[bool]] = [counted]
+    if since is not None:
+        where.append(loop_journal.c.at >= since)
+    slots = case((loop_journal.c.count > 0, loop_journal.c.count), else_=1)
+    counts = (
+        select(
+            loop_journal.c.loop,
+            loop_journal.c.kind,
+            func.count().label("n"),
+            func.sum(slots).label("slots"),
+        )
+        .where(*where)
+        .group_by(loop_journal.c.loop, loop_journal.c.kind)
+    )
+    order = loop_journal.c.duration
+    ranked = (
+        select(
+            loop_journal.c.loop.label("loop"),
+            loop_journal.c.duration,
+            func.row_number().over(partition_by=loop_journal.c.loop, order_by=order).label("rn"),
+            func.count()
+            .over(partition_by=loop_journal.c.loop, order_by=order, rows=(None, None))
+            .label("n"),
+        )
+        .where(*where, ended, loop_journal.c.duration.is_not(None))
+        .subquery()
+    )
+    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in (50, 95)]))
+    with db.connect() as conn:
+        conn = conn.execution_options(**{READ_OPTION: True})
+        with conn.begin():
+            count_rows = conn.execute(counts).all()
+            ranked_rows = conn.execute(picked).all()
+    at_rank: dict[str, dict[int, float]] = {}
+    sizes: dict[str, int] = {}
+    for row in ranked_rows:
+        at_rank.setdefault(row.loop, {})[int(row.rn)] = float(row.duration)
+        sizes[row.loop] = int(row.n)
+    outcomes: dict[str, dict[str, int]] = {}
+    not_run: dict[str, dict[str, int]] = {}
+    for row in count_rows:
+        if row.kind in SLOT_KINDS:
+            not_run.setdefault(row.loop, {})[row.kind] = int(row.slots or 0)
+        else:
+            outcome = row.kind.removeprefix(ITERATION_PREFIX)
+            outcomes.setdefault(row.loop, {})[outcome] = int(row.n)
+    result = []
+    for name in sorted(set(outcomes) | set(not_run)):
+        values, n = at_rank.get(name, {}), sizes.get(name, 0)
+        result.append(
+            LoopStats(
+                loop=name,
+                outcomes=dict(sorted(outcomes.get(name, {}).items())),
+                slots_not_run=dict(sorted(not_run.get(name, {}).items())),
+                p50=values.get(rank(50, n)) if n else None,
+                p95=values.get(rank(95, n)) if n else None,
+            )
+        )
     return result

@@ -21,7 +21,7 @@ from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
-from flowloop.loops import Iteration, Loop
+from flowloop.loops import IDLE, Idle, Iteration, Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.loops import LoopStoreMixin
@@ -143,12 +143,16 @@ class Worker:
         if metrics is None:
             return
         executor.listeners.append(metrics.listener)
+        executor.watchdog.listeners.append(metrics.stall)
         executor.lease_lost.append(metrics.lease_lost("run"))
         scheduler.lease_lost.append(metrics.lease_lost("loop"))
         scheduler.iteration_listeners.append(metrics.iteration)
         store, clock, names = self.engine.store, self.engine.clock, list(self.engine.workflows)
         metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
         metrics.track_in_flight(lambda: executor.busy)
+        metrics.known(
+            {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
+        )
 
     def _alert(self, alert: Alert) -> None:
         if self.metrics is not None:
@@ -188,13 +192,16 @@ class Worker:
         self._sync_calls[loop.name] = call
         return await asyncio.wrap_future(call)
 
-    async def _run_workflow(self, loop: Loop, iteration: Iteration) -> str:
+    async def _run_workflow(self, loop: Loop, iteration: Iteration) -> str | Idle:
         assert loop.workflow is not None and self.executor is not None
         engine = self.engine
         key = f"{iteration.idempotency_key}:a{iteration.attempt}"
+        context = loop.context_for(iteration)
+        if context is None or context is IDLE:
+            return IDLE  # nothing to do in this slot: no run
         new = engine._new_run(
             loop.workflow,
-            loop.context_for(iteration),
+            context,
             key=None,
             idempotency_key=key,
             priority=0,

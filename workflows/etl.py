@@ -36,8 +36,12 @@ As a loop that picks up new files every ``ETL_EVERY`` seconds (default 10)::
 Drop files atomically (write ``x.csv.part``, then rename it to ``x.csv``): a file is read
 up to the size it had when it was discovered, and one that changes meanwhile is left for the
 next run. The target is ``etl_target.db`` inside the input folder unless ``target_url``
-(any SQLAlchemy URL) says otherwise. The context, target URL included, is journaled: keep
-passwords out of the URL (use ``~/.pgpass`` or ``PGPASSWORD`` for PostgreSQL).
+(any SQLAlchemy URL, or ``$ETL_TARGET``) says otherwise; for the bundled sample folder it is
+``$XDG_DATA_HOME/flowloop/etl_target.db`` (``~/.local/share/…``), never the source tree.
+The loop does nothing unless ``ETL_INPUT`` is set, and an iteration that finds no new file
+creates no run (its context function returns ``None``: journaled ``iteration_skipped_idle``).
+The context, target URL included, is journaled: keep passwords out of the URL (use
+``~/.pgpass`` or ``PGPASSWORD`` for PostgreSQL).
 """
 
 from __future__ import annotations
@@ -380,16 +384,27 @@ def first_bad_utf8(path: Path) -> str:
     return "not UTF-8: the file ends inside a multi-byte character"
 
 
+def record_ends(chunk: bytes, quoted: bool) -> tuple[int, bool]:
+    """Newlines in ``chunk`` that end a CSV record (outside double quotes: a quoted field
+    may hold a newline), and whether the chunk ends inside quotes."""
+    if b'"' not in chunk:
+        return (0 if quoted else chunk.count(b"\n")), quoted
+    parts = chunk.split(b'"')  # an escaped "" flips twice: an empty part in between
+    ends = sum(part.count(b"\n") for part in parts[1 if quoted else 0 :: 2])
+    return ends, quoted != (len(parts) % 2 == 0)
+
+
 def inspect_file(path: Path) -> FileInfo:
-    """Size, sha256 and line count in one pass, and whether the file can be loaded at all."""
+    """Size, sha256 and record count in one pass, and whether the file can be loaded at all."""
     stat = path.stat()
     digest = hashlib.sha256()
     decoder = codecs.getincrementaldecoder("utf-8")()
-    newlines, utf8, last, blank = 0, True, b"", True
+    newlines, utf8, last, blank, quoted = 0, True, b"", True, False
     with path.open("rb") as handle:
         while chunk := handle.read(CHUNK_BYTES):
             digest.update(chunk)
-            newlines += chunk.count(b"\n")
+            ends, quoted = record_ends(chunk, quoted)
+            newlines += ends
             blank = blank and not chunk.strip()
             last = chunk[-1:]
             if utf8:
@@ -543,6 +558,13 @@ def load(url: str, rows: Sequence[Mapping[str, Any]], bad: Sequence[Mapping[str,
 # -- the workflow ----------------------------------------------------------------------------
 
 
+def sample_target_dir() -> Path:
+    """Where the sample data's target goes: ``$XDG_DATA_HOME/flowloop`` (default
+    ``~/.local/share/flowloop``), outside the source tree."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "flowloop"
+
+
 def default_input_dir() -> str:
     return os.environ.get("ETL_INPUT") or str(SAMPLE_DIR)
 
@@ -630,7 +652,14 @@ class EtlContext(BaseModel):
 
     @property
     def target(self) -> str:
-        return self.target_url or f"sqlite:///{Path(self.input_dir) / TARGET_FILE}"
+        if self.target_url:
+            return self.target_url
+        # Next to the input, except for the bundled sample folder: never into the checkout.
+        folder = Path(self.input_dir)
+        if folder == SAMPLE_DIR:
+            folder = sample_target_dir()
+            folder.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{folder / TARGET_FILE}"
 
     @property
     def current(self) -> FileInfo:
@@ -765,11 +794,13 @@ def open_file(ctx: EtlContext, step: Step) -> str:
         )
         ctx.file_status, ctx.file_rejects = "rejected", 1
         ctx.rejects += 1
+        step.note(f"{info.name}: malformed")
         log.info("etl: %s rejected: %s", info.name, reason)
         return "rejected"
     ctx.columns, ctx.offset, ctx.line = header.columns, header.data_offset, 2
     ctx.file_start = header.data_offset
     ctx.file_status = "loading"
+    step.note(f"{info.name}: {info.rows} rows, from byte {header.data_offset}")
     return "ready"
 
 
@@ -797,6 +828,8 @@ def load_batch(ctx: EtlContext, step: Step) -> str:
     load(ctx.target, good, bad)
     if batch.offset <= ctx.offset and batch.offset < info.size:
         raise RuntimeError(f"{info.name}: no progress at byte {ctx.offset}")  # a bug: stop
+    rejected = f", {len(bad)} rejected" if bad else ""
+    step.note(f"bytes {ctx.offset}-{batch.offset}, lines {ctx.line}-{batch.line - 1}{rejected}")
     ctx.batch_from, ctx.offset, ctx.line = ctx.offset, batch.offset, batch.line
     ctx.file_rows += len(batch.records)
     ctx.file_rejects += len(bad)
@@ -809,9 +842,6 @@ def load_batch(ctx: EtlContext, step: Step) -> str:
         ctx.file_status = "loaded"
         ctx.estimate(ctx.file_rows, ctx.file_batches)
         return "eof"
-    # Project the rest of the file from the bytes per record so far (for progress only).
-    left = round((info.size - ctx.offset) * ctx.file_rows / max(1, ctx.offset - ctx.file_start))
-    ctx.estimate(ctx.file_rows + left, ctx.file_batches + math.ceil(left / ctx.batch_size))
     return "more"
 
 
@@ -853,30 +883,46 @@ def close_file(ctx: EtlContext, step: Step) -> str:
 @etl.step(next="done", retry=retry_transient)
 def report(ctx: EtlContext, step: Step) -> None:
     """Summarise the run and the target."""
+    count = sa.select(sa.func.count())
     with target_engine(ctx.target).connect() as conn:
-        total = conn.execute(sa.select(sa.func.count()).select_from(orders)).scalar_one()
-        total_rejects = conn.execute(sa.select(sa.func.count()).select_from(rejects)).scalar_one()
-    parts = []
-    if ctx.loaded:
-        bad_rows = ctx.rejects - len(ctx.rejected)
-        parts.append(
-            f"{len(ctx.loaded)} file(s) loaded: {ctx.rows_loaded:,} rows, "
-            f"{bad_rows:,} rows rejected"
-        )
+        total = conn.execute(count.select_from(orders)).scalar_one()
+        mine = conn.execute(
+            count.select_from(orders).where(orders.c.source_file.in_(ctx.loaded))
+        ).scalar_one()
+        row_rejects = conn.execute(
+            count.select_from(rejects).where(rejects.c.row_no != FILE_ROW)
+        ).scalar_one()
+        file_rejects = conn.execute(
+            count.select_from(rejects).where(rejects.c.row_no == FILE_ROW)
+        ).scalar_one()
+    # Each number says what it counts: files, rows read (valid + rejected), orders (one per
+    # order id: a row whose id was seen before overwrites it), rejects (rows + files).
+    files = [f"{len(ctx.loaded)} loaded"] if ctx.loaded else []
     if ctx.rejected:
-        parts.append(f"{len(ctx.rejected)} malformed ({', '.join(ctx.rejected)})")
+        files.append(f"{len(ctx.rejected)} malformed ({', '.join(ctx.rejected)})")
     if ctx.changed:
-        parts.append(f"{len(ctx.changed)} changed while loading, left for the next run")
+        files.append(f"{len(ctx.changed)} changed while loading, left for the next run")
     if ctx.skipped:
-        parts.append(f"{ctx.skipped} already loaded")
+        files.append(f"{ctx.skipped} already loaded")
     if ctx.deferred:
-        parts.append(f"{ctx.deferred} left for the next run")
-    if not (ctx.loaded or ctx.rejected or ctx.changed):
-        parts.insert(0, "nothing new")
+        files.append(f"{ctx.deferred} left for the next run")
+    parts = [f"files: {', '.join(files)}" if files else "files: nothing new"]
+    if ctx.loaded or ctx.rows_done:
+        bad_rows = ctx.rejects - len(ctx.rejected)
+        repeated = ctx.rows_loaded - mine
+        again = (
+            f" ({repeated:,} order id(s) seen again: the row read last wins)" if repeated else ""
+        )
+        parts.append(
+            f"rows read: {ctx.rows_done:,} = {ctx.rows_loaded:,} valid + {bad_rows:,} rejected; "
+            f"the valid rows upserted {mine:,} order(s){again}"
+        )
     target = sa.make_url(ctx.target).render_as_string(hide_password=True)
-    ctx.summary = (
-        "; ".join(parts) + f". Target {target}: {total:,} orders, {total_rejects:,} rejects."
+    parts.append(
+        f"target {target} now holds {total:,} order(s) and {row_rejects + file_rejects:,} "
+        f"reject(s) ({row_rejects:,} row(s), {file_rejects:,} malformed file(s))"
     )
+    ctx.summary = "; ".join(parts) + "."
     log.info("etl: %s", ctx.summary)
 
 
@@ -898,14 +944,48 @@ def inbox_loop(
         every if every is not None else float(os.environ.get("ETL_EVERY") or DEFAULT_EVERY_SECONDS)
     )
     fixed = dict(context or {})
+
+    def when_new_files(_iteration: Any) -> EtlContext | None:
+        # None: nothing to do, no run (journaled iteration_skipped_idle). Without ETL_INPUT
+        # (or an input_dir here) the loop stays idle: `flowloop worker workflows/` must not
+        # load the bundled sample folder unasked.
+        if "input_dir" not in fixed and not os.environ.get("ETL_INPUT"):
+            return None
+        ctx = EtlContext.model_validate(fixed)
+        return ctx if has_new_files(ctx) else None
+
     return Loop(
         name,
         workflow=etl,
-        context=lambda _iteration: EtlContext.model_validate(fixed),
+        context=when_new_files,
         every=interval,
         mode="fixed_delay",
         max_failures=5,
     )
+
+
+def has_new_files(ctx: EtlContext) -> bool:
+    """Whether the input folder may hold a file to load: one whose name, size and mtime
+    match no loaded file (``discover`` then checks its content). A missing folder or target
+    is ``True``: the run says what is wrong."""
+    folder = Path(ctx.input_dir)
+    if not ctx.trust_mtime or not folder.is_dir():
+        return True
+    seen = {
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.glob(ctx.pattern)
+        if p.is_file() and not p.name.startswith(".")
+    }
+    if not seen:
+        return False
+    try:
+        with target_engine(ctx.target).connect() as conn:
+            known = conn.execute(
+                sa.select(loaded_files.c.file, loaded_files.c.size, loaded_files.c.mtime_ns)
+            ).all()
+    except sa.exc.SQLAlchemyError:
+        return True
+    return bool(seen - {(r.file, r.size, r.mtime_ns) for r in known})
 
 
 etl_inbox = inbox_loop()

@@ -148,10 +148,15 @@ def test_cli__stats_table_json_and_window(here: Path) -> None:
     make_runs(here, ok=3, failed=1)
 
     table = here_cli(here, "stats")
-    assert "steps, since " in table and "(24h)" in table
+    assert "step attempts, since " in table and "(24h)" in table
+    # The runs' own success rate: 3 of 4 runs succeeded, whatever their attempts did.
+    runs_row = next(
+        line for line in table.splitlines() if line.startswith("│ jobs ") and "75.0%" in line
+    )
+    assert "│        4 │         3 │      1 │       0 │       75.0% │" in runs_row
     check_row = next(line for line in table.splitlines() if " check " in line)
     # check: 3 runs fail once then succeed, 1 fails twice: 8 attempts, 3 succeeded.
-    assert "│        8 │  37.5% │       4 │" in check_row
+    assert "│        8 │       37.5% │       4 │" in check_row
 
     data = json.loads(here_cli(here, "stats", "jobs", "--since", "1h", "--json"))
     states = {s["state"]: s for s in data["states"]}
@@ -159,6 +164,17 @@ def test_cli__stats_table_json_and_window(here: Path) -> None:
     assert states["check"]["retries"] == 4
     assert (states["fetch"]["count"], states["fetch"]["success_rate"]) == (4, 1.0)
     assert set(states["fetch"]) >= {"p50", "p95", "p99", "slowest"}
+
+    (runs,) = data["runs"]
+    assert (runs["workflow"], runs["finished"], runs["succeeded"], runs["failed"]) == (
+        "jobs",
+        4,
+        3,
+        1,
+    )
+    assert runs["success_rate"] == 0.75
+    assert 0 <= runs["latency_p50"] <= runs["latency_p95"] <= runs["latency_p99"]
+    assert data["loops"] == []  # none ran here; test_stats checks loop statistics
 
     everything = json.loads(here_cli(here, "stats", "--since", "all", "--json"))
     assert everything["since"] is None and len(everything["states"]) == 2
@@ -275,7 +291,14 @@ def test_cli__worker_serves_metrics_on_loopback_until_sigterm(
         for (name, labels), v in samples.items()
         if name == "flowloop_steps_total" and dict(labels)["state"] == "check"
     }
-    assert outcomes == {"retried": 1.0, "succeeded": 1.0}
+    # Every outcome's series exists (at 0 until it happens).
+    assert outcomes == {
+        "retried": 1.0,
+        "succeeded": 1.0,
+        "failed": 0.0,
+        "timed_out": 0.0,
+        "interrupted": 0.0,
+    }
     assert samples[("flowloop_runs_started_total", frozenset({("workflow", "jobs")}))] == 1.0
 
     finished = [e for e in worker.seen if e.get("event") == "step_finished"]

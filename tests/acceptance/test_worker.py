@@ -305,9 +305,12 @@ def test_worker__sigterm_lets_the_step_in_flight_finish_and_releases_the_run(
 
     with engine(db) as e:
         info = e.get(run_id)
-        kinds = [ev.kind for ev in e.history(run_id)]
+        history = e.history(run_id)
+        kinds = [ev.kind for ev in history]
     assert (info.status, info.state, info.owner) == ("scheduled", "after", None)
-    assert kinds == ["run_created", "step_started", "step_succeeded"]
+    # The hand-off is journaled as what it was, not as a worker that died.
+    assert kinds == ["run_created", "step_started", "step_succeeded", "run_released"]
+    assert history[-1].data["reason"] == "released on shutdown"
 
     # Not lost: the next worker (here `flowloop resume`) finishes it.
     cli_here("resume", "-w", str(module), db=db)
@@ -339,6 +342,11 @@ def test_worker__second_signal_exits_at_once_and_the_journal_holds(tmp_path: Pat
         kinds = [ev.kind for ev in e.history(run_id)]
         assert e.get(run_id).status == "succeeded"
     assert kinds[:3] == ["run_created", "step_started", "step_interrupted"]
+    # Found by recovery: the worker went away (it was not cut off, it exited at once).
+    with engine(db) as e:
+        interrupted = e.history(run_id)[2]
+    assert interrupted.data["cause"] == "worker_gone", interrupted
+    assert "died" not in (interrupted.error_message or "")
 
 
 STUCK = """

@@ -215,7 +215,8 @@ def test_alert__interrupted_non_idempotent_step_says_so(sqlite_url: str, hook: H
     )
     assert "ship was cut off" in body["message"]
     assert body["hint"] == f"flowloop history {run_id}"
-    assert body["error"].startswith("Interrupted: interrupted and not idempotent")
+    assert body["error"].startswith("Interrupted: its worker went away during this step")
+    assert "not idempotent, so not re-run" in body["error"]
 
 
 def test_alert__loop_paused_after_max_failures(sqlite_url: str, hook: Hook) -> None:

@@ -266,6 +266,31 @@ def test_run__step_breaking_its_context_fails(engine: Engine) -> None:
     assert kinds(engine, info.id).count(j.STEP_STARTED) == 1
 
 
+def test_run__unserializable_context_field_fails_at_once_naming_the_field(
+    engine: Engine,
+) -> None:
+    class Holder(BaseModel):
+        order_id: str
+        extras: dict[str, Any] = {}
+
+    wf = Workflow("holds", context=Holder)
+    attempts: list[int] = []
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=3, base=0, on=(Exception,)))
+    def grab(ctx: Holder, step: Step) -> None:
+        attempts.append(step.attempt)
+        ctx.extras = {"ok": 1, "guard": [threading.Lock()]}
+
+    wf.final("done")
+    info = engine.run(wf, Holder(order_id="x"))
+    assert info.status == "failed" and info.error is not None
+    assert info.error.startswith("ContextNotSerializable: ")
+    assert "field 'extras.guard[0]'" in info.error and "step 'grab'" in info.error
+    assert attempts == [1]  # the journal cannot hold it: no retry can help
+    (failed,) = [e for e in engine.history(info.id) if e.kind == j.STEP_FAILED]
+    assert failed.retryable is False
+
+
 def test_run__steps_get_their_own_copy_of_the_context(engine: Engine) -> None:
     wf = Workflow("w", context=Order)
     seen: list[list[str]] = []

@@ -113,9 +113,11 @@ def test_etl__default_context__reads_workflows_data_and_env(
 ) -> None:
     for name in ("ETL_INPUT", "ETL_TARGET", "ETL_BATCH_SIZE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data-home"))
     ctx = etl.EtlContext()
     assert Path(ctx.input_dir) == etlkit.SAMPLE_DIR
-    assert ctx.target == f"sqlite:///{etlkit.SAMPLE_DIR / 'etl_target.db'}"
+    # The sample folder is in the source tree: its target goes to the user's data dir.
+    assert ctx.target == f"sqlite:///{tmp_path / 'data-home' / 'flowloop' / 'etl_target.db'}"
     assert ctx.batch_size == 1000
     monkeypatch.setenv("ETL_INPUT", str(tmp_path))
     monkeypatch.setenv("ETL_TARGET", str(tmp_path / "t.db"))
@@ -411,11 +413,11 @@ def test_etl__loop__loads_a_file_dropped_after_start_exactly_once(
             write_csv(inbox / "b.csv", [order(n) for n in range(6, 9)])  # dropped while running
             await _until("b.csv to load", lambda: _files(target) == ["a.csv", "b.csv"])
             await _until(
-                "two more runs that found nothing new",
+                "two more iterations that found nothing new",
                 lambda: (
                     sum(
-                        run.status == "succeeded" and ctx_of(run).skipped == 2
-                        for run in engine.runs(workflow="etl", limit=1000)
+                        event.kind == "iteration_skipped_idle"
+                        for event in engine.loop_history("etl_test_inbox")
                     )
                     >= 2
                 ),
@@ -430,7 +432,8 @@ def test_etl__loop__loads_a_file_dropped_after_start_exactly_once(
     assert all(run.status == "succeeded" for run in runs), [(r.status, r.error) for r in runs]
     loads = [name for run in runs for name in ctx_of(run).loaded]
     assert sorted(loads) == ["a.csv", "b.csv"]  # each file by exactly one run
-    assert len(runs) >= 4  # and later runs found nothing new
+    # An iteration with nothing new creates no run: every run loaded something.
+    assert all(ctx_of(run).loaded for run in runs), [ctx_of(run).summary for run in runs]
     assert [row[0] for row in etlkit.dump(target)["orders"]] == [f"SO-{n:05d}" for n in range(1, 9)]
 
 
@@ -459,5 +462,47 @@ def test_etl__flowloop_run__shows_rows_batches_rejects_and_rate(
     # Batches that loop back to load_batch are summarised, not printed one by one.
     assert not any("load_batch --more--> load_batch" in line for line in lines)
     assert any("load_batch --eof--> close_file" in line for line in lines)
-    assert "3 file(s) loaded: 40 rows, 6 rows rejected; 1 malformed" in result.output
+    # Every number says what it counts, and they add up.
+    assert (
+        "files: 3 loaded, 1 malformed (customers_2024-03-03.csv); rows read: 46 = 40 valid "
+        "+ 6 rejected; the valid rows upserted 39 order(s) (1 order id(s) seen again: the row "
+        "read last wins); target sqlite:///"
+    ) in result.output
+    assert "now holds 39 order(s) and 7 reject(s) (6 row(s), 1 malformed file(s))." in (
+        result.output
+    )
+    # Rows are counted as records (a quoted field may span lines): the total never shrinks.
+    assert {line.split("rows ")[1].split()[0].split("/")[1] for line in progress} == {"46"}
     assert lines[-1].endswith("succeeded in state done")
+
+
+def test_etl__history_shows_each_batch_byte_range_unbroken(sample: Path, tmp_path: Path) -> None:
+    db = str(tmp_path / "h.db")
+    context = json.dumps({"input_dir": str(sample), "batch_size": 4})
+    ran = CliRunner().invoke(cli, ["run", str(etlkit.ETL_FILE), "--context", context, "--db", db])
+    assert ran.exit_code == 0, ran.output
+    with Engine(db) as engine:
+        (run,) = engine.runs()
+        notes = [
+            (event.state, event.data.get("note", ""))
+            for event in engine.history(run.id)
+            if event.kind == "step_succeeded" and event.state in ("open_file", "load_batch")
+        ]
+    shown = CliRunner().invoke(cli, ["history", run.id, "--db", db])
+    assert shown.exit_code == 0, shown.output
+    assert "load_batch --more--> load_batch: bytes " in shown.output
+    # Per file: the batches' byte ranges follow on from the header to the end of the file.
+    sizes = {p.name: p.stat().st_size for p in sample.glob("orders_*.csv")}
+    file, end = None, 0
+    for state, note in notes:
+        if state == "open_file":
+            if file is not None:
+                assert end == sizes[file], (file, end)
+            name, _, rest = note.partition(": ")
+            file = None if rest == "malformed" else name  # a malformed file has no batches
+            end = int(rest.rsplit(" ", 1)[1]) if file is not None else 0
+            continue
+        start, stop = note.split(",")[0].removeprefix("bytes ").split("-")
+        assert int(start) == end, (file, note)
+        end = int(stop)
+    assert file is not None and end == sizes[file]

@@ -283,3 +283,57 @@ def test_metrics__a_run_whose_first_boundary_rejects_a_kept_event_counts_as_star
     record = j.apply(j.create(created), rejected)
     metrics.listener(record, [rejected])
     assert ("flowloop_runs_started_total", {"workflow": "gated"}, 1.0) in list(metrics.samples())
+
+
+def test_metrics__every_known_series_exists_at_zero_before_any_run(sqlite_url: str) -> None:
+    """An alert on increase(flowloop_steps_total{outcome="failed"}[5m]) must see the first
+    failure after a worker starts: the series exists (at 0) from the first scrape."""
+    clock = FakeClock(T0)
+    with Engine(sqlite_url, clock=clock, poll_seconds=0.05) as engine:
+        engine.register(metered(clock))
+
+        async def tick(_: Iteration) -> None:
+            return None
+
+        beat = Loop(name="beat", fn=tick, every=3600)
+
+        async def body(worker: Worker) -> Samples:
+            assert worker.metrics_bound is not None
+            return await asyncio.to_thread(scrape, worker.metrics_bound)
+
+        samples = asyncio.run(run_worker(Worker(engine, [beat], grace=1.0, metrics_port=0), body))
+
+    for outcome in ("succeeded", "retried", "failed", "timed_out", "interrupted"):
+        key = (
+            "flowloop_steps_total",
+            frozenset({"workflow": "metered", "state": "work", "outcome": outcome}.items()),
+        )
+        assert samples.get(key) == 0.0, (outcome, sorted(n for n, _ in samples))
+    for status in ("succeeded", "failed", "stopped"):
+        labels = frozenset({"workflow": "metered", "status": status}.items())
+        assert samples.get(("flowloop_runs_finished_total", labels)) == 0.0
+    assert (
+        samples.get(("flowloop_runs_started_total", frozenset({"workflow": "metered"}.items())))
+        == 0.0
+    )
+    histogram = frozenset({"workflow": "metered", "state": "work"}.items())
+    assert samples.get(("flowloop_step_duration_seconds_count", histogram)) == 0.0
+    # The loop's first slot fires at once (maybe before the scrape): ok may be 1 already.
+    for outcome in ("failed", "skipped", "stopped", "cancelled"):
+        labels = frozenset({"loop": "beat", "outcome": outcome}.items())
+        assert samples.get(("flowloop_loop_iterations_total", labels)) == 0.0
+    for kind in ("run", "loop"):
+        assert (
+            samples.get(("flowloop_lease_losses_total", frozenset({"kind": kind}.items()))) == 0.0
+        )
+    assert (
+        samples.get(
+            (
+                "flowloop_alerts_total",
+                frozenset({"level": "critical", "what": "run failed"}.items()),
+            )
+        )
+        == 0.0
+    )
+    # No `_created` series: they double the output and no rule uses them.
+    assert not [name for name, _ in samples if name.endswith("_created")]

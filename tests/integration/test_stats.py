@@ -15,9 +15,9 @@ from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
-from flowloop.stats import StateStats, step_stats
+from flowloop.stats import StateStats, loop_stats, run_stats, step_stats
 from flowloop.store import SQLStore
-from flowloop.store.schema import journal, runs
+from flowloop.store.schema import journal, loop_journal, runs
 
 T0 = 1_800_000_000.0
 
@@ -229,3 +229,75 @@ def test_step_stats__since_is_a_range_on_the_kind_at_index(sqlite_url: str) -> N
                 )
             )
     assert "ix_flowloop_journal_kind_at (kind=? AND at>?)" in plan
+
+
+def test_run_stats__success_rate_and_whole_run_latency_from_real_runs(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """Every timed run succeeds (some after a retried attempt): the runs' success rate is
+    100 % although the step attempts' is not; latency is run_created → final entry."""
+    wf = timed_workflow(clock)
+    latencies = []
+    for n in range(1, 21):
+        flaky = n % 5 == 0
+        assert engine.run(wf, {"seconds": float(n), "flaky": flaky}).status == "succeeded"
+        latencies.append(n + (1.0 if flaky else 0.5))  # work n s, check 0.5 s per attempt
+    broken = Workflow("broken", context=Timed)
+
+    @broken.step(initial=True, next="done", retry=Retry(attempts=1))
+    def explode(ctx: Timed) -> None:
+        raise ValueError("no")
+
+    broken.final("done")
+    assert engine.run(broken, {"seconds": 0}).status == "failed"
+    engine.stop(engine.start(broken, {"seconds": 0}).id)
+
+    found = {s.workflow: s for s in run_stats(db_of(engine))}
+    timed = found["timed"]
+    assert (timed.finished, timed.succeeded, timed.failed, timed.stopped) == (20, 20, 0, 0)
+    assert timed.success_rate == 1.0
+    assert (timed.p50, timed.p95, timed.p99) == tuple(
+        pytest.approx(nearest_rank(latencies, p)) for p in (50, 95, 99)
+    )
+    assert by_state(step_stats(db_of(engine)))["timed", "check"].success_rate < 1.0
+    gone = found["broken"]
+    assert (gone.finished, gone.succeeded, gone.failed, gone.stopped) == (2, 0, 1, 1)
+    assert (gone.success_rate, gone.p50) == (0.0, None)  # latency is of succeeded runs
+    assert gone.as_dict()["latency_p99"] is None
+    # The window holds runs whose final entry is in it.
+    assert run_stats(db_of(engine), since=clock.now() + 1) == []
+    assert [s.workflow for s in run_stats(db_of(engine), workflow="broken")] == ["broken"]
+
+
+def test_loop_stats__iterations_by_outcome_slots_not_run_and_durations(engine: Engine) -> None:
+    rows = [("iteration_started", None, 0)] * 12
+    rows += [("iteration_succeeded", float(d), 0) for d in range(1, 11)]
+    rows += [("iteration_failed", 20.0, 0), ("iteration_failed", 30.0, 0)]
+    rows += [("skipped_overlap", None, 3), ("missed", None, 2)]
+    with db_of(engine).begin() as conn:
+        conn.execute(
+            sa.insert(loop_journal),
+            [
+                {
+                    "loop": loop,
+                    "seq": seq,
+                    "kind": kind,
+                    "at": T0 + seq + (0 if loop == "tick" else 3600),
+                    "slot": T0 + seq,
+                    "attempt": 1,
+                    "count": count,
+                    "duration": duration,
+                }
+                for loop in ("tick", "later")
+                for seq, (kind, duration, count) in enumerate(rows, start=1)
+            ],
+        )
+    found = {s.loop: s for s in loop_stats(db_of(engine))}
+    tick = found["tick"]
+    assert tick.outcomes == {"failed": 2, "succeeded": 10} and tick.iterations == 12
+    assert tick.slots_not_run == {"missed": 2, "skipped_overlap": 3}
+    durations = [float(d) for d in range(1, 11)] + [20.0, 30.0]
+    assert (tick.p50, tick.p95) == (nearest_rank(durations, 50), nearest_rank(durations, 95))
+    assert tick.as_dict()["iterations"] == 12
+    recent = loop_stats(db_of(engine), since=T0 + 3600)
+    assert [s.loop for s in recent] == ["later"]

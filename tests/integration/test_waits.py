@@ -10,6 +10,9 @@ import pytest
 from pydantic import BaseModel
 from waitkit import (
     ALL,
+    Approval,
+    Doc,
+    approved,
     assert_journal_sound,
     chain,
     ctx,
@@ -22,10 +25,11 @@ from waitkit import (
     review,
 )
 
-from flowloop import Engine, FakeClock, Workflow
+from flowloop import Engine, FakeClock, Retry, Workflow
 from flowloop.errors import DefinitionError, InvalidEvent, InvalidTransition
 from flowloop.events import InvalidPayload, NeverAccepted, NotWaiting
 from flowloop.store import InboxEvent
+from flowloop.testing import TestEngine
 
 DAY = 86_400.0
 
@@ -37,7 +41,9 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def engine(store_url: str, clock: FakeClock) -> Iterator[Engine]:
-    with Engine(store_url, clock=clock, workflows=ALL) as engine:
+    # flowloop.testing's engine (dogfooding): the real engine whose run_until_idle can
+    # also jump the fake clock to the next due timer.
+    with TestEngine(store_url, clock=clock, workflows=ALL) as engine:
         yield engine
 
 
@@ -70,12 +76,13 @@ def test_wait__nothing_happens_before_the_timeout_is_due(engine: Engine, clock: 
 
 
 def test_wait__timeout_branch_taken_once_and_replay_matches(
-    engine: Engine, clock: FakeClock
+    engine: TestEngine, clock: FakeClock
 ) -> None:
     run_id = waiting(engine)
-    clock.advance(2 * DAY + 1)
-    engine.run_until_idle(idle_horizon=0)
-    engine.run_until_idle(idle_horizon=0)
+    due = engine.get(run_id).next_run_at
+    engine.run_until_idle()  # the test engine jumps the clock to the timeout
+    assert clock.now() == due
+    engine.run_until_idle()
     info = engine.get(run_id)
     assert (info.status, info.state) == ("succeeded", "expired")
     timeouts = received(engine, run_id, "timeout")
@@ -509,3 +516,38 @@ def test_wait__definition_refuses_bad_payloads_handlers_and_visits() -> None:
         wf.wait("w", on={"e": "done"}, max_visits=0)
     with pytest.raises(DefinitionError, match="give timeout= and on_timeout= together"):
         wf.wait("w", on={"e": "done"}, timeout=5)
+
+
+def test_wait__failed_step_entered_by_an_event_can_be_retried(engine: TestEngine) -> None:
+    # Bug: retry looked for the context a state was entered with among step outcomes
+    # only, so a run failed in a state entered by a wait's event "never reached" it.
+    flow = Workflow("after_wait", context=Doc)
+    failures = [1]
+
+    @flow.step(initial=True, next="awaiting")
+    def draft(ctx: Doc) -> None:
+        ctx.prepared += 1
+
+    flow.wait(
+        "awaiting",
+        on={"approve": "publish"},
+        payloads={"approve": Approval},
+        handlers={"approve": approved},
+    )
+
+    @flow.step(next="published", retry=Retry(attempts=1))
+    def publish(ctx: Doc) -> None:
+        if failures:
+            failures.pop()
+            raise RuntimeError("publisher down")
+
+    flow.final("published")
+    run = engine.start(flow, {})
+    engine.run_until_idle()
+    engine.send(run.id, "approve", {"by": "ann"})
+    engine.run_until_idle()
+    assert (engine.get(run.id).status, engine.get(run.id).state) == ("failed", "publish")
+    engine.retry(run.id)
+    engine.run_until_idle()
+    info = engine.get(run.id)
+    assert (info.status, info.context.approved_by) == ("succeeded", "ann")  # type: ignore[union-attr]

@@ -163,6 +163,40 @@ def test_step__function_without_ctx_refused() -> None:
         wf.step(initial=True, next="done")(nothing)
 
 
+@pytest.mark.parametrize(
+    ("define_fn", "required"),
+    [
+        (lambda: lambda ctx, step, extra: None, "ctx, step, extra"),
+        (lambda: lambda ctx, *, region: None, "ctx, region"),
+        (lambda: lambda ctx, step, *args, limit: None, "ctx, step, limit"),
+    ],
+    ids=["third_positional", "required_keyword_only", "keyword_after_args"],
+)
+def test_step__function_that_cannot_take_ctx_and_step_refused_naming_the_state(
+    define_fn: Callable[[], Callable[..., None]], required: str
+) -> None:
+    wf = Workflow("w", context=Ctx)
+    with pytest.raises(DefinitionError) as caught:
+        wf.step(name="pack", initial=True, next="done")(define_fn())
+    message = str(caught.value)
+    assert "workflow 'w'" in message and "step 'pack'" in message
+    assert f"requires ({required})" in message
+
+
+def test_step__optional_extra_parameters_are_fine() -> None:
+    wf = Workflow("w", context=Ctx)
+
+    @wf.step(initial=True, next="b")
+    def a(ctx: Ctx, *, verbose: bool = False) -> None: ...
+
+    @wf.step(next="done")
+    def b(ctx: Ctx, step: Step | None = None, extra: int = 0, **options: Any) -> None: ...
+
+    wf.final("done")
+    wf.validate()
+    assert [wf.steps[s].wants_step for s in ("a", "b")] == [False, True]
+
+
 def test_workflow__bad_arguments_refused() -> None:
     with pytest.raises(DefinitionError, match="name must be"):
         Workflow("has space", context=Ctx)

@@ -59,6 +59,10 @@ def no_arguments() -> None:
         ({"cron": "every monday"}, r"cron='every monday' is not a valid cron expression"),
         ({"cron": "61 * * * *"}, r"cron='61 \* \* \* \*' is not a valid cron expression"),
         ({"cron": ""}, r"is not a valid cron expression"),
+        # A date that never comes fails here, not at the first fire.
+        ({"cron": "0 0 31 2 *"}, r"cron='0 0 31 2 \*' is not a valid cron expression"),
+        # Six fields mean seconds to some parsers, years to others: refused.
+        ({"cron": "*/10 * * * * *"}, r"is not a valid cron expression"),
         ({"every": 10, "mode": "sometimes"}, r"mode='sometimes' must be one of fixed_rate, "),
         ({"cron": "* * * * *", "mode": "fixed_delay"}, r"fixed_delay' needs every="),
         ({"every": 10, "cron": "* * * * *"}, r"give exactly one of every= .* or cron="),
@@ -297,3 +301,17 @@ def test_finished__at_end_at() -> None:
     lp = every(10, start_at=T0, end_at=T0 + 30)
     assert not lp.finished(T0 + 20)
     assert lp.finished(T0 + 30)
+
+
+def test_cron__aliases_and_fixed_results() -> None:
+    """Next and previous fire times (cronsim), checked against hand-computed instants."""
+    start = datetime(2027, 3, 1, 10, 7, 30, tzinfo=UTC).timestamp()
+    daily = Loop("d", tick, cron="@daily")
+    assert daily.slot_after(start) == datetime(2027, 3, 2, tzinfo=UTC).timestamp()
+    hourly = Loop("h", tick, cron="@HOURLY")
+    assert hourly.slot_after(start) == datetime(2027, 3, 1, 11, tzinfo=UTC).timestamp()
+    weekdays = Loop("w", tick, cron="15,45 9-17 * * mon-fri")
+    friday_end = datetime(2027, 3, 5, 17, 45, tzinfo=UTC).timestamp()  # a Friday
+    assert weekdays.slot_after(friday_end) == datetime(2027, 3, 8, 9, 15, tzinfo=UTC).timestamp()
+    last_day = Loop("l", tick, cron="0 12 L * *")
+    assert last_day.slot_after(start) == datetime(2027, 3, 31, 12, tzinfo=UTC).timestamp()

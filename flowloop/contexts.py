@@ -1,0 +1,50 @@
+"""Turning a step's context into the JSON the journal keeps, with an error that names the
+field when a value cannot be kept (a lock, a connection, a file handle …)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pydantic_core
+from pydantic import BaseModel
+
+from flowloop.errors import ContextNotSerializable
+
+
+def dump_context(ctx: BaseModel, *, workflow: str, state: str) -> str:
+    """``ctx`` as JSON text. Raises :class:`ContextNotSerializable` naming the field (a
+    dotted path into nested models, dicts and lists) whose value JSON cannot hold."""
+    try:
+        return ctx.model_dump_json()
+    except pydantic_core.PydanticSerializationError as error:
+        where = _culprit(ctx, "") or "(unknown field)"
+        raise ContextNotSerializable(workflow, state, where, str(error)) from error
+
+
+def _serializes(value: Any) -> bool:
+    try:
+        pydantic_core.to_json(value)
+    except pydantic_core.PydanticSerializationError:
+        return False
+    return True
+
+
+def _culprit(value: Any, path: str) -> str | None:
+    """The dotted path of the first value under ``value`` that does not serialise."""
+    children: list[tuple[str, Any]]
+    if isinstance(value, BaseModel):
+        children = [(name, getattr(value, name)) for name in type(value).model_fields]
+        children += list((value.model_extra or {}).items())
+    elif isinstance(value, Mapping):
+        children = [(str(key), item) for key, item in value.items()]
+    elif isinstance(value, list | tuple | set | frozenset):
+        children = [(f"[{index}]", item) for index, item in enumerate(value)]
+    else:
+        return None if _serializes(value) else path
+    for name, child in children:
+        if _serializes(child):
+            continue
+        sub = f"{path}{name}" if name.startswith("[") or not path else f"{path}.{name}"
+        return _culprit(child, sub) or sub
+    return None

@@ -1,0 +1,225 @@
+"""Operator actions from the dashboard (only with ``flowloop ui --allow-actions``).
+
+Every action is a POST that names the token: either ``Authorization: Bearer TOKEN`` (API
+clients; no cookie, so no cross-site request can carry it) or the session cookie set by
+signing in at ``/login`` plus the page's CSRF field, an HMAC of the token that a page of
+another site cannot read. The engine does the work (the same methods, checks and one-line
+errors as the CLI) and journals who: ``operator:<user>`` for pause/stop/unpause and
+``by`` = ``ui:<user>@<client>`` for a retry.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import hmac
+import json
+from typing import Any, Final
+from urllib.parse import urlencode
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from flowloop.engine import RunInfo
+from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun
+from flowloop.store.loops import LoopRow
+from flowloop.ui.queries import NAME_LIMIT, BadInput, NotFound
+
+SESSION_COOKIE: Final = "flowloop_session"
+RUN_ACTIONS: Final = ("pause", "unpause", "stop", "retry", "send")
+LOOP_ACTIONS: Final = ("pause", "unpause", "stop")
+FORM_TYPES: Final = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+class Forbidden(FlowloopError):
+    """The action was refused: no valid token (HTTP 403)."""
+
+
+def csrf_for(token: str) -> str:
+    """The CSRF value pages embed in their forms (derived from the token)."""
+    return hmac.new(token.encode(), b"flowloop csrf", hashlib.sha256).hexdigest()
+
+
+def signed_in(request: Request) -> bool:
+    dash = request.app.state.dash
+    cookie = request.cookies.get(SESSION_COOKIE, "")
+    return bool(dash.token) and hmac.compare_digest(cookie.encode(), dash.token.encode())
+
+
+def _is_form(request: Request) -> bool:
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind in FORM_TYPES
+
+
+async def _authorize(request: Request) -> dict[str, Any]:
+    """The action's fields, once the token (and for a form, the CSRF field) checks out."""
+    dash = request.app.state.dash
+    token: str = dash.token or ""
+    header = request.headers.get("authorization", "")
+    if header:
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+            raise Forbidden("the token is wrong (see the line `flowloop ui` printed at start-up)")
+        return await _fields(request)
+    fields = await _fields(request)
+    if not signed_in(request):
+        raise Forbidden("actions need the token: sign in at /login or send Authorization: Bearer")
+    given_csrf = str(fields.get("csrf", ""))
+    if not hmac.compare_digest(given_csrf.encode(), csrf_for(token).encode()):
+        raise Forbidden("the form's CSRF field is missing or wrong; reload the page and retry")
+    return fields
+
+
+async def _fields(request: Request) -> dict[str, Any]:
+    if _is_form(request):
+        form = await request.form()
+        return {key: value for key, value in form.items() if isinstance(value, str)}
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        found = json.loads(body)
+    except ValueError:
+        raise BadInput("the body is not JSON (send a JSON object or a form)") from None
+    if not isinstance(found, dict):
+        raise BadInput("the body must be a JSON object")
+    return found
+
+
+def _who(request: Request) -> str:
+    try:
+        user = getpass.getuser()
+    except Exception:
+        user = "unknown"
+    client = request.client.host if request.client else "?"
+    return f"ui:{user}@{client}"
+
+
+def _text(fields: dict[str, Any], name: str, *, required: bool = False) -> str | None:
+    value = fields.get(name)
+    if value is None or value == "":
+        if required:
+            raise BadInput(f"{name} is required")
+        return None
+    if not isinstance(value, str) or len(value) > NAME_LIMIT:
+        raise BadInput(f"{name} must be a text of at most {NAME_LIMIT} characters")
+    return value
+
+
+def _payload(fields: dict[str, Any]) -> dict[str, Any] | None:
+    data = fields.get("data")
+    if data is None or data == "":
+        return None
+    if isinstance(data, str):
+        try:
+            data = json.loads(data)
+        except ValueError as error:
+            raise BadInput(f"data is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise BadInput("data must be a JSON object")
+    return data
+
+
+def _run_action(request: Request, run_id: str, action: str, fields: dict[str, Any]) -> RunInfo:
+    engine = request.app.state.dash.engine
+    if action == "pause":
+        info: RunInfo = engine.pause(run_id)
+    elif action == "unpause":
+        info = engine.unpause(run_id)
+    elif action == "stop":
+        info = engine.stop(run_id)
+    elif action == "retry":
+        info = engine.retry(run_id, from_state=_text(fields, "from"), by=_who(request))
+    else:
+        event = _text(fields, "event", required=True)
+        assert event is not None
+        info = engine.send(
+            run_id, event, _payload(fields), dedupe_key=_text(fields, "dedupe_key")
+        ).run
+    return info
+
+
+def _back(path: str, **query: str) -> RedirectResponse:
+    return RedirectResponse(f"{path}?{urlencode(query)}" if query else path, status_code=303)
+
+
+async def run_action(request: Request) -> Response:
+    run_id = str(request.path_params["run_id"])[:NAME_LIMIT]
+    action = str(request.path_params["action"])
+    if action not in RUN_ACTIONS:
+        raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
+    form = _is_form(request)
+    fields = await _authorize(request)
+    try:
+        info = await run_in_threadpool(_run_action, request, run_id, action, fields)
+    except FlowloopError as error:
+        if form and not isinstance(error, NotFound | UnknownRun):
+            return _back(f"/runs/{run_id}", error=str(error))
+        raise
+    if form:
+        return _back(f"/runs/{run_id}", done=f"{action}: the run is {info.status} at {info.state}")
+    return JSONResponse(
+        {"id": info.id, "status": info.status, "state": info.state, "last_seq": info.last_seq}
+    )
+
+
+def _loop_action(request: Request, name: str, action: str) -> LoopRow:
+    engine = request.app.state.dash.engine
+    method = {"pause": engine.pause_loop, "unpause": engine.unpause_loop, "stop": engine.stop_loop}
+    row: LoopRow = method[action](name)
+    return row
+
+
+async def loop_action(request: Request) -> Response:
+    name = str(request.path_params["name"])[:NAME_LIMIT]
+    action = str(request.path_params["action"])
+    if action not in LOOP_ACTIONS:
+        raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")
+    form = _is_form(request)
+    await _authorize(request)
+    try:
+        row = await run_in_threadpool(_loop_action, request, name, action)
+    except FlowloopError as error:
+        if form and not isinstance(error, NotFound | UnknownLoop):
+            return _back(f"/loops/{name}", error=str(error))
+        raise
+    if form:
+        return _back(f"/loops/{name}", done=f"{action}: the loop is {row.status}")
+    return JSONResponse({"name": row.name, "status": row.status, "control": row.control})
+
+
+async def login_form(request: Request) -> Response:
+    templates = request.app.state.templates
+    page: Response = templates.TemplateResponse(
+        request, "login.html", {"signed_in": signed_in(request)}
+    )
+    return page
+
+
+async def login(request: Request) -> Response:
+    dash = request.app.state.dash
+    form = await request.form()
+    given = str(form.get("token", ""))
+    if not hmac.compare_digest(given.encode(), (dash.token or "").encode()):
+        templates = request.app.state.templates
+        refused: Response = templates.TemplateResponse(
+            request,
+            "login.html",
+            {"signed_in": False, "error": "that is not the token `flowloop ui` printed"},
+            status_code=403,
+        )
+        return refused
+    response = RedirectResponse("/runs", status_code=303)
+    response.set_cookie(SESSION_COOKIE, given, httponly=True, samesite="strict", path="/")
+    return response
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/login", login_form, methods=["GET"]),
+        Route("/login", login, methods=["POST"]),
+        Route("/api/runs/{run_id}/{action}", run_action, methods=["POST"]),
+        Route("/api/loops/{name}/{action}", loop_action, methods=["POST"]),
+    ]

@@ -1,0 +1,186 @@
+"""The Starlette application: :func:`create_app` wires the store, the workflows, the pages,
+the JSON API and (only when allowed) the actions.
+
+Every error a request can cause becomes a 4xx with a one-line message (JSON under
+``/api``, a page elsewhere): :class:`~flowloop.ui.queries.BadInput` → 400,
+:class:`~flowloop.ui.queries.NotFound` → 404, any other ``FlowloopError`` → 400 (a user
+mistake, the CLI's exit 2) or 409 (a failure, exit 1), a database that cannot be reached →
+503. A traceback is never sent to the browser.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Final
+
+from sqlalchemy.exc import SQLAlchemyError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from flowloop.definition import Workflow
+from flowloop.engine import Engine
+from flowloop.errors import EXIT_USAGE, FlowloopError, StoreError, UnknownLoop, UnknownRun
+from flowloop.loops import Loop
+from flowloop.store.sql import SQLStore
+from flowloop.ui import actions, api, pages
+from flowloop.ui.diagrams import Machines, SvgCache
+from flowloop.ui.queries import BadInput, NotFound
+
+HERE: Final = Path(__file__).resolve().parent
+log = logging.getLogger("flowloop.ui")
+
+
+@dataclass(kw_only=True)
+class Dashboard:
+    """What every request handler reaches through ``request.app.state.dash``."""
+
+    store: SQLStore
+    workflows: Mapping[str, Workflow]
+    loops: Mapping[str, Loop] = field(default_factory=dict)
+    allow_actions: bool = False
+    token: str | None = None
+    engine: Engine | None = None
+    """The engine actions call (only with ``allow_actions``)."""
+    svgs: SvgCache = field(default_factory=SvgCache)
+    machines: Machines = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.machines = Machines(self.store, self.workflows)
+
+    @property
+    def db(self) -> Any:
+        return self.store.engine
+
+
+def dashboard(request: Request) -> Dashboard:
+    dash: Dashboard = request.app.state.dash
+    return dash
+
+
+def _wants_json(request: Request) -> bool:
+    return request.url.path.startswith("/api/")
+
+
+def _status_for(error: BaseException) -> int:
+    if isinstance(error, NotFound | UnknownRun | UnknownLoop):
+        return 404
+    if isinstance(error, BadInput):
+        return 400
+    if isinstance(error, actions.Forbidden):
+        return 403
+    if isinstance(error, StoreError):
+        return 503
+    if isinstance(error, FlowloopError):
+        # The CLI's exit 2 (the request was wrong) or 1 (it could not be done now).
+        return 400 if error.exit_code == EXIT_USAGE else 409
+    return 500
+
+
+def _error_response(request: Request, status: int, message: str) -> Response:
+    if _wants_json(request):
+        return JSONResponse({"error": message, "status": status}, status_code=status)
+    templates: Jinja2Templates = request.app.state.templates
+    return templates.TemplateResponse(
+        request, "error.html", {"status": status, "message": message}, status_code=status
+    )
+
+
+async def _on_flowloop_error(request: Request, error: Exception) -> Response:
+    return _error_response(request, _status_for(error), str(error))
+
+
+async def _on_http_error(request: Request, error: Exception) -> Response:
+    assert isinstance(error, HTTPException)
+    message = {404: "no such page", 405: "method not allowed"}.get(
+        error.status_code, str(error.detail)
+    )
+    return _error_response(request, error.status_code, message)
+
+
+async def _on_database_error(request: Request, error: Exception) -> Response:
+    log.warning("database error on %s: %s", request.url.path, str(error).splitlines()[0])
+    return _error_response(request, 503, "the database could not answer; try again")
+
+
+async def _on_bug(request: Request, error: Exception) -> Response:
+    log.exception("error on %s", request.url.path)
+    return _error_response(request, 500, f"internal error ({type(error).__name__}); see the log")
+
+
+def _fmt_time(value: float | None) -> str:
+    if value is None:
+        return "\u2013"
+    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _fmt_duration(value: float | None) -> str:
+    if value is None:
+        return "\u2013"
+    if value < 1:
+        return f"{value * 1000:.1f} ms"
+    if value < 120:
+        return f"{value:.2f} s"
+    if value < 7200:
+        return f"{value / 60:.1f} min"
+    return f"{value / 3600:.1f} h"
+
+
+def create_app(
+    store: SQLStore,
+    *,
+    workflows: Mapping[str, Workflow] | None = None,
+    loops: Mapping[str, Loop] | None = None,
+    allow_actions: bool = False,
+    token: str | None = None,
+    engine: Engine | None = None,
+) -> Starlette:
+    """The dashboard over ``store``. Read-only unless ``allow_actions``; then every action
+    needs ``token`` (one is made when not given: read it from ``app.state.dash.token``)
+    and ``engine`` carries them out (one over the same store when not given)."""
+    if allow_actions:
+        token = token or secrets.token_urlsafe(24)
+        if engine is None:
+            engine = Engine(store.url, store=store, workflows=(workflows or {}).values())
+    dash = Dashboard(
+        store=store,
+        workflows=dict(workflows or {}),
+        loops=dict(loops or {}),
+        allow_actions=allow_actions,
+        token=token if allow_actions else None,
+        engine=engine if allow_actions else None,
+    )
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.globals.update(
+        fmt_time=_fmt_time,
+        fmt_duration=_fmt_duration,
+        num=lambda n: f"{n:,}" if isinstance(n, int) else str(n),
+        allow_actions=allow_actions,
+    )
+    routes = [
+        *pages.routes(),
+        *api.routes(),
+        *(actions.routes() if allow_actions else []),
+        Mount("/static", app=StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            FlowloopError: _on_flowloop_error,
+            HTTPException: _on_http_error,
+            SQLAlchemyError: _on_database_error,
+            Exception: _on_bug,
+        },
+    )
+    app.state.dash = dash
+    app.state.templates = templates
+    return app

@@ -1,0 +1,113 @@
+"""``flowloop ui``: serve the dashboard (imported only when the command runs, so
+``flowloop --help`` never imports starlette)."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Final
+
+import click
+
+LOOPBACK: Final = "127.0.0.1"
+DEFAULT_PORT: Final = 8050
+INSTALL_HINT: Final = "the dashboard needs its extra: pip install 'flowloop[ui]'"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _require_existing(url: str) -> None:
+    """A SQLite file must exist: the store would create an empty one, and a dashboard
+    creates nothing."""
+    from sqlalchemy import make_url
+
+    from flowloop.errors import FlowloopError
+    from flowloop.store.dialect import normalize_url
+
+    parsed = make_url(normalize_url(url))
+    name = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not name or name == ":memory:":
+        return
+    if not name.startswith("file:") and not Path(name).exists():
+        raise FlowloopError(f"no database at {name} (start a run or a worker first, or --db)")
+
+
+@click.command(name="ui")
+@click.option("--db", envvar="FLOWLOOP_DB", default=None, help="Database URL or SQLite file.")
+@click.option(
+    "-w",
+    "--workflows",
+    "workflow_paths",
+    multiple=True,
+    help="Files or directories that define the workflows [default: ./workflows]; a workflow "
+    "not given is drawn from the definition stored in the database.",
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
+@click.option(
+    "--host",
+    default=LOOPBACK,
+    show_default=True,
+    help="Address to listen on; anything but loopback exposes the dashboard to the network.",
+)
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Enable pause, unpause, stop, retry and send (each needs the token printed at "
+    "start-up, or the one in $FLOWLOOP_UI_TOKEN).",
+)
+@click.option("--token", envvar="FLOWLOOP_UI_TOKEN", default=None, hidden=True)
+def ui_command(
+    db: str | None,
+    workflow_paths: tuple[str, ...],
+    port: int,
+    host: str,
+    allow_actions: bool,
+    token: str | None,
+) -> None:
+    """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
+
+    Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
+    from flowloop.cli import database, err, load_workflow_paths, out
+    from flowloop.errors import FlowloopError
+
+    try:
+        import uvicorn
+
+        from flowloop.ui.app import create_app
+    except ModuleNotFoundError as error:
+        raise FlowloopError(f"{INSTALL_HINT} ({error.name} is missing)") from error
+    from flowloop.store.sql import SQLStore
+
+    loaded = load_workflow_paths(workflow_paths)
+    url = database(db)
+    _require_existing(url)
+    # Opened without creating anything: a dashboard never writes a schema.
+    store = SQLStore(url, create=False)
+    app = create_app(
+        store,
+        workflows=loaded.workflows,
+        loops=loaded.loops,
+        allow_actions=allow_actions,
+        token=token,
+    )
+    if not is_loopback(host):
+        err.print(
+            f"warning: listening on {host}: anyone who can reach this address can read every "
+            "run and its context",
+            markup=False,
+        )
+    shown = f"[{host}]" if ":" in host else host
+    out.print(f"flowloop dashboard on http://{shown}:{port}/ (Ctrl-C stops it)", markup=False)
+    if allow_actions:
+        out.print(f"actions enabled; token: {app.state.dash.token}", markup=False)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        store.close()

@@ -1,0 +1,258 @@
+"""The HTML pages: runs, one run (live), workflows, loops, workers.
+
+Each page is rendered on the server from the same queries as the JSON API; the only script
+(``static/app.js``) keeps a run page live by polling ``/api/runs/{id}/progress`` and, when
+``last_seq`` moves, swapping in ``/runs/{id}/live`` (header, diagram, timeline).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any, Final
+from urllib.parse import urlencode
+
+from starlette.requests import Request
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Route
+
+from flowloop import render
+from flowloop.errors import RenderError
+from flowloop.lifecycle import STATUSES
+from flowloop.ui import api
+from flowloop.ui import queries as q
+from flowloop.ui.actions import csrf_for, signed_in
+from flowloop.ui.contextdiff import diff
+
+WINDOWS: Final = ("1h", "24h", "7d", "30d", "all")
+ITERATION_KINDS: Final = ("iteration_succeeded", "iteration_failed", "iteration_interrupted")
+DECISION_KINDS: Final = ("missed", "coalesced", "skipped_overlap")
+
+
+def _render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
+    templates = request.app.state.templates
+    dash = request.app.state.dash
+    base = {
+        "nav": name.split(".")[0].split("_")[0],
+        "signed_in": dash.allow_actions and signed_in(request),
+        "csrf": csrf_for(dash.token) if dash.token else "",
+        "flash_error": request.query_params.get("error", "")[:500],
+        "flash_done": request.query_params.get("done", "")[:500],
+    }
+    response: Response = templates.TemplateResponse(
+        request, name, {**base, **context}, status_code=status
+    )
+    return response
+
+
+def home(request: Request) -> Response:
+    return RedirectResponse("/runs", status_code=307)
+
+
+def runs_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    query = q.RunsQuery.parse(dict(request.query_params))
+    page = q.list_runs(dash.db, query)
+    filters = query.filters()
+    next_link = (
+        "/runs?" + urlencode({**filters, "after": page.next_cursor}) if page.next_cursor else None
+    )
+    status_links = {
+        status: "/runs?"
+        + urlencode({**{k: v for k, v in filters.items() if k != "status"}, "status": status})
+        for status in STATUSES
+    }
+    return _render(
+        request,
+        "runs.html",
+        {
+            "page": page,
+            "query": query,
+            "filters": filters,
+            "statuses": STATUSES,
+            "status_links": status_links,
+            "all_link": "/runs?" + urlencode({k: v for k, v in filters.items() if k != "status"}),
+            "next_link": next_link,
+            "paged": query.after is not None,
+            "workflows": api.workflow_names(dash),
+        },
+    )
+
+
+def _run_view(request: Request, run_id: str) -> dict[str, Any]:
+    """Everything the live part of a run page shows (header, diagram, timeline, errors,
+    context at ``?seq=`` and the changes ``?from=&to=``, by default the latest)."""
+    dash = request.app.state.dash
+    row = q.run_row(dash.db, run_id)
+    events = q.run_journal(dash.store, run_id)
+    params = dict(request.query_params)
+    last = len(events)
+    seq = api.seq_param(params, "seq", last)
+    start = api.seq_param(params, "from", max(1, last - 1))
+    to = api.seq_param(params, "to", last)
+    context = q.context_at(events, seq)
+    changes = diff(q.context_at(events, start), q.context_at(events, to))
+    workflow = dash.workflows.get(row["workflow"])
+    try:
+        svg = api.run_diagram(dash, run_id, events)
+        problem = None
+    except (q.NotFound, RenderError) as error:
+        svg, problem = None, str(error)
+    except (KeyError, TypeError, ValueError) as error:  # a journal written badly elsewhere
+        svg, problem = None, f"cannot draw this run from its journal: {error!r}"
+    steps = q.timeline(events)
+    longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
+    failures = [e for e in events if e.traceback or e.error_message]
+    return {
+        "run": row,
+        "events": events,
+        "steps": steps,
+        "longest": longest or 1.0,
+        "svg": svg,
+        "diagram_problem": problem,
+        "failures": failures,
+        "live": row["status"] not in ("succeeded", "failed", "stopped"),
+        "seq": seq,
+        "diff_from": start,
+        "diff_to": to,
+        "context_text": json.dumps(context, indent=2, sort_keys=True),
+        "changes": changes,
+        "step_states": list(workflow.steps) if workflow is not None else [],
+    }
+
+
+def run_page(request: Request) -> Response:
+    run_id = api.path_text(request, "run_id")
+    return _render(request, "run.html", _run_view(request, run_id))
+
+
+def run_live(request: Request) -> Response:
+    """The parts of a run page that change while it moves (swapped in by app.js)."""
+    run_id = api.path_text(request, "run_id")
+    return _render(request, "run_live.html", _run_view(request, run_id))
+
+
+def workflows_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    seen = q.definitions_seen(dash.db)
+    counts = q.status_counts(dash.db)
+    names = sorted(set(seen) | set(dash.workflows) | set(counts))
+    cards = []
+    for name in names:
+        found = counts.get(name, {})
+        finished = sum(found.get(s, 0) for s in ("succeeded", "failed", "stopped"))
+        cards.append(
+            {
+                "name": name,
+                "loaded": name in dash.workflows,
+                "versions": seen.get(name, []),
+                "counts": found,
+                "runs": sum(found.values()),
+                "success_rate": found.get("succeeded", 0) / finished if finished else None,
+                "parts": [(s, found[s]) for s in STATUSES if found.get(s)],
+            }
+        )
+    return _render(request, "workflows.html", {"cards": cards, "statuses": STATUSES})
+
+
+def workflow_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    name = api.path_text(request, "name")
+    found = api.workflow_overview(request, name)
+    newest = found["versions"][0] if found["versions"] else {}
+    chosen = newest
+    wanted = request.query_params.get("fingerprint")
+    if wanted:
+        chosen = next((v for v in found["versions"] if v["fingerprint"] == wanted), {})
+        if not chosen:
+            raise q.NotFound(f"workflow {name[:80]} has no stored version {wanted[:40]}")
+    plain = dash.machines.definition_graph(
+        name, chosen.get("fingerprint"), int(chosen.get("version", 0))
+    )
+    problem = None
+    try:
+        plain_svg = dash.svgs.svg(plain) if plain is not None else None
+        heat_svg = api.heat_diagram(dash, name, found) if plain is not None else None
+    except RenderError as error:  # no `dot`: the numbers still show
+        plain_svg = heat_svg = None
+        problem = str(error)
+    slowest = max((s["p99"] or 0.0 for s in found["states"]), default=0.0)
+    return _render(
+        request,
+        "workflow.html",
+        {
+            "wf": found,
+            "plain_svg": plain_svg,
+            "heat_svg": heat_svg,
+            "diagram_problem": problem,
+            "shown": chosen,
+            "windows": WINDOWS,
+            "slowest": slowest or 1.0,
+            "statuses": STATUSES,
+        },
+    )
+
+
+def loops_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    return _render(request, "loops.html", {"loops": q.loop_rows(dash.db)})
+
+
+def loop_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    name = api.path_text(request, "name")
+    row = q.loop_row(dash.db, name)
+    events = q.loop_events(dash.db, name, limit=200)
+    counts = q.loop_kind_counts(dash.db, name)
+    iterations = [e for e in events if e["kind"] in ITERATION_KINDS][:25]
+    decisions = [e for e in events if e["kind"] in DECISION_KINDS][:25]
+    model = render.lifecycle_model()
+    notes = {
+        "running": f"{counts.get('iteration_started', 0)} iterations started",
+        "succeeded": f"{counts.get('iteration_succeeded', 0)} succeeded",
+        "failed": f"{counts.get('iteration_failed', 0)} failed",
+        "paused": f"{counts.get('loop_paused', 0)} pauses",
+    }
+    nodes = tuple(
+        replace(
+            node,
+            mark="current" if node.name == row["status"] else "plain",
+            notes=(notes[node.name],) if node.name in notes else (),
+        )
+        for node in model.nodes
+    )
+    lifecycle = render.to_digraph(
+        replace(model, nodes=nodes, caption=f"loop {name}: {row['status']} now")
+    )
+    loop = dash.loops.get(name)
+    return _render(
+        request,
+        "loop.html",
+        {
+            "loop": row,
+            "iterations": iterations,
+            "decisions": decisions,
+            "counts": counts,
+            "svg": dash.svgs.svg(lifecycle),
+            "defined": loop is not None,
+        },
+    )
+
+
+def workers_page(request: Request) -> Response:
+    dash = request.app.state.dash
+    return _render(request, "workers.html", {"w": q.workers(dash.db, dash.store.db_now())})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/", home),
+        Route("/runs", runs_page),
+        Route("/runs/{run_id}", run_page),
+        Route("/runs/{run_id}/live", run_live),
+        Route("/workflows", workflows_page),
+        Route("/workflows/{name:path}", workflow_page),
+        Route("/loops", loops_page),
+        Route("/loops/{name:path}", loop_page),
+        Route("/workers", workers_page),
+    ]

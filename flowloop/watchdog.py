@@ -1,0 +1,161 @@
+"""Event-loop stall detection: an async step that blocks (``time.sleep``, a synchronous
+driver, heavy CPU work) stops every other run, the heartbeat and the lease renewals.
+
+A ticker task on the event loop notes the time every :data:`TICK_SECONDS`; a daemon thread
+checks that note. When the loop has not ticked for ``threshold`` seconds, the thread logs
+one WARNING *while the stall lasts*, naming the async steps running at that moment and the
+line the loop's thread is executing. When the loop runs again, the ticker measures the
+whole stall, logs it at INFO and tells its listeners (the worker's metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Final, Protocol
+
+log = logging.getLogger("flowloop.watchdog")
+
+DEFAULT_STALL_SECONDS: Final = 0.5
+"""An event loop that does not run for this long is stalled (a WARNING names the steps)."""
+TICK_SECONDS: Final = 0.05
+"""How often the ticker notes the time on the event loop (and the thread looks at it)."""
+
+StallListener = Callable[[float, list[str]], None]
+"""Called on the event loop after a stall with (its length in seconds, the steps named)."""
+
+
+class RunningStep(Protocol):
+    """What the watchdog reads of a running async step (:class:`flowloop.Step` fits)."""
+
+    @property
+    def run_id(self) -> str: ...
+    @property
+    def workflow(self) -> str: ...
+    @property
+    def state(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+
+
+def describe(step: RunningStep) -> str:
+    return f"{step.workflow}.{step.state} (run {step.run_id}, attempt {step.attempt})"
+
+
+class LoopWatchdog:
+    """Watches one event loop for stalls; ``running`` maps run ids to the async steps in
+    flight (the executor keeps it). Start it on the loop with :meth:`start`."""
+
+    def __init__(
+        self,
+        running: Mapping[str, RunningStep],
+        *,
+        threshold: float = DEFAULT_STALL_SECONDS,
+    ) -> None:
+        self.running = running
+        self.threshold = threshold
+        self.listeners: list[StallListener] = []
+        self.stalls = 0
+        """Stalls seen so far (each is also logged and passed to the listeners)."""
+        self._last = time.monotonic()
+        self._warned_for: float | None = None
+        self._named: list[str] = []
+        self._loop_thread: int | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._users = 0
+        self._watching = False
+        self._closed = threading.Event()
+
+    def start(self) -> None:
+        """Begin watching the running event loop. Calls nest: each :meth:`start` needs its
+        :meth:`stop`; watching ends with the last one. The thread is started once and
+        kept (until :meth:`close`): ``Engine.run`` starts and stops watching per run."""
+        self._users += 1
+        if self._users > 1:
+            return
+        self._loop_thread = threading.get_ident()
+        self._last = time.monotonic()
+        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._watching = True
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._watch, name="flowloop-watchdog", daemon=True
+            )
+            self._thread.start()
+
+    def stop(self) -> None:
+        """End one :meth:`start`."""
+        self._users = max(0, self._users - 1)
+        if self._users:
+            return
+        self._watching = False
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+
+    def close(self) -> None:
+        """Stop watching and let the thread end (within a tick)."""
+        self._users = 1
+        self.stop()
+        self._closed.set()
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(TICK_SECONDS)
+            now = time.monotonic()
+            self._last = now
+            lag = now - before - TICK_SECONDS
+            if lag >= self.threshold:
+                self._stalled(lag)
+
+    def _stalled(self, lag: float) -> None:
+        named, self._named, self._warned_for = self._named, [], None
+        if not named:  # too short for the thread to have looked: name what runs now
+            named = [describe(step) for step in list(self.running.values())]
+        self.stalls += 1
+        log.info(
+            "event loop was blocked for %.2fs (async step(s): %s)",
+            lag,
+            ", ".join(named) or "none running",
+            extra={"event": "loop_stall", "lag": lag, "steps": named},
+        )
+        for listener in self.listeners:
+            try:
+                listener(lag, named)
+            except Exception:  # a listener must never break the event loop
+                log.exception("stall listener failed")
+
+    def _watch(self) -> None:
+        while not self._closed.wait(TICK_SECONDS):
+            if not self._watching:
+                continue
+            last = self._last
+            blocked = time.monotonic() - last
+            if blocked < self.threshold or self._warned_for == last:
+                continue
+            self._warned_for = last  # one warning per stall
+            self._named = [describe(step) for step in list(self.running.values())]
+            log.warning(
+                "event loop blocked for %.2fs so far%s; async step(s) running: %s — a "
+                "blocking call in `async def` stops every run on this worker: await it, "
+                "use asyncio.to_thread, or make the step a plain `def`",
+                blocked,
+                self._where(),
+                ", ".join(self._named) or "none",
+                extra={"event": "loop_stall", "lag": blocked, "steps": self._named},
+            )
+
+    def _where(self) -> str:
+        """`` at FILE:LINE in FUNCTION`` for the loop thread's innermost frame."""
+        frame = sys._current_frames().get(self._loop_thread or -1)
+        if frame is None:
+            return ""
+        last = traceback.extract_stack(frame, limit=1)[-1]
+        return f" at {last.filename}:{last.lineno} in {last.name}"

@@ -1,0 +1,213 @@
+"""Ctrl-C during `flowloop run` (a real process, a real SIGINT while a non-idempotent step is
+known to be in flight): the first drains (the step finishes, is journaled, the run is handed
+back and `flowloop resume` finishes it), a second one cuts the step off and says so.
+
+The step announces itself with a file and waits for a gate file (bounded): the test sends
+SIGINT only once the step is in flight, and opens the gate only once the worker said what
+the signal does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from loopkit_proc import engine, wait_exists, write_module
+from polling import poll
+
+pytestmark = pytest.mark.crash
+
+EXIT_WAIT_S = 60.0
+
+PARCEL = """
+    import os
+    import time
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from flowloop import Step, Workflow
+
+    GATE = Path(os.environ["PARCEL_DIR"])
+
+
+    class Parcel(BaseModel):
+        order_id: str
+        tracking: str | None = None
+        notified: bool = False
+
+
+    parcel = Workflow("parcel", context=Parcel, key="order_id")
+
+
+    @parcel.step(initial=True, next="notify", idempotent=False)
+    def ship(ctx: Parcel, step: Step) -> None:
+        (GATE / f"in-flight-{step.attempt}").touch()
+        deadline = time.monotonic() + 60
+        while not (GATE / "open").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never opened the gate")
+            time.sleep(0.01)
+        with (GATE / "shipments").open("a") as ledger:
+            ledger.write(f"{step.run_id}\\n")
+        ctx.tracking = "TRK1"
+
+
+    @parcel.step(next="delivered")
+    def notify(ctx: Parcel) -> None:
+        ctx.notified = True
+
+
+    parcel.final("delivered")
+"""
+
+
+class FlowloopRun:
+    """`flowloop run` in its own process; its stderr read line by line as it comes."""
+
+    def __init__(self, module: Path, db: Path, gate: Path) -> None:
+        env = {**os.environ, "PARCEL_DIR": str(gate), "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "flowloop.cli", "run", str(module), "--db", str(db)]
+        self.process = subprocess.Popen(
+            [*command, "--context", json.dumps({"order_id": "A1"})],
+            cwd=gate,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.err: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        assert self.process.stderr is not None
+        self._reader = threading.Thread(target=self._read, args=(self.process.stderr,))
+        self._reader.daemon = True
+        self._reader.start()
+
+    def _read(self, stream: object) -> None:
+        for line in stream:  # type: ignore[attr-defined]
+            self._lines.put(line.rstrip("\n"))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.err.append(self._lines.get_nowait())
+            except queue.Empty:
+                return
+
+    def said(self, text: str) -> bool:
+        self._drain()
+        return any(text in line for line in self.err)
+
+    def wait(self) -> int:
+        try:
+            code = self.process.wait(timeout=EXIT_WAIT_S)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        assert self.process.stdout is not None
+        self.out = self.process.stdout.read()
+        self._reader.join(timeout=EXIT_WAIT_S)  # stderr's end of file
+        self._drain()
+        return code
+
+    def describe(self) -> str:
+        self._drain()
+        return "stderr:\n" + "\n".join(self.err)
+
+
+def start(tmp_path: Path) -> tuple[FlowloopRun, Path, Path]:
+    module = write_module(tmp_path / "parcel.py", PARCEL)
+    db = tmp_path / "runs.db"
+    run = FlowloopRun(module, db, tmp_path)
+    wait_exists(tmp_path / "in-flight-1")
+    return run, db, tmp_path
+
+
+def command_in(line: str) -> list[str]:
+    """The command a message names between backticks."""
+    return shlex.split(line.split("`")[1])
+
+
+def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: Path) -> None:
+    run, db, gate = start(tmp_path)
+    run.process.send_signal(signal.SIGINT)
+    poll(
+        lambda: run.said("letting the step in flight finish"),
+        timeout=EXIT_WAIT_S,
+        what="the notice of the first Ctrl-C",
+        every=0.01,
+        describe=run.describe,
+    )
+    assert run.process.poll() is None  # still finishing the step
+    (gate / "open").touch()
+    assert run.wait() == 130, run.describe()
+    last = run.err[-1]
+    assert "Traceback" not in "\n".join(run.err), run.describe()
+    assert last.startswith("interrupted: run "), last
+    assert "stopped after its step finished: scheduled in state notify" in last
+    assert f"`flowloop resume -w {tmp_path / 'parcel.py'} --db " in last
+
+    with engine(db) as e:
+        (info,) = e.runs()
+        history = e.history(info.id)
+    # The shipment happened once and is journaled; the run is resumable, not failed.
+    assert (gate / "shipments").read_text().split() == [info.id]
+    assert (info.status, info.state, info.context["tracking"]) == ("scheduled", "notify", "TRK1")
+    assert [ev.kind for ev in history][-2:] == ["step_succeeded", "run_released"]
+    assert history[-1].data["reason"] == "released on shutdown"
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *command_in(last)[1:]],
+        cwd=tmp_path,
+        env={**os.environ, "PARCEL_DIR": str(gate)},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_WAIT_S,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    with engine(db) as e:
+        done = e.get(info.id)
+    assert (done.status, done.state, done.context["notified"]) == ("succeeded", "delivered", True)
+    assert (gate / "shipments").read_text().split() == [info.id]  # not shipped twice
+
+
+def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> None:
+    run, db, gate = start(tmp_path)
+    run.process.send_signal(signal.SIGINT)
+    poll(
+        lambda: run.said("Ctrl-C again to cut it off"),
+        timeout=EXIT_WAIT_S,
+        what="the notice of the first Ctrl-C",
+        every=0.01,
+        describe=run.describe,
+    )
+    run.process.send_signal(signal.SIGINT)
+    # Exits although the step's thread is still blocked on the gate.
+    assert run.wait() == 130, run.describe()
+    last = run.err[-1]
+    assert "Traceback" not in "\n".join(run.err), run.describe()
+    assert "cutting its step off: failed in state ship" in last, last
+    assert "cut off by shutdown" in last and "not idempotent" in last, last
+    assert "`flowloop retry " in last and f"-w {tmp_path / 'parcel.py'}" in last, last
+
+    with engine(db) as e:
+        (info,) = e.runs()
+        history = e.history(info.id)
+    cut = history[-1]
+    assert (cut.kind, cut.data["cause"], cut.data["reason"]) == (
+        "step_interrupted",
+        "cut_off",
+        "interrupted",
+    )
+    assert "died" not in (cut.error_message or "")
+    assert (info.status, info.reason) == ("failed", "interrupted")
+    assert not (gate / "shipments").exists()
+    (gate / "open").touch()  # nothing left to release it: the process is gone

@@ -1,0 +1,119 @@
+"""Actions from the dashboard (only with --allow-actions): refused without the token,
+refused from a form without the CSRF field, carried out by the engine with the same
+one-line errors as the CLI, and journaled with who did them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from uikit import Parcel, parcel, serve
+
+from flowloop import Engine
+from flowloop.store.sql import SQLStore
+from flowloop.ui.actions import csrf_for
+from flowloop.ui.app import create_app
+
+TOKEN = "the-test-token"
+
+
+@pytest.fixture
+def site(store_url: str) -> Iterator[tuple[str, str, str]]:
+    with Engine(store_url, workflows=[parcel]) as engine:
+        run_id = engine.start(parcel, Parcel(parcel_id="A")).id  # queued: nobody owns it
+    store = SQLStore(store_url, create=False)
+    try:
+        app = create_app(store, workflows={"parcel": parcel}, allow_actions=True, token=TOKEN)
+        with serve(app) as base:
+            yield base, run_id, store_url
+    finally:
+        store.close()
+
+
+def post(base: str, path: str, token: str | None = TOKEN, **body: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(base + path, json=body, headers=headers, timeout=30)
+
+
+def journal(base: str, run_id: str) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = httpx.get(f"{base}/api/runs/{run_id}/journal").json()["events"]
+    return events
+
+
+def test_actions__refused_without_the_right_token(site: tuple[str, str, str]) -> None:
+    base, run_id, _ = site
+    assert post(base, f"/api/runs/{run_id}/pause", token=None).status_code == 403
+    assert post(base, f"/api/runs/{run_id}/pause", token="guess").status_code == 403
+    assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
+
+
+def test_actions__pause_unpause_stop_journaled_with_who(site: tuple[str, str, str]) -> None:
+    base, run_id, _ = site
+    paused = post(base, f"/api/runs/{run_id}/pause")
+    assert paused.status_code == 200 and paused.json()["status"] == "paused"
+    assert post(base, f"/api/runs/{run_id}/unpause").json()["status"] == "scheduled"
+    assert post(base, f"/api/runs/{run_id}/stop").json()["status"] == "stopped"
+    events = journal(base, run_id)
+    assert [e["kind"] for e in events[1:]] == ["run_paused", "run_unpaused", "run_stopped"]
+    assert all(e["worker"].startswith("operator:") for e in events[1:])
+    retried = post(base, f"/api/runs/{run_id}/retry", **{"from": "weigh"})
+    assert retried.status_code == 200 and retried.json()["status"] == "scheduled"
+    last = journal(base, run_id)[-1]
+    assert last["kind"] == "run_retried" and last["data"]["by"].startswith("ui:")
+    assert last["data"]["by"].endswith("@127.0.0.1")
+
+
+def test_actions__same_one_line_error_as_the_cli(site: tuple[str, str, str]) -> None:
+    base, run_id, url = site
+    assert post(base, f"/api/runs/{run_id}/stop").status_code == 200
+    refused = post(base, f"/api/runs/{run_id}/pause")
+    cli = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "pause", run_id, "--db", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cli.returncode == 2
+    assert refused.status_code == 400
+    assert cli.stderr.strip() == f"error: {refused.json()['error']}"
+    unknown = post(base, "/api/runs/nope/pause")
+    assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+    assert post(base, f"/api/runs/{run_id}/explode").status_code == 404
+    assert post(base, f"/api/runs/{run_id}/send").status_code == 400  # no event named
+
+
+def test_actions__a_form_needs_the_session_and_the_csrf_field(site: tuple[str, str, str]) -> None:
+    base, run_id, _ = site
+    with httpx.Client(base_url=base, timeout=30) as browser:
+        assert browser.post("/login", data={"token": "guess"}).status_code == 403
+        signed = browser.post("/login", data={"token": TOKEN})
+        assert signed.status_code == 303 and "flowloop_session" in browser.cookies
+        # What another site's page could send: the cookie rides along, the CSRF field not.
+        forged = browser.post(f"/api/runs/{run_id}/pause", data={"csrf": "x"})
+        assert forged.status_code == 403
+        done = browser.post(f"/api/runs/{run_id}/pause", data={"csrf": csrf_for(TOKEN)})
+        assert done.status_code == 303 and "paused" in done.headers["location"]
+        page = browser.get(done.headers["location"]).text
+        assert "the run is paused" in page and 'data-action="unpause"' in page
+        again = browser.post(f"/api/runs/{run_id}/retry", data={"csrf": csrf_for(TOKEN)})
+        assert again.status_code == 303 and "error=" in again.headers["location"]
+        assert "cannot retry" in browser.get(again.headers["location"]).text
+    assert [e["kind"] for e in journal(base, run_id)] == ["run_created", "run_paused"]
+
+
+def test_read_only__no_action_endpoint_at_all(sqlite_url: str) -> None:
+    with Engine(sqlite_url, workflows=[parcel]) as engine:
+        run_id = engine.start(parcel, Parcel(parcel_id="B")).id
+    store = SQLStore(sqlite_url, create=False)
+    try:
+        with serve(create_app(store, workflows={"parcel": parcel})) as base:
+            refused = post(base, f"/api/runs/{run_id}/pause")
+            assert refused.status_code in (404, 405)
+            assert httpx.get(f"{base}/runs/{run_id}").text.count("data-action") == 0
+            assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
+    finally:
+        store.close()

@@ -1,0 +1,90 @@
+"""Hostile names render as text: a state, event, key, context value and error message made of
+``<script>`` and DOT syntax (``"]; [label="``) appear literally in the pages and in the SVG,
+and no script they carry runs in a real browser."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+from xml.etree import ElementTree
+
+import httpx
+import pytest
+from uikit import (
+    CHROMIUM_ARGS,
+    HOSTILE,
+    HOSTILE_ERROR,
+    HOSTILE_NOTE,
+    HOSTILE_WORKFLOW,
+    SCRIPT_STATE,
+    chromium_path,
+    hostile_run,
+    serve,
+)
+
+from flowloop.store.sql import SQLStore
+from flowloop.ui.app import create_app
+
+
+@pytest.fixture
+def hostile_site(sqlite_url: str) -> Iterator[tuple[str, str]]:
+    run_id = hostile_run(sqlite_url)
+    store = SQLStore(sqlite_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            yield base, run_id
+    finally:
+        store.close()
+
+
+def test_hostile_names__escaped_in_html_and_svg(hostile_site: tuple[str, str]) -> None:
+    base, run_id = hostile_site
+    workflow = quote(HOSTILE_WORKFLOW, safe="")
+    for path in (f"/runs/{run_id}", "/runs", f"/workflows/{workflow}?since=all", "/workflows"):
+        response = httpx.get(base + path, timeout=30)
+        assert response.status_code == 200, path
+        assert "<script>alert" not in response.text, path
+        assert "<img src=x" not in response.text, path
+    page = httpx.get(f"{base}/runs/{run_id}", timeout=30).text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "&lt;img src=x onerror=alert(2)&gt;" in page  # the context, as text
+    svg = httpx.get(f"{base}/api/runs/{run_id}/diagram.svg", timeout=30).text
+    texts = "".join(ElementTree.fromstring(svg).itertext())  # well-formed XML, names as text
+    assert HOSTILE in texts and SCRIPT_STATE in texts
+    heat = httpx.get(f"{base}/api/workflows/{workflow}/heat.svg?since=all", timeout=30).text
+    assert HOSTILE in "".join(ElementTree.fromstring(heat).itertext())
+
+
+def test_hostile_names__no_script_runs_in_the_browser(
+    hostile_site: tuple[str, str], tmp_path: Path
+) -> None:
+    executable = chromium_path()
+    if executable is None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("Debian's chromium is not installed (make system installs it)")
+        pytest.skip("Debian's chromium is not installed")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    base, run_id = hostile_site
+    dialogs: list[str] = []
+    with sync_api.sync_playwright() as driver:
+        browser = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+        workflow = quote(HOSTILE_WORKFLOW, safe="")
+        for path in (f"/runs/{run_id}", "/runs", f"/workflows/{workflow}?since=all"):
+            page.goto(base + path)
+            page.wait_for_load_state("load")
+            # Only the dashboard's own script may be on the page.
+            sources = page.eval_on_selector_all("script", "nodes => nodes.map(n => n.src)")
+            assert all(src.endswith("/static/app.js") for src in sources), sources
+        page.goto(f"{base}/runs/{run_id}")
+        assert page.locator("#run-state").inner_text() == SCRIPT_STATE
+        assert HOSTILE in page.locator("#live-body .facts .key").inner_text()
+        assert HOSTILE_ERROR in page.locator("#errors").inner_text()
+        assert HOSTILE_NOTE in page.locator("#context-json").inner_text()
+        assert SCRIPT_STATE in (page.locator("#diagram svg").text_content() or "")
+        page.screenshot(path=str(tmp_path / "hostile.png"), full_page=True)
+        browser.close()
+    assert dialogs == []

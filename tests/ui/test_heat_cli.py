@@ -1,0 +1,57 @@
+"""``flowloop diagram FILE --runs --since 24h``: all runs of a window drawn on the machine,
+computed in SQL from the journal (SQLite and PostgreSQL), without writing to the store."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from uikit import parcel, parcels
+
+from flowloop.heat import heat
+
+UIKIT = str(Path(__file__).resolve().parents[1] / "uikit.py")
+
+
+def flowloop(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "diagram", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_heat__counts_runs_per_edge_failures_and_live_runs(store_url: str) -> None:
+    parcels(store_url, 5, failing=2)
+    from flowloop.store.sql import SQLStore
+
+    store = SQLStore(store_url, create=False)
+    try:
+        found = heat(store.engine, "parcel", since=None)
+    finally:
+        store.close()
+    assert found.edges[("weigh", "next", "pack")] == (5, 5)
+    assert found.edges[("pack", "next", "send")] == (3, 3)
+    assert found.states["pack"].attempts == 5 and found.states["pack"].failed == 2
+    assert found.states["pack"].p95 is not None
+    assert all(not s.live for s in found.states.values())  # every run has finished
+
+
+def test_diagram_runs__cli_draws_the_heat_map(sqlite_url: str) -> None:
+    parcels(sqlite_url, 4, failing=1)
+    result = flowloop(f"{UIKIT}:parcel", "--runs", "--since", "1h", "--db", sqlite_url)
+    assert result.returncode == 0, result.stderr
+    assert "runs of the last 1h" in result.stdout
+    assert 'label="next \u00d74"' in result.stdout  # weigh -> pack: four runs
+    assert "4 attempts, 25% failed" in result.stdout
+    assert parcel.name in result.stdout
+
+
+def test_diagram_runs__bad_window_and_missing_file_are_one_line_errors(sqlite_url: str) -> None:
+    parcels(sqlite_url, 1)
+    bad = flowloop(f"{UIKIT}:parcel", "--runs", "--since", "soon", "--db", sqlite_url)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --since")
+    alone = flowloop("--lifecycle", "--runs", "--db", sqlite_url)
+    assert alone.returncode == 2 and "--runs draws FILE" in alone.stderr

@@ -1,0 +1,124 @@
+"""``flowloop ui`` as a user starts it: a real process that prints its URL and serves on
+127.0.0.1; ``--host`` other than loopback warns; ``--allow-actions`` prints a token that
+the actions accept; a database without flowloop's schema is one line, exit 2 or 1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from polling import poll
+from uikit import free_port, parcels
+
+from flowloop.ui.command import is_loopback
+
+UIKIT = str(Path(__file__).resolve().parents[1] / "uikit.py")
+
+
+@contextmanager
+def flowloop_ui(*args: str, cwd: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowloop.cli", "ui", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: list[str] = []
+    try:
+        yield process, lines
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def read_until(process: subprocess.Popen[str], lines: list[str], words: str) -> str:
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+        if words in line:
+            return line
+    raise AssertionError(f"flowloop ui exited ({process.wait()}) without {words!r}: {lines}")
+
+
+def test_ui__prints_its_url_and_serves_read_only(sqlite_url: str, tmp_path: Path) -> None:
+    parcels(sqlite_url, 2)
+    port = free_port()
+    with flowloop_ui("--db", sqlite_url, "-w", UIKIT, "--port", str(port), cwd=tmp_path) as (
+        process,
+        lines,
+    ):
+        line = read_until(process, lines, "http://")
+        assert f"http://127.0.0.1:{port}/" in line
+        base = f"http://127.0.0.1:{port}"
+        runs = poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
+        assert len(runs.json()["runs"]) == 2
+        assert "read-only" in httpx.get(base + "/runs").text
+        assert httpx.post(f"{base}/api/runs/{runs.json()['runs'][0]['id']}/stop").status_code in (
+            404,
+            405,
+        )
+
+
+def test_ui__allow_actions_prints_a_token_the_api_accepts(sqlite_url: str, tmp_path: Path) -> None:
+    from uikit import Parcel, parcel
+
+    from flowloop import Engine
+
+    with Engine(sqlite_url, workflows=[parcel]) as engine:
+        run_id = engine.start(parcel, Parcel(parcel_id="Q")).id
+    port = free_port()
+    args = ("--db", sqlite_url, "-w", UIKIT, "--port", str(port), "--allow-actions")
+    with flowloop_ui(*args, cwd=tmp_path) as (process, lines):
+        read_until(process, lines, "http://")
+        token = read_until(process, lines, "token:").split("token:")[1].strip()
+        base = f"http://127.0.0.1:{port}"
+        poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
+        headers = {"Authorization": f"Bearer {token}"}
+        paused = httpx.post(f"{base}/api/runs/{run_id}/pause", headers=headers)
+        assert paused.status_code == 200 and paused.json()["status"] == "paused"
+
+
+def test_ui__which_hosts_warn() -> None:
+    # Only loopback is quiet; anything else prints the warning line before serving (not
+    # started here: a test listens on loopback only).
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.0.2.1")
+    assert not is_loopback("example.org")
+
+
+def test_ui__a_missing_or_foreign_database_is_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "new.db"
+    port = str(free_port())
+    with flowloop_ui("--db", str(missing), "--port", port, cwd=tmp_path) as (process, _):
+        assert process.wait(timeout=60) == 2
+        assert process.stdout is not None
+        output = process.stdout.read()
+    assert output.startswith("error: ") and "no database" in output and "Traceback" not in output
+    assert not missing.exists()  # a dashboard creates nothing
+    foreign = tmp_path / "foreign.db"
+    foreign.write_text("not sqlite")
+    with flowloop_ui("--db", str(foreign), "--port", port, cwd=tmp_path) as (process, _):
+        assert process.wait(timeout=60) != 0
+        assert process.stdout is not None
+        output = process.stdout.read()
+    assert output.startswith("error: ") and "Traceback" not in output
+
+
+def _get(url: str) -> httpx.Response | None:
+    try:
+        response = httpx.get(url, timeout=5)
+    except httpx.HTTPError:
+        return None
+    return response if response.status_code == 200 else None
