@@ -147,8 +147,11 @@ class Gates:
     ) -> JournalEvent | None:
         queued = _queued(record.reason)
         for _ in range(SHORT_WAITS):
-            granted, due = self.store.take_tokens(limits, queued=queued)
+            granted, due, now = self.store.take_tokens(
+                limits, queued=queued, lead=SHORT_WAIT_SECONDS
+            )
             if granted:
+                await asyncio.sleep(max(0.0, due - now))  # granted for that instant
                 self._grants[record.id] = {
                     "granted_at": due,
                     "rate_limits": sorted(limit.name for limit in limits),
@@ -156,7 +159,7 @@ class Gates:
                 return None
             # A slot due very soon is waited for here: rescheduling costs a journal entry
             # and a claim, and the claim's latency would be lost from the limit's rate.
-            wait = due - time.time()
+            wait = due - now
             if wait > SHORT_WAIT_SECONDS:
                 break
             queued = {limit.name for limit in limits}  # it holds its slot in each queue

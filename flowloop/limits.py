@@ -214,18 +214,23 @@ class Decision:
     bucket: Bucket
 
 
-def take(limit: RateLimit, bucket: Bucket, now: float, *, queued: bool) -> Decision:
-    """Whether a call may go now, and the bucket after it.
+def take(
+    limit: RateLimit, bucket: Bucket, now: float, *, queued: bool, lead: float = 0.0
+) -> Decision:
+    """Whether a call may go, and the bucket after it.
 
-    A call is granted when ``interval`` has passed since the last grant and either nobody
-    is queued or the caller is a queued one coming back (``queued``: its run was
-    rescheduled by this limit). Otherwise a new caller gets the next free slot of the
-    queue (the queue grows by one slot) and a queued one comes back at the first instant
-    it may be granted (the queue keeps its length): callers are served in arrival order
-    and a burst is rescheduled once, each to its own slot."""
+    A call is granted when ``interval`` has passed since the last grant — or will have
+    within ``lead`` seconds: it is then granted for that instant, and the caller waits
+    until it (grants stay exactly ``interval`` apart instead of each adding the latency
+    of its caller) — and either nobody is queued or the caller is a queued one coming
+    back (``queued``: its run was rescheduled by this limit). Otherwise a new caller gets
+    the next free slot of the queue (the queue grows by one slot) and a queued one comes
+    back at the first instant it may be granted (the queue keeps its length): callers are
+    served in arrival order and a burst is rescheduled once, each to its own slot."""
     earliest = now if bucket.last_grant is None else bucket.last_grant + limit.interval
-    if earliest <= now and (queued or bucket.queue_end <= now):
-        return Decision(True, now, Bucket(now, bucket.queue_end))
+    if earliest <= now + lead and (queued or bucket.queue_end <= now):
+        at = max(earliest, now)
+        return Decision(True, at, Bucket(at, bucket.queue_end))
     if queued:
         return Decision(False, max(earliest, now), bucket)
     slot = max(earliest, bucket.queue_end, now)
@@ -233,17 +238,24 @@ def take(limit: RateLimit, bucket: Bucket, now: float, *, queued: bool) -> Decis
 
 
 def take_all(
-    limits: Sequence[RateLimit], buckets: Sequence[Bucket], now: float, *, queued: set[str]
+    limits: Sequence[RateLimit],
+    buckets: Sequence[Bucket],
+    now: float,
+    *,
+    queued: set[str],
+    lead: float = 0.0,
 ) -> tuple[bool, float, list[Bucket]]:
     """:func:`take` of several limits at once, all or nothing: granted only when each one
-    grants (then each bucket records the grant); else the latest due of those refusing,
-    and only the refusing limits queue the caller."""
+    grants (then each bucket records the grant, at the latest instant one of them grants
+    it); else the latest due of those refusing, and only the refusing limits queue the
+    caller."""
     decisions = [
-        take(limit, bucket, now, queued=limit.name in queued)
+        take(limit, bucket, now, queued=limit.name in queued, lead=lead)
         for limit, bucket in zip(limits, buckets, strict=True)
     ]
     if all(d.granted for d in decisions):
-        return True, now, [d.bucket for d in decisions]
+        at = max(d.due for d in decisions)
+        return True, at, [Bucket(at, d.bucket.queue_end) for d in decisions]
     due = max(d.due for d in decisions if not d.granted)
     kept = [bucket if d.granted else d.bucket for d, bucket in zip(decisions, buckets, strict=True)]
     return False, due, kept

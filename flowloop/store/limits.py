@@ -193,11 +193,14 @@ class LimitStoreMixin:
 
     # -- rate limits -----------------------------------------------------------------------
 
-    def take_tokens(self, limits: Sequence[RateLimit], *, queued: set[str]) -> tuple[bool, float]:
-        """Take one token of each of ``limits`` now, all or nothing, by the database's clock
+    def take_tokens(
+        self, limits: Sequence[RateLimit], *, queued: set[str], lead: float = 0.0
+    ) -> tuple[bool, float, float]:
+        """Take one token of each of ``limits``, all or nothing, by the database's clock
         (one transaction; the buckets' rows are locked, so workers take turns). Returns
-        ``(True, now)``, or ``(False, due)``: come back at ``due`` (a new caller was given
-        a slot in each refusing limit's queue). ``queued``: names of the limits that
+        ``(True, at, now)``: granted for ``at`` (``now`` or up to ``lead`` s later: call
+        then), or ``(False, due, now)``: come back at ``due`` (a new caller was given a
+        slot in each refusing limit's queue). ``queued``: names of the limits that
         rescheduled this caller before (it comes back for its slot)."""
         ordered = sorted(limits, key=lambda limit: limit.name)
         names = [limit.name for limit in ordered]
@@ -213,7 +216,7 @@ class LimitStoreMixin:
             }
             now = float(conn.execute(select(self.now_sql)).scalar_one())
             buckets = [Bucket(found[n].last_grant, found[n].queue_end) for n in names]
-            granted, due, after = take_all(ordered, buckets, now, queued=queued)
+            granted, due, after = take_all(ordered, buckets, now, queued=queued, lead=lead)
             for name, before, bucket in zip(names, buckets, after, strict=True):
                 if bucket == before and not granted:
                     continue
@@ -231,7 +234,7 @@ class LimitStoreMixin:
                         ),
                     )
                 )
-        return granted, due
+        return granted, due, now
 
     def rate_limits(self) -> list[RateRow]:
         with self._read() as conn:
