@@ -84,6 +84,8 @@ class NewRun:
     lease_seconds: float = 30.0
     limit_key: str | None = None
     """The run's concurrency key (``Workflow(concurrency_key=...)``), kept on its row."""
+    limit_rank: int | None = None
+    """Its place in its key's queue when it was created (set by the store)."""
 
 
 @dataclass(frozen=True, kw_only=True)

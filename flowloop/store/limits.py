@@ -20,15 +20,18 @@ with one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Connection, bindparam, insert, select, text, update
+from sqlalchemy import ColumnElement, Connection, bindparam, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
+from flowloop.lifecycle import LIVE
 from flowloop.limits import (
     Admission,
     Breaker,
@@ -40,7 +43,8 @@ from flowloop.limits import (
     succeeded,
     take_all,
 )
-from flowloop.store.schema import breaker_journal, breakers, rate_limits
+from flowloop.store.base import NewRun
+from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
 UNLIMITED: Final = 1_000_000_000
 LOCK_KEY: Final = "flowloop limited claims"
@@ -100,13 +104,13 @@ ranked AS (
          row_number() OVER (
            PARTITION BY r.limit_key ORDER BY r.priority DESC, r.next_run_at, r.id
          ) AS rn,
-         coalesce(k.n, 0) AS kn
+         coalesce(k.n, 0) AS kn, coalesce(r.limit_rank, 0) AS lr
   FROM flowloop_runs r LEFT JOIN per_key k ON k.limit_key = r.limit_key
   WHERE r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
     AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
 ),
 ordered AS (
-  SELECT id, row_number() OVER (ORDER BY priority DESC, rn, next_run_at, id) AS g
+  SELECT id, row_number() OVER (ORDER BY priority DESC, lr, rn, next_run_at, id) AS g
   FROM ranked WHERE rn + kn <= :p_key_limit
 )
 UPDATE flowloop_runs
@@ -190,6 +194,38 @@ class LimitStoreMixin:
                 params["p_ids"] = list(run_ids)
             rows.extend(conn.execute(self._limited_statement(run_ids is not None), params))
         return rows
+
+    def _ranked(self, conn: Connection, news: Sequence[NewRun]) -> list[NewRun]:
+        """``news`` with the place each keyed run takes in its key's queue: its key's live
+        runs (in the database and earlier in ``news``) plus one. One grouped count per
+        workflow, on the partial (workflow, limit_key) index; unkeyed runs unchanged."""
+        wanted: dict[str, set[str]] = {}
+        for new in news:
+            if new.limit_key is not None:
+                wanted.setdefault(new.record.workflow, set()).add(new.limit_key)
+        if not wanted:
+            return list(news)
+        live: Counter[tuple[str, str]] = Counter()
+        for workflow, keys in wanted.items():
+            rows = conn.execute(
+                select(runs.c.limit_key, func.count())
+                .where(
+                    runs.c.workflow == workflow,
+                    runs.c.limit_key.in_(sorted(keys)),
+                    runs.c.status.in_(sorted(LIVE)),
+                )
+                .group_by(runs.c.limit_key)
+            )
+            live.update({(workflow, key): int(n) for key, n in rows})
+        ranked = []
+        for new in news:
+            if new.limit_key is None:
+                ranked.append(new)
+                continue
+            slot = (new.record.workflow, new.limit_key)
+            live[slot] += 1
+            ranked.append(dataclasses.replace(new, limit_rank=live[slot]))
+        return ranked
 
     # -- rate limits -----------------------------------------------------------------------
 

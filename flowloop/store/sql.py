@@ -146,6 +146,7 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "created_at": new.events[0].at,
         "updated_at": new.events[-1].at,
         "limit_key": new.limit_key,
+        "limit_rank": new.limit_rank,
     }
 
 
@@ -465,6 +466,8 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
         existing = next((taken[key] for key in _unique_keys(new) if key in taken), None)
         if existing is not None:
             return existing, False
+        if new.limit_key is not None:
+            new = self._ranked(conn, [new])[0]
         stmt = self._insert_run_owned if new.owner else self._insert_run
         params = {f"p_{name}": value for name, value in _new_run_row(new).items()}
         params["p_lease"] = new.lease_seconds
@@ -498,6 +501,7 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
         if fresh:
             # One order for every writer (by key): two batches with overlapping keys take
             # the unique index's entries in the same order instead of deadlocking.
+            fresh = self._ranked(conn, fresh)  # in the order given: FIFO per key
             fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
             rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
             inserted = {row.id: _stored_from_row(row) for row in rows}

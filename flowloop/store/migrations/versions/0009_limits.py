@@ -19,6 +19,14 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("flowloop_runs", schema=None) as batch_op:
         batch_op.add_column(sa.Column("limit_key", sa.String(length=400), nullable=True))
+        batch_op.add_column(sa.Column("limit_rank", sa.Integer(), nullable=True))
+        batch_op.create_index(
+            "ix_flowloop_runs_limit_key",
+            ["workflow", "limit_key"],
+            unique=False,
+            sqlite_where=sa.text("limit_key IS NOT NULL"),
+            postgresql_where=sa.text("limit_key IS NOT NULL"),
+        )
     op.create_table(
         "flowloop_rate_limits",
         sa.Column("name", sa.String(length=200), nullable=False),
@@ -58,4 +66,6 @@ def downgrade() -> None:
     op.drop_table("flowloop_breakers")
     op.drop_table("flowloop_rate_limits")
     with op.batch_alter_table("flowloop_runs", schema=None) as batch_op:
+        batch_op.drop_index("ix_flowloop_runs_limit_key")
+        batch_op.drop_column("limit_rank")
         batch_op.drop_column("limit_key")
