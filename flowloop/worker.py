@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
-from flowloop.alerts import Alert, Alerts, lease_lost_alert, run_alerts
+from flowloop.alerts import Alert, Alerts, breaker_alert, lease_lost_alert, run_alerts
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
+from flowloop.gates import BreakerChange
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import IDLE, Idle, Iteration, Loop
@@ -139,10 +140,12 @@ class Worker:
         scheduler.lease_lost.append(
             lambda name, why: self._alert(lease_lost_alert("loop", name, why, worker))
         )
+        executor.gates.changed.append(self._breaker_changed)
         metrics = self.metrics
         if metrics is None:
             return
         executor.listeners.append(metrics.listener)
+        executor.listeners.append(metrics.deferrals)
         executor.watchdog.listeners.append(metrics.stall)
         executor.lease_lost.append(metrics.lease_lost("run"))
         scheduler.lease_lost.append(metrics.lease_lost("loop"))
@@ -153,6 +156,13 @@ class Worker:
         metrics.known(
             {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
         )
+
+    def _breaker_changed(self, change: BreakerChange) -> None:
+        if self.metrics is not None:
+            self.metrics.breaker(change.name, change.kind)
+        alert = breaker_alert(change.name, change.kind, change.worker, change.error)
+        if alert is not None:
+            self._alert(alert)
 
     def _alert(self, alert: Alert) -> None:
         if self.metrics is not None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,3 +216,14 @@ def test_limits__breaker_opens_on_failures_of_two_workers_and_closes_after_cool_
     assert {run for run, _ in rows} <= later_ids
     assert rows and all(json.loads(data)["reason"] == "breaker_open:provider" for _, data in rows)
     assert mwkit.statuses(store_url) == Counter({"failed": 4, "succeeded": 6})
+    # Alerted by the worker that opened it and the one that closed it; shown by `status`.
+    logs = workers.logs(tail=10_000)
+    assert "[critical] breaker opened provider" in logs
+    assert "[warning] breaker closed provider" in logs
+    shown = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "status", "--db", store_url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "breaker provider: closed (opened 1 time(s)" in shown
