@@ -24,6 +24,7 @@ from flowloop.engine import Engine, RunInfo, default_url
 from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownRun
 from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lastresort import last_resort
 from flowloop.loader import Loaded, load_paths, load_target, split_target
 from flowloop.logs import FORMATS, LEVELS, setup_logging
 from flowloop.store.dialect import SYNCHRONOUS_MODES, safe_url
@@ -652,7 +653,7 @@ def status(
         click.echo(json.dumps(page))
         return
     out.print(table)
-    for b in breakers:  # circuit breakers shared by the workers (flowloop.limits)
+    for b in breakers:  # circuit breakers shared by the workers (flowloop.flowcontrol)
         until = f" until {iso(b.until)}" if b.until is not None and b.status != "closed" else ""
         out.print(
             f"breaker {b.name}: {b.status}{until} (opened {b.opened} time(s), "
@@ -1338,6 +1339,7 @@ def diagram(
         if draw_runs:  # all runs of the window on it: flowloop/heat.py
             from flowloop.heat import workflow_heat_digraph
 
+            support.require_database(database(db))  # a read: a typo in --db creates nothing
             graph = workflow_heat_digraph(load_target(target)[0], database(db), since=since)
         else:
             graph = _machine_diagram(target)
@@ -1550,6 +1552,12 @@ def stats_command(
     help="Runs deleted per transaction.",
 )
 @click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option(
+    "--vacuum",
+    "run_vacuum",
+    is_flag=True,
+    help="Then VACUUM: PostgreSQL reuses the freed space, a SQLite file shrinks.",
+)
 @db_option
 @json_option
 def prune_command(
@@ -1558,12 +1566,13 @@ def prune_command(
     loop_history: bool,
     batch: int,
     dry_run: bool,
+    run_vacuum: bool,
     db: str | None,
     synchronous: str,
     as_json: bool,
 ) -> None:
     """Delete old finished runs with their journal and inbox (live runs are never touched)."""
-    from flowloop.prune import prune
+    from flowloop.prune import prune, vacuum
 
     age = seconds_option(older_than, "--older-than")
     with open_engine(db, synchronous) as engine:
@@ -1575,8 +1584,13 @@ def prune_command(
             batch=batch,
             dry_run=dry_run,
         )
+        vacuumed = vacuum(sql_engine(engine)) if run_vacuum and not dry_run else None
     if as_json:
-        click.echo(json.dumps(support.with_times(result.as_dict(), "cutoff")))
+        click.echo(
+            json.dumps(
+                support.with_times({**result.as_dict(), "vacuumed": vacuumed is not None}, "cutoff")
+            )
+        )
         return
     kept = " (failed runs kept)" if keep_failed else ""
     verb = "would delete" if dry_run else "deleted"
@@ -1587,6 +1601,8 @@ def prune_command(
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
+    if vacuumed is not None:
+        out.print(vacuumed, markup=False)
 
 
 # The dashboard: its module imports only click; starlette loads when `flowloop ui` runs.
@@ -1610,6 +1626,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
         sys.exit(130)
+    except Exception as error:
+        # The last line of defence: storage and encoding errors that no command turned
+        # into a FlowloopError still get one line, never a traceback.
+        line, code = last_resort(error)
+        if line is None:
+            raise
+        err.print(f"error: {line}", markup=False)
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import re
 import tomllib
@@ -61,6 +62,7 @@ from flowloop.errors import ConfigError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY
 from flowloop.loops import Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST
+from flowloop.retry import MAX_DURATION_SECONDS
 
 log = logging.getLogger("flowloop.config")
 
@@ -74,16 +76,23 @@ _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w
 _DURATION: Final = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)?\s*$")
 
 
+def _finite(result: float, value: object) -> float:
+    if not math.isfinite(result) or result > MAX_DURATION_SECONDS:
+        shown = value if not isinstance(value, str) or len(value) <= 24 else f"{value[:21]}..."
+        raise ValueError(f"{shown!r} is not a finite duration of at most 10 years")
+    return result
+
+
 def parse_duration(value: object) -> float:
     """``30``, ``"30s"``, ``"500ms"``, ``"5m"``, ``"2h"``, ``"7d"``, ``"1w"`` → seconds."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
     if isinstance(value, (int, float)):
-        return float(value)
+        return _finite(float(value), value)
     if isinstance(value, str):
         match = _DURATION.match(value)
         if match:
-            return float(match.group(1)) * _UNITS[match.group(2) or "s"]
+            return _finite(float(match.group(1)) * _UNITS[match.group(2) or "s"], value)
     raise ValueError(f"{value!r} is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)")
 
 

@@ -25,13 +25,14 @@ from transitions import Machine
 
 from flowloop import graph
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
-from flowloop.limits import Breaker, RateLimit, check_step_limits, check_workflow_limits
+from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 if TYPE_CHECKING:
     import graphviz
 
-NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
+"""Names of workflows, states and loops: at most 200 characters (flowloop.limits)."""
 NEXT_EVENT = "next"
 """The event a ``next=`` step takes implicitly when it returns ``None``."""
 
@@ -191,7 +192,9 @@ class Workflow:
         description: str = "",
     ) -> None:
         if not NAME_PATTERN.match(name):
-            raise DefinitionError(name, "name must be letters, digits, '_', '.' or '-'")
+            raise DefinitionError(
+                name[:40], "name must be letters, digits, '_', '.' or '-', at most 200 of them"
+            )
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
         # Limits hold for every worker sharing the database (flowloop/store/limits.py).
@@ -240,7 +243,7 @@ class Workflow:
 
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
-        ``rate_limit``/``breaker``: taken before each call of the step (flowloop.limits).
+        ``rate_limit``/``breaker``: taken before each call of the step (flowloop.flowcontrol).
         """
         check_step_limits(self.name, name or "?", rate_limit, breaker)
 
@@ -291,7 +294,7 @@ class Workflow:
         transitions = dict(on) if on is not None else {NEXT_EVENT: str(next_state)}
         if not transitions:
             raise DefinitionError(self.name, f"state {state!r} declares no transition")
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {state!r} timeout")
         if timeout_s is not None and timeout_s <= 0:
             raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
         if max_visits is not None and max_visits < 1:
@@ -357,7 +360,7 @@ class Workflow:
             raise DefinitionError(
                 self.name, f"wait state {name!r}: use on_timeout= for the {TIMEOUT_EVENT!r} event"
             )
-        timeout_s = seconds(timeout)
+        timeout_s = seconds(timeout, f"{self.name}: state {name!r} timeout")
         if (timeout_s is None) != (on_timeout is None):
             raise DefinitionError(
                 self.name, f"wait state {name!r}: give timeout= and on_timeout= together"

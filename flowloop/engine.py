@@ -22,6 +22,7 @@ from pydantic_core import to_jsonable_python
 from flowloop import gates, ids, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
+from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import (
     DefinitionError,
@@ -52,9 +53,11 @@ from flowloop.executor import (
     new_worker_id,
     try_deliver_pending,
 )
+from flowloop.flowcontrol import concurrency_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
-from flowloop.limits import concurrency_key_of
+from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
+from flowloop.retry import seconds
 from flowloop.store import (
     Boundary,
     Fence,
@@ -194,9 +197,12 @@ class Engine:
     ) -> None:
         if max_concurrency < 1:
             raise FlowloopError("max_concurrency must be at least 1")
+        for what, value in (("lease_seconds", lease_seconds), ("poll_seconds", poll_seconds)):
+            if (seconds(value, what) or 0.0) <= 0:
+                raise FlowloopError(f"{what}={value!r}: must be positive")
         self.url = normalize_url(url) if url else default_url()
         self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or self._default_clock()
         self.max_concurrency = max_concurrency
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
@@ -217,6 +223,16 @@ class Engine:
         self._runners = threading.local()
         self._all_runners: list[asyncio.Runner] = []
         self.register(*workflows)
+
+    def _default_clock(self) -> Clock:
+        """The system clock; on PostgreSQL corrected to the server's (see flowloop.dbclock)."""
+        store = self.store
+        if not isinstance(store, SQLStore) or store.engine.dialect.name != "postgresql":
+            return SystemClock()
+        clock = DatabaseClock(store.db_now)
+        with contextlib.suppress(Exception):  # unreachable now: measured at the next sweep
+            clock.refresh()
+        return clock
 
     def __enter__(self) -> Engine:
         return self
@@ -276,8 +292,10 @@ class Engine:
         if workflow.name not in self._workflows or self._workflows[workflow.name] is not workflow:
             self.register(workflow)
         ctx = workflow.parse_context(context)
+        check_finite("context", ctx.model_dump())
         now = self.clock.now()
-        business_key = key if key is not None else workflow.business_key(ctx)
+        business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
+        check_key("idempotency key", idempotency_key)
         limit_key = (
             None
             if workflow.concurrency_key is None
@@ -641,6 +659,9 @@ class Engine:
     ) -> list[RunInfo]:
         """Runs, newest first; ``after`` (a run id or prefix): the ones listed after it."""
         statuses = [status] if isinstance(status, str) else status
+        if limit < 0:
+            raise FlowloopError(f"limit {limit} is negative: give 0 or more")
+        check_key("key", key)
         start = None
         if after is not None:
             stored = self._stored(after)
@@ -792,6 +813,9 @@ class Engine:
         if isinstance(payload, BaseModel):
             payload = payload.model_dump(mode="json")
         run_id = self.resolve(run_id)
+        check_key("dedupe key", dedupe_key)
+        check_finite("payload", payload)
+        check_text("event", event, MAX_NAME_LENGTH)
         message = InboxEvent(
             run_id=run_id,
             event=event,

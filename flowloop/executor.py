@@ -21,12 +21,11 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from flowloop import interruptions
 from flowloop import journal as j
@@ -51,7 +50,10 @@ from flowloop.errors import (
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
 from flowloop.gates import Gates
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.localdue import LocalDue
+from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
+from flowloop.store.outage import is_outage
 from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
@@ -63,13 +65,22 @@ DEFAULT_POLL_SECONDS: Final = 0.5
 RECOVERY_BATCH: Final = 500
 OUTAGE_BACKOFF_START: Final = 0.2
 OUTAGE_BACKOFF_CAP: Final = 5.0
-"""Seconds between attempts to reach a database that went away."""
+"""Seconds between attempts to reach a database that went away (at most; a third of the
+lease when that is shorter, so a worker notices the database is back well within a lease)."""
+
+
+def backoff_cap(lease_seconds: float) -> float:
+    return min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, lease_seconds / 3))
+
+
 RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
 
 MAX_NOTE_CHARS: Final = 500
 """Of a step's notes (``Step.note``), kept in its journal entry."""
+CUT_OFF_WRITE_SECONDS: Final = 5.0
+"""How long, after the grace period, shutdown waits for the cut-offs to be journaled."""
 
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
@@ -84,7 +95,10 @@ async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> Non
     for task in pending:
         task.cancel()
     if pending:
-        await asyncio.wait(pending)
+        # Journaling the cut-offs needs the database: during an outage, give up after a
+        # bounded time (the runs stay ``running`` and the next worker's recovery settles
+        # them) rather than break the grace period's promise for good.
+        await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
 
 
 def new_worker_id() -> str:
@@ -150,13 +164,6 @@ class Stats:
     outage_retries: int = 0
 
 
-def is_outage(error: BaseException) -> bool:
-    """A database that is unreachable or restarting (retry later), not a bug or a conflict."""
-    if isinstance(error, (OperationalError, InterfaceError)):
-        return True
-    return isinstance(error, DBAPIError) and bool(error.connection_invalidated)
-
-
 class Committer:
     """Group commit: boundaries submitted in the same event-loop turn share one transaction.
 
@@ -168,13 +175,20 @@ class Committer:
     committed just before the connection dropped; the stored row says which.
     """
 
-    def __init__(self, store: Store, stats: Stats) -> None:
+    def __init__(self, store: Store, stats: Stats, *, cap: float = OUTAGE_BACKOFF_CAP) -> None:
         self.store = store
         self.stats = stats
+        self.cap = cap
         self._pending: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._scheduled = False
         self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._backoff = 0.0
+        """The last retry gap (doubled at each failed retry, back to 0 after a write)."""
+        self._timer: asyncio.TimerHandle | None = None
+        """The retry of a kept batch, while one is due. Every boundary submitted meanwhile
+        joins it; with no retry due, :meth:`submit` schedules a flush itself — also after
+        every kept boundary's run was fenced off (the retry found nothing left to write),
+        which used to leave the committer waiting for a retry that never came."""
         self.released: set[str] = set()
         """Runs whose releasing boundary was applied (their owner let go of them), noted at
         commit time, before the waiting task resumes (the heartbeat must not take the
@@ -184,18 +198,22 @@ class Committer:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[bool] = loop.create_future()
         self._pending.append((boundary, future))
-        if alone and not self._scheduled and not self._backoff and not self._retrying:
+        # While a retry is due (``_timer``), that flush takes the new boundaries along; in
+        # every other state something must be scheduled, or the boundary waits for ever.
+        if self._scheduled or self._timer is not None:
+            return future
+        if alone and not self._retrying:
             # One run in flight: nothing can join the batch, so write now and save two
             # event-loop turns (the flush callback, then waking the awaiting run).
             self._flush()
             return future
-        if not self._scheduled and not self._backoff:
-            self._scheduled = True
-            loop.call_soon(self._flush)
+        self._scheduled = True
+        loop.call_soon(self._flush)
         return future
 
     def _flush(self) -> None:
         self._scheduled = False
+        self._timer = None
         retried, self._retrying = self._retrying, []
         # A cancelled waiter (its run was abandoned: lease lost, cut off) must not have
         # its boundary written after the fact.
@@ -207,6 +225,7 @@ class Committer:
             results = self.store.write([boundary for boundary, _ in batch])
         except Exception as error:
             if not is_outage(error):
+                self._backoff = 0.0
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(error)
@@ -229,7 +248,7 @@ class Committer:
         self, batch: list[tuple[Boundary, asyncio.Future[bool]]], error: Exception
     ) -> None:
         self._retrying = batch
-        self._backoff = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, self._backoff * 2))
+        self._backoff = min(self.cap, max(OUTAGE_BACKOFF_START, self._backoff * 2))
         self.stats.outage_retries += 1
         log.warning(
             "database unreachable (%s); %d boundary write(s) kept, retrying in %.1fs",
@@ -237,8 +256,7 @@ class Committer:
             len(batch),
             self._backoff,
         )
-
-        asyncio.get_running_loop().call_later(self._backoff, self._flush)
+        self._timer = asyncio.get_running_loop().call_later(self._backoff, self._flush)
 
     def _already_applied(self, boundary: Boundary) -> bool:
         try:
@@ -279,10 +297,11 @@ class Executor:
         self.lease_lost: list[Callable[[str, str], None]] = []
         """Called with (run id, why) when this worker stops driving a run it lost."""
         self.stats = Stats()
-        self.committer = Committer(store, self.stats)
-        self._threads = ThreadPoolExecutor(
-            max_workers=max_concurrency, thread_name_prefix="flowloop-step"
-        )
+        self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
+        self._threads = StepThreads(max_concurrency)
+        self.pool_exhausted: list[Callable[[int], None]] = []
+        """Called (with the number of abandoned threads) when hung sync steps reach the
+        step pool's bound (see flowloop.steppool)."""
         self._active: dict[str, _Active] = {}
         self._controls: dict[str, str] = {}
         self._draining = False
@@ -303,10 +322,18 @@ class Executor:
         self.committed: dict[str, tuple[RunRecord, float]] = {}
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
+        self.due_here = LocalDue(clock)
+        """Due times of runs this executor handed back, on the monotonic clock too (a wall
+        clock set back must not stall a 3 s retry for an hour)."""
         self.reserved: Callable[[], int] = lambda: 0
         self.gates = Gates(store, worker_id, clock)
         """Breakers and rate limits checked before calls (flowloop/gates.py)."""
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Threads still running a sync step this executor gave up on (timed out, cut off)."""
+        return self._threads.abandoned
 
     @property
     def busy(self) -> int:
@@ -338,36 +365,50 @@ class Executor:
             self.spawn(stored, starting=False)
         helpers = [asyncio.create_task(self.heartbeat())]
         try:
-            await self.recover()
-            last_recovery = self.clock.monotonic()
+            # Recovery, the first one included, is inside the outage handling: a worker or
+            # `resume` starting while the database refuses writes waits for it.
+            last_recovery: float | None = None
             outage = 0.0
             while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
-                    claimed = self._claim(run_ids)
-                    if self.clock.monotonic() - last_recovery > min(
+                    if last_recovery is None or self.clock.monotonic() - last_recovery > min(
                         RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
                     ):
                         await self.recover()
                         last_recovery = self.clock.monotonic()
+                    claimed = self._claim(run_ids)
+                    due = (
+                        self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
+                        if until_idle and not claimed and not self._active
+                        else None
+                    )
                     outage = 0.0
                 except Exception as error:
                     if not is_outage(error):
                         raise
-                    outage = min(OUTAGE_BACKOFF_CAP, max(OUTAGE_BACKOFF_START, outage * 2))
+                    cap = backoff_cap(self.lease_seconds)
+                    outage = min(cap, max(OUTAGE_BACKOFF_START, outage * 2))
                     log.warning(
                         "database unreachable (%s); retrying in %.1fs", error_line(error), outage
                     )
-                    await asyncio.sleep(outage)
+                    if stop is None:
+                        await asyncio.sleep(outage)
+                    else:  # a shutdown asked for during an outage does not wait it out
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(stop.wait(), outage)
                     continue
                 if claimed:
                     continue
                 if until_idle and not self._active:
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
-                    due = self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
-                    if due is None or due - self.clock.now() > idle_horizon:
+                    wait = None if due is None else max(0.0, due - self.clock.now())
+                    local = self.due_here.next_wait(run_ids)
+                    if local is not None and (wait is None or local < wait):
+                        wait = local  # the wall clock was set back: trust the monotonic one
+                    if wait is None or wait > idle_horizon:
                         break
-                    await self.clock.sleep(min(max(0.0, due - self.clock.now()), idle_horizon))
+                    await self.clock.sleep(wait)
                     continue
                 await self._wait_for_work(stop)
             await self.drain(grace)
@@ -387,14 +428,30 @@ class Executor:
         ]
         if free <= 0 or not eligible:
             return 0
-        rows = self.store.claim(
-            worker=self.worker_id,
-            now=self.clock.now(),
-            limit=free,
-            lease_seconds=self.lease_seconds,
-            workflows=eligible,
-            run_ids=run_ids,
-        )
+        rows: list[StoredRun] = []
+        overdue, at = self.due_here.overdue(run_ids)
+        if overdue:
+            # Due by this process's monotonic clock although the wall clock (set back)
+            # says not yet: claim them as of their stored due time.
+            self.due_here.forget(overdue)
+            rows = self.store.claim(
+                worker=self.worker_id,
+                now=at,
+                limit=free,
+                lease_seconds=self.lease_seconds,
+                workflows=eligible,
+                run_ids=overdue,
+            )
+            free -= len(rows)
+        if free > 0:
+            rows += self.store.claim(
+                worker=self.worker_id,
+                now=self.clock.now(),
+                limit=free,
+                lease_seconds=self.lease_seconds,
+                workflows=eligible,
+                run_ids=run_ids,
+            )
         taken = 0
         for stored in rows:
             workflow = self.workflows[stored.record.workflow]
@@ -430,6 +487,7 @@ class Executor:
         self._active[stored.id] = active = _Active(task)
         self._lease_until[stored.id] = time.monotonic() + self.lease_seconds
         self.committer.released.discard(stored.id)
+        self.due_here.forget((stored.id,))
 
         def done(_: asyncio.Task[None]) -> None:
             self._per_workflow[name] -= 1
@@ -536,10 +594,14 @@ class Executor:
                 and run_id not in self.committer.released
                 and self._controls.get(run_id) != "lost"
             ):
+                late = time.monotonic() - until
                 self._abandon(
                     run_id,
                     "could not renew its lease in time; abandoning it before "
-                    "the lease ends (self-fencing)",
+                    "the lease ends (self-fencing)"
+                    if late < 0
+                    else "could not renew its lease in time and was blocked past its end "
+                    f"({late:.1f}s, in a database call); abandoning it (self-fencing)",
                 )
 
     def _abandon(self, run_id: str, why: str) -> None:
@@ -567,6 +629,12 @@ class Executor:
     async def recover(self) -> int:
         """Settle every run left ``running`` by a dead worker, in batches: an idempotent
         step runs again (the attempt counts), a non-idempotent one fails as ``interrupted``."""
+        refresh = getattr(self.clock, "refresh", None)  # a DatabaseClock: measure again
+        if refresh is not None:
+            try:
+                refresh()
+            except Exception as error:  # the sweep itself reports an outage
+                log.debug("clock offset not measured: %s", error_line(error))
         dead = [owner for owner in self.store.running_owners() if owner_is_dead_here(owner)]
         if dead:
             self.store.expire_leases(dead)
@@ -663,6 +731,8 @@ class Executor:
     async def _commit(self, boundary: Boundary) -> bool:
         before = time.monotonic()
         applied = await self.committer.submit(boundary, alone=len(self._active) <= 1)
+        if applied and boundary.release:
+            self.due_here.note(boundary.run_id, boundary.record.next_run_at)
         if applied:
             if boundary.run_id in self.tracked:
                 self.committed[boundary.run_id] = (
@@ -769,6 +839,14 @@ class Executor:
         record = stored.record
         if stored.problem is not None:
             return j.RUN_FAILED, "invalid_row", stored.problem
+        if record.fingerprint == workflow.fingerprint and record.state not in workflow.states:
+            # Same definition, yet a state it does not have: the row was changed by hand
+            # (or damaged). Fail now, saying so, rather than die on it in the step.
+            message = (
+                f"the run is in state {record.state!r}, which {workflow.name} "
+                f"v{workflow.version} does not have (the stored row was changed)"
+            )
+            return j.RUN_FAILED, f"unknown_state: {record.state}", message
         if record.fingerprint != workflow.fingerprint:
             old = self.store.definition(record.fingerprint) or {}
             why = compatible(old, workflow, record.state)
@@ -1093,6 +1171,7 @@ class Executor:
     async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
+        thread: Future[Any] | None = None
         active = self._active.get(run_id)
         if spec.is_async and spec.timeout is None and active is not None:
             # No timeout to enforce: await the coroutine inline instead of wrapping it in a
@@ -1109,6 +1188,7 @@ class Executor:
             work = self._threads.submit(spec.fn, *args)
             work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
+            thread = work
         if active is not None:
             active.step_task = future
         try:
@@ -1122,14 +1202,44 @@ class Executor:
                 ) from None
         except BaseException:
             abandoned.append(True)
+            if thread is not None:
+                self._abandoned(run_id, spec.name, thread)
             raise
         finally:
             if active is not None:
                 active.step_task = None
 
+    def _abandoned(self, run_id: str, state: str, work: Future[Any]) -> None:
+        """A sync step given up on: its thread is replaced (within the pool's bound)."""
+        if not self._threads.abandon(work):
+            return
+        count, bound = self._threads.abandoned, self._threads.spare
+        log.warning(
+            "run %s: step %s still runs in its thread after its timeout or cancellation "
+            "(%d abandoned step thread(s), bound %d)",
+            run_id,
+            state,
+            count,
+            bound,
+            extra={"run": run_id, "event": "thread_abandoned", "abandoned": count},
+        )
+        if count >= bound:
+            log.error(
+                "%d sync step thread(s) hang past their timeouts (the bound is %d): "
+                "each further one takes a slot of this process",
+                count,
+                bound,
+                extra={"event": "step_pool_exhausted", "abandoned": count},
+            )
+            for hook in self.pool_exhausted:
+                try:
+                    hook(count)
+                except Exception:  # a hook must never break the worker
+                    log.exception("pool-exhausted hook failed")
+
     def close(self) -> None:
         self.watchdog.close()
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.shutdown()
 
 
 def deliver_pending(

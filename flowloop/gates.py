@@ -1,5 +1,5 @@
 """What a worker checks before it calls a step: the step's circuit breaker and the rate
-limits it takes (flowloop/limits.py holds the definitions and maths, the database holds
+limits it takes (flowloop/flowcontrol.py holds the definitions and maths, the database holds
 their state: flowloop/store/limits.py).
 
 A step that may not be called now is not started: no ``step_started`` is written, so its
@@ -26,8 +26,8 @@ from typing import Any, Final
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.definition import StepSpec, Workflow
+from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.limits import BREAKER_REASON, RATE_REASON, Breaker, RateLimit
 from flowloop.store import Store
 from flowloop.store.limits import ClaimLimits
 

@@ -7,11 +7,13 @@ reproduces the stored row exactly; :func:`compare` says where it does not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from flowloop import lifecycle
+from flowloop.errors import EXIT_FAILURE, FlowloopError
 
 # Event kinds. The comment says what the event does to the run.
 RUN_CREATED: Final = "run_created"  # state, context; status scheduled (due at next_run_at)
@@ -93,8 +95,40 @@ class RunRecord:
         return self.visits.get(state, 0)
 
 
-class FoldError(Exception):
-    """A journal that cannot be folded (a bug or a tampered database)."""
+class FoldError(FlowloopError):
+    """A journal that cannot be folded (a bug or a tampered database); the message names
+    the run and the row (``flowloop history RUN`` shows every readable row)."""
+
+    exit_code = EXIT_FAILURE
+
+
+UNREADABLE: Final = "unreadable"
+"""The key of a journal row's ``data`` when the stored text was not a JSON object: the row
+is still shown (with the reason under ``reason``), and folding it raises FoldError."""
+
+
+def load_data(text: str | None) -> dict[str, Any]:
+    """A journal row's ``data`` column as a dict; a damaged one (not JSON, not an object)
+    becomes ``{"unreadable": True, "reason": …}`` instead of making the whole journal
+    unreadable."""
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if isinstance(value, dict):
+        return value
+    shown = text if len(text) <= 60 else text[:57] + "..."
+    return {UNREADABLE: True, "reason": f"unreadable row: data is not a JSON object: {shown!r}"}
+
+
+def _readable(event: JournalEvent) -> None:
+    if event.data.get(UNREADABLE) is True:
+        raise FoldError(
+            f"run {event.run_id} seq {event.seq} ({event.kind}): its data is not JSON; "
+            "the journal cannot be replayed past it (see `flowloop history`)"
+        )
 
 
 def _status(record: RunRecord, dest: str, event: JournalEvent) -> str:
@@ -110,6 +144,7 @@ def create(event: JournalEvent) -> RunRecord:
     """The record a ``run_created`` event starts."""
     if event.kind != RUN_CREATED or event.state is None or event.context is None:
         raise FoldError(f"run {event.run_id}: journal must start with {RUN_CREATED}")
+    _readable(event)
     data = event.data
     return RunRecord(
         id=event.run_id,
@@ -132,7 +167,12 @@ def create(event: JournalEvent) -> RunRecord:
 def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     """The record after ``event``. Pure: the executor and replay both use it."""
     if event.seq != record.last_seq + 1:
-        raise FoldError(f"run {record.id}: seq {event.seq} follows {record.last_seq}")
+        raise FoldError(
+            f"run {record.id}: seq {event.seq} follows {record.last_seq} (a journal row is "
+            "missing; see `flowloop history`)"
+        )
+    if event.data and UNREADABLE in event.data:
+        _readable(event)
     kind = event.kind
     change: dict[str, Any] = {"last_seq": event.seq}
     if kind == STEP_STARTED:

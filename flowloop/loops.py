@@ -20,7 +20,7 @@ from pydantic import BaseModel
 
 from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
-from flowloop.retry import NO_RETRY, Retry, seconds
+from flowloop.retry import NO_RETRY, Retry
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
@@ -358,8 +358,8 @@ def _duration(
         return None
     if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
         raise bad(f"{label}={value!r} must be seconds (a number) or a timedelta")
-    result = seconds(value)
-    assert result is not None
+    # Not retry.seconds: it refuses infinity, which some loop options allow.
+    result = value.total_seconds() if isinstance(value, timedelta) else float(value)
     if math.isnan(result) or (math.isinf(result) and not (infinite and result > 0)):
         raise bad(f"{label}={value!r} must be a finite duration")
     return result

@@ -190,6 +190,11 @@ class Metrics:
             ["workflow", "reason"],
             registry=r,
         )
+        self.abandoned_threads = Gauge(
+            "flowloop_abandoned_step_threads",
+            "Threads still running a sync step given up on (timed out or cut off).",
+            registry=r,
+        )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -295,6 +300,9 @@ class Metrics:
 
     def track_in_flight(self, busy: Callable[[], int]) -> None:
         self.in_flight.set_function(lambda: float(busy()))
+
+    def track_abandoned_threads(self, abandoned: Callable[[], int]) -> None:
+        self.abandoned_threads.set_function(lambda: float(abandoned()))
 
     # -- exposition ------------------------------------------------------------------------
 

@@ -178,3 +178,31 @@ def _count(
                 if keep_failed:
                     query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
                 result.loop_journal = int(conn.execute(query).scalar_one())
+
+
+VACUUMED_TABLES: Final = (runs, journal, inbox, loop_journal)
+
+
+def vacuum(db: Engine) -> str:
+    """Make the space of deleted rows usable again; what was done, for the operator.
+
+    PostgreSQL: a plain ``VACUUM (ANALYZE)`` of flowloop's tables. Deleted rows keep their
+    space until vacuumed (autovacuum does it eventually); vacuumed space is reused by new
+    rows but the files do not shrink — that takes ``VACUUM FULL`` or pg_repack, which lock
+    the tables against the workers, so flowloop leaves it to the operator.
+    SQLite: ``VACUUM`` rewrites the file without the free pages (the file shrinks); it
+    holds the write lock while it runs, so workers wait for it.
+    """
+    if db.dialect.name == "postgresql":
+        names = ", ".join(db.dialect.identifier_preparer.format_table(t) for t in VACUUMED_TABLES)
+        with db.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            conn.exec_driver_sql(f"VACUUM (ANALYZE) {names}")
+        return "vacuumed (space reusable by new rows; files shrink only with VACUUM FULL)"
+    with db.connect() as conn:
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        raw.execute("VACUUM")
+        # In WAL mode the rewritten database sits in the WAL until a checkpoint.
+        raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    return "vacuumed (the database file was rewritten without its free pages)"

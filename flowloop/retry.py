@@ -5,6 +5,7 @@ No I/O, no clock: the caller passes the attempt number and a random source.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,13 +29,28 @@ def human(value: float) -> str:
     return f"{value:g}s"
 
 
-def seconds(value: float | timedelta | None) -> float | None:
-    """A duration given as seconds or a timedelta, as seconds."""
+MAX_DURATION_SECONDS = 10 * 365 * 86400.0
+"""The longest duration flowloop takes (ten years): anything longer is a typo, and event
+loops and databases overflow on infinite or astronomically long waits."""
+
+
+def seconds(value: float | timedelta | None, what: str = "duration") -> float | None:
+    """A duration given as seconds or a timedelta, as seconds; FlowloopError naming
+    ``what`` when it is not a finite number of at most ten years (NaN, infinity, 1e400)."""
     if value is None:
         return None
     if isinstance(value, timedelta):
-        return value.total_seconds()
-    return float(value)
+        result = value.total_seconds()
+    else:
+        try:
+            result = float(value)
+        except (TypeError, ValueError, OverflowError):
+            raise FlowloopError(f"{what} {value!r} is not a number of seconds") from None
+    if not math.isfinite(result) or abs(result) > MAX_DURATION_SECONDS:
+        raise FlowloopError(
+            f"{what} {value!r} is not a finite duration of at most 10 years (in seconds)"
+        )
+    return result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +84,8 @@ class Retry:
             raise FlowloopError(
                 f"Retry(backoff={self.backoff!r}): backoff must be one of {', '.join(BACKOFFS)}"
             )
+        seconds(self.base, "Retry(base=...):")
+        seconds(self.cap, "Retry(cap=...):")
         if self.base_seconds < 0 or self.cap_seconds < 0:
             raise FlowloopError("Retry: base and cap must not be negative")
         if not 0.0 <= self.jitter <= 1.0:

@@ -25,9 +25,16 @@ from typing import Any, Final
 from flowloop.alerts import Alert
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
-from flowloop.executor import error_line, finish_within, owner_is_dead_here
+from flowloop.executor import (
+    OUTAGE_BACKOFF_START,
+    backoff_cap,
+    error_line,
+    finish_within,
+    owner_is_dead_here,
+)
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
+from flowloop.store.outage import is_outage
 
 log = logging.getLogger("flowloop.loops")
 
@@ -169,7 +176,25 @@ class Scheduler:
         self._changes = self.store.loop_changes()
 
     async def run(self, stop: asyncio.Event, *, grace: float = 30.0) -> None:
-        await self.start()
+        backoff = 0.0
+        while True:
+            # A worker starting while the database refuses writes waits for it.
+            try:
+                await self.start()
+                break
+            except Exception as error:
+                if not is_outage(error):
+                    raise
+                cap = backoff_cap(self.lease_seconds)
+                backoff = min(cap, max(OUTAGE_BACKOFF_START, backoff * 2))
+                log.warning(
+                    "loops: database unreachable at start (%s); retrying in %.1fs",
+                    error_line(error),
+                    backoff,
+                )
+                await self._sleep(backoff, stop)
+                if stop.is_set():
+                    return
         self.ready.set()
         if not self.loops:
             await stop.wait()  # nothing to schedule: no polling either

@@ -17,10 +17,15 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Final, Protocol
 
 log = logging.getLogger("flowloop.watchdog")
 
+STORE_DIR: Final = Path(__file__).resolve().parent / "store"
+STORE_FRAMES: Final = 40
+"""How deep to look for flowloop's store under the loop thread's innermost frame (the
+driver and SQLAlchemy sit in between)."""
 DEFAULT_STALL_SECONDS: Final = 0.5
 """An event loop that does not run for this long is stalled (a WARNING names the steps)."""
 TICK_SECONDS: Final = 0.05
@@ -142,20 +147,37 @@ class LoopWatchdog:
                 continue
             self._warned_for = last  # one warning per stall
             self._named = [describe(step) for step in list(self.running.values())]
+            where, in_store = self._where()
+            if in_store or not self._named:
+                # flowloop's own database call (a write lock another process holds, a slow
+                # commit): no async step is to blame, and the advice below would mislead.
+                log.warning(
+                    "event loop blocked for %.2fs so far%s: waiting for the database (another "
+                    "process holding its write lock, or a slow commit)",
+                    blocked,
+                    where,
+                    extra={"event": "loop_stall", "lag": blocked, "steps": self._named},
+                )
+                continue
             log.warning(
                 "event loop blocked for %.2fs so far%s; async step(s) running: %s — a "
                 "blocking call in `async def` stops every run on this worker: await it, "
                 "use asyncio.to_thread, or make the step a plain `def`",
                 blocked,
-                self._where(),
-                ", ".join(self._named) or "none",
+                where,
+                ", ".join(self._named),
                 extra={"event": "loop_stall", "lag": blocked, "steps": self._named},
             )
 
-    def _where(self) -> str:
-        """`` at FILE:LINE in FUNCTION`` for the loop thread's innermost frame."""
+    def _where(self) -> tuple[str, bool]:
+        """`` at FILE:LINE in FUNCTION`` for the loop thread's innermost frame, and whether
+        that frame is inside flowloop's store (a database call, not a user's step)."""
         frame = sys._current_frames().get(self._loop_thread or -1)
         if frame is None:
-            return ""
+            return "", False
         last = traceback.extract_stack(frame, limit=1)[-1]
-        return f" at {last.filename}:{last.lineno} in {last.name}"
+        in_store = any(
+            Path(summary.filename).parent == STORE_DIR
+            for summary in traceback.extract_stack(frame, limit=STORE_FRAMES)
+        )
+        return f" at {last.filename}:{last.lineno} in {last.name}", in_store

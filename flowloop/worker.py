@@ -24,6 +24,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import IDLE, Idle, Iteration, Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
+from flowloop.retry import seconds
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.loops import LoopStoreMixin
 
@@ -31,6 +32,9 @@ log = logging.getLogger("flowloop.worker")
 
 DEFAULT_GRACE_SECONDS: Final = 30.0
 IDLE_THREAD_EXIT_SECONDS: Final = 0.5
+EXIT_POOL_EXHAUSTED: Final = 3
+"""The worker's exit code after hung sync steps used up its step pool's bound: a fresh
+process (started by the supervisor) has all its threads again."""
 THREAD_PREFIX: Final = "flowloop-"
 """Names of the threads that run sync steps (``flowloop-step``) and iterations."""
 
@@ -72,7 +76,9 @@ class Worker:
             if loop.workflow is not None:
                 engine.register(loop.workflow)
         self.concurrency = concurrency or engine.max_concurrency
-        self.grace = grace
+        self.grace = seconds(grace, "grace") or 0.0
+        if self.grace < 0:
+            raise FlowloopError(f"grace={grace!r}: must not be negative")
         self.alerts = alerts if alerts is not None else Alerts(background=True)
         self.metrics = metrics if metrics is not None or metrics_port is None else Metrics()
         self.metrics_port = metrics_port
@@ -83,6 +89,8 @@ class Worker:
         self.executor: Executor | None = None
         self.scheduler: Scheduler | None = None
         self._signals = 0
+        self.exit_code = 0
+        """Non-zero when the worker stopped by itself (EXIT_POOL_EXHAUSTED)."""
         self._threads: ThreadPoolExecutor | None = None
         self._sync_calls: dict[str, Future[Any]] = {}
 
@@ -91,6 +99,7 @@ class Worker:
         executor = self.engine._new_executor(max_concurrency=self.concurrency)
         capacity = Capacity(self.concurrency, runs_busy=lambda: executor.busy)
         executor.reserved = lambda: capacity.loops_busy
+        executor.pool_exhausted.append(self._pool_exhausted)
         self.executor = executor
         store = self.engine.store
         if not isinstance(store, LoopStoreMixin):
@@ -156,6 +165,21 @@ class Worker:
         metrics.known(
             {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
         )
+        metrics.track_abandoned_threads(lambda: executor.abandoned_threads)
+
+    def _pool_exhausted(self, abandoned: int) -> None:
+        if self.exit_code:
+            return
+        self.exit_code = EXIT_POOL_EXHAUSTED
+        log.error(
+            "stopping: %d sync step thread(s) hang past their timeouts; this worker hands "
+            "its runs back and exits with code %d for its supervisor to start a fresh one",
+            abandoned,
+            EXIT_POOL_EXHAUSTED,
+        )
+        self._signals += 1  # a later signal exits at once, as after a first SIGTERM
+        if self.stop_event is not None:
+            self.stop_event.set()
 
     def _breaker_changed(self, change: BreakerChange) -> None:
         if self.metrics is not None:
@@ -265,10 +289,12 @@ class Worker:
             await self.run(self.stop_event)
 
         asyncio.run(main())
-        _exit_if_threads_linger()
+        _exit_if_threads_linger(self.exit_code)
+        if self.exit_code:
+            raise SystemExit(self.exit_code)
 
 
-def _exit_if_threads_linger() -> None:
+def _exit_if_threads_linger(code: int = 0) -> None:
     """A sync step or iteration cut off at the end of the grace period keeps running in its
     thread (threads cannot be killed) and Python would wait for it at exit. Its cut-off is
     journaled already, so leave now: the grace period is a promise to the operator."""
@@ -294,4 +320,4 @@ def _exit_if_threads_linger() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)

@@ -36,7 +36,7 @@ from datetime import timedelta
 from pydantic import BaseModel
 
 from flowloop import Retry, Step, Workflow
-from flowloop.limits import Breaker, RateLimit
+from flowloop.flowcontrol import Breaker, RateLimit
 
 
 class Ctx(BaseModel):

@@ -15,13 +15,14 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Engine, Float, create_engine, event, literal_column, make_url
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import StoreError, WrongDatabase
@@ -29,6 +30,7 @@ from flowloop.errors import StoreError, WrongDatabase
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
+BUSY_FLOOR_MS: Final = 100
 READ_OPTION: Final = "flowloop_read"
 PG_CONNECT_TIMEOUT_S: Final = 5
 PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
@@ -46,6 +48,8 @@ PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
 }
 """libpq connection parameters flowloop sets unless the URL sets them (``?keepalives_idle=…``)."""
 SQLITE_HEADER: Final = b"SQLite format 3\x00"
+VERSION_TABLE: Final = "flowloop_alembic_version"
+"""The table that marks a flowloop database (flowloop.store.migrate.VERSION_TABLE)."""
 
 
 def safe_url(url: str | URL) -> str:
@@ -72,11 +76,43 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def _prepare_sqlite_file(url: URL) -> None:
+def _sqlite_file(url: URL) -> Path | None:
+    """The file of a SQLite URL, ``file:`` URIs (``?uri=true``) included; ``None`` for an
+    in-memory database."""
     database = url.database
-    if not database or database == ":memory:" or database.startswith("file:"):
+    if not database or database == ":memory:":
+        return None
+    if database.startswith("file:"):
+        if url.query.get("mode") == "memory":
+            return None
+        database = database[len("file:") :].partition("?")[0]
+        if not database or database == ":memory:":
+            return None
+    return Path(database)
+
+
+def _foreign_tables(path: Path) -> list[str] | None:
+    """The tables of an existing SQLite file when it is not a flowloop database (``[]``:
+    it has none), read without changing a byte of it; ``None`` when it is flowloop's or
+    cannot be read that way (the store's own check then decides)."""
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    tables = sorted(str(row[0]) for row in rows)
+    return None if VERSION_TABLE in tables else tables
+
+
+def _prepare_sqlite_file(url: URL) -> None:
+    path = _sqlite_file(url)
+    if path is None:
         return
-    path = Path(database)
     if path.is_dir():
         raise WrongDatabase(f"{path} is a directory, not a database file")
     if path.exists():
@@ -84,6 +120,16 @@ def _prepare_sqlite_file(url: URL) -> None:
             header = handle.read(len(SQLITE_HEADER))
         if header and header != SQLITE_HEADER:
             raise WrongDatabase(f"{path} is not a SQLite database (point --db at a new file)")
+        # Another application's database: refuse it before anything (switching it to WAL
+        # rewrites its header) touches it.
+        foreign = _foreign_tables(path) if header else None
+        if foreign:
+            raise WrongDatabase(
+                f"{path} is not a flowloop database (it has tables {', '.join(foreign[:5])}); "
+                "point --db at a new file"
+            )
+        return
+    if url.query.get("mode") == "ro":
         return
     if not path.parent.exists():
         raise WrongDatabase(
@@ -115,12 +161,41 @@ def _enter_wal(cursor: sqlite3.Cursor) -> None:
         delay = min(delay * 2, 0.05)
 
 
+_busy_ms: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+
+
+def busy_timeout_ms(lease_seconds: float) -> int:
+    """SQLite's busy timeout for a worker holding leases of ``lease_seconds``: a sixth of
+    the lease (at most 30 s, at least 0.1 s). Database calls run on the worker's event
+    loop, so a write waiting out another process's lock must give up — and the worker's
+    outage handling take over — well before the heartbeat has to fence its runs off."""
+    return int(min(BUSY_TIMEOUT_MS, max(BUSY_FLOOR_MS, lease_seconds * 1000 / 6)))
+
+
+def set_busy_timeout(engine: Engine, milliseconds: int) -> None:
+    """The busy timeout of ``engine``'s SQLite connections from now on (new connections;
+    the caller drops the ones it holds). No-op on PostgreSQL."""
+    if engine.dialect.name == "sqlite":
+        _busy_ms[engine] = milliseconds
+        if not isinstance(engine.pool, StaticPool):  # in memory: its one connection is it
+            engine.dispose()
+
+
 def create_engine_for(url_text: str, *, synchronous: str = DEFAULT_SYNCHRONOUS) -> Engine:
-    url = make_url(normalize_url(url_text))
-    if url.get_backend_name() == "sqlite":
-        return _sqlite_engine(url, synchronous)
-    if url.get_backend_name() == "postgresql":
-        return _postgres_engine(url)
+    try:
+        url = make_url(normalize_url(url_text))
+    except ArgumentError as error:
+        raise WrongDatabase(f"{url_text!r} is not a database URL ({error})") from None
+    try:
+        if url.get_backend_name() == "sqlite":
+            return _sqlite_engine(url, synchronous)
+        if url.get_backend_name() == "postgresql":
+            return _postgres_engine(url)
+    except NoSuchModuleError:
+        raise WrongDatabase(
+            f"unknown database driver {url.drivername!r} in {safe_url(url)}: "
+            "use sqlite:///path or postgresql+psycopg://…"
+        ) from None
     raise WrongDatabase(
         f"unsupported database {safe_url(url)}: use sqlite:///path or postgresql+psycopg://…"
     )
@@ -149,7 +224,7 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
         if not memory:
             _enter_wal(cursor)
         cursor.execute(f"PRAGMA synchronous={mode}")
-        cursor.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        cursor.execute(f"PRAGMA busy_timeout={_busy_ms.get(engine, BUSY_TIMEOUT_MS)}")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
@@ -166,17 +241,95 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
     return engine
 
 
+PG_SESSION_DEFAULTS: Final[dict[str, int]] = {
+    # The server's side of a vanished client. A host lost between the statements of a
+    # boundary write leaves an "idle in transaction" session holding the run's row lock,
+    # and every other worker's claim skips the row (SKIP LOCKED) until the session ends:
+    # the server ends it after this long idle in a transaction (set from the lease, see
+    # pg_idle_in_transaction_ms) ...
+    "idle_in_transaction_session_timeout": 10_000,
+    # ... and probes an idle connection whose client went silent (10 + 3 x 5 s).
+    "tcp_keepalives_idle": 10,
+    "tcp_keepalives_interval": 5,
+    "tcp_keepalives_count": 3,
+}
+"""Session settings flowloop sets on each PostgreSQL connection it opens (``SET`` at
+connect time, so a URL's own ``options=`` such as a search_path are kept)."""
+_pg_session: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def pg_idle_in_transaction_ms(lease_seconds: float) -> int:
+    """How long a flowloop session may sit idle inside a transaction: a third of the lease
+    (2 s to 60 s). flowloop's own transactions never pause between statements, so only a
+    vanished or frozen client hits it — and its runs are then free to be taken over soon
+    after their leases end."""
+    return int(min(60_000, max(2_000, lease_seconds * 1000 / 3)))
+
+
+_pg_connect: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def pg_connect_params(lease_seconds: float) -> dict[str, int]:
+    """libpq timeouts for a worker holding leases of ``lease_seconds``: database calls run
+    on the worker's event loop, so a silent network must fail a call (and the reconnect
+    after it) well before the heartbeat has to fence the runs off — a sixth of the lease
+    each (``tcp_user_timeout`` 1 to 15 s, ``connect_timeout`` 2 to 5 s, libpq: at least 2)."""
+    return {
+        "tcp_user_timeout": int(min(15_000, max(1_000, lease_seconds * 1000 / 6))),
+        "connect_timeout": int(min(PG_CONNECT_TIMEOUT_S, max(2, lease_seconds / 6))),
+    }
+
+
+def pg_shortest_lease() -> float:
+    """The shortest lease whose deadline the timeouts can keep when the network drops
+    every packet: a blocked call (a failed statement, then a reconnect) must end within
+    half the lease."""
+    floor = pg_connect_params(0.0)
+    return 2 * (floor["tcp_user_timeout"] / 1000 + floor["connect_timeout"])
+
+
+def set_pg_connect(engine: Engine, **params: int) -> None:
+    """libpq parameters of ``engine``'s new connections (a URL's own win)."""
+    if engine.dialect.name == "postgresql":
+        _pg_connect[engine] = dict(params)
+        engine.dispose()
+
+
+def set_pg_session(engine: Engine, **settings: int) -> None:
+    """Override session settings of ``engine``'s PostgreSQL connections from now on (the
+    pool is emptied; connections in use keep theirs). No-op on SQLite."""
+    if engine.dialect.name == "postgresql":
+        _pg_session.setdefault(engine, dict(PG_SESSION_DEFAULTS)).update(settings)
+        engine.dispose()
+
+
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     connect_args = {k: v for k, v in PG_CONNECTION_DEFAULTS.items() if k not in url.query}
     try:
-        return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+        engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
         raise StoreError(
             "PostgreSQL needs psycopg 3: pip install -e '.[postgres]' in the flowloop "
             "checkout (or pip install 'psycopg[binary]')"
         ) from error
+
+    @event.listens_for(engine, "do_connect")
+    def _on_do_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
+        for name, value in _pg_connect.get(engine, {}).items():
+            if name not in url.query:
+                cparams[name] = value
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        settings = _pg_session.get(engine, PG_SESSION_DEFAULTS)
+        with dbapi_connection.cursor() as cursor:
+            for name, value in settings.items():
+                cursor.execute(f"SET {name} = {int(value)}")
+        dbapi_connection.commit()
+
+    return engine
 
 
 def lock_schema(conn: Any) -> None:

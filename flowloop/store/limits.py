@@ -1,6 +1,6 @@
 """Flow control in the database: claims under concurrency limits, rate-limit buckets and
 circuit breakers (SQL shared by SQLite and PostgreSQL; the decisions are the pure functions
-of :mod:`flowloop.limits`).
+of :mod:`flowloop.flowcontrol`).
 
 Concurrency. A run *holds a slot* while a worker owns it with a lease still running by the
 database's clock — from its claim to the write that releases it (finished, waiting,
@@ -31,8 +31,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Connection, bindparam, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
-from flowloop.lifecycle import LIVE
-from flowloop.limits import (
+from flowloop.flowcontrol import (
     Admission,
     Breaker,
     BreakerState,
@@ -43,6 +42,7 @@ from flowloop.limits import (
     succeeded,
     take_all,
 )
+from flowloop.lifecycle import LIVE
 from flowloop.store.base import NewRun
 from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 

@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import IntegrityError
 
+from flowloop.journal import load_data
 from flowloop.store import leases
 from flowloop.store.schema import loop_journal, loops, meta
 
@@ -107,7 +108,7 @@ def _event_from(row: Any) -> LoopEvent:
         error_type=row.error_type,
         error_message=row.error_message,
         worker=row.worker,
-        data=json.loads(row.data) if row.data else {},
+        data=load_data(row.data),
     )
 
 

@@ -198,7 +198,7 @@ Index(
     postgresql_where=text("dedupe_key IS NOT NULL"),
 )
 
-# Flow control shared by all workers (flowloop/limits.py, flowloop/store/limits.py).
+# Flow control shared by all workers (flowloop/flowcontrol.py, flowloop/store/limits.py).
 rate_limits = Table(
     "flowloop_rate_limits",
     metadata,

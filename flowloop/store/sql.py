@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -34,9 +35,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlch
 
 from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect, leases, migrate
+from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
@@ -45,6 +46,8 @@ from flowloop.store.schema import definitions, inbox, journal, runs
 JSON_SEPARATORS = (",", ":")
 CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
+
+log = logging.getLogger("flowloop.store")
 
 
 def _dumps(value: Mapping[str, Any]) -> str:
@@ -115,7 +118,7 @@ def _event_from_row(row: Any) -> JournalEvent:
         traceback=row.traceback,
         retryable=row.retryable,
         worker=row.worker,
-        data=json.loads(row.data) if row.data else {},
+        data=load_data(row.data),
     )
 
 
@@ -220,6 +223,7 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
         check_schema: bool = True,
     ) -> None:
         self.url = url
+        outage.note_opened(url)
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
@@ -231,9 +235,7 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
                 self._ensure_schema(create=create)
         except SQLAlchemyError as error:
             self.engine.dispose()
-            raise StoreError(
-                f"cannot use database {dialect.safe_url(url)}: {dialect.first_line(error)}"
-            ) from error
+            raise StoreError(f"cannot use {outage.describe(error, url)}") from error
         except StoreError:
             self.engine.dispose()
             raise
@@ -407,7 +409,11 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
             return float(conn.execute(select(self.now_sql)).scalar_one())
 
     def save_definition(self, fingerprint: str, name: str, version: int, structure: str) -> None:
-        if self.definition(fingerprint) is not None:
+        with self._read() as conn:
+            saved = conn.execute(
+                select(definitions.c.fingerprint).where(definitions.c.fingerprint == fingerprint)
+            ).first()
+        if saved is not None:
             return
         try:
             with self._write() as conn:
@@ -431,7 +437,22 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
             text = conn.execute(
                 select(definitions.c.structure).where(definitions.c.fingerprint == fingerprint)
             ).scalar_one_or_none()
-        return None if text is None else dict(json.loads(text))
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict):
+            # A damaged row concerns the runs of this one definition only: they are judged
+            # as if it were unknown (a run whose state still exists goes on).
+            log.warning(
+                "definition %s: its stored structure is not a JSON object; runs started "
+                "under it are checked against the current definition only",
+                fingerprint,
+            )
+            return None
+        return value
 
     # -- runs ------------------------------------------------------------------------------
 
@@ -751,8 +772,31 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
     _lease_for_write = 30.0
 
     def set_write_lease(self, seconds: float) -> None:
-        """The lease that every owned write renews (the worker's lease length)."""
+        """The lease that every owned write renews (the worker's lease length). It also
+        bounds how long a call waits for another process's lock (SQLite) and how long a
+        session may sit idle in a transaction (PostgreSQL: a vanished client's locks)."""
         self._lease_for_write = seconds
+        with self._lock:
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None
+            if self.engine.dialect.name == "sqlite":
+                dialect.set_busy_timeout(self.engine, dialect.busy_timeout_ms(seconds))
+            else:
+                dialect.set_pg_connect(self.engine, **dialect.pg_connect_params(seconds))
+                idle = dialect.pg_idle_in_transaction_ms(seconds)
+                dialect.set_pg_session(self.engine, idle_in_transaction_session_timeout=idle)
+                shortest = dialect.pg_shortest_lease()
+                if seconds < shortest:
+                    log.warning(
+                        "lease %gs is shorter than PostgreSQL's timeouts can keep when the "
+                        "network drops packets (%gs): a partitioned worker may fence its "
+                        "runs off only after the lease ended; use --lease %gs or more",
+                        seconds,
+                        shortest,
+                        shortest,
+                        extra={"event": "lease_too_short"},
+                    )
 
     # -- claiming --------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +21,8 @@ from typing import Any, Final
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount
@@ -37,6 +39,8 @@ from flowloop.ui.diagrams import Machines, SvgCache
 from flowloop.ui.queries import BadInput, NotFound
 
 HERE: Final = Path(__file__).resolve().parent
+LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
+"""Host headers the dashboard answers by default (the port is not part of the match)."""
 log = logging.getLogger("flowloop.ui")
 
 
@@ -143,10 +147,15 @@ def create_app(
     allow_actions: bool = False,
     token: str | None = None,
     engine: Engine | None = None,
+    allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
 ) -> Starlette:
     """The dashboard over ``store``. Read-only unless ``allow_actions``; then every action
     needs ``token`` (one is made when not given: read it from ``app.state.dash.token``)
-    and ``engine`` carries them out (one over the same store when not given)."""
+    and ``engine`` carries them out (one over the same store when not given).
+
+    Requests must name one of ``allowed_hosts`` in their Host header (loopback names by
+    default): reads need no token, so a page on another site that rebinds its own name to
+    127.0.0.1 (DNS rebinding) must not be able to read runs and their contexts."""
     if allow_actions:
         token = token or secrets.token_urlsafe(24)
         if engine is None:
@@ -174,6 +183,7 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
+        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
         exception_handlers={
             FlowloopError: _on_flowloop_error,
             HTTPException: _on_http_error,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
-from pathlib import Path
+import socket
 from typing import Final
 
 import click
@@ -21,22 +21,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _require_existing(url: str) -> None:
-    """A SQLite file must exist: the store would create an empty one, and a dashboard
-    creates nothing."""
-    from sqlalchemy import make_url
-
-    from flowloop.errors import FlowloopError
-    from flowloop.store.dialect import normalize_url
-
-    parsed = make_url(normalize_url(url))
-    name = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not name or name == ":memory:":
-        return
-    if not name.startswith("file:") and not Path(name).exists():
-        raise FlowloopError(f"no database at {name} (start a run or a worker first, or --db)")
 
 
 @click.command(name="ui")
@@ -75,6 +59,7 @@ def ui_command(
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
     from flowloop.cli import database, err, load_workflow_paths, out
+    from flowloop.cli_support import require_database
     from flowloop.errors import FlowloopError
 
     try:
@@ -87,15 +72,17 @@ def ui_command(
 
     loaded = load_workflow_paths(workflow_paths)
     url = database(db)
-    _require_existing(url)
+    require_database(url)
     # Opened without creating anything: a dashboard never writes a schema.
     store = SQLStore(url, create=False)
+    sock = _bind(host, port)
     app = create_app(
         store,
         workflows=loaded.workflows,
         loops=loaded.loops,
         allow_actions=allow_actions,
         token=token,
+        allowed_hosts=_allowed_hosts(host),
     )
     if not is_loopback(host):
         err.print(
@@ -103,11 +90,42 @@ def ui_command(
             "run and its context",
             markup=False,
         )
+    bound_port = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
-    out.print(f"flowloop dashboard on http://{shown}:{port}/ (Ctrl-C stops it)", markup=False)
+    out.print(f"flowloop dashboard on http://{shown}:{bound_port}/ (Ctrl-C stops it)", markup=False)
     if allow_actions:
         out.print(f"actions enabled; token: {app.state.dash.token}", markup=False)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         store.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything is printed: a port in use or a host
+    that does not resolve is one line (exit 2), and ``--port 0`` shows the port it got."""
+    from flowloop.errors import FlowloopError
+
+    try:
+        return socket.create_server((host, port), family=_family(host))
+    except OSError as error:
+        raise FlowloopError(
+            f"cannot listen on {host}:{port}: {error.strerror or error}; choose another "
+            "--port (or --host)"
+        ) from error
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _allowed_hosts(host: str) -> list[str]:
+    """Host headers to answer: the loopback names, plus the one given with --host; every
+    name when bound to all interfaces (the warning above says what that means)."""
+    from flowloop.ui.app import LOOPBACK_HOSTS
+
+    if host in ("0.0.0.0", "::", ""):
+        return ["*"]
+    return [*LOOPBACK_HOSTS, host]

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
 from flowloop.errors import DefinitionError
-from flowloop.limits import Breaker, InvalidConcurrencyKey, InvalidLimit, RateLimit
+from flowloop.flowcontrol import Breaker, InvalidConcurrencyKey, InvalidLimit, RateLimit
 from flowloop.store import SQLStore
 
 

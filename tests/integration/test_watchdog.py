@@ -52,7 +52,8 @@ def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
     with Engine(sqlite_url) as engine:
         info = engine.run(wf, Ctx())
     assert info.status == "succeeded"  # it still works; it just stopped everything else
-    (warning,) = stall_warnings(caplog)
+    # A slow commit on a loaded machine may stall the loop too: find the step's warning.
+    (warning,) = [w for w in stall_warnings(caplog) if "blocky.crunch" in w.getMessage()]
     message = warning.getMessage()
     assert f"blocky.crunch (run {info.id}, attempt 1)" in message, message
     assert "test_watchdog.py" in message and "in crunch" in message, message
@@ -61,7 +62,8 @@ def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
     ended = [
         r for r in caplog.records if r.name == "flowloop.watchdog" and r.levelno == logging.INFO
     ]
-    assert len(ended) == 1 and DEFAULT_STALL_SECONDS <= ended[0].lag < WAIT_S  # type: ignore[attr-defined]
+    crunch = [r for r in ended if r.steps]  # type: ignore[attr-defined]
+    assert len(crunch) == 1 and DEFAULT_STALL_SECONDS <= crunch[0].lag < WAIT_S  # type: ignore[attr-defined]
 
 
 def test_watchdog__worker_counts_the_stall_in_its_metrics(
@@ -92,6 +94,57 @@ def test_watchdog__worker_counts_the_stall_in_its_metrics(
             return stalls(), run_id
 
     stalls, run_id = asyncio.run(scenario())
-    assert stalls == 1
-    (warning,) = stall_warnings(caplog)
-    assert f"blocky.crunch (run {run_id}, attempt 1)" in warning.getMessage()
+    assert stalls >= 1  # the step's stall (a slow commit on a loaded machine may add one)
+    assert any(
+        f"blocky.crunch (run {run_id}, attempt 1)" in w.getMessage() for w in stall_warnings(caplog)
+    )
+
+
+def test_watchdog__a_wait_for_the_database_is_not_blamed_on_async_steps(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Another connection takes the write lock while a plain `def` step runs, so the step's
+    # outcome commit (on the loop thread) waits for it past the threshold: the warning says
+    # the loop waits for the database, not "a blocking call in async def". The lock is
+    # released once that warning is logged (bounded): no timing luck either way.
+    import sqlite3
+    import threading
+
+    caplog.set_level(logging.INFO, logger="flowloop.watchdog")
+    wf = Workflow("plain", context=Ctx)
+    entered, locked = threading.Event(), threading.Event()
+
+    @wf.step(initial=True, next="done")
+    def work(ctx: Ctx) -> None:
+        entered.set()
+        assert locked.wait(WAIT_S)  # the lock is held before this step's outcome is written
+
+    wf.final("done")
+    path = sqlite_url.removeprefix("sqlite:///")
+
+    def hold_the_lock() -> None:
+        assert entered.wait(WAIT_S)
+        holder = sqlite3.connect(path, timeout=WAIT_S)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            locked.set()
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline and not stall_warnings(caplog):
+                time.sleep(0.02)
+        finally:
+            holder.rollback()
+            holder.close()
+
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+        holder = threading.Thread(target=hold_the_lock)
+        holder.start()
+        try:
+            info = engine.run(wf, Ctx())
+        finally:
+            holder.join()
+        assert info.status == "succeeded"
+    warnings = stall_warnings(caplog)
+    assert warnings, "no stall warning while the commit waited"
+    message = warnings[0].getMessage()
+    assert "waiting for the database" in message, message
+    assert "async def" not in message, message

@@ -55,3 +55,13 @@ def test_diagram_runs__bad_window_and_missing_file_are_one_line_errors(sqlite_ur
     assert bad.returncode == 2 and bad.stderr.startswith("error: --since")
     alone = flowloop("--lifecycle", "--runs", "--db", sqlite_url)
     assert alone.returncode == 2 and "--runs draws FILE" in alone.stderr
+
+
+def test_diagram_runs__a_database_that_does_not_exist_is_refused_not_created(
+    tmp_path: Path,
+) -> None:
+    typo = tmp_path / "flowlop.db"
+    done = flowloop(UIKIT, "--runs", "--db", str(typo))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: no database at") and "Traceback" not in done.stderr
+    assert not typo.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -122,3 +123,41 @@ def _get(url: str) -> httpx.Response | None:
     except httpx.HTTPError:
         return None
     return response if response.status_code == 200 else None
+
+
+def test_ui__a_port_in_use_is_one_line_exit_2(sqlite_url: str, tmp_path: Path) -> None:
+    parcels(sqlite_url, 1)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        with flowloop_ui("--db", sqlite_url, "--port", port, cwd=tmp_path) as (process, _):
+            assert process.wait(timeout=60) == 2
+            assert process.stdout is not None
+            output = process.stdout.read()
+    assert output.startswith("error: cannot listen on 127.0.0.1:") and "--port" in output
+    assert "Traceback" not in output and "http://" not in output  # no URL that never served
+
+
+def test_ui__port_0_prints_the_port_it_got(sqlite_url: str, tmp_path: Path) -> None:
+    parcels(sqlite_url, 1)
+    with flowloop_ui("--db", sqlite_url, "--port", "0", cwd=tmp_path) as (process, lines):
+        line = read_until(process, lines, "http://")
+        port = int(line.split("http://127.0.0.1:")[1].split("/")[0])
+        assert port > 0
+        runs = poll(
+            lambda: _get(f"http://127.0.0.1:{port}/api/runs"), timeout=20, every=0.05, what="ui"
+        )
+        assert len(runs.json()["runs"]) == 1
+
+
+def test_ui__another_host_header_is_refused(sqlite_url: str, tmp_path: Path) -> None:
+    # DNS rebinding: a page on attacker.example whose name now resolves to 127.0.0.1 sends
+    # Host: attacker.example; reads need no token, so the dashboard must refuse the host.
+    parcels(sqlite_url, 1)
+    port = free_port()
+    with flowloop_ui("--db", sqlite_url, "--port", str(port), cwd=tmp_path) as (process, lines):
+        read_until(process, lines, "http://")
+        base = f"http://127.0.0.1:{port}"
+        poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
+        foreign = httpx.get(base + "/api/runs", headers={"Host": f"attacker.example:{port}"})
+        assert foreign.status_code == 400 and "order" not in foreign.text
+        assert httpx.get(base + "/api/runs", headers={"Host": f"localhost:{port}"}).is_success

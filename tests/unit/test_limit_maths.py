@@ -10,8 +10,8 @@ from pydantic import BaseModel
 
 from flowloop import FakeClock, Workflow
 from flowloop.alerts import breaker_alert
-from flowloop.limits import Breaker, BreakerState, Bucket, RateLimit, admit, failed, take
-from flowloop.limits import succeeded as breaker_succeeded
+from flowloop.flowcontrol import Breaker, BreakerState, Bucket, RateLimit, admit, failed, take
+from flowloop.flowcontrol import succeeded as breaker_succeeded
 from flowloop.metrics import Metrics
 
 PAY = RateLimit("payments", 10, per=timedelta(seconds=1))

@@ -1,0 +1,63 @@
+"""The wall clock corrected by the measured offset to the database server's clock.
+
+Due times (retries, sleeps, wait timeouts, scheduled starts) are stored as wall-clock
+instants and compared with a worker's ``now`` when it claims. Each host's own clock would
+make a worker 90 s ahead fire other workers' retries 90 s early, and one 90 s behind leave
+new runs unclaimed for 90 s. Leases were already judged by the database's clock; with this
+clock, due times are too: every worker measures its offset to the database (half the round
+trip is the uncertainty) and adds it to ``time.time()``.
+
+The offset is measured when the engine opens its store and again at every recovery sweep
+(at most every 10 s); an offset smaller than :data:`SKEW_IGNORED` (or than the round
+trip) is taken as none, so a host in sync never jitters. A deployment thus tolerates any
+skew between hosts, within the round trip plus the drift between two measurements.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Final
+
+from flowloop.clock import Clock, SystemClock
+
+log = logging.getLogger("flowloop")
+
+SKEW_IGNORED: Final = 0.5
+"""Seconds of offset to the database's clock taken as none."""
+
+
+class DatabaseClock:
+    """:class:`~flowloop.clock.SystemClock` plus the offset to ``db_now()``."""
+
+    def __init__(self, db_now: Callable[[], float], base: Clock | None = None) -> None:
+        self.base = base or SystemClock()
+        self.offset = 0.0
+        self._db_now = db_now
+
+    def refresh(self) -> float:
+        """Measure the offset again (a database call; raises what it raises)."""
+        before = time.time()
+        server = self._db_now()
+        after = time.time()
+        measured = server - (before + after) / 2
+        offset = measured if abs(measured) > max(SKEW_IGNORED, after - before) else 0.0
+        if abs(offset - self.offset) > SKEW_IGNORED:
+            log.warning(
+                "this host's clock is %+.1fs off the database's; due times follow the "
+                "database's clock (fix the host's NTP)",
+                -offset,
+                extra={"event": "clock_skew", "offset": offset},
+            )
+        self.offset = offset
+        return offset
+
+    def now(self) -> float:
+        return self.base.now() + self.offset
+
+    def monotonic(self) -> float:
+        return self.base.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await self.base.sleep(seconds)

@@ -1,0 +1,141 @@
+"""Sync steps that hang past their timeouts (issue 20, items 2 and 3): a hung step costs its
+own thread, not the process's ability to run steps; at the pool's bound the worker stops
+for its supervisor; and a process that is done exits although a hung step still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Engine, Retry, Workflow
+from flowloop.metrics import Metrics
+from flowloop.worker import EXIT_POOL_EXHAUSTED, Worker
+
+TIMEOUT_S = 0.2
+FINISH_BOUND_S = 60.0
+"""Generous for a loaded machine; without the fix the runs never finish at all."""
+
+
+class Ctx(BaseModel):
+    n: int = 0
+
+
+def workflows(gate: threading.Event) -> tuple[Workflow, Workflow]:
+    hang = Workflow("hang", context=Ctx)
+
+    @hang.step(initial=True, next="done", timeout=TIMEOUT_S, retry=Retry(attempts=1))
+    def stuck(ctx: Ctx) -> None:
+        gate.wait(120)
+
+    hang.final("done")
+    quick = Workflow("quick", context=Ctx)
+
+    @quick.step(initial=True, next="done")
+    def work(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    quick.final("done")
+    return hang, quick
+
+
+def test_hung_sync_steps_do_not_use_up_the_thread_pool(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gate = threading.Event()
+    hang, quick = workflows(gate)
+    caplog.set_level(logging.WARNING, logger="flowloop")
+    with Engine(sqlite_url, workflows=[hang, quick], max_concurrency=2) as engine:
+        hung = [engine.start(hang, Ctx()).id for _ in range(3)]
+        fine = [engine.start(quick, Ctx()).id for _ in range(4)]
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (engine.run_until_idle(), done.set()))
+        thread.start()
+        try:
+            finished = done.wait(FINISH_BOUND_S)
+        finally:
+            gate.set()
+            thread.join(60)
+        assert finished, "a hung step kept the other runs' steps from running"
+        assert {engine.get(i).status for i in fine} == {"succeeded"}
+        for run_id in hung:
+            info = engine.get(run_id)
+            assert info.status == "failed", info
+            assert "took longer than 0.2s" in (info.error or "")
+    text = caplog.text
+    assert "still runs in its thread after its timeout" in text
+    assert "abandoned step thread(s), bound 2" in text
+    assert "hang past their timeouts (the bound is 2)" in text
+
+
+def test_worker_at_the_bound_hands_runs_back_and_exits_for_its_supervisor(
+    sqlite_url: str,
+) -> None:
+    gate = threading.Event()
+    hang, quick = workflows(gate)
+    metrics = Metrics()
+    engine = Engine(sqlite_url, workflows=[hang, quick], max_concurrency=1)
+    try:
+        for _ in range(2):
+            engine.start(hang, Ctx())
+        later = engine.start(quick, Ctx()).id
+        worker = Worker(engine, concurrency=1, grace=1.0, metrics=metrics)
+        seen: list[float] = []
+
+        async def main() -> None:
+            await asyncio.wait_for(worker.run(asyncio.Event()), FINISH_BOUND_S)
+            # The hung step still runs (the gate is closed): the metric shows its thread.
+            seen.append(metrics.registry.get_sample_value("flowloop_abandoned_step_threads") or 0)
+
+        try:
+            asyncio.run(main())
+        finally:
+            gate.set()
+        assert worker.exit_code == EXIT_POOL_EXHAUSTED
+        assert seen == [1.0]
+        # The worker handed back what it had not started: another process can take it.
+        info = engine.get(later)
+        assert info.owner is None and info.status in ("scheduled", "succeeded"), info
+    finally:
+        engine.close()
+
+
+SCRIPT = """
+import threading, sys
+from pydantic import BaseModel
+from flowloop import Engine, Retry, Workflow
+
+class Ctx(BaseModel):
+    n: int = 0
+
+wf = Workflow("hang", context=Ctx)
+forever = threading.Event()
+
+@wf.step(initial=True, next="done", timeout=0.2, retry=Retry(attempts=1))
+def stuck(ctx: Ctx) -> None:
+    forever.wait()
+
+wf.final("done")
+with Engine(sys.argv[1], workflows=[wf]) as engine:
+    info = engine.run(wf, Ctx())
+print(info.status, flush=True)
+"""
+
+
+def test_a_script_exits_after_a_sync_step_timed_out(sqlite_url: str, tmp_path: Path) -> None:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), sqlite_url], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "failed"
+    print(f"script exited {time.monotonic() - started:.1f}s after start")

@@ -1,0 +1,100 @@
+"""Durations are finite, positive where they must be, and validated with one line naming
+the value (issue 20, item 9): NaN and infinity (``lease = inf`` in flowloop.toml, a
+400-digit --lease or --grace, ``timeout=nan``, ``Retry(base=nan)``) and NaN/Infinity in a
+context."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Engine, Retry, Workflow
+from flowloop.config import parse_duration
+from flowloop.errors import FlowloopError
+
+HUGE = "1" * 400
+
+
+class Ctx(BaseModel):
+    x: float = 0.0
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), HUGE, f"{HUGE}s", 1e300])
+def test_config_durations_must_be_finite(value: object) -> None:
+    with pytest.raises(ValueError, match="not a finite duration"):
+        parse_duration(value)
+    assert parse_duration("30s") == 30.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), timedelta(days=10_000)])
+def test_definitions_refuse_non_finite_durations(bad: float | timedelta) -> None:
+    with pytest.raises(FlowloopError, match=re.escape("Retry(base=...)")):
+        Retry(base=bad)
+    with pytest.raises(FlowloopError, match=re.escape("Retry(cap=...)")):
+        Retry(cap=bad)
+    wf = Workflow("durations", context=Ctx)
+    with pytest.raises(FlowloopError, match="state 'a' timeout"):
+        wf.step(name="a", initial=True, next="done", timeout=bad)(lambda ctx: None)
+
+
+def test_engine_refuses_non_finite_leases_and_contexts(sqlite_url: str) -> None:
+    for lease in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(FlowloopError, match="lease_seconds"):
+            Engine(sqlite_url, lease_seconds=lease)
+    wf = Workflow("durations", context=Ctx)
+    wf.step(name="a", initial=True, next="done")(lambda ctx: None)
+    wf.final("done")
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+        for bad in ("NaN", "Infinity", "-Infinity", "1e999"):
+            with pytest.raises(FlowloopError, match="field x is NaN or infinite"):
+                engine.start(wf, f'{{"x": {bad}}}')
+        assert engine.runs() == []
+
+
+FLOW = """
+from pydantic import BaseModel
+from flowloop import Workflow
+
+class Ctx(BaseModel):
+    x: float = 0.0
+
+wf = Workflow("durations", context=Ctx)
+wf.step(name="a", initial=True, next="done")(lambda ctx: None)
+wf.final("done")
+"""
+
+
+def flowloop(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # A real process: an accepted --lease would start a worker that never ends (the
+    # timeout fails the test instead).
+    return subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(cwd),
+    )
+
+
+def test_cli_refuses_non_finite_durations_in_one_line(tmp_path: Path) -> None:
+    flow = tmp_path / "flow.py"
+    flow.write_text(FLOW)
+    db = ["--db", f"sqlite:///{tmp_path / 'flowloop.db'}"]
+    for option in ("--lease", "--grace"):
+        done = flowloop("worker", str(flow), option, HUGE, *db, cwd=tmp_path)
+        assert done.returncode == 2, (option, done.stdout, done.stderr)
+        assert "not a finite duration" in done.stderr and "Traceback" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    (tmp_path / "flowloop.toml").write_text("lease = inf\n")
+    done = flowloop("worker", str(flow), *db, cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "inf" in done.stderr and "Traceback" not in done.stderr
+    (tmp_path / "flowloop.toml").unlink()
+    done = flowloop("start", str(flow), "--context", '{"x": NaN}', *db, cwd=tmp_path)
+    assert done.returncode == 2 and "field x is NaN or infinite" in done.stderr, done.stderr
