@@ -188,10 +188,10 @@ def test_limits__breaker_opens_on_failures_of_two_workers_and_closes_after_cool_
             lambda: [e for e in store.breaker_journal("provider") if e.kind == "opened"],  # type: ignore[attr-defined]
             timeout=30,
         )[0]
-        # Four failed calls, from two workers, opened it.
+        # Four failed calls, from two workers or more, opened it.
         failures = [r for r in limitkit.ledger(tmp_path / "ledger") if not r["ok"]]
         assert len(failures) == 4
-        assert len({r["pid"] for r in failures}) == 2
+        assert len({r["pid"] for r in failures}) >= 2
         fail_flag.unlink()  # the provider is back; the breaker does not know yet
 
         later = engine.start_many(module.guarded, [{"n": i} for i in range(6)])
