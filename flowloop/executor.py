@@ -48,7 +48,7 @@ from flowloop.errors import (
     StepTimeout,
 )
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
-from flowloop.gates import Gates
+from flowloop.gates import Gates, share_limits
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.localdue import LocalDue
 from flowloop.steppool import StepThreads
@@ -361,6 +361,7 @@ class Executor:
         otherwise run until ``stop`` is set, then drain within ``grace`` seconds.
         ``initial`` runs are already claimed and started by the caller."""
         self._wake = asyncio.Event()
+        share_limits(self.store, self.workflows)  # as now configured (config overrides)
         for stored in initial:
             self.spawn(stored, starting=False)
         helpers = [asyncio.create_task(self.heartbeat())]
