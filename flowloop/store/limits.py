@@ -12,10 +12,10 @@ for the same slot (the lock is taken by its own statement first: a statement's s
 is taken when it starts, so counting in the same statement would still race). Claims of
 unlimited workflows keep the one-statement ``SKIP LOCKED`` claim and take no lock.
 
-Round-robin. Runs of a workflow with a ``concurrency_key`` are ranked within their key
-(oldest first) and claimed rank by rank: one run of every key, then a second of every key,
-… — within one priority. A key with 10,000 queued runs gets one slot per round like a key
-with one.
+Round-robin. Runs of a workflow with a ``concurrency_key`` carry their place in their
+key's queue (``limit_rank``: the key's live runs + 1 when created) and are claimed by it:
+the first run of every key, then the second of every key, … — within one priority. A key
+with 10,000 queued runs gets one slot per round like a key with one.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
 UNLIMITED: Final = 1_000_000_000
 LOCK_KEY: Final = "flowloop limited claims"
+SCAN_PER_CLAIMED: Final = 4
+SCAN_EXTRA: Final = 32
+"""A counted claim ranks only the first ``4 x limit + 32`` due runs (in claim order, keys
+at their limit left out), not the whole queue: it may then take fewer runs than fit (when
+the candidates crowd into few keys), never none while some run may go — the oldest run of
+a key below its limit always qualifies."""
 
 
 @dataclass(frozen=True)
@@ -99,15 +105,23 @@ WITH held AS (
 per_key AS (
   SELECT limit_key, count(*) AS n FROM held WHERE limit_key IS NOT NULL GROUP BY limit_key
 ),
-ranked AS (
-  SELECT r.id, r.priority, r.next_run_at,
-         row_number() OVER (
-           PARTITION BY r.limit_key ORDER BY r.priority DESC, r.next_run_at, r.id
-         ) AS rn,
-         coalesce(k.n, 0) AS kn, coalesce(r.limit_rank, 0) AS lr
-  FROM flowloop_runs r LEFT JOIN per_key k ON k.limit_key = r.limit_key
+candidates AS (
+  SELECT r.id, r.priority, r.next_run_at, r.limit_key, coalesce(r.limit_rank, 0) AS lr
+  FROM flowloop_runs r
   WHERE r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
     AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
+    AND (r.limit_key IS NULL
+         OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))
+  ORDER BY r.priority DESC, lr, r.next_run_at, r.id
+  LIMIT :p_scan
+),
+ranked AS (
+  SELECT c.id, c.priority, c.next_run_at, c.lr,
+         row_number() OVER (
+           PARTITION BY c.limit_key ORDER BY c.priority DESC, c.next_run_at, c.id
+         ) AS rn,
+         coalesce(k.n, 0) AS kn
+  FROM candidates c LEFT JOIN per_key k ON k.limit_key = c.limit_key
 ),
 ordered AS (
   SELECT id, row_number() OVER (ORDER BY priority DESC, lr, rn, next_run_at, id) AS g
@@ -115,11 +129,13 @@ ordered AS (
 )
 UPDATE flowloop_runs
 SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now} + :p_lease
-WHERE id IN (
-    SELECT id FROM ordered
+FROM (
+    SELECT id AS chosen FROM ordered
     WHERE g <= :p_limit AND g + (SELECT count(*) FROM held) <= :p_max
-  )
-  AND status IN ('scheduled', 'retrying') AND (owner IS NULL OR lease_expires_at < {now})
+  ) AS picked
+WHERE flowloop_runs.id = picked.chosen
+  AND flowloop_runs.status IN ('scheduled', 'retrying')
+  AND (flowloop_runs.owner IS NULL OR flowloop_runs.lease_expires_at < {now})
 RETURNING *
 """
 
@@ -189,6 +205,7 @@ class LimitStoreMixin:
                 "p_limit": limit - len(rows),
                 "p_max": spec.max_concurrency or UNLIMITED,
                 "p_key_limit": spec.key_limit or UNLIMITED,
+                "p_scan": SCAN_PER_CLAIMED * (limit - len(rows)) + SCAN_EXTRA,
             }
             if run_ids is not None:
                 params["p_ids"] = list(run_ids)
