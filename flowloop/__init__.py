@@ -1,6 +1,7 @@
 """flowloop: explicit state-machine workflows, every step journaled, resumable after a crash."""
 
 from flowloop.clock import Clock, FakeClock, SystemClock
+from flowloop.compose import ChildResult, StepError
 from flowloop.definition import Step, Workflow
 from flowloop.engine import Engine, Replay, RunInfo, Stranded
 from flowloop.errors import FlowloopError
@@ -9,6 +10,7 @@ from flowloop.loops import Iteration, Loop, loop
 from flowloop.retry import Retry
 
 __all__ = [
+    "ChildResult",
     "Clock",
     "Engine",
     "FakeClock",
@@ -20,6 +22,7 @@ __all__ = [
     "Retry",
     "RunInfo",
     "Step",
+    "StepError",
     "Stranded",
     "SystemClock",
     "Workflow",

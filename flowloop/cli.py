@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Column, Table
 
+from flowloop import children
 from flowloop import cli_support as support
 from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
@@ -255,6 +256,9 @@ def styled(status: str) -> str:
 
 
 def describe_event(event: JournalEvent) -> str:
+    composed = children.describe_entry(event)  # call/map, compensation, deadline entries
+    if composed is not None:
+        return composed
     if event.kind in ("step_succeeded", "event_received"):
         note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
         return f"{event.state} --{event.event}--> {event.next_state}{note}"
@@ -623,6 +627,8 @@ def status(
                 click.echo(json.dumps(info_json(info, waits)))
                 return
             show_run(info, waits.of(info))
+            for line in children.family_lines(engine.store, info.id):
+                out.print(line)
             return
         infos, truncated = support.list_runs(
             engine,
@@ -719,6 +725,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
         events = engine.history(run_id)
         info = engine.get(run_id)
         waiting = support.WaitStates(engine).of(info)
+        family = children.family_lines(engine.store, run_id)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return
@@ -736,6 +743,8 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
     out.print(table)
     if waiting is not None:
         out.print(f"run {info.id} is {escape(waiting.describe())}")
+    for line in family:
+        out.print(line)
 
 
 @cli.command()

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
-from flowloop import graph
+from flowloop import compose, graph
+from flowloop.compose import Composite, StepError
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
@@ -55,6 +56,12 @@ class Step:
     visit: int
     seq: int
     worker: str
+    error: StepError | None = None
+    """The last error recorded on the run: the previous attempt's on a retry, or the one
+    whose ``on_error`` route led to this state (``None``: none)."""
+    compensating: bool = False
+    """True while this is a step's compensation (its undo) running, not the step."""
+
     notes: list[str] = field(default_factory=list, compare=False, repr=False)
     """What :meth:`note` was told, in order."""
 
@@ -66,7 +73,8 @@ class Step:
 
     @property
     def idempotency_key(self) -> str:
-        return f"{self.run_id}:{self.state}:{self.visit}"
+        key = f"{self.run_id}:{self.state}:{self.visit}"
+        return f"{key}:undo" if self.compensating else key
 
     def sleep(self, delay: float | timedelta, event: str | None = None) -> Sleep:
         """A durable timer: ``return step.sleep(timedelta(days=3), "remind")`` takes ``event``
@@ -105,6 +113,11 @@ class StepSpec:
     """The function takes ``(ctx, step)``; otherwise just ``(ctx)``."""
     rate_limit: RateLimit | None = None
     breaker: Breaker | None = None
+    on_error: tuple[tuple[compose.ErrorKey, str], ...] = ()
+    """``(exception class or "*", state)`` routes taken once the retry policy gives up."""
+    compensate: StepFunction | None = None
+    """Undoes this step's effect ``(ctx, step)`` when the run takes a compensating path."""
+    compensate_retry: Retry = DEFAULT_RETRY
 
     def describe(self) -> str:
         """Compact settings for diagrams: retry, timeout, idempotency, max visits, limits."""
@@ -163,9 +176,11 @@ class _Draft:
     waits: dict[str, WaitSpec] = field(default_factory=dict)
     finals: list[str] = field(default_factory=list)
     initial: list[str] = field(default_factory=list)
+    composites: dict[str, Composite] = field(default_factory=dict)
+    compensating: list[str] = field(default_factory=list)
 
 
-class Workflow:
+class Workflow(compose.Composing):
     """A named, versioned state machine over a pydantic context model.
 
     >>> order = Workflow("order", context=Order, version=1)
@@ -190,6 +205,8 @@ class Workflow:
         key_limit: int | None = None,
         rate_limit: RateLimit | None = None,
         description: str = "",
+        deadline: float | timedelta | None = None,
+        on_deadline: str | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(
@@ -214,6 +231,13 @@ class Workflow:
         self.key = key
         self.max_concurrency = max_concurrency
         self.description = description
+        self.deadline = seconds(deadline)
+        """Seconds a run may take in all (waiting and retrying included), else ``None``."""
+        self.on_deadline = on_deadline
+        if (self.deadline is None) != (on_deadline is None):
+            raise DefinitionError(name, "give deadline= and on_deadline= together")
+        if self.deadline is not None and self.deadline <= 0:
+            raise DefinitionError(name, "deadline must be positive")
         self._draft = _Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}
@@ -238,12 +262,23 @@ class Workflow:
         max_visits: int | None = None,
         rate_limit: RateLimit | None = None,
         breaker: Breaker | None = None,
+        on_error: Mapping[type[BaseException] | str, str] | None = None,
+        compensate: StepFunction | None = None,
+        compensate_retry: Retry | None = None,
     ) -> Callable[[F], F]:
         """Declare a state whose step function returns the event that picks the next state.
 
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
         ``rate_limit``/``breaker``: taken before each call of the step (flowloop.flowcontrol).
+
+        ``on_error={ExceptionType: state, "*": state}`` routes an error once the retry
+        policy gives up on it (at once for one it does not retry); the most specific class
+        wins, ``"*"`` takes the rest. ``StepTimeout`` routes a timeout; ``Interrupted`` (from
+        flowloop.errors) routes a non-idempotent step cut off by a crash, which ``"*"``
+        never does. ``compensate=fn(ctx, step)`` undoes the step's effect when the run
+        later enters a compensating state (``final(..., compensate=True)``);
+        ``compensate_retry`` is that function's own retry policy.
         """
         check_step_limits(self.name, name or "?", rate_limit, breaker)
 
@@ -260,6 +295,17 @@ class Workflow:
                 idempotent=idempotent,
                 max_visits=max_visits,
             )
+            if on_error or compensate is not None:
+                if compensate is not None and not callable(compensate):
+                    raise DefinitionError(
+                        self.name, f"state {state!r}: compensate= must be a function"
+                    )
+                self._draft.steps[state] = dataclasses.replace(
+                    self._draft.steps[state],
+                    on_error=compose.check_on_error(self.name, state, on_error),
+                    compensate=compensate,
+                    compensate_retry=compensate_retry or DEFAULT_RETRY,
+                )
             if rate_limit is not None or breaker is not None:
                 spec = self._draft.steps[state]
                 self._draft.steps[state] = dataclasses.replace(
@@ -400,14 +446,31 @@ class Workflow:
         if initial:
             self._draft.initial.append(name)
 
-    def final(self, *names: str) -> None:
-        """Declare the final states (a run that reaches one has ``succeeded``)."""
+    def final(self, *names: str, compensate: bool = False) -> None:
+        """Declare the final states (a run that reaches one has ``succeeded``).
+
+        ``compensate=True``: entering one of these states first runs the compensations of
+        every step that succeeded in the run (``compensate=`` on the step), newest first,
+        each journaled like a step; the run then ends there (reason ``compensated: ...``)."""
         self._ensure_open()
         for state in names:
             if not NAME_PATTERN.match(state):
                 raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
             if state not in self._draft.finals:
                 self._draft.finals.append(state)
+            if compensate and state not in self._draft.compensating:
+                self._draft.compensating.append(state)
+
+    def _add_composite(self, spec: Composite, *, initial: bool) -> None:
+        self._ensure_open()
+        if not NAME_PATTERN.match(spec.name):
+            raise DefinitionError(self.name, f"state name {spec.name!r} is not a valid name")
+        if spec.name in self.states:
+            raise DefinitionError(self.name, f"state {spec.name!r} is declared twice")
+        compose.check_composite(self.name, spec)
+        self._draft.composites[spec.name] = spec
+        if initial:
+            self._draft.initial.append(spec.name)
 
     def _ensure_open(self) -> None:
         if self._frozen:
@@ -423,9 +486,10 @@ class Workflow:
             return self
         draft = self._draft
         steps, waits, finals = draft.steps, draft.waits, set(draft.finals)
+        composites = draft.composites
         if not finals:
             raise DefinitionError(self.name, "declares no final state; add workflow.final(...)")
-        on_final = sorted(finals & (steps.keys() | waits.keys()))
+        on_final = sorted(finals & (steps.keys() | waits.keys() | composites.keys()))
         if on_final:
             raise DefinitionError(
                 self.name,
@@ -436,7 +500,17 @@ class Workflow:
             raise DefinitionError(
                 self.name, f"needs exactly one initial state (initial=True), found {found}"
             )
-        known = steps.keys() | waits.keys() | finals
+        known = steps.keys() | waits.keys() | composites.keys() | finals
+        if self.on_deadline is not None and self.on_deadline not in known:
+            raise DefinitionError(
+                self.name, f"on_deadline goes to unknown state {self.on_deadline!r}"
+            )
+        if draft.compensating and not any(s.compensate for s in steps.values()):
+            raise DefinitionError(
+                self.name,
+                f"final state(s) {', '.join(map(repr, draft.compensating))} compensate, but "
+                "no step declares compensate=",
+            )
         outgoing = self._outgoing()
         for state, targets in outgoing.items():
             unknown = sorted({dest for dest in targets.values() if dest not in known})
@@ -446,6 +520,9 @@ class Workflow:
                     f"state {state!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
                 )
         edges = {state: set(outgoing.get(state, {}).values()) for state in known}
+        if self.on_deadline is not None:  # every waiting or working state may time out there
+            for state in known - finals:
+                edges[state].add(self.on_deadline)
         unreachable = sorted(known - graph.reachable(edges, draft.initial))
         if unreachable:
             raise DefinitionError(
@@ -457,6 +534,7 @@ class Workflow:
                 self.name,
                 f"state(s) {', '.join(map(repr, stuck))} can never reach a final state",
             )
+        compose.check_no_call_cycle(self)
         self._machine = self._build_machine()
         self._table = {(t.source, t.event): t.dest for t in self.transitions()}
         self._fingerprint = hashlib.sha256(
@@ -486,18 +564,45 @@ class Workflow:
 
     def _outgoing(self) -> dict[str, dict[str, str]]:
         """Every non-final state's transitions ``{event: target}`` in declaration order."""
-        out = {name: dict(spec.on) for name, spec in self._draft.steps.items()}
+        out = {
+            name: {**spec.on, **{compose.error_event(k): t for k, t in spec.on_error}}
+            for name, spec in self._draft.steps.items()
+        }
         out.update({name: spec.transitions for name, spec in self._draft.waits.items()})
+        out.update({name: dict(spec.on) for name, spec in self._draft.composites.items()})
         return out
 
     @property
     def states(self) -> list[str]:
-        """Every state in declaration order: steps, then wait states, then final states."""
-        return [*self._draft.steps, *self._draft.waits, *self._draft.finals]
+        """Every state in declaration order: steps, wait, call and map states, finals."""
+        return [
+            *self._draft.steps,
+            *self._draft.waits,
+            *self._draft.composites,
+            *self._draft.finals,
+        ]
 
     @property
     def waits(self) -> Mapping[str, WaitSpec]:
         return self._draft.waits
+
+    @property
+    def composites(self) -> Mapping[str, Composite]:
+        """The call and map states."""
+        return self._draft.composites
+
+    def compensates(self, state: str) -> bool:
+        """Entering ``state`` runs the compensations first (``final(..., compensate=True)``)."""
+        return state in self._draft.compensating
+
+    @property
+    def children(self) -> list[Workflow]:
+        """The workflows this one's call and map states start runs of."""
+        seen: dict[str, Workflow] = {}
+        for spec in self._draft.composites.values():
+            for child in spec.workflows():
+                seen.setdefault(child.name, child)
+        return list(seen.values())
 
     def max_visits(self, state: str) -> int | None:
         spec = self._draft.steps.get(state) or self._draft.waits.get(state)
@@ -574,7 +679,19 @@ class Workflow:
                     spec.name: {"kind": "wait", "on": dict(sorted(spec.transitions.items()))}
                     for spec in self._draft.waits.values()
                 },
+                **{
+                    spec.name: {
+                        "kind": spec.kind,
+                        "on": dict(sorted(spec.on.items())),
+                        "child": ",".join(wf.name for wf in spec.workflows()),
+                    }
+                    for spec in self._draft.composites.values()
+                },
             },
+            **(
+                {"compensate": sorted(self._draft.compensating)} if self._draft.compensating else {}
+            ),
+            **({"on_deadline": self.on_deadline} if self.on_deadline else {}),
         }
 
     def on_cycle(self) -> set[str]:
@@ -613,21 +730,6 @@ class Workflow:
     def limited(self) -> bool:
         """Claims of this workflow count slots (``max_concurrency`` or ``concurrency_key``)."""
         return self.max_concurrency is not None or self.concurrency_key is not None
-
-    def rate_limits(self, state: str, record_visit: int, attempt: int) -> list[RateLimit]:
-        """The rate limits a call of ``state``'s step takes: the step's, and the workflow's
-        before the first call of the run (initial state, first visit, first attempt)."""
-        spec = self._draft.steps.get(state)
-        found = [] if spec is None or spec.rate_limit is None else [spec.rate_limit]
-        if (
-            self.rate_limit is not None
-            and state == self.initial
-            and record_visit <= 1
-            and attempt == 0
-            and self.rate_limit not in found
-        ):
-            found.append(self.rate_limit)
-        return found
 
     def business_key(self, context: BaseModel) -> str | None:
         if self.key is None:

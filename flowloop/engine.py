@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import gates, ids, tracecontext
+from flowloop import children, gates, ids, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
@@ -55,7 +55,7 @@ from flowloop.executor import (
 )
 from flowloop.flowcontrol import concurrency_key_of
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.lifecycle import CLAIMABLE, FINISHED, LIVE
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.retry import seconds
 from flowloop.store import (
@@ -256,6 +256,9 @@ class Engine:
         """Make workflows runnable by this engine (validates them)."""
         for workflow in workflows:
             workflow.validate()
+            for child in workflow.children:  # a parent's children run where it runs
+                if self._workflows.get(child.name) is not child:
+                    self.register(child)
             self.store.save_definition(
                 workflow.fingerprint,
                 workflow.name,
@@ -317,6 +320,8 @@ class Engine:
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
                 **({"limit_key": limit_key} if limit_key is not None else {}),
+                # The whole run's deadline: a durable due time (waiting, retrying included).
+                **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
                 **self._trace_data(run_id, trace_context),
             },
         )
@@ -545,9 +550,15 @@ class Engine:
             and info.state not in workflow.waits
             and not executor.handing_back  # a first Ctrl-C (flowloop.interrupt): stop here
         ):
-            # Retry backoff or a durable sleep: wait for it like run_until_idle would.
-            await executor.run(until_idle=True, run_ids=[stored.id])
-            info = self.get(stored.id)
+            # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
+            # run in a call or map state is driven with its children until it moves on.
+            while True:
+                await executor.run(until_idle=True, run_ids=children.family(self.store, stored.id))
+                before, info = info, self.get(stored.id)
+                if info.state not in workflow.composites or info.status not in CLAIMABLE:
+                    break
+                if (before.state, before.last_seq) == (info.state, info.last_seq):
+                    break  # nothing of its family is due (children waiting for events)
         return info
 
     # -- driving ---------------------------------------------------------------------------
@@ -766,6 +777,10 @@ class Engine:
             return self._info(stored)
         if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
+        # Stop and pause cascade to the run's live children (and theirs).
+        children.cascade(
+            self.store, run_id, action, lambda child, act: self._control(child, act, kind)
+        )
         if status != "running" and self._operate(stored, kind, state=stored.record.state):
             return self.get(run_id)
         # Owned (running): its worker honours the request at the next boundary.
@@ -787,11 +802,16 @@ class Engine:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
+        elif record.join is not None and children.is_held(self.store, run_id):
+            data["due"] = None  # a map's child paused before its turn: held again
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data:
             # Events kept while it was paused: the run takes them now.
             self._hand_over_kept(run_id)
+        for child in children.paused_children(self.store, run_id):
+            with contextlib.suppress(FlowloopError):  # unpaused or ended meanwhile
+                self.unpause(child)
         return self.get(run_id)
 
     def send(
@@ -926,13 +946,15 @@ class Engine:
             raise InvalidTransition(run_id, record.status, "retry")
         workflow = self.workflow(record.workflow)
         state = from_state or record.state
-        if state not in workflow.steps:
+        if state not in workflow.steps and not children.retryable_state(workflow, state):
             raise DefinitionError(
                 workflow.name,
                 f"cannot retry from {state!r}: not a state with a step "
                 f"(states: {', '.join(workflow.steps)})",
             )
         context = _context_entering(self.store.journal(run_id), state)
+        if state == record.state and workflow.compensates(state):
+            context = record.context  # the compensations owed go on from where they were
         if context is None:
             raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
         data: dict[str, Any] = {"by": by or _user(), "from": state}

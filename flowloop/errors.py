@@ -162,6 +162,14 @@ class StepTimeout(TimeoutError):
     can name either."""
 
 
+class Interrupted(FlowloopError):
+    """A step was cut off (its worker died or was killed) and is not idempotent, or has no
+    attempts left. Name it in ``on_error={Interrupted: state}`` to route such a step
+    somewhere instead of failing the run for an operator ("*" never matches it)."""
+
+    exit_code = EXIT_FAILURE
+
+
 class MaxVisitsExceeded(FlowloopError):
     """A run entered a state more often than the state's ``max_visits`` allows."""
 

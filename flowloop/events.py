@@ -55,6 +55,8 @@ class NotWaiting(InvalidTransition):
 def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:
     """The ``data`` of a transition into ``state``: final, due now (a step, maybe after a
     durable ``delay``), due at the wait's timeout, or not due at all (a wait without one)."""
+    if workflow.compensates(state):
+        return {"compensate": True}  # due now: its compensations run before it ends
     if workflow.is_final(state):
         return {"final": True}
     wait = workflow.waits.get(state)

@@ -27,9 +27,10 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import interruptions
+from flowloop import children, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
+from flowloop.compose import step_error
 from flowloop.contexts import dump_context
 from flowloop.definition import (
     TIMEOUT_EVENT,
@@ -677,6 +678,8 @@ class Executor:
         message = interruptions.message(
             cause, idempotent=idempotent, attempts_left=attempts_left, attempt=record.attempt
         )
+        data, message, route = children.interrupted(workflow, record, data, message, now)
+        data.setdefault("cause", cause)
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,
@@ -689,6 +692,7 @@ class Executor:
             retryable="retry_at" in data,
             worker=self.worker_id,
             data=data,
+            **route,
         )
         log.log(
             logging.ERROR if "reason" in data else logging.WARNING,
@@ -799,7 +803,19 @@ class Executor:
                 return
             if stored.control in ("pause", "stop"):
                 self._controls[stored.id] = stored.control
-            if starting and record.state in workflow.waits:
+            if (
+                starting
+                and record.state not in workflow.steps
+                and (record.state not in workflow.waits or record.deadline is not None)
+            ):
+                # Composition: a call/map state, a compensating state, a passed deadline.
+                if await self._honour_control(record, fence):
+                    return
+                moved = await children.claimed(self, workflow, record, fence)
+                if moved is None:
+                    return
+                record = moved
+            elif starting and record.state in workflow.waits:
                 # A waiting run claimed because its timeout is due.
                 if await self._honour_control(record, fence):
                     return
@@ -907,6 +923,7 @@ class Executor:
             visit=record.visit(record.state),
             seq=record.last_seq,
             worker=self.worker_id,
+            error=step_error(record) if record.error else None,
         )
         ctx = workflow.context.model_validate_json(record.context)  # the step's own copy
         # One line when the step starts and one when it ends (fields for JSON logs); built
@@ -923,7 +940,12 @@ class Executor:
             )
         started = self.clock.monotonic()
         try:
-            returned = await self._call(record.id, spec, ctx, step)
+            if record.deadline is None:
+                returned = await self._call(record.id, spec, ctx, step)
+            else:  # the run's deadline cuts the step off (a thread's result is discarded)
+                returned = await children.within_deadline(
+                    self._call(record.id, spec, ctx, step), record, self.clock
+                )
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
@@ -933,9 +955,10 @@ class Executor:
             raise
         except Exception as error:
             duration = self.clock.monotonic() - started
+            if isinstance(error, children.DeadlineCut):
+                return await children.past_deadline(self, workflow, record, fence)
             self.gates.called(spec, error)
-            await self._failed(workflow, spec, record, fence, error, duration)
-            return None
+            return await self._failed(workflow, spec, record, fence, error, duration)
         duration = self.clock.monotonic() - started
         self.gates.called(spec, None)
         self.stats.steps += 1
@@ -1002,13 +1025,19 @@ class Executor:
             if action is None and target in workflow.waits:
                 self._deliver(record.id)  # draining: still hand it what was kept for it
             return None
-        if target in workflow.waits or (after.next_run_at or 0.0) > transition.at:
-            # Waiting or sleeping: hand the run back; its due time (if any) is stored.
+        if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
+            # A call/map state: fan out now (the entry committed with it), no claim first.
+            return await children.drive(self, workflow, record, fence, entered=transition)
+        if target not in workflow.steps or (after.next_run_at or 0.0) > transition.at:
+            # Waiting or sleeping: hand the run back; its due time (if any) is stored. (A
+            # call, map or compensating state is due now: a claim takes it on.)
             applied = await self._commit(
                 Boundary(events=[transition], record=after, fence=fence, release=True)
             )
             if applied and target in workflow.waits:
                 self._deliver(record.id)
+            elif applied and self._wake is not None and target not in workflow.waits:
+                self._wake.set()
             return None
         held = await self.gates.check(workflow, after, target, attempt=0)
         if held is not None:  # not called now: deferred (rate limit, breaker) or failed
@@ -1105,15 +1134,18 @@ class Executor:
         fence: Fence,
         error: Exception,
         duration: float,
-    ) -> None:
+    ) -> RunRecord | None:
         definitive = isinstance(
             error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
         )
         retryable = not definitive and spec.retry.should_retry(error, record.attempt)
         data: dict[str, Any]
+        route = None if retryable else children.error_route(workflow, spec, record, error)
         if retryable:
             delay = spec.retry.delay(record.attempt)
             data = {"retry_at": self.clock.now() + delay}
+        elif route is not None:  # on_error: the run moves on; the error stays visible
+            data = {**entering(workflow, route[1], self.clock.now()), "route": "on_error"}
         else:
             data = {"reason": "error"}
         message = (
@@ -1130,8 +1162,10 @@ class Executor:
             traceback="".join(traceback.format_exception(error))[-8000:],
             retryable=retryable,
             data=data,
+            event=None if route is None else route[0],
+            next_state=None if route is None else route[1],
         )
-        level = logging.INFO if retryable else logging.ERROR
+        level = logging.INFO if retryable or route is not None else logging.ERROR
         outcome = (
             "timed_out" if isinstance(error, StepTimeout) else "retried" if retryable else "failed"
         )
@@ -1155,6 +1189,8 @@ class Executor:
                 "retryable": retryable,
             },
         )
+        if route is not None:
+            return await self._advance(workflow, record, fence, failed)
         await self._finish(record, fence, [failed])
         if retryable and self._wake is not None:
             self._wake.set()

@@ -78,6 +78,18 @@ class BreakerChange:
     until: float | None = None
 
 
+def rate_limits_of(
+    workflow: Workflow, spec: StepSpec, state: str, visit: int, attempt: int
+) -> list[RateLimit]:
+    """The rate limits a call of ``state``'s step takes: the step's, and the workflow's
+    before the first call of the run (initial state, first visit, first attempt)."""
+    found = [] if spec.rate_limit is None else [spec.rate_limit]
+    first_call = state == workflow.initial and visit <= 1 and attempt == 0
+    if workflow.rate_limit is not None and first_call and workflow.rate_limit not in found:
+        found.append(workflow.rate_limit)
+    return found
+
+
 def _queued(reason: str | None) -> set[str]:
     if reason is None or not reason.startswith(RATE_REASON + ":"):
         return set()
@@ -110,7 +122,7 @@ class Gates:
         spec = workflow.steps.get(state)
         if spec is None:
             return None
-        limits = workflow.rate_limits(state, record.visit(state), attempt)
+        limits = rate_limits_of(workflow, spec, state, record.visit(state), attempt)
         if spec.breaker is None and not limits:
             return None
         if spec.breaker is not None:

@@ -30,6 +30,13 @@ RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past sta
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
 RUN_DEFERRED: Final = "run_deferred"  # a rate limit / open breaker: due later, status kept
+CHILDREN_STARTED: Final = "children_started"  # a call/map created its children; waits (no due)
+CHILDREN_JOINED: Final = "children_joined"  # every child ended: state -> next_state, context
+COMPENSATION_STARTED: Final = "compensation_started"  # status running, attempt
+COMPENSATION_SUCCEEDED: Final = "compensation_succeeded"  # context; still running
+COMPENSATION_FAILED: Final = "compensation_failed"  # retrying (next_run_at) or failed
+RUN_COMPENSATED: Final = "run_compensated"  # every compensation ran: succeeded, reason
+DEADLINE_PASSED: Final = "deadline_passed"  # state -> on_deadline; the deadline is spent
 
 KINDS: Final = (
     RUN_CREATED,
@@ -46,7 +53,17 @@ KINDS: Final = (
     EVENT_RECEIVED,
     EVENT_REJECTED,
     RUN_DEFERRED,
+    CHILDREN_STARTED,
+    CHILDREN_JOINED,
+    COMPENSATION_STARTED,
+    COMPENSATION_SUCCEEDED,
+    COMPENSATION_FAILED,
+    RUN_COMPENSATED,
+    DEADLINE_PASSED,
 )
+TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
+"""Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
+``step_interrupted`` that carries one: an ``on_error`` route)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +107,10 @@ class RunRecord:
     last_seq: int
     reason: str | None
     error: str | None
+    deadline: float | None = None
+    """When the whole run's deadline passes (``None``: it has none, or it was spent)."""
+    join: str | None = None
+    """The join row this run reports its end to (a child of a call or map), else ``None``."""
 
     def visit(self, state: str) -> int:
         return self.visits.get(state, 0)
@@ -146,6 +167,10 @@ def create(event: JournalEvent) -> RunRecord:
         raise FoldError(f"run {event.run_id}: journal must start with {RUN_CREATED}")
     _readable(event)
     data = event.data
+    due = data.get("due", event.at)
+    deadline = data.get("deadline")
+    if deadline is not None:  # due by its deadline at the latest (a run starting to wait)
+        due = deadline if due is None else min(due, deadline)
     return RunRecord(
         id=event.run_id,
         workflow=str(data["workflow"]),
@@ -157,8 +182,29 @@ def create(event: JournalEvent) -> RunRecord:
         context=event.context,
         attempt=0,
         visits={event.state: 1},
-        next_run_at=data.get("due", event.at),
+        next_run_at=due,
         last_seq=event.seq,
+        reason=None,
+        error=None,
+        deadline=deadline,
+        join=data.get("join"),
+    )
+
+
+def _moved(record: RunRecord, event: JournalEvent, change: dict[str, Any]) -> None:
+    """A transition: the run enters ``next_state`` (final: succeeded; else scheduled, due
+    at the entry's ``due``, or now)."""
+    assert event.next_state is not None
+    final = bool(event.data.get("final"))
+    visits = dict(record.visits)
+    visits[event.next_state] = visits.get(event.next_state, 0) + 1
+    change.update(
+        status=_status(record, "succeeded" if final else "scheduled", event),
+        state=event.next_state,
+        context=event.context if event.context is not None else record.context,
+        attempt=0,
+        visits=visits,
+        next_run_at=None if final else event.data.get("due", event.at),
         reason=None,
         error=None,
     )
@@ -179,22 +225,18 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         change.update(
             status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
         )
-    elif kind in (STEP_SUCCEEDED, EVENT_RECEIVED):
+    elif kind in (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED):
         assert event.next_state is not None and event.context is not None
-        final = bool(event.data.get("final"))
-        visits = dict(record.visits)
-        visits[event.next_state] = visits.get(event.next_state, 0) + 1
-        change.update(
-            status=_status(record, "succeeded" if final else "scheduled", event),
-            state=event.next_state,
-            context=event.context,
-            attempt=0,
-            visits=visits,
-            next_run_at=None if final else event.data.get("due", event.at),
-            reason=None,
-            error=None,
-        )
-    elif kind in (STEP_FAILED, STEP_INTERRUPTED):
+        _moved(record, event, change)
+    elif kind in (STEP_FAILED, STEP_INTERRUPTED, DEADLINE_PASSED) and event.next_state:
+        # An on_error route (or a passed deadline): the run moves on, the error kept for
+        # the state it enters to see.
+        _moved(record, event, change)
+        if event.error_type:
+            change["error"] = f"{event.error_type}: {event.error_message}"
+        if kind == DEADLINE_PASSED:
+            change["deadline"] = None
+    elif kind in (STEP_FAILED, STEP_INTERRUPTED, COMPENSATION_FAILED):
         retry_at = event.data.get("retry_at")
         error = f"{event.error_type}: {event.error_message}" if event.error_type else None
         if retry_at is not None:
@@ -211,6 +253,23 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
                 error=error,
                 reason=event.data.get("reason", "error"),
             )
+    elif kind == CHILDREN_STARTED:
+        # Waits for its children: due only when the join completes (the store sets it).
+        change.update(status=_status(record, "scheduled", event), next_run_at=None)
+    elif kind == COMPENSATION_STARTED:
+        change.update(
+            status=_status(record, "running", event), attempt=event.attempt, next_run_at=None
+        )
+    elif kind == COMPENSATION_SUCCEEDED:
+        assert event.context is not None
+        change.update(context=event.context, attempt=0)
+    elif kind == RUN_COMPENSATED:
+        change.update(
+            status=_status(record, "succeeded", event),
+            next_run_at=None,
+            reason=event.data.get("reason", "compensated"),
+            error=None,
+        )
     elif kind == RUN_FAILED:
         change.update(
             status=_status(record, "failed", event),
@@ -262,6 +321,12 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))
     elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
+    if record.deadline is not None and change.get("deadline", 1) is not None:
+        # A run with a deadline is due by it at the latest (waiting, sleeping, retrying).
+        status = change.get("status", record.status)
+        if status in lifecycle.CLAIMABLE:
+            due = change.get("next_run_at", record.next_run_at)
+            change["next_run_at"] = record.deadline if due is None else min(due, record.deadline)
     # dataclasses.replace re-runs __init__ through a generic path (~7 us, twice per step);
     # a frozen dataclass without __post_init__ can be copied field by field instead.
     new = object.__new__(RunRecord)

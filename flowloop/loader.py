@@ -106,6 +106,12 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     if not loaded.workflows:
         raise LoadError(f"{path}: defines no Workflow")
     if name is None:
+        # A parent's child workflows (its call and map states') do not count: the file's
+        # workflow is the one no other of the file starts.
+        started = {child.name for wf in loaded.workflows.values() for child in wf.children}
+        roots = [wf for wf in loaded.workflows.values() if wf.name not in started]
+        if len(roots) == 1 and len(loaded.workflows) > 1:
+            return roots[0], loaded
         if len(loaded.workflows) > 1:
             names = ", ".join(loaded.workflows)
             raise LoadError(f"{path} defines several workflows ({names}); use {path}:NAME")

@@ -30,6 +30,7 @@ from transitions import Machine
 
 from flowloop import journal as j
 from flowloop import lifecycle
+from flowloop.compose import ERROR_PREFIX
 from flowloop.definition import TIMEOUT_EVENT, StepSpec, WaitSpec, Workflow
 from flowloop.errors import FlowloopError, RenderError
 from flowloop.graph import longest_chain
@@ -76,11 +77,18 @@ FADED: Final = "#b8b8b8"
 CYCLE_MARK: Final = "\u21bb"  # ↻
 TIMES: Final = "\u00d7"  # multiplication sign
 
-NodeKind = Literal["step", "wait", "final", "state", "group"]
+NodeKind = Literal["step", "wait", "final", "state", "group", "call", "map", "parallel"]
 """``step``: a state with a step function; ``wait``: a state without one that advances on an
 external event or a timeout; ``final``: a run that gets there has succeeded; ``state``: a
 plain state of a machine that is not a workflow (the lifecycle); ``group``: stands for
-several states (its settings name them), the source of transitions they all have."""
+several states (its settings name them), the source of transitions they all have;
+``call`` / ``map`` / ``parallel``: a state that starts child runs (one, one per item, one
+per branch) and waits for them."""
+EdgeKind = Literal["normal", "error", "compensate"]
+"""``error``: an ``on_error`` route (or the run deadline's); ``compensate``: into a state
+whose entry runs the compensations."""
+ERROR_COLOR: Final = "#a51d2d"
+COMPENSATE_COLOR: Final = "#613583"
 NodeMark = Literal["plain", "visited", "current", "failed", "faded"]
 EdgeMark = Literal["plain", "taken", "faded"]
 
@@ -128,6 +136,7 @@ class DiagramEdge:
     """Drawn in grey, like events shared by many states: an operator's action, say."""
     tooltip: str = ""
     """What the transition means (added to the hover text)."""
+    kind: EdgeKind = "normal"
 
     @property
     def label(self) -> str:
@@ -193,12 +202,49 @@ def workflow_model(workflow: Workflow) -> DiagramModel:
                     tooltip=_wait_tooltip(wait, cyclic=on_cycle),
                 )
             )
+        elif state in workflow.composites:
+            composite = workflow.composites[state]
+            node_kind: NodeKind = (
+                "call"
+                if composite.kind == "call"
+                else "map"
+                if composite.kind == "map"
+                else "parallel"
+            )
+            nodes.append(
+                DiagramNode(
+                    name=state,
+                    kind=node_kind,
+                    initial=initial,
+                    cyclic=on_cycle,
+                    settings=composite.describe(),
+                    tooltip=f"{state}: {_KIND_WORDS[node_kind]}\n{composite.describe()}",
+                )
+            )
         else:
             kind: NodeKind = "final" if workflow.is_final(state) else "state"
-            nodes.append(DiagramNode(name=state, kind=kind, initial=initial))
+            undo = workflow.compensates(state)
+            nodes.append(
+                DiagramNode(
+                    name=state,
+                    kind=kind,
+                    initial=initial,
+                    settings="compensates" if undo else "",
+                    tooltip=f"{state}: final state; entering it undoes the steps that "
+                    "succeeded (compensate=), newest first"
+                    if undo
+                    else "",
+                )
+            )
     timed = {(name, TIMEOUT_EVENT) for name, wait in workflow.waits.items() if wait.on_timeout}
     edges = tuple(
-        DiagramEdge(source=t.source, dest=t.dest, event=t.event, timer=(t.source, t.event) in timed)
+        DiagramEdge(
+            source=t.source,
+            dest=t.dest,
+            event=t.event,
+            timer=(t.source, t.event) in timed,
+            kind=_edge_kind(workflow, t.event, t.dest),
+        )
         for t in workflow.transitions()
     )
     return DiagramModel(
@@ -222,6 +268,12 @@ def _rankdir(workflow: Workflow) -> Literal["LR", "TB"]:
         successors.setdefault(transition.source, set()).add(transition.dest)
     long = longest_chain(successors, workflow.initial) >= TOP_TO_BOTTOM_CHAIN
     return "TB" if long else "LR"
+
+
+def _edge_kind(workflow: Workflow, event: str, dest: str) -> EdgeKind:
+    if workflow.compensates(dest):
+        return "compensate"
+    return "error" if event.startswith(ERROR_PREFIX) else "normal"
 
 
 def machine_model(
@@ -391,6 +443,8 @@ class RunOverlay:
     """The error's first line, when the run failed."""
     interrupted: Mapping[str, int] = field(default_factory=dict)
     """Attempts of each state cut off by a crash (``step_interrupted``)."""
+    notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """Extra lines per state: its children's counts, its compensation having run."""
 
     @property
     def failed_state(self) -> str | None:
@@ -406,18 +460,23 @@ class RunOverlay:
         attempts: Counter[str] = Counter()
         interrupted: Counter[str] = Counter()
         taken: Counter[tuple[str, str, str]] = Counter()
+        notes: dict[str, list[str]] = {}
         for event in events:
             if event.kind == j.STEP_STARTED and event.state is not None:
                 attempts[event.state] += 1
             elif event.kind == j.STEP_INTERRUPTED and event.state is not None:
                 interrupted[event.state] += 1
             elif (
-                event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
+                event.kind in (*j.TRANSITIONS, j.STEP_FAILED, j.STEP_INTERRUPTED)
                 and event.state is not None
                 and event.event is not None
                 and event.next_state is not None
             ):
                 taken[(event.state, event.event, event.next_state)] += 1
+            if event.state is not None:
+                note = _composition_note(event)
+                if note:
+                    notes.setdefault(event.state, []).append(note)
         failure = None
         if record.status == "failed":
             failure = first_line(record.error or record.reason or "failed")
@@ -433,7 +492,26 @@ class RunOverlay:
             taken=dict(taken),
             error=failure,
             interrupted=dict(interrupted),
+            notes={state: tuple(lines) for state, lines in notes.items()},
         )
+
+
+def _composition_note(event: j.JournalEvent) -> str | None:
+    """The overlay's line for a composition entry: children started or joined (with
+    their counts), a compensation that ran."""
+    data = event.data
+    if event.kind == j.CHILDREN_STARTED:
+        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
+    if event.kind == j.CHILDREN_JOINED:
+        counts = ", ".join(
+            f"{data[k]} {k}" for k in ("succeeded", "failed", "stopped") if data.get(k)
+        )
+        return f"children: {counts or 'none'}"
+    if event.kind == j.COMPENSATION_SUCCEEDED:
+        return "undone (compensated)"
+    if event.kind == j.COMPENSATION_FAILED and not event.retryable:
+        return "compensation failed"
+    return None
 
 
 def first_line(text: str, limit: int = ERROR_LINE_CHARS) -> str:
@@ -469,12 +547,17 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
         visits = overlay.visits.get(node.name, 0)
         attempts = overlay.attempts.get(node.name, 0)
         counts = _counts(visits, attempts, overlay.interrupted.get(node.name, 0))
+        extra = overlay.notes.get(node.name, ())
         if node.name == overlay.failed_state:
-            marked.append(replace(node, mark="failed", notes=(counts, f"failed: {overlay.error}")))
+            marked.append(
+                replace(node, mark="failed", notes=(counts, *extra, f"failed: {overlay.error}"))
+            )
         elif node.name == overlay.state:
-            marked.append(replace(node, mark="current", notes=(counts, f"now {overlay.status}")))
+            marked.append(
+                replace(node, mark="current", notes=(counts, *extra, f"now {overlay.status}"))
+            )
         elif visits or attempts:
-            marked.append(replace(node, mark="visited", notes=(counts,)))
+            marked.append(replace(node, mark="visited", notes=(counts, *extra)))
         else:
             marked.append(replace(node, mark="faded"))
     declared = {(edge.source, edge.event, edge.dest) for edge in model.edges}
@@ -542,6 +625,10 @@ _SHAPES: Final[Mapping[NodeKind, dict[str, str]]] = {
     # A double border, not a double circle: a circle grows with its name in both directions.
     "final": {"peripheries": "2"},
     "group": {"style": "rounded,dashed", "color": SECONDARY, "fontcolor": MUTED},
+    # Child runs: a component box for one child, stacked boxes for many.
+    "call": {"shape": "component", "style": "filled"},
+    "map": {"shape": "box3d", "style": "filled"},
+    "parallel": {"shape": "box3d", "style": "filled,bold"},
 }
 
 _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
@@ -550,6 +637,9 @@ _KIND_WORDS: Final[Mapping[NodeKind, str]] = {
     "final": "final state",
     "state": "state",
     "group": "group of states",
+    "call": "call state (starts one child run and waits for it)",
+    "map": "map state (one child run per item; joins when all have ended)",
+    "parallel": "parallel state (one child run per branch, all at once; joins)",
 }
 
 _NODE_MARKS: Final[Mapping[NodeMark, dict[str, str]]] = {
@@ -589,6 +679,10 @@ def node_attrs(node: DiagramNode) -> dict[str, str]:
 def edge_attrs(edge: DiagramEdge) -> dict[str, str]:
     """The graphviz attributes of one transition (its event label, counts and marks)."""
     attrs = {"label": graphviz.escape(edge.label)}
+    if edge.kind == "error":
+        attrs.update(color=ERROR_COLOR, fontcolor=ERROR_COLOR, style="dashed")
+    elif edge.kind == "compensate":
+        attrs.update(color=COMPENSATE_COLOR, fontcolor=COMPENSATE_COLOR, style="bold")
     attrs.update(_EDGE_MARKS[edge.mark])
     if edge.timer:
         attrs["style"] = "dashed"

@@ -1,6 +1,8 @@
 """An order: reserve stock → (a person approves a large order) → charge the card (with
-retries) → ship; or cancel when out of stock, rejected, not approved within 2 days, or
-declined.
+retries) → pack it (a child run of ``packing``) → ship; or cancel when out of stock,
+rejected, not approved within 2 days, or declined. When the payment keeps failing or the
+packing fails, the order is *rolled back*: the compensations run, newest first — refund the
+charge, release the stock — each journaled like a step.
 
 Run it:
     flowloop run workflows/order.py \
@@ -38,6 +40,34 @@ class Order(BaseModel):
     approved_by: str | None = None
     flaky_payment: bool = True
     """Simulate a payment provider that drops the first connection (shows a retry)."""
+    parcel: str | None = None
+    reserved: bool = False
+    refund_id: str | None = None
+    pack_fails: bool = False
+    """Simulate a packing station that cannot pack the order (shows the rollback)."""
+
+
+class Pack(BaseModel):
+    """The context of a packing run (a child of an order)."""
+
+    order_id: str
+    items: list[Item]
+    fail: bool = False
+    parcel: str | None = None
+
+
+packing = Workflow("packing", context=Pack)
+
+
+@packing.step(initial=True, next="packed", retry=Retry(attempts=2, backoff="fixed", base=0))
+def pack_items(ctx: Pack, step: Step) -> None:
+    if ctx.fail:
+        raise RuntimeError("packing station: no box fits")
+    boxes = sum(item.qty for item in ctx.items)
+    ctx.parcel = f"P-{ctx.order_id}-{boxes}"
+
+
+packing.final("packed")
 
 
 class Approval(BaseModel):
@@ -47,12 +77,24 @@ class Approval(BaseModel):
     note: str = ""
 
 
-order = Workflow("order", context=Order, version=2, key="order_id")
+order = Workflow("order", context=Order, version=3, key="order_id")
+
+
+def release_stock(ctx: Order, step: Step) -> None:
+    """Compensation of ``reserve``: give the stock back (a no-op when none was held)."""
+    ctx.reserved = False
+
+
+def refund_charge(ctx: Order, step: Step) -> None:
+    """Compensation of ``charge``: refund it, once (the key is stable across crashes)."""
+    if ctx.charge_id is not None:
+        ctx.refund_id = "re_" + hashlib.sha256(step.idempotency_key.encode()).hexdigest()[:12]
 
 
 @order.step(
     initial=True,
     on={"reserved": "charge", "needs_approval": "awaiting_approval", "out_of_stock": "cancelled"},
+    compensate=release_stock,
 )
 def reserve(ctx: Order, step: Step) -> str:
     missing = [item.sku for item in ctx.items if item.sku in OUT_OF_STOCK or item.sku not in PRICES]
@@ -60,6 +102,7 @@ def reserve(ctx: Order, step: Step) -> str:
         ctx.cancel_reason = f"out of stock: {', '.join(missing)}"
         return "out_of_stock"
     ctx.amount = round(sum(PRICES[item.sku] * item.qty for item in ctx.items), 2)
+    ctx.reserved = True
     return "needs_approval" if ctx.amount > APPROVAL_ABOVE else "reserved"
 
 
@@ -83,9 +126,11 @@ order.wait(
 
 
 @order.step(
-    on={"charged": "ship", "declined": "cancelled"},
+    on={"charged": "pack", "declined": "cancelled"},
     timeout=10,
     retry=Retry(attempts=5, backoff="exponential", base=0.2, cap=5, on=(ConnectionError,)),
+    on_error={"*": "rolled_back"},  # the provider stays down: undo what was done
+    compensate=refund_charge,
 )
 async def charge(ctx: Order, step: Step) -> str:
     if ctx.flaky_payment and step.attempt == 1:
@@ -98,6 +143,20 @@ async def charge(ctx: Order, step: Step) -> str:
     return "charged"
 
 
+def packed(ctx: Order, pack: Pack) -> None:
+    ctx.parcel = pack.parcel
+
+
+# A child run of `packing`: the order waits (no worker, no thread) until it ends.
+order.call(
+    "pack",
+    child=packing,
+    context=lambda ctx: Pack(order_id=ctx.order_id, items=ctx.items, fail=ctx.pack_fails),
+    on={"succeeded": "ship", "failed": "rolled_back", "stopped": "rolled_back"},
+    result=packed,
+)
+
+
 @order.step(next="delivered", idempotent=False)
 def ship(ctx: Order, step: Step) -> None:
     # Not idempotent: a crash mid-shipment must not ship twice; an operator decides.
@@ -105,3 +164,4 @@ def ship(ctx: Order, step: Step) -> None:
 
 
 order.final("delivered", "cancelled")
+order.final("rolled_back", compensate=True)

@@ -86,6 +86,12 @@ class NewRun:
     """The run's concurrency key (``Workflow(concurrency_key=...)``), kept on its row."""
     limit_rank: int | None = None
     """Its place in its key's queue when it was created (set by the store)."""
+    parent_id: str | None = None
+    """The run that started this one (a call's or map's child), else ``None``."""
+    child_index: int | None = None
+    """The child's item index in its join (0 for a call's child)."""
+    held: bool = False
+    """A child created before its turn (``max_parallel``): not due until a sibling ends."""
 
 
 @dataclass(frozen=True, kw_only=True)

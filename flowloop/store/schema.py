@@ -68,7 +68,17 @@ runs = Table(
     # Its key's live runs when it was created, plus one: claims serve the first run of
     # every key before the second of any (round-robin that holds across claims).
     Column("limit_rank", Integer),
+    # Composition: the whole run's deadline; for a child run, its parent, the join it
+    # reports its end to, its item's index, and whether it has reported ('open': not yet).
+    Column("deadline_at", Float),
+    Column("parent_id", String(40)),
+    Column("join_id", String(40)),
+    Column("child_index", Integer),
+    Column("join_state", String(16)),
 )
+Index("ix_flowloop_runs_parent", runs.c.parent_id)
+# A child's end releases the next held child of its join: found by (join, index).
+Index("ix_flowloop_runs_join", runs.c.join_id, runs.c.child_index)
 Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
 Index("ix_flowloop_runs_owner", runs.c.owner)
 Index(
@@ -233,3 +243,22 @@ breaker_journal = Table(
     Column("worker", String(200)),
     Column("data", Text),
 )
+# One row per visit of a call or map state: how many children it has, how many exist, and
+# how many ended which way. Each child's final transaction updates it (the join counter).
+joins = Table(
+    "flowloop_joins",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("parent_id", String(40), nullable=False),
+    Column("state", String(200), nullable=False),
+    Column("visit", Integer, nullable=False),
+    Column("child_workflow", String(200), nullable=False),
+    Column("total", Integer, nullable=False),
+    Column("created", Integer, nullable=False, default=0),
+    Column("max_parallel", Integer, nullable=False),
+    Column("succeeded", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+    Column("stopped", Integer, nullable=False, default=0),
+    Column("created_at", Float, nullable=False),
+)
+Index("ix_flowloop_joins_parent", joins.c.parent_id)

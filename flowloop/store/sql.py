@@ -39,6 +39,7 @@ from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
@@ -150,6 +151,10 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "updated_at": new.events[-1].at,
         "limit_key": new.limit_key,
         "limit_rank": new.limit_rank,
+        "parent_id": new.parent_id,
+        "join_id": record.join,
+        "child_index": new.child_index,
+        "join_state": None if record.join is None else "held" if new.held else "open",
     }
 
 
@@ -164,6 +169,7 @@ def _record_columns(record: RunRecord) -> dict[str, Any]:
         "last_seq": record.last_seq,
         "reason": record.reason,
         "error": record.error,
+        "deadline_at": record.deadline,
     }
 
 
@@ -196,6 +202,8 @@ def _stored_from_row(row: Any) -> StoredRun:
         last_seq=row.last_seq,
         reason=row.reason,
         error=row.error,
+        deadline=row.deadline_at,
+        join=row.join_id,
     )
     return StoredRun(
         record=record,
@@ -211,7 +219,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
+class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
@@ -610,6 +618,9 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
     # -- the hot path ----------------------------------------------------------------------
 
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        if any(reports_end(b) for b in boundaries):
+            # A child's end: its join counter and its parent in the same transaction.
+            return self._write_with_ends(boundaries)
         if len(boundaries) == 1 and self._raw_sqlite is not None:
             return [self._write_one_raw(boundaries[0])]
         if len(boundaries) == 1 and self._postgres and boundaries[0].events:
@@ -1032,6 +1043,8 @@ class SQLStore(LimitStoreMixin, LoopStoreMixin, Store):
                 if consumed != 1 or not self._write_rows(conn, [boundary])[0]:
                     raise _Conflict
                 conn.execute(self._insert_events, [_event_row(e) for e in boundary.events])
+                if reports_end(boundary):
+                    self._report_ends(conn, [boundary])
         except _Conflict:
             return "conflict"
         except IntegrityError:
@@ -1086,4 +1099,5 @@ def _record_columns_names() -> tuple[str, ...]:
         "last_seq",
         "reason",
         "error",
+        "deadline_at",
     )

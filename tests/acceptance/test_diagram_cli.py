@@ -101,9 +101,10 @@ def test_diagram__run_overlay_from_the_store(tmp_path: Path) -> None:
     dot = result.stdout.decode()
     assert f"run {info.id}: succeeded at delivered" in dot
     assert "1 visit, 2 attempts" in dot  # charge: the flaky provider, retried once
-    for label in ("reserved", "charged", "next"):
+    for label in ("reserved", "charged", "succeeded", "next"):  # succeeded: the packing child
         assert f'label="{label} {render.TIMES}1"' in dot
-    assert dot.count(render.TIMES) == 3
+    assert dot.count(render.TIMES) == 4
+    assert "children: 1 succeeded" in dot
 
 
 def test_diagram__a_file_that_defines_a_loop_draws_its_machine(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """flow control across workers: runs.limit_key, rate limits, breakers and their journal
 
 Revision ID: 0009
-Revises: 0004
+Revises: 0005
 Create Date: 2026-12-01 10:30:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0009"
-down_revision = "0004"
+down_revision = "0005"
 branch_labels = None
 depends_on = None
 

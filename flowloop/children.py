@@ -1,0 +1,575 @@
+"""Child runs at run time: a call or map state fans out, waits, and joins.
+
+A run that enters a call or map state is due at once. The worker that claims it:
+
+1. computes the children's contexts and validates every one (an invalid item fails the
+   run, naming the item's index and the field, before any child exists);
+2. opens the visit's join row and creates the children in batches (ids derived from parent,
+   state, visit and index: doing it again after a crash finds them instead);
+3. journals ``children_started`` and lets go: the run waits with no due time, holding no
+   worker or thread. Each child's final transaction counts it in the join row; the last one
+   makes the parent due (see :mod:`flowloop.store.joins`);
+4. claimed again with every child ended, it reads their final contexts in batches, lets
+   ``result``/``reduce`` merge them, and journals ``children_joined`` along the call's or
+   map's ``on``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+from pydantic import BaseModel, ValidationError
+
+from flowloop import compose
+from flowloop import journal as j
+from flowloop.clock import Clock
+from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
+from flowloop.definition import StepSpec, Workflow, describe_validation
+from flowloop.errors import FlowloopError, Interrupted
+from flowloop.events import check_visits, entering
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import Boundary, Fence, NewRun, Store
+from flowloop.store.joins import JoinRow, JoinStoreMixin
+
+if TYPE_CHECKING:
+    from flowloop.executor import Executor
+
+log = logging.getLogger("flowloop")
+
+CREATE_BATCH: Final = 500
+"""Children created per transaction."""
+
+
+class ChildContextError(FlowloopError):
+    """A map item (or a call) gives a child context that does not validate."""
+
+
+def joins_of(executor: Executor) -> JoinStoreMixin:
+    store = executor.store
+    if not isinstance(store, JoinStoreMixin):
+        raise FlowloopError("call and map states need the SQL store")
+    return store
+
+
+def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
+    """Every child's context as JSON, validated against the child workflow's model, before
+    any child is created. Raises ChildContextError naming the item's index and field."""
+    if isinstance(spec, CallSpec):
+        values: list[Any] = [spec.context(ctx)]
+        where = [f"call state {spec.name!r}"]
+    elif isinstance(spec, ParallelSpec):
+        values = [make(ctx) for _, make in spec.branches.values()]
+        where = [f"parallel state {spec.name!r}: branch {name!r}" for name in spec.branches]
+    else:
+        items = list(spec.items(ctx))
+        if len(items) > spec.max_items:
+            raise ChildContextError(
+                f"map state {spec.name!r}: {len(items)} items, more than max_items={spec.max_items}"
+            )
+        values = [spec.context(ctx, item) for item in items]
+        where = [f"map state {spec.name!r}: item {index}" for index in range(len(items))]
+    out = []
+    for index, (label, value) in enumerate(zip(where, values, strict=True)):
+        child = child_workflow(spec, index)
+        try:
+            if isinstance(value, BaseModel):
+                model = child.context.model_validate(value.model_dump())
+            else:
+                model = child.context.model_validate(value)
+        except ValidationError as error:
+            raise ChildContextError(
+                f"{label}: context for {child.name!r} is invalid: {describe_validation(error)}"
+            ) from None
+        out.append(model.model_dump_json())
+    return out
+
+
+def child_workflow(spec: Composite, index: int) -> Workflow:
+    """The workflow of the composite's child number ``index``."""
+    if isinstance(spec, ParallelSpec):
+        return list(spec.branches.values())[index][0]
+    return spec.child
+
+
+def new_child(
+    executor: Executor,
+    parent: RunRecord,
+    child: Workflow,
+    *,
+    join_id: str,
+    index: int,
+    context: str,
+    due: bool,
+    now: float,
+) -> NewRun:
+    """A child run to create: due now (or at its wait's timeout) or held for its turn."""
+    run_id = compose.child_id(parent.id, parent.state, parent.visit(parent.state), index)
+    first_due: float | None = entering(child, child.initial, now).get("due", now)
+    created = JournalEvent(
+        run_id=run_id,
+        seq=1,
+        kind=j.RUN_CREATED,
+        at=now,
+        state=child.initial,
+        context=context,
+        worker=executor.worker_id,
+        data={
+            "workflow": child.name,
+            "version": child.version,
+            "fingerprint": child.fingerprint,
+            "key": None,
+            "due": first_due if due else None,
+            "join": join_id,
+            "parent": parent.id,
+            **({"deadline": now + child.deadline} if child.deadline is not None else {}),
+        },
+    )
+    return NewRun(
+        record=j.create(created),
+        events=[created],
+        idempotency_key=f"child:{run_id}",
+        parent_id=parent.id,
+        child_index=index,
+        held=not due,
+    )
+
+
+async def drive(
+    executor: Executor,
+    workflow: Workflow,
+    record: RunRecord,
+    fence: Fence,
+    *,
+    entered: JournalEvent | None = None,
+) -> RunRecord | None:
+    """A claimed run in a call or map state: fan out, wait again, or join. Returns the
+    record when the run goes straight on with a step (as ``_advance`` does).
+
+    ``entered``: the transition into the state, not committed yet (``record`` is the
+    record before it), when an owned run goes on into the state: it is committed in the
+    fan-out's transaction when that is one (a call, a small map), else first, alone."""
+    if entered is not None:
+        record = j.apply(record, entered)
+    pending = [entered] if entered is not None else []
+
+    async def flush() -> bool:
+        if not pending:
+            return True
+        boundary = Boundary(events=list(pending), record=record, fence=fence)
+        pending.clear()
+        return await executor._commit(boundary)
+
+    spec = workflow.composites[record.state]
+    store = joins_of(executor)
+    visit = record.visit(record.state)
+    join_id = compose.join_id(record.id, record.state, visit)
+    join = store.get_join(join_id)
+    if join is not None and join.complete:
+        if not await flush():
+            return None
+        return await _join(executor, workflow, spec, record, fence, join_id)
+    if join is None or join.created < join.total:
+        ctx = workflow.context.model_validate_json(record.context)
+        try:
+            contexts = child_contexts(spec, ctx)
+        except Exception as error:
+            if await flush():
+                await _fail(executor, record, fence, error, "invalid_child_context")
+            return None
+        now = executor.clock.now()
+        row = JoinRow(
+            id=join_id,
+            parent_id=record.id,
+            state=record.state,
+            visit=visit,
+            child_workflow=spec.child.name,
+            total=len(contexts),
+            created=0,
+            max_parallel=1 if isinstance(spec, CallSpec) else spec.max_parallel,
+        )
+
+        def batch_of(first: int) -> Callable[[int], list[NewRun]]:
+            batch = contexts[first : first + CREATE_BATCH]
+
+            def build(runnable: int) -> list[NewRun]:
+                return [
+                    new_child(
+                        executor,
+                        record,
+                        child_workflow(spec, first + offset),
+                        join_id=join_id,
+                        index=first + offset,
+                        context=context,
+                        due=first + offset < runnable,
+                        now=now,
+                    )
+                    for offset, context in enumerate(batch)
+                ]
+
+            return build
+
+        if join is None and 0 < len(contexts) <= CREATE_BATCH:
+            # The usual case (a call, a small map): the join row, the children and the
+            # parent's children_started in ONE transaction.
+            boundary = _waiting(
+                executor, spec, record, fence, join_id, len(contexts), pending=pending
+            )
+            if store.start_children(row, batch_of(0), boundary, at=now):
+                _waited(executor, boundary)
+            return None
+        if not await flush():
+            return None
+        join = store.open_join(row, at=now)
+        for first in range(join.created, len(contexts), CREATE_BATCH):
+            store.create_children(join_id, first, batch_of(first))
+            executor.stats.commits += 1
+        if not contexts:  # nothing to wait for: join at once
+            return await _join(executor, workflow, spec, record, fence, join_id)
+    if not await flush():
+        return None
+    boundary = _waiting(executor, spec, record, fence, join_id, join.total)
+    if store.wait_join(boundary, join_id):
+        _waited(executor, boundary)
+    return None
+
+
+def _waiting(
+    executor: Executor,
+    spec: Composite,
+    record: RunRecord,
+    fence: Fence,
+    join_id: str,
+    total: int,
+    *,
+    pending: Sequence[JournalEvent] = (),
+) -> Boundary:
+    """The parent's boundary that leaves it waiting for its children (released), after
+    the ``pending`` events that led ``record`` here (already applied to it)."""
+    started = executor._event(
+        record,
+        j.CHILDREN_STARTED,
+        state=record.state,
+        data={
+            "join": join_id,
+            "children": total,
+            "child_workflow": ",".join(wf.name for wf in spec.workflows()),
+        },
+    )
+    return Boundary(
+        events=[*pending, started], record=j.apply(record, started), fence=fence, release=True
+    )
+
+
+def _waited(executor: Executor, boundary: Boundary) -> None:
+    executor.committer.released.add(boundary.run_id)
+    executor.stats.commits += 1
+    executor._notify(boundary)
+    if executor._wake is not None:
+        executor._wake.set()  # its children are due
+
+
+async def _join(
+    executor: Executor,
+    workflow: Workflow,
+    spec: Composite,
+    record: RunRecord,
+    fence: Fence,
+    join_id: str,
+) -> RunRecord | None:
+    store = joins_of(executor)
+    ctx = workflow.context.model_validate_json(record.context)
+    results: list[ChildResult[Any]] = []
+    for row in store.join_results(join_id):
+        results.append(
+            ChildResult(
+                index=row.index,
+                status=row.status,
+                context=child_workflow(spec, row.index).context.model_validate_json(row.context),
+                error=row.error,
+                branch=list(spec.branches)[row.index] if isinstance(spec, ParallelSpec) else None,
+            )
+        )
+    counts = {"succeeded": 0, "failed": 0, "stopped": 0}
+    for result in results:
+        counts[compose.call_outcome(result.status)] += 1
+    outcome = "error"
+    try:
+        if isinstance(spec, CallSpec):
+            outcome = compose.call_outcome(results[0].status)
+            if spec.result is not None:
+                spec.result(ctx, results[0].context)
+        else:
+            failed = len(results) - counts["succeeded"]
+            outcome = compose.map_outcome(spec.tolerate_failures, len(results), failed)
+            if spec.reduce is not None:
+                spec.reduce(ctx, results)
+        target = spec.on.get(outcome)
+        if target is None:
+            raise FlowloopError(
+                f"{spec.kind} state {spec.name!r}: children ended {outcome!r} and the state "
+                f"declares no on={{{outcome!r}: ...}}"
+            )
+        check_visits(workflow, record, target)
+        context = ctx.model_dump_json()
+        workflow.context.model_validate_json(context)
+    except Exception as error:
+        await _fail(executor, record, fence, error, f"child_{outcome}")
+        return None
+    joined = executor._event(
+        record,
+        j.CHILDREN_JOINED,
+        state=record.state,
+        event=outcome,
+        next_state=target,
+        context=context,
+        data={**entering(workflow, target, executor.clock.now()), "join": join_id, **counts},
+    )
+    return await executor._advance(workflow, record, fence, joined)
+
+
+async def _fail(
+    executor: Executor, record: RunRecord, fence: Fence, error: BaseException, reason: str
+) -> None:
+    text = str(error).strip().splitlines()
+    message = text[0] if text else type(error).__name__
+    log.error("run %s: %s: %s", record.id, record.state, message, extra={"run": record.id})
+    failed = executor._event(
+        record,
+        j.RUN_FAILED,
+        state=record.state,
+        error_type=type(error).__name__,
+        error_message=message,
+        data={"reason": reason},
+    )
+    await executor._finish(record, fence, [failed])
+
+
+def cascade(store: Any, run_id: str, action: str, operate: Any) -> int:
+    """Stop or pause (``action``) every live child of ``run_id``, and theirs: ``operate(
+    child_id, action)`` is the engine's own control of one run. Returns how many."""
+    if not isinstance(store, JoinStoreMixin):
+        return 0
+    count = 0
+    for child in store.live_children(run_id):
+        if action == "pause" and child.record.status == "paused":
+            continue
+        try:
+            operate(child.id, action)
+            count += 1
+        except FlowloopError as error:  # ended meanwhile
+            log.info("run %s: child %s not %sd: %s", run_id, child.id, action, error)
+    return count
+
+
+# -- the executor's composition hooks -----------------------------------------------------
+
+
+class DeadlineCut(Exception):
+    """Raised inside a step's drive when the run's deadline passes (never a user's error)."""
+
+
+async def within_deadline(call: Coroutine[Any, Any, Any], record: RunRecord, clock: Clock) -> Any:
+    """Await a step's call, cut off when the run's deadline passes (an async step is
+    cancelled; a thread's late result is discarded, as after a timeout)."""
+    assert record.deadline is not None
+    remaining = record.deadline - clock.now()
+    if remaining <= 0:
+        call.close()
+        raise DeadlineCut
+    try:
+        async with asyncio.timeout(remaining) as scope:
+            return await call
+    except TimeoutError:
+        if scope.expired():
+            raise DeadlineCut from None
+        raise
+
+
+async def past_deadline(
+    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence
+) -> RunRecord | None:
+    """Move a run whose deadline passed to ``on_deadline`` (the context as it was)."""
+    now = executor.clock.now()
+    assert workflow.on_deadline is not None
+    event = compose.deadline_event(
+        workflow,
+        record,
+        now=now,
+        worker=executor.worker_id,
+        data=entering(workflow, workflow.on_deadline, now),
+    )
+    log.warning(
+        "run %s: deadline passed in state %s; going to %s",
+        record.id,
+        record.state,
+        workflow.on_deadline,
+        extra={"run": record.id, "event": "deadline_passed"},
+    )
+    moved = await executor._advance(workflow, record, fence, event)
+    if record.state in workflow.composites:  # its children are no longer waited for
+        stopped = stop_children(executor.store, record.id, now=now, worker=executor.worker_id)
+        log.info("run %s: deadline passed; %d child run(s) stopped", record.id, stopped)
+    return moved
+
+
+def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
+    """Stop the live children of ``run_id`` (and theirs): at once when nobody holds one,
+    else by a request its worker honours at the next boundary. Returns how many."""
+    if not isinstance(store, JoinStoreMixin):
+        return 0
+    count = 0
+    for child in store.live_children(run_id):
+        count += stop_children(store, child.id, now=now, worker=worker)
+        if child.owner is not None or child.record.status == "running":
+            store.request_control(child.id, "stop")
+            count += 1
+            continue
+        event = JournalEvent(
+            run_id=child.id,
+            seq=child.record.last_seq + 1,
+            kind=j.RUN_STOPPED,
+            at=now,
+            state=child.record.state,
+            worker=worker,
+            data={"reason": "its parent's deadline passed"},
+        )
+        boundary = Boundary(
+            events=[event],
+            record=j.apply(child.record, event),
+            fence=Fence(None, child.lease_epoch),
+            clear_control=True,
+        )
+        count += sum(store.write([boundary]))
+    return count
+
+
+async def claimed(
+    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence
+) -> RunRecord | None:
+    """A claimed run in a state without a step of its own: a wait past the run's deadline,
+    a call or map state, or a compensating state."""
+    now = executor.clock.now()
+    compensating = workflow.compensates(record.state)
+    if compose.deadline_passed(record, now) and not compensating:
+        return await past_deadline(executor, workflow, record, fence)
+    if record.state in workflow.waits:
+        return await executor._end_wait(workflow, record, fence)
+    if record.state in workflow.composites:
+        return await drive(executor, workflow, record, fence)
+    if compensating:
+        from flowloop import sagas
+
+        return await sagas.drive(executor, workflow, record, fence)
+    released = executor._event(record, j.RUN_RELEASED, state=record.state, data={"due": None})
+    await executor._finish(record, fence, [released])
+    return None
+
+
+def error_route(
+    workflow: Workflow, spec: StepSpec, record: RunRecord, error: BaseException
+) -> tuple[str, str] | None:
+    """The ``(event, target)`` of the step's ``on_error`` route for ``error``, unless the
+    target refuses another visit (then the run fails as it would without a route)."""
+    route = compose.route_error(spec.on_error, error)
+    if route is None:
+        return None
+    try:
+        check_visits(workflow, record, route[1])
+    except FlowloopError:
+        return None
+    return route
+
+
+def interrupted(
+    workflow: Workflow, record: RunRecord, data: dict[str, Any], message: str, now: float
+) -> tuple[dict[str, Any], str, dict[str, Any]]:
+    """Recovery of a run cut off mid-step: a compensation runs again (compensations are
+    idempotent by their key); a non-idempotent step goes where ``on_error={Interrupted:
+    ...}`` says. Returns the event's data, message and ``event``/``next_state`` fields."""
+    if workflow.compensates(record.state):
+        if record.attempt >= compose.MAX_COMPENSATION_INTERRUPTIONS:
+            # A compensation that takes its process down every time must not loop forever.
+            reason = f"compensation_failed: interrupted {record.attempt} time(s)"
+            return {"reason": reason}, f"{reason}; fix it, then retry", {}
+        return {"retry_at": now}, "cut off during a compensation; it runs again", {}
+    spec = workflow.steps.get(record.state)
+    if spec is None or "retry_at" in data:
+        return data, message, {}
+    route = error_route(workflow, spec, record, Interrupted(message))
+    if route is None:
+        return data, message, {}
+    routed = {**entering(workflow, route[1], now), "route": "on_error"}
+    return routed, message, {"event": route[0], "next_state": route[1]}
+
+
+def family(store: Any, run_id: str) -> list[str]:
+    """The run and its live descendants (what ``engine.run`` drives to the end)."""
+    ids = [run_id]
+    if not isinstance(store, JoinStoreMixin):
+        return ids
+    frontier = [run_id]
+    while frontier:
+        nxt = []
+        for parent in frontier:
+            for child in store.live_children(parent):
+                ids.append(child.id)
+                nxt.append(child.id)
+        frontier = nxt
+    return ids
+
+
+def paused_children(store: Any, run_id: str) -> list[str]:
+    """The run's paused children (unpausing a parent unpauses them too)."""
+    if not isinstance(store, JoinStoreMixin):
+        return []
+    return [c.id for c in store.live_children(run_id) if c.record.status == "paused"]
+
+
+def retryable_state(workflow: Workflow, state: str) -> bool:
+    """An operator may retry a run from a call, map or compensating state too."""
+    return state in workflow.composites or workflow.compensates(state)
+
+
+def family_lines(store: Any, run_id: str) -> list[str]:
+    """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
+    and how many of its children are in each status (nothing when it has neither)."""
+    if not isinstance(store, JoinStoreMixin):
+        return []
+    lines = []
+    parent = store.parent_of(run_id)
+    if parent is not None:
+        lines.append(f"parent    {parent}")
+    counts = store.child_counts(run_id)
+    if counts:
+        total = sum(counts.values())
+        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        lines.append(f"children  {total} ({parts})")
+    return lines
+
+
+def describe_entry(event: JournalEvent) -> str | None:
+    """One line for a composition journal entry (``None`` for the others)."""
+    data = event.data
+    if event.kind == j.CHILDREN_STARTED:
+        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
+    if event.kind in (j.CHILDREN_JOINED, j.DEADLINE_PASSED) or (
+        event.kind in (j.STEP_FAILED, j.STEP_INTERRUPTED) and event.next_state
+    ):
+        counts = ", ".join(
+            f"{data[k]} {k}" for k in ("succeeded", "failed", "stopped") if data.get(k)
+        )
+        why = f" ({counts})" if counts else f" ({event.error_type})" if event.error_type else ""
+        return f"{event.state} --{event.event}--> {event.next_state}{why}"
+    if event.kind in (j.COMPENSATION_STARTED, j.COMPENSATION_SUCCEEDED):
+        return f"undo {event.state}"
+    if event.kind == j.COMPENSATION_FAILED:
+        return f"undo {event.state}: {event.error_type}: {event.error_message}"
+    return None
+
+
+def is_held(store: Store, run_id: str) -> bool:
+    """A map's child not allowed to run yet (``max_parallel``)."""
+    return isinstance(store, JoinStoreMixin) and store.is_held(run_id)

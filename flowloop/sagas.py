@@ -1,0 +1,180 @@
+"""Compensation (sagas) at run time.
+
+A run that enters a compensating state (``final(..., compensate=True)``) is due at once.
+The worker that claims it reads the journal, and for every step that succeeded in the run
+and declares ``compensate=`` — newest first, skipping those whose ``compensation_succeeded``
+is journaled — runs the compensation exactly like a step:
+
+* ``compensation_started`` is committed before the function is called;
+* its outcome is the next commit: ``compensation_succeeded`` (with the context after it)
+  together with the next ``compensation_started``, or ``compensation_failed`` with a retry
+  time (its own ``compensate_retry``) or, when it gives up, the run parked ``failed`` with
+  reason ``compensation_failed: <state>: <error>`` for an operator (``flowloop retry``
+  continues with the compensations still owed).
+
+So a compensation whose success is committed never runs again; one cut off by a crash runs
+again (it gets ``step.idempotency_key`` ending in ``:undo``). When none is owed the run ends
+in the compensating state, ``succeeded``, reason ``compensated: <states undone>``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import traceback
+from typing import TYPE_CHECKING, Any
+
+from flowloop import compose
+from flowloop import journal as j
+from flowloop.definition import Step, Workflow
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import Boundary, Fence
+
+if TYPE_CHECKING:
+    from flowloop.executor import Executor
+
+log = logging.getLogger("flowloop")
+
+
+def _error_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+async def drive(
+    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence
+) -> RunRecord | None:
+    """Run the compensations a claimed compensating run still owes, then end it."""
+    events = executor.store.journal(record.id)
+    owed = compose.compensations_due(workflow, events)
+    undone = compose.undone(events)
+    pending: list[JournalEvent] = []  # a success, committed with what follows it
+    for undo in owed:
+        spec = workflow.steps[undo.state]
+        assert spec.compensate is not None
+        after = record
+        for event in pending:  # the previous one's success (attempt back to 0)
+            after = j.apply(after, event)
+        attempt = after.attempt + 1
+        started = executor._event(
+            after,
+            j.COMPENSATION_STARTED,
+            state=undo.state,
+            attempt=attempt,
+            data={"for_seq": undo.seq},
+        )
+        batch = [*pending, started]
+        after = j.apply(after, started)
+        if not await executor._commit(Boundary(events=batch, record=after, fence=fence)):
+            return None
+        record, pending = after, []
+        function = spec.compensate
+        undo_spec = dataclasses.replace(
+            spec,
+            fn=function,
+            is_async=inspect.iscoroutinefunction(function),
+            wants_step=_wants_step(function),
+        )
+        step = Step(
+            run_id=record.id,
+            workflow=workflow.name,
+            state=undo.state,
+            attempt=attempt,
+            visit=undo.visit,
+            seq=record.last_seq,
+            worker=executor.worker_id,
+            compensating=True,
+        )
+        ctx = workflow.context.model_validate_json(record.context)
+        began = executor.clock.monotonic()
+        try:
+            await executor._call(record.id, undo_spec, ctx, step)
+            context = ctx.model_dump_json()
+            workflow.context.model_validate_json(context)
+        except Exception as error:
+            await _failed(executor, workflow, record, fence, undo, error, began)
+            return None
+        log.info(
+            "run %s: compensation of %s succeeded",
+            record.id,
+            undo.state,
+            extra={"run": record.id, "state": undo.state, "event": "compensation_succeeded"},
+        )
+        pending = [
+            executor._event(
+                record,
+                j.COMPENSATION_SUCCEEDED,
+                state=undo.state,
+                attempt=attempt,
+                context=context,
+                duration=executor.clock.monotonic() - began,
+                data={"for_seq": undo.seq},
+            )
+        ]
+        undone.append(undo.state)
+    reason = "compensated: " + (", ".join(undone) if undone else "nothing to undo")
+    finished = executor._event(
+        record,
+        j.RUN_COMPENSATED,
+        offset=len(pending) + 1,
+        state=record.state,
+        data={"reason": reason, "undone": undone},
+    )
+    await executor._finish(record, fence, [*pending, finished])
+    return None
+
+
+async def _failed(
+    executor: Executor,
+    workflow: Workflow,
+    record: RunRecord,
+    fence: Fence,
+    undo: compose.Undo,
+    error: Exception,
+    began: float,
+) -> None:
+    retry = compose.compensation_retry(workflow, undo.state)
+    retryable = retry.should_retry(error, record.attempt)
+    message = _error_line(error)
+    data: dict[str, Any] = {"for_seq": undo.seq}
+    if retryable:
+        data["retry_at"] = executor.clock.now() + retry.delay(record.attempt)
+    else:
+        data["reason"] = (
+            f"compensation_failed: {undo.state}: {type(error).__name__}: {message} "
+            "(fix it, then `flowloop retry` runs the compensations still owed)"
+        )
+    log.log(
+        logging.INFO if retryable else logging.ERROR,
+        "run %s: compensation of %s attempt %d failed: %s",
+        record.id,
+        undo.state,
+        record.attempt,
+        message,
+        extra={"run": record.id, "state": undo.state, "event": "compensation_failed"},
+    )
+    failed = executor._event(
+        record,
+        j.COMPENSATION_FAILED,
+        state=undo.state,
+        attempt=record.attempt,
+        duration=executor.clock.monotonic() - began,
+        error_type=type(error).__name__,
+        error_message=message,
+        traceback="".join(traceback.format_exception(error))[-8000:],
+        retryable=retryable,
+        data=data,
+    )
+    await executor._finish(record, fence, [failed])
+    if retryable and executor._wake is not None:
+        executor._wake.set()
+
+
+def _wants_step(function: Any) -> bool:
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return True
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.kind == p.VAR_POSITIONAL for p in parameters) or len(positional) >= 2

@@ -1,0 +1,340 @@
+"""Child runs and their joins (SQL shared by SQLite and PostgreSQL).
+
+Contract:
+
+* A join row exists per visit of a call or map state (id derived from parent, state and
+  visit); its parent creates it, then its children in batches, each batch one transaction
+  that also counts them in ``created``. A child's id is derived too, so creating a batch
+  again after a crash returns the children that exist instead of adding others.
+* ``max_parallel`` without polling: at any time the first ``min(total, max_parallel +
+  ended)`` children (by item index) are due; the others are created *held* (scheduled,
+  ``join_state`` "held", no due time). Each child's first end — the transaction of its
+  final boundary — marks the child reported, adds one to its join's counter, makes the
+  next held child due and, when that was the last child, makes the parent due. No scan
+  per child, no timer.
+* The parent's own "children started" boundary is written with :meth:`wait_join`, which
+  makes it due in the same transaction if every child has already ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import ColumnElement, Connection, and_, exists, func, insert, select, update
+
+from flowloop.journal import RunRecord
+from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.store.base import Boundary, NewRun, StoredRun
+from flowloop.store.schema import joins, runs
+
+RESULT_BATCH: Final = 1_000
+"""Children's final contexts read per query when a join folds its results."""
+OUTCOME_COLUMNS: Final = {"succeeded": joins.c.succeeded, "failed": joins.c.failed}
+
+
+def reports_end(boundary: Boundary) -> bool:
+    """A child's boundary that ends it (its join hears of it in the same transaction)."""
+    return boundary.record.join is not None and boundary.record.status in FINISHED
+
+
+@dataclass(frozen=True, kw_only=True)
+class JoinRow:
+    id: str
+    parent_id: str
+    state: str
+    visit: int
+    child_workflow: str
+    total: int
+    created: int
+    max_parallel: int
+    succeeded: int = 0
+    failed: int = 0
+    stopped: int = 0
+
+    @property
+    def ended(self) -> int:
+        return self.succeeded + self.failed + self.stopped
+
+    @property
+    def complete(self) -> bool:
+        return self.created >= self.total and self.ended >= self.total
+
+    def runnable(self) -> int:
+        """How many children (the first, by index) may be due now."""
+        return min(self.total, self.max_parallel + self.ended)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChildRow:
+    index: int
+    id: str
+    status: str
+    context: str
+    error: str | None
+
+
+def _join(row: Any) -> JoinRow:
+    return JoinRow(
+        id=row.id,
+        parent_id=row.parent_id,
+        state=row.state,
+        visit=row.visit,
+        child_workflow=row.child_workflow,
+        total=row.total,
+        created=row.created,
+        max_parallel=row.max_parallel,
+        succeeded=row.succeeded,
+        failed=row.failed,
+        stopped=row.stopped,
+    )
+
+
+class _Refused(Exception):
+    """Rolls a transaction back: the parent's fenced write was refused."""
+
+
+def _join_values(join: JoinRow, at: float) -> dict[str, Any]:
+    return {
+        "id": join.id,
+        "parent_id": join.parent_id,
+        "state": join.state,
+        "visit": join.visit,
+        "child_workflow": join.child_workflow,
+        "total": join.total,
+        "created": 0,
+        "max_parallel": join.max_parallel,
+        "succeeded": 0,
+        "failed": 0,
+        "stopped": 0,
+        "created_at": at,
+    }
+
+
+class JoinStoreMixin:
+    """Join persistence for :class:`~flowloop.store.sql.SQLStore`."""
+
+    now_sql: ColumnElement[float]
+    _insert_events: Any
+
+    def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _read(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _write_rows(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
+        raise NotImplementedError  # provided by SQLStore
+
+    def _create_many_in(
+        self, conn: Connection, news: Sequence[NewRun]
+    ) -> list[tuple[StoredRun, bool]]:
+        raise NotImplementedError  # provided by SQLStore
+
+    def _events_of(self, boundaries: Sequence[Boundary]) -> list[dict[str, Any]]:
+        from flowloop.store.sql import _event_row
+
+        return [_event_row(event) for boundary in boundaries for event in boundary.events]
+
+    # -- the parent's side -----------------------------------------------------------------
+
+    def open_join(self, join: JoinRow, *, at: float) -> JoinRow:
+        """The join row ``join.id``: created as given when it does not exist yet, else the
+        stored one (a parent resumed after a crash continues its fan-out)."""
+        with self._write() as conn:
+            found = conn.execute(select(joins).where(joins.c.id == join.id)).first()
+            if found is not None:
+                return _join(found)
+            conn.execute(insert(joins).values(_join_values(join, at)))
+        return join
+
+    def get_join(self, join_id: str) -> JoinRow | None:
+        with self._read() as conn:
+            row = conn.execute(select(joins).where(joins.c.id == join_id)).first()
+        return None if row is None else _join(row)
+
+    def create_children(
+        self, join_id: str, first: int, build: Callable[[int], Sequence[NewRun]]
+    ) -> int:
+        """One transaction: lock the join row, ``build(runnable)`` the next batch of children
+        (those with an index below ``runnable`` due now, the rest held), insert those that do
+        not exist yet and count them in ``created``. Returns how many were new."""
+        with self._write() as conn:
+            row = conn.execute(select(joins).where(joins.c.id == join_id).with_for_update()).first()
+            if row is None:
+                raise LookupError(f"join {join_id} does not exist")
+            join = _join(row)
+            news = build(join.runnable())
+            results = self._create_many_in(conn, news)
+            conn.execute(
+                update(joins)
+                .where(joins.c.id == join_id)
+                .values(created=func.max(joins.c.created, first + len(news)))
+                if conn.dialect.name == "sqlite"
+                else update(joins)
+                .where(joins.c.id == join_id)
+                .values(created=func.greatest(joins.c.created, first + len(news)))
+            )
+            return sum(1 for _, created in results if created)
+
+    def start_children(
+        self,
+        join: JoinRow,
+        build: Callable[[int], Sequence[NewRun]],
+        boundary: Boundary,
+        *,
+        at: float,
+    ) -> bool:
+        """A fan-out that fits one batch, in ONE transaction: the join row, every child
+        (``build(runnable)`` as in :meth:`create_children`) and the parent's boundary that
+        leaves it waiting. A refused boundary (lost lease) undoes it all: False."""
+        try:
+            with self._write() as conn:
+                if conn.execute(select(joins.c.id).where(joins.c.id == join.id)).first() is None:
+                    conn.execute(insert(joins).values(_join_values(join, at)))
+                news = build(join.runnable())
+                self._create_many_in(conn, news)
+                conn.execute(update(joins).where(joins.c.id == join.id).values(created=len(news)))
+                if not self._write_rows(conn, [boundary])[0]:
+                    raise _Refused
+                conn.execute(self._insert_events, self._events_of([boundary]))
+        except _Refused:
+            return False
+        return True
+
+    def wait_join(self, boundary: Boundary, join_id: str) -> bool:
+        """Write the parent's boundary that leaves it waiting for its children; in the same
+        transaction, make it due at once if they have all ended already (the last child's
+        transaction found it not waiting yet, or ran first)."""
+        with self._write() as conn:
+            if not self._write_rows(conn, [boundary])[0]:
+                return False
+            conn.execute(self._insert_events, self._events_of([boundary]))
+            complete = exists(
+                select(joins.c.id).where(
+                    joins.c.id == join_id,
+                    joins.c.created >= joins.c.total,
+                    joins.c.succeeded + joins.c.failed + joins.c.stopped >= joins.c.total,
+                )
+            )
+            conn.execute(
+                update(runs)
+                .where(runs.c.id == boundary.run_id, runs.c.status == "scheduled", complete)
+                .values(next_run_at=boundary.events[-1].at)
+            )
+        return True
+
+    def join_results(self, join_id: str) -> Iterator[ChildRow]:
+        """Every child of a join in item order, read ``RESULT_BATCH`` at a time."""
+        last = -1
+        while True:
+            with self._read() as conn:
+                rows = conn.execute(
+                    select(
+                        runs.c.child_index, runs.c.id, runs.c.status, runs.c.context, runs.c.error
+                    )
+                    .where(runs.c.join_id == join_id, runs.c.child_index > last)
+                    .order_by(runs.c.child_index)
+                    .limit(RESULT_BATCH)
+                ).all()
+            for row in rows:
+                yield ChildRow(
+                    index=row.child_index,
+                    id=row.id,
+                    status=row.status,
+                    context=row.context,
+                    error=row.error,
+                )
+            if len(rows) < RESULT_BATCH:
+                return
+            last = rows[-1].child_index
+
+    def children_of(self, parent_id: str) -> list[StoredRun]:
+        """The parent's child runs (every call and map visit), by join and index."""
+        from flowloop.store.sql import _stored_from_row
+
+        with self._read() as conn:
+            rows = conn.execute(
+                select(runs)
+                .where(runs.c.parent_id == parent_id)
+                .order_by(runs.c.join_id, runs.c.child_index)
+            )
+            return [_stored_from_row(row) for row in rows]
+
+    def child_counts(self, parent_id: str) -> dict[str, int]:
+        """How many of the parent's children are in each status."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(runs.c.status, func.count())
+                .where(runs.c.parent_id == parent_id)
+                .group_by(runs.c.status)
+            )
+            return {row[0]: int(row[1]) for row in rows}
+
+    def live_children(self, parent_id: str) -> list[StoredRun]:
+        return [c for c in self.children_of(parent_id) if c.record.status in LIVE]
+
+    def is_held(self, run_id: str) -> bool:
+        """A map's child whose turn has not come yet (created held, not released)."""
+        with self._read() as conn:
+            state = conn.execute(select(runs.c.join_state).where(runs.c.id == run_id)).scalar()
+        return state == "held"
+
+    def parent_of(self, run_id: str) -> str | None:
+        with self._read() as conn:
+            value = conn.execute(select(runs.c.parent_id).where(runs.c.id == run_id)).scalar()
+        return None if value is None else str(value)
+
+    # -- the child's side ------------------------------------------------------------------
+
+    def _write_with_ends(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        with self._write() as conn:
+            applied = self._write_rows(conn, boundaries)
+            done = [b for b, ok in zip(boundaries, applied, strict=True) if ok]
+            if done:
+                conn.execute(self._insert_events, self._events_of(done))
+                self._report_ends(conn, [b for b in done if reports_end(b)])
+        return applied
+
+    def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
+        """The join's side of children's ends, in their final transaction: each child's
+        first end is counted once; it releases the next held child; the last one makes
+        the parent due."""
+        for boundary in boundaries:
+            record: RunRecord = boundary.record
+            outcome = record.status
+            at = boundary.events[-1].at if boundary.events else 0.0
+            marked = conn.execute(
+                update(runs)
+                .where(runs.c.id == record.id, runs.c.join_state.in_(("open", "held")))
+                .values(join_state=outcome)
+            ).rowcount
+            if marked != 1:
+                continue  # reported before (an operator retried a failed child)
+            column = OUTCOME_COLUMNS.get(outcome, joins.c.stopped)
+            conn.execute(
+                update(joins).where(joins.c.id == record.join).values({column: column + 1})
+            )
+            join = _join(conn.execute(select(joins).where(joins.c.id == record.join)).one())
+            nxt = join.runnable() - 1
+            if join.ended + join.max_parallel <= join.total and nxt < join.created:
+                # The held child whose turn it is now (one not created yet is created due).
+                conn.execute(
+                    update(runs)
+                    .where(
+                        and_(
+                            runs.c.join_id == join.id,
+                            runs.c.child_index == nxt,
+                            runs.c.join_state == "held",
+                        )
+                    )
+                    .values(join_state="open", next_run_at=at)
+                )
+            if join.complete:
+                conn.execute(
+                    update(runs)
+                    .where(runs.c.id == join.parent_id, runs.c.status == "scheduled")
+                    .values(next_run_at=at)
+                )
