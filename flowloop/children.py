@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import compose
+from flowloop import compose, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
@@ -104,9 +104,16 @@ def new_child(
     context: str,
     due: bool,
     now: float,
+    parent_trace: tracecontext.RunTrace | None = None,
 ) -> NewRun:
-    """A child run to create: due now (or at its wait's timeout) or held for its turn."""
+    """A child run to create: due now (or at its wait's timeout) or held for its turn; in
+    its parent's trace, under the parent's run span, when the parent journaled one."""
     run_id = compose.child_id(parent.id, parent.state, parent.visit(parent.state), index)
+    traced = (
+        {}
+        if parent_trace is None
+        else {tracecontext.TRACE_KEY: tracecontext.child_run_trace(parent_trace, run_id).to_data()}
+    )
     first_due: float | None = entering(child, child.initial, now).get("due", now)
     created = JournalEvent(
         run_id=run_id,
@@ -125,6 +132,7 @@ def new_child(
             "join": join_id,
             "parent": parent.id,
             **({"deadline": now + child.deadline} if child.deadline is not None else {}),
+            **traced,
         },
     )
     return NewRun(
@@ -191,6 +199,9 @@ async def drive(
             max_parallel=1 if isinstance(spec, CallSpec) else spec.max_parallel,
         )
 
+        # Children join their parent's trace (one read of its first entry per fan-out).
+        trace = tracecontext.stored_trace(executor.store.journal(record.id, until_seq=1))
+
         def batch_of(first: int) -> Callable[[int], list[NewRun]]:
             batch = contexts[first : first + CREATE_BATCH]
 
@@ -205,6 +216,7 @@ async def drive(
                         context=context,
                         due=first + offset < runnable,
                         now=now,
+                        parent_trace=trace,
                     )
                     for offset, context in enumerate(batch)
                 ]

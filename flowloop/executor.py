@@ -418,6 +418,9 @@ class Executor:
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
+            # Drained, not retired: the engine keeps this executor, and a later engine.run
+            # must go straight on from step to step instead of handing back at each one.
+            self._draining = self.handing_back
         return self.stats
 
     def _claim(self, run_ids: Sequence[str] | None) -> int:
@@ -513,6 +516,11 @@ class Executor:
         self._draining = True
         if self._wake is not None:
             self._wake.set()
+
+    def stop_handing_back(self) -> None:
+        """Drive runs again after :meth:`hand_back` (its caller got what it waited for)."""
+        self.handing_back = False
+        self._draining = False
 
     async def drain(self, grace: float) -> None:
         """Let in-flight steps finish (their runs are released, not continued) for up to

@@ -92,6 +92,7 @@ def run_interruptibly(
         finally:
             loop.remove_signal_handler(signal.SIGINT)
             executor.listeners.remove(remember)
+            executor.stop_handing_back()  # the engine's executor drives later runs again
         if info is not None and (signals == 0 or info.status in FINISHED):
             return info  # a Ctrl-C that came as the run ended changes nothing
         run_id = info.id if info is not None else (seen[-1] if seen else None)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -125,3 +125,29 @@ def run_trace(run_id: str, created_data: Mapping[str, Any]) -> RunTrace:
         except (KeyError, TypeError, ValueError):
             pass  # unreadable: fall back to the derived trace, never fail a run over it
     return derived_run_trace(run_id)
+
+
+def stored_trace(first_entries: Sequence[Any]) -> RunTrace | None:
+    """The trace a run journaled in its ``run_created`` entry (the first of
+    ``first_entries``, journal events), or ``None`` when it journaled none (tracing off)."""
+    if not first_entries:
+        return None
+    stored = getattr(first_entries[0], "data", {}).get(TRACE_KEY)
+    if not isinstance(stored, Mapping):
+        return None
+    try:
+        return RunTrace.from_data(stored)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def child_run_trace(parent: RunTrace, child_id: str) -> RunTrace:
+    """A child run's trace: its parent's trace, under the parent's run span; its own span id
+    derived from its id, so a fan-out re-done after a crash journals the same one."""
+    return RunTrace(
+        trace_id=parent.trace_id,
+        span_id=derived_run_trace(child_id).span_id,
+        parent_id=parent.span_id,
+        sampled=parent.sampled,
+        tracestate=parent.tracestate,
+    )

@@ -158,8 +158,8 @@ async def run_action(request: Request) -> Response:
         if form and not isinstance(error, NotFound | UnknownRun):
             return _back(f"/runs/{run_id}", error=str(error))
         raise
-    if form:
-        return _back(f"/runs/{run_id}", done=f"{action}: the run is {info.status} at {info.state}")
+    if form:  # to the page of the whole id (the action may have been given a prefix)
+        return _back(f"/runs/{info.id}", done=f"{action}: the run is {info.status} at {info.state}")
     return JSONResponse(
         {"id": info.id, "status": info.status, "state": info.state, "last_seq": info.last_seq}
     )

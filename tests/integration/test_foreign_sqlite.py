@@ -28,7 +28,7 @@ def test_a_foreign_sqlite_file_is_refused_without_a_byte_changed(
         Engine(f"sqlite:///{other}")
     with pytest.raises(SystemExit) as exit_:
         main(["status", "--db", str(other)])
-    assert exit_.value.code == 1
+    assert exit_.value.code == 2  # WrongDatabase: --db names the wrong file, a usage error
     assert "not a flowloop database" in capsys.readouterr().err
     assert other.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.db"]  # no -wal, no -shm

@@ -220,3 +220,12 @@ def test_reader__never_takes_the_sqlite_write_lock(sqlite_url: str) -> None:
         writer.execute("ROLLBACK")
         writer.close()
         store.close()
+
+
+def test_run_page__a_unique_id_prefix_redirects_to_the_whole_id(served: tuple[str, str]) -> None:
+    base, _ = served
+    run_id = get(base, "/api/runs", limit=1).json()["runs"][0]["id"]
+    moved = httpx.get(f"{base}/runs/{run_id[:8]}", follow_redirects=False)
+    assert moved.status_code == 303 and moved.headers["location"] == f"/runs/{run_id}"
+    assert httpx.get(f"{base}/runs/{run_id[:8]}", follow_redirects=True).status_code == 200
+    assert httpx.get(f"{base}/runs/{'0' * 3}").status_code == 404  # too short to be a prefix
