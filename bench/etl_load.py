@@ -1,4 +1,5 @@
-"""ETL load rate: workflows/etl.py through flowloop against the same steps in a plain loop.
+"""ETL load rate: the flowloop.etl kit (workflows/etl.py) through flowloop against the same
+step functions in a plain loop.
 
 One generated file (bench/gen_etl_data.py: 1,000,000 order rows, ~0.1 % bad) is loaded into
 a fresh SQLite target per program and round, at each batch size:
@@ -9,6 +10,9 @@ a fresh SQLite target per program and round, at each batch size:
 * ``plain``     ``etl.run_plain(ctx)``: the same step functions called in a loop, no journal
   (a crash starts over).
 
+* ``reader``      the kit's CSV reader alone (``CsvFormat.read`` batch after batch, no
+  validation, no writes): how much of a load parsing is, i.e. what a faster CSV parser
+  could save at most;
 * ``boundaries``  the batch loop alone: a workflow whose self-looping step only moves the
   offset of an ETL-sized context, as many times as the load has batches: the cost of the
   checkpoints themselves, which contention on a busy machine blurs less than the loads'.
@@ -41,6 +45,7 @@ import gen_etl_data
 from common import Results
 
 from flowloop import Engine, Workflow
+from flowloop.etl import FileInfo, writers
 from flowloop.loader import import_file
 
 ETL_FILE = common.ROOT / "workflows" / "etl.py"
@@ -80,9 +85,7 @@ def input_folder(path: str | None, rows: int) -> Iterator[Path]:
 
 
 def close_target(etl: ModuleType, url: str) -> None:
-    cached = etl._engines.pop(url, None)
-    if cached is not None:
-        cached[1].dispose()
+    writers.close_engine(url)
 
 
 def measure(etl: ModuleType, run: Any, context: Mapping[str, Any], target: str) -> dict[str, float]:
@@ -118,13 +121,13 @@ def probe_workflow(etl: ModuleType, batches: int) -> Workflow:
 
 def probe_context(etl: ModuleType, size: int) -> dict[str, Any]:
     """An ETL context as it is in the middle of a big file (same fields, same size)."""
-    info = etl.FileInfo(
+    info = FileInfo(
         name="orders_gen_0001.csv", size=123_456_789, mtime_ns=1, sha256="0" * 64, rows=1_000_000
     )
     return {
         "pending": [info.model_dump()],
         "file": info.name,
-        "columns": list(etl.COLUMNS),
+        "columns": list(etl.loader.columns),
         "batch_size": size,
         "file_status": "loading",
         "rows_total": 1_000_000,
@@ -197,9 +200,13 @@ def main(argv: list[str] | None = None) -> None:
                     "batches": batches,
                 }
 
+            def reader(r: int, size: int = size) -> Mapping[str, float]:
+                return read_only(etl, inbox, size)
+
             programs += [
                 (f"flowloop/{size}", flowloop),
                 (f"plain/{size}", plain),
+                (f"reader/{size}", reader),
                 (f"boundaries/{size}", probe),
             ]
         results = common.alternate(programs, rounds, Results(), show="rows_per_s")
@@ -209,6 +216,23 @@ def main(argv: list[str] | None = None) -> None:
             args.json,
             {"rows": rows, "rounds": rounds, "results": results.to_json(), "notes": results.notes},
         )
+
+
+def read_only(etl: ModuleType, inbox: Path, size: int) -> dict[str, float]:
+    """The kit's reader over the input, ``size`` records a read from each returned offset."""
+    fmt = etl.loader.fmt
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    records = 0
+    for path in sorted(inbox.glob("*.csv")):
+        header, problem = fmt.header(path)
+        assert header is not None, problem
+        end, offset, line = path.stat().st_size, header.data_offset, header.data_line
+        while offset < end:
+            batch = fmt.read(path, header=header, offset=offset, end=end, line=line, limit=size)
+            records += len(batch.records)
+            offset, line = batch.offset, batch.line
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return {"seconds": wall, "cpu_s": cpu, "rows_per_s": records / wall, "rows": records}
 
 
 def _size(folder: Path) -> str:
@@ -251,6 +275,16 @@ def report(results: Results, sizes: list[int], rows: int) -> None:
                 f"  batch {size:>6,} {what:>4}: flowloop {ratio:.3f}x the plain loop "
                 f"({(ratio - 1) * 100:+.1f} %), {per_batch:+.2f} ms per batch boundary"
             )
+    print("== the CSV reader alone (stdlib csv at byte offsets; no validation, no writes)")
+    for size in sizes:
+        name, plain = f"reader/{size}", f"plain/{size}"
+        if not (results.has(name, "cpu_s") and results.has(plain, "cpu_s")):
+            continue
+        share = results.median(name, "cpu_s") / results.median(plain, "cpu_s") * 100
+        print(
+            f"  batch {size:>6,}: {common.fmt_spread(results, name, 'rows_per_s')} rows/s, "
+            f"{results.median(name, 'cpu_s'):.2f} s CPU = {share:.1f} % of the plain load's CPU"
+        )
     print("== the boundaries alone (the batch loop with a step that does no work, same context)")
     for size in sizes:
         name, plain = f"boundaries/{size}", f"plain/{size}"

@@ -7,7 +7,9 @@ import dataclasses
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,7 +19,7 @@ from rich.markup import escape
 from rich.progress import Progress
 from rich.table import Column, Table
 
-from flowloop import children
+from flowloop import children, loop_requests
 from flowloop import cli_support as support
 from flowloop.clock import iso
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
@@ -648,6 +650,7 @@ def status(
             natural = out.measure(table, options=out.options.update_width(10_000)).maximum
             if natural > out.width:  # a narrow terminal: short ids that still work
                 table = status_table(rows, support.short_ids(engine, [i.id for i in infos]))
+            pressure = support.backpressure_lines(engine, workflow)
     if as_json:
         page = {
             "runs": listed,
@@ -666,6 +669,8 @@ def status(
             f"{b.failures} recent failure(s))",
             markup=False,
         )
+    for line in pressure:
+        out.print(line, markup=False)
     if truncated:
         out.print(
             f"(the newest {limit} shown; more: `flowloop status --after {infos[-1].id}` "
@@ -1059,6 +1064,99 @@ def loops_command(
                 escape(event.error_message or str(event.data.get("reason", "")) or ""),
             )
         out.print(journal_table)
+
+
+def _when(text: str, option: str) -> float:
+    """An ISO 8601 time for --from/--to; without an offset it is UTC."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise FlowloopError(
+            f"{option}={text!r} is not an ISO 8601 time (e.g. 2026-03-29T02:30 in UTC, or "
+            "2026-03-29T02:30+02:00)"
+        ) from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@cli.command(name="trigger")
+@click.argument("name")
+@db_option
+@json_option
+def trigger_command(name: str, db: str | None, synchronous: str, as_json: bool) -> None:
+    """Run one iteration of loop NAME now (journaled as manual; its worker runs it, never
+    while another iteration of NAME runs; the schedule is unchanged)."""
+    with open_engine(db, synchronous, read=True) as engine:
+        row = engine.trigger_loop(name)
+    if as_json:
+        click.echo(json.dumps({"loop": loop_json(row)}))
+        return
+    out.print(f"loop {row.name}: trigger requested; its worker runs it (`flowloop loops {name}`)")
+
+
+@cli.command(name="backfill")
+@click.argument("name")
+@click.option("--from", "start", required=True, help="First slot time (ISO 8601; UTC if bare).")
+@click.option("--to", "end", required=True, help="Last slot time (ISO 8601; UTC if bare).")
+@click.option(
+    "--max",
+    "limit",
+    type=int,
+    default=loop_requests.DEFAULT_BACKFILL_MAX,
+    show_default=True,
+    help="Run at most this many slots.",
+)
+@click.option("--wait", is_flag=True, help="Show progress until the backfill has finished.")
+@click.option("--timeout", "timeout_text", default="10m", show_default=True, help="For --wait.")
+@db_option
+@json_option
+def backfill_command(
+    name: str,
+    start: str,
+    end: str,
+    limit: int,
+    wait: bool,
+    timeout_text: str,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Run the slots of loop NAME between --from and --to that never ran (missed while
+    no worker ran, given up past the misfire grace), oldest first, one at a time."""
+    request = loop_requests.BackfillRequest(_when(start, "--from"), _when(end, "--to"), limit)
+    timeout = seconds_option(timeout_text, "--timeout")
+    with open_engine(db, synchronous, read=True) as engine:
+        row = engine.backfill_loop(name, request)
+        if not as_json:
+            out.print(
+                f"loop {row.name}: backfill of {iso(request.start)} .. {iso(request.end)} "
+                f"requested (at most {limit} slots); its worker runs it"
+            )
+        seen = row.last_seq
+        finished = not wait
+        deadline = time.monotonic() + timeout
+        while not finished:
+            for event in engine.loop_history(name, limit=1000):
+                if event.seq <= seen:
+                    continue
+                seen = event.seq
+                if event.kind == "backfill_finished":
+                    finished = True
+                elif event.data.get("reason") == "backfill" and not as_json:
+                    out.print(f"  slot {iso(event.slot)} started")
+                elif event.kind.startswith("iteration_") and not as_json:
+                    out.print(f"  slot {iso(event.slot)} {event.kind.removeprefix('iteration_')}")
+            if not finished:
+                if time.monotonic() > deadline:
+                    raise FlowloopError(
+                        f"backfill of loop {name!r} still running after {timeout_text}; it goes "
+                        f"on (`flowloop loops {name}`)"
+                    )
+                time.sleep(engine.poll_seconds)
+        row = engine.loop(name)
+    if as_json:
+        click.echo(json.dumps({"loop": loop_json(row)}))
+    elif wait:
+        out.print(f"loop {row.name}: backfill finished")
 
 
 def loop_json(row: LoopRow) -> dict[str, Any]:

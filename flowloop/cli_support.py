@@ -303,3 +303,25 @@ def list_runs(
             break
         after = batch[-1].id
     return matched[:limit], len(matched) > limit
+
+
+def backpressure_lines(engine: Engine, workflow: str | None = None) -> list[str]:
+    """A line per workflow whose runs have kept events or whose bounds dropped something
+    (flowloop/backpressure.py), for ``flowloop status``; nothing otherwise."""
+    from flowloop.store.admission import AdmissionStoreMixin
+
+    store = engine.store
+    if not isinstance(store, AdmissionStoreMixin):
+        return []
+    lines = []
+    for name, use in sorted(store.backpressure_usage().items()):
+        if workflow is not None and name != workflow:
+            continue
+        if not (use["kept"] or use["dropped_events"] or use["dropped_runs"]):
+            continue
+        lines.append(
+            f"backpressure {name}: {use['queued']} run(s) waiting to start, {use['kept']} "
+            f"kept event(s) (at most {use['kept_max']} on one run); dropped: "
+            f"{use['dropped_events']} kept event(s), {use['dropped_runs']} queued run(s)"
+        )
+    return lines

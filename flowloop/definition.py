@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 from transitions import Machine
 
 from flowloop import compose, graph
+from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite, StepError
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
@@ -191,6 +192,10 @@ class Workflow(compose.Composing):
     ``key`` names a context field (or a function of the context) that identifies the run in
     business terms (an order id). It is unique per workflow: starting a second run with the
     same key returns the first one (``engine.find(workflow, key=...)`` finds it).
+
+    ``max_inbox``/``inbox_overflow`` bound each run's kept events, ``max_queued``/
+    ``queue_overflow`` the runs not yet started, ``overflow_timeout`` how long ``"block"``
+    waits: see :mod:`flowloop.backpressure`.
     """
 
     def __init__(
@@ -207,6 +212,11 @@ class Workflow(compose.Composing):
         description: str = "",
         deadline: float | timedelta | None = None,
         on_deadline: str | None = None,
+        max_inbox: int | None = None,
+        inbox_overflow: str = "reject_newest",
+        max_queued: int | None = None,
+        queue_overflow: str = "reject_newest",
+        overflow_timeout: float | timedelta = DEFAULT_OVERFLOW_TIMEOUT_SECONDS,
     ) -> None:
         if not NAME_PATTERN.match(name):
             raise DefinitionError(
@@ -238,6 +248,15 @@ class Workflow(compose.Composing):
             raise DefinitionError(name, "give deadline= and on_deadline= together")
         if self.deadline is not None and self.deadline <= 0:
             raise DefinitionError(name, "deadline must be positive")
+        # Backpressure (flowloop/backpressure.py): not part of the fingerprint.
+        self.bounds = Bounds.of(
+            name,
+            max_inbox=max_inbox,
+            inbox_overflow=inbox_overflow,
+            max_queued=max_queued,
+            queue_overflow=queue_overflow,
+            overflow_timeout=overflow_timeout,
+        )
         self._draft = _Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}

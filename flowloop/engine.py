@@ -14,13 +14,15 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, overload
 
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import children, gates, ids, tracecontext
+from flowloop import children, gates, ids, loop_requests, starts, tracecontext
 from flowloop import journal as j
+from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow, compatible
@@ -382,6 +384,8 @@ class Engine:
         priority: int = 0,
         run_at: float | None = None,
         trace_context: Mapping[str, str] | None = None,
+        debounce: float | timedelta | None = None,
+        throttle: tuple[int, float | timedelta] | None = None,
     ) -> RunInfo:
         """Enqueue a run (a worker or :meth:`run_until_idle` executes it).
 
@@ -389,7 +393,30 @@ class Engine:
         existing run has returns that run instead of creating another. ``trace_context``: a
         W3C carrier (``{"traceparent": ...}``) whose span the run's trace span is a child
         of (see ``flowloop.tracing``); stored with the run, so it survives a crash.
+
+        ``debounce`` (seconds or a timedelta) turns a burst of starts with one ``key`` into
+        one run with the last context, due that long after the last start; ``throttle=(n,
+        period)`` refuses (:class:`~flowloop.admission.StartThrottled`) more than ``n``
+        starts with one key per period. See :mod:`flowloop.admission`.
         """
+        if debounce is not None or throttle is not None:
+            if idempotency_key is not None or run_at is not None:
+                raise AdmissionError(
+                    "debounce=/throttle= decide the due time and identity: "
+                    "drop idempotency_key= and run_at="
+                )
+            return self._info(
+                starts.admitted_start(
+                    self,
+                    workflow,
+                    context,
+                    key=key,
+                    priority=priority,
+                    debounce=debounce,
+                    throttle=throttle,
+                    trace_context=trace_context,
+                )
+            )
         new = self._new_run(
             workflow,
             context,
@@ -400,7 +427,10 @@ class Engine:
             owner=None,
             trace_context=trace_context,
         )
-        stored, created = self.store.create_run(new)
+        if workflow.bounds.max_queued is not None:
+            stored, created = starts.bounded_start(self, workflow, new)  # backpressure
+        else:
+            stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
         return self._info(stored)
@@ -891,7 +921,10 @@ class Engine:
                 check_bufferable(
                     workflow, event, message.payload, state=record.state if waiting_here else None
                 )
-                result = self.store.deliver(message, None)
+                if workflow.bounds.max_inbox is not None:
+                    result = starts.keep_bounded(self, workflow, message)  # backpressure
+                else:
+                    result = self.store.deliver(message, None)
                 if result == "buffered":
                     self._hand_over_kept(run_id)
             elif event in accepted(workflow, record.state):
@@ -1030,6 +1063,26 @@ class Engine:
                 "reason": None,
                 "consecutive_failures": 0,
             },
+        )
+        return self.loop(name)
+
+    def trigger_loop(self, name: str) -> LoopRow:
+        """Ask the loop's worker for one iteration now, journaled ``manual`` (never while
+        another iteration of the loop runs); the schedule is unchanged."""
+        loop_requests.ask(
+            self._loop_store(), self.loop(name), loop_requests.TRIGGER, now=self.clock.now()
+        )
+        return self.loop(name)
+
+    def backfill_loop(self, name: str, request: loop_requests.BackfillRequest) -> LoopRow:
+        """Ask the loop's worker to run the slots of ``request``'s range that never started,
+        one at a time (journaled ``backfill``, ended by ``backfill_finished``)."""
+        loop_requests.ask(
+            self._loop_store(),
+            self.loop(name),
+            loop_requests.BACKFILL,
+            request,
+            now=self.clock.now(),
         )
         return self.loop(name)
 

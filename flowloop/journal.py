@@ -37,6 +37,8 @@ COMPENSATION_SUCCEEDED: Final = "compensation_succeeded"  # context; still runni
 COMPENSATION_FAILED: Final = "compensation_failed"  # retrying (next_run_at) or failed
 RUN_COMPENSATED: Final = "run_compensated"  # every compensation ran: succeeded, reason
 DEADLINE_PASSED: Final = "deadline_passed"  # state -> on_deadline; the deadline is spent
+EVENT_DROPPED: Final = "event_dropped"  # a kept event dropped for max_inbox; only the seq
+RUN_DEBOUNCED: Final = "run_debounced"  # a later start of a burst: context, due (admission.py)
 
 KINDS: Final = (
     RUN_CREATED,
@@ -60,6 +62,8 @@ KINDS: Final = (
     COMPENSATION_FAILED,
     RUN_COMPENSATED,
     DEADLINE_PASSED,
+    RUN_DEBOUNCED,
+    EVENT_DROPPED,
 )
 TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
 """Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
@@ -319,7 +323,13 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_DEFERRED:
         # The step was not called (flowloop/gates.py): nothing but when and why changes.
         change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))
-    elif kind != EVENT_REJECTED:  # a rejected kept event changes nothing but the seq
+    elif kind == RUN_DEBOUNCED:
+        assert event.context is not None
+        change.update(context=event.context, next_run_at=event.data.get("due", event.at))
+    elif kind not in (
+        EVENT_REJECTED,
+        EVENT_DROPPED,
+    ):  # a rejected or dropped kept event changes nothing but the seq
         raise FoldError(f"run {record.id} seq {event.seq}: unknown event kind {kind!r}")
     if record.deadline is not None and change.get("deadline", 1) is not None:
         # A run with a deadline is due by it at the latest (waiting, sleeping, retrying).

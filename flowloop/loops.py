@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry
+from flowloop.tz import UnknownTimeZone, zone
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
@@ -81,6 +82,12 @@ class Loop:
     missed; the rest are coalesced into one iteration (``coalesce=True``) or fired one by one.
     ``max_failures`` consecutive failed iterations pause the loop and raise an alert.
 
+    ``tz`` (an IANA name such as ``"Europe/Berlin"``; default UTC) reads ``cron=`` on that
+    zone's wall clock; slots stay UTC epoch seconds. Daylight-saving changes follow the
+    policy in :mod:`flowloop.tz`: a fixed wall time that does not exist (spring forward)
+    fires at the first time after the gap, one that happens twice (fall back) fires once;
+    hourly and finer schedules follow real time.
+
     Every invalid argument raises :class:`~flowloop.errors.LoopDefinitionError` here, at
     definition time.
     """
@@ -92,6 +99,7 @@ class Loop:
         *,
         every: float | timedelta | None = None,
         cron: str | None = None,
+        tz: str | None = None,
         mode: Mode = "fixed_rate",
         workflow: Workflow | None = None,
         context: BaseModel | dict[str, Any] | Callable[[Iteration], Any] | None = None,
@@ -116,6 +124,13 @@ class Loop:
             raise bad(f"every={every!r} must be a positive duration")
         if cron is not None and (not isinstance(cron, str) or not _cron_valid(cron)):
             raise bad(f"cron={cron!r} is not a valid cron expression (e.g. '*/5 * * * *')")
+        if tz is not None:
+            if cron is None:
+                raise bad("tz= applies to cron= schedules (every= runs in elapsed time)")
+            try:
+                zone(tz)
+            except UnknownTimeZone as error:
+                raise bad(str(error)) from None
         if mode not in MODES:
             raise bad(f"mode={mode!r} must be one of {', '.join(MODES)}")
         if mode == "fixed_delay" and interval is None:
@@ -145,6 +160,7 @@ class Loop:
         self.fn = fn
         self.every = interval
         self.cron = cron
+        self.tz = tz
         self.mode: Mode = mode
         self.workflow = workflow
         self.context = context
@@ -175,7 +191,7 @@ class Loop:
     def schedule(self) -> str:
         """The schedule in words, for listings: ``every 30s (fixed_rate)`` or ``cron */5 …``."""
         if self.cron is not None:
-            return f"cron {self.cron}"
+            return f"cron {self.cron}" + (f" ({self.tz})" if self.tz else "")
         return f"every {self.every:g}s ({self.mode})"
 
     def context_for(self, iteration: Iteration) -> Any:
@@ -190,7 +206,7 @@ class Loop:
         the interval chain that starts at ``anchor`` (a slot of this loop; default
         ``start_at``, else 0). A moment before the anchor gives the anchor itself."""
         if self.cron is not None:
-            return _cron_next(self.cron, moment)
+            return _cron_next(self.cron, moment, self.tz)
         every = self._interval()
         base = anchor if anchor is not None else (self.start_at or 0.0)
         if moment < base:
@@ -209,7 +225,7 @@ class Loop:
         if self.cron is None:
             return slot + n * self._interval()
         for _ in range(n):
-            slot = _cron_next(self.cron, slot)
+            slot = _cron_next(self.cron, slot, self.tz)
         return slot
 
     def first_slot(self, now: float) -> float:
@@ -254,7 +270,7 @@ class Loop:
         count, current = 0, slot
         while current <= now and count < MAX_COUNTED_SLOTS:
             count += 1
-            current = _cron_next(self.cron, current)
+            current = _cron_next(self.cron, current, self.tz)
         return count
 
     def finished(self, slot: float) -> bool:
@@ -269,7 +285,9 @@ class Loop:
         """The longest in-process wait for ``slot``: one period of the schedule (plus jitter).
         A wall clock set back while the worker runs cannot stall the loop longer than this
         (the scheduler keeps ``start_at``, a promise in wall time, regardless)."""
-        period = self._interval() if self.cron is None else slot - _cron_prev(self.cron, slot)
+        period = (
+            self._interval() if self.cron is None else slot - _cron_prev(self.cron, slot, self.tz)
+        )
         return period + self.jitter
 
     def _interval(self) -> float:
@@ -409,11 +427,21 @@ def _cron_valid(expression: str) -> bool:
     return True
 
 
-def _cron_next(expression: str, moment: float) -> float:
-    start = datetime.fromtimestamp(moment, UTC)
-    return next(CronSim(_cron_fields(expression), start)).timestamp()
+def _cron_next(expression: str, moment: float, tz: str | None = None) -> float:
+    """The first time strictly after ``moment`` the expression matches, read on the wall
+    clock of ``tz`` (None: UTC) under the DST policy of :mod:`flowloop.tz`."""
+    start = datetime.fromtimestamp(moment, UTC if tz is None else zone(tz))
+    times = CronSim(_cron_fields(expression), start)
+    for _ in range(4):
+        # A wall-time schedule is read on the naive local clock: from inside the second
+        # pass of a fall-back hour, the next match can be its first pass, already behind
+        # us. The next one after it is the next real slot (no slot ever fires twice).
+        slot = next(times).timestamp()
+        if slot > moment:
+            return slot
+    raise AssertionError(f"cron {expression!r} does not move past {moment}")  # pragma: no cover
 
 
-def _cron_prev(expression: str, moment: float) -> float:
-    start = datetime.fromtimestamp(moment, UTC)
+def _cron_prev(expression: str, moment: float, tz: str | None = None) -> float:
+    start = datetime.fromtimestamp(moment, UTC if tz is None else zone(tz))
     return next(CronSim(_cron_fields(expression), start, reverse=True)).timestamp()

@@ -32,6 +32,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
+from flowloop.loop_requests import MANUAL, TRIGGER, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 from flowloop.store.outage import is_outage
@@ -96,6 +97,7 @@ class Scheduler:
         self._rows: dict[str, LoopRow] = {}
         self._running: dict[str, _Running] = {}
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
+        self._manual: set[str] = set()  # running a trigger or backfill iteration
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -120,6 +122,9 @@ class Scheduler:
             self._operator_write(
                 row, "loop_rescheduled", {"next_fire_at": loop.first_slot(self.clock.now())}
             )
+            return
+        if row.status == "scheduled" and row.control in MANUAL:
+            self._push(row.name, 0.0)  # an operator asked for a manual iteration
             return
         if row.status == "running" and row.name not in self._running:
             # Another worker runs it: look again when its next slot is due (to compete for
@@ -286,6 +291,7 @@ class Scheduler:
                 previous is None
                 or previous.last_seq != row.last_seq
                 or previous.status != row.status
+                or previous.control != row.control
             ):
                 self._schedule(row)
 
@@ -339,7 +345,9 @@ class Scheduler:
                 continue
             now = self.clock.now()
             slot = row.last_slot if row.last_slot is not None else now
-            if loop.mode == "fixed_delay":
+            if row.next_fire_at is not None:
+                nxt = row.next_fire_at  # a manual iteration kept the schedule's slot
+            elif loop.mode == "fixed_delay":
                 nxt, _ = loop.next_slot(slot, started=slot, ended=row.last_started_at or now)
             else:
                 nxt = loop.slot_after(slot, anchor=slot)
@@ -411,6 +419,9 @@ class Scheduler:
             return
         loop = self.loops[name]
         now = self.clock.now()
+        if row.control in MANUAL and now < row.next_fire_at:
+            self._fire_manual(loop, row, now)  # a due slot of the schedule goes first
+            return
         if loop.start_at is not None and now < loop.start_at:
             # start_at is a promise in wall time: a capped wait ending early re-arms.
             self._schedule(row)
@@ -499,6 +510,57 @@ class Scheduler:
         self.capacity.loops_busy += 1
         task = asyncio.create_task(self._iterate(loop, fired, wake.slot, now))
         self._running[name] = _Running(task)
+
+    def _fire_manual(self, loop: Loop, row: LoopRow, now: float) -> None:
+        """Fire the iteration an operator asked for (flowloop/loop_requests.py); the row
+        keeps the schedule's next slot."""
+        if self.capacity.free() <= 0:
+            if row.name not in self._waiting:
+                self._waiting.append(row.name)
+            return
+        firing = manual_firing(self.store, loop, row, now)
+        if firing is None:
+            self._operator_write(
+                row,
+                "backfill_finished",
+                {"control": None},
+                data={"reason": "every slot of the range has run"},
+            )
+            return
+        slot, reason = firing
+        event = LoopEvent(
+            loop=row.name,
+            kind="iteration_started",
+            at=now,
+            slot=slot,
+            attempt=1,
+            worker=self.worker_id,
+            data={"reason": reason, "late": round(now - slot, 3)},
+        )
+        fired = self.store.fire_loop(
+            name=row.name,
+            follows_seq=row.last_seq,
+            worker=self.worker_id,
+            lease_seconds=self.lease_seconds,
+            events=[event],
+            changes={
+                "last_slot": slot,
+                "last_started_at": now,
+                "updated_at": now,
+                # A trigger is used up once its iteration is journaled; a backfill stays
+                # until its last slot (a crash goes on with the slots not yet started).
+                "control": None if row.control == TRIGGER else row.control,
+            },
+        )
+        if fired is None:
+            self._push(row.name, self.poll_seconds)  # changed meanwhile: look again
+            return
+        self._rows[row.name] = fired
+        self._manual.add(row.name)
+        self.fired += 1
+        self.capacity.loops_busy += 1
+        task = asyncio.create_task(self._iterate(loop, fired, slot, now))
+        self._running[row.name] = _Running(task)
 
     def _end(self, row: LoopRow) -> None:
         self._operator_write(
@@ -637,6 +699,11 @@ class Scheduler:
         # not an overlap); fixed_delay waits `every` after the end, whatever the wall says.
         ended = now if loop.mode == "fixed_delay" else started + duration
         nxt, skipped = loop.next_slot(slot, started=started, ended=ended)
+        if loop.name in self._manual:
+            # A manual iteration leaves the schedule alone: its next slot stays (and fires
+            # after it, late if it came due meanwhile, under the misfire policy).
+            self._manual.discard(loop.name)
+            nxt, skipped = (row.next_fire_at if row.next_fire_at is not None else nxt), 0
         # Shutdown and operator stops are nobody's failure: the count stays as it was.
         failures = {"ok": 0, "failed": row.consecutive_failures + 1}.get(
             outcome, row.consecutive_failures

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
+from flowloop import backpressure_metrics
 from flowloop.alerts import Alert, Alerts, breaker_alert, lease_lost_alert, run_alerts
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
@@ -26,6 +27,7 @@ from flowloop.loops import IDLE, Idle, Iteration, Loop
 from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
 from flowloop.retry import seconds
 from flowloop.scheduler import Capacity, Scheduler
+from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 
 log = logging.getLogger("flowloop.worker")
@@ -162,6 +164,8 @@ class Worker:
         store, clock, names = self.engine.store, self.engine.clock, list(self.engine.workflows)
         metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
         metrics.track_in_flight(lambda: executor.busy)
+        if isinstance(store, AdmissionStoreMixin):
+            backpressure_metrics.track(metrics.registry, store.backpressure_usage)
         metrics.known(
             {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
         )

@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ETL_FILE = ROOT / "workflows" / "etl.py"
 GEN_FILE = ROOT / "bench" / "gen_etl_data.py"
 SAMPLE_DIR = ROOT / "workflows" / "data"
+READINGS_FILE = ROOT / "workflows" / "etl_readings.py"
 
 
 def load_etl() -> ModuleType:
@@ -139,13 +140,14 @@ def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
 
 
 class Zygote:
-    """The parent's handle on ``python etlkit.py zygote``."""
+    """The parent's handle on ``python etlkit.py zygote FILE WORKFLOW`` (default: the
+    ``etl`` workflow of workflows/etl.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, file: Path = ETL_FILE, workflow: str = "etl") -> None:
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
         env = {**os.environ, "PYTHONPATH": path}
         self.process = subprocess.Popen(
-            [sys.executable, __file__, "zygote"],
+            [sys.executable, __file__, "zygote", str(file), workflow],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -186,34 +188,39 @@ class Zygote:
             self.process.wait()
 
 
-def _worker(module: ModuleType, db: str, mode: str, n: int) -> None:
+def _worker(module: ModuleType, workflow: str, db: str, mode: str, n: int) -> None:
     from flowloop import Engine
+    from flowloop.etl import writers
 
     if mode in ("after_commit", "mid_transaction"):
-        original_load, original_upsert = module.load, module.upsert
+        loader = module.loader
+        original_write, original_upsert = loader.write, writers.upsert
         batches = [0]
 
-        def load(url: str, rows: Any, bad: Any) -> None:
+        def write(url: str, rows: Any, bad: Any) -> None:
             batches[0] += 1
-            original_load(url, rows, bad)
+            original_write(url, rows, bad)
             if mode == "after_commit" and batches[0] == n:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         def upsert(conn: Any, table: Any, rows: Any) -> None:
             original_upsert(conn, table, rows)
-            if mode == "mid_transaction" and batches[0] == n and table is module.orders:
+            if mode == "mid_transaction" and batches[0] == n and table is loader.table:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        # The step functions look these names up in the module at each call.
-        setattr(module, "load", load)  # noqa: B010 - a module loaded from a file path
-        setattr(module, "upsert", upsert)  # noqa: B010
+        # The loader calls its write method and writers.upsert by name at each batch (this
+        # is a forked worker: the patches die with it).
+        loader.write = write
+        writers.upsert = upsert
     with Engine(db) as engine:
-        engine.register(module.etl)
+        engine.register(getattr(module, workflow))
         engine.resume()
 
 
-def zygote(stdin: IO[str], stdout: IO[str]) -> None:
-    module = load_etl()
+def zygote(stdin: IO[str], stdout: IO[str], file: Path, workflow: str) -> None:
+    from flowloop.loader import import_file
+
+    module = import_file(file)
     import flowloop.engine  # noqa: F401 - imported once here, not in each worker
 
     stdout.write("ready\n")
@@ -224,7 +231,7 @@ def zygote(stdin: IO[str], stdout: IO[str]) -> None:
         if pid == 0:
             code = 0
             try:
-                _worker(module, db, mode, int(n))
+                _worker(module, workflow, db, mode, int(n))
             except BaseException:
                 traceback.print_exc()
                 code = 1
@@ -252,5 +259,5 @@ def cli(
     )
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["zygote"]:
-    zygote(sys.stdin, sys.stdout)
+if __name__ == "__main__" and sys.argv[1:2] == ["zygote"]:
+    zygote(sys.stdin, sys.stdout, Path(sys.argv[2]), sys.argv[3])

@@ -393,3 +393,58 @@ class LoopStoreMixin:
             return
         with self._write() as conn:
             leases.expire(conn, loops, now_sql=self.now_sql, owners=owners)
+
+    # -- manual iterations (flowloop/loop_requests.py) ---------------------------------------
+
+    def request_loop_run(self, name: str, action: str, request: str | None = None) -> bool:
+        """Ask the loop's worker for a manual iteration (``control`` = ``action``), with a
+        backfill's range kept in ``flowloop_meta``. Applies only to a scheduled or running
+        loop with no other request pending; False otherwise (nothing written)."""
+        with self._write() as conn:
+            result = conn.execute(
+                update(loops)
+                .where(
+                    loops.c.name == name,
+                    loops.c.status.in_(("scheduled", "running")),
+                    loops.c.control.is_(None),
+                )
+                .values(control=action)
+            )
+            if result.rowcount != 1:
+                return False
+            key = f"loop_backfill:{name}"[:64]
+            conn.execute(meta.delete().where(meta.c.key == key))
+            if request is not None:
+                conn.execute(insert(meta).values(key=key, value=request))
+            self._bump_changes(conn)
+        return True
+
+    def loop_run_request(self, name: str) -> str | None:
+        """A loop's pending backfill range (JSON), if any."""
+        key = f"loop_backfill:{name}"[:64]
+        with self._read() as conn:
+            value = conn.execute(select(meta.c.value).where(meta.c.key == key)).scalar()
+        return None if value is None else str(value)
+
+    def loop_started_slots(
+        self, name: str, start: float, end: float
+    ) -> list[tuple[float, float, str | None]]:
+        """The ``iteration_started`` entries of slots in ``[start, end]``: (slot, at,
+        reason)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                select(loop_journal.c.slot, loop_journal.c.at, loop_journal.c.data).where(
+                    loop_journal.c.loop == name,
+                    loop_journal.c.kind == "iteration_started",
+                    loop_journal.c.slot >= start - 0.001,
+                    loop_journal.c.slot <= end + 0.001,
+                )
+            )
+            return [
+                (
+                    float(row.slot),
+                    float(row.at),
+                    json.loads(row.data).get("reason") if row.data else None,
+                )
+                for row in rows
+            ]

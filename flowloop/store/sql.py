@@ -38,6 +38,7 @@ from flowloop.ids import prefix_bounds
 from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
+from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
@@ -219,7 +220,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, Store):
+class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(

@@ -118,6 +118,7 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "context_text": json.dumps(context, indent=2, sort_keys=True),
         "changes": changes,
         "step_states": list(workflow.steps) if workflow is not None else [],
+        "family": q.run_family(dash.db, run_id),
     }
 
 

@@ -282,6 +282,33 @@ def event_dict(event: j.JournalEvent) -> dict[str, Any]:
     }
 
 
+FAMILY_LIMIT: Final = 50
+"""Children listed on a run page (the counts per status cover them all)."""
+
+
+def run_family(db: SQLEngine, run_id: str) -> dict[str, Any]:
+    """A run's child runs (call, map and parallel states): the first :data:`FAMILY_LIMIT`
+    by join and index, and how many are in each status (one indexed read each)."""
+    with reading(db) as conn:
+        listed = conn.execute(
+            select(runs.c.id, runs.c.workflow, runs.c.status, runs.c.state, runs.c.child_index)
+            .where(runs.c.parent_id == run_id)
+            .order_by(runs.c.join_id, runs.c.child_index)
+            .limit(FAMILY_LIMIT)
+        ).all()
+        counts = conn.execute(
+            select(runs.c.status, func.count())
+            .where(runs.c.parent_id == run_id)
+            .group_by(runs.c.status)
+        ).all()
+    by_status = {row[0]: int(row[1]) for row in counts}
+    return {
+        "children": [dict(row._mapping) for row in listed],
+        "counts": dict(sorted(by_status.items())),
+        "total": sum(by_status.values()),
+    }
+
+
 def run_journal(store: SQLStore, run_id: str) -> list[j.JournalEvent]:
     """A run's journal through the store interface (NotFound for an unknown run)."""
     events = store.journal(run_id)

@@ -368,7 +368,7 @@ def test_etl__target_url__postgresql_and_sqlite_upsert_alike(
         # Forget the loaded files: the second run loads everything again, over itself.
         dialect_engine = sa.create_engine(store_url, poolclass=sa.NullPool)
         with dialect_engine.begin() as conn:
-            conn.execute(etl.loaded_files.delete())
+            conn.execute(etl.loader.loaded_files.delete())
         dialect_engine.dispose()
         again = engine.run(etl.etl, {"input_dir": str(sample), "target_url": store_url})
     assert ctx_of(again).loaded == ctx_of(info).loaded

@@ -1,0 +1,105 @@
+"""Admission of new runs: debounce and throttle of starts (pure policy, no I/O).
+
+* **Debounce** (``engine.start(wf, ctx, key=K, debounce=30)``): a burst of starts with one
+  key becomes one run with the last context. The first start creates the run due
+  ``window`` from now; each later start within the window (while that run has not begun
+  its first step) replaces its context and pushes its due time to ``window`` after this
+  start — journaled ``run_debounced`` with the new context, so replay still equals the
+  row. Once the run has begun, the next start with the key opens a new burst (a new run).
+  A debounced run keeps no business key (bursts recur); its key is in its journal.
+* **Throttle** (``throttle=(n, period)``): at most ``n`` runs started with one key per
+  ``period`` (a sliding window of run creation times, counted in the database, so it holds
+  across processes). Over it, the start is **refused**: :class:`StartThrottled` says when
+  the next one is allowed; nothing is written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Final
+
+from flowloop.errors import EXIT_FAILURE, FlowloopError
+
+DEBOUNCE_PREFIX: Final = "debounce:"
+THROTTLE_PREFIX: Final = "throttle:"
+
+
+class AdmissionError(FlowloopError):
+    """A debounce or throttle argument is wrong; the message names it."""
+
+
+class StartThrottled(FlowloopError):
+    """A start over its throttle: wait until ``retry_at`` (UTC epoch seconds)."""
+
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, workflow: str, key: str, limit: int, period: float, retry_at: float):
+        super().__init__(
+            f"start of {workflow!r} with key {key!r} refused: throttle of {limit} per "
+            f"{period:g}s reached; try again in {max(0.0, retry_at):.3g}s or later"
+        )
+        self.workflow = workflow
+        self.key = key
+        self.retry_at = retry_at
+
+
+@dataclass(frozen=True)
+class Throttle:
+    limit: int
+    period: float
+
+
+def seconds_of(value: float | timedelta, label: str) -> float:
+    """A positive, finite duration in seconds, or an :class:`AdmissionError`."""
+    if isinstance(value, timedelta):
+        result = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise AdmissionError(f"{label}={value!r} must be seconds or a timedelta")
+    if not math.isfinite(result) or result <= 0:
+        raise AdmissionError(f"{label}={value!r} must be a positive duration")
+    return result
+
+
+def throttle_of(value: tuple[int, float | timedelta]) -> Throttle:
+    """``(n, period)`` checked: ``n`` a positive integer, ``period`` a positive duration."""
+    if not isinstance(value, tuple) or len(value) != 2:
+        raise AdmissionError(f"throttle={value!r} must be (n, period), e.g. (10, 60)")
+    limit, period = value
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise AdmissionError(f"throttle={value!r}: n must be a positive integer")
+    return Throttle(limit, seconds_of(period, "throttle period"))
+
+
+def admission_key(key: object) -> str:
+    """The key a debounce or throttle groups by: a non-empty string."""
+    if not isinstance(key, str) or not key:
+        raise AdmissionError(
+            f"debounce= and throttle= group starts by key: give key= (a non-empty string) "
+            f"or a workflow key field, not {key!r}"
+        )
+    return key
+
+
+def debounce_marker(workflow: str, key: str) -> str:
+    """The idempotency key of the run that collects a burst (unique while it collects)."""
+    return f"{DEBOUNCE_PREFIX}{workflow}:{key}"
+
+
+def throttle_prefix(workflow: str, key: str) -> str:
+    """Every run started under a throttle has an idempotency key with this prefix."""
+    return f"{THROTTLE_PREFIX}{workflow}:{key}:"
+
+
+def throttle_verdict(
+    created: list[float], throttle: Throttle, now: float
+) -> tuple[bool, float | None]:
+    """Whether a start is admitted given the creation times of the key's runs within the
+    period, and if not, the first moment one would be (the oldest leaves the window)."""
+    recent = sorted(at for at in created if at > now - throttle.period)
+    if len(recent) < throttle.limit:
+        return True, None
+    return False, recent[len(recent) - throttle.limit] + throttle.period

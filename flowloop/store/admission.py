@@ -1,0 +1,318 @@
+"""SQL for debounced and throttled starts (flowloop/admission.py decides; this writes).
+
+Contract: a debounced start touches only the run that collects its key's burst, and only
+while that run is scheduled, unowned and has never started a step (fenced by ``last_seq``,
+so a worker that claims it first wins and the start opens a new burst). A throttled start
+counts its key's runs and creates the new one in the same transaction (on PostgreSQL under
+a transaction-scoped advisory lock on the key, so two processes cannot both take the last
+place).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import AbstractContextManager
+from typing import Any, Final
+
+from sqlalchemy import ColumnElement, Connection, func, insert, or_, select, text, update
+from sqlalchemy.exc import IntegrityError
+
+from flowloop import journal as j
+from flowloop.store.base import InboxEvent, NewRun, StoredRun
+from flowloop.store.schema import inbox, journal, runs
+
+ATTEMPTS: Final = 5
+"""Tries when a concurrent start of the same key wins a race (nothing is written then)."""
+
+
+class AdmissionStoreMixin:
+    """Debounce and throttle writes for :class:`~flowloop.store.sql.SQLStore`."""
+
+    _postgres: bool
+
+    def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _read(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
+        raise NotImplementedError  # provided by SQLStore
+
+    def _stored(self, conn: Connection, run_id: str) -> StoredRun:
+        from flowloop.store.sql import _stored_from_row  # the row mapping lives there
+
+        return _stored_from_row(conn.execute(select(runs).where(runs.c.id == run_id)).one())
+
+    def debounce_start(
+        self, new: NewRun, marker: str, *, due: float, now: float, key: str
+    ) -> tuple[StoredRun, bool]:
+        """Create ``new`` (idempotency key ``marker``, due ``due``) or, when the run holding
+        ``marker`` has not begun, give it ``new``'s context and due time (journaled
+        ``run_debounced``). Returns the run and whether it was created."""
+        for attempt in range(ATTEMPTS):
+            try:
+                with self._write() as conn:
+                    return self._debounce_in(conn, new, marker, due=due, now=now, key=key)
+            except IntegrityError:
+                if attempt == ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _debounce_in(
+        self, conn: Connection, new: NewRun, marker: str, *, due: float, now: float, key: str
+    ) -> tuple[StoredRun, bool]:
+        self._serialize(conn, marker)  # concurrent starts of one burst take turns
+        row = conn.execute(
+            select(runs.c.id, runs.c.status, runs.c.owner, runs.c.last_seq).where(
+                runs.c.idempotency_key == marker
+            )
+        ).first()
+        if row is not None:
+            began = conn.execute(
+                select(journal.c.seq)
+                .where(journal.c.run_id == row.id, journal.c.kind == j.STEP_STARTED)
+                .limit(1)
+            ).first()
+            if row.status == "scheduled" and row.owner is None and began is None:
+                context = new.record.context
+                changed = conn.execute(
+                    update(runs)
+                    .where(
+                        runs.c.id == row.id,
+                        runs.c.last_seq == row.last_seq,
+                        runs.c.status == "scheduled",
+                        runs.c.owner.is_(None),
+                    )
+                    .values(
+                        context=context,
+                        next_run_at=due,
+                        last_seq=row.last_seq + 1,
+                        updated_at=now,
+                    )
+                )
+                if changed.rowcount == 1:
+                    conn.execute(
+                        journal.insert().values(
+                            run_id=row.id,
+                            seq=row.last_seq + 1,
+                            kind=j.RUN_DEBOUNCED,
+                            at=now,
+                            attempt=0,
+                            context=context,
+                            worker=new.events[0].worker,
+                            data=json.dumps({"due": due, "debounce_key": key}, sort_keys=True),
+                        )
+                    )
+                    return self._stored(conn, row.id), False
+            # The burst's run has begun (or a worker just claimed it): it keeps a marker of
+            # its own, and this start opens the next burst.
+            conn.execute(
+                update(runs).where(runs.c.id == row.id).values(idempotency_key=f"{marker}:{row.id}")
+            )
+        return self._create_in(conn, new)
+
+    def throttled_start(
+        self, new: NewRun, prefix: str, *, since: float, decide: Any
+    ) -> tuple[StoredRun | None, Any]:
+        """Count the runs whose idempotency key starts with ``prefix`` created after
+        ``since``; ``decide(times)`` says whether ``new`` may be created (and if not, its
+        verdict is returned with no run)."""
+        with self._write() as conn:
+            if self._postgres:
+                conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": prefix})
+            created = [
+                float(at)
+                for (at,) in conn.execute(
+                    select(runs.c.created_at).where(
+                        runs.c.idempotency_key >= prefix,
+                        runs.c.idempotency_key < prefix[:-1] + chr(ord(prefix[-1]) + 1),
+                        runs.c.created_at > since,
+                    )
+                )
+            ]
+            admitted, verdict = decide(created)
+            if not admitted:
+                return None, verdict
+            stored, _ = self._create_in(conn, new)
+            return stored, verdict
+
+    # -- backpressure (flowloop/backpressure.py) ------------------------------------------
+
+    def _serialize(self, conn: Connection, name: str) -> None:
+        """Serialize count-then-insert on ``name`` (SQLite's writes are serialized already)."""
+        if self._postgres:
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:k))"), {"k": name})
+
+    def keep_bounded(
+        self, message: InboxEvent, limit: int, *, drop_oldest: bool, now: float, worker: str
+    ) -> str:
+        """Keep ``message`` for its run if fewer than ``limit`` events are kept for it, or
+        (``drop_oldest``) after dropping the oldest kept one — journaled ``event_dropped`` on
+        the run, which only an unowned run allows. ``"buffered"``, ``"full"``, ``"busy"``
+        (a worker holds the run: nothing dropped) or ``"duplicate"``; nothing is written
+        unless ``"buffered"``."""
+        try:
+            with self._write() as conn:
+                self._serialize(conn, f"inbox:{message.run_id}")
+                kept = conn.execute(
+                    select(func.count()).where(
+                        inbox.c.run_id == message.run_id, inbox.c.consumed_seq.is_(None)
+                    )
+                ).scalar_one()
+                if kept >= limit:
+                    if not drop_oldest:
+                        return "full"
+                    if not self._drop_oldest_kept(conn, message.run_id, limit, now, worker):
+                        return "busy"
+                conn.execute(
+                    insert(inbox).values(
+                        run_id=message.run_id,
+                        event=message.event,
+                        payload=message.payload,
+                        dedupe_key=message.dedupe_key,
+                        sent_at=message.sent_at,
+                        sender=message.sender,
+                    )
+                )
+        except IntegrityError:
+            if message.dedupe_key is not None:
+                return "duplicate"
+            raise
+        return "buffered"
+
+    def _drop_oldest_kept(
+        self, conn: Connection, run_id: str, limit: int, now: float, worker: str
+    ) -> bool:
+        run = conn.execute(select(runs.c.owner, runs.c.last_seq).where(runs.c.id == run_id)).one()
+        oldest = conn.execute(
+            select(inbox.c.id, inbox.c.event, inbox.c.sent_at)
+            .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
+            .order_by(inbox.c.id)
+            .limit(1)
+        ).one()
+        seq = run.last_seq + 1
+        # The journal protocol: only the run's lease holder appends while it is owned.
+        moved = conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.last_seq == run.last_seq, runs.c.owner.is_(None))
+            .values(last_seq=seq, updated_at=now)
+        )
+        if moved.rowcount != 1:
+            return False
+        conn.execute(update(inbox).where(inbox.c.id == oldest.id).values(consumed_seq=seq))
+        data = {"inbox_id": oldest.id, "sent_at": oldest.sent_at, "reason": f"max_inbox={limit}"}
+        conn.execute(
+            journal.insert().values(
+                run_id=run_id,
+                seq=seq,
+                kind=j.EVENT_DROPPED,
+                at=now,
+                attempt=0,
+                event=oldest.event,
+                worker=worker,
+                data=json.dumps(data, sort_keys=True),
+            )
+        )
+        return True
+
+    def start_bounded(
+        self, new: NewRun, limit: int, *, drop_oldest: bool, now: float, worker: str
+    ) -> tuple[StoredRun, bool] | None:
+        """Create ``new`` if fewer than ``limit`` runs of its workflow wait to start
+        (scheduled, unowned, only ``run_created`` journaled), or (``drop_oldest``) after
+        stopping the oldest of them (``run_stopped``, reason ``dropped``). A run that
+        already holds ``new``'s key is returned as by ``create_run``. None: full, nothing
+        written."""
+        workflow = new.record.workflow
+        with self._write() as conn:
+            self._serialize(conn, f"queue:{workflow}")
+            queued = (runs.c.workflow == workflow, runs.c.status == "scheduled")
+            waiting = (runs.c.last_seq == 1, runs.c.owner.is_(None))
+            count = conn.execute(select(func.count()).where(*queued, *waiting)).scalar_one()
+            if count >= limit and not self._holds_key(conn, new):
+                if not drop_oldest:
+                    return None
+                oldest = conn.execute(
+                    select(runs.c.id)
+                    .where(*queued, *waiting)
+                    .order_by(runs.c.created_at, runs.c.id)
+                    .limit(1)
+                ).scalar_one()
+                reason = f"dropped: max_queued={limit}"
+                conn.execute(
+                    update(runs)
+                    .where(runs.c.id == oldest, *queued, *waiting)
+                    .values(
+                        status="stopped",
+                        reason=reason,
+                        next_run_at=None,
+                        last_seq=2,
+                        updated_at=now,
+                    )
+                )
+                conn.execute(
+                    journal.insert().values(
+                        run_id=oldest,
+                        seq=2,
+                        kind=j.RUN_STOPPED,
+                        at=now,
+                        attempt=0,
+                        worker=worker,
+                        data=json.dumps({"reason": reason}),
+                    )
+                )
+            return self._create_in(conn, new)
+
+    def _holds_key(self, conn: Connection, new: NewRun) -> bool:
+        held: list[ColumnElement[bool]] = []
+        if new.record.key is not None:
+            held.append((runs.c.workflow == new.record.workflow) & (runs.c.key == new.record.key))
+        if new.idempotency_key is not None:
+            held.append(runs.c.idempotency_key == new.idempotency_key)
+        if not held:
+            return False
+        return conn.execute(select(runs.c.id).where(or_(*held)).limit(1)).first() is not None
+
+    def backpressure_usage(self) -> dict[str, dict[str, int]]:
+        """Per workflow (only those with something to show): ``queued`` runs not yet started,
+        ``kept`` events kept for its runs and ``kept_max`` on one run, ``dropped_events``
+        (``event_dropped`` entries) and ``dropped_runs`` (stopped for ``max_queued``)."""
+        usage: dict[str, dict[str, int]] = {}
+
+        def put(workflow: str, name: str, value: int) -> None:
+            entry = usage.setdefault(
+                workflow,
+                {"queued": 0, "kept": 0, "kept_max": 0, "dropped_events": 0, "dropped_runs": 0},
+            )
+            entry[name] = max(entry[name], value) if name == "kept_max" else entry[name] + value
+
+        with self._read() as conn:
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .where(runs.c.status == "scheduled", runs.c.last_seq == 1)
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "queued", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .select_from(inbox.join(runs, runs.c.id == inbox.c.run_id))
+                .where(inbox.c.consumed_seq.is_(None))
+                .group_by(runs.c.workflow, inbox.c.run_id)
+            ):
+                put(workflow, "kept", int(count))
+                put(workflow, "kept_max", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .select_from(journal.join(runs, runs.c.id == journal.c.run_id))
+                .where(journal.c.kind == j.EVENT_DROPPED)
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "dropped_events", int(count))
+            for workflow, count in conn.execute(
+                select(runs.c.workflow, func.count())
+                .where(runs.c.status == "stopped", runs.c.reason.like("dropped: max_queued=%"))
+                .group_by(runs.c.workflow)
+            ):
+                put(workflow, "dropped_runs", int(count))
+        return usage

@@ -1,0 +1,164 @@
+"""Manual loop iterations: ``trigger`` and ``backfill`` requests honoured by the scheduler on
+a real database (a clock the test moves), and the CLI that asks for them and shows them."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from loopkit import T0, LoopHarness, SteppedClock, assert_no_duplicate_slots, drive, settle
+from loopkit_proc import cli
+
+from flowloop import Engine
+from flowloop.loop_requests import BackfillRequest, LoopRequestRefused
+from flowloop.loops import Iteration, Loop
+from flowloop.store.loops import LoopEvent
+
+HOUR = 3600.0
+
+
+def started(events: list[LoopEvent], reason: str | None = None) -> list[float]:
+    return [
+        e.slot - T0
+        for e in events
+        if e.kind == "iteration_started"
+        and e.slot is not None
+        and (reason is None or e.data.get("reason") == reason)
+    ]
+
+
+def test_trigger__runs_one_iteration_now_and_keeps_the_schedule(sqlite_url: str) -> None:
+    async def main() -> None:
+        clock = SteppedClock(T0 + 60)
+        seen: list[float] = []
+
+        async def fn(it: Iteration) -> None:
+            seen.append(it.slot)
+
+        daily = Loop("daily", fn, cron="0 3 * * *")
+        async with LoopHarness(sqlite_url, [daily], clock=clock) as h:
+            scheduled = h.row("daily").next_fire_at
+            h.engine.trigger_loop("daily")
+            with pytest.raises(LoopRequestRefused, match="already has a trigger request"):
+                h.engine.trigger_loop("daily")
+            await drive(clock, 3)
+            row = h.row("daily")
+            assert seen == [T0 + 60 + 1] or len(seen) == 1  # fired at the next poll
+            assert (row.iterations, row.control, row.next_fire_at) == (1, None, scheduled)
+            [manual] = [e for e in h.journal("daily") if e.kind == "iteration_started"]
+            assert manual.data["reason"] == "manual"
+            assert [e.kind for e in h.journal("daily")][-1] == "iteration_succeeded"
+
+    asyncio.run(main())
+
+
+def test_trigger__waits_for_the_running_iteration_no_overlap(sqlite_url: str) -> None:
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+        running = 0
+        most = 0
+
+        async def fn(it: Iteration) -> None:
+            nonlocal running, most
+            running += 1
+            most = max(most, running)
+            if it.number == 1:
+                await release.wait()
+            running -= 1
+
+        slow = Loop("slow", fn, every=HOUR)
+        async with LoopHarness(sqlite_url, [slow], clock=clock) as h:
+            await settle()
+            assert h.row("slow").status == "running"
+            h.engine.trigger_loop("slow")
+            await drive(clock, 5)
+            assert started(h.journal("slow")) == [0]  # the trigger waits
+            release.set()
+            await drive(clock, 3)
+            assert started(h.journal("slow"), "manual") and most == 1
+            assert h.row("slow").next_fire_at == T0 + HOUR  # the schedule is untouched
+
+    asyncio.run(main())
+
+
+def test_backfill__runs_the_missed_slots_once_each_oldest_first(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'f.db'}"
+
+    async def main() -> None:
+        clock = SteppedClock()
+        hourly = Loop("hourly", lambda it: None, every=HOUR, misfire_grace=60)
+        async with LoopHarness(url, [hourly], clock=clock) as h:
+            await drive(clock, HOUR + 1, step=60)  # slots 0 and 1h run
+        clock.advance(4 * HOUR)  # down: 2h, 3h, 4h, 5h pass
+        async with LoopHarness(url, [hourly], clock=clock) as h:
+            await drive(clock, 60, step=10)  # 2h-4h past the grace: missed; 5h fires
+            assert started(h.journal("hourly")) == [0, HOUR, 5 * HOUR]
+            h.engine.backfill_loop("hourly", BackfillRequest(T0, T0 + 6 * HOUR, 2))
+            await drive(clock, 10)
+            events = h.journal("hourly")
+            assert_no_duplicate_slots(events)
+            assert started(events, "backfill") == [2 * HOUR, 3 * HOUR]  # --max 2
+            assert events[-1].kind == "backfill_finished" and h.row("hourly").control is None
+            h.engine.backfill_loop("hourly", BackfillRequest(T0, T0 + 6 * HOUR))
+            await drive(clock, 10)
+            events = h.journal("hourly")
+            assert_no_duplicate_slots(events)
+            # The rest of the range, not the future slot 6h: never a slot twice.
+            assert started(events, "backfill") == [2 * HOUR, 3 * HOUR, 4 * HOUR]
+            assert events[-1].kind == "backfill_finished" and h.row("hourly").control is None
+            # A second backfill of the same range finds nothing left.
+            h.engine.backfill_loop("hourly", BackfillRequest(T0, T0 + 4 * HOUR))
+            await drive(clock, 3)
+            assert started(h.journal("hourly"), "backfill") == [2 * HOUR, 3 * HOUR, 4 * HOUR]
+            assert h.journal("hourly")[-1].kind == "backfill_finished"
+            assert h.row("hourly").next_fire_at == T0 + 6 * HOUR
+
+    asyncio.run(main())
+
+
+def test_manual_cli__trigger_and_backfill_journaled_and_shown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CLI (real processes) asks; a worker (the scheduler here) runs; `flowloop loops
+    NAME` shows the manual and backfill iterations. Refusals are one line, exit 2."""
+    monkeypatch.setenv("COLUMNS", "200")  # the journal table on one line per entry
+    db = tmp_path / "loops.db"
+    url = f"sqlite:///{db}"
+    start = datetime.fromtimestamp(T0, UTC).isoformat()
+    end = datetime.fromtimestamp(T0 + 2 * HOUR, UTC).replace(tzinfo=None).isoformat()
+
+    async def work(seconds: float) -> None:
+        clock = SteppedClock(T0 + 3 * HOUR + 30)
+        daily = Loop("nightly", lambda it: None, every=HOUR, misfire_grace=60)
+        async with LoopHarness(url, [daily], clock=clock):
+            await drive(clock, seconds)
+
+    asyncio.run(work(1))  # registers the loop (its first slot is now)
+    asked = cli("trigger", "nightly", db=db)
+    assert "trigger requested" in asked.stdout
+    refused = cli("backfill", "nightly", "--from", start, "--to", end, db=db, check=False)
+    assert refused.returncode == 2 and "already has a trigger request pending" in refused.stderr
+    asyncio.run(work(3))
+    asked = cli("backfill", "nightly", "--from", start, "--to", end, db=db)
+    assert "backfill of" in asked.stdout and "requested" in asked.stdout
+    asyncio.run(work(5))
+    shown = cli("loops", "nightly", db=db).stdout
+    assert "manual" in shown and "backfill_finished" in shown
+    assert shown.count("backfill") >= 3  # two slots of the loop's chain, and the end
+    with Engine(url) as engine:
+        events = engine.loop_history("nightly")
+    # The loop's chain runs through its first slot (T0 + 3h 30s): 30 s past each hour.
+    backfilled = [e.slot for e in events if e.data.get("reason") == "backfill"]
+    assert backfilled == [T0 + 30, T0 + HOUR + 30]
+    for args, message in [
+        (("trigger", "nope"), "no loop 'nope'"),
+        (("backfill", "nightly", "--from", "yesterday", "--to", end), "is not an ISO 8601"),
+        (("backfill", "nightly", "--from", end, "--to", start), "--to is before --from"),
+    ]:
+        refused = cli(*args, db=db, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert message in refused.stderr and "Traceback" not in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1

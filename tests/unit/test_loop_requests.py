@@ -1,0 +1,66 @@
+"""Manual loop iterations: the backfill request and which slot comes next (pure)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from flowloop.loop_requests import BACKFILL_MAX_LIMIT, BackfillRequest, LoopRequestRefused
+from flowloop.loop_requests import first_unstarted as first
+from flowloop.loops import Iteration, Loop
+
+T0 = 1_800_000_000.0
+
+
+def tick(it: Iteration) -> None:
+    return None
+
+
+def test_first_unstarted__skips_started_slots_and_stops_at_now() -> None:
+    hourly = Loop("h", tick, every=3600)
+    request = BackfillRequest(T0, T0 + 5 * 3600)
+    assert first(hourly, request, now=T0 + 10**6, started=[]) == T0
+    assert first(hourly, request, now=T0 + 10**6, started=[T0, T0 + 3600]) == T0 + 7200
+    assert first(hourly, request, now=T0 + 3000, started=[T0]) is None  # 1h is in the future
+    every = [T0 + i * 3600 for i in range(6)]
+    assert first(hourly, request, now=T0 + 10**6, started=every) is None
+
+
+def test_first_unstarted__interval_slots_follow_the_anchor_chain() -> None:
+    hourly = Loop("h", tick, every=3600)
+    request = BackfillRequest(T0, T0 + 2 * 3600)
+    assert first(hourly, request, now=T0 + 10**6, started=[], anchor=T0 + 5 * 3600 + 30) == (
+        T0 + 30
+    )
+
+
+def test_first_unstarted__cron_in_a_zone_over_spring_forward() -> None:
+    zone = ZoneInfo("Europe/Berlin")
+    daily = Loop("d", tick, cron="30 2 * * *", tz="Europe/Berlin")
+    start = datetime(2026, 3, 28, tzinfo=zone).timestamp()
+    request = BackfillRequest(start, start + 3 * 86400)
+    slot = first(daily, request, now=start + 10**7, started=[])
+    assert slot == datetime(2026, 3, 28, 2, 30, tzinfo=zone).timestamp()
+    nxt = first(daily, request, now=start + 10**7, started=[slot])
+    assert nxt == datetime(2026, 3, 29, 3, 0, tzinfo=zone).timestamp()  # 02:30 is missing
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((T0, T0 - 1), "--to is before --from"),
+        ((T0, T0 + 1, 0), "--max=0 must be between 1 and"),
+        ((T0, T0 + 1, BACKFILL_MAX_LIMIT + 1), "must be between 1 and"),
+        ((float("nan"), T0), "must be times"),
+    ],
+)
+def test_backfill_request__bad_range_is_refused(args: tuple[float, ...], message: str) -> None:
+    with pytest.raises(LoopRequestRefused, match=message):
+        BackfillRequest(*args)  # type: ignore[arg-type]
+
+
+def test_backfill_request__round_trips_through_json() -> None:
+    request = BackfillRequest(T0, T0 + 60, 5, T0 + 1)
+    assert BackfillRequest.from_json(request.to_json()) == request

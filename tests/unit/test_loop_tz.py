@@ -1,0 +1,143 @@
+"""Cron loops in time zones: the DST policy of flowloop/tz.py as a table (pure slot maths).
+
+Each row walks one local day, slot after slot, with ``Loop.slot_after`` — the function the
+scheduler uses — and compares the wall-clock times it fires with the documented policy.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from flowloop.errors import LoopDefinitionError
+from flowloop.loops import Iteration, Loop, decide
+from flowloop.tz import describe, wall_time_schedule
+
+
+def tick(it: Iteration) -> None:
+    return None
+
+
+def day_slots(loop: Loop, day: str) -> list[str]:
+    """Every slot of ``loop`` during the local calendar day ``day``, as wall-clock text."""
+    assert loop.tz is not None
+    zone = ZoneInfo(loop.tz)
+    start = datetime.fromisoformat(day).replace(tzinfo=zone)
+    end = (start + timedelta(days=1)).timestamp()
+    shown, slot = [], start.timestamp() - 1
+    while (slot := loop.slot_after(slot)) < end:
+        shown.append(describe(slot, loop.tz))
+    return shown
+
+
+BERLIN, NEW_YORK = "Europe/Berlin", "America/New_York"
+# Spring forward / fall back in 2026: Berlin 29 March 02:00→03:00, 25 October 03:00→02:00;
+# New York 8 March 02:00→03:00, 1 November 02:00→01:00.
+DAILY_AT_FIXED_TIME = [
+    # zone, cron, day, the slots that day
+    (BERLIN, "30 2 * * *", "2026-03-29", ["2026-03-29 03:00 CEST"]),  # 02:30 does not exist
+    (BERLIN, "30 2 * * *", "2026-10-25", ["2026-10-25 02:30 CEST"]),  # twice: first only
+    (BERLIN, "30 2 * * *", "2026-10-26", ["2026-10-26 02:30 CET"]),  # back to normal
+    (BERLIN, "0 2 * * *", "2026-03-29", ["2026-03-29 03:00 CEST"]),
+    (BERLIN, "30 1 * * *", "2026-03-29", ["2026-03-29 01:30 CET"]),  # before the gap
+    (NEW_YORK, "30 2 * * *", "2026-03-08", ["2026-03-08 03:00 EDT"]),
+    (NEW_YORK, "30 1 * * *", "2026-11-01", ["2026-11-01 01:30 EDT"]),  # twice: first only
+    (NEW_YORK, "30 2 * * *", "2026-11-01", ["2026-11-01 02:30 EST"]),  # once (not ambiguous)
+    (NEW_YORK, "15 9 * * 1-5", "2026-11-02", ["2026-11-02 09:15 EST"]),
+]
+
+
+@pytest.mark.parametrize(("tz", "cron", "day", "expected"), DAILY_AT_FIXED_TIME)
+def test_cron_tz__fixed_wall_time_fires_once_per_day_as_documented(
+    tz: str, cron: str, day: str, expected: list[str]
+) -> None:
+    assert day_slots(Loop("daily", tick, cron=cron, tz=tz), day) == expected
+
+
+ELAPSED_TIME = [
+    # zone, cron, day, slots that day, the real seconds between consecutive slots
+    (BERLIN, "0 * * * *", "2026-03-29", 23, 3600),
+    (BERLIN, "0 * * * *", "2026-10-25", 25, 3600),
+    (BERLIN, "0 * * * *", "2026-06-01", 24, 3600),
+    (NEW_YORK, "0 * * * *", "2026-03-08", 23, 3600),
+    (NEW_YORK, "0 * * * *", "2026-11-01", 25, 3600),
+    (BERLIN, "*/15 * * * *", "2026-10-25", 100, 900),
+    (NEW_YORK, "*/30 * * * *", "2026-03-08", 46, 1800),
+]
+
+
+@pytest.mark.parametrize(("tz", "cron", "day", "count", "gap"), ELAPSED_TIME)
+def test_cron_tz__hourly_jobs_fire_once_per_real_hour(
+    tz: str, cron: str, day: str, count: int, gap: int
+) -> None:
+    loop = Loop("hourly", tick, cron=cron, tz=tz)
+    zone = ZoneInfo(tz)
+    start = datetime.fromisoformat(day).replace(tzinfo=zone).timestamp()
+    slots = [loop.slot_after(start - 1)]
+    end = (datetime.fromisoformat(day).replace(tzinfo=zone) + timedelta(days=1)).timestamp()
+    while (nxt := loop.slot_after(slots[-1])) < end:
+        slots.append(nxt)
+    assert len(slots) == count
+    assert {b - a for a, b in itertools.pairwise(slots)} == {gap}
+
+
+def test_cron_tz__from_inside_the_repeated_hour_the_next_slot_is_tomorrow() -> None:
+    loop = Loop("daily", tick, cron="30 1 * * *", tz=NEW_YORK)
+    zone = ZoneInfo(NEW_YORK)
+    # 01:10 EST on 1 November: the second pass of 01:00-02:00; 01:30 EDT has already fired.
+    second_pass = datetime(2026, 11, 1, 1, 10, fold=1, tzinfo=zone).timestamp()
+    assert describe(loop.slot_after(second_pass), NEW_YORK) == "2026-11-02 01:30 EST"
+    first = datetime(2026, 11, 1, 1, 30, tzinfo=zone).timestamp()
+    assert loop.missed_slots(first, second_pass + 3600) == 1  # counted once, too
+
+
+def test_cron_tz__a_whole_dst_year_has_one_slot_per_day() -> None:
+    loop = Loop("daily", tick, cron="30 2 * * *", tz=BERLIN)
+    start = datetime(2026, 1, 1, tzinfo=ZoneInfo(BERLIN)).timestamp()
+    assert loop.missed_slots(loop.slot_after(start), start + 365 * 86400) == 365
+
+
+def test_cron_tz__downtime_over_the_change_coalesces_into_one_slot() -> None:
+    loop = Loop("daily", tick, cron="30 2 * * *", tz=BERLIN, misfire_grace=None)
+    zone = ZoneInfo(BERLIN)
+    first = loop.slot_after(datetime(2026, 10, 24, tzinfo=zone).timestamp())
+    wake = decide(loop, first, datetime(2026, 10, 26, 12, tzinfo=zone).timestamp())
+    assert (wake.fire, wake.reason, wake.coalesced) == (True, "coalesced", 2)
+    assert describe(wake.slot, BERLIN) == "2026-10-26 02:30 CET"
+
+
+def test_cron_tz__utc_default_is_unchanged() -> None:
+    assert Loop("u", tick, cron="30 2 * * *").slot_after(0) == 2 * 3600 + 1800
+    assert Loop("u", tick, cron="30 2 * * *").schedule == "cron 30 2 * * *"
+    assert (
+        Loop("b", tick, cron="30 2 * * *", tz=BERLIN).schedule == "cron 30 2 * * * (Europe/Berlin)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"cron": "30 2 * * *", "tz": "Europe/Berln"}, r"tz='Europe/Berln' is not an IANA"),
+        ({"cron": "30 2 * * *", "tz": ""}, r"tz='' is not an IANA"),
+        ({"cron": "30 2 * * *", "tz": "../etc/passwd"}, r"is not an IANA"),
+        ({"cron": "30 2 * * *", "tz": 5}, r"tz=5 is not an IANA"),
+        ({"every": 60, "tz": BERLIN}, r"tz= applies to cron= schedules"),
+    ],
+)
+def test_cron_tz__bad_zone_is_one_definition_error(
+    options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(LoopDefinitionError, match=message) as caught:
+        Loop("daily", tick, **options)  # type: ignore[arg-type]
+    assert "\n" not in str(caught.value)
+
+
+def test_wall_time_schedule__fixed_fields_vs_stars() -> None:
+    assert wall_time_schedule("30 2 * * *")
+    assert wall_time_schedule("0,30 9-17 * * 1-5")
+    assert not wall_time_schedule("0 * * * *")
+    assert not wall_time_schedule("*/5 * * * *")
+    assert not wall_time_schedule("0 */2 * * *")
