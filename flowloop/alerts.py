@@ -330,6 +330,31 @@ def run_alerts(
     ]
 
 
+def breaker_alert(name: str, kind: str, worker: str, error: str | None) -> Alert | None:
+    """A circuit breaker opened (``critical``: its steps are not called) or closed again
+    (``warning``); ``None`` for other transitions (its half-open trial)."""
+    if kind == "opened":
+        return Alert(
+            level="critical",
+            what="breaker opened",
+            subject=name,
+            message=f"steps behind breaker {name} are not called until its cool-down ends",
+            error=error,
+            hint="flowloop status",
+            data={"breaker": name, "worker": worker},
+        )
+    if kind == "closed":
+        return Alert(
+            level="warning",
+            what="breaker closed",
+            subject=name,
+            message=f"breaker {name} closed: a trial call succeeded; its steps run again",
+            hint="flowloop status",
+            data={"breaker": name, "worker": worker},
+        )
+    return None
+
+
 def lease_lost_alert(kind: Literal["run", "loop"], subject: str, why: str, worker: str) -> Alert:
     """A worker stopped driving a run or loop because its lease was lost (paused process,
     network partition, a database too slow to renew in time)."""

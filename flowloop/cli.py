@@ -641,6 +641,7 @@ def status(
             limit=limit,
             after=after_id,
         )
+        breakers = list(getattr(engine.store, "breakers", list)())
         if as_json:
             listed = [info_json(i, waits) for i in infos]
         else:
@@ -656,10 +657,18 @@ def status(
             "limit": limit,
             "truncated": truncated,
             "next_after": infos[-1].id if truncated else None,
+            "breakers": [dataclasses.asdict(b) for b in breakers],
         }
         click.echo(json.dumps(page))
         return
     out.print(table)
+    for b in breakers:  # circuit breakers shared by the workers (flowloop.flowcontrol)
+        until = f" until {iso(b.until)}" if b.until is not None and b.status != "closed" else ""
+        out.print(
+            f"breaker {b.name}: {b.status}{until} (opened {b.opened} time(s), "
+            f"{b.failures} recent failure(s))",
+            markup=False,
+        )
     for line in pressure:
         out.print(line, markup=False)
     if truncated:

@@ -27,6 +27,7 @@ from flowloop import compose, graph, upcast
 from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite, StepError
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
+from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class StepSpec:
     """False for ``next=`` steps: whatever they return, they take ``next``."""
     wants_step: bool
     """The function takes ``(ctx, step)``; otherwise just ``(ctx)``."""
+    rate_limit: RateLimit | None = None
+    breaker: Breaker | None = None
     on_error: tuple[tuple[compose.ErrorKey, str], ...] = ()
     """``(exception class or "*", state)`` routes taken once the retry policy gives up."""
     compensate: StepFunction | None = None
@@ -118,8 +121,9 @@ class StepSpec:
     compensate_retry: Retry = DEFAULT_RETRY
 
     def describe(self) -> str:
-        """Compact settings for diagrams: retry, timeout, idempotency, max visits."""
+        """Compact settings for diagrams: retry, timeout, idempotency, max visits, limits."""
         parts = [self.retry.describe()]
+        parts.extend(g.describe() for g in (self.rate_limit, self.breaker) if g is not None)
         if self.timeout is not None:
             parts.append(f"timeout {human(self.timeout)}")
         if not self.idempotent:
@@ -206,6 +210,9 @@ class Workflow(compose.Composing):
         version: int = 1,
         key: str | Callable[[Any], str] | None = None,
         max_concurrency: int | None = None,
+        concurrency_key: Callable[[Any], str] | None = None,
+        key_limit: int | None = None,
+        rate_limit: RateLimit | None = None,
         description: str = "",
         deadline: float | timedelta | None = None,
         on_deadline: str | None = None,
@@ -224,8 +231,17 @@ class Workflow(compose.Composing):
             )
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
-        if max_concurrency is not None and max_concurrency < 1:
-            raise DefinitionError(name, "max_concurrency must be at least 1")
+        # Limits hold for every worker sharing the database (flowloop/store/limits.py).
+        check_workflow_limits(
+            name,
+            max_concurrency=max_concurrency,
+            concurrency_key=concurrency_key,
+            key_limit=key_limit,
+            rate_limit=rate_limit,
+        )
+        self.concurrency_key = concurrency_key
+        self.key_limit = key_limit
+        self.rate_limit = rate_limit
         self.name = name
         self.context = context
         self.version = version
@@ -279,6 +295,8 @@ class Workflow(compose.Composing):
         retry: Retry | None = None,
         idempotent: bool = True,
         max_visits: int | None = None,
+        rate_limit: RateLimit | None = None,
+        breaker: Breaker | None = None,
         on_error: Mapping[type[BaseException] | str, str] | None = None,
         compensate: StepFunction | None = None,
         compensate_retry: Retry | None = None,
@@ -287,6 +305,7 @@ class Workflow(compose.Composing):
 
         Use ``on={event: next_state}`` when the step chooses between events, or
         ``next="state"`` when it always goes to one state (it may then return ``None``).
+        ``rate_limit``/``breaker``: taken before each call of the step (flowloop.flowcontrol).
 
         ``on_error={ExceptionType: state, "*": state}`` routes an error once the retry
         policy gives up on it (at once for one it does not retry); the most specific class
@@ -296,6 +315,7 @@ class Workflow(compose.Composing):
         later enters a compensating state (``final(..., compensate=True)``);
         ``compensate_retry`` is that function's own retry policy.
         """
+        check_step_limits(self.name, name or "?", rate_limit, breaker)
 
         def register(function: F) -> F:
             state = name or function.__name__
@@ -320,6 +340,11 @@ class Workflow(compose.Composing):
                     on_error=compose.check_on_error(self.name, state, on_error),
                     compensate=compensate,
                     compensate_retry=compensate_retry or DEFAULT_RETRY,
+                )
+            if rate_limit is not None or breaker is not None:
+                spec = self._draft.steps[state]
+                self._draft.steps[state] = dataclasses.replace(
+                    spec, rate_limit=rate_limit, breaker=breaker
                 )
             return function
 
@@ -803,6 +828,11 @@ class Workflow(compose.Composing):
         if self.context_version == 1:
             return {}
         return {upcast.VERSION_KEY: self.context_version}
+
+    @property
+    def limited(self) -> bool:
+        """Claims of this workflow count slots (``max_concurrency`` or ``concurrency_key``)."""
+        return self.max_concurrency is not None or self.concurrency_key is not None
 
     def business_key(self, context: BaseModel) -> str | None:
         if self.key is None:

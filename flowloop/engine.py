@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, overload
 from pydantic import BaseModel
 from pydantic_core import to_jsonable_python
 
-from flowloop import children, ids, loop_requests, starts, tracecontext
+from flowloop import children, gates, ids, loop_requests, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
@@ -56,6 +56,7 @@ from flowloop.executor import (
     new_worker_id,
     try_deliver_pending,
 )
+from flowloop.flowcontrol import concurrency_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE, FINISHED
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
@@ -272,6 +273,7 @@ class Engine:
                 json.dumps(workflow.definition_record(), sort_keys=True),
             )
             self._workflows.add(workflow)
+        gates.share_limits(self.store, self._workflows)
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
@@ -347,6 +349,11 @@ class Engine:
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         check_key("idempotency key", idempotency_key)
+        limit_key = (
+            None
+            if workflow.concurrency_key is None
+            else concurrency_key_of(workflow.name, workflow.concurrency_key, ctx)
+        )
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         created = JournalEvent(
             run_id=run_id,
@@ -363,6 +370,7 @@ class Engine:
                 "key": business_key,
                 "due": self._first_due(workflow, now, run_at),
                 **workflow.context_stamp(),
+                **({"limit_key": limit_key} if limit_key is not None else {}),
                 # The whole run's deadline: a durable due time (waiting, retrying included).
                 **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
                 **self._trace_data(run_id, trace_context),
@@ -389,6 +397,7 @@ class Engine:
             priority=priority,
             owner=owner,
             lease_seconds=self.lease_seconds,
+            limit_key=limit_key,
         )
 
     def _trace_data(self, run_id: str, carrier: Mapping[str, str] | None) -> dict[str, Any]:
@@ -574,7 +583,11 @@ class Engine:
             trace_context=trace_context,
             # Claimed at birth when it starts with a step; a run that starts waiting
             # holds nothing.
-            owner=self.worker_id if workflow.initial in workflow.steps else None,
+            # A limited or gated first step is claimed like any other (its limits are
+            # decided in the claim / before the call).
+            owner=self.worker_id
+            if workflow.initial in workflow.steps and not gates.gated_start(workflow)
+            else None,
         )
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:

@@ -47,6 +47,7 @@ from flowloop.errors import (
     StepTimeout,
 )
 from flowloop.events import accepted, accepts, check_visits, entering, receive, reject_kept
+from flowloop.gates import Gates, share_limits
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.localdue import LocalDue
 from flowloop.steppool import StepThreads
@@ -326,6 +327,8 @@ class Executor:
         """Due times of runs this executor handed back, on the monotonic clock too (a wall
         clock set back must not stall a 3 s retry for an hour)."""
         self.reserved: Callable[[], int] = lambda: 0
+        self.gates = Gates(store, worker_id, clock)
+        """Breakers and rate limits checked before calls (flowloop/gates.py)."""
         """Slots of ``max_concurrency`` taken by others (a worker's loop iterations)."""
 
     @property
@@ -359,6 +362,7 @@ class Executor:
         otherwise run until ``stop`` is set, then drain within ``grace`` seconds.
         ``initial`` runs are already claimed and started by the caller."""
         self._wake = asyncio.Event()
+        share_limits(self.store, self.workflows)  # as now configured (config overrides)
         for stored in initial:
             self.spawn(stored, starting=False)
         helpers = [asyncio.create_task(self.heartbeat())]
@@ -473,7 +477,9 @@ class Executor:
             waiters.append(asyncio.ensure_future(stop.wait()))
         try:
             await asyncio.wait(
-                waiters, timeout=self.poll_seconds, return_when=asyncio.FIRST_COMPLETED
+                waiters,
+                timeout=self.gates.wake_in(self.poll_seconds),
+                return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
             for waiter in waiters:
@@ -871,8 +877,18 @@ class Executor:
             elif starting:
                 if await self._honour_control(record, fence):
                     return
+                held = await self.gates.check(
+                    workflow, record, record.state, attempt=record.attempt
+                )
+                if held is not None:  # not called now: deferred or failed (flowloop/gates.py)
+                    await self._finish(record, fence, [held])
+                    return
                 started = self._event(
-                    record, j.STEP_STARTED, state=record.state, attempt=record.attempt + 1
+                    record,
+                    j.STEP_STARTED,
+                    state=record.state,
+                    attempt=record.attempt + 1,
+                    data=self.gates.granted(record.id),
                 )
                 record = j.apply(record, started)
                 if not await self._commit(Boundary(events=[started], record=record, fence=fence)):
@@ -991,8 +1007,10 @@ class Executor:
             duration = self.clock.monotonic() - started
             if isinstance(error, children.DeadlineCut):
                 return await children.past_deadline(self, workflow, record, fence)
+            self.gates.called(spec, error)
             return await self._failed(workflow, spec, record, fence, error, duration)
         duration = self.clock.monotonic() - started
+        self.gates.called(spec, None)
         self.stats.steps += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0
         succeeded = self._event(
@@ -1071,8 +1089,19 @@ class Executor:
             elif applied and self._wake is not None and target not in workflow.waits:
                 self._wake.set()
             return None
+        held = await self.gates.check(workflow, after, target, attempt=0)
+        if held is not None:  # not called now: deferred (rate limit, breaker) or failed
+            await self._finish(record, fence, [transition, held])
+            return None
         # The usual case: the outcome and the next step_started in one commit.
-        nxt = self._event(record, j.STEP_STARTED, offset=2, state=target, attempt=1)
+        nxt = self._event(
+            record,
+            j.STEP_STARTED,
+            offset=2,
+            state=target,
+            attempt=1,
+            data=self.gates.granted(record.id),
+        )
         after = j.apply(after, nxt)
         if not await self._commit(Boundary(events=[transition, nxt], record=after, fence=fence)):
             return None

@@ -29,6 +29,7 @@ RUN_RELEASED: Final = "run_released"  # handed back to the queue (shutdown, lost
 RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past state
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
+RUN_DEFERRED: Final = "run_deferred"  # a rate limit / open breaker: due later, status kept
 CHILDREN_STARTED: Final = "children_started"  # a call/map created its children; waits (no due)
 CHILDREN_JOINED: Final = "children_joined"  # every child ended: state -> next_state, context
 COMPENSATION_STARTED: Final = "compensation_started"  # status running, attempt
@@ -57,6 +58,7 @@ KINDS: Final = (
     RUN_RETRIED,
     EVENT_RECEIVED,
     EVENT_REJECTED,
+    RUN_DEFERRED,
     CHILDREN_STARTED,
     CHILDREN_JOINED,
     COMPENSATION_STARTED,
@@ -330,6 +332,9 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=None,
             error=None,
         )
+    elif kind == RUN_DEFERRED:
+        # The step was not called (flowloop/gates.py): nothing but when and why changes.
+        change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
         change.update(context=event.context, next_run_at=event.data.get("due", event.at))

@@ -58,6 +58,8 @@ KNOWN_ALERTS: Final = (
     ("critical", "interrupted step (not idempotent)"),
     ("critical", "run failed"),
     ("critical", "loop paused"),
+    ("critical", "breaker opened"),
+    ("warning", "breaker closed"),
     ("warning", "lease lost"),
     ("warning", "loop iterations skipped"),
 )
@@ -169,6 +171,25 @@ class Metrics:
             "Runs this worker is driving right now.",
             registry=r,
         )
+        self.breaker_transitions = Counter(
+            "flowloop_breaker_transitions",
+            "Circuit breaker transitions this worker made: opened, half_opened, closed.",
+            ["breaker", "kind"],
+            registry=r,
+        )
+        self.breaker_open = Gauge(
+            "flowloop_breaker_open",
+            "1 while a breaker is open or half open (as last changed by this worker), else 0.",
+            ["breaker"],
+            registry=r,
+        )
+        self.deferred = Counter(
+            "flowloop_runs_deferred",
+            "Runs whose step was not called yet and that were rescheduled: by rate limit "
+            "or open breaker (reason: rate_limit, breaker_open).",
+            ["workflow", "reason"],
+            registry=r,
+        )
         self.abandoned_threads = Gauge(
             "flowloop_abandoned_step_threads",
             "Threads still running a sync step given up on (timed out or cut off).",
@@ -244,6 +265,18 @@ class Metrics:
             counter.inc()
 
         return hook
+
+    def breaker(self, name: str, kind: str) -> None:
+        """A breaker transition made by this worker (flowloop/gates.py)."""
+        self.breaker_transitions.labels(name, kind).inc()
+        self.breaker_open.labels(name).set(0 if kind == "closed" else 1)
+
+    def deferrals(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        """An executor listener counting ``run_deferred`` entries."""
+        for event in events:
+            if event.kind == j.RUN_DEFERRED:
+                reason = str(event.data.get("reason", "")).split(":", 1)[0]
+                self.deferred.labels(record.workflow, reason).inc()
 
     def stall(self, lag: float, _steps: list[str]) -> None:
         """A loop-watchdog stall listener."""

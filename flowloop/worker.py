@@ -16,10 +16,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
 from flowloop import backpressure_metrics
-from flowloop.alerts import Alert, Alerts, lease_lost_alert, run_alerts
+from flowloop.alerts import Alert, Alerts, breaker_alert, lease_lost_alert, run_alerts
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
+from flowloop.gates import BreakerChange
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import IDLE, Idle, Iteration, Loop
@@ -150,10 +151,12 @@ class Worker:
         scheduler.lease_lost.append(
             lambda name, why: self._alert(lease_lost_alert("loop", name, why, worker))
         )
+        executor.gates.changed.append(self._breaker_changed)
         metrics = self.metrics
         if metrics is None:
             return
         executor.listeners.append(metrics.listener)
+        executor.listeners.append(metrics.deferrals)
         executor.watchdog.listeners.append(metrics.stall)
         executor.lease_lost.append(metrics.lease_lost("run"))
         scheduler.lease_lost.append(metrics.lease_lost("loop"))
@@ -181,6 +184,13 @@ class Worker:
         self._signals += 1  # a later signal exits at once, as after a first SIGTERM
         if self.stop_event is not None:
             self.stop_event.set()
+
+    def _breaker_changed(self, change: BreakerChange) -> None:
+        if self.metrics is not None:
+            self.metrics.breaker(change.name, change.kind)
+        alert = breaker_alert(change.name, change.kind, change.worker, change.error)
+        if alert is not None:
+            self._alert(alert)
 
     def _alert(self, alert: Alert) -> None:
         if self.metrics is not None:

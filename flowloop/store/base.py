@@ -82,6 +82,10 @@ class NewRun:
     owner: str | None = None
     """Create the run already claimed by this worker (saves a claim round trip)."""
     lease_seconds: float = 30.0
+    limit_key: str | None = None
+    """The run's concurrency key (``Workflow(concurrency_key=...)``), kept on its row."""
+    limit_rank: int | None = None
+    """Its place in its key's queue when it was created (set by the store)."""
     parent_id: str | None = None
     """The run that started this one (a call's or map's child), else ``None``."""
     child_index: int | None = None

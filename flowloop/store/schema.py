@@ -63,6 +63,12 @@ runs = Table(
     Column("control", String(16)),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    # The run's concurrency key (Workflow(concurrency_key=...)), set at start: claims count
+    # the runs held per key and go round-robin between keys (flowloop/store/limits.py).
+    Column("limit_key", String(400)),
+    # Its key's live runs when it was created, plus one: claims serve the first run of
+    # every key before the second of any (round-robin that holds across claims).
+    Column("limit_rank", Integer),
     # Composition: the whole run's deadline; for a child run, its parent, the join it
     # reports its end to, its item's index, and whether it has reported ('open': not yet).
     Column("deadline_at", Float),
@@ -76,6 +82,13 @@ Index("ix_flowloop_runs_parent", runs.c.parent_id)
 Index("ix_flowloop_runs_join", runs.c.join_id, runs.c.child_index)
 Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
 Index("ix_flowloop_runs_owner", runs.c.owner)
+Index(
+    "ix_flowloop_runs_limit_key",
+    runs.c.workflow,
+    runs.c.limit_key,
+    sqlite_where=text("limit_key IS NOT NULL"),
+    postgresql_where=text("limit_key IS NOT NULL"),
+)
 # Claims use this one; widening it (say, with created_at) made claims 3x slower.
 Index("ix_flowloop_runs_workflow", runs.c.workflow, runs.c.status)
 # `flowloop status` lists the newest runs first, of all workflows, of one, or of one
@@ -196,6 +209,41 @@ Index(
     postgresql_where=text("dedupe_key IS NOT NULL"),
 )
 
+# Flow control shared by all workers (flowloop/flowcontrol.py, flowloop/store/limits.py).
+rate_limits = Table(
+    "flowloop_rate_limits",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("last_grant", Float),
+    Column("queue_end", Float, nullable=False),
+    Column("grants", Integer, nullable=False, default=0),
+    Column("deferrals", Integer, nullable=False, default=0),
+    Column("updated_at", Float, nullable=False),
+)
+
+breakers = Table(
+    "flowloop_breakers",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("status", String(16), nullable=False),
+    Column("failures", Text, nullable=False),
+    Column("until", Float),
+    Column("trial", String(200)),
+    Column("opened", Integer, nullable=False, default=0),
+    Column("last_seq", Integer, nullable=False, default=0),
+    Column("updated_at", Float, nullable=False),
+)
+
+breaker_journal = Table(
+    "flowloop_breaker_journal",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("seq", Integer, primary_key=True),
+    Column("kind", String(32), nullable=False),
+    Column("at", Float, nullable=False),
+    Column("worker", String(200)),
+    Column("data", Text),
+)
 # One row per visit of a call or map state: how many children it has, how many exist, and
 # how many ended which way. Each child's final transaction updates it (the join counter).
 joins = Table(

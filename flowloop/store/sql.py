@@ -41,6 +41,7 @@ from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
 from flowloop.store.joins import JoinStoreMixin, reports_end
+from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
 
@@ -147,6 +148,8 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "control": None,
         "created_at": new.events[0].at,
         "updated_at": new.events[-1].at,
+        "limit_key": new.limit_key,
+        "limit_rank": new.limit_rank,
         "parent_id": new.parent_id,
         "join_id": record.join,
         "child_index": new.child_index,
@@ -220,7 +223,7 @@ def _stored_from_row(row: Any) -> StoredRun:
     )
 
 
-class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
+class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
@@ -238,6 +241,7 @@ class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
         self._lock = threading.RLock()
         self._writer: Connection | None = None
         self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
+        self._claim_limits: dict[str, ClaimLimits] = {}
         try:
             if check_schema:
                 self._ensure_schema(create=create)
@@ -495,6 +499,8 @@ class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
         existing = next((taken[key] for key in _unique_keys(new) if key in taken), None)
         if existing is not None:
             return existing, False
+        if new.limit_key is not None:
+            new = self._ranked(conn, [new])[0]
         stmt = self._insert_run_owned if new.owner else self._insert_run
         params = {f"p_{name}": value for name, value in _new_run_row(new).items()}
         params["p_lease"] = new.lease_seconds
@@ -528,6 +534,7 @@ class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
         if fresh:
             # One order for every writer (by key): two batches with overlapping keys take
             # the unique index's entries in the same order instead of deadlocking.
+            fresh = self._ranked(conn, fresh)  # in the order given: FIFO per key
             fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
             rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
             inserted = {row.id: _stored_from_row(row) for row in rows}
@@ -863,6 +870,10 @@ class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
     ) -> list[StoredRun]:
         if (workflows is not None and not workflows) or (run_ids is not None and not run_ids):
             return []
+        limited = [w for w in workflows or () if w in self._claim_limits] if kind == "due" else []
+        if limited:  # counted against their limits, in this same transaction
+            assert workflows is not None
+            workflows = [w for w in workflows if w not in self._claim_limits]
         stmt = self._claim_statement(kind, workflows is not None, run_ids is not None)
         params: dict[str, Any] = {
             "p_worker": worker,
@@ -875,7 +886,23 @@ class SQLStore(JoinStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
         if run_ids is not None:
             params["p_ids"] = list(run_ids)
         with self._write() as conn:
-            rows = [_stored_from_row(row) for row in conn.execute(stmt, params)]
+            found = (
+                self._claim_limited(
+                    conn,
+                    limited,
+                    worker=worker,
+                    lease_seconds=lease_seconds,
+                    limit=limit,
+                    now=now,
+                    run_ids=run_ids,
+                )
+                if limited
+                else []
+            )
+            params["p_limit"] = limit - len(found)
+            if (workflows is None or workflows) and params["p_limit"] > 0:
+                found.extend(conn.execute(stmt, params))
+            rows = [_stored_from_row(row) for row in found]
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
         return rows
 

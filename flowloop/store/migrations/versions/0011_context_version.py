@@ -1,7 +1,7 @@
 """runs remember the version of their stored context (context migrations, issue 16)
 
 Revision ID: 0011
-Revises: 0005
+Revises: 0009
 Create Date: 2026-12-01 10:20:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0011"
-down_revision = "0005"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
