@@ -31,7 +31,10 @@ class FileJob(BaseModel):
 
 
 class Batch(BaseModel):
-    input_dir: str = str(DATA)
+    # Empty: the sample files next to this example. Not a default holding the absolute
+    # path: the context's schema (defaults included) is part of the fingerprint, which must
+    # not differ from one checkout folder to another.
+    input_dir: str = ""
     files: list[str] = []
     records: int = 0
     failed_files: list[str] = []
@@ -58,7 +61,7 @@ etl_fanout = Workflow("etl_fanout", context=Batch)
 
 @etl_fanout.step(initial=True, next="load_files")
 def discover(ctx: Batch) -> None:
-    ctx.files = sorted(str(p) for p in Path(ctx.input_dir).glob("*.csv"))
+    ctx.files = sorted(str(p) for p in Path(ctx.input_dir or DATA).glob("*.csv"))
 
 
 def summarize(ctx: Batch, results: list[ChildResult[FileJob]]) -> None:
