@@ -18,6 +18,12 @@ from flowloop.store import SQLStore
 from flowloop.store.schema import runs
 
 
+@pytest.fixture
+def engine(store_url: str) -> Iterator[Engine]:
+    with Engine(store_url, clock=FakeClock()) as engine:
+        yield engine
+
+
 class Charge(BaseModel):
     customer: str
     n: int = 0
@@ -47,12 +53,6 @@ def batch(child: Workflow) -> Workflow:
     )
     wf.final("charged")
     return wf
-
-
-@pytest.fixture
-def engine(store_url: str) -> Iterator[Engine]:
-    with Engine(store_url, clock=FakeClock()) as engine:
-        yield engine
 
 
 def sql(engine: Engine) -> SQLStore:
