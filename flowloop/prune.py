@@ -98,7 +98,7 @@ def prune(
             after = ids[-1]
             _delete_runs(conn, ids, kinds, cutoff, result)
         result.batches += 1
-    _prune_orphaned_joins(db, result)
+    _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
     return result
@@ -143,9 +143,19 @@ def _orphaned() -> ColumnElement[bool]:
     return _unneeded(~exists().where(runs.c.id == joins.c.parent_id))
 
 
-def _prune_orphaned_joins(db: Engine, result: PruneResult) -> None:
-    with db.begin() as conn:
-        result.joins += conn.execute(delete(joins).where(_orphaned())).rowcount
+def _prune_orphaned_joins(db: Engine, batch: int, result: PruneResult) -> None:
+    # Found in a read (no write lock while the join table is scanned), then deleted by id
+    # in short batches, the condition checked again under the lock.
+    with db.connect() as reader:
+        reader = reader.execution_options(**{READ_OPTION: True})
+        with reader.begin():
+            ids = list(reader.execute(select(joins.c.id).where(_orphaned())).scalars())
+    for first in range(0, len(ids), batch):
+        with db.begin() as conn:
+            result.joins += conn.execute(
+                delete(joins).where(joins.c.id.in_(ids[first : first + batch]), _orphaned())
+            ).rowcount
+        result.batches += 1
 
 
 def _loop_ranges(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
