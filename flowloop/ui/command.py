@@ -44,7 +44,7 @@ def is_loopback(host: str) -> bool:
     "--allow-actions",
     is_flag=True,
     help="Enable pause, unpause, stop, retry and send (each needs the token printed at "
-    "start-up, or the one in $FLOWLOOP_UI_TOKEN).",
+    "start-up: $FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, else a new one).",
 )
 @click.option("--token", envvar="FLOWLOOP_UI_TOKEN", default=None, hidden=True)
 def ui_command(
@@ -58,7 +58,7 @@ def ui_command(
     """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
-    from flowloop.cli import database, err, load_workflow_paths, out
+    from flowloop.cli import database, err, load_workflow_paths, out, settings
     from flowloop.cli_support import require_database
     from flowloop.errors import FlowloopError
 
@@ -81,7 +81,8 @@ def ui_command(
         workflows=loaded.workflows,
         loops=loaded.loops,
         allow_actions=allow_actions,
-        token=token,
+        # $FLOWLOOP_UI_TOKEN (the option's envvar) wins over the configuration file.
+        token=token or settings().ui_token,
         allowed_hosts=_allowed_hosts(host),
     )
     if not is_loopback(host):
