@@ -1,5 +1,5 @@
-"""``flowloop ui``: serve the dashboard (imported only when the command runs, so
-``flowloop --help`` never imports starlette)."""
+"""``flowloop ui``: serve the dashboard. This module imports only click; starlette and
+uvicorn load when the command runs, so ``flowloop --help`` never imports them."""
 
 from __future__ import annotations
 
@@ -58,8 +58,8 @@ def ui_command(
     """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
-    from flowloop.cli import database, err, load_workflow_paths, out
-    from flowloop.cli_support import require_database
+    from flowloop.cli.common import database, err, load_workflow_paths, out
+    from flowloop.cli.support import require_database
     from flowloop.errors import FlowloopError
 
     try:
