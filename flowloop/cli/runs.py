@@ -44,7 +44,8 @@ def run(
     """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step.
 
     A business key that has a run already: the same context goes on with that run (a line
-    says so); a different context is refused (exit 2), nothing started."""
+    says so); a different context is refused (exit 2), nothing started. With --json after
+    Ctrl-C: the run as it was handed back, and ``interrupted`` (how many SIGINTs came)."""
     from flowloop.cli import support
     from flowloop.cli.progress import progress_printer
     from flowloop.cli.views import info_json
@@ -65,6 +66,11 @@ def run(
         info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
         waits = support.WaitStates(engine)
     if isinstance(info, Interrupted):
+        if as_json:  # the run as Ctrl-C handed it back (None: never created)
+            run_json = info_json(info.run, waits) if info.run is not None else None
+            interrupted = {"signals": info.signals}
+            shown = {"run": run_json, "existing": note is not None, "interrupted": interrupted}
+            click.echo(support.dumps(shown))
         where = f"-w {split_target(target)[0]} --db {database(db)}"
         resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
         leave(interrupted_line(info, resume=resume_with, retry=retry_with))
