@@ -122,6 +122,17 @@ class FlowloopRun:
         self._drain()
         return "stderr:\n" + "\n".join(self.err)
 
+    def first_ctrl_c(self, *, notice: str) -> None:
+        """Send SIGINT and wait (bounded) until the process says ``notice`` in reply."""
+        self.process.send_signal(signal.SIGINT)
+        poll(
+            lambda: self.said(notice),
+            timeout=EXIT_WAIT_S,
+            what="the notice of the first Ctrl-C",
+            every=0.01,
+            describe=self.describe,
+        )
+
 
 def start(tmp_path: Path, *options: str) -> tuple[FlowloopRun, Path, Path]:
     module = write_module(tmp_path / "parcel.py", PARCEL)
@@ -138,14 +149,7 @@ def command_in(line: str) -> list[str]:
 
 def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: Path) -> None:
     run, db, gate = start(tmp_path)
-    run.process.send_signal(signal.SIGINT)
-    poll(
-        lambda: run.said("letting the step in flight finish"),
-        timeout=EXIT_WAIT_S,
-        what="the notice of the first Ctrl-C",
-        every=0.01,
-        describe=run.describe,
-    )
+    run.first_ctrl_c(notice="letting the step in flight finish")
     assert run.process.poll() is None  # still finishing the step
     (gate / "open").touch()
     assert run.wait() == 130, run.describe()
@@ -181,14 +185,7 @@ def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: P
 
 def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> None:
     run, db, gate = start(tmp_path)
-    run.process.send_signal(signal.SIGINT)
-    poll(
-        lambda: run.said("Ctrl-C again to cut it off"),
-        timeout=EXIT_WAIT_S,
-        what="the notice of the first Ctrl-C",
-        every=0.01,
-        describe=run.describe,
-    )
+    run.first_ctrl_c(notice="Ctrl-C again to cut it off")
     run.process.send_signal(signal.SIGINT)
     # Exits although the step's thread is still blocked on the gate.
     assert run.wait() == 130, run.describe()
@@ -215,14 +212,7 @@ def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> Non
 
 def test_run__json_after_ctrl_c_prints_the_run_as_handed_back(tmp_path: Path) -> None:
     run, db, gate = start(tmp_path, "--json")
-    run.process.send_signal(signal.SIGINT)
-    poll(
-        lambda: run.said("letting the step in flight finish"),
-        timeout=EXIT_WAIT_S,
-        what="the notice of the first Ctrl-C",
-        every=0.01,
-        describe=run.describe,
-    )
+    run.first_ctrl_c(notice="letting the step in flight finish")
     (gate / "open").touch()
     assert run.wait() == 130, run.describe()
     assert run.err[-1].startswith("interrupted: run "), run.describe()
