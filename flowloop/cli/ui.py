@@ -4,10 +4,12 @@ uvicorn load when the command runs, so ``flowloop --help`` never imports them.""
 from __future__ import annotations
 
 import ipaddress
-import socket
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import click
+
+if TYPE_CHECKING:
+    import socket
 
 LOOPBACK: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8050
@@ -106,6 +108,8 @@ def ui_command(
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything is printed: a port in use or a host
     that does not resolve is one line (exit 2), and ``--port 0`` shows the port it got."""
+    import socket
+
     from flowloop.errors import FlowloopError
 
     try:
@@ -118,6 +122,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _family(host: str) -> socket.AddressFamily:
+    import socket
+
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
