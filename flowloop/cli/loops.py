@@ -26,7 +26,7 @@ def loops_command(
     from rich.table import Table
 
     from flowloop.cli import support
-    from flowloop.cli.views import loop_json, styled
+    from flowloop.cli.views import journal_row, loop_json, styled
     from flowloop.clock import iso
 
     with open_engine(db, synchronous, read=True) as engine:
@@ -70,15 +70,9 @@ def loops_command(
     if events:
         journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
         for event in events:
-            journal_table.add_row(
-                str(event.seq),
-                iso(event.at),
-                event.kind,
-                iso(event.slot),
-                str(event.count or ""),
-                f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-                escape(event.error_message or str(event.data.get("reason", "")) or ""),
-            )
+            detail = escape(event.error_message or str(event.data.get("reason", "")) or "")
+            middle = (iso(event.slot), str(event.count or ""))
+            journal_table.add_row(*journal_row(event, middle, detail))
         out.print(journal_table)
 
 

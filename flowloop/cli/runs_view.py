@@ -111,8 +111,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
 
     from flowloop import children
     from flowloop.cli import support
-    from flowloop.cli.views import describe_event, event_json
-    from flowloop.clock import iso
+    from flowloop.cli.views import describe_event, event_json, journal_row
 
     with open_engine(db, synchronous, read=True) as engine:
         events = engine.history(run_id)
@@ -124,15 +123,8 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
         return
     table = Table("seq", "at", "event", "state", "attempt", "duration", "detail")
     for event in events:
-        table.add_row(
-            str(event.seq),
-            iso(event.at),
-            event.kind,
-            event.state or "",
-            str(event.attempt or ""),
-            f"{event.duration * 1000:.1f} ms" if event.duration is not None else "",
-            escape(describe_event(event)[:80]),
-        )
+        middle = (event.state or "", str(event.attempt or ""))
+        table.add_row(*journal_row(event, middle, escape(describe_event(event)[:80])))
     out.print(table)
     if waiting is not None:
         out.print(f"run {info.id} is {escape(waiting.describe())}")

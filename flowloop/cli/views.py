@@ -21,7 +21,7 @@ from flowloop.clock import iso
 if TYPE_CHECKING:
     from flowloop.engine import RunInfo
     from flowloop.journal import JournalEvent
-    from flowloop.store.loops import LoopRow
+    from flowloop.store.loops import LoopEvent, LoopRow
 
 STATUS_STYLE = {
     "waiting": "blue",
@@ -127,6 +127,15 @@ def describe_event(event: JournalEvent) -> str:
             f", set {json.dumps(event.data['set'])}" if event.data.get("set") else ""
         )
     return str(event.data.get("reason", "")) if event.data else ""
+
+
+def journal_row(
+    event: JournalEvent | LoopEvent, middle: tuple[str, str], detail: str
+) -> tuple[str, ...]:
+    """A row of a journal table (`history`, `loops NAME`): seq, time, kind, the two columns
+    of that journal, the duration and the detail."""
+    took = f"{event.duration * 1000:.1f} ms" if event.duration is not None else ""
+    return (str(event.seq), iso(event.at), event.kind, *middle, took, detail)
 
 
 def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> Table:
