@@ -44,8 +44,7 @@ def run(
     """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step.
 
     A business key that has a run already: the same context goes on with that run (a line
-    says so); a different context is refused (exit 2), nothing started. With --json after
-    Ctrl-C: the run as it was handed back, and ``interrupted`` (how many SIGINTs came)."""
+    says so); a different context is refused (exit 2), nothing started."""
     from flowloop.cli import support
     from flowloop.cli.progress import progress_printer
     from flowloop.cli.views import info_json
@@ -66,7 +65,9 @@ def run(
         info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
         waits = support.WaitStates(engine)
     if isinstance(info, Interrupted):
-        if as_json:  # the run as Ctrl-C handed it back (None: never created)
+        # --json still prints the run: as Ctrl-C handed it back (None: never created), and
+        # how many SIGINTs came (1: its step finished, 2 or more: cut off).
+        if as_json:
             run_json = info_json(info.run, waits) if info.run is not None else None
             interrupted = {"signals": info.signals}
             shown = {"run": run_json, "existing": note is not None, "interrupted": interrupted}
