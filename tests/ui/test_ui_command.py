@@ -18,7 +18,7 @@ import pytest
 from polling import poll
 from uikit import free_port, parcels
 
-from flowloop.ui.command import is_loopback
+from flowloop.cli.ui import is_loopback
 
 UIKIT = str(Path(__file__).resolve().parents[1] / "uikit.py")
 

@@ -1,13 +1,15 @@
-"""``flowloop ui``: serve the dashboard (imported only when the command runs, so
-``flowloop --help`` never imports starlette)."""
+"""``flowloop ui``: serve the dashboard. This module imports only click; starlette and
+uvicorn load when the command runs, so ``flowloop --help`` never imports them."""
 
 from __future__ import annotations
 
 import ipaddress
-import socket
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import click
+
+if TYPE_CHECKING:
+    import socket
 
 LOOPBACK: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8050
@@ -58,8 +60,8 @@ def ui_command(
     """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
-    from flowloop.cli import database, err, load_workflow_paths, out, settings
-    from flowloop.cli_support import require_database
+    from flowloop.cli.common import database, err, load_workflow_paths, out, settings
+    from flowloop.cli.support import require_database
     from flowloop.errors import FlowloopError
 
     try:
@@ -107,6 +109,8 @@ def ui_command(
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything is printed: a port in use or a host
     that does not resolve is one line (exit 2), and ``--port 0`` shows the port it got."""
+    import socket
+
     from flowloop.errors import FlowloopError
 
     try:
@@ -119,6 +123,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _family(host: str) -> socket.AddressFamily:
+    import socket
+
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
