@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import graphviz
-from sqlalchemy import ColumnElement, case, func, or_, select, true
+from sqlalchemy import ColumnElement, case, func, select, true
 from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
@@ -27,8 +27,8 @@ from flowloop import render
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
-from flowloop.stats import OUTCOME_KINDS, PERCENTILES, StateStats, rank
-from flowloop.store.dialect import READ_OPTION
+from flowloop.stats import OUTCOME_KINDS, StateStats
+from flowloop.store.reads import Ranks, nearest_ranks, reading
 from flowloop.store.schema import journal, runs
 
 TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
@@ -122,36 +122,26 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
         .where(*where)
         .group_by(journal.c.state)
     )
-    ranked = (
-        select(
-            journal.c.state.label("state"),
-            journal.c.duration,
-            func.row_number()
-            .over(partition_by=journal.c.state, order_by=journal.c.duration)
-            .label("rn"),
-            func.count().over(partition_by=journal.c.state).label("n"),
-        )
-        .select_from(joined)
-        .where(*where, journal.c.duration.is_not(None))
-        .subquery()
+    picked = nearest_ranks(
+        journal.c.duration,
+        name="duration",
+        where=where,
+        groups={"state": journal.c.state},
+        select_from=joined,
     )
-    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            count_rows = conn.execute(counts).all()
-            at_rank: dict[tuple[str, int], float] = {}
-            sizes: dict[str, int] = {}
-            for row in conn.execute(picked):
-                at_rank[(row.state or "", int(row.rn))] = float(row.duration)
-                sizes[row.state or ""] = int(row.n)
+    with reading(db) as conn:
+        count_rows = conn.execute(counts).all()
+        ranks = Ranks.of(
+            conn.execute(picked),
+            group=lambda row: str(row.state or ""),
+            value=lambda row: float(row.duration),
+        )
     found = []
     for row in count_rows:
         state = row.state or ""
-        size = sizes.get(state, 0)
 
-        def pick(percentile: int, state: str = state, size: int = size) -> float | None:
-            return at_rank.get((state, rank(percentile, size))) if size else None
+        def pick(percentile: int, state: str = state) -> float | None:
+            return ranks.at(state, percentile)
 
         found.append(
             StateStats(
@@ -191,17 +181,15 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         .where(runs.c.workflow == workflow, runs.c.status.in_(sorted(LIVE)))
         .group_by(runs.c.state, runs.c.status)
     )
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            edges = {
-                (source, event, dest): (int(taken), int(distinct))
-                for source, event, dest, taken, distinct in conn.execute(edges_query)
-                if None not in (source, event, dest)
-            }
-            live: dict[str, dict[str, int]] = {}
-            for state, status, n in conn.execute(live_query):
-                live.setdefault(state, {})[status] = int(n)
+    with reading(db) as conn:
+        edges = {
+            (source, event, dest): (int(taken), int(distinct))
+            for source, event, dest, taken, distinct in conn.execute(edges_query)
+            if None not in (source, event, dest)
+        }
+        live: dict[str, dict[str, int]] = {}
+        for state, status, n in conn.execute(live_query):
+            live.setdefault(state, {})[status] = int(n)
     stats = state_stats(db, workflow, since=since)
     states: dict[str, StateHeat] = {}
     for row in stats:
