@@ -17,8 +17,9 @@ from transitions import Machine
 
 from flowloop import lifecycle
 from flowloop.compose import ERROR_PREFIX
-from flowloop.definition import TIMEOUT_EVENT, StepSpec, WaitSpec, Workflow
+from flowloop.definition import Workflow
 from flowloop.graph import longest_chain
+from flowloop.specs import TIMEOUT_EVENT, StepSpec, WaitSpec
 
 LIFECYCLE: Final = "lifecycle"
 """The name (and file stem in ``diagrams/``) of the lifecycle machine's diagram."""
