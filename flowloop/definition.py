@@ -206,10 +206,11 @@ class Workflow(compose.Composing):
 
         def register(function: F) -> F:
             state = name or function.__name__
-            self._add_step(
+            self._new_step_name(state)
+            self._draft.steps[state] = step_spec(
+                self.name,
                 state,
                 function,
-                initial=initial,
                 on=on,
                 next_state=next,
                 timeout=timeout,
@@ -217,6 +218,8 @@ class Workflow(compose.Composing):
                 idempotent=idempotent,
                 max_visits=max_visits,
             )
+            if initial:
+                self._draft.initial.append(state)
             if on_error or compensate is not None:
                 if compensate is not None and not callable(compensate):
                     raise DefinitionError(
@@ -237,37 +240,12 @@ class Workflow(compose.Composing):
 
         return register
 
-    def _add_step(
-        self,
-        state: str,
-        function: StepFunction,
-        *,
-        initial: bool,
-        on: Mapping[str, str] | None,
-        next_state: str | None,
-        timeout: float | timedelta | None,
-        retry: Retry | None,
-        idempotent: bool,
-        max_visits: int | None,
-    ) -> None:
+    def _new_step_name(self, state: str) -> None:
         self._ensure_open()
         if not NAME_PATTERN.match(state):
             raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
         if state in self._draft.steps:
             raise DefinitionError(self.name, f"state {state!r} is declared twice")
-        self._draft.steps[state] = step_spec(
-            self.name,
-            state,
-            function,
-            on=on,
-            next_state=next_state,
-            timeout=timeout,
-            retry=retry,
-            idempotent=idempotent,
-            max_visits=max_visits,
-        )
-        if initial:
-            self._draft.initial.append(state)
 
     def tune_step(
         self, state: str, *, timeout: float | None = None, retry: Retry | None = None

@@ -28,7 +28,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, StateStats
-from flowloop.store.reads import Ranks, nearest_ranks, reading
+from flowloop.store.reads import counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, runs
 
 TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
@@ -124,18 +124,11 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
     )
     picked = nearest_ranks(
         journal.c.duration,
-        name="duration",
         where=where,
         groups={"state": journal.c.state},
         select_from=joined,
     )
-    with reading(db) as conn:
-        count_rows = conn.execute(counts).all()
-        ranks = Ranks.of(
-            conn.execute(picked),
-            group=lambda row: str(row.state or ""),
-            value=lambda row: float(row.duration),
-        )
+    count_rows, ranks = counts_and_seconds(db, counts, picked, "state")
     found = []
     for row in count_rows:
         state = row.state or ""

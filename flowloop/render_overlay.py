@@ -159,27 +159,6 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
             marked.append(replace(node, mark="visited", notes=(counts, *extra)))
         else:
             marked.append(replace(node, mark="faded"))
-    declared = {(edge.source, edge.event, edge.dest) for edge in model.edges}
-    edges = [
-        replace(
-            edge,
-            count=overlay.taken.get((edge.source, edge.event, edge.dest), 0),
-            mark="taken" if overlay.taken.get((edge.source, edge.event, edge.dest)) else "faded",
-        )
-        for edge in model.edges
-    ]
-    edges += [
-        DiagramEdge(
-            source=source,
-            dest=dest,
-            event=event,
-            count=overlay.taken[(source, event, dest)],
-            mark="taken",
-            declared=False,
-        )
-        for (source, event, dest) in overlay.taken
-        if (source, event, dest) not in declared
-    ]
     where = "failed in" if overlay.status == "failed" else f"{overlay.status} at"
     caption = f"run {overlay.run_id}: {where} {overlay.state}"
     if model.fingerprint and overlay.fingerprint != model.fingerprint:
@@ -187,4 +166,29 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
             f" (recorded under another definition: v{overlay.version}, "
             f"fingerprint {overlay.fingerprint})"
         )
-    return replace(model, caption=caption, nodes=tuple(marked), edges=tuple(edges))
+    edges = taken_edges(model.edges, overlay.taken)
+    return replace(model, caption=caption, nodes=tuple(marked), edges=edges)
+
+
+def taken_edges(
+    edges: Sequence[DiagramEdge], taken: Mapping[tuple[str, str, str], int]
+) -> tuple[DiagramEdge, ...]:
+    """``edges`` with how often ``(source, event, dest)`` was taken (the others faded), and
+    after them, dotted, the transitions taken that the definition no longer has."""
+    declared = {(edge.source, edge.event, edge.dest) for edge in edges}
+    marked = [
+        replace(
+            edge,
+            count=taken.get((edge.source, edge.event, edge.dest), 0),
+            mark="taken" if taken.get((edge.source, edge.event, edge.dest)) else "faded",
+        )
+        for edge in edges
+    ]
+    marked += [
+        DiagramEdge(
+            source=source, dest=dest, event=event, count=count, mark="taken", declared=False
+        )
+        for (source, event, dest), count in taken.items()
+        if (source, event, dest) not in declared
+    ]
+    return tuple(marked)

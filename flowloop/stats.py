@@ -22,7 +22,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Engine, case, func, select, true
 
 from flowloop import journal as j
-from flowloop.store.reads import PERCENTILES, Ranks, nearest_ranks, reading
+from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, loop_journal, runs
 
 OUTCOME_KINDS: Final = (j.STEP_SUCCEEDED, j.STEP_FAILED, j.STEP_INTERRUPTED)
@@ -106,7 +106,6 @@ def step_stats(
     candidates = slowest * SLOWEST_CANDIDATES
     picked = nearest_ranks(
         journal.c.duration,
-        name="duration",
         where=where,
         groups={"workflow": runs.c.workflow, "state": journal.c.state},
         columns=[journal.c.run_id],
@@ -118,7 +117,7 @@ def step_stats(
         ranks = Ranks.of(
             conn.execute(picked),
             group=lambda row: (row.workflow, row.state or ""),
-            value=lambda row: (str(row.run_id), float(row.duration)),
+            value=lambda row: (str(row.run_id), float(row.value)),
         )
 
     result = []
@@ -232,18 +231,11 @@ def run_stats(
     )
     picked = nearest_ranks(
         ended.c.at - created.c.at,
-        name="latency",
         where=succeeded,
         groups={"workflow": runs.c.workflow},
         select_from=joined,
     )
-    with reading(db) as conn:
-        count_rows = conn.execute(counts).all()
-        ranks = Ranks.of(
-            conn.execute(picked),
-            group=lambda row: str(row.workflow),
-            value=lambda row: float(row.latency),
-        )
+    count_rows, ranks = counts_and_seconds(db, counts, picked, "workflow")
     result = []
     for row in count_rows:
         p50, p95, p99 = (ranks.at(row.workflow, p) for p in PERCENTILES)
@@ -321,18 +313,11 @@ def loop_stats(db: Engine, *, since: float | None = None) -> list[LoopStats]:
     )
     picked = nearest_ranks(
         loop_journal.c.duration,
-        name="duration",
         where=[*where, ended],
         groups={"loop": loop_journal.c.loop},
         percentiles=(50, 95),
     )
-    with reading(db) as conn:
-        count_rows = conn.execute(counts).all()
-        ranks = Ranks.of(
-            conn.execute(picked),
-            group=lambda row: str(row.loop),
-            value=lambda row: float(row.duration),
-        )
+    count_rows, ranks = counts_and_seconds(db, counts, picked, "loop")
     outcomes: dict[str, dict[str, int]] = {}
     not_run: dict[str, dict[str, int]] = {}
     for row in count_rows:

@@ -70,7 +70,6 @@ def rank(percentile: int, n: Any) -> Any:
 def nearest_ranks(
     value: ColumnElement[Any],
     *,
-    name: str,
     where: Sequence[ColumnElement[bool]],
     groups: Mapping[str, ColumnElement[Any]] | None = None,
     columns: Sequence[ColumnElement[Any]] = (),
@@ -80,7 +79,7 @@ def nearest_ranks(
 ) -> Select[Any]:
     """The rows at the nearest-rank positions of ``value`` (ascending; rows without one
     left out) in each group: a row has the ``groups`` (labelled by their keys), the
-    ``columns``, ``value`` labelled ``name``, ``rn`` (its rank in the group) and ``n`` (the
+    ``columns``, ``value`` (labelled so), ``rn`` (its rank in the group) and ``n`` (the
     group's size). ``top > 0`` also keeps each group's ``top`` highest (the slowest)."""
     keys = list((groups or {}).values())
     partition = keys or None
@@ -88,7 +87,7 @@ def nearest_ranks(
     ranked_query = select(
         *[column.label(label) for label, column in (groups or {}).items()],
         *columns,
-        value.label(name),
+        value.label("value"),
         func.row_number().over(partition_by=partition, order_by=value).label("rn"),
         func.count().over(partition_by=partition, order_by=value, rows=(None, None)).label("n"),
     )
@@ -135,3 +134,23 @@ class Ranks(Generic[K, T]):
         n = self.size(key)
         ranks = self.values.get(key, {})
         return [ranks[position] for position in sorted(ranks) if position > n - top]
+
+
+def ranked_seconds(rows: Iterable[Row[Any]], group: str | None = None) -> Ranks[str, float]:
+    """:class:`Ranks` of a :func:`nearest_ranks` query of seconds, by its one ``group``
+    column (``None``: one group, ``""``; a NULL group value is ``""`` too)."""
+    return Ranks.of(
+        rows,
+        group=lambda row: "" if group is None else str(row._mapping[group] or ""),
+        value=lambda row: float(row.value),
+    )
+
+
+def counts_and_seconds(
+    db: Engine, counts: Select[Any], ranked: Select[Any], group: str | None = None
+) -> tuple[list[Row[Any]], Ranks[str, float]]:
+    """The rows of ``counts`` and the :func:`ranked_seconds` of ``ranked`` (a
+    :func:`nearest_ranks` query), read in one transaction: one snapshot, so the counts
+    and the percentiles describe the same entries."""
+    with reading(db) as conn:
+        return list(conn.execute(counts)), ranked_seconds(conn.execute(ranked), group)

@@ -24,7 +24,7 @@ from sqlalchemy import cast as sql_cast
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
-from flowloop.store.reads import NEWEST_FIRST, Ranks, after_run, nearest_ranks, reading
+from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
 
@@ -548,13 +548,10 @@ def run_summary(db: SQLEngine, workflow: str, *, since: float | None, now: float
         where.append(runs.c.created_at >= since)
     picked = nearest_ranks(
         runs.c.updated_at - runs.c.created_at,
-        name="took",
         where=[*where, runs.c.status.in_(FINISHED_STATUSES)],
     )
     with reading(db) as conn:
-        ranks = Ranks.of(
-            conn.execute(picked), group=lambda row: "", value=lambda row: float(row.took)
-        )
+        ranks = ranked_seconds(conn.execute(picked))
         start = since
         if start is None:
             start = conn.execute(select(func.min(runs.c.created_at)).where(*where)).scalar()

@@ -19,7 +19,15 @@ from pydantic import BaseModel
 from flowloop import Engine, FakeClock, Workflow
 from flowloop.store import SQLStore
 from flowloop.store.dialect import create_engine_for
-from flowloop.store.reads import NEWEST_FIRST, Ranks, after_run, nearest_ranks, rank, reading
+from flowloop.store.reads import (
+    NEWEST_FIRST,
+    Ranks,
+    after_run,
+    nearest_ranks,
+    rank,
+    ranked_seconds,
+    reading,
+)
 from flowloop.store.schema import runs
 
 metadata = sa.MetaData()
@@ -74,7 +82,6 @@ def test_nearest_ranks__match_python_per_group_without_nulls_and_keep_the_top(
 
     picked = nearest_ranks(
         samples.c.value,
-        name="value",
         where=[samples.c.id > 0],
         groups={"group": samples.c.grp},
         columns=[samples.c.tag],
@@ -101,9 +108,9 @@ def test_nearest_ranks__without_groups_rank_the_whole_selection(db: sa.Engine) -
     values = [float(v) for v in range(1, 26)]
     with db.begin() as conn:
         conn.execute(samples.insert(), [{"grp": "x", "tag": "t", "value": v} for v in values])
-    picked = nearest_ranks(samples.c.value * 2, name="double", where=[], percentiles=(50, 99))
+    picked = nearest_ranks(samples.c.value * 2, where=[], percentiles=(50, 99))
     with reading(db) as conn:
-        found = Ranks.of(conn.execute(picked), group=lambda row: "", value=lambda r: r.double)
+        found = ranked_seconds(conn.execute(picked))
     assert found.size("") == 25
     assert found.at("", 50) == 26.0 and found.at("", 99) == 50.0  # ranks 13 and 25
     assert found.at("", 95) is None  # rank 24: not asked for

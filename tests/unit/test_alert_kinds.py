@@ -4,12 +4,15 @@ series for each at 0): built only through its kind, never with a ``what`` of its
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
+
+from storekit import new_run
 
 from flowloop import alerts
 from flowloop import journal as j
 from flowloop.alerts import KINDS, SKIP_ALERT_EVERY, loop_alerts
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import JournalEvent
 
 PACKAGE = Path(alerts.__file__).parent
 
@@ -23,22 +26,8 @@ def test_kinds__are_distinct() -> None:
 
 
 def test_kinds__every_source_raises_a_known_kind() -> None:
-    record = RunRecord(
-        id="r1",
-        workflow="wf",
-        version=1,
-        fingerprint="f",
-        key=None,
-        status="failed",
-        state="charge",
-        context="{}",
-        attempt=1,
-        visits={},
-        next_run_at=None,
-        last_seq=3,
-        reason="interrupted",
-        error=None,
-    )
+    created = new_run("r1", state="charge").record
+    record = dataclasses.replace(created, status="failed", reason="interrupted")
     stepped = JournalEvent(run_id="r1", seq=3, kind=j.STEP_INTERRUPTED, at=0.0, state="charge")
     raised = [
         *alerts.run_alerts(record, [stepped]),

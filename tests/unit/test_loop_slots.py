@@ -3,8 +3,9 @@ no database, no event loop. The scheduler's integration tests run the same write
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
+
+from loopkit import loop_row
 
 from flowloop.loop_slots import firing, interrupted, outcome
 from flowloop.loops import Iteration, Loop, Wake
@@ -23,29 +24,21 @@ def every_minute(**options: Any) -> Loop:
 
 
 def row(**fields: Any) -> LoopRow:
-    base = LoopRow(
-        name="tick",
-        schedule="every 60s",
-        status="running",
-        next_fire_at=None,
-        last_slot=T0,
-        last_started_at=T0,
-        last_ended_at=None,
-        last_result=None,
-        last_error=None,
-        iterations=4,
-        consecutive_failures=0,
-        skipped=7,
-        missed=2,
-        reason=None,
-        owner=WORKER,
-        lease_expires_at=T0 + 30,
-        lease_epoch=3,
-        control=None,
-        last_seq=10,
-        updated_at=T0,
-    )
-    return dataclasses.replace(base, **fields)
+    """A row of ``tick`` while its iteration of slot T0 runs (4 done, 7 slots skipped)."""
+    running: dict[str, Any] = {
+        "name": "tick",
+        "schedule": "every 60s",
+        "status": "running",
+        "last_slot": T0,
+        "last_started_at": T0,
+        "iterations": 4,
+        "skipped": 7,
+        "missed": 2,
+        "owner": WORKER,
+        "lease_epoch": 3,
+        "last_seq": 10,
+    }
+    return loop_row(**{**running, **fields})
 
 
 def recorded(loop: Loop, stored: LoopRow, **given: Any) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from deploykit import OrderV1, OrderV2, added_field, order, removed_state, renamed_state, v1_to_v2
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from flowloop import Workflow
 from flowloop.errors import DefinitionError, InvalidContext
@@ -171,18 +171,6 @@ def with_nested_source(folder: str, *, whole: bool = False) -> type[BaseModel]:
     return WithSource
 
 
-def test_fingerprint__a_field_named_default_is_kept() -> None:
-    class WithDefault(BaseModel):
-        default: str
-
-    class WithOther(BaseModel):
-        other: str
-
-    assert "default" in schema_of(WithDefault)["properties"]
-    assert "default" in schema_of(WithDefault)["required"]
-    assert schema_of(WithDefault) != schema_of(WithOther)
-
-
 def test_fingerprint__docstrings_titles_descriptions_and_bodies_do_not_change_it() -> None:
     class Documented(BaseModel):
         """Another docstring, another class name."""
@@ -197,15 +185,12 @@ def test_fingerprint__docstrings_titles_descriptions_and_bodies_do_not_change_it
     assert other_body.fingerprint == order().fingerprint  # fresh functions, same structure
 
 
-def test_fingerprint__a_field_named_title_is_kept() -> None:
-    class WithTitle(BaseModel):
-        title: str
-
-    class WithName(BaseModel):
-        name: str
-
-    assert "title" in schema_of(WithTitle)["properties"]
-    assert schema_of(WithTitle) != schema_of(WithName)
+@pytest.mark.parametrize("name", ["title", "description", "default"])
+def test_fingerprint__a_field_named_like_a_left_out_key_is_kept(name: str) -> None:
+    named = create_model("Named", **{name: (str, ...)})  # type: ignore[call-overload]
+    other = create_model("Named", other=(str, ...))
+    assert name in schema_of(named)["properties"] and name in schema_of(named)["required"]
+    assert schema_of(named) != schema_of(other)
 
 
 def test_fingerprint__structure_changes_change_it() -> None:
