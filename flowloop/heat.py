@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 import graphviz
-from sqlalchemy import ColumnElement, case, func, select, true
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
@@ -27,7 +27,7 @@ from flowloop import render
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
-from flowloop.stats import OUTCOME_KINDS, StateStats
+from flowloop.stats import OUTCOME_KINDS, StateStats, attempt_counts
 from flowloop.store.reads import counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, runs
 
@@ -111,17 +111,7 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
     if since is not None:
         where.append(journal.c.at >= since)
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
-    counts = (
-        select(
-            journal.c.state,
-            func.count().label("n"),
-            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
-            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
-        )
-        .select_from(joined)
-        .where(*where)
-        .group_by(journal.c.state)
-    )
+    counts = attempt_counts(journal.c.state, where=where, joined=joined)
     picked = nearest_ranks(
         journal.c.duration,
         where=where,

@@ -16,10 +16,11 @@ looks at the last day unless told otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Engine, case, func, select, true
+from sqlalchemy import ColumnElement, Engine, FromClause, Select, case, func, select, true
 
 from flowloop import journal as j
 from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
@@ -73,6 +74,24 @@ class StateStats:
         }
 
 
+def attempt_counts(
+    *groups: ColumnElement[Any], where: Sequence[ColumnElement[bool]], joined: FromClause
+) -> Select[Any]:
+    """Step attempts that ended, per group: ``n`` in all, ``ok`` succeeded, ``retries``
+    failed and tried again (the counts of :class:`StateStats`)."""
+    return (
+        select(
+            *groups,
+            func.count().label("n"),
+            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
+            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
+        )
+        .select_from(joined)
+        .where(*where)
+        .group_by(*groups)
+    )
+
+
 def step_stats(
     db: Engine,
     *,
@@ -89,18 +108,7 @@ def step_stats(
     if workflow is not None:
         where.append(runs.c.workflow == workflow)
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
-    counts = (
-        select(
-            runs.c.workflow,
-            journal.c.state,
-            func.count().label("n"),
-            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
-            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
-        )
-        .select_from(joined)
-        .where(*where)
-        .group_by(runs.c.workflow, journal.c.state)
-    )
+    counts = attempt_counts(runs.c.workflow, journal.c.state, where=where, joined=joined)
     # A run can own several of the slowest attempts (its retries): take a few more and
     # keep distinct runs.
     candidates = slowest * SLOWEST_CANDIDATES
