@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Final
 
 import graphviz
@@ -28,7 +29,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, StateStats, attempt_counts
-from flowloop.store.reads import counts_and_seconds, nearest_ranks, reading
+from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
 
 TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
@@ -112,33 +113,18 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
         where.append(journal.c.at >= since)
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
     counts = attempt_counts(journal.c.state, where=where, joined=joined)
-    picked = nearest_ranks(
+    count_rows, ranks = counts_and_seconds(
+        db,
+        counts,
         journal.c.duration,
         where=where,
-        groups={"state": journal.c.state},
+        group=("state", journal.c.state),
         select_from=joined,
     )
-    count_rows, ranks = counts_and_seconds(db, counts, picked, "state")
-    found = []
-    for row in count_rows:
-        state = row.state or ""
-
-        def pick(percentile: int, state: str = state) -> float | None:
-            return ranks.at(state, percentile)
-
-        found.append(
-            StateStats(
-                workflow=workflow,
-                state=state,
-                count=int(row.n),
-                succeeded=int(row.ok or 0),
-                retries=int(row.retries or 0),
-                p50=pick(50),
-                p95=pick(95),
-                p99=pick(99),
-                slowest=(),
-            )
-        )
+    found = [
+        StateStats.of(row, workflow=workflow, at=partial(ranks.at, row.state or ""))
+        for row in count_rows
+    ]
     return sorted(found, key=lambda s: s.state)
 
 

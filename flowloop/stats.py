@@ -16,11 +16,11 @@ looks at the last day unless told otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Engine, FromClause, Select, case, func, select, true
+from sqlalchemy import ColumnElement, Engine, FromClause, Row, Select, case, func, select, true
 
 from flowloop import journal as j
 from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
@@ -49,6 +49,28 @@ class StateStats:
     """Nearest-rank percentiles of attempt durations in seconds (``None``: no duration)."""
     slowest: tuple[tuple[str, float], ...]
     """(run id, seconds) of the runs with the slowest attempts, slowest first."""
+
+    @classmethod
+    def of(
+        cls,
+        counted: Row[Any],
+        *,
+        workflow: str,
+        at: Callable[[int], float | None],
+        slowest: tuple[tuple[str, float], ...] = (),
+    ) -> StateStats:
+        """One state's row of :func:`attempt_counts`, with its percentiles (``at(p)``)."""
+        return cls(
+            workflow=workflow,
+            state=counted.state or "",
+            count=int(counted.n),
+            succeeded=int(counted.ok or 0),
+            retries=int(counted.retries or 0),
+            p50=at(50),
+            p95=at(95),
+            p99=at(99),
+            slowest=slowest,
+        )
 
     @property
     def failed(self) -> int:
@@ -143,17 +165,7 @@ def step_stats(
             if len(top) < slowest:
                 top.setdefault(run_id, seconds)
         result.append(
-            StateStats(
-                workflow=row.workflow,
-                state=row.state or "",
-                count=int(row.n),
-                succeeded=int(row.ok or 0),
-                retries=int(row.retries or 0),
-                p50=pick(50),
-                p95=pick(95),
-                p99=pick(99),
-                slowest=tuple(top.items()),
-            )
+            StateStats.of(row, workflow=row.workflow, at=pick, slowest=tuple(top.items()))
         )
     result.sort(key=lambda s: (s.workflow, s.state))
     return result
@@ -237,13 +249,11 @@ def run_stats(
         .where(*where)
         .group_by(runs.c.workflow)
     )
-    picked = nearest_ranks(
-        ended.c.at - created.c.at,
-        where=succeeded,
-        groups={"workflow": runs.c.workflow},
-        select_from=joined,
+    latency = ended.c.at - created.c.at
+    group = ("workflow", runs.c.workflow)
+    count_rows, ranks = counts_and_seconds(
+        db, counts, latency, where=succeeded, group=group, select_from=joined
     )
-    count_rows, ranks = counts_and_seconds(db, counts, picked, "workflow")
     result = []
     for row in count_rows:
         p50, p95, p99 = (ranks.at(row.workflow, p) for p in PERCENTILES)
@@ -319,13 +329,14 @@ def loop_stats(db: Engine, *, since: float | None = None) -> list[LoopStats]:
         .where(*where)
         .group_by(loop_journal.c.loop, loop_journal.c.kind)
     )
-    picked = nearest_ranks(
+    count_rows, ranks = counts_and_seconds(
+        db,
+        counts,
         loop_journal.c.duration,
         where=[*where, ended],
-        groups={"loop": loop_journal.c.loop},
+        group=("loop", loop_journal.c.loop),
         percentiles=(50, 95),
     )
-    count_rows, ranks = counts_and_seconds(db, counts, picked, "loop")
     outcomes: dict[str, dict[str, int]] = {}
     not_run: dict[str, dict[str, int]] = {}
     for row in count_rows:

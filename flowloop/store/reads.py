@@ -147,10 +147,25 @@ def ranked_seconds(rows: Iterable[Row[Any]], group: str | None = None) -> Ranks[
 
 
 def counts_and_seconds(
-    db: Engine, counts: Select[Any], ranked: Select[Any], group: str | None = None
+    db: Engine,
+    counts: Select[Any],
+    seconds: ColumnElement[Any],
+    *,
+    where: Sequence[ColumnElement[bool]],
+    group: tuple[str, ColumnElement[Any]],
+    select_from: FromClause | None = None,
+    percentiles: Sequence[int] = PERCENTILES,
 ) -> tuple[list[Row[Any]], Ranks[str, float]]:
-    """The rows of ``counts`` and the :func:`ranked_seconds` of ``ranked`` (a
-    :func:`nearest_ranks` query), read in one transaction: one snapshot, so the counts
-    and the percentiles describe the same entries."""
+    """The rows of ``counts`` and the nearest-rank ``percentiles`` of ``seconds`` per
+    ``group`` (its label, its column) among the rows ``where`` selects, read in one
+    transaction: one snapshot, so the counts and the percentiles describe the same rows."""
+    label, column = group
+    ranked = nearest_ranks(
+        seconds,
+        where=where,
+        groups={label: column},
+        select_from=select_from,
+        percentiles=percentiles,
+    )
     with reading(db) as conn:
-        return list(conn.execute(counts)), ranked_seconds(conn.execute(ranked), group)
+        return list(conn.execute(counts)), ranked_seconds(conn.execute(ranked), label)
