@@ -22,7 +22,7 @@ from typing import Final
 
 from sqlalchemy import ColumnElement, Connection, Engine, delete, exists, func, select
 
-from flowloop.store.dialect import READ_OPTION
+from flowloop.store.reads import reading
 from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
 
 DEFAULT_BATCH: Final = 500
@@ -146,10 +146,8 @@ def _orphaned() -> ColumnElement[bool]:
 def _prune_orphaned_joins(db: Engine, batch: int, result: PruneResult) -> None:
     # Found in a read (no write lock while the join table is scanned), then deleted by id
     # in short batches, the condition checked again under the lock.
-    with db.connect() as reader:
-        reader = reader.execution_options(**{READ_OPTION: True})
-        with reader.begin():
-            ids = list(reader.execute(select(joins.c.id).where(_orphaned())).scalars())
+    with reading(db) as reader:
+        ids = list(reader.execute(select(joins.c.id).where(_orphaned())).scalars())
     for first in range(0, len(ids), batch):
         with db.begin() as conn:
             result.joins += conn.execute(
@@ -172,10 +170,8 @@ def _loop_ranges(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
 def _prune_loop_journal(
     db: Engine, cutoff: float, keep_failed: bool, batch: int, result: PruneResult
 ) -> None:
-    with db.connect() as reader:
-        reader = reader.execution_options(**{READ_OPTION: True})
-        with reader.begin():
-            ranges = _loop_ranges(reader, cutoff)
+    with reading(db) as reader:
+        ranges = _loop_ranges(reader, cutoff)
     for name, first, last in ranges:
         low = first
         while low <= last:
@@ -197,38 +193,36 @@ def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
     old = select(runs.c.id).where(runs.c.status.in_(list(kinds)), runs.c.updated_at < result.cutoff)
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            result.runs = int(
-                conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
+    with reading(db) as conn:
+        result.runs = int(
+            conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
+        )
+        result.journal = int(
+            conn.execute(
+                select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
+            ).scalar_one()
+        )
+        result.inbox = int(
+            conn.execute(
+                select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
+            ).scalar_one()
+        )
+        result.joins = int(
+            conn.execute(
+                select(func.count())
+                .select_from(joins)
+                .where(_unneeded(joins.c.parent_id.in_(old)) | _orphaned())
+            ).scalar_one()
+        )
+        if loop_history:
+            query = (
+                select(func.count())
+                .select_from(loop_journal)
+                .where(loop_journal.c.at < result.cutoff)
             )
-            result.journal = int(
-                conn.execute(
-                    select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
-                ).scalar_one()
-            )
-            result.inbox = int(
-                conn.execute(
-                    select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
-                ).scalar_one()
-            )
-            result.joins = int(
-                conn.execute(
-                    select(func.count())
-                    .select_from(joins)
-                    .where(_unneeded(joins.c.parent_id.in_(old)) | _orphaned())
-                ).scalar_one()
-            )
-            if loop_history:
-                query = (
-                    select(func.count())
-                    .select_from(loop_journal)
-                    .where(loop_journal.c.at < result.cutoff)
-                )
-                if keep_failed:
-                    query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
-                result.loop_journal = int(conn.execute(query).scalar_one())
+            if keep_failed:
+                query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
+            result.loop_journal = int(conn.execute(query).scalar_one())
 
 
 VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal)
