@@ -1,7 +1,7 @@
 """flowloop's PostgreSQL connections carry timeouts derived from the worker's lease (issue
 20, items 13 and 14): libpq's ``tcp_user_timeout`` and ``connect_timeout`` (a silent
 network fails a call well within the lease), the server's
-``idle_in_transaction_session_timeout`` and keepalives; a URL's own values win, and a lease
+``idle_in_transaction_session_timeout``, ``statement_timeout`` and keepalives; a URL's own values win, and a lease
 shorter than those timeouts can keep is warned about."""
 
 from __future__ import annotations
@@ -23,7 +23,12 @@ def settings(engine: Engine) -> dict[str, str]:
         params = raw.info.get_parameters()
         shown = {
             name: str(conn.execute(sa.text(f"SHOW {name}")).scalar_one())
-            for name in ("idle_in_transaction_session_timeout", "tcp_keepalives_idle")
+            for name in (
+                "idle_in_transaction_session_timeout",
+                "statement_timeout",
+                "tcp_keepalives_idle",
+                "tcp_keepalives_interval",
+            )
         }
     return {**params, **shown}
 
@@ -36,14 +41,19 @@ def test_connection_timeouts_follow_the_lease(
         found = settings(engine)
     assert found["tcp_user_timeout"] == "5000" and found["connect_timeout"] == "5", found
     assert found["idle_in_transaction_session_timeout"] == "10s"
-    assert found["tcp_keepalives_idle"] == "10"
+    assert found["statement_timeout"] == "10s"
+    assert found["tcp_keepalives_idle"] == "5" and found["tcp_keepalives_interval"] == "2"
+    assert (found["keepalives_idle"], found["keepalives_interval"]) == ("5", "2"), found
     assert "lease_too_short" not in caplog.text and "shorter than" not in caplog.text
 
     with Engine(pg_url, lease_seconds=3) as engine:
         found = settings(engine)
     assert found["tcp_user_timeout"] == "1000" and found["connect_timeout"] == "2", found
     assert found["idle_in_transaction_session_timeout"] == "2s"
-    assert "lease 3s is shorter than PostgreSQL's timeouts can keep" in caplog.text
+    assert found["statement_timeout"] == "2s"
+    assert found["tcp_keepalives_idle"] == "1" and found["keepalives_count"] == "3", found
+    assert "lease 3s is shorter than PostgreSQL's timeouts can serve" in caplog.text
+    assert "still fences its runs off by its own clock" in caplog.text
 
     with Engine(f"{pg_url}&tcp_user_timeout=7000", lease_seconds=30) as engine:
         assert settings(engine)["tcp_user_timeout"] == "7000"  # the URL's own value wins
