@@ -1,8 +1,8 @@
 """flowloop's PostgreSQL connections carry timeouts derived from the worker's lease (issue
 20, items 13 and 14): libpq's ``tcp_user_timeout`` and ``connect_timeout`` (a silent
 network fails a call well within the lease), the server's
-``idle_in_transaction_session_timeout``, ``statement_timeout`` and keepalives; a URL's own values win, and a lease
-shorter than those timeouts can keep is warned about."""
+``idle_in_transaction_session_timeout``, ``statement_timeout`` and keepalives; a URL's own
+values win, and a lease shorter than those timeouts can serve is warned about."""
 
 from __future__ import annotations
 
