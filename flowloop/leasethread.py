@@ -43,6 +43,9 @@ this host and the database server, and the time to stop a step, must fit in it).
 RENEW_FRACTION: Final = 1 / 3
 """Of the lease, between two renewals (two more renewals can fail before the fence)."""
 
+FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
+"""The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
+
 Renew = Callable[[Sequence[str]], set[str]]
 """Renews the leases of these runs; returns those still held (called in the renewer)."""
 Poll = Callable[[], Mapping[str, str]]
@@ -118,6 +121,12 @@ class LeaseGuard:
         with self._lock:
             self._held.pop(run_id, None)
             self._fenced.discard(run_id)
+
+    def give_up(self, run_id: str) -> None:
+        """The loop abandons the run (its lease is lost): fenced, no longer renewed."""
+        with self._lock:
+            if run_id in self._held:
+                self._fenced.add(run_id)
 
     def fenced(self, run_id: str) -> bool:
         """Whether the run's lease may have ended: write nothing more for it."""
@@ -202,7 +211,7 @@ class LeaseGuard:
                 "lease_until": round(held.until, 3),
             },
         )
-        self._to_loop(self._lost, run_id, "lease deadline passed (self-fencing)")
+        self._to_loop(self._lost, run_id, FENCED)
 
     def _renew_loop(self, stop: threading.Event) -> None:
         last_renewal = last_poll = time.monotonic()
