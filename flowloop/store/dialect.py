@@ -349,6 +349,10 @@ def set_lease_bounds(engine: Engine, lease_seconds: float) -> None:
     set_pg_session(engine, **pg_session_params(lease_seconds))
 
 
+_PG_IN_TRANSACTION: Final = 2
+"""psycopg's ``TransactionStatus.INTRANS`` (idle inside a transaction block)."""
+
+
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
@@ -366,6 +370,18 @@ def _postgres_engine(url: URL) -> Engine:
         for name, value in _pg_connect.get(engine, {}).items():
             if name not in url.query:
                 cparams[name] = value
+
+    @event.listens_for(engine, "do_executemany")
+    def _on_executemany(cursor: Any, statement: str, parameters: Any, _context: Any) -> bool:
+        cursor.executemany(statement, parameters)
+        # psycopg sends an executemany as a pipeline ended by Sync and Flush; PostgreSQL
+        # (15, measured) stops the idle-in-transaction timer when it reads that Flush and
+        # does not start it again: a client lost right after the batch's UPDATE or INSERT
+        # would hold the rows' locks for good. Any statement starts the timer again.
+        conn = cursor.connection
+        if conn.info.transaction_status == _PG_IN_TRANSACTION:
+            conn.execute("SELECT 1")
+        return True
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import sqlalchemy as sa
+from polling import poll
 
 from flowloop import Engine
 from flowloop.store.sql import SQLStore
@@ -57,3 +58,29 @@ def test_connection_timeouts_follow_the_lease(
 
     with Engine(f"{pg_url}&tcp_user_timeout=7000", lease_seconds=30) as engine:
         assert settings(engine)["tcp_user_timeout"] == "7000"  # the URL's own value wins
+
+
+def test_a_session_idle_after_a_batch_statement_is_ended_by_the_server(pg_url: str) -> None:
+    """psycopg sends an executemany (a group commit's UPDATE and INSERT) as a pipeline;
+    after it PostgreSQL no longer times an idle transaction out, so a client lost right
+    after a batch statement held the rows' locks for good. flowloop's engine follows each
+    executemany in a transaction with a statement that starts the timer again."""
+    with Engine(pg_url, lease_seconds=3) as engine:
+        assert isinstance(engine.store, SQLStore)
+        with engine.store.engine.connect() as conn:
+            conn.execute(sa.text("CREATE TEMP TABLE batch (n integer)"))
+            conn.execute(sa.text("INSERT INTO batch VALUES (:n)"), [{"n": 1}, {"n": 2}])
+            pid = conn.connection.driver_connection.info.backend_pid  # type: ignore[union-attr]
+            # Now idle inside the transaction, as a client gone between two statements.
+            watching = sa.create_engine(pg_url, poolclass=sa.NullPool, isolation_level="AUTOCOMMIT")
+            with watching.connect() as watcher:  # autocommit: a fresh view at each look
+
+                def ended() -> bool:
+                    found = watcher.execute(
+                        sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p"),
+                        {"p": pid},
+                    ).scalar_one()
+                    return found == 0
+
+                poll(ended, timeout=30, every=0.1, what="the server to end the idle session")
+            conn.invalidate()
