@@ -589,4 +589,5 @@ class Executor(Stepping, Recovery):
 
     def close(self) -> None:
         self.watchdog.close()
+        self.leases.close()
         self._threads.shutdown()

@@ -110,6 +110,10 @@ class LeaseKeeper:
         finally:
             self.guard.stop()
 
+    def close(self) -> None:
+        """Let the lease threads end."""
+        self.guard.close()
+
     def _watch_loop_while_beating(self) -> None:
         """The loop watchdog (flowloop/watchdog.py) runs as long as a heartbeat does."""
         beating = asyncio.current_task()

@@ -90,9 +90,10 @@ class LeaseGuard:
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
-        self._stop: threading.Event | None = None
-        """Set to end the threads of the current :meth:`start` (each start has its own: a
-        renewer still blocked in a call when stopped must not beat on after a restart)."""
+        self._active = threading.Event()
+        """Set while some :meth:`start` is not yet stopped: the threads work only then."""
+        self._closed = threading.Event()
+        self._started = False
         self._changed = threading.Event()
         self._users = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -139,26 +140,32 @@ class LeaseGuard:
             return None if held is None else held.until
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Start the threads (calls nest: the threads run until the last :meth:`stop`)."""
+        """Begin keeping the leases, telling ``loop``. Calls nest: each :meth:`start`
+        needs its :meth:`stop`. The threads are started once and kept (until
+        :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
         self._users += 1
-        if self._users > 1:
-            return
         self._loop = loop
-        self._stop = stop = threading.Event()
-        for target, name in (
-            (self._watch, "flowloop-fence"),
-            (self._renew_loop, "flowloop-lease"),
-        ):
-            threading.Thread(target=target, args=(stop,), name=name, daemon=True).start()
+        self._active.set()
+        if not self._started:
+            self._started = True
+            for target, name in (
+                (self._watch, "flowloop-fence"),
+                (self._renew_loop, "flowloop-lease"),
+            ):
+                threading.Thread(target=target, name=name, daemon=True).start()
 
     def stop(self) -> None:
-        """End one :meth:`start`; with the last, let the threads end (the fence watch at
-        once, the renewer when its call returns)."""
+        """End one :meth:`start`; after the last, the threads idle (no renewal, no poll)."""
         self._users = max(0, self._users - 1)
-        if self._users or self._stop is None:
-            return
-        self._stop.set()
-        self._stop = None
+        if not self._users:
+            self._active.clear()
+            self._changed.set()
+
+    def close(self) -> None:
+        """Let the threads end (the renewer when a call it is in returns)."""
+        self._users = 0
+        self._active.clear()
+        self._closed.set()
         self._changed.set()
 
     # -- the threads -----------------------------------------------------------------------
@@ -170,9 +177,13 @@ class LeaseGuard:
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to tell
             loop.call_soon_threadsafe(callback, *args)
 
-    def _watch(self, stop: threading.Event) -> None:
+    def _watch(self) -> None:
         """Fence off runs whose deadline passed; sleep until the next deadline."""
-        while not stop.is_set():
+        while not self._closed.is_set():
+            if not self._active.is_set():
+                self._changed.wait(1.0)
+                self._changed.clear()
+                continue
             now = time.monotonic()
             due: list[tuple[str, _Held]] = []
             wait = self.tick
@@ -195,6 +206,7 @@ class LeaseGuard:
         if self._released(run_id):
             return  # let go of meanwhile: its lease no longer matters
         since = now - held.renewed
+        self._to_loop(self._lost, run_id, FENCED)  # first: queued before the line is out
         log.warning(
             "run %s: lease not renewed for %.2fs (lease %gs; it ends in %.2fs at the earliest); "
             "lease deadline passed, abandoning it (self-fencing)",
@@ -211,12 +223,13 @@ class LeaseGuard:
                 "lease_until": round(held.until, 3),
             },
         )
-        self._to_loop(self._lost, run_id, FENCED)
 
-    def _renew_loop(self, stop: threading.Event) -> None:
+    def _renew_loop(self) -> None:
         last_renewal = last_poll = time.monotonic()
         failing = False
-        while not stop.wait(self.tick):
+        while not self._closed.wait(self.tick):
+            if not self._active.wait(1.0):
+                continue
             now = time.monotonic()
             try:
                 called = False
