@@ -13,7 +13,10 @@ host) must take every run over and finish it, and A must:
   refused: a commit-time trigger in the test's schema records every journal row's write);
 * keep working afterwards (it finishes new runs once the link is back).
 
-Nothing runs twice: each state of each run succeeds once in the journal.
+Nothing runs twice: each state of each run succeeds once in the journal. With async steps
+(``async def``), A's steps are cancelled at the fence: none of their side effects (a line
+appended to a file of A's, unaffected by the partition) comes after it. A sync step cannot
+be stopped (its thread runs on); its result is discarded.
 """
 
 from __future__ import annotations
@@ -57,6 +60,43 @@ END $$;
 CREATE TRIGGER fl_note_write AFTER INSERT ON flowloop_journal
     FOR EACH ROW EXECUTE FUNCTION fl_note_write();
 """
+ASYNC_FLOW = '''\
+"""The ledger workflow with async steps: each sleeps, then appends its side effect (run,
+state, attempt, wall-clock time) to the file $FL_EFFECTS."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+from pydantic import BaseModel
+
+from flowloop import Retry, Step, Workflow
+
+STATES = [f"s{i}" for i in range(10)]
+
+
+class LedgerCtx(BaseModel):
+    n: int = 0
+
+
+async def record(ctx: LedgerCtx, step: Step) -> None:
+    await asyncio.sleep(float(os.environ.get("MW_STEP_SLEEP") or 0))
+    with open(os.environ["FL_EFFECTS"], "a") as handle:
+        handle.write(f"{step.run_id} {step.state} {step.attempt} {time.time():.4f}\\n")
+    ctx.n += 1
+
+
+ledger = Workflow("ledger", context=LedgerCtx)
+for _i, _state in enumerate(STATES):
+    ledger.step(name=_state, initial=_i == 0,
+                next=STATES[_i + 1] if _i + 1 < len(STATES) else "done",
+                retry=Retry(attempts=50, backoff="fixed", base=0.05, cap=0.05))(record)
+ledger.final("done")
+'''
+EFFECT_SLACK_S = 0.5
+"""After A's fence line, for its event loop to run the cancellation (a loaded machine)."""
 FENCE_LINE = re.compile(
     r"run (\S+): lease not renewed for ([\d.]+)s .*lease deadline passed, abandoning it"
 )
@@ -105,10 +145,14 @@ def steps_done(url: str) -> Counter[str]:
         return Counter({row[0]: int(row[1]) for row in rows})
 
 
+@pytest.mark.parametrize("steps", ["sync", "async"])
 def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
-    pg_url: str, tmp_path: Path, workers: mwkit.Workers, netns: netkit.Netns
+    pg_url: str, tmp_path: Path, workers: mwkit.Workers, netns: netkit.Netns, steps: str
 ) -> None:
     flow = mwkit.write_flow(tmp_path)
+    if steps == "async":
+        flow.write_text(ASYNC_FLOW)
+    effects = tmp_path / "a.effects"
     mwkit.enqueue(pg_url, flow, RUNS, lease=LEASE_S)
     with mwkit.db(pg_url) as engine, engine.begin() as conn:
         conn.exec_driver_sql(WRITTEN_DDL)
@@ -131,6 +175,7 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
                 "MW_LEDGER_DSN": mwkit.libpq_url(ledger.url_through(pg_url)),
                 "MW_LEDGER_MODE": "idempotent",
                 "MW_STEP_SLEEP": str(STEP_S),
+                "FL_EFFECTS": str(effects),
             },
         )
     )
@@ -157,7 +202,11 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
             concurrency=RUNS,
             lease=LEASE_S,
             worker_id="host-b:4343:takes",
-            env={"MW_LEDGER_MODE": "idempotent", "MW_STEP_SLEEP": str(STEP_S)},
+            env={
+                "MW_LEDGER_MODE": "idempotent",
+                "MW_STEP_SLEEP": str(STEP_S),
+                "FL_EFFECTS": str(tmp_path / "b.effects"),
+            },
         )
     )
     mwkit.wait_for(
@@ -179,6 +228,15 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
     assert latest <= FENCE_BOUND_S, (latest, workers.logs())
     # By its own clock, before its lease could have ended.
     assert all(float(match.group(2)) < LEASE_S for _, match in fences), fences
+    if steps == "async":  # cancelled at the fence: no side effect of A's after it
+        fenced_at = {match.group(1): mwkit.log_time(line) for line, match in fences}
+        after = [
+            line
+            for line in effects.read_text().splitlines()
+            if (run := line.split()[0]) in fenced_at
+            and float(line.split()[3]) > fenced_at[run] + EFFECT_SLACK_S
+        ]
+        assert not after, f"A's async steps went on after its fence: {after}"
 
     # The link comes back: A's kept boundaries must all be refused, and A works on.
     database.heal()
@@ -198,7 +256,8 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
     assert mwkit.statuses(pg_url) == Counter({"succeeded": RUNS + 2}), workers.logs()
     assert not mwkit.succeeded_once_per_visit(mwkit.journal_rows(pg_url))
     print(
-        f"partition: A fenced {len(fenced_runs)} run(s) off {latest:.2f}s after the cut "
+        f"partition ({steps} steps): A fenced {len(fenced_runs)} run(s) off "
+        f"{latest:.2f}s after the cut "
         f"(no renewal for at most {max(float(m.group(2)) for _, m in fences):.2f}s); "
         f"B finished all {RUNS} runs {took:.1f}s after the cut"
     )
