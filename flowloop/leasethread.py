@@ -107,6 +107,8 @@ class LeaseGuard:
         with self._lock:
             self._held[run_id] = _Held(since + self.lease_seconds, since)
             self._fenced.discard(run_id)
+        if self._active.is_set():
+            self._start_threads()
         self._changed.set()
 
     def extend(self, run_id: str, since: float) -> None:
@@ -141,18 +143,27 @@ class LeaseGuard:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Begin keeping the leases, telling ``loop``. Calls nest: each :meth:`start`
-        needs its :meth:`stop`. The threads are started once and kept (until
-        :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
+        needs its :meth:`stop`. The threads are started at the first lease held and kept
+        (until :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
         self._users += 1
         self._loop = loop
         self._active.set()
-        if not self._started:
-            self._started = True
-            for target, name in (
-                (self._watch, "flowloop-fence"),
-                (self._renew_loop, "flowloop-lease"),
-            ):
-                threading.Thread(target=target, name=name, daemon=True).start()
+        with self._lock:
+            holding = bool(self._held)
+        if holding:
+            self._start_threads()
+
+    def _start_threads(self) -> None:
+        # Not before the first lease: a worker with nothing to drive (10,000 waiting runs)
+        # holds no thread for it.
+        if self._started:
+            return
+        self._started = True
+        for target, name in (
+            (self._watch, "flowloop-fence"),
+            (self._renew_loop, "flowloop-lease"),
+        ):
+            threading.Thread(target=target, name=name, daemon=True).start()
 
     def stop(self) -> None:
         """End one :meth:`start`; after the last, the threads idle (no renewal, no poll)."""
@@ -236,7 +247,7 @@ class LeaseGuard:
                 if now - last_renewal >= self.lease_seconds * RENEW_FRACTION or failing:
                     self._renew_held()
                     last_renewal, called = now, True
-                if now - last_poll >= self.poll_seconds or failing:
+                if (now - last_poll >= self.poll_seconds or failing) and self._holding():
                     requests = self._poll()
                     last_poll, called = now, True
                     if requests:
@@ -249,6 +260,11 @@ class LeaseGuard:
                     text = str(error).strip().splitlines()
                     log.warning("heartbeat failed (retrying): %s", text[0] if text else type(error))
                 failing = True
+
+    def _holding(self) -> bool:
+        """Runs are held: pause/stop requests concern only runs driven here."""
+        with self._lock:
+            return bool(self._held)
 
     def _renew_held(self) -> None:
         with self._lock:
