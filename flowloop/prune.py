@@ -242,6 +242,9 @@ def vacuum(db: Engine) -> str:
         names = ", ".join(db.dialect.identifier_preparer.format_table(t) for t in VACUUMED_TABLES)
         with db.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            # Not cut off by a worker's statement timeout (flowloop.store.dialect): a
+            # large history takes a while to vacuum, and nothing waits on this session.
+            conn.exec_driver_sql("SET statement_timeout = 0")
             conn.exec_driver_sql(f"VACUUM (ANALYZE) {names}")
         return "vacuumed (space reusable by new rows; files shrink only with VACUUM FULL)"
     with db.connect() as conn:
