@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,6 +66,9 @@ class Committer:
         joins it; with no retry due, :meth:`submit` schedules a flush itself — also after
         every kept boundary's run was fenced off (the retry found nothing left to write),
         which used to leave the committer waiting for a retry that never came."""
+        self.fenced: Callable[[str], bool] = lambda run_id: False
+        """Whether a run is fenced off (its lease deadline passed unrenewed): a boundary of
+        it still queued is not written (the executor's own check comes before it queues)."""
         self.released: set[str] = set()
         """Runs whose releasing boundary was applied (their owner let go of them), noted at
         commit time, before the waiting task resumes (the heartbeat must not take the
@@ -93,7 +97,14 @@ class Committer:
         retried, self._retrying = self._retrying, []
         # A cancelled waiter (its run was abandoned: lease lost, cut off) must not have
         # its boundary written after the fact.
-        batch = [(b, f) for b, f in retried + self._pending if not f.cancelled()]
+        batch = []
+        for boundary, future in retried + self._pending:
+            if future.cancelled():
+                continue
+            if boundary.fence.owner is not None and self.fenced(boundary.run_id):
+                future.set_result(False)
+                continue
+            batch.append((boundary, future))
         self._pending = []
         if not batch:
             return

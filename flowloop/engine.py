@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
@@ -483,6 +484,7 @@ class Engine(Operations, LoopControls):
             if workflow.initial in workflow.steps and not gates.gated_start(workflow)
             else None,
         )
+        sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
@@ -492,7 +494,7 @@ class Engine(Operations, LoopControls):
             # queue; the heartbeat keeps its lease alive through long steps.
             heartbeat = asyncio.create_task(executor.heartbeat())
             executor.tracked.add(stored.id)
-            task = executor.spawn(stored, starting=False)
+            task = executor.spawn(stored, starting=False, claimed_at=sent)
             try:
                 # Not `await task`: a run cut off by an operator's stop or a lost lease ends
                 # its task cancelled, which is the run's outcome, not the caller's

@@ -151,6 +151,7 @@ class Executor(Stepping, Recovery):
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
         self.leases = LeaseKeeper(self)
+        self.committer.fenced = self.leases.fenced
         self.lease_lost = self.leases.hooks
         """Called with (run id, why) when this worker stops driving a run it lost."""
         self.tracked: set[str] = set()
@@ -426,6 +427,11 @@ class Executor(Stepping, Recovery):
             if not boundary.release:
                 self.leases.renewed_by_write(boundary.run_id, before)
             self._notify(boundary)
+            if not boundary.release and self.leases.fenced(boundary.run_id):
+                # Fenced while the write was in flight: it landed under a lease the database
+                # still held, but nothing may follow it (the next step must not start).
+                self.leases.given_up.add(boundary.run_id)
+                return False
         else:
             self.stats.lost_leases += 1
             why = "write refused (lease lost or run changed by another writer); abandoning it"

@@ -246,11 +246,12 @@ class Worker:
             run_at=None,
             owner=engine.worker_id,
         )
+        sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = engine.store.create_run(new)
         if created:
             if self.metrics is not None:
                 self.metrics.run_started(loop.workflow.name)
-            self.executor.spawn(stored, starting=False)
+            self.executor.spawn(stored, starting=False, claimed_at=sent)
         try:
             while True:
                 task = self.executor.driving(stored.id)
