@@ -50,13 +50,18 @@ class Registry(dict[str, Workflow]):
         return self._by_version.get((name, number))
 
     def for_run(self, record: RunRecord) -> Workflow:
-        """The definition ``record`` follows: its own (by fingerprint, then by version
-        number) while loaded, else the newest. KeyError when the name is not loaded."""
+        """The definition ``record`` follows: its own (its version number with its
+        fingerprint, then by fingerprint, then by version number) while loaded, else the
+        newest. KeyError when the name is not loaded. The version comes first because two
+        versions may share a fingerprint (they differ only in step code or in context
+        defaults, which the fingerprint leaves out)."""
+        numbered = self._by_version.get((record.workflow, record.version))
+        if numbered is not None and numbered.fingerprint == record.fingerprint:
+            return numbered
         own = self._by_fingerprint.get(record.fingerprint)
         if own is not None and own.name == record.workflow:
             return own
-        same = self._by_version.get((record.workflow, record.version))
-        return same if same is not None else self[record.workflow]
+        return numbered if numbered is not None else self[record.workflow]
 
 
 def workflow_for(workflows: Mapping[str, Workflow], record: RunRecord) -> Workflow:

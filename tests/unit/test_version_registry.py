@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deploykit import order, renamed_state
+from deploykit import OrderV1, order, renamed_state
 
 from flowloop.journal import RunRecord
 from flowloop.versions import Registry, workflow_for
@@ -46,3 +46,21 @@ def test_registry__the_same_version_again_replaces_it() -> None:
     registry.add(first)
     registry.add(again)
     assert registry["order"] is again and registry.versions("order") == [again]
+
+
+def test_registry__versions_sharing_a_fingerprint_keep_their_own_runs() -> None:
+    """Two versions that differ only in a context default (left out of the fingerprint)
+    or in step code share a fingerprint: a run of v1 stays on v1, not on v2's steps."""
+
+    class OrderV1Later(OrderV1):
+        sleep: bool = True  # only a default changed
+
+    v1 = order(version=1).validate()
+    v2 = order(version=2, context=OrderV1Later).validate()
+    assert v1.fingerprint == v2.fingerprint
+    for loaded in ([v1, v2], [v2, v1]):
+        registry = Registry()
+        for workflow in loaded:
+            registry.add(workflow)
+        assert registry.for_run(_record(1, v1.fingerprint)) is v1
+        assert registry.for_run(_record(2, v2.fingerprint)) is v2
