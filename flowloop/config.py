@@ -193,6 +193,9 @@ class Settings(BaseSettings):
         env_nested_delimiter="__",
         extra="forbid",
         case_sensitive=False,
+        # An empty variable is an unset one (as click's envvars treat it): a deployment
+        # with FLOWLOOP_UI_TOKEN= left blank must not break every command.
+        env_ignore_empty=True,
     )
 
     db: str | None = None

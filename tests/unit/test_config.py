@@ -125,6 +125,18 @@ def test_settings__the_dashboard_token_from_the_file_and_the_env_wins(
     assert error_of().startswith("invalid configuration: ui_token: String should have at least")
 
 
+def test_settings__an_empty_variable_is_an_unset_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FLOWLOOP_UI_TOKEN= left blank in a deployment must not break every command."""
+    monkeypatch.setenv("FLOWLOOP_UI_TOKEN", "")
+    monkeypatch.setenv("FLOWLOOP_METRICS_PORT", "")
+    settings = load_settings()
+    assert (settings.ui_token, settings.metrics_port) == (None, None)
+    write(tmp_path / "flowloop.toml", 'ui_token = "from-the-file"\n')
+    assert load_settings().ui_token == "from-the-file"
+
+
 def test_settings__pyproject_without_the_table_is_ignored(tmp_path: Path) -> None:
     write(tmp_path / "pyproject.toml", '[project]\nname = "app"\n')
     assert load_settings().db is None
