@@ -36,10 +36,15 @@ T = TypeVar("T")
 
 @contextmanager
 def reading(db: Engine) -> Iterator[Connection]:
-    """One read transaction (``BEGIN``, never ``BEGIN IMMEDIATE``, on SQLite)."""
+    """One read transaction (``BEGIN``, never ``BEGIN IMMEDIATE``, on SQLite). On
+    PostgreSQL without the session's ``statement_timeout`` (a fraction of the worker's
+    lease, store/dialect.py): these are the operator's reads — ``stats`` and ``heat`` over
+    a long window, prune's counts, the dashboard — which may take longer than a lease."""
     with db.connect() as conn:
         conn = conn.execution_options(**{READ_OPTION: True})
         with conn.begin():
+            if db.dialect.name == "postgresql":
+                conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
             yield conn
 
 

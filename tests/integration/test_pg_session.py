@@ -84,3 +84,21 @@ def test_a_session_idle_after_a_batch_statement_is_ended_by_the_server(pg_url: s
 
                 poll(ended, timeout=30, every=0.1, what="the server to end the idle session")
             conn.invalidate()
+
+
+def test_operator_reads_are_not_cut_off_by_the_workers_statement_timeout(pg_url: str) -> None:
+    """stats, heat, prune's counts and the dashboard read through store/reads.reading():
+    a read longer than the lease's statement_timeout (2 s at a 3 s lease) completes, while
+    the same statement outside it is cancelled (SQLSTATE 57014)."""
+    from flowloop.store.reads import reading
+
+    with Engine(pg_url, lease_seconds=3) as engine:
+        assert isinstance(engine.store, SQLStore)
+        db = engine.store.engine
+        with reading(db) as conn:
+            assert conn.execute(sa.text("SELECT 1 FROM pg_sleep(2.5)")).scalar_one() == 1
+        with (
+            pytest.raises(sa.exc.OperationalError, match="statement timeout"),
+            db.connect() as conn,
+        ):
+            conn.execute(sa.text("SELECT pg_sleep(2.5)"))
