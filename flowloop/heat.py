@@ -30,6 +30,7 @@ from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, PERCENTILES, StateStats, rank
 from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import journal, runs
+from flowloop.store.windows import journal_since
 
 TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
 HEAT_SCALE: Final = (
@@ -109,7 +110,7 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
     percentiles, no slowest runs), planned to read only the window's journal entries."""
     where = [journal.c.kind.in_(OUTCOME_KINDS), _of_workflow(db, workflow)]
     if since is not None:
-        where.append(journal.c.at >= since)
+        where.append(journal_since(since))
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
     counts = (
         select(
@@ -173,7 +174,7 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
     """The heat of ``workflow`` over the journal since ``since`` (``None``: all history)."""
     where = [journal.c.kind.in_(TAKEN_KINDS), _of_workflow(db, workflow)]
     if since is not None:
-        where.append(journal.c.at >= since)
+        where.append(journal_since(since))
     edges_query = (
         select(
             journal.c.state,
