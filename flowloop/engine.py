@@ -1,50 +1,40 @@
-"""The public facade: start runs, drive them, look at them, and act on them as an operator."""
+"""The public facade: start runs, drive them, look at them, and act on them as an operator.
+
+:class:`Engine` starts, drives and reads runs here; what an operator does to runs is
+flowloop/operations.py and to loops flowloop/engine_loops.py (mixed in); what users get
+back is flowloop/runinfo.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import getpass
 import json
-import logging
 import os
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, overload
+from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel
-from pydantic_core import to_jsonable_python
 
-from flowloop import children, gates, ids, loop_requests, starts, tracecontext
+from flowloop import children, gates, ids, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow
+from flowloop.engine_loops import LoopControls
 from flowloop.errors import (
-    DefinitionError,
-    DefinitionMismatch,
     FlowloopError,
     InvalidContext,
-    InvalidEvent,
-    InvalidTransition,
-    UnknownLoop,
     UnknownRun,
     UnknownWorkflow,
 )
 from flowloop.events import (
-    NotWaiting,
-    accepted,
-    accepts,
-    check_bufferable,
     entering,
-    receive,
-    wait_due,
 )
 from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
@@ -54,17 +44,23 @@ from flowloop.executor import (
     Listener,
     Stats,
     new_worker_id,
-    try_deliver_pending,
 )
 from flowloop.flowcontrol import concurrency_key_of
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import CLAIMABLE, FINISHED
-from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
+from flowloop.lifecycle import CLAIMABLE
+from flowloop.limits import check_finite, check_key
+from flowloop.operations import Operations
 from flowloop.retry import seconds
+from flowloop.runinfo import (
+    INVALID_JSON_KEY,
+    Replay,
+    RunInfo,
+    SendResult,
+    StartedRuns,
+    Stranded,
+    run_info,
+)
 from flowloop.store import (
-    Boundary,
-    Fence,
-    InboxEvent,
     NewRun,
     RunFilter,
     SQLStore,
@@ -72,23 +68,28 @@ from flowloop.store import (
     StoredRun,
 )
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
-from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
-from flowloop.verdicts import judge
 from flowloop.versions import Registry
+
+__all__ = [
+    "DEFAULT_URL",
+    "ENV_DB",
+    "INVALID_JSON_KEY",
+    "START_BATCH",
+    "Engine",
+    "Replay",
+    "RunInfo",
+    "SendResult",
+    "StartedRuns",
+    "Stranded",
+    "default_url",
+]
 
 if TYPE_CHECKING:
     import graphviz
 
-    from flowloop.migration import Moved
 
-SEND_ATTEMPTS: Final = 200
-SEND_RETRY_SECONDS: Final = 0.01
-SEND_HOLD_SECONDS: Final = 2.0
-"""How long ``send`` (without ``buffer``) waits for a worker to let go of a waiting run."""
 DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
-INVALID_JSON_KEY: Final = "_invalid_json"
-"""``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 START_BATCH: Final = 1_000
 """Runs per transaction in :meth:`Engine.start_many`: few commits, short write locks."""
 
@@ -98,90 +99,7 @@ def default_url() -> str:
     return normalize_url(os.environ.get(ENV_DB) or DEFAULT_URL)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RunInfo:
-    """A run as users see it."""
-
-    id: str
-    workflow: str
-    version: int
-    status: str
-    state: str
-    context: BaseModel | dict[str, Any]
-    attempt: int
-    key: str | None
-    reason: str | None
-    error: str | None
-    next_run_at: float | None
-    owner: str | None
-    last_seq: int
-    created_at: float
-    updated_at: float
-    visits: Mapping[str, int]
-    fingerprint: str = ""
-    """The definition the run follows (its structure is stored under this fingerprint)."""
-
-    @property
-    def finished(self) -> bool:
-        return self.status in FINISHED
-
-
-@dataclass(frozen=True)
-class StartedRuns(Sequence[RunInfo]):
-    """What :meth:`Engine.start_many` enqueued: one run per context, in order (iterate or
-    index it like a list), and how many of them it created — the others already held
-    their key (an existing run, or an earlier context of the same call)."""
-
-    runs: tuple[RunInfo, ...]
-    created: int
-
-    def __len__(self) -> int:
-        return len(self.runs)
-
-    @overload
-    def __getitem__(self, index: int) -> RunInfo: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[RunInfo]: ...
-
-    def __getitem__(self, index: int | slice) -> RunInfo | Sequence[RunInfo]:
-        return self.runs[index]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Replay:
-    """A journal folded: the record at ``seq``, and whether the full fold equals the row."""
-
-    run_id: str
-    seq: int
-    record: RunRecord
-    events: list[JournalEvent]
-    differences: list[str]
-
-    @property
-    def matches(self) -> bool:
-        return not self.differences
-
-
-@dataclass(frozen=True)
-class SendResult:
-    """``applied`` (the run took the event), ``buffered`` or ``duplicate``."""
-
-    status: str
-    run: RunInfo
-
-
-@dataclass(frozen=True)
-class Stranded:
-    """A live run the current definition cannot continue."""
-
-    run_id: str
-    state: str
-    status: str
-    reason: str
-
-
-class Engine:
+class Engine(Operations, LoopControls):
     """flowloop over one database.
 
     ``url`` is a SQLAlchemy URL or a file path; default ``$FLOWLOOP_DB`` or ``./flowloop.db``
@@ -294,26 +212,6 @@ class Engine:
                 "load the file that defines it (-w)"
             )
         return found
-
-    def migrate(self, run_id: str, *, to: int, by: str | None = None) -> RunInfo:
-        """Move a live run to version ``to`` of its workflow (registered, declaring
-        ``migrates_from`` for the run's version); journaled with who, from and to. A run
-        parked for a mismatch goes on. Raises FlowloopError saying why it cannot move."""
-        from flowloop.migration import migrate_run
-
-        stored = self._stored(run_id)
-        migrate_run(self, stored, to=to, by=by or _user())
-        return self.get(stored.id)
-
-    def migrate_workflow(self, name: str, *, to: int, by: str | None = None) -> list[Moved]:
-        """:meth:`migrate` every live run of ``name`` below version ``to``."""
-        from flowloop.migration import migrate_all
-
-        return migrate_all(self, name, to=to, by=by or _user())
-
-    def operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
-        """Write one operator entry on a run nobody owns (fenced); False if it moved."""
-        return self._operate(stored, kind, **fields)
 
     def _workflow_for(self, record: RunRecord) -> Workflow | None:
         """The registered definition a stored run follows (its own version while it is
@@ -697,43 +595,7 @@ class Engine:
         return self._stored(run_id).id
 
     def _info(self, stored: StoredRun) -> RunInfo:
-        record = stored.record
-        workflow = self._workflow_for(record)
-        context: BaseModel | dict[str, Any]
-        try:
-            context = (
-                workflow.load_context(record.context, record.context_version)
-                if workflow is not None
-                else json.loads(record.context)
-            )
-        except (ValueError, FlowloopError):
-            # A stored context that no longer validates (or parses) must not make the run
-            # unreadable: show what is there.
-            try:
-                context = json.loads(record.context)
-            except ValueError:
-                context = {INVALID_JSON_KEY: record.context}
-            if not isinstance(context, dict):
-                context = {INVALID_JSON_KEY: record.context}
-        return RunInfo(
-            id=record.id,
-            workflow=record.workflow,
-            version=record.version,
-            status=record.status,
-            state=record.state,
-            context=context,
-            attempt=record.attempt,
-            key=record.key,
-            reason=record.reason,
-            error=record.error,
-            next_run_at=record.next_run_at,
-            owner=stored.owner,
-            last_seq=record.last_seq,
-            created_at=stored.created_at,
-            updated_at=stored.updated_at,
-            visits=dict(record.visits),
-            fingerprint=record.fingerprint,
-        )
+        return run_info(stored, self._workflow_for(stored.record))
 
     def get(self, run_id: str) -> RunInfo:
         return self._info(self._stored(run_id))
@@ -803,279 +665,6 @@ class Engine:
             differences=differences,
         )
 
-    # -- operating -------------------------------------------------------------------------
-
-    def _operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
-        """Write one operator event on a run nobody owns. False if someone owns it."""
-        record = stored.record
-        event = JournalEvent(
-            run_id=record.id,
-            seq=record.last_seq + 1,
-            kind=kind,
-            at=self.clock.now(),
-            worker=f"operator:{_user()}",
-            **fields,
-        )
-        boundary = Boundary(
-            events=[event],
-            record=j.apply(record, event),
-            fence=Fence(None, stored.lease_epoch),
-            clear_control=True,
-        )
-        written = self.store.write([boundary])[0]
-        if written:
-            self._tell(boundary)
-        return written
-
-    def _tell(self, boundary: Boundary) -> None:
-        self._tell_events(boundary.record, boundary.events)
-
-    def _tell_created(self, new: NewRun) -> None:
-        self._tell_events(new.record, new.events)
-
-    def _tell_events(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
-        for listener in self.direct_listeners:
-            try:
-                listener(record, events)
-            except Exception:  # a listener must never break an operator's write
-                logging.getLogger("flowloop.engine").exception("listener failed")
-
-    def pause(self, run_id: str) -> RunInfo:
-        """Pause a run: at once if it is queued, else at its next step boundary."""
-        return self._control(run_id, "pause", j.RUN_PAUSED)
-
-    def stop(self, run_id: str) -> RunInfo:
-        """Stop a run for good (until an operator retries it); a running step is cancelled."""
-        return self._control(run_id, "stop", j.RUN_STOPPED)
-
-    def _control(self, run_id: str, action: str, kind: str) -> RunInfo:
-        stored = self._stored(run_id)
-        run_id = stored.id
-        status = stored.record.status
-        if action == "pause" and status == "paused":
-            return self._info(stored)
-        if status in FINISHED:
-            raise InvalidTransition(run_id, status, action)
-        # Stop and pause cascade to the run's live children (and theirs).
-        children.cascade(
-            self.store, run_id, action, lambda child, act: self._control(child, act, kind)
-        )
-        if status != "running" and self._operate(stored, kind, state=stored.record.state):
-            return self.get(run_id)
-        # Owned (running): its worker honours the request at the next boundary.
-        self.store.request_control(run_id, action)
-        return self.get(run_id)
-
-    def unpause(self, run_id: str) -> RunInfo:
-        stored = self._stored(run_id)
-        run_id = stored.id
-        if stored.record.status != "paused":
-            if stored.control == "pause":
-                self.store.request_control(run_id, None)
-                return self.get(run_id)
-            raise InvalidTransition(run_id, stored.record.status, "unpause")
-        record = stored.record
-        workflow = self._workflow_for(record)
-        data: dict[str, Any] = {}
-        if workflow is not None and record.state in workflow.waits:
-            # Back to waiting: due when its timeout was due (at once if that has passed),
-            # never before, and not at all without a timeout.
-            data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
-        elif record.join is not None and children.is_held(self.store, run_id):
-            data["due"] = None  # a map's child paused before its turn: held again
-        if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
-            raise FlowloopError(f"run {run_id} changed while unpausing; try again")
-        if "due" in data:
-            # Events kept while it was paused: the run takes them now.
-            self._hand_over_kept(run_id)
-        for child in children.paused_children(self.store, run_id):
-            with contextlib.suppress(FlowloopError):  # unpaused or ended meanwhile
-                self.unpause(child)
-        return self.get(run_id)
-
-    def send(
-        self,
-        run_id: str,
-        event: str,
-        payload: Mapping[str, Any] | BaseModel | None = None,
-        *,
-        dedupe_key: str | None = None,
-        buffer: bool = False,
-    ) -> SendResult:
-        """Send ``event`` to a run waiting in a wait state that accepts it: the payload is
-        validated and merged into the context, the event journaled, and the run moves on.
-
-        Not accepted now: with ``buffer=True`` the event is kept until the run reaches a
-        state that accepts it, else InvalidEvent lists what the state accepts. The same
-        ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``).
-        """
-        if isinstance(payload, BaseModel):
-            payload = payload.model_dump(mode="json")
-        run_id = self.resolve(run_id)
-        check_key("dedupe key", dedupe_key)
-        check_finite("payload", payload)
-        check_text("event", event, MAX_NAME_LENGTH)
-        message = InboxEvent(
-            run_id=run_id,
-            event=event,
-            payload=None if payload is None else json.dumps(payload, sort_keys=True),
-            dedupe_key=dedupe_key,
-            sent_at=self.clock.now(),
-            sender=f"{_user()}@{self.worker_id}",
-        )
-        hold_until = time.monotonic() + SEND_HOLD_SECONDS
-        for _ in range(SEND_ATTEMPTS):
-            stored = self._stored(run_id)
-            if dedupe_key is not None and self.store.has_message(run_id, dedupe_key):
-                return SendResult(status="duplicate", run=self._info(stored))
-            record = stored.record
-            if record.status in FINISHED:
-                raise InvalidTransition(run_id, record.status, f"send {event!r} to")
-            self.workflow(record.workflow)  # UnknownWorkflow unless registered
-            workflow = self._workflows.for_run(record)
-            self._refuse_mismatch(workflow, record)
-            waiting_here = accepts(workflow, record, event)
-            if waiting_here and stored.owner is None:
-                if self._deliver_kept(workflow, record):
-                    continue  # events kept earlier went first (in order): look again
-                received, after = receive(
-                    workflow,
-                    record,
-                    event,
-                    message.payload,
-                    now=self.clock.now(),  # not sent_at: after a wait, later than the holder's
-                    worker=message.sender or "",
-                    extra={"dedupe_key": dedupe_key} if dedupe_key else None,
-                )
-                boundary = Boundary(
-                    events=[received], record=after, fence=Fence(None, stored.lease_epoch)
-                )
-                result = self.store.deliver(message, boundary)
-                if result == "conflict":
-                    time.sleep(SEND_RETRY_SECONDS)  # another writer moved the run: look again
-                    continue
-                if result == "applied":
-                    self._tell(boundary)
-                if result == "applied" and after.state in workflow.waits:
-                    # It waits again (maybe in another wait state): take what was kept for it.
-                    self._hand_over_kept(run_id)
-            elif waiting_here and not buffer and time.monotonic() < hold_until:
-                # A worker holds the waiting run for a moment (its timeout is firing, or a
-                # kept event is being handed over): look again once it lets go, so the
-                # sender learns whether the event was taken or came too late, instead of
-                # it being kept behind a timeout that may end the run.
-                self._wait_while_held(run_id, stored.owner, hold_until)
-                continue
-            elif buffer or waiting_here:
-                # Busy (a worker holds it) or not there yet: keep it for later, unless it
-                # could never be taken (no wait state accepts it, or its payload is invalid).
-                check_bufferable(
-                    workflow, event, message.payload, state=record.state if waiting_here else None
-                )
-                if workflow.bounds.max_inbox is not None:
-                    result = starts.keep_bounded(self, workflow, message)  # backpressure
-                else:
-                    result = self.store.deliver(message, None)
-                if result == "buffered":
-                    self._hand_over_kept(run_id)
-            elif event in accepted(workflow, record.state):
-                raise NotWaiting(run_id, record.status, record.state, event)
-            else:
-                raise InvalidEvent(record.state, event, accepted(workflow, record.state))
-            return SendResult(status=result, run=self.get(run_id))
-        raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
-
-    def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
-        """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition
-        cannot take the run on (flowloop/verdicts.py); a worker parks such a run."""
-        if record.fingerprint == workflow.fingerprint and (
-            record.context_version == workflow.context_version
-        ):
-            return
-        verdict = judge(
-            workflow,
-            state=record.state,
-            fingerprint=record.fingerprint,
-            context=record.context,
-            context_version=record.context_version,
-            old=self.store.definition(record.fingerprint),
-        )
-        if not verdict.goes_on:
-            raise DefinitionMismatch(record.id, verdict.reason or "")
-
-    def _hand_over_kept(self, run_id: str) -> int | None:
-        """Give a waiting run the events kept for it that it accepts now (see
-        :func:`try_deliver_pending`)."""
-        return try_deliver_pending(
-            self.store, self._workflows, run_id, now=self.clock.now(), worker=self.worker_id
-        )
-
-    def _wait_while_held(self, run_id: str, owner: str | None, until: float) -> None:
-        """Poll until ``owner`` lets go of the run (or ``until``, on the monotonic clock)."""
-        while time.monotonic() < until:
-            time.sleep(SEND_RETRY_SECONDS)
-            stored = self.store.get_run(run_id)
-            if stored is None or stored.owner != owner:
-                return
-
-    def _deliver_kept(self, workflow: Workflow, record: RunRecord) -> bool:
-        """Before an event is applied to a waiting run, hand it the events kept for it that
-        it accepts now, oldest first: a sender's events are journaled in the order sent.
-        True when the run may have moved (look again)."""
-        if not any(
-            accepts(workflow, record, message.event)
-            for message in self.store.pending_events(record.id)
-        ):
-            return False
-        # None: handing over failed (logged); go on rather than wait on it.
-        return self._hand_over_kept(record.id) is not None
-
-    def retry(
-        self,
-        run_id: str,
-        *,
-        from_state: str | None = None,
-        set_fields: Mapping[str, Any] | None = None,
-        by: str | None = None,
-    ) -> RunInfo:
-        """Run a failed or stopped run again, from its current state or from ``from_state``
-        with the context recorded when the run entered it; ``set_fields`` edits that
-        context (validated). The journal records who changed what."""
-        stored = self._stored(run_id)
-        run_id = stored.id
-        record = stored.record
-        if record.status not in ("failed", "stopped"):
-            raise InvalidTransition(run_id, record.status, "retry")
-        self.workflow(record.workflow)  # UnknownWorkflow unless registered
-        workflow = self._workflows.for_run(record)
-        state = from_state or record.state
-        if state not in workflow.steps and not children.retryable_state(workflow, state):
-            raise DefinitionError(
-                workflow.name,
-                f"cannot retry from {state!r}: not a state with a step "
-                f"(states: {', '.join(workflow.steps)})",
-            )
-        entered = _context_entering(self.store.journal(run_id), state)
-        if state == record.state and workflow.compensates(state):
-            # the compensations owed go on from where they were
-            entered = (record.context, record.context_version)
-        if entered is None:
-            raise FlowloopError(f"run {run_id} never reached state {state!r}; choose a visited one")
-        context, version = entered
-        data: dict[str, Any] = {"by": by or _user(), "from": state}
-        if set_fields:
-            _check_fields(workflow, set_fields)
-            loaded = workflow.load_context(context, version).model_dump(mode="json")
-            context = workflow.parse_context({**loaded, **set_fields}).model_dump_json()
-            version = workflow.context_version
-            # As JSON (a datetime, a UUID ...): the journal stores what was set.
-            data["set"] = to_jsonable_python(dict(set_fields))
-        if version != 1:
-            data[j.CONTEXT_VERSION] = version
-        if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
-            raise FlowloopError(f"run {run_id} changed while retrying; try again")
-        return self.get(run_id)
-
     def check(self, workflow: Workflow) -> list[Stranded]:
         """Live runs of ``workflow``'s name that this definition would park or fail (see
         flowloop/checking.py for the whole report); older versions registered with this
@@ -1098,135 +687,3 @@ class Engine:
         ]
 
     # -- loops -----------------------------------------------------------------------------
-
-    def _loop_store(self) -> LoopStoreMixin:
-        if not isinstance(self.store, LoopStoreMixin):
-            raise FlowloopError("this store does not keep loops")
-        return self.store
-
-    def loops(self) -> list[LoopRow]:
-        """Every loop a worker has registered in this database."""
-        return self._loop_store().list_loops()
-
-    def loop(self, name: str) -> LoopRow:
-        row = self._loop_store().get_loop(name)
-        if row is None:
-            raise UnknownLoop(name)
-        return row
-
-    def loop_history(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
-        self.loop(name)
-        return self._loop_store().loop_journal(name, limit=limit)
-
-    def pause_loop(self, name: str) -> LoopRow:
-        """Pause a loop: at once if it is waiting, after the running iteration otherwise."""
-        return self._loop_control(name, "pause")
-
-    def stop_loop(self, name: str) -> LoopRow:
-        """Stop a loop; a running iteration is cancelled."""
-        return self._loop_control(name, "stop")
-
-    def unpause_loop(self, name: str) -> LoopRow:
-        """Resume a paused (or stopped) loop; its worker picks the next slot from now."""
-        row = self.loop(name)
-        if row.status not in ("paused", "stopped"):
-            if row.control == "pause":
-                self._loop_store().request_loop_control(name, None)
-                return self.loop(name)
-            raise InvalidTransition(name, row.status, "unpause")
-        self._loop_write(
-            row,
-            "loop_unpaused",
-            {
-                "status": "scheduled",
-                "next_fire_at": None,
-                "reason": None,
-                "consecutive_failures": 0,
-            },
-        )
-        return self.loop(name)
-
-    def trigger_loop(self, name: str) -> LoopRow:
-        """Ask the loop's worker for one iteration now, journaled ``manual`` (never while
-        another iteration of the loop runs); the schedule is unchanged."""
-        loop_requests.ask(
-            self._loop_store(), self.loop(name), loop_requests.TRIGGER, now=self.clock.now()
-        )
-        return self.loop(name)
-
-    def backfill_loop(self, name: str, request: loop_requests.BackfillRequest) -> LoopRow:
-        """Ask the loop's worker to run the slots of ``request``'s range that never started,
-        one at a time (journaled ``backfill``, ended by ``backfill_finished``)."""
-        loop_requests.ask(
-            self._loop_store(),
-            self.loop(name),
-            loop_requests.BACKFILL,
-            request,
-            now=self.clock.now(),
-        )
-        return self.loop(name)
-
-    def _loop_control(self, name: str, action: str) -> LoopRow:
-        row = self.loop(name)
-        target = "paused" if action == "pause" else "stopped"
-        if row.status == target:
-            return row
-        if row.status == "stopped":
-            raise InvalidTransition(name, row.status, action)
-        if row.status == "running" or not self._loop_write(
-            row,
-            f"loop_{target}",
-            {"status": target, "next_fire_at": None, "reason": f"{target} by {_user()}"},
-        ):
-            self._loop_store().request_loop_control(name, action)
-        return self.loop(name)
-
-    def _loop_write(self, row: LoopRow, kind: str, changes: dict[str, Any]) -> bool:
-        now = self.clock.now()
-        event = LoopEvent(loop=row.name, kind=kind, at=now, worker=f"operator:{_user()}")
-        return self._loop_store().write_loop(
-            name=row.name,
-            owner=None,
-            epoch=row.lease_epoch,
-            follows_seq=row.last_seq,
-            changes={**changes, "control": None, "updated_at": now},
-            events=[event],
-        )
-
-
-def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
-    """An edit must name fields of the context: pydantic would drop an unknown (misspelt)
-    one silently, and the journal would claim an edit that never happened."""
-    model = workflow.context
-    if model.model_config.get("extra") == "allow":
-        return
-    known = set(model.model_fields) | {
-        f.alias for f in model.model_fields.values() if f.alias is not None
-    }
-    unknown = sorted(set(set_fields) - known)
-    if unknown:
-        raise InvalidContext(
-            workflow.name,
-            f"no field(s) {', '.join(map(repr, unknown))} in {model.__name__} "
-            f"(fields: {', '.join(model.model_fields)})",
-        )
-
-
-def _context_entering(events: Sequence[JournalEvent], state: str) -> tuple[str, int] | None:
-    """The context a run had when it last entered ``state``, with its context version."""
-    for event in reversed(events):
-        # Entered by any transition that records the context it entered with: a step's
-        # outcome, a wait state's event or timeout, a child run's result.
-        entered = (event.next_state == state) or (
-            event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state
-        )
-        if entered and event.context is not None:
-            return event.context, int(event.data.get(j.CONTEXT_VERSION, 1))
-    return None
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:
-        return "unknown"

@@ -190,3 +190,9 @@ class RenderError(FlowloopError):
 
 class ConfigError(FlowloopError):
     """The configuration is invalid; the message names the key and the problem."""
+
+
+def error_line(error: BaseException) -> str:
+    """The first line of an error's message (its class name when it has none): for logs."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

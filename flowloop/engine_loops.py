@@ -1,0 +1,114 @@
+"""Operating loops from the engine: list them, pause, stop, unpause, trigger, backfill."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from flowloop import loop_requests
+from flowloop.clock import Clock
+from flowloop.errors import FlowloopError, InvalidTransition, UnknownLoop
+from flowloop.operations import _user
+from flowloop.store import Store
+from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
+
+
+class LoopControls:
+    """Mixed into :class:`~flowloop.engine.Engine`, whose store and clock it uses."""
+
+    if TYPE_CHECKING:
+        store: Store
+        clock: Clock
+
+    def _loop_store(self) -> LoopStoreMixin:
+        if not isinstance(self.store, LoopStoreMixin):
+            raise FlowloopError("this store does not keep loops")
+        return self.store
+
+    def loops(self) -> list[LoopRow]:
+        """Every loop a worker has registered in this database."""
+        return self._loop_store().list_loops()
+
+    def loop(self, name: str) -> LoopRow:
+        row = self._loop_store().get_loop(name)
+        if row is None:
+            raise UnknownLoop(name)
+        return row
+
+    def loop_history(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
+        self.loop(name)
+        return self._loop_store().loop_journal(name, limit=limit)
+
+    def pause_loop(self, name: str) -> LoopRow:
+        """Pause a loop: at once if it is waiting, after the running iteration otherwise."""
+        return self._loop_control(name, "pause")
+
+    def stop_loop(self, name: str) -> LoopRow:
+        """Stop a loop; a running iteration is cancelled."""
+        return self._loop_control(name, "stop")
+
+    def unpause_loop(self, name: str) -> LoopRow:
+        """Resume a paused (or stopped) loop; its worker picks the next slot from now."""
+        row = self.loop(name)
+        if row.status not in ("paused", "stopped"):
+            if row.control == "pause":
+                self._loop_store().request_loop_control(name, None)
+                return self.loop(name)
+            raise InvalidTransition(name, row.status, "unpause")
+        self._loop_write(
+            row,
+            "loop_unpaused",
+            {
+                "status": "scheduled",
+                "next_fire_at": None,
+                "reason": None,
+                "consecutive_failures": 0,
+            },
+        )
+        return self.loop(name)
+
+    def trigger_loop(self, name: str) -> LoopRow:
+        """Ask the loop's worker for one iteration now, journaled ``manual`` (never while
+        another iteration of the loop runs); the schedule is unchanged."""
+        loop_requests.ask(
+            self._loop_store(), self.loop(name), loop_requests.TRIGGER, now=self.clock.now()
+        )
+        return self.loop(name)
+
+    def backfill_loop(self, name: str, request: loop_requests.BackfillRequest) -> LoopRow:
+        """Ask the loop's worker to run the slots of ``request``'s range that never started,
+        one at a time (journaled ``backfill``, ended by ``backfill_finished``)."""
+        loop_requests.ask(
+            self._loop_store(),
+            self.loop(name),
+            loop_requests.BACKFILL,
+            request,
+            now=self.clock.now(),
+        )
+        return self.loop(name)
+
+    def _loop_control(self, name: str, action: str) -> LoopRow:
+        row = self.loop(name)
+        target = "paused" if action == "pause" else "stopped"
+        if row.status == target:
+            return row
+        if row.status == "stopped":
+            raise InvalidTransition(name, row.status, action)
+        if row.status == "running" or not self._loop_write(
+            row,
+            f"loop_{target}",
+            {"status": target, "next_fire_at": None, "reason": f"{target} by {_user()}"},
+        ):
+            self._loop_store().request_loop_control(name, action)
+        return self.loop(name)
+
+    def _loop_write(self, row: LoopRow, kind: str, changes: dict[str, Any]) -> bool:
+        now = self.clock.now()
+        event = LoopEvent(loop=row.name, kind=kind, at=now, worker=f"operator:{_user()}")
+        return self._loop_store().write_loop(
+            name=row.name,
+            owner=None,
+            epoch=row.lease_epoch,
+            follows_seq=row.last_seq,
+            changes={**changes, "control": None, "updated_at": now},
+            events=[event],
+        )

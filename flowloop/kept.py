@@ -1,0 +1,87 @@
+"""Events kept for a waiting run (its inbox) and handed over once it accepts them."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from flowloop.definition import Workflow
+from flowloop.errors import error_line
+from flowloop.events import accepted, accepts, receive, reject_kept
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import Boundary, Fence, InboxEvent, Store
+from flowloop.versions import workflow_for
+
+log = logging.getLogger("flowloop")
+
+
+def deliver_pending(
+    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+) -> int:
+    """Hand a waiting run the oldest buffered events its current state accepts, one after
+    another (each may lead to another wait); one it cannot take is rejected (journaled, out
+    of the inbox) and the next is tried. Returns how many left the inbox."""
+    consumed = 0
+    while True:
+        pending = store.pending_events(run_id)
+        if not pending:  # the usual case: one read, nothing kept for this run
+            return consumed
+        stored = store.get_run(run_id)
+        if stored is None or stored.record.workflow not in workflows:
+            return consumed
+        workflow = workflow_for(workflows, stored.record)
+        record = stored.record
+        if stored.owner is not None or not accepted(workflow, record.state):
+            return consumed
+        message = next((m for m in pending if accepts(workflow, record, m.event)), None)
+        if message is None:
+            return consumed
+        entry, after = take_kept(workflow, record, message, now=now, worker=worker)
+        boundary = Boundary(events=[entry], record=after, fence=Fence(None, stored.lease_epoch))
+        if store.deliver(message, boundary) != "applied":
+            return consumed
+        consumed += 1
+
+
+def take_kept(
+    workflow: Workflow, record: RunRecord, message: InboxEvent, *, now: float, worker: str
+) -> tuple[JournalEvent, RunRecord]:
+    """The journal entry for a kept event offered to a waiting run that accepts it:
+    ``event_received``, or ``event_rejected`` when the state cannot take it after all (its
+    handler raised, …) — a kept event never fails the run it was sent to. A stored
+    context that no longer validates is the run's problem, not the event's: it raises."""
+    workflow.load_context(record.context, record.context_version)
+    try:
+        return receive(
+            workflow,
+            record,
+            message.event,
+            message.payload,
+            now=now,
+            worker=worker,
+            extra={"buffered_at": message.sent_at},
+        )
+    except Exception as error:
+        log.warning(
+            "run %s: kept event %r rejected in state %s: %s",
+            record.id,
+            message.event,
+            record.state,
+            error_line(error),
+            extra={"run": record.id, "event": "event_rejected"},
+        )
+        return reject_kept(
+            record, message.event, error, sent_at=message.sent_at, now=now, worker=worker
+        )
+
+
+def try_deliver_pending(
+    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+) -> int | None:
+    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. a
+    handler raised on a kept event). The run stays waiting; the next send or claim retries."""
+    try:
+        return deliver_pending(store, workflows, run_id, now=now, worker=worker)
+    except Exception as error:
+        log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
+        return None

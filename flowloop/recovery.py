@@ -1,0 +1,181 @@
+"""Recovery: settle the runs a dead or frozen worker left ``running``.
+
+An idempotent step runs again (the attempt counts), a non-idempotent one fails as
+``interrupted`` (or routes on ``on_error``); a run cut off in a state the deployed
+definition no longer fits is parked. The :class:`Recovery` half of the executor.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Final
+
+from flowloop import children, interruptions
+from flowloop import journal as j
+from flowloop.clock import Clock
+from flowloop.definition import Workflow
+from flowloop.errors import error_line
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
+from flowloop.stepping import step_fields
+from flowloop.store import Boundary, Fence, Store, StoredRun
+from flowloop.verdicts import Verdict
+from flowloop.versions import workflow_for
+
+if TYPE_CHECKING:
+    from flowloop.committer import Stats
+    from flowloop.executor import _Active
+
+log = logging.getLogger("flowloop")
+
+RECOVERY_BATCH: Final = 500
+
+
+class Recovery:
+    """Mixed into :class:`~flowloop.executor.Executor`, whose state it uses."""
+
+    if TYPE_CHECKING:
+        store: Store
+        workflows: Mapping[str, Workflow]
+        clock: Clock
+        worker_id: str
+        lease_seconds: float
+        stats: Stats
+        leases: LeaseKeeper
+        _active: dict[str, _Active]
+
+        def _notify(self, boundary: Boundary) -> None: ...
+        def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict: ...
+
+    async def recover(self) -> int:
+        """Settle every run left ``running`` by a dead worker, in batches: an idempotent
+        step runs again (the attempt counts), a non-idempotent one fails as ``interrupted``."""
+        refresh = getattr(self.clock, "refresh", None)  # a DatabaseClock: measure again
+        if refresh is not None:
+            try:
+                refresh()
+            except Exception as error:  # the sweep itself reports an outage
+                log.debug("clock offset not measured: %s", error_line(error))
+        dead = [owner for owner in self.store.running_owners() if owner_is_dead_here(owner)]
+        if dead:
+            self.store.expire_leases(dead)
+        recovered = 0
+        while True:
+            rows = self.store.claim_interrupted(
+                worker=self.worker_id,
+                limit=RECOVERY_BATCH,
+                lease_seconds=self.lease_seconds,
+                workflows=list(self.workflows),
+            )
+            if not rows:
+                return recovered
+            boundaries = [self._interrupted(row) for row in rows]
+            results = self.store.write(boundaries)
+            self.stats.commits += 1
+            for boundary, applied in zip(boundaries, results, strict=True):
+                if applied:
+                    recovered += 1
+                    self.stats.recovered += 1
+                    self._notify(boundary)
+
+    def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
+        record = row.record
+        workflow = workflow_for(self.workflows, record)
+        spec = workflow.steps.get(record.state)
+        now = self.clock.now()
+        if cause is None:  # found by recovery: this worker's own lease, or another's
+            mine = row.id in self.leases.given_up or row.id in self._active
+            cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
+        self.leases.given_up.discard(row.id)
+        parked = self._park_interrupted(workflow, row, now)
+        if parked is not None:
+            return parked
+        data: dict[str, Any]
+        idempotent = spec is not None and spec.idempotent
+        attempts_left = spec is not None and spec.retry.has_attempts_left(record.attempt)
+        if idempotent and attempts_left:
+            data = {"retry_at": now, "cause": cause}
+        else:
+            data = {"reason": "interrupted", "cause": cause}
+        message = interruptions.message(
+            cause, idempotent=idempotent, attempts_left=attempts_left, attempt=record.attempt
+        )
+        data, message, route = children.interrupted(workflow, record, data, message, now)
+        data.setdefault("cause", cause)
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.STEP_INTERRUPTED,
+            at=now,
+            state=record.state,
+            attempt=record.attempt,
+            error_type="Interrupted",
+            error_message=message,
+            retryable="retry_at" in data,
+            worker=self.worker_id,
+            data=data,
+            **route,
+        )
+        log.log(
+            logging.ERROR if "reason" in data else logging.WARNING,
+            "run %s seq %d: %s attempt %d interrupted: %s",
+            record.id,
+            record.last_seq,
+            record.state,
+            record.attempt,
+            message,
+            extra={
+                **step_fields(record.workflow, record),
+                "event": "step_finished",
+                "outcome": "interrupted",
+                "error_type": "Interrupted",
+                "retryable": "retry_at" in data,
+            },
+        )
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    def _park_stranded_waits(self) -> None:
+        """Waiting runs without a timeout are never claimed: park, once at start, those
+        the loaded definitions cannot take (flowloop/parking.py)."""
+        from flowloop.parking import park_stranded_waits
+        from flowloop.store.sql import SQLStore
+
+        if isinstance(self.store, SQLStore):
+            park_stranded_waits(
+                self.store, self.workflows, worker=self.worker_id, now=self.clock.now()
+            )
+
+    def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
+        """A run cut off in a state (or with a context) the deployed definition no longer
+        fits is parked ``paused`` with the reason, not judged by a step spec it lacks."""
+        record = row.record
+        if record.fingerprint == workflow.fingerprint:
+            return None
+        verdict = self._verdict(workflow, record)
+        if verdict.outcome != "paused":
+            return None
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.RUN_PAUSED,
+            at=now,
+            state=record.state,
+            error_message=f"interrupted in attempt {record.attempt}; {verdict.message}",
+            worker=self.worker_id,
+            data={"reason": verdict.reason, "interrupted": record.attempt},
+        )
+        log.warning("run %s parked: %s", record.id, verdict.reason)
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    # -- one run ---------------------------------------------------------------------------

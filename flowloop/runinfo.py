@@ -1,0 +1,142 @@
+"""What the engine hands its users about runs: ``RunInfo`` and friends (plain data)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, overload
+
+from pydantic import BaseModel
+
+from flowloop.definition import Workflow
+from flowloop.errors import FlowloopError
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lifecycle import FINISHED
+from flowloop.store import StoredRun
+
+INVALID_JSON_KEY: Final = "_invalid_json"
+"""``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunInfo:
+    """A run as users see it."""
+
+    id: str
+    workflow: str
+    version: int
+    status: str
+    state: str
+    context: BaseModel | dict[str, Any]
+    attempt: int
+    key: str | None
+    reason: str | None
+    error: str | None
+    next_run_at: float | None
+    owner: str | None
+    last_seq: int
+    created_at: float
+    updated_at: float
+    visits: Mapping[str, int]
+    fingerprint: str = ""
+    """The definition the run follows (its structure is stored under this fingerprint)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+
+@dataclass(frozen=True)
+class StartedRuns(Sequence[RunInfo]):
+    """What :meth:`Engine.start_many` enqueued: one run per context, in order (iterate or
+    index it like a list), and how many of them it created — the others already held
+    their key (an existing run, or an earlier context of the same call)."""
+
+    runs: tuple[RunInfo, ...]
+    created: int
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    @overload
+    def __getitem__(self, index: int) -> RunInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[RunInfo]: ...
+
+    def __getitem__(self, index: int | slice) -> RunInfo | Sequence[RunInfo]:
+        return self.runs[index]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replay:
+    """A journal folded: the record at ``seq``, and whether the full fold equals the row."""
+
+    run_id: str
+    seq: int
+    record: RunRecord
+    events: list[JournalEvent]
+    differences: list[str]
+
+    @property
+    def matches(self) -> bool:
+        return not self.differences
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """``applied`` (the run took the event), ``buffered`` or ``duplicate``."""
+
+    status: str
+    run: RunInfo
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """A live run the current definition cannot continue."""
+
+    run_id: str
+    state: str
+    status: str
+    reason: str
+
+
+def run_info(stored: StoredRun, workflow: Workflow | None) -> RunInfo:
+    """A stored run as users see it (its context loaded by ``workflow`` when it is known)."""
+    record = stored.record
+    context: BaseModel | dict[str, Any]
+    try:
+        context = (
+            workflow.load_context(record.context, record.context_version)
+            if workflow is not None
+            else json.loads(record.context)
+        )
+    except (ValueError, FlowloopError):
+        # A stored context that no longer validates (or parses) must not make the run
+        # unreadable: show what is there.
+        try:
+            context = json.loads(record.context)
+        except ValueError:
+            context = {INVALID_JSON_KEY: record.context}
+        if not isinstance(context, dict):
+            context = {INVALID_JSON_KEY: record.context}
+    return RunInfo(
+        id=record.id,
+        workflow=record.workflow,
+        version=record.version,
+        status=record.status,
+        state=record.state,
+        context=context,
+        attempt=record.attempt,
+        key=record.key,
+        reason=record.reason,
+        error=record.error,
+        next_run_at=record.next_run_at,
+        owner=stored.owner,
+        last_seq=record.last_seq,
+        created_at=stored.created_at,
+        updated_at=stored.updated_at,
+        visits=dict(record.visits),
+        fingerprint=record.fingerprint,
+    )

@@ -1,0 +1,472 @@
+"""One step of a run: call its function under its timeout, journal the outcome, go on.
+
+The :class:`Stepping` half of the executor (flowloop/executor.py claims and drives runs;
+this runs the step a driven run is in and commits what it led to, in one boundary with the
+next step's start when the run goes straight on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import traceback
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from pydantic import BaseModel, ValidationError
+
+from flowloop import children, interruptions
+from flowloop import journal as j
+from flowloop.clock import Clock
+from flowloop.compose import step_error
+from flowloop.contexts import dump_context
+from flowloop.definition import (
+    TIMEOUT_EVENT,
+    Sleep,
+    Step,
+    StepSpec,
+    Workflow,
+    describe_validation,
+)
+from flowloop.errors import (
+    ContextNotSerializable,
+    InvalidEvent,
+    MaxVisitsExceeded,
+    StepTimeout,
+    error_line,
+)
+from flowloop.events import check_visits, entering, receive
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.kept import take_kept, try_deliver_pending
+from flowloop.store import Boundary, Fence, Store
+
+if TYPE_CHECKING:
+    from flowloop.committer import Stats
+    from flowloop.executor import Executor, _Active
+    from flowloop.gates import Gates
+    from flowloop.steppool import StepThreads
+
+log = logging.getLogger("flowloop")
+
+MAX_NOTE_CHARS: Final = 500
+"""Of a step's notes (``Step.note``), kept in its journal entry."""
+
+
+def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
+    """The ``extra=`` fields of a step's log lines (keys of a JSON log line)."""
+    return {
+        "workflow": workflow,
+        "run": record.id,
+        "seq": record.last_seq,
+        "state": record.state,
+        "attempt": record.attempt,
+    }
+
+
+class Stepping:
+    """Mixed into :class:`~flowloop.executor.Executor`, whose state it uses."""
+
+    if TYPE_CHECKING:
+        store: Store
+        workflows: Mapping[str, Workflow]
+        clock: Clock
+        worker_id: str
+        stats: Stats
+        gates: Gates
+        async_steps: dict[str, Step]
+        pool_exhausted: list[Callable[[int], None]]
+        _active: dict[str, _Active]
+        _controls: dict[str, str]
+        _draining: bool
+        _wake: asyncio.Event | None
+        _threads: StepThreads
+
+        async def _commit(self, boundary: Boundary) -> bool: ...
+        async def _finish(
+            self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
+        ) -> None: ...
+        def _event(
+            self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
+        ) -> JournalEvent: ...
+        def _notify(self, boundary: Boundary) -> None: ...
+
+    def _whole(self) -> Executor:
+        """This object as the executor it is part of (composition takes the executor)."""
+        return cast("Executor", self)
+
+    async def _step(self, workflow: Workflow, record: RunRecord, fence: Fence) -> RunRecord | None:
+        """Run the started step of ``record``; commit its outcome. Returns the record when
+        the run goes straight on with its next step, else ``None``."""
+        spec = workflow.steps[record.state]
+        step = Step(
+            run_id=record.id,
+            workflow=workflow.name,
+            state=record.state,
+            attempt=record.attempt,
+            visit=record.visit(record.state),
+            seq=record.last_seq,
+            worker=self.worker_id,
+            error=step_error(record) if record.error else None,
+        )
+        # The step's own copy, carried to the current context version (issue 16).
+        ctx = workflow.load_context(record.context, record.context_version)
+        # One line when the step starts and one when it ends (fields for JSON logs); built
+        # only when someone listens: this is the hot path.
+        logged = log.isEnabledFor(logging.INFO)
+        if logged:
+            log.info(
+                "run %s seq %d: %s attempt %d started",
+                record.id,
+                record.last_seq,
+                record.state,
+                record.attempt,
+                extra={**step_fields(workflow.name, record), "event": "step_started"},
+            )
+        started = self.clock.monotonic()
+        try:
+            if record.deadline is None:
+                returned = await self._call(record.id, spec, ctx, step)
+            else:  # the run's deadline cuts the step off (a thread's result is discarded)
+                returned = await children.within_deadline(
+                    self._call(record.id, spec, ctx, step), record, self.clock
+                )
+            event = workflow.event_for(record.state, returned)
+            next_state = workflow.next_state(record.state, event)
+            context = dump_context(ctx, workflow=workflow.name, state=record.state)
+            workflow.context.model_validate_json(context)
+            check_visits(workflow, record, next_state)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            duration = self.clock.monotonic() - started
+            if isinstance(error, children.DeadlineCut):
+                return await children.past_deadline(self._whole(), workflow, record, fence)
+            self.gates.called(spec, error)
+            return await self._failed(workflow, spec, record, fence, error, duration)
+        duration = self.clock.monotonic() - started
+        self.gates.called(spec, None)
+        self.stats.steps += 1
+        delay = returned.delay if isinstance(returned, Sleep) else 0.0
+        succeeded = self._event(
+            record,
+            j.STEP_SUCCEEDED,
+            state=record.state,
+            attempt=record.attempt,
+            event=str(event),
+            next_state=next_state,
+            context=context,
+            duration=duration,
+            data=entering(workflow, next_state, self.clock.now(), delay=delay)
+            | ({"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]} if step.notes else {}),
+        )
+        if logged:
+            log.info(
+                "run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)",
+                record.id,
+                record.last_seq,
+                record.state,
+                record.attempt,
+                duration * 1000,
+                event,
+                next_state,
+                extra={
+                    **step_fields(workflow.name, record),
+                    "event": "step_finished",
+                    "outcome": "succeeded",
+                    "duration": duration,
+                    "next_state": next_state,
+                },
+            )
+        return await self._advance(workflow, record, fence, succeeded)
+
+    async def _advance(
+        self, workflow: Workflow, record: RunRecord, fence: Fence, transition: JournalEvent
+    ) -> RunRecord | None:
+        """Commit a transition (a step's success or a wait's event). Returns the record when
+        the run goes straight on with its next step, else ``None`` (finished, waiting,
+        sleeping, paused, or handed back because the worker is draining)."""
+        after = j.apply(record, transition)
+        target = after.state
+        if after.status != "scheduled":
+            await self._commit(
+                Boundary(events=[transition], record=after, fence=fence, release=True)
+            )
+            return None
+        action = self._controls.get(record.id)
+        if action in ("pause", "stop") or self._draining:
+            events = [transition]
+            if action in ("pause", "stop"):
+                kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
+                events.append(self._event(record, kind, offset=2, state=target))
+            else:  # draining: say so in the journal (the due time stays the transition's)
+                reason = interruptions.RELEASED_ON_SHUTDOWN
+                due = after.next_run_at
+                released = {"due": due, "reason": reason}
+                events.append(
+                    self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
+                )
+            await self._finish(record, fence, events, clear_control=action is not None)
+            if action is None and target in workflow.waits:
+                self._deliver(record.id)  # draining: still hand it what was kept for it
+            return None
+        if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
+            # A call/map state: fan out now (the entry committed with it), no claim first.
+            return await children.drive(self._whole(), workflow, record, fence, entered=transition)
+        if target not in workflow.steps or (after.next_run_at or 0.0) > transition.at:
+            # Waiting or sleeping: hand the run back; its due time (if any) is stored. (A
+            # call, map or compensating state is due now: a claim takes it on.)
+            applied = await self._commit(
+                Boundary(events=[transition], record=after, fence=fence, release=True)
+            )
+            if applied and target in workflow.waits:
+                self._deliver(record.id)
+            elif applied and self._wake is not None and target not in workflow.waits:
+                self._wake.set()
+            return None
+        held = await self.gates.check(workflow, after, target, attempt=0)
+        if held is not None:  # not called now: deferred (rate limit, breaker) or failed
+            await self._finish(record, fence, [transition, held])
+            return None
+        # The usual case: the outcome and the next step_started in one commit.
+        nxt = self._event(
+            record,
+            j.STEP_STARTED,
+            offset=2,
+            state=target,
+            attempt=1,
+            data=self.gates.granted(record.id),
+        )
+        after = j.apply(after, nxt)
+        if not await self._commit(Boundary(events=[transition, nxt], record=after, fence=fence)):
+            return None
+        return after
+
+    async def _end_wait(
+        self, workflow: Workflow, record: RunRecord, fence: Fence
+    ) -> RunRecord | None:
+        """A claimed waiting run: take a buffered event it accepts (rejecting, one by one,
+        those it cannot take), else its timeout when it is due; else (claimed early:
+        unpaused, or created in its wait state) hand it back with its stored due time
+        (``None`` without a timeout)."""
+        now = self.clock.now()
+        for message in self.store.pending_events(record.id):
+            if message.event not in workflow.waits[record.state].on:
+                continue
+            entry, after = take_kept(workflow, record, message, now=now, worker=self.worker_id)
+            # On this claim: applied and handed back (the run moved on), or rejected and
+            # kept (it still waits here: the next kept event, else the timeout).
+            moved = entry.kind == j.EVENT_RECEIVED
+            boundary = Boundary(events=[entry], record=after, fence=fence, release=moved)
+            if self.store.deliver(message, boundary) != "applied":
+                # Refused (another writer moved the run): do not sit on the claim.
+                self.store.release(worker=self.worker_id, run_ids=[record.id])
+                return None
+            self._notify(boundary)
+            if not moved:
+                record = after
+                continue
+            if after.state in workflow.waits:
+                self._deliver(record.id)  # waits again: take what was kept for it
+            elif self._wake is not None:
+                self._wake.set()
+            return None
+        # Claimed because its stored due time (the timeout's) has come; anything else (no
+        # timeout, or a clock that disagrees) goes back to waiting unchanged.
+        due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
+        if due is None or due > now:
+            released = self._event(
+                record,
+                j.RUN_RELEASED,
+                state=record.state,
+                data={"due": due, "reason": "waiting for an event"},
+            )
+            await self._finish(record, fence, [released])
+            return None
+        try:
+            received, _ = receive(
+                workflow, record, TIMEOUT_EVENT, None, now=now, worker=self.worker_id
+            )
+        except Exception as error:  # the timeout's own target refuses it (max_visits, …)
+            await self._finish(
+                record,
+                fence,
+                [
+                    self._event(
+                        record,
+                        j.RUN_FAILED,
+                        state=record.state,
+                        error_message=error_line(error),
+                        data={"reason": "timeout_rejected"},
+                    )
+                ],
+            )
+            return None
+        return await self._advance(workflow, record, fence, received)
+
+    def _deliver(self, run_id: str) -> None:
+        delivered = try_deliver_pending(
+            self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
+        )
+        if delivered and self._wake is not None:
+            self._wake.set()
+
+    async def _failed(
+        self,
+        workflow: Workflow,
+        spec: StepSpec,
+        record: RunRecord,
+        fence: Fence,
+        error: Exception,
+        duration: float,
+    ) -> RunRecord | None:
+        definitive = isinstance(
+            error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
+        )
+        retryable = not definitive and spec.retry.should_retry(error, record.attempt)
+        data: dict[str, Any]
+        route = None if retryable else children.error_route(workflow, spec, record, error)
+        if retryable:
+            delay = spec.retry.delay(record.attempt)
+            data = {"retry_at": self.clock.now() + delay}
+        elif route is not None:  # on_error: the run moves on; the error stays visible
+            data = {**entering(workflow, route[1], self.clock.now()), "route": "on_error"}
+        else:
+            data = {"reason": "error"}
+        message = (
+            describe_validation(error) if isinstance(error, ValidationError) else error_line(error)
+        )
+        failed = self._event(
+            record,
+            j.STEP_FAILED,
+            state=record.state,
+            attempt=record.attempt,
+            duration=duration,
+            error_type=type(error).__name__,
+            error_message=message,
+            traceback="".join(traceback.format_exception(error))[-8000:],
+            retryable=retryable,
+            data=data,
+            event=None if route is None else route[0],
+            next_state=None if route is None else route[1],
+        )
+        level = logging.INFO if retryable or route is not None else logging.ERROR
+        outcome = (
+            "timed_out" if isinstance(error, StepTimeout) else "retried" if retryable else "failed"
+        )
+        log.log(
+            level,
+            "run %s seq %d: %s attempt %d %s in %.1f ms: %s: %s",
+            record.id,
+            record.last_seq,
+            record.state,
+            record.attempt,
+            outcome,
+            duration * 1000,
+            type(error).__name__,
+            message,
+            extra={
+                **step_fields(workflow.name, record),
+                "event": "step_finished",
+                "outcome": outcome,
+                "duration": duration,
+                "error_type": type(error).__name__,
+                "retryable": retryable,
+            },
+        )
+        if route is not None:
+            return await self._advance(workflow, record, fence, failed)
+        await self._finish(record, fence, [failed])
+        if retryable and self._wake is not None:
+            self._wake.set()
+        return None
+
+    async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        if not spec.is_async:
+            return await self._invoke(run_id, spec, ctx, step)
+        self.async_steps[run_id] = step
+        try:
+            return await self._invoke(run_id, spec, ctx, step)
+        finally:
+            self.async_steps.pop(run_id, None)
+
+    async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        args = (ctx, step) if spec.wants_step else (ctx,)
+        abandoned: list[bool] = []
+        thread: Future[Any] | None = None
+        active = self._active.get(run_id)
+        if spec.is_async and spec.timeout is None and active is not None:
+            # No timeout to enforce: await the coroutine inline instead of wrapping it in a
+            # Task (a Task costs its creation and two event-loop turns per step). A stop
+            # or a lost lease then cancels the run's own task, which cuts the step off.
+            active.step_task = active.task
+            try:
+                return await spec.fn(*args)
+            finally:
+                active.step_task = None
+        if spec.is_async:
+            future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
+        else:
+            work = self._threads.submit(spec.fn, *args)
+            work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
+            future = asyncio.wrap_future(work)
+            thread = work
+        if active is not None:
+            active.step_task = future
+        try:
+            if spec.timeout is None:
+                return await future
+            try:
+                return await asyncio.wait_for(future, spec.timeout)
+            except TimeoutError:
+                raise StepTimeout(
+                    f"step {spec.name!r} took longer than {spec.timeout:g}s"
+                ) from None
+        except BaseException:
+            abandoned.append(True)
+            if thread is not None:
+                self._abandoned(run_id, spec.name, thread)
+            raise
+        finally:
+            if active is not None:
+                active.step_task = None
+
+    def _abandoned(self, run_id: str, state: str, work: Future[Any]) -> None:
+        """A sync step given up on: its thread is replaced (within the pool's bound)."""
+        if not self._threads.abandon(work):
+            return
+        count, bound = self._threads.abandoned, self._threads.spare
+        log.warning(
+            "run %s: step %s still runs in its thread after its timeout or cancellation "
+            "(%d abandoned step thread(s), bound %d)",
+            run_id,
+            state,
+            count,
+            bound,
+            extra={"run": run_id, "event": "thread_abandoned", "abandoned": count},
+        )
+        if count >= bound:
+            log.error(
+                "%d sync step thread(s) hang past their timeouts (the bound is %d): "
+                "each further one takes a slot of this process",
+                count,
+                bound,
+                extra={"event": "step_pool_exhausted", "abandoned": count},
+            )
+            for hook in self.pool_exhausted:
+                try:
+                    hook(count)
+                except Exception:  # a hook must never break the worker
+                    log.exception("pool-exhausted hook failed")
+
+
+def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:
+    # A thread cannot be killed: when a timed-out or cut-off sync step finishes anyway, its
+    # result is discarded (that attempt's outcome is already in the journal) and logged.
+    if abandoned and not work.cancelled():
+        log.warning(
+            "run %s: step %s finished after its timeout or cancellation; result discarded",
+            run_id,
+            state,
+        )
