@@ -43,7 +43,7 @@ class AdmissionStoreMixin:
         raise NotImplementedError  # provided by AppendStoreMixin
 
     def _stored(self, conn: Connection, run_id: str) -> StoredRun:
-        from flowloop.store.sql import _stored_from_row  # the row mapping lives there
+        from flowloop.store.entries import stored_from_row as _stored_from_row
 
         row = conn.execute(select(runs).where(runs.c.id == run_id)).one()
         return self._fold_tails(conn, [_stored_from_row(row)])[0]

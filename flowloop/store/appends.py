@@ -49,7 +49,7 @@ from sqlalchemy.exc import IntegrityError
 from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
-from flowloop.store.entries import ContextCache, decode, encode, event_row
+from flowloop.store.entries import ContextCache, decode, encode, event_row, stored_from_row
 from flowloop.store.schema import journal, runs
 
 JSON_SEPARATORS: Final = (",", ":")
@@ -534,3 +534,38 @@ def _replace(stored: StoredRun, **change: Any) -> StoredRun:
     new.__dict__.update(stored.__dict__)
     new.__dict__.update(change)
     return new
+
+
+def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """Raw run rows (``select(runs)`` mappings, any columns including ``id``, ``status``
+    and ``last_seq``) as of their latest journal entry: for readers that do not go through
+    the store (the dashboard's queries). A running run's row is a snapshot; its tail's
+    fold replaces the record's columns."""
+    out = [dict(row) for row in rows]
+    behind = [r["id"] for r in out if r.get("status") == "running"]
+    if not behind:
+        return out
+    full = conn.execute(select(runs).where(runs.c.id.in_(behind))).all()
+    stored = [stored_from_row(row) for row in full]
+    tails: dict[str, list[Any]] = {}
+    query = (
+        select(journal)
+        .join(runs, runs.c.id == journal.c.run_id)
+        .where(runs.c.id.in_(behind), journal.c.seq > runs.c.last_seq)
+        .order_by(journal.c.run_id, journal.c.seq)
+    )
+    for row in conn.execute(query):
+        tails.setdefault(row.run_id, []).append(row)
+    latest = {}
+    for s in stored:
+        tail = tails.get(s.id)
+        if tail:
+            latest[s.id] = record_columns(_folded(s, tail).record)
+    for found in out:
+        columns = latest.get(found["id"])
+        if columns is None:
+            continue
+        for name, value in columns.items():
+            if name in found:
+                found[name] = value
+    return out

@@ -22,7 +22,8 @@ from typing import Any, Final
 from sqlalchemy import Connection, func, select, update
 
 from flowloop import journal as j
-from flowloop.journal import JournalEvent, load_data
+from flowloop.journal import JournalEvent, RunRecord, load_data
+from flowloop.store.base import StoredRun
 
 SPLICE_KEY: Final = "~ctx"
 """The ``data`` key of an entry whose ``context`` column is a splice: ``[prefix, suffix]``
@@ -203,11 +204,58 @@ def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
     return [decoder.event(row) for row in rows]
 
 
+def _visits(text: str) -> tuple[dict[str, int], str | None]:
+    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
+    every claim (and so every other run) fail."""
+    try:
+        visits = json.loads(text)
+    except ValueError as error:
+        return {}, f"stored visits are not valid JSON: {error}"
+    if not isinstance(visits, dict):
+        return {}, "stored visits are not a JSON object"
+    return visits, None
+
+
+def stored_from_row(row: Any) -> StoredRun:
+    """A run row (``select(runs)``) as a :class:`StoredRun` (a running run: its snapshot)."""
+    visits, problem = _visits(row.visits)
+    record = RunRecord(
+        id=row.id,
+        workflow=row.workflow,
+        version=row.version,
+        fingerprint=row.fingerprint,
+        key=row.key,
+        status=row.status,
+        state=row.state,
+        context=row.context,
+        context_version=row.context_version,
+        attempt=row.attempt,
+        visits=visits,
+        next_run_at=row.next_run_at,
+        last_seq=row.last_seq,
+        reason=row.reason,
+        error=row.error,
+        deadline=row.deadline_at,
+        join=row.join_id,
+    )
+    return StoredRun(
+        record=record,
+        idempotency_key=row.idempotency_key,
+        priority=row.priority,
+        owner=row.owner,
+        lease_expires_at=row.lease_expires_at,
+        lease_epoch=row.lease_epoch,
+        control=row.control,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        problem=problem,
+    )
+
+
 def materialize_previous_layout(conn: Connection) -> None:
     """Migration 0012's downgrade: every running run's row brought up to its latest entry,
     every spliced context written out whole (what the previous layout promises)."""
     from flowloop.store.schema import journal, runs
-    from flowloop.store.sql import _stored_from_row
 
     latest = (
         select(journal.c.run_id, func.max(journal.c.seq).label("seq"))
@@ -237,7 +285,7 @@ def materialize_previous_layout(conn: Connection) -> None:
                     .values(context=event.context, data=_dumps(event.data) if event.data else None)
                 )
     for row in behind:
-        stored = _stored_from_row(row)
+        stored = stored_from_row(row)
         tail = conn.execute(
             select(journal)
             .where(journal.c.run_id == row.id, journal.c.seq > row.last_seq)

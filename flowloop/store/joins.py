@@ -248,7 +248,7 @@ class JoinStoreMixin:
 
     def children_of(self, parent_id: str) -> list[StoredRun]:
         """The parent's child runs (every call and map visit), by join and index."""
-        from flowloop.store.sql import _stored_from_row
+        from flowloop.store.entries import stored_from_row as _stored_from_row
 
         with self._read() as conn:
             rows = conn.execute(

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, select
 
 from flowloop.lifecycle import LIVE
+from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.schema import runs
-from flowloop.store.sql import SQLStore, _stored_from_row
+from flowloop.store.sql import SQLStore
 
 SCAN_BATCH = 5_000
 """Rows per page: large enough that a round trip is cheap per row, small enough to stream."""

@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -32,13 +32,15 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlch
 
 from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import JournalEvent
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
-from flowloop.store.appends import AppendStoreMixin, append_only, record_columns
-from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
-from flowloop.store.entries import decode, event_row
+from flowloop.store.appends import AppendStoreMixin, append_only
+from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
+from flowloop.store.creation import CreationStoreMixin
+from flowloop.store.entries import decode
+from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
@@ -55,88 +57,15 @@ def _dumps(value: Mapping[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
 
 
-def _unique_keys(new: NewRun) -> list[tuple[str, str]]:
-    """The unique keys a new run takes: (workflow, business key) and ("", idempotency key)."""
-    keys = []
-    if new.record.key is not None:
-        keys.append((new.record.workflow, new.record.key))
-    if new.idempotency_key:
-        keys.append(("", new.idempotency_key))
-    return keys
-
-
-def _new_run_row(new: NewRun) -> dict[str, Any]:
-    record = new.record
-    return {
-        "id": record.id,
-        "workflow": record.workflow,
-        "key": record.key,
-        "idempotency_key": new.idempotency_key,
-        **record_columns(record),
-        "priority": new.priority,
-        "owner": new.owner,
-        "lease_epoch": 1 if new.owner else 0,
-        "control": None,
-        "created_at": new.events[0].at,
-        "updated_at": new.events[-1].at,
-        "limit_key": new.limit_key,
-        "limit_rank": new.limit_rank,
-        "parent_id": new.parent_id,
-        "join_id": record.join,
-        "child_index": new.child_index,
-        "join_state": None if record.join is None else "held" if new.held else "open",
-    }
-
-
-def _visits(text: str) -> tuple[dict[str, int], str | None]:
-    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
-    every claim (and so every other run) fail."""
-    try:
-        visits = json.loads(text)
-    except ValueError as error:
-        return {}, f"stored visits are not valid JSON: {error}"
-    if not isinstance(visits, dict):
-        return {}, "stored visits are not a JSON object"
-    return visits, None
-
-
-def _stored_from_row(row: Any) -> StoredRun:
-    visits, problem = _visits(row.visits)
-    record = RunRecord(
-        id=row.id,
-        workflow=row.workflow,
-        version=row.version,
-        fingerprint=row.fingerprint,
-        key=row.key,
-        status=row.status,
-        state=row.state,
-        context=row.context,
-        context_version=row.context_version,
-        attempt=row.attempt,
-        visits=visits,
-        next_run_at=row.next_run_at,
-        last_seq=row.last_seq,
-        reason=row.reason,
-        error=row.error,
-        deadline=row.deadline_at,
-        join=row.join_id,
-    )
-    return StoredRun(
-        record=record,
-        idempotency_key=row.idempotency_key,
-        priority=row.priority,
-        owner=row.owner,
-        lease_expires_at=row.lease_expires_at,
-        lease_epoch=row.lease_epoch,
-        control=row.control,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        problem=problem,
-    )
-
-
 class SQLStore(
-    AppendStoreMixin, JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store
+    # Order matters: a mixin's stub for what another provides must come after it.
+    AppendStoreMixin,
+    LimitStoreMixin,
+    CreationStoreMixin,
+    JoinStoreMixin,
+    LoopStoreMixin,
+    AdmissionStoreMixin,
+    Store,
 ):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
@@ -171,6 +100,7 @@ class SQLStore(
         self._build_statements()
         if dialect_.name == "sqlite":
             self._prepare_raw_sqlite(dialect_)
+            self._prepare_raw_creation(dialect_)
 
     # -- connections -----------------------------------------------------------------------
 
@@ -281,24 +211,7 @@ class SQLStore(
     def _build_statements(self) -> None:
         self._build_appends()
         self._insert_events = insert(journal)
-        # Built once: creating a run is on the hot path of `engine.run`.
-        run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
-        self._insert_run = (
-            insert(runs)
-            .values({name: bindparam(f"p_{name}") for name in run_columns})
-            .returning(*runs.c)
-        )
-        self._insert_runs = insert(runs).returning(*runs.c)
-        self._insert_run_owned = (
-            insert(runs)
-            .values(
-                {
-                    **{name: bindparam(f"p_{name}") for name in run_columns},
-                    "lease_expires_at": self.now_sql + bindparam("p_lease"),
-                }
-            )
-            .returning(*runs.c)
-        )
+        self._build_creation()
 
     # -- definitions -----------------------------------------------------------------------
 
@@ -353,122 +266,6 @@ class SQLStore(
         return value
 
     # -- runs ------------------------------------------------------------------------------
-
-    def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
-        return self._noted(self._retrying_key_races(lambda conn: [self._create_in(conn, new)]))[0]
-
-    def create_runs(self, news: Sequence[NewRun]) -> list[tuple[StoredRun, bool]]:
-        if any(new.owner for new in news):  # created claimed: the one-by-one statement
-            created = self._retrying_key_races(
-                lambda conn: [self._create_in(conn, n) for n in news]
-            )
-        else:
-            created = self._retrying_key_races(lambda conn: self._create_many_in(conn, news))
-        return self._noted(created)
-
-    def _noted(self, created: list[tuple[StoredRun, bool]]) -> list[tuple[StoredRun, bool]]:
-        """Runs created claimed: their context is the base of their next entry's splice."""
-        for stored, new in created:
-            if new and stored.owner is not None:
-                self._contexts.note(stored.id, stored.record.last_seq, stored.record.context)
-        return created
-
-    def _retrying_key_races(
-        self, create: Callable[[Connection], list[tuple[StoredRun, bool]]]
-    ) -> list[tuple[StoredRun, bool]]:
-        for _ in range(CREATE_ATTEMPTS):
-            try:
-                with self._write() as conn:
-                    return create(conn)
-            except IntegrityError:
-                # Lost a race with a concurrent start of the same key (nothing was
-                # written): once more, and the winner is found and returned.
-                continue
-            except OperationalError as error:
-                if not dialect.is_deadlock(error):
-                    raise
-                continue  # chosen as a deadlock's victim (nothing was written): again
-        with self._write() as conn:
-            return create(conn)
-
-    def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
-        taken = self._existing_many(conn, [new])
-        existing = next((taken[key] for key in _unique_keys(new) if key in taken), None)
-        if existing is not None:
-            return existing, False
-        if new.limit_key is not None:
-            new = self._ranked(conn, [new])[0]
-        stmt = self._insert_run_owned if new.owner else self._insert_run
-        params = {f"p_{name}": value for name, value in _new_run_row(new).items()}
-        params["p_lease"] = new.lease_seconds
-        inserted = conn.execute(stmt, params).one()
-        conn.execute(self._insert_events, [event_row(e) for e in new.events])
-        return _stored_from_row(inserted), True
-
-    def _create_many_in(
-        self, conn: Connection, news: Sequence[NewRun]
-    ) -> list[tuple[StoredRun, bool]]:
-        """Unowned runs in a few statements: one lookup of the keys already taken, one
-        multi-row INSERT of the runs, one of their journal events."""
-        taken = self._existing_many(conn, news)
-        # Per run: the existing run holding its key, else the id of the run that is
-        # inserted for it, and whether it is this run's own (not an earlier one's of the
-        # batch with the same key).
-        plan: list[tuple[StoredRun | None, str, bool]] = []
-        fresh: list[NewRun] = []
-        claimed: dict[tuple[str, str], str] = {}  # keys of this batch's new runs -> id
-        for new in news:
-            keys = _unique_keys(new)
-            existing = next((taken[key] for key in keys if key in taken), None)
-            earlier = next((claimed[key] for key in keys if key in claimed), None)
-            if existing is not None or earlier is not None:
-                plan.append((existing, earlier or "", False))
-                continue
-            claimed.update((key, new.record.id) for key in keys)
-            plan.append((None, new.record.id, True))
-            fresh.append(new)
-        inserted: dict[str, StoredRun] = {}
-        if fresh:
-            # One order for every writer (by key): two batches with overlapping keys take
-            # the unique index's entries in the same order instead of deadlocking.
-            fresh = self._ranked(conn, fresh)  # in the order given: FIFO per key
-            fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
-            rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
-            inserted = {row.id: _stored_from_row(row) for row in rows}
-            events = [event_row(event) for new in fresh for event in new.events]
-            conn.execute(self._insert_events, events)
-        return [
-            (existing if existing is not None else inserted[run_id], created)
-            for existing, run_id, created in plan
-        ]
-
-    def _existing_many(
-        self, conn: Connection, news: Sequence[NewRun]
-    ) -> dict[tuple[str, str], StoredRun]:
-        """Runs already holding a (workflow, key) or an idempotency key (as ("", key)) of
-        ``news``."""
-        keys: dict[str, set[str]] = {}
-        idempotency = {new.idempotency_key for new in news if new.idempotency_key}
-        for new in news:
-            if new.record.key is not None:
-                keys.setdefault(new.record.workflow, set()).add(new.record.key)
-        conditions = [
-            and_(runs.c.workflow == workflow, runs.c.key.in_(sorted(names)))
-            for workflow, names in keys.items()
-        ]
-        if idempotency:
-            conditions.append(runs.c.idempotency_key.in_(sorted(idempotency)))
-        if not conditions:
-            return {}
-        found: dict[tuple[str, str], StoredRun] = {}
-        rows = conn.execute(select(runs).where(or_(*conditions))).all()
-        folded = self._fold_tails(conn, [_stored_from_row(r) for r in rows])
-        for row, stored in zip(rows, folded, strict=True):
-            if row.key is not None:
-                found[(row.workflow, row.key)] = stored
-            if row.idempotency_key is not None:
-                found[("", row.idempotency_key)] = stored
-        return found
 
     def get_run(self, run_id: str) -> StoredRun | None:
         with self._read() as conn:
@@ -528,9 +325,11 @@ class SQLStore(
         return self._write_appends(boundaries)
 
     def renews_lease(self, boundary: Boundary) -> bool:
-        """Whether an applied ``boundary`` renewed its owner's lease: a write of the run
-        row does; an append leaves the lease to the heartbeat."""
-        return not append_only(boundary) and not boundary.release
+        """A write of the run row renews the owner's lease; an append leaves it to the
+        heartbeat (the fence is still judged by every write)."""
+        return (
+            boundary.fence.owner is not None and not boundary.release and not append_only(boundary)
+        )
 
     def _dialect_obj(self) -> Any:
         return self.engine.dialect
