@@ -137,7 +137,7 @@ class Raw:
         full = {**self.defaults, **params}
         if self.order is None:
             return full
-        return tuple(full[name] for name in self.order)
+        return tuple([full[name] for name in self.order])
 
 
 class _Retry(Exception):
@@ -184,8 +184,8 @@ class AppendStoreMixin:
 
     def _build_appends(self) -> None:
         self._contexts = ContextCache()
-        values = [
-            bindparam(f"j_{column.name}", type_=column.type).label(column.name)
+        values = [  # named as the columns: a journal row is its own parameters
+            bindparam(column.name, type_=column.type).label(column.name)
             for column in journal.columns
         ]
         self._append_stmt = {
@@ -194,7 +194,7 @@ class AppendStoreMixin:
                 list(EVENT_COLUMNS),
                 select(*values)
                 .select_from(runs)
-                .where(self._fence(owned), self._at_end(bindparam("j_run_id"), bindparam("j_seq")))
+                .where(self._fence(owned), self._at_end(bindparam("run_id"), bindparam("seq")))
                 # PostgreSQL: hold the run row while the fence is judged (a claim's FOR
                 # UPDATE SKIP LOCKED passes it by); renewals are not blocked. SQLite: no-op.
                 .with_for_update(read=True, key_share=True),
@@ -254,7 +254,7 @@ class AppendStoreMixin:
 
     def _append_params(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
         fence = self._fence_params(boundary)
-        return [{**fence, **{f"j_{k}": v for k, v in row.items()}} for row in rows]
+        return [{**fence, **row} for row in rows]
 
     def _encode(self, boundaries: Sequence[Boundary]) -> list[list[dict[str, Any]]]:
         return [encode(boundary.events, self._contexts) for boundary in boundaries]
