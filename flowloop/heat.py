@@ -28,6 +28,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, PERCENTILES, StateStats, rank
+from flowloop.store.appends import current_rows
 from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import journal, runs
 from flowloop.store.windows import journal_since
@@ -187,10 +188,15 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         .where(*where)
         .group_by(journal.c.state, journal.c.event, journal.c.next_state)
     )
+    waiting = sorted(LIVE - {"running"})
     live_query = (
         select(runs.c.state, runs.c.status, func.count())
-        .where(runs.c.workflow == workflow, runs.c.status.in_(sorted(LIVE)))
+        .where(runs.c.workflow == workflow, runs.c.status.in_(waiting))
         .group_by(runs.c.state, runs.c.status)
+    )
+    # A running run's row is a snapshot: its state is its latest journal entry's.
+    running_query = select(runs.c.id, runs.c.status, runs.c.state, runs.c.last_seq).where(
+        runs.c.workflow == workflow, runs.c.status == "running"
     )
     with db.connect() as conn:
         conn = conn.execution_options(**{READ_OPTION: True})
@@ -203,6 +209,10 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
             live: dict[str, dict[str, int]] = {}
             for state, status, n in conn.execute(live_query):
                 live.setdefault(state, {})[status] = int(n)
+            running = [row._mapping for row in conn.execute(running_query)]
+            for current in current_rows(conn, running):
+                held = live.setdefault(current["state"], {})
+                held["running"] = held.get("running", 0) + 1
     stats = state_stats(db, workflow, since=since)
     states: dict[str, StateHeat] = {}
     for row in stats:

@@ -305,9 +305,10 @@ def run_family(db: SQLEngine, run_id: str) -> dict[str, Any]:
             .where(runs.c.parent_id == run_id)
             .group_by(runs.c.status)
         ).all()
+        children = current_rows(conn, [row._mapping for row in listed])
     by_status = {row[0]: int(row[1]) for row in counts}
     return {
-        "children": [dict(row._mapping) for row in listed],
+        "children": children,
         "counts": dict(sorted(by_status.items())),
         "total": sum(by_status.values()),
     }

@@ -20,6 +20,7 @@ from storekit import new_run, start_step
 from flowloop import Engine, Workflow
 from flowloop import journal as j
 from flowloop.clock import FakeClock
+from flowloop.heat import heat
 from flowloop.store import SQLStore, migrate
 from flowloop.store.entries import SNAPSHOT_EVERY, SPLICE_KEY
 from flowloop.store.schema import journal, runs
@@ -100,6 +101,9 @@ def test_append__a_running_boundary_leaves_the_row_alone(store_url: str) -> None
         progress = queries.run_progress(store.engine, created.id)
         assert (progress["last_seq"], progress["state"], progress["status"]) == (4, "b", "running")
         assert queries.run_row(store.engine, created.id)["context"] == {"n": 1}
+        assert heat(store.engine, created.record.workflow, since=None).states["b"].live == {
+            "running": 1
+        }
         listed = queries.list_runs(store.engine, queries.RunsQuery())
         assert [(r["id"], r["last_seq"], r["state"]) for r in listed.runs] == [(created.id, 4, "b")]
         # The same boundary again follows seq 2, the journal is at 4: refused, no change.
