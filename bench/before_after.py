@@ -1,9 +1,9 @@
 """Two versions of flowloop side by side: the same bench script, alternated.
 
-Runs ``seq_steps.py`` (and ``wal_pages.py``) once per round with each version's package
-first on ``PYTHONPATH`` — before, after, before, after … — and prints, per database and
-program, the median of each version's ratio to the baselines measured *in the same
-invocation* (the SQLAlchemy Core loop, the stdlib floor). Ratios taken within one
+Runs ``seq_steps.py`` (and ``wal_pages.py``) once per round in each version's tree (a copy
+of these scripts is put in ``TREE/bench``) — before, after, before, after … — and prints,
+per database and program, the median of each version's ratio to the baselines measured
+*in the same invocation* (the SQLAlchemy Core loop, the stdlib floor). Ratios taken within one
 invocation cancel most of the load other processes put on a shared machine; the
 before/after comparison is then a ratio of ratios.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,12 +27,23 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
+def _bench_of(tree: str) -> Path:
+    """The tree's own copy of these scripts: ``common.py`` puts the repository root of the
+    script first on ``sys.path``, so a script measures the tree it sits in."""
+    bench = Path(tree) / "bench"
+    if bench.resolve() != HERE:
+        bench.mkdir(exist_ok=True)
+        for script in ("common.py", "seq_steps.py", "wal_pages.py"):
+            shutil.copyfile(HERE / script, bench / script)
+    return bench
+
+
 def _run(script: str, tree: str, extra: list[str]) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         out = handle.name
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run(
-        [sys.executable, str(HERE / script), "--rounds", "1", "--json", out, *extra],
+        [sys.executable, str(_bench_of(tree) / script), "--rounds", "1", "--json", out, *extra],
         env=env,
         cwd=tempfile.gettempdir(),  # not the checkout: its package must not shadow `tree`
         capture_output=True,

@@ -14,7 +14,18 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Connection, and_, bindparam, insert, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    bindparam,
+    func,
+    insert,
+    or_,
+    select,
+    union_all,
+)
+from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from flowloop.store import dialect
@@ -72,12 +83,29 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
     }
 
 
+def _created(new: NewRun, row: dict[str, Any], lease: float | None) -> StoredRun:
+    """The stored run a plain creation made (what reading its row back would give)."""
+    return StoredRun(
+        record=new.record,
+        idempotency_key=None,
+        priority=new.priority,
+        owner=new.owner,
+        lease_expires_at=lease,
+        lease_epoch=row["lease_epoch"],
+        control=None,
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
 class CreationStoreMixin:
     """Run creation for :class:`~flowloop.store.sql.SQLStore`."""
 
     now_sql: ColumnElement[float]
     _contexts: ContextCache
     _insert_events: Any
+    _postgres: bool
+    _dbapi_error: type[Exception]
 
     def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
@@ -90,6 +118,9 @@ class CreationStoreMixin:
 
     def _fold_tails(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
         raise NotImplementedError  # provided by AppendStoreMixin
+
+    def _dialect_obj(self) -> Any:
+        raise NotImplementedError  # provided by SQLStore
 
     def _build_creation(self) -> None:
         run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
@@ -110,6 +141,7 @@ class CreationStoreMixin:
             .returning(*runs.c)
         )
         self._raw_create: dict[bool, Raw] | None = None
+        self._pg_creates: dict[tuple[bool, int], Raw] = {}
 
     def _prepare_raw_creation(self, sqlite_dialect: Any) -> None:
         run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
@@ -150,22 +182,75 @@ class CreationStoreMixin:
                 raw.rollback()
                 raise
             raw.commit()
-        stored = StoredRun(
-            record=new.record,
-            idempotency_key=None,
-            priority=new.priority,
-            owner=new.owner,
-            lease_expires_at=lease,
-            lease_epoch=row["lease_epoch"],
-            control=None,
-            created_at=row["created_at"],
-            updated_at=row["updated_at"],
+        return _created(new, row, lease), True
+
+    def _pg_create(self, owned: bool, events: int) -> Raw:
+        """PostgreSQL: a plain run's row and its first entries as ONE statement (the row's
+        INSERT in a CTE, the entries inserted from it), sent in autocommit: one round trip
+        instead of four (BEGIN, two INSERTs, COMMIT)."""
+        key = (owned, events)
+        found = self._pg_creates.get(key)
+        if found is not None:
+            return found
+        run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
+        values: dict[str, Any] = {name: bindparam(f"p_{name}") for name in run_columns}
+        if owned:
+            values["lease_expires_at"] = self.now_sql + bindparam("p_lease")
+        made = insert(runs).values(values).returning(runs.c.lease_expires_at).cte("made")
+        selects = [
+            select(
+                *[
+                    sql_cast(bindparam(f"e{i}_{column.name}"), column.type).label(column.name)
+                    for column in journal.columns
+                ]
+            ).select_from(made)
+            for i in range(events)
+        ]
+        rows = selects[0] if events == 1 else union_all(*selects)
+        logged = (
+            insert(journal)
+            .from_select(list(EVENT_COLUMNS), rows)
+            .returning(journal.c.seq)
+            .cte("logged")
         )
-        return stored, True
+        stmt = select(
+            made.c.lease_expires_at, select(func.count()).select_from(logged).scalar_subquery()
+        )
+        found = self._pg_creates[key] = Raw.of(stmt, self._dialect_obj())
+        return found
+
+    def _create_one_pg(self, new: NewRun) -> tuple[StoredRun, bool] | None:
+        row = _new_run_row(new)
+        params: dict[str, Any] = {f"p_{name}": value for name, value in row.items()}
+        params["p_lease"] = new.lease_seconds
+        for i, event in enumerate(new.events):
+            for name, value in event_row(event).items():
+                params[f"e{i}_{name}"] = value
+        stmt = self._pg_create(bool(new.owner), len(new.events))
+        with self._driver() as raw:
+            raw.autocommit = True  # one statement: its own transaction
+            try:
+                cursor = raw.cursor()
+                try:
+                    cursor.execute(stmt.sql, stmt.args(params))
+                except self._dbapi_error as error:
+                    if getattr(error, "sqlstate", None) == "23505":
+                        return None  # an id taken: the general path decides
+                    raise
+                lease, logged = cursor.fetchone()
+            finally:
+                raw.autocommit = False
+        if logged != len(new.events):  # cannot happen: the entries follow the row
+            raise AssertionError(f"run {row['id']}: {logged} of {len(new.events)} entries")
+        return _created(new, row, lease), True
 
     def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
-        if self._raw_create is not None and _plain(new):
-            created = self._create_one_sqlite(new)
+        if _plain(new) and (self._raw_create is not None or self._postgres):
+            created = (
+                self._create_one_sqlite(new)
+                if self._raw_create is not None
+                else self._create_one_pg(new)
+            )
             if created is not None:
                 return self._noted([created])[0]
         return self._noted(self._retrying_key_races(lambda conn: [self._create_in(conn, new)]))[0]
