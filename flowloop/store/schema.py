@@ -77,11 +77,29 @@ runs = Table(
     Column("child_index", Integer),
     Column("join_state", String(16)),
 )
-Index("ix_flowloop_runs_parent", runs.c.parent_id)
+# Partial (most runs have no parent, no join, no owner): a run's creation and its release
+# skip these indexes instead of writing a NULL entry (a WAL page per index per commit).
+Index(
+    "ix_flowloop_runs_parent",
+    runs.c.parent_id,
+    sqlite_where=text("parent_id IS NOT NULL"),
+    postgresql_where=text("parent_id IS NOT NULL"),
+)
 # A child's end releases the next held child of its join: found by (join, index).
-Index("ix_flowloop_runs_join", runs.c.join_id, runs.c.child_index)
+Index(
+    "ix_flowloop_runs_join",
+    runs.c.join_id,
+    runs.c.child_index,
+    sqlite_where=text("join_id IS NOT NULL"),
+    postgresql_where=text("join_id IS NOT NULL"),
+)
 Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
-Index("ix_flowloop_runs_owner", runs.c.owner)
+Index(
+    "ix_flowloop_runs_owner",
+    runs.c.owner,
+    sqlite_where=text("owner IS NOT NULL"),
+    postgresql_where=text("owner IS NOT NULL"),
+)
 # The runs whose row was written since a time: a journal window's finished runs (their row
 # is written by their final boundary), and prune's old finished runs.
 Index("ix_flowloop_runs_updated", runs.c.updated_at)
