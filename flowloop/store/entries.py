@@ -178,7 +178,10 @@ class Decoder:
             context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
         if context is not None:
             self.context = context
-        return JournalEvent(
+        # A frozen dataclass without __post_init__, filled field by field: its generated
+        # __init__ costs more than the rest of this (live runs' tails are read by claims).
+        event = object.__new__(JournalEvent)
+        event.__dict__.update(
             run_id=row.run_id,
             seq=row.seq,
             kind=row.kind,
@@ -196,6 +199,7 @@ class Decoder:
             worker=row.worker,
             data=data,
         )
+        return event
 
 
 def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
