@@ -80,6 +80,17 @@ def unsplice(base: str, prefix: int, suffix: int, middle: str) -> str:
     return base[:prefix] + middle + base[len(base) - suffix :]
 
 
+def context_after(previous: str | None, stored: str, data: str | None) -> str:
+    """The whole context an entry wrote: its ``context`` column as ``stored`` (whole, or a
+    splice of ``previous`` when its ``data`` says so). For readers of raw rows."""
+    cut = load_data(data).get(SPLICE_KEY)
+    if cut is None:
+        return stored
+    if previous is None:
+        raise j.FoldError("a context stored as a change of an earlier one that is missing")
+    return unsplice(previous, int(cut[0]), int(cut[1]), stored)
+
+
 class ContextCache:
     """Per run: the seq of its latest entry this store wrote or read, the context as of
     that seq, and how many contexts were spliced since the last whole one."""
