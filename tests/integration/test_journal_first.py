@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -287,3 +289,63 @@ def test_migration__previous_layout_upgraded_live_runs_resume_the_same(
     control_url = f"sqlite:///{tmp_path / 'control.db'}"
     control, control_now = _positions(control_url)
     assert _finish(control_url, control_now, control) == ended
+
+
+# -- a database written by the previous code ---------------------------------------------
+
+
+class OldCtx(BaseModel):
+    n: int = 0
+    blob: str = "b" * 2000
+
+
+def old_layout_flow() -> Workflow:
+    """The workflow of tests/fixtures/layout_0011_interrupted.sql, exactly as the code
+    before journal-first defined it (same fingerprint): 5 steps, ``n`` counts them."""
+    wf = Workflow("oldnew", context=OldCtx)
+
+    def make(i: int) -> Any:
+        def fn(ctx: OldCtx) -> None:
+            ctx.n += 1
+
+        return fn
+
+    for i in range(5):
+        wf.step(name=f"s{i}", initial=i == 0, next=f"s{i + 1}" if i < 4 else "done")(make(i))
+    wf.final("done")
+    return wf
+
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "layout_0011_interrupted.sql"
+
+
+def test_migration__a_database_written_by_the_previous_code_resumes(tmp_path: Path) -> None:
+    """A SQLite file written by flowloop 33efa28 (schema 0011): three runs whose worker was
+    killed inside their third step (``running``, dead owner). `flowloop db upgrade`, then
+    `resume`: each re-runs that step and ends with the five steps counted once each."""
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path)
+    conn.executescript(FIXTURE.read_text())
+    conn.close()
+    url = f"sqlite:///{path}"
+    upgraded = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "db", "upgrade", "--db", url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert "0011 to 0012" in upgraded.stdout
+    with Engine(url, workflows=[old_layout_flow()]) as engine:
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        store.expire_leases(store.running_owners())  # the killed worker
+        before = [(r.status, r.state) for r in engine.runs()]
+        assert before == [("running", "s2")] * 3
+        engine.resume()
+        for info in engine.runs():
+            stored = store.get_run(info.id)
+            assert stored is not None
+            assert (info.status, json.loads(stored.record.context)["n"]) == ("succeeded", 5)
+            assert engine.replay(info.id).differences == []
