@@ -69,6 +69,53 @@ class Alert:
         return text
 
 
+@dataclass(frozen=True)
+class AlertKind:
+    """One kind of alert flowloop raises: its level and its ``what`` (the metrics' labels)."""
+
+    level: Level
+    what: str
+
+    def alert(
+        self,
+        subject: str,
+        message: str,
+        *,
+        error: str | None = None,
+        hint: str | None = None,
+        data: dict[str, Any] | None = None,
+    ) -> Alert:
+        return Alert(
+            level=self.level,
+            what=self.what,
+            subject=subject,
+            message=message,
+            error=error,
+            hint=hint,
+            data=data or {},
+        )
+
+
+INTERRUPTED_STEP: Final = AlertKind("critical", "interrupted step (not idempotent)")
+RUN_FAILED: Final = AlertKind("critical", "run failed")
+LOOP_PAUSED: Final = AlertKind("critical", "loop paused")
+BREAKER_OPENED: Final = AlertKind("critical", "breaker opened")
+BREAKER_CLOSED: Final = AlertKind("warning", "breaker closed")
+LEASE_LOST: Final = AlertKind("warning", "lease lost")
+LOOP_SKIPPING: Final = AlertKind("warning", "loop iterations skipped")
+KINDS: Final = (
+    INTERRUPTED_STEP,
+    RUN_FAILED,
+    LOOP_PAUSED,
+    BREAKER_OPENED,
+    BREAKER_CLOSED,
+    LEASE_LOST,
+    LOOP_SKIPPING,
+)
+"""Every alert flowloop raises (the metrics create a series for each before the first)."""
+SKIP_ALERT_EVERY: Final = 10
+"""Alert when a loop has had this many more skipped slots (it runs longer than its rate)."""
+
 AlertSink = Callable[[Alert], None]
 
 
@@ -302,27 +349,19 @@ def run_alerts(
     }
     if last.kind == j.STEP_INTERRUPTED and not idempotent(record.workflow, record.state):
         return [
-            Alert(
-                level="critical",
-                what="interrupted step (not idempotent)",
-                subject=record.id,
-                message=(
-                    f"{record.workflow} step {record.state} was cut off and is not re-run "
-                    "on its own; check its effect, then retry the run"
-                ),
+            INTERRUPTED_STEP.alert(
+                record.id,
+                f"{record.workflow} step {record.state} was cut off and is not re-run "
+                "on its own; check its effect, then retry the run",
                 error=record.error,
                 hint=f"flowloop history {record.id}",
                 data=data,
             )
         ]
     return [
-        Alert(
-            level="critical",
-            what="run failed",
-            subject=record.id,
-            message=(
-                f"{record.workflow} failed in state {record.state} ({record.reason or 'error'})"
-            ),
+        RUN_FAILED.alert(
+            record.id,
+            f"{record.workflow} failed in state {record.state} ({record.reason or 'error'})",
             error=record.error,
             hint=f"flowloop history {record.id}",
             data=data,
@@ -333,24 +372,21 @@ def run_alerts(
 def breaker_alert(name: str, kind: str, worker: str, error: str | None) -> Alert | None:
     """A circuit breaker opened (``critical``: its steps are not called) or closed again
     (``warning``); ``None`` for other transitions (its half-open trial)."""
+    data = {"breaker": name, "worker": worker}
     if kind == "opened":
-        return Alert(
-            level="critical",
-            what="breaker opened",
-            subject=name,
-            message=f"steps behind breaker {name} are not called until its cool-down ends",
+        return BREAKER_OPENED.alert(
+            name,
+            f"steps behind breaker {name} are not called until its cool-down ends",
             error=error,
             hint="flowloop status",
-            data={"breaker": name, "worker": worker},
+            data=data,
         )
     if kind == "closed":
-        return Alert(
-            level="warning",
-            what="breaker closed",
-            subject=name,
-            message=f"breaker {name} closed: a trial call succeeded; its steps run again",
+        return BREAKER_CLOSED.alert(
+            name,
+            f"breaker {name} closed: a trial call succeeded; its steps run again",
             hint="flowloop status",
-            data={"breaker": name, "worker": worker},
+            data=data,
         )
     return None
 
@@ -359,11 +395,34 @@ def lease_lost_alert(kind: Literal["run", "loop"], subject: str, why: str, worke
     """A worker stopped driving a run or loop because its lease was lost (paused process,
     network partition, a database too slow to renew in time)."""
     hint = f"flowloop status {subject}" if kind == "run" else f"flowloop loops {subject}"
-    return Alert(
-        level="warning",
-        what="lease lost",
-        subject=subject,
-        message=f"worker {worker} {why}; another worker takes the {kind} over",
+    return LEASE_LOST.alert(
+        subject,
+        f"worker {worker} {why}; another worker takes the {kind} over",
         hint=hint,
         data={"kind": kind, "worker": worker},
     )
+
+
+def loop_alerts(
+    loop: str,
+    *,
+    paused: str | None,
+    error: str | None,
+    skipped_before: int,
+    skipped_now: int,
+) -> list[Alert]:
+    """Alerts for one recorded loop iteration: ``critical`` when the loop paused itself
+    (``paused``: the reason, after ``max_failures``); ``warning`` each time its skipped
+    slots pass another :data:`SKIP_ALERT_EVERY` (iterations outlast the rate)."""
+    hint = f"flowloop loops {loop}"
+    found = []
+    if paused is not None:
+        found.append(LOOP_PAUSED.alert(loop, paused, error=error, hint=hint))
+    total = skipped_before + skipped_now
+    if skipped_now and total // SKIP_ALERT_EVERY > skipped_before // SKIP_ALERT_EVERY:
+        found.append(
+            LOOP_SKIPPING.alert(
+                loop, f"{total} slots skipped: iterations take longer than the rate", hint=hint
+            )
+        )
+    return found

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,6 +30,7 @@ from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted
 from flowloop.events import check_visits, entering
+from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, NewRun, Store
 from flowloop.store.joins import JoinRow, JoinStoreMixin
@@ -54,9 +55,18 @@ def joins_of(executor: Executor) -> JoinStoreMixin:
     return store
 
 
-def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
-    """Every child's context as JSON, validated against the child workflow's model, before
-    any child is created. Raises ChildContextError naming the item's index and field."""
+class ChildStart(NamedTuple):
+    """What a child run is created with: its context as JSON and its per-key limit key."""
+
+    context: str
+    limit_key: str | None
+
+
+def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
+    """Every child's context as JSON, validated against the child workflow's model, and
+    its ``concurrency_key`` (computed as for a run started directly), before any child is
+    created. Raises ChildContextError naming the item's index and field (or the key's
+    problem)."""
     if isinstance(spec, CallSpec):
         values: list[Any] = [spec.context(ctx)]
         where = [f"call state {spec.name!r}"]
@@ -83,7 +93,11 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[str]:
             raise ChildContextError(
                 f"{label}: context for {child.name!r} is invalid: {describe_validation(error)}"
             ) from None
-        out.append(model.model_dump_json())
+        try:
+            limit_key = limit_key_of(child, model)
+        except InvalidConcurrencyKey as error:
+            raise ChildContextError(f"{label}: {error}") from None
+        out.append(ChildStart(model.model_dump_json(), limit_key))
     return out
 
 
@@ -104,6 +118,7 @@ def new_child(
     context: str,
     due: bool,
     now: float,
+    limit_key: str | None = None,
     parent_trace: tracecontext.RunTrace | None = None,
 ) -> NewRun:
     """A child run to create: due now (or at its wait's timeout) or held for its turn; in
@@ -132,6 +147,7 @@ def new_child(
             "join": join_id,
             "parent": parent.id,
             **child.context_stamp(),
+            **({"limit_key": limit_key} if limit_key is not None else {}),
             **({"deadline": now + child.deadline} if child.deadline is not None else {}),
             **traced,
         },
@@ -143,6 +159,7 @@ def new_child(
         parent_id=parent.id,
         child_index=index,
         held=not due,
+        limit_key=limit_key,
     )
 
 
@@ -214,12 +231,13 @@ async def drive(
                         child_workflow(spec, first + offset),
                         join_id=join_id,
                         index=first + offset,
-                        context=context,
+                        context=start.context,
                         due=first + offset < runnable,
                         now=now,
+                        limit_key=start.limit_key,
                         parent_trace=trace,
                     )
-                    for offset, context in enumerate(batch)
+                    for offset, start in enumerate(batch)
                 ]
 
             return build

@@ -14,6 +14,7 @@ step's timeout and retry, and a loop's schedule, timeout, retry and ``max_failur
     concurrency = 32
     log_format = "json"
     metrics_port = 9464
+    ui_token = "a-long-random-string"   # flowloop ui --allow-actions (else printed at start)
 
     [[alerts]]
     type = "webhook"
@@ -205,6 +206,9 @@ class Settings(BaseSettings):
     """None: ``info`` for the worker, ``warning`` for other commands."""
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = DEFAULT_METRICS_HOST
+    ui_token: str | None = Field(default=None, min_length=1)
+    """The dashboard's action token (``flowloop ui --allow-actions``); None: a new one is
+    made and printed at each start. ``$FLOWLOOP_UI_TOKEN`` wins over the file."""
     alerts: list[SinkSettings] = Field(default_factory=list)
     """Alert sinks; none configured means alerts go to the log."""
     workflows: dict[str, WorkflowSettings] = Field(default_factory=dict)

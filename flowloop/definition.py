@@ -4,6 +4,9 @@ A workflow is declared with decorators and validated before its first use: every
 exists, exactly one initial state, every non-final state can reach a final one, no state is
 unreachable, final states have no step. The transition table is built once per definition
 with the ``transitions`` library (never per run: a ``Machine`` costs far more than a commit).
+This module is the builder (:class:`Workflow`); the states' specs and what a step sees are
+in :mod:`flowloop.specs`, the checks, the structure and the fingerprint in
+:mod:`flowloop.structure`.
 
 This module imports neither sqlalchemy nor asyncio.
 """
@@ -11,12 +14,8 @@ This module imports neither sqlalchemy nor asyncio.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
 import json
-import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,160 +24,48 @@ from transitions import Machine
 
 from flowloop import compose, graph, upcast
 from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
-from flowloop.compose import Composite, StepError
+from flowloop.compose import Composite
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
-from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
+from flowloop.retry import DEFAULT_RETRY, Retry, seconds
+from flowloop.specs import (
+    NAME_PATTERN,
+    NEXT_EVENT,
+    TIMEOUT_EVENT,
+    Sleep,
+    Step,
+    StepFunction,
+    StepSpec,
+    Transition,
+    WaitSpec,
+    step_spec,
+    wait_spec,
+)
+from flowloop.specs import wants_step as _wants_step
+from flowloop.structure import Draft, check_migrates_from, compatible, fingerprint_of
 
 if TYPE_CHECKING:
     import graphviz
 
-NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
-"""Names of workflows, states and loops: at most 200 characters (flowloop.limits)."""
-NEXT_EVENT = "next"
-"""The event a ``next=`` step takes implicitly when it returns ``None``."""
+# The specs and the structure checks live in flowloop/specs.py and flowloop/structure.py;
+# this module keeps the names code has always imported from it.
+__all__ = [
+    "NAME_PATTERN",
+    "NEXT_EVENT",
+    "TIMEOUT_EVENT",
+    "Sleep",
+    "Step",
+    "StepFunction",
+    "StepSpec",
+    "Transition",
+    "WaitSpec",
+    "Workflow",
+    "_wants_step",
+    "compatible",
+    "describe_validation",
+]
 
-StepFunction = Callable[..., Any]
 F = TypeVar("F", bound=StepFunction)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Step:
-    """What a step function learns about the step it is running.
-
-    ``idempotency_key`` is the same for every attempt of one visit of one state of one run,
-    across retries and crashes: pass it to external systems so they apply an effect once.
-    """
-
-    run_id: str
-    workflow: str
-    state: str
-    attempt: int
-    visit: int
-    seq: int
-    worker: str
-    error: StepError | None = None
-    """The last error recorded on the run: the previous attempt's on a retry, or the one
-    whose ``on_error`` route led to this state (``None``: none)."""
-    compensating: bool = False
-    """True while this is a step's compensation (its undo) running, not the step."""
-
-    notes: list[str] = field(default_factory=list, compare=False, repr=False)
-    """What :meth:`note` was told, in order."""
-
-    def note(self, text: str) -> None:
-        """Say in a few words what this attempt did (``a.csv bytes 85-1,210, rows 2-19``):
-        journaled with the step's success (``data["note"]``) and shown by ``flowloop
-        history``, so a reader sees the work without opening every context."""
-        self.notes.append(text)
-
-    @property
-    def idempotency_key(self) -> str:
-        key = f"{self.run_id}:{self.state}:{self.visit}"
-        return f"{key}:undo" if self.compensating else key
-
-    def sleep(self, delay: float | timedelta, event: str | None = None) -> Sleep:
-        """A durable timer: ``return step.sleep(timedelta(days=3), "remind")`` takes ``event``
-        (``None`` for a ``next=`` step) but starts the next state only after ``delay``.
-        The due time is stored; no worker or thread waits meanwhile, and a restarted
-        worker fires it on time, or at once if overdue."""
-        delay_s = seconds(delay) or 0.0
-        if delay_s < 0:
-            raise ValueError("step.sleep: delay must not be negative")
-        return Sleep(delay=delay_s, event=event)
-
-
-@dataclass(frozen=True)
-class Sleep:
-    """What ``step.sleep`` returns: an event to take after a stored delay."""
-
-    delay: float
-    event: str | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepSpec:
-    """One state that has a step function."""
-
-    name: str
-    fn: StepFunction
-    on: Mapping[str, str]
-    is_async: bool
-    timeout: float | None
-    retry: Retry
-    idempotent: bool
-    max_visits: int | None
-    returns_event: bool
-    """False for ``next=`` steps: whatever they return, they take ``next``."""
-    wants_step: bool
-    """The function takes ``(ctx, step)``; otherwise just ``(ctx)``."""
-    rate_limit: RateLimit | None = None
-    breaker: Breaker | None = None
-    on_error: tuple[tuple[compose.ErrorKey, str], ...] = ()
-    """``(exception class or "*", state)`` routes taken once the retry policy gives up."""
-    compensate: StepFunction | None = None
-    """Undoes this step's effect ``(ctx, step)`` when the run takes a compensating path."""
-    compensate_retry: Retry = DEFAULT_RETRY
-
-    def describe(self) -> str:
-        """Compact settings for diagrams: retry, timeout, idempotency, max visits, limits."""
-        parts = [self.retry.describe()]
-        parts.extend(g.describe() for g in (self.rate_limit, self.breaker) if g is not None)
-        if self.timeout is not None:
-            parts.append(f"timeout {human(self.timeout)}")
-        if not self.idempotent:
-            parts.append("not idempotent")
-        if self.max_visits is not None:
-            parts.append(f"max {self.max_visits} visits")
-        return ", ".join(parts)
-
-
-TIMEOUT_EVENT = "timeout"
-"""The event a wait state takes when its ``timeout`` passes."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class WaitSpec:
-    """A state with no step: it advances on an event sent from outside, or on its timeout."""
-
-    name: str
-    on: Mapping[str, str]
-    timeout: float | None
-    on_timeout: str | None
-    payloads: Mapping[str, type[BaseModel]]
-    handlers: Mapping[str, Callable[[Any, Any], None]]
-    max_visits: int | None = None
-
-    @property
-    def transitions(self) -> dict[str, str]:
-        """Every way out, the timeout included."""
-        out = dict(self.on)
-        if self.on_timeout is not None:
-            out[TIMEOUT_EVENT] = self.on_timeout
-        return out
-
-    def describe(self) -> str:
-        parts = [f"waits for {', '.join(self.on)}"]
-        if self.timeout is not None:
-            parts.append(f"timeout {human(self.timeout)}")
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True)
-class Transition:
-    source: str
-    event: str
-    dest: str
-
-
-@dataclass
-class _Draft:
-    steps: dict[str, StepSpec] = field(default_factory=dict)
-    waits: dict[str, WaitSpec] = field(default_factory=dict)
-    finals: list[str] = field(default_factory=list)
-    initial: list[str] = field(default_factory=list)
-    composites: dict[str, Composite] = field(default_factory=dict)
-    compensating: list[str] = field(default_factory=list)
 
 
 class Workflow(compose.Composing):
@@ -272,7 +159,7 @@ class Workflow(compose.Composing):
         self.migrates_from: Mapping[int, Mapping[str, str]] = {
             int(old): dict(mapping) for old, mapping in (migrates_from or {}).items()
         }
-        self._draft = _Draft()
+        self._draft = Draft()
         self._frozen = False
         self._table: dict[tuple[str, str], str] = {}
         self._machine: Machine | None = None
@@ -319,10 +206,11 @@ class Workflow(compose.Composing):
 
         def register(function: F) -> F:
             state = name or function.__name__
-            self._add_step(
+            self._new_step_name(state)
+            self._draft.steps[state] = step_spec(
+                self.name,
                 state,
                 function,
-                initial=initial,
                 on=on,
                 next_state=next,
                 timeout=timeout,
@@ -330,6 +218,8 @@ class Workflow(compose.Composing):
                 idempotent=idempotent,
                 max_visits=max_visits,
             )
+            if initial:
+                self._draft.initial.append(state)
             if on_error or compensate is not None:
                 if compensate is not None and not callable(compensate):
                     raise DefinitionError(
@@ -350,50 +240,12 @@ class Workflow(compose.Composing):
 
         return register
 
-    def _add_step(
-        self,
-        state: str,
-        function: StepFunction,
-        *,
-        initial: bool,
-        on: Mapping[str, str] | None,
-        next_state: str | None,
-        timeout: float | timedelta | None,
-        retry: Retry | None,
-        idempotent: bool,
-        max_visits: int | None,
-    ) -> None:
+    def _new_step_name(self, state: str) -> None:
         self._ensure_open()
         if not NAME_PATTERN.match(state):
             raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
         if state in self._draft.steps:
             raise DefinitionError(self.name, f"state {state!r} is declared twice")
-        if (on is None) == (next_state is None):
-            raise DefinitionError(
-                self.name, f"state {state!r} needs exactly one of on={{event: state}} or next="
-            )
-        transitions = dict(on) if on is not None else {NEXT_EVENT: str(next_state)}
-        if not transitions:
-            raise DefinitionError(self.name, f"state {state!r} declares no transition")
-        timeout_s = seconds(timeout, f"{self.name}: state {state!r} timeout")
-        if timeout_s is not None and timeout_s <= 0:
-            raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
-        if max_visits is not None and max_visits < 1:
-            raise DefinitionError(self.name, f"state {state!r}: max_visits must be at least 1")
-        self._draft.steps[state] = StepSpec(
-            name=state,
-            fn=function,
-            on=transitions,
-            is_async=inspect.iscoroutinefunction(function),
-            timeout=timeout_s,
-            retry=retry or DEFAULT_RETRY,
-            idempotent=idempotent,
-            max_visits=max_visits,
-            returns_event=on is not None,
-            wants_step=_wants_step(self.name, state, function),
-        )
-        if initial:
-            self._draft.initial.append(state)
 
     def tune_step(
         self, state: str, *, timeout: float | None = None, retry: Retry | None = None
@@ -435,47 +287,14 @@ class Workflow(compose.Composing):
             raise DefinitionError(self.name, f"state name {name!r} is not a valid name")
         if name in self._draft.steps or name in self._draft.waits:
             raise DefinitionError(self.name, f"state {name!r} is declared twice")
-        if not on:
-            raise DefinitionError(self.name, f"wait state {name!r} accepts no event")
-        if TIMEOUT_EVENT in on:
-            raise DefinitionError(
-                self.name, f"wait state {name!r}: use on_timeout= for the {TIMEOUT_EVENT!r} event"
-            )
-        timeout_s = seconds(timeout, f"{self.name}: state {name!r} timeout")
-        if (timeout_s is None) != (on_timeout is None):
-            raise DefinitionError(
-                self.name, f"wait state {name!r}: give timeout= and on_timeout= together"
-            )
-        if timeout_s is not None and timeout_s <= 0:
-            raise DefinitionError(self.name, f"wait state {name!r}: timeout must be positive")
-        for label, mapping in (("payloads", payloads or {}), ("handlers", handlers or {})):
-            unknown = sorted(set(mapping) - set(on))
-            if unknown:
-                raise DefinitionError(
-                    self.name,
-                    f"wait state {name!r}: {label} for undeclared event(s) {', '.join(unknown)}",
-                )
-        for event, model in (payloads or {}).items():
-            if not (isinstance(model, type) and issubclass(model, BaseModel)):
-                raise DefinitionError(
-                    self.name,
-                    f"wait state {name!r}: payload of {event!r} must be a pydantic BaseModel "
-                    f"subclass, not {model!r}",
-                )
-        for event, handler in (handlers or {}).items():
-            if not callable(handler):
-                raise DefinitionError(
-                    self.name, f"wait state {name!r}: handler of {event!r} is not callable"
-                )
-        if max_visits is not None and max_visits < 1:
-            raise DefinitionError(self.name, f"wait state {name!r}: max_visits must be at least 1")
-        self._draft.waits[name] = WaitSpec(
-            name=name,
-            on=dict(on),
-            timeout=timeout_s,
+        self._draft.waits[name] = wait_spec(
+            self.name,
+            name,
+            on=on,
+            timeout=timeout,
             on_timeout=on_timeout,
-            payloads=dict(payloads or {}),
-            handlers=dict(handlers or {}),
+            payloads=payloads,
+            handlers=handlers,
             max_visits=max_visits,
         )
         if initial:
@@ -519,64 +338,13 @@ class Workflow(compose.Composing):
         """Check the definition and freeze it. Called on first use; safe to call again."""
         if self._frozen:
             return self
-        draft = self._draft
-        steps, waits, finals = draft.steps, draft.waits, set(draft.finals)
-        composites = draft.composites
-        if not finals:
-            raise DefinitionError(self.name, "declares no final state; add workflow.final(...)")
-        on_final = sorted(finals & (steps.keys() | waits.keys() | composites.keys()))
-        if on_final:
-            raise DefinitionError(
-                self.name,
-                f"final state(s) {', '.join(map(repr, on_final))} must not have a step or wait",
-            )
-        if len(draft.initial) != 1:
-            found = ", ".join(map(repr, draft.initial)) or "none"
-            raise DefinitionError(
-                self.name, f"needs exactly one initial state (initial=True), found {found}"
-            )
-        known = steps.keys() | waits.keys() | composites.keys() | finals
-        if self.on_deadline is not None and self.on_deadline not in known:
-            raise DefinitionError(
-                self.name, f"on_deadline goes to unknown state {self.on_deadline!r}"
-            )
-        if draft.compensating and not any(s.compensate for s in steps.values()):
-            raise DefinitionError(
-                self.name,
-                f"final state(s) {', '.join(map(repr, draft.compensating))} compensate, but "
-                "no step declares compensate=",
-            )
-        outgoing = self._outgoing()
-        for state, targets in outgoing.items():
-            unknown = sorted({dest for dest in targets.values() if dest not in known})
-            if unknown:
-                raise DefinitionError(
-                    self.name,
-                    f"state {state!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
-                )
-        edges = {state: set(outgoing.get(state, {}).values()) for state in known}
-        if self.on_deadline is not None:  # every waiting or working state may time out there
-            for state in known - finals:
-                edges[state].add(self.on_deadline)
-        unreachable = sorted(known - graph.reachable(edges, draft.initial))
-        if unreachable:
-            raise DefinitionError(
-                self.name, f"state(s) {', '.join(map(repr, unreachable))} cannot be reached"
-            )
-        stuck = sorted(known - graph.can_reach(edges, finals))
-        if stuck:
-            raise DefinitionError(
-                self.name,
-                f"state(s) {', '.join(map(repr, stuck))} can never reach a final state",
-            )
+        self._draft.check(self.name, on_deadline=self.on_deadline)
         compose.check_no_call_cycle(self)
         self._machine = self._build_machine()
         self._table = {(t.source, t.event): t.dest for t in self.transitions()}
-        self._check_migrates_from()
+        check_migrates_from(self.name, self.version, self.states, self.migrates_from)
         self._record = self.definition_record()
-        self._fingerprint = hashlib.sha256(
-            json.dumps(self._record, sort_keys=True).encode()
-        ).hexdigest()[:16]
+        self._fingerprint = fingerprint_of(self._record)
         self._frozen = True
         return self
 
@@ -600,24 +368,12 @@ class Workflow(compose.Composing):
     # -- reading ---------------------------------------------------------------------------
 
     def _outgoing(self) -> dict[str, dict[str, str]]:
-        """Every non-final state's transitions ``{event: target}`` in declaration order."""
-        out = {
-            name: {**spec.on, **{compose.error_event(k): t for k, t in spec.on_error}}
-            for name, spec in self._draft.steps.items()
-        }
-        out.update({name: spec.transitions for name, spec in self._draft.waits.items()})
-        out.update({name: dict(spec.on) for name, spec in self._draft.composites.items()})
-        return out
+        return self._draft.outgoing()
 
     @property
     def states(self) -> list[str]:
         """Every state in declaration order: steps, wait, call and map states, finals."""
-        return [
-            *self._draft.steps,
-            *self._draft.waits,
-            *self._draft.composites,
-            *self._draft.finals,
-        ]
+        return self._draft.states
 
     @property
     def waits(self) -> Mapping[str, WaitSpec]:
@@ -707,33 +463,7 @@ class Workflow(compose.Composing):
 
     def structure(self) -> dict[str, Any]:
         """The definition as plain data: what a stored run's compatibility is judged on."""
-        return {
-            "name": self.name,
-            "initial": self._draft.initial[0] if self._draft.initial else None,
-            "finals": sorted(self._draft.finals),
-            "states": {
-                **{
-                    spec.name: {"kind": "step", "on": dict(sorted(spec.on.items()))}
-                    for spec in self._draft.steps.values()
-                },
-                **{
-                    spec.name: {"kind": "wait", "on": dict(sorted(spec.transitions.items()))}
-                    for spec in self._draft.waits.values()
-                },
-                **{
-                    spec.name: {
-                        "kind": spec.kind,
-                        "on": dict(sorted(spec.on.items())),
-                        "child": ",".join(wf.name for wf in spec.workflows()),
-                    }
-                    for spec in self._draft.composites.values()
-                },
-            },
-            **(
-                {"compensate": sorted(self._draft.compensating)} if self._draft.compensating else {}
-            ),
-            **({"on_deadline": self.on_deadline} if self.on_deadline else {}),
-        }
+        return self._draft.structure(self.name, on_deadline=self.on_deadline)
 
     def definition_record(self) -> dict[str, Any]:
         """:meth:`structure` with the context (version, normalized schema): what the
@@ -748,23 +478,6 @@ class Workflow(compose.Composing):
                 "schema": upcast.schema_of(self.context),
             },
         }
-
-    def _check_migrates_from(self) -> None:
-        own = set(self.states)
-        for old, mapping in self.migrates_from.items():
-            if old >= self.version:
-                raise DefinitionError(
-                    self.name,
-                    f"migrates_from={{{old}: ...}}: version {old} is not older than "
-                    f"this definition's version {self.version}",
-                )
-            unknown = sorted(dest for dest in mapping.values() if dest not in own)
-            if unknown:
-                raise DefinitionError(
-                    self.name,
-                    f"migrates_from={{{old}: ...}} maps to unknown state(s) "
-                    f"{', '.join(map(repr, unknown))}",
-                )
 
     def on_cycle(self) -> set[str]:
         """States on a cycle (where ``max_visits`` matters)."""
@@ -841,32 +554,6 @@ class Workflow(compose.Composing):
         return None if value is None else str(value)
 
 
-def _wants_step(workflow: str, state: str, function: StepFunction) -> bool:
-    """Whether the step is called as (ctx, step) rather than (ctx); a function that cannot
-    be called either way (a third required parameter, a required keyword-only one, none at
-    all) fails here, at definition, instead of on every attempt at run time."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return True
-    for wanted in (2, 1):
-        try:
-            signature.bind(*range(wanted))
-        except TypeError:
-            continue
-        return wanted == 2
-    required = [
-        p.name
-        for p in signature.parameters.values()
-        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-    ]
-    raise DefinitionError(
-        workflow,
-        f"step {state!r} must take (ctx) or (ctx, step); its function requires "
-        f"({', '.join(required)}): give the others defaults or drop them",
-    )
-
-
 def describe_validation(error: ValidationError) -> str:
     """A pydantic error on one line: ``field: problem; other: problem``."""
     parts = []
@@ -874,30 +561,3 @@ def describe_validation(error: ValidationError) -> str:
         where = ".".join(str(part) for part in item["loc"]) or "(root)"
         parts.append(f"{where}: {item['msg']}")
     return "; ".join(parts)
-
-
-def compatible(old: Mapping[str, Any], new: Workflow, state: str) -> str | None:
-    """Why a run in ``state`` under the ``old`` structure cannot continue under ``new``
-    (``None`` when it can): its state and that state's transitions must still exist."""
-    new_structure = new.structure()
-    if state in old.get("finals", []):
-        return None
-    old_state = old.get("states", {}).get(state)
-    new_state = new_structure["states"].get(state)
-    if new_state is None:
-        return f"state {state!r} no longer exists in {new.name} v{new.version}"
-    if old_state is None:
-        return None
-    if old_state.get("kind", "step") != new_state.get("kind", "step"):
-        return (
-            f"state {state!r} changed from a {old_state.get('kind')} to a {new_state.get('kind')}"
-        )
-    missing = {
-        event: dest
-        for event, dest in old_state.get("on", {}).items()
-        if new_state.get("on", {}).get(event) != dest
-    }
-    if missing:
-        gone = ", ".join(f"{event}->{dest}" for event, dest in sorted(missing.items()))
-        return f"transitions of state {state!r} changed ({gone} no longer exist)"
-    return None

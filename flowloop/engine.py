@@ -45,7 +45,7 @@ from flowloop.executor import (
     Stats,
     new_worker_id,
 )
-from flowloop.flowcontrol import concurrency_key_of
+from flowloop.flowcontrol import limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
@@ -247,11 +247,7 @@ class Engine(Operations, LoopControls):
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         check_key("idempotency key", idempotency_key)
-        limit_key = (
-            None
-            if workflow.concurrency_key is None
-            else concurrency_key_of(workflow.name, workflow.concurrency_key, ctx)
-        )
+        limit_key = limit_key_of(workflow, ctx)
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         created = JournalEvent(
             run_id=run_id,

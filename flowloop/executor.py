@@ -271,6 +271,7 @@ class Executor(Stepping, Recovery):
             return 0
         rows: list[StoredRun] = []
         overdue, at = self.due_here.overdue(run_ids)
+        before = time.monotonic()  # the leases claimed below end no earlier than this + lease
         if overdue:
             # Due by this process's monotonic clock although the wall clock (set back)
             # says not yet: claim them as of their stored due time.
@@ -300,7 +301,7 @@ class Executor(Stepping, Recovery):
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
                 continue
-            self.spawn(stored, starting=True)
+            self.spawn(stored, starting=True, claimed_at=before)
             taken += 1
         return taken
 
@@ -320,13 +321,16 @@ class Executor(Stepping, Recovery):
                 waiter.cancel()
             self._wake.clear()
 
-    def spawn(self, stored: StoredRun, *, starting: bool) -> asyncio.Task[None]:
-        """Drive one claimed run in its own task."""
+    def spawn(
+        self, stored: StoredRun, *, starting: bool, claimed_at: float | None = None
+    ) -> asyncio.Task[None]:
+        """Drive one claimed run in its own task; ``claimed_at`` is the monotonic instant
+        noted before the claim was sent (its lease ends no earlier than that + lease)."""
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
         task = asyncio.create_task(self._drive(stored, starting=starting))
         self._active[stored.id] = active = _Active(task)
-        self.leases.held_from(stored.id, time.monotonic())
+        self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
 
@@ -385,8 +389,9 @@ class Executor(Stepping, Recovery):
         if active is not None:
             active.task.cancel()
 
-    def poll_controls(self) -> None:
-        for run_id, action in self.store.pending_controls(worker=self.worker_id).items():
+    def apply_controls(self, requests: Mapping[str, str]) -> None:
+        """Pending pause/stop requests (read by the lease thread, flowloop/leasethread.py)."""
+        for run_id, action in requests.items():
             self._controls[run_id] = action
             active = self._active.get(run_id)
             if action == "stop" and active is not None and active.step_task is not None:
@@ -403,6 +408,11 @@ class Executor(Stepping, Recovery):
                 log.exception("listener failed")
 
     async def _commit(self, boundary: Boundary) -> bool:
+        if self.leases.fenced(boundary.run_id):
+            # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
+            # abandoned, and no boundary of it is written from then on.
+            self.leases.given_up.add(boundary.run_id)
+            return False
         before = time.monotonic()
         applied = await self.committer.submit(boundary, alone=len(self._active) <= 1)
         if applied and boundary.release:
@@ -581,4 +591,5 @@ class Executor(Stepping, Recovery):
 
     def close(self) -> None:
         self.watchdog.close()
+        self.leases.close()
         self._threads.shutdown()

@@ -24,7 +24,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, Protocol
 
 from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.retry import human, seconds
@@ -190,6 +190,26 @@ def concurrency_key_of(workflow: str, function: Callable[[Any], object], context
             "the run was not started"
         )
     return value
+
+
+class Keyed(Protocol):
+    """What :func:`limit_key_of` reads of a workflow (a :class:`~flowloop.Workflow`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def concurrency_key(self) -> Callable[[Any], str] | None: ...
+
+
+def limit_key_of(workflow: Keyed, context: Any) -> str | None:
+    """The per-key limit key a new run of ``workflow`` with ``context`` holds, None when
+    the workflow declares no ``concurrency_key``. Every way a run is created uses this
+    one function (``engine.start``, ``start_many``, child runs of call and map states), so
+    ``key_limit`` counts them all alike. Raises InvalidConcurrencyKey."""
+    if workflow.concurrency_key is None:
+        return None
+    return concurrency_key_of(workflow.name, workflow.concurrency_key, context)
 
 
 # -- rate limits: the bucket maths -------------------------------------------------------

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any, Final
 
 import graphviz
-from sqlalchemy import ColumnElement, case, func, or_, select, true
+from sqlalchemy import ColumnElement, func, select
 from sqlalchemy import Engine as SQLEngine
 
 from flowloop import journal as j
@@ -27,9 +28,9 @@ from flowloop import render
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
-from flowloop.stats import OUTCOME_KINDS, PERCENTILES, StateStats, rank
+from flowloop.stats import OUTCOME_KINDS, StateStats, attempt_counts
 from flowloop.store.appends import current_rows
-from flowloop.store.dialect import READ_OPTION
+from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
 from flowloop.store.windows import journal_since
 
@@ -113,61 +114,19 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
     if since is not None:
         where.append(journal_since(since))
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
-    counts = (
-        select(
-            journal.c.state,
-            func.count().label("n"),
-            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
-            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
-        )
-        .select_from(joined)
-        .where(*where)
-        .group_by(journal.c.state)
+    counts = attempt_counts(journal.c.state, where=where, joined=joined)
+    count_rows, ranks = counts_and_seconds(
+        db,
+        counts,
+        journal.c.duration,
+        where=where,
+        group=("state", journal.c.state),
+        select_from=joined,
     )
-    ranked = (
-        select(
-            journal.c.state.label("state"),
-            journal.c.duration,
-            func.row_number()
-            .over(partition_by=journal.c.state, order_by=journal.c.duration)
-            .label("rn"),
-            func.count().over(partition_by=journal.c.state).label("n"),
-        )
-        .select_from(joined)
-        .where(*where, journal.c.duration.is_not(None))
-        .subquery()
-    )
-    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            count_rows = conn.execute(counts).all()
-            at_rank: dict[tuple[str, int], float] = {}
-            sizes: dict[str, int] = {}
-            for row in conn.execute(picked):
-                at_rank[(row.state or "", int(row.rn))] = float(row.duration)
-                sizes[row.state or ""] = int(row.n)
-    found = []
-    for row in count_rows:
-        state = row.state or ""
-        size = sizes.get(state, 0)
-
-        def pick(percentile: int, state: str = state, size: int = size) -> float | None:
-            return at_rank.get((state, rank(percentile, size))) if size else None
-
-        found.append(
-            StateStats(
-                workflow=workflow,
-                state=state,
-                count=int(row.n),
-                succeeded=int(row.ok or 0),
-                retries=int(row.retries or 0),
-                p50=pick(50),
-                p95=pick(95),
-                p99=pick(99),
-                slowest=(),
-            )
-        )
+    found = [
+        StateStats.of(row, workflow=workflow, at=partial(ranks.at, row.state or ""))
+        for row in count_rows
+    ]
     return sorted(found, key=lambda s: s.state)
 
 
@@ -198,21 +157,19 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
     running_query = select(runs.c.id, runs.c.status, runs.c.state, runs.c.last_seq).where(
         runs.c.workflow == workflow, runs.c.status == "running"
     )
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            edges = {
-                (source, event, dest): (int(taken), int(distinct))
-                for source, event, dest, taken, distinct in conn.execute(edges_query)
-                if None not in (source, event, dest)
-            }
-            live: dict[str, dict[str, int]] = {}
-            for state, status, n in conn.execute(live_query):
-                live.setdefault(state, {})[status] = int(n)
-            running = [row._mapping for row in conn.execute(running_query)]
-            for current in current_rows(conn, running):
-                held = live.setdefault(current["state"], {})
-                held["running"] = held.get("running", 0) + 1
+    with reading(db) as conn:
+        edges = {
+            (source, event, dest): (int(taken), int(distinct))
+            for source, event, dest, taken, distinct in conn.execute(edges_query)
+            if None not in (source, event, dest)
+        }
+        live: dict[str, dict[str, int]] = {}
+        for state, status, n in conn.execute(live_query):
+            live.setdefault(state, {})[status] = int(n)
+        running = [row._mapping for row in conn.execute(running_query)]
+        for current in current_rows(conn, running):
+            held = live.setdefault(current["state"], {})
+            held["running"] = held.get("running", 0) + 1
     stats = state_stats(db, workflow, since=since)
     states: dict[str, StateHeat] = {}
     for row in stats:

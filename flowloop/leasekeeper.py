@@ -4,6 +4,12 @@ A worker holds each run it drives under a lease the database grants; the heartbe
 them every lease/3 and picks up pause/stop requests. A run whose lease could not be renewed
 is abandoned (self-fencing) before the lease can end, so this worker never steps a run that
 another worker may already have taken over.
+
+The renewals and the deadline are kept off the event loop, by threads of their own
+(flowloop/leasethread.py): a database call holding the loop (a silent network) delays
+neither. What the threads learn is acted on here, on the loop: a fenced run's task is
+cancelled (an async step with it; a thread step is abandoned, its result discarded), and
+nothing more is written for it.
 """
 
 from __future__ import annotations
@@ -12,12 +18,11 @@ import asyncio
 import logging
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flowloop.errors import error_line
+from flowloop.leasethread import FENCED, LeaseGuard, poller, renewer
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
@@ -64,55 +69,50 @@ class LeaseKeeper:
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.until: dict[str, float] = {}
-        """Per driven run: by this process's monotonic clock, the earliest its lease can end
-        (the time just before the claim, renewal or owned write that set it, plus the lease)."""
         self.given_up: set[str] = set()
         """Runs this worker abandoned (lost lease): recovering one later says so."""
         self.hooks: list[Callable[[str, str], None]] = []
         """Called with (run id, why) when this worker stops driving a run it lost."""
+        store, worker = executor.store, executor.worker_id
+        self.guard = LeaseGuard(
+            lease_seconds=executor.lease_seconds,
+            poll_seconds=executor.poll_seconds,
+            renew=renewer(store, worker=worker, lease_seconds=executor.lease_seconds),
+            poll=poller(store, worker=worker),
+            lost=self.lost,
+            controls=executor.apply_controls,
+            released=executor.committer.released.__contains__,
+        )
 
     def held_from(self, run_id: str, instant: float) -> None:
-        """The run's lease was set (claimed, renewed, written) just after ``instant``."""
-        self.until[run_id] = instant + self.executor.lease_seconds
+        """The run's lease was set (claimed) by a request sent at ``instant``."""
+        self.guard.hold(run_id, instant)
 
     def renewed_by_write(self, run_id: str, instant: float) -> None:
-        """An owned write renews the lease too (of a run still driven here)."""
-        if run_id in self.until:
-            self.held_from(run_id, instant)
+        """An owned write sent at ``instant`` renewed the lease too (of a run still driven
+        here and not fenced off)."""
+        self.guard.extend(run_id, instant)
 
     def forget(self, run_id: str) -> None:
-        self.until.pop(run_id, None)
+        self.guard.drop(run_id)
+
+    def fenced(self, run_id: str) -> bool:
+        """The run's lease may have ended (deadline passed unrenewed): write nothing for it."""
+        return self.guard.fenced(run_id)
 
     async def heartbeat(self) -> None:
-        """Renew held leases every lease/3, pick up pause/stop requests every poll, and fence
-        this worker off every run whose lease it could not renew in time."""
-        executor = self.executor
-        # Ticks at most lease/12 apart: a run is fenced off with lease/6 to spare at the
-        # latest one tick (lease/12) after that point, so with lease/12 left at worst.
-        tick = max(0.01, min(executor.poll_seconds, executor.lease_seconds / 12))
+        """Run the lease threads (renewals every lease/3, control requests every poll, the
+        fence watch) for as long as this task runs."""
         self._watch_loop_while_beating()
-        last_renewal = last_poll = time.monotonic()
-        failing = False
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            try:
-                called = False
-                if now - last_poll >= executor.poll_seconds or failing:
-                    executor.poll_controls()
-                    last_poll, called = now, True
-                if now - last_renewal >= executor.lease_seconds / 3:
-                    self.renew()
-                    last_renewal, called = now, True
-                if failing and called:
-                    log.info("heartbeat: database reachable again")
-                    failing = False
-            except Exception as error:  # keep beating (retrying every tick) through a hiccup
-                if not failing:
-                    log.warning("heartbeat failed (retrying): %s", error_line(error))
-                failing = True
-            self.fence_expiring()
+        self.guard.start(asyncio.get_running_loop())
+        try:
+            await asyncio.get_running_loop().create_future()  # until cancelled
+        finally:
+            self.guard.stop()
+
+    def close(self) -> None:
+        """Let the lease threads end."""
+        self.guard.close()
 
     def _watch_loop_while_beating(self) -> None:
         """The loop watchdog (flowloop/watchdog.py) runs as long as a heartbeat does."""
@@ -122,54 +122,28 @@ class LeaseKeeper:
             watchdog.start()
             beating.add_done_callback(lambda _: watchdog.stop())
 
-    def renew(self) -> None:
+    def lost(self, run_id: str, why: str) -> None:
+        """On the loop: the lease threads say the run's lease is (or may be) gone — the
+        renewal found it expired or taken over, or its deadline passed unrenewed (then the
+        fence thread has fenced and logged it already). A run released or finished
+        meanwhile is not lost."""
         executor = self.executor
-        released = executor.committer.released
-        held = [run_id for run_id in executor.driven() if run_id not in released]
-        if not held:
+        if (
+            run_id not in set(executor.driven())
+            or run_id in executor.committer.released
+            or executor.lost(run_id)
+        ):
             return
-        before = time.monotonic()
-        kept = executor.store.renew(
-            worker=executor.worker_id, run_ids=held, lease_seconds=executor.lease_seconds
-        )
-        for run_id in kept:
-            self.held_from(run_id, before)
-        for run_id in set(held) - kept:
-            if run_id in released:  # let go meanwhile (cannot happen while renew blocks)
-                continue
-            self.abandon(run_id, "lost its lease (expired, or taken over by another worker)")
+        self.abandon(run_id, why, logged=why == FENCED)
 
-    def fence_expiring(self) -> None:
-        """Self-fencing: a run whose lease could not be renewed is abandoned when a sixth of
-        the lease is left (a twelfth at worst, given the heartbeat's tick), so this worker
-        never steps a run that another worker may already have taken over."""
-        executor = self.executor
-        limit = time.monotonic() + executor.lease_seconds / 6
-        driven = set(executor.driven())
-        for run_id, until in list(self.until.items()):
-            if (
-                until <= limit
-                and run_id in driven
-                and run_id not in executor.committer.released
-                and not executor.lost(run_id)
-            ):
-                late = time.monotonic() - until
-                self.abandon(
-                    run_id,
-                    "could not renew its lease in time; abandoning it before "
-                    "the lease ends (self-fencing)"
-                    if late < 0
-                    else "could not renew its lease in time and was blocked past its end "
-                    f"({late:.1f}s, in a database call); abandoning it (self-fencing)",
-                )
-
-    def abandon(self, run_id: str, why: str) -> None:
+    def abandon(self, run_id: str, why: str, *, logged: bool = False) -> None:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
-        log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
+        if not logged:
+            log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
         self.given_up.add(run_id)
         self.executor.stats.lost_leases += 1
         self.tell_lost(run_id, why)
-        self.until.pop(run_id, None)
+        self.guard.give_up(run_id)  # fenced until its task ends (nothing more is written)
         self.executor.cancel_lost(run_id)
 
     def tell_lost(self, run_id: str, why: str) -> None:

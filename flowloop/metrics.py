@@ -24,6 +24,7 @@ from prometheus_client import (
 )
 
 from flowloop import journal as j
+from flowloop.alerts import KINDS as ALERT_KINDS
 from flowloop.errors import ConfigError
 from flowloop.journal import JournalEvent, RunRecord
 
@@ -54,16 +55,6 @@ STEP_OUTCOMES: Final = ("succeeded", "failed", "retried", "timed_out", "interrup
 FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
 ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "skipped_idle", "stopped", "cancelled")
 LEASE_KINDS: Final = ("run", "loop")
-KNOWN_ALERTS: Final = (
-    ("critical", "interrupted step (not idempotent)"),
-    ("critical", "run failed"),
-    ("critical", "loop paused"),
-    ("critical", "breaker opened"),
-    ("warning", "breaker closed"),
-    ("warning", "lease lost"),
-    ("warning", "loop iterations skipped"),
-)
-"""(level, what) of every alert flowloop raises (alerts.py, scheduler.py)."""
 TIMEOUT_ERROR: Final = "StepTimeout"
 
 
@@ -206,8 +197,8 @@ class Metrics:
         worker starts are never counted by an alert rule."""
         for kind in LEASE_KINDS:
             self.leases_lost.labels(kind)
-        for level, what in KNOWN_ALERTS:
-            self.alerts.labels(level, what)
+        for alert in ALERT_KINDS:
+            self.alerts.labels(alert.level, alert.what)
         for workflow, states in workflows.items():
             self.runs_started.labels(workflow)
             for status in FINISHED_STATUSES:

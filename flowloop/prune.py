@@ -1,11 +1,17 @@
-"""History retention: delete finished runs older than a cutoff, with their journal and inbox,
-and old loop journal entries, in batches (one short transaction each).
+"""History retention: delete finished runs older than a cutoff, with their journal, inbox and
+join rows (the call/map joins they were the parent of), and old loop journal entries, in
+batches (one short transaction each).
 
 What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
 runs that finished at or after the cutoff, and with ``keep_failed`` every ``failed`` run
 (and failed loop iterations). A run is deleted only if it is still finished and old when
 its batch deletes it: the DELETE re-checks status and age on the row it locks, so an
 operator's retry racing with prune either wins (the run is kept) or finds the run gone.
+
+A join row goes with its parent, unless a child of it has not reported its end yet (a
+child held by a worker when its parent was stopped only gets a stop request): that child's
+final transaction updates the join row, so the row stays, and a later prune deletes it
+once the child has ended (its parent gone).
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from sqlalchemy import Connection, Engine, delete, func, select
+from sqlalchemy import ColumnElement, Connection, Engine, delete, exists, func, select
 
-from flowloop.store.dialect import READ_OPTION
-from flowloop.store.schema import inbox, journal, loop_journal, runs
+from flowloop.store.reads import reading
+from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
 
 DEFAULT_BATCH: Final = 500
 """Runs per transaction: short enough that workers sharing the database barely wait."""
@@ -25,6 +31,8 @@ LOOP_BATCH_FACTOR: Final = 10
 """Loop journal entries are small: this many times ``batch`` per transaction."""
 FINISHED: Final = ("succeeded", "failed", "stopped")
 FAILED_ITERATIONS: Final = ("iteration_failed", "iteration_interrupted")
+UNREPORTED: Final = ("open", "held")
+"""A child's ``join_state`` before its end has been counted in its join row."""
 
 
 @dataclass
@@ -33,6 +41,7 @@ class PruneResult:
     runs: int = 0
     journal: int = 0
     inbox: int = 0
+    joins: int = 0
     loop_journal: int = 0
     batches: int = 0
     dry_run: bool = False
@@ -43,6 +52,7 @@ class PruneResult:
             "runs": self.runs,
             "journal": self.journal,
             "inbox": self.inbox,
+            "joins": self.joins,
             "loop_journal": self.loop_journal,
             "batches": self.batches,
             "dry_run": self.dry_run,
@@ -88,6 +98,7 @@ def prune(
             after = ids[-1]
             _delete_runs(conn, ids, kinds, cutoff, result)
         result.batches += 1
+    _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
     return result
@@ -112,6 +123,37 @@ def _delete_runs(
     result.runs += len(gone)
     result.journal += conn.execute(delete(journal).where(journal.c.run_id.in_(gone))).rowcount
     result.inbox += conn.execute(delete(inbox).where(inbox.c.run_id.in_(gone))).rowcount
+    result.joins += conn.execute(
+        delete(joins).where(_unneeded(joins.c.parent_id.in_(gone)))
+    ).rowcount
+
+
+def _unneeded(joins_of: ColumnElement[bool]) -> ColumnElement[bool]:
+    """The join rows matching ``joins_of`` that no child still needs: a child that has not
+    reported its end updates its join row when it does."""
+    pending = runs.alias("pending")
+    return joins_of & ~exists().where(
+        pending.c.join_id == joins.c.id, pending.c.join_state.in_(UNREPORTED)
+    )
+
+
+def _orphaned() -> ColumnElement[bool]:
+    """Join rows whose parent is gone and whose last child has reported since (kept by an
+    earlier prune while that child was live)."""
+    return _unneeded(~exists().where(runs.c.id == joins.c.parent_id))
+
+
+def _prune_orphaned_joins(db: Engine, batch: int, result: PruneResult) -> None:
+    # Found in a read (no write lock while the join table is scanned), then deleted by id
+    # in short batches, the condition checked again under the lock.
+    with reading(db) as reader:
+        ids = list(reader.execute(select(joins.c.id).where(_orphaned())).scalars())
+    for first in range(0, len(ids), batch):
+        with db.begin() as conn:
+            result.joins += conn.execute(
+                delete(joins).where(joins.c.id.in_(ids[first : first + batch]), _orphaned())
+            ).rowcount
+        result.batches += 1
 
 
 def _loop_ranges(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
@@ -128,10 +170,8 @@ def _loop_ranges(conn: Connection, cutoff: float) -> list[tuple[str, int, int]]:
 def _prune_loop_journal(
     db: Engine, cutoff: float, keep_failed: bool, batch: int, result: PruneResult
 ) -> None:
-    with db.connect() as reader:
-        reader = reader.execution_options(**{READ_OPTION: True})
-        with reader.begin():
-            ranges = _loop_ranges(reader, cutoff)
+    with reading(db) as reader:
+        ranges = _loop_ranges(reader, cutoff)
     for name, first, last in ranges:
         low = first
         while low <= last:
@@ -153,34 +193,39 @@ def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
     old = select(runs.c.id).where(runs.c.status.in_(list(kinds)), runs.c.updated_at < result.cutoff)
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            result.runs = int(
-                conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
+    with reading(db) as conn:
+        result.runs = int(
+            conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()
+        )
+        result.journal = int(
+            conn.execute(
+                select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
+            ).scalar_one()
+        )
+        result.inbox = int(
+            conn.execute(
+                select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
+            ).scalar_one()
+        )
+        result.joins = int(
+            conn.execute(
+                select(func.count())
+                .select_from(joins)
+                .where(_unneeded(joins.c.parent_id.in_(old)) | _orphaned())
+            ).scalar_one()
+        )
+        if loop_history:
+            query = (
+                select(func.count())
+                .select_from(loop_journal)
+                .where(loop_journal.c.at < result.cutoff)
             )
-            result.journal = int(
-                conn.execute(
-                    select(func.count()).select_from(journal).where(journal.c.run_id.in_(old))
-                ).scalar_one()
-            )
-            result.inbox = int(
-                conn.execute(
-                    select(func.count()).select_from(inbox).where(inbox.c.run_id.in_(old))
-                ).scalar_one()
-            )
-            if loop_history:
-                query = (
-                    select(func.count())
-                    .select_from(loop_journal)
-                    .where(loop_journal.c.at < result.cutoff)
-                )
-                if keep_failed:
-                    query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
-                result.loop_journal = int(conn.execute(query).scalar_one())
+            if keep_failed:
+                query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
+            result.loop_journal = int(conn.execute(query).scalar_one())
 
 
-VACUUMED_TABLES: Final = (runs, journal, inbox, loop_journal)
+VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal)
 
 
 def vacuum(db: Engine) -> str:
@@ -197,6 +242,9 @@ def vacuum(db: Engine) -> str:
         names = ", ".join(db.dialect.identifier_preparer.format_table(t) for t in VACUUMED_TABLES)
         with db.connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            # Not cut off by a worker's statement timeout (flowloop.store.dialect): a
+            # large history takes a while to vacuum, and nothing waits on this session.
+            conn.exec_driver_sql("SET statement_timeout = 0")
             conn.exec_driver_sql(f"VACUUM (ANALYZE) {names}")
         return "vacuumed (space reusable by new rows; files shrink only with VACUUM FULL)"
     with db.connect() as conn:

@@ -23,6 +23,7 @@ import graphviz
 
 from flowloop.loops import Loop
 from flowloop.render import DiagramEdge, DiagramModel, DiagramNode, first_line, to_digraph
+from flowloop.render_overlay import taken_edges
 from flowloop.retry import human
 from flowloop.store.loops import LoopEvent, LoopRow
 
@@ -333,26 +334,11 @@ def apply_loop_overlay(model: DiagramModel, overlay: LoopOverlay) -> DiagramMode
             nodes.append(replace(node, mark="visited", notes=notes))
         else:
             nodes.append(replace(node, mark="faded", notes=notes))
-    declared = {(edge.source, edge.event, edge.dest) for edge in model.edges}
-    edges = [
-        replace(
-            edge,
-            count=overlay.taken.get((edge.source, edge.event, edge.dest), 0),
-            mark="taken" if overlay.taken.get((edge.source, edge.event, edge.dest)) else "faded",
-        )
-        for edge in model.edges
-    ]
-    edges += [
-        DiagramEdge(
-            source=source, dest=dest, event=event, count=count, mark="taken", declared=False
-        )
-        for (source, event, dest), count in overlay.taken.items()
-        if (source, event, dest) not in declared
-    ]
     caption = f"loop {overlay.name}: now {overlay.status}"
     if overlay.next_fire_at is not None:
         caption += f", next fire {utc(overlay.next_fire_at)}"
-    return replace(model, caption=caption, nodes=tuple(nodes), edges=tuple(edges))
+    edges = taken_edges(model.edges, overlay.taken)
+    return replace(model, caption=caption, nodes=tuple(nodes), edges=edges)
 
 
 OVERLAY_JOURNAL_LIMIT: Final = 10_000

@@ -22,7 +22,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop.alerts import Alert
+from flowloop import loop_slots as slots
+from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout
 from flowloop.executor import (
@@ -44,8 +45,6 @@ RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often a worker looks for loops left running by a dead worker (one small query)."""
 CAPACITY_RETRY_SECONDS: Final = 0.05
 """How soon a due loop waiting for a free slot of ``max_concurrency`` is tried again."""
-SKIP_ALERT_EVERY: Final = 10
-"""Alert when a loop has had this many more skipped slots (it runs longer than its rate)."""
 
 RunIteration = Callable[[Loop, Iteration], Awaitable[Any]]
 
@@ -343,59 +342,19 @@ class Scheduler:
             loop = self.loops.get(row.name)
             if loop is None or row.name in self._running:
                 continue
-            now = self.clock.now()
-            slot = row.last_slot if row.last_slot is not None else now
-            if row.next_fire_at is not None:
-                nxt = row.next_fire_at  # a manual iteration kept the schedule's slot
-            elif loop.mode == "fixed_delay":
-                nxt, _ = loop.next_slot(slot, started=slot, ended=row.last_started_at or now)
-            else:
-                nxt = loop.slot_after(slot, anchor=slot)
-            failures = row.consecutive_failures + 1
-            event = LoopEvent(
-                loop=row.name,
-                kind="iteration_interrupted",
-                at=now,
-                slot=slot,
-                worker=self.worker_id,
-                error_type="Interrupted",
-                error_message="the worker died during this iteration; it is not run twice",
-            )
-            changes: dict[str, Any] = {
-                "status": "scheduled",
-                "next_fire_at": nxt,
-                "last_result": "interrupted",
-                "last_error": event.error_message,
-                "last_ended_at": now,
-                "consecutive_failures": failures,
-                "updated_at": now,
-            }
-            events = [event]
-            paused = loop.max_failures is not None and failures >= loop.max_failures
-            reason = f"{failures} consecutive failures (max_failures={loop.max_failures})"
-            if paused:
-                changes.update(status="paused", next_fire_at=None, reason=reason)
-                events.append(
-                    LoopEvent(
-                        loop=row.name,
-                        kind="loop_paused",
-                        at=now,
-                        worker=self.worker_id,
-                        data={"reason": reason},
-                    )
-                )
+            write = slots.interrupted(loop, row, now=self.clock.now(), worker=self.worker_id)
             if not self.store.write_loop(
                 name=row.name,
                 owner=None,
                 epoch=row.lease_epoch,
                 follows_seq=row.last_seq,
-                changes=changes,
-                events=events,
+                changes=write.changes,
+                events=write.events,
             ):
                 continue  # another worker settled it first
+            slot = write.events[0].slot
             log.warning("loop %s: iteration of slot %.3f was interrupted", row.name, slot)
-            if paused:
-                self._alerts(loop, "paused", reason, "Interrupted", 0, 0)
+            self._alerts(loop, write, "Interrupted", 0)
             fresh = self.store.get_loop(row.name)
             if fresh is not None and row.name in self._generation:
                 self._schedule(fresh)
@@ -449,53 +408,14 @@ class Scheduler:
             if name not in self._waiting:
                 self._waiting.append(name)
             return
-        events = []
-        if wake.missed:
-            events.append(
-                LoopEvent(
-                    loop=name,
-                    kind="missed",
-                    at=now,
-                    slot=row.next_fire_at,
-                    count=wake.missed,
-                    worker=self.worker_id,
-                )
-            )
-        if wake.coalesced:
-            events.append(
-                LoopEvent(
-                    loop=name,
-                    kind="coalesced",
-                    at=now,
-                    slot=wake.slot,
-                    count=wake.coalesced,
-                    worker=self.worker_id,
-                )
-            )
-        events.append(
-            LoopEvent(
-                loop=name,
-                kind="iteration_started",
-                at=now,
-                slot=wake.slot,
-                attempt=1,
-                worker=self.worker_id,
-                data={"reason": wake.reason, "late": round(now - wake.slot, 3)},
-            )
-        )
+        write = slots.firing(row, wake, now=now, worker=self.worker_id)
         fired = self.store.fire_loop(
             name=name,
             follows_seq=row.last_seq,
             worker=self.worker_id,
             lease_seconds=self.lease_seconds,
-            events=events,
-            changes={
-                "last_slot": wake.slot,
-                "last_started_at": now,
-                "next_fire_at": None,
-                "updated_at": now,
-                "missed": row.missed + wake.missed + wake.coalesced,
-            },
+            events=write.events,
+            changes=write.changes,
         )
         if fired is None:
             fresh = self.store.get_loop(name)
@@ -528,15 +448,7 @@ class Scheduler:
             )
             return
         slot, reason = firing
-        event = LoopEvent(
-            loop=row.name,
-            kind="iteration_started",
-            at=now,
-            slot=slot,
-            attempt=1,
-            worker=self.worker_id,
-            data={"reason": reason, "late": round(now - slot, 3)},
-        )
+        event = slots.started(row.name, slot, reason, now=now, worker=self.worker_id)
         fired = self.store.fire_loop(
             name=row.name,
             follows_seq=row.last_seq,
@@ -694,90 +606,29 @@ class Scheduler:
     ) -> None:
         now = self.clock.now()
         fresh = self.store.get_loop(loop.name)
-        control = fresh.control if fresh is not None else None
-        # fixed_rate measures the iteration on the monotonic clock (a wall jump during it is
-        # not an overlap); fixed_delay waits `every` after the end, whatever the wall says.
-        ended = now if loop.mode == "fixed_delay" else started + duration
-        nxt, skipped = loop.next_slot(slot, started=started, ended=ended)
-        if loop.name in self._manual:
-            # A manual iteration leaves the schedule alone: its next slot stays (and fires
-            # after it, late if it came due meanwhile, under the misfire policy).
-            self._manual.discard(loop.name)
-            nxt, skipped = (row.next_fire_at if row.next_fire_at is not None else nxt), 0
-        # Shutdown and operator stops are nobody's failure: the count stays as it was.
-        failures = {"ok": 0, "failed": row.consecutive_failures + 1}.get(
-            outcome, row.consecutive_failures
+        manual = loop.name in self._manual
+        self._manual.discard(loop.name)
+        write = slots.outcome(
+            loop,
+            row,
+            slot=slot,
+            started_at=started,
+            result=outcome,
+            error=error,
+            attempts=attempts,
+            duration=duration,
+            now=now,
+            control=fresh.control if fresh is not None else None,
+            manual=manual,
+            worker=self.worker_id,
         )
-        kind = {"ok": "iteration_succeeded", "failed": "iteration_failed"}.get(
-            outcome, "iteration_" + outcome
-        )
-        events = [
-            LoopEvent(
-                loop=loop.name,
-                kind=kind,
-                at=now,
-                slot=slot,
-                attempt=attempts,
-                duration=duration,
-                error_message=error,
-                worker=self.worker_id,
-            )
-        ]
-        if skipped:
-            first_skipped = loop.slot_after(slot, anchor=slot)
-            events.append(
-                LoopEvent(
-                    loop=loop.name,
-                    kind="skipped_overlap",
-                    at=now,
-                    slot=first_skipped,
-                    count=skipped,
-                    worker=self.worker_id,
-                )
-            )
-        status, reason = "scheduled", None
-        if outcome == "stopped" or control == "stop":
-            status, reason = "stopped", "stopped by an operator"
-        elif control == "pause":
-            status, reason = "paused", "paused by an operator"
-        elif loop.max_failures is not None and failures >= loop.max_failures:
-            status = "paused"
-            reason = f"{failures} consecutive failures (max_failures={loop.max_failures})"
-        elif loop.end_at is not None and nxt >= loop.end_at:
-            status, reason = "stopped", "end_at reached"
-        if status != "scheduled":
-            events.append(
-                LoopEvent(
-                    loop=loop.name,
-                    kind=f"loop_{status}",
-                    at=now,
-                    worker=self.worker_id,
-                    data={"reason": reason},
-                )
-            )
-        changes: dict[str, Any] = {
-            "status": status,
-            "reason": reason,
-            "next_fire_at": nxt if status == "scheduled" else None,
-            "last_ended_at": now,
-            "last_result": outcome,
-            "last_error": error,
-            "iterations": row.iterations + 1,
-            "consecutive_failures": failures,
-            "skipped": row.skipped + skipped,
-            "updated_at": now,
-        }
-        if status != "scheduled":
-            # Only a write that honours (or supersedes) a request clears it: a pause that
-            # arrived after the read above must survive this write.
-            changes["control"] = None
         ok = self.store.write_loop(
             name=loop.name,
             owner=self.worker_id,
             epoch=row.lease_epoch,
             follows_seq=row.last_seq,
-            changes=changes,
-            events=events,
+            changes=write.changes,
+            events=write.events,
         )
         if not ok:
             log.warning(
@@ -802,15 +653,15 @@ class Scheduler:
                 "duration": duration,
                 "attempt": attempts,
                 "error": error,
-                "skipped": skipped,
+                "skipped": write.skipped,
             },
         )
         for listener in self.iteration_listeners:
             try:
-                listener(loop.name, outcome, duration, skipped)
+                listener(loop.name, outcome, duration, write.skipped)
             except Exception:  # metrics must never stop the scheduler
                 log.exception("iteration listener failed")
-        self._alerts(loop, status, reason, error, row.skipped, skipped)
+        self._alerts(loop, write, error, row.skipped)
         updated = self.store.get_loop(loop.name)
         if (
             updated is not None
@@ -827,39 +678,18 @@ class Scheduler:
             self._schedule(updated)
 
     def _alerts(
-        self,
-        loop: Loop,
-        status: str,
-        reason: str | None,
-        error: str | None,
-        skipped_before: int,
-        skipped_now: int,
+        self, loop: Loop, write: slots.LoopWrite, error: str | None, skipped_before: int
     ) -> None:
         if self.alert is None:
             return
-        hint = f"flowloop loops {loop.name}"
-        if status == "paused" and reason and "max_failures" in reason:
-            self.alert(
-                Alert(
-                    level="critical",
-                    what="loop paused",
-                    subject=loop.name,
-                    message=reason,
-                    error=error,
-                    hint=hint,
-                )
-            )
-        total = skipped_before + skipped_now
-        if skipped_now and total // SKIP_ALERT_EVERY > skipped_before // SKIP_ALERT_EVERY:
-            self.alert(
-                Alert(
-                    level="warning",
-                    what="loop iterations skipped",
-                    subject=loop.name,
-                    message=f"{total} slots skipped: iterations take longer than the rate",
-                    hint=hint,
-                )
-            )
+        for alert in loop_alerts(
+            loop.name,
+            paused=write.reason if write.gave_up else None,
+            error=error,
+            skipped_before=skipped_before,
+            skipped_now=write.skipped,
+        ):
+            self.alert(alert)
 
     @property
     def running(self) -> Sequence[str]:

@@ -17,18 +17,18 @@ journaled; hence ``flowloop stats`` looks at the last day unless told otherwise.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Engine, case, func, or_, select, true
+from sqlalchemy import ColumnElement, Engine, FromClause, Row, Select, case, func, select, true
 
 from flowloop import journal as j
-from flowloop.store.dialect import READ_OPTION
+from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, loop_journal, runs
 from flowloop.store.windows import journal_since
 
 OUTCOME_KINDS: Final = (j.STEP_SUCCEEDED, j.STEP_FAILED, j.STEP_INTERRUPTED)
-PERCENTILES: Final = (50, 95, 99)
 DEFAULT_SLOWEST: Final = 3
 SLOWEST_CANDIDATES: Final = 3
 """Attempts fetched per slowest run shown (retries of one run are one run)."""
@@ -51,6 +51,28 @@ class StateStats:
     """Nearest-rank percentiles of attempt durations in seconds (``None``: no duration)."""
     slowest: tuple[tuple[str, float], ...]
     """(run id, seconds) of the runs with the slowest attempts, slowest first."""
+
+    @classmethod
+    def of(
+        cls,
+        counted: Row[Any],
+        *,
+        workflow: str,
+        at: Callable[[int], float | None],
+        slowest: tuple[tuple[str, float], ...] = (),
+    ) -> StateStats:
+        """One state's row of :func:`attempt_counts`, with its percentiles (``at(p)``)."""
+        return cls(
+            workflow=workflow,
+            state=counted.state or "",
+            count=int(counted.n),
+            succeeded=int(counted.ok or 0),
+            retries=int(counted.retries or 0),
+            p50=at(50),
+            p95=at(95),
+            p99=at(99),
+            slowest=slowest,
+        )
 
     @property
     def failed(self) -> int:
@@ -76,10 +98,22 @@ class StateStats:
         }
 
 
-def rank(percentile: int, n: Any) -> Any:
-    """The nearest-rank position ``ceil(p/100 * n)`` in integer arithmetic (same result on
-    every database; works on a Python int or a SQL expression)."""
-    return (n * percentile + 99) // 100
+def attempt_counts(
+    *groups: ColumnElement[Any], where: Sequence[ColumnElement[bool]], joined: FromClause
+) -> Select[Any]:
+    """Step attempts that ended, per group: ``n`` in all, ``ok`` succeeded, ``retries``
+    failed and tried again (the counts of :class:`StateStats`)."""
+    return (
+        select(
+            *groups,
+            func.count().label("n"),
+            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
+            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
+        )
+        .select_from(joined)
+        .where(*where)
+        .group_by(*groups)
+    )
 
 
 def step_stats(
@@ -98,89 +132,42 @@ def step_stats(
     if workflow is not None:
         where.append(runs.c.workflow == workflow)
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
-    key = (runs.c.workflow, journal.c.state)
-    order = journal.c.duration
-
-    counts = (
-        select(
-            runs.c.workflow,
-            journal.c.state,
-            func.count().label("n"),
-            func.sum(case((journal.c.kind == j.STEP_SUCCEEDED, 1), else_=0)).label("ok"),
-            func.sum(case((journal.c.retryable == true(), 1), else_=0)).label("retries"),
-        )
-        .select_from(joined)
-        .where(*where)
-        .group_by(*key)
-    )
-    ranked = (
-        select(
-            runs.c.workflow.label("workflow"),
-            journal.c.state.label("state"),
-            journal.c.run_id,
-            journal.c.duration,
-            # One window (same partition and order) for both: the database sorts once.
-            func.row_number().over(partition_by=key, order_by=order).label("rn"),
-            func.count().over(partition_by=key, order_by=order, rows=(None, None)).label("n"),
-        )
-        .select_from(joined)
-        .where(*where, journal.c.duration.is_not(None))
-        .subquery()
-    )
+    counts = attempt_counts(runs.c.workflow, journal.c.state, where=where, joined=joined)
     # A run can own several of the slowest attempts (its retries): take a few more and
     # keep distinct runs.
     candidates = slowest * SLOWEST_CANDIDATES
-    picked = select(ranked).where(
-        or_(
-            ranked.c.rn > ranked.c.n - candidates,
-            *[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES],
-        )
+    picked = nearest_ranks(
+        journal.c.duration,
+        where=where,
+        groups={"workflow": runs.c.workflow, "state": journal.c.state},
+        columns=[journal.c.run_id],
+        select_from=joined,
+        top=candidates,
     )
-
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            count_rows = conn.execute(counts).all()
-            ranked_rows = conn.execute(picked).all()
-
-    values: dict[tuple[str, str], dict[int, tuple[str, float]]] = {}
-    sizes: dict[tuple[str, str], int] = {}
-    for row in ranked_rows:
-        group = (row.workflow, row.state or "")
-        values.setdefault(group, {})[int(row.rn)] = (row.run_id, float(row.duration))
-        sizes[group] = int(row.n)
+    with reading(db) as conn:
+        count_rows = conn.execute(counts).all()
+        ranks = Ranks.of(
+            conn.execute(picked),
+            group=lambda row: (row.workflow, row.state or ""),
+            value=lambda row: (str(row.run_id), float(row.value)),
+        )
 
     result = []
     for row in count_rows:
         group = (row.workflow, row.state or "")
-        at_rank = values.get(group, {})
-        n = sizes.get(group, 0)
 
-        def pick(
-            percentile: int, ranks: dict[int, tuple[str, float]] = at_rank, size: int = n
-        ) -> float | None:
-            found = ranks.get(rank(percentile, size)) if size else None
+        def pick(percentile: int, group: tuple[str, str] = group) -> float | None:
+            found = ranks.at(group, percentile)
             return None if found is None else found[1]
 
         top: dict[str, float] = {}
         for run_id, seconds in sorted(
-            (at_rank[position] for position in at_rank if position > n - candidates),
-            key=lambda item: (-item[1], item[0]),
+            ranks.highest(group, candidates), key=lambda item: (-item[1], item[0])
         ):
             if len(top) < slowest:
                 top.setdefault(run_id, seconds)
         result.append(
-            StateStats(
-                workflow=row.workflow,
-                state=row.state or "",
-                count=int(row.n),
-                succeeded=int(row.ok or 0),
-                retries=int(row.retries or 0),
-                p50=pick(50),
-                p95=pick(95),
-                p99=pick(99),
-                slowest=tuple(top.items()),
-            )
+            StateStats.of(row, workflow=row.workflow, at=pick, slowest=tuple(top.items()))
         )
     result.sort(key=lambda s: (s.workflow, s.state))
     return result
@@ -264,35 +251,14 @@ def run_stats(
         .where(*where)
         .group_by(runs.c.workflow)
     )
-    latency = (ended.c.at - created.c.at).label("latency")
-    ranked = (
-        select(
-            runs.c.workflow.label("workflow"),
-            latency,
-            func.row_number().over(partition_by=runs.c.workflow, order_by=latency).label("rn"),
-            func.count()
-            .over(partition_by=runs.c.workflow, order_by=latency, rows=(None, None))
-            .label("n"),
-        )
-        .select_from(joined)
-        .where(*succeeded)
-        .subquery()
+    latency = ended.c.at - created.c.at
+    group = ("workflow", runs.c.workflow)
+    count_rows, ranks = counts_and_seconds(
+        db, counts, latency, where=succeeded, group=group, select_from=joined
     )
-    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            count_rows = conn.execute(counts).all()
-            ranked_rows = conn.execute(picked).all()
-    at_rank: dict[str, dict[int, float]] = {}
-    sizes: dict[str, int] = {}
-    for row in ranked_rows:
-        at_rank.setdefault(row.workflow, {})[int(row.rn)] = float(row.latency)
-        sizes[row.workflow] = int(row.n)
     result = []
     for row in count_rows:
-        values, n = at_rank.get(row.workflow, {}), sizes.get(row.workflow, 0)
-        p50, p95, p99 = (values.get(rank(p, n)) if n else None for p in PERCENTILES)
+        p50, p95, p99 = (ranks.at(row.workflow, p) for p in PERCENTILES)
         result.append(
             RunStats(
                 workflow=row.workflow,
@@ -365,30 +331,14 @@ def loop_stats(db: Engine, *, since: float | None = None) -> list[LoopStats]:
         .where(*where)
         .group_by(loop_journal.c.loop, loop_journal.c.kind)
     )
-    order = loop_journal.c.duration
-    ranked = (
-        select(
-            loop_journal.c.loop.label("loop"),
-            loop_journal.c.duration,
-            func.row_number().over(partition_by=loop_journal.c.loop, order_by=order).label("rn"),
-            func.count()
-            .over(partition_by=loop_journal.c.loop, order_by=order, rows=(None, None))
-            .label("n"),
-        )
-        .where(*where, ended, loop_journal.c.duration.is_not(None))
-        .subquery()
+    count_rows, ranks = counts_and_seconds(
+        db,
+        counts,
+        loop_journal.c.duration,
+        where=[*where, ended],
+        group=("loop", loop_journal.c.loop),
+        percentiles=(50, 95),
     )
-    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in (50, 95)]))
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            count_rows = conn.execute(counts).all()
-            ranked_rows = conn.execute(picked).all()
-    at_rank: dict[str, dict[int, float]] = {}
-    sizes: dict[str, int] = {}
-    for row in ranked_rows:
-        at_rank.setdefault(row.loop, {})[int(row.rn)] = float(row.duration)
-        sizes[row.loop] = int(row.n)
     outcomes: dict[str, dict[str, int]] = {}
     not_run: dict[str, dict[str, int]] = {}
     for row in count_rows:
@@ -399,14 +349,13 @@ def loop_stats(db: Engine, *, since: float | None = None) -> list[LoopStats]:
             outcomes.setdefault(row.loop, {})[outcome] = int(row.n)
     result = []
     for name in sorted(set(outcomes) | set(not_run)):
-        values, n = at_rank.get(name, {}), sizes.get(name, 0)
         result.append(
             LoopStats(
                 loop=name,
                 outcomes=dict(sorted(outcomes.get(name, {}).items())),
                 slots_not_run=dict(sorted(not_run.get(name, {}).items())),
-                p50=values.get(rank(50, n)) if n else None,
-                p95=values.get(rank(95, n)) if n else None,
+                p50=ranks.at(name, 50),
+                p95=ranks.at(name, 95),
             )
         )
     return result

@@ -29,6 +29,13 @@ VERSION_KEY: Final = CONTEXT_VERSION
 
 _DOC_KEYS: Final = frozenset({"title", "description", "examples"})
 """Schema keys that document and do not change what validates."""
+_UNFINGERPRINTED_KEYS: Final = _DOC_KEYS | {"default"}
+"""What the fingerprint leaves out of a context's schema: the documentation, and the
+defaults. A default only fills a field missing from a context being *created*; a stored
+context has every field (it is written whole), so a changed default strands no stored run,
+while a default that depends on the environment (a path, a host name) would give the same
+definition another fingerprint in every checkout folder. Whether a field is required, its
+name and its type stay in."""
 _NAMED_SCHEMAS: Final = frozenset({"properties", "$defs", "definitions", "patternProperties"})
 """Schema keys whose value maps names (a field called ``title`` too) to schemas."""
 
@@ -117,7 +124,8 @@ def upcast(
 
 def schema_of(model: type[BaseModel]) -> dict[str, Any]:
     """The model's JSON schema without what only documents it (titles, descriptions —
-    docstrings —, examples): what the fingerprint covers of the context."""
+    docstrings —, examples) and without default values: what the fingerprint covers of
+    the context (see ``_UNFINGERPRINTED_KEYS``)."""
     normalized: dict[str, Any] = _normalized(model.model_json_schema())
     return normalized
 
@@ -129,7 +137,7 @@ def _normalized(node: Any, *, names: bool = False) -> Any:
         return {
             key: _normalized(value, names=key in _NAMED_SCHEMAS)
             for key, value in sorted(node.items())
-            if key not in _DOC_KEYS
+            if key not in _UNFINGERPRINTED_KEYS
         }
     if isinstance(node, list):
         return [_normalized(item) for item in node]

@@ -1,12 +1,12 @@
-"""Helpers for the ETL tests: the example module, data files, target dumps, and a process
-harness that kills ETL workers.
+"""Helpers for the ETL tests: the example module, data files, target dumps, and the ETL
+workers the crash tests kill.
 
-Workers are real processes. Importing flowloop and the workflow takes most of a second, so a
-*zygote* (``python etlkit.py zygote``) imports everything once and forks a fresh worker per
-command line ``<db> <mode> <n>``; it answers ``started <pid>`` and, when that worker is gone,
-``exit <pid> <code>`` (a negative code is the signal that ended it). Modes:
+Workers are real processes forked by crashkit's zygote (``crashkit.Zygote("etlkit", FILE,
+WORKFLOW)``, see :func:`zygote`), one per command ``{"db": ..., "mode": ..., "n": ...}``.
+Modes:
 
-* ``run``: resume the runs in ``<db>`` to the end (the parent may SIGKILL it at any instant);
+* ``run``: resume the runs in ``db`` to the end (the test SIGKILLs it once the run has
+  committed a given batch: :func:`kill_at_batch`);
 * ``after_commit``: SIGKILL itself right after the target commit of its ``n``-th batch,
   before flowloop records the step: the batch runs again on resume;
 * ``mid_transaction``: SIGKILL itself inside the ``n``-th batch's target transaction (the
@@ -23,12 +23,12 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import traceback
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any
+from typing import Any, Final
 
+import crashkit
 import sqlalchemy as sa
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,62 +152,73 @@ def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
     return dict(json.loads(context))
 
 
-# -- the zygote --------------------------------------------------------------------------------
+# -- workers killed at a batch -------------------------------------------------------------
+
+MODES: Final = ("run", "after_commit", "mid_transaction")
 
 
-class Zygote:
-    """The parent's handle on ``python etlkit.py zygote FILE WORKFLOW`` (default: the
-    ``etl`` workflow of workflows/etl.py)."""
+def zygote(file: Path = ETL_FILE, workflow: str = "etl") -> crashkit.Zygote:
+    """crashkit's zygote, forking workers that load with ``workflow`` of ``file``."""
+    return crashkit.Zygote("etlkit", str(file), workflow)
 
-    def __init__(self, file: Path = ETL_FILE, workflow: str = "etl") -> None:
-        path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-        env = {**os.environ, "PYTHONPATH": path}
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "zygote", str(file), workflow],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-            env=env,
-            cwd=ROOT,
+
+def batches_done(db: Path, run_id: str) -> int:
+    ctx = run_context(db, run_id)
+    assert ctx is not None, f"no run {run_id} in {db}"
+    return int(ctx["batches_done"])
+
+
+def kill_at_batch(zygote: crashkit.Zygote, db: Path, run_id: str, mode: str, batch: int) -> None:
+    """One worker, SIGKILLed once the run has committed ``batch`` batches: by the test as
+    soon as it sees them committed (``run``), or by itself at its precise point of the
+    next batch (the other modes)."""
+    if mode == "run":
+        pid = zygote.fork(db=str(db), mode=mode, n=0)
+        crashkit.kill_when(
+            pid, lambda: batches_done(db, run_id) >= batch, what=f"batch {batch} committed"
         )
-        assert self._read() == "ready"
-
-    def _read(self) -> str:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote died (exit {self.process.poll()})")
-        return line.strip()
-
-    def start(self, db: Path, mode: str = "run", n: int = 0) -> int:
-        """Fork a worker; its pid."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(f"{db} {mode} {n}\n")
-        kind, pid = self._read().split()
-        assert kind == "started", kind
-        return int(pid)
-
-    def wait(self, pid: int) -> int:
-        """The worker's exit code once it is gone (negative: killed by that signal)."""
-        kind, got, code = self._read().split()
-        assert kind == "exit" and int(got) == pid, (kind, got, pid)
-        return int(code)
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+    else:
+        # The worker's n-th batch: its first re-runs the interrupted one.
+        pid = zygote.fork(db=str(db), mode=mode, n=batch - batches_done(db, run_id) + 1)
+    code = zygote.exit_code(pid)
+    assert code == -signal.SIGKILL, f"worker {mode} (batch {batch}) exited {code}"
 
 
-def _worker(module: ModuleType, workflow: str, db: str, mode: str, n: int) -> None:
+def kill_at_batches(
+    zygote: crashkit.Zygote,
+    db: Path,
+    run_id: str,
+    modes: Sequence[str],
+    *,
+    batch_after: Callable[[int], int],
+    last: int,
+) -> int:
+    """For each of ``modes`` in turn, a worker killed at the batch ``batch_after(committed
+    batches)`` names, until that would be past batch ``last``. Returns how many."""
+    kills = 0
+    for mode in modes:
+        batch = batch_after(batches_done(db, run_id))
+        if batch > last:
+            break
+        kill_at_batch(zygote, db, run_id, mode, batch)
+        kills += 1
+    return kills
+
+
+def finished(db: Path, workflow: Any, run_id: str) -> tuple[Any, list[Any]]:
+    """After the last resume: the run's info and its journal (to compare with a plain load)."""
+    from flowloop import Engine
+
+    with Engine(f"sqlite:///{db}") as engine:
+        engine.register(workflow)
+        return engine.get(run_id), engine.history(run_id)
+
+
+def _worker(module: ModuleType, workflow: str, command: Mapping[str, Any]) -> int:
     from flowloop import Engine
     from flowloop.etl import writers
 
+    mode, n = str(command.get("mode", "run")), int(command.get("n", 0))
     if mode in ("after_commit", "mid_transaction"):
         loader = module.loader
         original_write, original_upsert = loader.write, writers.upsert
@@ -228,37 +239,19 @@ def _worker(module: ModuleType, workflow: str, db: str, mode: str, n: int) -> No
         # is a forked worker: the patches die with it).
         loader.write = write
         writers.upsert = upsert
-    with Engine(db) as engine:
+    with Engine(command["db"]) as engine:
         engine.register(getattr(module, workflow))
         engine.resume()
+    return 0
 
 
-def zygote(stdin: IO[str], stdout: IO[str], file: Path, workflow: str) -> None:
+def _serve(file: Path, workflow: str) -> None:
     from flowloop.loader import import_file
 
     module = import_file(file)
     import flowloop.engine  # noqa: F401 - imported once here, not in each worker
 
-    stdout.write("ready\n")
-    stdout.flush()
-    for line in stdin:
-        db, mode, n = line.split()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _worker(module, workflow, db, mode, int(n))
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
-        stdout.write(f"started {pid}\n")
-        stdout.flush()
-        _, status = os.waitpid(pid, 0)
-        stdout.write(f"exit {pid} {os.waitstatus_to_exitcode(status)}\n")
-        stdout.flush()
+    crashkit.serve(lambda command: _worker(module, workflow, command))
 
 
 def cli(
@@ -276,4 +269,4 @@ def cli(
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["zygote"]:
-    zygote(sys.stdin, sys.stdout, Path(sys.argv[2]), sys.argv[3])
+    _serve(Path(sys.argv[2]), sys.argv[3])

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pydantic import BaseModel
 
 from flowloop import Step, Workflow
+from flowloop.testing import TestEngine
 
 
 class Ctx(BaseModel):
@@ -68,3 +69,10 @@ def sleeper(naps: int = 2, *, hours: float = 1.0) -> Workflow:
 
     flow.final("done")
     return flow
+
+
+def instants(engine: TestEngine, run_id: str, start: float) -> list[float]:
+    """The distinct times (seconds after ``start``) at which ``run_id``'s journal entries
+    were written. Time skipping moves the fake clock straight to each due time, so these
+    are exactly the run's timers: any other value means time passed some other way."""
+    return sorted({event.at - start for event in engine.history(run_id)})

@@ -10,6 +10,7 @@ something another process or thread does are ``until``: polled, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import inspect
 import itertools
@@ -230,3 +231,31 @@ def describe(events: Sequence[LoopEvent]) -> str:
         f" {dict(e.data) or ''}"
         for e in events
     )
+
+
+def loop_row(**fields: Any) -> LoopRow:
+    """A loop row as the store returns it: scheduled, never fired, no lease; ``fields``
+    override any column."""
+    row = LoopRow(
+        name="feed",
+        schedule="every 30s (fixed_delay)",
+        status="scheduled",
+        next_fire_at=None,
+        last_slot=None,
+        last_started_at=None,
+        last_ended_at=None,
+        last_result=None,
+        last_error=None,
+        iterations=0,
+        consecutive_failures=0,
+        skipped=0,
+        missed=0,
+        reason=None,
+        owner=None,
+        lease_expires_at=None,
+        lease_epoch=0,
+        control=None,
+        last_seq=0,
+        updated_at=0.0,
+    )
+    return dataclasses.replace(row, **fields)

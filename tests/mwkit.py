@@ -280,9 +280,11 @@ def spawn_worker(
     grace: float = 5.0,
     worker_id: str | None = None,
     env: dict[str, str] | None = None,
+    prefix: Sequence[str] = (),
 ) -> WorkerProc:
     """A worker process on ``flow``: the CLI, or (with ``worker_id``) this module as a
-    script running the same Worker under that id."""
+    script running the same Worker under that id; ``prefix`` goes before the command
+    (``ip netns exec NAME``: a worker on another host, tests/netkit.py)."""
     log = log_dir / f"{name}.log"
     environment = dict(os.environ)
     environment.update(
@@ -313,6 +315,7 @@ def spawn_worker(
             "--worker-id",
             worker_id,
         ]
+    cmd = [*prefix, *cmd]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env=environment, cwd=str(log_dir)

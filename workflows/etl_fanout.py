@@ -31,9 +31,8 @@ class FileJob(BaseModel):
 
 
 class Batch(BaseModel):
-    # Empty: the sample files next to this example. Not a default holding the absolute
-    # path: the context's schema (defaults included) is part of the fingerprint, which must
-    # not differ from one checkout folder to another.
+    # Empty: the sample files next to this example (defaults are not in the fingerprint,
+    # so an absolute path would not change it either; "" reads the same in every checkout).
     input_dir: str = ""
     files: list[str] = []
     records: int = 0

@@ -246,16 +246,24 @@ PG_SESSION_DEFAULTS: Final[dict[str, int]] = {
     # boundary write leaves an "idle in transaction" session holding the run's row lock,
     # and every other worker's claim skips the row (SKIP LOCKED) until the session ends:
     # the server ends it after this long idle in a transaction (set from the lease, see
-    # pg_idle_in_transaction_ms) ...
+    # pg_session_params) ...
     "idle_in_transaction_session_timeout": 10_000,
     # ... and probes an idle connection whose client went silent (10 + 3 x 5 s).
     "tcp_keepalives_idle": 10,
     "tcp_keepalives_interval": 5,
     "tcp_keepalives_count": 3,
 }
-"""Session settings flowloop sets on each PostgreSQL connection it opens (``SET`` at
-connect time, so a URL's own ``options=`` such as a search_path are kept)."""
+"""Session settings flowloop sets on each PostgreSQL connection it opens. They are sent
+with ``SET`` at connect time (one round trip for all of them) rather than as libpq's
+``options=-c …``: a URL's own ``options=`` (a search_path) is kept, and a connection
+pooler that refuses the ``options`` startup parameter (PgBouncer) still works. A
+statement timeout is set only once the lease is known (:func:`pg_session_params`):
+schema creation and upgrades at start-up are not cut off."""
 _pg_session: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
+
+
+def _clamp(value: float, low: float, high: float) -> int:
+    return int(min(high, max(low, value)))
 
 
 def pg_idle_in_transaction_ms(lease_seconds: float) -> int:
@@ -263,36 +271,63 @@ def pg_idle_in_transaction_ms(lease_seconds: float) -> int:
     (2 s to 60 s). flowloop's own transactions never pause between statements, so only a
     vanished or frozen client hits it — and its runs are then free to be taken over soon
     after their leases end."""
-    return int(min(60_000, max(2_000, lease_seconds * 1000 / 3)))
+    return _clamp(lease_seconds * 1000 / 3, 2_000, 60_000)
+
+
+def pg_statement_timeout_ms(lease_seconds: float) -> int:
+    """How long the server lets one statement of a worker's session run: a third of the
+    lease (2 s to 60 s). A statement waiting that long (a row lock another session holds,
+    a server starved of I/O) is cancelled — SQLSTATE 57014, an outage to the caller, who
+    retries — instead of holding the worker past its lease. flowloop's statements are
+    short: claims and writes touch a few rows, prune deletes in batches (its VACUUM turns
+    the timeout off)."""
+    return _clamp(lease_seconds * 1000 / 3, 2_000, 60_000)
+
+
+def pg_session_params(lease_seconds: float) -> dict[str, int]:
+    """The server-side bounds of a worker's sessions for leases of ``lease_seconds``: the
+    idle-in-transaction and statement timeouts above, and keepalive probes of a silent
+    client after a sixth of the lease (1 to 10 s), then every twelfth (1 to 5 s), 3 of
+    them — a client gone between two statements is found out by the server too."""
+    return {
+        "idle_in_transaction_session_timeout": pg_idle_in_transaction_ms(lease_seconds),
+        "statement_timeout": pg_statement_timeout_ms(lease_seconds),
+        "tcp_keepalives_idle": _clamp(lease_seconds / 6, 1, 10),
+        "tcp_keepalives_interval": _clamp(lease_seconds / 12, 1, 5),
+        "tcp_keepalives_count": 3,
+    }
 
 
 _pg_connect: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 def pg_connect_params(lease_seconds: float) -> dict[str, int]:
-    """libpq timeouts for a worker holding leases of ``lease_seconds``: database calls run
-    on the worker's event loop, so a silent network must fail a call (and the reconnect
-    after it) well before the heartbeat has to fence the runs off — a sixth of the lease
-    each (``tcp_user_timeout`` 1 to 15 s, ``connect_timeout`` 2 to 5 s, libpq: at least 2)."""
+    """libpq timeouts for a worker holding leases of ``lease_seconds``: a silent network
+    must fail a call (and the reconnect after it) well before the lease ends — a sixth of
+    the lease each (``tcp_user_timeout`` 1 to 15 s, ``connect_timeout`` 2 to 5 s, libpq:
+    at least 2), and keepalive probes while a call waits for a reply (a sixth of the lease
+    idle, 1 to 10 s; then every twelfth, 1 to 5 s; 3 of them).
+
+    These bound a call only coarsely (the kernel checks ``tcp_user_timeout`` when a
+    retransmission is due, so a 1 s timeout fails a call after 1 to 3 s); the lease itself
+    is kept by the worker's own clock (flowloop.leasethread), whatever a call is doing."""
     return {
-        "tcp_user_timeout": int(min(15_000, max(1_000, lease_seconds * 1000 / 6))),
-        "connect_timeout": int(min(PG_CONNECT_TIMEOUT_S, max(2, lease_seconds / 6))),
+        "tcp_user_timeout": _clamp(lease_seconds * 1000 / 6, 1_000, 15_000),
+        "connect_timeout": _clamp(lease_seconds / 6, 2, PG_CONNECT_TIMEOUT_S),
+        "keepalives": 1,
+        "keepalives_idle": _clamp(lease_seconds / 6, 1, 10),
+        "keepalives_interval": _clamp(lease_seconds / 12, 1, 5),
+        "keepalives_count": 3,
     }
 
 
 def pg_shortest_lease() -> float:
-    """The shortest lease whose deadline the timeouts can keep when the network drops
-    every packet: a blocked call (a failed statement, then a reconnect) must end within
-    half the lease."""
+    """The shortest lease the timeouts can serve when the network drops every packet: a
+    blocked call (a failed statement, then a reconnect) must end within half the lease.
+    A shorter lease is still kept — the worker fences its runs off by its own clock — but a
+    network stall of a second or two then costs the worker every run it holds."""
     floor = pg_connect_params(0.0)
     return 2 * (floor["tcp_user_timeout"] / 1000 + floor["connect_timeout"])
-
-
-def set_pg_connect(engine: Engine, **params: int) -> None:
-    """libpq parameters of ``engine``'s new connections (a URL's own win)."""
-    if engine.dialect.name == "postgresql":
-        _pg_connect[engine] = dict(params)
-        engine.dispose()
 
 
 def set_pg_session(engine: Engine, **settings: int) -> None:
@@ -301,6 +336,21 @@ def set_pg_session(engine: Engine, **settings: int) -> None:
     if engine.dialect.name == "postgresql":
         _pg_session.setdefault(engine, dict(PG_SESSION_DEFAULTS)).update(settings)
         engine.dispose()
+
+
+def set_lease_bounds(engine: Engine, lease_seconds: float) -> None:
+    """Every connection-level bound derived from the lease, on ``engine``'s new
+    connections: SQLite's busy timeout; PostgreSQL's libpq timeouts and keepalives and the
+    server-side session timeouts and keepalives."""
+    if engine.dialect.name == "sqlite":
+        set_busy_timeout(engine, busy_timeout_ms(lease_seconds))
+        return
+    _pg_connect[engine] = pg_connect_params(lease_seconds)
+    set_pg_session(engine, **pg_session_params(lease_seconds))
+
+
+_PG_IN_TRANSACTION: Final = 2
+"""psycopg's ``TransactionStatus.INTRANS`` (idle inside a transaction block)."""
 
 
 def _postgres_engine(url: URL) -> Engine:
@@ -321,12 +371,28 @@ def _postgres_engine(url: URL) -> Engine:
             if name not in url.query:
                 cparams[name] = value
 
+    @event.listens_for(engine, "do_executemany")
+    def _on_executemany(cursor: Any, statement: str, parameters: Any, _context: Any) -> bool:
+        cursor.executemany(statement, parameters)
+        # psycopg sends an executemany as a pipeline ended by Sync and Flush; PostgreSQL
+        # (15, measured) stops the idle-in-transaction timer when it reads that Flush and
+        # does not start it again: a client lost right after the batch's UPDATE or INSERT
+        # would hold the rows' locks for good. Any statement starts the timer again.
+        conn = cursor.connection
+        if conn.info.transaction_status == _PG_IN_TRANSACTION:
+            conn.execute("SELECT 1")
+        return True
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         settings = _pg_session.get(engine, PG_SESSION_DEFAULTS)
+        # One statement, one round trip: a reconnect during an outage must not cost one per
+        # setting (set_config(…, false) is SET for the session).
+        calls = ", ".join(
+            f"set_config('{name}', '{int(value)}', false)" for name, value in settings.items()
+        )
         with dbapi_connection.cursor() as cursor:
-            for name, value in settings.items():
-                cursor.execute(f"SET {name} = {int(value)}")
+            cursor.execute(f"SELECT {calls}")
         dbapi_connection.commit()
 
     return engine

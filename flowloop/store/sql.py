@@ -345,18 +345,15 @@ class SQLStore(
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-            if self.engine.dialect.name == "sqlite":
-                dialect.set_busy_timeout(self.engine, dialect.busy_timeout_ms(seconds))
-            else:
-                dialect.set_pg_connect(self.engine, **dialect.pg_connect_params(seconds))
-                idle = dialect.pg_idle_in_transaction_ms(seconds)
-                dialect.set_pg_session(self.engine, idle_in_transaction_session_timeout=idle)
+            dialect.set_lease_bounds(self.engine, seconds)
+            if self.engine.dialect.name != "sqlite":
                 shortest = dialect.pg_shortest_lease()
                 if seconds < shortest:
                     log.warning(
-                        "lease %gs is shorter than PostgreSQL's timeouts can keep when the "
-                        "network drops packets (%gs): a partitioned worker may fence its "
-                        "runs off only after the lease ended; use --lease %gs or more",
+                        "lease %gs is shorter than PostgreSQL's timeouts can serve when the "
+                        "network drops packets (%gs): the worker still fences its runs off "
+                        "by its own clock, but a network stall of a second costs it every "
+                        "run it holds; use --lease %gs or more",
                         seconds,
                         shortest,
                         shortest,

@@ -13,21 +13,19 @@ import base64
 import binascii
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import Connection, Integer, and_, func, or_, select
 from sqlalchemy import Engine as SQLEngine
+from sqlalchemy import Integer, and_, func, select
 from sqlalchemy import cast as sql_cast
 
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
-from flowloop.stats import PERCENTILES, rank
 from flowloop.store.appends import current_rows
-from flowloop.store.dialect import READ_OPTION
+from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
 
@@ -52,15 +50,6 @@ class Unreadable(FlowloopError):
     """What the store holds cannot be read (a corrupt journal; HTTP 409)."""
 
     exit_code = EXIT_FAILURE
-
-
-@contextmanager
-def reading(db: SQLEngine) -> Iterator[Connection]:
-    """One read transaction (``BEGIN``, never ``BEGIN IMMEDIATE``, on SQLite)."""
-    with db.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            yield conn
 
 
 # -- parameters ----------------------------------------------------------------------------
@@ -208,14 +197,8 @@ def list_runs(db: SQLEngine, query: RunsQuery) -> RunsPage:
     if query.status is not None:
         page = page.where(runs.c.status == query.status)
     if query.after is not None:
-        created_at, run_id = query.after
-        page = page.where(
-            or_(
-                runs.c.created_at < created_at,
-                and_(runs.c.created_at == created_at, runs.c.id > run_id),
-            )
-        )
-    page = page.order_by(runs.c.created_at.desc(), runs.c.id).limit(query.limit + 1)
+        page = page.where(after_run(*query.after))
+    page = page.order_by(*NEWEST_FIRST).limit(query.limit + 1)
     counts = select(runs.c.status, func.count()).where(*where).group_by(runs.c.status)
     with reading(db) as conn:
         # A running run's row is a snapshot; its latest state comes from its journal.
@@ -568,19 +551,12 @@ def run_summary(db: SQLEngine, workflow: str, *, since: float | None, now: float
     where = [runs.c.workflow == workflow]
     if since is not None:
         where.append(runs.c.created_at >= since)
-    took = runs.c.updated_at - runs.c.created_at
-    ranked = (
-        select(
-            took.label("took"),
-            func.row_number().over(order_by=took).label("rn"),
-            func.count().over().label("n"),
-        )
-        .where(*where, runs.c.status.in_(FINISHED_STATUSES))
-        .subquery()
+    picked = nearest_ranks(
+        runs.c.updated_at - runs.c.created_at,
+        where=[*where, runs.c.status.in_(FINISHED_STATUSES)],
     )
-    picked = select(ranked).where(or_(*[ranked.c.rn == rank(p, ranked.c.n) for p in PERCENTILES]))
     with reading(db) as conn:
-        at_rank = {int(row.rn): (float(row.took), int(row.n)) for row in conn.execute(picked)}
+        ranks = ranked_seconds(conn.execute(picked))
         start = since
         if start is None:
             start = conn.execute(select(func.min(runs.c.created_at)).where(*where)).scalar()
@@ -602,17 +578,11 @@ def run_summary(db: SQLEngine, workflow: str, *, since: float | None, now: float
                 slot = min(max(int(i), 0), CHART_BUCKETS - 1)
                 counts = buckets[slot]["counts"]
                 counts[status] = counts.get(status, 0) + int(n)
-    size = next(iter(at_rank.values()))[1] if at_rank else 0
-
-    def pick(percentile: int) -> float | None:
-        found = at_rank.get(rank(percentile, size)) if size else None
-        return None if found is None else found[0]
-
     return {
-        "finished": size,
-        "p50": pick(50),
-        "p95": pick(95),
-        "p99": pick(99),
+        "finished": ranks.size(""),
+        "p50": ranks.at("", 50),
+        "p95": ranks.at("", 95),
+        "p99": ranks.at("", 99),
         "buckets": buckets,
         "peak": max((sum(b["counts"].values()) for b in buckets), default=0),
     }

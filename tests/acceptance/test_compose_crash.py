@@ -9,9 +9,7 @@ The random seed is printed on failure; set FLOWLOOP_CRASH_SEED to replay a sched
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +18,9 @@ import composekit
 import crashkit
 import pytest
 from composekit import Fan, SagaCtx, Work
+from crashkit import Zygote
 
-from flowloop import Engine, FakeClock
+from flowloop import Engine
 from flowloop import journal as j
 from flowloop.store.joins import JoinStoreMixin
 
@@ -29,29 +28,20 @@ pytestmark = pytest.mark.crash
 
 SAGAS = 3
 MAX_KILL_DELAY_S = 0.08
-DEADLINE_S = 30.0
+UNFINISHED = ["scheduled", "running", "retrying"]
 
 
 @pytest.fixture(scope="module")
-def zygote() -> Iterator[composekit.Zygote]:
-    z = composekit.Zygote()
-    try:
-        yield z
-    finally:
-        z.close()
+def zygote() -> Iterator[Zygote]:
+    yield from crashkit.zygote_process("composekit")
 
 
 @pytest.fixture
 def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "ledger.db"
-    composekit.create_ledger(path)
-    monkeypatch.setattr(composekit, "LEDGER", path)
+    crashkit.create_ledger(path)
+    monkeypatch.setattr(crashkit, "LEDGER", path)  # the survivor's resume records too
     return path
-
-
-@pytest.fixture
-def seed() -> int:
-    return int(os.environ.get("FLOWLOOP_CRASH_SEED") or time.time_ns() % 1_000_000)
 
 
 def start_all(engine: Engine) -> dict[str, list[str]]:
@@ -63,55 +53,36 @@ def start_all(engine: Engine) -> dict[str, list[str]]:
     }
 
 
-def reference(tmp_path: Path) -> dict[str, list[object]]:
-    with Engine(str(tmp_path / "reference.db"), clock=FakeClock()) as engine:
-        for wf in composekit.all_workflows():
-            engine.register(wf)
-        ids = start_all(engine)
-        engine.run_until_idle()
-        return {kind: [engine.get(i).context for i in run_ids] for kind, run_ids in ids.items()}
+def flat(ids: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """(kind, run id) of every run ``start_all`` started, in its order."""
+    return [(kind, run_id) for kind, run_ids in ids.items() for run_id in run_ids]
 
 
-def kill_repeatedly(
-    zygote: composekit.Zygote,
-    url: str,
-    ledger: Path,
-    engine: Engine,
-    *,
-    kills: int,
-    rng: random.Random,
-) -> int:
-    killed = 0
-    for _ in range(kills * 3):
-        if killed >= kills or not engine.runs(status=["scheduled", "running", "retrying"], limit=1):
-            break
-        pid = zygote.fork(url, ledger)
-        deadline = time.monotonic() + DEADLINE_S
-        while not composekit.has_worked(ledger, pid) and crashkit.alive(pid):
-            assert time.monotonic() < deadline, f"worker {pid} did nothing in {DEADLINE_S}s"
-            time.sleep(0.002)
-        time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))
-        if crashkit.kill(pid):
-            killed += 1
-        crashkit.wait_gone(pid)
-    return killed
+def reference(tmp_path: Path) -> list[object]:
+    """The final contexts of uninterrupted runs, in ``flat`` order."""
+    return list(
+        crashkit.final_contexts(
+            tmp_path / "reference.db",
+            composekit.all_workflows(),
+            lambda engine: [run_id for _, run_id in flat(start_all(engine))],
+        )
+    )
 
 
 def verify(
-    engine: Engine, ids: dict[str, list[str]], ledger: Path, want: dict[str, list[object]]
+    engine: Engine, ids: dict[str, list[str]], ledger: Path, want: list[object]
 ) -> Counter[str]:
     store = engine.store
     assert isinstance(store, JoinStoreMixin)
-    assert engine.runs(status=["running", "scheduled", "retrying"], limit=10) == []
+    assert engine.runs(status=UNFINISHED, limit=10) == []
     kinds: Counter[str] = Counter()
-    for kind, run_ids in ids.items():
-        for run_id, context in zip(run_ids, want[kind], strict=True):
-            info = engine.get(run_id)
-            assert info.status == "succeeded", (kind, run_id, info.status, info.reason, info.error)
-            assert info.context == context, (kind, run_id)
-            assert engine.replay(run_id).matches, run_id
-            for event in engine.history(run_id):
-                kinds[event.kind] += 1
+    for (kind, run_id), context in zip(flat(ids), want, strict=True):
+        info = engine.get(run_id)
+        assert info.status == "succeeded", (kind, run_id, info.status, info.reason, info.error)
+        assert info.context == context, (kind, run_id)
+        assert engine.replay(run_id).matches, run_id
+        for event in engine.history(run_id):
+            kinds[event.kind] += 1
     # The call: one child. The map: 200 children, one per index, the join exact.
     [call_child] = store.children_of(ids["call"][0])
     assert call_child.record.status == "succeeded"
@@ -136,9 +107,9 @@ def verify(
     # Compensations: never started again once their success is committed; every ledger
     # execution follows its own committed compensation_started (one per attempt).
     executions: Counter[tuple[str, str, int]] = Counter()
-    for kind, run_id, state, attempt, _pid in composekit.ledger_rows(ledger):
-        if kind == "undo":
-            executions[(run_id, state, attempt)] += 1
+    for done in crashkit.ledger_rows(ledger):
+        if done.kind == "undo":
+            executions[(done.run_id, done.state, done.attempt)] += 1
     assert executions and max(executions.values()) == 1
     for run_id in ids["saga"]:
         succeeded: dict[str, int] = {}
@@ -157,40 +128,41 @@ def verify(
     return kinds
 
 
-def crash_suite(
-    url: str, tmp_path: Path, zygote: composekit.Zygote, ledger: Path, *, kills: int, seed: int
-) -> None:
-    rng = random.Random(seed)
-    want = reference(tmp_path)
-    with Engine(url, workflows=composekit.all_workflows()) as engine:
-        ids = start_all(engine)
-        killed = kill_repeatedly(zygote, url, ledger, engine, kills=kills, rng=rng)
-        assert killed >= 1, f"seed {seed}: no kill landed"
-    with Engine(url, workflows=composekit.all_workflows()) as survivor:
-        survivor.resume()
-        kinds = verify(survivor, ids, ledger, want)
-    print(f"seed {seed}: {killed} kills; {dict(kinds)}")
-    assert kinds[j.STEP_INTERRUPTED] > 0, f"seed {seed}: no step was cut off: {kinds}"
+def crash_suite(url: str, tmp_path: Path, zygote: Zygote, ledger: Path, *, kills: int) -> None:
+    seed = crashkit.seed()
+    with crashkit.replayable(seed):
+        want = reference(tmp_path)
+        with Engine(url, workflows=composekit.all_workflows()) as engine:
+            ids = start_all(engine)
+            killed = crashkit.kill_repeatedly(
+                zygote,
+                {"db": url, "ledger": str(ledger)},
+                kills=kills,
+                rng=random.Random(seed),
+                max_delay=MAX_KILL_DELAY_S,
+                working=lambda pid: crashkit.has_worked(ledger, pid),
+                more=lambda: bool(
+                    engine.runs(status=["scheduled", "running", "retrying"], limit=1)
+                ),
+            )
+            assert killed >= 1, "no kill landed"
+        with Engine(url, workflows=composekit.all_workflows()) as survivor:
+            survivor.resume()
+            kinds = verify(survivor, ids, ledger, want)
+        print(f"seed {seed}: {killed} kills; {dict(kinds)}")
+        assert kinds[j.STEP_INTERRUPTED] > 0, f"no step was cut off: {kinds}"
 
 
 def test_compose_crash__sigkill_at_random_instants_then_resume_is_exact(
-    tmp_path: Path, zygote: composekit.Zygote, ledger: Path, seed: int, sqlite_url: str
+    tmp_path: Path, zygote: Zygote, ledger: Path, sqlite_url: str
 ) -> None:
-    try:
-        crash_suite(sqlite_url, tmp_path, zygote, ledger, kills=8, seed=seed)
-    except BaseException:
-        print(f"FLOWLOOP_CRASH_SEED={seed}")
-        raise
+    crash_suite(sqlite_url, tmp_path, zygote, ledger, kills=8)
 
 
 def test_compose_crash__sigkill_on_postgres_then_resume_is_exact(
-    tmp_path: Path, zygote: composekit.Zygote, ledger: Path, seed: int, pg_url: str
+    tmp_path: Path, zygote: Zygote, ledger: Path, pg_url: str
 ) -> None:
-    try:
-        crash_suite(pg_url, tmp_path, zygote, ledger, kills=4, seed=seed)
-    except BaseException:
-        print(f"FLOWLOOP_CRASH_SEED={seed}")
-        raise
+    crash_suite(pg_url, tmp_path, zygote, ledger, kills=4)
 
 
 WORKLOADS = {
@@ -202,27 +174,24 @@ WORKLOADS = {
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 def test_compose_crash__killed_at_every_commit_then_resume_is_exact(
-    tmp_path: Path, zygote: composekit.Zygote, ledger: Path, workload: str
+    tmp_path: Path, zygote: Zygote, ledger: Path, workload: str
 ) -> None:
     """For N = 1, 2, ...: a worker dies right after its N-th commit (claims, fan-out,
     children, join, compensations), a survivor resumes; until a worker finishes alone."""
     saga, caller, mapper = composekit.all_workflows()
     wf = {"saga": saga, "call": caller, "map": mapper}[workload]
-    with Engine(str(tmp_path / "reference.db"), clock=FakeClock(), workflows=[wf]) as ref:
-        want = ref.get(ref.start(wf, WORKLOADS[workload]()).id).id
-        ref.run_until_idle()
-        reference_context = ref.get(want).context
+    [reference_context] = crashkit.final_contexts(
+        tmp_path / "reference.db", [wf], lambda ref: [ref.start(wf, WORKLOADS[workload]()).id]
+    )
     cut = 0
     for n in range(1, 200):
         url = f"sqlite:///{tmp_path / f'every_{n}.db'}"
         with Engine(url, workflows=composekit.all_workflows()) as engine:
             run_id = engine.start(wf, WORKLOADS[workload]()).id
-        composekit.create_ledger(ledger)
-        pid = zygote.fork_exiting(url, ledger, n)
-        line = zygote.expect("", timeout=30, pid=None)
-        while not (line.startswith(f"exiting {pid}") or line.startswith(f"finished {pid}")):
-            line = zygote.expect("", timeout=30)
-        crashkit.wait_gone(pid)
+        crashkit.create_ledger(ledger)
+        pid = zygote.fork(db=url, ledger=str(ledger), exit_after=n)
+        code = zygote.exit_code(pid)
+        assert code in (0, crashkit.EXITED_AFTER_COMMITS), (workload, n, code)
         with Engine(url, workflows=composekit.all_workflows()) as survivor:
             survivor.resume()
             info = survivor.get(run_id)
@@ -242,7 +211,7 @@ def test_compose_crash__killed_at_every_commit_then_resume_is_exact(
                     assert event.state not in succeeded, (workload, n, event.seq)
                 elif event.kind == j.COMPENSATION_SUCCEEDED:
                     succeeded.add(str(event.state))
-        if line.startswith(f"finished {pid}"):
+        if code == 0:  # finished without reaching its N-th commit
             break
         cut += 1
     assert cut >= 3, f"{workload}: only {cut} commit boundaries cut"

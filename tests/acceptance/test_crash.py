@@ -12,9 +12,7 @@ The random seed is printed on failure; set FLOWLOOP_CRASH_SEED to replay a sched
 
 from __future__ import annotations
 
-import os
 import random
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +22,15 @@ import crashkit
 import pytest
 from crashkit import CrashCtx, Zygote
 
-from flowloop import Engine, FakeClock
+from flowloop import Engine
 from flowloop import journal as j
 
 pytestmark = pytest.mark.crash
 
 RUNS_PER_BATCH = 6
 MAX_KILL_DELAY_S = 0.06
-DEADLINE_S = 30.0
+WAIT_SHARE = 0.8
+"""Most kills while a worker works, some while it starts up."""
 
 
 @pytest.fixture(scope="module")
@@ -47,21 +46,14 @@ def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-@pytest.fixture
-def seed() -> int:
-    return int(os.environ.get("FLOWLOOP_CRASH_SEED") or time.time_ns() % 1_000_000)
-
-
-def reference_contexts(tmp_path: Path, count: int) -> dict[int, CrashCtx]:
-    """Final contexts of uninterrupted runs."""
+def reference_contexts(tmp_path: Path, count: int) -> list[Any]:
+    """Final contexts of uninterrupted runs, by ``n``."""
     wf = crashkit.crash20()
-    found: dict[int, CrashCtx] = {}
-    with Engine(str(tmp_path / "reference.db"), clock=FakeClock(), workflows=[wf]) as engine:
-        for n in range(count):
-            info = engine.run(wf, CrashCtx(n=n))
-            assert info.status == "succeeded" and isinstance(info.context, CrashCtx)
-            found[n] = info.context
-    return found
+    return crashkit.final_contexts(
+        tmp_path / "reference.db",
+        [wf],
+        lambda engine: [engine.start(wf, CrashCtx(n=n)).id for n in range(count)],
+    )
 
 
 def expected_path() -> list[tuple[str, int]]:
@@ -85,33 +77,27 @@ def kill_repeatedly(
     ``kills`` workers were killed. Returns the run ids and how many kills there were."""
     wf = engine.workflow("crash20")
     ids: list[str] = []
-    killed = 0
-    for _ in range(kills * 5):  # bounded: most rounds end in a kill
-        if killed >= kills:
-            break
+
+    def more() -> bool:
         if unfinished(engine) == 0:
-            ids += [engine.start(wf, CrashCtx(n=n)).id for n in range(RUNS_PER_BATCH)]
-        pid = zygote.fork(url, ledger)
-        if rng.random() < 0.8:  # most kills while it works, some while it starts up
-            wait_until_working(ledger, pid)
-        time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))
-        if crashkit.kill(pid):
-            killed += 1
-        crashkit.wait_gone(pid)
+            ids.extend(engine.start(wf, CrashCtx(n=n)).id for n in range(RUNS_PER_BATCH))
+        return True
+
+    killed = crashkit.kill_repeatedly(
+        zygote,
+        {"db": url, "ledger": str(ledger)},
+        kills=kills,
+        rng=rng,
+        max_delay=MAX_KILL_DELAY_S,
+        working=lambda pid: crashkit.has_worked(ledger, pid),
+        more=more,
+        wait_share=WAIT_SHARE,
+    )
     return ids, killed
 
 
-def wait_until_working(ledger: Path, pid: int) -> None:
-    """Until worker ``pid`` has run a step (or is gone): the random instant comes after."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not crashkit.has_worked(ledger, pid) and crashkit.alive(pid):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"worker {pid} ran no step within {DEADLINE_S}s")
-        time.sleep(0.002)
-
-
 def verify_exactly_once(
-    engine: Engine, ids: list[str], ledger: Path, reference: dict[int, CrashCtx]
+    engine: Engine, ids: list[str], ledger: Path, reference: list[Any]
 ) -> Counter[str]:
     """Everything the suite promises after crashes; returns counts of journal kinds."""
     assert engine.runs(status="running", limit=10_000) == []
@@ -141,60 +127,49 @@ def verify_exactly_once(
         assert succeeded == path, run_id  # each state succeeded exactly once per visit
         started_by_run[run_id] = started
     executions: Counter[tuple[Any, ...]] = Counter()
-    for run_id, state, visit, attempt, seq, key, _pid in crashkit.ledger_rows(ledger):
+    for done in crashkit.ledger_rows(ledger):
+        run_id, state, visit = done.run_id, done.state, done.visit
         if run_id not in started_by_run:
             continue
         # Every execution follows its own committed step_started, once: a step whose
         # success was committed never ran again.
-        assert (state, visit, attempt, seq) in started_by_run[run_id], (run_id, state, seq)
-        assert key == f"{run_id}:{state}:{visit}"
-        executions[(run_id, state, visit, attempt)] += 1
+        point = (state, visit, done.attempt, done.seq)
+        assert point in started_by_run[run_id], (run_id, state, done.seq)
+        assert done.idempotency_key == f"{run_id}:{state}:{visit}"
+        executions[(run_id, state, visit, done.attempt)] += 1
     assert max(executions.values()) == 1
     visited = {(run_id, s, v) for run_id, s, v, _ in executions}
     assert len(visited) == len(ids) * crashkit.VISITS_PER_RUN
     return kinds
 
 
-def crash_suite(
-    url: str, tmp_path: Path, zygote: Zygote, ledger: Path, *, kills: int, seed: int
-) -> None:
-    rng = random.Random(seed)
-    reference = reference_contexts(tmp_path, RUNS_PER_BATCH)
-    with Engine(url, workflows=crashkit.all_workflows()) as engine:
-        ids, killed = kill_repeatedly(engine, zygote, url, ledger, kills=kills, rng=rng)
-        assert killed >= kills, f"seed {seed}: only {killed} kills"
-    with Engine(url, workflows=crashkit.all_workflows()) as survivor:
-        survivor.resume()
-        kinds = verify_exactly_once(survivor, ids, ledger, reference)
-    # The kills really cut steps off (else this suite proves little).
-    assert kinds[j.STEP_INTERRUPTED] > 0, f"seed {seed}: {kinds}"
+def crash_suite(url: str, tmp_path: Path, zygote: Zygote, ledger: Path, *, kills: int) -> None:
+    seed = crashkit.seed()
+    with crashkit.replayable(seed):
+        reference = reference_contexts(tmp_path, RUNS_PER_BATCH)
+        with Engine(url, workflows=crashkit.all_workflows()) as engine:
+            ids, killed = kill_repeatedly(
+                engine, zygote, url, ledger, kills=kills, rng=random.Random(seed)
+            )
+            assert killed >= kills, f"only {killed} kills"
+        with Engine(url, workflows=crashkit.all_workflows()) as survivor:
+            survivor.resume()
+            kinds = verify_exactly_once(survivor, ids, ledger, reference)
+        # The kills really cut steps off (else this suite proves little).
+        assert kinds[j.STEP_INTERRUPTED] > 0, kinds
 
 
 def test_crash__sigkill_at_random_instants_then_resume_is_exact(
-    tmp_path: Path, zygote: Zygote, ledger: Path, seed: int, request: pytest.FixtureRequest
+    tmp_path: Path, zygote: Zygote, ledger: Path
 ) -> None:
     url = f"sqlite:///{tmp_path / 'crash.db'}"
-    try:
-        crash_suite(url, tmp_path, zygote, ledger, kills=50, seed=seed)
-    except Exception as error:
-        raise AssertionError(f"FLOWLOOP_CRASH_SEED={seed}: {error}") from error
+    crash_suite(url, tmp_path, zygote, ledger, kills=50)
 
 
 def test_crash__sigkill_on_postgres_then_resume_is_exact(
-    tmp_path: Path, zygote: Zygote, ledger: Path, seed: int, pg_url: str
+    tmp_path: Path, zygote: Zygote, ledger: Path, pg_url: str
 ) -> None:
-    try:
-        crash_suite(pg_url, tmp_path, zygote, ledger, kills=10, seed=seed)
-    except Exception as error:
-        raise AssertionError(f"FLOWLOOP_CRASH_SEED={seed}: {error}") from error
-
-
-def _wait_for_ledger(ledger: Path, run_id: str, state: str) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not any(r[0] == run_id and r[1] == state for r in crashkit.ledger_rows(ledger)):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{state} of {run_id} never ran")
-        time.sleep(0.01)
+    crash_suite(pg_url, tmp_path, zygote, ledger, kills=10)
 
 
 def test_crash__non_idempotent_step_interrupted_fails_and_is_not_rerun(
@@ -203,16 +178,17 @@ def test_crash__non_idempotent_step_interrupted_fails_and_is_not_rerun(
     url = f"sqlite:///{tmp_path / 'fragile.db'}"
     with Engine(url, workflows=crashkit.all_workflows()) as engine:
         run_id = engine.start(engine.workflow("fragile"), CrashCtx(n=1)).id
-        pid = zygote.fork(url, ledger)
-        _wait_for_ledger(ledger, run_id, "charge")  # its effect happened; now it dies
-        assert crashkit.kill(pid)
-        crashkit.wait_gone(pid)
+        pid = zygote.fork(db=url, ledger=str(ledger))
+        # Its effect happened; now it dies.
+        charged = crashkit.kill_when(
+            pid, lambda: bool(crashkit.executions(ledger, run_id, "charge")), what="charge ran"
+        )
+        assert charged
     with Engine(url, workflows=crashkit.all_workflows()) as survivor:
         survivor.resume()
         info = survivor.get(run_id)
         assert (info.status, info.state, info.reason) == ("failed", "charge", "interrupted")
-        charges = [r for r in crashkit.ledger_rows(ledger) if r[0] == run_id and r[1] == "charge"]
-        assert len(charges) == 1
+        assert len(crashkit.executions(ledger, run_id, "charge")) == 1
         assert survivor.replay(run_id).matches
 
 
@@ -223,14 +199,15 @@ def test_crash__step_that_exits_its_process_every_time_ends_failed(
     with Engine(url, workflows=crashkit.all_workflows()) as engine:
         run_id = engine.start(engine.workflow("suicide"), CrashCtx(n=1)).id
         for _ in range(3 * crashkit.SUICIDE_ATTEMPTS):  # bounded
-            pid = zygote.fork(url, ledger)
-            crashkit.wait_gone(pid, timeout=DEADLINE_S)
+            zygote.exit_code(zygote.fork(db=url, ledger=str(ledger)))
             if engine.get(run_id).status == "failed":
                 break
         info = engine.get(run_id)
         assert (info.status, info.state, info.reason) == ("failed", "boom", "interrupted")
-        booms = [r for r in crashkit.ledger_rows(ledger) if r[0] == run_id and r[1] == "boom"]
-        assert sorted(r[3] for r in booms) == list(range(1, crashkit.SUICIDE_ATTEMPTS + 1))
+        booms = [
+            e for e in crashkit.ledger_rows(ledger) if e.run_id == run_id and e.state == "boom"
+        ]
+        assert sorted(e.attempt for e in booms) == list(range(1, crashkit.SUICIDE_ATTEMPTS + 1))
         interrupted = [e for e in engine.history(run_id) if e.kind == j.STEP_INTERRUPTED]
         assert [e.retryable for e in interrupted] == [True, True, False]
         assert engine.replay(run_id).matches

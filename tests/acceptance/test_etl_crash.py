@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
+import crashkit
 import etlkit
 import pytest
 
@@ -28,10 +26,6 @@ ROWS = 32_000
 BATCH = 250
 BATCHES = ROWS // BATCH
 KILLS = 24
-MODES = ("run", "after_commit", "mid_transaction")
-"""``run``: the test kills the worker at a random instant once its batch count passes the
-target; the others kill themselves at a precise point of the batch (see etlkit)."""
-KILL_DEADLINE_S = 30.0
 
 
 def _context(event: JournalEvent) -> dict[str, Any]:
@@ -39,20 +33,8 @@ def _context(event: JournalEvent) -> dict[str, Any]:
     return dict(json.loads(event.context))
 
 
-def _kill_when(db: Path, run_id: str, pid: int, batches: int) -> None:
-    """SIGKILL ``pid`` as soon as the run has committed ``batches`` batches."""
-    deadline = time.monotonic() + KILL_DEADLINE_S
-    while time.monotonic() < deadline:
-        ctx = etlkit.run_context(db, run_id)
-        if ctx is not None and ctx["batches_done"] >= batches:
-            os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.002)
-    pytest.fail(f"the run did not reach batch {batches} within {KILL_DEADLINE_S}s")
-
-
 def test_etl__killed_at_random_batches_resumes_to_the_same_target(tmp_path: Path) -> None:
-    seed = int(os.environ.get("ETL_CRASH_SEED") or random.randrange(1 << 30))
+    seed = crashkit.seed("ETL_CRASH_SEED")
     rand = random.Random(seed)
     inbox = tmp_path / "inbox"
     etlkit.load_generator().generate(inbox, ROWS, seed=seed % 1000, bad_every=150)
@@ -66,46 +48,34 @@ def test_etl__killed_at_random_batches_resumes_to_the_same_target(tmp_path: Path
     # Kill positions: increasing batch counts, at least 2 past the committed one, so every
     # worker commits a batch of its own before it dies (an interrupted step counts against
     # its retry budget). A kill from outside may land a little late: the next position then
-    # moves up. The file has BATCHES batches; the last kill leaves a good margin.
+    # moves up. The file has BATCHES batches; the last kill leaves a good margin. Modes:
+    # "run" is killed by the test once its batch count reaches the position, the others
+    # kill themselves at a precise point of the batch (see etlkit).
     positions, at = [], 1
     for _ in range(KILLS):
         at += rand.randint(2, 4)
         positions.append(at)
-    modes = [MODES[i % len(MODES)] for i in range(KILLS)]
+    modes = [etlkit.MODES[i % len(etlkit.MODES)] for i in range(KILLS)]
     rand.shuffle(modes)
     where = f"(seed {seed}; positions {positions}; modes {modes})"
+    planned = iter(positions)
 
-    zygote = etlkit.Zygote()
-    kills = 0
-    try:
-        for planned, mode in zip(positions, modes, strict=True):
-            ctx = etlkit.run_context(db, run_id)
-            assert ctx is not None
-            committed = ctx["batches_done"]
-            position = max(planned, committed + 2)
-            if position > BATCHES - 5:
-                break
-            if mode == "run":
-                pid = zygote.start(db)
-                _kill_when(db, run_id, pid, position)
-            else:
-                # The worker's n-th batch: the first re-runs the interrupted one.
-                pid = zygote.start(db, mode, position - committed + 1)
-            code = zygote.wait(pid)
-            assert code == -signal.SIGKILL, f"worker {mode} exited {code} {where}"
-            kills += 1
-    finally:
-        zygote.close()
+    with etlkit.zygote() as zygote, crashkit.replayable(seed, "ETL_CRASH_SEED"):
+        kills = etlkit.kill_at_batches(
+            zygote,
+            db,
+            run_id,
+            modes,
+            batch_after=lambda committed: max(next(planned), committed + 2),
+            last=BATCHES - 5,
+        )
     assert kills >= 20, where
 
     # The last resume goes through the CLI, as an operator would.
     done = etlkit.cli(["resume", "-w", str(etlkit.ETL_FILE), "--db", str(db)])
     assert done.returncode == 0, done.stdout + done.stderr
 
-    with Engine(f"sqlite:///{db}") as engine:
-        engine.register(etl_module.etl)
-        info = engine.get(run_id)
-        events = engine.history(run_id)
+    info, events = etlkit.finished(db, etl_module.etl, run_id)
     assert info.status == "succeeded", f"{info.status}: {info.error} {where}"
 
     reference_url = etlkit.sqlite_target(tmp_path, "reference.db")

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import random
-import signal
-import time
 from pathlib import Path
 from typing import Any
 
+import crashkit
 import etlkit
 import pytest
 import sqlalchemy as sa
@@ -29,8 +27,6 @@ FILES = 2
 ROWS = 4_000  # per file
 BATCH = 100
 KILLS = 9
-MODES = ("run", "after_commit", "mid_transaction")
-KILL_DEADLINE_S = 30.0
 
 
 def generate(folder: Path, seed: int) -> None:
@@ -66,21 +62,10 @@ def dump(url: str) -> dict[str, list[tuple[Any, ...]]]:
         engine.dispose()
 
 
-def _kill_when(db: Path, run_id: str, pid: int, batches: int) -> None:
-    deadline = time.monotonic() + KILL_DEADLINE_S
-    while time.monotonic() < deadline:
-        ctx = etlkit.run_context(db, run_id)
-        if ctx is not None and ctx["batches_done"] >= batches:
-            os.kill(pid, signal.SIGKILL)
-            return
-        time.sleep(0.002)
-    pytest.fail(f"the run did not reach batch {batches} within {KILL_DEADLINE_S}s")
-
-
 def test_etl_readings__killed_at_random_batches_resumes_to_the_same_target(
     tmp_path: Path,
 ) -> None:
-    seed = int(os.environ.get("ETL_CRASH_SEED") or random.randrange(1 << 30))
+    seed = crashkit.seed("ETL_CRASH_SEED")
     rand = random.Random(seed)
     inbox = tmp_path / "inbox"
     generate(inbox, seed)
@@ -92,37 +77,23 @@ def test_etl_readings__killed_at_random_batches_resumes_to_the_same_target(
         run_id = engine.start(module.readings, context).id
 
     batches = FILES * ROWS // BATCH
-    modes = [MODES[i % len(MODES)] for i in range(KILLS)]
+    modes = [etlkit.MODES[i % len(etlkit.MODES)] for i in range(KILLS)]
     rand.shuffle(modes)
     where = f"(seed {seed}; modes {modes})"
-    zygote = etlkit.Zygote(etlkit.READINGS_FILE, "readings")
-    kills = 0
-    try:
-        for mode in modes:
-            ctx = etlkit.run_context(db, run_id)
-            assert ctx is not None
-            committed = ctx["batches_done"]
-            position = committed + rand.randint(2, 6)
-            if position > batches - 5:
-                break
-            if mode == "run":
-                pid = zygote.start(db)
-                _kill_when(db, run_id, pid, position)
-            else:
-                pid = zygote.start(db, mode, position - committed + 1)
-            code = zygote.wait(pid)
-            assert code == -signal.SIGKILL, f"worker {mode} exited {code} {where}"
-            kills += 1
-        pid = zygote.start(db)
-        assert zygote.wait(pid) == 0, where
-    finally:
-        zygote.close()
+    zygote = etlkit.zygote(etlkit.READINGS_FILE, "readings")
+    with zygote, crashkit.replayable(seed, "ETL_CRASH_SEED"):
+        kills = etlkit.kill_at_batches(
+            zygote,
+            db,
+            run_id,
+            modes,
+            batch_after=lambda committed: committed + rand.randint(2, 6),
+            last=batches - 5,
+        )
+        assert zygote.exit_code(zygote.fork(db=str(db))) == 0, where  # the last resume
     assert kills == KILLS, where
 
-    with Engine(f"sqlite:///{db}") as engine:
-        engine.register(module.readings)
-        info = engine.get(run_id)
-        events = engine.history(run_id)
+    info, events = etlkit.finished(db, module.readings, run_id)
     assert info.status == "succeeded", f"{info.status}: {info.error} {where}"
 
     reference_url = etlkit.sqlite_target(tmp_path, "reference.db")

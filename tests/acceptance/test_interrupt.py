@@ -73,11 +73,11 @@ PARCEL = """
 class FlowloopRun:
     """`flowloop run` in its own process; its stderr read line by line as it comes."""
 
-    def __init__(self, module: Path, db: Path, gate: Path) -> None:
+    def __init__(self, module: Path, db: Path, gate: Path, *options: str) -> None:
         env = {**os.environ, "PARCEL_DIR": str(gate), "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "flowloop.cli", "run", str(module), "--db", str(db)]
         self.process = subprocess.Popen(
-            [*command, "--context", json.dumps({"order_id": "A1"})],
+            [*command, *options, "--context", json.dumps({"order_id": "A1"})],
             cwd=gate,
             env=env,
             stdout=subprocess.PIPE,
@@ -122,11 +122,22 @@ class FlowloopRun:
         self._drain()
         return "stderr:\n" + "\n".join(self.err)
 
+    def first_ctrl_c(self, *, notice: str) -> None:
+        """Send SIGINT and wait (bounded) until the process says ``notice`` in reply."""
+        self.process.send_signal(signal.SIGINT)
+        poll(
+            lambda: self.said(notice),
+            timeout=EXIT_WAIT_S,
+            what="the notice of the first Ctrl-C",
+            every=0.01,
+            describe=self.describe,
+        )
 
-def start(tmp_path: Path) -> tuple[FlowloopRun, Path, Path]:
+
+def start(tmp_path: Path, *options: str) -> tuple[FlowloopRun, Path, Path]:
     module = write_module(tmp_path / "parcel.py", PARCEL)
     db = tmp_path / "runs.db"
-    run = FlowloopRun(module, db, tmp_path)
+    run = FlowloopRun(module, db, tmp_path, *options)
     wait_exists(tmp_path / "in-flight-1")
     return run, db, tmp_path
 
@@ -138,14 +149,7 @@ def command_in(line: str) -> list[str]:
 
 def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: Path) -> None:
     run, db, gate = start(tmp_path)
-    run.process.send_signal(signal.SIGINT)
-    poll(
-        lambda: run.said("letting the step in flight finish"),
-        timeout=EXIT_WAIT_S,
-        what="the notice of the first Ctrl-C",
-        every=0.01,
-        describe=run.describe,
-    )
+    run.first_ctrl_c(notice="letting the step in flight finish")
     assert run.process.poll() is None  # still finishing the step
     (gate / "open").touch()
     assert run.wait() == 130, run.describe()
@@ -181,14 +185,7 @@ def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: P
 
 def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> None:
     run, db, gate = start(tmp_path)
-    run.process.send_signal(signal.SIGINT)
-    poll(
-        lambda: run.said("Ctrl-C again to cut it off"),
-        timeout=EXIT_WAIT_S,
-        what="the notice of the first Ctrl-C",
-        every=0.01,
-        describe=run.describe,
-    )
+    run.first_ctrl_c(notice="Ctrl-C again to cut it off")
     run.process.send_signal(signal.SIGINT)
     # Exits although the step's thread is still blocked on the gate.
     assert run.wait() == 130, run.describe()
@@ -211,3 +208,18 @@ def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> Non
     assert (info.status, info.reason) == ("failed", "interrupted")
     assert not (gate / "shipments").exists()
     (gate / "open").touch()  # nothing left to release it: the process is gone
+
+
+def test_run__json_after_ctrl_c_prints_the_run_as_handed_back(tmp_path: Path) -> None:
+    run, db, gate = start(tmp_path, "--json")
+    run.first_ctrl_c(notice="letting the step in flight finish")
+    (gate / "open").touch()
+    assert run.wait() == 130, run.describe()
+    assert run.err[-1].startswith("interrupted: run "), run.describe()
+    shown = json.loads(run.out)  # one JSON object on stdout, nothing else
+    with engine(db) as e:
+        (info,) = e.runs()
+    assert shown["run"]["id"] == info.id
+    assert (shown["run"]["status"], shown["run"]["state"]) == ("scheduled", "notify")
+    assert shown["run"]["context"]["tracking"] == "TRK1"
+    assert shown["interrupted"] == {"signals": 1} and shown["existing"] is False

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mwkit
 import pytest
+import sqlalchemy as sa
 from polling import poll
 
 pytestmark = pytest.mark.postgres
@@ -106,3 +107,148 @@ def test_a_run_locked_by_a_vanished_session_is_taken_over(
     finally:
         lost.send_signal(signal.SIGKILL)
         lost.wait(10)
+
+
+# -- the real boundary write, frozen before its COMMIT ------------------------------------
+
+STOP_IN_BOUNDARY = """
+
+# Test hook (tests/acceptance/test_vanished_session.py): with FL_STOP_IN_BOUNDARY set, the
+# worker process freezes itself (SIGSTOP) at the COMMIT of its first transaction that
+# inserted journal rows: the run rows are updated and locked, the COMMIT never sent.
+import os as _os
+import signal as _signal
+
+_mark = _os.environ.get("FL_STOP_IN_BOUNDARY")
+if _mark:
+    import psycopg as _pg
+
+    _execute, _executemany = _pg.Cursor.execute, _pg.Cursor.executemany
+    _commit = _pg.Connection.commit
+
+    def _note(cursor, query):
+        if "INSERT INTO flowloop_journal" in str(query):
+            cursor.connection._fl_journal = True
+
+    def _exec(self, query, *args, **kwargs):
+        _note(self, query)
+        return _execute(self, query, *args, **kwargs)
+
+    def _execmany(self, query, *args, **kwargs):
+        _note(self, query)
+        return _executemany(self, query, *args, **kwargs)
+
+    def _commit_or_vanish(self):
+        if getattr(self, "_fl_journal", False) and not _os.path.exists(_mark):
+            with open(_mark + ".tmp", "w") as handle:
+                handle.write(str(_os.getpid()))
+            _os.replace(_mark + ".tmp", _mark)
+            _os.kill(_os.getpid(), _signal.SIGSTOP)  # gone, between the INSERT and the COMMIT
+        self._fl_journal = False
+        return _commit(self)
+
+    _pg.Cursor.execute, _pg.Cursor.executemany = _exec, _execmany
+    _pg.Connection.commit = _commit_or_vanish
+"""
+BATCH = 4
+"""Runs that the lost host recovers in one transaction (a batch write, UPDATE + INSERT +
+COMMIT as separate round trips)."""
+
+
+def running_at(url: str, state: str) -> int:
+    with mwkit.db(url) as engine, engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM flowloop_runs WHERE status = 'running' AND state = :s"
+                ),
+                {"s": state},
+            ).scalar_one()
+        )
+
+
+def test_runs_locked_by_a_host_lost_inside_a_boundary_write_are_taken_over(
+    pg_url: str, tmp_path: Path, workers: mwkit.Workers
+) -> None:
+    """A real worker ("host A", another host's id) is frozen inside its own boundary
+    write — the batch that recovers four interrupted runs, its UPDATE and INSERT sent, the
+    COMMIT not: to the server an "idle in transaction" session holding the rows' locks.
+    Worker B takes the runs over within lease + sweep + the idle timeout; without the
+    timeout its claims skip the locked rows for as long as the frozen host lives."""
+    flow = mwkit.write_flow(tmp_path)
+    flow.write_text(flow.read_text() + STOP_IN_BOUNDARY)
+    mwkit.enqueue(pg_url, flow, BATCH, lease=LEASE_S)
+    block = tmp_path / "block"
+    first = workers.add(
+        mwkit.spawn_worker(
+            flow,
+            pg_url,
+            tmp_path,
+            "first",
+            concurrency=BATCH,
+            lease=LEASE_S,
+            worker_id="host-0:4141:killed",
+            env={"MW_LEDGER_DSN": "", "MW_BLOCK_STATE": "s2", "MW_BLOCK_FILE": str(block)},
+        )
+    )
+    mwkit.wait_for(
+        "the first worker to be inside s2 of every run",
+        lambda: running_at(pg_url, "s2") == BATCH and block.with_suffix(".entered").exists(),
+        timeout=60,
+        describe=workers.logs,
+    )
+    first.kill()  # its runs stay `running` until their leases end: recovery's to settle
+    stopped = tmp_path / "stopped"
+    a = workers.add(
+        mwkit.spawn_worker(
+            flow,
+            pg_url,
+            tmp_path,
+            "a",
+            concurrency=1,
+            lease=LEASE_S,
+            worker_id="host-a:4242:frozen",
+            env={"MW_LEDGER_DSN": "", "FL_STOP_IN_BOUNDARY": str(stopped)},
+        )
+    )
+    mwkit.wait_for(
+        "host A to freeze inside its recovery's boundary write",
+        lambda: stopped.exists() and stopped.read_text() == str(a.pid),
+        timeout=60,
+        describe=workers.logs,
+    )
+    frozen_at = time.monotonic()
+    # For the record (not asserted: the server may end the session first on a loaded
+    # machine): how many run rows the frozen host's transaction locks.
+    with mwkit.db(pg_url) as engine, engine.begin() as conn:
+        free = len(
+            conn.execute(sa.text("SELECT id FROM flowloop_runs FOR UPDATE SKIP LOCKED")).all()
+        )
+    locked = BATCH - free
+    workers.add(
+        mwkit.spawn_worker(
+            flow, pg_url, tmp_path, "b", concurrency=BATCH, lease=LEASE_S, env={"MW_LEDGER_DSN": ""}
+        )
+    )
+    mwkit.wait_for(
+        "worker B to take the locked runs over and finish them",
+        lambda: mwkit.all_finished(pg_url, BATCH),
+        timeout=TAKEOVER_BOUND_S,
+        describe=workers.logs,
+    )
+    took = time.monotonic() - frozen_at
+    a.signal(signal.SIGCONT)  # back from the dead: its COMMIT must not land
+    mwkit.wait_for(
+        "host A to find its session ended",
+        lambda: "database unreachable" in a.output() or "write refused" in a.output(),
+        timeout=60,
+        describe=workers.logs,
+    )
+    assert mwkit.statuses(pg_url) == Counter({"succeeded": BATCH}), workers.logs()
+    rows = mwkit.journal_rows(pg_url)
+    assert not mwkit.succeeded_once_per_visit(rows), mwkit.succeeded_once_per_visit(rows)
+    assert not [row for row in rows if row.worker == "host-a:4242:frozen"], "A's write landed"
+    print(
+        f"host A's frozen transaction locked {locked} of {BATCH} runs; B finished them {took:.1f}s "
+        "after host A froze inside its boundary write"
+    )

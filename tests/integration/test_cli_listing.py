@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
-from flowloop.cli_support import WaitStates, list_runs
+from flowloop.cli.support import WaitStates, list_runs
 
 
 class Ticket(BaseModel):

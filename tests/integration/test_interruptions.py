@@ -1,9 +1,12 @@
 """What a step that ended without an outcome is journaled as: a run this worker gave up
 (self-fenced) and recovered later says "lease lost", not "the worker died".
 
-The lease is lost for real: an async step blocks the event loop (time.sleep) for longer
-than the lease, so the heartbeat cannot renew it; the worker fences itself off the run,
-and its own recovery takes the run back once the lease has run out in the database.
+The lease is lost for real: while the step runs, its lease is ended in the database (as
+a renewal delayed past the lease would find it); the next renewal says so, the worker
+fences itself off the run, and its own recovery takes the run back.
+
+A loop blocked for longer than the lease no longer loses it (issue 20, item 13): the
+renewals run in a thread of their own (flowloop/leasethread.py).
 """
 
 from __future__ import annotations
@@ -11,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import sqlalchemy as sa
 from pydantic import BaseModel
 
 from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
+from flowloop.store.sql import SQLStore
 
 LEASE_S = 0.6
 
@@ -23,13 +28,13 @@ class Ctx(BaseModel):
     done: bool = False
 
 
-def blocking_workflow(release: asyncio.Event) -> Workflow:
+def waiting_workflow(entered: asyncio.Event, release: asyncio.Event) -> Workflow:
     wf = Workflow("blocks", context=Ctx)
 
     @wf.step(initial=True, next="end")
     async def block(ctx: Ctx, step: Step) -> None:
         if step.attempt == 1:
-            time.sleep(LEASE_S * 1.5)  # the heartbeat cannot renew meanwhile
+            entered.set()
             await asyncio.wait_for(release.wait(), timeout=30)  # fenced off while here
         ctx.done = True
 
@@ -37,16 +42,27 @@ def blocking_workflow(release: asyncio.Event) -> Workflow:
     return wf
 
 
+def end_lease(engine: Engine, run_id: str) -> None:
+    """End the run's lease in the database, as if its renewals had come too late."""
+    assert isinstance(engine.store, SQLStore)
+    with engine.store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE flowloop_runs SET lease_expires_at = 0 WHERE id = :id"), {"id": run_id}
+        )
+
+
 def test_self_fenced_run__recovery_journals_lease_lost(store_url: str) -> None:
     async def scenario() -> str:
-        release = asyncio.Event()
-        wf = blocking_workflow(release)
+        entered, release = asyncio.Event(), asyncio.Event()
+        wf = waiting_workflow(entered, release)
         with Engine(store_url, workflows=[wf], lease_seconds=LEASE_S, poll_seconds=0.05) as e:
             run_id = e.start(wf, Ctx()).id
             executor = e._new_executor()
             stop = asyncio.Event()
             worker = asyncio.create_task(executor.run(until_idle=False, stop=stop, grace=5))
             try:
+                await asyncio.wait_for(entered.wait(), timeout=30)
+                end_lease(e, run_id)
                 deadline = time.monotonic() + 30
                 while e.get(run_id).status != "succeeded":
                     assert time.monotonic() < deadline, [ev.kind for ev in e.history(run_id)]
@@ -67,3 +83,22 @@ def test_self_fenced_run__recovery_journals_lease_lost(store_url: str) -> None:
         return run_id
 
     asyncio.run(scenario())
+
+
+def test_a_loop_blocked_past_the_lease_keeps_it(store_url: str) -> None:
+    """An async step blocks the event loop (time.sleep) for 2.5 leases: the lease thread
+    renews meanwhile, so the run is neither fenced off nor interrupted (it was, before the
+    renewals left the loop)."""
+    wf = Workflow("sleeps", context=Ctx)
+
+    @wf.step(initial=True, next="end")
+    async def block(ctx: Ctx) -> None:
+        time.sleep(LEASE_S * 2.5)  # the loop does nothing else meanwhile
+        ctx.done = True
+
+    wf.final("end")
+    with Engine(store_url, workflows=[wf], lease_seconds=LEASE_S, poll_seconds=0.05) as e:
+        info = e.run(wf, Ctx())
+        kinds = [ev.kind for ev in e.history(info.id)]
+    assert info.status == "succeeded", kinds
+    assert kinds.count(j.STEP_STARTED) == 1 and j.STEP_INTERRUPTED not in kinds, kinds

@@ -14,7 +14,7 @@ from flowloop import Engine, FakeClock, Retry, Workflow
 from flowloop.prune import _delete_runs, prune
 from flowloop.store import SQLStore
 from flowloop.store.loops import LoopEvent, LoopSpec, LoopStoreMixin
-from flowloop.store.schema import inbox, journal, loop_journal, runs
+from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
 
 T0 = 1_800_000_000.0
 DAY = 86400.0
@@ -219,3 +219,112 @@ def test_prune__old_loop_journal_entries_go_failed_ones_kept_on_request(
     assert engine.loop_history("feed")[-1].seq == row.last_seq + 10
 
     assert prune(db_of(engine), cutoff=clock.now(), loop_history=False).loop_journal == 0
+
+
+# -- join rows of call and map states (issue 12) --------------------------------------------
+
+
+class Box(BaseModel):
+    n: int = 0
+
+
+class Parcel(BaseModel):
+    boxes: list[int] = []
+    packed: int = 0
+
+
+def boxing() -> Workflow:
+    wf = Workflow("boxing", context=Box)
+
+    @wf.step(initial=True, next="boxed")
+    def pack(ctx: Box) -> None: ...
+
+    wf.final("boxed")
+    return wf
+
+
+def parcels(child: Workflow) -> Workflow:
+    """A call and a map: two join rows per run."""
+    wf = Workflow("parcels", context=Parcel)
+    wf.call("first", child=child, context=lambda ctx: Box(), on={"succeeded": "rest"}, initial=True)
+    wf.map(
+        "rest",
+        child=child,
+        items=lambda ctx: ctx.boxes,
+        context=lambda ctx, item: Box(n=item),
+        max_parallel=2,
+        on={"done": "packed", "failed": "packed"},
+    )
+    wf.final("packed")
+    return wf
+
+
+def test_prune__join_rows_go_with_their_parent(engine: Engine, clock: FakeClock) -> None:
+    wf = parcels(boxing())
+    old = engine.run(wf, {"boxes": [1, 2, 3]})
+    clock.advance(40 * DAY)
+    new = engine.run(wf, {"boxes": [4]})
+    assert (old.status, new.status) == ("succeeded", "succeeded")
+    assert count(engine, joins) == 4
+    old_runs = count(engine, runs, runs.c.updated_at < clock.now() - 30 * DAY)
+    assert old_runs == 1 + 1 + 3  # the parent, its call child, its three map children
+
+    planned = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True)
+    assert (planned.runs, planned.joins) == (old_runs, 2)
+    assert count(engine, joins) == 4
+    result = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, batch=2)
+
+    assert (result.runs, result.joins) == (old_runs, 2)
+    assert result.as_dict()["joins"] == 2
+    assert set(sa_column(engine, joins.c.parent_id)) == {new.id}
+    assert engine.replay(new.id).matches
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).joins == 0
+
+
+def test_prune__a_join_row_a_live_child_still_reports_to_stays_until_it_ended(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """A parent stopped while its child is held by a worker that then died: the child only
+    gets a stop request, and the parent can be pruned long before the child ends. The join
+    row the child updates at its end stays; the prune after that end removes it."""
+    wf = parcels(boxing())
+    engine.register(wf)
+    started = engine.start(wf, {"boxes": []})
+    executor = engine._new_executor()
+    try:
+        import asyncio
+
+        asyncio.run(executor.run(until_idle=True, run_ids=[started.id]))
+    finally:
+        executor.close()
+    (child_id,) = sa_column(engine, runs.c.id, runs.c.parent_id == started.id)
+    store = engine.store
+    assert isinstance(store, SQLStore)
+    assert store.claim(
+        worker="gone", now=clock.now(), limit=1, lease_seconds=60, run_ids=[child_id]
+    )
+    engine.stop(started.id)
+    assert engine.get(started.id).status == "stopped"
+    assert engine.get(child_id).status != "stopped"
+    clock.advance(40 * DAY)
+
+    kept = prune(db_of(engine), cutoff=clock.now() - 30 * DAY)
+    assert (kept.runs, kept.joins) == (1, 0)
+    assert count(engine, joins) == 1
+
+    store.expire_leases(["gone"])  # as the database's clock would, a minute on
+    engine.run_until_idle()  # the child is taken over, honours the stop request, reports
+    assert engine.get(child_id).status == "stopped"
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True).joins == 1
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).joins == 1
+    assert count(engine, joins) == 0
+
+
+def sa_column(
+    engine: Engine, column: sa.Column[str], where: sa.ColumnElement[bool] | None = None
+) -> list[str]:
+    query = sa.select(column)
+    if where is not None:
+        query = query.where(where)
+    with db_of(engine).connect() as conn:
+        return list(conn.execute(query).scalars())

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from kitflows import EXECUTED, Ctx, sleeper, three_steps, waiting
+from kitflows import EXECUTED, Ctx, instants, sleeper, three_steps, waiting
 
 from flowloop import FakeClock, Iteration, Loop, Retry, Step, Workflow, loop
 from flowloop import journal as j
@@ -59,18 +58,18 @@ def journal_in_db(url: str, run_id: str) -> list[j.JournalEvent]:
 
 def test_run_until_idle__jumps_to_a_two_day_wait_timeout(engine: TestEngine) -> None:
     flow = waiting()
-    start = engine.clock.now()
+    start, ticks = engine.clock.now(), engine.clock.monotonic()
     run = engine.start(flow, {})
-    began = time.perf_counter()
     engine.run_until_idle()
-    wall = time.perf_counter() - began
     info = engine.get(run.id)
     assert (info.status, info.state) == ("succeeded", "expired")
-    assert engine.clock.now() == pytest.approx(start + 2 * DAY)
     timeout = next(e for e in engine.history(run.id) if e.kind == j.EVENT_RECEIVED)
-    assert timeout.event == "timeout"
-    assert timeout.at == pytest.approx(start + 2 * DAY)
-    assert wall < 5.0, f"two fake days took {wall:.3f}s of wall time"
+    assert (timeout.event, timeout.at) == ("timeout", start + 2 * DAY)
+    # Skipped, not waited: one jump of the fake clock (both its clocks, exactly two days)
+    # from the wait's entry to its timeout, every journal entry at one of those instants.
+    assert engine.clock.now() == start + 2 * DAY
+    assert engine.clock.monotonic() - ticks == 2 * DAY
+    assert instants(engine, run.id, start) == [0.0, 2 * DAY]
 
 
 def test_run_until_idle__without_skip_time_leaves_timers_alone(engine: TestEngine) -> None:
@@ -136,15 +135,16 @@ def test_retry_backoff_of_minutes__skipped_on_the_fake_clock(engine: TestEngine)
             raise ConnectionError("provider down")
 
     flow.final("done")
+    start = engine.clock.now()
     run = engine.start(flow, {})
-    began = time.perf_counter()
     engine.run_until_idle()
-    wall = time.perf_counter() - began
     tries = attempts(engine, run, "call")
     assert [a.outcome for a in tries] == [j.STEP_FAILED, j.STEP_FAILED, j.STEP_SUCCEEDED]
     gaps = [later.started_at - earlier.started_at for earlier, later in itertools.pairwise(tries)]
-    assert gaps == pytest.approx([600.0, 600.0])
-    assert wall < 5.0
+    assert gaps == [600.0, 600.0]
+    # The backoffs were jumps of the fake clock to each retry's due time, nothing else.
+    assert engine.clock.now() == start + 1200.0
+    assert instants(engine, run.id, start) == [0.0, 600.0, 1200.0]
 
 
 def test_leases__judged_by_the_database_clock_however_far_the_fake_clock_jumps(
@@ -528,14 +528,14 @@ def test_run_loops__hourly_function_fires_each_slot_on_the_fake_clock(engine: Te
         slots.append(iteration.slot)
 
     start = engine.clock.now()
-    began = time.perf_counter()
     events = engine.run_loops([hourly], timedelta(days=1))
-    wall = time.perf_counter() - began
     assert [slot - start for slot in slots] == [3600.0 * h for h in range(25)]
     assert engine.clock.now() == start + DAY
     assert [e.kind for e in events].count("iteration_succeeded") == 25
     assert engine.loop("hourly").next_fire_at == start + 25 * 3600
-    assert wall < 5.0
+    # The day went by in jumps of the fake clock from slot to slot: the loop's journal
+    # holds nothing written between two slots.
+    assert {e.at - start for e in events} <= {3600.0 * h for h in range(25)}
 
 
 def test_run_loops__workflow_loop_whose_run_sleeps_and_a_retried_iteration(

@@ -14,23 +14,27 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 from polling import poll
 from uikit import free_port, parcels
 
-from flowloop.ui.command import is_loopback
+from flowloop.cli.ui import is_loopback
 
 UIKIT = str(Path(__file__).resolve().parents[1] / "uikit.py")
 
 
 @contextmanager
-def flowloop_ui(*args: str, cwd: Path) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+def flowloop_ui(
+    *args: str, cwd: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    environ = {k: v for k, v in os.environ.items() if k != "FLOWLOOP_UI_TOKEN"}
     process = subprocess.Popen(
         [sys.executable, "-m", "flowloop.cli", "ui", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )
     lines: list[str] = []
     try:
@@ -88,6 +92,37 @@ def test_ui__allow_actions_prints_a_token_the_api_accepts(sqlite_url: str, tmp_p
         poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
         headers = {"Authorization": f"Bearer {token}"}
         paused = httpx.post(f"{base}/api/runs/{run_id}/pause", headers=headers)
+        assert paused.status_code == 200 and paused.json()["status"] == "paused"
+
+
+@pytest.mark.parametrize("from_env", [False, True], ids=["file", "env_wins"])
+def test_ui__the_action_token_comes_from_flowloop_toml_and_the_env_wins(
+    sqlite_url: str, tmp_path: Path, from_env: bool
+) -> None:
+    from uikit import Parcel, parcel
+
+    from flowloop import Engine
+
+    with Engine(sqlite_url, workflows=[parcel]) as engine:
+        run_id = engine.start(parcel, Parcel(parcel_id="T")).id
+    (tmp_path / "flowloop.toml").write_text('ui_token = "token-from-the-file"\n')
+    env = {"FLOWLOOP_UI_TOKEN": "token-from-the-env"} if from_env else {}
+    expected = "token-from-the-env" if from_env else "token-from-the-file"
+    port = free_port()
+    args = ("--db", sqlite_url, "-w", UIKIT, "--port", str(port), "--allow-actions")
+    with flowloop_ui(*args, cwd=tmp_path, env=env) as (process, lines):
+        read_until(process, lines, "http://")
+        assert read_until(process, lines, "token:").split("token:")[1].strip() == expected
+        base = f"http://127.0.0.1:{port}"
+        poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
+        other = "token-from-the-file" if from_env else "token-from-the-env"
+        refused = httpx.post(
+            f"{base}/api/runs/{run_id}/pause", headers={"Authorization": f"Bearer {other}"}
+        )
+        assert refused.status_code in (401, 403)
+        paused = httpx.post(
+            f"{base}/api/runs/{run_id}/pause", headers={"Authorization": f"Bearer {expected}"}
+        )
         assert paused.status_code == 200 and paused.json()["status"] == "paused"
 
 

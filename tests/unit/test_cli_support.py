@@ -1,8 +1,8 @@
-"""The pure parts of the CLI's helpers: JSON times and how two contexts differ."""
+"""The pure parts of the CLI's helpers: JSON times, how two contexts differ, the SQLite modes."""
 
 from __future__ import annotations
 
-from flowloop.cli_support import differing_fields, iso8601, with_times
+from flowloop.cli.support import differing_fields, iso8601, with_times
 
 T = 1_764_580_568.974123  # 2025-12-01 09:16:08.974123 UTC
 
@@ -23,3 +23,11 @@ def test_differing_fields__names_top_level_fields_that_differ() -> None:
     assert differing_fields({"a": 1, "b": [1]}, {"a": 1, "b": [1]}) == []
     assert differing_fields({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 0}) == ["b", "c"]
     assert differing_fields([1], [2]) == ["(the whole context)"]
+
+
+def test_synchronous_modes__the_cli_option_offers_what_the_store_accepts() -> None:
+    # Spelled twice so the option needs no SQLAlchemy at `flowloop --help`.
+    from flowloop.cli.common import SYNCHRONOUS_MODES
+    from flowloop.store.dialect import SYNCHRONOUS_MODES as STORE_MODES
+
+    assert SYNCHRONOUS_MODES == STORE_MODES

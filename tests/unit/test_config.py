@@ -113,6 +113,18 @@ def test_settings__pyproject_tool_table_when_no_flowloop_toml(tmp_path: Path) ->
     assert (settings.db, settings.metrics_port) == ("sqlite:///app.db", 9464)
 
 
+def test_settings__the_dashboard_token_from_the_file_and_the_env_wins(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path / "flowloop.toml", 'ui_token = "from-the-file"\n')
+    assert load_settings().ui_token == "from-the-file"
+    monkeypatch.setenv("FLOWLOOP_UI_TOKEN", "from-the-env")
+    assert load_settings().ui_token == "from-the-env"
+    write(tmp_path / "flowloop.toml", 'ui_token = ""\n')
+    monkeypatch.delenv("FLOWLOOP_UI_TOKEN")
+    assert error_of().startswith("invalid configuration: ui_token: String should have at least")
+
+
 def test_settings__pyproject_without_the_table_is_ignored(tmp_path: Path) -> None:
     write(tmp_path / "pyproject.toml", '[project]\nname = "app"\n')
     assert load_settings().db is None

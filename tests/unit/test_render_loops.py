@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
+from loopkit import loop_row
 from pydantic import BaseModel
 
 from flowloop import Retry, Workflow, render, render_loops
@@ -137,30 +138,7 @@ def test_all_models__include_every_loop_after_the_workflows() -> None:
 
 
 def stored(**fields: object) -> LoopRow:
-    row: dict[str, object] = dict(
-        name="feed",
-        schedule="every 30s (fixed_delay)",
-        status="scheduled",
-        next_fire_at=None,
-        last_slot=None,
-        last_started_at=None,
-        last_ended_at=None,
-        last_result=None,
-        last_error=None,
-        iterations=0,
-        consecutive_failures=0,
-        skipped=0,
-        missed=0,
-        reason=None,
-        owner=None,
-        lease_expires_at=None,
-        lease_epoch=0,
-        control=None,
-        last_seq=0,
-        updated_at=T0,
-    )
-    row.update(fields)
-    return LoopRow(**row)  # type: ignore[arg-type]
+    return loop_row(**{"updated_at": T0, **fields})
 
 
 def entry(kind: str, **fields: object) -> LoopEvent:

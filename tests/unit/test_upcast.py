@@ -3,14 +3,16 @@ policy (what changes it and what does not)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 from deploykit import OrderV1, OrderV2, added_field, order, removed_state, renamed_state, v1_to_v2
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, create_model
 
 from flowloop import Workflow
 from flowloop.errors import DefinitionError, InvalidContext
+from flowloop.loader import load_paths
 from flowloop.upcast import ContextMigrationError, check_chain, schema_of, upcast
 
 
@@ -112,18 +114,61 @@ def test_fingerprint__context_version_changes_it() -> None:
     assert base.fingerprint != added_field(migrated=True).fingerprint
 
 
-def test_fingerprint__a_changed_default_or_type_changes_it() -> None:
-    class Loose(OrderV1):
-        fail_reserve: int = 1
-
+def test_fingerprint__a_changed_type_or_required_field_changes_it() -> None:
     class Typed(BaseModel):
         order_id: int
         trail: list[str] = []
         sleep: bool = False
         fail_reserve: int = 0
 
-    fingerprints = {order(context=m).fingerprint for m in (OrderV1, Loose, Typed)}
-    assert len(fingerprints) == 3
+    class Required(BaseModel):  # fail_reserve without its default: now required
+        order_id: str
+        trail: list[str] = []
+        sleep: bool = False
+        fail_reserve: int
+
+    class Renamed(BaseModel):
+        order_id: str
+        trail: list[str] = []
+        sleep: bool = False
+        failing_reserves: int = 0
+
+    models = (OrderV1, Typed, Required, Renamed)
+    assert len({order(context=m).fingerprint for m in models}) == len(models)
+
+
+def test_fingerprint__a_changed_default_does_not_change_it() -> None:
+    """A default fills a field only in a context being created (a stored one is written
+    whole): changing it strands no run, and one that depends on the environment (a path
+    of the checkout) must not give the same definition another fingerprint elsewhere."""
+
+    class Loose(OrderV1):
+        fail_reserve: int = 1
+        trail: list[str] = ["started"]
+
+    class Elsewhere(OrderV1):
+        sleep: bool = Field(default=True, description="another checkout's default")
+
+    base = order().fingerprint
+    assert order(context=Loose).fingerprint == base
+    assert order(context=Elsewhere).fingerprint == base
+    # A nested model's field defaults, and a default object for a field, are left out too.
+    here = order(context=with_nested_source("/home/a/checkout/data")).fingerprint
+    there = order(context=with_nested_source("/builds/ci/data", whole=True)).fingerprint
+    assert here == there != base  # the added field itself counts
+
+
+def with_nested_source(folder: str, *, whole: bool = False) -> type[BaseModel]:
+    """The order context with a ``source`` whose ``path`` defaults to ``folder`` (as a
+    checkout-dependent default would); ``whole``: the field's default object says it too."""
+
+    class Source(BaseModel):
+        path: str = folder
+
+    class WithSource(OrderV1):
+        source: Source = Source(path=folder) if whole else Source()
+
+    return WithSource
 
 
 def test_fingerprint__docstrings_titles_descriptions_and_bodies_do_not_change_it() -> None:
@@ -140,15 +185,12 @@ def test_fingerprint__docstrings_titles_descriptions_and_bodies_do_not_change_it
     assert other_body.fingerprint == order().fingerprint  # fresh functions, same structure
 
 
-def test_fingerprint__a_field_named_title_is_kept() -> None:
-    class WithTitle(BaseModel):
-        title: str
-
-    class WithName(BaseModel):
-        name: str
-
-    assert "title" in schema_of(WithTitle)["properties"]
-    assert schema_of(WithTitle) != schema_of(WithName)
+@pytest.mark.parametrize("name", ["title", "description", "default"])
+def test_fingerprint__a_field_named_like_a_left_out_key_is_kept(name: str) -> None:
+    named = create_model("Named", **{name: (str, ...)})  # type: ignore[call-overload]
+    other = create_model("Named", other=(str, ...))
+    assert name in schema_of(named)["properties"] and name in schema_of(named)["required"]
+    assert schema_of(named) != schema_of(other)
 
 
 def test_fingerprint__structure_changes_change_it() -> None:
@@ -165,3 +207,38 @@ def test_definition_record__carries_the_context_schema() -> None:
     record = added_field(migrated=True).validate().definition_record()
     assert record["context"]["version"] == 2
     assert "currency" in record["context"]["schema"]["required"]
+
+
+COPIED_WORKFLOW = """
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from flowloop import Workflow
+
+
+class Job(BaseModel):
+    folder: str = str(Path(__file__).parent)  # where this checkout keeps its files
+
+
+copied = Workflow("copied", context=Job)
+
+
+@copied.step(initial=True, next="done")
+def only(ctx: Job) -> None: ...
+
+
+copied.final("done")
+"""
+
+
+def test_fingerprint__the_same_file_in_another_checkout_folder_keeps_it(tmp_path: Path) -> None:
+    prints = set()
+    for checkout in ("here", "elsewhere/ci"):
+        folder = tmp_path / checkout / "workflows"
+        folder.mkdir(parents=True)
+        (folder / "copied.py").write_text(COPIED_WORKFLOW)
+        workflow = load_paths([folder]).workflows["copied"]
+        assert workflow.parse_context({}).folder == str(folder)  # type: ignore[attr-defined]
+        prints.add(workflow.fingerprint)
+    assert len(prints) == 1

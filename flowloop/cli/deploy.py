@@ -1,5 +1,5 @@
-"""The CLI's deploy commands' output: ``flowloop check`` reports (the command is in cli.py)
-and ``flowloop migrate``."""
+"""The CLI's deploy commands' output: ``flowloop check`` reports and ``flowloop migrate``
+(the commands are in flowloop/cli/operators.py)."""
 
 from __future__ import annotations
 

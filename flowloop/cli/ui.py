@@ -1,13 +1,15 @@
-"""``flowloop ui``: serve the dashboard (imported only when the command runs, so
-``flowloop --help`` never imports starlette)."""
+"""``flowloop ui``: serve the dashboard. This module imports only click; starlette and
+uvicorn load when the command runs, so ``flowloop --help`` never imports them."""
 
 from __future__ import annotations
 
 import ipaddress
-import socket
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import click
+
+if TYPE_CHECKING:
+    import socket
 
 LOOPBACK: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8050
@@ -44,7 +46,7 @@ def is_loopback(host: str) -> bool:
     "--allow-actions",
     is_flag=True,
     help="Enable pause, unpause, stop, retry and send (each needs the token printed at "
-    "start-up, or the one in $FLOWLOOP_UI_TOKEN).",
+    "start-up: $FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, else a new one).",
 )
 @click.option("--token", envvar="FLOWLOOP_UI_TOKEN", default=None, hidden=True)
 def ui_command(
@@ -58,8 +60,8 @@ def ui_command(
     """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
-    from flowloop.cli import database, err, load_workflow_paths, out
-    from flowloop.cli_support import require_database
+    from flowloop.cli.common import database, err, load_workflow_paths, out, settings
+    from flowloop.cli.support import require_database
     from flowloop.errors import FlowloopError
 
     try:
@@ -81,7 +83,8 @@ def ui_command(
         workflows=loaded.workflows,
         loops=loaded.loops,
         allow_actions=allow_actions,
-        token=token,
+        # $FLOWLOOP_UI_TOKEN (the option's envvar) wins over the configuration file.
+        token=token or settings().ui_token,
         allowed_hosts=_allowed_hosts(host),
     )
     if not is_loopback(host):
@@ -106,6 +109,8 @@ def ui_command(
 def _bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything is printed: a port in use or a host
     that does not resolve is one line (exit 2), and ``--port 0`` shows the port it got."""
+    import socket
+
     from flowloop.errors import FlowloopError
 
     try:
@@ -118,6 +123,8 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _family(host: str) -> socket.AddressFamily:
+    import socket
+
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 

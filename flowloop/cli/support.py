@@ -1,6 +1,7 @@
-"""What several `flowloop` commands share and cli.py need not hold: refusing a database that
-does not exist for commands that only read, timestamps in JSON output, how a waiting run is
-shown, and telling a user that the business key they passed already has a run."""
+"""What several `flowloop` commands share beyond flowloop/cli/common.py (loaded when a
+command runs, so it may import SQLAlchemy): refusing a database that does not exist for
+commands that only read, timestamps in JSON output, how a waiting run is shown, and telling
+a user that the business key they passed already has a run."""
 
 from __future__ import annotations
 

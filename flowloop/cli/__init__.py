@@ -1,0 +1,133 @@
+"""The ``flowloop`` command. A FlowloopError becomes one line on stderr and an exit code
+(2: bad input, 1: a failure); only a bug shows a traceback.
+
+One module per command group: :mod:`~flowloop.cli.runs` (run, start, resume, retry, send),
+:mod:`~flowloop.cli.runs_view` (status, history, replay), :mod:`~flowloop.cli.operators`
+(pause, unpause, stop, worker, check, migrate), :mod:`~flowloop.cli.loops` (loops,
+trigger, backfill), :mod:`~flowloop.cli.diagrams` (diagram), :mod:`~flowloop.cli.database`
+(db, stats, prune) and :mod:`~flowloop.cli.ui` (ui); what they share is in
+:mod:`~flowloop.cli.common`, :mod:`~flowloop.cli.support` and :mod:`~flowloop.cli.views`.
+The command modules import click and the standard library only; the engine, SQLAlchemy
+and rich load when a command runs, so ``flowloop --help`` starts fast.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import click
+
+from flowloop.cli import database, diagrams, loops, operators, runs, runs_view, ui
+from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, TRACE, err
+from flowloop.errors import FlowloopError
+from flowloop.logs import FORMATS, LEVELS
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="flowloop", prog_name="flowloop")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Configuration file [env FLOWLOOP_CONFIG; default ./flowloop.toml, "
+    "else [tool.flowloop] in ./pyproject.toml].",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(FORMATS),
+    default=None,
+    help="Log lines as text or JSON objects, one per line [default: text].",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(LEVELS, case_sensitive=False),
+    default=None,
+    help="[default: info for worker, warning otherwise]",
+)
+@click.option(
+    "--trace",
+    is_flag=True,
+    help="Trace runs with OpenTelemetry (needs flowloop[otel]; exporter from "
+    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none).",
+)
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    config_path: str | None,
+    log_format: str | None,
+    log_level: str | None,
+    trace: bool,
+) -> None:
+    """flowloop: explicit state-machine workflows, journaled step by step.
+
+    Settings come from flowloop.toml (or [tool.flowloop] in pyproject.toml), then
+    FLOWLOOP_* environment variables, then flags; later ones win."""
+    from flowloop.config import load_settings
+    from flowloop.logs import setup_logging
+
+    flags = {"log_format": log_format, "log_level": log_level}
+    ctx.meta[GLOBAL_FLAGS] = flags
+    ctx.meta[CONFIG_PATH] = config_path
+    ctx.meta[TRACE] = trace
+    ctx.obj = config = load_settings(flags, config_file=config_path)
+    default_level = "info" if ctx.invoked_subcommand == "worker" else "warning"
+    setup_logging(config.log_format, config.log_level or default_level)
+
+
+for command in (
+    runs.run,
+    runs.start,
+    runs.resume,
+    runs.retry,
+    runs.send,
+    runs_view.status,
+    runs_view.history,
+    runs_view.replay,
+    operators.pause,
+    operators.unpause,
+    operators.stop,
+    operators.worker,
+    operators.check,
+    operators.migrate,
+    loops.loops_command,
+    loops.trigger_command,
+    loops.backfill_command,
+    diagrams.diagram,
+    database.db,
+    database.stats_command,
+    database.prune_command,
+    ui.ui_command,
+):
+    cli.add_command(command)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    try:
+        cli.main(args=list(argv) if argv is not None else None, standalone_mode=False)
+    except FlowloopError as error:
+        err.print(f"error: {error}", markup=False)
+        sys.exit(error.exit_code)
+    except click.exceptions.Abort:
+        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
+        sys.exit(130)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
+        sys.exit(130)
+    except Exception as error:
+        # The last line of defence: storage and encoding errors that no command turned
+        # into a FlowloopError still get one line, never a traceback.
+        from flowloop.lastresort import last_resort
+
+        line, code = last_resort(error)
+        if line is None:
+            raise
+        err.print(f"error: {line}", markup=False)
+        sys.exit(code)
+
+
+__all__ = ["cli", "main"]

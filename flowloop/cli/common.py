@@ -1,0 +1,216 @@
+"""What every command module shares: the consoles, the common options, the settings and
+opening the engine.
+
+Light on purpose: click and the standard library at module level, everything else
+(SQLAlchemy, pydantic-settings, the engine, rich) imported when a command runs, so
+`flowloop --help` stays fast (issue 13, cold start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+
+import click
+
+from flowloop.errors import EXIT_FAILURE, FlowloopError
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from flowloop.config import Settings
+    from flowloop.engine import Engine
+    from flowloop.loader import Loaded
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+DEFAULT_WORKFLOWS: Final = "workflows"
+GLOBAL_FLAGS: Final = "flowloop.flags"
+CONFIG_PATH: Final = "flowloop.config"
+TRACE: Final = "flowloop.trace"
+SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
+"""flowloop.store.dialect.SYNCHRONOUS_MODES, spelled here so the options need no SQLAlchemy
+(tests/unit/test_cli_support.py keeps the two equal)."""
+
+# Wide enough for run ids when piped (rich falls back to 80 columns without a terminal),
+# unless $COLUMNS says how wide.
+WIDE = sys.stdout.isatty() or bool(os.environ.get("COLUMNS"))
+
+
+class _LazyConsole:
+    """A rich Console made on first use: importing the commands does not import rich."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(**self._options)
+        return getattr(self._console, name)
+
+
+out = cast("Console", _LazyConsole(highlight=False, soft_wrap=True, width=None if WIDE else 200))
+err = cast("Console", _LazyConsole(stderr=True, highlight=False, soft_wrap=True))
+
+
+class Failed(FlowloopError):
+    """A command ran but what it checked or drove did not succeed."""
+
+    exit_code = EXIT_FAILURE
+
+
+def db_option(fn: F) -> F:
+    fn = click.option(
+        "--synchronous",
+        type=click.Choice(SYNCHRONOUS_MODES, case_sensitive=False),
+        default="NORMAL",
+        show_default=True,
+        help="SQLite durability: NORMAL survives crashes, FULL also power loss.",
+    )(fn)
+    return click.option(
+        "--db",
+        envvar="FLOWLOOP_DB",
+        default=None,
+        help="Database URL or SQLite file [env FLOWLOOP_DB, else db in flowloop.toml; "
+        "default ./flowloop.db].",
+    )(fn)
+
+
+def workflows_option(fn: F) -> F:
+    return click.option(
+        "-w",
+        "--workflows",
+        "workflow_paths",
+        multiple=True,
+        help="Files or directories that define the workflows [default: ./workflows].",
+    )(fn)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(fn)
+
+
+def trace(engine: Engine) -> None:
+    try:
+        from flowloop import tracing  # lazy: OpenTelemetry only when asked for
+    except ImportError as error:
+        raise FlowloopError(
+            f"--trace needs OpenTelemetry ({error.name} is missing): pip install 'flowloop[otel]'"
+        ) from None
+    tracing.instrument_from_env(engine)
+
+
+def settings() -> Settings:
+    """The settings the ``flowloop`` group loaded: file < FLOWLOOP_* < global flags."""
+    from flowloop.config import Settings, load_settings
+
+    ctx = click.get_current_context(silent=True)
+    found = ctx.find_object(Settings) if ctx is not None else None
+    return found if found is not None else load_settings()
+
+
+def command_settings(**flags: Any) -> Settings:
+    """The settings again, with this command's own flags on top (validated the same way)."""
+    from flowloop.config import load_settings
+
+    ctx = click.get_current_context()
+    given = dict(ctx.meta.get(GLOBAL_FLAGS, {}))
+    return load_settings({**given, **flags}, config_file=ctx.meta.get(CONFIG_PATH))
+
+
+def database(db: str | None) -> str:
+    """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
+    from flowloop.engine import default_url
+
+    return db or settings().db or default_url()
+
+
+def open_engine(
+    db: str | None,
+    synchronous: str = "NORMAL",
+    loaded: Loaded | None = None,
+    *,
+    read: bool = False,
+) -> Engine:
+    """The engine on --db; ``read``: for a command that only reads, so a database that does
+    not exist is refused (exit 2), not created."""
+    from flowloop.cli import support
+    from flowloop.engine import Engine
+
+    url = database(db)
+    store = support.read_store(url, synchronous) if read else None
+    engine = Engine(url, synchronous=synchronous, store=store)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get(TRACE):
+        trace(engine)
+    if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
+        engine.register(*loaded.all_versions())
+    return engine
+
+
+def load_workflow_paths(paths: Sequence[str]) -> Loaded:
+    """The workflows and loops in ``paths``, with the configuration's overrides applied."""
+    from flowloop.config import apply_overrides
+    from flowloop.loader import Loaded, load_paths
+
+    if paths:
+        loaded = load_paths(paths)
+    elif Path(DEFAULT_WORKFLOWS).is_dir():
+        loaded = load_paths([DEFAULT_WORKFLOWS])
+    else:
+        return Loaded()
+    loaded.loops = apply_overrides(settings(), loaded.workflows, loaded.loops)
+    return loaded
+
+
+def seconds_option(value: str, option: str) -> float:
+    from flowloop.config import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as error:
+        raise FlowloopError(f"{option} {error}") from None
+
+
+def sql_engine(engine: Engine) -> Any:
+    """The SQLAlchemy engine under ``engine`` (stats and prune are SQL)."""
+    from flowloop.store.sql import SQLStore
+
+    if not isinstance(engine.store, SQLStore):
+        raise FlowloopError("this command needs the SQL store")
+    return engine.store.engine
+
+
+def parse_context(text: str | None, option: str = "--context") -> Any:
+    if text is None:
+        return {}
+    source = option
+    if text.startswith("@"):
+        path = Path(text[1:])
+        if not path.is_file():
+            raise FlowloopError(f"{option} {text}: no such file")
+        source, text = str(path), path.read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FlowloopError(f"{source} is not valid JSON: {error}") from None
+
+
+def parse_assignments(pairs: Sequence[str]) -> dict[str, Any]:
+    """``field=value`` pairs; a value that parses as JSON is taken as JSON, else as text."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name:
+            raise FlowloopError(f"--set {pair!r}: expected FIELD=VALUE")
+        try:
+            values[name] = json.loads(raw)
+        except json.JSONDecodeError:
+            values[name] = raw
+    return values

@@ -1,0 +1,174 @@
+"""Commands on loops: `loops` (list, or one loop's journal), `trigger`, `backfill`."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+
+import click
+
+from flowloop import loop_requests
+from flowloop.cli.common import db_option, json_option, open_engine, out, seconds_option
+from flowloop.errors import FlowloopError
+
+
+@click.command(name="loops")
+@click.argument("name", required=False)
+@click.option("--limit", type=int, default=20, show_default=True, help="Journal lines for NAME.")
+@db_option
+@json_option
+def loops_command(
+    name: str | None, limit: int, db: str | None, synchronous: str, as_json: bool
+) -> None:
+    """List loops (name, schedule, status, last result, next fire …), or one loop's journal."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from flowloop.cli import support
+    from flowloop.cli.views import journal_row, loop_json, styled
+    from flowloop.clock import iso
+
+    with open_engine(db, synchronous, read=True) as engine:
+        rows = [engine.loop(name)] if name else engine.loops()
+        events = engine.loop_history(name, limit=limit) if name else []
+    if as_json:
+        journal = [
+            support.with_times(vars(e) | {"data": dict(e.data)}, "at", "slot") for e in events
+        ]
+        click.echo(json.dumps({"loops": [loop_json(r) for r in rows], "journal": journal}))
+        return
+    table = Table(
+        "loop",
+        "schedule",
+        "status",
+        "last result",
+        "next fire",
+        "iterations",
+        "skipped",
+        "missed",
+        "failures",
+        "note",
+    )
+    for row in rows:
+        table.add_row(
+            row.name,
+            row.schedule,
+            styled(row.status),
+            row.last_result or "-",
+            iso(row.next_fire_at),
+            str(row.iterations),
+            str(row.skipped),
+            str(row.missed),
+            str(row.consecutive_failures),
+            # Whole (wrapped, not cut): a loop's last error is what the operator needs.
+            escape(
+                row.last_error or row.reason or (f"{row.control} requested" if row.control else "")
+            ),
+        )
+    out.print(table)
+    if events:
+        journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
+        for event in events:
+            detail = escape(event.error_message or str(event.data.get("reason", "")) or "")
+            middle = (iso(event.slot), str(event.count or ""))
+            journal_table.add_row(*journal_row(event, middle, detail))
+        out.print(journal_table)
+
+
+def _when(text: str, option: str) -> float:
+    """An ISO 8601 time for --from/--to; without an offset it is UTC."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise FlowloopError(
+            f"{option}={text!r} is not an ISO 8601 time (e.g. 2026-03-29T02:30 in UTC, or "
+            "2026-03-29T02:30+02:00)"
+        ) from None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
+
+
+@click.command(name="trigger")
+@click.argument("name")
+@db_option
+@json_option
+def trigger_command(name: str, db: str | None, synchronous: str, as_json: bool) -> None:
+    """Run one iteration of loop NAME now (journaled as manual; its worker runs it, never
+    while another iteration of NAME runs; the schedule is unchanged)."""
+    from flowloop.cli.views import loop_json
+
+    with open_engine(db, synchronous, read=True) as engine:
+        row = engine.trigger_loop(name)
+    if as_json:
+        click.echo(json.dumps({"loop": loop_json(row)}))
+        return
+    out.print(f"loop {row.name}: trigger requested; its worker runs it (`flowloop loops {name}`)")
+
+
+@click.command(name="backfill")
+@click.argument("name")
+@click.option("--from", "start", required=True, help="First slot time (ISO 8601; UTC if bare).")
+@click.option("--to", "end", required=True, help="Last slot time (ISO 8601; UTC if bare).")
+@click.option(
+    "--max",
+    "limit",
+    type=int,
+    default=loop_requests.DEFAULT_BACKFILL_MAX,
+    show_default=True,
+    help="Run at most this many slots.",
+)
+@click.option("--wait", is_flag=True, help="Show progress until the backfill has finished.")
+@click.option("--timeout", "timeout_text", default="10m", show_default=True, help="For --wait.")
+@db_option
+@json_option
+def backfill_command(
+    name: str,
+    start: str,
+    end: str,
+    limit: int,
+    wait: bool,
+    timeout_text: str,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Run the slots of loop NAME between --from and --to that never ran (missed while
+    no worker ran, given up past the misfire grace), oldest first, one at a time."""
+    from flowloop.cli.views import loop_json
+    from flowloop.clock import iso
+
+    request = loop_requests.BackfillRequest(_when(start, "--from"), _when(end, "--to"), limit)
+    timeout = seconds_option(timeout_text, "--timeout")
+    with open_engine(db, synchronous, read=True) as engine:
+        row = engine.backfill_loop(name, request)
+        if not as_json:
+            out.print(
+                f"loop {row.name}: backfill of {iso(request.start)} .. {iso(request.end)} "
+                f"requested (at most {limit} slots); its worker runs it"
+            )
+        seen = row.last_seq
+        finished = not wait
+        deadline = time.monotonic() + timeout
+        while not finished:
+            for event in engine.loop_history(name, limit=1000):
+                if event.seq <= seen:
+                    continue
+                seen = event.seq
+                if event.kind == "backfill_finished":
+                    finished = True
+                elif event.data.get("reason") == "backfill" and not as_json:
+                    out.print(f"  slot {iso(event.slot)} started")
+                elif event.kind.startswith("iteration_") and not as_json:
+                    out.print(f"  slot {iso(event.slot)} {event.kind.removeprefix('iteration_')}")
+            if not finished:
+                if time.monotonic() > deadline:
+                    raise FlowloopError(
+                        f"backfill of loop {name!r} still running after {timeout_text}; it goes "
+                        f"on (`flowloop loops {name}`)"
+                    )
+                time.sleep(engine.poll_seconds)
+        row = engine.loop(name)
+    if as_json:
+        click.echo(json.dumps({"loop": loop_json(row)}))
+    elif wait:
+        out.print(f"loop {row.name}: backfill finished")

@@ -1,0 +1,257 @@
+"""Commands of the people who operate flowloop: `pause`, `unpause`, `stop` (a loop or a run),
+`worker`, and the deploy pair `check` and `migrate`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from flowloop.cli.common import (
+    DEFAULT_WORKFLOWS,
+    TRACE,
+    Failed,
+    command_settings,
+    database,
+    db_option,
+    json_option,
+    load_workflow_paths,
+    open_engine,
+    out,
+    trace,
+    workflows_option,
+)
+from flowloop.errors import FlowloopError
+
+
+def control_command(name: str, doc: str) -> click.Command:
+    """`flowloop NAME TARGET`: the engine's ``NAME`` (pause, unpause, stop) on a loop or a run."""
+
+    @click.command(name=name, help=doc)
+    @click.argument("target")
+    @db_option
+    @json_option
+    def command(target: str, db: str | None, synchronous: str, as_json: bool) -> None:
+        from flowloop.cli import support
+        from flowloop.cli.views import info_json, loop_json, styled
+        from flowloop.errors import UnknownRun
+
+        with open_engine(db, synchronous, read=True) as engine:
+            # A loop's name first: a name is never taken for a run id prefix.
+            if any(row.name == target for row in engine.loops()):
+                row = getattr(engine, f"{name}_loop")(target)
+                if as_json:
+                    click.echo(json.dumps({"loop": loop_json(row)}))
+                    return
+                pending = (
+                    f" ({row.control} requested; after the running iteration)"
+                    if row.control
+                    else ""
+                )
+                out.print(f"loop {row.name} {styled(row.status)}{pending}")
+                return
+            try:
+                info = getattr(engine, name)(target)
+            except UnknownRun as error:
+                raise UnknownRun(
+                    target,
+                    "and no loop of that name: list runs with `flowloop status`, loops with "
+                    "`flowloop loops` (a loop is listed once a worker has started it)",
+                ) from error
+            if as_json:
+                click.echo(json.dumps({"run": info_json(info, support.WaitStates(engine))}))
+                return
+        pending = (
+            " (requested; its worker acts at the next step boundary)"
+            if info.status == "running"
+            else ""
+        )
+        out.print(f"run {info.id} {styled(info.status)}{pending}")
+
+    return command
+
+
+pause = control_command(
+    "pause", "Pause a loop or run (TARGET: loop name or run id); what is in progress finishes."
+)
+unpause = control_command("unpause", "Resume a paused loop or run (TARGET: loop name or run id).")
+stop = control_command(
+    "stop", "Stop a loop or run for good (TARGET: loop name or run id); cancels work in progress."
+)
+
+
+@click.command()
+@click.argument("paths", nargs=-1)
+@workflows_option
+@click.option(
+    "--concurrency", type=int, default=None, help="Steps and loop iterations at once [default: 16]."
+)
+@click.option(
+    "--grace",
+    default=None,
+    help="Time in-flight work gets to finish on SIGTERM/SIGINT (30, 30s, 2m) [default: 30s].",
+)
+@click.option("--lease", default=None, help="Lease length (30, 30s, 1m) [default: 30s].")
+@click.option(
+    "--metrics-port",
+    type=int,
+    default=None,
+    help="Serve Prometheus metrics on this port (0: any free port) [default: off].",
+)
+@click.option(
+    "--metrics-host", default=None, help="Address for --metrics-port [default: 127.0.0.1]."
+)
+@db_option
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the start-up line as a JSON object on stdout."
+)
+def worker(
+    paths: tuple[str, ...],
+    workflow_paths: tuple[str, ...],
+    concurrency: int | None,
+    grace: str | None,
+    lease: str | None,
+    metrics_port: int | None,
+    metrics_host: str | None,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Execute due runs and loop iterations from PATHS or -w (default ./workflows) until
+    stopped."""
+    from flowloop.engine import Engine
+    from flowloop.metrics import Metrics
+    from flowloop.store.dialect import safe_url
+    from flowloop.worker import Worker
+
+    paths = paths + workflow_paths
+
+    config = command_settings(
+        db=db,
+        concurrency=concurrency,
+        grace=grace,
+        lease=lease,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+    )
+    loaded = load_workflow_paths(paths)
+    if not loaded.workflows and not loaded.loops:
+        raise FlowloopError(
+            "nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS)
+        )
+    with Engine(
+        database(config.db),
+        synchronous=synchronous,
+        max_concurrency=config.concurrency,
+        lease_seconds=config.lease,
+    ) as engine:
+        engine.register(*loaded.workflows.values())
+        if click.get_current_context().meta.get(TRACE):
+            trace(engine)
+        metrics, serving = None, None
+        if as_json and config.metrics_port is not None:
+            # Served before the worker starts, so the start-up line can name the port.
+            metrics = Metrics()
+            port = metrics.serve(config.metrics_port, config.metrics_host)
+            serving = f"http://{config.metrics_host}:{port}/metrics"
+        running = Worker(
+            engine,
+            list(loaded.loops.values()),
+            concurrency=config.concurrency,
+            grace=config.grace,
+            alerts=config.make_alerts(),
+            metrics=metrics,
+            metrics_port=None if as_json else config.metrics_port,
+            metrics_host=config.metrics_host,
+        )
+        if as_json:
+            started = {
+                "event": "worker_started",
+                "worker": engine.worker_id,
+                "db": safe_url(engine.url),
+                "workflows": sorted(loaded.workflows),
+                "loops": sorted(loaded.loops),
+                "concurrency": running.concurrency,
+                "metrics": serving,
+            }
+            click.echo(json.dumps(started))
+            sys.stdout.flush()
+        running.run_forever()
+
+
+@click.command()
+@click.argument("target")
+@db_option
+@json_option
+@click.option("--all-runs", is_flag=True, help="List every live run, not only those that change.")
+def check(target: str, db: str | None, synchronous: str, as_json: bool, all_runs: bool) -> None:
+    """Validate the workflows in FILE and tell, run by run, what they do to live runs:
+    continues as is, continues after migration, would be parked, would fail. Exit 0 only
+    when nothing would be parked or fail."""
+    from flowloop.checking import check_workflows
+    from flowloop.cli.deploy import print_check_report
+    from flowloop.loader import load_paths
+    from flowloop.store.sql import SQLStore
+
+    path = target.split(":")[0]
+    loaded = load_paths([path])
+    with open_engine(db, synchronous, read=True) as engine:
+        assert isinstance(engine.store, SQLStore)
+        reports = check_workflows(engine.store, loaded.all_versions(), every=all_runs)
+    bad = [run for _, report in reports for run in report.runs if run.kind in ("parks", "fails")]
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "ok": not bad,
+                    "workflows": [
+                        {**report.as_dict(), "name": workflow.name, "states": len(workflow.states)}
+                        for workflow, report in reports
+                    ],
+                    "stranded": [run.as_dict() for run in bad],
+                }
+            )
+        )
+    else:
+        for workflow, report in reports:
+            print_check_report(out, workflow, report)
+    if bad:
+        raise Failed(f"{len(bad)} live run(s) would be parked or fail under this definition")
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@click.option("--workflow", "workflow_name", help="Move every live run of this workflow.")
+@click.option("--to", "to_version", type=int, required=True, help="The version to move to.")
+@workflows_option
+@db_option
+@json_option
+def migrate(
+    run_id: str | None,
+    workflow_name: str | None,
+    to_version: int,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Move RUN (or every live run of --workflow) to version --to of its workflow, as that
+    version's migrates_from= maps the states; journaled with who, from and to. A run parked
+    for a mismatch goes on; one that cannot move is listed and left as it is."""
+    from flowloop.cli.deploy import print_moved
+
+    if (run_id is None) == (workflow_name is None):
+        raise click.UsageError("give a RUN id or --workflow NAME (not both)")
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded, read=True) as engine:
+        if run_id is not None:
+            info = engine.migrate(run_id, to=to_version)
+            moved: list[tuple[str, str | None]] = [(info.id, None)]
+        else:
+            assert workflow_name is not None
+            results = engine.migrate_workflow(workflow_name, to=to_version)
+            moved = [(m.run_id, m.problem) for m in results]
+    failed = print_moved(out, moved, to_version, as_json=as_json)
+    if failed:
+        raise Failed(f"{failed} run(s) could not be moved to v{to_version}")

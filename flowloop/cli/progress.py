@@ -1,0 +1,129 @@
+"""What `flowloop run`, `resume` and `retry` print while they drive runs: each committed
+boundary, and progress lines with a rate and an ETA for runs that count their work."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+
+from flowloop.cli.common import out
+from flowloop.cli.views import describe_event, styled
+
+if TYPE_CHECKING:
+    from flowloop.journal import JournalEvent, RunRecord
+
+
+def progress_printer(
+    prefix: str = "", *, every: float = 1.0
+) -> Callable[[RunRecord, Sequence[JournalEvent]], None]:
+    """Prints each committed boundary of a run as it happens.
+
+    A run whose context counts its work — numeric ``<what>_done`` fields (``rows_done``,
+    ``batches_done`` …, with ``<what>_total`` when known) and ``rejects`` / ``errors``, at the
+    top level or in a ``progress`` dict, plus the ``file`` or ``item`` being worked on — also
+    gets progress lines with a rate (of ``rows_done``, else the first ``_done`` counter) and
+    an ETA. Its steps that loop back to their own state (batch after batch) print no line
+    each: a progress line comes at most every ``every`` seconds, when such a loop ends and
+    when the run ends. A ``summary`` text in the final context is printed last.
+    """
+    ended = ("succeeded", "failed", "stopped", "paused")
+
+    first_seen: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter)
+    last_line: dict[str, tuple[float, float]] = {}  # run -> (monotonic, rate counter) shown
+
+    def counters(context: str) -> tuple[dict[str, Any], list[str]] | None:
+        """The progress fields of a context and its ``_done`` keys (the rate's first)."""
+        try:
+            data = json.loads(context)
+        except ValueError:
+            return None
+        if not isinstance(data, dict):
+            return None
+        source = data["progress"] if isinstance(data.get("progress"), dict) else data
+        done = [
+            key
+            for key, value in source.items()
+            if key.endswith("_done") and number(value) is not None
+        ]
+        if not done:
+            return None
+        done.sort(key=lambda key: key != "rows_done")
+        return {**source, "summary": data.get("summary")}, done
+
+    def number(value: object) -> float | None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        return None
+
+    def shown(value: float) -> str:
+        return f"{value:,.0f}" if value.is_integer() else f"{value:,.1f}"
+
+    def progress_line(record: RunRecord, source: dict[str, Any], done: list[str]) -> str:
+        parts = []
+        item = source.get("file") or source.get("item")
+        if isinstance(item, str):
+            parts.append(escape(item))
+        for key in done:
+            what, value = key[: -len("_done")], number(source[key]) or 0.0
+            total = number(source.get(f"{what}_total"))
+            text = f"{what} {shown(value)}"
+            if total:
+                text += f"/{shown(total)}"
+                if key == done[0]:
+                    text += f" ({100 * value / total:.1f}%)"
+            parts.append(text)
+        for key in ("rejects", "errors"):
+            count = number(source.get(key))
+            if count is not None:
+                parts.append(f"{key} {shown(count)}")
+        t0, first = first_seen[record.id]
+        elapsed = time.monotonic() - t0
+        unit, value = done[0][: -len("_done")], number(source[done[0]]) or 0.0
+        # A rate over a few ms means little while running; the final line always has one.
+        if value > first and elapsed > 0 and (elapsed >= 0.05 or record.status in ended):
+            rate = (value - first) / elapsed
+            parts.append(f"{rate:,.0f} {unit}/s")
+            total = number(source.get(f"{unit}_total"))
+            eta = int((total - value) / rate) if total is not None and total > value else 0
+            if eta >= 1 and record.status != "succeeded":
+                parts.append(f"ETA {eta // 60}:{eta % 60:02d}")
+        return f"{prefix}[cyan]progress[/]  {escape(record.state):<12} " + "  ".join(parts)
+
+    def show(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        found = counters(record.context)
+        now = time.monotonic()
+        due = False
+        value = (number(found[0][found[1][0]]) or 0.0) if found is not None else 0.0
+        if found is not None and record.id not in first_seen:
+            first_seen[record.id] = last_line[record.id] = (now, value)
+        for event in events:
+            if event.kind == "step_started":
+                continue
+            looping = event.kind == "step_succeeded" and event.state == event.next_state
+            if found is not None and looping:
+                due = due or now - last_line[record.id][0] >= every
+                continue
+            took = f" {event.duration * 1000:.1f} ms" if event.duration is not None else ""
+            out.print(
+                f"{prefix}[dim]seq {event.seq:>3}[/] {event.kind:<16} "
+                f"{escape(describe_event(event))}{took}"
+            )
+            # A step that moved the count on (the last batch of a file): show where it got to.
+            due = due or (found is not None and value != last_line[record.id][1])
+        finished = record.status in ended
+        if found is not None and (due or finished):
+            out.print(progress_line(record, *found))
+            last_line[record.id] = (now, value)
+        if finished:
+            summary = found[0].get("summary") if found is not None else None
+            if isinstance(summary, str) and summary:
+                out.print(f"{prefix}{escape(summary)}")
+            out.print(f"{prefix}run {record.id} {styled(record.status)} in state {record.state}")
+            first_seen.pop(record.id, None)
+            last_line.pop(record.id, None)
+
+    return show

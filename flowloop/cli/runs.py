@@ -1,0 +1,337 @@
+"""Commands that start and drive runs: `run`, `start`, `resume`, `retry`, `send`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from flowloop.cli.common import (
+    DEFAULT_WORKFLOWS,
+    Failed,
+    database,
+    db_option,
+    err,
+    json_option,
+    load_workflow_paths,
+    open_engine,
+    out,
+    parse_assignments,
+    parse_context,
+    settings,
+    workflows_option,
+)
+from flowloop.errors import FlowloopError
+
+
+@click.command()
+@click.argument("target")
+@click.option("--context", "context_text", help="Context as JSON, or @file.json.")
+@click.option("--key", help="Business key (a second run with it returns the first).")
+@db_option
+@json_option
+def run(
+    target: str,
+    context_text: str | None,
+    key: str | None,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Start a run of FILE[:WORKFLOW] and drive it to the end, showing each step.
+
+    A business key that has a run already: the same context goes on with that run (a line
+    says so); a different context is refused (exit 2), nothing started."""
+    from flowloop.cli import support
+    from flowloop.cli.progress import progress_printer
+    from flowloop.cli.views import info_json
+    from flowloop.clock import iso
+    from flowloop.config import apply_overrides
+    from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
+    from flowloop.loader import load_target, split_target
+
+    workflow, _ = load_target(target)
+    apply_overrides(settings(), {workflow.name: workflow}, {})
+    context = parse_context(context_text)
+    with open_engine(db, synchronous) as engine:
+        note = support.refuse_or_note_existing(engine, workflow, context, key)
+        if note is not None and not as_json:
+            out.print(note, markup=False)
+        if not as_json:
+            engine.listeners.append(progress_printer())
+        info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
+        waits = support.WaitStates(engine)
+    if isinstance(info, Interrupted):
+        # --json still prints the run: as Ctrl-C handed it back (None: never created), and
+        # how many SIGINTs came (1: its step finished, 2 or more: cut off).
+        if as_json:
+            run_json = info_json(info.run, waits) if info.run is not None else None
+            interrupted = {"signals": info.signals}
+            shown = {"run": run_json, "existing": note is not None, "interrupted": interrupted}
+            click.echo(support.dumps(shown))
+        where = f"-w {split_target(target)[0]} --db {database(db)}"
+        resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        leave(interrupted_line(info, resume=resume_with, retry=retry_with))
+    if as_json:
+        click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
+        if info.status != "succeeded" and waits.of(info) is None:
+            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+        return
+    if info.status == "scheduled" and info.state in workflow.waits:
+        wait = workflow.waits[info.state]
+        until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""
+        out.print(
+            f"run {info.id} waits in {info.state} for {' or '.join(wait.on)}{until} "
+            f"(`flowloop send {info.id} EVENT`)"
+        )
+        return
+    if info.status != "succeeded":
+        raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+
+
+@click.command()
+@click.argument("target")
+@click.option("--context", "context_text", help="Context as JSON, or @file.json.")
+@click.option(
+    "--contexts",
+    "contexts_file",
+    help="Many runs: a JSON Lines file (one context per line; - reads stdin).",
+)
+@click.option("--key", help="Business key.")
+@click.option("--priority", type=int, default=0, show_default=True)
+@db_option
+@json_option
+def start(
+    target: str,
+    context_text: str | None,
+    contexts_file: str | None,
+    key: str | None,
+    priority: int,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Enqueue a run of FILE[:WORKFLOW] for a worker (or `flowloop resume`); with
+    --contexts, one run per line, a thousand per transaction."""
+    from flowloop.cli import support
+    from flowloop.cli.views import info_json, styled
+    from flowloop.loader import load_target
+
+    if contexts_file is not None:
+        if context_text is not None or key is not None:
+            raise FlowloopError(
+                "--contexts takes each run's context (and key) from its line; drop --context/--key"
+            )
+        start_many(target, contexts_file, priority, db, synchronous, as_json)
+        return
+    workflow, _ = load_target(target)
+    context = parse_context(context_text)
+    with open_engine(db, synchronous) as engine:
+        note = support.refuse_or_note_existing(engine, workflow, context, key)
+        info = engine.start(workflow, context, key=key, priority=priority)
+    if as_json:
+        click.echo(json.dumps(info_json(info) | {"existing": note is not None}))
+    elif note is not None:
+        out.print(note, markup=False)
+    else:
+        out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
+
+
+def read_json_lines(name: str) -> list[Any]:
+    """The JSON objects of a JSON Lines file (``-``: stdin), blank lines skipped."""
+    if name == "-":
+        data, source = sys.stdin.buffer.read(), "stdin"
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise FlowloopError(f"--contexts {name}: no such file")
+        data, source = path.read_bytes(), str(path)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise FlowloopError(f"{source} is not UTF-8 text: {error.reason}") from None
+    values = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise FlowloopError(f"{source} line {number} is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            raise FlowloopError(
+                f"{source} line {number}: a context must be a JSON object, not "
+                f"{type(value).__name__} (one object per line)"
+            )
+        values.append(value)
+    return values
+
+
+def start_many(
+    target: str, contexts_file: str, priority: int, db: str | None, synchronous: str, as_json: bool
+) -> None:
+    from rich.progress import Progress
+
+    from flowloop.cli.views import info_json
+    from flowloop.loader import load_target
+
+    workflow, _ = load_target(target)
+    contexts = read_json_lines(contexts_file)
+    # A progress bar on a terminal only: a piped stderr gets nothing but errors.
+    bar = Progress(console=err, transient=True, disable=not err.is_terminal)
+    with open_engine(db, synchronous) as engine, bar:
+        task = bar.add_task(f"starting {workflow.name} runs", total=len(contexts))
+        infos = engine.start_many(
+            workflow,
+            contexts,
+            priority=priority,
+            progress=lambda done, _total: bar.update(task, completed=done),
+        )
+    if as_json:
+        click.echo(json.dumps([info_json(info) for info in infos]))
+        return
+    out.print(
+        f"{len(infos)} run(s) of {workflow.name}: {infos.created} new, "
+        f"{len(infos) - infos.created} already there (same key)"
+    )
+
+
+@click.command()
+@workflows_option
+@click.option("--concurrency", type=int, default=16, show_default=True)
+@db_option
+@json_option
+def resume(
+    workflow_paths: tuple[str, ...],
+    concurrency: int,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Recover runs interrupted by a crash and drive every due run to the end."""
+    from flowloop.cli.progress import progress_printer
+    from flowloop.engine import Engine
+
+    loaded = load_workflow_paths(workflow_paths)
+    if not loaded.workflows:
+        raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
+    with Engine(database(db), synchronous=synchronous, max_concurrency=concurrency) as engine:
+        engine.register(*loaded.workflows.values())
+        if not as_json:
+            engine.listeners.append(progress_printer())
+        stats = engine.resume()
+    if as_json:
+        done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
+        click.echo(json.dumps(done))
+        return
+    out.print(
+        f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
+        f"run, {stats.commits} commit(s)"
+    )
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--from", "from_state", help="Restart at this past state with its recorded context.")
+@click.option("--set", "assignments", multiple=True, help="FIELD=VALUE edit of the context.")
+@click.option(
+    "--run/--no-run", "drive", default=True, show_default=True, help="Drive the run to its end now."
+)
+@workflows_option
+@db_option
+@json_option
+def retry(
+    run_id: str,
+    from_state: str | None,
+    assignments: tuple[str, ...],
+    drive: bool,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Run a failed or stopped run again."""
+    from flowloop.cli import support
+    from flowloop.cli.progress import progress_printer
+    from flowloop.cli.views import info_json, styled
+
+    loaded = load_workflow_paths(workflow_paths)
+    with open_engine(db, synchronous, loaded) as engine:
+        info = engine.retry(
+            run_id, from_state=from_state, set_fields=parse_assignments(assignments)
+        )
+        if not as_json:
+            out.print(f"run {info.id} {styled(info.status)} at {info.state}")
+        if drive:
+            if not as_json:
+                engine.listeners.append(progress_printer())
+            engine.run_until_idle()
+            info = engine.get(info.id)
+        waits = support.WaitStates(engine)
+        if as_json:
+            click.echo(json.dumps({"run": info_json(info, waits)}))
+        if drive and info.status != "succeeded" and waits.of(info) is None:
+            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+
+
+@click.command()
+@click.argument("target")
+@click.argument("event")
+@click.option("--data", "data_text", help="Payload as JSON, or @file.json.")
+@click.option("--workflow", help="TARGET is a business key of this workflow, not a run id.")
+@click.option("--dedupe-key", help="Sending twice with this key has effect once.")
+@click.option("--buffer", is_flag=True, help="Keep the event until the run can take it.")
+@workflows_option
+@db_option
+@json_option
+def send(
+    target: str,
+    event: str,
+    data_text: str | None,
+    workflow: str | None,
+    dedupe_key: str | None,
+    buffer: bool,
+    workflow_paths: tuple[str, ...],
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Send EVENT to a waiting run (TARGET: run id, or a business key with --workflow)."""
+    from rich.markup import escape
+
+    from flowloop.cli import support
+    from flowloop.cli.views import info_json, styled
+    from flowloop.errors import UnknownWorkflow
+
+    loaded = load_workflow_paths(workflow_paths)
+    payload = parse_context(data_text, "--data") if data_text is not None else None
+    with open_engine(db, synchronous, loaded, read=True) as engine:
+        run_id = target
+        if workflow is not None:
+            found = engine.find(workflow, key=target)
+            if found is None:
+                raise FlowloopError(f"no run of workflow {workflow!r} has key {target!r}")
+            run_id = found.id
+        try:
+            result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
+        except UnknownWorkflow as error:
+            where = ", ".join(workflow_paths) or (
+                f"./{DEFAULT_WORKFLOWS}" if Path(DEFAULT_WORKFLOWS).is_dir() else "no ./workflows"
+            )
+            raise FlowloopError(
+                f"{error}, loaded from {where}; pass -w FILE_OR_DIR that defines it"
+            ) from error
+        waits = support.WaitStates(engine)
+        waiting = waits.of(result.run)
+    info = result.run
+    if as_json:
+        click.echo(json.dumps({"result": result.status, "run": info_json(info, waits)}))
+        return
+    shown = styled(support.WAITING if waiting else info.status)
+    out.print(
+        f"{event}: {result.status}; run {info.id} {shown} at {info.state}"
+        + escape(support.what_continues(info, waiting))
+    )

@@ -1,0 +1,172 @@
+"""Commands that read runs: `status`, `history`, `replay`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from flowloop.cli.common import Failed, db_option, json_option, open_engine, out
+
+
+@click.command()
+@click.argument("run_id", required=False)
+@click.option("--workflow", help="Only runs of this workflow.")
+@click.option(
+    "--status",
+    "statuses",
+    multiple=True,
+    help="Only runs with this status (as shown: `waiting`, `scheduled`, `failed` …).",
+)
+@click.option("--key", help="Only runs with this business key.")
+@click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
+@click.option("--after", "after_id", metavar="RUN_ID", help="The runs listed after this one.")
+@db_option
+@json_option
+def status(
+    run_id: str | None,
+    workflow: str | None,
+    statuses: tuple[str, ...],
+    key: str | None,
+    limit: int,
+    after_id: str | None,
+    db: str | None,
+    synchronous: str,
+    as_json: bool,
+) -> None:
+    """Show one run, or list runs (newest first, --limit at a time: --after the last one
+    shown lists the next ones). A run resting in a wait state shows as `waiting`."""
+    from flowloop import children
+    from flowloop.cli import support
+    from flowloop.cli.views import info_json, show_run, status_table
+    from flowloop.clock import iso
+
+    with open_engine(db, synchronous, read=True) as engine:
+        waits = support.WaitStates(engine)
+        if run_id:
+            info = engine.get(run_id)
+            if as_json:
+                click.echo(json.dumps(info_json(info, waits)))
+                return
+            show_run(info, waits.of(info))
+            for line in children.family_lines(engine.store, info.id):
+                out.print(line)
+            return
+        infos, truncated = support.list_runs(
+            engine,
+            waits,
+            workflow=workflow,
+            statuses=statuses,
+            key=key,
+            limit=limit,
+            after=after_id,
+        )
+        breakers = list(getattr(engine.store, "breakers", list)())
+        if as_json:
+            listed = [info_json(i, waits) for i in infos]
+        else:
+            rows = [(info, waits.status(info)) for info in infos]
+            table = status_table(rows, {})
+            natural = out.measure(table, options=out.options.update_width(10_000)).maximum
+            if natural > out.width:  # a narrow terminal: short ids that still work
+                table = status_table(rows, support.short_ids(engine, [i.id for i in infos]))
+            pressure = support.backpressure_lines(engine, workflow)
+    if as_json:
+        page = {
+            "runs": listed,
+            "limit": limit,
+            "truncated": truncated,
+            "next_after": infos[-1].id if truncated else None,
+            "breakers": [dataclasses.asdict(b) for b in breakers],
+        }
+        click.echo(json.dumps(page))
+        return
+    out.print(table)
+    for b in breakers:  # circuit breakers shared by the workers (flowloop.flowcontrol)
+        until = f" until {iso(b.until)}" if b.until is not None and b.status != "closed" else ""
+        out.print(
+            f"breaker {b.name}: {b.status}{until} (opened {b.opened} time(s), "
+            f"{b.failures} recent failure(s))",
+            markup=False,
+        )
+    for line in pressure:
+        out.print(line, markup=False)
+    if truncated:
+        out.print(
+            f"(the newest {limit} shown; more: `flowloop status --after {infos[-1].id}` "
+            "or --limit N)",
+            markup=False,
+        )
+
+
+@click.command()
+@click.argument("run_id")
+@db_option
+@json_option
+def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> None:
+    """The journal of RUN_ID: one line per boundary."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from flowloop import children
+    from flowloop.cli import support
+    from flowloop.cli.views import describe_event, event_json, journal_row
+
+    with open_engine(db, synchronous, read=True) as engine:
+        events = engine.history(run_id)
+        info = engine.get(run_id)
+        waiting = support.WaitStates(engine).of(info)
+        family = children.family_lines(engine.store, run_id)
+    if as_json:
+        click.echo(json.dumps([event_json(e) for e in events]))
+        return
+    table = Table("seq", "at", "event", "state", "attempt", "duration", "detail")
+    for event in events:
+        middle = (event.state or "", str(event.attempt or ""))
+        table.add_row(*journal_row(event, middle, escape(describe_event(event)[:80])))
+    out.print(table)
+    if waiting is not None:
+        out.print(f"run {info.id} is {escape(waiting.describe())}")
+    for line in family:
+        out.print(line)
+
+
+@click.command()
+@click.argument("run_id")
+@click.option("--at", "at_seq", type=int, help="Show the context as of this seq.")
+@db_option
+@json_option
+def replay(
+    run_id: str, at_seq: int | None, db: str | None, synchronous: str, as_json: bool
+) -> None:
+    """Fold the journal of RUN_ID, print the context (at --at SEQ) and verify the fold
+    equals the stored row (exit 1 when it does not)."""
+    from rich.markup import escape
+
+    from flowloop.cli.views import styled
+
+    with open_engine(db, synchronous, read=True) as engine:
+        result = engine.replay(run_id, at=at_seq)
+    record = result.record
+    if as_json:
+        click.echo(
+            json.dumps(
+                {
+                    "run_id": result.run_id,
+                    "seq": result.seq,
+                    "status": record.status,
+                    "state": record.state,
+                    "context": json.loads(record.context),
+                    "matches": result.matches,
+                    "differences": result.differences,
+                }
+            )
+        )
+    else:
+        out.print(f"seq {result.seq}: status {styled(record.status)}, state {record.state}")
+        out.print(f"context {escape(record.context)}")
+        if result.matches:
+            out.print(f"[green]journal fold ({len(result.events)} events) equals the stored row[/]")
+    if not result.matches:
+        raise Failed("journal fold differs from the stored row: " + "; ".join(result.differences))

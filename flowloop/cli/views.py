@@ -1,0 +1,179 @@
+"""How runs, journal entries and loops look on the terminal and in `--json` output.
+
+Imported when a command runs (it needs rich and the engine's types), never by
+`flowloop --help`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.markup import escape
+from rich.table import Column, Table
+
+from flowloop import children
+from flowloop.cli import support
+from flowloop.cli.common import out
+from flowloop.clock import iso
+
+if TYPE_CHECKING:
+    from flowloop.engine import RunInfo
+    from flowloop.journal import JournalEvent
+    from flowloop.store.loops import LoopEvent, LoopRow
+
+STATUS_STYLE = {
+    "waiting": "blue",
+    "succeeded": "green",
+    "failed": "red",
+    "running": "cyan",
+    "retrying": "yellow",
+    "paused": "magenta",
+    "stopped": "red",
+}
+
+
+def styled(status: str) -> str:
+    style = STATUS_STYLE.get(status)
+    return f"[{style}]{status}[/]" if style else status
+
+
+def seconds_text(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def context_json(info: RunInfo) -> Any:
+    context = info.context
+    return context if isinstance(context, dict) else context.model_dump(mode="json")
+
+
+def info_json(info: RunInfo, waits: support.WaitStates | None = None) -> dict[str, Any]:
+    """A run for `--json`: times as ISO-8601 (``created_at``) and epoch (``created_at_epoch``);
+    with ``waits``, ``display_status`` (``waiting``) and ``waiting`` (events, until)."""
+    waiting = waits.of(info) if waits is not None else None
+    extra = (
+        {}
+        if waits is None
+        else {
+            "display_status": support.WAITING if waiting else info.status,
+            "waiting": waiting.as_dict() if waiting else None,
+        }
+    )
+    data = {
+        "id": info.id,
+        "workflow": info.workflow,
+        "version": info.version,
+        "status": info.status,
+        "state": info.state,
+        "attempt": info.attempt,
+        "key": info.key,
+        "reason": info.reason,
+        "error": info.error,
+        "next_run_at": info.next_run_at,
+        "created_at": info.created_at,
+        "updated_at": info.updated_at,
+        "context": context_json(info),
+        **extra,
+    }
+    return support.with_times(data, "next_run_at", "created_at", "updated_at")
+
+
+def event_json(event: JournalEvent) -> dict[str, Any]:
+    """A journal entry for `--json`: every field, the context parsed."""
+    data = {
+        **dataclasses.asdict(event),
+        "data": dict(event.data),
+        "context": json.loads(event.context) if event.context else None,
+    }
+    return support.with_times(data, "at")
+
+
+def loop_json(row: LoopRow) -> dict[str, Any]:
+    return support.with_times(
+        {
+            "name": row.name,
+            "schedule": row.schedule,
+            "status": row.status,
+            "last_result": row.last_result,
+            "last_error": row.last_error,
+            "next_fire_at": row.next_fire_at,
+            "iterations": row.iterations,
+            "skipped": row.skipped,
+            "missed": row.missed,
+            "consecutive_failures": row.consecutive_failures,
+            "reason": row.reason,
+            "control": row.control,
+        },
+        "next_fire_at",
+    )
+
+
+def describe_event(event: JournalEvent) -> str:
+    composed = children.describe_entry(event)  # call/map, compensation, deadline entries
+    if composed is not None:
+        return composed
+    if event.kind in ("step_succeeded", "event_received"):
+        note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
+        return f"{event.state} --{event.event}--> {event.next_state}{note}"
+    if event.kind == "event_rejected":
+        return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
+    if event.kind in ("step_failed", "step_interrupted", "run_failed"):
+        return f"{event.error_type or ''}: {event.error_message or ''}".strip(": ")
+    if event.kind == "run_retried":
+        return f"from {event.state} by {event.data.get('by')}" + (
+            f", set {json.dumps(event.data['set'])}" if event.data.get("set") else ""
+        )
+    return str(event.data.get("reason", "")) if event.data else ""
+
+
+def journal_row(
+    event: JournalEvent | LoopEvent, middle: tuple[str, str], detail: str
+) -> tuple[str, ...]:
+    """A row of a journal table (`history`, `loops NAME`): seq, time, kind, the two columns
+    of that journal, the duration and the detail."""
+    took = f"{event.duration * 1000:.1f} ms" if event.duration is not None else ""
+    return (str(event.seq), iso(event.at), event.kind, *middle, took, detail)
+
+
+def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> Table:
+    """The runs table; ``short``: the short form of (some) ids (see flowloop.ids)."""
+    shown_ids = [short.get(info.id, info.id) for info, _ in rows]
+    # Never cut an id short with an ellipsis: a shown id must work as a RUN argument.
+    run_column = Column("run", no_wrap=True, min_width=max(map(len, shown_ids), default=3))
+    status_column = Column("status", no_wrap=True)
+    table = Table(
+        run_column, "workflow", status_column, "state", "attempt", "key", "updated", "note"
+    )
+    for info, shown in rows:
+        table.add_row(
+            short.get(info.id, info.id),
+            f"{info.workflow} v{info.version}",
+            styled(shown),
+            info.state,
+            str(info.attempt),
+            escape(info.key or ""),
+            iso(info.updated_at),
+            escape((info.error or info.reason or "")[:60]),
+        )
+    return table
+
+
+def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
+    out.print(f"run       {info.id}")
+    out.print(f"workflow  {info.workflow} v{info.version}")
+    shown = support.WAITING if waiting is not None else info.status
+    out.print(f"status    {styled(shown)}" + (f" ({escape(info.reason)})" if info.reason else ""))
+    if waiting is not None:
+        out.print(f"waits     {escape(waiting.describe())} (stored status {info.status})")
+    out.print(f"state     {info.state} (attempt {info.attempt})")
+    if info.key:
+        out.print(f"key       {escape(info.key)}")
+    if info.error:
+        out.print(f"error     {escape(info.error)}")
+    if info.next_run_at is not None and info.status in ("scheduled", "retrying"):
+        out.print(f"next run  {iso(info.next_run_at)}")
+    out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")
+    out.print(f"context   {escape(json.dumps(context_json(info)))}")

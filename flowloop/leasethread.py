@@ -1,0 +1,335 @@
+"""Leases kept by the worker's own clock, whatever its event loop is doing.
+
+The event loop makes blocking database calls (claims, the committer's flush, recovery):
+on a silent network one of them can hold the loop for seconds, longer than a short
+lease. Renewing from the loop and fencing from the loop would then both wait for it, and
+a run would be stepped after another worker may have taken it over. So the lease work
+runs in two threads of its own:
+
+* the **renewer** renews the held leases every lease/3 on a connection of its own (not
+  the loop's held writer, which a stuck call may hold) and reads pending pause/stop
+  requests every poll; it hands what it learnt to the loop (``call_soon_threadsafe``);
+* the **fence watch** never touches the database: by the monotonic clock, a run whose
+  lease could not be renewed is *fenced* when a sixth of the lease is left — it is marked
+  at once (no boundary of it is written from then on, see :meth:`LeaseGuard.fenced`),
+  logged with the times, and the loop is asked to cancel its task (an async step is
+  cancelled; a thread step is abandoned and its result discarded, flowloop.steppool).
+
+A lease is counted from the monotonic instant noted *before* the request that set it
+(claim, renewal or owned write): the database set it at or after that instant, so it ends
+no earlier than that + lease by any clock that runs at the same rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from sqlalchemy.pool import StaticPool
+
+from flowloop.store import Store
+
+log = logging.getLogger("flowloop")
+
+MARGIN_FRACTION: Final = 1 / 6
+"""Of the lease, left when an unrenewed run is fenced off (clock-rate differences between
+this host and the database server, and the time to stop a step, must fit in it)."""
+RENEW_FRACTION: Final = 1 / 3
+"""Of the lease, between two renewals (two more renewals can fail before the fence)."""
+
+FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
+"""The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
+
+Renew = Callable[[Sequence[str]], set[str]]
+"""Renews the leases of these runs; returns those still held (called in the renewer)."""
+Poll = Callable[[], Mapping[str, str]]
+"""Pending control requests (run id → "pause"/"stop") of this worker (in the renewer)."""
+
+
+@dataclass
+class _Held:
+    until: float
+    """By the monotonic clock, the earliest the run's lease can end."""
+    renewed: float
+    """When the request that set ``until`` was sent (monotonic)."""
+
+
+class LeaseGuard:
+    """The leases of the runs one executor drives, renewed and enforced off its loop.
+
+    The loop calls :meth:`hold` (a claim), :meth:`extend` (an owned write was applied)
+    and :meth:`drop` (the run is done here); :meth:`start` starts the threads, :meth:`stop`
+    ends them. ``lost(run_id, why)`` and ``controls(requests)`` are called on the loop."""
+
+    def __init__(
+        self,
+        *,
+        lease_seconds: float,
+        poll_seconds: float,
+        renew: Renew,
+        poll: Poll,
+        lost: Callable[[str, str], None],
+        controls: Callable[[Mapping[str, str]], None],
+        released: Callable[[str], bool] = lambda _run_id: False,
+    ) -> None:
+        self.lease_seconds = lease_seconds
+        self.poll_seconds = poll_seconds
+        self.margin = lease_seconds * MARGIN_FRACTION
+        self.tick = max(0.01, min(poll_seconds, lease_seconds / 12))
+        self._renew = renew
+        self._poll = poll
+        self._lost = lost
+        self._controls = controls
+        self._released = released
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._fenced: set[str] = set()
+        self._active = threading.Event()
+        """Set while some :meth:`start` is not yet stopped: the threads work only then."""
+        self._closed = threading.Event()
+        self._started = False
+        self._changed = threading.Event()
+        self._users = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.renewals = 0
+        """Renewals that returned (for tests and metrics)."""
+
+    # -- the loop's side -------------------------------------------------------------------
+
+    def hold(self, run_id: str, since: float) -> None:
+        """``run_id`` was claimed by a request sent at ``since`` (monotonic)."""
+        with self._lock:
+            self._held[run_id] = _Held(since + self.lease_seconds, since)
+            self._fenced.discard(run_id)
+        if self._active.is_set():
+            self._start_threads()
+        self._changed.set()
+
+    def extend(self, run_id: str, since: float) -> None:
+        """An owned write sent at ``since`` was applied: it renewed the lease. A fenced run
+        stays fenced (its task is being cancelled)."""
+        with self._lock:
+            held = self._held.get(run_id)
+            if held is not None and run_id not in self._fenced and since > held.renewed:
+                held.until, held.renewed = since + self.lease_seconds, since
+
+    def drop(self, run_id: str) -> None:
+        """The run is no longer driven here (finished, released, abandoned)."""
+        with self._lock:
+            self._held.pop(run_id, None)
+            self._fenced.discard(run_id)
+
+    def give_up(self, run_id: str) -> None:
+        """The loop abandons the run (its lease is lost): fenced, no longer renewed."""
+        with self._lock:
+            if run_id in self._held:
+                self._fenced.add(run_id)
+
+    def fenced(self, run_id: str) -> bool:
+        """Whether the run's lease may have ended: write nothing more for it."""
+        with self._lock:
+            return run_id in self._fenced
+
+    def lease_until(self, run_id: str) -> float | None:
+        with self._lock:
+            held = self._held.get(run_id)
+            return None if held is None else held.until
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Begin keeping the leases, telling ``loop``. Calls nest: each :meth:`start`
+        needs its :meth:`stop`. The threads are started at the first lease held and kept
+        (until :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
+        self._users += 1
+        self._loop = loop
+        self._active.set()
+        with self._lock:
+            holding = bool(self._held)
+        if holding:
+            self._start_threads()
+
+    def _start_threads(self) -> None:
+        # Not before the first lease: a worker with nothing to drive (10,000 waiting runs)
+        # holds no thread for it.
+        if self._started:
+            return
+        self._started = True
+        for target, name in (
+            (self._watch, "flowloop-fence"),
+            (self._renew_loop, "flowloop-lease"),
+        ):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def stop(self) -> None:
+        """End one :meth:`start`; after the last, the threads idle (no renewal, no poll)."""
+        self._users = max(0, self._users - 1)
+        if not self._users:
+            self._active.clear()
+            self._changed.set()
+
+    def close(self) -> None:
+        """Let the threads end (the renewer when a call it is in returns)."""
+        self._users = 0
+        self._active.clear()
+        self._closed.set()
+        self._changed.set()
+
+    # -- the threads -----------------------------------------------------------------------
+
+    def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to tell
+            loop.call_soon_threadsafe(callback, *args)
+
+    def _watch(self) -> None:
+        """Fence off runs whose deadline passed; sleep until the next deadline."""
+        while not self._closed.is_set():
+            if not self._active.is_set():
+                self._changed.wait(1.0)
+                self._changed.clear()
+                continue
+            now = time.monotonic()
+            due: list[tuple[str, _Held]] = []
+            wait = self.tick
+            with self._lock:
+                for run_id, held in self._held.items():
+                    if run_id in self._fenced:
+                        continue
+                    left = held.until - self.margin - now
+                    if left <= 0:
+                        due.append((run_id, held))
+                        self._fenced.add(run_id)
+                    else:
+                        wait = min(wait, left)
+            for run_id, held in due:
+                self._fence(run_id, held, now)
+            self._changed.wait(wait)
+            self._changed.clear()
+
+    def _fence(self, run_id: str, held: _Held, now: float) -> None:
+        if self._released(run_id):
+            return  # let go of meanwhile: its lease no longer matters
+        since = now - held.renewed
+        self._to_loop(self._lost, run_id, FENCED)  # first: queued before the line is out
+        log.warning(
+            "run %s: lease not renewed for %.2fs (lease %gs; it ends in %.2fs at the earliest); "
+            "lease deadline passed, abandoning it (self-fencing)",
+            run_id,
+            since,
+            self.lease_seconds,
+            held.until - now,
+            extra={
+                "run": run_id,
+                "event": "lease_lost",
+                "self_fenced": True,
+                "since_renewal": round(since, 3),
+                "fenced_at": round(now, 3),
+                "lease_until": round(held.until, 3),
+            },
+        )
+
+    def _renew_loop(self) -> None:
+        last_renewal = last_poll = time.monotonic()
+        failing = False
+        while not self._closed.wait(self.tick):
+            if not self._active.wait(1.0):
+                continue
+            now = time.monotonic()
+            try:
+                called = False
+                if now - last_renewal >= self.lease_seconds * RENEW_FRACTION or failing:
+                    self._renew_held()
+                    last_renewal, called = now, True
+                if (now - last_poll >= self.poll_seconds or failing) and self._holding():
+                    requests = self._poll()
+                    last_poll, called = now, True
+                    if requests:
+                        self._to_loop(self._controls, dict(requests))
+                if failing and called:
+                    log.info("heartbeat: database reachable again")
+                    failing = False
+            except Exception as error:  # keep beating (retrying every tick) through a hiccup
+                if not failing:
+                    text = str(error).strip().splitlines()
+                    log.warning("heartbeat failed (retrying): %s", text[0] if text else type(error))
+                failing = True
+
+    def _holding(self) -> bool:
+        """Runs are held: pause/stop requests concern only runs driven here."""
+        with self._lock:
+            return bool(self._held)
+
+    def _renew_held(self) -> None:
+        with self._lock:
+            held = [run_id for run_id in self._held if run_id not in self._fenced]
+        held = [run_id for run_id in held if not self._released(run_id)]
+        if not held:
+            return
+        before = time.monotonic()
+        kept = self._renew(held)
+        self.renewals += 1
+        with self._lock:
+            for run_id in kept:
+                entry = self._held.get(run_id)
+                if entry is not None and run_id not in self._fenced and before > entry.renewed:
+                    entry.until, entry.renewed = before + self.lease_seconds, before
+        for run_id in set(held) - kept:
+            # The loop decides (a run released meanwhile is not lost): it has the truth.
+            self._to_loop(
+                self._lost, run_id, "lost its lease (expired, or taken over by another worker)"
+            )
+
+
+# -- the database calls of the renewer ------------------------------------------------------
+
+
+def renewer(store: Store, *, worker: str, lease_seconds: float) -> Renew:
+    """How the renewer renews: on PostgreSQL through a pooled connection of its own, so a
+    call of the loop stuck on the store's held writer (and its lock) cannot hold the
+    renewals up; on SQLite through the store (its lock serializes the renewal with the
+    loop's writes, which the busy timeout bounds: one writer at a time either way)."""
+    from flowloop.store import leases
+    from flowloop.store.schema import runs
+    from flowloop.store.sql import SQLStore
+
+    if isinstance(store, SQLStore) and store.engine.dialect.name == "postgresql":
+        engine, now_sql = store.engine, store.now_sql
+
+        def renew_apart(run_ids: Sequence[str]) -> set[str]:
+            with engine.connect() as conn, conn.begin():
+                return leases.renew(
+                    conn,
+                    runs,
+                    runs.c.id,
+                    now_sql=now_sql,
+                    worker=worker,
+                    keys=run_ids,
+                    lease_seconds=lease_seconds,
+                )
+
+        return renew_apart
+    return lambda run_ids: store.renew(worker=worker, run_ids=run_ids, lease_seconds=lease_seconds)
+
+
+def poller(store: Store, *, worker: str) -> Poll:
+    """How the renewer reads control requests: a read on a pooled connection; an in-memory
+    SQLite database has one connection only, shared with the loop, so there the read
+    takes the store's lock (never inside another thread's transaction)."""
+    from flowloop.store.sql import SQLStore
+
+    if isinstance(store, SQLStore) and isinstance(store.engine.pool, StaticPool):
+        lock = store._lock  # the held writer's lock: the one connection is that writer
+
+        def poll_locked() -> Mapping[str, str]:
+            with lock:
+                return store.pending_controls(worker=worker)
+
+        return poll_locked
+    return lambda: store.pending_controls(worker=worker)

@@ -1,0 +1,169 @@
+"""Leases kept by the worker's own clock, whatever the event loop is doing (issue 20, item
+13; flowloop/leasethread.py): the renewals and the fence watch run in threads of their
+own, so a database call holding the loop — the committer's flush on a silent network —
+delays neither the renewal nor the self-fencing at the deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop.leasethread import FENCED, LeaseGuard, renewer
+from flowloop.store.sql import SQLStore
+
+LEASE_S = 1.2
+SLACK_S = 1.0
+"""Beyond the deadline, for a loaded 2-core machine to wake the fence thread."""
+
+
+def test_a_blocked_loop_does_not_delay_the_fence() -> None:
+    """The loop is held (as by a database call that does not return) while renewals fail:
+    the run is fenced off at its deadline — logged then, from the fence thread — and the
+    loop, once free, learns it before anything else it had to do."""
+    fenced = threading.Event()
+    order: list[str] = []
+    lines: list[str] = []
+
+    class Fenced(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+            if getattr(record, "self_fenced", False):
+                fenced.set()
+
+    def renew(_run_ids: Sequence[str]) -> set[str]:
+        raise ConnectionError("the network drops every packet")
+
+    def no_controls() -> Mapping[str, str]:
+        return {}
+
+    handler = Fenced()
+    logging.getLogger("flowloop").addHandler(handler)
+
+    async def main() -> tuple[float, float, bool]:
+        guard = LeaseGuard(
+            lease_seconds=LEASE_S,
+            poll_seconds=0.1,
+            renew=renew,
+            poll=no_controls,
+            lost=lambda run_id, why: order.append(f"lost {run_id}: {why}"),
+            controls=lambda _requests: None,
+        )
+        guard.start(asyncio.get_running_loop())
+        try:
+            claimed = time.monotonic()
+            guard.hold("r1", claimed)
+            asyncio.get_running_loop().call_soon(lambda: order.append("queued before"))
+            # The loop is blocked from here on, as by a call that hangs (no await).
+            seen = fenced.wait(timeout=LEASE_S + SLACK_S + 30)
+            at = time.monotonic()
+            was_fenced = guard.fenced("r1")
+            await asyncio.sleep(0)  # the loop runs again
+            await asyncio.sleep(0)
+            return claimed, at if seen else float("inf"), was_fenced
+        finally:
+            guard.stop()
+            guard.close()
+
+    try:
+        claimed, fenced_at, was_fenced = asyncio.run(main())
+    finally:
+        logging.getLogger("flowloop").removeHandler(handler)
+    deadline = claimed + LEASE_S - LEASE_S / 6
+    assert fenced_at < claimed + LEASE_S + SLACK_S, "not fenced while the loop was blocked"
+    assert fenced_at >= deadline, "fenced before its deadline"
+    assert was_fenced
+    assert order == ["queued before", f"lost r1: {FENCED}"], order
+    # Read from the handler: the test may get here before caplog's (root) handler has it.
+    assert any("lease deadline passed, abandoning it (self-fencing)" in line for line in lines)
+    assert "heartbeat failed (retrying): the network drops every packet" in lines
+
+
+class Ctx(BaseModel):
+    n: int = 0
+
+
+def idle_flow() -> Workflow:
+    wf = Workflow("guarded", context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.final("done")
+    return wf
+
+
+def test_renewals_from_the_thread_keep_a_run_while_the_writer_is_held(store_url: str) -> None:
+    """Against the real store: the thread's renewals keep a claimed run for several leases;
+    on PostgreSQL through a connection of their own, so they go on while another thread
+    holds the store's writer (as a call of the loop stuck on a silent network would)."""
+    wf = idle_flow()
+    lease = 1.5
+    with Engine(store_url, workflows=[wf], lease_seconds=lease) as engine:
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        run_id = engine.start(wf, Ctx()).id
+        before = time.monotonic()
+        (claimed,) = store.claim(
+            worker="guard-test",
+            now=store.db_now(),
+            limit=1,
+            lease_seconds=lease,
+            workflows=["guarded"],
+            run_ids=[run_id],
+        )
+        lost: list[str] = []
+        release = threading.Event()
+        holding = threading.Event()
+        on_pg = store.engine.dialect.name == "postgresql"
+
+        def hold_the_writer() -> None:
+            with store._lock:  # the loop's writer, stuck in a call
+                holding.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold_the_writer, daemon=True)
+        if on_pg:
+            holder.start()
+            assert holding.wait(10)
+
+        async def main() -> int:
+            guard = LeaseGuard(
+                lease_seconds=lease,
+                poll_seconds=0.1,
+                renew=renewer(store, worker="guard-test", lease_seconds=lease),
+                poll=dict,
+                lost=lambda run_id, why: lost.append(why),
+                controls=lambda _requests: None,
+            )
+            guard.start(asyncio.get_running_loop())
+            guard.hold(run_id, before)
+            try:
+                # Three leases' worth of renewals (every lease/3), bounded.
+                waited = 0.0
+                while guard.renewals < 9 and waited < 60 and not lost:
+                    await asyncio.sleep(0.05)
+                    waited += 0.05
+                assert not guard.fenced(run_id), lost
+                return guard.renewals
+            finally:
+                guard.stop()
+                guard.close()
+
+        try:
+            renewals = asyncio.run(main())
+        finally:
+            release.set()
+            if on_pg:
+                holder.join(10)
+        assert not lost and renewals >= 9, (lost, renewals)
+        row = store.get_run(run_id)
+        assert row is not None and row.owner == "guard-test"
+        assert row.lease_epoch == claimed.lease_epoch
+        assert (row.lease_expires_at or 0) > store.db_now()  # still held, by the db's clock
