@@ -424,7 +424,9 @@ class Executor(Stepping, Recovery):
                     boundary.record,
                     boundary.events[-1].at if boundary.events else 0.0,
                 )
-            if not boundary.release:
+            if self.store.renews_lease(boundary):
+                # A write of the run row renews the lease; an append leaves it to the
+                # heartbeat (flowloop/store/appends.py), so only the former counts here.
                 self.leases.renewed_by_write(boundary.run_id, before)
             self._notify(boundary)
             if not boundary.release and self.leases.fenced(boundary.run_id):

@@ -29,8 +29,10 @@ from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, StateStats, attempt_counts
+from flowloop.store.appends import current_rows
 from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
+from flowloop.store.windows import journal_since
 
 TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
 HEAT_SCALE: Final = (
@@ -110,7 +112,7 @@ def state_stats(db: SQLEngine, workflow: str, *, since: float | None) -> list[St
     percentiles, no slowest runs), planned to read only the window's journal entries."""
     where = [journal.c.kind.in_(OUTCOME_KINDS), _of_workflow(db, workflow)]
     if since is not None:
-        where.append(journal.c.at >= since)
+        where.append(journal_since(since))
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
     counts = attempt_counts(journal.c.state, where=where, joined=joined)
     count_rows, ranks = counts_and_seconds(
@@ -132,7 +134,7 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
     """The heat of ``workflow`` over the journal since ``since`` (``None``: all history)."""
     where = [journal.c.kind.in_(TAKEN_KINDS), _of_workflow(db, workflow)]
     if since is not None:
-        where.append(journal.c.at >= since)
+        where.append(journal_since(since))
     edges_query = (
         select(
             journal.c.state,
@@ -145,10 +147,15 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         .where(*where)
         .group_by(journal.c.state, journal.c.event, journal.c.next_state)
     )
+    waiting = sorted(LIVE - {"running"})
     live_query = (
         select(runs.c.state, runs.c.status, func.count())
-        .where(runs.c.workflow == workflow, runs.c.status.in_(sorted(LIVE)))
+        .where(runs.c.workflow == workflow, runs.c.status.in_(waiting))
         .group_by(runs.c.state, runs.c.status)
+    )
+    # A running run's row is a snapshot: its state is its latest journal entry's.
+    running_query = select(runs.c.id, runs.c.status, runs.c.state, runs.c.last_seq).where(
+        runs.c.workflow == workflow, runs.c.status == "running"
     )
     with reading(db) as conn:
         edges = {
@@ -159,6 +166,10 @@ def heat(db: SQLEngine, workflow: str, *, since: float | None) -> Heat:
         live: dict[str, dict[str, int]] = {}
         for state, status, n in conn.execute(live_query):
             live.setdefault(state, {})[status] = int(n)
+        running = [row._mapping for row in conn.execute(running_query)]
+        for current in current_rows(conn, running):
+            held = live.setdefault(current["state"], {})
+            held["running"] = held.get("running", 0) + 1
     stats = state_stats(db, workflow, since=since)
     states: dict[str, StateHeat] = {}
     for row in stats:

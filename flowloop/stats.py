@@ -8,10 +8,11 @@ Computed in SQL, one code path for SQLite and PostgreSQL: plain aggregates for t
 and window functions (``ROW_NUMBER``/``COUNT`` over a partition per workflow and state)
 for the nearest-rank percentiles, so only a handful of rows per state leave the database.
 
-Cost grows with the step outcomes inside the window, not with the whole history: the
-``since`` bound is a range on the journal index ``(kind, at)``. Percentiles over all of a
-large history need a sort of every outcome ever journaled; hence ``flowloop stats``
-looks at the last day unless told otherwise.
+Cost grows with the runs inside the window, not with the whole history: the ``since``
+bound picks the window's runs and reads their entries by the journal's key
+(flowloop/store/windows.py; the journal has no time index, which every step would pay
+for). Percentiles over all of a large history need a sort of every outcome ever
+journaled; hence ``flowloop stats`` looks at the last day unless told otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sqlalchemy import ColumnElement, Engine, FromClause, Row, Select, case, fun
 from flowloop import journal as j
 from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, loop_journal, runs
+from flowloop.store.windows import journal_since
 
 OUTCOME_KINDS: Final = (j.STEP_SUCCEEDED, j.STEP_FAILED, j.STEP_INTERRUPTED)
 DEFAULT_SLOWEST: Final = 3
@@ -126,7 +128,7 @@ def step_stats(
     workflow and state."""
     where: list[ColumnElement[bool]] = [journal.c.kind.in_(OUTCOME_KINDS)]
     if since is not None:
-        where.append(journal.c.at >= since)
+        where.append(journal_since(since))
     if workflow is not None:
         where.append(runs.c.workflow == workflow)
     joined = journal.join(runs, runs.c.id == journal.c.run_id)
@@ -232,7 +234,7 @@ def run_stats(
     )
     filters: list[ColumnElement[bool]] = [runs.c.status.in_(RUN_FINAL_STATUSES)]
     if since is not None:
-        filters.append(ended.c.at >= since)
+        filters.extend((runs.c.updated_at >= since, ended.c.at >= since))
     if workflow is not None:
         filters.append(runs.c.workflow == workflow)
     where = [*filters, ended.c.kind.in_(FINAL_ENTRY_KINDS)]

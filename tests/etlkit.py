@@ -127,13 +127,29 @@ def dump(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
-    """The committed context of a run, read with the stdlib (no pool, no threads)."""
-    conn = sqlite3.connect(db_path, timeout=5)
+    """The committed context of a run, read with the stdlib (no pool, no threads): a
+    running run's row is a snapshot, its journal after the snapshot's seq has the rest."""
+    from flowloop.store.entries import context_after
+
+    conn = sqlite3.connect(db_path, timeout=5, isolation_level=None)
     try:
-        row = conn.execute("SELECT context FROM flowloop_runs WHERE id = ?", (run_id,)).fetchone()
+        conn.execute("BEGIN")  # one snapshot for both reads
+        row = conn.execute(
+            "SELECT context, last_seq FROM flowloop_runs WHERE id = ?", (run_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        context = row[0]
+        for stored, data in conn.execute(
+            "SELECT context, data FROM flowloop_journal WHERE run_id = ? AND seq > ?"
+            " AND context IS NOT NULL ORDER BY seq",
+            (run_id, row[1]),
+        ):
+            context = context_after(context, stored, data)
+        conn.execute("COMMIT")
     finally:
         conn.close()
-    return None if row is None else dict(json.loads(row[0]))
+    return dict(json.loads(context))
 
 
 # -- workers killed at a batch -------------------------------------------------------------

@@ -39,10 +39,14 @@ class AdmissionStoreMixin:
     def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
         raise NotImplementedError  # provided by SQLStore
 
-    def _stored(self, conn: Connection, run_id: str) -> StoredRun:
-        from flowloop.store.sql import _stored_from_row  # the row mapping lives there
+    def _fold_tails(self, conn: Connection, stored: list[StoredRun]) -> list[StoredRun]:
+        raise NotImplementedError  # provided by AppendStoreMixin
 
-        return _stored_from_row(conn.execute(select(runs).where(runs.c.id == run_id)).one())
+    def _stored(self, conn: Connection, run_id: str) -> StoredRun:
+        from flowloop.store.entries import stored_from_row as _stored_from_row
+
+        row = conn.execute(select(runs).where(runs.c.id == run_id)).one()
+        return self._fold_tails(conn, [_stored_from_row(row)])[0]
 
     def debounce_start(
         self, new: NewRun, marker: str, *, due: float, now: float, key: str

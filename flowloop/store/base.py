@@ -8,6 +8,13 @@ the write changes nothing and is reported as refused. A write by no owner (an op
 pause of a queued run) names ``Fence(None, epoch)`` and only applies while nobody owns it.
 Every write also names the ``last_seq`` it follows, so two writers can never interleave
 journal entries.
+
+Journal first. The journal is the source of truth of a run in flight: a boundary that
+keeps a running run running (a step's outcome and the next step's start) only appends to
+it. The run row is written at claim, release, finish, pause/stop and when a due time
+changes; while a run is ``running`` its row's state and context are a snapshot as of the
+row's ``last_seq``, and every read of a run (:meth:`Store.get_run`, claims, listings) folds
+the journal entries after it.
 """
 
 from __future__ import annotations
@@ -169,8 +176,14 @@ class Store(abc.ABC):
         """Apply boundaries (of different runs) in ONE transaction: one commit for all.
 
         For each boundary the run row is updated only if its fence holds and its
-        ``last_seq`` equals ``boundary.follows_seq``; only then are its events appended.
-        Returns, per boundary, whether it was applied. Owned writes renew the lease."""
+        journal ends at ``boundary.follows_seq``; only then are its events appended.
+        Returns, per boundary, whether it was applied. Owned writes of the run row renew
+        the lease (:meth:`renews_lease`)."""
+
+    def renews_lease(self, boundary: Boundary) -> bool:
+        """Whether applying ``boundary`` (an owned one) also renewed its owner's lease;
+        when it did not, only the heartbeat's :meth:`renew` keeps the lease alive."""
+        return boundary.fence.owner is not None and not boundary.release
 
     @abc.abstractmethod
     def claim(

@@ -117,7 +117,6 @@ class JoinStoreMixin:
     """Join persistence for :class:`~flowloop.store.sql.SQLStore`."""
 
     now_sql: ColumnElement[float]
-    _insert_events: Any
 
     def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
@@ -125,18 +124,16 @@ class JoinStoreMixin:
     def _read(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
 
-    def _write_rows(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
-        raise NotImplementedError  # provided by SQLStore
+    def _apply(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
+        raise NotImplementedError  # provided by AppendStoreMixin
+
+    def _fold_tails(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
+        raise NotImplementedError  # provided by AppendStoreMixin
 
     def _create_many_in(
         self, conn: Connection, news: Sequence[NewRun]
     ) -> list[tuple[StoredRun, bool]]:
         raise NotImplementedError  # provided by SQLStore
-
-    def _events_of(self, boundaries: Sequence[Boundary]) -> list[dict[str, Any]]:
-        from flowloop.store.sql import _event_row
-
-        return [_event_row(event) for boundary in boundaries for event in boundary.events]
 
     # -- the parent's side -----------------------------------------------------------------
 
@@ -197,9 +194,8 @@ class JoinStoreMixin:
                 news = build(join.runnable())
                 self._create_many_in(conn, news)
                 conn.execute(update(joins).where(joins.c.id == join.id).values(created=len(news)))
-                if not self._write_rows(conn, [boundary])[0]:
+                if not self._apply(conn, [boundary])[0]:
                     raise _Refused
-                conn.execute(self._insert_events, self._events_of([boundary]))
         except _Refused:
             return False
         return True
@@ -209,9 +205,8 @@ class JoinStoreMixin:
         transaction, make it due at once if they have all ended already (the last child's
         transaction found it not waiting yet, or ran first)."""
         with self._write() as conn:
-            if not self._write_rows(conn, [boundary])[0]:
+            if not self._apply(conn, [boundary])[0]:
                 return False
-            conn.execute(self._insert_events, self._events_of([boundary]))
             complete = exists(
                 select(joins.c.id).where(
                     joins.c.id == join_id,
@@ -253,7 +248,7 @@ class JoinStoreMixin:
 
     def children_of(self, parent_id: str) -> list[StoredRun]:
         """The parent's child runs (every call and map visit), by join and index."""
-        from flowloop.store.sql import _stored_from_row
+        from flowloop.store.entries import stored_from_row as _stored_from_row
 
         with self._read() as conn:
             rows = conn.execute(
@@ -261,7 +256,7 @@ class JoinStoreMixin:
                 .where(runs.c.parent_id == parent_id)
                 .order_by(runs.c.join_id, runs.c.child_index)
             )
-            return [_stored_from_row(row) for row in rows]
+            return self._fold_tails(conn, [_stored_from_row(row) for row in rows])
 
     def child_counts(self, parent_id: str) -> dict[str, int]:
         """How many of the parent's children are in each status."""
@@ -290,11 +285,11 @@ class JoinStoreMixin:
     # -- the child's side ------------------------------------------------------------------
 
     def _write_with_ends(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        # (_apply journals whole contexts and drops the runs' cached ones.)
         with self._write() as conn:
-            applied = self._write_rows(conn, boundaries)
+            applied = self._apply(conn, boundaries)
             done = [b for b, ok in zip(boundaries, applied, strict=True) if ok]
             if done:
-                conn.execute(self._insert_events, self._events_of(done))
                 self._report_ends(conn, [b for b in done if reports_end(b)])
         return applied
 

@@ -73,6 +73,19 @@ def upgrade(connection: Connection, url: str = "the database") -> tuple[str | No
     return before, head()
 
 
+def to_revision(connection: Connection, revision: str) -> None:
+    """Upgrade or downgrade the schema to ``revision`` (tests, and going back a release)."""
+    before = current(connection)
+    script = _script()
+    ahead = before is not None and revision in {
+        r.revision for r in script.iterate_revisions(before, "base")
+    }
+    if ahead and revision != before:
+        command.downgrade(_config(connection), revision)
+    else:
+        command.upgrade(_config(connection), revision)
+
+
 def check(connection: Connection, url: str) -> None:
     """Raise SchemaMismatch unless the database is at :func:`head`."""
     revision = current(connection)

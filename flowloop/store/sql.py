@@ -1,8 +1,9 @@
 """One SQLAlchemy Core store for SQLite and PostgreSQL.
 
 Dialect decisions live in :mod:`flowloop.store.dialect`; everything here is the same SQL on
-both. The hot path (``write``) runs on one held connection and costs one commit per call,
-however many boundaries it carries.
+both. The hot path (``write``, flowloop/store/appends.py) runs on one held connection and
+costs one commit per call, however many boundaries it carries. A running run's row is a
+snapshot: every read of a run folds the journal entries after it (``_fold_tails``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -21,25 +21,26 @@ from sqlalchemy import (
     Engine,
     and_,
     bindparam,
-    exists,
     func,
     insert,
     inspect,
     or_,
     select,
-    union_all,
     update,
 )
-from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 
 from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
-from flowloop.journal import JournalEvent, RunRecord, load_data
+from flowloop.journal import JournalEvent
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
-from flowloop.store.base import Boundary, InboxEvent, NewRun, RunFilter, Store, StoredRun
+from flowloop.store.appends import AppendStoreMixin, append_only
+from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
+from flowloop.store.creation import CreationStoreMixin
+from flowloop.store.entries import decode
+from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
@@ -56,174 +57,16 @@ def _dumps(value: Mapping[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
 
 
-def _event_row(event: JournalEvent) -> dict[str, Any]:
-    return {
-        "run_id": event.run_id,
-        "seq": event.seq,
-        "kind": event.kind,
-        "at": event.at,
-        "state": event.state,
-        "attempt": event.attempt,
-        "event": event.event,
-        "next_state": event.next_state,
-        "context": event.context,
-        "duration": event.duration,
-        "error_type": event.error_type,
-        "error_message": event.error_message,
-        "traceback": event.traceback,
-        "retryable": event.retryable,
-        "worker": event.worker,
-        "data": _dumps(event.data) if event.data else None,
-    }
-
-
-EVENT_COLUMNS = tuple(column.name for column in journal.columns)
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """A statement compiled once for one dialect: its SQL, the order of its positional
-    parameters, and the values of parameters bound at build time (e.g. ``control=None``)."""
-
-    sql: str
-    order: tuple[str, ...] | None
-    defaults: dict[str, Any]
-
-    @classmethod
-    def of(cls, stmt: Any, dialect: Any, column_keys: list[str] | None = None) -> _Raw:
-        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
-        defaults = dict(compiled.construct_params(_check=False))
-        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
-        return cls(compiled.string, order, defaults)
-
-    def args(self, params: Mapping[str, Any]) -> Any:
-        full = {**self.defaults, **params}
-        if self.order is None:
-            return full
-        return tuple(full[name] for name in self.order)
-
-
-def _event_from_row(row: Any) -> JournalEvent:
-    return JournalEvent(
-        run_id=row.run_id,
-        seq=row.seq,
-        kind=row.kind,
-        at=row.at,
-        state=row.state,
-        attempt=row.attempt,
-        event=row.event,
-        next_state=row.next_state,
-        context=row.context,
-        duration=row.duration,
-        error_type=row.error_type,
-        error_message=row.error_message,
-        traceback=row.traceback,
-        retryable=row.retryable,
-        worker=row.worker,
-        data=load_data(row.data),
-    )
-
-
-def _unique_keys(new: NewRun) -> list[tuple[str, str]]:
-    """The unique keys a new run takes: (workflow, business key) and ("", idempotency key)."""
-    keys = []
-    if new.record.key is not None:
-        keys.append((new.record.workflow, new.record.key))
-    if new.idempotency_key:
-        keys.append(("", new.idempotency_key))
-    return keys
-
-
-def _new_run_row(new: NewRun) -> dict[str, Any]:
-    record = new.record
-    return {
-        "id": record.id,
-        "workflow": record.workflow,
-        "key": record.key,
-        "idempotency_key": new.idempotency_key,
-        **_record_columns(record),
-        "priority": new.priority,
-        "owner": new.owner,
-        "lease_epoch": 1 if new.owner else 0,
-        "control": None,
-        "created_at": new.events[0].at,
-        "updated_at": new.events[-1].at,
-        "limit_key": new.limit_key,
-        "limit_rank": new.limit_rank,
-        "parent_id": new.parent_id,
-        "join_id": record.join,
-        "child_index": new.child_index,
-        "join_state": None if record.join is None else "held" if new.held else "open",
-    }
-
-
-def _record_columns(record: RunRecord) -> dict[str, Any]:
-    return {
-        "status": record.status,
-        "state": record.state,
-        "context": record.context,
-        "context_version": record.context_version,
-        # A run moved to another version of its workflow (flowloop migrate) changes these.
-        "version": record.version,
-        "fingerprint": record.fingerprint,
-        "attempt": record.attempt,
-        "visits": _dumps(record.visits),
-        "next_run_at": record.next_run_at,
-        "last_seq": record.last_seq,
-        "reason": record.reason,
-        "error": record.error,
-        "deadline_at": record.deadline,
-    }
-
-
-def _visits(text: str) -> tuple[dict[str, int], str | None]:
-    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
-    every claim (and so every other run) fail."""
-    try:
-        visits = json.loads(text)
-    except ValueError as error:
-        return {}, f"stored visits are not valid JSON: {error}"
-    if not isinstance(visits, dict):
-        return {}, "stored visits are not a JSON object"
-    return visits, None
-
-
-def _stored_from_row(row: Any) -> StoredRun:
-    visits, problem = _visits(row.visits)
-    record = RunRecord(
-        id=row.id,
-        workflow=row.workflow,
-        version=row.version,
-        fingerprint=row.fingerprint,
-        key=row.key,
-        status=row.status,
-        state=row.state,
-        context=row.context,
-        context_version=row.context_version,
-        attempt=row.attempt,
-        visits=visits,
-        next_run_at=row.next_run_at,
-        last_seq=row.last_seq,
-        reason=row.reason,
-        error=row.error,
-        deadline=row.deadline_at,
-        join=row.join_id,
-    )
-    return StoredRun(
-        record=record,
-        idempotency_key=row.idempotency_key,
-        priority=row.priority,
-        owner=row.owner,
-        lease_expires_at=row.lease_expires_at,
-        lease_epoch=row.lease_epoch,
-        control=row.control,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
-        problem=problem,
-    )
-
-
-class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMixin, Store):
+class SQLStore(
+    # Order matters: a mixin's stub for what another provides must come after it.
+    AppendStoreMixin,
+    LimitStoreMixin,
+    CreationStoreMixin,
+    JoinStoreMixin,
+    LoopStoreMixin,
+    AdmissionStoreMixin,
+    Store,
+):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
 
     def __init__(
@@ -251,8 +94,13 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
         except StoreError:
             self.engine.dispose()
             raise
+        dialect_ = self.engine.dialect
+        self._postgres = dialect_.name == "postgresql"
+        self._dbapi_error: type[Exception] = dialect_.loaded_dbapi.Error
         self._build_statements()
-        self._prepare_raw()
+        if dialect_.name == "sqlite":
+            self._prepare_raw_sqlite(dialect_)
+            self._prepare_raw_creation(dialect_)
 
     # -- connections -----------------------------------------------------------------------
 
@@ -361,58 +209,9 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
             ) from error
 
     def _build_statements(self) -> None:
-        record_params: dict[str, Any] = {
-            name: bindparam(f"p_{name}") for name in _record_columns_names()
-        }
-        lease_until = self.now_sql + bindparam("p_lease")
-        fence = and_(
-            runs.c.id == bindparam("p_id"),
-            runs.c.lease_epoch == bindparam("p_epoch"),
-            runs.c.last_seq == bindparam("p_follows"),
-        )
-        # The owner's fencing token: its id, its epoch, and a lease still running by the
-        # database's clock (an expired lease writes nothing, even before a takeover).
-        owned = and_(
-            fence, runs.c.owner == bindparam("p_owner"), runs.c.lease_expires_at >= self.now_sql
-        )
-        self._update_owned = (
-            update(runs)
-            .where(owned)
-            .values(**record_params, updated_at=bindparam("p_at"), lease_expires_at=lease_until)
-        )
-        self._update_owned_release = (
-            update(runs)
-            .where(owned)
-            .values(
-                **record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None
-            )
-        )
-        self._update_unowned = (
-            update(runs)
-            .where(fence, or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
-            .values(
-                **record_params, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None
-            )
-        )
+        self._build_appends()
         self._insert_events = insert(journal)
-        # Built once: creating a run is on the hot path of `engine.run`.
-        run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
-        self._insert_run = (
-            insert(runs)
-            .values({name: bindparam(f"p_{name}") for name in run_columns})
-            .returning(*runs.c)
-        )
-        self._insert_runs = insert(runs).returning(*runs.c)
-        self._insert_run_owned = (
-            insert(runs)
-            .values(
-                {
-                    **{name: bindparam(f"p_{name}") for name in run_columns},
-                    "lease_expires_at": self.now_sql + bindparam("p_lease"),
-                }
-            )
-            .returning(*runs.c)
-        )
+        self._build_creation()
 
     # -- definitions -----------------------------------------------------------------------
 
@@ -468,114 +267,10 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
 
     # -- runs ------------------------------------------------------------------------------
 
-    def create_run(self, new: NewRun) -> tuple[StoredRun, bool]:
-        return self._retrying_key_races(lambda conn: [self._create_in(conn, new)])[0]
-
-    def create_runs(self, news: Sequence[NewRun]) -> list[tuple[StoredRun, bool]]:
-        if any(new.owner for new in news):  # created claimed: the one-by-one statement
-            return self._retrying_key_races(lambda conn: [self._create_in(conn, n) for n in news])
-        return self._retrying_key_races(lambda conn: self._create_many_in(conn, news))
-
-    def _retrying_key_races(
-        self, create: Callable[[Connection], list[tuple[StoredRun, bool]]]
-    ) -> list[tuple[StoredRun, bool]]:
-        for _ in range(CREATE_ATTEMPTS):
-            try:
-                with self._write() as conn:
-                    return create(conn)
-            except IntegrityError:
-                # Lost a race with a concurrent start of the same key (nothing was
-                # written): once more, and the winner is found and returned.
-                continue
-            except OperationalError as error:
-                if not dialect.is_deadlock(error):
-                    raise
-                continue  # chosen as a deadlock's victim (nothing was written): again
-        with self._write() as conn:
-            return create(conn)
-
-    def _create_in(self, conn: Connection, new: NewRun) -> tuple[StoredRun, bool]:
-        taken = self._existing_many(conn, [new])
-        existing = next((taken[key] for key in _unique_keys(new) if key in taken), None)
-        if existing is not None:
-            return existing, False
-        if new.limit_key is not None:
-            new = self._ranked(conn, [new])[0]
-        stmt = self._insert_run_owned if new.owner else self._insert_run
-        params = {f"p_{name}": value for name, value in _new_run_row(new).items()}
-        params["p_lease"] = new.lease_seconds
-        inserted = conn.execute(stmt, params).one()
-        conn.execute(self._insert_events, [_event_row(e) for e in new.events])
-        return _stored_from_row(inserted), True
-
-    def _create_many_in(
-        self, conn: Connection, news: Sequence[NewRun]
-    ) -> list[tuple[StoredRun, bool]]:
-        """Unowned runs in a few statements: one lookup of the keys already taken, one
-        multi-row INSERT of the runs, one of their journal events."""
-        taken = self._existing_many(conn, news)
-        # Per run: the existing run holding its key, else the id of the run that is
-        # inserted for it, and whether it is this run's own (not an earlier one's of the
-        # batch with the same key).
-        plan: list[tuple[StoredRun | None, str, bool]] = []
-        fresh: list[NewRun] = []
-        claimed: dict[tuple[str, str], str] = {}  # keys of this batch's new runs -> id
-        for new in news:
-            keys = _unique_keys(new)
-            existing = next((taken[key] for key in keys if key in taken), None)
-            earlier = next((claimed[key] for key in keys if key in claimed), None)
-            if existing is not None or earlier is not None:
-                plan.append((existing, earlier or "", False))
-                continue
-            claimed.update((key, new.record.id) for key in keys)
-            plan.append((None, new.record.id, True))
-            fresh.append(new)
-        inserted: dict[str, StoredRun] = {}
-        if fresh:
-            # One order for every writer (by key): two batches with overlapping keys take
-            # the unique index's entries in the same order instead of deadlocking.
-            fresh = self._ranked(conn, fresh)  # in the order given: FIFO per key
-            fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
-            rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
-            inserted = {row.id: _stored_from_row(row) for row in rows}
-            events = [_event_row(event) for new in fresh for event in new.events]
-            conn.execute(self._insert_events, events)
-        return [
-            (existing if existing is not None else inserted[run_id], created)
-            for existing, run_id, created in plan
-        ]
-
-    def _existing_many(
-        self, conn: Connection, news: Sequence[NewRun]
-    ) -> dict[tuple[str, str], StoredRun]:
-        """Runs already holding a (workflow, key) or an idempotency key (as ("", key)) of
-        ``news``."""
-        keys: dict[str, set[str]] = {}
-        idempotency = {new.idempotency_key for new in news if new.idempotency_key}
-        for new in news:
-            if new.record.key is not None:
-                keys.setdefault(new.record.workflow, set()).add(new.record.key)
-        conditions = [
-            and_(runs.c.workflow == workflow, runs.c.key.in_(sorted(names)))
-            for workflow, names in keys.items()
-        ]
-        if idempotency:
-            conditions.append(runs.c.idempotency_key.in_(sorted(idempotency)))
-        if not conditions:
-            return {}
-        found: dict[tuple[str, str], StoredRun] = {}
-        for row in conn.execute(select(runs).where(or_(*conditions))):
-            stored = _stored_from_row(row)
-            if row.key is not None:
-                found[(row.workflow, row.key)] = stored
-            if row.idempotency_key is not None:
-                found[("", row.idempotency_key)] = stored
-        return found
-
     def get_run(self, run_id: str) -> StoredRun | None:
         with self._read() as conn:
             row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
-        return None if row is None else _stored_from_row(row)
+            return None if row is None else self._fold_tails(conn, [_stored_from_row(row)])[0]
 
     def run_ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
         if not prefix:
@@ -610,179 +305,34 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
             )
         query = query.order_by(runs.c.created_at.desc(), runs.c.id).limit(where.limit)
         with self._read() as conn:
-            return [_stored_from_row(row) for row in conn.execute(query)]
+            return self._fold_tails(conn, [_stored_from_row(row) for row in conn.execute(query)])
 
     def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]:
         query = select(journal).where(journal.c.run_id == run_id)
         if until_seq is not None:
             query = query.where(journal.c.seq <= until_seq)
         with self._read() as conn:
-            return [_event_from_row(row) for row in conn.execute(query.order_by(journal.c.seq))]
+            return decode(conn.execute(query.order_by(journal.c.seq)))
 
-    # -- the hot path ----------------------------------------------------------------------
+    # -- the hot path (flowloop/store/appends.py) ------------------------------------------
 
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        if not boundaries:
+            return []
         if any(reports_end(b) for b in boundaries):
             # A child's end: its join counter and its parent in the same transaction.
             return self._write_with_ends(boundaries)
-        if len(boundaries) == 1 and self._raw_sqlite is not None:
-            return [self._write_one_raw(boundaries[0])]
-        if len(boundaries) == 1 and self._postgres and boundaries[0].events:
-            return [self._write_one_statement(boundaries[0])]
-        event_rows: list[dict[str, Any]] = []
-        with self._write() as conn:
-            applied = self._write_rows(conn, boundaries)
-            for boundary, ok in zip(boundaries, applied, strict=True):
-                if ok:
-                    event_rows.extend(_event_row(e) for e in boundary.events)
-            if event_rows:
-                conn.execute(self._insert_events, event_rows)
-        return applied
+        return self._write_appends(boundaries)
 
-    def _write_rows(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
-        """Update the run rows: one executemany per kind of statement, so a batch of N
-        boundaries (group commit, bulk recovery) costs O(kinds) statements, not O(N).
-
-        The fence is judged per row by the UPDATE's WHERE; when the summed rowcount shows
-        that some row was refused, the batch is undone to a savepoint and replayed row by
-        row to learn which (refusals are rare: a lost lease)."""
-        if not self.engine.dialect.supports_sane_multi_rowcount or len(
-            {b.run_id for b in boundaries}
-        ) != len(boundaries):
-            # Row by row, in order (two boundaries of one run: the second follows the first).
-            return [
-                conn.execute(
-                    self._statement(*self._statement_kind(b)), self._write_params(b)
-                ).rowcount
-                == 1
-                for b in boundaries
-            ]
-        applied = [False] * len(boundaries)
-        groups: dict[tuple[str, bool], list[int]] = {}
-        for index, boundary in enumerate(boundaries):
-            groups.setdefault(self._statement_kind(boundary), []).append(index)
-        for (kind, clear), indexes in groups.items():
-            stmt = self._statement(kind, clear)
-            params = [self._write_params(boundaries[i]) for i in indexes]
-            if len(indexes) > 1:
-                savepoint = conn.begin_nested()
-                if conn.execute(stmt, params).rowcount == len(indexes):
-                    savepoint.commit()
-                    for i in indexes:
-                        applied[i] = True
-                    continue
-                savepoint.rollback()
-            for i, one in zip(indexes, params, strict=True):
-                applied[i] = conn.execute(stmt, one).rowcount == 1
-        return applied
-
-    @staticmethod
-    def _statement_kind(boundary: Boundary) -> tuple[str, bool]:
-        if boundary.fence.owner is None:
-            kind = "unowned"
-        else:
-            kind = "owned_release" if boundary.release else "owned"
-        return kind, boundary.clear_control
-
-    def _statement(self, kind: str, clear_control: bool) -> Any:
-        stmt = {
-            "unowned": self._update_unowned,
-            "owned_release": self._update_owned_release,
-            "owned": self._update_owned,
-        }[kind]
-        return stmt.values(control=None) if clear_control else stmt
-
-    def _prepare_raw(self) -> None:
-        """SQLite: compile the single-boundary write once, to run on the driver's cursor.
-
-        The sequential hot path is one UPDATE, one two-row INSERT and a commit; through
-        SQLAlchemy's execution machinery each statement costs more Python than SQLite needs
-        to run it. Batches (group commit, recovery) keep the SQLAlchemy path."""
-        self._raw_sqlite: dict[tuple[str, bool], _Raw] | None = None
-        self._one_statement_cache: dict[tuple[tuple[str, bool], int], _Raw] = {}
-        dialect = self.engine.dialect
-        self._postgres = dialect.name == "postgresql"
-        self._dbapi_error: type[Exception] = dialect.loaded_dbapi.Error
-        if dialect.name != "sqlite":
-            return
-        self._raw_sqlite = {
-            (kind, clear): _Raw.of(self._statement(kind, clear), dialect)
-            for kind in ("owned", "owned_release", "unowned")
-            for clear in (False, True)
-        }
-        self._raw_insert = _Raw.of(self._insert_events, dialect, list(EVENT_COLUMNS))
-
-    def _one_statement(self, kind: tuple[str, bool], events: int) -> _Raw:
-        """PostgreSQL: a whole boundary as ONE statement — the fenced UPDATE in a CTE, the
-        journal rows inserted only if it changed the row. Sent in autocommit it is its own
-        transaction: one round trip instead of four (BEGIN, UPDATE, INSERT, COMMIT)."""
-        key = (kind, events)
-        found = self._one_statement_cache.get(key)
-        if found is None:
-            changed = self._statement(*kind).returning(runs.c.id).cte("changed")
-            selects = [
-                select(
-                    *[
-                        sql_cast(bindparam(f"e{i}_{column.name}"), column.type).label(column.name)
-                        for column in journal.columns
-                    ]
-                ).where(exists(select(changed.c.id)))
-                for i in range(events)
-            ]
-            rows = selects[0] if events == 1 else union_all(*selects)
-            stmt = (
-                insert(journal)
-                .from_select([column.name for column in journal.columns], rows)
-                .add_cte(changed)
-            )
-            found = self._one_statement_cache[key] = _Raw.of(stmt, self.engine.dialect)
-        return found
-
-    def _write_one_statement(self, boundary: Boundary) -> bool:
-        stmt = self._one_statement(self._statement_kind(boundary), len(boundary.events))
-        params = self._write_params(boundary)
-        for i, event in enumerate(boundary.events):
-            for name, value in _event_row(event).items():
-                params[f"e{i}_{name}"] = value
-        with self._driver() as raw:
-            raw.autocommit = True  # one statement: its own transaction
-            try:
-                cursor = raw.cursor()
-                cursor.execute(stmt.sql, stmt.args(params))
-                # Applied iff the fenced UPDATE matched: then every event row went in.
-                return bool(cursor.rowcount == len(boundary.events))
-            finally:
-                raw.autocommit = False
-
-    def _write_one_raw(self, boundary: Boundary) -> bool:
-        assert self._raw_sqlite is not None
-        update_stmt = self._raw_sqlite[self._statement_kind(boundary)]
-        with self._driver() as raw:
-            cursor = raw.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
-            cursor.execute(update_stmt.sql, update_stmt.args(self._write_params(boundary)))
-            applied = cursor.rowcount == 1
-            if applied and boundary.events:
-                cursor.executemany(
-                    self._raw_insert.sql,
-                    [self._raw_insert.args(_event_row(e)) for e in boundary.events],
-                )
-            raw.commit()
-            return bool(applied)
-
-    def _write_params(self, boundary: Boundary) -> dict[str, Any]:
-        params = {f"p_{k}": v for k, v in _record_columns(boundary.record).items()}
-        params.update(
-            p_id=boundary.run_id,
-            p_epoch=boundary.fence.epoch,
-            p_follows=boundary.follows_seq,
-            p_at=boundary.events[-1].at if boundary.events else 0.0,
+    def renews_lease(self, boundary: Boundary) -> bool:
+        """A write of the run row renews the owner's lease; an append leaves it to the
+        heartbeat (the fence is still judged by every write)."""
+        return (
+            boundary.fence.owner is not None and not boundary.release and not append_only(boundary)
         )
-        if boundary.fence.owner is not None:
-            params["p_owner"] = boundary.fence.owner
-            if not boundary.release:
-                params["p_lease"] = self._lease_for_write
-        return params
+
+    def _dialect_obj(self) -> Any:
+        return self.engine.dialect
 
     _lease_for_write = 30.0
 
@@ -899,8 +449,10 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
             params["p_limit"] = limit - len(found)
             if (workflows is None or workflows) and params["p_limit"] > 0:
                 found.extend(conn.execute(stmt, params))
-            rows = [_stored_from_row(row) for row in found]
+            rows = self._fold_tails(conn, [_stored_from_row(row) for row in found])
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
+        for stored in rows:  # the claimer's next entry splices against this context
+            self._contexts.note(stored.id, stored.record.last_seq, stored.record.context)
         return rows
 
     def claim(
@@ -1041,9 +593,8 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
                     .where(inbox.c.id == message_id, inbox.c.consumed_seq.is_(None))
                     .values(consumed_seq=boundary.record.last_seq)
                 ).rowcount
-                if consumed != 1 or not self._write_rows(conn, [boundary])[0]:
+                if consumed != 1 or not self._apply(conn, [boundary])[0]:
                     raise _Conflict
-                conn.execute(self._insert_events, [_event_row(e) for e in boundary.events])
                 if reports_end(boundary):
                     self._report_ends(conn, [boundary])
         except _Conflict:
@@ -1087,21 +638,3 @@ class SQLStore(JoinStoreMixin, LimitStoreMixin, LoopStoreMixin, AdmissionStoreMi
 
 class _Conflict(Exception):
     """Raised inside a transaction to roll it back: a fenced write was refused."""
-
-
-def _record_columns_names() -> tuple[str, ...]:
-    return (
-        "status",
-        "state",
-        "context",
-        "context_version",
-        "version",
-        "fingerprint",
-        "attempt",
-        "visits",
-        "next_run_at",
-        "last_seq",
-        "reason",
-        "error",
-        "deadline_at",
-    )

@@ -24,6 +24,7 @@ from sqlalchemy import cast as sql_cast
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
+from flowloop.store.appends import current_rows
 from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
@@ -200,7 +201,8 @@ def list_runs(db: SQLEngine, query: RunsQuery) -> RunsPage:
     page = page.order_by(*NEWEST_FIRST).limit(query.limit + 1)
     counts = select(runs.c.status, func.count()).where(*where).group_by(runs.c.status)
     with reading(db) as conn:
-        rows = [dict(row._mapping) for row in conn.execute(page)]
+        # A running run's row is a snapshot; its latest state comes from its journal.
+        rows = current_rows(conn, [row._mapping for row in conn.execute(page)])
         found = {status: int(n) for status, n in conn.execute(counts)}
     more = len(rows) > query.limit
     rows = rows[: query.limit]
@@ -214,9 +216,9 @@ def run_row(db: SQLEngine, run_id: str) -> dict[str, Any]:
         raise NotFound(f"no run {run_id[:40]}…")
     with reading(db) as conn:
         row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
-    if row is None:
-        raise NotFound(f"no run {run_id}")
-    found = dict(row._mapping)
+        if row is None:
+            raise NotFound(f"no run {run_id}")
+        found = current_rows(conn, [row._mapping])[0]
     for column in ("context", "visits"):
         found[column] = _json_or_text(found[column])
     return found
@@ -226,13 +228,15 @@ def run_progress(db: SQLEngine, run_id: str) -> dict[str, Any]:
     """The cheap row a live page polls: ``last_seq``, ``status``, ``state``."""
     with reading(db) as conn:
         row = conn.execute(
-            select(runs.c.last_seq, runs.c.status, runs.c.state, runs.c.updated_at).where(
-                runs.c.id == run_id
-            )
+            select(
+                runs.c.id, runs.c.last_seq, runs.c.status, runs.c.state, runs.c.updated_at
+            ).where(runs.c.id == run_id)
         ).first()
-    if row is None:
-        raise NotFound(f"no run {run_id[:80]}")
-    return dict(row._mapping)
+        if row is None:
+            raise NotFound(f"no run {run_id[:80]}")
+        found = current_rows(conn, [row._mapping])[0]
+    del found["id"]
+    return found
 
 
 def _json_or_text(text: str | None) -> Any:
@@ -284,9 +288,10 @@ def run_family(db: SQLEngine, run_id: str) -> dict[str, Any]:
             .where(runs.c.parent_id == run_id)
             .group_by(runs.c.status)
         ).all()
+        children = current_rows(conn, [row._mapping for row in listed])
     by_status = {row[0]: int(row[1]) for row in counts}
     return {
-        "children": [dict(row._mapping) for row in listed],
+        "children": children,
         "counts": dict(sorted(by_status.items())),
         "total": sum(by_status.values()),
     }

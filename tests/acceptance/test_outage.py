@@ -142,7 +142,8 @@ def test_partitioned_worker_fences_itself_before_its_lease_ends(
             "a to block in s3", Path(f"{release}.entered").exists, timeout=30, describe=workers.logs
         )
         a_row = next(r for r in mwkit.run_rows(pg_url) if r.id == run_id)
-        a_seq = a_row.last_seq
+        # The journal's latest entry (a running run's row is a snapshot behind it).
+        a_seq = max(r.seq for r in mwkit.journal_rows(pg_url) if r.run_id == run_id)
         b = workers.add(
             mwkit.spawn_worker(
                 flow,

@@ -1,0 +1,571 @@
+"""The write path: a step boundary is one fenced append to the journal.
+
+Contract (the journal protocol's, see flowloop/store/base.py):
+
+* **The journal is the sequencer.** A boundary's entries go in at ``follows_seq + 1 …``
+  only if no entry of the run is at or after that seq (a probe of the primary key, in the
+  same statement) — two writers that read the same seq cannot both append. PostgreSQL
+  backs the probe with the key itself: a concurrent duplicate fails and is a refusal.
+* **The fence is in the same statement.** The insert selects from the run row: it
+  applies only while the writer's owner and epoch hold and its lease has not ended by the
+  database's clock (an unowned writer: while nobody validly owns the run). No read first.
+* **The run row is a queue/lease row.** A boundary that leaves a running run running under
+  its owner (a step's outcome and the next step's start, the usual case) touches no run
+  row at all: its status is ``running`` already, its due time is none, its lease is
+  renewed by the heartbeat. Every other boundary — the first start after a claim, a
+  release, an end, a pause or stop, a new due time — also writes the row, in the same
+  transaction, with the record as of that boundary (the row's snapshot, ``last_seq``).
+* A live run's state and context are therefore its row's snapshot plus its journal after
+  the snapshot's seq (a range of the primary key): :meth:`AppendStoreMixin._fold_tails`.
+
+One boundary costs one commit; a batch (group commit, bulk recovery) costs one too, through
+``executemany`` of the same statements — no savepoint unless a fence refuses one of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    and_,
+    bindparam,
+    exists,
+    insert,
+    or_,
+    select,
+    union_all,
+    update,
+)
+from sqlalchemy import cast as sql_cast
+from sqlalchemy.exc import IntegrityError
+
+from flowloop import journal as j
+from flowloop.journal import RunRecord
+from flowloop.store.base import Boundary, StoredRun
+from flowloop.store.entries import ContextCache, decode, encode, event_row, stored_from_row
+from flowloop.store.schema import journal, runs
+
+JSON_SEPARATORS: Final = (",", ":")
+RUNNING_FROM: Final = frozenset(
+    {
+        j.STEP_SUCCEEDED,
+        j.STEP_FAILED,
+        j.STEP_INTERRUPTED,
+        j.COMPENSATION_SUCCEEDED,
+        j.COMPENSATION_FAILED,
+    }
+)
+"""Kinds that only follow a running step: a boundary opening with one was running before."""
+EVENT_COLUMNS: Final = tuple(column.name for column in journal.columns)
+RECORD_COLUMNS: Final = (
+    "status",
+    "state",
+    "context",
+    "context_version",
+    "version",
+    "fingerprint",
+    "attempt",
+    "visits",
+    "next_run_at",
+    "last_seq",
+    "reason",
+    "error",
+    "deadline_at",
+)
+
+
+def append_only(boundary: Boundary) -> bool:
+    """A boundary that leaves the run row as it is: a running run stays running under the
+    same owner (the row says ``running``, no due time, the owner's lease)."""
+    return (
+        boundary.fence.owner is not None
+        and not boundary.release
+        and not boundary.clear_control
+        and boundary.record.status == "running"
+        and bool(boundary.events)
+        and boundary.events[0].kind in RUNNING_FROM
+    )
+
+
+def _dumps(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
+
+
+def record_columns(record: RunRecord) -> dict[str, Any]:
+    return {
+        "status": record.status,
+        "state": record.state,
+        "context": record.context,
+        "context_version": record.context_version,
+        # A run moved to another version of its workflow (flowloop migrate) changes these.
+        "version": record.version,
+        "fingerprint": record.fingerprint,
+        "attempt": record.attempt,
+        "visits": _dumps(record.visits),
+        "next_run_at": record.next_run_at,
+        "last_seq": record.last_seq,
+        "reason": record.reason,
+        "error": record.error,
+        "deadline_at": record.deadline,
+    }
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A statement compiled once for one dialect: its SQL, the order of its positional
+    parameters, and the values of parameters bound at build time (e.g. ``control=None``)."""
+
+    sql: str
+    order: tuple[str, ...] | None
+    defaults: dict[str, Any]
+
+    @classmethod
+    def of(cls, stmt: Any, dialect: Any, column_keys: list[str] | None = None) -> Raw:
+        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
+        defaults = dict(compiled.construct_params(_check=False))
+        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
+        return cls(compiled.string, order, defaults)
+
+    def args(self, params: Mapping[str, Any]) -> Any:
+        full = {**self.defaults, **params}
+        if self.order is None:
+            return full
+        return tuple([full[name] for name in self.order])
+
+
+class _Retry(Exception):
+    """The optimistic batch was refused in part: undo it and go boundary by boundary."""
+
+
+class AppendStoreMixin:
+    """The journal-first write path of :class:`~flowloop.store.sql.SQLStore`."""
+
+    now_sql: ColumnElement[float]
+    _postgres: bool
+    _dbapi_error: type[Exception]
+    _lease_for_write: float
+
+    def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _driver(self) -> AbstractContextManager[Any]:  # provided by SQLStore
+        raise NotImplementedError
+
+    # -- statements ------------------------------------------------------------------------
+
+    def _fence(self, owned: bool) -> ColumnElement[bool]:
+        if owned:
+            # The owner's fencing token: its id, its epoch, and a lease still running by
+            # the database's clock (an expired lease writes nothing, even before a takeover).
+            return and_(
+                runs.c.id == bindparam("f_id"),
+                runs.c.owner == bindparam("f_owner"),
+                runs.c.lease_epoch == bindparam("f_epoch"),
+                runs.c.lease_expires_at >= self.now_sql,
+            )
+        return and_(
+            runs.c.id == bindparam("f_id"),
+            runs.c.lease_epoch == bindparam("f_epoch"),
+            or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql),
+        )
+
+    @staticmethod
+    def _at_end(run_id: Any, seq: Any) -> ColumnElement[bool]:
+        """No entry of the run at or after ``seq``: an append goes at the end, once."""
+        later = journal.alias("later")
+        return ~exists(select(later.c.seq).where(later.c.run_id == run_id, later.c.seq >= seq))
+
+    def _build_appends(self) -> None:
+        self._contexts = ContextCache()
+        values = [  # named as the columns: a journal row is its own parameters
+            bindparam(column.name, type_=column.type).label(column.name)
+            for column in journal.columns
+        ]
+        self._append_stmt = {
+            owned: insert(journal)
+            .from_select(
+                list(EVENT_COLUMNS),
+                select(*values)
+                .select_from(runs)
+                .where(self._fence(owned), self._at_end(bindparam("run_id"), bindparam("seq")))
+                # PostgreSQL: hold the run row while the fence is judged (a claim's FOR
+                # UPDATE SKIP LOCKED passes it by); renewals are not blocked. SQLite: no-op.
+                .with_for_update(read=True, key_share=True),
+            )
+            # An INSERT's rowcount is kept only on request (SQLAlchemy 2.1); it is the verdict.
+            .execution_options(preserve_rowcount=True)
+            for owned in (True, False)
+        }
+        row: dict[str, Any] = {name: bindparam(f"p_{name}") for name in RECORD_COLUMNS}
+        lease_until = self.now_sql + bindparam("p_lease")
+        self._row_stmt = {
+            "owned": update(runs)
+            .where(self._fence(True))
+            .values(**row, updated_at=bindparam("p_at"), lease_expires_at=lease_until),
+            "owned_release": update(runs)
+            .where(self._fence(True))
+            .values(**row, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None),
+            "unowned": update(runs)
+            .where(self._fence(False))
+            .values(**row, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None),
+        }
+        self._row_stmt_clear = {k: stmt.values(control=None) for k, stmt in self._row_stmt.items()}
+        self._raw: dict[Any, Raw] | None = None
+        self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
+
+    def _row_statement(self, boundary: Boundary) -> Any:
+        kind, clear = _row_kind(boundary)
+        return self._row_stmt_clear[kind] if clear else self._row_stmt[kind]
+
+    def _prepare_raw_sqlite(self, dialect: Any) -> None:
+        """SQLite: the single-boundary write compiled once, run on the driver's cursor
+        (through SQLAlchemy's execution machinery each statement costs more Python than
+        SQLite needs to run it)."""
+        raw: dict[Any, Raw] = {}
+        for owned in (True, False):
+            raw[owned] = Raw.of(self._append_stmt[owned], dialect)
+        for kind in self._row_stmt:
+            raw[(kind, False)] = Raw.of(self._row_stmt[kind], dialect)
+            raw[(kind, True)] = Raw.of(self._row_stmt_clear[kind], dialect)
+        self._raw = raw
+
+    # -- parameters ------------------------------------------------------------------------
+
+    def _fence_params(self, boundary: Boundary) -> dict[str, Any]:
+        params: dict[str, Any] = {"f_id": boundary.run_id, "f_epoch": boundary.fence.epoch}
+        if boundary.fence.owner is not None:
+            params["f_owner"] = boundary.fence.owner
+        return params
+
+    def _row_params(self, boundary: Boundary) -> dict[str, Any]:
+        params = {f"p_{k}": v for k, v in record_columns(boundary.record).items()}
+        params.update(self._fence_params(boundary))
+        params["p_at"] = boundary.events[-1].at if boundary.events else 0.0
+        if boundary.fence.owner is not None and not boundary.release:
+            params["p_lease"] = self._lease_for_write
+        return params
+
+    def _append_params(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+        fence = self._fence_params(boundary)
+        return [{**fence, **row} for row in rows]
+
+    def _encode(self, boundaries: Sequence[Boundary]) -> list[list[dict[str, Any]]]:
+        return [encode(boundary.events, self._contexts) for boundary in boundaries]
+
+    def _settle(self, boundaries: Sequence[Boundary], applied: Sequence[bool]) -> None:
+        """The context cache after a write: refused runs forgotten (their next write starts
+        from a whole context), runs that let go forgotten too (another worker goes on)."""
+        for boundary, ok in zip(boundaries, applied, strict=True):
+            if not ok or boundary.release or boundary.record.status != "running":
+                self._contexts.forget(boundary.run_id)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _write_appends(self, boundaries: Sequence[Boundary]) -> list[bool]:
+        """:meth:`Store.write` for boundaries that report no child's end."""
+        encoded = self._encode(boundaries)
+        applied: list[bool] = [False] * len(boundaries)
+        try:
+            if len(boundaries) == 1 and self._raw is not None:
+                applied = [self._write_one_sqlite(boundaries[0], encoded[0])]
+            elif len(boundaries) == 1 and self._postgres and boundaries[0].events:
+                applied = [self._write_one_pg(boundaries[0], encoded[0])]
+            else:
+                applied = self._write_batch(boundaries, encoded)
+        finally:
+            # Refused or failed (an exception leaves ``applied`` all False): forgotten.
+            self._settle(boundaries, applied)
+        return applied
+
+    def _write_batch(
+        self, boundaries: Sequence[Boundary], encoded: Sequence[Sequence[dict[str, Any]]]
+    ) -> list[bool]:
+        """Optimistically all at once (one executemany per statement); if any fence refused,
+        undo and apply them one by one, in order."""
+        try:
+            with self._write() as conn:
+                self._apply_all(conn, boundaries, encoded)
+            return [True] * len(boundaries)
+        except (_Retry, IntegrityError):
+            pass
+        with self._write() as conn:
+            return self._apply(conn, boundaries, encoded)
+
+    def _apply_all(
+        self,
+        conn: Connection,
+        boundaries: Sequence[Boundary],
+        encoded: Sequence[Sequence[dict[str, Any]]],
+    ) -> None:
+        by_fence: dict[bool, list[Any]] = {}
+        for boundary, rows in zip(boundaries, encoded, strict=True):
+            by_fence.setdefault(boundary.fence.owner is not None, []).extend(
+                self._append_params(boundary, rows)
+            )
+        sane = conn.dialect.supports_sane_multi_rowcount
+        for owned, params in by_fence.items():
+            stmt = self._append_stmt[owned]
+            if sane:
+                if conn.execute(stmt, params).rowcount != len(params):
+                    raise _Retry
+            elif any(conn.execute(stmt, one).rowcount != 1 for one in params):
+                raise _Retry
+        writes = [b for b in boundaries if not append_only(b)]
+        if not sane or len({b.run_id for b in writes}) != len(writes):
+            # One run twice: in order, one by one.
+            for boundary in writes:
+                changed = conn.execute(self._row_statement(boundary), self._row_params(boundary))
+                if changed.rowcount != 1:
+                    raise _Retry
+            return
+        groups: dict[tuple[str, bool], list[Boundary]] = {}
+        for boundary in writes:
+            groups.setdefault(_row_kind(boundary), []).append(boundary)
+        for group in groups.values():
+            params = [self._row_params(b) for b in group]
+            if conn.execute(self._row_statement(group[0]), params).rowcount != len(group):
+                raise _Retry
+
+    def _apply(
+        self,
+        conn: Connection,
+        boundaries: Sequence[Boundary],
+        encoded: Sequence[Sequence[dict[str, Any]]] | None = None,
+    ) -> list[bool]:
+        """Apply boundaries one by one in ``conn``'s transaction, each judged alone in a
+        savepoint (a refused one changes nothing). Returns, per boundary, whether it was
+        applied. The path of composition and inbox writes, and of a refused batch."""
+        if encoded is None:
+            # Inside a caller's transaction that may still roll back after this: whole
+            # contexts, and the runs' cached contexts dropped (no splice on a lost base).
+            encoded = [[event_row(e) for e in b.events] for b in boundaries]
+            for boundary in boundaries:
+                self._contexts.forget(boundary.run_id)
+        applied = []
+        for boundary, rows in zip(boundaries, encoded, strict=True):
+            savepoint = conn.begin_nested()
+            try:
+                ok = self._apply_one(conn, boundary, rows)
+            except IntegrityError:  # PostgreSQL: a concurrent writer took the seq
+                ok = False
+            if ok:
+                savepoint.commit()
+            else:
+                savepoint.rollback()
+            applied.append(ok)
+        return applied
+
+    def _apply_one(
+        self, conn: Connection, boundary: Boundary, rows: Sequence[Mapping[str, Any]]
+    ) -> bool:
+        """One boundary: its first entry decides (fence and seq), the rest follow it; then
+        the row, when the boundary writes it. False: undo (the caller's savepoint)."""
+        stmt = self._append_stmt[boundary.fence.owner is not None]
+        params = self._append_params(boundary, rows)
+        if params:
+            if conn.execute(stmt, params[0]).rowcount != 1:
+                return False
+            if len(params) > 1:
+                conn.execute(stmt, params[1:])
+        if append_only(boundary):
+            return True
+        changed = conn.execute(self._row_statement(boundary), self._row_params(boundary))
+        return bool(changed.rowcount == 1)
+
+    def _write_one_sqlite(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> bool:
+        assert self._raw is not None
+        append = self._raw[boundary.fence.owner is not None]
+        params = self._append_params(boundary, rows)
+        with self._driver() as raw:
+            cursor = raw.cursor()
+            cursor.execute("BEGIN IMMEDIATE")
+            try:
+                if params:
+                    cursor.execute(append.sql, append.args(params[0]))
+                    if cursor.rowcount != 1:
+                        raw.rollback()
+                        return False
+                    for one in params[1:]:
+                        cursor.execute(append.sql, append.args(one))
+                if not append_only(boundary):
+                    update_stmt = self._raw[_row_kind(boundary)]
+                    cursor.execute(update_stmt.sql, update_stmt.args(self._row_params(boundary)))
+                    if cursor.rowcount != 1:
+                        raw.rollback()
+                        return False
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    raw.rollback()
+                raise
+            raw.commit()
+            return True
+
+    def _pg_statement(self, boundary: Boundary) -> Raw:
+        """PostgreSQL: a whole boundary as ONE statement, sent in autocommit (its own
+        transaction: one round trip). An append locks the run row FOR KEY SHARE while it
+        checks the fence, so a claim (FOR UPDATE SKIP LOCKED) cannot take the run between
+        the check and the commit; a row write is the fenced UPDATE in a CTE, the entries
+        inserted only if it changed the row."""
+        only = append_only(boundary)
+        kind, clear = ("append", False) if only else _row_kind(boundary)
+        key = (kind, clear, len(boundary.events))
+        found = self._pg_cache.get(key)
+        if found is not None:
+            return found
+        owned = boundary.fence.owner is not None
+        first: Any = bindparam("e0_seq")
+        at_end = self._at_end(bindparam("f_id"), first)
+        if only:
+            gate = (
+                select(runs.c.id)
+                .where(self._fence(owned))
+                .with_for_update(key_share=True, read=True)
+                .cte("gate")
+            )
+            condition = exists(select(gate.c.id))
+            conditions: list[Any] = [condition, at_end]
+        else:
+            changed = (
+                self._row_statement(boundary).where(at_end).returning(runs.c.id).cte("changed")
+            )
+            gate = changed
+            conditions = [exists(select(changed.c.id))]
+        selects = [
+            select(
+                *[
+                    sql_cast(bindparam(f"e{i}_{column.name}"), column.type).label(column.name)
+                    for column in journal.columns
+                ]
+            ).where(*conditions)
+            for i in range(len(boundary.events))
+        ]
+        rows = selects[0] if len(selects) == 1 else union_all(*selects)
+        stmt = insert(journal).from_select(list(EVENT_COLUMNS), rows).add_cte(gate)
+        found = self._pg_cache[key] = Raw.of(stmt, self._dialect_obj())
+        return found
+
+    def _dialect_obj(self) -> Any:
+        raise NotImplementedError  # provided by SQLStore
+
+    def _write_one_pg(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> bool:
+        stmt = self._pg_statement(boundary)
+        params = self._fence_params(boundary)
+        if not append_only(boundary):
+            params.update(self._row_params(boundary))
+        for i, row in enumerate(rows):
+            for name, value in row.items():
+                params[f"e{i}_{name}"] = value
+        with self._driver() as raw:
+            raw.autocommit = True  # one statement: its own transaction
+            try:
+                cursor = raw.cursor()
+                try:
+                    cursor.execute(stmt.sql, stmt.args(params))
+                except self._dbapi_error as error:
+                    if _unique_violation(error):
+                        return False  # a concurrent writer took the seq: refused
+                    raise
+                return bool(cursor.rowcount == len(rows))
+            finally:
+                raw.autocommit = False
+
+    # -- reading a live run ----------------------------------------------------------------
+
+    def _fold_tails(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
+        """Runs as of their latest entry: a running run's row is a snapshot as of its
+        ``last_seq``; the entries after it (one key range per run, one query for all) are
+        folded onto it."""
+        behind = {s.id: s for s in stored if s.record.status == "running"}
+        if not behind:
+            return list(stored)
+        found: dict[str, list[Any]] = {}
+        ids = list(behind)
+        for start in range(0, len(ids), 500):
+            chunk = ids[start : start + 500]
+            query = (
+                select(journal)
+                .join(runs, runs.c.id == journal.c.run_id)
+                .where(runs.c.id.in_(chunk), journal.c.seq > runs.c.last_seq)
+                .order_by(journal.c.run_id, journal.c.seq)
+            )
+            for row in conn.execute(query):
+                found.setdefault(row.run_id, []).append(row)
+        out = []
+        for s in stored:
+            tail = found.get(s.id)
+            out.append(s if not tail else _folded(s, tail))
+        return out
+
+
+def _row_kind(boundary: Boundary) -> tuple[str, bool]:
+    """Which row statement writes ``boundary`` (and whether it clears the control)."""
+    if boundary.fence.owner is None:
+        kind = "unowned"
+    else:
+        kind = "owned_release" if boundary.release else "owned"
+    return kind, boundary.clear_control
+
+
+def _unique_violation(error: BaseException) -> bool:
+    return getattr(error, "sqlstate", None) == "23505"
+
+
+def _folded(stored: StoredRun, tail: Sequence[Any]) -> StoredRun:
+    """``stored`` with its journal tail folded in (a tail that cannot be folded becomes the
+    run's problem: the executor fails it with that error instead of stepping it)."""
+    record = stored.record
+    try:
+        for event in decode(tail, record.context):
+            record = j.apply(record, event)
+    except j.FoldError as error:
+        return _replace(stored, problem=str(error))
+    return _replace(stored, record=record)
+
+
+def _replace(stored: StoredRun, **change: Any) -> StoredRun:
+    new = object.__new__(StoredRun)
+    new.__dict__.update(stored.__dict__)
+    new.__dict__.update(change)
+    return new
+
+
+def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
+    """Raw run rows (``select(runs)`` mappings, any columns including ``id``, ``status``
+    and ``last_seq``) as of their latest journal entry: for readers that do not go through
+    the store (the dashboard's queries). A running run's row is a snapshot; its tail's
+    fold replaces the record's columns."""
+    out = [dict(row) for row in rows]
+    behind = [r["id"] for r in out if r.get("status") == "running"]
+    if not behind:
+        return out
+    full = conn.execute(select(runs).where(runs.c.id.in_(behind))).all()
+    stored = [stored_from_row(row) for row in full]
+    tails: dict[str, list[Any]] = {}
+    query = (
+        select(journal)
+        .join(runs, runs.c.id == journal.c.run_id)
+        .where(runs.c.id.in_(behind), journal.c.seq > runs.c.last_seq)
+        .order_by(journal.c.run_id, journal.c.seq)
+    )
+    for row in conn.execute(query):
+        tails.setdefault(row.run_id, []).append(row)
+    latest = {}
+    for s in stored:
+        tail = tails.get(s.id)
+        if tail:
+            latest[s.id] = record_columns(_folded(s, tail).record)
+    for found in out:
+        columns = latest.get(found["id"])
+        if columns is None:
+            continue
+        for name, value in columns.items():
+            if name in found:
+                found[name] = value
+    return out

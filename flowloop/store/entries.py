@@ -1,0 +1,328 @@
+"""Journal rows and journal events, and contexts journaled as splices.
+
+A step usually changes a small part of its context, yet each entry used to carry the whole
+context: a 100 KB context cost 100 KB per boundary. An entry's context is now stored as a
+*splice* of the run's previous context when that saves at least half: the length of the
+common prefix, of the common suffix, and the text between them. The splice is exact to the
+character (no JSON re-serialization), so a folded journal compares equal to the very text
+the step wrote. Every ``SNAPSHOT_EVERY``-th context of a run is stored whole, and so is
+any context this process has no previous one of (the first write after a claim).
+
+Readers undo splices in seq order from a whole context: :meth:`Decoder` starts at seq 1
+(``run_created`` is always whole) or, for a live run's tail, at its row's snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from sqlalchemy import Connection, func, select, update
+
+from flowloop import journal as j
+from flowloop.journal import JournalEvent, RunRecord, load_data
+from flowloop.store.base import StoredRun
+
+SPLICE_KEY: Final = "~ctx"
+"""The ``data`` key of an entry whose ``context`` column is a splice: ``[prefix, suffix]``
+(lengths kept from the previous context); the column holds the text between them."""
+SPLICE_MIN: Final = 512
+"""Contexts shorter than this are stored whole: a splice would not pay for its bookkeeping."""
+SNAPSHOT_EVERY: Final = 32
+"""Every this many contexts of a run one is stored whole (bounds the damage of a bad row)."""
+CACHE_RUNS: Final = 4096
+"""Runs whose latest context a store remembers (the base of its next splice)."""
+JSON_SEPARATORS: Final = (",", ":")
+
+
+def _common_prefix(a: str, b: str, limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (at most ``limit``): a bisection on
+    slice equality, each comparison at C speed."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _common_suffix(a: str, b: str, limit: int) -> int:
+    lo, hi = 0, limit
+    la, lb = len(a), len(b)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[la - mid :] == b[lb - mid :]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def splice(old: str, new: str) -> tuple[int, int, str] | None:
+    """``(prefix, suffix, middle)`` with ``old[:prefix] + middle + old[len(old) - suffix:]
+    == new``, or ``None`` when storing ``new`` whole is about as cheap."""
+    if len(new) < SPLICE_MIN:
+        return None
+    shortest = min(len(old), len(new))
+    prefix = _common_prefix(old, new, shortest)
+    suffix = _common_suffix(old, new, shortest - prefix)
+    middle = new[prefix : len(new) - suffix]
+    if len(middle) * 2 > len(new):
+        return None
+    return prefix, suffix, middle
+
+
+def unsplice(base: str, prefix: int, suffix: int, middle: str) -> str:
+    return base[:prefix] + middle + base[len(base) - suffix :]
+
+
+def context_after(previous: str | None, stored: str, data: str | None) -> str:
+    """The whole context an entry wrote: its ``context`` column as ``stored`` (whole, or a
+    splice of ``previous`` when its ``data`` says so). For readers of raw rows."""
+    cut = load_data(data).get(SPLICE_KEY)
+    if cut is None:
+        return stored
+    if previous is None:
+        raise j.FoldError("a context stored as a change of an earlier one that is missing")
+    return unsplice(previous, int(cut[0]), int(cut[1]), stored)
+
+
+class ContextCache:
+    """Per run: the seq of its latest entry this store wrote or read, the context as of
+    that seq, and how many contexts were spliced since the last whole one."""
+
+    def __init__(self, size: int = CACHE_RUNS) -> None:
+        self._runs: OrderedDict[str, tuple[int, str, int]] = OrderedDict()
+        self._size = size
+
+    def note(self, run_id: str, seq: int, context: str, spliced: int = 0) -> None:
+        self._runs[run_id] = (seq, context, spliced)
+        self._runs.move_to_end(run_id)
+        if len(self._runs) > self._size:
+            self._runs.popitem(last=False)
+
+    def forget(self, run_id: str) -> None:
+        self._runs.pop(run_id, None)
+
+    def get(self, run_id: str) -> tuple[int, str, int] | None:
+        return self._runs.get(run_id)
+
+
+def _dumps(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
+
+
+def event_row(event: JournalEvent) -> dict[str, Any]:
+    """The journal row of ``event``, its context whole."""
+    return {
+        "run_id": event.run_id,
+        "seq": event.seq,
+        "kind": event.kind,
+        "at": event.at,
+        "state": event.state,
+        "attempt": event.attempt,
+        "event": event.event,
+        "next_state": event.next_state,
+        "context": event.context,
+        "duration": event.duration,
+        "error_type": event.error_type,
+        "error_message": event.error_message,
+        "traceback": event.traceback,
+        "retryable": event.retryable,
+        "worker": event.worker,
+        "data": _dumps(event.data) if event.data else None,
+    }
+
+
+def encode(events: Iterable[JournalEvent], cache: ContextCache) -> list[dict[str, Any]]:
+    """The journal rows of ``events`` (in seq order, any runs), contexts spliced against the
+    cached previous context where that saves. The cache moves on as if they were written:
+    a caller whose write is refused or fails forgets the runs (:meth:`ContextCache.forget`)."""
+    rows = []
+    for event in events:
+        row = event_row(event)
+        known = cache.get(event.run_id)
+        if known is None or known[0] != event.seq - 1:
+            if event.context is not None:
+                cache.note(event.run_id, event.seq, event.context)
+            else:
+                cache.forget(event.run_id)
+            rows.append(row)
+            continue
+        _, context, spliced = known
+        if event.context is None:
+            cache.note(event.run_id, event.seq, context, spliced)
+        else:
+            cut = splice(context, event.context) if spliced + 1 < SNAPSHOT_EVERY else None
+            if cut is None:
+                spliced = 0
+            else:
+                prefix, suffix, middle = cut
+                row["context"] = middle
+                row["data"] = _dumps({**event.data, SPLICE_KEY: [prefix, suffix]})
+                spliced += 1
+            cache.note(event.run_id, event.seq, event.context, spliced)
+        rows.append(row)
+    return rows
+
+
+class Decoder:
+    """Journal rows of ONE run, in seq order, back to events (splices undone)."""
+
+    def __init__(self, base: str | None = None) -> None:
+        self.context = base
+
+    def event(self, row: Any) -> JournalEvent:
+        data = load_data(row.data)
+        context = row.context
+        cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
+        if cut is not None:
+            if self.context is None or not isinstance(cut, list) or len(cut) != 2:
+                raise j.FoldError(
+                    f"run {row.run_id} seq {row.seq} ({row.kind}): its context is a change "
+                    "of an earlier one that is missing (see `flowloop history`)"
+                )
+            context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
+        if context is not None:
+            self.context = context
+        # A frozen dataclass without __post_init__, filled field by field: its generated
+        # __init__ costs more than the rest of this (live runs' tails are read by claims).
+        event = object.__new__(JournalEvent)
+        event.__dict__.update(
+            run_id=row.run_id,
+            seq=row.seq,
+            kind=row.kind,
+            at=row.at,
+            state=row.state,
+            attempt=row.attempt,
+            event=row.event,
+            next_state=row.next_state,
+            context=context,
+            duration=row.duration,
+            error_type=row.error_type,
+            error_message=row.error_message,
+            traceback=row.traceback,
+            retryable=row.retryable,
+            worker=row.worker,
+            data=data,
+        )
+        return event
+
+
+def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
+    """Rows of one run in seq order (from seq 1, or after a snapshot ``base``)."""
+    decoder = Decoder(base)
+    return [decoder.event(row) for row in rows]
+
+
+def _visits(text: str) -> tuple[dict[str, int], str | None]:
+    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
+    every claim (and so every other run) fail."""
+    try:
+        visits = json.loads(text)
+    except ValueError as error:
+        return {}, f"stored visits are not valid JSON: {error}"
+    if not isinstance(visits, dict):
+        return {}, "stored visits are not a JSON object"
+    return visits, None
+
+
+def stored_from_row(row: Any) -> StoredRun:
+    """A run row (``select(runs)``) as a :class:`StoredRun` (a running run: its snapshot)."""
+    visits, problem = _visits(row.visits)
+    record = RunRecord(
+        id=row.id,
+        workflow=row.workflow,
+        version=row.version,
+        fingerprint=row.fingerprint,
+        key=row.key,
+        status=row.status,
+        state=row.state,
+        context=row.context,
+        context_version=row.context_version,
+        attempt=row.attempt,
+        visits=visits,
+        next_run_at=row.next_run_at,
+        last_seq=row.last_seq,
+        reason=row.reason,
+        error=row.error,
+        deadline=row.deadline_at,
+        join=row.join_id,
+    )
+    return StoredRun(
+        record=record,
+        idempotency_key=row.idempotency_key,
+        priority=row.priority,
+        owner=row.owner,
+        lease_expires_at=row.lease_expires_at,
+        lease_epoch=row.lease_epoch,
+        control=row.control,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        problem=problem,
+    )
+
+
+def materialize_previous_layout(conn: Connection) -> None:
+    """Migration 0012's downgrade: every running run's row brought up to its latest entry,
+    every spliced context written out whole (what the previous layout promises)."""
+    from flowloop.store.schema import journal, runs
+
+    latest = (
+        select(journal.c.run_id, func.max(journal.c.seq).label("seq"))
+        .group_by(journal.c.run_id)
+        .subquery()
+    )
+    behind = conn.execute(
+        select(runs)
+        .join(latest, latest.c.run_id == runs.c.id)
+        .where(latest.c.seq > runs.c.last_seq)
+    ).all()
+    spliced = {
+        row.run_id
+        for row in conn.execute(
+            select(journal.c.run_id).where(journal.c.data.like(f'%"{SPLICE_KEY}"%')).distinct()
+        )
+    }
+    for run_id in spliced:
+        rows = conn.execute(
+            select(journal).where(journal.c.run_id == run_id).order_by(journal.c.seq)
+        ).all()
+        for row, event in zip(rows, decode(rows), strict=True):
+            if SPLICE_KEY in (row.data or ""):
+                conn.execute(
+                    update(journal)
+                    .where(journal.c.run_id == run_id, journal.c.seq == row.seq)
+                    .values(context=event.context, data=_dumps(event.data) if event.data else None)
+                )
+    for row in behind:
+        stored = stored_from_row(row)
+        tail = conn.execute(
+            select(journal)
+            .where(journal.c.run_id == row.id, journal.c.seq > row.last_seq)
+            .order_by(journal.c.seq)
+        ).all()
+        record = stored.record
+        for event in decode(tail, record.context):
+            record = j.apply(record, event)
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == row.id)
+            .values(
+                state=record.state,
+                context=record.context,
+                context_version=record.context_version,
+                attempt=record.attempt,
+                visits=_dumps(record.visits),
+                last_seq=record.last_seq,
+                reason=record.reason,
+                error=record.error,
+                next_run_at=record.next_run_at,
+                status=record.status,
+                deadline_at=record.deadline,
+            )
+        )
