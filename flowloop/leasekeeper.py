@@ -7,7 +7,9 @@ another worker may already have taken over.
 
 The renewals and the deadline are kept off the event loop, by threads of their own
 (flowloop/leasethread.py): a database call holding the loop (a silent network) delays
-neither. What the threads learn is acted on here, on the loop: a fenced run's task is
+neither — but a loop that has not ticked for longer than any database call can take is
+wedged (an async step blocking it): its leases are no longer renewed, so another worker
+takes its runs over. What the threads learn is acted on here, on the loop: a fenced run's task is
 cancelled (an async step with it; a thread step is abandoned, its result discarded), and
 nothing more is written for it.
 """
@@ -22,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from flowloop.leasethread import FENCED, LeaseGuard, poller, renewer
+from flowloop.leasethread import FENCED, LeaseGuard, poller, renewer, stall_bound
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
@@ -82,6 +84,10 @@ class LeaseKeeper:
             lost=self.lost,
             controls=executor.apply_controls,
             released=executor.committer.released.__contains__,
+            # A wedged loop (an async step blocking it) loses its leases: renewals need
+            # its ticks (the watchdog's, which runs exactly while the heartbeat does).
+            last_tick=executor.watchdog.last_tick,
+            stall_seconds=stall_bound(store, executor.lease_seconds),
         )
 
     def held_from(self, run_id: str, instant: float) -> None:

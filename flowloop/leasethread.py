@@ -15,6 +15,21 @@ runs in two threads of its own:
   logged with the times, and the loop is asked to cancel its task (an async step is
   cancelled; a thread step is abandoned and its result discarded, flowloop.steppool).
 
+Renewing whatever the loop does must not keep a *wedged* loop's runs for ever (an async
+step spinning, or blocking with no timeout: its step timeout cannot fire either). So the
+renewer renews only while the loop has ticked (the loop watchdog's ticker,
+flowloop/watchdog.py) within :func:`stall_bound`: longer than any database call of the
+loop can take under the connection timeouts, so a slow call keeps the leases; a loop held
+longer is wedged — renewals stop (one WARNING), the fence fences its runs at their
+deadlines, and another worker takes them over.
+
+On PostgreSQL the renewer locks the rows it renews in id order and skips any row locked
+by another transaction (:func:`flowloop.store.leases.renew_skip_locked`): the store's
+group commit updates run rows in its own order, and waiting on each other could deadlock.
+A row skipped is being written by this worker's loop (or taken over, if its lease ended):
+its lease is neither extended nor given up (*unknown*); the write, when applied, extends
+it, and the fence keeps the deadline either way.
+
 A lease is counted from the monotonic instant noted *before* the request that set it
 (claim, renewal or owned write): the database set it at or after that instant, so it ends
 no earlier than that + lease by any clock that runs at the same rate.
@@ -28,7 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from sqlalchemy.pool import StaticPool
@@ -46,8 +61,25 @@ RENEW_FRACTION: Final = 1 / 3
 FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
 """The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
 
-Renew = Callable[[Sequence[str]], set[str]]
-"""Renews the leases of these runs; returns those still held (called in the renewer)."""
+STALL_LEASES: Final = 3
+"""A loop that has not ticked for this many leases (at least; see :func:`stall_bound`) is
+wedged: its leases are no longer renewed."""
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """What a renewal learnt: runs whose leases it extended, and runs it could not tell
+    (their rows were locked by another transaction: neither extended nor lost)."""
+
+    kept: set[str]
+    unknown: set[str] = field(default_factory=set)
+
+
+Renew = Callable[[Sequence[str]], "set[str] | Renewal"]
+"""Renews the leases of these runs; returns those still held (a set), or a
+:class:`Renewal`; any other run is lost (called in the renewer)."""
+LastTick = Callable[[], "float | None"]
+"""When (monotonic) the event loop last showed it runs; None: unknown (renew anyway)."""
 Poll = Callable[[], Mapping[str, str]]
 """Pending control requests (run id → "pause"/"stop") of this worker (in the renewer)."""
 
@@ -77,6 +109,8 @@ class LeaseGuard:
         lost: Callable[[str, str], None],
         controls: Callable[[Mapping[str, str]], None],
         released: Callable[[str], bool] = lambda _run_id: False,
+        last_tick: LastTick = lambda: None,
+        stall_seconds: float | None = None,
     ) -> None:
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
@@ -87,6 +121,12 @@ class LeaseGuard:
         self._lost = lost
         self._controls = controls
         self._released = released
+        self._last_tick = last_tick
+        default_stall = STALL_LEASES * lease_seconds
+        self.stall_seconds = default_stall if stall_seconds is None else stall_seconds
+        """A loop that has not ticked for this long is wedged: renewals stop."""
+        self._wedged_since: float | None = None
+        """The loop's last tick when renewals stopped for it (one warning per stall)."""
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
@@ -266,21 +306,50 @@ class LeaseGuard:
         with self._lock:
             return bool(self._held)
 
+    def _loop_wedged(self, held: int) -> bool:
+        """Whether the loop has not ticked for :attr:`stall_seconds` (warned once a stall).
+        Its runs are then left to the fence: a loop that cannot step them must not keep
+        them from another worker."""
+        tick = self._last_tick()
+        if tick is None:
+            return False
+        blocked = time.monotonic() - tick
+        if blocked < self.stall_seconds:
+            if self._wedged_since is not None:
+                log.info("event loop runs again: lease renewals resumed")
+                self._wedged_since = None
+            return False
+        if self._wedged_since != tick:
+            self._wedged_since = tick
+            log.warning(
+                "event loop blocked for %.1fs (bound %.1fs): no longer renewing the leases of "
+                "its %d run(s), another worker will take them over — a step blocks the loop "
+                "(a blocking call in `async def`?)",
+                blocked,
+                self.stall_seconds,
+                held,
+                extra={"event": "loop_wedged", "blocked": round(blocked, 3)},
+            )
+        return True
+
     def _renew_held(self) -> None:
         with self._lock:
             held = [run_id for run_id in self._held if run_id not in self._fenced]
         held = [run_id for run_id in held if not self._released(run_id)]
-        if not held:
+        if not held or self._loop_wedged(len(held)):
             return
         before = time.monotonic()
-        kept = self._renew(held)
+        result = self._renew(held)
+        kept, unknown = (
+            (result.kept, result.unknown) if isinstance(result, Renewal) else (result, set())
+        )
         self.renewals += 1
         with self._lock:
             for run_id in kept:
                 entry = self._held.get(run_id)
                 if entry is not None and run_id not in self._fenced and before > entry.renewed:
                     entry.until, entry.renewed = before + self.lease_seconds, before
-        for run_id in set(held) - kept:
+        for run_id in set(held) - kept - unknown:
             # The loop decides (a run released meanwhile is not lost): it has the truth.
             self._to_loop(
                 self._lost, run_id, "lost its lease (expired, or taken over by another worker)"
@@ -290,10 +359,38 @@ class LeaseGuard:
 # -- the database calls of the renewer ------------------------------------------------------
 
 
+def stall_bound(store: Store, lease_seconds: float) -> float:
+    """How long the loop may go without a tick before its leases stop being renewed:
+    :data:`STALL_LEASES` leases, and at least the longest a database call of the loop can
+    hold it under the connection timeouts (flowloop.store.dialect.set_lease_bounds), plus
+    a renewal period — so a slow call keeps the leases.
+
+    On PostgreSQL the longest call is a statement timing out, or, on a silent network, a
+    call failed by ``tcp_user_timeout`` (which the kernel checks coarsely: up to 3 times
+    it) and then the reconnect's ``connect_timeout``; on SQLite the busy timeout. For the
+    0.6 s leases of the tests: 1.8 s on SQLite, 5.2 s on PostgreSQL (the timeouts' floors);
+    for a 30 s lease: 90 s on both. A wedged loop's run is fenced within the bound and a
+    lease more after its last tick, and taken over once its lease has ended in the database.
+    """
+    from flowloop.store import dialect
+    from flowloop.store.sql import SQLStore
+
+    bound = STALL_LEASES * lease_seconds
+    period = lease_seconds * RENEW_FRACTION
+    if isinstance(store, SQLStore) and store.engine.dialect.name == "postgresql":
+        connect = dialect.pg_connect_params(lease_seconds)
+        network = 3 * connect["tcp_user_timeout"] / 1000 + connect["connect_timeout"]
+        statement = dialect.pg_statement_timeout_ms(lease_seconds) / 1000
+        return max(bound, max(network, statement) + period)
+    return max(bound, dialect.busy_timeout_ms(lease_seconds) / 1000 + period)
+
+
 def renewer(store: Store, *, worker: str, lease_seconds: float) -> Renew:
     """How the renewer renews: on PostgreSQL through a pooled connection of its own, so a
     call of the loop stuck on the store's held writer (and its lock) cannot hold the
-    renewals up; on SQLite through the store (its lock serializes the renewal with the
+    renewals up, skipping rows another transaction has locked (the group commit writing
+    them: never wait on it, see :func:`flowloop.store.leases.renew_skip_locked`); on SQLite
+    through the store (its lock serializes the renewal with the
     loop's writes, which the busy timeout bounds: one writer at a time either way)."""
     from flowloop.store import leases
     from flowloop.store.schema import runs
@@ -302,9 +399,9 @@ def renewer(store: Store, *, worker: str, lease_seconds: float) -> Renew:
     if isinstance(store, SQLStore) and store.engine.dialect.name == "postgresql":
         engine, now_sql = store.engine, store.now_sql
 
-        def renew_apart(run_ids: Sequence[str]) -> set[str]:
+        def renew_apart(run_ids: Sequence[str]) -> Renewal:
             with engine.connect() as conn, conn.begin():
-                return leases.renew(
+                kept, unknown = leases.renew_skip_locked(
                     conn,
                     runs,
                     runs.c.id,
@@ -313,6 +410,7 @@ def renewer(store: Store, *, worker: str, lease_seconds: float) -> Renew:
                     keys=run_ids,
                     lease_seconds=lease_seconds,
                 )
+                return Renewal(kept, unknown)
 
         return renew_apart
     return lambda run_ids: store.renew(worker=worker, run_ids=run_ids, lease_seconds=lease_seconds)

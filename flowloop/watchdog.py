@@ -5,7 +5,8 @@ A ticker task on the event loop notes the time every :data:`TICK_SECONDS`; a dae
 checks that note. When the loop has not ticked for ``threshold`` seconds, the thread logs
 one WARNING *while the stall lasts*, naming the async steps running at that moment and the
 line the loop's thread is executing. When the loop runs again, the ticker measures the
-whole stall, logs it at INFO and tells its listeners (the worker's metrics).
+whole stall, logs it at INFO and tells its listeners (the worker's metrics). The same
+note tells the lease renewer whether the loop is alive (:meth:`LoopWatchdog.last_tick`).
 """
 
 from __future__ import annotations
@@ -109,6 +110,12 @@ class LoopWatchdog:
         self._users = 1
         self.stop()
         self._closed.set()
+
+    def last_tick(self) -> float | None:
+        """When (monotonic) the event loop last ran the ticker, or None while not watching
+        (no evidence either way). Read from other threads: the lease renewer renews only
+        while the loop has ticked recently (flowloop/leasethread.py)."""
+        return self._last if self._watching else None
 
     async def _tick(self) -> None:
         while True:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Table, update
+from sqlalchemy import ColumnElement, Connection, Table, select, update
 
 
 def renew(
@@ -35,6 +35,45 @@ def renew(
         .returning(key)
     )
     return {row[0] for row in rows}
+
+
+def renew_skip_locked(
+    conn: Connection,
+    table: Table,
+    key: Any,
+    *,
+    now_sql: ColumnElement[float],
+    worker: str,
+    keys: Sequence[str],
+    lease_seconds: float,
+) -> tuple[set[str], set[str]]:
+    """:func:`renew` without ever waiting for a row lock (PostgreSQL): the rows are locked
+    in ``key`` order, skipping those another transaction holds — the store's group commit
+    updates run rows in its own order, and two writers waiting on each other deadlock.
+
+    Returns the keys renewed, and the keys *unknown*: skipped while their last committed
+    version was still ``worker``'s unexpired lease (being written right now, by this
+    worker's loop as a rule): neither renewed nor lost. Any other key is lost."""
+    wanted = list(keys)
+    held = (table.c.owner == worker, key.in_(wanted), table.c.lease_expires_at >= now_sql)
+    lockable = select(key).where(*held).order_by(key).with_for_update(skip_locked=True)
+    rows = conn.execute(
+        update(table)
+        .where(key.in_(lockable.scalar_subquery()))
+        .values(lease_expires_at=now_sql + lease_seconds)
+        .returning(key)
+    )
+    kept = {row[0] for row in rows}
+    missing = [k for k in wanted if k not in kept]
+    if not missing:
+        return kept, set()
+    # A plain read never waits for a lock: it sees the last committed version of a row.
+    still = conn.execute(
+        select(key).where(
+            table.c.owner == worker, key.in_(missing), table.c.lease_expires_at >= now_sql
+        )
+    )
+    return kept, {row[0] for row in still}
 
 
 def expire(

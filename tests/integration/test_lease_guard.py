@@ -9,12 +9,13 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import sqlalchemy as sa
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
-from flowloop.leasethread import FENCED, LeaseGuard, renewer
+from flowloop.leasethread import FENCED, LeaseGuard, Renewal, renewer
 from flowloop.store.sql import SQLStore
 
 LEASE_S = 1.2
@@ -167,3 +168,168 @@ def test_renewals_from_the_thread_keep_a_run_while_the_writer_is_held(store_url:
         assert row is not None and row.owner == "guard-test"
         assert row.lease_epoch == claimed.lease_epoch
         assert (row.lease_expires_at or 0) > store.db_now()  # still held, by the db's clock
+
+
+def test_renewals_stop_while_the_loop_does_not_tick() -> None:
+    """The loop's last tick is frozen (a wedged loop): renewals that would all succeed
+    stop after the stall bound, one WARNING says why, and the run is fenced off at its
+    deadline; while the loop ticks, they go on."""
+    lease, stall = 0.6, 0.9
+    tick = [time.monotonic()]
+    ticking = threading.Event()
+    ticking.set()
+    calls: list[float] = []
+    lines: list[str] = []
+    fenced = threading.Event()
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+            if getattr(record, "self_fenced", False):
+                fenced.set()
+
+    def renew(run_ids: Sequence[str]) -> set[str]:
+        calls.append(time.monotonic())
+        return set(run_ids)  # the database would renew for ever
+
+    def last_tick() -> float:
+        if ticking.is_set():
+            tick[0] = time.monotonic()
+        return tick[0]
+
+    handler = Lines()
+    logging.getLogger("flowloop").addHandler(handler)
+
+    async def main() -> tuple[int, bool, float]:
+        guard = LeaseGuard(
+            lease_seconds=lease,
+            poll_seconds=0.1,
+            renew=renew,
+            poll=dict,
+            lost=lambda _run_id, _why: None,
+            controls=lambda _requests: None,
+            last_tick=last_tick,
+            stall_seconds=stall,
+        )
+        guard.start(asyncio.get_running_loop())
+        try:
+            guard.hold("r1", time.monotonic())
+            waited = 0.0
+            while guard.renewals < 3 and waited < 30:  # a live loop keeps its lease
+                await asyncio.sleep(0.05)
+                waited += 0.05
+            alive_renewals = guard.renewals
+            ticking.clear()  # wedged from here on (the thread sees no tick)
+            frozen = tick[0]
+            seen = await asyncio.to_thread(fenced.wait, stall + lease + SLACK_S + 30)
+            return alive_renewals, seen and guard.fenced("r1"), frozen
+        finally:
+            guard.stop()
+            guard.close()
+
+    try:
+        alive_renewals, was_fenced, frozen = asyncio.run(main())
+    finally:
+        logging.getLogger("flowloop").removeHandler(handler)
+    assert alive_renewals >= 3
+    assert was_fenced, "a run of a wedged loop was renewed on"
+    # No renewal was sent once the loop had been still for the bound (one period of slack:
+    # a renewal decided just before it).
+    assert all(at < frozen + stall + lease / 3 + SLACK_S for at in calls), (frozen, calls)
+    wedged = [line for line in lines if "no longer renewing the leases" in line]
+    assert len(wedged) == 1, lines
+
+
+def test_an_unknown_renewal_is_neither_kept_nor_lost() -> None:
+    """A renewal that could not tell (the run's row was locked by another transaction)
+    does not give the run up, nor extend its lease: the fence keeps the deadline."""
+    lost: list[str] = []
+    done = threading.Event()
+
+    def renew(run_ids: Sequence[str]) -> Renewal:
+        return Renewal(kept=set(), unknown=set(run_ids))
+
+    def record(run_id: str, why: str) -> None:
+        lost.append(why)
+        done.set()
+
+    async def main() -> tuple[float, float]:
+        guard = LeaseGuard(
+            lease_seconds=LEASE_S,
+            poll_seconds=0.1,
+            renew=renew,
+            poll=dict,
+            lost=record,
+            controls=lambda _requests: None,
+        )
+        guard.start(asyncio.get_running_loop())
+        try:
+            claimed = time.monotonic()
+            guard.hold("r1", claimed)
+            assert await asyncio.to_thread(done.wait, LEASE_S + SLACK_S + 30)
+            await asyncio.sleep(0)
+            return claimed, time.monotonic()
+        finally:
+            guard.stop()
+            guard.close()
+
+    claimed, at = asyncio.run(main())
+    assert lost[0] == FENCED, lost  # the deadline, not "lost its lease"
+    assert at < claimed + LEASE_S + SLACK_S, "an unknown renewal extended the lease"
+    assert all(why == FENCED for why in lost), lost
+
+
+def test_a_renewal_skips_a_row_the_group_commit_holds(pg_url: str) -> None:
+    """PostgreSQL: while another transaction holds a run's row locked (as the store's group
+    commit does while it writes it), a renewal neither waits for it (lock-order deadlocks)
+    nor reports the run lost; the other runs are renewed, an expired one is lost."""
+    wf = idle_flow()
+    lease = 3.0
+    with Engine(pg_url, workflows=[wf], lease_seconds=lease) as engine:
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        ids = [engine.start(wf, Ctx()).id for _ in range(3)]
+        locked, free, expired = ids
+        claimed = store.claim(
+            worker="guard-test",
+            now=store.db_now(),
+            limit=3,
+            lease_seconds=lease,
+            workflows=["guarded"],
+            run_ids=ids,
+        )
+        assert len(claimed) == 3
+        renew = renewer(store, worker="guard-test", lease_seconds=lease)
+        # A plain engine: the store's sessions end an idle transaction after lease/3.
+        plain = sa.create_engine(pg_url)
+        with plain.connect() as holder:
+            holder.execute(
+                sa.text("UPDATE flowloop_runs SET lease_expires_at = 0 WHERE id = :id"),
+                {"id": expired},
+            )
+            holder.commit()
+            tx = holder.begin()
+            holder.execute(
+                sa.text("SELECT id FROM flowloop_runs WHERE id = :id FOR UPDATE"), {"id": locked}
+            )
+            box: list[object] = []
+            thread = threading.Thread(target=lambda: box.append(_call(renew, ids)), daemon=True)
+            started = time.monotonic()
+            thread.start()
+            thread.join(30)
+            took = time.monotonic() - started
+            tx.rollback()
+        plain.dispose()
+        assert not thread.is_alive(), "the renewal waited for the locked row"
+        (result,) = box
+        assert isinstance(result, Renewal), result
+        assert result.kept == {free} and result.unknown == {locked}, (result, ids)
+        # Well under the statement timeout (lease/3, at least 2 s) an old wait would hit.
+        assert took < 2.0, took
+
+
+def _call(renew: Callable[[Sequence[str]], object], ids: Sequence[str]) -> object:
+    try:
+        return renew(ids)
+    except Exception as error:  # shown by the assertion on the result
+        return error
