@@ -5,6 +5,7 @@ Each on SQLite and PostgreSQL, the interleaving forced by a hook on the reader's
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -151,3 +152,24 @@ def test_recovery__a_tail_that_cannot_be_folded_fails_the_run_once(
             assert (row.status, row.owner, row.last_seq) == ("failed", None, 4)
     finally:
         engine.close()
+
+
+def test_workers__a_busy_worker_shows_its_latest_entry_not_its_claim(store_url: str) -> None:
+    """The dashboard's workers page: a running run's row is not written while it goes on,
+    so its owner's latest write is the run's latest journal entry."""
+    store = SQLStore(store_url)
+    try:
+        seen = _running_at_4(store)
+        row_written = queries.workers(store.engine, time.time())["owners"][0]["last_write"]
+        later = row_written + 1_000.0
+        done = event(seen.record, j.STEP_SUCCEEDED, state="b", attempt=1, event="next")
+        done = dataclasses.replace(done, at=later, next_state="c", context='{"n":2}')
+        again = event(seen.record, j.STEP_STARTED, 2, state="c", attempt=1)
+        again = dataclasses.replace(again, at=later + 1)
+        record = j.apply(j.apply(seen.record, done), again)
+        going = Boundary(events=[done, again], record=record, fence=_fence(seen))
+        assert store.write([going]) == [True]
+        owners = queries.workers(store.engine, time.time())["owners"]
+        assert [(o["owner"], o["runs"], o["last_write"]) for o in owners] == [("a", 1, later + 1)]
+    finally:
+        store.close()
