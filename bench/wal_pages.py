@@ -10,6 +10,12 @@ grows: frames written = (size - 32) / (page size + 24). Commits are counted at t
 * ``flowloop 1000 states`` a 1,000-state chain: is the per-step cost flat in the number
   of states visited (µs/step against the 10-state chain)?
 
+For the flowloop workloads the ``-wal`` file is also walked frame by frame (a frame whose
+header carries the database size ends a commit), so each commit's pages are known: a run
+of N steps is N + 1 commits — its creation (with the first ``step_started``), N - 1
+boundaries that go on (an outcome and the next start) and its end. The breakdown is shown
+only when the commits counted are exactly that (no lease renewal in between).
+
     python bench/wal_pages.py            # ~30 s
     python bench/wal_pages.py --quick    # smoke run
 """
@@ -68,6 +74,48 @@ def _frames(path: str) -> int:
     return (os.path.getsize(wal) - 32) // (page + 24)
 
 
+def _page_size(path: str) -> int:
+    with open(path, "rb") as handle:
+        header = handle.read(18)
+    page = int.from_bytes(header[16:18], "big")
+    return 65536 if page == 1 else page
+
+
+def _commit_pages(path: str, first_frame: int) -> list[int]:
+    """Pages of each commit in the ``-wal`` file from frame ``first_frame`` on, in order:
+    a frame header's bytes 4-8 (the database size after the commit) are non-zero only on
+    the last frame of a commit."""
+    page = _page_size(path)
+    out: list[int] = []
+    pending = 0
+    with open(path + "-wal", "rb") as wal:
+        wal.seek(32 + first_frame * (page + 24))
+        while True:
+            header = wal.read(24)
+            if len(header) < 24:
+                return out
+            wal.seek(page, os.SEEK_CUR)
+            pending += 1
+            if int.from_bytes(header[4:8], "big") != 0:
+                out.append(pending)
+                pending = 0
+
+
+def _breakdown(commits: list[int], runs: int, steps: int) -> dict[str, float]:
+    """Mean pages of a run's creation, of a boundary that goes on, of its end."""
+    nan = float("nan")
+    per_run = steps + 1
+    if len(commits) != runs * per_run or steps < 2:
+        return {"create_pages": nan, "goes_on_pages": nan, "end_pages": nan}
+    runs_of = [commits[i * per_run : (i + 1) * per_run] for i in range(runs)]
+    going = [pages for one in runs_of for pages in one[1:-1]]
+    return {
+        "create_pages": sum(one[0] for one in runs_of) / runs,
+        "goes_on_pages": sum(going) / len(going),
+        "end_pages": sum(one[-1] for one in runs_of) / runs,
+    }
+
+
 def _chain(name: str, steps: int, context: type[BaseModel]) -> Any:
     from flowloop import Workflow
 
@@ -108,6 +156,9 @@ def flowloop_pages(directory: str, runs: int, steps: int, context: type[BaseMode
                 frames = _frames(path) - before
                 if frames <= 0:  # the WAL was reset (a checkpoint): no page count
                     frames = float("nan")
+                    walked: list[int] = []
+                else:
+                    walked = _commit_pages(path, before)
             finally:
                 engine.close()
         commits = wire.counts()["commits"]
@@ -115,6 +166,7 @@ def flowloop_pages(directory: str, runs: int, steps: int, context: type[BaseMode
             "pages_per_commit": frames / max(commits, 1),
             "commits_per_step": commits / (runs * steps),
             "us_per_step": seconds / (runs * steps) * 1e6,
+            **_breakdown(walked, runs, steps),
         }
 
     return run
@@ -178,6 +230,9 @@ def core_pages(directory: str, runs: int, steps: int) -> Any:
     return run
 
 
+BREAKDOWN = ("create_pages", "goes_on_pages", "end_pages")
+
+
 def main() -> None:
     parser = common.parser(__doc__ or "")
     parser.add_argument("--runs", type=int, default=None, help="runs per sample (100)")
@@ -210,10 +265,20 @@ def main() -> None:
                 ]
             )
         common.table(["program", "WAL pages/commit", "commits/step", "µs/step"], rows)
+        split = [
+            [name, *[common.fmt(results.median(name, key), 2) for key in BREAKDOWN]]
+            for name, _ in programs[1:]
+        ]
+        print("\nPages per commit by kind (WAL frame walk; nan: commits not as expected)")
+        common.table(["program", "creation", "a boundary that goes on", "end"], split)
         small = results.median("flowloop 1KB", "pages_per_commit")
         large = results.median("flowloop 100KB", "pages_per_commit")
         ratio = large / small
         print(f"\n100 KB context / 1 KB context, pages per commit: {ratio:.2f}x (target <= 2x)")
+        going = results.median("flowloop 100KB", "goes_on_pages") / results.median(
+            "flowloop 1KB", "goes_on_pages"
+        )
+        print(f"the same, a boundary that goes on: {going:.2f}x")
         flat = results.median("flowloop 1000 states", "us_per_step") / results.median(
             "flowloop 1KB", "us_per_step"
         )

@@ -70,7 +70,9 @@ class Recovery:
             )
             if not rows:
                 return recovered
-            boundaries = [self._interrupted(row) for row in rows]
+            boundaries = [
+                self._interrupted(row) if row.problem is None else self._broken(row) for row in rows
+            ]
             results = self.store.write(boundaries)
             self.stats.commits += 1
             for boundary, applied in zip(boundaries, results, strict=True):
@@ -133,6 +135,29 @@ class Recovery:
                 "retryable": "retry_at" in data,
             },
         )
+        return Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(self.worker_id, row.lease_epoch),
+            release=True,
+        )
+
+    def _broken(self, row: StoredRun) -> Boundary:
+        """A run whose row or journal tail cannot be read (``row.problem``) fails at once
+        as ``invalid_row`` with the reason: judged again, it would be claimed forever."""
+        record = row.record
+        self.leases.given_up.discard(row.id)
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,  # after the tail's last entry (appends._folded)
+            kind=j.RUN_FAILED,
+            at=self.clock.now(),
+            state=record.state,
+            error_message=row.problem,
+            worker=self.worker_id,
+            data={"reason": "invalid_row"},
+        )
+        log.error("run %s failed: invalid_row: %s", record.id, row.problem)
         return Boundary(
             events=[event],
             record=j.apply(record, event),

@@ -25,6 +25,7 @@ One boundary costs one commit; a batch (group commit, bulk recovery) costs one t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -49,7 +50,7 @@ from sqlalchemy.exc import IntegrityError
 from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
-from flowloop.store.entries import ContextCache, decode, encode, event_row, stored_from_row
+from flowloop.store.entries import ContextCache, Decoder, encode, event_row, stored_from_row
 from flowloop.store.schema import journal, runs
 
 JSON_SEPARATORS: Final = (",", ":")
@@ -485,23 +486,34 @@ class AppendStoreMixin:
         behind = {s.id: s for s in stored if s.record.status == "running"}
         if not behind:
             return list(stored)
-        found: dict[str, list[Any]] = {}
-        ids = list(behind)
-        for start in range(0, len(ids), 500):
-            chunk = ids[start : start + 500]
-            query = (
-                select(journal)
-                .join(runs, runs.c.id == journal.c.run_id)
-                .where(runs.c.id.in_(chunk), journal.c.seq > runs.c.last_seq)
-                .order_by(journal.c.run_id, journal.c.seq)
-            )
-            for row in conn.execute(query):
-                found.setdefault(row.run_id, []).append(row)
+        found = read_tails(conn, {s.id: s.record.last_seq for s in behind.values()})
         out = []
         for s in stored:
             tail = found.get(s.id)
             out.append(s if not tail else _folded(s, tail))
         return out
+
+
+TAIL_CHUNK: Final = 200
+"""Runs per tail query (one OR-term each: well under SQLite's expression depth of 1000)."""
+
+
+def read_tails(conn: Connection, snapshots: Mapping[str, int]) -> dict[str, list[Any]]:
+    """The journal entries after each run's snapshot: ``seq > last_seq`` of the snapshot
+    the caller holds (not of the row now). Reads are READ COMMITTED: the row may have moved
+    on since the snapshot was read; joining on its current ``last_seq`` would drop the
+    entries between the two and fold an old snapshot to an old state."""
+    found: dict[str, list[Any]] = {}
+    ids = list(snapshots)
+    for start in range(0, len(ids), TAIL_CHUNK):
+        chunk = ids[start : start + TAIL_CHUNK]
+        after = or_(
+            *[and_(journal.c.run_id == rid, journal.c.seq > snapshots[rid]) for rid in chunk]
+        )
+        query = select(journal).where(after).order_by(journal.c.run_id, journal.c.seq)
+        for row in conn.execute(query):
+            found.setdefault(row.run_id, []).append(row)
+    return found
 
 
 def _row_kind(boundary: Boundary) -> tuple[str, bool]:
@@ -518,14 +530,20 @@ def _unique_violation(error: BaseException) -> bool:
 
 
 def _folded(stored: StoredRun, tail: Sequence[Any]) -> StoredRun:
-    """``stored`` with its journal tail folded in (a tail that cannot be folded becomes the
-    run's problem: the executor fails it with that error instead of stepping it)."""
+    """``stored`` with its journal tail folded in. A tail that cannot be folded (a missing
+    seq, an unreadable or incomplete entry: any error) becomes the run's problem, naming
+    the entry, and the record's ``last_seq`` is the tail's last: the failure the executor
+    or recovery writes for it goes after the run's last entry, not onto a taken seq."""
     record = stored.record
-    try:
-        for event in decode(tail, record.context):
-            record = j.apply(record, event)
-    except j.FoldError as error:
-        return _replace(stored, problem=str(error))
+    decoder = Decoder(record.context)
+    for row in tail:
+        try:
+            record = j.apply(record, decoder.event(row))
+        except Exception as error:  # one broken entry must not make every read raise
+            why = str(error) or type(error).__name__
+            problem = f"journal entry seq {row.seq} ({row.kind}) cannot be folded: {why}"
+            end = dataclasses.replace(record, last_seq=tail[-1].seq)
+            return _replace(stored, record=end, problem=problem)
     return _replace(stored, record=record)
 
 
@@ -547,20 +565,13 @@ def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
         return out
     full = conn.execute(select(runs).where(runs.c.id.in_(behind))).all()
     stored = [stored_from_row(row) for row in full]
-    tails: dict[str, list[Any]] = {}
-    query = (
-        select(journal)
-        .join(runs, runs.c.id == journal.c.run_id)
-        .where(runs.c.id.in_(behind), journal.c.seq > runs.c.last_seq)
-        .order_by(journal.c.run_id, journal.c.seq)
-    )
-    for row in conn.execute(query):
-        tails.setdefault(row.run_id, []).append(row)
+    tails = read_tails(conn, {s.id: s.record.last_seq for s in stored})
     latest = {}
     for s in stored:
+        # Always the fresh snapshot (folded): ``rows`` came from an earlier statement and
+        # may be older than it (a release in between); the fresh row is never older.
         tail = tails.get(s.id)
-        if tail:
-            latest[s.id] = record_columns(_folded(s, tail).record)
+        latest[s.id] = record_columns(_folded(s, tail).record if tail else s.record)
     for found in out:
         columns = latest.get(found["id"])
         if columns is None:

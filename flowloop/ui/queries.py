@@ -26,7 +26,7 @@ from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, STATUSES
 from flowloop.store.appends import current_rows
 from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
-from flowloop.store.schema import definitions, loop_journal, loops, runs
+from flowloop.store.schema import definitions, journal, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
 
 PAGE_SIZE: Final = 50
@@ -497,6 +497,15 @@ def workers(db: SQLEngine, now: float) -> dict[str, Any]:
         .where(loops.c.owner.is_not(None))
         .group_by(loops.c.owner)
     )
+    # A running run's row is written only at claim/release/pause/finish (issue 13): its
+    # owner's latest write is its journal's latest entry (the row's snapshot entry or the
+    # tail after it: a key range per run), else a busy worker looks stale.
+    run_entries = (
+        select(runs.c.owner, func.max(journal.c.at))
+        .join(journal, and_(journal.c.run_id == runs.c.id, journal.c.seq >= runs.c.last_seq))
+        .where(runs.c.owner.is_not(None))
+        .group_by(runs.c.owner)
+    )
     due = (
         select(runs.c.workflow, func.count())
         .where(runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at <= now)
@@ -518,6 +527,9 @@ def workers(db: SQLEngine, now: float) -> dict[str, Any]:
                 entry["lease_min"] = _least(entry["lease_min"], first)
                 entry["lease_max"] = _most(entry["lease_max"], last)
                 entry["last_write"] = _most(entry.get("last_write"), seen)
+        for owner, at in conn.execute(run_entries):
+            if owner in owners:
+                owners[owner]["last_write"] = _most(owners[owner].get("last_write"), at)
         queue = {workflow: int(n) for workflow, n in conn.execute(due)}
         later = {workflow: int(n) for workflow, n in conn.execute(waiting)}
     for entry in owners.values():
