@@ -81,6 +81,8 @@ RECOVERY_EVERY_SECONDS: Final = 10.0
 """How often every worker settles runs whose lease expired (at most; half the lease when
 that is shorter, so a run of a dead or frozen worker is taken over soon after its lease)."""
 
+YIELD_EVERY_SECONDS: Final = 0.05
+"""At least how often a run going straight from step to step lets the event loop turn."""
 CUT_OFF_WRITE_SECONDS: Final = 5.0
 """How long, after the grace period, shutdown waits for the cut-offs to be journaled."""
 
@@ -150,6 +152,7 @@ class Executor(Stepping, Recovery):
         self.watchdog = LoopWatchdog(self.async_steps)
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
+        self._next_turn = 0.0
         self.leases = LeaseKeeper(self)
         self.committer.fenced = self.leases.fenced
         self.lease_lost = self.leases.hooks
@@ -533,10 +536,22 @@ class Executor(Stepping, Recovery):
                 if next_record is None:
                     return
                 record = next_record
+                await self._let_the_loop_turn()
         except asyncio.CancelledError:
             if self._controls.get(record.id) != "lost" and record.status == "running":
                 await asyncio.shield(self._cut_off(record, fence))
             raise
+
+    async def _let_the_loop_turn(self) -> None:
+        """A run going from step to step whose steps never suspend (trivial ``async def``
+        steps, commits written at once) would never give the event loop a turn: no timer
+        would fire — step timeouts of other runs, the loop watchdog whose ticks tell the
+        lease renewer the loop is alive (flowloop/leasethread.py). Yield at least every
+        YIELD_EVERY_SECONDS (a turn costs microseconds; once per step would cost more)."""
+        now = time.monotonic()
+        if now >= self._next_turn:
+            self._next_turn = now + YIELD_EVERY_SECONDS
+            await asyncio.sleep(0)
 
     def _cannot_run(self, workflow: Workflow, stored: StoredRun) -> tuple[str, str, str] | None:
         record = stored.record
