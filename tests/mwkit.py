@@ -98,9 +98,12 @@ def _block(step: Step) -> None:
     flag = os.environ.get("MW_BLOCK_FILE")
     if not flag or step.state != os.environ.get("MW_BLOCK_STATE"):
         return
-    with open(flag + ".entered.tmp", "w") as handle:
+    # One temporary file per run: several runs reach the blocking state at once, and a
+    # shared one made a run's rename fail (FileNotFoundError) and its step retry.
+    tmp = f"{flag}.entered.{step.run_id}.tmp"
+    with open(tmp, "w") as handle:
         handle.write(step.run_id)
-    os.replace(flag + ".entered.tmp", flag + ".entered")
+    os.replace(tmp, flag + ".entered")
     while not os.path.exists(flag):
         time.sleep(0.02)
 

@@ -156,11 +156,16 @@ COMMIT as separate round trips)."""
 
 
 def running_at(url: str, state: str) -> int:
+    """Running runs inside ``state``: their latest journal entry is its ``step_started``
+    (a running run's row is a snapshot from its claim: the journal says where it is)."""
     with mwkit.db(url) as engine, engine.connect() as conn:
         return int(
             conn.execute(
                 sa.text(
-                    "SELECT count(*) FROM flowloop_runs WHERE status = 'running' AND state = :s"
+                    "SELECT count(*) FROM flowloop_runs r JOIN flowloop_journal j"
+                    " ON j.run_id = r.id AND j.seq = ("
+                    "  SELECT max(seq) FROM flowloop_journal WHERE run_id = r.id)"
+                    " WHERE r.status = 'running' AND j.kind = 'step_started' AND j.state = :s"
                 ),
                 {"s": state},
             ).scalar_one()
