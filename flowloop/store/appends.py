@@ -50,7 +50,14 @@ from sqlalchemy.exc import IntegrityError
 from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
-from flowloop.store.entries import ContextCache, Decoder, encode, event_row, stored_from_row
+from flowloop.store.entries import (
+    ContextCache,
+    Decoder,
+    encode,
+    event_row,
+    row_last_seq,
+    stored_from_row,
+)
 from flowloop.store.schema import journal, runs
 
 JSON_SEPARATORS: Final = (",", ":")
@@ -408,7 +415,7 @@ class AppendStoreMixin:
             raw.commit()
             return True
 
-    def _pg_statement(self, boundary: Boundary) -> Raw:
+    def _pg_statement(self, boundary: Boundary, entries: int) -> Raw:
         """PostgreSQL: a whole boundary as ONE statement, sent in autocommit (its own
         transaction: one round trip). An append locks the run row FOR KEY SHARE while it
         checks the fence, so a claim (FOR UPDATE SKIP LOCKED) cannot take the run between
@@ -416,7 +423,7 @@ class AppendStoreMixin:
         inserted only if it changed the row."""
         only = append_only(boundary)
         kind, clear = ("append", False) if only else _row_kind(boundary)
-        key = (kind, clear, len(boundary.events))
+        key = (kind, clear, entries)
         found = self._pg_cache.get(key)
         if found is not None:
             return found
@@ -445,7 +452,7 @@ class AppendStoreMixin:
                     for column in journal.columns
                 ]
             ).where(*conditions)
-            for i in range(len(boundary.events))
+            for i in range(entries)
         ]
         rows = selects[0] if len(selects) == 1 else union_all(*selects)
         stmt = insert(journal).from_select(list(EVENT_COLUMNS), rows).add_cte(gate)
@@ -456,7 +463,7 @@ class AppendStoreMixin:
         raise NotImplementedError  # provided by SQLStore
 
     def _write_one_pg(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> bool:
-        stmt = self._pg_statement(boundary)
+        stmt = self._pg_statement(boundary, len(rows))
         params = self._fence_params(boundary)
         if not append_only(boundary):
             params.update(self._row_params(boundary))
@@ -538,11 +545,12 @@ def _folded(stored: StoredRun, tail: Sequence[Any]) -> StoredRun:
     decoder = Decoder(record.context)
     for row in tail:
         try:
-            record = j.apply(record, decoder.event(row))
+            for event in decoder.events(row):
+                record = j.apply(record, event)
         except Exception as error:  # one broken entry must not make every read raise
             why = str(error) or type(error).__name__
             problem = f"journal entry seq {row.seq} ({row.kind}) cannot be folded: {why}"
-            end = dataclasses.replace(record, last_seq=tail[-1].seq)
+            end = dataclasses.replace(record, last_seq=row_last_seq(tail[-1]))
             return _replace(stored, record=end, problem=problem)
     return _replace(stored, record=record)
 

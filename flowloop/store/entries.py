@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord, load_data
@@ -28,6 +28,9 @@ from flowloop.store.base import StoredRun
 SPLICE_KEY: Final = "~ctx"
 """The ``data`` key of an entry whose ``context`` column is a splice: ``[prefix, suffix]``
 (lengths kept from the previous context); the column holds the text between them."""
+THEN_KEY: Final = "~then"
+"""The ``data`` key of a ``step_succeeded`` row that also holds the next step's start (seq
+one past the row's): ``[at, attempt]`` or ``[at, attempt, data]`` (see :func:`joinable`)."""
 SPLICE_MIN: Final = 512
 """Contexts shorter than this are stored whole: a splice would not pay for its bookkeeping."""
 SNAPSHOT_EVERY: Final = 32
@@ -116,8 +119,9 @@ def _dumps(value: Mapping[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
 
 
-def event_row(event: JournalEvent) -> dict[str, Any]:
-    """The journal row of ``event``, its context whole."""
+def event_row(event: JournalEvent, *, dump: bool = True) -> dict[str, Any]:
+    """The journal row of ``event``, its context whole (``dump=False``: ``data`` is left
+    for the caller to fill in)."""
     return {
         "run_id": event.run_id,
         "seq": event.seq,
@@ -134,50 +138,125 @@ def event_row(event: JournalEvent) -> dict[str, Any]:
         "traceback": event.traceback,
         "retryable": event.retryable,
         "worker": event.worker,
-        "data": _dumps(event.data) if event.data else None,
+        "data": (_dumps(event.data) if event.data else None) if dump else None,
     }
 
 
 def encode(events: Iterable[JournalEvent], cache: ContextCache) -> list[dict[str, Any]]:
     """The journal rows of ``events`` (in seq order, any runs), contexts spliced against the
-    cached previous context where that saves. The cache moves on as if they were written:
-    a caller whose write is refused or fails forgets the runs (:meth:`ContextCache.forget`)."""
-    rows = []
+    cached previous context where that saves, and a step's success with the next step's
+    start in one row (:func:`joinable`). The cache moves on as if they were written: a
+    caller whose write is refused or fails forgets the runs (:meth:`ContextCache.forget`)."""
+    rows: list[dict[str, Any]] = []
+    datas: list[dict[str, Any]] = []
+    previous: JournalEvent | None = None
     for event in events:
-        row = event_row(event)
+        if previous is not None and joinable(previous, event):
+            datas[-1][THEN_KEY] = _then(event)
+            known = cache.get(event.run_id)
+            if known is not None and known[0] == previous.seq:
+                cache.note(event.run_id, event.seq, known[1], known[2])
+            previous = None  # at most two entries per row
+            continue
+        previous = event
+        row = event_row(event, dump=False)
+        data: dict[str, Any] = dict(event.data) if event.data else {}
+        rows.append(row)
+        datas.append(data)
         known = cache.get(event.run_id)
         if known is None or known[0] != event.seq - 1:
             if event.context is not None:
                 cache.note(event.run_id, event.seq, event.context)
             else:
                 cache.forget(event.run_id)
-            rows.append(row)
             continue
         _, context, spliced = known
         if event.context is None:
             cache.note(event.run_id, event.seq, context, spliced)
+            continue
+        cut = splice(context, event.context) if spliced + 1 < SNAPSHOT_EVERY else None
+        if cut is None:
+            spliced = 0
         else:
-            cut = splice(context, event.context) if spliced + 1 < SNAPSHOT_EVERY else None
-            if cut is None:
-                spliced = 0
-            else:
-                prefix, suffix, middle = cut
-                row["context"] = middle
-                row["data"] = _dumps({**event.data, SPLICE_KEY: [prefix, suffix]})
-                spliced += 1
-            cache.note(event.run_id, event.seq, event.context, spliced)
-        rows.append(row)
+            prefix, suffix, middle = cut
+            row["context"] = middle
+            data[SPLICE_KEY] = [prefix, suffix]
+            spliced += 1
+        cache.note(event.run_id, event.seq, event.context, spliced)
+    for row, data in zip(rows, datas, strict=True):
+        row["data"] = _dumps(data) if data else None
     return rows
 
 
+def joinable(first: JournalEvent, then: JournalEvent) -> bool:
+    """Whether ``then`` is stored in ``first``'s row: the next step's start right after a
+    step's success, written by the same worker in the same boundary (the usual boundary
+    of a run going on: one row instead of two)."""
+    return (
+        first.kind == j.STEP_SUCCEEDED
+        and then.kind == j.STEP_STARTED
+        and then.run_id == first.run_id
+        and then.seq == first.seq + 1
+        and then.context is None
+        and then.worker == first.worker
+        and then.state is not None
+        and then.state == first.next_state
+    )
+
+
+def _then(event: JournalEvent) -> list[Any]:
+    """A joined ``step_started`` as its row's ``data[THEN_KEY]``: ``[at, attempt]``, then
+    its own ``data`` when it has any (its state is the success's ``next_state``)."""
+    return [event.at, event.attempt, event.data] if event.data else [event.at, event.attempt]
+
+
+def row_last_seq(row: Any) -> int:
+    """The seq of the last entry a journal row holds (a joined start is one past it)."""
+    data = row.data
+    seq: int = row.seq
+    return seq + 1 if data and THEN_KEY in data and THEN_KEY in load_data(data) else seq
+
+
 class Decoder:
-    """Journal rows of ONE run, in seq order, back to events (splices undone)."""
+    """Journal rows of ONE run, in seq order, back to events (splices undone, joined
+    starts split off)."""
 
     def __init__(self, base: str | None = None) -> None:
         self.context = base
 
-    def event(self, row: Any) -> JournalEvent:
+    def events(self, row: Any) -> list[JournalEvent]:
+        """The one or two entries ``row`` holds."""
         data = load_data(row.data)
+        then = data.pop(THEN_KEY, None) if THEN_KEY in data else None
+        first = self._event(row, data)
+        if then is None:
+            return [first]
+        if not isinstance(then, list) or len(then) not in (2, 3):
+            raise j.FoldError(
+                f"run {row.run_id} seq {row.seq} ({row.kind}): its joined step start is "
+                "unreadable (see `flowloop history`)"
+            )
+        started = _new_event(
+            run_id=row.run_id,
+            seq=row.seq + 1,
+            kind=j.STEP_STARTED,
+            at=then[0],
+            state=row.next_state,
+            attempt=then[1],
+            event=None,
+            next_state=None,
+            context=None,
+            duration=None,
+            error_type=None,
+            error_message=None,
+            traceback=None,
+            retryable=None,
+            worker=row.worker,
+            data=then[2] if len(then) == 3 else {},
+        )
+        return [first, started]
+
+    def _event(self, row: Any, data: dict[str, Any]) -> JournalEvent:
         context = row.context
         cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
         if cut is not None:
@@ -189,10 +268,7 @@ class Decoder:
             context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
         if context is not None:
             self.context = context
-        # A frozen dataclass without __post_init__, filled field by field: its generated
-        # __init__ costs more than the rest of this (live runs' tails are read by claims).
-        event = object.__new__(JournalEvent)
-        event.__dict__.update(
+        return _new_event(
             run_id=row.run_id,
             seq=row.seq,
             kind=row.kind,
@@ -210,13 +286,20 @@ class Decoder:
             worker=row.worker,
             data=data,
         )
-        return event
+
+
+def _new_event(**fields: Any) -> JournalEvent:
+    # A frozen dataclass without __post_init__, filled field by field: its generated
+    # __init__ costs more than the rest of this (live runs' tails are read by claims).
+    event = object.__new__(JournalEvent)
+    event.__dict__.update(fields)
+    return event
 
 
 def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
     """Rows of one run in seq order (from seq 1, or after a snapshot ``base``)."""
     decoder = Decoder(base)
-    return [decoder.event(row) for row in rows]
+    return [event for row in rows for event in decoder.events(row)]
 
 
 def _visits(text: str) -> tuple[dict[str, int], str | None]:
@@ -326,3 +409,35 @@ def materialize_previous_layout(conn: Connection) -> None:
                 deadline_at=record.deadline,
             )
         )
+
+
+def split_joined_rows(conn: Connection) -> None:
+    """Migration 0013's downgrade: every row holding a joined step start becomes two rows
+    again (the previous layouts read one entry per row)."""
+    from flowloop.store.schema import journal
+
+    marker = f'%"{THEN_KEY}"%'
+    joined = conn.execute(
+        select(journal).where(journal.c.kind == j.STEP_SUCCEEDED, journal.c.data.like(marker))
+    ).all()
+    for row in joined:
+        data = load_data(row.data)
+        then = data.pop(THEN_KEY, None)
+        if not isinstance(then, list) or len(then) not in (2, 3):
+            continue  # not ours (a step's own data that happens to contain the text)
+        started = {
+            "run_id": row.run_id,
+            "seq": row.seq + 1,
+            "kind": j.STEP_STARTED,
+            "at": then[0],
+            "state": row.next_state,
+            "attempt": then[1],
+            "worker": row.worker,
+            "data": _dumps(then[2]) if len(then) == 3 and then[2] else None,
+        }
+        conn.execute(
+            update(journal)
+            .where(journal.c.run_id == row.run_id, journal.c.seq == row.seq)
+            .values(data=_dumps(data) if data else None)
+        )
+        conn.execute(insert(journal).values(**started))

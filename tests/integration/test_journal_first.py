@@ -24,7 +24,7 @@ from flowloop import journal as j
 from flowloop.clock import FakeClock
 from flowloop.heat import heat
 from flowloop.store import SQLStore, migrate
-from flowloop.store.entries import SNAPSHOT_EVERY, SPLICE_KEY
+from flowloop.store.entries import SNAPSHOT_EVERY, SPLICE_KEY, THEN_KEY
 from flowloop.store.schema import journal, runs
 from flowloop.ui import queries
 
@@ -174,6 +174,70 @@ def test_contexts__spliced_in_the_journal_and_replayed_exactly(store_url: str) -
         assert replay.differences == []
         middle = engine.replay(info.id, at=2 * (steps // 2) + 1)
         assert json.loads(middle.record.context)["n"] == steps // 2
+
+
+def _journal_rows(store: SQLStore, run_id: str) -> list[Any]:
+    with store.engine.connect() as conn:
+        return conn.execute(
+            sa.select(journal).where(journal.c.run_id == run_id).order_by(journal.c.seq)
+        ).all()
+
+
+def test_append__a_step_boundary_is_one_row(store_url: str) -> None:
+    """A step's success and the next step's start are one journal row: a 6-step run is
+    its creation, its first start, 5 joined rows and its end (8 rows for 14 entries).
+    History, replay at every seq, and the fold of the journal still see every entry."""
+    steps = 6
+    wf = big_chain(steps)
+    with Engine(store_url, workflows=[wf]) as engine:
+        info = engine.run(wf, Big(blob="y"))
+        assert info.status == "succeeded"
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        rows = _journal_rows(store, info.id)
+        events = engine.history(info.id)
+        assert [e.kind for e in events] == [j.RUN_CREATED, j.STEP_STARTED] + [
+            j.STEP_SUCCEEDED,
+            j.STEP_STARTED,
+        ] * (steps - 1) + [j.STEP_SUCCEEDED]
+        assert [e.seq for e in events] == list(range(1, 2 * steps + 2))
+        assert len(rows) == steps + 2
+        joined = [r for r in rows if r.data and THEN_KEY in r.data]
+        assert [r.seq for r in joined] == list(range(3, 2 * steps, 2))
+        starts = [e for e in events if e.kind == j.STEP_STARTED]
+        assert [e.state for e in starts] == [f"s{i}" for i in range(steps)]
+        assert all(e.worker == engine.worker_id and e.attempt == 1 for e in starts)
+        assert all(THEN_KEY not in e.data for e in events)
+        for seq in range(1, 2 * steps + 2):
+            replayed = engine.replay(info.id, at=seq)
+            assert replayed.record.last_seq == seq
+        assert engine.replay(info.id).differences == []
+
+
+def test_migration__0013_down_splits_joined_rows_and_up_again(store_url: str) -> None:
+    """Migration 0013 down: every joined row becomes its two entries again (the layout of
+    0012: one entry per row); up again: the journal reads the same, the run resumes."""
+    wf = big_chain(4)
+    with Engine(store_url, workflows=[wf]) as engine:
+        done = engine.run(wf, Big(blob="z"))
+        before = engine.history(done.id)
+    _alembic(store_url, "0012")
+    store = SQLStore(store_url, check_schema=False)
+    try:
+        rows = _journal_rows(store, done.id)
+        assert len(rows) == len(before)
+        assert not any(r.data and THEN_KEY in r.data for r in rows)
+        assert [(r.seq, r.kind, r.state, r.attempt, r.at) for r in rows] == [
+            (e.seq, e.kind, e.state, e.attempt, e.at) for e in before
+        ]
+    finally:
+        store.close()
+    _alembic(store_url, "head")
+    with Engine(store_url, workflows=[wf]) as engine:
+        assert engine.history(done.id) == before
+        again = engine.run(wf, Big(blob="z"))
+        assert again.status == "succeeded"
+        assert engine.replay(done.id).differences == []
 
 
 # -- migration 0012 ------------------------------------------------------------------------
@@ -336,7 +400,7 @@ def test_migration__a_database_written_by_the_previous_code_resumes(tmp_path: Pa
         check=False,
     )
     assert upgraded.returncode == 0, upgraded.stderr
-    assert "0011 to 0012" in upgraded.stdout
+    assert "0011 to 0013" in upgraded.stdout
     with Engine(url, workflows=[old_layout_flow()]) as engine:
         store = engine.store
         assert isinstance(store, SQLStore)
