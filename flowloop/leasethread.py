@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,12 @@ RENEW_FRACTION: Final = 1 / 3
 
 FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
 """The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
+
+IDLE_AFTER: Final = 2.0
+"""Seconds without a user (no :meth:`LeaseGuard.start` running) after which the threads
+stop ticking and sleep until the next start rings them."""
+IDLE_WAIT: Final = 1.0
+"""The longest an idle thread sleeps before looking again (a missed ring costs this)."""
 
 STALL_LEASES: Final = 3
 """A loop that has not ticked for this many leases (at least; see :func:`stall_bound`) is
@@ -131,11 +138,16 @@ class LeaseGuard:
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
         self._active = threading.Event()
-        """Set while some :meth:`start` is not yet stopped: the threads work only then."""
+        """The threads' doorbell out of idling: set by :meth:`start`, cleared by a thread
+        that found no user for ``IDLE_AFTER`` seconds. Whether they work is ``_users``."""
         self._closed = threading.Event()
         self._started = False
         self._changed = threading.Event()
         self._users = 0
+        self._idle_since = time.monotonic()
+        self._watch_wake = math.inf
+        """When the fence thread wakes next (monotonic): a hold whose deadline comes
+        before it wakes it (else no wake-up: a thread switch costs more than a step)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
@@ -147,9 +159,10 @@ class LeaseGuard:
         with self._lock:
             self._held[run_id] = _Held(since + self.lease_seconds, since)
             self._fenced.discard(run_id)
-        if self._active.is_set():
+        if self._users:
             self._start_threads()
-        self._changed.set()
+        if since + self.lease_seconds - self.margin < self._watch_wake:
+            self._changed.set()
 
     def extend(self, run_id: str, since: float) -> None:
         """An owned write sent at ``since`` was applied: it renewed the lease. A fenced run
@@ -206,17 +219,18 @@ class LeaseGuard:
             threading.Thread(target=target, name=name, daemon=True).start()
 
     def stop(self) -> None:
-        """End one :meth:`start`; after the last, the threads idle (no renewal, no poll)."""
+        """End one :meth:`start`; after the last, the threads renew, poll and fence nothing
+        (they see it at their next tick, without being woken: ``Engine.run`` stops and
+        starts a heartbeat per run) and idle after ``IDLE_AFTER`` seconds without a user."""
         self._users = max(0, self._users - 1)
         if not self._users:
-            self._active.clear()
-            self._changed.set()
+            self._idle_since = time.monotonic()
 
     def close(self) -> None:
         """Let the threads end (the renewer when a call it is in returns)."""
         self._users = 0
-        self._active.clear()
         self._closed.set()
+        self._active.set()  # rings idle threads: they see the close
         self._changed.set()
 
     # -- the threads -----------------------------------------------------------------------
@@ -231,8 +245,8 @@ class LeaseGuard:
     def _watch(self) -> None:
         """Fence off runs whose deadline passed; sleep until the next deadline."""
         while not self._closed.is_set():
-            if not self._active.is_set():
-                self._changed.wait(1.0)
+            if not self._users:
+                self._idle(self._changed, watcher=True)
                 self._changed.clear()
                 continue
             now = time.monotonic()
@@ -250,8 +264,25 @@ class LeaseGuard:
                         wait = min(wait, left)
             for run_id, held in due:
                 self._fence(run_id, held, now)
+            self._watch_wake = time.monotonic() + wait
             self._changed.wait(wait)
+            self._watch_wake = math.inf
             self._changed.clear()
+
+    def _idle(self, bell: threading.Event, *, watcher: bool) -> None:
+        """No user: tick (a start is seen at the next tick), and after ``IDLE_AFTER``
+        seconds sleep on the doorbell instead (an idle worker holds no busy thread)."""
+        wait = self.tick
+        if time.monotonic() - self._idle_since >= IDLE_AFTER:
+            self._active.clear()
+            if self._users:  # a start came in between: it may have rung already
+                return
+            bell, wait = self._active, IDLE_WAIT
+        if watcher:
+            self._watch_wake = time.monotonic() + wait
+        bell.wait(wait)
+        if watcher:
+            self._watch_wake = math.inf
 
     def _fence(self, run_id: str, held: _Held, now: float) -> None:
         if self._released(run_id):
@@ -279,7 +310,8 @@ class LeaseGuard:
         last_renewal = last_poll = time.monotonic()
         failing = False
         while not self._closed.wait(self.tick):
-            if not self._active.wait(1.0):
+            if not self._users:
+                self._idle(self._closed, watcher=False)
                 continue
             now = time.monotonic()
             try:
