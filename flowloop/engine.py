@@ -15,9 +15,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
@@ -61,6 +61,7 @@ from flowloop.runinfo import (
     Stranded,
     run_info,
 )
+from flowloop.stepping import SYNC_STEPS_INLINE
 from flowloop.store import (
     NewRun,
     RunFilter,
@@ -439,12 +440,14 @@ class Engine(Operations, LoopControls):
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
         return self._runner().run(
-            self.arun(
-                workflow,
-                context,
-                key=key,
-                idempotency_key=idempotency_key,
-                trace_context=trace_context,
+            _steps_inline(
+                self.arun(
+                    workflow,
+                    context,
+                    key=key,
+                    idempotency_key=idempotency_key,
+                    trace_context=trace_context,
+                )
             )
         )
 
@@ -685,3 +688,14 @@ class Engine(Operations, LoopControls):
         ]
 
     # -- loops -----------------------------------------------------------------------------
+
+
+_T = TypeVar("_T")
+
+
+async def _steps_inline(work: Coroutine[Any, Any, _T]) -> _T:
+    """``work`` with plain ``def`` steps called on this loop's thread (``Engine.run``: the
+    loop is the engine's own and drives this run only; see Stepping._inline). The tasks it
+    spawns copy the flag with the context."""
+    SYNC_STEPS_INLINE.set(True)
+    return await work

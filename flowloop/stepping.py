@@ -13,6 +13,7 @@ import logging
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
@@ -47,8 +48,13 @@ if TYPE_CHECKING:
     from flowloop.executor import Executor, _Active
     from flowloop.gates import Gates
     from flowloop.steppool import StepThreads
+    from flowloop.watchdog import LoopWatchdog
 
 log = logging.getLogger("flowloop")
+
+SYNC_STEPS_INLINE: ContextVar[bool] = ContextVar("flowloop_sync_steps_inline", default=False)
+"""Set by ``Engine.run`` in the task that drives its run: plain ``def`` steps without a
+timeout are then called on the loop's own thread (:meth:`Stepping._inline`)."""
 
 MAX_NOTE_CHARS: Final = 500
 """Of a step's notes (``Step.note``), kept in its journal entry."""
@@ -82,6 +88,7 @@ class Stepping:
         _draining: bool
         _wake: asyncio.Event | None
         _threads: StepThreads
+        watchdog: LoopWatchdog
 
         async def _commit(self, boundary: Boundary) -> bool: ...
         async def _finish(
@@ -126,7 +133,9 @@ class Stepping:
             )
         started = self.clock.monotonic()
         try:
-            if record.deadline is None:
+            if record.deadline is None and self._inline(spec):
+                returned = self._call_inline(spec, ctx, step)
+            elif record.deadline is None:
                 returned = await self._call(record.id, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)
                 returned = await children.within_deadline(
@@ -381,6 +390,22 @@ class Stepping:
         if retryable and self._wake is not None:
             self._wake.set()
         return None
+
+    def _inline(self, spec: StepSpec) -> bool:
+        """Whether a plain ``def`` step is called on the loop's thread: under
+        ``Engine.run`` (its loop drives this one run and nothing else), with no timeout to
+        enforce (a thread could be given up on, a call here cannot), and with no other run
+        in flight here. The thread hop costs more than a trivial step and its commit."""
+        return (
+            not spec.is_async
+            and spec.timeout is None
+            and len(self._active) <= 1
+            and SYNC_STEPS_INLINE.get()
+        )
+
+    def _call_inline(self, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        with self.watchdog.excused():
+            return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
 
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         if not spec.is_async:

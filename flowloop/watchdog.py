@@ -17,7 +17,8 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -77,6 +78,10 @@ class LoopWatchdog:
         self._users = 0
         self._watching = False
         self._closed = threading.Event()
+        self._inline: float | None = None
+        """Since when (monotonic) a plain ``def`` step runs on the loop's thread on purpose
+        (:meth:`excused`): the loop is busy in a step, not wedged."""
+        self._excused_at = 0.0
 
     def start(self) -> None:
         """Begin watching the running event loop. Calls nest: each :meth:`start` needs its
@@ -115,7 +120,21 @@ class LoopWatchdog:
         """When (monotonic) the event loop last ran the ticker, or None while not watching
         (no evidence either way). Read from other threads: the lease renewer renews only
         while the loop has ticked recently (flowloop/leasethread.py)."""
+        if self._inline is not None:
+            return time.monotonic()  # in a step, alive: as a step's thread would be
         return self._last if self._watching else None
+
+    @contextmanager
+    def excused(self) -> Iterator[None]:
+        """Around a plain ``def`` step run on the loop's thread on purpose (``Engine.run``
+        drives one run on a loop of its own): no stall warning, and the leases are renewed
+        for as long as it runs, as they are for a step in a thread."""
+        self._inline = time.monotonic()
+        try:
+            yield
+        finally:
+            self._last = self._excused_at = time.monotonic()
+            self._inline = None
 
     async def _tick(self) -> None:
         while True:
@@ -124,7 +143,7 @@ class LoopWatchdog:
             now = time.monotonic()
             self._last = now
             lag = now - before - TICK_SECONDS
-            if lag >= self.threshold:
+            if lag >= self.threshold and self._excused_at <= before:
                 self._stalled(lag)
 
     def _stalled(self, lag: float) -> None:
@@ -146,7 +165,7 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         while not self._closed.wait(TICK_SECONDS):
-            if not self._watching:
+            if not self._watching or self._inline is not None:
                 continue
             last = self._last
             blocked = time.monotonic() - last

@@ -147,22 +147,41 @@ def test_run__one_write_transaction_per_step_boundary(tmp_path: Path) -> None:
     assert len(commits) >= len(writes)
 
 
-def test_run__sync_steps_in_threads_async_steps_on_the_loop(engine: Engine) -> None:
+def test_run__where_sync_steps_run(engine: Engine) -> None:
+    """Engine.run calls a plain ``def`` step without a timeout on its own thread (its loop
+    drives that run only: no thread hop); a step with a timeout, and every sync step of
+    runs driven by run_until_idle or awaited with arun, runs in the step threads."""
     threads: dict[str, str] = {}
     wf = Workflow("w", context=Order)
 
     @wf.step(initial=True, next="b")
     def a(ctx: Order) -> None:
-        threads["sync"] = threading.current_thread().name
+        threads.setdefault("sync", threading.current_thread().name)
+
+    @wf.step(next="c", timeout=30)
+    def b(ctx: Order) -> None:
+        threads.setdefault("sync with timeout", threading.current_thread().name)
 
     @wf.step(next="done")
-    async def b(ctx: Order) -> None:
-        threads["async"] = threading.current_thread().name
+    async def c(ctx: Order) -> None:
+        threads.setdefault("async", threading.current_thread().name)
 
     wf.final("done")
+    here = threading.current_thread().name
     engine.run(wf, Order(order_id="t"))
+    assert threads == {
+        "sync": here,
+        "sync with timeout": threads["sync with timeout"],
+        "async": here,
+    }
+    assert threads["sync with timeout"].startswith("flowloop-step")
+    threads.clear()
+    engine.start(wf, Order(order_id="u"))
+    engine.run_until_idle()
     assert threads["sync"].startswith("flowloop-step")
-    assert threads["async"] == threading.current_thread().name
+    threads.clear()
+    asyncio.run(engine.arun(wf, Order(order_id="v")))
+    assert threads["sync"].startswith("flowloop-step")
 
 
 def test_run__queued_runs_executed_by_run_until_idle(engine: Engine) -> None:

@@ -5,6 +5,7 @@ the loop's own writes. A run stepping for several leases back to back must not l
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -60,3 +61,41 @@ def test_async_steps_that_never_suspend_keep_their_lease(
     lost = [r.getMessage() for r in caplog.records if "lease" in r.getMessage().lower()]
     assert not lost, lost
     assert last - first >= 3 * LEASE_S, "the run was too quick to test anything: raise STEPS"
+
+
+BLOCKING_S = 2.5
+"""A plain `def` step's call that blocks this long: over four 0.6 s leases, past the
+renewer's stall bound (three leases) — a wedged loop would lose its lease."""
+
+
+class Slow(BaseModel):
+    thread: str = ""
+
+
+def slow() -> Workflow:
+    wf = Workflow("slow", context=Slow)
+
+    @wf.step(initial=True, next="end")
+    def call(ctx: Slow) -> None:  # Engine.run calls it on the loop's own thread
+        time.sleep(BLOCKING_S)  # a slow call (an HTTP request, a query), not a wait
+        ctx.thread = threading.current_thread().name
+
+    wf.final("end")
+    return wf
+
+
+def test_a_sync_step_on_the_loops_thread_keeps_its_lease(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engine.run calls a plain `def` step without a timeout on the loop's thread: while it
+    runs the loop does not tick, yet it is busy in a step, not wedged — the lease is
+    renewed as for a step in a thread, and no stall is reported."""
+    caplog.set_level(logging.INFO, logger="flowloop")
+    with Engine(sqlite_url, workflows=[slow()], lease_seconds=0.6) as engine:
+        run = engine.run(slow(), Slow())
+        stats = engine._executor().stats
+    assert isinstance(run.context, Slow)
+    assert (run.status, run.context.thread) == ("succeeded", threading.current_thread().name)
+    assert stats.lost_leases == 0
+    noted = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert not [m for m in noted if "lease" in m.lower() or "blocked" in m], noted
