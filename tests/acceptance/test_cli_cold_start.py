@@ -1,6 +1,9 @@
 """Cold start (issue 13): `flowloop --help` and `import flowloop` load no engine, database or
-settings library. Checked deterministically on ``sys.modules`` in a fresh interpreter, not by
-timing: each module named here was imported eagerly before and is loaded lazily now."""
+settings library, and the commands that only read a database at the current schema
+(`status`, `history`) load no Alembic, Mako or prometheus_client. Checked deterministically
+on ``sys.modules`` in a fresh interpreter, not by timing: each module named here was
+imported eagerly before and is loaded lazily now. The constants spelled twice so that this
+holds are checked against their sources here too."""
 
 from __future__ import annotations
 
@@ -8,6 +11,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from storekit import new_run
+
+from flowloop.errors import SchemaMismatch
+from flowloop.store import SQLStore, migrate
 
 # Each was imported by `import flowloop.cli` before the CLI became a package of lazy commands.
 LAZY = (
@@ -26,12 +36,16 @@ LAZY = (
 )
 
 
-def loaded_after(code: str, cwd: Path) -> list[str]:
-    """The modules of LAZY (or under them) that ``code`` left in ``sys.modules``."""
+# Loaded only to change the schema, explain a mismatch, or serve metrics and alerts.
+NOT_FOR_READING = ("alembic", "mako", "prometheus_client", "flowloop.alerts", "flowloop.metrics")
+
+
+def loaded_after(code: str, cwd: Path, lazy: tuple[str, ...] = LAZY) -> list[str]:
+    """The modules of ``lazy`` (or under them) that ``code`` left in ``sys.modules``."""
     probe = (
         f"{code}\n"
         "import json, sys\n"
-        f"lazy = {LAZY!r}\n"
+        f"lazy = {lazy!r}\n"
         "print(json.dumps(sorted({m for m in lazy for name in sys.modules "
         "if name == m or name.startswith(m + '.')})))\n"
     )
@@ -63,3 +77,86 @@ def test_cold_start__public_names_load_when_first_used(tmp_path: Path) -> None:
     # `from flowloop import Engine` still works, and loads the engine then.
     code = "from flowloop import Engine, Workflow\nassert Engine.__module__ == 'flowloop.engine'\n"
     assert "flowloop.engine" in loaded_after(code, tmp_path)
+
+
+# -- commands that read a database -----------------------------------------------------------
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> tuple[str, str]:
+    """A SQLite file at the current schema with one run: (its URL, the run's id)."""
+    url = f"sqlite:///{tmp_path / 'flowloop.db'}"
+    store = SQLStore(url)
+    try:
+        stored, _ = store.create_run(new_run(key="k-1"))
+    finally:
+        store.close()
+    return url, stored.id
+
+
+def command(*args: str) -> str:
+    """Code that runs ``flowloop ARGS`` in-process, asserting exit 0 and ``shows`` in its
+    output (set by the caller)."""
+    return (
+        "import contextlib, io\n"
+        "from flowloop.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as shown:\n"
+        f"    main({list(args)!r})\n"
+        "assert shows in shown.getvalue(), shown.getvalue()\n"
+    )
+
+
+def test_cold_start__reading_commands_load_no_alembic(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    url, run_id = database
+    for shows, args in (
+        (run_id[:8], ("status", "--db", url)),
+        (run_id, ("status", "--db", url, "--json")),
+        (run_id, ("status", run_id, "--db", url)),
+        ("run_created", ("history", run_id, "--db", url)),
+    ):
+        code = f"shows = {shows!r}\n" + command(*args)
+        assert loaded_after(code, tmp_path, NOT_FOR_READING) == [], args
+    # Upgrading still goes through Alembic, which finds the database current.
+    code = "shows = 'schema already at revision'\n" + command("db", "upgrade", "--db", url)
+    assert "alembic" in loaded_after(code, tmp_path, NOT_FOR_READING)
+
+
+def test_cold_start__a_database_not_at_head_is_still_judged_by_alembic(
+    database: tuple[str, str],
+) -> None:
+    """Only "exactly one row, at HEAD" is told without Alembic; every other version table
+    gets Alembic's verdict, with the messages of before."""
+    url, _ = database
+    engine = sa.create_engine(url)
+    try:
+        for rows, words in (
+            (["0001"], "schema revision 0001 is older than this flowloop .*`flowloop db upgrade`"),
+            (["9999"], "schema revision 9999 is newer than this flowloop .*upgrade flowloop"),
+            ([], "schema revision none is older than this flowloop"),
+        ):
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DELETE FROM {migrate.VERSION_TABLE}"))
+                for row in rows:
+                    conn.execute(
+                        sa.text(f"INSERT INTO {migrate.VERSION_TABLE} VALUES (:r)"), {"r": row}
+                    )
+            with pytest.raises(SchemaMismatch, match=words):
+                SQLStore(url, create=False)
+    finally:
+        engine.dispose()
+
+
+def test_cold_start__the_head_known_without_alembic_is_alembics_head() -> None:
+    # A new revision in flowloop/store/migrations/versions moves flowloop.store.migrate.HEAD.
+    assert migrate.head() == migrate.HEAD
+
+
+def test_cold_start__settings_defaults_are_the_engines() -> None:
+    # Spelled in flowloop.config so that loading the settings imports neither module.
+    from flowloop import config, executor, metrics
+
+    assert config.DEFAULT_MAX_CONCURRENCY == executor.DEFAULT_MAX_CONCURRENCY
+    assert config.DEFAULT_LEASE_SECONDS == executor.DEFAULT_LEASE_SECONDS
+    assert config.DEFAULT_METRICS_HOST == metrics.DEFAULT_METRICS_HOST
