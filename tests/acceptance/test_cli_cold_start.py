@@ -123,6 +123,25 @@ def test_cold_start__reading_commands_load_no_alembic(
     assert "alembic" in loaded_after(code, tmp_path, NOT_FOR_READING)
 
 
+def test_cold_start__the_objects_loaded_are_frozen_at_exit(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """The interpreter's last collection need not walk what the imports made: main()
+    freezes it at exit (an atexit handler registered before main() runs after its own)."""
+    url, run_id = database
+    code = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n"
+        f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    frozen = int(result.stderr.split("frozen ")[1].split()[0])
+    assert frozen > 10_000  # SQLAlchemy, pydantic and rich make some 100,000 objects
+
+
 def test_cold_start__a_database_not_at_head_is_still_judged_by_alembic(
     database: tuple[str, str],
 ) -> None:
