@@ -142,6 +142,36 @@ def test_cold_start__the_objects_loaded_are_frozen_at_exit(
     assert frozen > 10_000  # SQLAlchemy, pydantic and rich make some 100,000 objects
 
 
+def collecting_at_exit(code: str, cwd: Path) -> bool:
+    """Whether the cyclic garbage collector was on when ``code`` ended."""
+    probe = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('collecting', gc.isenabled(), file=sys.stderr))\n"
+        f"{code}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return {"collecting True": True, "collecting False": False}[result.stderr.splitlines()[-1]]
+
+
+def test_cold_start__brief_commands_run_as_the_program_do_without_the_collector(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """`flowloop status` (main() reading the command line) turns the cyclic collector off
+    for its short life; main([...]) inside another process, and the other commands, leave
+    it on."""
+    url, run_id = database
+    as_program = "from flowloop.cli import main\nsys.argv = ['flowloop', *{args!r}]\nmain()"
+    for args in (["status", "--db", url], ["history", run_id, "--db", url]):
+        assert not collecting_at_exit(as_program.format(args=args), tmp_path), args
+    assert collecting_at_exit(as_program.format(args=["db", "upgrade", "--db", url]), tmp_path)
+    assert collecting_at_exit(
+        f"shows = {run_id[:8]!r}\n" + command("status", "--db", url), tmp_path
+    )
+
+
 def test_cold_start__a_database_not_at_head_is_still_judged_by_alembic(
     database: tuple[str, str],
 ) -> None:
