@@ -44,28 +44,28 @@ import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from flowloop.alerts import (
-    Alerts,
-    AlertSink,
-    at_least,
-    command_sink,
-    import_sink,
-    log_sink,
-    webhook_sink,
-)
-from flowloop.definition import Workflow
 from flowloop.errors import ConfigError, FlowloopError
-from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY
-from flowloop.loops import Loop
-from flowloop.metrics import DEFAULT_METRICS_HOST
 from flowloop.retry import MAX_DURATION_SECONDS
 
+if TYPE_CHECKING:
+    # Loaded when used: every command loads the settings, and these import the engine,
+    # the store and prometheus_client (issue 13, cold start).
+    from flowloop.alerts import Alerts, AlertSink
+    from flowloop.definition import Workflow
+    from flowloop.loops import Loop
+
 log = logging.getLogger("flowloop.config")
+
+# flowloop.executor's and flowloop.metrics' defaults, spelled here so loading the settings
+# imports neither (tests/acceptance/test_cli_cold_start.py keeps them equal).
+DEFAULT_MAX_CONCURRENCY: Final = 16
+DEFAULT_LEASE_SECONDS: Final = 30.0
+DEFAULT_METRICS_HOST: Final = "127.0.0.1"
 
 ENV_PREFIX: Final = "FLOWLOOP_"
 ENV_CONFIG: Final = "FLOWLOOP_CONFIG"
@@ -235,6 +235,8 @@ class Settings(BaseSettings):
     # -- building what the settings describe ----------------------------------------------
 
     def alert_sinks(self) -> list[AlertSink]:
+        from flowloop.alerts import at_least, command_sink, import_sink, log_sink, webhook_sink
+
         sinks: list[AlertSink] = []
         for spec in self.alerts:
             sink: AlertSink
@@ -251,6 +253,8 @@ class Settings(BaseSettings):
 
     def make_alerts(self) -> Alerts:
         """The worker's alerts: the configured sinks, delivered off the event loop."""
+        from flowloop.alerts import Alerts
+
         return Alerts(self.alert_sinks(), background=True)
 
 
@@ -459,6 +463,8 @@ def _override_step(workflow: Workflow, name: str, state: str, step: StepSettings
 
 
 def _override_loop(loop: Loop, override: LoopSettings) -> Loop:
+    from flowloop.loops import Loop
+
     every, cron = loop.every, loop.cron
     if override.every is not None:
         every, cron = override.every, None

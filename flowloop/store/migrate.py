@@ -2,28 +2,36 @@
 
 The revision lives in ``flowloop_alembic_version`` (not ``alembic_version``, so a database
 shared with an application's own Alembic history is not confused).
+
+Alembic (and Mako with it) is imported only to change the schema or to explain a mismatch:
+opening a database at :data:`HEAD` (every ``flowloop status``) reads the version table with
+one plain ``SELECT`` (issue 13, cold start).
 """
 
 from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util import CommandError
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
 from flowloop.errors import SchemaMismatch, StoreError
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
 VERSION_TABLE: Final = "flowloop_alembic_version"
 MIGRATIONS: Final = Path(__file__).with_name("migrations")
+HEAD: Final = "0012"
+"""The newest revision in migrations/versions, known without loading Alembic (a new
+revision moves it: tests/acceptance/test_cli_cold_start.py checks it is Alembic's head)."""
 
 
 def _config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     if connection is not None:
@@ -33,6 +41,8 @@ def _config(connection: Connection | None = None) -> Config:
 
 @cache
 def _script() -> ScriptDirectory:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(_config())
 
 
@@ -51,6 +61,8 @@ def known(revision: str) -> bool:
 
 
 def current(connection: Connection) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     context = MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
     return context.get_current_revision()
 
@@ -60,6 +72,9 @@ def upgrade(connection: Connection, url: str = "the database") -> tuple[str | No
 
     Raises SchemaMismatch when the database is newer than this code, StoreError when
     Alembic cannot apply a revision (one line, the cause kept as ``__cause__``)."""
+    from alembic import command
+    from alembic.util import CommandError
+
     before = current(connection)
     if before is not None and not known(before):
         raise SchemaMismatch(
@@ -75,6 +90,8 @@ def upgrade(connection: Connection, url: str = "the database") -> tuple[str | No
 
 def to_revision(connection: Connection, revision: str) -> None:
     """Upgrade or downgrade the schema to ``revision`` (tests, and going back a release)."""
+    from alembic import command
+
     before = current(connection)
     script = _script()
     ahead = before is not None and revision in {
@@ -86,8 +103,18 @@ def to_revision(connection: Connection, revision: str) -> None:
         command.upgrade(_config(connection), revision)
 
 
+def at_head(connection: Connection) -> bool:
+    """Whether the version table (which must exist) holds exactly one row, :data:`HEAD`: what
+    Alembic would read, in one plain ``SELECT``."""
+    rows = connection.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).all()
+    return len(rows) == 1 and rows[0][0] == HEAD
+
+
 def check(connection: Connection, url: str) -> None:
-    """Raise SchemaMismatch unless the database is at :func:`head`."""
+    """Raise SchemaMismatch unless the database is at :func:`head`. A database at
+    :data:`HEAD` is told without Alembic; any other is judged by Alembic as before."""
+    if at_head(connection):
+        return
     revision = current(connection)
     if revision == head():
         return
@@ -105,4 +132,6 @@ def check(connection: Connection, url: str) -> None:
 def new_revision(message: str, connection: Connection) -> None:
     """Autogenerate a migration for schema.py changes (``flowloop db revision``), comparing
     with ``connection``'s database, which must be at :func:`head`."""
+    from alembic import command
+
     command.revision(_config(connection), message=message, autogenerate=True)

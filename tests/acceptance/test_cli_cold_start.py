@@ -1,6 +1,9 @@
 """Cold start (issue 13): `flowloop --help` and `import flowloop` load no engine, database or
-settings library. Checked deterministically on ``sys.modules`` in a fresh interpreter, not by
-timing: each module named here was imported eagerly before and is loaded lazily now."""
+settings library, and the commands that only read a database at the current schema
+(`status`, `history`) load no Alembic, Mako or prometheus_client. Checked deterministically
+on ``sys.modules`` in a fresh interpreter, not by timing: each module named here was
+imported eagerly before and is loaded lazily now. The constants spelled twice so that this
+holds are checked against their sources here too."""
 
 from __future__ import annotations
 
@@ -8,6 +11,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from storekit import new_run
+
+from flowloop.errors import SchemaMismatch
+from flowloop.store import SQLStore, migrate
 
 # Each was imported by `import flowloop.cli` before the CLI became a package of lazy commands.
 LAZY = (
@@ -26,12 +36,16 @@ LAZY = (
 )
 
 
-def loaded_after(code: str, cwd: Path) -> list[str]:
-    """The modules of LAZY (or under them) that ``code`` left in ``sys.modules``."""
+# Loaded only to change the schema, explain a mismatch, or serve metrics and alerts.
+NOT_FOR_READING = ("alembic", "mako", "prometheus_client", "flowloop.alerts", "flowloop.metrics")
+
+
+def loaded_after(code: str, cwd: Path, lazy: tuple[str, ...] = LAZY) -> list[str]:
+    """The modules of ``lazy`` (or under them) that ``code`` left in ``sys.modules``."""
     probe = (
         f"{code}\n"
         "import json, sys\n"
-        f"lazy = {LAZY!r}\n"
+        f"lazy = {lazy!r}\n"
         "print(json.dumps(sorted({m for m in lazy for name in sys.modules "
         "if name == m or name.startswith(m + '.')})))\n"
     )
@@ -63,3 +77,135 @@ def test_cold_start__public_names_load_when_first_used(tmp_path: Path) -> None:
     # `from flowloop import Engine` still works, and loads the engine then.
     code = "from flowloop import Engine, Workflow\nassert Engine.__module__ == 'flowloop.engine'\n"
     assert "flowloop.engine" in loaded_after(code, tmp_path)
+
+
+# -- commands that read a database -----------------------------------------------------------
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> tuple[str, str]:
+    """A SQLite file at the current schema with one run: (its URL, the run's id)."""
+    url = f"sqlite:///{tmp_path / 'flowloop.db'}"
+    store = SQLStore(url)
+    try:
+        stored, _ = store.create_run(new_run(key="k-1"))
+    finally:
+        store.close()
+    return url, stored.id
+
+
+def command(*args: str) -> str:
+    """Code that runs ``flowloop ARGS`` in-process, asserting exit 0 and ``shows`` in its
+    output (set by the caller)."""
+    return (
+        "import contextlib, io\n"
+        "from flowloop.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as shown:\n"
+        f"    main({list(args)!r})\n"
+        "assert shows in shown.getvalue(), shown.getvalue()\n"
+    )
+
+
+def test_cold_start__reading_commands_load_no_alembic(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    url, run_id = database
+    for shows, args in (
+        (run_id[:8], ("status", "--db", url)),
+        (run_id, ("status", "--db", url, "--json")),
+        (run_id, ("status", run_id, "--db", url)),
+        ("run_created", ("history", run_id, "--db", url)),
+    ):
+        code = f"shows = {shows!r}\n" + command(*args)
+        assert loaded_after(code, tmp_path, NOT_FOR_READING) == [], args
+    # Upgrading still goes through Alembic, which finds the database current.
+    code = "shows = 'schema already at revision'\n" + command("db", "upgrade", "--db", url)
+    assert "alembic" in loaded_after(code, tmp_path, NOT_FOR_READING)
+
+
+def test_cold_start__the_objects_loaded_are_frozen_at_exit(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """The interpreter's last collection need not walk what the imports made: main()
+    freezes it at exit (an atexit handler registered before main() runs after its own)."""
+    url, run_id = database
+    code = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n"
+        f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    frozen = int(result.stderr.split("frozen ")[1].split()[0])
+    assert frozen > 10_000  # SQLAlchemy, pydantic and rich make some 100,000 objects
+
+
+def collecting_at_exit(code: str, cwd: Path) -> bool:
+    """Whether the cyclic garbage collector was on when ``code`` ended."""
+    probe = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('collecting', gc.isenabled(), file=sys.stderr))\n"
+        f"{code}\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return {"collecting True": True, "collecting False": False}[result.stderr.splitlines()[-1]]
+
+
+def test_cold_start__brief_commands_run_as_the_program_do_without_the_collector(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """`flowloop status` (main() reading the command line) turns the cyclic collector off
+    for its short life; main([...]) inside another process, and the other commands, leave
+    it on."""
+    url, run_id = database
+    as_program = "from flowloop.cli import main\nsys.argv = ['flowloop', *{args!r}]\nmain()"
+    for args in (["status", "--db", url], ["history", run_id, "--db", url]):
+        assert not collecting_at_exit(as_program.format(args=args), tmp_path), args
+    assert collecting_at_exit(as_program.format(args=["db", "upgrade", "--db", url]), tmp_path)
+    assert collecting_at_exit(
+        f"shows = {run_id[:8]!r}\n" + command("status", "--db", url), tmp_path
+    )
+
+
+def test_cold_start__a_database_not_at_head_is_still_judged_by_alembic(
+    database: tuple[str, str],
+) -> None:
+    """Only "exactly one row, at HEAD" is told without Alembic; every other version table
+    gets Alembic's verdict, with the messages of before."""
+    url, _ = database
+    engine = sa.create_engine(url)
+    try:
+        for rows, words in (
+            (["0001"], "schema revision 0001 is older than this flowloop .*`flowloop db upgrade`"),
+            (["9999"], "schema revision 9999 is newer than this flowloop .*upgrade flowloop"),
+            ([], "schema revision none is older than this flowloop"),
+        ):
+            with engine.begin() as conn:
+                conn.execute(sa.text(f"DELETE FROM {migrate.VERSION_TABLE}"))
+                for row in rows:
+                    conn.execute(
+                        sa.text(f"INSERT INTO {migrate.VERSION_TABLE} VALUES (:r)"), {"r": row}
+                    )
+            with pytest.raises(SchemaMismatch, match=words):
+                SQLStore(url, create=False)
+    finally:
+        engine.dispose()
+
+
+def test_cold_start__the_head_known_without_alembic_is_alembics_head() -> None:
+    # A new revision in flowloop/store/migrations/versions moves flowloop.store.migrate.HEAD.
+    assert migrate.head() == migrate.HEAD
+
+
+def test_cold_start__settings_defaults_are_the_engines() -> None:
+    # Spelled in flowloop.config so that loading the settings imports neither module.
+    from flowloop import config, executor, metrics
+
+    assert config.DEFAULT_MAX_CONCURRENCY == executor.DEFAULT_MAX_CONCURRENCY
+    assert config.DEFAULT_LEASE_SECONDS == executor.DEFAULT_LEASE_SECONDS
+    assert config.DEFAULT_METRICS_HOST == metrics.DEFAULT_METRICS_HOST
