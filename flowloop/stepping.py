@@ -103,9 +103,12 @@ class Stepping:
         """This object as the executor it is part of (composition takes the executor)."""
         return cast("Executor", self)
 
-    async def _step(self, workflow: Workflow, record: RunRecord, fence: Fence) -> RunRecord | None:
+    async def _step(
+        self, workflow: Workflow, record: RunRecord, fence: Fence, loaded: BaseModel | None
+    ) -> tuple[RunRecord, BaseModel | None] | None:
         """Run the started step of ``record``; commit its outcome. Returns the record when
-        the run goes straight on with its next step, else ``None``."""
+        the run goes straight on with its next step, else ``None``; with it the next
+        step's context when this one already parsed it (``loaded``, see below)."""
         spec = workflow.steps[record.state]
         step = Step(
             run_id=record.id,
@@ -117,8 +120,13 @@ class Stepping:
             worker=self.worker_id,
             error=step_error(record) if record.error else None,
         )
-        # The step's own copy, carried to the current context version (issue 16).
-        ctx = workflow.load_context(record.context, record.context_version)
+        # The step's own copy, carried to the current context version (issue 16) — or
+        # parsed by the previous step from this very text (the check of what it stored).
+        ctx = (
+            loaded
+            if loaded is not None
+            else workflow.load_context(record.context, record.context_version)
+        )
         # One line when the step starts and one when it ends (fields for JSON logs); built
         # only when someone listens: this is the hot path.
         logged = log.isEnabledFor(logging.INFO)
@@ -144,16 +152,18 @@ class Stepping:
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
-            workflow.context.model_validate_json(context)
+            parsed = workflow.context.model_validate_json(context)  # what a resume loads
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             duration = self.clock.monotonic() - started
             if isinstance(error, children.DeadlineCut):
-                return await children.past_deadline(self._whole(), workflow, record, fence)
-            self.gates.called(spec, error)
-            return await self._failed(workflow, spec, record, fence, error, duration)
+                moved = await children.past_deadline(self._whole(), workflow, record, fence)
+            else:
+                self.gates.called(spec, error)
+                moved = await self._failed(workflow, spec, record, fence, error, duration)
+            return None if moved is None else (moved, None)
         duration = self.clock.monotonic() - started
         self.gates.called(spec, None)
         self.stats.steps += 1
@@ -188,7 +198,13 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        return await self._advance(workflow, record, fence, succeeded)
+        after = await self._advance(workflow, record, fence, succeeded)
+        if after is None:
+            return None
+        # The next step's own copy is this parse of the text it starts from (the same
+        # text parses to the same model), unless the run moved on through other states.
+        same = after.context is context and after.context_version == workflow.context_version
+        return after, parsed if same else None
 
     async def _advance(
         self, workflow: Workflow, record: RunRecord, fence: Fence, transition: JournalEvent

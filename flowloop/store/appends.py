@@ -391,6 +391,14 @@ class AppendStoreMixin:
         assert self._raw is not None
         append = self._raw[boundary.fence.owner is not None]
         params = self._append_params(boundary, rows)
+        if len(params) == 1 and append_only(boundary):
+            # The usual boundary is ONE statement: sent in autocommit it is its own
+            # transaction, and an INSERT takes the write lock when it starts (before its
+            # SELECT reads the fence), as BEGIN IMMEDIATE would; no BEGIN/COMMIT to send.
+            with self._driver() as raw:
+                cursor = raw.cursor()
+                cursor.execute(append.sql, append.args(params[0]))
+                return bool(cursor.rowcount == 1)
         with self._driver() as raw:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")
