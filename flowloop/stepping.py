@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -55,6 +56,16 @@ log = logging.getLogger("flowloop")
 SYNC_STEPS_INLINE: ContextVar[bool] = ContextVar("flowloop_sync_steps_inline", default=False)
 """Set by ``Engine.run`` in the task that drives its run: plain ``def`` steps without a
 timeout are then called on the loop's own thread (:meth:`Stepping._inline`)."""
+
+_INLINE = threading.local()
+"""``depth``: how many inline steps this thread is inside (see :func:`in_inline_step`)."""
+
+
+def in_inline_step() -> bool:
+    """Whether this thread runs a plain ``def`` step called on its own event loop's thread
+    (``Engine.run``): an ``Engine.run`` from inside it needs a loop of its own."""
+    return bool(getattr(_INLINE, "depth", 0))
+
 
 MAX_NOTE_CHARS: Final = 500
 """Of a step's notes (``Step.note``), kept in its journal entry."""
@@ -143,6 +154,9 @@ class Stepping:
         try:
             if record.deadline is None and self._inline(spec):
                 returned = self._call_inline(spec, ctx, step)
+                # What arrived while it ran (a stop or pause polled by the lease thread, a
+                # Ctrl-C's cancellation) lands now, before its outcome is committed.
+                await asyncio.sleep(0)
             elif record.deadline is None:
                 returned = await self._call(record.id, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)
@@ -420,8 +434,18 @@ class Stepping:
         )
 
     def _call_inline(self, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
-        with self.watchdog.excused():
-            return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
+        """The step on this thread, its loop hidden from it as it would be in a thread: it
+        may run an event loop of its own (``asyncio.run``, a nested ``Engine.run``)."""
+        loop = asyncio.get_running_loop()
+        _INLINE.depth = getattr(_INLINE, "depth", 0) + 1
+        asyncio.events._set_running_loop(None)
+        try:
+            with self.watchdog.excused():
+                return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
+        finally:
+            asyncio.events._set_running_loop(loop)
+            asyncio.set_event_loop(loop)  # an asyncio.run in the step resets it to None
+            _INLINE.depth -= 1
 
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         if not spec.is_async:

@@ -51,6 +51,7 @@ from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.entries import (
+    THEN_KEY,
     ContextCache,
     Decoder,
     encode,
@@ -186,9 +187,16 @@ class AppendStoreMixin:
 
     @staticmethod
     def _at_end(run_id: Any, seq: Any) -> ColumnElement[bool]:
-        """No entry of the run at or after ``seq``: an append goes at the end, once."""
+        """No entry of the run at or after ``seq``: an append goes at the end, once. A row
+        at ``seq - 1`` holding a joined start (entries.THEN_KEY) holds ``seq`` too."""
         later = journal.alias("later")
-        return ~exists(select(later.c.seq).where(later.c.run_id == run_id, later.c.seq >= seq))
+        return ~exists(
+            select(later.c.seq).where(
+                later.c.run_id == run_id,
+                later.c.seq >= seq - 1,
+                or_(later.c.seq >= seq, later.c.data.like(f'%"{THEN_KEY}"%')),
+            )
+        )
 
     def _build_appends(self) -> None:
         self._contexts = ContextCache()
