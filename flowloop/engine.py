@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final
 
 from pydantic import BaseModel
 
@@ -61,7 +61,7 @@ from flowloop.runinfo import (
     Stranded,
     run_info,
 )
-from flowloop.stepping import SYNC_STEPS_INLINE
+from flowloop.stepping import SYNC_STEPS_INLINE, in_inline_step
 from flowloop.store import (
     NewRun,
     RunFilter,
@@ -439,17 +439,19 @@ class Engine(Operations, LoopControls):
 
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
-        return self._runner().run(
-            _steps_inline(
-                self.arun(
-                    workflow,
-                    context,
-                    key=key,
-                    idempotency_key=idempotency_key,
-                    trace_context=trace_context,
-                )
-            )
+        work = self.arun(
+            workflow,
+            context,
+            key=key,
+            idempotency_key=idempotency_key,
+            trace_context=trace_context,
         )
+        if in_inline_step():  # called by a def step that runs on this thread's loop
+            with asyncio.Runner() as own:
+                nested: RunInfo = own.run(work)
+            return nested
+        info: RunInfo = self._runner().run(_steps_inline(work)).value
+        return info
 
     def _runner(self) -> asyncio.Runner:
         """One event loop per calling thread, kept between calls: asyncio.run builds and
@@ -690,12 +692,23 @@ class Engine(Operations, LoopControls):
     # -- loops -----------------------------------------------------------------------------
 
 
-_T = TypeVar("_T")
+class _Returned:
+    """What a coroutine run by ``Engine.run`` returns, in a box with a cheap repr: the
+    runner formats its finished task at every call (``signal.getsignal`` on its own SIGINT
+    handler), and a finished task's repr shows its result — a RunInfo with its context."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
 
 
-async def _steps_inline(work: Coroutine[Any, Any, _T]) -> _T:
+async def _steps_inline(work: Coroutine[Any, Any, Any]) -> _Returned:
     """``work`` with plain ``def`` steps called on this loop's thread (``Engine.run``: the
     loop is the engine's own and drives this run only; see Stepping._inline). The tasks it
     spawns copy the flag with the context."""
-    SYNC_STEPS_INLINE.set(True)
-    return await work
+    token = SYNC_STEPS_INLINE.set(True)
+    try:
+        return _Returned(await work)
+    finally:  # the runner's context is shared by its calls: the flag is this call's only
+        SYNC_STEPS_INLINE.reset(token)

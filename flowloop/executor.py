@@ -531,11 +531,12 @@ class Executor(Stepping, Recovery):
                 record = j.apply(record, started)
                 if not await self._commit(Boundary(events=[started], record=record, fence=fence)):
                     return
+            loaded = None
             while record.status == "running":
-                next_record = await self._step(workflow, record, fence)
-                if next_record is None:
+                went_on = await self._step(workflow, record, fence, loaded)
+                if went_on is None:
                     return
-                record = next_record
+                record, loaded = went_on
                 await self._let_the_loop_turn()
         except asyncio.CancelledError:
             if self._controls.get(record.id) != "lost" and record.status == "running":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
@@ -55,6 +56,16 @@ log = logging.getLogger("flowloop")
 SYNC_STEPS_INLINE: ContextVar[bool] = ContextVar("flowloop_sync_steps_inline", default=False)
 """Set by ``Engine.run`` in the task that drives its run: plain ``def`` steps without a
 timeout are then called on the loop's own thread (:meth:`Stepping._inline`)."""
+
+_INLINE = threading.local()
+"""``depth``: how many inline steps this thread is inside (see :func:`in_inline_step`)."""
+
+
+def in_inline_step() -> bool:
+    """Whether this thread runs a plain ``def`` step called on its own event loop's thread
+    (``Engine.run``): an ``Engine.run`` from inside it needs a loop of its own."""
+    return bool(getattr(_INLINE, "depth", 0))
+
 
 MAX_NOTE_CHARS: Final = 500
 """Of a step's notes (``Step.note``), kept in its journal entry."""
@@ -103,9 +114,12 @@ class Stepping:
         """This object as the executor it is part of (composition takes the executor)."""
         return cast("Executor", self)
 
-    async def _step(self, workflow: Workflow, record: RunRecord, fence: Fence) -> RunRecord | None:
+    async def _step(
+        self, workflow: Workflow, record: RunRecord, fence: Fence, loaded: BaseModel | None
+    ) -> tuple[RunRecord, BaseModel | None] | None:
         """Run the started step of ``record``; commit its outcome. Returns the record when
-        the run goes straight on with its next step, else ``None``."""
+        the run goes straight on with its next step, else ``None``; with it the next
+        step's context when this one already parsed it (``loaded``, see below)."""
         spec = workflow.steps[record.state]
         step = Step(
             run_id=record.id,
@@ -117,8 +131,13 @@ class Stepping:
             worker=self.worker_id,
             error=step_error(record) if record.error else None,
         )
-        # The step's own copy, carried to the current context version (issue 16).
-        ctx = workflow.load_context(record.context, record.context_version)
+        # The step's own copy, carried to the current context version (issue 16) — or
+        # parsed by the previous step from this very text (the check of what it stored).
+        ctx = (
+            loaded
+            if loaded is not None
+            else workflow.load_context(record.context, record.context_version)
+        )
         # One line when the step starts and one when it ends (fields for JSON logs); built
         # only when someone listens: this is the hot path.
         logged = log.isEnabledFor(logging.INFO)
@@ -135,6 +154,9 @@ class Stepping:
         try:
             if record.deadline is None and self._inline(spec):
                 returned = self._call_inline(spec, ctx, step)
+                # What arrived while it ran (a stop or pause polled by the lease thread, a
+                # Ctrl-C's cancellation) lands now, before its outcome is committed.
+                await asyncio.sleep(0)
             elif record.deadline is None:
                 returned = await self._call(record.id, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)
@@ -144,16 +166,18 @@ class Stepping:
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
-            workflow.context.model_validate_json(context)
+            parsed = workflow.context.model_validate_json(context)  # what a resume loads
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             duration = self.clock.monotonic() - started
             if isinstance(error, children.DeadlineCut):
-                return await children.past_deadline(self._whole(), workflow, record, fence)
-            self.gates.called(spec, error)
-            return await self._failed(workflow, spec, record, fence, error, duration)
+                moved = await children.past_deadline(self._whole(), workflow, record, fence)
+            else:
+                self.gates.called(spec, error)
+                moved = await self._failed(workflow, spec, record, fence, error, duration)
+            return None if moved is None else (moved, None)
         duration = self.clock.monotonic() - started
         self.gates.called(spec, None)
         self.stats.steps += 1
@@ -188,7 +212,13 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        return await self._advance(workflow, record, fence, succeeded)
+        after = await self._advance(workflow, record, fence, succeeded)
+        if after is None:
+            return None
+        # The next step's own copy is this parse of the text it starts from (the same
+        # text parses to the same model), unless the run moved on through other states.
+        same = after.context is context and after.context_version == workflow.context_version
+        return after, parsed if same else None
 
     async def _advance(
         self, workflow: Workflow, record: RunRecord, fence: Fence, transition: JournalEvent
@@ -404,8 +434,18 @@ class Stepping:
         )
 
     def _call_inline(self, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
-        with self.watchdog.excused():
-            return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
+        """The step on this thread, its loop hidden from it as it would be in a thread: it
+        may run an event loop of its own (``asyncio.run``, a nested ``Engine.run``)."""
+        loop = asyncio.get_running_loop()
+        _INLINE.depth = getattr(_INLINE, "depth", 0) + 1
+        asyncio.events._set_running_loop(None)
+        try:
+            with self.watchdog.excused():
+                return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
+        finally:
+            asyncio.events._set_running_loop(loop)
+            asyncio.set_event_loop(loop)  # an asyncio.run in the step resets it to None
+            _INLINE.depth -= 1
 
     async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
         if not spec.is_async:

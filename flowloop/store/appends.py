@@ -51,6 +51,7 @@ from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.entries import (
+    THEN_KEY,
     ContextCache,
     Decoder,
     encode,
@@ -186,9 +187,16 @@ class AppendStoreMixin:
 
     @staticmethod
     def _at_end(run_id: Any, seq: Any) -> ColumnElement[bool]:
-        """No entry of the run at or after ``seq``: an append goes at the end, once."""
+        """No entry of the run at or after ``seq``: an append goes at the end, once. A row
+        at ``seq - 1`` holding a joined start (entries.THEN_KEY) holds ``seq`` too."""
         later = journal.alias("later")
-        return ~exists(select(later.c.seq).where(later.c.run_id == run_id, later.c.seq >= seq))
+        return ~exists(
+            select(later.c.seq).where(
+                later.c.run_id == run_id,
+                later.c.seq >= seq - 1,
+                or_(later.c.seq >= seq, later.c.data.like(f'%"{THEN_KEY}"%')),
+            )
+        )
 
     def _build_appends(self) -> None:
         self._contexts = ContextCache()
@@ -391,6 +399,14 @@ class AppendStoreMixin:
         assert self._raw is not None
         append = self._raw[boundary.fence.owner is not None]
         params = self._append_params(boundary, rows)
+        if len(params) == 1 and append_only(boundary):
+            # The usual boundary is ONE statement: sent in autocommit it is its own
+            # transaction, and an INSERT takes the write lock when it starts (before its
+            # SELECT reads the fence), as BEGIN IMMEDIATE would; no BEGIN/COMMIT to send.
+            with self._driver() as raw:
+                cursor = raw.cursor()
+                cursor.execute(append.sql, append.args(params[0]))
+                return bool(cursor.rowcount == 1)
         with self._driver() as raw:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")

@@ -201,6 +201,14 @@ def joinable(first: JournalEvent, then: JournalEvent) -> bool:
         and then.worker == first.worker
         and then.state is not None
         and then.state == first.next_state
+        # What a joined start keeps is its time, attempt and data: nothing else is set.
+        and then.event is None
+        and then.next_state is None
+        and then.duration is None
+        and then.error_type is None
+        and then.error_message is None
+        and then.traceback is None
+        and then.retryable is None
     )
 
 
@@ -214,7 +222,9 @@ def row_last_seq(row: Any) -> int:
     """The seq of the last entry a journal row holds (a joined start is one past it)."""
     data = row.data
     seq: int = row.seq
-    return seq + 1 if data and THEN_KEY in data and THEN_KEY in load_data(data) else seq
+    if row.kind != j.STEP_SUCCEEDED or not data or THEN_KEY not in data:
+        return seq
+    return seq + 1 if _readable_then(load_data(data).get(THEN_KEY)) else seq
 
 
 class Decoder:
@@ -227,15 +237,14 @@ class Decoder:
     def events(self, row: Any) -> list[JournalEvent]:
         """The one or two entries ``row`` holds."""
         data = load_data(row.data)
-        then = data.pop(THEN_KEY, None) if THEN_KEY in data else None
+        then = data.get(THEN_KEY) if row.kind == j.STEP_SUCCEEDED else None
+        if then is not None and _readable_then(then):
+            del data[THEN_KEY]
+        else:  # none, or damaged: left in the data for history to show (a fold then
+            then = None  # names the seq it misses)
         first = self._event(row, data)
         if then is None:
             return [first]
-        if not isinstance(then, list) or len(then) not in (2, 3):
-            raise j.FoldError(
-                f"run {row.run_id} seq {row.seq} ({row.kind}): its joined step start is "
-                "unreadable (see `flowloop history`)"
-            )
         started = _new_event(
             run_id=row.run_id,
             seq=row.seq + 1,
@@ -286,6 +295,16 @@ class Decoder:
             worker=row.worker,
             data=data,
         )
+
+
+def _readable_then(then: Any) -> bool:
+    return (
+        isinstance(then, list)
+        and len(then) in (2, 3)
+        and isinstance(then[0], (int, float))
+        and isinstance(then[1], int)
+        and (len(then) == 2 or isinstance(then[2], dict))
+    )
 
 
 def _new_event(**fields: Any) -> JournalEvent:
@@ -411,33 +430,43 @@ def materialize_previous_layout(conn: Connection) -> None:
         )
 
 
-def split_joined_rows(conn: Connection) -> None:
+def split_joined_rows(conn: Connection, *, batch: int = 1000) -> None:
     """Migration 0013's downgrade: every row holding a joined step start becomes two rows
-    again (the previous layouts read one entry per row)."""
+    again (the previous layouts read one entry per row), ``batch`` rows at a time."""
     from flowloop.store.schema import journal
 
     marker = f'%"{THEN_KEY}"%'
-    joined = conn.execute(
-        select(journal).where(journal.c.kind == j.STEP_SUCCEEDED, journal.c.data.like(marker))
-    ).all()
-    for row in joined:
-        data = load_data(row.data)
-        then = data.pop(THEN_KEY, None)
-        if not isinstance(then, list) or len(then) not in (2, 3):
-            continue  # not ours (a step's own data that happens to contain the text)
-        started = {
-            "run_id": row.run_id,
-            "seq": row.seq + 1,
-            "kind": j.STEP_STARTED,
-            "at": then[0],
-            "state": row.next_state,
-            "attempt": then[1],
-            "worker": row.worker,
-            "data": _dumps(then[2]) if len(then) == 3 and then[2] else None,
-        }
-        conn.execute(
-            update(journal)
-            .where(journal.c.run_id == row.run_id, journal.c.seq == row.seq)
-            .values(data=_dumps(data) if data else None)
-        )
-        conn.execute(insert(journal).values(**started))
+    done: set[tuple[str, int]] = set()  # rows whose data only looks joined (left as is)
+    while True:
+        found = conn.execute(
+            select(journal)
+            .where(journal.c.kind == j.STEP_SUCCEEDED, journal.c.data.like(marker))
+            .order_by(journal.c.run_id, journal.c.seq)
+            .limit(batch + len(done))
+        ).all()
+        joined = [row for row in found if (row.run_id, row.seq) not in done]
+        if not joined:
+            return
+        for row in joined:
+            data = load_data(row.data)
+            then = data.pop(THEN_KEY, None)
+            if not _readable_then(then):
+                done.add((row.run_id, row.seq))
+                continue
+            conn.execute(
+                update(journal)
+                .where(journal.c.run_id == row.run_id, journal.c.seq == row.seq)
+                .values(data=_dumps(data) if data else None)
+            )
+            conn.execute(
+                insert(journal).values(
+                    run_id=row.run_id,
+                    seq=row.seq + 1,
+                    kind=j.STEP_STARTED,
+                    at=then[0],
+                    state=row.next_state,
+                    attempt=then[1],
+                    worker=row.worker,
+                    data=_dumps(then[2]) if len(then) == 3 and then[2] else None,
+                )
+            )
