@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from sqlalchemy import Connection, func, select, update
@@ -170,6 +170,27 @@ def encode(events: Iterable[JournalEvent], cache: ContextCache) -> list[dict[str
     return rows
 
 
+JOURNAL_FIELDS: Final = (
+    "run_id",
+    "seq",
+    "kind",
+    "at",
+    "state",
+    "attempt",
+    "event",
+    "next_state",
+    "context",
+    "duration",
+    "error_type",
+    "error_message",
+    "traceback",
+    "retryable",
+    "worker",
+    "data",
+)
+"""The journal's columns in table order (``select(journal)``): :meth:`Decoder.values`."""
+
+
 class Decoder:
     """Journal rows of ONE run, in seq order, back to events (splices undone)."""
 
@@ -178,17 +199,7 @@ class Decoder:
 
     def event(self, row: Any) -> JournalEvent:
         data = load_data(row.data)
-        context = row.context
-        cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
-        if cut is not None:
-            if self.context is None or not isinstance(cut, list) or len(cut) != 2:
-                raise j.FoldError(
-                    f"run {row.run_id} seq {row.seq} ({row.kind}): its context is a change "
-                    "of an earlier one that is missing (see `flowloop history`)"
-                )
-            context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
-        if context is not None:
-            self.context = context
+        context = self._context(row.context, data, row)
         # A frozen dataclass without __post_init__, filled field by field: its generated
         # __init__ costs more than the rest of this (live runs' tails are read by claims).
         event = object.__new__(JournalEvent)
@@ -211,6 +222,36 @@ class Decoder:
             data=data,
         )
         return event
+
+    def values(self, values: Sequence[Any]) -> JournalEvent:
+        """:meth:`event` for a row given as its values in :data:`JOURNAL_FIELDS` order (a
+        tuple of a ``select(journal)`` row): a row's attributes cost more than the rest of
+        the decoding (each claim of interrupted runs folds every run's tail)."""
+        fields = dict(zip(JOURNAL_FIELDS, values, strict=True))
+        data = fields["data"] = load_data(fields["data"])
+        named = (fields["run_id"], fields["seq"], fields["kind"])
+        fields["context"] = self._context(fields["context"], data, named)
+        event = object.__new__(JournalEvent)
+        event.__dict__.update(fields)
+        return event
+
+    def _context(self, context: str | None, data: dict[str, Any], row: Any) -> str | None:
+        """The entry's whole context (its splice undone, ``data`` rid of the splice's key);
+        ``row`` (a row, or its ``(run_id, seq, kind)``) names the entry in an error."""
+        cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
+        if cut is not None:
+            if self.context is None or not isinstance(cut, list) or len(cut) != 2:
+                run_id, seq, kind = (
+                    row[:3] if isinstance(row, tuple) else (row.run_id, row.seq, row.kind)
+                )
+                raise j.FoldError(
+                    f"run {run_id} seq {seq} ({kind}): its context is a change "
+                    "of an earlier one that is missing (see `flowloop history`)"
+                )
+            context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
+        if context is not None:
+            self.context = context
+        return context
 
 
 def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
