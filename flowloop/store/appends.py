@@ -48,7 +48,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy import cast as sql_cast
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy.exc import IntegrityError
 
 from flowloop import journal as j
 from flowloop.journal import RunRecord
@@ -229,7 +229,6 @@ class AppendStoreMixin:
         }
         self._row_stmt_clear = {k: stmt.values(control=None) for k, stmt in self._row_stmt.items()}
         self._raw: dict[Any, Raw] | None = None
-        self._many_raw: dict[Any, Raw] = {}
         self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
 
     def _row_statement(self, boundary: Boundary) -> Any:
@@ -325,7 +324,7 @@ class AppendStoreMixin:
         for owned, params in by_fence.items():
             stmt = self._append_stmt[owned]
             if sane:
-                if self._many(conn, ("append", owned), stmt, params) != len(params):
+                if conn.execute(stmt, params).rowcount != len(params):
                     raise _Retry
             elif any(conn.execute(stmt, one).rowcount != 1 for one in params):
                 raise _Retry
@@ -340,30 +339,10 @@ class AppendStoreMixin:
         groups: dict[tuple[str, bool], list[Boundary]] = {}
         for boundary in writes:
             groups.setdefault(_row_kind(boundary), []).append(boundary)
-        for key, group in groups.items():
+        for group in groups.values():
             params = [self._row_params(b) for b in group]
-            if self._many(conn, key, self._row_statement(group[0]), params) != len(group):
+            if conn.execute(self._row_statement(group[0]), params).rowcount != len(group):
                 raise _Retry
-
-    def _many(
-        self, conn: Connection, key: Any, stmt: Any, params: Sequence[Mapping[str, Any]]
-    ) -> int:
-        """``conn.execute(stmt, params).rowcount`` for a batch, run as one ``executemany`` on
-        the driver's cursor in ``conn``'s transaction, the statement compiled once (``key``):
-        SQLAlchemy's processing of each parameter set costs more than running it (a bulk
-        recovery's batch is 1,000 sets). The drivers sum the rowcounts of the sets."""
-        raw = self._many_raw.get(key)
-        if raw is None:
-            raw = self._many_raw[key] = Raw.of(stmt, conn.dialect)
-        driver: Any = conn.connection.driver_connection
-        cursor = driver.cursor()
-        try:
-            cursor.executemany(raw.sql, [raw.args(one) for one in params])
-            return int(cursor.rowcount)
-        except self._dbapi_error as error:  # wrapped as SQLAlchemy would (IntegrityError …)
-            raise DBAPIError.instance(raw.sql, None, error, self._dbapi_error) from error
-        finally:
-            cursor.close()
 
     def _apply(
         self,
