@@ -26,18 +26,21 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import (
+    ARRAY,
     ColumnElement,
     Connection,
     and_,
     bindparam,
     exists,
+    func,
     insert,
     or_,
     select,
@@ -51,12 +54,13 @@ from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.entries import (
+    JOURNAL_FIELDS,
     THEN_KEY,
     ContextCache,
     Decoder,
     encode,
     event_row,
-    row_last_seq,
+    last_seq_of,
     stored_from_row,
 )
 from flowloop.store.schema import journal, runs
@@ -516,16 +520,76 @@ class AppendStoreMixin:
             out.append(s if not tail else _folded(s, tail))
         return out
 
+    def _fold_claimed(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
+        """:meth:`_fold_tails` for runs just claimed in ``conn``'s transaction (their rows
+        come from the claim's ``UPDATE … RETURNING``): the claim holds those rows until it
+        commits (PostgreSQL: their row locks; SQLite: the write lock), so each row's
+        ``last_seq`` is still the snapshot's and one join on it reads every tail — one
+        statement, cached, per ``CLAIM_TAIL_CHUNK`` runs instead of an OR-term per run."""
+        snapshots = {s.id: s.record.last_seq for s in stored if s.record.status == "running"}
+        if not snapshots:
+            return list(stored)
+        found: dict[str, list[Any]] = {}
+        ids = list(snapshots)
+        query = _claimed_tails(self._postgres)
+        for start in range(0, len(ids), CLAIM_TAIL_CHUNK):
+            chunk = ids[start : start + CLAIM_TAIL_CHUNK]
+            params = {"ids": chunk, "seqs": [snapshots[i] for i in chunk]}
+            for row in _values(conn.execute(query, params)):
+                if row[SEQ] > snapshots[row[RUN_ID]]:  # the join's seq is the snapshot's
+                    found.setdefault(row[RUN_ID], []).append(row)
+        out = []
+        for s in stored:
+            tail = found.get(s.id)
+            out.append(s if not tail else _folded(s, tail))
+        return out
+
+
+CLAIM_TAIL_CHUNK: Final = 500
+"""Claimed runs per tail query (bind parameters: well under SQLite's 999)."""
+
+
+@functools.cache
+def _claimed_tails(postgres: bool) -> Any:
+    """The journal after each given run's snapshot. PostgreSQL: the snapshots' ``(ids,
+    seqs)`` as two array parameters, unnested and joined on the journal's key (exact for
+    any snapshot; one index range per run). SQLite: ``ids`` as an expanding ``IN``, joined
+    on each row's ``last_seq`` (exact only while the caller's transaction holds those rows,
+    as a claim's does)."""
+    if postgres:
+        given = (
+            func.unnest(
+                bindparam("ids", type_=ARRAY(runs.c.id.type)),
+                bindparam("seqs", type_=ARRAY(runs.c.last_seq.type)),
+            )
+            .table_valued("id", "seq")
+            .render_derived(name="given")
+        )
+        after = and_(journal.c.run_id == given.c.id, journal.c.seq > given.c.seq)
+        return (
+            select(journal)
+            .select_from(given.join(journal, after))
+            .order_by(journal.c.run_id, journal.c.seq)
+        )
+    after = and_(runs.c.id == journal.c.run_id, journal.c.seq > runs.c.last_seq)
+    return (
+        select(journal)
+        .select_from(journal.join(runs, after))
+        .where(runs.c.id.in_(bindparam("ids", expanding=True)))
+        .order_by(journal.c.run_id, journal.c.seq)
+    )
+
 
 TAIL_CHUNK: Final = 200
 """Runs per tail query (one OR-term each: well under SQLite's expression depth of 1000)."""
 
 
 def read_tails(conn: Connection, snapshots: Mapping[str, int]) -> dict[str, list[Any]]:
-    """The journal entries after each run's snapshot: ``seq > last_seq`` of the snapshot
-    the caller holds (not of the row now). Reads are READ COMMITTED: the row may have moved
-    on since the snapshot was read; joining on its current ``last_seq`` would drop the
-    entries between the two and fold an old snapshot to an old state."""
+    """The journal entries after each run's snapshot (as :func:`_values`): ``seq >
+    last_seq`` of the snapshot the caller holds (not of the row now). Reads are READ
+    COMMITTED: the row may have moved on since the snapshot was read; joining on its
+    current ``last_seq`` would drop the entries between the two and fold an old snapshot
+    to an old state."""
     found: dict[str, list[Any]] = {}
     ids = list(snapshots)
     for start in range(0, len(ids), TAIL_CHUNK):
@@ -534,9 +598,23 @@ def read_tails(conn: Connection, snapshots: Mapping[str, int]) -> dict[str, list
             *[and_(journal.c.run_id == rid, journal.c.seq > snapshots[rid]) for rid in chunk]
         )
         query = select(journal).where(after).order_by(journal.c.run_id, journal.c.seq)
-        for row in conn.execute(query):
-            found.setdefault(row.run_id, []).append(row)
+        for row in _values(conn.execute(query)):
+            found.setdefault(row[RUN_ID], []).append(row)
     return found
+
+
+RUN_ID: Final = JOURNAL_FIELDS.index("run_id")
+SEQ: Final = JOURNAL_FIELDS.index("seq")
+KIND: Final = JOURNAL_FIELDS.index("kind")
+DATA: Final = JOURNAL_FIELDS.index("data")
+
+
+def _values(result: Any) -> Iterator[tuple[Any, ...]]:
+    """A ``select(journal)`` result's rows as tuples in :data:`JOURNAL_FIELDS` order, for
+    :meth:`Decoder.values` (a row's attributes cost more than its decoding)."""
+    if tuple(result.keys()) != JOURNAL_FIELDS:
+        raise RuntimeError(f"journal rows in an unexpected column order: {list(result.keys())}")
+    return (tuple(row) for row in result)
 
 
 def _row_kind(boundary: Boundary) -> tuple[str, bool]:
@@ -552,21 +630,25 @@ def _unique_violation(error: BaseException) -> bool:
     return getattr(error, "sqlstate", None) == "23505"
 
 
-def _folded(stored: StoredRun, tail: Sequence[Any]) -> StoredRun:
-    """``stored`` with its journal tail folded in. A tail that cannot be folded (a missing
-    seq, an unreadable or incomplete entry: any error) becomes the run's problem, naming
-    the entry, and the record's ``last_seq`` is the tail's last: the failure the executor
-    or recovery writes for it goes after the run's last entry, not onto a taken seq."""
+def _folded(stored: StoredRun, tail: Sequence[tuple[Any, ...]]) -> StoredRun:
+    """``stored`` with its journal tail (rows as :func:`_values`) folded in. A tail that
+    cannot be folded (a missing seq, an unreadable or incomplete entry: any error) becomes
+    the run's problem, naming the entry, and the record's ``last_seq`` is the tail's last:
+    the failure the executor or recovery writes for it goes after the run's last entry,
+    not onto a taken seq."""
     record = stored.record
     decoder = Decoder(record.context)
     for row in tail:
         try:
-            for event in decoder.events(row):
+            for event in decoder.values(row):
                 record = j.apply(record, event)
         except Exception as error:  # one broken entry must not make every read raise
             why = str(error) or type(error).__name__
-            problem = f"journal entry seq {row.seq} ({row.kind}) cannot be folded: {why}"
-            end = dataclasses.replace(record, last_seq=row_last_seq(tail[-1]))
+            problem = f"journal entry seq {row[SEQ]} ({row[KIND]}) cannot be folded: {why}"
+            last = tail[-1]
+            end = dataclasses.replace(
+                record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA])
+            )
             return _replace(stored, record=end, problem=problem)
     return _replace(stored, record=record)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from sqlalchemy import Connection, func, insert, select, update
@@ -218,85 +218,6 @@ def _then(event: JournalEvent) -> list[Any]:
     return [event.at, event.attempt, event.data] if event.data else [event.at, event.attempt]
 
 
-def row_last_seq(row: Any) -> int:
-    """The seq of the last entry a journal row holds (a joined start is one past it)."""
-    data = row.data
-    seq: int = row.seq
-    if row.kind != j.STEP_SUCCEEDED or not data or THEN_KEY not in data:
-        return seq
-    return seq + 1 if _readable_then(load_data(data).get(THEN_KEY)) else seq
-
-
-class Decoder:
-    """Journal rows of ONE run, in seq order, back to events (splices undone, joined
-    starts split off)."""
-
-    def __init__(self, base: str | None = None) -> None:
-        self.context = base
-
-    def events(self, row: Any) -> list[JournalEvent]:
-        """The one or two entries ``row`` holds."""
-        data = load_data(row.data)
-        then = data.get(THEN_KEY) if row.kind == j.STEP_SUCCEEDED else None
-        if then is not None and _readable_then(then):
-            del data[THEN_KEY]
-        else:  # none, or damaged: left in the data for history to show (a fold then
-            then = None  # names the seq it misses)
-        first = self._event(row, data)
-        if then is None:
-            return [first]
-        started = _new_event(
-            run_id=row.run_id,
-            seq=row.seq + 1,
-            kind=j.STEP_STARTED,
-            at=then[0],
-            state=row.next_state,
-            attempt=then[1],
-            event=None,
-            next_state=None,
-            context=None,
-            duration=None,
-            error_type=None,
-            error_message=None,
-            traceback=None,
-            retryable=None,
-            worker=row.worker,
-            data=then[2] if len(then) == 3 else {},
-        )
-        return [first, started]
-
-    def _event(self, row: Any, data: dict[str, Any]) -> JournalEvent:
-        context = row.context
-        cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
-        if cut is not None:
-            if self.context is None or not isinstance(cut, list) or len(cut) != 2:
-                raise j.FoldError(
-                    f"run {row.run_id} seq {row.seq} ({row.kind}): its context is a change "
-                    "of an earlier one that is missing (see `flowloop history`)"
-                )
-            context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
-        if context is not None:
-            self.context = context
-        return _new_event(
-            run_id=row.run_id,
-            seq=row.seq,
-            kind=row.kind,
-            at=row.at,
-            state=row.state,
-            attempt=row.attempt,
-            event=row.event,
-            next_state=row.next_state,
-            context=context,
-            duration=row.duration,
-            error_type=row.error_type,
-            error_message=row.error_message,
-            traceback=row.traceback,
-            retryable=row.retryable,
-            worker=row.worker,
-            data=data,
-        )
-
-
 def _readable_then(then: Any) -> bool:
     return (
         isinstance(then, list)
@@ -307,7 +228,110 @@ def _readable_then(then: Any) -> bool:
     )
 
 
-def _new_event(**fields: Any) -> JournalEvent:
+def last_seq_of(seq: int, kind: str, data: str | None) -> int:
+    """The seq of the last entry a journal row holds (a joined start is one past it)."""
+    if kind != j.STEP_SUCCEEDED or not data or THEN_KEY not in data:
+        return seq
+    return seq + 1 if _readable_then(load_data(data).get(THEN_KEY)) else seq
+
+
+def row_last_seq(row: Any) -> int:
+    """:func:`last_seq_of` a row (``select(journal)``)."""
+    return last_seq_of(row.seq, row.kind, row.data)
+
+
+JOURNAL_FIELDS: Final = (
+    "run_id",
+    "seq",
+    "kind",
+    "at",
+    "state",
+    "attempt",
+    "event",
+    "next_state",
+    "context",
+    "duration",
+    "error_type",
+    "error_message",
+    "traceback",
+    "retryable",
+    "worker",
+    "data",
+)
+"""The journal's columns in table order (``select(journal)``): :meth:`Decoder.values`."""
+
+
+class Decoder:
+    """Journal rows of ONE run, in seq order, back to events (splices undone, joined
+    starts split off)."""
+
+    def __init__(self, base: str | None = None) -> None:
+        self.context = base
+
+    def events(self, row: Any) -> list[JournalEvent]:
+        """The one or two entries ``row`` (a ``select(journal)`` row) holds."""
+        return self._entries({name: getattr(row, name) for name in JOURNAL_FIELDS})
+
+    def values(self, values: Sequence[Any]) -> list[JournalEvent]:
+        """:meth:`events` for a row given as its values in :data:`JOURNAL_FIELDS` order (a
+        tuple of a ``select(journal)`` row): a row's attributes cost more than the rest of
+        the decoding (each claim of interrupted runs folds every run's tail)."""
+        return self._entries(dict(zip(JOURNAL_FIELDS, values, strict=True)))
+
+    def _entries(self, fields: dict[str, Any]) -> list[JournalEvent]:
+        data = fields["data"] = load_data(fields["data"])
+        then = data.get(THEN_KEY) if fields["kind"] == j.STEP_SUCCEEDED else None
+        if then is not None and _readable_then(then):
+            del data[THEN_KEY]
+        else:  # none, or damaged: left in the data for history to show (a fold then
+            then = None  # names the seq it misses)
+        named = (fields["run_id"], fields["seq"], fields["kind"])
+        fields["context"] = self._context(fields["context"], data, named)
+        first = _new_event(fields)
+        if then is None:
+            return [first]
+        started = _new_event(
+            {
+                "run_id": fields["run_id"],
+                "seq": fields["seq"] + 1,
+                "kind": j.STEP_STARTED,
+                "at": then[0],
+                "state": fields["next_state"],
+                "attempt": then[1],
+                "event": None,
+                "next_state": None,
+                "context": None,
+                "duration": None,
+                "error_type": None,
+                "error_message": None,
+                "traceback": None,
+                "retryable": None,
+                "worker": fields["worker"],
+                "data": then[2] if len(then) == 3 else {},
+            }
+        )
+        return [first, started]
+
+    def _context(
+        self, context: str | None, data: dict[str, Any], named: tuple[str, int, str]
+    ) -> str | None:
+        """The entry's whole context (its splice undone, ``data`` rid of the splice's key);
+        ``named`` (its ``(run_id, seq, kind)``) names the entry in an error."""
+        cut = data.pop(SPLICE_KEY, None) if SPLICE_KEY in data else None
+        if cut is not None:
+            if self.context is None or not isinstance(cut, list) or len(cut) != 2:
+                run_id, seq, kind = named
+                raise j.FoldError(
+                    f"run {run_id} seq {seq} ({kind}): its context is a change "
+                    "of an earlier one that is missing (see `flowloop history`)"
+                )
+            context = unsplice(self.context, int(cut[0]), int(cut[1]), context or "")
+        if context is not None:
+            self.context = context
+        return context
+
+
+def _new_event(fields: dict[str, Any]) -> JournalEvent:
     # A frozen dataclass without __post_init__, filled field by field: its generated
     # __init__ costs more than the rest of this (live runs' tails are read by claims).
     event = object.__new__(JournalEvent)
@@ -334,39 +358,47 @@ def _visits(text: str) -> tuple[dict[str, int], str | None]:
 
 
 def stored_from_row(row: Any) -> StoredRun:
-    """A run row (``select(runs)``) as a :class:`StoredRun` (a running run: its snapshot)."""
-    visits, problem = _visits(row.visits)
-    record = RunRecord(
-        id=row.id,
-        workflow=row.workflow,
-        version=row.version,
-        fingerprint=row.fingerprint,
-        key=row.key,
-        status=row.status,
-        state=row.state,
-        context=row.context,
-        context_version=row.context_version,
-        attempt=row.attempt,
+    """A run row (``select(runs)``) as a :class:`StoredRun` (a running run: its snapshot).
+
+    Read through the row's mapping and filled field by field (frozen dataclasses without
+    ``__post_init__``, every field given): a Row's attributes and the generated
+    ``__init__``s cost more than the rest (a claim of 500 interrupted runs reads 500)."""
+    m = row._mapping
+    visits, problem = _visits(m["visits"])
+    record = object.__new__(RunRecord)
+    record.__dict__.update(
+        id=m["id"],
+        workflow=m["workflow"],
+        version=m["version"],
+        fingerprint=m["fingerprint"],
+        key=m["key"],
+        status=m["status"],
+        state=m["state"],
+        context=m["context"],
+        attempt=m["attempt"],
         visits=visits,
-        next_run_at=row.next_run_at,
-        last_seq=row.last_seq,
-        reason=row.reason,
-        error=row.error,
-        deadline=row.deadline_at,
-        join=row.join_id,
+        next_run_at=m["next_run_at"],
+        last_seq=m["last_seq"],
+        reason=m["reason"],
+        error=m["error"],
+        context_version=m["context_version"],
+        deadline=m["deadline_at"],
+        join=m["join_id"],
     )
-    return StoredRun(
+    stored = object.__new__(StoredRun)
+    stored.__dict__.update(
         record=record,
-        idempotency_key=row.idempotency_key,
-        priority=row.priority,
-        owner=row.owner,
-        lease_expires_at=row.lease_expires_at,
-        lease_epoch=row.lease_epoch,
-        control=row.control,
-        created_at=row.created_at,
-        updated_at=row.updated_at,
+        idempotency_key=m["idempotency_key"],
+        priority=m["priority"],
+        owner=m["owner"],
+        lease_expires_at=m["lease_expires_at"],
+        lease_epoch=m["lease_epoch"],
+        control=m["control"],
+        created_at=m["created_at"],
+        updated_at=m["updated_at"],
         problem=problem,
     )
+    return stored
 
 
 def materialize_previous_layout(conn: Connection) -> None:

@@ -452,7 +452,7 @@ class SQLStore(
             params["p_limit"] = limit - len(found)
             if (workflows is None or workflows) and params["p_limit"] > 0:
                 found.extend(conn.execute(stmt, params))
-            rows = self._fold_tails(conn, [_stored_from_row(row) for row in found])
+            rows = self._fold_claimed(conn, [_stored_from_row(row) for row in found])
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
         for stored in rows:  # the claimer's next entry splices against this context
             self._contexts.note(stored.id, stored.record.last_seq, stored.record.context)

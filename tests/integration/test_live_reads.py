@@ -174,3 +174,85 @@ def test_workers__a_busy_worker_shows_its_latest_entry_not_its_claim(store_url: 
         assert [(o["owner"], o["runs"], o["last_write"]) for o in owners] == [("a", 1, later)]
     finally:
         store.close()
+
+
+def _going_on(store: SQLStore, seen: StoredRun, steps: int, blob: int) -> StoredRun:
+    """``seen`` (running, owner a) goes on ``steps`` more boundaries of outcome + next start,
+    each changing a little of a ``blob``-character context (spliced when that saves)."""
+    record = seen.record
+    for i in range(steps):
+        context = '{"blob":"' + "x" * blob + '","i":' + str(i) + "}"
+        done = event(record, j.STEP_SUCCEEDED, state=record.state, attempt=1, event="next")
+        done = dataclasses.replace(done, next_state=f"s{i}", context=context)
+        again = event(record, j.STEP_STARTED, 2, state=f"s{i}", attempt=1)
+        ahead = j.apply(j.apply(record, done), again)
+        assert store.write([Boundary(events=[done, again], record=ahead, fence=_fence(seen))])
+        record = ahead
+    got = store.get_run(seen.id)
+    assert got is not None and got.record == record
+    return got
+
+
+@pytest.mark.parametrize("chunk", [2, 500])
+def test_claim_interrupted__folds_each_claimed_runs_own_tail(
+    store_url: str, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs left running with tails of different lengths (none, two entries, many with
+    spliced contexts) and snapshots at different seqs: the claim of their dead worker's runs
+    returns each as of its own latest entry, in one query per ``CLAIM_TAIL_CHUNK`` runs, the
+    epoch moved on; the new owner's next entry goes after it."""
+    from flowloop.store import appends
+
+    monkeypatch.setattr(appends, "CLAIM_TAIL_CHUNK", chunk)
+    store, other = SQLStore(store_url), SQLStore(store_url)
+    try:
+        short = _running_at_4(store)  # snapshot seq 2, tail to seq 4
+        long = _going_on(store, _running_at_4(store), 40, 3000)  # tail 4 .. 84
+        small = _going_on(store, _running_at_4(store), 3, 10)
+        none = start_step(
+            store.claim(  # snapshot is its latest entry (seq 2): no tail
+                worker="a",
+                now=time.time(),
+                limit=1,
+                lease_seconds=30,
+                run_ids=[store.create_run(new_run())[0].id],
+            )[0],
+            "a",
+        )
+        assert store.write([none]) == [True]
+        with store.engine.begin() as conn:
+            spliced = conn.execute(
+                sa.select(sa.func.count()).where(
+                    journal.c.run_id == long.id, journal.c.data.like('%"~ctx"%')
+                )
+            ).scalar_one()
+        assert spliced > 20  # the long tail's contexts travel as splices
+        before = {s.id: s for s in (short, long, small)}
+        before[none.run_id] = store.get_run(none.run_id)  # type: ignore[assignment]
+        assert other.expire_leases(["a"]) == 4
+        reads: list[str] = []
+
+        @sa.event.listens_for(other.engine, "before_cursor_execute")
+        def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            text = statement.lower()
+            if text.lstrip().startswith("select") and "flowloop_journal" in text:
+                reads.append(statement)
+
+        claimed = other.claim_interrupted(worker="b", limit=10, lease_seconds=30)
+        sa.event.remove(other.engine, "before_cursor_execute", count)
+        assert len(reads) == -(-4 // chunk)
+        assert sorted(c.id for c in claimed) == sorted(before)
+        for c in claimed:
+            assert c.problem is None
+            assert c.record == before[c.id].record, c.id
+            assert (c.owner, c.lease_epoch) == ("b", before[c.id].lease_epoch + 1)
+        assert before[long.id].record.last_seq == 84
+        # The claimer's write goes after the tail's end, under the new epoch only.
+        taken = next(c for c in claimed if c.id == long.id)
+        assert store.write([succeed_step(taken.record, _fence(taken))]) == [False]
+        assert other.write([succeed_step(taken.record, Fence("b", taken.lease_epoch))]) == [True]
+        after = other.get_run(long.id)
+        assert after is not None and after.record.last_seq == 85
+    finally:
+        store.close()
+        other.close()

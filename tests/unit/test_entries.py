@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from flowloop import journal as j
-from flowloop.journal import JournalEvent
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store.base import StoredRun
 from flowloop.store.entries import (
+    JOURNAL_FIELDS,
     SNAPSHOT_EVERY,
     SPLICE_KEY,
     SPLICE_MIN,
     ContextCache,
+    Decoder,
     context_after,
     decode,
     encode,
     splice,
+    stored_from_row,
     unsplice,
 )
+from flowloop.store.schema import journal, metadata, runs
 
 
 def _edit(rand: random.Random, text: str) -> str:
@@ -111,3 +118,108 @@ def test_decode__a_splice_without_its_base_is_a_fold_error() -> None:
     rows = [SimpleNamespace(**r) for r in encode(events, ContextCache())]
     with pytest.raises(j.FoldError, match="seq 2"):
         decode(rows[1:])
+
+
+def test_decoder_values__rows_by_position_decode_as_rows_by_name() -> None:
+    """Decoder.values (a select(journal) row's values, as the tail folds read them) gives
+    the events Decoder.events gives; a splice without its base names the entry either way."""
+    assert tuple(column.name for column in journal.columns) == JOURNAL_FIELDS
+    rand = random.Random(3)
+    context = json.dumps({"n": 0, "blob": "z" * 2000})
+    events = [JournalEvent(run_id="r", seq=1, kind=j.RUN_CREATED, at=1.5, context=context)]
+    for seq in range(2, 12):
+        context = _edit(rand, context)
+        events.append(
+            JournalEvent(
+                run_id="r",
+                seq=seq,
+                kind=j.STEP_SUCCEEDED,
+                at=seq + 0.25,
+                context=context,
+                retryable=seq % 2 == 0,
+                data={"k": seq},
+            )
+        )
+    rows = encode(events, ContextCache())
+    assert any(SPLICE_KEY in (r["data"] or "") for r in rows)
+    by_position = Decoder()
+    values = [tuple(r[f] for f in JOURNAL_FIELDS) for r in rows]
+    assert [e for v in values for e in by_position.values(v)] == events
+    assert decode(SimpleNamespace(**r) for r in rows) == events
+    with pytest.raises(j.FoldError, match="run r seq 3 "):
+        Decoder().values(tuple(rows[2][f] for f in JOURNAL_FIELDS))
+
+
+def test_stored_from_row__every_field_of_a_real_row() -> None:
+    """A run row read back (SQLite) becomes the StoredRun its constructors would make:
+    every field of both dataclasses filled, a corrupt visits column a problem."""
+    engine = sa.create_engine("sqlite://")
+    metadata.create_all(engine, tables=[runs])
+    row = {
+        "id": "r1",
+        "workflow": "w",
+        "version": 2,
+        "fingerprint": "f",
+        "key": "k",
+        "idempotency_key": "i",
+        "status": "running",
+        "state": "s1",
+        "context": "{}",
+        "context_version": 3,
+        "attempt": 4,
+        "visits": '{"s0":1,"s1":2}',
+        "next_run_at": 5.5,
+        "last_seq": 6,
+        "reason": "why",
+        "error": "E: x",
+        "priority": 7,
+        "owner": "o",
+        "lease_expires_at": 8.5,
+        "lease_epoch": 9,
+        "control": "pause",
+        "created_at": 1.25,
+        "updated_at": 2.25,
+        "deadline_at": 10.5,
+        "join_id": "jn",
+    }
+    with engine.begin() as conn:
+        conn.execute(
+            sa.insert(runs),
+            [row, {**row, "id": "r2", "key": None, "idempotency_key": None, "visits": "[1]"}],
+        )
+        found = conn.execute(sa.select(runs).order_by(runs.c.id)).all()
+    record = RunRecord(
+        id="r1",
+        workflow="w",
+        version=2,
+        fingerprint="f",
+        key="k",
+        status="running",
+        state="s1",
+        context="{}",
+        attempt=4,
+        visits={"s0": 1, "s1": 2},
+        next_run_at=5.5,
+        last_seq=6,
+        reason="why",
+        error="E: x",
+        context_version=3,
+        deadline=10.5,
+        join="jn",
+    )
+    expected = StoredRun(
+        record=record,
+        idempotency_key="i",
+        priority=7,
+        owner="o",
+        lease_expires_at=8.5,
+        lease_epoch=9,
+        control="pause",
+        created_at=1.25,
+        updated_at=2.25,
+    )
+    first, second = (stored_from_row(r) for r in found)
+    assert first == expected
+    for value in (first, first.record):
+        assert set(vars(value)) == {f.name for f in dataclasses.fields(value)}
+    assert second.record.visits == {} and second.problem == "stored visits are not a JSON object"
