@@ -124,8 +124,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # of `flowloop status` (issue 13). Frozen at exit, they are skipped; every atexit
     # handler (logging's, a tracer's flush) still runs, and nothing else changes: the
     # commands close their stores themselves.
-    atexit.unregister(gc.freeze)
-    atexit.register(gc.freeze)
+    if argv is None:  # run as the program: a caller's own process is left as it is
+        atexit.unregister(gc.freeze)
+        atexit.register(gc.freeze)
     try:
         cli.main(
             args=list(argv) if argv is not None else None,

@@ -198,7 +198,13 @@ class AppendStoreMixin:
             select(later.c.seq).where(
                 later.c.run_id == run_id,
                 later.c.seq >= seq - 1,
-                or_(later.c.seq >= seq, later.c.data.like(f'%"{THEN_KEY}"%')),
+                or_(
+                    later.c.seq >= seq,
+                    and_(
+                        later.c.kind == j.STEP_SUCCEEDED,
+                        later.c.data.like(f'%"{THEN_KEY}":%'),
+                    ),
+                ),
             )
         )
 

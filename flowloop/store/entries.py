@@ -232,7 +232,7 @@ def last_seq_of(seq: int, kind: str, data: str | None) -> int:
     """The seq of the last entry a journal row holds (a joined start is one past it)."""
     if kind != j.STEP_SUCCEEDED or not data or THEN_KEY not in data:
         return seq
-    return seq + 1 if _readable_then(load_data(data).get(THEN_KEY)) else seq
+    return seq + 1 if THEN_KEY in load_data(data) else seq
 
 
 def row_last_seq(row: Any) -> int:
@@ -265,8 +265,10 @@ class Decoder:
     """Journal rows of ONE run, in seq order, back to events (splices undone, joined
     starts split off)."""
 
-    def __init__(self, base: str | None = None) -> None:
+    def __init__(self, base: str | None = None, *, strict: bool = True) -> None:
         self.context = base
+        self.strict = strict
+        """False (showing a journal): a damaged joined start stays in its row's data."""
 
     def events(self, row: Any) -> list[JournalEvent]:
         """The one or two entries ``row`` (a ``select(journal)`` row) holds."""
@@ -280,12 +282,19 @@ class Decoder:
 
     def _entries(self, fields: dict[str, Any]) -> list[JournalEvent]:
         data = fields["data"] = load_data(fields["data"])
-        then = data.get(THEN_KEY) if fields["kind"] == j.STEP_SUCCEEDED else None
-        if then is not None and _readable_then(then):
-            del data[THEN_KEY]
-        else:  # none, or damaged: left in the data for history to show (a fold then
-            then = None  # names the seq it misses)
         named = (fields["run_id"], fields["seq"], fields["kind"])
+        then = data.pop(THEN_KEY, None) if fields["kind"] == j.STEP_SUCCEEDED else None
+        if then is not None and not _readable_then(then):
+            if not self.strict:  # shown as it is: the fold names what is missing
+                data[THEN_KEY], then = then, None
+            else:
+                # The row holds two seqs (the append's probe says so): a fold that went on
+                # from the first would write onto the second. The run fails (invalid_row).
+                run_id, seq, kind = named
+                raise j.FoldError(
+                    f"run {run_id} seq {seq} ({kind}): its joined step start ({THEN_KEY}) "
+                    "is unreadable"
+                )
         fields["context"] = self._context(fields["context"], data, named)
         first = _new_event(fields)
         if then is None:
@@ -339,9 +348,11 @@ def _new_event(fields: dict[str, Any]) -> JournalEvent:
     return event
 
 
-def decode(rows: Iterable[Any], base: str | None = None) -> list[JournalEvent]:
+def decode(
+    rows: Iterable[Any], base: str | None = None, *, strict: bool = True
+) -> list[JournalEvent]:
     """Rows of one run in seq order (from seq 1, or after a snapshot ``base``)."""
-    decoder = Decoder(base)
+    decoder = Decoder(base, strict=strict)
     return [event for row in rows for event in decoder.events(row)]
 
 

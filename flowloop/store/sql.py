@@ -312,7 +312,7 @@ class SQLStore(
         if until_seq is not None:
             query = query.where(journal.c.seq <= until_seq)
         with self._read() as conn:
-            events = decode(conn.execute(query.order_by(journal.c.seq)))
+            events = decode(conn.execute(query.order_by(journal.c.seq)), strict=False)
         if until_seq is not None and events and events[-1].seq > until_seq:
             events.pop()  # a joined step start one past the asked seq
         return events

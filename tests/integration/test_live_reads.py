@@ -109,7 +109,7 @@ def _w() -> Workflow:
     return wf
 
 
-@pytest.mark.parametrize("damage", ["null_context", "unknown_kind"])
+@pytest.mark.parametrize("damage", ["null_context", "unknown_kind", "damaged_then"])
 def test_recovery__a_tail_that_cannot_be_folded_fails_the_run_once(
     store_url: str, damage: str
 ) -> None:
@@ -121,13 +121,15 @@ def test_recovery__a_tail_that_cannot_be_folded_fails_the_run_once(
         broken = {
             "run_id": created.id,
             "seq": 3,
-            "kind": j.STEP_SUCCEEDED if damage == "null_context" else "no_such_kind",
+            "kind": "no_such_kind" if damage == "unknown_kind" else j.STEP_SUCCEEDED,
             "at": time.time(),
             "state": "a",
             "attempt": 1,
             "event": "next",
             "next_state": "done",
-            "context": None,
+            "context": '{"n":1}' if damage == "damaged_then" else None,
+            # A row that says it holds the next start too (seq 4), unreadably.
+            "data": '{"~then":"garbage"}' if damage == "damaged_then" else None,
         }
         with store.engine.begin() as conn:
             conn.execute(sa.insert(journal).values(**broken))
@@ -141,7 +143,9 @@ def test_recovery__a_tail_that_cannot_be_folded_fails_the_run_once(
         run = engine.get(created.id)
         assert (run.status, run.reason) == ("failed", "invalid_row")
         assert run.error is not None and "seq 3" in run.error
-        assert run.last_seq == 4
+        # The failure goes after the row's last seq (a damaged joined row holds two).
+        end = 5 if damage == "damaged_then" else 4
+        assert run.last_seq == end
         engine.run_until_idle()  # never retried in a loop
         with engine.store.engine.connect() as conn:  # type: ignore[attr-defined]
             kinds = conn.execute(
@@ -149,7 +153,10 @@ def test_recovery__a_tail_that_cannot_be_folded_fails_the_run_once(
             ).scalars()
             assert list(kinds).count(j.RUN_FAILED) == 1
             row = conn.execute(sa.select(runs).where(runs.c.id == created.id)).one()
-            assert (row.status, row.owner, row.last_seq) == ("failed", None, 4)
+            assert (row.status, row.owner, row.last_seq) == ("failed", None, end)
+        if damage == "damaged_then":  # the journal is still shown, the damage in it
+            shown = engine.history(created.id)
+            assert shown[2].data == {"~then": "garbage"}
     finally:
         engine.close()
 
