@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 import sqlalchemy as sa
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
@@ -111,13 +112,20 @@ def test_renewals_from_the_thread_keep_a_run_while_the_writer_is_held(store_url:
         assert isinstance(store, SQLStore)
         run_id = engine.start(wf, Ctx()).id
         before = time.monotonic()
-        (claimed,) = store.claim(
-            worker="guard-test",
-            now=store.db_now(),
-            limit=1,
-            lease_seconds=lease,
-            workflows=["guarded"],
-            run_ids=[run_id],
+        # Due at its creation by this process's clock; the database's clock (SQLite's
+        # julianday: milliseconds) may read a hair earlier: claim once it says it is due.
+        (claimed,) = poll(
+            lambda: store.claim(
+                worker="guard-test",
+                now=store.db_now(),
+                limit=1,
+                lease_seconds=lease,
+                workflows=["guarded"],
+                run_ids=[run_id],
+            ),
+            timeout=10,
+            what="the new run to be due by the database's clock",
+            every=0.005,
         )
         lost: list[str] = []
         release = threading.Event()
