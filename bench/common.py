@@ -450,10 +450,20 @@ class WireCounter:
                 elif side == "F" and message == "Execute":
                     classify(bound)
             return counted
-        commits = sum(1 for s in self.sqlite_statements if s.upper().startswith(("COMMIT", "END")))
-        statements = sum(
-            1 for s in self.sqlite_statements if not s.upper().startswith((*_TXN, "PRAGMA"))
-        )
+        commits = statements = 0
+        inside = False
+        for text in self.sqlite_statements:
+            sql = text.lstrip().upper()
+            if sql.startswith("BEGIN"):
+                inside = True
+            elif sql.startswith(("COMMIT", "END", "ROLLBACK")):
+                commits += not sql.startswith("ROLLBACK")
+                inside = False
+            elif not sql.startswith((*_TXN, "PRAGMA")):
+                statements += 1
+                # A write outside BEGIN ... COMMIT (autocommit: flowloop's usual boundary
+                # is one INSERT) is a commit of its own; a read alone commits nothing.
+                commits += not inside and sql.startswith(("INSERT", "UPDATE", "DELETE"))
         return {"commits": commits, "statements": statements}
 
     def per(self, units: int) -> dict[str, float]:

@@ -115,59 +115,6 @@ def test_append__a_running_boundary_leaves_the_row_alone(store_url: str) -> None
         store.close()
 
 
-def test_append__a_joined_start_holds_its_seq(store_url: str) -> None:
-    """A row holding a step's success and the next start holds both seqs: an append that
-    follows the success alone (a writer one entry behind) is refused, not put after it."""
-    store = SQLStore(store_url)
-    try:
-        created, _ = store.create_run(new_run())
-        claimed = store.claim(
-            worker="a", now=time.time(), limit=1, lease_seconds=30, run_ids=[created.id]
-        )[0]
-        first = start_step(claimed, "a")
-        assert store.write([first]) == [True]
-        done = j.JournalEvent(
-            run_id=created.id,
-            seq=3,
-            kind=j.STEP_SUCCEEDED,
-            at=time.time(),
-            state="a",
-            event="next",
-            next_state="b",
-            context='{"n":1}',
-            worker="a",
-        )
-        again = j.JournalEvent(
-            run_id=created.id,
-            seq=4,
-            kind=j.STEP_STARTED,
-            at=time.time(),
-            state="b",
-            attempt=1,
-            worker="a",
-        )
-        after_done = j.apply(first.record, done)
-        joined = type(first)(
-            events=[done, again], record=j.apply(after_done, again), fence=first.fence
-        )
-        assert store.write([joined]) == [True]
-        assert len(_journal_rows(store, created.id)) == 3  # created, started, joined
-        behind = j.JournalEvent(
-            run_id=created.id,
-            seq=4,
-            kind=j.STEP_STARTED,
-            at=time.time(),
-            state="b",
-            attempt=1,
-            worker="a",
-        )
-        stale = type(first)(events=[behind], record=j.apply(after_done, behind), fence=first.fence)
-        assert store.write([stale]) == [False]
-        assert [e.seq for e in store.journal(created.id)] == [1, 2, 3, 4]
-    finally:
-        store.close()
-
-
 def test_append__refused_once_the_lease_ended(store_url: str) -> None:
     """The fence of an append is in the statement: an expired lease writes nothing."""
     store = SQLStore(store_url)
