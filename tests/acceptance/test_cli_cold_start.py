@@ -123,23 +123,35 @@ def test_cold_start__reading_commands_load_no_alembic(
     assert "alembic" in loaded_after(code, tmp_path, NOT_FOR_READING)
 
 
+def _frozen_at_exit(code: str, cwd: Path) -> int:
+    probe = (
+        "import atexit, gc, sys\n"
+        "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n" + code
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return int(result.stderr.split("frozen ")[1].split()[0])
+
+
 def test_cold_start__the_objects_loaded_are_frozen_at_exit(
     database: tuple[str, str], tmp_path: Path
 ) -> None:
-    """The interpreter's last collection need not walk what the imports made: main()
-    freezes it at exit (an atexit handler registered before main() runs after its own)."""
+    """The interpreter's last collection need not walk what the imports made: main(), run
+    as the program (argv from the command line), freezes it at exit (an atexit handler
+    registered before main() runs after its own); called with arguments from another
+    program, it leaves that process's collector as it is."""
     url, run_id = database
-    code = (
-        "import atexit, gc, sys\n"
-        "atexit.register(lambda: print('frozen', gc.get_freeze_count(), file=sys.stderr))\n"
-        f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    as_program = (
+        f"sys.argv = ['flowloop', 'status', '--db', {url!r}]\n"
+        "from flowloop.cli import main\n"
+        "main()\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    frozen = int(result.stderr.split("frozen ")[1].split()[0])
+    frozen = _frozen_at_exit(as_program, tmp_path)
     assert frozen > 10_000  # SQLAlchemy, pydantic and rich make some 100,000 objects
+    called = f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    assert _frozen_at_exit(called, tmp_path) == 0
 
 
 def collecting_at_exit(code: str, cwd: Path) -> bool:
