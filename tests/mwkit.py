@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
+import itertools
 import os
 import signal
 import socket
@@ -45,8 +45,11 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from polling import poll
+from sqlalchemy import select
 
-from flowloop.store.entries import THEN_KEY
+from flowloop.journal import JournalEvent
+from flowloop.store.entries import decode
+from flowloop.store.schema import journal
 
 ROOT = Path(__file__).resolve().parent.parent
 STATES = [f"s{i}" for i in range(10)]
@@ -381,53 +384,14 @@ def all_finished(url: str, total: int) -> bool:
     return sum(counts[s] for s in ("succeeded", "failed", "stopped")) >= total
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One journal entry as the tests read it (a row holding a joined step start is two)."""
-
-    run_id: str
-    seq: int
-    kind: str
-    at: float
-    state: str | None
-    attempt: int
-    worker: str | None
-    data: str | None
-
-
-def journal_rows(url: str) -> list[Entry]:
-    """Every journal entry, by run and seq: rows read raw, each ``step_succeeded`` row
-    that holds the next step's start (``data["~then"]``) split in two, as the store does."""
+def journal_rows(url: str) -> list[JournalEvent]:
+    """Every journal entry, by run and seq, read with the store's own decoder (a row that
+    holds a step's success and the next start is two entries, as for every reader)."""
     with db(url) as engine, engine.connect() as conn:
-        rows = conn.execute(
-            sa.text(
-                "SELECT run_id, seq, kind, at, state, attempt, worker, data, next_state"
-                " FROM flowloop_journal"
-                " ORDER BY run_id, seq"
-            )
-        ).all()
-    entries = []
-    for row in rows:
-        data = json.loads(row.data) if row.data and THEN_KEY in row.data else None
-        then = data.pop(THEN_KEY, None) if data is not None else None
-        if then is None:
-            entries.append(Entry(*row[:8]))
-            continue
-        kept = json.dumps(data, sort_keys=True, separators=(",", ":")) if data else None
-        entries.append(Entry(*row[:7], kept))
-        started = json.dumps(then[2]) if len(then) == 3 else None
-        entries.append(
-            Entry(
-                row.run_id,
-                row.seq + 1,
-                "step_started",
-                then[0],
-                row.next_state,
-                then[1],
-                row.worker,
-                started,
-            )
-        )
+        rows = conn.execute(select(journal).order_by(journal.c.run_id, journal.c.seq)).all()
+    entries: list[JournalEvent] = []
+    for _, of_run in itertools.groupby(rows, key=lambda row: row.run_id):
+        entries += decode(of_run, strict=False)
     return entries
 
 

@@ -75,7 +75,6 @@ RUNNING_FROM: Final = frozenset(
     }
 )
 """Kinds that only follow a running step: a boundary opening with one was running before."""
-EVENT_COLUMNS: Final = tuple(column.name for column in journal.columns)
 RECORD_COLUMNS: Final = (
     "status",
     "state",
@@ -206,7 +205,7 @@ class AppendStoreMixin:
         self._append_stmt = {
             owned: insert(journal)
             .from_select(
-                list(EVENT_COLUMNS),
+                list(JOURNAL_FIELDS),
                 select(*values)
                 .select_from(runs)
                 .where(self._fence(owned), self._at_end(bindparam("run_id"), bindparam("seq")))
@@ -470,7 +469,7 @@ class AppendStoreMixin:
             for i in range(entries)
         ]
         rows = selects[0] if len(selects) == 1 else union_all(*selects)
-        stmt = insert(journal).from_select(list(EVENT_COLUMNS), rows).add_cte(gate)
+        stmt = insert(journal).from_select(list(JOURNAL_FIELDS), rows).add_cte(gate)
         found = self._pg_cache[key] = Raw.of(stmt, self._dialect_obj())
         return found
 

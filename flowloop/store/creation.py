@@ -29,9 +29,9 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from flowloop.store import dialect
-from flowloop.store.appends import EVENT_COLUMNS, Raw, record_columns
+from flowloop.store.appends import Raw, record_columns
 from flowloop.store.base import NewRun, StoredRun
-from flowloop.store.entries import ContextCache, event_row
+from flowloop.store.entries import JOURNAL_FIELDS, ContextCache, event_row
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.schema import journal, runs
 
@@ -156,7 +156,7 @@ class CreationStoreMixin:
                 sqlite_dialect,
             ),
         }
-        self._raw_event = Raw.of(insert(journal), sqlite_dialect, list(EVENT_COLUMNS))
+        self._raw_event = Raw.of(insert(journal), sqlite_dialect, list(JOURNAL_FIELDS))
         self._dbapi_integrity: type[Exception] = sqlite_dialect.loaded_dbapi.IntegrityError
 
     def _create_one_sqlite(self, new: NewRun) -> tuple[StoredRun, bool] | None:
@@ -209,7 +209,7 @@ class CreationStoreMixin:
         rows = selects[0] if events == 1 else union_all(*selects)
         logged = (
             insert(journal)
-            .from_select(list(EVENT_COLUMNS), rows)
+            .from_select(list(JOURNAL_FIELDS), rows)
             .returning(journal.c.seq)
             .cte("logged")
         )

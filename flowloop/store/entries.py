@@ -24,6 +24,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.store.base import StoredRun
+from flowloop.store.schema import journal, runs
 
 SPLICE_KEY: Final = "~ctx"
 """The ``data`` key of an entry whose ``context`` column is a splice: ``[prefix, suffix]``
@@ -235,29 +236,7 @@ def last_seq_of(seq: int, kind: str, data: str | None) -> int:
     return seq + 1 if THEN_KEY in load_data(data) else seq
 
 
-def row_last_seq(row: Any) -> int:
-    """:func:`last_seq_of` a row (``select(journal)``)."""
-    return last_seq_of(row.seq, row.kind, row.data)
-
-
-JOURNAL_FIELDS: Final = (
-    "run_id",
-    "seq",
-    "kind",
-    "at",
-    "state",
-    "attempt",
-    "event",
-    "next_state",
-    "context",
-    "duration",
-    "error_type",
-    "error_message",
-    "traceback",
-    "retryable",
-    "worker",
-    "data",
-)
+JOURNAL_FIELDS: Final = tuple(column.name for column in journal.columns)
 """The journal's columns in table order (``select(journal)``): :meth:`Decoder.values`."""
 
 
@@ -299,27 +278,7 @@ class Decoder:
         first = _new_event(fields)
         if then is None:
             return [first]
-        started = _new_event(
-            {
-                "run_id": fields["run_id"],
-                "seq": fields["seq"] + 1,
-                "kind": j.STEP_STARTED,
-                "at": then[0],
-                "state": fields["next_state"],
-                "attempt": then[1],
-                "event": None,
-                "next_state": None,
-                "context": None,
-                "duration": None,
-                "error_type": None,
-                "error_message": None,
-                "traceback": None,
-                "retryable": None,
-                "worker": fields["worker"],
-                "data": then[2] if len(then) == 3 else {},
-            }
-        )
-        return [first, started]
+        return [first, _new_event(_started(fields, then))]
 
     def _context(
         self, context: str | None, data: dict[str, Any], named: tuple[str, int, str]
@@ -338,6 +297,29 @@ class Decoder:
         if context is not None:
             self.context = context
         return context
+
+
+def _started(row: Mapping[str, Any], then: list[Any]) -> dict[str, Any]:
+    """The fields of the ``step_started`` a row (its columns by name) holds as ``then``
+    (its readable ``data[THEN_KEY]``); ``data`` a dict."""
+    return {
+        "run_id": row["run_id"],
+        "seq": row["seq"] + 1,
+        "kind": j.STEP_STARTED,
+        "at": then[0],
+        "state": row["next_state"],
+        "attempt": then[1],
+        "event": None,
+        "next_state": None,
+        "context": None,
+        "duration": None,
+        "error_type": None,
+        "error_message": None,
+        "traceback": None,
+        "retryable": None,
+        "worker": row["worker"],
+        "data": then[2] if len(then) == 3 else {},
+    }
 
 
 def _new_event(fields: dict[str, Any]) -> JournalEvent:
@@ -415,8 +397,6 @@ def stored_from_row(row: Any) -> StoredRun:
 def materialize_previous_layout(conn: Connection) -> None:
     """Migration 0012's downgrade: every running run's row brought up to its latest entry,
     every spliced context written out whole (what the previous layout promises)."""
-    from flowloop.store.schema import journal, runs
-
     latest = (
         select(journal.c.run_id, func.max(journal.c.seq).label("seq"))
         .group_by(journal.c.run_id)
@@ -476,8 +456,6 @@ def materialize_previous_layout(conn: Connection) -> None:
 def split_joined_rows(conn: Connection, *, batch: int = 1000) -> None:
     """Migration 0013's downgrade: every row holding a joined step start becomes two rows
     again (the previous layouts read one entry per row), ``batch`` rows at a time."""
-    from flowloop.store.schema import journal
-
     marker = f'%"{THEN_KEY}"%'
     done: set[tuple[str, int]] = set()  # rows whose data only looks joined (left as is)
     while True:
@@ -501,15 +479,6 @@ def split_joined_rows(conn: Connection, *, batch: int = 1000) -> None:
                 .where(journal.c.run_id == row.run_id, journal.c.seq == row.seq)
                 .values(data=_dumps(data) if data else None)
             )
-            conn.execute(
-                insert(journal).values(
-                    run_id=row.run_id,
-                    seq=row.seq + 1,
-                    kind=j.STEP_STARTED,
-                    at=then[0],
-                    state=row.next_state,
-                    attempt=then[1],
-                    worker=row.worker,
-                    data=_dumps(then[2]) if len(then) == 3 and then[2] else None,
-                )
-            )
+            started = _started(dict(row._mapping), then)
+            started["data"] = _dumps(started["data"]) if started["data"] else None
+            conn.execute(insert(journal).values(**started))

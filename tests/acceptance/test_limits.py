@@ -142,7 +142,7 @@ def test_limits__rate_limit_of_20_per_second_holds_across_workers_and_is_reached
         ).scalar_one()
         grants = conn.execute(sa.text("SELECT grants FROM flowloop_rate_limits")).scalar_one()
     granted = sorted(  # entries as the store splits rows (a start may share a row)
-        json.loads(entry.data)["granted_at"]
+        entry.data["granted_at"]
         for entry in mwkit.journal_rows(store_url)
         if entry.kind == "step_started" and entry.data
     )
