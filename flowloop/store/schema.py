@@ -93,7 +93,17 @@ Index(
     sqlite_where=text("join_id IS NOT NULL"),
     postgresql_where=text("join_id IS NOT NULL"),
 )
-Index("ix_flowloop_runs_due", runs.c.status, runs.c.priority, runs.c.next_run_at)
+# Claims read runs that are due (every claim says `next_run_at <= now`, which implies NOT
+# NULL): a running or finished run has no due time, so it has no entry here — a run's
+# creation and its end write one B-tree fewer each (migration 0014).
+Index(
+    "ix_flowloop_runs_due",
+    runs.c.status,
+    runs.c.priority,
+    runs.c.next_run_at,
+    sqlite_where=text("next_run_at IS NOT NULL"),
+    postgresql_where=text("next_run_at IS NOT NULL"),
+)
 Index(
     "ix_flowloop_runs_owner",
     runs.c.owner,

@@ -400,7 +400,7 @@ def test_migration__a_database_written_by_the_previous_code_resumes(tmp_path: Pa
         check=False,
     )
     assert upgraded.returncode == 0, upgraded.stderr
-    assert "0011 to 0013" in upgraded.stdout
+    assert "0011 to 0014" in upgraded.stdout
     with Engine(url, workflows=[old_layout_flow()]) as engine:
         store = engine.store
         assert isinstance(store, SQLStore)
@@ -413,3 +413,46 @@ def test_migration__a_database_written_by_the_previous_code_resumes(tmp_path: Pa
             assert stored is not None
             assert (info.status, json.loads(stored.record.context)["n"]) == ("succeeded", 5)
             assert engine.replay(info.id).differences == []
+
+
+# -- migration 0014: the due index leaves out runs with no due time --------------------------
+
+
+def _due_index_sql(store_url: str) -> str:
+    """The database's own definition of the runs' due index."""
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.connect() as conn:
+            if engine.dialect.name == "sqlite":
+                query = "SELECT sql FROM sqlite_master WHERE name = 'ix_flowloop_runs_due'"
+            else:
+                query = "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_flowloop_runs_due'"
+            return str(conn.exec_driver_sql(query).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_migration__0014_the_due_index_is_partial_and_claims_still_find_due_runs(
+    store_url: str,
+) -> None:
+    """A new database, and one taken down to 0013 and up again, index only runs with a due
+    time; a due run is claimed and the earliest due time is read, whichever the layout."""
+    store = SQLStore(store_url)
+    try:
+        due, _ = store.create_run(new_run(due=time.time() - 60))
+        running, _ = store.create_run(new_run(owner="w0"))
+    finally:
+        store.close()
+    assert "next_run_at IS NOT NULL" in _due_index_sql(store_url)
+    _alembic(store_url, "0013")
+    assert "WHERE" not in _due_index_sql(store_url)
+    _alembic(store_url, "head")
+    assert "next_run_at IS NOT NULL" in _due_index_sql(store_url)
+    store = SQLStore(store_url)
+    try:
+        assert store.next_due() == due.record.next_run_at
+        claimed = store.claim(worker="w1", now=time.time(), limit=10, lease_seconds=30.0)
+        assert [c.id for c in claimed] == [due.id]  # not the running one
+        assert running.record.next_run_at is None
+    finally:
+        store.close()
