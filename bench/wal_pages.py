@@ -81,13 +81,13 @@ def _page_size(path: str) -> int:
     return 65536 if page == 1 else page
 
 
-def _commit_pages(path: str, first_frame: int) -> list[int]:
-    """Pages of each commit in the ``-wal`` file from frame ``first_frame`` on, in order:
-    a frame header's bytes 4-8 (the database size after the commit) are non-zero only on
-    the last frame of a commit."""
+def _commit_frames(path: str, first_frame: int) -> list[list[int]]:
+    """The page numbers of each commit in the ``-wal`` file from frame ``first_frame`` on,
+    in order: a frame header's bytes 0-4 are its page number, bytes 4-8 (the database size
+    after the commit) are non-zero only on the last frame of a commit."""
     page = _page_size(path)
-    out: list[int] = []
-    pending = 0
+    out: list[list[int]] = []
+    pending: list[int] = []
     with open(path + "-wal", "rb") as wal:
         wal.seek(32 + first_frame * (page + 24))
         while True:
@@ -95,10 +95,45 @@ def _commit_pages(path: str, first_frame: int) -> list[int]:
             if len(header) < 24:
                 return out
             wal.seek(page, os.SEEK_CUR)
-            pending += 1
+            pending.append(int.from_bytes(header[0:4], "big"))
             if int.from_bytes(header[4:8], "big") != 0:
                 out.append(pending)
-                pending = 0
+                pending = []
+
+
+def _trees(path: str) -> dict[int, str]:
+    """Page number -> the B-tree it belongs to (``name leaf|internal|overflow``), read from
+    SQLite's ``dbstat`` table; empty when this SQLite is built without it."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute("SELECT pageno, name, pagetype FROM dbstat").fetchall()
+    except sqlite3.OperationalError:
+        return {}
+    finally:
+        conn.close()
+    return {pageno: f"{name} {kind}" for pageno, name, kind in rows}
+
+
+def _by_tree(commits: list[list[int]], trees: dict[int, str], runs: int, steps: int) -> Any:
+    """Mean pages per B-tree of a run's creation, a boundary that goes on, and its end:
+    ``{"tree <name> <kind>": pages}`` (nothing when the commits are not as expected)."""
+    per_run = steps + 1
+    if not trees or len(commits) != runs * per_run or steps < 2:
+        return {}
+    kinds = {
+        "creation": [i * per_run for i in range(runs)],
+        "goes_on": [i * per_run + j for i in range(runs) for j in range(1, per_run - 1)],
+        "end": [i * per_run + per_run - 1 for i in range(runs)],
+    }
+    out: dict[str, float] = {}
+    for kind, picked in kinds.items():
+        for index in picked:
+            for pageno in commits[index]:
+                key = f"tree {trees.get(pageno, 'unknown (freed since)')} {kind}"
+                out[key] = out.get(key, 0.0) + 1.0 / len(picked)
+    return out
 
 
 def _breakdown(commits: list[int], runs: int, steps: int) -> dict[str, float]:
@@ -156,17 +191,20 @@ def flowloop_pages(directory: str, runs: int, steps: int, context: type[BaseMode
                 frames = _frames(path) - before
                 if frames <= 0:  # the WAL was reset (a checkpoint): no page count
                     frames = float("nan")
-                    walked: list[int] = []
+                    frames_of: list[list[int]] = []
                 else:
-                    walked = _commit_pages(path, before)
+                    frames_of = _commit_frames(path, before)
             finally:
                 engine.close()
+            walked = [len(one) for one in frames_of]
+            trees = _by_tree(frames_of, _trees(path), runs, steps)
         commits = wire.counts()["commits"]
         return {
             "pages_per_commit": frames / max(commits, 1),
             "commits_per_step": commits / (runs * steps),
             "us_per_step": seconds / (runs * steps) * 1e6,
             **_breakdown(walked, runs, steps),
+            **trees,
         }
 
     return run
@@ -233,6 +271,29 @@ def core_pages(directory: str, runs: int, steps: int) -> Any:
 BREAKDOWN = ("create_pages", "goes_on_pages", "end_pages")
 
 
+def _print_trees(results: Any, program: str) -> None:
+    """Which B-tree each page of a commit belongs to (the pages by kind, taken apart):
+    means over the rounds (a B-tree a round's commits did not touch counts 0 there)."""
+    metrics: dict[str, list[float]] = results.samples.get(program, {})
+    rounds = len(metrics.get("pages_per_commit", []))
+    names = sorted({key.rsplit(" ", 1)[0] for key in metrics if key.startswith("tree ")})
+    if not names or not rounds:
+        return
+    rows = [
+        [
+            name.removeprefix("tree "),
+            *[
+                common.fmt(sum(metrics.get(f"{name} {kind}", [])) / rounds, 2)
+                for kind in ("creation", "goes_on", "end")
+            ],
+        ]
+        for name in names
+    ]
+    print(f"\nPages per commit by B-tree, {program} (SQLite's dbstat; means over rounds;")
+    print("sqlite_schema's root is page 1, the file header: written when the file grows)")
+    common.table(["B-tree page", "creation", "a boundary that goes on", "end"], rows)
+
+
 def main() -> None:
     parser = common.parser(__doc__ or "")
     parser.add_argument("--runs", type=int, default=None, help="runs per sample (100)")
@@ -271,6 +332,7 @@ def main() -> None:
         ]
         print("\nPages per commit by kind (WAL frame walk; nan: commits not as expected)")
         common.table(["program", "creation", "a boundary that goes on", "end"], split)
+        _print_trees(results, "flowloop 1KB")
         small = results.median("flowloop 1KB", "pages_per_commit")
         large = results.median("flowloop 100KB", "pages_per_commit")
         ratio = large / small
