@@ -17,11 +17,11 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import children, gates, ids, starts, tracecontext
+from flowloop import children, gates, ids, mainloop, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
@@ -94,6 +94,7 @@ DEFAULT_URL: Final = "sqlite:///flowloop.db"
 ENV_DB: Final = "FLOWLOOP_DB"
 START_BATCH: Final = 1_000
 """Runs per transaction in :meth:`Engine.start_many`: few commits, short write locks."""
+T = TypeVar("T")
 
 
 def default_url() -> str:
@@ -450,7 +451,7 @@ class Engine(Operations, LoopControls):
             with asyncio.Runner() as own:
                 nested: RunInfo = own.run(work)
             return nested
-        info: RunInfo = self._runner().run(_steps_inline(work)).value
+        info: RunInfo = mainloop.run_on(self._runner(), _steps_inline(work))
         return info
 
     def _runner(self) -> asyncio.Runner:
@@ -692,23 +693,12 @@ class Engine(Operations, LoopControls):
     # -- loops -----------------------------------------------------------------------------
 
 
-class _Returned:
-    """What a coroutine run by ``Engine.run`` returns, in a box with a cheap repr: the
-    runner formats its finished task at every call (``signal.getsignal`` on its own SIGINT
-    handler), and a finished task's repr shows its result — a RunInfo with its context."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-async def _steps_inline(work: Coroutine[Any, Any, Any]) -> _Returned:
+async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
     """``work`` with plain ``def`` steps called on this loop's thread (``Engine.run``: the
     loop is the engine's own and drives this run only; see Stepping._inline). The tasks it
     spawns copy the flag with the context."""
     token = SYNC_STEPS_INLINE.set(True)
     try:
-        return _Returned(await work)
-    finally:  # the runner's context is shared by its calls: the flag is this call's only
+        return await work
+    finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)

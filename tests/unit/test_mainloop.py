@@ -1,0 +1,141 @@
+"""flowloop.mainloop.run_on: Runner.run's Ctrl-C semantics on a kept loop, with SIGINT's
+handler back as it was after every call (real signals, sent to this process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+import signal
+import threading
+import warnings
+from collections.abc import Iterator
+
+import pytest
+
+from flowloop.mainloop import run_on
+
+SEEN: contextvars.ContextVar[str] = contextvars.ContextVar("SEEN", default="unset")
+
+
+@pytest.fixture
+def runner() -> Iterator[asyncio.Runner]:
+    with asyncio.Runner() as kept:
+        yield kept
+
+
+def main_thread_only() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+
+
+def test_run_on__returns_the_result_on_the_same_loop_and_restores_sigint(
+    runner: asyncio.Runner,
+) -> None:
+    async def loop_of() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    first, second = run_on(runner, loop_of()), run_on(runner, loop_of())
+    assert first is second is runner.get_loop()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_run_on__each_call_runs_in_a_copy_of_the_callers_context(
+    runner: asyncio.Runner,
+) -> None:
+    async def read_then_set() -> str:
+        seen = SEEN.get()
+        SEEN.set("inside")
+        return seen
+
+    token = SEEN.set("caller")
+    try:
+        assert run_on(runner, read_then_set()) == "caller"
+        assert SEEN.get() == "caller"  # the call's own change stays in its copy
+        assert run_on(runner, read_then_set()) == "caller"
+    finally:
+        SEEN.reset(token)
+
+
+def test_run_on__an_error_of_the_coroutine_surfaces_and_sigint_is_restored(
+    runner: asyncio.Runner,
+) -> None:
+    async def fails() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        run_on(runner, fails())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_run_on__ctrl_c_cancels_the_task_then_raises_keyboard_interrupt(
+    runner: asyncio.Runner,
+) -> None:
+    main_thread_only()
+    cut: list[bool] = []
+
+    async def waits_forever() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cut.append(True)  # cancelled at its await, as a run's task is
+            raise
+
+    with pytest.raises(KeyboardInterrupt):
+        run_on(runner, waits_forever())
+    assert cut == [True]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_run_on__a_second_ctrl_c_raises_at_once(runner: asyncio.Runner) -> None:
+    main_thread_only()
+
+    async def ignores_cancellation() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            os.kill(os.getpid(), signal.SIGINT)  # raised in the handler: at once
+            await asyncio.Event().wait()
+
+    with pytest.raises(KeyboardInterrupt):
+        run_on(runner, ignores_cancellation())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_run_on__another_sigint_handler_is_left_alone(runner: asyncio.Runner) -> None:
+    main_thread_only()
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+
+        async def interrupted() -> str:
+            os.kill(os.getpid(), signal.SIGINT)
+            await asyncio.sleep(0)
+            return "went on"
+
+        assert run_on(runner, interrupted()) == "went on"
+        assert received == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_run_on__refused_inside_a_running_loop_without_a_stray_coroutine(
+    runner: asyncio.Runner,
+) -> None:
+    async def nothing() -> None:
+        return None
+
+    async def nested() -> str:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail
+            try:
+                run_on(runner, nothing())
+            except RuntimeError as error:
+                return str(error)
+        return "not refused"
+
+    with asyncio.Runner() as other:
+        message = other.run(nested())
+    assert "cannot be called from a running event loop" in message
