@@ -273,9 +273,10 @@ BREAKDOWN = ("create_pages", "goes_on_pages", "end_pages")
 
 def _print_trees(results: Any, program: str) -> None:
     """Which B-tree each page of a commit belongs to (the pages by kind, taken apart):
-    means over the rounds (a B-tree a round's commits did not touch counts 0 there)."""
+    means over the rounds that were taken apart (a B-tree a round's commits did not touch
+    counts 0 there; a round whose commits were not as expected has no breakdown)."""
     metrics: dict[str, list[float]] = results.samples.get(program, {})
-    rounds = len(metrics.get("pages_per_commit", []))
+    rounds = sum(1 for value in metrics.get("create_pages", []) if value == value)  # not NaN
     names = sorted({key.rsplit(" ", 1)[0] for key in metrics if key.startswith("tree ")})
     if not names or not rounds:
         return

@@ -440,6 +440,7 @@ class Engine(Operations, LoopControls):
 
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
+        mainloop.refuse_inside_a_loop()  # (a def step's own loop is hidden from it)
         work = self.arun(
             workflow,
             context,

@@ -64,25 +64,32 @@ def _install(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> _Cance
     return handler
 
 
-def run_on(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end on ``runner``'s loop (see the module's docstring)."""
+def refuse_inside_a_loop() -> None:
+    """Raise when this thread runs an event loop (its caller must ``await`` instead)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        pass  # none: the usual case
-    else:
-        coro.close()
-        raise RuntimeError(
-            "Engine.run cannot be called from a running event loop: await engine.arun(...)"
-        )
+        return  # none: the usual case
+    raise RuntimeError(
+        "Engine.run cannot be called from a running event loop: await engine.arun(...)"
+    )
+
+
+def run_on(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on ``runner``'s loop (see the module's docstring)."""
+    try:
+        refuse_inside_a_loop()
+    except RuntimeError:
+        coro.close()  # never to run: no "coroutine was never awaited" later
+        raise
     loop = runner.get_loop()
     task = loop.create_task(coro)
     handler = _install(loop, task)
     try:
         return loop.run_until_complete(task)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as cancelled:
         if handler is not None and handler.count > 0 and task.uncancel() == 0:
-            raise KeyboardInterrupt() from None
+            raise KeyboardInterrupt() from cancelled
         raise
     finally:
         if handler is not None and _signal.getsignal(signal.SIGINT) is handler:

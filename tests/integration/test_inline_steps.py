@@ -146,3 +146,32 @@ def test_an_inline_step_may_run_event_loops_of_its_own(tmp_path: Path) -> None:
         # The engine's own loop is still its own afterwards.
         again = engine.run(outer, C())
         assert again.status == "succeeded"
+
+
+def test_engine_run_inside_a_running_loop_is_refused_and_creates_nothing(tmp_path: Path) -> None:
+    """``Engine.run`` from async code: one clear error (await ``arun``), no run created and
+    no coroutine left never awaited."""
+    import gc
+    import warnings
+
+    wf = Workflow("refused", context=C)
+
+    @wf.step(initial=True, next="done")
+    def a(ctx: C) -> None:
+        ctx.n = 1
+
+    wf.final("done")
+    with Engine(f"sqlite:///{tmp_path / 'r.db'}") as engine:
+
+        async def from_async_code() -> list[str]:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with pytest.raises(RuntimeError, match=r"await engine\.arun"):
+                    engine.run(wf, C())
+                gc.collect()
+            return [str(warning.message) for warning in caught]
+
+        messages = asyncio.run(from_async_code())
+        assert not [message for message in messages if "never awaited" in message]
+        assert engine.runs() == []
+        assert engine.run(wf, C()).status == "succeeded"  # outside a loop: as ever

@@ -426,7 +426,10 @@ def _due_index_sql(store_url: str) -> str:
             if engine.dialect.name == "sqlite":
                 query = "SELECT sql FROM sqlite_master WHERE name = 'ix_flowloop_runs_due'"
             else:
-                query = "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_flowloop_runs_due'"
+                query = (
+                    "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_flowloop_runs_due'"
+                    " AND schemaname = current_schema()"  # each test has a schema of its own
+                )
             return str(conn.exec_driver_sql(query).scalar_one())
     finally:
         engine.dispose()

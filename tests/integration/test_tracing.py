@@ -130,6 +130,40 @@ def test_tracing__run_span_parents_every_attempt_with_attributes_and_events(
     assert run.start_time <= first.start_time
 
 
+def test_tracing__each_engine_run_joins_the_span_current_at_its_own_call(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    """Two ``Engine.run`` calls on one thread, under two requests' spans: each run is a
+    child of its own request (the kept loop runs each call in the caller's context, not
+    in the context of the thread's first call)."""
+    engine, exporter, provider = traced
+    wf = Workflow("quick", context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.final("done")
+    tracer = provider.get_tracer("web")
+    requests, infos = [], []
+    for name in ("GET /first", "GET /second"):
+        with tracer.start_as_current_span(name) as request:
+            infos.append(engine.run(wf, Ctx()))
+            requests.append(request.get_span_context())
+    runs = {
+        span.attributes["flowloop.run_id"]: span
+        for span in by_name(  # type: ignore[index]
+            exporter.get_finished_spans(), "flowloop.run"
+        )
+    }
+    for info, request in zip(infos, requests, strict=True):
+        run = runs[info.id]
+        assert run.context is not None and run.parent is not None
+        assert run.context.trace_id == request.trace_id
+        assert run.parent.span_id == request.span_id
+    assert requests[0].trace_id != requests[1].trace_id
+
+
 def test_tracing__failed_run_span_is_an_error_and_names_the_error_type(
     traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
 ) -> None:

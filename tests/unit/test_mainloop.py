@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
 import os
 import signal
 import threading
@@ -107,7 +108,11 @@ def test_run_on__a_second_ctrl_c_raises_at_once(runner: asyncio.Runner) -> None:
 def test_run_on__another_sigint_handler_is_left_alone(runner: asyncio.Runner) -> None:
     main_thread_only()
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+
+    def theirs(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    previous = signal.signal(signal.SIGINT, theirs)
     try:
 
         async def interrupted() -> str:
@@ -117,8 +122,38 @@ def test_run_on__another_sigint_handler_is_left_alone(runner: asyncio.Runner) ->
 
         assert run_on(runner, interrupted()) == "went on"
         assert received == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is theirs
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_run_on__a_cancellation_not_from_ctrl_c_stays_a_cancellation(
+    runner: asyncio.Runner,
+) -> None:
+    async def cancels_itself() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        run_on(runner, cancels_itself())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_run_on__a_run_that_takes_the_ctrl_c_and_returns_returns(runner: asyncio.Runner) -> None:
+    main_thread_only()
+
+    async def swallows() -> str:
+        os.kill(os.getpid(), signal.SIGINT)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            return "handled it"
+        return "not cancelled"
+
+    assert run_on(runner, swallows()) == "handled it"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_run_on__refused_inside_a_running_loop_without_a_stray_coroutine(
@@ -127,15 +162,14 @@ def test_run_on__refused_inside_a_running_loop_without_a_stray_coroutine(
     async def nothing() -> None:
         return None
 
-    async def nested() -> str:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail
-            try:
+    async def nested() -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError, match="cannot be called from a running event loop"):
                 run_on(runner, nothing())
-            except RuntimeError as error:
-                return str(error)
-        return "not refused"
+            gc.collect()  # a coroutine never awaited says so when it is collected
+        return [str(warning.message) for warning in caught]
 
     with asyncio.Runner() as other:
-        message = other.run(nested())
-    assert "cannot be called from a running event loop" in message
+        messages = other.run(nested())
+    assert not [message for message in messages if "never awaited" in message]
