@@ -69,9 +69,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--pg", default=None, help="PostgreSQL URL for seq_steps ('none' skips)")
     p.add_argument("--runs", type=int, default=None, help="seq_steps --runs")
+    p.add_argument("--runs-pg", type=int, default=None, help="seq_steps --runs-pg")
     args = p.parse_args()
     seq_extra = ["--no-full"] + (["--pg", args.pg] if args.pg else [])
     seq_extra += ["--runs", str(args.runs)] if args.runs else []
+    seq_extra += ["--runs-pg", str(args.runs_pg)] if args.runs_pg else []
     trees = {"before": args.before, "after": args.after}
     ratios: dict[tuple[str, str, str, str], list[float]] = {}
     absolute: dict[tuple[str, str, str, str], list[float]] = {}
