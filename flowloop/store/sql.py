@@ -381,7 +381,11 @@ class SQLStore(
             order: tuple[Any, ...] = (runs.c.priority.desc(), runs.c.next_run_at, runs.c.id)
         else:
             conditions = [runs.c.status == "running"]
-            order = (runs.c.id,)
+            # The order of ix_flowloop_runs_status_created: the few running runs are read
+            # from it in order. Ordered by id, PostgreSQL's generic plan (psycopg prepares
+            # a statement run every poll) walked the whole primary key instead: 357 ms
+            # against 0.4 ms at 200,000 runs, every RECOVERY_EVERY_SECONDS.
+            order = (runs.c.created_at.desc(), runs.c.id)
         conditions.append(or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
         if by_workflow:
             conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
