@@ -513,6 +513,11 @@ class Engine(Operations, LoopControls):
                 raise
             finally:
                 heartbeat.cancel()
+                # Ended before this returns: the loop is kept, not run, between calls, and a
+                # heartbeat left to end at the next call kept the watchdog watching a loop
+                # that does not run (a false "event loop blocked" warning at the caller's
+                # next line of its own).
+                await asyncio.wait([heartbeat])
             if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here
         executor.tracked.discard(stored.id)

@@ -66,6 +66,27 @@ def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
     assert len(crunch) == 1 and DEFAULT_STALL_SECONDS <= crunch[0].lag < WAIT_S  # type: ignore[attr-defined]
 
 
+def test_watchdog__silent_while_the_program_does_other_work_between_runs(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Engine.run`` keeps its loop between calls but does not run it: the watchdog stops
+    watching when the call returns, so the caller's own work after it (here a sleep past
+    the stall threshold) is no "event loop blocked" warning."""
+    caplog.set_level(logging.INFO, logger="flowloop.watchdog")
+    wf = Workflow("quick", context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.final("done")
+    with Engine(sqlite_url) as engine:
+        assert engine.run(wf, Ctx()).status == "succeeded"
+        time.sleep(BLOCK_S)  # the caller's own work, off the loop: nothing to warn about
+        assert engine.run(wf, Ctx()).status == "succeeded"
+    assert stall_warnings(caplog) == []
+
+
 def test_watchdog__worker_counts_the_stall_in_its_metrics(
     sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
