@@ -30,6 +30,13 @@ def main_thread_only() -> None:
         pytest.skip("SIGINT reaches the main thread only")
 
 
+async def ctrl_c_then_wait() -> None:
+    """Send this process a real Ctrl-C, then wait for ever: a cancellation comes out of
+    the wait (the handler runs at the next bytecode, before the wait begins)."""
+    os.kill(os.getpid(), signal.SIGINT)
+    await asyncio.Event().wait()
+
+
 def test_run_on__returns_the_result_on_the_same_loop_and_restores_sigint(
     runner: asyncio.Runner,
 ) -> None:
@@ -76,9 +83,8 @@ def test_run_on__ctrl_c_cancels_the_task_then_raises_keyboard_interrupt(
     cut: list[bool] = []
 
     async def waits_forever() -> None:
-        os.kill(os.getpid(), signal.SIGINT)
         try:
-            await asyncio.Event().wait()
+            await ctrl_c_then_wait()
         except asyncio.CancelledError:
             cut.append(True)  # cancelled at its await, as a run's task is
             raise
@@ -93,12 +99,10 @@ def test_run_on__a_second_ctrl_c_raises_at_once(runner: asyncio.Runner) -> None:
     main_thread_only()
 
     async def ignores_cancellation() -> None:
-        os.kill(os.getpid(), signal.SIGINT)
         try:
-            await asyncio.Event().wait()
+            await ctrl_c_then_wait()
         except asyncio.CancelledError:
-            os.kill(os.getpid(), signal.SIGINT)  # raised in the handler: at once
-            await asyncio.Event().wait()
+            await ctrl_c_then_wait()  # the second: raised in the handler, at once
 
     with pytest.raises(KeyboardInterrupt):
         run_on(runner, ignores_cancellation())
@@ -145,9 +149,8 @@ def test_run_on__a_run_that_takes_the_ctrl_c_and_returns_returns(runner: asyncio
     main_thread_only()
 
     async def swallows() -> str:
-        os.kill(os.getpid(), signal.SIGINT)
         try:
-            await asyncio.Event().wait()
+            await ctrl_c_then_wait()
         except asyncio.CancelledError:
             return "handled it"
         return "not cancelled"
