@@ -128,8 +128,9 @@ def dump(url: str) -> dict[str, list[tuple[Any, ...]]]:
 
 def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
     """The committed context of a run, read with the stdlib (no pool, no threads): a
-    running run's row is a snapshot, its journal after the snapshot's seq has the rest."""
-    from flowloop.store.entries import context_after
+    running run's row is a snapshot, its journal after the snapshot's seq has the rest (a
+    long context is the journal's only: then all of it, from seq 1)."""
+    from flowloop.store.entries import JOURNALED, context_after
 
     conn = sqlite3.connect(db_path, timeout=5, isolation_level=None)
     try:
@@ -139,11 +140,11 @@ def run_context(db_path: Path, run_id: str) -> dict[str, Any] | None:
         ).fetchone()
         if row is None:
             return None
-        context = row[0]
+        context, after = (None, 0) if row[0] == JOURNALED else row
         for stored, data in conn.execute(
             "SELECT context, data FROM flowloop_journal WHERE run_id = ? AND seq > ?"
             " AND context IS NOT NULL ORDER BY seq",
-            (run_id, row[1]),
+            (run_id, after),
         ):
             context = context_after(context, stored, data)
         conn.execute("COMMIT")

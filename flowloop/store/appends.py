@@ -55,13 +55,17 @@ from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.entries import (
     JOURNAL_FIELDS,
+    JOURNALED,
     ContextCache,
     Decoder,
     encode,
     event_row,
     last_seq_of,
+    replaced_run,
+    row_context,
     stored_from_row,
 )
+from flowloop.store.journaled import resolve
 from flowloop.store.schema import journal, runs
 
 JSON_SEPARATORS: Final = (",", ":")
@@ -126,6 +130,15 @@ def record_columns(record: RunRecord) -> dict[str, Any]:
         "error": record.error,
         "deadline_at": record.deadline,
     }
+
+
+def stored_columns(record: RunRecord) -> dict[str, Any]:
+    """:func:`record_columns` as a run row stores them: a long context is the journal's
+    (:func:`~flowloop.store.entries.row_context`; readers take it back from there,
+    flowloop/store/journaled.py)."""
+    columns = record_columns(record)
+    columns["context"] = row_context(record.context)
+    return columns
 
 
 @dataclass(frozen=True)
@@ -259,7 +272,7 @@ class AppendStoreMixin:
         return params
 
     def _row_params(self, boundary: Boundary) -> dict[str, Any]:
-        params = {f"p_{k}": v for k, v in record_columns(boundary.record).items()}
+        params = {f"p_{k}": v for k, v in stored_columns(boundary.record).items()}
         params.update(self._fence_params(boundary))
         params["p_at"] = boundary.events[-1].at if boundary.events else 0.0
         if boundary.fence.owner is not None and not boundary.release:
@@ -504,9 +517,10 @@ class AppendStoreMixin:
         """Runs as of their latest entry: a running run's row is a snapshot as of its
         ``last_seq``; the entries after it (one key range per run, one query for all) are
         folded onto it."""
+        stored = resolve(conn, stored)
         behind = {s.id: s for s in stored if s.record.status == "running"}
         if not behind:
-            return list(stored)
+            return stored
         found = read_tails(conn, {s.id: s.record.last_seq for s in behind.values()})
         out = []
         for s in stored:
@@ -520,9 +534,10 @@ class AppendStoreMixin:
         commits (PostgreSQL: their row locks; SQLite: the write lock), so each row's
         ``last_seq`` is still the snapshot's and one join on it reads every tail — one
         statement, cached, per ``CLAIM_TAIL_CHUNK`` runs instead of an OR-term per run."""
+        stored = resolve(conn, stored)
         snapshots = {s.id: s.record.last_seq for s in stored if s.record.status == "running"}
         if not snapshots:
-            return list(stored)
+            return stored
         found: dict[str, list[Any]] = {}
         ids = list(snapshots)
         query = _claimed_tails(self._postgres)
@@ -643,29 +658,23 @@ def _folded(stored: StoredRun, tail: Sequence[tuple[Any, ...]]) -> StoredRun:
             end = dataclasses.replace(
                 record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA])
             )
-            return _replace(stored, record=end, problem=problem)
-    return _replace(stored, record=record)
-
-
-def _replace(stored: StoredRun, **change: Any) -> StoredRun:
-    new = object.__new__(StoredRun)
-    new.__dict__.update(stored.__dict__)
-    new.__dict__.update(change)
-    return new
+            return replaced_run(stored, record=end, problem=problem)
+    return replaced_run(stored, record=record)
 
 
 def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
     """Raw run rows (``select(runs)`` mappings, any columns including ``id``, ``status``
     and ``last_seq``) as of their latest journal entry: for readers that do not go through
     the store (the dashboard's queries). A running run's row is a snapshot; its tail's
-    fold replaces the record's columns."""
+    fold replaces the record's columns. A context kept in the journal is read from there."""
     out = [dict(row) for row in rows]
-    behind = [r["id"] for r in out if r.get("status") == "running"]
+    behind = [r["id"] for r in out if r.get("status") == "running" or r.get("context") == JOURNALED]
     if not behind:
         return out
     full = conn.execute(select(runs).where(runs.c.id.in_(behind))).all()
-    stored = [stored_from_row(row) for row in full]
-    tails = read_tails(conn, {s.id: s.record.last_seq for s in stored})
+    stored = resolve(conn, [stored_from_row(row) for row in full])
+    running = {s.id: s.record.last_seq for s in stored if s.record.status == "running"}
+    tails = read_tails(conn, running)
     latest = {}
     for s in stored:
         # Always the fresh snapshot (folded): ``rows`` came from an earlier statement and

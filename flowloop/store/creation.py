@@ -10,6 +10,7 @@ Python than SQLite needs to run it).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final
@@ -29,9 +30,9 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from flowloop.store import dialect
-from flowloop.store.appends import Raw, record_columns
+from flowloop.store.appends import Raw, stored_columns
 from flowloop.store.base import NewRun, StoredRun
-from flowloop.store.entries import JOURNAL_FIELDS, ContextCache, event_row
+from flowloop.store.entries import JOURNAL_FIELDS, ContextCache, event_row, replaced_run
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.schema import journal, runs
 
@@ -67,7 +68,7 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
         "workflow": record.workflow,
         "key": record.key,
         "idempotency_key": new.idempotency_key,
-        **record_columns(record),
+        **stored_columns(record),
         "priority": new.priority,
         "owner": new.owner,
         "lease_epoch": 1 if new.owner else 0,
@@ -96,6 +97,16 @@ def _created(new: NewRun, row: dict[str, Any], lease: float | None) -> StoredRun
         created_at=row["created_at"],
         updated_at=row["updated_at"],
     )
+
+
+def _read_back(row: Any, new: NewRun) -> StoredRun:
+    """The run a creation's ``RETURNING`` row stands for, its context whole (a long one is
+    in the journal only: the row says so)."""
+    stored = _stored_from_row(row)
+    if stored.record.context == new.record.context:
+        return stored
+    whole = dataclasses.replace(stored.record, context=new.record.context)
+    return replaced_run(stored, record=whole)
 
 
 class CreationStoreMixin:
@@ -301,7 +312,7 @@ class CreationStoreMixin:
         params["p_lease"] = new.lease_seconds
         inserted = conn.execute(stmt, params).one()
         conn.execute(self._insert_events, [event_row(e) for e in new.events])
-        return _stored_from_row(inserted), True
+        return _read_back(inserted, new), True
 
     def _create_many_in(
         self, conn: Connection, news: Sequence[NewRun]
@@ -332,7 +343,8 @@ class CreationStoreMixin:
             fresh = self._ranked(conn, fresh)  # in the order given: FIFO per key
             fresh.sort(key=lambda new: (_unique_keys(new), new.record.id))
             rows = conn.execute(self._insert_runs, [_new_run_row(new) for new in fresh])
-            inserted = {row.id: _stored_from_row(row) for row in rows}
+            by_id = {new.record.id: new for new in fresh}
+            inserted = {row.id: _read_back(row, by_id[row.id]) for row in rows}
             events = [event_row(event) for new in fresh for event in new.events]
             conn.execute(self._insert_events, events)
         return [

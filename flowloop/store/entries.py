@@ -36,6 +36,15 @@ SPLICE_MIN: Final = 512
 """Contexts shorter than this are stored whole: a splice would not pay for its bookkeeping."""
 SNAPSHOT_EVERY: Final = 32
 """Every this many contexts of a run one is stored whole (bounds the damage of a bad row)."""
+ROW_CONTEXT_MAX: Final = 4000
+"""A context longer than this (characters) is kept in the journal only: the run row holds
+:data:`JOURNALED` instead. A row holds a context up to about a SQLite page; a longer one
+spills into an overflow chain that every write of the row — its creation, its end, a
+release — would copy (and, with Debian's ``secure_delete``, zero the old chain too): a
+100 KB context cost 60 WAL pages at creation and 55 at the end, where the journal already
+holds it whole or as a splice."""
+JOURNALED: Final = ""
+"""A run row's context that is its journal's (never a context: a context is JSON)."""
 CACHE_RUNS: Final = 4096
 """Runs whose latest context a store remembers (the base of its next splice)."""
 JSON_SEPARATORS: Final = (",", ":")
@@ -93,6 +102,11 @@ def context_after(previous: str | None, stored: str, data: str | None) -> str:
     if previous is None:
         raise j.FoldError("a context stored as a change of an earlier one that is missing")
     return unsplice(previous, int(cut[0]), int(cut[1]), stored)
+
+
+def row_context(context: str) -> str:
+    """What a run row stores of ``context``: itself, or :data:`JOURNALED` when long."""
+    return JOURNALED if len(context) > ROW_CONTEXT_MAX else context
 
 
 class ContextCache:
@@ -392,6 +406,15 @@ def stored_from_row(row: Any) -> StoredRun:
         problem=problem,
     )
     return stored
+
+
+def replaced_run(stored: StoredRun, **change: Any) -> StoredRun:
+    """``stored`` with ``change`` (a frozen dataclass copied field by field: a tail's fold
+    runs for every claimed run)."""
+    new = object.__new__(StoredRun)
+    new.__dict__.update(stored.__dict__)
+    new.__dict__.update(change)
+    return new
 
 
 def materialize_previous_layout(conn: Connection) -> None:

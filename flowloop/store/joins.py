@@ -25,9 +25,12 @@ from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Connection, and_, exists, func, insert, select, update
 
+from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store.base import Boundary, NewRun, StoredRun
+from flowloop.store.entries import JOURNALED
+from flowloop.store.journaled import Unreadable, contexts_at
 from flowloop.store.schema import joins, runs
 
 RESULT_BATCH: Final = 1_000
@@ -228,18 +231,28 @@ class JoinStoreMixin:
             with self._read() as conn:
                 rows = conn.execute(
                     select(
-                        runs.c.child_index, runs.c.id, runs.c.status, runs.c.context, runs.c.error
+                        runs.c.child_index,
+                        runs.c.id,
+                        runs.c.status,
+                        runs.c.context,
+                        runs.c.error,
+                        runs.c.last_seq,
                     )
                     .where(runs.c.join_id == join_id, runs.c.child_index > last)
                     .order_by(runs.c.child_index)
                     .limit(RESULT_BATCH)
                 ).all()
+                journaled = {r.id: r.last_seq for r in rows if r.context == JOURNALED}
+                kept = contexts_at(conn, journaled) if journaled else {}
             for row in rows:
+                context = kept.get(row.id, row.context)
+                if isinstance(context, Unreadable):  # the join fails this child's result
+                    raise j.FoldError(f"child run {row.id}: {context.problem}")
                 yield ChildRow(
                     index=row.child_index,
                     id=row.id,
                     status=row.status,
-                    context=row.context,
+                    context=context,
                     error=row.error,
                 )
             if len(rows) < RESULT_BATCH:

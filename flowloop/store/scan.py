@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, select
 
 from flowloop.lifecycle import LIVE
+from flowloop.store.entries import JOURNALED
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.schema import runs
 from flowloop.store.sql import SQLStore
@@ -69,8 +70,9 @@ def live_runs(
 
 
 def _current(store: SQLStore, conn: Connection, rows: list[LiveRun]) -> list[LiveRun]:
-    """``rows`` with the running ones as of their latest journal entry."""
-    running = [row.id for row in rows if row.status == "running"]
+    """``rows`` with the running ones as of their latest journal entry, and contexts kept
+    in the journal read from there."""
+    running = [row.id for row in rows if row.status == "running" or row.context == JOURNALED]
     if not running:
         return rows
     full = conn.execute(select(runs).where(runs.c.id.in_(running))).all()

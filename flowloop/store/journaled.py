@@ -1,0 +1,119 @@
+"""Contexts kept in the journal only: reading a run row whose context is :data:`JOURNALED`.
+
+A context longer than :data:`~flowloop.store.entries.ROW_CONTEXT_MAX` is written to the
+journal (whole at creation and every ``SNAPSHOT_EVERY``-th entry, as a splice otherwise)
+and not to the run row, whose context column says :data:`JOURNALED`. The row's snapshot is
+still as of its ``last_seq``: its context is the journal's as of that seq, read here from
+the run's latest whole context at or before it plus the splices after (one key range per
+run). A running run's tail after ``last_seq`` is folded onto the result as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, bindparam, func, not_, or_, select, update
+
+from flowloop.store.base import StoredRun
+from flowloop.store.entries import JOURNALED, SPLICE_KEY, Decoder, replaced_run
+from flowloop.store.schema import journal, runs
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A journaled context that cannot be read back: why (names the entry)."""
+
+    problem: str
+
+
+@functools.cache
+def _context_rows() -> Any:
+    """A run's journal rows with a context, from its latest whole context at or before
+    ``:seq`` (seq 1, the run's creation, is always whole) to ``:seq``: one statement,
+    compiled once, one key range per run. An entry whose own data merely mentions the
+    splice key is passed over as a start: the read starts earlier, never later."""
+    run_id: Any = bindparam("run_id")
+    seq: Any = bindparam("seq")
+    whole = (
+        select(func.max(journal.c.seq))
+        .where(
+            journal.c.run_id == run_id,
+            journal.c.seq <= seq,
+            journal.c.context.is_not(None),
+            or_(journal.c.data.is_(None), not_(journal.c.data.like(f'%"{SPLICE_KEY}"%'))),
+        )
+        .scalar_subquery()
+    )
+    return (
+        select(journal)
+        .where(
+            journal.c.run_id == run_id,
+            journal.c.seq <= seq,
+            journal.c.seq >= func.coalesce(whole, 1),
+            journal.c.context.is_not(None),
+        )
+        .order_by(journal.c.seq)
+    )
+
+
+def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | Unreadable]:
+    """Per run id, its journal's context as of the given seq (its row's ``last_seq``).
+    One execution of a cached statement per run: one statement for many runs (an OR-term
+    and a subquery each) cost more to compile than all of them to run."""
+    query = _context_rows()
+    return {
+        run_id: _context_of(conn.execute(query, {"run_id": run_id, "seq": seq}), seq)
+        for run_id, seq in wanted.items()
+    }
+
+
+def _context_of(rows: Any, seq: int) -> str | Unreadable:
+    decoder = Decoder()
+    for row in rows:
+        try:
+            decoder.events(row)
+        except Exception as error:  # one broken entry must not make every read raise
+            why = str(error) or type(error).__name__
+            return Unreadable(f"its context (in the journal) is unreadable: {why}")
+    if decoder.context is None:
+        return Unreadable(f"its context (in the journal up to seq {seq}) is missing")
+    return decoder.context
+
+
+def resolve(conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
+    """``stored`` with every journaled context read back (as of each row's snapshot). A
+    context that cannot be read becomes the run's problem (the executor fails such a run,
+    as it does a run whose tail cannot be folded)."""
+    wanted = {s.id: s.record.last_seq for s in stored if s.record.context == JOURNALED}
+    if not wanted:
+        return list(stored)
+    found = contexts_at(conn, wanted)
+    out = []
+    for s in stored:
+        context = found.get(s.id) if s.record.context == JOURNALED else None
+        if context is None:
+            out.append(s)
+        elif isinstance(context, Unreadable):
+            out.append(replaced_run(s, problem=context.problem))
+        else:
+            out.append(replaced_run(s, record=dataclasses.replace(s.record, context=context)))
+    return out
+
+
+def restore_row_contexts(conn: Connection, *, batch: int = 500) -> None:
+    """Migration 0015's downgrade: every run row's context written out whole again (what
+    the previous layouts read), ``batch`` rows at a time. A context that cannot be read
+    back stops the downgrade, naming the run: nothing is written in its place."""
+    while True:
+        rows = conn.execute(
+            select(runs.c.id, runs.c.last_seq).where(runs.c.context == JOURNALED).limit(batch)
+        ).all()
+        if not rows:
+            return
+        for run_id, context in contexts_at(conn, {r.id: r.last_seq for r in rows}).items():
+            if isinstance(context, Unreadable):
+                raise RuntimeError(f"run {run_id}: {context.problem}; the downgrade stops here")
+            conn.execute(update(runs).where(runs.c.id == run_id).values(context=context))

@@ -1,0 +1,281 @@
+"""Long contexts kept in the journal only (issue 13), on SQLite and PostgreSQL: a run row
+holds a context up to ``ROW_CONTEXT_MAX`` characters; a longer one is the journal's (whole
+at creation, then splices) and every reader takes it back from there — the store's reads,
+claims of interrupted runs, a join's children, the dashboard, a scan of live runs, replay —
+and migration 0015's downgrade writes it back into the rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from storekit import new_run, start_step
+
+from flowloop import Engine, Workflow
+from flowloop import journal as j
+from flowloop.store import SQLStore, migrate
+from flowloop.store.base import Boundary, Fence, RunFilter
+from flowloop.store.entries import JOURNALED, ROW_CONTEXT_MAX, SNAPSHOT_EVERY
+from flowloop.store.scan import live_runs
+from flowloop.store.schema import journal, runs
+from flowloop.ui import queries
+
+BLOB = "b" * (ROW_CONTEXT_MAX + 1_000)
+"""A context field long enough that the context is kept in the journal only."""
+
+FLOW = textwrap.dedent(
+    f"""
+    import os, signal
+    from pydantic import BaseModel
+    from flowloop import Workflow
+
+    class Long(BaseModel):
+        n: int = 0
+        blob: str = "b" * {len(BLOB)}
+
+    long = Workflow("long", context=Long)
+    STEPS = 6
+
+    def make(i: int):
+        async def step(ctx: Long) -> None:
+            if i == 3 and os.environ.get("KILL_IN_STEP_3"):
+                os.kill(os.getpid(), signal.SIGKILL)  # inside the step: nothing after
+            ctx.n += 1
+
+        return step
+
+    for i in range(STEPS):
+        step = make(i)
+        long.step(name=f"s{{i}}", initial=i == 0, next=f"s{{i + 1}}" if i < STEPS - 1 else "done")(
+            step
+        )
+    long.final("done")
+    """
+)
+
+
+def _load(tmp_path: Path) -> Workflow:
+    path = tmp_path / "long_flow.py"
+    path.write_text(FLOW)
+    namespace: dict[str, Any] = {}
+    exec(compile(FLOW, str(path), "exec"), namespace)
+    workflow: Workflow = namespace["long"]
+    return workflow
+
+
+def _alembic(url: str, revision: str) -> None:
+    store = SQLStore(url, check_schema=False)
+    try:
+        with store._schema_write() as conn:
+            migrate.to_revision(conn, revision)
+    finally:
+        store.close()
+
+
+def _raw_context(url: str, run_id: str) -> str:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return str(
+                conn.execute(sa.select(runs.c.context).where(runs.c.id == run_id)).scalar_one()
+            )
+    finally:
+        engine.dispose()
+
+
+def test_a_long_context_lives_in_the_journal_and_every_read_has_it(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The row of a run with a long context holds none, at creation and at its end; the
+    store, the dashboard, replay and history all show the whole context; a short one stays
+    in the row."""
+    workflow = _load(tmp_path)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        started = engine.start(workflow, workflow.context())
+        assert _raw_context(store_url, started.id) == JOURNALED
+        assert getattr(started.context, "blob", None) == BLOB  # start() returns it whole
+        info = engine.run(workflow, workflow.context())
+        assert info.status == "succeeded"
+        assert _raw_context(store_url, info.id) == JOURNALED
+        stored = engine.store.get_run(info.id)
+        assert stored is not None
+        assert json.loads(stored.record.context) == {"n": 6, "blob": BLOB}
+        assert engine.replay(info.id).differences == []
+        assert json.loads(engine.replay(info.id, at=1).record.context)["n"] == 0
+        assert isinstance(engine.store, SQLStore)
+        row = queries.run_row(engine.store.engine, info.id)
+        assert row["context"] == {"n": 6, "blob": BLOB}
+        short = engine.run(workflow, workflow.context(blob="short"))
+        assert json.loads(_raw_context(store_url, short.id)) == {"n": 6, "blob": "short"}
+
+
+def test_a_run_killed_in_a_step_resumes_with_its_whole_context(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A real worker SIGKILLed inside step 3 of a run whose context is the journal's: the
+    resumed run re-runs that step and ends with each of the six steps counted once, its
+    context read back from the journal's whole creation entry and splices."""
+    workflow = _load(tmp_path)
+    code = (
+        "import sys, runpy; sys.path.insert(0, sys.argv[2]);"
+        "from flowloop import Engine;"
+        "flow = runpy.run_path(sys.argv[2] + '/long_flow.py')['long'];"
+        "e = Engine(sys.argv[1], workflows=[flow]);"
+        "run = e.start(flow, flow.context());"
+        "print(run.id, flush=True);"
+        "e.run_until_idle()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, store_url, str(tmp_path)],
+        env={**os.environ, "KILL_IN_STEP_3": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    run_id = done.stdout.split()[0]
+    with Engine(store_url, workflows=[workflow]) as engine:
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        store.expire_leases(store.running_owners())  # the killed worker
+        interrupted = store.get_run(run_id)
+        assert interrupted is not None
+        assert (interrupted.record.status, interrupted.record.state) == ("running", "s3")
+        assert json.loads(interrupted.record.context) == {"n": 3, "blob": BLOB}
+        engine.resume()
+        final = store.get_run(run_id)
+        assert final is not None
+        assert final.record.status == "succeeded"
+        assert json.loads(final.record.context) == {"n": 6, "blob": BLOB}
+        assert engine.replay(run_id).differences == []
+
+
+def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
+    """A step's success (the context's ``n`` set) and the next step's start."""
+    context = json.dumps({"n": n, "blob": BLOB})
+    done = j.JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=j.STEP_SUCCEEDED,
+        at=time.time(),
+        state=record.state,
+        event="next",
+        next_state=record.state,
+        context=context,
+        attempt=record.attempt,
+        worker=worker,
+    )
+    after = j.apply(record, done)
+    start = j.JournalEvent(
+        run_id=record.id,
+        seq=after.last_seq + 1,
+        kind=j.STEP_STARTED,
+        at=time.time(),
+        state=record.state,
+        attempt=1,
+        worker=worker,
+    )
+    return Boundary(events=[done, start], record=j.apply(after, start), fence=Fence(worker, epoch))
+
+
+def test_a_claim_past_whole_snapshots_reads_the_latest_context(store_url: str) -> None:
+    """More boundaries than ``SNAPSHOT_EVERY`` (so the journal holds whole contexts after
+    the creation's), then the writer's lease ends: another worker's claim, a scan of live
+    runs and a plain read all see the last context; a new store (no cached contexts)
+    reads the same."""
+    store = SQLStore(store_url)
+    try:
+        created, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
+        claimed = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=30)[0]
+        boundary = start_step(claimed, "a")
+        assert store.write([boundary]) == [True]
+        record = boundary.record
+        steps = SNAPSHOT_EVERY + 5
+        for n in range(1, steps + 1):
+            boundary = _go_on(record, "a", claimed.lease_epoch, n)
+            assert store.write([boundary]) == [True]
+            record = boundary.record
+        store.expire_leases(["a"])
+    finally:
+        store.close()
+    store = SQLStore(store_url)
+    try:
+        expected = {"n": steps, "blob": BLOB}
+        [live] = [run for page in live_runs(store, created.record.workflow) for run in page]
+        assert json.loads(live.context) == expected
+        read = store.get_run(created.id)
+        assert read is not None and json.loads(read.record.context) == expected
+        again = store.claim_interrupted(worker="b", limit=1, lease_seconds=30)
+        assert [json.loads(c.record.context) for c in again] == [expected]
+        assert again[0].problem is None
+    finally:
+        store.close()
+
+
+def test_a_missing_journal_entry_is_the_runs_problem_not_an_error(store_url: str) -> None:
+    """A journaled context whose whole entry is gone (a damaged database): reading the run
+    names the problem (the executor fails such a run as invalid_row) instead of raising,
+    and other runs read as before."""
+    store = SQLStore(store_url)
+    try:
+        broken, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
+        fine, _ = store.create_run(new_run(context=json.dumps({"n": 1, "blob": BLOB})))
+        with store.engine.begin() as conn:
+            conn.execute(sa.delete(journal).where(journal.c.run_id == broken.id))
+        both = store.find_runs(RunFilter(limit=10))
+        problems = {s.id: s.problem for s in both}
+        assert problems[fine.id] is None
+        assert "missing" in (problems[broken.id] or "")
+        read = store.get_run(fine.id)
+        assert read is not None and json.loads(read.record.context)["n"] == 1
+    finally:
+        store.close()
+
+
+def test_migration__0015_downgrade_writes_long_contexts_back_into_the_rows(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Down to 0014, every row holds its context whole again (the finished run's last one,
+    the interrupted run's as of its snapshot); up again, new runs keep theirs in the
+    journal and the old rows read as before."""
+    workflow = _load(tmp_path)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        info = engine.run(workflow, workflow.context())
+        waiting = engine.start(workflow, workflow.context(n=40))
+    assert _raw_context(store_url, info.id) == JOURNALED
+    _alembic(store_url, "0014")
+    assert json.loads(_raw_context(store_url, info.id)) == {"n": 6, "blob": BLOB}
+    assert json.loads(_raw_context(store_url, waiting.id)) == {"n": 40, "blob": BLOB}
+    _alembic(store_url, "head")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        again = engine.run(workflow, workflow.context())
+        assert _raw_context(store_url, again.id) == JOURNALED
+        engine.resume()
+        stored = engine.store.get_run(waiting.id)
+        assert stored is not None and json.loads(stored.record.context)["n"] == 46
+
+
+@pytest.mark.parametrize("size", [ROW_CONTEXT_MAX, ROW_CONTEXT_MAX + 1])
+def test_the_row_keeps_a_context_up_to_the_limit(store_url: str, size: int) -> None:
+    store = SQLStore(store_url)
+    try:
+        context = json.dumps({"blob": "c" * (size - len('{"blob": ""}'))})
+        assert len(context) == size
+        created, _ = store.create_run(new_run(context=context))
+        assert created.record.context == context
+        stored = _raw_context(store_url, created.id)
+        assert stored == (context if size <= ROW_CONTEXT_MAX else JOURNALED)
+        read = store.get_run(created.id)
+        assert read is not None and read.record.context == context
+    finally:
+        store.close()
