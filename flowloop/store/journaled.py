@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
-from sqlalchemy import Connection, bindparam, func, not_, or_, select, update
+from sqlalchemy import ARRAY, Connection, and_, bindparam, func, not_, or_, select, update
 
 from flowloop.store.base import StoredRun
 from flowloop.store.entries import JOURNALED, SPLICE_KEY, Decoder, replaced_run
@@ -29,48 +29,83 @@ class Unreadable:
     problem: str
 
 
-@functools.cache
-def _context_rows() -> Any:
-    """A run's journal rows with a context, from its latest whole context at or before
-    ``:seq`` (seq 1, the run's creation, is always whole) to ``:seq``: one statement,
-    compiled once, one key range per run. An entry whose own data merely mentions the
-    splice key is passed over as a start: the read starts earlier, never later."""
-    run_id: Any = bindparam("run_id")
-    seq: Any = bindparam("seq")
+def _since_whole(run_id: Any, seq: Any) -> Any:
+    """The condition on a journal row: of run ``run_id``, with a context, from the run's
+    latest whole context at or before ``seq`` (seq 1, the run's creation, is always whole)
+    to ``seq`` — one key range. An entry whose own data merely mentions the splice key is
+    passed over as a start: the read starts earlier, never later."""
+    earlier = journal.alias("earlier")
     whole = (
-        select(func.max(journal.c.seq))
+        select(func.max(earlier.c.seq))
         .where(
-            journal.c.run_id == run_id,
-            journal.c.seq <= seq,
-            journal.c.context.is_not(None),
-            or_(journal.c.data.is_(None), not_(journal.c.data.like(f'%"{SPLICE_KEY}"%'))),
+            earlier.c.run_id == run_id,
+            earlier.c.seq <= seq,
+            earlier.c.context.is_not(None),
+            or_(earlier.c.data.is_(None), not_(earlier.c.data.like(f'%"{SPLICE_KEY}"%'))),
         )
         .scalar_subquery()
     )
+    return and_(
+        journal.c.run_id == run_id,
+        journal.c.seq <= seq,
+        journal.c.seq >= func.coalesce(whole, 1),
+        journal.c.context.is_not(None),
+    )
+
+
+@functools.cache
+def _one_run() -> Any:
+    """The rows of one run (``:run_id``, ``:seq``): compiled once."""
+    condition = _since_whole(bindparam("run_id"), bindparam("seq"))
+    return select(journal).where(condition).order_by(journal.c.seq)
+
+
+@functools.cache
+def _many_runs() -> Any:
+    """PostgreSQL: the rows of many runs, their ``(ids, seqs)`` as two array parameters
+    unnested and joined on each run's range (one round trip per chunk)."""
+    given = (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(runs.c.id.type)),
+            bindparam("seqs", type_=ARRAY(runs.c.last_seq.type)),
+        )
+        .table_valued("id", "seq")
+        .render_derived(name="given")
+    )
+    on = _since_whole(given.c.id, given.c.seq)
     return (
         select(journal)
-        .where(
-            journal.c.run_id == run_id,
-            journal.c.seq <= seq,
-            journal.c.seq >= func.coalesce(whole, 1),
-            journal.c.context.is_not(None),
-        )
-        .order_by(journal.c.seq)
+        .select_from(given.join(journal, on))
+        .order_by(journal.c.run_id, journal.c.seq)
     )
+
+
+PG_CHUNK: Final = 500
+"""Runs per PostgreSQL statement (as many as a claim of interrupted runs takes)."""
 
 
 def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | Unreadable]:
     """Per run id, its journal's context as of the given seq (its row's ``last_seq``).
-    One execution of a cached statement per run: one statement for many runs (an OR-term
-    and a subquery each) cost more to compile than all of them to run."""
-    query = _context_rows()
-    return {
-        run_id: _context_of(conn.execute(query, {"run_id": run_id, "seq": seq}), seq)
-        for run_id, seq in wanted.items()
-    }
+    SQLite: one execution of a statement compiled once per run (no round trip; one
+    statement for many runs, an OR-term and a subquery each, cost more to compile than
+    all of them to run). PostgreSQL: one statement per ``PG_CHUNK`` runs."""
+    if conn.dialect.name != "postgresql":
+        query = _one_run()
+        return {
+            run_id: _context_of(list(conn.execute(query, {"run_id": run_id, "seq": seq})), seq)
+            for run_id, seq in wanted.items()
+        }
+    found: dict[str, list[Any]] = {}
+    ids = list(wanted)
+    for start in range(0, len(ids), PG_CHUNK):
+        chunk = ids[start : start + PG_CHUNK]
+        params = {"ids": chunk, "seqs": [wanted[i] for i in chunk]}
+        for row in conn.execute(_many_runs(), params):
+            found.setdefault(row.run_id, []).append(row)
+    return {run_id: _context_of(found.get(run_id, []), seq) for run_id, seq in wanted.items()}
 
 
-def _context_of(rows: Any, seq: int) -> str | Unreadable:
+def _context_of(rows: Sequence[Any], seq: int) -> str | Unreadable:
     decoder = Decoder()
     for row in rows:
         try:

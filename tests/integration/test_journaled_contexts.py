@@ -222,6 +222,36 @@ def test_a_claim_past_whole_snapshots_reads_the_latest_context(store_url: str) -
         store.close()
 
 
+def test_a_claim_of_many_long_context_runs_reads_their_journals_in_bulk(store_url: str) -> None:
+    """Recovery claims interrupted runs in bulk: on PostgreSQL their journaled contexts
+    come back in one statement (per 500 runs), not one round trip per run; SQLite, with
+    no round trips, runs one cached statement per run. Every context is the run's own."""
+    store = SQLStore(store_url)
+    count = 30
+    try:
+        for n in range(count):
+            store.create_run(new_run(context=json.dumps({"n": n, "blob": BLOB})))
+        claimed = store.claim(worker="a", now=time.time(), limit=count, lease_seconds=30)
+        assert store.write([start_step(c, "a") for c in claimed]) == [True] * count
+        store.expire_leases(["a"])
+        reads: list[str] = []
+
+        def count_reads(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+            if "flowloop_journal AS earlier" in statement:
+                reads.append(statement)
+
+        sa.event.listen(store.engine, "before_cursor_execute", count_reads)
+        try:
+            again = store.claim_interrupted(worker="b", limit=count, lease_seconds=30)
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", count_reads)
+        assert sorted(json.loads(c.record.context)["n"] for c in again) == list(range(count))
+        postgres = store.engine.dialect.name == "postgresql"
+        assert len(reads) == (1 if postgres else count)
+    finally:
+        store.close()
+
+
 def test_a_missing_journal_entry_is_the_runs_problem_not_an_error(store_url: str) -> None:
     """A journaled context whose whole entry is gone (a damaged database): reading the run
     names the problem (the executor fails such a run as invalid_row) instead of raising,
