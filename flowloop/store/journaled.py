@@ -18,7 +18,7 @@ from typing import Any, Final
 from sqlalchemy import ARRAY, Connection, and_, bindparam, func, not_, or_, select, update
 
 from flowloop.store.base import StoredRun
-from flowloop.store.entries import JOURNALED, SPLICE_KEY, Decoder, replaced_run
+from flowloop.store.entries import JOURNALED, SPLICE_KEY, context_after, replaced_run
 from flowloop.store.schema import journal, runs
 
 
@@ -53,11 +53,15 @@ def _since_whole(run_id: Any, seq: Any) -> Any:
     )
 
 
+CONTEXT_COLUMNS: Final = (journal.c.run_id, journal.c.seq, journal.c.context, journal.c.data)
+"""What reading a context back needs of each row (not the whole entry)."""
+
+
 @functools.cache
 def _one_run() -> Any:
     """The rows of one run (``:run_id``, ``:seq``): compiled once."""
     condition = _since_whole(bindparam("run_id"), bindparam("seq"))
-    return select(journal).where(condition).order_by(journal.c.seq)
+    return select(*CONTEXT_COLUMNS).where(condition).order_by(journal.c.seq)
 
 
 @functools.cache
@@ -74,7 +78,7 @@ def _many_runs() -> Any:
     )
     on = _since_whole(given.c.id, given.c.seq)
     return (
-        select(journal)
+        select(*CONTEXT_COLUMNS)
         .select_from(given.join(journal, on))
         .order_by(journal.c.run_id, journal.c.seq)
     )
@@ -89,7 +93,7 @@ def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | 
     SQLite: one execution of a statement compiled once per run (no round trip; one
     statement for many runs, an OR-term and a subquery each, cost more to compile than
     all of them to run). PostgreSQL: one statement per ``PG_CHUNK`` runs."""
-    if conn.dialect.name != "postgresql":
+    if conn.dialect.name != "postgresql" or len(wanted) == 1:  # one run: a plainer plan
         query = _one_run()
         return {
             run_id: _context_of(list(conn.execute(query, {"run_id": run_id, "seq": seq})), seq)
@@ -106,16 +110,18 @@ def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | 
 
 
 def _context_of(rows: Sequence[Any], seq: int) -> str | Unreadable:
-    decoder = Decoder()
+    """The context ``rows`` (:data:`CONTEXT_COLUMNS`, from a whole context on) end with:
+    only contexts are folded (the entries' other fields are not needed here)."""
+    context: str | None = None
     for row in rows:
         try:
-            decoder.events(row)
+            context = context_after(context, row.context, row.data)
         except Exception as error:  # one broken entry must not make every read raise
             why = str(error) or type(error).__name__
-            return Unreadable(f"its context (in the journal) is unreadable: {why}")
-    if decoder.context is None:
+            return Unreadable(f"its context (in the journal, seq {row.seq}) is unreadable: {why}")
+    if context is None:
         return Unreadable(f"its context (in the journal up to seq {seq}) is missing")
-    return decoder.context
+    return context
 
 
 def resolve(conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
