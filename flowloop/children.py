@@ -313,16 +313,24 @@ async def _join(
     store = joins_of(executor)
     ctx = workflow.load_context(record.context, record.context_version)
     results: list[ChildResult[Any]] = []
-    for row in store.join_results(join_id):
-        results.append(
-            ChildResult(
-                index=row.index,
-                status=row.status,
-                context=child_workflow(spec, row.index).context.model_validate_json(row.context),
-                error=row.error,
-                branch=list(spec.branches)[row.index] if isinstance(spec, ParallelSpec) else None,
+    try:
+        for row in store.join_results(join_id):
+            results.append(
+                ChildResult(
+                    index=row.index,
+                    status=row.status,
+                    context=child_workflow(spec, row.index).context.model_validate_json(
+                        row.context
+                    ),
+                    error=row.error,
+                    branch=list(spec.branches)[row.index]
+                    if isinstance(spec, ParallelSpec)
+                    else None,
+                )
             )
-        )
+    except Exception as error:  # a child's context unreadable: the parent fails, not hangs
+        await _fail(executor, record, fence, error, "child_unreadable")
+        return None
     counts = {"succeeded": 0, "failed": 0, "stopped": 0}
     for result in results:
         counts[compose.call_outcome(result.status)] += 1

@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 
 from flowloop import journal as j
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
+from flowloop.store.entries import row_context
 from flowloop.store.schema import inbox, journal, runs
 
 ATTEMPTS: Final = 5
@@ -89,7 +90,7 @@ class AdmissionStoreMixin:
                         runs.c.owner.is_(None),
                     )
                     .values(
-                        context=context,
+                        context=row_context(context),  # a long one: the journal's below
                         next_run_at=due,
                         last_seq=row.last_seq + 1,
                         updated_at=now,

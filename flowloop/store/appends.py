@@ -646,6 +646,10 @@ def _folded(stored: StoredRun, tail: Sequence[tuple[Any, ...]]) -> StoredRun:
     the failure the executor or recovery writes for it goes after the run's last entry,
     not onto a taken seq."""
     record = stored.record
+    if stored.problem is not None:  # its context is unreadable: nothing to fold onto
+        last = tail[-1]
+        end = dataclasses.replace(record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA]))
+        return replaced_run(stored, record=end)
     decoder = Decoder(record.context)
     for row in tail:
         try:

@@ -6,10 +6,14 @@ context: a 100 KB context cost 100 KB per boundary. An entry's context is now st
 common prefix, of the common suffix, and the text between them. The splice is exact to the
 character (no JSON re-serialization), so a folded journal compares equal to the very text
 the step wrote. Every ``SNAPSHOT_EVERY``-th context of a run is stored whole, and so is
-any context this process has no previous one of (the first write after a claim).
+any context this process has no previous one of. After a claim a run's next context is
+spliced against the claimed one, unless the journal alone keeps it (longer than
+``ROW_CONTEXT_MAX``): readers of such a run start at its latest whole context, so the
+claimer's next one is whole (flowloop/store/sql.py ``_note_claimed``).
 
 Readers undo splices in seq order from a whole context: :meth:`Decoder` starts at seq 1
-(``run_created`` is always whole) or, for a live run's tail, at its row's snapshot.
+(``run_created`` is always whole) or, for a live run's tail, at its row's snapshot; a
+context kept in the journal only is read from its latest whole one (journaled.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
 from flowloop.store.creation import CreationStoreMixin
-from flowloop.store.entries import decode
+from flowloop.store.entries import JOURNALED, SNAPSHOT_EVERY, decode, row_context
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
@@ -469,8 +469,21 @@ class SQLStore(
             rows = self._fold_claimed(conn, [_stored_from_row(row) for row in found])
         rows.sort(key=lambda r: (-r.priority, r.record.next_run_at or 0.0, r.id))
         for stored in rows:  # the claimer's next entry splices against this context
-            self._contexts.note(stored.id, stored.record.last_seq, stored.record.context)
+            self._note_claimed(stored)
         return rows
+
+    def _note_claimed(self, stored: StoredRun) -> None:
+        """The claimed run's context as the base of its next entry's splice. A context the
+        journal alone keeps is read from its latest whole one: the next is whole, so that
+        a run released and claimed again and again does not make every read replay splices
+        back to its creation. An unreadable one is the base of nothing."""
+        record = stored.record
+        if stored.problem is not None:
+            self._contexts.forget(stored.id)
+            return
+        journaled = row_context(record.context) == JOURNALED
+        spliced = SNAPSHOT_EVERY - 1 if journaled else 0
+        self._contexts.note(stored.id, record.last_seq, record.context, spliced)
 
     def claim(
         self,

@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from pydantic import BaseModel
 from storekit import new_run, start_step
 
-from flowloop import Engine, Workflow
+from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
 from flowloop.store import SQLStore, migrate
 from flowloop.store.base import Boundary, Fence, RunFilter
-from flowloop.store.entries import JOURNALED, ROW_CONTEXT_MAX, SNAPSHOT_EVERY
+from flowloop.store.entries import JOURNALED, ROW_CONTEXT_MAX, SNAPSHOT_EVERY, SPLICE_KEY
 from flowloop.store.scan import live_runs
 from flowloop.store.schema import journal, runs
 from flowloop.ui import queries
@@ -161,8 +162,9 @@ def test_a_run_killed_in_a_step_resumes_with_its_whole_context(
 
 
 def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
-    """A step's success (the context's ``n`` set) and the next step's start."""
-    context = json.dumps({"n": n, "blob": BLOB})
+    """A step's success (the context's ``n`` set, its ``log`` one longer: a splice that,
+    applied twice, would not give the same text) and the next step's start."""
+    context = json.dumps({"n": n, "blob": BLOB, "log": "y" * n})
     done = j.JournalEvent(
         run_id=record.id,
         seq=record.last_seq + 1,
@@ -210,7 +212,7 @@ def test_a_claim_past_whole_snapshots_reads_the_latest_context(store_url: str) -
         store.close()
     store = SQLStore(store_url)
     try:
-        expected = {"n": steps, "blob": BLOB}
+        expected = {"n": steps, "blob": BLOB, "log": "y" * steps}
         [live] = [run for page in live_runs(store, created.record.workflow) for run in page]
         assert json.loads(live.context) == expected
         read = store.get_run(created.id)
@@ -307,5 +309,75 @@ def test_the_row_keeps_a_context_up_to_the_limit(store_url: str, size: int) -> N
         assert stored == (context if size <= ROW_CONTEXT_MAX else JOURNALED)
         read = store.get_run(created.id)
         assert read is not None and read.record.context == context
+    finally:
+        store.close()
+
+
+class Napping(BaseModel):
+    naps: int = 0
+    blob: str = BLOB
+
+
+def test_a_run_released_and_claimed_again_and_again_keeps_its_reads_short(
+    store_url: str,
+) -> None:
+    """A step that sleeps (the run released with a due time, then claimed again) more
+    times than ``SNAPSHOT_EVERY``: after each claim the run's next context is whole, so
+    no read ever folds more than ``SNAPSHOT_EVERY`` splices (each claim used to splice
+    onto the last, and every read replayed them all back to the creation)."""
+    naps = SNAPSHOT_EVERY + 8
+    flow = Workflow("napper", context=Napping)
+
+    @flow.step(initial=True, on={"again": "nap", "done": "done"})
+    async def nap(ctx: Napping, step: Step) -> object:
+        if ctx.naps >= naps:
+            return "done"
+        ctx.naps += 1
+        return step.sleep(0.001, "again")
+
+    flow.final("done")
+    with Engine(store_url, workflows=[flow]) as engine:
+        started = engine.start(flow, Napping())
+        engine.run_until_idle()
+        info = engine.get(started.id)
+        assert info.status == "succeeded" and getattr(info.context, "naps", None) == naps
+        assert _raw_context(store_url, started.id) == JOURNALED
+        assert engine.replay(started.id).differences == []
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        with store.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(journal.c.data)
+                .where(journal.c.run_id == started.id, journal.c.context.is_not(None))
+                .order_by(journal.c.seq)
+            ).all()
+    chain = longest = 0
+    for (data,) in rows:
+        chain = chain + 1 if SPLICE_KEY in (data or "") else 0
+        longest = max(longest, chain)
+    assert len(rows) > naps and longest < SNAPSHOT_EVERY
+
+
+def test_an_unreadable_journaled_context_is_never_folded_into_a_new_one(store_url: str) -> None:
+    """A running run whose whole context entry is gone: the claim that recovers it names
+    the problem and folds none of its splices onto nothing; the run fails invalid_row and
+    its row still says the journal has the context (so every read still names it)."""
+    store = SQLStore(store_url)
+    try:
+        created, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
+        claimed = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=30)[0]
+        boundary = start_step(claimed, "a")
+        assert store.write([boundary]) == [True]
+        boundary = _go_on(boundary.record, "a", claimed.lease_epoch, 1)
+        assert store.write([boundary]) == [True]
+        store.expire_leases(["a"])
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.delete(journal).where(journal.c.run_id == created.id, journal.c.seq == 1)
+            )
+        [again] = store.claim_interrupted(worker="b", limit=1, lease_seconds=30)
+        assert again.problem is not None and "missing" in again.problem
+        assert again.record.context == JOURNALED  # not the tail's splice folded onto ''
+        assert again.record.last_seq == boundary.record.last_seq  # a failure goes after it
     finally:
         store.close()
