@@ -381,3 +381,65 @@ def test_an_unreadable_journaled_context_is_never_folded_into_a_new_one(store_ur
         assert again.record.last_seq == boundary.record.last_seq  # a failure goes after it
     finally:
         store.close()
+
+
+class Held(BaseModel):
+    n: int
+    blob: str = BLOB
+
+
+class Parent(BaseModel):
+    total: int = 0
+
+
+def _held_map() -> tuple[Workflow, Workflow]:
+    child = Workflow("held_child", context=Held)
+    child.wait("hold", on={"go": "done"}, initial=True)
+    child.final("done")
+    parent = Workflow("held_parent", context=Parent)
+
+    def reduce(ctx: Parent, results: list[Any]) -> None:
+        ctx.total = sum(r.context.n for r in results)
+
+    parent.map(
+        "fan",
+        child=child,
+        items=lambda ctx: range(3),
+        context=lambda ctx, i: Held(n=i),
+        on={"done": "joined"},
+        reduce=reduce,
+        initial=True,
+    )
+    parent.final("joined")
+    return parent, child
+
+
+def test_a_join_whose_child_context_is_unreadable_fails_its_parent(store_url: str) -> None:
+    """Three children with long contexts end while no worker of the parent runs; one
+    child's journal is lost (a damaged database); the parent's join cannot read that child's
+    context: the parent fails (child_unreadable) instead of hanging, claimed, forever."""
+    parent, child = _held_map()
+    with Engine(store_url, workflows=[parent, child]) as engine:
+        started = engine.start(parent, Parent())
+        engine.run_until_idle()  # the children are created and wait
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        kids = store.children_of(started.id)
+        assert len(kids) == 3
+    with Engine(store_url, workflows=[child]) as engine:  # the children end, not the parent
+        for kid in kids:
+            engine.send(kid.id, "go")
+        engine.run_until_idle()
+        assert {engine.get(kid.id).status for kid in kids} == {"succeeded"}
+        assert engine.get(started.id).state == "fan"
+    broken = kids[1].id
+    store = SQLStore(store_url)
+    try:
+        with store.engine.begin() as conn:
+            conn.execute(sa.delete(journal).where(journal.c.run_id == broken))
+    finally:
+        store.close()
+    with Engine(store_url, workflows=[parent, child]) as engine:
+        engine.run_until_idle()
+        info = engine.get(started.id)
+        assert (info.status, info.reason) == ("failed", "child_unreadable")
