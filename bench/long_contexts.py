@@ -22,16 +22,7 @@ from typing import Any
 
 import common
 from pydantic import BaseModel
-
-
-class Small(BaseModel):
-    n: int = 0
-    blob: str = "x" * 1_000
-
-
-class Large(BaseModel):
-    n: int = 0
-    blob: str = "x" * 100_000
+from wal_pages import Large, Small  # the same ~1 KB and ~100 KB contexts
 
 
 def program(

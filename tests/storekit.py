@@ -10,7 +10,7 @@ import uuid
 
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.store import Boundary, Fence, NewRun, StoredRun
+from flowloop.store import Boundary, Fence, NewRun, SQLStore, StoredRun, migrate
 
 WORKFLOW = "w"
 FINGERPRINT = "f" * 16
@@ -137,3 +137,13 @@ def dead_owner() -> str:
         check=True,
     )
     return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
+
+
+def to_revision(url: str, revision: str) -> None:
+    """Take the database at ``url`` to schema ``revision`` (Alembic, up or down)."""
+    store = SQLStore(url, check_schema=False)
+    try:
+        with store._schema_write() as conn:
+            migrate.to_revision(conn, revision)
+    finally:
+        store.close()

@@ -34,13 +34,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from sqlalchemy import (
-    ARRAY,
     ColumnElement,
     Connection,
     and_,
     bindparam,
     exists,
-    func,
     insert,
     or_,
     select,
@@ -65,7 +63,7 @@ from flowloop.store.entries import (
     row_context,
     stored_from_row,
 )
-from flowloop.store.journaled import resolve
+from flowloop.store.journaled import given_runs, resolve
 from flowloop.store.schema import journal, runs
 
 JSON_SEPARATORS: Final = (",", ":")
@@ -566,14 +564,7 @@ def _claimed_tails(postgres: bool) -> Any:
     on each row's ``last_seq`` (exact only while the caller's transaction holds those rows,
     as a claim's does)."""
     if postgres:
-        given = (
-            func.unnest(
-                bindparam("ids", type_=ARRAY(runs.c.id.type)),
-                bindparam("seqs", type_=ARRAY(runs.c.last_seq.type)),
-            )
-            .table_valued("id", "seq")
-            .render_derived(name="given")
-        )
+        given = given_runs()
         after = and_(journal.c.run_id == given.c.id, journal.c.seq > given.c.seq)
         return (
             select(journal)

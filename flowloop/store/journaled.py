@@ -64,11 +64,11 @@ def _one_run() -> Any:
     return select(*CONTEXT_COLUMNS).where(condition).order_by(journal.c.seq)
 
 
-@functools.cache
-def _many_runs() -> Any:
-    """PostgreSQL: the rows of many runs, their ``(ids, seqs)`` as two array parameters
-    unnested and joined on each run's range (one round trip per chunk)."""
-    given = (
+def given_runs() -> Any:
+    """PostgreSQL: runs given as two array parameters, ``:ids`` and ``:seqs``, unnested
+    into a table ``given(id, seq)`` to join the journal on (one parameter list of any
+    length, one statement)."""
+    return (
         func.unnest(
             bindparam("ids", type_=ARRAY(runs.c.id.type)),
             bindparam("seqs", type_=ARRAY(runs.c.last_seq.type)),
@@ -76,6 +76,13 @@ def _many_runs() -> Any:
         .table_valued("id", "seq")
         .render_derived(name="given")
     )
+
+
+@functools.cache
+def _many_runs() -> Any:
+    """PostgreSQL: the rows of many runs, their ``(ids, seqs)`` as two array parameters
+    unnested and joined on each run's range (one round trip per chunk)."""
+    given = given_runs()
     on = _since_whole(given.c.id, given.c.seq)
     return (
         select(*CONTEXT_COLUMNS)

@@ -17,7 +17,7 @@ from typing import Any
 import sqlalchemy as sa
 from deploykit import OrderV1, order, run_killed_in_charge
 from pydantic import BaseModel
-from storekit import new_run, start_step
+from storekit import new_run, start_step, to_revision
 
 from flowloop import Engine, Workflow
 from flowloop import journal as j
@@ -221,7 +221,7 @@ def test_migration__0013_down_splits_joined_rows_and_up_again(store_url: str) ->
     with Engine(store_url, workflows=[wf]) as engine:
         done = engine.run(wf, Big(blob="z"))
         before = engine.history(done.id)
-    _alembic(store_url, "0012")
+    to_revision(store_url, "0012")
     store = SQLStore(store_url, check_schema=False)
     try:
         rows = _journal_rows(store, done.id)
@@ -232,7 +232,7 @@ def test_migration__0013_down_splits_joined_rows_and_up_again(store_url: str) ->
         ]
     finally:
         store.close()
-    _alembic(store_url, "head")
+    to_revision(store_url, "head")
     with Engine(store_url, workflows=[wf]) as engine:
         assert engine.history(done.id) == before
         again = engine.run(wf, Big(blob="z"))
@@ -274,15 +274,6 @@ def _finish(url: str, now: float, positions: dict[str, str]) -> dict[str, tuple[
     return out
 
 
-def _alembic(url: str, revision: str) -> None:
-    store = SQLStore(url, check_schema=False)
-    try:
-        with store._schema_write() as conn:
-            migrate.to_revision(conn, revision)
-    finally:
-        store.close()
-
-
 def test_migration__previous_layout_upgraded_live_runs_resume_the_same(
     store_url: str, tmp_path: Any
 ) -> None:
@@ -298,7 +289,7 @@ def test_migration__previous_layout_upgraded_live_runs_resume_the_same(
         assert row.last_seq < len(store.journal(positions["interrupted"]))
     finally:
         store.close()
-    _alembic(store_url, "0011")
+    to_revision(store_url, "0011")
     store = SQLStore(store_url, check_schema=False)
     try:
         with store.engine.connect() as conn:
@@ -447,9 +438,9 @@ def test_migration__0014_the_due_index_is_partial_and_claims_still_find_due_runs
     finally:
         store.close()
     assert "next_run_at IS NOT NULL" in _due_index_sql(store_url)
-    _alembic(store_url, "0013")
+    to_revision(store_url, "0013")
     assert "WHERE" not in _due_index_sql(store_url)
-    _alembic(store_url, "head")
+    to_revision(store_url, "head")
     assert "next_run_at IS NOT NULL" in _due_index_sql(store_url)
     store = SQLStore(store_url)
     try:

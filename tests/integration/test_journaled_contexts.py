@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel
-from storekit import new_run, start_step
+from storekit import event, new_run, start_step, to_revision
 
 from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
-from flowloop.store import SQLStore, migrate
+from flowloop.store import SQLStore
 from flowloop.store.base import Boundary, Fence, RunFilter
 from flowloop.store.entries import JOURNALED, ROW_CONTEXT_MAX, SNAPSHOT_EVERY, SPLICE_KEY
 from flowloop.store.scan import live_runs
@@ -71,15 +71,6 @@ def _load(tmp_path: Path) -> Workflow:
     exec(compile(FLOW, str(path), "exec"), namespace)
     workflow: Workflow = namespace["long"]
     return workflow
-
-
-def _alembic(url: str, revision: str) -> None:
-    store = SQLStore(url, check_schema=False)
-    try:
-        with store._schema_write() as conn:
-            migrate.to_revision(conn, revision)
-    finally:
-        store.close()
 
 
 def _raw_context(url: str, run_id: str) -> str:
@@ -165,11 +156,9 @@ def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
     """A step's success (the context's ``n`` set, its ``log`` one longer: a splice that,
     applied twice, would not give the same text) and the next step's start."""
     context = json.dumps({"n": n, "blob": BLOB, "log": "y" * n})
-    done = j.JournalEvent(
-        run_id=record.id,
-        seq=record.last_seq + 1,
-        kind=j.STEP_SUCCEEDED,
-        at=time.time(),
+    done = event(
+        record,
+        j.STEP_SUCCEEDED,
         state=record.state,
         event="next",
         next_state=record.state,
@@ -178,15 +167,7 @@ def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
         worker=worker,
     )
     after = j.apply(record, done)
-    start = j.JournalEvent(
-        run_id=record.id,
-        seq=after.last_seq + 1,
-        kind=j.STEP_STARTED,
-        at=time.time(),
-        state=record.state,
-        attempt=1,
-        worker=worker,
-    )
+    start = event(after, j.STEP_STARTED, state=record.state, attempt=1, worker=worker)
     return Boundary(events=[done, start], record=j.apply(after, start), fence=Fence(worker, epoch))
 
 
@@ -285,10 +266,10 @@ def test_migration__0015_downgrade_writes_long_contexts_back_into_the_rows(
         info = engine.run(workflow, workflow.context())
         waiting = engine.start(workflow, workflow.context(n=40))
     assert _raw_context(store_url, info.id) == JOURNALED
-    _alembic(store_url, "0014")
+    to_revision(store_url, "0014")
     assert json.loads(_raw_context(store_url, info.id)) == {"n": 6, "blob": BLOB}
     assert json.loads(_raw_context(store_url, waiting.id)) == {"n": 40, "blob": BLOB}
-    _alembic(store_url, "head")
+    to_revision(store_url, "head")
     with Engine(store_url, workflows=[workflow]) as engine:
         again = engine.run(workflow, workflow.context())
         assert _raw_context(store_url, again.id) == JOURNALED
