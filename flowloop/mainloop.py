@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import _signal  # type: ignore[import-not-found]  # signal's C module: no enum conversion
 import asyncio
+import contextlib
 import signal
 import threading
+import weakref
 from collections.abc import Coroutine
 from types import FrameType
 from typing import Any, TypeVar
@@ -64,21 +66,29 @@ def _install(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> _Cance
     return handler
 
 
-def refuse_inside_a_loop() -> None:
+def refuse_inside_a_loop(call: str = "run", awaited: str = "arun(...)") -> None:
     """Raise when this thread runs an event loop (its caller must ``await`` instead)."""
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return  # none: the usual case
     raise RuntimeError(
-        "Engine.run cannot be called from a running event loop: await engine.arun(...)"
+        f"Engine.{call} cannot be called from a running event loop: await engine.{awaited}"
     )
 
 
-def run_on(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to its end on ``runner``'s loop (see the module's docstring)."""
+def run_on(
+    runner: asyncio.Runner,
+    coro: Coroutine[Any, Any, T],
+    *,
+    call: str = "run",
+    awaited: str = "arun(...)",
+) -> T:
+    """Run ``coro`` to its end on ``runner``'s loop (see the module's docstring). ``call``
+    and ``awaited`` name the Engine method and its coroutine in the error raised when this
+    thread already runs a loop."""
     try:
-        refuse_inside_a_loop()
+        refuse_inside_a_loop(call, awaited)
     except RuntimeError:
         coro.close()  # never to run: no "coroutine was never awaited" later
         raise
@@ -94,3 +104,49 @@ def run_on(runner: asyncio.Runner, coro: Coroutine[Any, Any, T]) -> T:
     finally:
         if handler is not None and _signal.getsignal(signal.SIGINT) is handler:
             _signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class _Kept:
+    """One thread's kept runner. Held only by that thread's locals (and weakly by its
+    :class:`ThreadLoops`), so it is dropped, and its loop closed, when the thread ends."""
+
+    __slots__ = ("__weakref__", "runner")
+
+    def __init__(self) -> None:
+        self.runner = asyncio.Runner()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # a loop left broken must not fail a close
+            self.runner.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class ThreadLoops:
+    """One event loop per calling thread, kept between calls (building and closing one
+    costs more than a commit), for :func:`run_on`.
+
+    A loop is closed when its thread ends or at :meth:`close`: kept in a list instead, each
+    thread that ever called (a thread per request, say) left its loop open — three file
+    descriptors each — until the engine closed."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._kept: weakref.WeakSet[_Kept] = weakref.WeakSet()
+
+    def runner(self) -> asyncio.Runner:
+        """This thread's runner (made at its first call)."""
+        kept: _Kept | None = getattr(self._local, "kept", None)
+        if kept is None:
+            kept = _Kept()
+            self._local.kept = kept
+            self._kept.add(kept)
+        return kept.runner
+
+    def close(self) -> None:
+        """Close every thread's loop; a later call makes a new one."""
+        for kept in list(self._kept):
+            kept.close()
+        self._kept.clear()
+        self._local = threading.local()
