@@ -502,6 +502,10 @@ class Engine(Operations, LoopControls):
                 await asyncio.wait([task])
                 raise
             finally:
+                # The executor is the engine's, kept between calls: a run cancelled (Ctrl-C)
+                # or failed here must not stay tracked, nor its last record kept, for ever.
+                executor.tracked.discard(stored.id)
+                known = executor.committed.pop(stored.id, None)
                 heartbeat.cancel()
                 # Ended before this returns: the loop is kept, not run, between calls, and a
                 # heartbeat left to end at the next call kept the watchdog watching a loop
@@ -510,8 +514,8 @@ class Engine(Operations, LoopControls):
                 await asyncio.wait([heartbeat])
             if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here
-        executor.tracked.discard(stored.id)
-        known = executor.committed.pop(stored.id, None)
+        else:
+            known = None
         if created and known is not None and known[0].status != "running":
             # The row is what this process committed last: no need to read it back.
             record, at = known

@@ -5,6 +5,9 @@ claim per step instead of going straight on)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
 from pydantic import BaseModel
 
 from flowloop import Engine, Retry, Step, Workflow
@@ -51,3 +54,37 @@ def test_engine_run__after_a_backoff_later_runs_go_straight_on(sqlite_url: str) 
         kinds = [event.kind for event in engine.history(info.id)]
     assert j.RUN_RELEASED not in kinds, kinds
     assert kinds == [j.RUN_CREATED] + [j.STEP_STARTED, j.STEP_SUCCEEDED] * 3, kinds
+
+
+def test_engine_run__a_cancelled_run_is_not_kept_by_the_engines_executor(sqlite_url: str) -> None:
+    """The executor outlives each call: a run cancelled mid-step (a Ctrl-C) must leave
+    neither its id among the tracked runs nor its last committed record behind (both
+    were dropped only on the way out of a call that ended normally)."""
+    wf = Workflow("cut", context=Ctx)
+    entered = asyncio.Event()
+
+    @wf.step(initial=True, next="b")
+    def a(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    @wf.step(next="done")
+    async def b(ctx: Ctx) -> None:
+        entered.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    wf.final("done")
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+
+        async def cut_off() -> None:
+            task = asyncio.create_task(engine.arun(wf, Ctx()))
+            await asyncio.wait_for(entered.wait(), 30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cut_off())
+        executor = engine._executor()
+        assert executor.tracked == set()
+        assert executor.committed == {}
+        (run,) = engine.runs()
+        assert [event.kind for event in engine.history(run.id)][-1] == j.STEP_INTERRUPTED
