@@ -106,6 +106,21 @@ def run_on(
             _signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+async def cancelling_what_it_leaves(work: Coroutine[Any, Any, T]) -> T:
+    """``work``, then the tasks it started and left running (an error cut its drive
+    short) cancelled and awaited: what ``asyncio.run`` does at its end, and a kept loop
+    would otherwise resume them at its next call."""
+    before = asyncio.all_tasks()
+    try:
+        return await work
+    finally:
+        left = asyncio.all_tasks() - before
+        for task in left:
+            task.cancel()
+        if left:
+            await asyncio.gather(*left, return_exceptions=True)
+
+
 class _Kept:
     """One thread's kept runner. Held only by that thread's locals (and weakly by its
     :class:`ThreadLoops`), so it is dropped, and its loop closed, when the thread ends."""

@@ -11,11 +11,13 @@ import os
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
+from flowloop import journal as j
 
 
 class C(BaseModel):
@@ -123,3 +125,39 @@ def test_threads_that_end_leave_no_event_loop_open(tmp_path: Path) -> None:
         assert len(seen) == 1 + 30 * 2
         assert _open_fds() - before < 10
         assert all(loop.is_closed() for loop in seen[1:])
+
+
+def test_run_until_idle__a_drive_cut_short_by_an_error_leaves_no_task_on_the_kept_loop(
+    tmp_path: Path,
+) -> None:
+    """A store error that is not an outage ends the call while a run's task is in its
+    step: the task is cancelled before the call returns (asyncio.run did so at its end),
+    not resumed by the loop's next call."""
+    entered = asyncio.Event()
+    wf = Workflow("cut", context=C)
+
+    @wf.step(initial=True, next="done")
+    async def waits(ctx: C) -> None:
+        entered.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    wf.final("done")
+    with Engine(f"sqlite:///{tmp_path / 'c.db'}", workflows=[wf]) as engine:
+        queued = engine.start(wf, C())
+        store: Any = engine.store
+        real_claim = store.claim
+
+        def claim_then_break(**kwargs: Any) -> Any:
+            if entered.is_set():
+                raise ValueError("the store broke")
+            return real_claim(**kwargs)
+
+        store.claim = claim_then_break
+        with pytest.raises(ValueError, match="the store broke"):
+            engine.run_until_idle()
+        loop = engine._runner().get_loop()
+        assert [task for task in asyncio.all_tasks(loop) if not task.done()] == []
+        store.claim = real_claim
+        # Cut off as asyncio.run's end cut it: journaled, to run again.
+        assert engine.history(queued.id)[-1].kind == j.STEP_INTERRUPTED
+        assert engine.get(queued.id).status == "retrying"
