@@ -106,8 +106,8 @@ class SQLStore(
         self._postgres = dialect_.name == "postgresql"
         self._dbapi_error: type[Exception] = dialect_.loaded_dbapi.Error
         self._build_statements()
+        self._prepare_raw(dialect_)
         if dialect_.name == "sqlite":
-            self._prepare_raw_sqlite(dialect_)
             self._prepare_raw_creation(dialect_)
 
     # -- connections -----------------------------------------------------------------------
