@@ -51,6 +51,7 @@ from sqlalchemy.exc import IntegrityError
 from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
+from flowloop.store.dialect import restart_idle_timer
 from flowloop.store.entries import (
     JOURNAL_FIELDS,
     JOURNALED,
@@ -172,10 +173,17 @@ def _one_write_per_run(boundaries: Sequence[Boundary]) -> bool:
     return len(set(writes)) == len(writes)
 
 
-def _executemany(cursor: Any, stmt: Raw, params: Sequence[Mapping[str, Any]]) -> bool:
-    """``stmt`` once per parameter set on a driver cursor; whether each changed one row."""
+def _executemany(
+    cursor: Any, stmt: Raw, params: Sequence[Mapping[str, Any]], *, postgres: bool
+) -> bool:
+    """``stmt`` once per parameter set on a driver cursor; whether each changed one row.
+    On PostgreSQL the server's idle-in-transaction timer is started again after it, as
+    SQLAlchemy's executemany does here (see :func:`dialect.restart_idle_timer`)."""
     cursor.executemany(stmt.sql, [stmt.args(one) for one in params])
-    return bool(cursor.rowcount == len(params))
+    changed = cursor.rowcount
+    if postgres:
+        restart_idle_timer(cursor.connection)
+    return bool(changed == len(params))
 
 
 class AppendStoreMixin:
@@ -370,11 +378,17 @@ class AppendStoreMixin:
             if not self._postgres:
                 cursor.execute("BEGIN IMMEDIATE")
             try:
+                postgres = self._postgres
                 applied = all(
-                    _executemany(cursor, raw_stmts[owned], params)
+                    _executemany(cursor, raw_stmts[owned], params, postgres=postgres)
                     for owned, params in by_fence.items()
                 ) and all(
-                    _executemany(cursor, raw_stmts[kind], [self._row_params(b) for b in group])
+                    _executemany(
+                        cursor,
+                        raw_stmts[kind],
+                        [self._row_params(b) for b in group],
+                        postgres=postgres,
+                    )
                     for kind, group in groups.items()
                 )
             except BaseException:

@@ -353,6 +353,16 @@ _PG_IN_TRANSACTION: Final = 2
 """psycopg's ``TransactionStatus.INTRANS`` (idle inside a transaction block)."""
 
 
+def restart_idle_timer(connection: Any) -> None:
+    """After an executemany on a psycopg ``connection`` inside a transaction: start the
+    server's idle-in-transaction timer again. psycopg sends an executemany as a pipeline
+    ended by Sync and Flush; PostgreSQL (15, measured) stops the timer when it reads that
+    Flush and does not start it again, so a client lost right after a batch's UPDATE or
+    INSERT would hold the rows' locks for good. Any statement starts the timer again."""
+    if connection.info.transaction_status == _PG_IN_TRANSACTION:
+        connection.execute("SELECT 1")
+
+
 def _postgres_engine(url: URL) -> Engine:
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
@@ -374,13 +384,7 @@ def _postgres_engine(url: URL) -> Engine:
     @event.listens_for(engine, "do_executemany")
     def _on_executemany(cursor: Any, statement: str, parameters: Any, _context: Any) -> bool:
         cursor.executemany(statement, parameters)
-        # psycopg sends an executemany as a pipeline ended by Sync and Flush; PostgreSQL
-        # (15, measured) stops the idle-in-transaction timer when it reads that Flush and
-        # does not start it again: a client lost right after the batch's UPDATE or INSERT
-        # would hold the rows' locks for good. Any statement starts the timer again.
-        conn = cursor.connection
-        if conn.info.transaction_status == _PG_IN_TRANSACTION:
-            conn.execute("SELECT 1")
+        restart_idle_timer(cursor.connection)
         return True
 
     @event.listens_for(engine, "connect")

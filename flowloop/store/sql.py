@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
     Connection,
@@ -151,9 +151,18 @@ class SQLStore(
             try:
                 yield raw
             except dbapi_error as error:
+                # As SQLAlchemy's own execution does: a connection the server ended (its
+                # idle-in-transaction timeout, a restart) is marked invalidated, which makes
+                # the error an outage to retry, and is replaced at the next use.
+                lost = bool(self.engine.dialect.is_disconnect(cast(Any, error), raw, None))
                 with contextlib.suppress(dbapi_error):
                     raw.rollback()
-                raise DBAPIError.instance(None, None, error, dbapi_error) from error
+                if lost:
+                    conn.invalidate()
+                    self._writer = None
+                raise DBAPIError.instance(
+                    None, None, error, dbapi_error, connection_invalidated=lost
+                ) from error
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
