@@ -233,3 +233,75 @@ def test_thread_loops__close_closes_live_threads_loops_and_a_later_call_gets_a_n
         assert second is not first and not second.is_closed()
     finally:
         loops.close()
+
+
+def test_thread_loops__a_thread_that_ends_leaves_nothing_of_its_loop_behind() -> None:
+    """Its loop is closed, not run, as the thread's locals are cleared: Runner.close would
+    unset the thread's current loop, and CPython then builds that thread's state again,
+    never freed (≈ 600 bytes per ended thread, measured; ≈ 50 without)."""
+    import tracemalloc
+
+    loops = ThreadLoops()
+
+    def call() -> None:
+        run_on(loops.runner(), _loop_of())
+
+    def threads(count: int) -> None:
+        for _ in range(count):
+            thread = threading.Thread(target=call)
+            thread.start()
+            thread.join()
+        gc.collect()
+
+    try:
+        threads(50)  # warm: whatever the first threads allocate once
+        tracemalloc.start()
+        try:
+            before = tracemalloc.take_snapshot()
+            threads(300)
+            after = tracemalloc.take_snapshot()
+        finally:
+            tracemalloc.stop()
+        grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+        assert grown / 300 < 300, f"{grown / 300:.0f} bytes kept per ended thread"
+    finally:
+        loops.close()
+
+
+def test_thread_loops__close_from_another_thread_leaves_a_call_in_progress_alone() -> None:
+    """``engine.close()`` while another thread's ``run_until_idle`` runs: that call goes on
+    to its end on its loop (closing it would cancel its tasks from a foreign thread), and
+    the closing thread's own current loop is left as it was."""
+    loops = ThreadLoops()
+    inside = threading.Event()
+    go_on: list[asyncio.Event] = []
+    their: list[asyncio.AbstractEventLoop] = []
+    results: list[str] = []
+
+    async def waits_for_the_close() -> str:
+        go_on.append(asyncio.Event())
+        their.append(asyncio.get_running_loop())
+        inside.set()
+        await go_on[0].wait()
+        return "ended normally"
+
+    def call() -> None:
+        results.append(run_on(loops.runner(), waits_for_the_close()))
+
+    mine = asyncio.new_event_loop()
+    asyncio.set_event_loop(mine)
+    thread = threading.Thread(target=call)
+    try:
+        thread.start()
+        assert inside.wait(30)
+        their_loop = their[0]
+        loops.close()
+        assert their_loop.is_running() and not their_loop.is_closed()
+        their_loop.call_soon_threadsafe(go_on[0].set)
+        thread.join(30)
+        assert results == ["ended normally"]
+        assert asyncio.get_event_loop() is mine
+    finally:
+        asyncio.set_event_loop(None)
+        mine.close()
+        loops.close()
