@@ -24,7 +24,7 @@ from storekit import event, new_run, start_step, to_revision
 from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
 from flowloop.store import SQLStore
-from flowloop.store.base import Boundary, Fence, RunFilter
+from flowloop.store.base import Boundary, Fence, RunFilter, StoredRun
 from flowloop.store.entries import JOURNALED, ROW_CONTEXT_MAX, SNAPSHOT_EVERY, SPLICE_KEY
 from flowloop.store.scan import live_runs
 from flowloop.store.schema import journal, runs
@@ -171,6 +171,16 @@ def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
     return Boundary(events=[done, start], record=j.apply(after, start), fence=Fence(worker, epoch))
 
 
+def _started_long_run(store: SQLStore) -> tuple[StoredRun, StoredRun, Boundary]:
+    """A run with a journaled (long) context, created, claimed by worker "a" and its first
+    step started: the run as created, as claimed, and the start's boundary."""
+    created, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
+    claimed = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=30)[0]
+    boundary = start_step(claimed, "a")
+    assert store.write([boundary]) == [True]
+    return created, claimed, boundary
+
+
 def test_a_claim_past_whole_snapshots_reads_the_latest_context(store_url: str) -> None:
     """More boundaries than ``SNAPSHOT_EVERY`` (so the journal holds whole contexts after
     the creation's), then the writer's lease ends: another worker's claim, a scan of live
@@ -178,10 +188,7 @@ def test_a_claim_past_whole_snapshots_reads_the_latest_context(store_url: str) -
     reads the same."""
     store = SQLStore(store_url)
     try:
-        created, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
-        claimed = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=30)[0]
-        boundary = start_step(claimed, "a")
-        assert store.write([boundary]) == [True]
+        created, claimed, boundary = _started_long_run(store)
         record = boundary.record
         steps = SNAPSHOT_EVERY + 5
         for n in range(1, steps + 1):
@@ -345,10 +352,7 @@ def test_an_unreadable_journaled_context_is_never_folded_into_a_new_one(store_ur
     its row still says the journal has the context (so every read still names it)."""
     store = SQLStore(store_url)
     try:
-        created, _ = store.create_run(new_run(context=json.dumps({"n": 0, "blob": BLOB})))
-        claimed = store.claim(worker="a", now=time.time(), limit=1, lease_seconds=30)[0]
-        boundary = start_step(claimed, "a")
-        assert store.write([boundary]) == [True]
+        created, claimed, boundary = _started_long_run(store)
         boundary = _go_on(boundary.record, "a", claimed.lease_epoch, 1)
         assert store.write([boundary]) == [True]
         store.expire_leases(["a"])
