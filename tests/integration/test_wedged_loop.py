@@ -11,16 +11,19 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
-from flowloop import Engine, Step, Workflow
+from flowloop import Engine, RunInfo, Step, Workflow
 from flowloop.executor import Executor
 from flowloop.leasethread import stall_bound
 
-LEASE_S = 0.6
+LEASE_S = 1.2
+"""Long enough that the renewer, every 0.4 s, outlasts a host hiccup of half a second
+(0.6 s was fenced by one in CI: see :meth:`Outcome.wedge_detected`)."""
 TAKEOVER_LIMIT_S = 40.0
-"""Bound of the whole scenario (the stall bound is 1.8 s on SQLite, 5.2 s on PostgreSQL);
+"""Bound of the whole scenario (the stall bound is 3.6 s on SQLite, 5.4 s on PostgreSQL);
 without the fix it is reached: the wedged worker keeps renewing and nobody takes over."""
 
 
@@ -72,7 +75,32 @@ class Worker:
         assert not self.thread.is_alive()
 
 
-def test_a_wedged_loop_loses_its_lease_to_another_worker(store_url: str) -> None:
+@dataclass
+class Outcome:
+    info: RunInfo
+    lines: list[str]
+    took: float
+    bound: float
+
+    def wedge_detected(self) -> bool:
+        """Whether the renewer stopped for the wedge before the run was fenced for another
+        reason: a host that starved the lease thread itself (a frozen disk, a descheduled
+        process) for the rest of the lease fences the run first, as it must — such a run
+        says nothing about the wedge detection, with or without it."""
+        for line in self.lines:
+            if WEDGED in line:
+                return True
+            if FENCED_LINE in line:
+                return False
+        return False
+
+
+WEDGED = "no longer renewing the leases"
+FENCED_LINE = "lease deadline passed, abandoning it"
+ATTEMPTS = 3
+
+
+def wedge_and_take_over(store_url: str) -> Outcome:
     entered, finished = threading.Event(), threading.Event()
     lines: list[str] = []
 
@@ -80,8 +108,11 @@ def test_a_wedged_loop_loses_its_lease_to_another_worker(store_url: str) -> None
         def emit(self, record: logging.LogRecord) -> None:
             lines.append(record.getMessage())
 
-    handler = Lines(logging.WARNING)
-    logging.getLogger("flowloop").addHandler(handler)
+    handler = Lines(logging.INFO)
+    logger = logging.getLogger("flowloop")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
     wf = wedging_flow(entered, finished)
     kwargs = {"workflows": [wf], "lease_seconds": LEASE_S, "poll_seconds": 0.05}
     try:
@@ -103,12 +134,25 @@ def test_a_wedged_loop_loses_its_lease_to_another_worker(store_url: str) -> None
             finally:
                 finished.set()
                 wedged.end()
-            info = a.get(run_id)
-            bound = stall_bound(a.store, LEASE_S)
+            return Outcome(a.get(run_id), lines, took, stall_bound(a.store, LEASE_S))
     finally:
-        logging.getLogger("flowloop").removeHandler(handler)
-    assert info.status == "succeeded"
-    assert isinstance(info.context, Ctx) and info.context.by == "other", info.context
-    wedged_lines = [line for line in lines if "no longer renewing the leases" in line]
-    assert len(wedged_lines) == 1, lines
-    print(f"stall bound {bound:.1f}s; taken over and finished {took:.1f}s after the start")
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def test_a_wedged_loop_loses_its_lease_to_another_worker(store_url: str) -> None:
+    for attempt in range(1, ATTEMPTS + 1):
+        outcome = wedge_and_take_over(store_url)
+        assert outcome.info.status == "succeeded"
+        assert isinstance(outcome.info.context, Ctx), outcome.info.context
+        assert outcome.info.context.by == "other", outcome.info.context
+        if outcome.wedge_detected():
+            break
+        print(f"attempt {attempt}: fenced before the wedge was detected: {outcome.lines}")
+    else:
+        raise AssertionError(f"the wedge was never what fenced the run: {outcome.lines}")
+    assert sum(WEDGED in line for line in outcome.lines) == 1, outcome.lines
+    print(
+        f"stall bound {outcome.bound:.1f}s; taken over and finished {outcome.took:.1f}s "
+        f"after the start (attempt {attempt})"
+    )
