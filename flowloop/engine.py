@@ -13,14 +13,13 @@ import dataclasses
 import json
 import os
 import time
-import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import children, gates, ids, mainloop, starts, tracecontext
+from flowloop import children, gates, ids, mainloop, runids, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
@@ -302,8 +301,9 @@ class Engine(Operations, LoopControls):
         return {tracecontext.TRACE_KEY: tracecontext.new_run_trace(carrier).to_data()}
 
     def _new_run_id(self, workflow: str, key: str | None, idempotency_key: str | None) -> str:
-        """A new run's id: random (flowloop.testing's TestEngine makes it reproducible)."""
-        return uuid.uuid4().hex
+        """A new run's id: time-ordered, random after the millisecond (flowloop.runids;
+        flowloop.testing's TestEngine makes it reproducible)."""
+        return runids.new_run_id()
 
     @staticmethod
     def _first_due(workflow: Workflow, now: float, run_at: float | None) -> float | None:

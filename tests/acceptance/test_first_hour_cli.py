@@ -180,7 +180,7 @@ def waiting_run(here: Path) -> str:
 
 
 def test_run_ids__a_prefix_works_everywhere_an_id_is_taken(here: Path, waiting_run: str) -> None:
-    prefix = waiting_run[:6]
+    prefix = waiting_run[:16]  # runs started a moment apart share their first digits
     assert f"run       {waiting_run}" in here_cli("status", prefix, cwd=here)
     assert "run_created" in here_cli("history", prefix, cwd=here)
     assert as_json("replay", prefix, "--at", "1", cwd=here)["run_id"] == waiting_run
@@ -363,7 +363,7 @@ def test_json__every_command_and_iso_timestamps(here: Path, waiting_run: str) ->
     ended = as_json("resume", "-w", "orders.py", cwd=here)
     assert ended["recovered"] == 0 and ended["commits"] > 0  # ship ran, and failed
     retried = json.loads(
-        flowloop("retry", failed["id"][:8], "-w", "orders.py", "--json", cwd=here, code=1).stdout
+        flowloop("retry", failed["id"][:16], "-w", "orders.py", "--json", cwd=here, code=1).stdout
     )["run"]
     assert retried["status"] == "failed" and "a negative amount" in retried["error"]
 
@@ -374,7 +374,7 @@ def test_status_json__says_when_it_is_cut_and_pages_with_after(here: Path) -> No
     first = as_json("status", "--limit", "2", cwd=here)
     assert [r["key"] for r in first["runs"]] == ["P2", "P1"]
     assert first["truncated"] is True and first["next_after"] == first["runs"][-1]["id"]
-    rest = as_json("status", "--limit", "2", "--after", first["next_after"][:8], cwd=here)
+    rest = as_json("status", "--limit", "2", "--after", first["next_after"][:16], cwd=here)
     assert [r["key"] for r in rest["runs"]] == ["P0"]
     assert (rest["truncated"], rest["next_after"]) == (False, None)
     table = here_cli("status", "--limit", "2", cwd=here)

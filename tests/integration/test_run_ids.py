@@ -87,3 +87,31 @@ def test_short_id__eight_characters_or_as_many_as_it_takes(engine: Engine) -> No
         engine.store.create_run(new_run("abce0003" + "1" * 24))
         shorter = short_id(engine.store, IDS[2])
         assert len(shorter) == 10 and resolve(engine.store, shorter) == IDS[2]
+
+
+def test_the_engine_gives_runs_ids_that_grow_with_time_and_resolve_by_a_short_prefix(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pydantic import BaseModel
+
+    from flowloop import Workflow, runids
+
+    class Ctx(BaseModel):
+        pass
+
+    wf = Workflow("ids_grow", context=Ctx)
+
+    @wf.step(initial=True, next="end")
+    async def go(ctx: Ctx) -> None:
+        return None
+
+    wf.final("end")
+    with Engine(store_url, workflows=[wf]) as engine:
+        made = []
+        for second in range(3):  # a fake clock: a second between the starts
+            unix_ms = runids.EPOCH_MS + 9_000_000_000 + second * 1000
+            monkeypatch.setattr(runids.time, "time_ns", lambda ms=unix_ms: ms * 1_000_000)
+            made.append(engine.start(wf, Ctx()).id)
+        assert made == sorted(made)
+        assert [resolve(engine.store, run_id[:8]) for run_id in made] == made
+        assert [short_id(engine.store, run_id) for run_id in made] == [r[:8] for r in made]
