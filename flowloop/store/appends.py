@@ -27,11 +27,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
-from collections.abc import Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from sqlalchemy import (
     ColumnElement,
@@ -57,6 +57,7 @@ from flowloop.store.entries import (
     JOURNALED,
     ContextCache,
     Decoder,
+    dumps_sorted,
     encode,
     event_row,
     last_seq_of,
@@ -67,7 +68,6 @@ from flowloop.store.entries import (
 from flowloop.store.journaled import given_runs, resolve
 from flowloop.store.schema import journal, runs
 
-JSON_SEPARATORS: Final = (",", ":")
 RUNNING_FROM: Final = frozenset(
     {
         j.STEP_SUCCEEDED,
@@ -108,10 +108,6 @@ def append_only(boundary: Boundary) -> bool:
     )
 
 
-def _dumps(value: Mapping[str, Any]) -> str:
-    return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
-
-
 def record_columns(record: RunRecord) -> dict[str, Any]:
     return {
         "status": record.status,
@@ -122,7 +118,7 @@ def record_columns(record: RunRecord) -> dict[str, Any]:
         "version": record.version,
         "fingerprint": record.fingerprint,
         "attempt": record.attempt,
-        "visits": _dumps(record.visits),
+        "visits": dumps_sorted(record.visits),
         "next_run_at": record.next_run_at,
         "last_seq": record.last_seq,
         "reason": record.reason,
@@ -156,11 +152,20 @@ class Raw:
         order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
         return cls(compiled.string, order, defaults)
 
+    @functools.cached_property
+    def _positional(self) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
+        """The positional parameters picked out of a mapping at C speed."""
+        assert self.order is not None
+        pick = operator.itemgetter(*self.order)
+        if len(self.order) == 1:
+            return lambda full: (pick(full),)
+        return cast("Callable[[Mapping[str, Any]], tuple[Any, ...]]", pick)
+
     def args(self, params: Mapping[str, Any]) -> Any:
-        full = {**self.defaults, **params}
+        full = {**self.defaults, **params} if self.defaults else params
         if self.order is None:
-            return full
-        return tuple([full[name] for name in self.order])
+            return dict(full)
+        return self._positional(full)
 
 
 class _Retry(Exception):
@@ -198,6 +203,9 @@ class AppendStoreMixin:
         raise NotImplementedError
 
     def _driver(self) -> AbstractContextManager[Any]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _execute_alone(self, sql: str, args: Any) -> int:  # provided by SQLStore
         raise NotImplementedError
 
     # -- statements ------------------------------------------------------------------------
@@ -303,9 +311,12 @@ class AppendStoreMixin:
             params["p_lease"] = self._lease_for_write
         return params
 
-    def _append_params(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> list[Any]:
+    def _append_params(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> list[Any]:
+        """``rows`` (fresh from :func:`encode`) with the fence's parameters added in place."""
         fence = self._fence_params(boundary)
-        return [{**fence, **row} for row in rows]
+        for row in rows:
+            row.update(fence)
+        return list(rows)
 
     def _encode(self, boundaries: Sequence[Boundary]) -> list[list[dict[str, Any]]]:
         return [encode(boundary.events, self._contexts) for boundary in boundaries]
@@ -466,7 +477,7 @@ class AppendStoreMixin:
         return applied
 
     def _apply_one(
-        self, conn: Connection, boundary: Boundary, rows: Sequence[Mapping[str, Any]]
+        self, conn: Connection, boundary: Boundary, rows: Sequence[dict[str, Any]]
     ) -> bool:
         """One boundary: its first entry decides (fence and seq), the rest follow it; then
         the row, when the boundary writes it. False: undo (the caller's savepoint)."""
@@ -482,7 +493,7 @@ class AppendStoreMixin:
         changed = conn.execute(self._row_statement(boundary), self._row_params(boundary))
         return bool(changed.rowcount == 1)
 
-    def _write_one_sqlite(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> bool:
+    def _write_one_sqlite(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> bool:
         assert self._raw is not None
         append = self._raw[boundary.fence.owner is not None]
         params = self._append_params(boundary, rows)
@@ -490,10 +501,7 @@ class AppendStoreMixin:
             # The usual boundary is ONE statement: sent in autocommit it is its own
             # transaction, and an INSERT takes the write lock when it starts (before its
             # SELECT reads the fence), as BEGIN IMMEDIATE would; no BEGIN/COMMIT to send.
-            with self._driver() as raw:
-                cursor = raw.cursor()
-                cursor.execute(append.sql, append.args(params[0]))
-                return bool(cursor.rowcount == 1)
+            return self._execute_alone(append.sql, append.args(params[0])) == 1
         with self._driver() as raw:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")
@@ -565,7 +573,7 @@ class AppendStoreMixin:
     def _dialect_obj(self) -> Any:
         raise NotImplementedError  # provided by SQLStore
 
-    def _write_one_pg(self, boundary: Boundary, rows: Sequence[Mapping[str, Any]]) -> bool:
+    def _write_one_pg(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> bool:
         stmt = self._pg_statement(boundary, len(rows))
         params = self._fence_params(boundary)
         if not append_only(boundary):

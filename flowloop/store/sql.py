@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -29,7 +29,13 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    DBAPIError,
+    IntegrityError,
+    OperationalError,
+    SQLAlchemyError,
+    StatementError,
+)
 
 from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
@@ -47,15 +53,10 @@ from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.schema import definitions, inbox, journal, runs
 
-JSON_SEPARATORS = (",", ":")
 CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
 
 log = logging.getLogger("flowloop.store")
-
-
-def _dumps(value: Mapping[str, Any]) -> str:
-    return json.dumps(value, sort_keys=True, separators=JSON_SEPARATORS)
 
 
 def _sql_literal(value: str) -> Any:
@@ -91,6 +92,8 @@ class SQLStore(
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
         self._writer: Connection | None = None
+        self._driver_for: Connection | None = None
+        self._driver_conn: Any = None
         self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
         self._claim_limits: dict[str, ClaimLimits] = {}
         try:
@@ -119,19 +122,27 @@ class SQLStore(
                 self._writer = None
         self.engine.dispose()
 
+    def _held_conn(self) -> Connection:
+        """The held write connection, connected again when it was lost (``_lock`` held)."""
+        conn = self._writer
+        if conn is None or conn.closed or conn.invalidated:
+            conn = self._writer = self.engine.connect()
+        return conn
+
+    def _drop_writer(self, conn: Connection) -> None:
+        # A dropped connection must not poison the next transaction.
+        conn.invalidate()
+        self._writer = None
+
     @contextmanager
     def _held(self) -> Iterator[Connection]:
         """The held write connection, for one caller at a time."""
         with self._lock:
-            if self._writer is None or self._writer.closed or self._writer.invalidated:
-                self._writer = self.engine.connect()
-            conn = self._writer
+            conn = self._held_conn()
             try:
                 yield conn
             except OperationalError:
-                # A dropped connection must not poison the next transaction.
-                conn.invalidate()
-                self._writer = None
+                self._drop_writer(conn)
                 raise
 
     @contextmanager
@@ -140,29 +151,53 @@ class SQLStore(
         with self._held() as conn, conn.begin():
             yield conn
 
+    def _driver_of(self, conn: Connection) -> Any:
+        """``conn``'s driver connection (kept: three property lookups per boundary)."""
+        if self._driver_for is not conn:
+            self._driver_conn = conn.connection.driver_connection
+            self._driver_for = conn
+        return self._driver_conn
+
     @contextmanager
     def _driver(self) -> Iterator[Any]:
         """The held connection's driver connection, for the precompiled hot path. A driver
         error is rolled back and wrapped as SQLAlchemy would wrap it, so callers (and the
         executor's outage handling) see the same exception types as on every other path."""
         with self._held() as conn:
-            raw: Any = conn.connection.driver_connection
-            dbapi_error = self._dbapi_error
+            raw = self._driver_of(conn)
             try:
                 yield raw
-            except dbapi_error as error:
-                # As SQLAlchemy's own execution does: a connection the server ended (its
-                # idle-in-transaction timeout, a restart) is marked invalidated, which makes
-                # the error an outage to retry, and is replaced at the next use.
-                lost = bool(self.engine.dialect.is_disconnect(cast(Any, error), raw, None))
-                with contextlib.suppress(dbapi_error):
-                    raw.rollback()
-                if lost:
-                    conn.invalidate()
-                    self._writer = None
-                raise DBAPIError.instance(
-                    None, None, error, dbapi_error, connection_invalidated=lost
-                ) from error
+            except self._dbapi_error as error:
+                raise self._driver_error(conn, raw, error) from error
+
+    def _driver_error(self, conn: Connection, raw: Any, error: Exception) -> StatementError:
+        """A driver error as SQLAlchemy's own execution turns it: rolled back, and a
+        connection the server ended (its idle-in-transaction timeout, a restart) marked
+        invalidated — which makes the error an outage to retry — and replaced at the next
+        use."""
+        lost = bool(self.engine.dialect.is_disconnect(cast(Any, error), raw, None))
+        with contextlib.suppress(self._dbapi_error):
+            raw.rollback()
+        if lost:
+            self._drop_writer(conn)
+        return DBAPIError.instance(
+            None, None, error, self._dbapi_error, connection_invalidated=lost
+        )
+
+    def _execute_alone(self, sql: str, args: Any) -> int:
+        """One statement on the held connection's driver, sent alone (in autocommit: its own
+        transaction); its rowcount. Errors as :meth:`_driver` and :meth:`_held` treat them:
+        the usual boundary's write, without their two generator context managers."""
+        with self._lock:
+            conn = self._held_conn()
+            raw = self._driver_of(conn)
+            try:
+                return int(raw.execute(sql, args).rowcount)
+            except self._dbapi_error as error:
+                wrapped = self._driver_error(conn, raw, error)
+                if isinstance(wrapped, OperationalError):
+                    self._drop_writer(conn)
+                raise wrapped from error
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
