@@ -451,14 +451,14 @@ class Executor(Stepping, Recovery):
         return applied
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
-        return JournalEvent(
+        fields.update(
             run_id=record.id,
             seq=record.last_seq + offset,
             kind=kind,
             at=self.clock.now(),
             worker=self.worker_id,
-            **fields,
         )
+        return j.new_event(fields)
 
     async def _finish(
         self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
