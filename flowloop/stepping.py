@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import children, interruptions
+from flowloop import children, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
@@ -121,15 +121,18 @@ class Stepping:
         the run goes straight on with its next step, else ``None``; with it the next
         step's context when this one already parsed it (``loaded``, see below)."""
         spec = workflow.steps[record.state]
-        step = Step(
-            run_id=record.id,
-            workflow=workflow.name,
-            state=record.state,
-            attempt=record.attempt,
-            visit=record.visit(record.state),
-            seq=record.last_seq,
-            worker=self.worker_id,
-            error=step_error(record) if record.error else None,
+        step = frozen.build(  # Step(...) without its frozen __init__ (5.5 us a step)
+            Step,
+            {
+                "run_id": record.id,
+                "workflow": workflow.name,
+                "state": record.state,
+                "attempt": record.attempt,
+                "visit": record.visit(record.state),
+                "seq": record.last_seq,
+                "worker": self.worker_id,
+                "error": step_error(record) if record.error else None,
+            },
         )
         # The step's own copy, carried to the current context version (issue 16) — or
         # parsed by the previous step from this very text (the check of what it stored).
