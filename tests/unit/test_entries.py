@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store import entries
 from flowloop.store.base import StoredRun
 from flowloop.store.entries import (
     JOURNAL_FIELDS,
@@ -223,3 +224,19 @@ def test_stored_from_row__every_field_of_a_real_row() -> None:
     for value in (first, first.record):
         assert set(vars(value)) == {f.name for f in dataclasses.fields(value)}
     assert second.record.visits == {} and second.problem == "stored visits are not a JSON object"
+
+
+def test_entries__a_joined_start_s_data_is_the_json_the_encoder_writes() -> None:
+    """The usual row's ``data`` (a joined start alone) is formatted directly; any other
+    data goes through the encoder: both give the same text, and it reads back."""
+    rand = random.Random(13)
+    values: list[Any] = [1796285892.2361407, 1.0, 1e22, 1.5e-07, 0.1, float("inf"), 7, True]
+    values += [rand.random() * 10 ** rand.randint(-12, 22) for _ in range(2000)]
+    for at in values:
+        for attempt in (0, 1, 12, True):
+            data = {"~then": [at, attempt]}
+            text = entries._data_text(data)
+            assert text == entries.dumps_sorted(data)
+            assert json.loads(text) == data
+    for other in ({"~then": [1.5, 2, {"granted_at": 1.0}]}, {"~then": [1.5, 2], "cv": 2}):
+        assert entries._data_text(other) == json.dumps(other, sort_keys=True, separators=(",", ":"))
