@@ -488,30 +488,34 @@ class Engine(Operations, LoopControls):
         executor = self._executor()
         if created and stored.owner is not None:
             # Fast path: drive the run we just created and claimed, without polling the
-            # queue; the heartbeat keeps its lease alive through long steps.
-            heartbeat = asyncio.create_task(executor.heartbeat())
+            # queue; the lease threads keep its lease alive through long steps.
+            executor.leases.begin()
             executor.tracked.add(stored.id)
             task = executor.spawn(stored, starting=False, claimed_at=sent)
             try:
-                # Not `await task`: a run cut off by an operator's stop or a lost lease ends
-                # its task cancelled, which is the run's outcome, not the caller's
-                # cancellation (its status is read below).
-                await asyncio.wait([task])
+                # Awaited directly (asyncio.wait costs an event-loop turn more per run). The
+                # caller cancelled meanwhile (Ctrl-C) cancels the run's task with it, and
+                # its error comes out once that task has ended (cut off, journaled).
+                await task
             except asyncio.CancelledError:
-                task.cancel()
-                await asyncio.wait([task])
-                raise
+                caller = asyncio.current_task()
+                if caller is not None and caller.cancelling():
+                    if not task.done():
+                        task.cancel()
+                        await asyncio.wait([task])
+                    raise
+                # Only the run's task was cancelled (an operator's stop, a lost lease): that
+                # is the run's outcome, read below, not the caller's cancellation.
             finally:
                 # The executor is the engine's, kept between calls: a run cancelled (Ctrl-C)
                 # or failed here must not stay tracked, nor its last record kept, for ever.
                 executor.tracked.discard(stored.id)
                 known = executor.committed.pop(stored.id, None)
-                heartbeat.cancel()
                 # Ended before this returns: the loop is kept, not run, between calls, and a
                 # heartbeat left to end at the next call kept the watchdog watching a loop
                 # that does not run (a false "event loop blocked" warning at the caller's
                 # next line of its own).
-                await asyncio.wait([heartbeat])
+                executor.leases.end()
             if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here
         else:

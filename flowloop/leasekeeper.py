@@ -109,24 +109,29 @@ class LeaseKeeper:
     async def heartbeat(self) -> None:
         """Run the lease threads (renewals every lease/3, control requests every poll, the
         fence watch) for as long as this task runs."""
-        self._watch_loop_while_beating()
-        self.guard.start(asyncio.get_running_loop())
+        self.begin()
         try:
             await asyncio.get_running_loop().create_future()  # until cancelled
         finally:
-            self.guard.stop()
+            self.end()
+
+    def begin(self) -> None:
+        """On the loop: start what :meth:`heartbeat` runs — the lease threads, and the loop
+        watchdog (flowloop/watchdog.py) whose ticks tell them the loop is alive — until
+        :meth:`end`. Calls nest. ``Engine.run`` calls them around its one run instead of
+        running a heartbeat task (its start, cancellation and wait cost two event-loop
+        turns per run)."""
+        self.executor.watchdog.start()
+        self.guard.start(asyncio.get_running_loop())
+
+    def end(self) -> None:
+        """End one :meth:`begin`."""
+        self.guard.stop()
+        self.executor.watchdog.stop()
 
     def close(self) -> None:
         """Let the lease threads end."""
         self.guard.close()
-
-    def _watch_loop_while_beating(self) -> None:
-        """The loop watchdog (flowloop/watchdog.py) runs as long as a heartbeat does."""
-        beating = asyncio.current_task()
-        if beating is not None:
-            watchdog = self.executor.watchdog
-            watchdog.start()
-            beating.add_done_callback(lambda _: watchdog.stop())
 
     def lost(self, run_id: str, why: str) -> None:
         """On the loop: the lease threads say the run's lease is (or may be) gone — the

@@ -73,7 +73,7 @@ class LoopWatchdog:
         self._warned_for: float | None = None
         self._named: list[str] = []
         self._loop_thread: int | None = None
-        self._ticker: asyncio.Task[None] | None = None
+        self._ticker: asyncio.TimerHandle | None = None
         self._thread: threading.Thread | None = None
         self._users = 0
         self._watching = False
@@ -92,7 +92,7 @@ class LoopWatchdog:
             return
         self._loop_thread = threading.get_ident()
         self._last = time.monotonic()
-        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        self._schedule_tick(asyncio.get_running_loop(), self._last)
         self._watching = True
         if self._thread is None:
             self._thread = threading.Thread(
@@ -136,15 +136,19 @@ class LoopWatchdog:
             self._last = self._excused_at = time.monotonic()
             self._inline = None
 
-    async def _tick(self) -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(TICK_SECONDS)
-            now = time.monotonic()
-            self._last = now
-            lag = now - before - TICK_SECONDS
-            if lag >= self.threshold and self._excused_at <= before:
-                self._stalled(lag)
+    def _schedule_tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
+        # A timer, not a task: starting and stopping it (Engine.run does, per run) costs no
+        # event-loop turn; a cancelled timer is simply never called.
+        self._ticker = loop.call_later(TICK_SECONDS, self._tick, loop, before)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
+        """On the loop, ``TICK_SECONDS`` after ``before`` was noted (later if it stalled)."""
+        now = time.monotonic()
+        self._last = now
+        self._schedule_tick(loop, now)
+        lag = now - before - TICK_SECONDS
+        if lag >= self.threshold and self._excused_at <= before:
+            self._stalled(lag)
 
     def _stalled(self, lag: float) -> None:
         named, self._named, self._warned_for = self._named, [], None
