@@ -91,6 +91,37 @@ class Committer:
         loop.call_soon(self._flush)
         return future
 
+    def write_now(self, boundary: Boundary) -> bool | asyncio.Future[bool]:
+        """:meth:`submit` with ``alone=True`` for the usual boundary of a run driven alone:
+        written at once and its verdict returned, without a future to create, resolve and
+        await, when nothing else is queued or kept. A future otherwise (something queued,
+        or the database is out: the boundary is kept and retried, see :meth:`submit`)."""
+        if self._pending or self._scheduled or self._timer is not None or self._retrying:
+            return self.submit(boundary, alone=True)
+        if boundary.fence.owner is not None and self.fenced(boundary.run_id):
+            return False
+        try:
+            applied = self.store.write([boundary])[0]
+        except Exception as error:
+            if not is_outage(error):
+                self._backoff = 0.0
+                raise
+            future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._retry_later([(boundary, future)], error)
+            return future
+        self._written(1)
+        self._settled(boundary, applied)
+        return applied
+
+    def _written(self, boundaries: int) -> None:
+        self._backoff = 0.0
+        self.stats.commits += 1
+        self.stats.boundaries += boundaries
+
+    def _settled(self, boundary: Boundary, applied: bool) -> None:
+        if applied and boundary.release:
+            self.released.add(boundary.run_id)
+
     def _flush(self) -> None:
         self._scheduled = False
         self._timer = None
@@ -119,15 +150,12 @@ class Committer:
                 return
             self._retry_later(batch, error)
             return
-        self._backoff = 0.0
-        self.stats.commits += 1
-        self.stats.boundaries += len(batch)
+        self._written(len(batch))
         retried_ids = {id(boundary) for boundary, _ in retried}
         for (boundary, future), applied in zip(batch, results, strict=True):
             if not applied and id(boundary) in retried_ids:
                 applied = self._already_applied(boundary)
-            if applied and boundary.release:
-                self.released.add(boundary.run_id)
+            self._settled(boundary, applied)
             if not future.done():
                 future.set_result(applied)
 

@@ -418,7 +418,11 @@ class Executor(Stepping, Recovery):
             self.leases.given_up.add(boundary.run_id)
             return False
         before = time.monotonic()
-        applied = await self.committer.submit(boundary, alone=len(self._active) <= 1)
+        if len(self._active) <= 1:  # one run in flight: nothing can share its commit
+            verdict = self.committer.write_now(boundary)
+            applied = verdict if isinstance(verdict, bool) else await verdict
+        else:
+            applied = await self.committer.submit(boundary)
         if applied and boundary.release:
             self.due_here.note(boundary.run_id, boundary.record.next_run_at)
         if applied:

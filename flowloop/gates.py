@@ -90,6 +90,14 @@ def rate_limits_of(
     return found
 
 
+def gated(workflow: Workflow, spec: StepSpec) -> bool:
+    """Whether a call of ``spec``'s step may be held by a gate (a breaker or a rate limit):
+    if not, :meth:`Gates.check` has nothing to decide (callers skip its coroutine)."""
+    return (
+        spec.breaker is not None or spec.rate_limit is not None or workflow.rate_limit is not None
+    )
+
+
 def _queued(reason: str | None) -> set[str]:
     if reason is None or not reason.startswith(RATE_REASON + ":"):
         return set()

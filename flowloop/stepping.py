@@ -40,6 +40,7 @@ from flowloop.errors import (
     error_line,
 )
 from flowloop.events import check_visits, entering, receive
+from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
 from flowloop.store import Boundary, Fence, Store
@@ -267,7 +268,12 @@ class Stepping:
             elif applied and self._wake is not None and target not in workflow.waits:
                 self._wake.set()
             return None
-        held = await self.gates.check(workflow, after, target, attempt=0)
+        spec = workflow.steps[target]
+        held = (
+            await self.gates.check(workflow, after, target, attempt=0)
+            if gated(workflow, spec)
+            else None
+        )
         if held is not None:  # not called now: deferred (rate limit, breaker) or failed
             await self._finish(record, fence, [transition, held])
             return None
