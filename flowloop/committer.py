@@ -98,9 +98,7 @@ class Committer:
         or the database is out: the boundary is kept and retried, see :meth:`submit`)."""
         if self._pending or self._scheduled or self._timer is not None or self._retrying:
             return self.submit(boundary, alone=True)
-        if boundary.fence.owner is not None and self.fenced(boundary.run_id):
-            return False
-        try:
+        try:  # (not queued: the caller has just looked whether the run is fenced off)
             applied = self.store.write([boundary])[0]
         except Exception as error:
             if not is_outage(error):

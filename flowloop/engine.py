@@ -246,38 +246,45 @@ class Engine(Operations, LoopControls):
         check_key("idempotency key", idempotency_key)
         limit_key = limit_key_of(workflow, ctx)
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
-        created = JournalEvent(
-            run_id=run_id,
-            seq=1,
-            kind=j.RUN_CREATED,
-            at=now,
-            state=workflow.initial,
-            context=ctx.model_dump_json(),
-            worker=self.worker_id,
-            data={
-                "workflow": workflow.name,
-                "version": workflow.version,
-                "fingerprint": workflow.fingerprint,
-                "key": business_key,
-                "due": self._first_due(workflow, now, run_at),
-                **workflow.context_stamp(),
-                **({"limit_key": limit_key} if limit_key is not None else {}),
-                # The whole run's deadline: a durable due time (waiting, retrying included).
-                **({"deadline": now + workflow.deadline} if workflow.deadline else {}),
-                **self._trace_data(run_id, trace_context),
-            },
+        initial = workflow.initial
+        data = {
+            "workflow": workflow.name,
+            "version": workflow.version,
+            "fingerprint": workflow.fingerprint,
+            "key": business_key,
+            "due": self._first_due(workflow, now, run_at),
+            **workflow.context_stamp(),
+        }
+        if limit_key is not None:
+            data["limit_key"] = limit_key
+        if workflow.deadline:  # the whole run's deadline: a durable due time
+            data["deadline"] = now + workflow.deadline
+        data.update(self._trace_data(run_id, trace_context))
+        created = j.new_event(
+            {
+                "run_id": run_id,
+                "seq": 1,
+                "kind": j.RUN_CREATED,
+                "at": now,
+                "state": initial,
+                "context": ctx.model_dump_json(),
+                "worker": self.worker_id,
+                "data": data,
+            }
         )
         events = [created]
         record = j.create(created)
-        if owner is not None and workflow.initial in workflow.steps:
-            started = JournalEvent(
-                run_id=created.run_id,
-                seq=2,
-                kind=j.STEP_STARTED,
-                at=now,
-                state=workflow.initial,
-                attempt=1,
-                worker=owner,
+        if owner is not None and initial in workflow.steps:
+            started = j.new_event(
+                {
+                    "run_id": run_id,
+                    "seq": 2,
+                    "kind": j.STEP_STARTED,
+                    "at": now,
+                    "state": initial,
+                    "attempt": 1,
+                    "worker": owner,
+                }
             )
             events.append(started)
             record = j.apply(record, started)

@@ -188,24 +188,27 @@ def create(event: JournalEvent) -> RunRecord:
     deadline = data.get("deadline")
     if deadline is not None:  # due by its deadline at the latest (a run starting to wait)
         due = deadline if due is None else min(due, deadline)
-    return RunRecord(
-        id=event.run_id,
-        workflow=str(data["workflow"]),
-        version=int(data["version"]),
-        fingerprint=str(data["fingerprint"]),
-        key=data.get("key"),
-        status="scheduled",
-        state=event.state,
-        context=event.context,
-        attempt=0,
-        visits={event.state: 1},
-        next_run_at=due,
-        last_seq=event.seq,
-        reason=None,
-        error=None,
-        context_version=int(data.get(CONTEXT_VERSION, 1)),
-        deadline=deadline,
-        join=data.get("join"),
+    return frozen.build(  # RunRecord(...) without its generated __init__ (once per run)
+        RunRecord,
+        {
+            "id": event.run_id,
+            "workflow": str(data["workflow"]),
+            "version": int(data["version"]),
+            "fingerprint": str(data["fingerprint"]),
+            "key": data.get("key"),
+            "status": "scheduled",
+            "state": event.state,
+            "context": event.context,
+            "attempt": 0,
+            "visits": {event.state: 1},
+            "next_run_at": due,
+            "last_seq": event.seq,
+            "reason": None,
+            "error": None,
+            "context_version": int(data.get(CONTEXT_VERSION, 1)),
+            "deadline": deadline,
+            "join": data.get("join"),
+        },
     )
 
 

@@ -186,8 +186,9 @@ class LeaseGuard:
 
     def fenced(self, run_id: str) -> bool:
         """Whether the run's lease may have ended: write nothing more for it."""
-        with self._lock:
-            return run_id in self._fenced
+        # Read without the lock (asked before and after every write): a set's membership
+        # test is atomic under the GIL, and the lock orders only the updates.
+        return run_id in self._fenced
 
     def lease_until(self, run_id: str) -> float | None:
         with self._lock:
