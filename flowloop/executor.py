@@ -541,7 +541,8 @@ class Executor(Stepping, Recovery):
                 if went_on is None:
                     return
                 record, loaded = went_on
-                await self._let_the_loop_turn()
+                if time.monotonic() >= self._next_turn:  # (checked here: no coroutine a step)
+                    await self._let_the_loop_turn()
         except asyncio.CancelledError:
             if self._controls.get(record.id) != "lost" and record.status == "running":
                 await asyncio.shield(self._cut_off(record, fence))

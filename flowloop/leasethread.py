@@ -201,7 +201,10 @@ class LeaseGuard:
         (until :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
         self._users += 1
         self._loop = loop
-        self._active.set()
+        if not self._active.is_set():
+            # (Setting an Event takes its condition's lock, per run. A thread that clears
+            # it looks at ``_users`` after, so this start is seen either way.)
+            self._active.set()
         with self._lock:
             holding = bool(self._held)
         if holding:

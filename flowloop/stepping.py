@@ -461,24 +461,27 @@ class Stepping:
             return await self._invoke(run_id, spec, ctx, step)
         self.async_steps[run_id] = step
         try:
+            active = self._active.get(run_id)
+            if spec.timeout is None and active is not None:
+                # No timeout to enforce: await the coroutine inline instead of wrapping it
+                # in a Task (a Task costs its creation and two event-loop turns per step).
+                # A stop or a lost lease then cancels the run's own task, which cuts the
+                # step off.
+                active.step_task = active.task
+                try:
+                    return await (spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx))
+                finally:
+                    active.step_task = None
             return await self._invoke(run_id, spec, ctx, step)
         finally:
             self.async_steps.pop(run_id, None)
 
     async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+        """The step in a task of its own (an ``async def`` step with a timeout) or a thread."""
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []
         thread: Future[Any] | None = None
         active = self._active.get(run_id)
-        if spec.is_async and spec.timeout is None and active is not None:
-            # No timeout to enforce: await the coroutine inline instead of wrapping it in a
-            # Task (a Task costs its creation and two event-loop turns per step). A stop
-            # or a lost lease then cancels the run's own task, which cuts the step off.
-            active.step_task = active.task
-            try:
-                return await spec.fn(*args)
-            finally:
-                active.step_task = None
         if spec.is_async:
             future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
         else:

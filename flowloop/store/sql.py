@@ -374,7 +374,11 @@ class SQLStore(
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
         if not boundaries:
             return []
-        if any(reports_end(b) for b in boundaries):
+        if (
+            reports_end(boundaries[0])
+            if len(boundaries) == 1
+            else any(map(reports_end, boundaries))
+        ):
             # A child's end: its join counter and its parent in the same transaction.
             return self._write_with_ends(boundaries)
         return self._write_appends(boundaries)
