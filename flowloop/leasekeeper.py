@@ -102,6 +102,12 @@ class LeaseKeeper:
     def forget(self, run_id: str) -> None:
         self.guard.drop(run_id)
 
+    @property
+    def handed(self) -> int:
+        """How many calls the lease threads have handed to the loop (it changes when a lost
+        lease or a control request is on its way)."""
+        return self.guard.handed
+
     def fenced(self, run_id: str) -> bool:
         """The run's lease may have ended (deadline passed unrenewed): write nothing for it."""
         return self.guard.fenced(run_id)

@@ -151,6 +151,9 @@ class LeaseGuard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
+        self.handed = 0
+        """Calls handed to the loop so far (lost leases, control requests): it changes when
+        one is on its way."""
 
     # -- the loop's side -------------------------------------------------------------------
 
@@ -240,6 +243,9 @@ class LeaseGuard:
     # -- the threads -----------------------------------------------------------------------
 
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
+        # Counted before it is queued: a loop thread that sees the count change takes a
+        # turn to run it (an inline step's end; see Stepping._step).
+        self.handed += 1
         loop = self._loop
         if loop is None or loop.is_closed():
             return

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from flowloop.committer import Stats
     from flowloop.executor import Executor, _Active
     from flowloop.gates import Gates
+    from flowloop.leasekeeper import LeaseKeeper
     from flowloop.steppool import StepThreads
     from flowloop.watchdog import LoopWatchdog
 
@@ -101,6 +102,7 @@ class Stepping:
         _wake: asyncio.Event | None
         _threads: StepThreads
         watchdog: LoopWatchdog
+        leases: LeaseKeeper
 
         async def _commit(self, boundary: Boundary) -> bool: ...
         async def _finish(
@@ -157,10 +159,14 @@ class Stepping:
         started = self.clock.monotonic()
         try:
             if record.deadline is None and self._inline(spec):
+                handed = self.leases.handed
                 returned = self._call_inline(spec, ctx, step)
                 # What arrived while it ran (a stop or pause polled by the lease thread, a
-                # Ctrl-C's cancellation) lands now, before its outcome is committed.
-                await asyncio.sleep(0)
+                # Ctrl-C's cancellation) lands now, before its outcome is committed: a loop
+                # turn, taken when something did arrive (one every step cost more than it).
+                this = asyncio.current_task()
+                if self.leases.handed != handed or (this is not None and this.cancelling()):
+                    await asyncio.sleep(0)
             elif record.deadline is None:
                 returned = await self._call(record.id, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)
@@ -448,10 +454,11 @@ class Stepping:
         loop = asyncio.get_running_loop()
         _INLINE.depth = getattr(_INLINE, "depth", 0) + 1
         asyncio.events._set_running_loop(None)
+        self.watchdog.excuse()
         try:
-            with self.watchdog.excused():
-                return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
+            return spec.fn(ctx, step) if spec.wants_step else spec.fn(ctx)
         finally:
+            self.watchdog.end_excuse()
             asyncio.events._set_running_loop(loop)
             asyncio.set_event_loop(loop)  # an asyncio.run in the step resets it to None
             _INLINE.depth -= 1

@@ -17,8 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final, Protocol
 
@@ -124,17 +123,16 @@ class LoopWatchdog:
             return time.monotonic()  # in a step, alive: as a step's thread would be
         return self._last if self._watching else None
 
-    @contextmanager
-    def excused(self) -> Iterator[None]:
-        """Around a plain ``def`` step run on the loop's thread on purpose (``Engine.run``
+    def excuse(self) -> None:
+        """Before a plain ``def`` step run on the loop's thread on purpose (``Engine.run``
         drives one run on a loop of its own): no stall warning, and the leases are renewed
-        for as long as it runs, as they are for a step in a thread."""
+        for as long as it runs, as they are for a step in a thread — until
+        :meth:`end_excuse`, which must follow (``finally``)."""
         self._inline = time.monotonic()
-        try:
-            yield
-        finally:
-            self._last = self._excused_at = time.monotonic()
-            self._inline = None
+
+    def end_excuse(self) -> None:
+        self._last = self._excused_at = time.monotonic()
+        self._inline = None
 
     def _schedule_tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
         # A timer, not a task: starting and stopping it (Engine.run does, per run) costs no
