@@ -59,7 +59,9 @@ from flowloop.store.entries import (
     Decoder,
     dumps_sorted,
     encode,
+    encode_joined,
     event_row,
+    joinable,
     last_seq_of,
     replaced_run,
     row_context,
@@ -332,6 +334,10 @@ class AppendStoreMixin:
 
     def _write_appends(self, boundaries: Sequence[Boundary]) -> list[bool]:
         """:meth:`Store.write` for boundaries that report no child's end."""
+        if len(boundaries) == 1 and self._raw is not None:
+            usual = self._append_joined_sqlite(boundaries[0])
+            if usual is not None:
+                return [usual]
         encoded = self._encode(boundaries)
         applied: list[bool] = [False] * len(boundaries)
         try:
@@ -492,6 +498,26 @@ class AppendStoreMixin:
             return True
         changed = conn.execute(self._row_statement(boundary), self._row_params(boundary))
         return bool(changed.rowcount == 1)
+
+    def _append_joined_sqlite(self, boundary: Boundary) -> bool | None:
+        """The usual boundary of a running run, one joined row appended alone (see
+        :meth:`_write_one_sqlite`), written without the general path's steps (one
+        ``_encode``, parameter dicts merged, ``_settle``); ``None``: not that boundary."""
+        assert self._raw is not None
+        events = boundary.events
+        if len(events) != 2 or not append_only(boundary) or not joinable(*events):
+            return None
+        try:
+            row = encode_joined(events[0], events[1], self._contexts)
+            row.update(self._fence_params(boundary))
+            append = self._raw[True]  # append_only: owned
+            applied = self._execute_alone(append.sql, append.args(row)) == 1
+        except BaseException:
+            self._contexts.forget(boundary.run_id)  # as _settle: no splice on a lost base
+            raise
+        if not applied:
+            self._contexts.forget(boundary.run_id)
+        return applied
 
     def _write_one_sqlite(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> bool:
         assert self._raw is not None

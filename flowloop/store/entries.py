@@ -187,40 +187,63 @@ def encode(events: Iterable[JournalEvent], cache: ContextCache) -> list[dict[str
     previous: JournalEvent | None = None
     for event in events:
         if previous is not None and joinable(previous, event):
-            datas[-1][THEN_KEY] = _then(event)
-            known = cache.get(event.run_id)
-            if known is not None and known[0] == previous.seq:
-                cache.note(event.run_id, event.seq, known[1], known[2])
+            _join(datas[-1], previous, event, cache)
             previous = None  # at most two entries per row
             continue
         previous = event
-        row = event_row(event, dump=False)
-        data: dict[str, Any] = dict(event.data) if event.data else {}
+        row, data = _entry(event, cache)
         rows.append(row)
         datas.append(data)
-        known = cache.get(event.run_id)
-        if known is None or known[0] != event.seq - 1:
-            if event.context is not None:
-                cache.note(event.run_id, event.seq, event.context)
-            else:
-                cache.forget(event.run_id)
-            continue
-        _, context, spliced = known
-        if event.context is None:
-            cache.note(event.run_id, event.seq, context, spliced)
-            continue
-        cut = splice(context, event.context) if spliced + 1 < SNAPSHOT_EVERY else None
-        if cut is None:
-            spliced = 0
-        else:
-            prefix, suffix, middle = cut
-            row["context"] = middle
-            data[SPLICE_KEY] = [prefix, suffix]
-            spliced += 1
-        cache.note(event.run_id, event.seq, event.context, spliced)
     for row, data in zip(rows, datas, strict=True):
         row["data"] = _data_text(data) if data else None
     return rows
+
+
+def encode_joined(first: JournalEvent, then: JournalEvent, cache: ContextCache) -> dict[str, Any]:
+    """:func:`encode` of the usual boundary alone — a step's success and the next step's
+    start, :func:`joinable` — as its one row, without the general loop."""
+    row, data = _entry(first, cache)
+    _join(data, first, then, cache)
+    row["data"] = _data_text(data)
+    return row
+
+
+def _entry(event: JournalEvent, cache: ContextCache) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``event``'s row (its ``data`` left to fill in) and data, its context spliced
+    against the run's cached previous one where that saves; the cache moves on."""
+    row = event_row(event, dump=False)
+    data: dict[str, Any] = dict(event.data) if event.data else {}
+    known = cache.get(event.run_id)
+    if known is None or known[0] != event.seq - 1:
+        if event.context is not None:
+            cache.note(event.run_id, event.seq, event.context)
+        else:
+            cache.forget(event.run_id)
+        return row, data
+    _, context, spliced = known
+    if event.context is None:
+        cache.note(event.run_id, event.seq, context, spliced)
+        return row, data
+    cut = splice(context, event.context) if spliced + 1 < SNAPSHOT_EVERY else None
+    if cut is None:
+        spliced = 0
+    else:
+        prefix, suffix, middle = cut
+        row["context"] = middle
+        data[SPLICE_KEY] = [prefix, suffix]
+        spliced += 1
+    cache.note(event.run_id, event.seq, event.context, spliced)
+    return row, data
+
+
+def _join(
+    data: dict[str, Any], first: JournalEvent, then: JournalEvent, cache: ContextCache
+) -> None:
+    """``then`` (a start joinable to ``first``) into ``first``'s row data; the cache moves on."""
+    data[THEN_KEY] = _then(then)
+    known = cache.get(then.run_id)
+    if known is not None and known[0] == first.seq:
+        cache.note(then.run_id, then.seq, known[1], known[2])
 
 
 def _data_text(data: Mapping[str, Any]) -> str:
