@@ -27,11 +27,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import operator
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from sqlalchemy import (
     ColumnElement,
@@ -68,6 +66,7 @@ from flowloop.store.entries import (
     stored_from_row,
 )
 from flowloop.store.journaled import given_runs, resolve
+from flowloop.store.raw import Raw
 from flowloop.store.schema import journal, runs
 
 RUNNING_FROM: Final = frozenset(
@@ -136,38 +135,6 @@ def stored_columns(record: RunRecord) -> dict[str, Any]:
     columns = record_columns(record)
     columns["context"] = row_context(record.context)
     return columns
-
-
-@dataclass(frozen=True)
-class Raw:
-    """A statement compiled once for one dialect: its SQL, the order of its positional
-    parameters, and the values of parameters bound at build time (e.g. ``control=None``)."""
-
-    sql: str
-    order: tuple[str, ...] | None
-    defaults: dict[str, Any]
-
-    @classmethod
-    def of(cls, stmt: Any, dialect: Any, column_keys: list[str] | None = None) -> Raw:
-        compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
-        defaults = dict(compiled.construct_params(_check=False))
-        order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
-        return cls(compiled.string, order, defaults)
-
-    @functools.cached_property
-    def _positional(self) -> Callable[[Mapping[str, Any]], tuple[Any, ...]]:
-        """The positional parameters picked out of a mapping at C speed."""
-        assert self.order is not None
-        pick = operator.itemgetter(*self.order)
-        if len(self.order) == 1:
-            return lambda full: (pick(full),)
-        return cast("Callable[[Mapping[str, Any]], tuple[Any, ...]]", pick)
-
-    def args(self, params: Mapping[str, Any]) -> Any:
-        full = {**self.defaults, **params} if self.defaults else params
-        if self.order is None:
-            return dict(full)
-        return self._positional(full)
 
 
 class _Retry(Exception):
@@ -533,15 +500,15 @@ class AppendStoreMixin:
             cursor.execute("BEGIN IMMEDIATE")
             try:
                 if params:
-                    cursor.execute(append.sql, append.args(params[0]))
+                    cursor.execute(*append.bound(params[0]))
                     if cursor.rowcount != 1:
                         raw.rollback()
                         return False
                     for one in params[1:]:
-                        cursor.execute(append.sql, append.args(one))
+                        cursor.execute(*append.bound(one))
                 if not append_only(boundary):
                     update_stmt = self._raw[_row_kind(boundary)]
-                    cursor.execute(update_stmt.sql, update_stmt.args(self._row_params(boundary)))
+                    cursor.execute(*update_stmt.bound(self._row_params(boundary)))
                     if cursor.rowcount != 1:
                         raw.rollback()
                         return False

@@ -30,10 +30,11 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from flowloop.store import dialect
-from flowloop.store.appends import Raw, stored_columns
+from flowloop.store.appends import stored_columns
 from flowloop.store.base import NewRun, StoredRun
 from flowloop.store.entries import JOURNAL_FIELDS, ContextCache, event_row, replaced_run
 from flowloop.store.entries import stored_from_row as _stored_from_row
+from flowloop.store.raw import Raw
 from flowloop.store.schema import journal, runs
 
 CREATE_ATTEMPTS: Final = 3
@@ -183,9 +184,10 @@ class CreationStoreMixin:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")
             try:
-                cursor.execute(stmt.sql, stmt.args(params))
+                cursor.execute(*stmt.bound(params))
                 lease = cursor.fetchone()[0]
-                cursor.executemany(event.sql, [event.args(event_row(e)) for e in new.events])
+                for entry in new.events:  # (each its own NULLs: no executemany)
+                    cursor.execute(*event.bound(event_row(entry)))
             except self._dbapi_integrity:
                 raw.rollback()
                 return None
