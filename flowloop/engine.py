@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import time
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import children, gates, ids, mainloop, runids, starts, tracecontext
+from flowloop import children, frozen, gates, ids, mainloop, runids, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
@@ -288,14 +287,17 @@ class Engine(Operations, LoopControls):
             )
             events.append(started)
             record = j.apply(record, started)
-        return NewRun(
-            record=record,
-            events=events,
-            idempotency_key=idempotency_key,
-            priority=priority,
-            owner=owner,
-            lease_seconds=self.lease_seconds,
-            limit_key=limit_key,
+        return frozen.build(  # NewRun(...) without its generated __init__ (one per run)
+            NewRun,
+            {
+                "record": record,
+                "events": events,
+                "idempotency_key": idempotency_key,
+                "priority": priority,
+                "owner": owner,
+                "lease_seconds": self.lease_seconds,
+                "limit_key": limit_key,
+            },
         )
 
     def _trace_data(self, run_id: str, carrier: Mapping[str, str] | None) -> dict[str, Any]:
@@ -531,7 +533,7 @@ class Engine(Operations, LoopControls):
             # The row is what this process committed last: no need to read it back.
             record, at = known
             info = self._info(
-                dataclasses.replace(
+                frozen.replaced(
                     stored, record=record, owner=None, lease_expires_at=None, updated_at=at
                 )
             )

@@ -67,3 +67,17 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
         missing = ", ".join(sorted(plan.names - fields.keys()))
         raise TypeError(f"{cls.__name__} needs {missing}")
     return made
+
+
+def replaced(made: T, **change: Any) -> T:
+    """``dataclasses.replace(made, **change)`` for a frozen dataclass :func:`build` serves,
+    its dict copied (``replace`` calls the generated ``__init__`` through a generic path)."""
+    plan = _PLANS.get(type(made)) or _plan(type(made))
+    if not change.keys() <= plan.names:
+        unknown = ", ".join(sorted(change.keys() - plan.names))
+        raise TypeError(f"{type(made).__name__} has no field(s) {unknown}")
+    copy = object.__new__(type(made))
+    fields = vars(copy)
+    fields.update(vars(made))
+    fields.update(change)
+    return copy

@@ -9,6 +9,7 @@ from typing import Any, Final, overload
 
 from pydantic import BaseModel
 
+from flowloop import frozen
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
@@ -121,22 +122,25 @@ def run_info(stored: StoredRun, workflow: Workflow | None) -> RunInfo:
             context = {INVALID_JSON_KEY: record.context}
         if not isinstance(context, dict):
             context = {INVALID_JSON_KEY: record.context}
-    return RunInfo(
-        id=record.id,
-        workflow=record.workflow,
-        version=record.version,
-        status=record.status,
-        state=record.state,
-        context=context,
-        attempt=record.attempt,
-        key=record.key,
-        reason=record.reason,
-        error=record.error,
-        next_run_at=record.next_run_at,
-        owner=stored.owner,
-        last_seq=record.last_seq,
-        created_at=stored.created_at,
-        updated_at=stored.updated_at,
-        visits=dict(record.visits),
-        fingerprint=record.fingerprint,
+    return frozen.build(  # RunInfo(...) without its generated __init__ (one per run)
+        RunInfo,
+        {
+            "id": record.id,
+            "workflow": record.workflow,
+            "version": record.version,
+            "status": record.status,
+            "state": record.state,
+            "context": context,
+            "attempt": record.attempt,
+            "key": record.key,
+            "reason": record.reason,
+            "error": record.error,
+            "next_run_at": record.next_run_at,
+            "owner": stored.owner,
+            "last_seq": record.last_seq,
+            "created_at": stored.created_at,
+            "updated_at": stored.updated_at,
+            "visits": dict(record.visits),
+            "fingerprint": record.fingerprint,
+        },
     )

@@ -29,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from flowloop import frozen
 from flowloop.store import dialect
 from flowloop.store.appends import stored_columns
 from flowloop.store.base import NewRun, StoredRun
@@ -87,16 +88,19 @@ def _new_run_row(new: NewRun) -> dict[str, Any]:
 
 def _created(new: NewRun, row: dict[str, Any], lease: float | None) -> StoredRun:
     """The stored run a plain creation made (what reading its row back would give)."""
-    return StoredRun(
-        record=new.record,
-        idempotency_key=None,
-        priority=new.priority,
-        owner=new.owner,
-        lease_expires_at=lease,
-        lease_epoch=row["lease_epoch"],
-        control=None,
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
+    return frozen.build(  # StoredRun(...) without its generated __init__ (one per run)
+        StoredRun,
+        {
+            "record": new.record,
+            "idempotency_key": None,
+            "priority": new.priority,
+            "owner": new.owner,
+            "lease_expires_at": lease,
+            "lease_epoch": row["lease_epoch"],
+            "control": None,
+            "created_at": row["created_at"],
+            "updated_at": row["updated_at"],
+        },
     )
 
 

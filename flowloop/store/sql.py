@@ -94,6 +94,7 @@ class SQLStore(
         self._writer: Connection | None = None
         self._driver_for: Connection | None = None
         self._driver_conn: Any = None
+        self._driver_cursor: Any = None
         self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
         self._claim_limits: dict[str, ClaimLimits] = {}
         try:
@@ -155,6 +156,7 @@ class SQLStore(
         """``conn``'s driver connection (kept: three property lookups per boundary)."""
         if self._driver_for is not conn:
             self._driver_conn = conn.connection.driver_connection
+            self._driver_cursor = None
             self._driver_for = conn
         return self._driver_conn
 
@@ -192,7 +194,10 @@ class SQLStore(
             conn = self._held_conn()
             raw = self._driver_of(conn)
             try:
-                return int(raw.execute(sql, args).rowcount)
+                cursor = self._driver_cursor
+                if cursor is None:  # kept with its connection: a new one per call costs more
+                    cursor = self._driver_cursor = raw.cursor()
+                return int(cursor.execute(sql, args).rowcount)
             except self._dbapi_error as error:
                 wrapped = self._driver_error(conn, raw, error)
                 if isinstance(wrapped, OperationalError):

@@ -58,3 +58,11 @@ def test_frozen__classes_it_cannot_fill_are_refused() -> None:
     for cls in (Checked, Slotted):
         with pytest.raises(TypeError, match=cls.__name__):
             frozen.build(cls, {"n": 1})
+
+
+def test_frozen__replaced_equals_dataclasses_replace_and_checks_names() -> None:
+    event = new_event({"run_id": "r", "seq": 3, "kind": "step_started", "at": 1.5})
+    moved = frozen.replaced(event, seq=4, data={"x": 1})
+    assert moved == dataclasses.replace(event, seq=4, data={"x": 1}) and event.seq == 3
+    with pytest.raises(TypeError, match="no field"):
+        frozen.replaced(event, sek=4)
