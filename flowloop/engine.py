@@ -500,8 +500,8 @@ class Engine(Operations, LoopControls):
             # queue; the lease threads keep its lease alive through long steps.
             executor.leases.begin()
             executor.tracked.add(stored.id)
-            task = executor.spawn(stored, starting=False, claimed_at=sent)
             try:
+                task = executor.spawn(stored, starting=False, claimed_at=sent)
                 # Awaited directly (asyncio.wait costs an event-loop turn more per run). The
                 # caller cancelled meanwhile (Ctrl-C) cancels the run's task with it, and
                 # its error comes out once that task has ended (cut off, journaled).
@@ -521,9 +521,8 @@ class Engine(Operations, LoopControls):
                 executor.tracked.discard(stored.id)
                 known = executor.committed.pop(stored.id, None)
                 # Ended before this returns: the loop is kept, not run, between calls, and a
-                # heartbeat left to end at the next call kept the watchdog watching a loop
-                # that does not run (a false "event loop blocked" warning at the caller's
-                # next line of its own).
+                # watchdog left watching it would warn of an "event loop blocked" at the
+                # caller's next line of its own.
                 executor.leases.end()
             if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here

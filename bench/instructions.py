@@ -1,0 +1,160 @@
+"""Instructions per step, counted by callgrind: the figure a noisy VM does not move.
+
+Timings on a shared 2-vCPU VM move ±10-30 % between samples (neighbours, CPU frequency);
+``valgrind --tool=callgrind`` counts the instructions this process executes, the same to
+0.2 % from run to run whatever else the machine does (the database file's writes are the
+kernel's work and are not counted, nor is PostgreSQL's). Each program runs in a child
+process under callgrind, which counts only its measured batch: the batch runs inside
+``functools.reduce``, the C function ``--toggle-collect`` names (set-up, imports and warm-up
+runs are not counted).
+
+Programs, each a fresh SQLite file (WAL, ``synchronous=NORMAL``), sequential runs of a
+workflow of ``--steps`` trivial steps:
+
+* ``async`` / ``sync``: flowloop, ``engine.run()`` per run, ``async def`` / plain ``def`` steps
+* ``core``: seq_steps.py's hand-written SQLAlchemy Core loop (one transaction per boundary)
+* ``floor``: the same SQL on the stdlib sqlite3 driver
+
+    python bench/instructions.py                     # ~3 minutes (valgrind is ~50x slower)
+    python bench/instructions.py --programs async --steps 1,10,50
+    python bench/instructions.py --quick             # smoke run
+
+Needs valgrind (Debian: ``apt-get install valgrind``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+import common
+
+PROGRAMS = ("async", "sync", "core", "floor")
+
+
+def _child(program: str, runs: int, steps: int, directory: str) -> None:
+    """In the child, under callgrind: set up, warm up, then one counted batch of runs."""
+    import seq_steps
+
+    backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
+    if program in ("async", "sync"):
+        from flowloop import Engine
+
+        workflow = common.chain(f"i_{program}", steps, kind=program)
+        with backend.database() as url:
+            engine = Engine(url, workflows=[workflow])
+            for _ in range(max(3, runs // 5)):
+                engine.run(workflow, common.Ctx())
+
+            def batch(_a: Any, _b: Any) -> None:
+                for _ in range(runs):
+                    engine.run(workflow, common.Ctx())
+
+            functools.reduce(batch, [0, 1])
+            engine.close()
+        return
+    # A baseline program is one call: its database and table made, ``runs`` warm-up runs,
+    # ``runs`` timed runs. Counted whole; _count subtracts a count at half the runs.
+    make = seq_steps.floor_program if program == "floor" else seq_steps.core_program
+    run = make(backend, steps, runs)
+    functools.reduce(lambda _a, _b: run(0), [0, 1])
+
+
+def _count(program: str, runs: int, steps: int, directory: str) -> float:
+    """Instructions per step of one program. flowloop's batch is counted alone; a
+    baseline's call also makes its database (2 x ``runs`` runs): the difference of two
+    counts, at ``runs`` and twice that, is ``2 x runs`` runs."""
+    if program in ("core", "floor"):
+        once = _collected(program, runs, steps, directory)
+        twice = _collected(program, 2 * runs, steps, directory)
+        return (twice - once) / (2 * runs * steps)
+    return _collected(program, runs, steps, directory) / (runs * steps)
+
+
+def _collected(program: str, runs: int, steps: int, directory: str) -> int:
+    """The instructions callgrind counted in one child process."""
+    out = os.path.join(directory, f"callgrind.{program}.{steps}.{runs}.out")
+    done = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--collect-atstart=no",
+            "--toggle-collect=functools_reduce",
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            __file__,
+            "--child",
+            program,
+            str(runs),
+            str(steps),
+            directory,
+        ],
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"{program}: callgrind failed:\n{done.stderr[-2000:]}")
+    return int(found.group(1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        program, runs, steps, directory = argv[1], int(argv[2]), int(argv[3]), argv[4]
+        _child(program, runs, steps, directory)
+        return 0
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=None, help="runs per program (default 20)")
+    p.add_argument("--steps", default="10", help="steps per run, comma-separated (default 10)")
+    p.add_argument("--programs", default=",".join(PROGRAMS), help="which programs")
+    args = p.parse_args(argv)
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
+        return 2
+    runs = args.runs or (2 if args.quick else 20)
+    step_counts = [int(s) for s in args.steps.split(",")]
+    programs = [p for p in args.programs.split(",") if p]
+    unknown = sorted(set(programs) - set(PROGRAMS))
+    if unknown:
+        print(f"unknown program(s) {', '.join(unknown)}: choose from {', '.join(PROGRAMS)}")
+        return 2
+    with common.data_dir(args.dir) as directory:
+        info = common.machine(None, directory)
+        common.header(
+            "instructions: callgrind's count per step (this process; not the kernel's work)",
+            info,
+            {
+                "workflow": f"{args.steps} trivial steps per run, sequential runs",
+                "runs": f"{runs} counted per program (after uncounted warm-up runs)",
+                "database": "SQLite WAL, synchronous=NORMAL, a fresh file per program",
+            },
+        )
+        rows = []
+        figures: dict[tuple[str, int], float] = {}
+        for steps in step_counts:
+            for program in programs:
+                print(f"-- {program}, {steps} steps", file=sys.stderr, flush=True)
+                with tempfile.TemporaryDirectory(dir=directory) as own:
+                    figures[program, steps] = _count(program, runs, steps, own)
+                rows.append([program, str(steps), f"{figures[program, steps] / 1000:,.1f} k"])
+        common.table(["program", "steps per run", "instructions per step"], rows)
+        for steps in step_counts:
+            core = figures.get(("core", steps))
+            for program in ("async", "sync"):
+                ours = figures.get((program, steps))
+                if core and ours:
+                    print(f"core / {program} ({steps} steps): {core / ours:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
