@@ -498,23 +498,28 @@ class Engine(Operations, LoopControls):
         if created and stored.owner is not None:
             # Fast path: drive the run we just created and claimed, without polling the
             # queue; the lease threads keep its lease alive through long steps.
+            caller = asyncio.current_task()
+            # Requests to cancel the caller made before this call are not this call's.
+            cancels_before = caller.cancelling() if caller is not None else 0
             executor.leases.begin()
             executor.tracked.add(stored.id)
             try:
                 task = executor.spawn(stored, starting=False, claimed_at=sent)
-                # Awaited directly (asyncio.wait costs an event-loop turn more per run). The
-                # caller cancelled meanwhile (Ctrl-C) cancels the run's task with it, and
-                # its error comes out once that task has ended (cut off, journaled).
-                await task
-            except asyncio.CancelledError:
-                caller = asyncio.current_task()
-                if caller is not None and caller.cancelling():
-                    if not task.done():
+                # Awaited directly (asyncio.wait costs an event-loop turn more per run). A
+                # CancelledError from it is the caller's or the run's own end, told apart
+                # below; either way the run's task has ended when it comes.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                if caller is not None and caller.cancelling() > cancels_before:
+                    # The caller was cancelled meanwhile (Ctrl-C): the run's task was
+                    # cancelled with it (cut off, journaled) — or went on to its end, had a
+                    # step swallowed the cancellation. The caller's cancellation comes out.
+                    if not task.done():  # (awaiting the task waited for its end)
                         task.cancel()
                         await asyncio.wait([task])
-                    raise
-                # Only the run's task was cancelled (an operator's stop, a lost lease): that
-                # is the run's outcome, read below, not the caller's cancellation.
+                    raise asyncio.CancelledError
+                # Else a task ended cancelled by an operator's stop or a lost lease: that is
+                # the run's outcome, read below, not the caller's cancellation.
             finally:
                 # The executor is the engine's, kept between calls: a run cancelled (Ctrl-C)
                 # or failed here must not stay tracked, nor its last record kept, for ever.

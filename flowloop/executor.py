@@ -153,6 +153,9 @@ class Executor(Stepping, Recovery):
         self._wake: asyncio.Event | None = None
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
+        self._handed_seen = 0
+        """The lease threads' count of calls handed to the loop (LeaseGuard.handed) as of
+        the last turn this executor's runs took: every call counted by then has run."""
         self.leases = LeaseKeeper(self)
         self.committer.fenced = self.leases.fenced
         self.lease_lost = self.leases.hooks
@@ -420,7 +423,7 @@ class Executor(Stepping, Recovery):
         before = time.monotonic()
         if len(self._active) <= 1:  # one run in flight: nothing can share its commit
             verdict = self.committer.write_now(boundary)
-            applied = verdict if isinstance(verdict, bool) else await verdict
+            applied = await verdict if isinstance(verdict, asyncio.Future) else verdict
         else:
             applied = await self.committer.submit(boundary)
         if applied and boundary.release:
@@ -541,23 +544,29 @@ class Executor(Stepping, Recovery):
                 if went_on is None:
                     return
                 record, loaded = went_on
-                if time.monotonic() >= self._next_turn:  # (checked here: no coroutine a step)
-                    await self._let_the_loop_turn()
+                # (Checked here: no coroutine a step.) A call the lease threads handed over
+                # since the last turn (a stop, a pause, a lost lease) lands before the next
+                # boundary, not up to YIELD_EVERY_SECONDS later.
+                if self.leases.handed != self._handed_seen or time.monotonic() >= self._next_turn:
+                    await self._take_a_turn()
         except asyncio.CancelledError:
             if self._controls.get(record.id) != "lost" and record.status == "running":
                 await asyncio.shield(self._cut_off(record, fence))
             raise
 
-    async def _let_the_loop_turn(self) -> None:
-        """A run going from step to step whose steps never suspend (trivial ``async def``
-        steps, commits written at once) would never give the event loop a turn: no timer
-        would fire — step timeouts of other runs, the loop watchdog whose ticks tell the
-        lease renewer the loop is alive (flowloop/leasethread.py). Yield at least every
-        YIELD_EVERY_SECONDS (a turn costs microseconds; once per step would cost more)."""
-        now = time.monotonic()
-        if now >= self._next_turn:
-            self._next_turn = now + YIELD_EVERY_SECONDS
-            await asyncio.sleep(0)
+    async def _take_a_turn(self) -> None:
+        """Give the event loop a turn. A run going from step to step whose steps never
+        suspend (trivial ``async def`` steps, inline ``def`` steps, commits written at
+        once) would never give it one: no timer would fire — step timeouts of other runs,
+        the loop watchdog whose ticks tell the lease renewer the loop is alive
+        (flowloop/leasethread.py) — and nothing the lease threads hand over would run.
+        Taken every YIELD_EVERY_SECONDS at least (a turn costs microseconds; one per step
+        would cost more), and whenever something was handed over since the last one."""
+        # Counted once queued (LeaseGuard._to_loop): every call counted here runs in it.
+        handed = self.leases.handed
+        self._next_turn = time.monotonic() + YIELD_EVERY_SECONDS
+        await asyncio.sleep(0)
+        self._handed_seen = handed
 
     def _cannot_run(self, workflow: Workflow, stored: StoredRun) -> tuple[str, str, str] | None:
         record = stored.record

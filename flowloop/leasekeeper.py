@@ -104,8 +104,8 @@ class LeaseKeeper:
 
     @property
     def handed(self) -> int:
-        """How many calls the lease threads have handed to the loop (it changes when a lost
-        lease or a control request is on its way)."""
+        """How many calls the lease threads have handed to the loop (a lost lease, a
+        control request), each counted once it is queued there."""
         return self.guard.handed
 
     def fenced(self, run_id: str) -> bool:

@@ -152,8 +152,9 @@ class LeaseGuard:
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
         self.handed = 0
-        """Calls handed to the loop so far (lost leases, control requests): it changes when
-        one is on its way."""
+        self._handed_lock = threading.Lock()
+        """Calls handed to the loop so far (lost leases, control requests), each counted
+        once it is queued there."""
 
     # -- the loop's side -------------------------------------------------------------------
 
@@ -243,14 +244,16 @@ class LeaseGuard:
     # -- the threads -----------------------------------------------------------------------
 
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
-        # Counted before it is queued: a loop thread that sees the count change takes a
-        # turn to run it (an inline step's end; see Stepping._step).
-        self.handed += 1
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nothing to tell
             loop.call_soon_threadsafe(callback, *args)
+        # Counted once queued (under a lock: two threads hand calls over): a loop thread
+        # that sees the count move takes a turn, which runs every call counted before it
+        # (Executor._take_a_turn; runs going from step to step without one otherwise).
+        with self._handed_lock:
+            self.handed += 1
 
     def _watch(self) -> None:
         """Fence off runs whose deadline passed; sleep until the next deadline."""

@@ -104,7 +104,10 @@ class Stepping:
         watchdog: LoopWatchdog
         leases: LeaseKeeper
 
+        _handed_seen: int
+
         async def _commit(self, boundary: Boundary) -> bool: ...
+        async def _take_a_turn(self) -> None: ...
         async def _finish(
             self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
         ) -> None: ...
@@ -159,14 +162,16 @@ class Stepping:
         started = self.clock.monotonic()
         try:
             if record.deadline is None and self._inline(spec):
-                handed = self.leases.handed
                 returned = self._call_inline(spec, ctx, step)
-                # What arrived while it ran (a stop or pause polled by the lease thread, a
-                # Ctrl-C's cancellation) lands now, before its outcome is committed: a loop
-                # turn, taken when something did arrive (one every step cost more than it).
+                # What arrived since the last turn (a stop or pause polled by the lease
+                # thread during this step or the previous commit, a Ctrl-C's cancellation)
+                # lands now, before this outcome is committed: a loop turn, taken when
+                # something did arrive (one every step cost more than the step).
                 this = asyncio.current_task()
-                if self.leases.handed != handed or (this is not None and this.cancelling()):
-                    await asyncio.sleep(0)
+                if self.leases.handed != self._handed_seen or (
+                    this is not None and this.cancelling()
+                ):
+                    await self._take_a_turn()
             elif record.deadline is None:
                 returned = await self._call(record.id, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)

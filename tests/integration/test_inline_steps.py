@@ -10,6 +10,7 @@ import asyncio
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,13 @@ class C(BaseModel):
 
 def _kinds(engine: Engine, run_id: str) -> list[tuple[str, str | None]]:
     return [(e.kind, e.state) for e in engine.history(run_id)]
+
+
+def _wait_for(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {BOUND_S}s for {what}"
+        time.sleep(0.001)
 
 
 def _polled(engine: Engine) -> threading.Event:
@@ -57,13 +65,16 @@ def test_a_control_that_arrives_during_an_inline_step_lands_before_the_next(
     wf = Workflow("held", context=C)
     with Engine(f"sqlite:///{tmp_path / 'c.db'}", poll_seconds=0.05) as engine:
         polled = _polled(engine)
+        leases = engine._executor().leases  # the executor Engine.run drives its run with
 
         @wf.step(initial=True, next="b")
         def a(ctx: C) -> None:
             calls.append(threading.current_thread().name)
             run_id = engine.runs(limit=1)[0].id
+            handed = leases.handed
             getattr(engine, action)(run_id)
             assert polled.wait(BOUND_S), "the lease thread never polled the request"
+            _wait_for(lambda: leases.handed != handed, "the request to be handed to the loop")
             ctx.n = 1
 
         @wf.step(next="done")
@@ -175,3 +186,81 @@ def test_engine_run_inside_a_running_loop_is_refused_and_creates_nothing(tmp_pat
         assert not [message for message in messages if "never awaited" in message]
         assert engine.runs() == []
         assert engine.run(wf, C()).status == "succeeded"  # outside a loop: as ever
+
+
+def _recorder(ran: list[str], name: str, kind: str) -> Any:
+    """A trivial step (``def`` or ``async def``) that notes it ran."""
+    if kind == "def":
+
+        def step(ctx: C) -> None:
+            ran.append(name)
+
+        return step
+
+    async def step_async(ctx: C) -> None:
+        ran.append(name)
+
+    return step_async
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_control_that_arrives_during_a_commit_lands_at_the_next_boundary(
+    tmp_path: Path, kind: str
+) -> None:
+    """A pause the lease thread hands to the loop while a boundary is being written (not
+    while a step runs) lands at the next boundary: the step that boundary started runs,
+    no other. Runs of trivial steps never suspend; without a turn taken for it the pause
+    waited for the loop's periodic turn, dozens of steps later."""
+    steps = [f"s{i}" for i in range(40)]
+    ran: list[str] = []
+    wf = Workflow(f"paused_{kind[:5]}", context=C)
+    for i, name in enumerate(steps):
+        following = steps[i + 1] if i + 1 < len(steps) else "done"
+        wf.step(name=name, initial=i == 0, next=following)(_recorder(ran, name, kind))
+    wf.final("done")
+    with Engine(f"sqlite:///{tmp_path / 'p.db'}", poll_seconds=0.01) as engine:
+        store: Any = engine.store
+        real_write = store.write
+        leases = engine._executor().leases
+
+        def write(boundaries: Any) -> Any:
+            first = boundaries[0].events[0] if boundaries[0].events else None
+            if first is not None and first.kind == j.STEP_SUCCEEDED and first.state == "s2":
+                # s2's outcome (and s3's start) is about to be written: the pause arrives
+                # now — requested, polled by the lease thread, handed to the loop.
+                handed = leases.handed
+                engine.pause(boundaries[0].run_id)
+                _wait_for(lambda: leases.handed != handed, "the pause to be handed over")
+            return real_write(boundaries)
+
+        store.write = write
+        info = engine.run(wf, C())
+        assert ran == ["s0", "s1", "s2", "s3"]  # s3 was started with s2's outcome
+        assert info.status == "paused" and info.state == "s4"
+        assert _kinds(engine, info.id)[-1] == (j.RUN_PAUSED, "s4")
+
+
+def test_ctrl_c_still_interrupts_engine_run_when_a_step_swallows_the_cancellation(
+    tmp_path: Path,
+) -> None:
+    """A step that catches the CancelledError a Ctrl-C brings (and returns) lets its run go
+    on, but the caller's interruption is not lost: ``Engine.run`` raises KeyboardInterrupt
+    once the run's task has ended."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+    wf = Workflow("swallowing", context=C)
+
+    @wf.step(initial=True, next="done")
+    async def a(ctx: C) -> None:
+        os.kill(os.getpid(), signal.SIGINT)  # the runner's handler: cancel the run
+        try:
+            await asyncio.sleep(BOUND_S)
+        except asyncio.CancelledError:
+            ctx.n = 1  # swallowed: the step returns normally
+
+    wf.final("done")
+    with Engine(f"sqlite:///{tmp_path / 's.db'}") as engine:
+        with pytest.raises(KeyboardInterrupt):
+            engine.run(wf, C())
+        run = engine.runs(limit=1)[0]
+        assert run.status == "succeeded" and run.context == C(n=1)
