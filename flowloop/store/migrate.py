@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 VERSION_TABLE: Final = "flowloop_alembic_version"
 MIGRATIONS: Final = Path(__file__).with_name("migrations")
-HEAD: Final = "0015"
+HEAD: Final = "0016"
 """The newest revision in migrations/versions, known without loading Alembic (a new
 revision moves it: tests/acceptance/test_cli_cold_start.py checks it is Alembic's head)."""
 
