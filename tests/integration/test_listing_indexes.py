@@ -9,14 +9,18 @@ one upgraded from 0015, and in the plan of the query ``engine.runs`` sends."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import sqlalchemy as sa
 from pydantic import BaseModel
+from sqlalchemy.dialects import sqlite
+from sqlalchemy.schema import CreateIndex
 from storekit import to_revision
 
 from flowloop import Engine, Workflow
 from flowloop.store import SQLStore
+from flowloop.store.schema import metadata
 
 NEWEST_FIRST = (
     "ix_flowloop_runs_created",
@@ -109,3 +113,32 @@ def test_a_page_of_runs_is_read_in_index_order_without_a_sort(sqlite_url: str) -
     for plan in plans:
         assert "TEMP B-TREE" not in plan, plans
         assert "USING INDEX ix_flowloop_runs_" in plan, plans
+
+
+def _normal(sql: str) -> str:
+    return re.sub(r"\s+", " ", sql.replace('"', "")).replace("( ", "(").replace(" )", ")").lower()
+
+
+def test_every_index_of_a_new_sqlite_database_is_the_one_schema_py_declares(
+    sqlite_url: str,
+) -> None:
+    """Migrations that rebuild a table on SQLite (``batch_alter_table``) rebuild its
+    indexes from reflection: whatever reflection drops (a sort order, a ``WHERE``) is lost
+    without a word. Each index the migrations leave is the one the metadata declares."""
+    with Engine(sqlite_url, workflows=[flow]):
+        pass
+    engine = sa.create_engine(sqlite_url, poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql(
+                "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
+            built = {name: _normal(sql) for name, sql in rows}
+    finally:
+        engine.dispose()
+    declared = {
+        index.name: _normal(str(CreateIndex(index).compile(dialect=sqlite.dialect())))
+        for table in metadata.tables.values()
+        for index in table.indexes
+    }
+    assert built == declared
