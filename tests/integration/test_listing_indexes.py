@@ -4,7 +4,7 @@
 through three indexes built in that order. On SQLite, migration 0011 rebuilt the runs
 table from reflection, which dropped the ``DESC``: SQLite then sorted every group of runs
 created at one instant again for each page (125 ms for a page of 100 among 27,000 runs
-created in one burst, against 2 ms). These tests hold the order on a new database, on
+created in one burst, against 2.3 ms). These tests hold the order on a new database, on
 one upgraded from 0015, and in the plan of the query ``engine.runs`` sends."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ does not carry a column's sort order: the indexes came back as ``created_at, id`
 then reads the index backwards (``created_at DESC, id DESC``) and sorts each group of runs
 created at the same instant again (``USE TEMP B-TREE FOR RIGHT PART OF ORDER BY``): runs
 started in one burst share an instant, and a page of 100 among 27,000 such runs took
-125 ms instead of 2 (bench/scale.py). The three indexes are built again in their order.
+125 ms instead of 2.3 (bench/scale.py). The three indexes are built again in their order.
 
 PostgreSQL kept them (its migrations alter the table in place): nothing to do there.
 Downgrade: nothing to undo (the indexes are the ones 0003/0004 meant).
