@@ -9,11 +9,13 @@ Listings (``flowloop status``, ``engine.runs``, the dashboard) ask for runs by
 0011's ``batch_alter_table`` rebuilt the runs table and its indexes from reflection, which
 does not carry a column's sort order: the indexes came back as ``created_at, id``. SQLite
 then reads the index backwards (``created_at DESC, id DESC``) and sorts each group of runs
-created at the same instant again (``USE TEMP B-TREE FOR RIGHT PART OF ORDER BY``): runs
-started in one burst share an instant, and a page of 100 among 27,000 such runs took
-125 ms instead of 2.3 (bench/scale.py). The three indexes are built again in their order.
+created at the same instant again (``USE TEMP B-TREE FOR RIGHT PART OF ORDER BY``). Runs
+share an instant when they are a fan-out's children (one time per batch), under a fake
+clock (``flowloop.testing``), or copied in bulk: bench/scale.py's 47,620 copied runs took
+129 ms per page of 100, 2.28 ms after. The three indexes are built again in their order.
 
-PostgreSQL kept them (its migrations alter the table in place): nothing to do there.
+PostgreSQL kept them (its migrations alter the table in place): nothing to do there but
+the revision itself.
 Downgrade: nothing to undo (the indexes are the ones 0003/0004 meant).
 """
 
