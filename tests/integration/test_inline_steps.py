@@ -10,11 +10,11 @@ import asyncio
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
@@ -31,13 +31,6 @@ class C(BaseModel):
 
 def _kinds(engine: Engine, run_id: str) -> list[tuple[str, str | None]]:
     return [(e.kind, e.state) for e in engine.history(run_id)]
-
-
-def _wait_for(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + BOUND_S
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {BOUND_S}s for {what}"
-        time.sleep(0.001)
 
 
 def _polled(engine: Engine) -> threading.Event:
@@ -74,7 +67,12 @@ def test_a_control_that_arrives_during_an_inline_step_lands_before_the_next(
             handed = leases.handed
             getattr(engine, action)(run_id)
             assert polled.wait(BOUND_S), "the lease thread never polled the request"
-            _wait_for(lambda: leases.handed != handed, "the request to be handed to the loop")
+            poll(
+                lambda: leases.handed != handed,
+                timeout=BOUND_S,
+                what="the request to be handed to the loop",
+                every=0.001,
+            )
             ctx.n = 1
 
         @wf.step(next="done")
@@ -230,7 +228,12 @@ def test_a_control_that_arrives_during_a_commit_lands_at_the_next_boundary(
                 # now — requested, polled by the lease thread, handed to the loop.
                 handed = leases.handed
                 engine.pause(boundaries[0].run_id)
-                _wait_for(lambda: leases.handed != handed, "the pause to be handed over")
+                poll(
+                    lambda: leases.handed != handed,
+                    timeout=BOUND_S,
+                    what="the pause to be handed over",
+                    every=0.001,
+                )
             return real_write(boundaries)
 
         store.write = write
