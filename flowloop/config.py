@@ -41,7 +41,6 @@ import logging
 import math
 import os
 import re
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Final, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from flowloop.configfile import ENV_PREFIX, find_config_file, read_config_file
 from flowloop.errors import ConfigError, FlowloopError
 from flowloop.retry import MAX_DURATION_SECONDS
 
@@ -67,10 +67,6 @@ DEFAULT_MAX_CONCURRENCY: Final = 16
 DEFAULT_LEASE_SECONDS: Final = 30.0
 DEFAULT_METRICS_HOST: Final = "127.0.0.1"
 
-ENV_PREFIX: Final = "FLOWLOOP_"
-ENV_CONFIG: Final = "FLOWLOOP_CONFIG"
-CONFIG_FILE: Final = "flowloop.toml"
-PYPROJECT: Final = "pyproject.toml"
 DEFAULT_GRACE_SECONDS: Final = 30.0
 
 _UNITS: Final = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
@@ -270,45 +266,6 @@ class _FileSource(PydanticBaseSettingsSource):
 
     def __call__(self) -> dict[str, Any]:
         return dict(self.values)
-
-
-def find_config_file(
-    explicit: str | os.PathLike[str] | None = None, cwd: Path | None = None
-) -> tuple[Path, str] | None:
-    """The configuration file and the table in it: ``explicit`` (or ``$FLOWLOOP_CONFIG``),
-    else ``flowloop.toml``, else a ``pyproject.toml`` that has ``[tool.flowloop]``."""
-    here = cwd or Path.cwd()
-    named = explicit if explicit is not None else os.environ.get(ENV_CONFIG) or None
-    if named is not None:
-        path = Path(named)
-        if not path.is_file():
-            raise ConfigError(f"configuration file {path} does not exist")
-        return path, "tool.flowloop" if path.name == PYPROJECT else ""
-    if (here / CONFIG_FILE).is_file():
-        return here / CONFIG_FILE, ""
-    pyproject = here / PYPROJECT
-    if pyproject.is_file() and "flowloop" in _read_toml(pyproject).get("tool", {}):
-        return pyproject, "tool.flowloop"
-    return None
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with path.open("rb") as handle:
-            return tomllib.load(handle)
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: invalid TOML: {error}") from None
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror or error}") from None
-
-
-def read_config_file(path: Path, table: str = "") -> dict[str, Any]:
-    data = _read_toml(path)
-    for part in filter(None, table.split(".")):
-        data = data.get(part, {})
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: [{table}] must be a table")
-    return data
 
 
 def load_settings(

@@ -79,15 +79,23 @@ def cli(
     FLOWLOOP_* environment variables, then flags; later ones win."""
     if ctx.obj is AS_PROGRAM and ctx.invoked_subcommand in BRIEF:
         gc.disable()
-    from flowloop.config import load_settings
+    from flowloop.configfile import nothing_to_read
     from flowloop.logs import setup_logging
 
     flags = {"log_format": log_format, "log_level": log_level}
     ctx.meta[GLOBAL_FLAGS] = flags
     ctx.meta[CONFIG_PATH] = config_path
     ctx.meta[TRACE] = trace
-    ctx.obj = config = load_settings(flags, config_file=config_path)
     default_level = "info" if ctx.invoked_subcommand == "worker" else "warning"
+    if nothing_to_read(config_path):
+        # The settings are their defaults and these flags (click checked them): loading
+        # pydantic-settings waits until a command asks (common.settings), which `status`
+        # and `history` never do (issue 13, cold start).
+        setup_logging("json" if log_format == "json" else "text", log_level or default_level)
+        return
+    from flowloop.config import load_settings
+
+    ctx.obj = config = load_settings(flags, config_file=config_path)
     setup_logging(config.log_format, config.log_level or default_level)
 
 

@@ -107,12 +107,18 @@ def trace(engine: Engine) -> None:
 
 
 def settings() -> Settings:
-    """The settings the ``flowloop`` group loaded: file < FLOWLOOP_* < global flags."""
+    """The settings the ``flowloop`` group loaded (file < FLOWLOOP_* < global flags), loaded
+    here on first use when the group found nothing to read."""
     from flowloop.config import Settings, load_settings
 
     ctx = click.get_current_context(silent=True)
-    found = ctx.find_object(Settings) if ctx is not None else None
-    return found if found is not None else load_settings()
+    if ctx is None:
+        return load_settings()
+    found = ctx.find_object(Settings)
+    if found is None:
+        found = load_settings(ctx.meta.get(GLOBAL_FLAGS), config_file=ctx.meta.get(CONFIG_PATH))
+        ctx.find_root().obj = found
+    return found
 
 
 def command_settings(**flags: Any) -> Settings:

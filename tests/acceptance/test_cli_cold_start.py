@@ -8,6 +8,7 @@ holds are checked against their sources here too."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,78 @@ def test_cold_start__settings_defaults_are_the_engines() -> None:
     assert config.DEFAULT_MAX_CONCURRENCY == executor.DEFAULT_MAX_CONCURRENCY
     assert config.DEFAULT_LEASE_SECONDS == executor.DEFAULT_LEASE_SECONDS
     assert config.DEFAULT_METRICS_HOST == metrics.DEFAULT_METRICS_HOST
+
+
+# -- settings: loaded when there is something to read, or when a command asks -------------
+
+SETTINGS_LIBRARY = ("pydantic_settings", "flowloop.config")
+NO_SETTING_VARIABLES = (
+    "import os\n"
+    "for name in [n for n in os.environ if n.upper().startswith('FLOWLOOP_')]:\n"
+    "    del os.environ[name]\n"
+)
+
+
+def test_cold_start__reading_commands_without_a_configuration_load_no_settings_library(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """No flowloop.toml, no [tool.flowloop], no FLOWLOOP_* setting: the settings would be
+    their defaults, so `status` and `history` never load pydantic-settings."""
+    url, run_id = database
+    for shows, args in (
+        (run_id[:8], ("status", "--db", url)),
+        (run_id, ("status", run_id, "--db", url, "--json")),
+        ("run_created", ("--log-level", "debug", "history", run_id, "--db", url)),
+    ):
+        code = NO_SETTING_VARIABLES + f"shows = {shows!r}\n" + command(*args)
+        assert loaded_after(code, tmp_path, SETTINGS_LIBRARY) == [], args
+    # A file to read: loaded and validated as before, every command.
+    (tmp_path / "flowloop.toml").write_text('log_level = "warning"\n')
+    code = NO_SETTING_VARIABLES + f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    assert loaded_after(code, tmp_path, SETTINGS_LIBRARY) == sorted(SETTINGS_LIBRARY)
+
+
+def _flowloop(cwd: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.upper().startswith("FLOWLOOP_")}
+    return subprocess.run(
+        [sys.executable, "-m", "flowloop", *args],
+        cwd=cwd,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cold_start__an_invalid_setting_still_stops_a_reading_command(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    url, run_id = database
+    assert _flowloop(tmp_path, "status", "--db", url).returncode == 0
+    bad = _flowloop(tmp_path, "status", "--db", url, FLOWLOOP_LOG_LEVEL="loud")
+    assert bad.returncode == 2
+    assert "invalid configuration: log_level" in bad.stderr and "$FLOWLOOP_LOG_LEVEL" in bad.stderr
+    (tmp_path / "flowloop.toml").write_text("colour = 'blue'\n")
+    bad = _flowloop(tmp_path, "history", run_id, "--db", url)
+    assert bad.returncode == 2
+    assert "invalid configuration: colour: unknown key" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_cold_start__settings_asked_for_later_keep_the_global_flags(tmp_path: Path) -> None:
+    """A command that asks for the settings after the group found nothing to read gets them
+    with the group's flags, loaded once."""
+    code = NO_SETTING_VARIABLES + (
+        "import click, contextlib, io\n"
+        "from flowloop.cli import cli, common, main\n"
+        "@click.command()\n"
+        "def probe():\n"
+        "    first = common.settings()\n"
+        "    assert common.settings() is first\n"
+        "    click.echo(f'{first.log_format} {first.log_level}')\n"
+        "cli.add_command(probe)\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as shown:\n"
+        "    main(['--log-format', 'json', '--log-level', 'error', 'probe'])\n"
+        "assert shown.getvalue() == 'json error\\n', shown.getvalue()\n"
+    )
+    assert loaded_after(code, tmp_path, ("flowloop.config",)) == ["flowloop.config"]

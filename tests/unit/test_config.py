@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Retry, Workflow
+from flowloop import Retry, Workflow, configfile
 from flowloop.alerts import log_sink
 from flowloop.config import Settings, apply_overrides, load_settings, parse_duration
 from flowloop.errors import ConfigError
@@ -414,3 +414,48 @@ def test_settings__alert_sinks_from_the_file(tmp_path: Path) -> None:
     alerts = settings.make_alerts()
     assert alerts.background
     assert isinstance(settings, Settings)
+
+
+# -- nothing to read: the settings load when first asked (flowloop/configfile.py) ------------
+
+
+def test_nothing_to_read__names_every_setting() -> None:
+    assert set(Settings.model_fields) == configfile.SETTING_NAMES
+
+
+def test_nothing_to_read__without_a_file_or_a_setting_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert configfile.nothing_to_read()
+    monkeypatch.setenv("FLOWLOOP_DB", "sqlite:///elsewhere.db")  # --db reads it itself
+    monkeypatch.setenv("FLOWLOOP_TEST_PG", "postgresql://x")  # not a setting
+    monkeypatch.setenv("FLOWLOOP_LOG_LEVEL", "")  # empty: unset
+    assert configfile.nothing_to_read()
+    write(tmp_path / "pyproject.toml", "[project]\nname = 'x'\n")  # no [tool.flowloop]
+    assert configfile.nothing_to_read()
+
+
+@pytest.mark.parametrize(
+    "variable",
+    ["FLOWLOOP_LOG_LEVEL", "flowloop_log_level", "FLOWLOOP_WORKFLOWS__ORDER__MAX_CONCURRENCY"],
+)
+def test_nothing_to_read__a_variable_that_sets_something(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(variable, "nope")
+    assert not configfile.nothing_to_read()
+
+
+def test_nothing_to_read__a_file_to_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pyproject = write(tmp_path / "pyproject.toml", "[tool.flowloop]\nconcurrency = 2\n")
+    assert not configfile.nothing_to_read()
+    pyproject.unlink()
+    write(tmp_path / "flowloop.toml", "")
+    assert not configfile.nothing_to_read()
+    other = write(tmp_path / "sub.toml", "")
+    (tmp_path / "flowloop.toml").unlink()
+    assert not configfile.nothing_to_read(other)
+    monkeypatch.setenv("FLOWLOOP_CONFIG", str(other))
+    assert not configfile.nothing_to_read()
+    with pytest.raises(ConfigError, match=r"missing\.toml does not exist"):
+        configfile.nothing_to_read(tmp_path / "missing.toml")
