@@ -167,6 +167,8 @@ class AppendStoreMixin:
     _postgres: bool
     _dbapi_error: type[Exception]
     _lease_for_write: float
+    _contexts: ContextCache  # the store's own (SQLStore.__init__); the statements are shared
+    _pg_cache: dict[tuple[str, bool, int], Raw]
 
     def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
@@ -205,7 +207,6 @@ class AppendStoreMixin:
         return ~exists(select(later.c.seq).where(later.c.run_id == run_id, later.c.seq >= seq))
 
     def _build_appends(self) -> None:
-        self._contexts = ContextCache()
         values = [  # named as the columns: a journal row is its own parameters
             bindparam(column.name, type_=column.type).label(column.name)
             for column in journal.columns
@@ -243,7 +244,6 @@ class AppendStoreMixin:
         """SQLite: the statements of a single boundary's write, compiled for the driver."""
         self._raw_batch: dict[Any, Raw] | None = None
         """Both dialects: the same statements for a batch's executemany on the driver."""
-        self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
 
     def _row_statement(self, boundary: Boundary) -> Any:
         kind, clear = _row_kind(boundary)

@@ -119,6 +119,7 @@ class CreationStoreMixin:
 
     now_sql: ColumnElement[float]
     _contexts: ContextCache
+    _pg_creates: dict[tuple[bool, int], Raw]
     _insert_events: Any
     _postgres: bool
     _dbapi_error: type[Exception]
@@ -157,7 +158,6 @@ class CreationStoreMixin:
             .returning(*runs.c)
         )
         self._raw_create: dict[bool, Raw] | None = None
-        self._pg_creates: dict[tuple[bool, int], Raw] = {}
 
     def _prepare_raw_creation(self, sqlite_dialect: Any) -> None:
         run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
     Connection,
@@ -46,15 +46,22 @@ from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
 from flowloop.store.creation import CreationStoreMixin
-from flowloop.store.entries import JOURNALED, SNAPSHOT_EVERY, decode, row_context
+from flowloop.store.entries import JOURNALED, SNAPSHOT_EVERY, ContextCache, decode, row_context
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
+from flowloop.store.raw import Raw
 from flowloop.store.schema import definitions, inbox, journal, runs
 
 CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
+
+_PREPARED: dict[tuple[Any, ...], dict[str, Any]] = {}
+"""The write statements built per dialect: (name, driver, paramstyle, server version) to
+the attributes building them set on a store (see SQLStore._prepare_statements)."""
+_PREPARING = threading.Lock()
+_UNSET = object()
 
 log = logging.getLogger("flowloop.store")
 
@@ -109,10 +116,46 @@ class SQLStore(
         dialect_ = self.engine.dialect
         self._postgres = dialect_.name == "postgresql"
         self._dbapi_error: type[Exception] = dialect_.loaded_dbapi.Error
-        self._build_statements()
-        self._prepare_raw(dialect_)
-        if dialect_.name == "sqlite":
-            self._prepare_raw_creation(dialect_)
+        self._contexts = ContextCache()
+        self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
+        self._pg_creates: dict[tuple[bool, int], Raw] = {}
+        self._statements_ready = False  # the write statements: built on first use
+
+    # -- the write statements, built when first used -----------------------------------------
+
+    def _prepare_statements(self) -> None:
+        """Build and compile the write statements, once per process for every store on the
+        same dialect (about 15-25 ms: a `flowloop status` never writes, a process that opens
+        many stores builds them once). What building sets on this store is kept and copied
+        to the next one."""
+        dialect_ = self.engine.dialect
+        key = (dialect_.name, dialect_.driver, dialect_.paramstyle, dialect_.server_version_info)
+        with _PREPARING:
+            built = _PREPARED.get(key)
+            if built is None:
+                before = dict(vars(self))
+                self._build_statements()
+                self._prepare_raw(dialect_)
+                if dialect_.name == "sqlite":
+                    self._prepare_raw_creation(dialect_)
+                built = {k: v for k, v in vars(self).items() if before.get(k, _UNSET) is not v}
+                _PREPARED[key] = built
+        vars(self).update(built)
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            # Reached only for an attribute that is not set: a write statement before the
+            # store's first write (or a real mistake, raised as usual).
+            if name.startswith("__") or vars(self).get("_statements_ready", True):
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            self._statements_ready = True
+            try:
+                self._prepare_statements()
+            except BaseException:
+                self._statements_ready = False
+                raise
+            return object.__getattribute__(self, name)
 
     # -- connections -----------------------------------------------------------------------
 
