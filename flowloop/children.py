@@ -572,43 +572,6 @@ def retryable_state(workflow: Workflow, state: str) -> bool:
     return state in workflow.composites or workflow.compensates(state)
 
 
-def family_lines(store: Any, run_id: str) -> list[str]:
-    """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
-    and how many of its children are in each status (nothing when it has neither)."""
-    if not isinstance(store, JoinStoreMixin):
-        return []
-    lines = []
-    parent = store.parent_of(run_id)
-    if parent is not None:
-        lines.append(f"parent    {parent}")
-    counts = store.child_counts(run_id)
-    if counts:
-        total = sum(counts.values())
-        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
-        lines.append(f"children  {total} ({parts})")
-    return lines
-
-
-def describe_entry(event: JournalEvent) -> str | None:
-    """One line for a composition journal entry (``None`` for the others)."""
-    data = event.data
-    if event.kind == j.CHILDREN_STARTED:
-        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
-    if event.kind in (j.CHILDREN_JOINED, j.DEADLINE_PASSED) or (
-        event.kind in (j.STEP_FAILED, j.STEP_INTERRUPTED) and event.next_state
-    ):
-        counts = ", ".join(
-            f"{data[k]} {k}" for k in ("succeeded", "failed", "stopped") if data.get(k)
-        )
-        why = f" ({counts})" if counts else f" ({event.error_type})" if event.error_type else ""
-        return f"{event.state} --{event.event}--> {event.next_state}{why}"
-    if event.kind in (j.COMPENSATION_STARTED, j.COMPENSATION_SUCCEEDED):
-        return f"undo {event.state}"
-    if event.kind == j.COMPENSATION_FAILED:
-        return f"undo {event.state}: {event.error_type}: {event.error_message}"
-    return None
-
-
 def is_held(store: Store, run_id: str) -> bool:
     """A map's child not allowed to run yet (``max_parallel``)."""
     return isinstance(store, JoinStoreMixin) and store.is_held(run_id)

@@ -27,11 +27,11 @@ from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
+from flowloop.journal import TIMEOUT_EVENT
 from flowloop.retry import DEFAULT_RETRY, Retry, seconds
 from flowloop.specs import (
     NAME_PATTERN,
     NEXT_EVENT,
-    TIMEOUT_EVENT,
     Sleep,
     Step,
     StepFunction,

@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import children, frozen, gates, ids, mainloop, runids, starts, tracecontext
+from flowloop import children, frozen, gates, mainloop, runids, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
@@ -28,7 +27,6 @@ from flowloop.engine_loops import LoopControls
 from flowloop.errors import (
     FlowloopError,
     InvalidContext,
-    UnknownRun,
     UnknownWorkflow,
 )
 from flowloop.events import (
@@ -44,10 +42,11 @@ from flowloop.executor import (
     new_worker_id,
 )
 from flowloop.flowcontrol import limit_key_of
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
 from flowloop.operations import Operations
+from flowloop.reading import RunReading
 from flowloop.retry import seconds
 from flowloop.runinfo import (
     INVALID_JSON_KEY,
@@ -56,17 +55,20 @@ from flowloop.runinfo import (
     SendResult,
     StartedRuns,
     Stranded,
-    run_info,
 )
 from flowloop.stepping import SYNC_STEPS_INLINE, in_inline_step
 from flowloop.store import (
     NewRun,
-    RunFilter,
     SQLStore,
     Store,
-    StoredRun,
 )
-from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url
+from flowloop.store.dialect import (
+    DEFAULT_SYNCHRONOUS,
+    DEFAULT_URL,
+    ENV_DB,
+    default_url,
+    normalize_url,
+)
 from flowloop.versions import Registry
 
 __all__ = [
@@ -87,19 +89,12 @@ if TYPE_CHECKING:
     import graphviz
 
 
-DEFAULT_URL: Final = "sqlite:///flowloop.db"
-ENV_DB: Final = "FLOWLOOP_DB"
 START_BATCH: Final = 1_000
 """Runs per transaction in :meth:`Engine.start_many`: few commits, short write locks."""
 T = TypeVar("T")
 
 
-def default_url() -> str:
-    """``$FLOWLOOP_DB`` or ``./flowloop.db``."""
-    return normalize_url(os.environ.get(ENV_DB) or DEFAULT_URL)
-
-
-class Engine(Operations, LoopControls):
+class Engine(Operations, LoopControls, RunReading):
     """flowloop over one database.
 
     ``url`` is a SQLAlchemy URL or a file path; default ``$FLOWLOOP_DB`` or ``./flowloop.db``
@@ -616,58 +611,6 @@ class Engine(Operations, LoopControls):
 
     # -- reading ---------------------------------------------------------------------------
 
-    def _stored(self, run_id: str) -> StoredRun:
-        """The run ``run_id`` names: its whole id or a unique prefix (see flowloop.ids)."""
-        stored = self.store.get_run(run_id)
-        if stored is None:
-            stored = self.store.get_run(ids.resolve(self.store, run_id))
-        if stored is None:
-            raise UnknownRun(run_id)
-        return stored
-
-    def resolve(self, run_id: str) -> str:
-        """The whole id of the run that ``run_id`` (an id or a unique prefix of at least
-        four characters) names. Raises UnknownRun, AmbiguousRunId."""
-        return self._stored(run_id).id
-
-    def _info(self, stored: StoredRun) -> RunInfo:
-        return run_info(stored, self._workflow_for(stored.record))
-
-    def get(self, run_id: str) -> RunInfo:
-        return self._info(self._stored(run_id))
-
-    def runs(
-        self,
-        *,
-        workflow: str | None = None,
-        status: str | Sequence[str] | None = None,
-        key: str | None = None,
-        limit: int = 100,
-        after: str | None = None,
-    ) -> list[RunInfo]:
-        """Runs, newest first; ``after`` (a run id or prefix): the ones listed after it."""
-        statuses = [status] if isinstance(status, str) else status
-        if limit < 0:
-            raise FlowloopError(f"limit {limit} is negative: give 0 or more")
-        check_key("key", key)
-        start = None
-        if after is not None:
-            stored = self._stored(after)
-            start = (stored.created_at, stored.id)
-        found = self.store.find_runs(
-            RunFilter(workflow=workflow, statuses=statuses, key=key, limit=limit, after=start)
-        )
-        return [self._info(stored) for stored in found]
-
-    def find(self, workflow: Workflow | str, *, key: str) -> RunInfo | None:
-        """The newest run of ``workflow`` with business key ``key``."""
-        name = workflow if isinstance(workflow, str) else workflow.name
-        found = self.runs(workflow=name, key=key, limit=1)
-        return found[0] if found else None
-
-    def history(self, run_id: str) -> list[JournalEvent]:
-        return self.store.journal(self._stored(run_id).id)
-
     def diagram(self, run_id: str | None = None) -> graphviz.Digraph:
         """Run ``run_id`` drawn on its workflow (visited states and transitions with counts,
         the current state, the failed one with its error); without ``run_id``, the lifecycle
@@ -681,25 +624,6 @@ class Engine(Operations, LoopControls):
         stored = self._stored(run_id)
         workflow = self.workflow(stored.record.workflow)
         return render.run_digraph(workflow, self.store.journal(stored.id))
-
-    def replay(self, run_id: str, *, at: int | None = None) -> Replay:
-        """Fold the journal; the record at ``at`` (default: the end) and the differences
-        between the full fold and the stored row (none, unless something is wrong)."""
-        stored = self._stored(run_id)
-        run_id = stored.id
-        events = self.store.journal(run_id)
-        if at is not None and not 1 <= at <= len(events):
-            raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; --at {at} is outside")
-        full = j.fold(events)
-        differences = j.compare(full, stored.record)
-        record = full if at is None else j.fold(events, until_seq=at)
-        return Replay(
-            run_id=run_id,
-            seq=record.last_seq,
-            record=record,
-            events=events,
-            differences=differences,
-        )
 
     def check(self, workflow: Workflow) -> list[Stranded]:
         """Live runs of ``workflow``'s name that this definition would park or fail (see

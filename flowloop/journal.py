@@ -41,6 +41,10 @@ EVENT_DROPPED: Final = "event_dropped"  # a kept event dropped for max_inbox; on
 RUN_DEBOUNCED: Final = "run_debounced"  # a later start of a burst: context, due (admission.py)
 RUN_MIGRATED: Final = "run_migrated"  # moved to a newer version: version, fingerprint, state
 
+TIMEOUT_EVENT: Final = "timeout"
+"""The event a wait state takes when its ``timeout`` passes (an ``event_received`` entry
+names it like any other event)."""
+
 CONTEXT_VERSION: Final = "cv"
 """The ``data`` key of an entry that writes a context: the context's version (absent: 1)."""
 

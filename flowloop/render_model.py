@@ -19,7 +19,8 @@ from flowloop import lifecycle
 from flowloop.compose import ERROR_PREFIX
 from flowloop.definition import Workflow
 from flowloop.graph import longest_chain
-from flowloop.specs import TIMEOUT_EVENT, StepSpec, WaitSpec
+from flowloop.journal import TIMEOUT_EVENT
+from flowloop.specs import StepSpec, WaitSpec
 
 LIFECYCLE: Final = "lifecycle"
 """The name (and file stem in ``diagrams/``) of the lifecycle machine's diagram."""

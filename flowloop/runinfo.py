@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, overload
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any, Final, overload
 
 from flowloop import frozen
-from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.store import StoredRun
+
+if TYPE_CHECKING:
+    # Annotations only: reading runs (flowloop.reading) needs neither pydantic nor the
+    # definitions' modules; a context is loaded by the run's Workflow when it has one.
+    from pydantic import BaseModel
+
+    from flowloop.definition import Workflow
 
 INVALID_JSON_KEY: Final = "_invalid_json"
 """``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""

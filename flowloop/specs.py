@@ -24,6 +24,7 @@ from flowloop import compose
 from flowloop.compose import StepError
 from flowloop.errors import DefinitionError
 from flowloop.flowcontrol import Breaker, RateLimit
+from flowloop.journal import TIMEOUT_EVENT
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
@@ -123,10 +124,6 @@ class StepSpec:
         if self.max_visits is not None:
             parts.append(f"max {self.max_visits} visits")
         return ", ".join(parts)
-
-
-TIMEOUT_EVENT = "timeout"
-"""The event a wait state takes when its ``timeout`` passes."""
 
 
 @dataclass(frozen=True, kw_only=True)

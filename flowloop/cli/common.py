@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from flowloop.config import Settings
     from flowloop.engine import Engine
     from flowloop.loader import Loaded
+    from flowloop.reading import Reader
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -132,7 +133,7 @@ def command_settings(**flags: Any) -> Settings:
 
 def database(db: str | None) -> str:
     """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
-    from flowloop.engine import default_url
+    from flowloop.store.dialect import default_url
 
     return db or settings().db or default_url()
 
@@ -158,6 +159,16 @@ def open_engine(
     if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
         engine.register(*loaded.all_versions())
     return engine
+
+
+def open_reader(db: str | None, synchronous: str = "NORMAL") -> Reader:
+    """The runs on --db, for a command that only reads them (status, history, replay): the
+    database must exist (exit 2 otherwise, nothing created), and neither the engine's
+    executor nor pydantic is loaded (issue 13, cold start)."""
+    from flowloop.cli import support
+    from flowloop.reading import Reader
+
+    return Reader(support.read_store(database(db), synchronous))
 
 
 def load_workflow_paths(paths: Sequence[str]) -> Loaded:

@@ -7,7 +7,7 @@ import json
 
 import click
 
-from flowloop.cli.common import Failed, db_option, json_option, open_engine, out
+from flowloop.cli.common import Failed, db_option, json_option, open_reader, out
 
 
 @click.command()
@@ -37,24 +37,23 @@ def status(
 ) -> None:
     """Show one run, or list runs (newest first, --limit at a time: --after the last one
     shown lists the next ones). A run resting in a wait state shows as `waiting`."""
-    from flowloop import children
     from flowloop.cli import support
-    from flowloop.cli.views import info_json, show_run, status_table
+    from flowloop.cli.views import family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
 
-    with open_engine(db, synchronous, read=True) as engine:
-        waits = support.WaitStates(engine)
+    with open_reader(db, synchronous) as reader:
+        waits = support.WaitStates(reader)
         if run_id:
-            info = engine.get(run_id)
+            info = reader.get(run_id)
             if as_json:
                 click.echo(json.dumps(info_json(info, waits)))
                 return
             show_run(info, waits.of(info))
-            for line in children.family_lines(engine.store, info.id):
+            for line in family_lines(reader.store, info.id):
                 out.print(line)
             return
         infos, truncated = support.list_runs(
-            engine,
+            reader,
             waits,
             workflow=workflow,
             statuses=statuses,
@@ -62,7 +61,7 @@ def status(
             limit=limit,
             after=after_id,
         )
-        breakers = list(getattr(engine.store, "breakers", list)())
+        breakers = list(getattr(reader.store, "breakers", list)())
         if as_json:
             listed = [info_json(i, waits) for i in infos]
         else:
@@ -70,8 +69,8 @@ def status(
             table = status_table(rows, {})
             natural = out.measure(table, options=out.options.update_width(10_000)).maximum
             if natural > out.width:  # a narrow terminal: short ids that still work
-                table = status_table(rows, support.short_ids(engine, [i.id for i in infos]))
-            pressure = support.backpressure_lines(engine, workflow)
+                table = status_table(rows, support.short_ids(reader, [i.id for i in infos]))
+            pressure = support.backpressure_lines(reader, workflow)
     if as_json:
         page = {
             "runs": listed,
@@ -109,15 +108,14 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
     from rich.markup import escape
     from rich.table import Table
 
-    from flowloop import children
     from flowloop.cli import support
-    from flowloop.cli.views import describe_event, event_json, journal_row
+    from flowloop.cli.views import describe_event, event_json, family_lines, journal_row
 
-    with open_engine(db, synchronous, read=True) as engine:
-        events = engine.history(run_id)
-        info = engine.get(run_id)
-        waiting = support.WaitStates(engine).of(info)
-        family = children.family_lines(engine.store, run_id)
+    with open_reader(db, synchronous) as reader:
+        events = reader.history(run_id)
+        info = reader.get(run_id)
+        waiting = support.WaitStates(reader).of(info)
+        family = family_lines(reader.store, run_id)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return
@@ -146,8 +144,8 @@ def replay(
 
     from flowloop.cli.views import styled
 
-    with open_engine(db, synchronous, read=True) as engine:
-        result = engine.replay(run_id, at=at_seq)
+    with open_reader(db, synchronous) as reader:
+        result = reader.replay(run_id, at=at_seq)
     record = result.record
     if as_json:
         click.echo(

@@ -17,14 +17,17 @@ from typing import TYPE_CHECKING, Any, Final
 
 from sqlalchemy.engine import make_url
 
-from flowloop.definition import TIMEOUT_EVENT, Workflow
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
+from flowloop.journal import TIMEOUT_EVENT
 from flowloop.store import migrate
 from flowloop.store.dialect import normalize_url
 from flowloop.store.sql import SQLStore
 
 if TYPE_CHECKING:
-    from flowloop.engine import Engine, RunInfo
+    from flowloop.definition import Workflow
+    from flowloop.engine import Engine
+    from flowloop.reading import RunReading
+    from flowloop.runinfo import RunInfo
 
 DATABASE_SUFFIXES: Final = (".db", ".sqlite", ".sqlite3")
 CLOSE_NAMES: Final = 3
@@ -169,7 +172,7 @@ class WaitStates:
     """Which runs wait, judged by each run's own definition (the registered workflow, else
     the structure stored when the run started), read once per definition."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RunReading) -> None:
         self.engine = engine
         self._waits: dict[str, dict[str, tuple[str, ...]]] = {}
 
@@ -267,7 +270,7 @@ def refuse_or_note_existing(
     return f"run {info.id} already exists for key {info.key!r} ({where}), same context"
 
 
-def short_ids(engine: Engine, run_ids: Sequence[str]) -> dict[str, str]:
+def short_ids(engine: RunReading, run_ids: Sequence[str]) -> dict[str, str]:
     """Each id's shortest unique prefix (8 characters or more): what fits a narrow table
     and still works as a run id."""
     from flowloop.ids import short_id
@@ -276,7 +279,7 @@ def short_ids(engine: Engine, run_ids: Sequence[str]) -> dict[str, str]:
 
 
 def list_runs(
-    engine: Engine,
+    engine: RunReading,
     waits: WaitStates,
     *,
     workflow: str | None,
@@ -306,7 +309,7 @@ def list_runs(
     return matched[:limit], len(matched) > limit
 
 
-def backpressure_lines(engine: Engine, workflow: str | None = None) -> list[str]:
+def backpressure_lines(engine: RunReading, workflow: str | None = None) -> list[str]:
     """A line per workflow whose runs have kept events or whose bounds dropped something
     (flowloop/backpressure.py), for ``flowloop status``; nothing otherwise."""
     from flowloop.store.admission import AdmissionStoreMixin

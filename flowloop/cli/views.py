@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any
 from rich.markup import escape
 from rich.table import Column, Table
 
-from flowloop import children
+from flowloop import journal as j
 from flowloop.cli import support
 from flowloop.cli.common import out
 from flowloop.clock import iso
+from flowloop.store.joins import JoinStoreMixin
 
 if TYPE_CHECKING:
     from flowloop.engine import RunInfo
@@ -112,7 +113,7 @@ def loop_json(row: LoopRow) -> dict[str, Any]:
 
 
 def describe_event(event: JournalEvent) -> str:
-    composed = children.describe_entry(event)  # call/map, compensation, deadline entries
+    composed = describe_entry(event)  # call/map, compensation, deadline entries
     if composed is not None:
         return composed
     if event.kind in ("step_succeeded", "event_received"):
@@ -177,3 +178,43 @@ def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
         out.print(f"next run  {iso(info.next_run_at)}")
     out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")
     out.print(f"context   {escape(json.dumps(context_json(info)))}")
+
+
+# -- composition (flowloop/children.py): a run's family, its entries in words -----------------
+
+
+def family_lines(store: Any, run_id: str) -> list[str]:
+    """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
+    and how many of its children are in each status (nothing when it has neither)."""
+    if not isinstance(store, JoinStoreMixin):
+        return []
+    lines = []
+    parent = store.parent_of(run_id)
+    if parent is not None:
+        lines.append(f"parent    {parent}")
+    counts = store.child_counts(run_id)
+    if counts:
+        total = sum(counts.values())
+        parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+        lines.append(f"children  {total} ({parts})")
+    return lines
+
+
+def describe_entry(event: JournalEvent) -> str | None:
+    """One line for a composition journal entry (``None`` for the others)."""
+    data = event.data
+    if event.kind == j.CHILDREN_STARTED:
+        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
+    if event.kind in (j.CHILDREN_JOINED, j.DEADLINE_PASSED) or (
+        event.kind in (j.STEP_FAILED, j.STEP_INTERRUPTED) and event.next_state
+    ):
+        counts = ", ".join(
+            f"{data[k]} {k}" for k in ("succeeded", "failed", "stopped") if data.get(k)
+        )
+        why = f" ({counts})" if counts else f" ({event.error_type})" if event.error_type else ""
+        return f"{event.state} --{event.event}--> {event.next_state}{why}"
+    if event.kind in (j.COMPENSATION_STARTED, j.COMPENSATION_SUCCEEDED):
+        return f"undo {event.state}"
+    if event.kind == j.COMPENSATION_FAILED:
+        return f"undo {event.state}: {event.error_type}: {event.error_message}"
+    return None

@@ -27,6 +27,8 @@ from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import StoreError, WrongDatabase
 
+DEFAULT_URL: Final = "sqlite:///flowloop.db"
+ENV_DB: Final = "FLOWLOOP_DB"
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
@@ -67,6 +69,11 @@ def first_line(error: BaseException) -> str:
 
 def sqlite_url(path: str | os.PathLike[str]) -> str:
     return f"sqlite:///{Path(path)}"
+
+
+def default_url() -> str:
+    """``$FLOWLOOP_DB`` or ``./flowloop.db``."""
+    return normalize_url(os.environ.get(ENV_DB) or DEFAULT_URL)
 
 
 def normalize_url(url: str) -> str:

@@ -124,6 +124,26 @@ def test_cold_start__reading_commands_load_no_alembic(
     assert "alembic" in loaded_after(code, tmp_path, NOT_FOR_READING)
 
 
+# Loaded only to drive runs or validate contexts: `status`, `history` and `replay` read
+# through flowloop.reading.Reader on the store alone (a context stays the stored JSON).
+NOT_FOR_READING_RUNS = ("flowloop.engine", "flowloop.executor", "flowloop.definition", "pydantic")
+
+
+def test_cold_start__reading_commands_load_no_engine_or_pydantic(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    url, run_id = database
+    for shows, args in (
+        (run_id[:8], ("status", "--db", url)),
+        (run_id, ("status", "--db", url, "--json", "--status", "scheduled")),
+        ("scheduled", ("status", run_id, "--db", url)),
+        ("run_created", ("history", run_id, "--db", url)),
+        ("equals the stored row", ("replay", run_id, "--db", url)),
+    ):
+        code = f"shows = {shows!r}\n" + command(*args)
+        assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == [], args
+
+
 def _frozen_at_exit(code: str, cwd: Path) -> int:
     probe = (
         "import atexit, gc, sys\n"
