@@ -60,7 +60,7 @@ CREATE_ATTEMPTS = 3
 _PREPARED: dict[tuple[Any, ...], dict[str, Any]] = {}
 """The write statements built per dialect: (name, driver, paramstyle, server version) to
 the attributes building them set on a store (see SQLStore._prepare_statements)."""
-_PREPARING = threading.Lock()
+_PREPARING = threading.RLock()
 _UNSET = object()
 
 log = logging.getLogger("flowloop.store")
@@ -127,34 +127,41 @@ class SQLStore(
         """Build and compile the write statements, once per process for every store on the
         same dialect (about 15-25 ms: a `flowloop status` never writes, a process that opens
         many stores builds them once). What building sets on this store is kept and copied
-        to the next one."""
+        to the next one. Called under ``_PREPARING`` (see ``__getattr__``)."""
         dialect_ = self.engine.dialect
         key = (dialect_.name, dialect_.driver, dialect_.paramstyle, dialect_.server_version_info)
-        with _PREPARING:
-            built = _PREPARED.get(key)
-            if built is None:
-                before = dict(vars(self))
-                self._build_statements()
-                self._prepare_raw(dialect_)
-                if dialect_.name == "sqlite":
-                    self._prepare_raw_creation(dialect_)
-                built = {k: v for k, v in vars(self).items() if before.get(k, _UNSET) is not v}
-                _PREPARED[key] = built
+        built = _PREPARED.get(key)
+        if built is None:
+            before = dict(vars(self))
+            self._build_statements()
+            self._prepare_raw(dialect_)
+            if dialect_.name == "sqlite":
+                self._prepare_raw_creation(dialect_)
+            built = {k: v for k, v in vars(self).items() if before.get(k, _UNSET) is not v}
+            _PREPARED[key] = built
         vars(self).update(built)
 
     if not TYPE_CHECKING:
 
         def __getattr__(self, name: str) -> Any:
             # Reached only for an attribute that is not set: a write statement before the
-            # store's first write (or a real mistake, raised as usual).
+            # store's first write (or a real mistake, raised as usual). Threads that write
+            # first at once wait for one build; the store is marked ready only once every
+            # statement is on it. A miss while building (in the building thread) is real.
             if name.startswith("__") or vars(self).get("_statements_ready", True):
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            self._statements_ready = True
-            try:
-                self._prepare_statements()
-            except BaseException:
-                self._statements_ready = False
-                raise
+            with _PREPARING:
+                if not vars(self)["_statements_ready"]:
+                    if vars(self).get("_building"):
+                        raise AttributeError(
+                            f"{type(self).__name__!r} object has no attribute {name!r}"
+                        )
+                    self._building = True
+                    try:
+                        self._prepare_statements()
+                        self._statements_ready = True
+                    finally:
+                        self._building = False
             return object.__getattribute__(self, name)
 
     # -- connections -----------------------------------------------------------------------

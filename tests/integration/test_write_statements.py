@@ -5,13 +5,16 @@ once, and each store keeps its own per-run state."""
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from storekit import new_run, start_step
 
-from flowloop.store import SQLStore
+from flowloop.store import SQLStore, StoredRun, sql
 
+THREADS = 8
 BUILT_BY_WRITING = ("_append_stmt", "_row_stmt", "_raw_batch", "_insert_run", "_insert_events")
 
 
@@ -63,5 +66,32 @@ def test_write_statements__a_missing_attribute_is_still_an_attribute_error(
             store.no_such_thing  # type: ignore[attr-defined]  # noqa: B018
         assert not hasattr(store, "no_such_thing")
         assert store._raw_batch is not None  # the lookup built the statements once
+    finally:
+        store.close()
+
+
+def test_write_statements__threads_that_write_first_at_once_all_write(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first writes of a new store from many threads at once (a threaded app, the
+    dashboard's actions): each waits for the one build, none sees a half-built store."""
+    monkeypatch.setattr(sql, "_PREPARED", {})  # nothing built yet: the build takes a while
+    setup = SQLStore(sqlite_url)
+    runs = [setup.create_run(new_run(key=f"k-{i}"))[0] for i in range(THREADS)]
+    claimed = setup.claim(
+        worker="w", now=time.time(), limit=THREADS, lease_seconds=30, run_ids=[r.id for r in runs]
+    )
+    setup.close()
+    monkeypatch.setattr(sql, "_PREPARED", {})
+    store = SQLStore(sqlite_url)
+    barrier = threading.Barrier(THREADS)
+
+    def first_write(run: StoredRun) -> bool:
+        barrier.wait(timeout=10)
+        return store.write([start_step(run, "w")]) == [True]
+
+    try:
+        with ThreadPoolExecutor(THREADS) as pool:
+            assert list(pool.map(first_write, claimed)) == [True] * THREADS
     finally:
         store.close()
