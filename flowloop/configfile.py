@@ -40,9 +40,11 @@ SETTING_NAMES: Final = frozenset(
 """The fields of :class:`flowloop.config.Settings`, spelled here so telling whether the
 environment sets one needs no pydantic (tests/unit/test_config.py keeps the two equal)."""
 
-READ_BY_CLICK: Final = frozenset({"db"})
-"""Settings whose variable the commands read themselves (``--db`` is ``$FLOWLOOP_DB``): a
-plain string that cannot fail validation, so it alone does not make the settings load."""
+READ_BY_CLICK: Final = frozenset({"FLOWLOOP_DB"})
+"""Variables the commands read themselves, spelled exactly so (``--db`` is
+``$FLOWLOOP_DB``): a plain string that cannot fail validation, so it alone does not make
+the settings load. pydantic-settings reads ``flowloop_db`` in any case too; click does
+not, so another spelling does make them load."""
 
 
 def find_config_file(
@@ -88,10 +90,9 @@ def _names_a_setting(variable: str, value: str) -> bool:
     """Whether environment ``variable`` is one pydantic-settings reads (case-insensitive,
     nested keys after ``__``; an empty one counts as unset, as the settings treat it)."""
     upper = variable.upper()
-    if not value or not upper.startswith(ENV_PREFIX):
+    if not value or not upper.startswith(ENV_PREFIX) or variable in READ_BY_CLICK:
         return False
-    name = upper[len(ENV_PREFIX) :].split("__", 1)[0].lower()
-    return name in SETTING_NAMES and name not in READ_BY_CLICK
+    return upper[len(ENV_PREFIX) :].split("__", 1)[0].lower() in SETTING_NAMES
 
 
 def nothing_to_read(

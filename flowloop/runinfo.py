@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, overload
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
 
 from flowloop import frozen
 from flowloop.errors import FlowloopError
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 
     from flowloop.definition import Workflow
 
+    Context: TypeAlias = BaseModel | dict[str, Any]
+else:
+    Context = Any  # what typing.get_type_hints(RunInfo) resolves without importing pydantic
+
 INVALID_JSON_KEY: Final = "_invalid_json"
 """``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
 
@@ -33,7 +37,7 @@ class RunInfo:
     version: int
     status: str
     state: str
-    context: BaseModel | dict[str, Any]
+    context: Context
     attempt: int
     key: str | None
     reason: str | None

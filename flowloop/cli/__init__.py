@@ -22,7 +22,7 @@ from typing import Final
 import click
 
 from flowloop.cli import database, diagrams, loops, operators, runs, runs_view, ui
-from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, TRACE, err
+from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, NOTHING_TO_READ, TRACE, err
 from flowloop.errors import FlowloopError
 from flowloop.logs import FORMATS, LEVELS
 
@@ -63,7 +63,8 @@ arguments from the command line."""
     "--trace",
     is_flag=True,
     help="Trace runs with OpenTelemetry (needs flowloop[otel]; exporter from "
-    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none).",
+    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none). Commands that only "
+    "read (status, history, replay) have nothing to trace.",
 )
 @click.pass_context
 def cli(
@@ -87,10 +88,11 @@ def cli(
     ctx.meta[CONFIG_PATH] = config_path
     ctx.meta[TRACE] = trace
     default_level = "info" if ctx.invoked_subcommand == "worker" else "warning"
-    if nothing_to_read(config_path):
+    ctx.meta[NOTHING_TO_READ] = nothing_to_read(config_path)
+    if ctx.meta[NOTHING_TO_READ]:
         # The settings are their defaults and these flags (click checked them): loading
-        # pydantic-settings waits until a command asks (common.settings), which `status`
-        # and `history` never do (issue 13, cold start).
+        # pydantic-settings waits until a command asks (common.settings), which `status`,
+        # `history` and `replay` never do (issue 13, cold start).
         setup_logging("json" if log_format == "json" else "text", log_level or default_level)
         return
     from flowloop.config import load_settings

@@ -32,6 +32,8 @@ DEFAULT_WORKFLOWS: Final = "workflows"
 GLOBAL_FLAGS: Final = "flowloop.flags"
 CONFIG_PATH: Final = "flowloop.config"
 TRACE: Final = "flowloop.trace"
+NOTHING_TO_READ: Final = "flowloop.nothing to read"
+"""``ctx.meta``: the group found no configuration file and no setting variable."""
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 """flowloop.store.dialect.SYNCHRONOUS_MODES, spelled here so the options need no SQLAlchemy
 (tests/unit/test_cli_support.py keeps the two equal)."""
@@ -135,7 +137,12 @@ def database(db: str | None) -> str:
     """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
     from flowloop.store.dialect import default_url
 
-    return db or settings().db or default_url()
+    if db:
+        return db
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get(NOTHING_TO_READ):
+        return default_url()  # no file, no variable: the settings' db is None
+    return settings().db or default_url()
 
 
 def open_engine(

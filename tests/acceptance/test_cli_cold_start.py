@@ -140,8 +140,19 @@ def test_cold_start__reading_commands_load_no_engine_or_pydantic(
         ("run_created", ("history", run_id, "--db", url)),
         ("equals the stored row", ("replay", run_id, "--db", url)),
     ):
-        code = f"shows = {shows!r}\n" + command(*args)
+        code = NO_SETTING_VARIABLES + f"shows = {shows!r}\n" + command(*args)
+        code += "from flowloop.store import sql\nassert sql._PREPARED == {}, 'statements built'\n"
         assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == [], args
+
+
+def test_cold_start__status_on_the_default_database_loads_no_settings_or_pydantic(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """`flowloop status` as typed, no --db: ./flowloop.db, still without the settings."""
+    url, run_id = database
+    here = Path(url.removeprefix("sqlite:///")).parent
+    code = NO_SETTING_VARIABLES + f"shows = {run_id[:8]!r}\n" + command("status")
+    assert loaded_after(code, here, (*SETTINGS_LIBRARY, *NOT_FOR_READING_RUNS)) == []
 
 
 def _frozen_at_exit(code: str, cwd: Path) -> int:

@@ -437,7 +437,12 @@ def test_nothing_to_read__without_a_file_or_a_setting_variable(
 
 @pytest.mark.parametrize(
     "variable",
-    ["FLOWLOOP_LOG_LEVEL", "flowloop_log_level", "FLOWLOOP_WORKFLOWS__ORDER__MAX_CONCURRENCY"],
+    [
+        "FLOWLOOP_LOG_LEVEL",
+        "flowloop_log_level",
+        "FLOWLOOP_WORKFLOWS__ORDER__MAX_CONCURRENCY",
+        "flowloop_db",  # the settings read it, click's --db does not
+    ],
 )
 def test_nothing_to_read__a_variable_that_sets_something(
     variable: str, monkeypatch: pytest.MonkeyPatch
