@@ -63,8 +63,7 @@ arguments from the command line."""
     "--trace",
     is_flag=True,
     help="Trace runs with OpenTelemetry (needs flowloop[otel]; exporter from "
-    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none). Commands that only "
-    "read (status, history, replay) have nothing to trace.",
+    "OTEL_TRACES_EXPORTER: console (stderr, default), otlp or none).",
 )
 @click.pass_context
 def cli(

@@ -168,13 +168,17 @@ def open_engine(
     return engine
 
 
-def open_reader(db: str | None, synchronous: str = "NORMAL") -> Reader:
+def open_reader(db: str | None, synchronous: str = "NORMAL") -> Reader | Engine:
     """The runs on --db, for a command that only reads them (status, history, replay): the
     database must exist (exit 2 otherwise, nothing created), and neither the engine's
-    executor nor pydantic is loaded (issue 13, cold start)."""
+    executor nor pydantic is loaded (issue 13, cold start) — unless --trace asks for the
+    engine's tracing, which is set up (and its configuration checked) as before."""
     from flowloop.cli import support
     from flowloop.reading import Reader
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.meta.get(TRACE):
+        return open_engine(db, synchronous, read=True)
     return Reader(support.read_store(database(db), synchronous))
 
 
