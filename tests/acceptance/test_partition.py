@@ -82,9 +82,12 @@ class LedgerCtx(BaseModel):
 
 
 async def record(ctx: LedgerCtx, step: Step) -> None:
-    await asyncio.sleep(float(os.environ.get("MW_STEP_SLEEP") or 0))
-    with open(os.environ["FL_EFFECTS"], "a") as handle:
-        handle.write(f"{step.run_id} {step.state} {step.attempt} {time.time():.4f}\\n")
+    # Three waits, a side effect after each: a step not cancelled at the fence writes the
+    # rest of them; one cancelled writes at most the one its loop resumed it for.
+    for part in range(3):
+        await asyncio.sleep(float(os.environ.get("MW_STEP_SLEEP") or 0) / 3)
+        with open(os.environ["FL_EFFECTS"], "a") as handle:
+            handle.write(f"{step.run_id} {step.state} {step.attempt} {part} {time.time():.4f}\\n")
     ctx.n += 1
 
 
@@ -99,8 +102,12 @@ EFFECT_SLACK_S = 1.5
 """After A's fence line (logged by its fence thread), for its event loop to run the
 cancellation: a step already past its await when the fence came writes its effect, and on
 a loaded 2-core machine the loop thread may get the GIL that late (0.5 s was exceeded once
-under three parallel suites). A step not cancelled would write one effect every STEP_S
-(0.4 s) for the whole partition (B takes ≥ 7 s), so this still catches it."""
+under three parallel suites)."""
+LATE_EFFECTS_PER_RUN = 1
+"""Effects of a fenced run later than that: the cancellation lands at a step's next await
+once A's loop runs, and the loop can be held past the slack by a database call hanging in
+the partition. A step whose wait ended meanwhile is resumed, in the same loop turn, before
+the cancellation: it writes that one effect (its outcome is refused), never the next."""
 FENCE_LINE = re.compile(
     r"run (\S+): lease not renewed for ([\d.]+)s .*lease deadline passed, abandoning it"
 )
@@ -232,15 +239,18 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
     assert latest <= FENCE_BOUND_S, (latest, workers.logs())
     # By its own clock, before its lease could have ended.
     assert all(float(match.group(2)) < LEASE_S for _, match in fences), fences
-    if steps == "async":  # cancelled at the fence: no side effect of A's after it
+    if steps == "async":  # cancelled at the fence: no side effect of A's after it but one
         fenced_at = {match.group(1): mwkit.log_time(line) for line, match in fences}
         after = [
             line
             for line in effects.read_text().splitlines()
             if (run := line.split()[0]) in fenced_at
-            and float(line.split()[3]) > fenced_at[run] + EFFECT_SLACK_S
+            and float(line.split()[4]) > fenced_at[run] + EFFECT_SLACK_S
         ]
-        assert not after, f"A's async steps went on after its fence: {after}"
+        per_run = Counter(line.split()[0] for line in after)
+        assert all(n <= LATE_EFFECTS_PER_RUN for n in per_run.values()), (
+            f"A's async steps went on after its fence: {after}"
+        )
 
     # The link comes back: A's kept boundaries must all be refused, and A works on.
     database.heal()
