@@ -58,8 +58,10 @@ CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
 
 _PREPARED: dict[tuple[Any, ...], dict[str, Any]] = {}
-"""The write statements built per dialect: (name, driver, paramstyle, server version) to
-the attributes building them set on a store (see SQLStore._prepare_statements)."""
+"""The write statements built per dialect: (name, driver, paramstyle) to the attributes
+building them sets on a store (see SQLStore._prepare_statements). The server's version is
+not part of it: these statements compile the same for every version (and it is unknown
+before a store's first connection)."""
 _PREPARING = threading.Lock()
 
 log = logging.getLogger("flowloop.store")
@@ -132,13 +134,13 @@ class SQLStore(
         turned every attribute read of a store into a slower, unspecialized lookup, +2.4 %
         instructions per step by callgrind.)"""
         dialect_ = self.engine.dialect
-        key = (dialect_.name, dialect_.driver, dialect_.paramstyle, dialect_.server_version_info)
+        key = (dialect_.name, dialect_.driver, dialect_.paramstyle)
         with _PREPARING:
             built = _PREPARED.get(key)
             if built is None:
-                # Built on an empty store that holds only what building reads (the clock's
-                # SQL): what it ends up holding is the statements, nothing of this store's.
-                builder = object.__new__(type(self))
+                # Built on an empty SQLStore (not a subclass's) that holds only what building
+                # reads, the clock's SQL: what it ends up holding is the statements alone.
+                builder = object.__new__(SQLStore)
                 builder.now_sql = self.now_sql
                 builder._build_statements()
                 builder._prepare_raw(dialect_)

@@ -14,9 +14,12 @@ host) must take every run over and finish it, and A must:
 * keep working afterwards (it finishes new runs once the link is back).
 
 Nothing runs twice: each state of each run succeeds once in the journal. With async steps
-(``async def``), A's steps are cancelled at the fence: none of their side effects (a line
-appended to a file of A's, unaffected by the partition) comes after it. A sync step cannot
-be stopped (its thread runs on); its result is discarded.
+(``async def``), A's steps are cancelled at the fence: from the cut on, each step A has in
+flight writes a side effect (a line appended to a file of A's, unaffected by the partition)
+every ~0.13 s for as long as it runs, and none comes after the fence — but for the one a
+step may write when A's loop resumes it in the same turn as the cancellation (see
+``LATE_EFFECTS_PER_RUN``). A sync step cannot be stopped (its thread runs on); its result is
+discarded.
 """
 
 from __future__ import annotations
@@ -61,8 +64,10 @@ CREATE TRIGGER fl_note_write AFTER INSERT ON flowloop_journal
     FOR EACH ROW EXECUTE FUNCTION fl_note_write();
 """
 ASYNC_FLOW = '''\
-"""The ledger workflow with async steps: each sleeps, then appends its side effect (run,
-state, attempt, wall-clock time) to the file $FL_EFFECTS."""
+"""The ledger workflow with async steps: each sleeps three times and after each appends
+its side effect (run, state, attempt, part, wall-clock time) to the file $FL_EFFECTS; once
+the file $FL_CUT exists (the test's partition began), a step goes on doing so until it is
+cancelled (or for 15 s), so the steps in flight at the cut are still in flight at A's fence."""
 
 from __future__ import annotations
 
@@ -81,13 +86,18 @@ class LedgerCtx(BaseModel):
     n: int = 0
 
 
+def cut() -> bool:
+    marker = os.environ.get("FL_CUT")
+    return bool(marker) and os.path.exists(marker)
+
+
 async def record(ctx: LedgerCtx, step: Step) -> None:
-    # Three waits, a side effect after each: a step not cancelled at the fence writes the
-    # rest of them; one cancelled writes at most the one its loop resumed it for.
-    for part in range(3):
+    part = 0
+    while part < 3 or (cut() and part < 3 + 15 * 8):
         await asyncio.sleep(float(os.environ.get("MW_STEP_SLEEP") or 0) / 3)
         with open(os.environ["FL_EFFECTS"], "a") as handle:
             handle.write(f"{step.run_id} {step.state} {step.attempt} {part} {time.time():.4f}\\n")
+        part += 1
     ctx.n += 1
 
 
@@ -107,7 +117,8 @@ LATE_EFFECTS_PER_RUN = 1
 """Effects of a fenced run later than that: the cancellation lands at a step's next await
 once A's loop runs, and the loop can be held past the slack by a database call hanging in
 the partition. A step whose wait ended meanwhile is resumed, in the same loop turn, before
-the cancellation: it writes that one effect (its outcome is refused), never the next."""
+the cancellation: it writes that one effect, never the next (a step not cancelled goes on
+writing one every ~0.13 s)."""
 FENCE_LINE = re.compile(
     r"run (\S+): lease not renewed for ([\d.]+)s .*lease deadline passed, abandoning it"
 )
@@ -187,6 +198,7 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
                 "MW_LEDGER_MODE": "idempotent",
                 "MW_STEP_SLEEP": str(STEP_S),
                 "FL_EFFECTS": str(effects),
+                "FL_CUT": str(tmp_path / "cut"),
             },
         )
     )
@@ -204,6 +216,7 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
     )
     database.drop()
     cut_at, cut_db = time.time(), db_now(pg_url)
+    (tmp_path / "cut").touch()  # A's steps in flight now run until cancelled
     workers.add(
         mwkit.spawn_worker(
             flow,
@@ -241,11 +254,13 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
     assert all(float(match.group(2)) < LEASE_S for _, match in fences), fences
     if steps == "async":  # cancelled at the fence: no side effect of A's after it but one
         fenced_at = {match.group(1): mwkit.log_time(line) for line, match in fences}
+        lines = [line.split() for line in effects.read_text().splitlines()]
+        in_flight = {run for run, *_, at in lines if run in fenced_at and float(at) > cut_at}
+        assert in_flight, "no step of A's was in flight at the cut: nothing was checked"
         after = [
-            line
-            for line in effects.read_text().splitlines()
-            if (run := line.split()[0]) in fenced_at
-            and float(line.split()[4]) > fenced_at[run] + EFFECT_SLACK_S
+            " ".join(line)
+            for line in lines
+            if line[0] in fenced_at and float(line[4]) > fenced_at[line[0]] + EFFECT_SLACK_S
         ]
         per_run = Counter(line.split()[0] for line in after)
         assert all(n <= LATE_EFFECTS_PER_RUN for n in per_run.values()), (
@@ -253,6 +268,7 @@ def test_a_partitioned_worker_fences_itself_off_by_its_own_clock(
         )
 
     # The link comes back: A's kept boundaries must all be refused, and A works on.
+    (tmp_path / "cut").unlink()
     database.heal()
     more = mwkit.enqueue(pg_url, flow, 2, lease=LEASE_S)
     workers.procs[1].stop()  # B: the new runs are A's to do
