@@ -179,7 +179,7 @@ def open_reader(db: str | None, synchronous: str = "NORMAL") -> Reader | Engine:
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         return open_engine(db, synchronous, read=True)
-    return Reader(support.read_store(database(db), synchronous))
+    return Reader(support.read_store(database(db), synchronous, reads_only=True))
 
 
 def load_workflow_paths(paths: Sequence[str]) -> Loaded:

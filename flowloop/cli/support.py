@@ -111,11 +111,14 @@ def _refuse_foreign_sqlite(path: Path) -> None:
     )
 
 
-def read_store(url: str, synchronous: str) -> SQLStore:
+def read_store(url: str, synchronous: str, *, reads_only: bool = False) -> SQLStore:
     """A store for a command that only reads: the database must exist and have flowloop's
-    schema (on PostgreSQL: an empty schema is refused, not created)."""
+    schema (on PostgreSQL: an empty schema is refused, not created). ``reads_only``: for a
+    Reader, which never writes: the store's write statements are not built."""
     require_database(url)
-    return SQLStore(normalize_url(url), synchronous=synchronous, create=False)
+    return SQLStore(
+        normalize_url(url), synchronous=synchronous, create=False, reads_only=reads_only
+    )
 
 
 # -- JSON ---------------------------------------------------------------------------------

@@ -93,7 +93,10 @@ class SQLStore(
         synchronous: str = dialect.DEFAULT_SYNCHRONOUS,
         create: bool = True,
         check_schema: bool = True,
+        reads_only: bool = False,
     ) -> None:
+        """``reads_only``: a store that is only read from (the reading commands' Reader):
+        its write statements are not built (a write through it is an AttributeError)."""
         self.url = url
         outage.note_opened(url)
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
@@ -120,7 +123,8 @@ class SQLStore(
         self._contexts = ContextCache()
         self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
         self._pg_creates: dict[tuple[bool, int], Raw] = {}
-        self._prepare_statements()
+        if not reads_only:
+            self._prepare_statements()
 
     # -- the write statements, shared by the stores of one dialect ---------------------------
 

@@ -141,6 +141,8 @@ def test_cold_start__reading_commands_load_no_engine_or_pydantic(
         ("equals the stored row", ("replay", run_id, "--db", url)),
     ):
         code = NO_SETTING_VARIABLES + f"shows = {shows!r}\n" + command(*args)
+        # ... nor build the store's write statements (a Reader's store is for reads only)
+        code += "from flowloop.store import sql\nassert sql._PREPARED == {}, sql._PREPARED\n"
         assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == [], args
 
 

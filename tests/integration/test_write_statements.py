@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from storekit import new_run, start_step
 
-from flowloop.store import SQLStore, StoredRun, sql
+from flowloop.store import RunFilter, SQLStore, StoredRun, sql
 
 THREADS = 8
 BUILT = ("_append_stmt", "_row_stmt", "_raw_batch", "_insert_run", "_insert_events")
@@ -77,3 +77,24 @@ def test_write_statements__stores_opened_at_once_by_threads_all_write(
     with ThreadPoolExecutor(THREADS) as pool:
         assert list(pool.map(open_and_write, claimed)) == [True] * THREADS
     assert len(sql._PREPARED) == 1
+
+
+def test_write_statements__a_store_for_reads_only_builds_none(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the reading commands' Reader opens: every read works, nothing is built."""
+    writer = SQLStore(store_url)
+    try:
+        stored, _ = writer.create_run(new_run(key="k-1"))
+    finally:
+        writer.close()
+    monkeypatch.setattr(sql, "_PREPARED", {})
+    reader = SQLStore(store_url, create=False, reads_only=True)
+    try:
+        assert reader.get_run(stored.id) is not None
+        assert [r.id for r in reader.find_runs(RunFilter(limit=10))] == [stored.id]
+        assert [e.kind for e in reader.journal(stored.id)] == ["run_created"]
+        assert not [name for name in BUILT if hasattr(reader, name)]
+        assert sql._PREPARED == {}
+    finally:
+        reader.close()
