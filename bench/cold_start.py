@@ -20,7 +20,6 @@ Issue 13's targets: ``--help`` < 150 ms, ``status`` < 300 ms.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import statistics
 import subprocess
@@ -77,17 +76,13 @@ def _wall(tree: Path, args: list[str], cwd: str) -> float:
 
 
 def _instructions(tree: Path, args: list[str], cwd: str) -> int:
-    done = subprocess.run(
-        ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, *args],
-        cwd=cwd,
+    return common.callgrind(
+        [sys.executable, *args],
+        options=["--callgrind-out-file=/dev/null"],
         env=_env(tree),
-        capture_output=True,
-        text=True,
+        cwd=cwd,
+        what=" ".join(args),
     )
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise SystemExit(f"callgrind failed for {' '.join(args)}:\n{done.stderr[-2000:]}")
-    return int(found.group(1))
 
 
 def main() -> int:

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import platform
+import re
 import shutil
 import sqlite3
 import sqlite3.dbapi2
@@ -577,6 +578,30 @@ def alternate(
                 line.append(f"{name}={fmt(metrics[show])}")
         print(f"  round {r + 1}/{rounds}: " + "  ".join(line), file=sys.stderr, flush=True)
     return results
+
+
+def callgrind(
+    command: Sequence[str],
+    *,
+    options: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    what: str,
+) -> int:
+    """The instructions ``valgrind --tool=callgrind`` counted running ``command`` (with
+    callgrind's ``options``); a failure stops the script, naming ``what``."""
+    done = subprocess.run(
+        ["valgrind", "--tool=callgrind", *options, *command],
+        cwd=cwd,
+        env=dict(env) if env is not None else None,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.search(r"Collected : (\d+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"{what}: callgrind failed:\n{done.stderr[-2000:]}")
+    return int(found.group(1))
 
 
 # -- printing ----------------------------------------------------------------------------

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -80,30 +78,16 @@ def _count(program: str, runs: int, steps: int, directory: str) -> float:
 def _collected(program: str, runs: int, steps: int, directory: str) -> int:
     """The instructions callgrind counted in one child process."""
     out = os.path.join(directory, f"callgrind.{program}.{steps}.{runs}.out")
-    done = subprocess.run(
-        [
-            "valgrind",
-            "--tool=callgrind",
+    return common.callgrind(
+        [sys.executable, __file__, "--child", program, str(runs), str(steps), directory],
+        options=[
             "--collect-atstart=no",
             "--toggle-collect=functools_reduce",
             f"--callgrind-out-file={out}",
-            sys.executable,
-            __file__,
-            "--child",
-            program,
-            str(runs),
-            str(steps),
-            directory,
         ],
         env={**os.environ, "PYTHONHASHSEED": "0"},
-        capture_output=True,
-        text=True,
-        check=False,
+        what=program,
     )
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise SystemExit(f"{program}: callgrind failed:\n{done.stderr[-2000:]}")
-    return int(found.group(1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -131,8 +131,8 @@ class SQLStore(
     def _prepare_statements(self) -> None:
         """The write statements (the boundary's fenced append and row updates, run creation,
         their forms compiled for the driver), built and compiled once per process for every
-        store on the same dialect: 15-27 ms for the first store, a dict copy for the next.
-        What building sets is kept and set on every store.
+        store on the same dialect: 15-27 ms for the first store, a dozen attributes set for
+        each later one. A store opened ``reads_only`` (a Reader's) skips them.
 
         (Built here, not on first use: a class-level ``__getattr__`` that built them lazily
         turned every attribute read of a store into a slower, unspecialized lookup, +2.4 %
