@@ -21,9 +21,10 @@ And what happens to the one that does not fit (``inbox_overflow`` / ``queue_over
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from flowloop.errors import EXIT_FAILURE, DefinitionError, FlowloopError
 
@@ -121,3 +122,38 @@ def queue_full(workflow: str, bounds: Bounds, *, waited: float | None = None) ->
         f"{bounds.max_queued}, queue_overflow={bounds.queue_overflow!r}){how}; the run was not "
         "created: start it again later or add workers"
     )
+
+
+DROPPED_REASON: Final = "dropped: max_queued="
+"""How the reason of a run stopped for ``max_queued`` begins (the bound follows)."""
+
+
+def usage_by_workflow(
+    queued: Iterable[Any],
+    kept: Iterable[Any],
+    dropped_events: Iterable[Any],
+    dropped_runs: Iterable[Any],
+) -> dict[str, dict[str, int]]:
+    """``flowloop status``'s backpressure per workflow from four counts, each as rows of
+    ``(workflow, count)`` (``kept``: one row per run with kept events): ``queued`` runs not
+    yet started, ``kept`` events and ``kept_max`` on one run, ``dropped_events`` and
+    ``dropped_runs``. Only workflows with something to count appear."""
+    usage: dict[str, dict[str, int]] = {}
+
+    def put(workflow: str, name: str, value: int) -> None:
+        entry = usage.setdefault(
+            workflow,
+            {"queued": 0, "kept": 0, "kept_max": 0, "dropped_events": 0, "dropped_runs": 0},
+        )
+        entry[name] = max(entry[name], value) if name == "kept_max" else entry[name] + value
+
+    for workflow, count in queued:
+        put(workflow, "queued", int(count))
+    for workflow, count in kept:
+        put(workflow, "kept", int(count))
+        put(workflow, "kept_max", int(count))
+    for workflow, count in dropped_events:
+        put(workflow, "dropped_events", int(count))
+    for workflow, count in dropped_runs:
+        put(workflow, "dropped_runs", int(count))
+    return usage

@@ -6,7 +6,6 @@ in-process intervals and timeouts, so a wall-clock jump neither fires nor stalls
 
 from __future__ import annotations
 
-import asyncio
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Protocol
@@ -33,6 +32,8 @@ class SystemClock:
         return time.monotonic()
 
     async def sleep(self, seconds: float) -> None:
+        import asyncio  # here: `flowloop status` formats times with iso() and runs no loop
+
         await asyncio.sleep(max(0.0, seconds))
 
 
@@ -78,6 +79,8 @@ class FakeClock:
     async def sleep(self, seconds: float) -> None:
         if self.auto_advance and seconds > 0:
             self.advance(seconds)
+        import asyncio  # (see SystemClock.sleep)
+
         await asyncio.sleep(0)
 
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Final
 from flowloop.errors import FlowloopError, UnknownRun
 
 if TYPE_CHECKING:
-    from flowloop.store.base import Store
+    from flowloop.store.base import RunSource
 
 MIN_PREFIX: Final = 4
 """Shortest prefix accepted for a run id (characters)."""
@@ -41,7 +41,7 @@ def prefix_bounds(prefix: str) -> tuple[str, str]:
     return prefix, prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def resolve(store: Store, text: str) -> str:
+def resolve(store: RunSource, text: str) -> str:
     """The id of the one run whose id is ``text`` or starts with it.
 
     Raises UnknownRun (none, or a prefix shorter than :data:`MIN_PREFIX` that is not a
@@ -59,7 +59,7 @@ def resolve(store: Store, text: str) -> str:
     return found[0]
 
 
-def short_id(store: Store, run_id: str, *, minimum: int = SHORT_ID) -> str:
+def short_id(store: RunSource, run_id: str, *, minimum: int = SHORT_ID) -> str:
     """The shortest prefix of ``run_id`` (at least ``minimum`` characters) that names no
     other run in ``store`` now, or the whole id."""
     length = max(minimum, MIN_PREFIX)

@@ -16,7 +16,7 @@ from flowloop import journal as j
 from flowloop.errors import FlowloopError, UnknownRun
 from flowloop.limits import check_key
 from flowloop.runinfo import Replay, RunInfo, run_info
-from flowloop.store.base import RunFilter, Store, StoredRun
+from flowloop.store.base import RunFilter, RunSource, StoredRun
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
@@ -27,7 +27,7 @@ class RunReading:
     """The reads, over ``self.store``; a run's context is loaded by
     :meth:`_workflow_for` (here: none, the stored JSON as a dict)."""
 
-    store: Store
+    store: RunSource
 
     @property
     def workflows(self) -> Mapping[str, Workflow]:
@@ -110,9 +110,10 @@ class RunReading:
 
 
 class Reader(RunReading):
-    """The reads on ``store`` alone (closed with it)."""
+    """The reads on ``store`` alone (closed with it): a store, or the stdlib reader of a
+    SQLite file (flowloop/store/lite.py) that the reading commands open."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: RunSource) -> None:
         self.store = store
 
     def __enter__(self) -> Reader:

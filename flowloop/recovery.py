@@ -149,7 +149,7 @@ class Recovery:
         self.leases.given_up.discard(row.id)
         event = JournalEvent(
             run_id=record.id,
-            seq=record.last_seq + 1,  # after the tail's last entry (appends._folded)
+            seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
             kind=j.RUN_FAILED,
             at=self.clock.now(),
             state=record.state,

@@ -11,7 +11,7 @@ from flowloop import frozen
 from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
-from flowloop.store import StoredRun
+from flowloop.store.base import StoredRun
 
 if TYPE_CHECKING:
     # Annotations only: reading runs (flowloop.reading) needs neither pydantic nor the

@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, Connection, func, insert, or_, select, tex
 from sqlalchemy.exc import IntegrityError
 
 from flowloop import journal as j
+from flowloop.backpressure import DROPPED_REASON, usage_by_workflow
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
 from flowloop.store.entries import row_context
 from flowloop.store.schema import inbox, journal, runs
@@ -244,7 +245,7 @@ class AdmissionStoreMixin:
                     .order_by(runs.c.created_at, runs.c.id)
                     .limit(1)
                 ).scalar_one()
-                reason = f"dropped: max_queued={limit}"
+                reason = f"{DROPPED_REASON}{limit}"
                 conn.execute(
                     update(runs)
                     .where(runs.c.id == oldest, *queued, *waiting)
@@ -283,41 +284,27 @@ class AdmissionStoreMixin:
         """Per workflow (only those with something to show): ``queued`` runs not yet started,
         ``kept`` events kept for its runs and ``kept_max`` on one run, ``dropped_events``
         (``event_dropped`` entries) and ``dropped_runs`` (stopped for ``max_queued``)."""
-        usage: dict[str, dict[str, int]] = {}
-
-        def put(workflow: str, name: str, value: int) -> None:
-            entry = usage.setdefault(
-                workflow,
-                {"queued": 0, "kept": 0, "kept_max": 0, "dropped_events": 0, "dropped_runs": 0},
-            )
-            entry[name] = max(entry[name], value) if name == "kept_max" else entry[name] + value
-
         with self._read() as conn:
-            for workflow, count in conn.execute(
+            queued = conn.execute(
                 select(runs.c.workflow, func.count())
                 .where(runs.c.status == "scheduled", runs.c.last_seq == 1)
                 .group_by(runs.c.workflow)
-            ):
-                put(workflow, "queued", int(count))
-            for workflow, count in conn.execute(
+            ).all()
+            kept = conn.execute(
                 select(runs.c.workflow, func.count())
                 .select_from(inbox.join(runs, runs.c.id == inbox.c.run_id))
                 .where(inbox.c.consumed_seq.is_(None))
                 .group_by(runs.c.workflow, inbox.c.run_id)
-            ):
-                put(workflow, "kept", int(count))
-                put(workflow, "kept_max", int(count))
-            for workflow, count in conn.execute(
+            ).all()
+            dropped_events = conn.execute(
                 select(runs.c.workflow, func.count())
                 .select_from(journal.join(runs, runs.c.id == journal.c.run_id))
                 .where(journal.c.kind == j.EVENT_DROPPED)
                 .group_by(runs.c.workflow)
-            ):
-                put(workflow, "dropped_events", int(count))
-            for workflow, count in conn.execute(
+            ).all()
+            dropped_runs = conn.execute(
                 select(runs.c.workflow, func.count())
-                .where(runs.c.status == "stopped", runs.c.reason.like("dropped: max_queued=%"))
+                .where(runs.c.status == "stopped", runs.c.reason.like(f"{DROPPED_REASON}%"))
                 .group_by(runs.c.workflow)
-            ):
-                put(workflow, "dropped_runs", int(count))
-        return usage
+            ).all()
+        return usage_by_workflow(queued, kept, dropped_events, dropped_runs)

@@ -25,7 +25,6 @@ One boundary costs one commit; a batch (group commit, bulk recovery) costs one t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -53,17 +52,18 @@ from flowloop.store.dialect import restart_idle_timer
 from flowloop.store.entries import (
     JOURNAL_FIELDS,
     JOURNALED,
+    RUN_ID,
+    SEQ,
     ContextCache,
-    Decoder,
     dumps_sorted,
     encode,
     encode_joined,
     event_row,
+    folded,
     joinable,
-    last_seq_of,
-    replaced_run,
     row_context,
     stored_from_row,
+    with_tails,
 )
 from flowloop.store.journaled import given_runs, resolve
 from flowloop.store.raw import Raw
@@ -598,12 +598,9 @@ class AppendStoreMixin:
         behind = {s.id: s for s in stored if s.record.status == "running"}
         if not behind:
             return stored
-        found = read_tails(conn, {s.id: s.record.last_seq for s in behind.values()})
-        out = []
-        for s in stored:
-            tail = found.get(s.id)
-            out.append(s if not tail else _folded(s, tail))
-        return out
+        return with_tails(
+            stored, read_tails(conn, {s.id: s.record.last_seq for s in behind.values()})
+        )
 
     def _fold_claimed(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
         """:meth:`_fold_tails` for runs just claimed in ``conn``'s transaction (their rows
@@ -624,11 +621,7 @@ class AppendStoreMixin:
             for row in _values(conn.execute(query, params)):
                 if row[SEQ] > snapshots[row[RUN_ID]]:  # the join's seq is the snapshot's
                     found.setdefault(row[RUN_ID], []).append(row)
-        out = []
-        for s in stored:
-            tail = found.get(s.id)
-            out.append(s if not tail else _folded(s, tail))
-        return out
+        return with_tails(stored, found)
 
 
 CLAIM_TAIL_CHUNK: Final = 500
@@ -682,12 +675,6 @@ def read_tails(conn: Connection, snapshots: Mapping[str, int]) -> dict[str, list
     return found
 
 
-RUN_ID: Final = JOURNAL_FIELDS.index("run_id")
-SEQ: Final = JOURNAL_FIELDS.index("seq")
-KIND: Final = JOURNAL_FIELDS.index("kind")
-DATA: Final = JOURNAL_FIELDS.index("data")
-
-
 def _values(result: Any) -> Iterator[tuple[Any, ...]]:
     """A ``select(journal)`` result's rows as tuples in :data:`JOURNAL_FIELDS` order, for
     :meth:`Decoder.values` (a row's attributes cost more than its decoding)."""
@@ -709,33 +696,6 @@ def _unique_violation(error: BaseException) -> bool:
     return getattr(error, "sqlstate", None) == "23505"
 
 
-def _folded(stored: StoredRun, tail: Sequence[tuple[Any, ...]]) -> StoredRun:
-    """``stored`` with its journal tail (rows as :func:`_values`) folded in. A tail that
-    cannot be folded (a missing seq, an unreadable or incomplete entry: any error) becomes
-    the run's problem, naming the entry, and the record's ``last_seq`` is the tail's last:
-    the failure the executor or recovery writes for it goes after the run's last entry,
-    not onto a taken seq."""
-    record = stored.record
-    if stored.problem is not None:  # its context is unreadable: nothing to fold onto
-        last = tail[-1]
-        end = dataclasses.replace(record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA]))
-        return replaced_run(stored, record=end)
-    decoder = Decoder(record.context)
-    for row in tail:
-        try:
-            for event in decoder.values(row):
-                record = j.apply(record, event)
-        except Exception as error:  # one broken entry must not make every read raise
-            why = str(error) or type(error).__name__
-            problem = f"journal entry seq {row[SEQ]} ({row[KIND]}) cannot be folded: {why}"
-            last = tail[-1]
-            end = dataclasses.replace(
-                record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA])
-            )
-            return replaced_run(stored, record=end, problem=problem)
-    return replaced_run(stored, record=record)
-
-
 def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
     """Raw run rows (``select(runs)`` mappings, any columns including ``id``, ``status``
     and ``last_seq``) as of their latest journal entry: for readers that do not go through
@@ -754,7 +714,7 @@ def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
         # Always the fresh snapshot (folded): ``rows`` came from an earlier statement and
         # may be older than it (a release in between); the fresh row is never older.
         tail = tails.get(s.id)
-        latest[s.id] = record_columns(_folded(s, tail).record if tail else s.record)
+        latest[s.id] = record_columns(folded(s, tail).record if tail else s.record)
     for found in out:
         columns = latest.get(found["id"])
         if columns is None:

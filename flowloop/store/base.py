@@ -20,11 +20,18 @@ the journal entries after it.
 from __future__ import annotations
 
 import abc
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Final, Protocol
 
 from flowloop.journal import JournalEvent, RunRecord
+
+VERSION_TABLE: Final = "flowloop_alembic_version"
+"""The table holding a database's schema revision (flowloop/store/migrate.py)."""
+SCHEMA_HEAD: Final = "0016"
+"""The newest revision in migrations/versions, known without loading Alembic (a new
+revision moves it: tests/acceptance/test_cli_cold_start.py checks it is Alembic's head)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +54,39 @@ class StoredRun:
     @property
     def id(self) -> str:
         return self.record.id
+
+
+@dataclass(frozen=True, kw_only=True)
+class BreakerRow:
+    """A circuit breaker shared by the workers (flowloop/flowcontrol.py), as stored."""
+
+    name: str
+    status: str
+    failures: int
+    """Failures counted in the current window (closed)."""
+    until: float | None
+    trial: str | None
+    opened: int
+    """How many times it opened."""
+    updated_at: float
+
+    COLUMNS: ClassVar[tuple[str, ...]] = (
+        "name",
+        "status",
+        "failures",
+        "until",
+        "trial",
+        "opened",
+        "updated_at",
+    )
+    """The breakers table's columns :meth:`of` takes, in this order."""
+
+    @classmethod
+    def of(cls, *values: Any) -> BreakerRow:
+        """A row's :data:`COLUMNS` values (``failures``: the window's JSON list)."""
+        fields = dict(zip(cls.COLUMNS, values, strict=True))
+        fields["failures"] = len(json.loads(fields["failures"]))
+        return cls(**fields)
 
 
 @dataclass(frozen=True)
@@ -124,6 +164,23 @@ class RunFilter:
     limit: int = 100
     after: tuple[float, str] | None = None
     """(created_at, id) of a run: only runs listed after it (older), for paging."""
+
+
+class RunSource(Protocol):
+    """What reading runs needs of a store (flowloop/reading.py): every :class:`Store`,
+    and the stdlib reader of a SQLite file (flowloop/store/lite.py)."""
+
+    def close(self) -> None: ...
+
+    def get_run(self, run_id: str) -> StoredRun | None: ...
+
+    def run_ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]: ...
+
+    def find_runs(self, where: RunFilter) -> list[StoredRun]: ...
+
+    def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]: ...
+
+    def definition(self, fingerprint: str) -> dict[str, Any] | None: ...
 
 
 class Store(abc.ABC):

@@ -26,9 +26,12 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import StoreError, WrongDatabase
+from flowloop.store.urls import DEFAULT_URL as DEFAULT_URL
+from flowloop.store.urls import ENV_DB as ENV_DB
+from flowloop.store.urls import default_url as default_url
+from flowloop.store.urls import normalize_url as normalize_url
+from flowloop.store.urls import sqlite_url as sqlite_url
 
-DEFAULT_URL: Final = "sqlite:///flowloop.db"
-ENV_DB: Final = "FLOWLOOP_DB"
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")
 BUSY_TIMEOUT_MS: Final = 30_000
@@ -65,22 +68,6 @@ def safe_url(url: str | URL) -> str:
 def first_line(error: BaseException) -> str:
     text = str(getattr(error, "orig", None) or error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def sqlite_url(path: str | os.PathLike[str]) -> str:
-    return f"sqlite:///{Path(path)}"
-
-
-def default_url() -> str:
-    """``$FLOWLOOP_DB`` or ``./flowloop.db``."""
-    return normalize_url(os.environ.get(ENV_DB) or DEFAULT_URL)
-
-
-def normalize_url(url: str) -> str:
-    """Accept a bare file path as a SQLite database."""
-    if "://" not in url:
-        return sqlite_url(url)
-    return url
 
 
 def _sqlite_file(url: URL) -> Path | None:

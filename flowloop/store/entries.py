@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from sqlalchemy import Connection, func, insert, select, update
-
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord, load_data
 from flowloop.store.base import StoredRun
-from flowloop.store.schema import journal, runs
 
 SPLICE_KEY: Final = "~ctx"
 """The ``data`` key of an entry whose ``context`` column is a splice: ``[prefix, suffix]``
@@ -54,6 +52,8 @@ JOURNALED: Final = ""
 CACHE_RUNS: Final = 4096
 """Runs whose latest context a store remembers (the base of its next splice)."""
 JSON_SEPARATORS: Final = (",", ":")
+
+log = logging.getLogger("flowloop.store")
 
 
 def _common_prefix(a: str, b: str, limit: int) -> int:
@@ -310,8 +310,26 @@ def last_seq_of(seq: int, kind: str, data: str | None) -> int:
     return seq + 1 if THEN_KEY in load_data(data) else seq
 
 
-JOURNAL_FIELDS: Final = tuple(column.name for column in journal.columns)
-"""The journal's columns in table order (``select(journal)``): :meth:`Decoder.values`."""
+JOURNAL_FIELDS: Final = (
+    "run_id",
+    "seq",
+    "kind",
+    "at",
+    "state",
+    "attempt",
+    "event",
+    "next_state",
+    "context",
+    "duration",
+    "error_type",
+    "error_message",
+    "traceback",
+    "retryable",
+    "worker",
+    "data",
+)
+"""The journal's columns in table order (``select(journal)``): :meth:`Decoder.values`.
+Spelled out so that decoding needs no SQLAlchemy; schema.py checks it is the table's."""
 if {f.name for f in dataclasses.fields(JournalEvent)} != set(JOURNAL_FIELDS):
     raise RuntimeError("JournalEvent's fields must be the journal's columns (event_row)")
 
@@ -432,7 +450,11 @@ def stored_from_row(row: Any) -> StoredRun:
     Read through the row's mapping and filled field by field (frozen dataclasses without
     ``__post_init__``, every field given): a Row's attributes and the generated
     ``__init__``s cost more than the rest (a claim of 500 interrupted runs reads 500)."""
-    m = row._mapping
+    return stored_from_mapping(row._mapping)
+
+
+def stored_from_mapping(m: Mapping[str, Any]) -> StoredRun:
+    """:func:`stored_from_row` for a run row's columns by name (a ``sqlite3.Row`` too)."""
     visits, problem = _visits(m["visits"])
     record = object.__new__(RunRecord)
     record.__dict__.update(
@@ -470,6 +492,26 @@ def stored_from_row(row: Any) -> StoredRun:
     return stored
 
 
+def definition_structure(text: str | None, fingerprint: str) -> dict[str, Any] | None:
+    """A stored definition's structure (its ``structure`` column), or ``None`` when there
+    is none or it is damaged: a damaged row concerns the runs of that one definition only,
+    which are then judged as if it were unknown (a run whose state still exists goes on)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        log.warning(
+            "definition %s: its stored structure is not a JSON object; runs started "
+            "under it are checked against the current definition only",
+            fingerprint,
+        )
+        return None
+    return value
+
+
 def replaced_run(stored: StoredRun, **change: Any) -> StoredRun:
     """``stored`` with ``change`` (a frozen dataclass copied field by field: a tail's fold
     runs for every claimed run)."""
@@ -479,93 +521,87 @@ def replaced_run(stored: StoredRun, **change: Any) -> StoredRun:
     return new
 
 
-def materialize_previous_layout(conn: Connection) -> None:
-    """Migration 0012's downgrade: every running run's row brought up to its latest entry,
-    every spliced context written out whole (what the previous layout promises)."""
-    latest = (
-        select(journal.c.run_id, func.max(journal.c.seq).label("seq"))
-        .group_by(journal.c.run_id)
-        .subquery()
-    )
-    behind = conn.execute(
-        select(runs)
-        .join(latest, latest.c.run_id == runs.c.id)
-        .where(latest.c.seq > runs.c.last_seq)
-    ).all()
-    spliced = {
-        row.run_id
-        for row in conn.execute(
-            select(journal.c.run_id).where(journal.c.data.like(f'%"{SPLICE_KEY}"%')).distinct()
-        )
-    }
-    for run_id in spliced:
-        rows = conn.execute(
-            select(journal).where(journal.c.run_id == run_id).order_by(journal.c.seq)
-        ).all()
-        for row, event in zip(rows, decode(rows), strict=True):
-            if SPLICE_KEY in (row.data or ""):
-                conn.execute(
-                    update(journal)
-                    .where(journal.c.run_id == run_id, journal.c.seq == row.seq)
-                    .values(
-                        context=event.context, data=dumps_sorted(event.data) if event.data else None
-                    )
-                )
-    for row in behind:
-        stored = stored_from_row(row)
-        tail = conn.execute(
-            select(journal)
-            .where(journal.c.run_id == row.id, journal.c.seq > row.last_seq)
-            .order_by(journal.c.seq)
-        ).all()
-        record = stored.record
-        for event in decode(tail, record.context):
-            record = j.apply(record, event)
-        conn.execute(
-            update(runs)
-            .where(runs.c.id == row.id)
-            .values(
-                state=record.state,
-                context=record.context,
-                context_version=record.context_version,
-                attempt=record.attempt,
-                visits=dumps_sorted(record.visits),
-                last_seq=record.last_seq,
-                reason=record.reason,
-                error=record.error,
-                next_run_at=record.next_run_at,
-                status=record.status,
-                deadline_at=record.deadline,
-            )
-        )
+# -- a run as of its latest entry (shared by SQLStore and the stdlib reader, lite.py) -------
+
+RUN_ID: Final = JOURNAL_FIELDS.index("run_id")
+SEQ: Final = JOURNAL_FIELDS.index("seq")
+KIND: Final = JOURNAL_FIELDS.index("kind")
+DATA: Final = JOURNAL_FIELDS.index("data")
 
 
-def split_joined_rows(conn: Connection, *, batch: int = 1000) -> None:
-    """Migration 0013's downgrade: every row holding a joined step start becomes two rows
-    again (the previous layouts read one entry per row), ``batch`` rows at a time."""
-    marker = f'%"{THEN_KEY}"%'
-    done: set[tuple[str, int]] = set()  # rows whose data only looks joined (left as is)
-    while True:
-        found = conn.execute(
-            select(journal)
-            .where(journal.c.kind == j.STEP_SUCCEEDED, journal.c.data.like(marker))
-            .order_by(journal.c.run_id, journal.c.seq)
-            .limit(batch + len(done))
-        ).all()
-        joined = [row for row in found if (row.run_id, row.seq) not in done]
-        if not joined:
-            return
-        for row in joined:
-            data = load_data(row.data)
-            then = data.pop(THEN_KEY, None)
-            if not _readable_then(then):
-                done.add((row.run_id, row.seq))
-                continue
-            conn.execute(
-                update(journal)
-                .where(journal.c.run_id == row.run_id, journal.c.seq == row.seq)
-                .values(data=dumps_sorted(data) if data else None)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A journaled context that cannot be read back: why (names the entry)."""
+
+    problem: str
+
+
+def context_of(rows: Iterable[Sequence[Any]], seq: int) -> str | Unreadable:
+    """The context ``rows`` — ``(run_id, seq, context, data)`` of one run in seq order,
+    from a whole context on — end with: only contexts are folded (the entries' other
+    fields are not needed here)."""
+    context: str | None = None
+    for _run_id, row_seq, row_context_text, data in rows:
+        try:
+            context = context_after(context, row_context_text, data)
+        except Exception as error:  # one broken entry must not make every read raise
+            why = str(error) or type(error).__name__
+            return Unreadable(f"its context (in the journal, seq {row_seq}) is unreadable: {why}")
+    if context is None:
+        return Unreadable(f"its context (in the journal up to seq {seq}) is missing")
+    return context
+
+
+def with_contexts(
+    stored: Sequence[StoredRun], found: Mapping[str, str | Unreadable]
+) -> list[StoredRun]:
+    """``stored`` with the journaled contexts ``found`` (by run id, as of each row's
+    snapshot) in place; one that cannot be read becomes the run's problem (the executor
+    fails such a run, as it does a run whose tail cannot be folded)."""
+    out = []
+    for s in stored:
+        context = found.get(s.id) if s.record.context == JOURNALED else None
+        if context is None:
+            out.append(s)
+        elif isinstance(context, Unreadable):
+            out.append(replaced_run(s, problem=context.problem))
+        else:
+            out.append(replaced_run(s, record=dataclasses.replace(s.record, context=context)))
+    return out
+
+
+def with_tails(stored: Sequence[StoredRun], tails: Mapping[str, Sequence[Any]]) -> list[StoredRun]:
+    """``stored`` with each run's journal tail (rows in :data:`JOURNAL_FIELDS` order) folded
+    in: a running run's row is a snapshot as of its ``last_seq``."""
+    out = []
+    for s in stored:
+        tail = tails.get(s.id)
+        out.append(s if not tail else folded(s, tail))
+    return out
+
+
+def folded(stored: StoredRun, tail: Sequence[Sequence[Any]]) -> StoredRun:
+    """``stored`` with its journal tail (rows in :data:`JOURNAL_FIELDS` order) folded in. A
+    tail that cannot be folded (a missing seq, an unreadable or incomplete entry: any
+    error) becomes the run's problem, naming the entry, and the record's ``last_seq`` is
+    the tail's last: the failure the executor or recovery writes for it goes after the
+    run's last entry, not onto a taken seq."""
+    record = stored.record
+    if stored.problem is not None:  # its context is unreadable: nothing to fold onto
+        last = tail[-1]
+        end = dataclasses.replace(record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA]))
+        return replaced_run(stored, record=end)
+    decoder = Decoder(record.context)
+    for row in tail:
+        try:
+            for event in decoder.values(row):
+                record = j.apply(record, event)
+        except Exception as error:  # one broken entry must not make every read raise
+            why = str(error) or type(error).__name__
+            problem = f"journal entry seq {row[SEQ]} ({row[KIND]}) cannot be folded: {why}"
+            last = tail[-1]
+            end = dataclasses.replace(
+                record, last_seq=last_seq_of(last[SEQ], last[KIND], last[DATA])
             )
-            started = _started(dict(row._mapping), then)
-            started["data"] = dumps_sorted(started["data"]) if started["data"] else None
-            conn.execute(insert(journal).values(**started))
+            return replaced_run(stored, record=end, problem=problem)
+    return replaced_run(stored, record=record)

@@ -29,8 +29,8 @@ from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store.base import Boundary, NewRun, StoredRun
-from flowloop.store.entries import JOURNALED
-from flowloop.store.journaled import Unreadable, contexts_at
+from flowloop.store.entries import JOURNALED, Unreadable
+from flowloop.store.journaled import contexts_at
 from flowloop.store.schema import joins, runs
 
 RESULT_BATCH: Final = 1_000

@@ -10,7 +10,6 @@ run). A running run's tail after ``last_seq`` is folded onto the result as befor
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
@@ -18,15 +17,14 @@ from typing import Any, Final
 from sqlalchemy import ARRAY, Connection, and_, bindparam, func, not_, or_, select, update
 
 from flowloop.store.base import StoredRun
-from flowloop.store.entries import JOURNALED, SPLICE_KEY, context_after, replaced_run
+from flowloop.store.entries import (
+    JOURNALED,
+    SPLICE_KEY,
+    Unreadable,
+    context_of,
+    with_contexts,
+)
 from flowloop.store.schema import journal, runs
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unreadable:
-    """A journaled context that cannot be read back: why (names the entry)."""
-
-    problem: str
 
 
 def _since_whole(run_id: Any, seq: Any) -> Any:
@@ -103,7 +101,7 @@ def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | 
     if conn.dialect.name != "postgresql" or len(wanted) == 1:  # one run: a plainer plan
         query = _one_run()
         return {
-            run_id: _context_of(list(conn.execute(query, {"run_id": run_id, "seq": seq})), seq)
+            run_id: context_of(list(conn.execute(query, {"run_id": run_id, "seq": seq})), seq)
             for run_id, seq in wanted.items()
         }
     found: dict[str, list[Any]] = {}
@@ -113,42 +111,16 @@ def contexts_at(conn: Connection, wanted: Mapping[str, int]) -> dict[str, str | 
         params = {"ids": chunk, "seqs": [wanted[i] for i in chunk]}
         for row in conn.execute(_many_runs(), params):
             found.setdefault(row.run_id, []).append(row)
-    return {run_id: _context_of(found.get(run_id, []), seq) for run_id, seq in wanted.items()}
-
-
-def _context_of(rows: Sequence[Any], seq: int) -> str | Unreadable:
-    """The context ``rows`` (:data:`CONTEXT_COLUMNS`, from a whole context on) end with:
-    only contexts are folded (the entries' other fields are not needed here)."""
-    context: str | None = None
-    for row in rows:
-        try:
-            context = context_after(context, row.context, row.data)
-        except Exception as error:  # one broken entry must not make every read raise
-            why = str(error) or type(error).__name__
-            return Unreadable(f"its context (in the journal, seq {row.seq}) is unreadable: {why}")
-    if context is None:
-        return Unreadable(f"its context (in the journal up to seq {seq}) is missing")
-    return context
+    return {run_id: context_of(found.get(run_id, []), seq) for run_id, seq in wanted.items()}
 
 
 def resolve(conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
-    """``stored`` with every journaled context read back (as of each row's snapshot). A
-    context that cannot be read becomes the run's problem (the executor fails such a run,
-    as it does a run whose tail cannot be folded)."""
+    """``stored`` with every journaled context read back (as of each row's snapshot): see
+    :func:`~flowloop.store.entries.with_contexts`."""
     wanted = {s.id: s.record.last_seq for s in stored if s.record.context == JOURNALED}
     if not wanted:
         return list(stored)
-    found = contexts_at(conn, wanted)
-    out = []
-    for s in stored:
-        context = found.get(s.id) if s.record.context == JOURNALED else None
-        if context is None:
-            out.append(s)
-        elif isinstance(context, Unreadable):
-            out.append(replaced_run(s, problem=context.problem))
-        else:
-            out.append(replaced_run(s, record=dataclasses.replace(s.record, context=context)))
-    return out
+    return with_contexts(stored, contexts_at(conn, wanted))
 
 
 def restore_row_contexts(conn: Connection, *, batch: int = 500) -> None:

@@ -43,7 +43,7 @@ from flowloop.flowcontrol import (
     take_all,
 )
 from flowloop.lifecycle import LIVE
-from flowloop.store.base import NewRun
+from flowloop.store.base import BreakerRow, NewRun
 from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
 UNLIMITED: Final = 1_000_000_000
@@ -63,19 +63,6 @@ class ClaimLimits:
     max_concurrency: int | None = None
     key_limit: int | None = None
     keyed: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class BreakerRow:
-    name: str
-    status: str
-    failures: int
-    """Failures counted in the current window (closed)."""
-    until: float | None
-    trial: str | None
-    opened: int
-    """How many times it opened."""
-    updated_at: float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -405,19 +392,9 @@ class LimitStoreMixin:
 
     def breakers(self) -> list[BreakerRow]:
         with self._read() as conn:
-            rows = conn.execute(select(breakers).order_by(breakers.c.name))
-            return [
-                BreakerRow(
-                    name=row.name,
-                    status=row.status,
-                    failures=len(json.loads(row.failures)),
-                    until=row.until,
-                    trial=row.trial,
-                    opened=row.opened,
-                    updated_at=row.updated_at,
-                )
-                for row in rows
-            ]
+            columns = [getattr(breakers.c, name) for name in BreakerRow.COLUMNS]
+            rows = conn.execute(select(*columns).order_by(breakers.c.name))
+            return [BreakerRow.of(*row) for row in rows]
 
     def breaker_journal(self, name: str) -> list[BreakerEntry]:
         with self._read() as conn:

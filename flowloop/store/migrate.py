@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Final
 from sqlalchemy import Connection, text
 
 from flowloop.errors import SchemaMismatch, StoreError
+from flowloop.store.base import SCHEMA_HEAD
+from flowloop.store.base import VERSION_TABLE as VERSION_TABLE
 
 if TYPE_CHECKING:
     from alembic.config import Config
     from alembic.script import ScriptDirectory
 
-VERSION_TABLE: Final = "flowloop_alembic_version"
 MIGRATIONS: Final = Path(__file__).with_name("migrations")
-HEAD: Final = "0016"
-"""The newest revision in migrations/versions, known without loading Alembic (a new
-revision moves it: tests/acceptance/test_cli_cold_start.py checks it is Alembic's head)."""
+HEAD: Final = SCHEMA_HEAD
+"""The newest revision in migrations/versions (kept in flowloop/store/base.py)."""
 
 
 def _config(connection: Connection | None = None) -> Config:

@@ -16,6 +16,8 @@ from sqlalchemy import (
     text,
 )
 
+from flowloop.store.entries import JOURNAL_FIELDS
+
 # Every change here needs a migration in flowloop/store/migrations/versions (autogenerate
 # one with `flowloop db revision -m "what changed"`).
 metadata = MetaData()
@@ -303,3 +305,7 @@ joins = Table(
     Column("created_at", Float, nullable=False),
 )
 Index("ix_flowloop_joins_parent", joins.c.parent_id)
+
+# Decoding spells the journal's columns out (it needs no SQLAlchemy): keep both in step.
+if tuple(column.name for column in journal.columns) != JOURNAL_FIELDS:
+    raise RuntimeError("entries.JOURNAL_FIELDS must be the journal's columns in table order")

@@ -9,7 +9,6 @@ snapshot: every read of a run folds the journal entries after it (``_fold_tails`
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 from collections.abc import Iterator, Sequence
@@ -46,7 +45,14 @@ from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
 from flowloop.store.creation import CreationStoreMixin
-from flowloop.store.entries import JOURNALED, SNAPSHOT_EVERY, ContextCache, decode, row_context
+from flowloop.store.entries import (
+    JOURNALED,
+    SNAPSHOT_EVERY,
+    ContextCache,
+    decode,
+    definition_structure,
+    row_context,
+)
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
@@ -346,22 +352,7 @@ class SQLStore(
             text = conn.execute(
                 select(definitions.c.structure).where(definitions.c.fingerprint == fingerprint)
             ).scalar_one_or_none()
-        if text is None:
-            return None
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            # A damaged row concerns the runs of this one definition only: they are judged
-            # as if it were unknown (a run whose state still exists goes on).
-            log.warning(
-                "definition %s: its stored structure is not a JSON object; runs started "
-                "under it are checked against the current definition only",
-                fingerprint,
-            )
-            return None
-        return value
+        return definition_structure(text, fingerprint)
 
     # -- runs ------------------------------------------------------------------------------
 

@@ -62,7 +62,7 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from flowloop.store.entries import materialize_previous_layout
+    from flowloop.store.relayout import materialize_previous_layout
 
     materialize_previous_layout(op.get_bind())
     with op.batch_alter_table("flowloop_runs", schema=None) as batch_op:

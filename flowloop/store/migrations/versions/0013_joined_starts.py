@@ -27,6 +27,6 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    from flowloop.store.entries import split_joined_rows
+    from flowloop.store.relayout import split_joined_rows
 
     split_joined_rows(op.get_bind())
