@@ -135,7 +135,7 @@ def command_settings(**flags: Any) -> Settings:
 
 def database(db: str | None) -> str:
     """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
-    from flowloop.store.dialect import default_url
+    from flowloop.store.urls import default_url
 
     if db:
         return db
@@ -171,15 +171,29 @@ def open_engine(
 def open_reader(db: str | None, synchronous: str = "NORMAL") -> Reader | Engine:
     """The runs on --db, for a command that only reads them (status, history, replay): the
     database must exist (exit 2 otherwise, nothing created), and neither the engine's
-    executor nor pydantic is loaded (issue 13, cold start) — unless --trace asks for the
-    engine's tracing, which is set up (and its configuration checked) as before."""
-    from flowloop.cli import support
+    executor nor pydantic is loaded — nor SQLAlchemy for a SQLite file at the current
+    schema (issue 13, cold start) — unless --trace asks for the engine's tracing, which is
+    set up (and its configuration checked) as before."""
     from flowloop.reading import Reader
+    from flowloop.store.urls import plain_sqlite_file
 
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         return open_engine(db, synchronous, read=True)
-    return Reader(support.read_store(database(db), synchronous, reads_only=True))
+    url = database(db)
+    path = plain_sqlite_file(url)
+    if path is not None:
+        # A SQLite file at the current schema is read through the stdlib driver: no
+        # SQLAlchemy to import. Anything else (or a file that is not such a database) is
+        # opened as before, and the store says what is wrong with it.
+        from flowloop.store.lite import LiteStore
+
+        lite = LiteStore.open(path)
+        if lite is not None:
+            return Reader(lite)
+    from flowloop.cli import support
+
+    return Reader(support.read_store(url, synchronous, reads_only=True))
 
 
 def load_workflow_paths(paths: Sequence[str]) -> Loaded:

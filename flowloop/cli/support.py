@@ -15,19 +15,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from sqlalchemy.engine import make_url
-
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
 from flowloop.journal import TIMEOUT_EVENT
-from flowloop.store import migrate
-from flowloop.store.dialect import normalize_url
-from flowloop.store.sql import SQLStore
+from flowloop.store.base import VERSION_TABLE
+from flowloop.store.urls import normalize_url
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
     from flowloop.engine import Engine
     from flowloop.reading import RunReading
     from flowloop.runinfo import RunInfo
+    from flowloop.store.sql import SQLStore
 
 DATABASE_SUFFIXES: Final = (".db", ".sqlite", ".sqlite3")
 CLOSE_NAMES: Final = 3
@@ -40,6 +38,8 @@ WAITING: Final = "waiting"
 
 def sqlite_path(url: str) -> Path | None:
     """The file of a SQLite URL (``None``: not SQLite, or in memory)."""
+    from sqlalchemy.engine import make_url
+
     parsed = make_url(normalize_url(url))
     database = parsed.database
     if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
@@ -96,7 +96,7 @@ def _refuse_foreign_sqlite(path: Path) -> None:
             tables = {str(row[0]) for row in rows}
     except sqlite3.DatabaseError:
         return  # not SQLite at all: the store's own check names it
-    if migrate.VERSION_TABLE in tables:
+    if VERSION_TABLE in tables:
         return
     if tables:
         foreign = sorted(t for t in tables if not t.startswith("flowloop_"))
@@ -115,6 +115,8 @@ def read_store(url: str, synchronous: str, *, reads_only: bool = False) -> SQLSt
     """A store for a command that only reads: the database must exist and have flowloop's
     schema (on PostgreSQL: an empty schema is refused, not created). ``reads_only``: for a
     Reader, which never writes: the store's write statements are not built."""
+    from flowloop.store.sql import SQLStore
+
     require_database(url)
     return SQLStore(
         normalize_url(url), synchronous=synchronous, create=False, reads_only=reads_only
@@ -315,13 +317,11 @@ def list_runs(
 def backpressure_lines(engine: RunReading, workflow: str | None = None) -> list[str]:
     """A line per workflow whose runs have kept events or whose bounds dropped something
     (flowloop/backpressure.py), for ``flowloop status``; nothing otherwise."""
-    from flowloop.store.admission import AdmissionStoreMixin
-
-    store = engine.store
-    if not isinstance(store, AdmissionStoreMixin):
+    usage = getattr(engine.store, "backpressure_usage", None)  # SQLStore's, LiteStore's
+    if usage is None:
         return []
     lines = []
-    for name, use in sorted(store.backpressure_usage().items()):
+    for name, use in sorted(usage().items()):
         if workflow is not None and name != workflow:
             continue
         if not (use["kept"] or use["dropped_events"] or use["dropped_runs"]):

@@ -17,7 +17,6 @@ from flowloop import journal as j
 from flowloop.cli import support
 from flowloop.cli.common import out
 from flowloop.clock import iso
-from flowloop.store.joins import JoinStoreMixin
 
 if TYPE_CHECKING:
     from flowloop.engine import RunInfo
@@ -186,7 +185,7 @@ def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
 def family_lines(store: Any, run_id: str) -> list[str]:
     """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
     and how many of its children are in each status (nothing when it has neither)."""
-    if not isinstance(store, JoinStoreMixin):
+    if not hasattr(store, "child_counts"):  # SQLStore and LiteStore read families
         return []
     lines = []
     parent = store.parent_of(run_id)

@@ -146,6 +146,54 @@ def test_cold_start__reading_commands_load_no_engine_or_pydantic(
         assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == [], args
 
 
+# A plain SQLite file at the current schema is read through the stdlib driver
+# (flowloop/store/lite.py): SQLAlchemy's import alone cost these commands half their time.
+NO_SQLALCHEMY = ("sqlalchemy", "flowloop.store.sql", "flowloop.store.schema", "asyncio")
+
+
+def test_cold_start__reading_commands_on_a_sqlite_file_load_no_sqlalchemy(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    url, run_id = database
+    path = url.removeprefix("sqlite:///")
+    for shows, args in (
+        (run_id[:8], ("status", "--db", url)),
+        (run_id[:8], ("status", "--db", path)),
+        (run_id, ("status", "--db", url, "--json", "--status", "scheduled")),
+        ("scheduled", ("status", run_id[:6], "--db", url)),
+        ("run_created", ("history", run_id, "--db", url)),
+        ("equals the stored row", ("replay", run_id, "--db", url)),
+    ):
+        code = NO_SETTING_VARIABLES + f"shows = {shows!r}\n" + command(*args)
+        assert loaded_after(code, tmp_path, NO_SQLALCHEMY) == [], args
+
+
+def test_cold_start__other_databases_are_read_through_sqlalchemy_as_before(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """A URL with options, or a file not at the current schema, is opened by SQLStore (which
+    says what is wrong with it): the stdlib reader only takes what it reads the same."""
+    url, run_id = database
+    code = f"shows = {run_id[:8]!r}\n" + command("status", "--db", f"{url}?timeout=5")
+    assert "flowloop.store.sql" in loaded_after(code, tmp_path, NO_SQLALCHEMY)
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {migrate.VERSION_TABLE} SET version_num = '0001'"))
+    finally:
+        engine.dispose()
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", "status", "--db", url],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result
+    assert "schema revision 0001 is older than this flowloop" in result.stderr
+    assert "flowloop db upgrade" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_cold_start__status_on_the_default_database_loads_no_settings_or_pydantic(
     database: tuple[str, str], tmp_path: Path
 ) -> None:
