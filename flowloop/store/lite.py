@@ -17,9 +17,10 @@ tests/integration/test_lite_store.py holds every read equal to ``SQLStore``'s.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,9 +40,13 @@ from flowloop.store.entries import (
     with_contexts,
     with_tails,
 )
+from flowloop.store.urls import sqlite_url
 
 BUSY_TIMEOUT_S: Final = 30.0
 """How long a read waits out a lock: the store's (flowloop.store.dialect.BUSY_TIMEOUT_MS)."""
+PROBE_TIMEOUT_S: Final = 1.0
+"""How long the check of the schema revision waits out a lock: a file that stays locked is
+opened by SQLStore, which waits the whole timeout itself (not twice as long)."""
 RUNS: Final = "flowloop_runs"
 JOURNAL: Final = "flowloop_journal"
 JOURNAL_ROWS: Final = f"SELECT {', '.join(JOURNAL_FIELDS)} FROM {JOURNAL}"
@@ -81,20 +86,26 @@ class LiteStore:
     @classmethod
     def open(cls, path: Path) -> LiteStore | None:
         """The database at ``path``, or ``None`` when it is not a flowloop database at
-        :data:`SCHEMA_HEAD` that can be read (nothing is created or changed)."""
+        :data:`SCHEMA_HEAD` that can be read. Opened read-only (``mode=ro``): nothing is
+        created or changed, not even a file that is not ours (a read-write connection
+        would checkpoint a foreign database's WAL into it when it closes)."""
         if not path.is_file():
             return None
+        # The file the driver SQLAlchemy uses would open: an absolute path made by text
+        # (a symlinked directory followed by `..` stays what the user typed).
+        uri = f"{Path(os.path.abspath(path)).as_uri()}?mode=ro"
         try:
             conn = sqlite3.connect(
-                f"{path.resolve().as_uri()}?mode=rw",
+                uri,
                 uri=True,
-                timeout=BUSY_TIMEOUT_S,
+                timeout=PROBE_TIMEOUT_S,
                 isolation_level=None,  # transactions are this class's own BEGINs
             )
         except sqlite3.Error:
             return None
         try:
             revisions = conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall()
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         except sqlite3.Error:
             revisions = []
         if revisions != [(SCHEMA_HEAD,)]:
@@ -107,7 +118,8 @@ class LiteStore:
 
     @contextmanager
     def _read(self) -> Iterator[sqlite3.Connection]:
-        """One read transaction; a driver error becomes a StoreError of one line."""
+        """One read transaction; a driver error becomes a StoreError of one line, worded
+        as the CLI words SQLAlchemy's (flowloop/store/outage.py)."""
         conn = self._conn
         try:
             conn.execute("BEGIN")
@@ -115,9 +127,12 @@ class LiteStore:
                 yield conn
             finally:
                 if conn.in_transaction:
-                    conn.execute("ROLLBACK")  # it only read: nothing to keep
+                    with suppress(sqlite3.Error):  # it only read: nothing to keep
+                        conn.execute("ROLLBACK")
         except sqlite3.Error as error:
-            raise StoreError(f"cannot read {self.path}: {error}") from error
+            from flowloop.store import outage  # (SQLAlchemy: on this rare path only)
+
+            raise StoreError(outage.describe(error, sqlite_url(self.path))) from error
 
     # -- runs ------------------------------------------------------------------------------
 

@@ -141,8 +141,6 @@ def test_cold_start__reading_commands_load_no_engine_or_pydantic(
         ("equals the stored row", ("replay", run_id, "--db", url)),
     ):
         code = NO_SETTING_VARIABLES + f"shows = {shows!r}\n" + command(*args)
-        # ... nor build the store's write statements (a Reader's store is for reads only)
-        code += "from flowloop.store import sql\nassert sql._PREPARED == {}, sql._PREPARED\n"
         assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == [], args
 
 
@@ -175,7 +173,10 @@ def test_cold_start__other_databases_are_read_through_sqlalchemy_as_before(
     says what is wrong with it): the stdlib reader only takes what it reads the same."""
     url, run_id = database
     code = f"shows = {run_id[:8]!r}\n" + command("status", "--db", f"{url}?timeout=5")
+    # ... through a store that builds no write statements (a Reader's is for reads only)
+    code += "from flowloop.store import sql\nassert sql._PREPARED == {}, sql._PREPARED\n"
     assert "flowloop.store.sql" in loaded_after(code, tmp_path, NO_SQLALCHEMY)
+    assert loaded_after(code, tmp_path, NOT_FOR_READING_RUNS) == []
     engine = sa.create_engine(url)
     try:
         with engine.begin() as conn:

@@ -11,7 +11,11 @@ compared with SQLStore's on the same file: runs field by field, journals event b
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -264,17 +268,126 @@ def test_only_a_flowloop_database_at_the_current_schema_opens(
     assert LiteStore.open(path) is None
 
 
-def test_a_failed_read_is_one_store_error(database: tuple[SQLStore, Path]) -> None:
+def _cli(db: str, *args: str) -> tuple[int, str]:
+    """``flowloop ARGS --db DB`` as a program: its exit code and what it printed on stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *args, "--db", db],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.returncode, result.stderr
+
+
+def test_a_failed_read_is_the_line_sqlalchemys_would_be(
+    database: tuple[SQLStore, Path],
+) -> None:
+    """A read that fails after the file opened (a table dropped behind flowloop's back)
+    is one StoreError, worded as the CLI words the same error through SQLAlchemy."""
     store, path = database
     lite = _opened(path)
     try:
         with store.engine.begin() as conn:
             conn.exec_driver_sql("DROP TABLE flowloop_breakers")
-        with pytest.raises(StoreError, match=r"cannot read .*flowloop\.db: no such table"):
+        with pytest.raises(StoreError, match=r"database .*flowloop\.db: no such table"):
             lite.breakers()
         assert lite.get_run("x") is None, "the next read works (no transaction left open)"
     finally:
         lite.close()
+    through_lite = _cli(str(path), "status")
+    through_sqlalchemy = _cli(f"sqlite:///{path}?timeout=30", "status")  # not plain: SQLStore
+    assert through_lite == through_sqlalchemy
+    assert through_lite[0] == 1 and "no such table: flowloop_breakers" in through_lite[1]
+    assert "Traceback" not in through_lite[1]
+
+
+def _foreign_wal_file(path: Path) -> None:
+    """A SQLite file that is not flowloop's, in WAL mode, its last rows still in the WAL:
+    the writer ended without a checkpoint (os._exit), as a crashed program leaves it."""
+    code = (
+        "import os, sqlite3\n"
+        f"conn = sqlite3.connect({str(path)!r}, isolation_level=None)\n"
+        "conn.execute('PRAGMA journal_mode=WAL')\n"
+        "conn.execute('PRAGMA wal_autocheckpoint=0')\n"
+        "conn.execute('CREATE TABLE notes (body TEXT)')\n"
+        "for n in range(50):\n"
+        "    conn.execute('INSERT INTO notes VALUES (?)', ('x' * 500,))\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.parent.iterdir()) if p.is_file()}
+
+
+def test_a_foreign_file_and_its_wal_are_left_byte_for_byte_as_they_were(tmp_path: Path) -> None:
+    path = tmp_path / "notes.db"
+    _foreign_wal_file(path)
+    before = _files(path)
+    assert "notes.db-wal" in before and len(before["notes.db-wal"]) > 0
+    assert LiteStore.open(path) is None
+    code, stderr = _cli(str(path), "status")
+    assert code == 2 and "is not a flowloop database (it has tables notes)" in stderr
+    after = _files(path)
+    assert after.keys() == before.keys(), "no file created or removed"
+    # The data, byte for byte: nothing checkpointed into the file. (The -shm file is the
+    # WAL's shared index, which every reader of a WAL database marks, read-only or not.)
+    for name in ("notes.db", "notes.db-wal"):
+        assert after[name] == before[name], name
+
+
+def test_a_path_through_a_symlinked_directory_opens_the_file_sqlalchemy_opens(
+    tmp_path: Path,
+) -> None:
+    """``link/../x.db`` is resolved by text, as the driver does, not by following
+    ``link`` first: the file a worker given the same --db writes is the one read."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    (elsewhere / "sub").mkdir(parents=True)
+    here.mkdir()
+    (here / "link").symlink_to(elsewhere / "sub")
+    for directory, key in ((here, "here"), (elsewhere, "elsewhere")):
+        store = SQLStore(f"sqlite:///{directory / 'x.db'}")
+        store.create_run(new_run(key=key))
+        store.close()
+    typed = here / "link" / ".." / "x.db"
+    lite = _opened(typed)
+    try:
+        assert [s.record.key for s in lite.find_runs(RunFilter())] == ["here"]
+    finally:
+        lite.close()
+
+
+def test_a_database_left_by_a_killed_writer_reads_the_same(tmp_path: Path) -> None:
+    """A writer SIGKILLed between commits leaves its WAL and shared memory behind: the
+    read-only reader sees every committed boundary, as SQLStore does."""
+    path = tmp_path / "killed.db"
+    SQLStore(f"sqlite:///{path}").close()
+    code = (
+        "import os, signal, time\n"
+        "from storekit import new_run, start_step\n"
+        "from flowloop.store import SQLStore\n"
+        f"store = SQLStore('sqlite:///{path}')\n"
+        "for n in range(20):\n"
+        "    created, _ = store.create_run(new_run(key=str(n)))\n"
+        "[claimed] = store.claim(worker='w', now=time.time(), limit=1, lease_seconds=60)\n"
+        "assert store.write([start_step(claimed, 'w')]) == [True]\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    tests = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), *sys.path])}
+    killed = subprocess.run([sys.executable, "-c", code], env=env, timeout=120)
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "killed.db-wal").exists()
+    lite = _opened(path)
+    store = SQLStore(f"sqlite:///{path}", create=False)
+    try:
+        every = store.find_runs(RunFilter(limit=100))
+        assert len(every) == 20 and any(s.record.status == "running" for s in every)
+        assert lite.find_runs(RunFilter(limit=100)) == every
+    finally:
+        lite.close()
+        store.close()
 
 
 def test_it_waits_out_locks_as_long_as_the_store() -> None:
@@ -284,12 +397,13 @@ def test_it_waits_out_locks_as_long_as_the_store() -> None:
 
 
 def _shown(path: Path, *args: str) -> tuple[int, str]:
+    """Exit code, output and the error a command ended with (the CLI prints its message)."""
     from click.testing import CliRunner
 
     from flowloop.cli import cli
 
     result = CliRunner().invoke(cli, [*args, "--db", str(path)])
-    return result.exit_code, result.output
+    return result.exit_code, f"{result.output}{result.exception!r}"
 
 
 def test_the_reading_commands_show_the_same(
