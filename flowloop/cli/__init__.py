@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Final
 
 import click
 
-from flowloop.cli import database, diagrams, loops, operators, runs, runs_view, ui
 from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, NOTHING_TO_READ, TRACE, err
 from flowloop.errors import FlowloopError
 from flowloop.logs import FORMATS, LEVELS
@@ -37,7 +37,50 @@ AS_PROGRAM: Final = "flowloop, run as the program"
 arguments from the command line."""
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+COMMANDS: Final = {
+    "run": "flowloop.cli.runs:run",
+    "start": "flowloop.cli.runs:start",
+    "resume": "flowloop.cli.runs:resume",
+    "retry": "flowloop.cli.runs:retry",
+    "send": "flowloop.cli.runs:send",
+    "status": "flowloop.cli.runs_view:status",
+    "history": "flowloop.cli.runs_view:history",
+    "replay": "flowloop.cli.runs_view:replay",
+    "pause": "flowloop.cli.operators:pause",
+    "unpause": "flowloop.cli.operators:unpause",
+    "stop": "flowloop.cli.operators:stop",
+    "worker": "flowloop.cli.operators:worker",
+    "check": "flowloop.cli.operators:check",
+    "migrate": "flowloop.cli.operators:migrate",
+    "loops": "flowloop.cli.loops:loops_command",
+    "trigger": "flowloop.cli.loops:trigger_command",
+    "backfill": "flowloop.cli.loops:backfill_command",
+    "diagram": "flowloop.cli.diagrams:diagram",
+    "db": "flowloop.cli.database:db",
+    "stats": "flowloop.cli.database:stats_command",
+    "prune": "flowloop.cli.database:prune_command",
+    "ui": "flowloop.cli.ui:ui_command",
+}
+"""Each command and where it is defined (``module:attribute``): a command's module is
+imported when the command runs or help lists it, so ``flowloop status`` loads only the
+module of ``status`` (issue 13, cold start; click's lazily loaded subcommands)."""
+
+
+class LazyGroup(click.Group):
+    """A group whose commands (:data:`COMMANDS`) are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in COMMANDS and cmd_name not in self.commands:
+            module, _, attribute = COMMANDS[cmd_name].partition(":")
+            command = getattr(importlib.import_module(module), attribute)
+            self.add_command(command, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="flowloop", prog_name="flowloop")
 @click.option(
     "--config",
@@ -98,33 +141,6 @@ def cli(
 
     ctx.obj = config = load_settings(flags, config_file=config_path)
     setup_logging(config.log_format, config.log_level or default_level)
-
-
-for command in (
-    runs.run,
-    runs.start,
-    runs.resume,
-    runs.retry,
-    runs.send,
-    runs_view.status,
-    runs_view.history,
-    runs_view.replay,
-    operators.pause,
-    operators.unpause,
-    operators.stop,
-    operators.worker,
-    operators.check,
-    operators.migrate,
-    loops.loops_command,
-    loops.trigger_command,
-    loops.backfill_command,
-    diagrams.diagram,
-    database.db,
-    database.stats_command,
-    database.prune_command,
-    ui.ui_command,
-):
-    cli.add_command(command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

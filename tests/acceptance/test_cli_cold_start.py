@@ -378,3 +378,34 @@ def test_cold_start__settings_asked_for_later_keep_the_global_flags(tmp_path: Pa
         "assert shown.getvalue() == 'json error\\n', shown.getvalue()\n"
     )
     assert loaded_after(code, tmp_path, ("flowloop.config",)) == ["flowloop.config"]
+
+
+def test_cold_start__a_command_loads_its_own_module_only(
+    database: tuple[str, str], tmp_path: Path
+) -> None:
+    """The group imports a command's module when it runs (flowloop.cli.COMMANDS): `status`
+    does not load `worker`'s, `diagram`'s or `ui`'s, and help still lists every command."""
+    from flowloop.cli import COMMANDS
+
+    modules = tuple(sorted({where.partition(":")[0] for where in COMMANDS.values()}))
+    url, run_id = database
+    code = f"shows = {run_id[:8]!r}\n" + command("status", "--db", url)
+    assert loaded_after(code, tmp_path, modules) == ["flowloop.cli.runs_view"]
+    code = "shows = 'Commands:'\n" + command("--help")
+    assert loaded_after(code, tmp_path, modules) == sorted(modules)
+
+
+def test_cold_start__every_command_is_where_the_group_looks_for_it() -> None:
+    import importlib
+
+    import click
+
+    from flowloop.cli import COMMANDS, cli
+
+    for name, where in COMMANDS.items():
+        module, _, attribute = where.partition(":")
+        command = getattr(importlib.import_module(module), attribute)
+        assert isinstance(command, click.Command) and command.name == name, where
+    context = click.Context(cli)
+    assert cli.list_commands(context) == sorted(COMMANDS)
+    assert all(cli.get_command(context, name) is not None for name in COMMANDS)
