@@ -42,7 +42,10 @@ lint: venv
 	$(BIN)/ruff format --check flowloop flowloop_pytest.py tests bench workflows
 	$(BIN)/mypy
 
+# Compiled once up front: where PYTHONDONTWRITEBYTECODE is set nothing writes __pycache__,
+# and each of the suite's many flowloop processes would compile the sources again.
 test: system browser venv lint
+	$(BIN)/python -m compileall -q flowloop flowloop_pytest.py tests workflows >/dev/null
 	$(BIN)/python -m pytest tests -q
 
 bench: system venv
