@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 from rich.table import Column, Table
+from rich.text import Text
 
 from flowloop import journal as j
 from flowloop.cli import support
@@ -147,16 +148,18 @@ def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> 
     table = Table(
         run_column, "workflow", status_column, "state", "attempt", "key", "updated", "note"
     )
+    # Cells as Text, not markup: nothing in them is parsed (a name is shown as it is), and
+    # parsing every cell's markup was a quarter of drawing the table (issue 13).
     for info, shown in rows:
         table.add_row(
-            short.get(info.id, info.id),
-            f"{info.workflow} v{info.version}",
-            styled(shown),
-            info.state,
-            str(info.attempt),
-            escape(info.key or ""),
-            iso(info.updated_at),
-            escape((info.error or info.reason or "")[:60]),
+            Text(short.get(info.id, info.id)),
+            Text(f"{info.workflow} v{info.version}"),
+            Text(shown, style=STATUS_STYLE.get(shown, "")),
+            Text(info.state),
+            Text(str(info.attempt)),
+            Text(info.key or ""),
+            Text(iso(info.updated_at)),
+            Text((info.error or info.reason or "")[:60]),
         )
     return table
 
