@@ -45,7 +45,7 @@ lint: venv
 # Compiled once up front: where PYTHONDONTWRITEBYTECODE is set nothing writes __pycache__,
 # and each of the suite's many flowloop processes would compile the sources again.
 test: system browser venv lint
-	$(BIN)/python -m compileall -q flowloop flowloop_pytest.py tests workflows >/dev/null
+	$(BIN)/python -m compileall -q flowloop flowloop_pytest.py tests workflows
 	$(BIN)/python -m pytest tests -q
 
 bench: system venv

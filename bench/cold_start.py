@@ -71,11 +71,13 @@ def _compile(tree: Path) -> None:
     ``PYTHONDONTWRITEBYTECODE=1`` (as this project's VMs have) never writes a checkout's
     ``__pycache__``, and every call would compile flowloop's sources again (~170 M
     instructions of a cold ``status``), which an installed package never does."""
-    subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "compileall", "-q", str(tree / "flowloop")],
-        check=True,
         capture_output=True,
+        text=True,
     )
+    if done.returncode != 0:
+        raise SystemExit(f"compiling {tree / 'flowloop'} failed:\n{done.stdout}{done.stderr}")
 
 
 def _wall(tree: Path, args: list[str], cwd: str) -> float:

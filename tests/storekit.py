@@ -119,6 +119,24 @@ def succeed_step(
     return Boundary(events=[done], record=j.apply(record, done), fence=fence, release=release)
 
 
+def succeed_and_start(record: RunRecord, fence: Fence, context: str) -> Boundary:
+    """A step's success with ``context`` and the next step's start, in the same state: a
+    boundary that keeps the run running (one joined journal row)."""
+    done = event(
+        record,
+        j.STEP_SUCCEEDED,
+        state=record.state,
+        event="next",
+        next_state=record.state,
+        context=context,
+        attempt=record.attempt,
+        worker=fence.owner,
+    )
+    after = j.apply(record, done)
+    start = event(after, j.STEP_STARTED, state=record.state, attempt=1, worker=fence.owner)
+    return Boundary(events=[done, start], record=j.apply(after, start), fence=fence)
+
+
 def pause(stored: StoredRun) -> Boundary:
     """An operator's pause of a queued run (a write by nobody)."""
     record = stored.record

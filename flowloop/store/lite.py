@@ -75,6 +75,30 @@ def _journal_row(row: Sequence[Any]) -> tuple[Any, ...]:
     return (*values[:RETRYABLE], bool(flag), *values[RETRYABLE + 1 :])
 
 
+def _connect(uri: str) -> sqlite3.Connection | None:
+    try:
+        return sqlite3.connect(
+            uri,
+            uri=True,
+            timeout=PROBE_TIMEOUT_S,
+            isolation_level=None,  # transactions are LiteStore's own BEGINs
+        )
+    except sqlite3.Error:
+        return None
+
+
+def _at_head(conn: sqlite3.Connection) -> bool:
+    """Whether ``conn``'s database is flowloop's at :data:`SCHEMA_HEAD` (closed if not)."""
+    try:
+        revisions = conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall()
+    except sqlite3.Error:
+        revisions = []
+    if revisions == [(SCHEMA_HEAD,)]:
+        return True
+    conn.close()
+    return False
+
+
 class LiteStore:
     """The reads of runs on a SQLite flowloop database at the current schema (a
     :class:`~flowloop.store.base.RunSource`, and what the reading commands show besides)."""
@@ -86,31 +110,26 @@ class LiteStore:
     @classmethod
     def open(cls, path: Path) -> LiteStore | None:
         """The database at ``path``, or ``None`` when it is not a flowloop database at
-        :data:`SCHEMA_HEAD` that can be read. Opened read-only (``mode=ro``): nothing is
-        created or changed, not even a file that is not ours (a read-write connection
-        would checkpoint a foreign database's WAL into it when it closes)."""
-        if not path.is_file():
+                :data:`SCHEMA_HEAD` that can be read (``SQLStore`` then opens it as before).
+
+        Two looks. First read-only (``mode=ro``): a file that is not ours is not changed —
+                a read-write connection would checkpoint its WAL into it on closing. Only a file
+                whose version table says the head is then opened as ``SQLStore`` opens it,
+                read-write (its last connection tidies the WAL away on closing, as before), and
+                checked again."""
+        # The file SQLAlchemy's driver would open: an absolute path made by text (a
+        # symlinked directory followed by `..` stays what the user typed).
+        absolute = Path(os.path.abspath(path))
+        if not absolute.is_file():
             return None
-        # The file the driver SQLAlchemy uses would open: an absolute path made by text
-        # (a symlinked directory followed by `..` stays what the user typed).
-        uri = f"{Path(os.path.abspath(path)).as_uri()}?mode=ro"
-        try:
-            conn = sqlite3.connect(
-                uri,
-                uri=True,
-                timeout=PROBE_TIMEOUT_S,
-                isolation_level=None,  # transactions are this class's own BEGINs
-            )
-        except sqlite3.Error:
+        probe = _connect(f"{absolute.as_uri()}?mode=ro")
+        if probe is None or not _at_head(probe):
             return None
-        try:
-            revisions = conn.execute(f"SELECT version_num FROM {VERSION_TABLE}").fetchall()
-            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-        except sqlite3.Error:
-            revisions = []
-        if revisions != [(SCHEMA_HEAD,)]:
-            conn.close()
+        probe.close()
+        conn = _connect(f"{absolute.as_uri()}?mode=rw")
+        if conn is None or not _at_head(conn):
             return None
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
         return cls(path, conn)
 
     def close(self) -> None:

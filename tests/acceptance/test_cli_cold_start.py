@@ -402,6 +402,10 @@ def test_cold_start__every_command_is_where_the_group_looks_for_it() -> None:
 
     from flowloop.cli import COMMANDS, cli
 
+    names = ["run", "start", "resume", "retry", "send", "status", "history", "replay"]
+    names += ["pause", "unpause", "stop", "worker", "check", "migrate", "loops", "trigger"]
+    names += ["backfill", "diagram", "db", "stats", "prune", "ui"]
+    assert sorted(COMMANDS) == sorted(names)
     for name, where in COMMANDS.items():
         module, _, attribute = where.partition(":")
         command = getattr(importlib.import_module(module), attribute)

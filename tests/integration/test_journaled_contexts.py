@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel
-from storekit import event, new_run, start_step, to_revision
+from storekit import new_run, start_step, succeed_and_start, to_revision
 
 from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
@@ -156,19 +156,7 @@ def _go_on(record: j.RunRecord, worker: str, epoch: int, n: int) -> Boundary:
     """A step's success (the context's ``n`` set, its ``log`` one longer: a splice that,
     applied twice, would not give the same text) and the next step's start."""
     context = json.dumps({"n": n, "blob": BLOB, "log": "y" * n})
-    done = event(
-        record,
-        j.STEP_SUCCEEDED,
-        state=record.state,
-        event="next",
-        next_state=record.state,
-        context=context,
-        attempt=record.attempt,
-        worker=worker,
-    )
-    after = j.apply(record, done)
-    start = event(after, j.STEP_STARTED, state=record.state, attempt=1, worker=worker)
-    return Boundary(events=[done, start], record=j.apply(after, start), fence=Fence(worker, epoch))
+    return succeed_and_start(record, Fence(worker, epoch), context)
 
 
 def _started_long_run(store: SQLStore) -> tuple[StoredRun, StoredRun, Boundary]:

@@ -22,35 +22,16 @@ from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
-from storekit import event, new_run, start_step
+from storekit import new_run, start_step, succeed_and_start
 
 from flowloop import journal as j
 from flowloop.errors import StoreError
-from flowloop.journal import RunRecord
-from flowloop.store import Boundary, Fence, RunFilter, SQLStore
+from flowloop.store import RunFilter, SQLStore
 from flowloop.store.entries import ROW_CONTEXT_MAX, SNAPSHOT_EVERY
 from flowloop.store.lite import BUSY_TIMEOUT_S, LiteStore
 from flowloop.store.schema import breakers, inbox, journal, runs
 
 BLOB = "b" * (ROW_CONTEXT_MAX + 500)
-
-
-def _go_on(record: RunRecord, fence: Fence, n: int, *, long: bool) -> Boundary:
-    """A step's success with a changed context and the next step's start (one joined row)."""
-    context = json.dumps({"n": n, "blob": BLOB if long else "", "log": "y" * n})
-    done = event(
-        record,
-        j.STEP_SUCCEEDED,
-        state=record.state,
-        event="next",
-        next_state=record.state,
-        context=context,
-        attempt=record.attempt,
-        worker=fence.owner,
-    )
-    after = j.apply(record, done)
-    start = event(after, j.STEP_STARTED, state=record.state, attempt=1, worker=fence.owner)
-    return Boundary(events=[done, start], record=j.apply(after, start), fence=fence)
 
 
 def _running(store: SQLStore, steps: int, *, long: bool, workflow: str) -> str:
@@ -65,7 +46,8 @@ def _running(store: SQLStore, steps: int, *, long: bool, workflow: str) -> str:
     assert store.write([boundary]) == [True]
     record = boundary.record
     for n in range(1, steps + 1):
-        boundary = _go_on(record, boundary.fence, n, long=long)
+        context = json.dumps({"n": n, "blob": BLOB if long else "", "log": "y" * n})
+        boundary = succeed_and_start(record, boundary.fence, context)
         assert store.write([boundary]) == [True]
         record = boundary.record
     return created.id
@@ -268,15 +250,29 @@ def test_only_a_flowloop_database_at_the_current_schema_opens(
     assert LiteStore.open(path) is None
 
 
-def _cli(db: str, *args: str) -> tuple[int, str]:
-    """``flowloop ARGS --db DB`` as a program: its exit code and what it printed on stderr."""
+# `flowloop ARGS` as the program runs it, printing at exit whether it read through LiteStore.
+PROGRAM = """
+import atexit, sys
+from flowloop.store.lite import LiteStore
+opened = []
+real_open = LiteStore.open
+LiteStore.open = lambda path: opened.append(real_open(path)) or opened[-1]
+atexit.register(lambda: print("lite" if any(opened) else "sqlalchemy"))
+from flowloop.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _cli(db: str, *args: str) -> tuple[int, str, str]:
+    """``flowloop ARGS --db DB`` as a program: its exit code, what it printed on stderr,
+    and which store it read through."""
     result = subprocess.run(
-        [sys.executable, "-m", "flowloop.cli", *args, "--db", db],
+        [sys.executable, "-c", PROGRAM, *args, "--db", db],
         capture_output=True,
         text=True,
         timeout=120,
     )
-    return result.returncode, result.stderr
+    return result.returncode, result.stderr, result.stdout.splitlines()[-1]
 
 
 def test_a_failed_read_is_the_line_sqlalchemys_would_be(
@@ -294,8 +290,9 @@ def test_a_failed_read_is_the_line_sqlalchemys_would_be(
         assert lite.get_run("x") is None, "the next read works (no transaction left open)"
     finally:
         lite.close()
-    through_lite = _cli(str(path), "status")
-    through_sqlalchemy = _cli(f"sqlite:///{path}?timeout=30", "status")  # not plain: SQLStore
+    *through_lite, used = _cli(str(path), "status")
+    *through_sqlalchemy, fell_back = _cli(f"sqlite:///{path}?timeout=30", "status")
+    assert (used, fell_back) == ("lite", "sqlalchemy")  # a URL with options is not plain
     assert through_lite == through_sqlalchemy
     assert through_lite[0] == 1 and "no such table: flowloop_breakers" in through_lite[1]
     assert "Traceback" not in through_lite[1]
@@ -327,7 +324,7 @@ def test_a_foreign_file_and_its_wal_are_left_byte_for_byte_as_they_were(tmp_path
     before = _files(path)
     assert "notes.db-wal" in before and len(before["notes.db-wal"]) > 0
     assert LiteStore.open(path) is None
-    code, stderr = _cli(str(path), "status")
+    code, stderr, _ = _cli(str(path), "status")
     assert code == 2 and "is not a flowloop database (it has tables notes)" in stderr
     after = _files(path)
     assert after.keys() == before.keys(), "no file created or removed"
@@ -335,6 +332,25 @@ def test_a_foreign_file_and_its_wal_are_left_byte_for_byte_as_they_were(tmp_path
     # WAL's shared index, which every reader of a WAL database marks, read-only or not.)
     for name in ("notes.db", "notes.db-wal"):
         assert after[name] == before[name], name
+
+
+def test_reading_an_idle_database_leaves_no_file_behind(tmp_path: Path) -> None:
+    """A WAL database whose writers all closed has no -wal or -shm: reading it, through
+    LiteStore or `flowloop status`, leaves none behind (the reads' connection is
+    read-write, as SQLStore's: the last one to close removes them)."""
+    path = tmp_path / "flowloop.db"
+    store = SQLStore(f"sqlite:///{path}")
+    store.create_run(new_run())
+    store.close()
+    before = _files(path)
+    assert not any(name.endswith(("-wal", "-shm")) for name in before)
+    lite = _opened(path)
+    assert len(lite.find_runs(RunFilter())) == 1
+    lite.close()
+    assert _files(path).keys() == before.keys()
+    code, _, used = _cli(str(path), "status")
+    assert (code, used) == (0, "lite")
+    assert _files(path).keys() == before.keys()
 
 
 def test_a_path_through_a_symlinked_directory_opens_the_file_sqlalchemy_opens(
@@ -352,10 +368,14 @@ def test_a_path_through_a_symlinked_directory_opens_the_file_sqlalchemy_opens(
         store.close()
     typed = here / "link" / ".." / "x.db"
     lite = _opened(typed)
+    store = SQLStore(f"sqlite:///{typed}", create=False)
     try:
-        assert [s.record.key for s in lite.find_runs(RunFilter())] == ["here"]
+        read = lite.find_runs(RunFilter())
+        assert read == store.find_runs(RunFilter())
+        assert [s.record.key for s in read] == ["here"]
     finally:
         lite.close()
+        store.close()
 
 
 def test_a_database_left_by_a_killed_writer_reads_the_same(tmp_path: Path) -> None:
@@ -390,10 +410,16 @@ def test_a_database_left_by_a_killed_writer_reads_the_same(tmp_path: Path) -> No
         store.close()
 
 
-def test_it_waits_out_locks_as_long_as_the_store() -> None:
+def test_it_waits_out_locks_as_long_as_the_store(database: tuple[SQLStore, Path]) -> None:
     from flowloop.store.dialect import BUSY_TIMEOUT_MS
 
-    assert BUSY_TIMEOUT_S * 1000 == BUSY_TIMEOUT_MS
+    _, path = database
+    lite = _opened(path)
+    try:
+        [(waits,)] = lite._conn.execute("PRAGMA busy_timeout").fetchall()
+        assert waits == BUSY_TIMEOUT_S * 1000 == BUSY_TIMEOUT_MS
+    finally:
+        lite.close()
 
 
 def _shown(path: Path, *args: str) -> tuple[int, str]:
