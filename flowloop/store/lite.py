@@ -1,8 +1,8 @@
 """Reading a SQLite flowloop database through the stdlib driver, without SQLAlchemy.
 
 ``flowloop status``, ``history`` and ``replay`` only read, yet importing SQLAlchemy alone
-cost them more than the rest of the command (issue 13, cold start: ~0.45 s of ~0.85 s on a
-2-core VM). :class:`LiteStore` is the reads a :class:`~flowloop.reading.Reader` and those
+was most of their cold start (issue 13: ~0.64 s of a 0.78 s ``status`` on a slow 2-core
+VM). :class:`LiteStore` is the reads a :class:`~flowloop.reading.Reader` and those
 commands make — a run, a listing, a journal, a definition, the breakers, backpressure and
 a run's family — as plain SQL on ``sqlite3``. It decodes rows with the same functions as
 :class:`~flowloop.store.sql.SQLStore` (flowloop/store/entries.py): journaled contexts read
@@ -110,13 +110,13 @@ class LiteStore:
     @classmethod
     def open(cls, path: Path) -> LiteStore | None:
         """The database at ``path``, or ``None`` when it is not a flowloop database at
-                :data:`SCHEMA_HEAD` that can be read (``SQLStore`` then opens it as before).
+        :data:`SCHEMA_HEAD` that can be read (``SQLStore`` then opens it as before).
 
         Two looks. First read-only (``mode=ro``): a file that is not ours is not changed —
-                a read-write connection would checkpoint its WAL into it on closing. Only a file
-                whose version table says the head is then opened as ``SQLStore`` opens it,
-                read-write (its last connection tidies the WAL away on closing, as before), and
-                checked again."""
+        a read-write connection would checkpoint its WAL into it on closing. Only a file
+        whose version table says the head is then opened as ``SQLStore`` opens it,
+        read-write (its last connection tidies the WAL away on closing, as before), and
+        checked again."""
         # The file SQLAlchemy's driver would open: an absolute path made by text (a
         # symlinked directory followed by `..` stays what the user typed).
         absolute = Path(os.path.abspath(path))
@@ -129,7 +129,11 @@ class LiteStore:
         conn = _connect(f"{absolute.as_uri()}?mode=rw")
         if conn is None or not _at_head(conn):
             return None
-        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        except sqlite3.Error:
+            conn.close()
+            return None
         return cls(path, conn)
 
     def close(self) -> None:
