@@ -62,13 +62,8 @@ from flowloop.store import (
     SQLStore,
     Store,
 )
-from flowloop.store.dialect import (
-    DEFAULT_SYNCHRONOUS,
-    DEFAULT_URL,
-    ENV_DB,
-    default_url,
-    normalize_url,
-)
+from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
+from flowloop.store.urls import DEFAULT_URL, ENV_DB, default_url, normalize_url
 from flowloop.versions import Registry
 
 __all__ = [

@@ -26,11 +26,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import StoreError, WrongDatabase
-from flowloop.store.urls import DEFAULT_URL as DEFAULT_URL
-from flowloop.store.urls import ENV_DB as ENV_DB
-from flowloop.store.urls import default_url as default_url
-from flowloop.store.urls import normalize_url as normalize_url
-from flowloop.store.urls import sqlite_url as sqlite_url
+from flowloop.store.urls import normalize_url
 
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
 SYNCHRONOUS_MODES: Final = ("OFF", "NORMAL", "FULL", "EXTRA")

@@ -31,8 +31,9 @@ from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Ex
 from flowloop.loops import Loop
 from flowloop.retry import Retry, seconds
 from flowloop.store import SQLStore
-from flowloop.store.dialect import DEFAULT_SYNCHRONOUS, normalize_url, sqlite_url
+from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
 from flowloop.store.loops import LoopEvent
+from flowloop.store.urls import normalize_url, sqlite_url
 from flowloop.testing import assertions
 from flowloop.testing.crash import (
     DRIVING,

@@ -121,27 +121,34 @@ def database(sqlite_url: str) -> Iterator[tuple[SQLStore, Path]]:
         store.close()
 
 
+@pytest.fixture
+def both(database: tuple[SQLStore, Path]) -> Iterator[tuple[SQLStore, LiteStore]]:
+    """The database's SQLStore and a LiteStore on the same file."""
+    store, path = database
+    lite = _opened(path)
+    try:
+        yield store, lite
+    finally:
+        lite.close()
+
+
 def _opened(path: Path) -> LiteStore:
     lite = LiteStore.open(path)
     assert lite is not None
     return lite
 
 
-def test_every_run_reads_the_same(database: tuple[SQLStore, Path]) -> None:
-    store, path = database
-    lite = _opened(path)
-    try:
-        every = store.find_runs(RunFilter(limit=100))
-        assert len(every) == 10
-        problems = {s.id for s in every if s.problem is not None}
-        assert len(problems) == 2, "the lost context and the bad tail are the runs' problems"
-        assert {s.record.status for s in every} >= {"running", "scheduled", "stopped"}
-        assert lite.find_runs(RunFilter(limit=100)) == every
-        for stored in every:
-            assert lite.get_run(stored.id) == store.get_run(stored.id), stored.id
-        assert lite.get_run("no-such-run") is None
-    finally:
-        lite.close()
+def test_every_run_reads_the_same(both: tuple[SQLStore, LiteStore]) -> None:
+    store, lite = both
+    every = store.find_runs(RunFilter(limit=100))
+    assert len(every) == 10
+    problems = {s.id for s in every if s.problem is not None}
+    assert len(problems) == 2, "the lost context and the bad tail are the runs' problems"
+    assert {s.record.status for s in every} >= {"running", "scheduled", "stopped"}
+    assert lite.find_runs(RunFilter(limit=100)) == every
+    for stored in every:
+        assert lite.get_run(stored.id) == store.get_run(stored.id), stored.id
+    assert lite.get_run("no-such-run") is None
 
 
 @pytest.mark.parametrize(
@@ -156,79 +163,61 @@ def test_every_run_reads_the_same(database: tuple[SQLStore, Path]) -> None:
     ],
 )
 def test_listings_filter_and_page_the_same(
-    database: tuple[SQLStore, Path], where: RunFilter
+    both: tuple[SQLStore, LiteStore], where: RunFilter
 ) -> None:
-    store, path = database
-    lite = _opened(path)
-    try:
-        expected = store.find_runs(where)
-        assert lite.find_runs(where) == expected
-        every = store.find_runs(RunFilter(limit=100))
-        middle = every[4]
-        after = RunFilter(limit=3, after=(middle.created_at, middle.id))
-        assert lite.find_runs(after) == store.find_runs(after) != []
-    finally:
-        lite.close()
+    store, lite = both
+    expected = store.find_runs(where)
+    assert lite.find_runs(where) == expected
+    every = store.find_runs(RunFilter(limit=100))
+    middle = every[4]
+    after = RunFilter(limit=3, after=(middle.created_at, middle.id))
+    assert lite.find_runs(after) == store.find_runs(after) != []
 
 
-def test_journals_read_the_same_up_to_every_seq(database: tuple[SQLStore, Path]) -> None:
-    store, path = database
-    lite = _opened(path)
-    try:
-        for stored in store.find_runs(RunFilter(limit=100)):
-            events = store.journal(stored.id)
-            assert lite.journal(stored.id) == events, stored.id
-            for seq in range(1, len(events) + 2):
-                assert lite.journal(stored.id, until_seq=seq) == store.journal(
-                    stored.id, until_seq=seq
-                )
-    finally:
-        lite.close()
+def test_journals_read_the_same_up_to_every_seq(both: tuple[SQLStore, LiteStore]) -> None:
+    store, lite = both
+    for stored in store.find_runs(RunFilter(limit=100)):
+        events = store.journal(stored.id)
+        assert lite.journal(stored.id) == events, stored.id
+        for seq in range(1, len(events) + 2):
+            assert lite.journal(stored.id, until_seq=seq) == store.journal(stored.id, until_seq=seq)
 
 
-def test_a_retryable_flag_reads_as_a_boolean(database: tuple[SQLStore, Path]) -> None:
+def test_a_retryable_flag_reads_as_a_boolean(both: tuple[SQLStore, LiteStore]) -> None:
     """SQLite stores a Boolean column as 0/1: the reader gives True/False, as SQLAlchemy."""
-    store, path = database
-    lite = _opened(path)
-    try:
-        flagged = [
-            (e.seq, e.retryable)
-            for s in store.find_runs(RunFilter(limit=100))
-            for e in lite.journal(s.id)
-            if e.retryable is not None
-        ]
-        assert sorted(flag for _, flag in flagged) == [False, True]
-        assert all(type(flag) is bool for _, flag in flagged)
-    finally:
-        lite.close()
+    store, lite = both
+    flagged = [
+        (e.seq, e.retryable)
+        for s in store.find_runs(RunFilter(limit=100))
+        for e in lite.journal(s.id)
+        if e.retryable is not None
+    ]
+    assert sorted(flag for _, flag in flagged) == [False, True]
+    assert all(type(flag) is bool for _, flag in flagged)
 
 
-def test_the_rest_of_status_reads_the_same(database: tuple[SQLStore, Path]) -> None:
+def test_the_rest_of_status_reads_the_same(both: tuple[SQLStore, LiteStore]) -> None:
     """Prefixes, definitions (a damaged one is None), breakers, backpressure, families."""
-    store, path = database
-    lite = _opened(path)
-    try:
-        every = store.find_runs(RunFilter(limit=100))
-        for stored in every:
-            for length in (1, 4, 32):
-                prefix = stored.id[:length]
-                assert lite.run_ids_with_prefix(prefix, limit=5) == store.run_ids_with_prefix(
-                    prefix, limit=5
-                )
-            assert lite.parent_of(stored.id) == store.parent_of(stored.id)
-            assert lite.child_counts(stored.id) == store.child_counts(stored.id)
-        assert lite.run_ids_with_prefix("", limit=5) == []
-        for fingerprint in ("f" * 32, "d" * 32, "0" * 32):
-            assert lite.definition(fingerprint) == store.definition(fingerprint)
-        assert lite.definition("f" * 32) is not None and lite.definition("d" * 32) is None
-        assert lite.breakers() == store.breakers() != []
-        usage = store.backpressure_usage()
-        assert lite.backpressure_usage() == usage
-        assert usage["orders"]["kept"] == 3 and usage["orders"]["dropped_runs"] == 1
-        assert usage["orders"]["dropped_events"] == 1
-        assert sum(lite.child_counts(s.id).get("scheduled", 0) for s in every) == 2
-    finally:
-        lite.close()
+    store, lite = both
+    every = store.find_runs(RunFilter(limit=100))
+    for stored in every:
+        for length in (1, 4, 32):
+            prefix = stored.id[:length]
+            assert lite.run_ids_with_prefix(prefix, limit=5) == store.run_ids_with_prefix(
+                prefix, limit=5
+            )
+        assert lite.parent_of(stored.id) == store.parent_of(stored.id)
+        assert lite.child_counts(stored.id) == store.child_counts(stored.id)
+    assert lite.run_ids_with_prefix("", limit=5) == []
+    for fingerprint in ("f" * 32, "d" * 32, "0" * 32):
+        assert lite.definition(fingerprint) == store.definition(fingerprint)
+    assert lite.definition("f" * 32) is not None and lite.definition("d" * 32) is None
+    assert lite.breakers() == store.breakers() != []
+    usage = store.backpressure_usage()
+    assert lite.backpressure_usage() == usage
+    assert usage["orders"]["kept"] == 3 and usage["orders"]["dropped_runs"] == 1
+    assert usage["orders"]["dropped_events"] == 1
+    assert sum(lite.child_counts(s.id).get("scheduled", 0) for s in every) == 2
 
 
 def test_only_a_flowloop_database_at_the_current_schema_opens(
@@ -410,16 +399,12 @@ def test_a_database_left_by_a_killed_writer_reads_the_same(tmp_path: Path) -> No
         store.close()
 
 
-def test_it_waits_out_locks_as_long_as_the_store(database: tuple[SQLStore, Path]) -> None:
+def test_it_waits_out_locks_as_long_as_the_store(both: tuple[SQLStore, LiteStore]) -> None:
     from flowloop.store.dialect import BUSY_TIMEOUT_MS
 
-    _, path = database
-    lite = _opened(path)
-    try:
-        [(waits,)] = lite._conn.execute("PRAGMA busy_timeout").fetchall()
-        assert waits == BUSY_TIMEOUT_S * 1000 == BUSY_TIMEOUT_MS
-    finally:
-        lite.close()
+    _, lite = both
+    [(waits,)] = lite._conn.execute("PRAGMA busy_timeout").fetchall()
+    assert waits == BUSY_TIMEOUT_S * 1000 == BUSY_TIMEOUT_MS
 
 
 def _shown(path: Path, *args: str) -> tuple[int, str]:
