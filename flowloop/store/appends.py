@@ -50,6 +50,7 @@ from flowloop.journal import RunRecord
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.dialect import restart_idle_timer
 from flowloop.store.entries import (
+    ERROR_FIELDS,
     JOURNAL_FIELDS,
     JOURNALED,
     RUN_ID,
@@ -58,6 +59,7 @@ from flowloop.store.entries import (
     dumps_sorted,
     encode,
     encode_joined,
+    errorless,
     event_row,
     folded,
     joinable,
@@ -79,6 +81,8 @@ RUNNING_FROM: Final = frozenset(
     }
 )
 """Kinds that only follow a running step: a boundary opening with one was running before."""
+ERRORLESS: Final = "errorless"
+"""SQLite's raw statements: the owned append with :data:`ERROR_FIELDS` as NULL literals."""
 RECORD_COLUMNS: Final = (
     "status",
     "state",
@@ -262,7 +266,8 @@ class AppendStoreMixin:
             raw[(kind, True)] = Raw.of(self._row_stmt_clear[kind], dialect)
         self._raw_batch = raw
         if dialect.name == "sqlite":
-            self._raw = raw
+            # and the owned append with the columns a success leaves empty as NULL literals
+            self._raw = {**raw, ERRORLESS: raw[True].with_nulls(ERROR_FIELDS)}
 
     # -- parameters ------------------------------------------------------------------------
 
@@ -477,7 +482,8 @@ class AppendStoreMixin:
         try:
             row = encode_joined(events[0], events[1], self._contexts)
             row.update(self._fence_params(boundary))
-            append = self._raw[True]  # append_only: owned
+            # append_only: owned; a success has no error: those columns as NULL literals
+            append = self._raw[ERRORLESS if errorless(events[0]) else True]
             applied = self._execute_alone(append.sql, append.args(row)) == 1
         except BaseException:
             self._contexts.forget(boundary.run_id)  # as _settle: no splice on a lost base

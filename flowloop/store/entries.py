@@ -263,6 +263,20 @@ def _data_text(data: Mapping[str, Any]) -> str:
     return dumps_sorted(data)
 
 
+ERROR_FIELDS: Final = frozenset({"error_type", "error_message", "traceback", "retryable"})
+"""The journal's columns that only a failure fills in."""
+
+
+def errorless(event: JournalEvent) -> bool:
+    """Whether ``event``'s :data:`ERROR_FIELDS` are all empty (a step's success's are)."""
+    return (
+        event.error_type is None
+        and event.error_message is None
+        and event.traceback is None
+        and event.retryable is None
+    )
+
+
 def joinable(first: JournalEvent, then: JournalEvent) -> bool:
     """Whether ``then`` is stored in ``first``'s row: the next step's start right after a
     step's success, written by the same worker in the same boundary (the usual boundary

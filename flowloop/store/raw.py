@@ -35,7 +35,14 @@ class Raw:
     @classmethod
     def of(cls, stmt: Any, dialect: Any, column_keys: list[str] | None = None) -> Raw:
         compiled = stmt.compile(dialect=dialect, column_keys=column_keys)
-        defaults = dict(compiled.construct_params(_check=False))
+        # Only the values bound when the statement was built (``.values(owner=None)``): a
+        # parameter left to the caller is the caller's to give, and without such values
+        # (the usual boundary's append) :meth:`args` merges nothing.
+        defaults = {
+            name: value
+            for name, value in compiled.construct_params(_check=False).items()
+            if not compiled.binds[name].required
+        }
         order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
         return cls(compiled.string, order, defaults)
 
@@ -56,6 +63,19 @@ class Raw:
             return None
         pieces = tuple(self.sql.split("?"))
         return pieces if len(pieces) == len(self.order) + 1 else None
+
+    def with_nulls(self, names: frozenset[str]) -> Raw:
+        """This statement with the parameters ``names`` written as ``NULL`` literals (see
+        the module's docstring), for a caller whose values there are always ``None``: the
+        usual boundary's row, a step's success, has no error. SQLite's ``?`` style only."""
+        pieces = self._pieces
+        if pieces is None or self.order is None:
+            raise ValueError("with_nulls needs a statement in SQLite's ? style")
+        marks = ["NULL" if name in names else "?" for name in self.order]
+        sql = "".join([piece + mark for piece, mark in zip(pieces[:-1], marks, strict=True)])
+        order = tuple([name for name in self.order if name not in names])
+        defaults = {k: v for k, v in self.defaults.items() if k not in names}
+        return Raw(sql + pieces[-1], order, defaults)
 
     def args(self, params: Mapping[str, Any]) -> Any:
         """The driver's parameters for ``params``: positional (a tuple) or named (a dict)."""
