@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
@@ -209,6 +210,25 @@ def load_workflow_paths(paths: Sequence[str]) -> Loaded:
         return Loaded()
     loaded.loops = apply_overrides(settings(), loaded.workflows, loaded.loops)
     return loaded
+
+
+@contextmanager
+def defined_in(paths: Sequence[str]) -> Iterator[None]:
+    """An unknown workflow (a run's, named by a command) said with where the command
+    looked for its definition and what to pass: the usual cause is a workflow file
+    outside ./workflows, given to `run` but not to the command that follows."""
+    from flowloop.errors import UnknownWorkflow
+
+    try:
+        yield
+    except UnknownWorkflow as error:
+        if paths:
+            where = f"not defined in {', '.join(paths)}"
+        elif Path(DEFAULT_WORKFLOWS).is_dir():
+            where = f"not defined in ./{DEFAULT_WORKFLOWS}"
+        else:
+            where = f"no -w given and no ./{DEFAULT_WORKFLOWS} here"
+        raise FlowloopError(f"{error}: {where}; pass -w FILE_OR_DIR that defines it") from error
 
 
 def seconds_option(value: str, option: str) -> float:

@@ -13,6 +13,7 @@ import click
 from flowloop.cli.common import (
     database,
     db_option,
+    defined_in,
     err,
     json_option,
     load_workflow_paths,
@@ -96,7 +97,6 @@ def diagram(
     DOT needs nothing else; SVG and PNG need Graphviz's `dot` program."""
     from flowloop import render  # lazy: only this command needs graphviz
     from flowloop.cli import support
-    from flowloop.errors import UnknownWorkflow
     from flowloop.loader import load_target
 
     given = [
@@ -138,11 +138,8 @@ def diagram(
         graph = render.lifecycle_digraph()
     elif run_id is not None:
         loaded = load_workflow_paths(workflow_paths)
-        with open_engine(db, synchronous, loaded, read=True) as engine:
-            try:
-                graph = engine.diagram(run_id)
-            except UnknownWorkflow as error:
-                raise FlowloopError(f"{error}; pass -w FILE_OR_DIR that defines it") from error
+        with open_engine(db, synchronous, loaded, read=True) as engine, defined_in(workflow_paths):
+            graph = engine.diagram(run_id)
     elif loop_name is not None:
         graph = _stored_loop_diagram(loop_name, workflow_paths, db, synchronous)
     else:

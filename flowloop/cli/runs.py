@@ -10,10 +10,10 @@ from typing import Any
 import click
 
 from flowloop.cli.common import (
-    DEFAULT_WORKFLOWS,
     Failed,
     database,
     db_option,
+    defined_in,
     err,
     json_option,
     load_workflow_paths,
@@ -259,7 +259,7 @@ def retry(
     from flowloop.cli.views import info_json, styled
 
     loaded = load_workflow_paths(workflow_paths)
-    with open_engine(db, synchronous, loaded) as engine:
+    with open_engine(db, synchronous, loaded) as engine, defined_in(workflow_paths):
         info = engine.retry(
             run_id, from_state=from_state, set_fields=parse_assignments(assignments)
         )
@@ -304,7 +304,6 @@ def send(
 
     from flowloop.cli import support
     from flowloop.cli.views import info_json, styled
-    from flowloop.errors import UnknownWorkflow
 
     loaded = load_workflow_paths(workflow_paths)
     payload = parse_context(data_text, "--data") if data_text is not None else None
@@ -315,15 +314,8 @@ def send(
             if found is None:
                 raise FlowloopError(f"no run of workflow {workflow!r} has key {target!r}")
             run_id = found.id
-        try:
+        with defined_in(workflow_paths):
             result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
-        except UnknownWorkflow as error:
-            where = ", ".join(workflow_paths) or (
-                f"./{DEFAULT_WORKFLOWS}" if Path(DEFAULT_WORKFLOWS).is_dir() else "no ./workflows"
-            )
-            raise FlowloopError(
-                f"{error}, loaded from {where}; pass -w FILE_OR_DIR that defines it"
-            ) from error
         waits = support.WaitStates(engine)
         waiting = waits.of(result.run)
     info = result.run

@@ -433,3 +433,35 @@ def test_small_things__version_module_hint_and_variable_names(here: Path, waitin
     assert "no workflow 'nope', by name or variable" in refused(
         "run", "orders.py:nope", "--context", "{}", cwd=here, process=False
     )
+
+
+def test_unknown_workflow__each_command_says_where_it_looked(here: Path, waiting_run: str) -> None:
+    """orders.py lies beside the database, not in ./workflows: each command that needs the
+    run's workflow says where it looked for it and what to pass."""
+    tail = "; pass -w FILE_OR_DIR that defines it"
+    nowhere = (
+        f"error: unknown workflow 'order' (known: none): no -w given and no ./workflows here{tail}"
+    )
+    assert refused("send", waiting_run, "approve", "--data", '{"by": "ann"}', cwd=here) == nowhere
+    assert quick("diagram", "--run", waiting_run, cwd=here) == nowhere
+    (here / "workflows").mkdir()
+    (here / "workflows" / "other.py").write_text(
+        "from pydantic import BaseModel\nfrom flowloop import Workflow\n\n\n"
+        "class C(BaseModel):\n    n: int = 0\n\n\n"
+        'other = Workflow("other", context=C)\n\n\n'
+        '@other.step(initial=True, next="done")\ndef go(ctx: C) -> None: ...\n\n\n'
+        'other.final("done")\n'
+    )
+    in_default = f"error: unknown workflow 'order' (known: other): not defined in ./workflows{tail}"
+    assert quick("diagram", "--run", waiting_run, cwd=here) == in_default
+    assert as_json("stop", waiting_run, cwd=here)["run"]["status"] == "stopped"
+    assert quick("retry", waiting_run, cwd=here) == in_default
+    given = quick("retry", waiting_run, "-w", "workflows/other.py", cwd=here)
+    assert given == in_default.replace("./workflows", "workflows/other.py")
+    again = ("retry", waiting_run, "--from", "reserve", "--no-run", "-w", "orders.py")
+    retried = as_json(*again, cwd=here)["run"]
+    assert (retried["id"], retried["status"], retried["state"]) == (
+        waiting_run,
+        "scheduled",
+        "reserve",
+    )
