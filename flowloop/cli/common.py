@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import click
 
-from flowloop.errors import EXIT_FAILURE, FlowloopError
+from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownWorkflow
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -212,22 +212,25 @@ def load_workflow_paths(paths: Sequence[str]) -> Loaded:
     return loaded
 
 
+def looked_in(paths: Sequence[str]) -> str:
+    """Where a command looked for definitions (:func:`load_workflow_paths`), said for a
+    name none of them defines: ``not defined in …``, or that there was nowhere to look."""
+    if paths:
+        return f"not defined in {', '.join(paths)}"
+    if Path(DEFAULT_WORKFLOWS).is_dir():
+        return f"not defined in ./{DEFAULT_WORKFLOWS}"
+    return f"no -w given and no ./{DEFAULT_WORKFLOWS} here"
+
+
 @contextmanager
 def defined_in(paths: Sequence[str]) -> Iterator[None]:
     """An unknown workflow (a run's, named by a command) said with where the command
     looked for its definition and what to pass: the usual cause is a workflow file
     outside ./workflows, given to `run` but not to the command that follows."""
-    from flowloop.errors import UnknownWorkflow
-
     try:
         yield
     except UnknownWorkflow as error:
-        if paths:
-            where = f"not defined in {', '.join(paths)}"
-        elif Path(DEFAULT_WORKFLOWS).is_dir():
-            where = f"not defined in ./{DEFAULT_WORKFLOWS}"
-        else:
-            where = f"no -w given and no ./{DEFAULT_WORKFLOWS} here"
+        where = looked_in(paths)
         raise FlowloopError(f"{error}: {where}; pass -w FILE_OR_DIR that defines it") from error
 
 

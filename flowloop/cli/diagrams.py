@@ -17,6 +17,7 @@ from flowloop.cli.common import (
     err,
     json_option,
     load_workflow_paths,
+    looked_in,
     open_engine,
     out,
     workflows_option,
@@ -192,7 +193,6 @@ def _stored_loop_diagram(
         events = engine.loop_history(name, limit=limit)
     loop = loaded.loops.get(name)
     if loop is None:
-        raise FlowloopError(
-            f"loop {name!r} is not defined in -w; pass -w FILE_OR_DIR that defines it"
-        )
+        where = looked_in(workflow_paths)
+        raise FlowloopError(f"loop {name!r}: {where}; pass -w FILE_OR_DIR that defines it")
     return render_loops.stored_loop_digraph(loop, row, events, capped=len(events) >= limit)

@@ -259,10 +259,11 @@ def retry(
     from flowloop.cli.views import info_json, styled
 
     loaded = load_workflow_paths(workflow_paths)
-    with open_engine(db, synchronous, loaded) as engine, defined_in(workflow_paths):
-        info = engine.retry(
-            run_id, from_state=from_state, set_fields=parse_assignments(assignments)
-        )
+    with open_engine(db, synchronous, loaded) as engine:
+        with defined_in(workflow_paths):
+            info = engine.retry(
+                run_id, from_state=from_state, set_fields=parse_assignments(assignments)
+            )
         if not as_json:
             out.print(f"run {info.id} {styled(info.status)} at {info.state}")
         if drive:

@@ -264,7 +264,7 @@ def _data_text(data: Mapping[str, Any]) -> str:
 
 
 ERROR_FIELDS: Final = frozenset({"error_type", "error_message", "traceback", "retryable"})
-"""The journal's columns that only a failure fills in."""
+"""The journal's columns that only a failure fills in (:func:`errorless` reads each)."""
 
 
 def errorless(event: JournalEvent) -> bool:
@@ -346,6 +346,8 @@ JOURNAL_FIELDS: Final = (
 Spelled out so that decoding needs no SQLAlchemy; schema.py checks it is the table's."""
 if {f.name for f in dataclasses.fields(JournalEvent)} != set(JOURNAL_FIELDS):
     raise RuntimeError("JournalEvent's fields must be the journal's columns (event_row)")
+if not ERROR_FIELDS.issubset(JOURNAL_FIELDS):
+    raise RuntimeError("ERROR_FIELDS must be journal columns (errorless, Raw.with_nulls)")
 
 
 class Decoder:

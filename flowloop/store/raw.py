@@ -38,10 +38,14 @@ class Raw:
         # Only the values bound when the statement was built (``.values(owner=None)``): a
         # parameter left to the caller is the caller's to give, and without such values
         # (the usual boundary's append) :meth:`args` merges nothing.
+        escaped = compiled.escaped_bind_names
+        required = {
+            escaped.get(name, name) for bind, name in compiled.bind_names.items() if bind.required
+        }
         defaults = {
             name: value
             for name, value in compiled.construct_params(_check=False).items()
-            if not compiled.binds[name].required
+            if name not in required
         }
         order = tuple(compiled.positiontup) if compiled.positiontup is not None else None
         return cls(compiled.string, order, defaults)
@@ -64,18 +68,25 @@ class Raw:
         pieces = tuple(self.sql.split("?"))
         return pieces if len(pieces) == len(self.order) + 1 else None
 
+    def _marked(self, pieces: tuple[str, ...], marks: list[str]) -> str:
+        """The SQL with each placeholder replaced by its mark (``?`` or ``NULL``)."""
+        return "".join([p + m for p, m in zip(pieces[:-1], marks, strict=True)]) + pieces[-1]
+
     def with_nulls(self, names: frozenset[str]) -> Raw:
         """This statement with the parameters ``names`` written as ``NULL`` literals (see
         the module's docstring), for a caller whose values there are always ``None``: the
-        usual boundary's row, a step's success, has no error. SQLite's ``?`` style only."""
+        usual boundary's row, a step's success, has no error. In another paramstyle than
+        SQLite's ``?``, the statement as it is (those parameters bound as given)."""
         pieces = self._pieces
         if pieces is None or self.order is None:
-            raise ValueError("with_nulls needs a statement in SQLite's ? style")
+            return self
+        if not names <= set(self.order):
+            unknown = ", ".join(sorted(names - set(self.order)))
+            raise ValueError(f"with_nulls: the statement has no parameter(s) {unknown}")
         marks = ["NULL" if name in names else "?" for name in self.order]
-        sql = "".join([piece + mark for piece, mark in zip(pieces[:-1], marks, strict=True)])
         order = tuple([name for name in self.order if name not in names])
         defaults = {k: v for k, v in self.defaults.items() if k not in names}
-        return Raw(sql + pieces[-1], order, defaults)
+        return Raw(self._marked(pieces, marks), order, defaults)
 
     def args(self, params: Mapping[str, Any]) -> Any:
         """The driver's parameters for ``params``: positional (a tuple) or named (a dict)."""
@@ -95,9 +106,7 @@ class Raw:
         nulls = tuple([value is None for value in values])
         sql = self._variants.get(nulls)
         if sql is None:
-            marks = ["NULL" if null else "?" for null in nulls]
-            sql = "".join([piece + mark for piece, mark in zip(pieces[:-1], marks, strict=True)])
-            sql += pieces[-1]
+            sql = self._marked(pieces, ["NULL" if null else "?" for null in nulls])
             if len(self._variants) < VARIANTS_KEPT:
                 self._variants[nulls] = sql
         return sql, tuple([value for value in values if value is not None])

@@ -168,7 +168,10 @@ def test_diagram__stored_loop_overlay(tmp_path: Path) -> None:
     empty = tmp_path / "none"
     empty.mkdir()
     result = flowloop("diagram", "--loop", "poll_feed", "-w", str(empty), cwd=tmp_path)
-    assert result.returncode == 2 and "not defined in -w" in result.stderr.decode()
+    assert result.returncode == 2
+    assert result.stderr.decode() == (
+        f"error: loop 'poll_feed': not defined in {empty}; pass -w FILE_OR_DIR that defines it\n"
+    )
     result = flowloop("diagram", "--loop", "nope", "-w", str(POLL), cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.decode().count("\n") == 1
 

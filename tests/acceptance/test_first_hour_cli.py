@@ -158,6 +158,11 @@ def dump(db: Path) -> list[str]:
         return list(conn.iterdump())
 
 
+def runs_of(here: Path) -> list[str]:
+    """:func:`dump` of ./flowloop.db without the workflow definitions it records."""
+    return [line for line in dump(here / "flowloop.db") if "flowloop_definitions" not in line]
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -437,8 +442,10 @@ def test_small_things__version_module_hint_and_variable_names(here: Path, waitin
 
 def test_unknown_workflow__each_command_says_where_it_looked(here: Path, waiting_run: str) -> None:
     """orders.py lies beside the database, not in ./workflows: each command that needs the
-    run's workflow says where it looked for it and what to pass."""
+    run's workflow says where it looked for it and what to pass, and changes no run (the
+    definitions it loaded are recorded, as every command that loads some records them)."""
     tail = "; pass -w FILE_OR_DIR that defines it"
+    before = runs_of(here)
     nowhere = (
         f"error: unknown workflow 'order' (known: none): no -w given and no ./workflows here{tail}"
     )
@@ -454,10 +461,13 @@ def test_unknown_workflow__each_command_says_where_it_looked(here: Path, waiting
     )
     in_default = f"error: unknown workflow 'order' (known: other): not defined in ./workflows{tail}"
     assert quick("diagram", "--run", waiting_run, cwd=here) == in_default
+    assert runs_of(here) == before
     assert as_json("stop", waiting_run, cwd=here)["run"]["status"] == "stopped"
+    stopped = runs_of(here)
     assert quick("retry", waiting_run, cwd=here) == in_default
     given = quick("retry", waiting_run, "-w", "workflows/other.py", cwd=here)
     assert given == in_default.replace("./workflows", "workflows/other.py")
+    assert runs_of(here) == stopped
     again = ("retry", waiting_run, "--from", "reserve", "--no-run", "-w", "orders.py")
     retried = as_json(*again, cwd=here)["run"]
     assert (retried["id"], retried["status"], retried["state"]) == (

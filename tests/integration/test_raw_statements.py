@@ -13,7 +13,9 @@ import sqlalchemy as sa
 from pydantic import BaseModel
 from sqlalchemy.dialects import postgresql, sqlite
 
-from flowloop import Engine, Workflow
+from flowloop import Engine, Workflow, frozen
+from flowloop.journal import JournalEvent
+from flowloop.store.entries import ERROR_FIELDS, JOURNAL_FIELDS, errorless
 from flowloop.store.raw import VARIANTS_KEPT, Raw
 
 TABLE = sa.Table(
@@ -93,8 +95,10 @@ def test_raw__with_nulls_stores_what_binding_none_stores(tmp_path: Path) -> None
     con.execute(stmt.sql, stmt.args(params))
     con.execute(errorless.sql, errorless.args(params))
     assert _rows(con) == [(1, None, 2.5, None)] * 2
-    with pytest.raises(ValueError, match="SQLite's"):
-        Raw.of(sa.insert(TABLE), postgresql.psycopg.dialect(), ["a"]).with_nulls(frozenset("a"))
+    with pytest.raises(ValueError, match="no parameter"):
+        stmt.with_nulls(frozenset({"b", "e"}))
+    named = Raw.of(sa.insert(TABLE), postgresql.psycopg.dialect(), ["a", "b"])
+    assert named.with_nulls(frozenset({"b"})) is named  # another paramstyle: as it is
 
 
 def test_raw__a_value_bound_when_built_is_used_unless_given(tmp_path: Path) -> None:
@@ -102,6 +106,7 @@ def test_raw__a_value_bound_when_built_is_used_unless_given(tmp_path: Path) -> N
         a=sa.bindparam("a"), b=sa.bindparam("b"), c=sa.bindparam("c"), d="built"
     )
     stmt = Raw.of(built, sqlite.dialect())
+    assert stmt.defaults == {"d": "built"}  # a parameter left to the caller has no default
     con = sqlite3.connect(tmp_path / "d.db")
     con.execute("CREATE TABLE t (a INTEGER, b TEXT, c REAL, d TEXT)")
     con.execute(stmt.sql, stmt.args({"a": 1, "b": "x", "c": 1.5}))
@@ -140,3 +145,12 @@ def test_the_usual_boundary__binds_no_none(tmp_path: Path) -> None:
         "SELECT error_type, error_message, traceback, retryable FROM flowloop_journal"
     )
     assert set(rows) == {(None, None, None, None)}
+
+
+def test_errorless__reads_exactly_the_error_fields() -> None:
+    """A column outside ERROR_FIELDS set does not stop the NULL-literal append; one inside
+    does (its value would otherwise be written as NULL)."""
+    plain = {name: None for name in JOURNAL_FIELDS}
+    for name in JOURNAL_FIELDS:
+        event = frozen.build(JournalEvent, {**plain, name: "x"})
+        assert errorless(event) is (name not in ERROR_FIELDS), name
