@@ -68,7 +68,8 @@ class Raw:
         pieces = tuple(self.sql.split("?"))
         return pieces if len(pieces) == len(self.order) + 1 else None
 
-    def _marked(self, pieces: tuple[str, ...], marks: list[str]) -> str:
+    @staticmethod
+    def _marked(pieces: tuple[str, ...], marks: list[str]) -> str:
         """The SQL with each placeholder replaced by its mark (``?`` or ``NULL``)."""
         return "".join([p + m for p, m in zip(pieces[:-1], marks, strict=True)]) + pieces[-1]
 
