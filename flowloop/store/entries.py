@@ -448,6 +448,14 @@ def decode(
     return [event for row in rows for event in decoder.events(row)]
 
 
+def until(events: list[JournalEvent], seq: int | None) -> list[JournalEvent]:
+    """A journal read up to ``seq`` (its rows ``seq <= seq``, decoded): without the joined
+    step start one past ``seq`` that its last row may hold."""
+    if seq is not None and events and events[-1].seq > seq:
+        events.pop()
+    return events
+
+
 def _visits(text: str) -> tuple[dict[str, int], str | None]:
     """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
     every claim (and so every other run) fail."""

@@ -37,6 +37,7 @@ from flowloop.store.entries import (
     context_of,
     definition_structure,
     stored_from_mapping,
+    until,
     with_contexts,
     with_tails,
 )
@@ -50,6 +51,8 @@ opened by SQLStore, which waits the whole timeout itself (not twice as long)."""
 RUNS: Final = "flowloop_runs"
 JOURNAL: Final = "flowloop_journal"
 JOURNAL_ROWS: Final = f"SELECT {', '.join(JOURNAL_FIELDS)} FROM {JOURNAL}"
+TAIL_ROWS: Final = f"{JOURNAL_ROWS} WHERE run_id = ? AND seq > ? ORDER BY seq"
+"""A running run's entries after its row's snapshot: one key range of the journal."""
 RETRYABLE: Final = JOURNAL_FIELDS.index("retryable")
 
 # A journaled context as of ``:seq``: the run's rows with a context from its latest whole
@@ -209,11 +212,12 @@ class LiteStore:
                 for run_id, seq in journaled.items()
             }
             stored = with_contexts(stored, contexts)
+        # One query per running run, as SQLStore reads journaled contexts on SQLite: each
+        # is one index range of an in-process database, with no round trip to save.
         tails: dict[str, list[tuple[Any, ...]]] = {}
         for s in stored:
             if s.record.status == "running":
-                sql = f"{JOURNAL_ROWS} WHERE run_id = ? AND seq > ? ORDER BY seq"
-                rows = conn.execute(sql, (s.id, s.record.last_seq))
+                rows = conn.execute(TAIL_ROWS, (s.id, s.record.last_seq))
                 tail = [_journal_row(row) for row in rows]
                 if tail:
                     tails[s.id] = tail
@@ -229,9 +233,7 @@ class LiteStore:
             rows = conn.execute(f"{sql} ORDER BY seq", params).fetchall()
         decoder = Decoder(strict=False)
         events = [event for row in rows for event in decoder.values(_journal_row(row))]
-        if until_seq is not None and events and events[-1].seq > until_seq:
-            events.pop()  # a joined step start one past the asked seq
-        return events
+        return until(events, until_seq)
 
     def definition(self, fingerprint: str) -> dict[str, Any] | None:
         sql = "SELECT structure FROM flowloop_definitions WHERE fingerprint = ?"

@@ -52,6 +52,7 @@ from flowloop.store.entries import (
     decode,
     definition_structure,
     row_context,
+    until,
 )
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.joins import JoinStoreMixin, reports_end
@@ -402,9 +403,7 @@ class SQLStore(
             query = query.where(journal.c.seq <= until_seq)
         with self._read() as conn:
             events = decode(conn.execute(query.order_by(journal.c.seq)), strict=False)
-        if until_seq is not None and events and events[-1].seq > until_seq:
-            events.pop()  # a joined step start one past the asked seq
-        return events
+        return until(events, until_seq)
 
     # -- the hot path (flowloop/store/appends.py) ------------------------------------------
 
