@@ -34,7 +34,7 @@ from flowloop.committer import (
     Stats,
     backoff_cap,
 )
-from flowloop.definition import Step, Workflow
+from flowloop.definition import Workflow
 from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
 from flowloop.journal import JournalEvent, RunRecord
@@ -47,7 +47,7 @@ from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import workflow_for
-from flowloop.watchdog import LoopWatchdog
+from flowloop.watchdog import LoopWatchdog, RunningStep
 
 __all__ = [
     "CUT_OFF_WRITE_SECONDS",
@@ -147,7 +147,7 @@ class Executor(Stepping, Recovery):
         self.handing_back = False
         """Set by :meth:`hand_back`: claim nothing more and stop once the steps in flight
         have finished (their runs are released)."""
-        self.async_steps: dict[str, Step] = {}
+        self.async_steps: dict[str, RunningStep] = {}
         """The async steps in flight by run id, named by the loop watchdog on a stall."""
         self.watchdog = LoopWatchdog(self.async_steps)
         self._wake: asyncio.Event | None = None

@@ -136,6 +136,12 @@ class RunRecord:
     def visit(self, state: str) -> int:
         return self.visits.get(state, 0)
 
+    @property
+    def run_id(self) -> str:
+        """:attr:`id`, by the name :class:`flowloop.Step` gives it: the loop watchdog names
+        a running async step from either."""
+        return self.id
+
 
 class FoldError(FlowloopError):
     """A journal that cannot be folded (a bug or a tampered database); the message names

@@ -89,7 +89,7 @@ async def drive(
         ctx = workflow.load_context(record.context, record.context_version)
         began = executor.clock.monotonic()
         try:
-            await executor._call(record.id, undo_spec, ctx, step)
+            await executor._call(record, undo_spec, ctx, step)
             context = ctx.model_dump_json()
             workflow.context.model_validate_json(context)
         except Exception as error:

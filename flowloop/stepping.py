@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from flowloop.gates import Gates
     from flowloop.leasekeeper import LeaseKeeper
     from flowloop.steppool import StepThreads
-    from flowloop.watchdog import LoopWatchdog
+    from flowloop.watchdog import LoopWatchdog, RunningStep
 
 log = logging.getLogger("flowloop")
 
@@ -94,7 +94,7 @@ class Stepping:
         worker_id: str
         stats: Stats
         gates: Gates
-        async_steps: dict[str, Step]
+        async_steps: dict[str, RunningStep]
         pool_exhausted: list[Callable[[int], None]]
         _active: dict[str, _Active]
         _controls: dict[str, str]
@@ -120,14 +120,9 @@ class Stepping:
         """This object as the executor it is part of (composition takes the executor)."""
         return cast("Executor", self)
 
-    async def _step(
-        self, workflow: Workflow, record: RunRecord, fence: Fence, loaded: BaseModel | None
-    ) -> tuple[RunRecord, BaseModel | None] | None:
-        """Run the started step of ``record``; commit its outcome. Returns the record when
-        the run goes straight on with its next step, else ``None``; with it the next
-        step's context when this one already parsed it (``loaded``, see below)."""
-        spec = workflow.steps[record.state]
-        step = frozen.build(  # Step(...) without its frozen __init__ (5.5 us a step)
+    def _step_object(self, workflow: Workflow, record: RunRecord) -> Step:
+        """The :class:`Step` handed to a function that takes one."""
+        return frozen.build(  # Step(...) without its frozen __init__ (5.5 us a step)
             Step,
             {
                 "run_id": record.id,
@@ -140,6 +135,17 @@ class Stepping:
                 "error": step_error(record) if record.error else None,
             },
         )
+
+    async def _step(
+        self, workflow: Workflow, record: RunRecord, fence: Fence, loaded: BaseModel | None
+    ) -> tuple[RunRecord, BaseModel | None] | None:
+        """Run the started step of ``record``; commit its outcome. Returns the record when
+        the run goes straight on with its next step, else ``None``; with it the next
+        step's context when this one already parsed it (``loaded``, see below)."""
+        spec = workflow.steps[record.state]
+        # Built only for a function that takes it: nothing else reads it (the watchdog
+        # names a stalled async step from the record as well).
+        step = self._step_object(workflow, record) if spec.wants_step else None
         # The step's own copy, carried to the current context version (issue 16) — or
         # parsed by the previous step from this very text (the check of what it stored).
         ctx = (
@@ -162,21 +168,23 @@ class Stepping:
         started = self.clock.monotonic()
         try:
             if record.deadline is None and self._inline(spec):
-                returned = self._call_inline(spec, ctx, step)
+                # (The loop looked up once: each lookup asks the kernel for the pid.)
+                loop = asyncio.get_running_loop()
+                returned = self._call_inline(loop, spec, ctx, step)
                 # What arrived since the last turn (a stop or pause polled by the lease
                 # thread during this step or the previous commit, a Ctrl-C's cancellation)
                 # lands now, before this outcome is committed: a loop turn, taken when
                 # something did arrive (one every step cost more than the step).
-                this = asyncio.current_task()
+                this = asyncio.current_task(loop)
                 if self.leases.handed != self._handed_seen or (
                     this is not None and this.cancelling()
                 ):
                     await self._take_a_turn()
             elif record.deadline is None:
-                returned = await self._call(record.id, spec, ctx, step)
+                returned = await self._call(record, spec, ctx, step)
             else:  # the run's deadline cuts the step off (a thread's result is discarded)
                 returned = await children.within_deadline(
-                    self._call(record.id, spec, ctx, step), record, self.clock
+                    self._call(record, spec, ctx, step), record, self.clock
                 )
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
@@ -207,7 +215,11 @@ class Stepping:
             context=context,
             duration=duration,
             data=entering(workflow, next_state, self.clock.now(), delay=delay)
-            | ({"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]} if step.notes else {}),
+            | (
+                {"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
+                if step is not None and step.notes
+                else {}
+            ),
         )
         if logged:
             log.info(
@@ -453,10 +465,12 @@ class Stepping:
             and SYNC_STEPS_INLINE.get()
         )
 
-    def _call_inline(self, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
-        """The step on this thread, its loop hidden from it as it would be in a thread: it
-        may run an event loop of its own (``asyncio.run``, a nested ``Engine.run``)."""
-        loop = asyncio.get_running_loop()
+    def _call_inline(
+        self, loop: asyncio.AbstractEventLoop, spec: StepSpec, ctx: BaseModel, step: Step | None
+    ) -> Any:
+        """The step on this thread, its ``loop`` (the running one) hidden from it as it
+        would be in a thread: it may run an event loop of its own (``asyncio.run``, a
+        nested ``Engine.run``)."""
         _INLINE.depth = getattr(_INLINE, "depth", 0) + 1
         asyncio.events._set_running_loop(None)
         self.watchdog.excuse()
@@ -468,10 +482,15 @@ class Stepping:
             asyncio.set_event_loop(loop)  # an asyncio.run in the step resets it to None
             _INLINE.depth -= 1
 
-    async def _call(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+    async def _call(
+        self, record: RunRecord, spec: StepSpec, ctx: BaseModel, step: Step | None
+    ) -> Any:
+        """The started step of ``record`` called (``step``: what a function that takes one
+        gets, else ``None``)."""
+        run_id = record.id
         if not spec.is_async:
             return await self._invoke(run_id, spec, ctx, step)
-        self.async_steps[run_id] = step
+        self.async_steps[run_id] = step if step is not None else record
         try:
             active = self._active.get(run_id)
             if spec.timeout is None and active is not None:
@@ -488,7 +507,7 @@ class Stepping:
         finally:
             self.async_steps.pop(run_id, None)
 
-    async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step) -> Any:
+    async def _invoke(self, run_id: str, spec: StepSpec, ctx: BaseModel, step: Step | None) -> Any:
         """The step in a task of its own (an ``async def`` step with a timeout) or a thread."""
         args = (ctx, step) if spec.wants_step else (ctx,)
         abandoned: list[bool] = []

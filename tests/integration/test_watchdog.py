@@ -26,13 +26,24 @@ class Ctx(BaseModel):
     n: int = 0
 
 
-def blocking() -> Workflow:
+def blocking(*, takes_step: bool = True) -> Workflow:
+    """A workflow whose async step blocks the loop: with a ``Step`` parameter and a timeout
+    (the step in a task of its own), or neither (awaited in the run's task, and no
+    ``Step`` built for it: the watchdog names it from the run's record)."""
     wf = Workflow("blocky", context=Ctx)
+    if takes_step:
 
-    @wf.step(initial=True, next="done", timeout=BLOCK_S * 10)
-    async def crunch(ctx: Ctx, step: Step) -> None:
-        time.sleep(BLOCK_S)  # the mistake: blocks every run on this event loop
-        ctx.n += 1
+        @wf.step(name="crunch", initial=True, next="done", timeout=BLOCK_S * 10)
+        async def crunch(ctx: Ctx, step: Step) -> None:
+            time.sleep(BLOCK_S)  # the mistake: blocks every run on this event loop
+            ctx.n += 1
+
+    else:
+
+        @wf.step(name="crunch", initial=True, next="done")
+        async def crunch_plain(ctx: Ctx) -> None:
+            time.sleep(BLOCK_S)  # the mistake: blocks every run on this event loop
+            ctx.n += 1
 
     wf.final("done")
     return wf
@@ -44,11 +55,12 @@ def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     ]
 
 
+@pytest.mark.parametrize("takes_step", [True, False], ids=["with_step", "ctx_only"])
 def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
-    sqlite_url: str, caplog: pytest.LogCaptureFixture
+    sqlite_url: str, caplog: pytest.LogCaptureFixture, takes_step: bool
 ) -> None:
     caplog.set_level(logging.INFO, logger="flowloop.watchdog")
-    wf = blocking()
+    wf = blocking(takes_step=takes_step)
     with Engine(sqlite_url) as engine:
         info = engine.run(wf, Ctx())
     assert info.status == "succeeded"  # it still works; it just stopped everything else
@@ -58,7 +70,11 @@ def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
     assert f"blocky.crunch (run {info.id}, attempt 1)" in message, message
     assert "test_watchdog.py" in message and "in crunch" in message, message
     assert warning.steps == [f"blocky.crunch (run {info.id}, attempt 1)"]  # type: ignore[attr-defined]
-    # The whole stall, measured once the loop ran again.
+    if not takes_step:
+        # Awaited in the run's own task, the step hands the loop no turn before the run
+        # ends (and Engine.run stops watching): no tick measures the whole stall.
+        return
+    # The whole stall, measured once the loop ran again (the step's task ended).
     ended = [
         r for r in caplog.records if r.name == "flowloop.watchdog" and r.levelno == logging.INFO
     ]
