@@ -168,7 +168,8 @@ class Stepping:
         started = self.clock.monotonic()
         try:
             if record.deadline is None and self._inline(spec):
-                # (The loop looked up once: each lookup asks the kernel for the pid.)
+                # (The loop looked up once: on CPython 3.11 each lookup asks the kernel for
+                # the process id.)
                 loop = asyncio.get_running_loop()
                 returned = self._call_inline(loop, spec, ctx, step)
                 # What arrived since the last turn (a stop or pause polled by the lease

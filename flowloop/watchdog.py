@@ -37,7 +37,8 @@ StallListener = Callable[[float, list[str]], None]
 
 
 class RunningStep(Protocol):
-    """What the watchdog reads of a running async step (:class:`flowloop.Step` fits)."""
+    """What the watchdog reads of a running async step (:class:`flowloop.Step` fits, and
+    the run's record when no Step was built for the function)."""
 
     @property
     def run_id(self) -> str: ...
