@@ -101,20 +101,30 @@ class LoopWatchdog:
             self._thread.start()
 
     def stop(self) -> None:
-        """End one :meth:`start`."""
+        """End one :meth:`start`. A stall that lasts until watching ends is measured then,
+        as the next tick would have measured it: under ``Engine.run`` an ``async def`` step
+        awaited in the run's own task that blocks the loop may leave it no turn before the
+        run ends."""
         self._users = max(0, self._users - 1)
         if self._users:
             return
+        if self._watching:
+            lag = time.monotonic() - self._last - TICK_SECONDS
+            if lag >= self.threshold and self._excused_at <= self._last:
+                self._stalled(lag)
+        self._end_watching()
+
+    def close(self) -> None:
+        """Stop watching and let the thread end (within a tick)."""
+        self._users = 0
+        self._end_watching()
+        self._closed.set()
+
+    def _end_watching(self) -> None:
         self._watching = False
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-
-    def close(self) -> None:
-        """Stop watching and let the thread end (within a tick)."""
-        self._users = 1
-        self.stop()
-        self._closed.set()
 
     def last_tick(self) -> float | None:
         """When (monotonic) the event loop last ran the ticker, or None while not watching

@@ -71,11 +71,9 @@ def test_watchdog__engine_run_warns_naming_the_blocking_async_step(
     function = "crunch" if takes_step else "crunch_plain"
     assert "test_watchdog.py" in message and f"in {function};" in message, message
     assert warning.steps == [f"blocky.crunch (run {info.id}, attempt 1)"]  # type: ignore[attr-defined]
-    if not takes_step:
-        # Awaited in the run's own task, the step hands the loop no turn before the run
-        # ends (and Engine.run stops watching): no tick measures the whole stall.
-        return
-    # The whole stall, measured once the loop ran again (the step's task ended).
+    # The whole stall, measured once the loop ran again (the step's task ended) — or, for
+    # the step awaited in the run's own task, which leaves the loop no turn before the run
+    # ends, when Engine.run stops watching.
     ended = [
         r for r in caplog.records if r.name == "flowloop.watchdog" and r.levelno == logging.INFO
     ]
