@@ -74,6 +74,8 @@ class LoopWatchdog:
         self._named: list[str] = []
         self._loop_thread: int | None = None
         self._ticker: asyncio.TimerHandle | None = None
+        self._tick_before = self._last
+        """The ``before`` of the pending tick (when it was scheduled)."""
         self._thread: threading.Thread | None = None
         self._users = 0
         self._watching = False
@@ -108,11 +110,14 @@ class LoopWatchdog:
         self._users = max(0, self._users - 1)
         if self._users:
             return
-        if self._watching:
-            lag = time.monotonic() - self._last - TICK_SECONDS
-            if lag >= self.threshold and self._excused_at <= self._last:
-                self._stalled(lag)
+        # The pending tick's own test (see _tick), made now; watching ends first, so the
+        # thread cannot warn of this stall again while it is being measured.
+        before = self._tick_before
+        lag = time.monotonic() - before - TICK_SECONDS
+        due = self._watching and self._inline is None and self._excused_at <= before
         self._end_watching()
+        if due and lag >= self.threshold:
+            self._stalled(lag)
 
     def close(self) -> None:
         """Stop watching and let the thread end (within a tick)."""
@@ -148,6 +153,7 @@ class LoopWatchdog:
     def _schedule_tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
         # A timer, not a task: starting and stopping it (Engine.run does, per run) costs no
         # event-loop turn; a cancelled timer is simply never called.
+        self._tick_before = before
         self._ticker = loop.call_later(TICK_SECONDS, self._tick, loop, before)
 
     def _tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
