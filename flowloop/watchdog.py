@@ -110,13 +110,12 @@ class LoopWatchdog:
         self._users = max(0, self._users - 1)
         if self._users:
             return
-        # The pending tick's own test (see _tick), made now; watching ends first, so the
-        # thread cannot warn of this stall again while it is being measured.
-        before = self._tick_before
-        lag = time.monotonic() - before - TICK_SECONDS
-        due = self._watching and self._inline is None and self._excused_at <= before
+        # The pending tick's own test, made now (not during an inline step: excused);
+        # watching ends first, so the thread cannot warn of this stall again meanwhile.
+        measured = self._watching and self._inline is None
+        lag = self._stall(self._tick_before, time.monotonic()) if measured else None
         self._end_watching()
-        if due and lag >= self.threshold:
+        if lag is not None:
             self._stalled(lag)
 
     def close(self) -> None:
@@ -161,9 +160,16 @@ class LoopWatchdog:
         now = time.monotonic()
         self._last = now
         self._schedule_tick(loop, now)
-        lag = now - before - TICK_SECONDS
-        if lag >= self.threshold and self._excused_at <= before:
+        lag = self._stall(before, now)
+        if lag is not None:
             self._stalled(lag)
+
+    def _stall(self, before: float, now: float) -> float | None:
+        """How long the loop stalled, seen at ``now`` by the tick scheduled at ``before``;
+        ``None``: no stall (under the threshold, or a plain ``def`` step ran inline on
+        purpose meanwhile)."""
+        lag = now - before - TICK_SECONDS
+        return lag if lag >= self.threshold and self._excused_at <= before else None
 
     def _stalled(self, lag: float) -> None:
         named, self._named, self._warned_for = self._named, [], None
