@@ -152,6 +152,20 @@ def _enter_wal(cursor: sqlite3.Cursor) -> None:
 
 
 _busy_ms: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+_autocheckpoint: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
+
+
+def checkpointed_file(engine: Engine) -> Path | None:
+    """The SQLite file whose WAL a store writing through ``engine`` checkpoints itself
+    (flowloop/store/checkpointer.py); ``None`` in memory, read-only or on PostgreSQL."""
+    if engine.dialect.name != "sqlite" or engine.url.query.get("mode") == "ro":
+        return None
+    return _sqlite_file(engine.url)
+
+
+def set_autocheckpoint(engine: Engine, pages: int) -> None:
+    """``wal_autocheckpoint`` of ``engine``'s SQLite connections, from its first one on."""
+    _autocheckpoint[engine] = pages
 
 
 def busy_timeout_ms(lease_seconds: float) -> int:
@@ -216,6 +230,9 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
         cursor.execute(f"PRAGMA synchronous={mode}")
         cursor.execute(f"PRAGMA busy_timeout={_busy_ms.get(engine, BUSY_TIMEOUT_MS)}")
         cursor.execute("PRAGMA foreign_keys=ON")
+        pages = _autocheckpoint.get(engine)
+        if pages is not None:
+            cursor.execute(f"PRAGMA wal_autocheckpoint={pages}")
         cursor.close()
 
     @event.listens_for(engine, "begin")

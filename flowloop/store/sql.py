@@ -44,6 +44,7 @@ from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
+from flowloop.store.checkpointer import FALLBACK_PAGES, Checkpointer
 from flowloop.store.creation import CreationStoreMixin
 from flowloop.store.entries import (
     JOURNALED,
@@ -107,6 +108,11 @@ class SQLStore(
         self.url = url
         outage.note_opened(url)
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
+        # Its WAL checkpointed by a thread of ours, not inside a commit (checkpointer.py).
+        wal_file = None if reads_only else dialect.checkpointed_file(self.engine)
+        if wal_file is not None:
+            dialect.set_autocheckpoint(self.engine, FALLBACK_PAGES)
+        self._checkpointer: Checkpointer | None = None
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
         self._writer: Connection | None = None
@@ -132,6 +138,9 @@ class SQLStore(
         self._pg_creates: dict[tuple[bool, int], Raw] = {}
         if not reads_only:
             self._prepare_statements()
+        if wal_file is not None:
+            self._checkpointer = Checkpointer(wal_file, synchronous.upper())
+            self._checkpointer.start()
 
     # -- the write statements, shared by the stores of one dialect ---------------------------
 
@@ -164,7 +173,15 @@ class SQLStore(
 
     # -- connections -----------------------------------------------------------------------
 
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """The thread checkpointing this store's SQLite WAL (``None`` on PostgreSQL, in
+        memory, and for a store that only reads)."""
+        return self._checkpointer
+
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
