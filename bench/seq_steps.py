@@ -163,13 +163,19 @@ def checkpoints_apart(path: str, synchronous: str, every: float = 0.25) -> Itera
     import threading
 
     stop = threading.Event()
+    failed: list[BaseException] = []
 
     def loop() -> None:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        while not stop.wait(every):
-            conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        conn.close()
+        try:
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute(f"PRAGMA synchronous={synchronous}")
+                while not stop.wait(every):
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            finally:
+                conn.close()
+        except BaseException as error:  # the sample must not quietly become another program
+            failed.append(error)
 
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
@@ -178,6 +184,8 @@ def checkpoints_apart(path: str, synchronous: str, every: float = 0.25) -> Itera
     finally:
         stop.set()
         thread.join()
+    if failed:
+        raise RuntimeError(f"the Core loop's checkpoint thread failed: {failed[0]!r}")
 
 
 def core_program(backend: Backend, steps: int, warm: int, *, apart: bool = False) -> common.Program:

@@ -176,6 +176,11 @@ def flowloop_pages(directory: str, runs: int, steps: int, context: type[BaseMode
             engine = Engine(f"sqlite:///{path}", workflows=[workflow])
             try:
                 store: Any = engine.store
+                # The store's checkpoint thread (flowloop/store/checkpointer.py; absent in
+                # older trees) would copy and reset the WAL this script counts frames of.
+                checkpointer = getattr(store, "checkpointer", None)
+                if checkpointer is not None:
+                    checkpointer.close()
                 _no_autocheckpoint(store.engine)
                 _reconnect(store)
                 engine.run(workflow, context())

@@ -117,6 +117,22 @@ class Engine(Operations, LoopControls, RunReading):
                 raise FlowloopError(f"{what}={value!r}: must be positive")
         self.url = normalize_url(url) if url else default_url()
         self.store: Store = store or SQLStore(self.url, synchronous=synchronous)
+        try:
+            self._set_up(workflows, clock, max_concurrency, lease_seconds, poll_seconds, worker_id)
+        except BaseException:
+            if store is None:  # ours: not left open (and its threads running) by a failure
+                self.store.close()
+            raise
+
+    def _set_up(
+        self,
+        workflows: Iterable[Workflow],
+        clock: Clock | None,
+        max_concurrency: int,
+        lease_seconds: float,
+        poll_seconds: float,
+        worker_id: str | None,
+    ) -> None:
         self.clock: Clock = clock or self._default_clock()
         self.max_concurrency = max_concurrency
         self.lease_seconds = lease_seconds

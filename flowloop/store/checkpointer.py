@@ -3,17 +3,19 @@
 In WAL mode SQLite copies its log back into the database file (a checkpoint) from inside
 the commit that finds the log past ``wal_autocheckpoint`` pages (1,000 by default). With
 ``synchronous=NORMAL`` a checkpoint is when the files are synced, so that one commit also
-waits for the disk: ~38 µs a step of a run's wall time on our 2-core test VM, a fifth of
-it (bench/README.md, twelfth pass). SQLite's own page on WAL names the remedy: turn the
+waits for the disk: ~30-40 µs a step of a run's wall time on our 2-core test VM, 15-20 %
+of it (bench/README.md, twelfth pass). SQLite's own page on WAL names the remedy: turn the
 automatic checkpoint off and checkpoint from a separate thread.
 
-A writing :class:`~flowloop.store.sql.SQLStore` on a SQLite file runs one
-:class:`Checkpointer`: a daemon thread with its own connection, checkpointing (PASSIVE:
-it never waits for, nor blocks, a reader or a writer) every :data:`EVERY_S` while the log
-grows and less often while it does not. The store's own connections keep an automatic
-checkpoint only as a fallback far past the usual size (:data:`FALLBACK_PAGES`), for when
-this thread falls behind, cannot open the file, or is gone (a forked child). What a commit
-promises does not change: a committed transaction is in the log, whoever copies it later.
+A :class:`~flowloop.store.sql.SQLStore` on a SQLite file starts one :class:`Checkpointer`
+when it first writes: a daemon thread with its own connection, checkpointing (PASSIVE: it
+never waits for, nor blocks, a reader or a writer) every :data:`EVERY_S` while the log
+grows and less often while it does not. Only once that connection is open does the
+store's write connection raise its automatic checkpoint to :data:`FALLBACK_PAGES`, a
+fallback for when the thread falls behind or is not running (a process forked from this
+one has none).
+What a commit promises does not change: a committed transaction is in the log, whoever
+copies it into the database file later.
 """
 
 from __future__ import annotations
@@ -28,15 +30,20 @@ log = logging.getLogger("flowloop.store")
 
 EVERY_S: Final = 0.25
 """Between checkpoints while the log grows: ~4,000 pages at a worker's full speed on SQLite
-(~16,000 pages/s here), well inside :data:`FALLBACK_PAGES`."""
+(~16,000 pages/s on our test VM), well inside :data:`FALLBACK_PAGES`."""
 
-IDLE_EVERY_S: Final = 2.0
+IDLE_EVERY_S: Final = 0.5
 """At most this long between checkpoints while nothing is written (the wait doubles from
-:data:`EVERY_S` after each checkpoint that found nothing new)."""
+:data:`EVERY_S` after a checkpoint that found the log as the previous one left it): a burst
+after a quiet spell writes ~8,000 pages at most before the next one, still inside the
+fallback. A checkpoint of an unchanged log costs microseconds."""
 
 FALLBACK_PAGES: Final = 10_000
-"""The store's connections' own ``wal_autocheckpoint``: a commit checkpoints only past this
-many pages in the log (40 MB of 4 KB pages), when the thread has not kept up."""
+"""The store's connections' own ``wal_autocheckpoint`` while the thread runs: a commit
+checkpoints only past this many pages in the log (40 MB of 4 KB pages)."""
+
+THREAD_NAME: Final = "flowloop-checkpointer"
+"""Its thread's name, followed by the database's path."""
 
 CLOSE_TIMEOUT_S: Final = 10.0
 """How long closing the store waits for a checkpoint under way (copying a log of
@@ -44,37 +51,65 @@ CLOSE_TIMEOUT_S: Final = 10.0
 
 
 class Checkpointer:
-    """Checkpoints the WAL of the SQLite file at ``path`` from a daemon thread, until
-    :meth:`close`."""
+    """Checkpoints the WAL of one SQLite file from a daemon thread, until :meth:`close`.
+    Made by :meth:`open`, which opens its connection first."""
 
     def __init__(
         self,
         path: Path,
-        synchronous: str,
+        conn: sqlite3.Connection,
         *,
         every: float = EVERY_S,
         idle_every: float = IDLE_EVERY_S,
     ) -> None:
-        self.path = path.absolute()  # the file it is now, whatever the directory later
-        self.synchronous = synchronous
+        self.path = path
         self.every = every
         self.idle_every = idle_every
         self.passes = 0
-        """Checkpoints tried (for tests and the curious)."""
+        """Checkpoints begun (for tests and the curious)."""
         self.last: tuple[int, int, int] | None = None
         """The last checkpoint's answer: (busy, pages in the log, pages copied), as
         ``PRAGMA wal_checkpoint`` gives it."""
+        self._conn = conn
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="flowloop-checkpointer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"{THREAD_NAME} {path}", daemon=True)
+
+    @classmethod
+    def open(cls, path: Path, synchronous: str) -> Checkpointer | None:
+        """A checkpointer of the database at ``path`` (absolute, as SQLite names it), its
+        connection open; ``None``, with a warning, when it cannot be opened."""
+        try:
+            # mode=rw: a file deleted under a running store is not created again here.
+            conn = sqlite3.connect(
+                f"{path.as_uri()}?mode=rw",
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,  # opened here, used by the thread alone
+            )
+            # A checkpoint syncs the files as the store's commits would (NORMAL: the log
+            # before copying it, the database after).
+            conn.execute(f"PRAGMA synchronous={synchronous}")
+        except sqlite3.Error as error:
+            # Only a matter of speed (the commits checkpoint as SQLite does by default), and
+            # the store's own use of the file says what is wrong with it, if anything.
+            log.debug("WAL checkpoints of %s stay in its commits: cannot open it (%s)", path, error)
+            return None
+        return cls(path, conn)
 
     def start(self) -> None:
         self._thread.start()
+
+    def stop(self) -> None:
+        """Ask the thread to end, without waiting for it (a store being collected)."""
+        self._stop.set()
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
         """Stop checkpointing; wait for a checkpoint under way (at most ``timeout``)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        elif self._thread.ident is None:  # never started: the connection is ours to close
+            self._conn.close()
 
     @property
     def running(self) -> bool:
@@ -82,39 +117,23 @@ class Checkpointer:
 
     def _run(self) -> None:
         try:
-            # mode=rw: a file deleted under a running store is not created again here.
-            conn = sqlite3.connect(
-                f"{self.path.as_uri()}?mode=rw",
-                uri=True,
-                isolation_level=None,
-                check_same_thread=False,
-            )
-        except sqlite3.Error as error:
-            log.warning(
-                "WAL checkpoints of %s fall back to commits: cannot open it (%s)",
-                self.path,
-                error,
-            )
-            return
-        try:
-            # The checkpoint syncs the files as the store's commits would (NORMAL: the log
-            # before copying it, the database after).
-            conn.execute(f"PRAGMA synchronous={self.synchronous}")
             wait = self.every
             while not self._stop.wait(wait):
-                wait = self.every if self._checkpoint(conn) else min(wait * 2, self.idle_every)
+                wait = self.every if self._checkpoint() else min(wait * 2, self.idle_every)
         finally:
-            conn.close()
+            self._conn.close()
 
-    def _checkpoint(self, conn: sqlite3.Connection) -> bool:
-        """One PASSIVE checkpoint; whether the log changed since the previous one."""
+    def _checkpoint(self) -> bool:
+        """One PASSIVE checkpoint; whether to take the next one soon: the log changed since
+        the previous one, or another connection's checkpoint kept this one out."""
         self.passes += 1
         try:
-            row = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-        except sqlite3.Error as error:  # locked by a TRUNCATE of prune's, a full disk, ...
+            row = self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error as error:  # a full disk, a file made read-only, ...
             log.debug("WAL checkpoint of %s: %s", self.path, error)
-            return True  # try again soon: the log may be growing meanwhile
+            return False  # spaced out as when idle: the commits' fallback still holds
         answer = (int(row[0]), int(row[1]), int(row[2]))
         changed = answer != self.last
         self.last = answer
-        return changed
+        # busy: another checkpoint (another process's, prune's TRUNCATE) holds the lock.
+        return changed or answer[0] == 1

@@ -78,7 +78,9 @@ def _sqlite_file(url: URL) -> Path | None:
         database = database[len("file:") :].partition("?")[0]
         if not database or database == ":memory:":
             return None
-    return Path(database)
+    # As the driver names it (os.path.abspath: `link/../x.db` is `./x.db`, not the link's
+    # parent's), so that what is checked and checkpointed is the file SQLite opens.
+    return Path(os.path.abspath(database))
 
 
 def _foreign_tables(path: Path) -> list[str] | None:
@@ -152,20 +154,18 @@ def _enter_wal(cursor: sqlite3.Cursor) -> None:
 
 
 _busy_ms: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
-_autocheckpoint: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 
 
 def checkpointed_file(engine: Engine) -> Path | None:
     """The SQLite file whose WAL a store writing through ``engine`` checkpoints itself
-    (flowloop/store/checkpointer.py); ``None`` in memory, read-only or on PostgreSQL."""
-    if engine.dialect.name != "sqlite" or engine.url.query.get("mode") == "ro":
+    (flowloop/store/checkpointer.py); ``None`` in memory, read-only, on PostgreSQL, and for
+    a ``file:`` URI (its parameters — a VFS, ``nolock`` — would have to be the thread's too)."""
+    database = engine.url.database or ""
+    if engine.dialect.name != "sqlite" or database.startswith("file:"):
+        return None
+    if engine.url.query.get("mode") == "ro":
         return None
     return _sqlite_file(engine.url)
-
-
-def set_autocheckpoint(engine: Engine, pages: int) -> None:
-    """``wal_autocheckpoint`` of ``engine``'s SQLite connections, from its first one on."""
-    _autocheckpoint[engine] = pages
 
 
 def busy_timeout_ms(lease_seconds: float) -> int:
@@ -230,9 +230,6 @@ def _sqlite_engine(url: URL, synchronous: str) -> Engine:
         cursor.execute(f"PRAGMA synchronous={mode}")
         cursor.execute(f"PRAGMA busy_timeout={_busy_ms.get(engine, BUSY_TIMEOUT_MS)}")
         cursor.execute("PRAGMA foreign_keys=ON")
-        pages = _autocheckpoint.get(engine)
-        if pages is not None:
-            cursor.execute(f"PRAGMA wal_autocheckpoint={pages}")
         cursor.close()
 
     @event.listens_for(engine, "begin")

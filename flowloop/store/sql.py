@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
@@ -108,10 +109,10 @@ class SQLStore(
         self.url = url
         outage.note_opened(url)
         self.engine: Engine = dialect.create_engine_for(url, synchronous=synchronous)
-        # Its WAL checkpointed by a thread of ours, not inside a commit (checkpointer.py).
-        wal_file = None if reads_only else dialect.checkpointed_file(self.engine)
-        if wal_file is not None:
-            dialect.set_autocheckpoint(self.engine, FALLBACK_PAGES)
+        # Its WAL checkpointed by a thread of ours from the first write on, not inside a
+        # commit (checkpointer.py); a store that only reads starts none.
+        self._wal_file = None if reads_only else dialect.checkpointed_file(self.engine)
+        self._synchronous = synchronous.upper()
         self._checkpointer: Checkpointer | None = None
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
@@ -125,10 +126,10 @@ class SQLStore(
             if check_schema:
                 self._ensure_schema(create=create)
         except SQLAlchemyError as error:
-            self.engine.dispose()
+            self.close()  # the checkpointing thread too, if creating the schema started it
             raise StoreError(f"cannot use {outage.describe(error, url)}") from error
         except StoreError:
-            self.engine.dispose()
+            self.close()
             raise
         dialect_ = self.engine.dialect
         self._postgres = dialect_.name == "postgresql"
@@ -138,9 +139,6 @@ class SQLStore(
         self._pg_creates: dict[tuple[bool, int], Raw] = {}
         if not reads_only:
             self._prepare_statements()
-        if wal_file is not None:
-            self._checkpointer = Checkpointer(wal_file, synchronous.upper())
-            self._checkpointer.start()
 
     # -- the write statements, shared by the stores of one dialect ---------------------------
 
@@ -193,7 +191,26 @@ class SQLStore(
         conn = self._writer
         if conn is None or conn.closed or conn.invalidated:
             conn = self._writer = self.engine.connect()
+            if self._wal_file is not None:
+                self._checkpoint_apart(conn)
         return conn
+
+    def _checkpoint_apart(self, conn: Connection) -> None:
+        """The held connection checkpoints only as a fallback, once the checkpointing thread
+        (started by the first write) has its connection open."""
+        if self._checkpointer is None:
+            assert self._wal_file is not None
+            checkpointer = Checkpointer.open(self._wal_file, self._synchronous)
+            if checkpointer is None:
+                self._wal_file = None  # checkpoints stay in the commits
+                return
+            # A store dropped without close() stops its thread when it is collected.
+            weakref.finalize(self, checkpointer.stop)
+            self._checkpointer = checkpointer
+            checkpointer.start()
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        driver.execute(f"PRAGMA wal_autocheckpoint={FALLBACK_PAGES}")
 
     def _drop_writer(self, conn: Connection) -> None:
         # A dropped connection must not poison the next transaction.

@@ -273,5 +273,7 @@ class CrashingStore(SQLStore):
         self._crash.crashed = label
         self._crash.trigger = None
         self._dead = True
+        if self._checkpointer is not None:  # a killed process checkpoints nothing either
+            self._checkpointer.stop()
         self._crash.on_crash()
         raise self._death()
