@@ -16,6 +16,7 @@ once the child has ended (its parent gone).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -226,6 +227,10 @@ def _count(
 
 
 VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal)
+TRUNCATE_TRIES: Final = 40
+TRUNCATE_PAUSE_S: Final = 0.05
+"""SQLite: the WAL's truncating checkpoint after ``VACUUM`` is tried this often, this far
+apart, while another checkpoint holds the lock (2 s in all)."""
 
 
 def vacuum(db: Engine) -> str:
@@ -251,6 +256,12 @@ def vacuum(db: Engine) -> str:
         raw = conn.connection.driver_connection
         assert raw is not None
         raw.execute("VACUUM")
-        # In WAL mode the rewritten database sits in the WAL until a checkpoint.
-        raw.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        # In WAL mode the rewritten database sits in the WAL until a checkpoint. A store's
+        # checkpointing thread (flowloop/store/checkpointer.py) may hold the checkpoint
+        # lock for a moment, and SQLite then answers busy at once (no busy handler for it).
+        for _ in range(TRUNCATE_TRIES):
+            busy = raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            if not busy:
+                break
+            time.sleep(TRUNCATE_PAUSE_S)
     return "vacuumed (the database file was rewritten without its free pages)"

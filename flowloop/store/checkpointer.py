@@ -77,7 +77,8 @@ class Checkpointer:
     @classmethod
     def open(cls, path: Path, synchronous: str) -> Checkpointer | None:
         """A checkpointer of the database at ``path`` (absolute, as SQLite names it), its
-        connection open; ``None``, with a warning, when it cannot be opened."""
+        connection open; ``None`` when it cannot be opened (a debug line says why)."""
+        conn: sqlite3.Connection | None = None
         try:
             # mode=rw: a file deleted under a running store is not created again here.
             conn = sqlite3.connect(
@@ -90,6 +91,8 @@ class Checkpointer:
             # before copying it, the database after).
             conn.execute(f"PRAGMA synchronous={synchronous}")
         except sqlite3.Error as error:
+            if conn is not None:
+                conn.close()
             # Only a matter of speed (the commits checkpoint as SQLite does by default), and
             # the store's own use of the file says what is wrong with it, if anything.
             log.debug("WAL checkpoints of %s stay in its commits: cannot open it (%s)", path, error)
@@ -133,7 +136,12 @@ class Checkpointer:
             log.debug("WAL checkpoint of %s: %s", self.path, error)
             return False  # spaced out as when idle: the commits' fallback still holds
         answer = (int(row[0]), int(row[1]), int(row[2]))
-        changed = answer != self.last
-        self.last = answer
-        # busy: another checkpoint (another process's, prune's TRUNCATE) holds the lock.
-        return changed or answer[0] == 1
+        previous, self.last = self.last, answer
+        return soon(previous, answer)
+
+
+def soon(previous: tuple[int, int, int] | None, answer: tuple[int, int, int]) -> bool:
+    """Whether to checkpoint again soon after ``answer``: the log changed since the
+    ``previous`` checkpoint, or this one was kept out (busy: another connection's
+    checkpoint, another process's or prune's TRUNCATE, held the lock)."""
+    return answer != previous or answer[0] == 1

@@ -78,8 +78,10 @@ def _sqlite_file(url: URL) -> Path | None:
         database = database[len("file:") :].partition("?")[0]
         if not database or database == ":memory:":
             return None
-    # As the driver names it (os.path.abspath: `link/../x.db` is `./x.db`, not the link's
-    # parent's), so that what is checked and checkpointed is the file SQLite opens.
+        return Path(database)  # SQLite resolves it as the OS does
+    # A plain path reaches SQLite through os.path.abspath (SQLAlchemy's pysqlite dialect):
+    # `link/../x.db` is `./x.db`, not the link's parent's. So it is here, so that what is
+    # checked and checkpointed is the file SQLite opens.
     return Path(os.path.abspath(database))
 
 

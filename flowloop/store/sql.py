@@ -190,27 +190,44 @@ class SQLStore(
         """The held write connection, connected again when it was lost (``_lock`` held)."""
         conn = self._writer
         if conn is None or conn.closed or conn.invalidated:
-            conn = self._writer = self.engine.connect()
+            conn = self.engine.connect()
             if self._wal_file is not None:
                 self._checkpoint_apart(conn)
+            self._writer = conn
         return conn
 
     def _checkpoint_apart(self, conn: Connection) -> None:
-        """The held connection checkpoints only as a fallback, once the checkpointing thread
-        (started by the first write) has its connection open."""
-        if self._checkpointer is None:
-            assert self._wal_file is not None
-            checkpointer = Checkpointer.open(self._wal_file, self._synchronous)
-            if checkpointer is None:
-                self._wal_file = None  # checkpoints stay in the commits
-                return
-            # A store dropped without close() stops its thread when it is collected.
-            weakref.finalize(self, checkpointer.stop)
-            self._checkpointer = checkpointer
+        """The write connection ``conn`` checkpoints only as a fallback while the store's
+        checkpointing thread (started by the first write) runs. Only speed is at stake:
+        whatever fails here leaves the checkpoints in the commits, as SQLite has them."""
+        try:
+            if self._checkpointer is None:
+                self._checkpointer = self._started_checkpointer()
+                if self._checkpointer is None:
+                    self._wal_file = None  # tried once: the checkpoints stay in the commits
+                    return
+            if not self._checkpointer.running:
+                return  # stopped: the store closed, or a simulated crash
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            driver.execute(f"PRAGMA wal_autocheckpoint={FALLBACK_PAGES}")
+        except Exception as error:
+            self._wal_file = None
+            log.debug("WAL checkpoints of %s stay in the commits: %s", self.url, error)
+
+    def _started_checkpointer(self) -> Checkpointer | None:
+        assert self._wal_file is not None
+        checkpointer = Checkpointer.open(self._wal_file, self._synchronous)
+        if checkpointer is None:
+            return None
+        try:
             checkpointer.start()
-        driver = conn.connection.driver_connection
-        assert driver is not None
-        driver.execute(f"PRAGMA wal_autocheckpoint={FALLBACK_PAGES}")
+        except RuntimeError:  # no thread to be had
+            checkpointer.close()
+            raise
+        # A store dropped without close() stops its thread when it is collected.
+        weakref.finalize(self, checkpointer.stop)
+        return checkpointer
 
     def _drop_writer(self, conn: Connection) -> None:
         # A dropped connection must not poison the next transaction.

@@ -108,16 +108,22 @@ class TestEngine(Engine):
         self._executors: weakref.WeakSet[Executor] = weakref.WeakSet()
         self._incarnation = 1
         store = CrashingStore(url, state=self._crash, synchronous=synchronous)
-        super().__init__(
-            url,
-            workflows=workflows,
-            clock=clock if clock is not None else FakeClock(),
-            max_concurrency=max_concurrency,
-            lease_seconds=lease_seconds,
-            poll_seconds=poll_seconds,
-            worker_id=self._next_worker_id(),
-            store=store,
-        )
+        try:
+            super().__init__(
+                url,
+                workflows=workflows,
+                clock=clock if clock is not None else FakeClock(),
+                max_concurrency=max_concurrency,
+                lease_seconds=lease_seconds,
+                poll_seconds=poll_seconds,
+                worker_id=self._next_worker_id(),
+                store=store,
+            )
+        except BaseException:  # a refused workflow: nothing of this engine is left behind
+            store.close()
+            if self._tmpdir is not None:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+            raise
 
     def _new_run_id(self, workflow: str, key: str | None, idempotency_key: str | None) -> str:
         # Reproducible ids, so two runs of one test script get the same ids and hence the

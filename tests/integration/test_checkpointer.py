@@ -11,6 +11,7 @@ import gc
 import logging
 import shutil
 import sqlite3
+import tempfile
 import threading
 from pathlib import Path
 
@@ -22,7 +23,8 @@ from storekit import new_run
 from flowloop import Engine, Workflow
 from flowloop.errors import DefinitionError
 from flowloop.store import RunFilter, SQLStore
-from flowloop.store.checkpointer import FALLBACK_PAGES, THREAD_NAME, Checkpointer
+from flowloop.store.checkpointer import FALLBACK_PAGES, THREAD_NAME, Checkpointer, soon
+from flowloop.testing import TestEngine
 
 RUNS = 200
 """Of 10 steps each: ~6,000 WAL frames, six times SQLite's default checkpoint threshold."""
@@ -95,9 +97,10 @@ def test_the_thread_copies_every_run_into_the_database_file(
 
         def whole() -> bool:
             # A pass begun after the runs (`passes` counts a pass as it begins) has ended,
-            # and it found every frame of the WAL copied.
-            last = checkpointer.last
+            # and it found every frame of the WAL copied. (`passes` read first: `last` is
+            # then at least that pass's answer.)
             ended = checkpointer.passes >= after_runs + 2
+            last = checkpointer.last
             return ended and last is not None and last[1] > 0 and last[1] == last[2]
 
         poll(whole, timeout=30, what="a checkpoint of the whole WAL", every=0.05)
@@ -162,9 +165,24 @@ def test_an_engine_that_fails_to_start_closes_its_store(sqlite_url: str) -> None
     assert _threads_of(_file(sqlite_url)) == []
 
 
+def test_an_engine_for_tests_that_fails_to_start_leaves_nothing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The testing kit's engine: its store closed (thread gone), its temporary folder
+    removed, when a workflow is refused."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    good = _chain()
+    with pytest.raises(DefinitionError):
+        TestEngine(workflows=[good, Workflow("stateless", context=Count)])
+    # (The template database the kit copies per engine is the process's, kept for others.)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("flowloop-test-")] == []
+    assert [t for t in threading.enumerate() if str(tmp_path) in t.name] == []
+
+
 def test_the_thread_checkpoints_the_file_the_driver_opens(tmp_path: Path) -> None:
-    """`link/../x.db` is `./x.db` to SQLite (it normalizes the path before the OS follows
-    the link): so it is to the thread, which checkpoints that file, not another."""
+    """`link/../x.db` is `./x.db` to SQLite (SQLAlchemy's driver makes the path absolute
+    with os.path.abspath before SQLite opens it): so it is to the thread, which checkpoints
+    that file, not another."""
     (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere" / "deep")
     store = SQLStore(f"sqlite:///{tmp_path / 'link' / '..' / 'x.db'}")
@@ -205,12 +223,18 @@ def test_a_checkpoint_says_whether_to_take_the_next_soon(tmp_path: Path) -> None
         assert checkpointer.last is not None and checkpointer.last[1] == checkpointer.last[2]
         assert checkpointer._checkpoint() is False
         assert checkpointer.passes == 4
-        checkpointer.last = (1, -1, -1)  # as a pass kept out by another checkpoint answers
-        writer.execute("INSERT INTO t VALUES (2)")
-        assert checkpointer._checkpoint() is True
     finally:
         checkpointer.close()  # never started: closes its connection
         writer.close()
+
+
+def test_a_busy_answer_keeps_the_pace() -> None:
+    """A pass kept out by another checkpoint (busy) is followed soon, even when it answers
+    what the previous one did; an unchanged answer otherwise is not."""
+    assert soon((1, -1, -1), (1, -1, -1)) is True
+    assert soon((0, 40, 40), (0, 40, 40)) is False
+    assert soon((0, 40, 40), (0, 52, 52)) is True
+    assert soon(None, (0, 0, 0)) is True
 
 
 def test_a_file_it_cannot_open_is_left_alone(
