@@ -227,10 +227,11 @@ def _count(
 
 
 VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal)
-TRUNCATE_TRIES: Final = 40
+TRUNCATE_RETRY_S: Final = 2.0
 TRUNCATE_PAUSE_S: Final = 0.05
-"""SQLite: the WAL's truncating checkpoint after ``VACUUM`` is tried this often, this far
-apart, while another checkpoint holds the lock (2 s in all)."""
+"""SQLite: the WAL's truncating checkpoint after ``VACUUM`` is tried again, this far apart,
+while another checkpoint holds its lock, until 2 s have passed (a try that waits for
+readers waits out the busy timeout, as the single try before did)."""
 
 
 def vacuum(db: Engine) -> str:
@@ -259,9 +260,9 @@ def vacuum(db: Engine) -> str:
         # In WAL mode the rewritten database sits in the WAL until a checkpoint. A store's
         # checkpointing thread (flowloop/store/checkpointer.py) may hold the checkpoint
         # lock for a moment, and SQLite then answers busy at once (no busy handler for it).
-        for _ in range(TRUNCATE_TRIES):
-            busy = raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
-            if not busy:
+        deadline = time.monotonic() + TRUNCATE_RETRY_S
+        while raw.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]:  # busy
+            if time.monotonic() > deadline:
                 break
             time.sleep(TRUNCATE_PAUSE_S)
     return "vacuumed (the database file was rewritten without its free pages)"

@@ -3,19 +3,24 @@
 In WAL mode SQLite copies its log back into the database file (a checkpoint) from inside
 the commit that finds the log past ``wal_autocheckpoint`` pages (1,000 by default). With
 ``synchronous=NORMAL`` a checkpoint is when the files are synced, so that one commit also
-waits for the disk: ~30-40 µs a step of a run's wall time on our 2-core test VM, 15-20 %
-of it (bench/README.md, twelfth pass). SQLite's own page on WAL names the remedy: turn the
-automatic checkpoint off and checkpoint from a separate thread.
+waits for the disk: ~30-40 µs a step of a run's wall time on our 2-core test VM, some
+15-20 % of it (bench/README.md, twelfth pass). SQLite's own page on WAL names the remedy:
+checkpoint from a separate thread.
 
 A :class:`~flowloop.store.sql.SQLStore` on a SQLite file starts one :class:`Checkpointer`
 when it first writes: a daemon thread with its own connection, checkpointing (PASSIVE: it
 never waits for, nor blocks, a reader or a writer) every :data:`EVERY_S` while the log
-grows and less often while it does not. Only once that connection is open does the
-store's write connection raise its automatic checkpoint to :data:`FALLBACK_PAGES`, a
-fallback for when the thread falls behind or is not running (a process forked from this
-one has none).
-What a commit promises does not change: a committed transaction is in the log, whoever
-copies it into the database file later.
+grows and less often while it does not. Once that connection is open, the store's write
+connection raises its automatic checkpoint to :data:`FALLBACK_PAGES`.
+
+That threshold is still reached while commits go on without a pause: only a writer starts
+the log over, and only when a checkpoint has copied all of it, which a pass racing the
+commits never does. The commit that crosses it checkpoints (copying only what the thread
+has not yet copied) and the log starts over: one commit in ~10,000 pages waits for the
+disk instead of one in ~1,000, and the ``-wal`` file grows to ~40 MB instead of ~4 MB.
+While the writes pause, the thread copies everything and the next commit starts the log
+over. What a commit promises does not change: a committed transaction is in the log,
+whoever copies it into the database file later.
 """
 
 from __future__ import annotations
@@ -29,18 +34,18 @@ from typing import Final
 log = logging.getLogger("flowloop.store")
 
 EVERY_S: Final = 0.25
-"""Between checkpoints while the log grows: ~4,000 pages at a worker's full speed on SQLite
-(~16,000 pages/s on our test VM), well inside :data:`FALLBACK_PAGES`."""
+"""Between checkpoints while the log grows: ~5,000 pages at one process's full speed on
+SQLite (~20,000 pages/s of sequential runs on our test VM)."""
 
 IDLE_EVERY_S: Final = 0.5
 """At most this long between checkpoints while nothing is written (the wait doubles from
-:data:`EVERY_S` after a checkpoint that found the log as the previous one left it): a burst
-after a quiet spell writes ~8,000 pages at most before the next one, still inside the
-fallback. A checkpoint of an unchanged log costs microseconds."""
+:data:`EVERY_S` after a checkpoint that found the log as the previous one left it). A
+checkpoint of an unchanged log costs microseconds."""
 
 FALLBACK_PAGES: Final = 10_000
-"""The store's connections' own ``wal_autocheckpoint`` while the thread runs: a commit
-checkpoints only past this many pages in the log (40 MB of 4 KB pages)."""
+"""The store's write connection's ``wal_autocheckpoint`` while the thread runs: a commit
+checkpoints past this many pages in the log (40 MB of 4 KB pages), when the thread has not
+copied it all — under steady writing, every ~10,000 pages (see above)."""
 
 THREAD_NAME: Final = "flowloop-checkpointer"
 """Its thread's name, followed by the database's path."""

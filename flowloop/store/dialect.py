@@ -79,6 +79,8 @@ def _sqlite_file(url: URL) -> Path | None:
         if not database or database == ":memory:":
             return None
         return Path(database)  # SQLite resolves it as the OS does
+    if url.query.get("uri"):
+        return Path(database)  # given to SQLite as it is, as a file: URI's path is
     # A plain path reaches SQLite through os.path.abspath (SQLAlchemy's pysqlite dialect):
     # `link/../x.db` is `./x.db`, not the link's parent's. So it is here, so that what is
     # checked and checkpointed is the file SQLite opens.
@@ -165,7 +167,7 @@ def checkpointed_file(engine: Engine) -> Path | None:
     database = engine.url.database or ""
     if engine.dialect.name != "sqlite" or database.startswith("file:"):
         return None
-    if engine.url.query.get("mode") == "ro":
+    if engine.url.query.get("uri") or engine.url.query.get("mode") == "ro":
         return None
     return _sqlite_file(engine.url)
 

@@ -173,13 +173,17 @@ class SQLStore(
 
     @property
     def checkpointer(self) -> Checkpointer | None:
-        """The thread checkpointing this store's SQLite WAL (``None`` on PostgreSQL, in
-        memory, and for a store that only reads)."""
+        """The thread checkpointing this store's SQLite WAL, from its first write on;
+        ``None`` before it, on PostgreSQL, in memory, for a ``file:`` URI or ``?uri=true``,
+        for a store that only reads, and where the thread could not open the file."""
         return self._checkpointer
 
     def close(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.close()
+        with self._lock:  # no write now can start a thread this close would miss
+            self._wal_file = None
+            checkpointer = self._checkpointer
+        if checkpointer is not None:
+            checkpointer.close()
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
@@ -190,16 +194,15 @@ class SQLStore(
         """The held write connection, connected again when it was lost (``_lock`` held)."""
         conn = self._writer
         if conn is None or conn.closed or conn.invalidated:
-            conn = self.engine.connect()
+            conn = self._writer = self.engine.connect()
             if self._wal_file is not None:
                 self._checkpoint_apart(conn)
-            self._writer = conn
         return conn
 
     def _checkpoint_apart(self, conn: Connection) -> None:
-        """The write connection ``conn`` checkpoints only as a fallback while the store's
-        checkpointing thread (started by the first write) runs. Only speed is at stake:
-        whatever fails here leaves the checkpoints in the commits, as SQLite has them."""
+        """The write connection ``conn`` checkpoints only past :data:`FALLBACK_PAGES` while
+        the store's checkpointing thread (started by the first write) runs. Only speed is
+        at stake here: what fails leaves the connection checkpointing as SQLite has it."""
         try:
             if self._checkpointer is None:
                 self._checkpointer = self._started_checkpointer()
@@ -207,7 +210,7 @@ class SQLStore(
                     self._wal_file = None  # tried once: the checkpoints stay in the commits
                     return
             if not self._checkpointer.running:
-                return  # stopped: the store closed, or a simulated crash
+                return  # stopped: a simulated crash
             driver = conn.connection.driver_connection
             assert driver is not None
             driver.execute(f"PRAGMA wal_autocheckpoint={FALLBACK_PAGES}")
@@ -220,13 +223,14 @@ class SQLStore(
         checkpointer = Checkpointer.open(self._wal_file, self._synchronous)
         if checkpointer is None:
             return None
+        # Stopped when a store dropped without close() is collected: registered first, so
+        # that no thread can run without it.
+        weakref.finalize(self, checkpointer.stop)
         try:
             checkpointer.start()
         except RuntimeError:  # no thread to be had
             checkpointer.close()
             raise
-        # A store dropped without close() stops its thread when it is collected.
-        weakref.finalize(self, checkpointer.stop)
         return checkpointer
 
     def _drop_writer(self, conn: Connection) -> None:

@@ -122,8 +122,8 @@ def _threads_of(path: Path) -> list[str]:
 
 def test_a_store_starts_one_at_its_first_write(sqlite_url: str, tmp_path: Path) -> None:
     """A store that reads starts no thread (`status`, the dashboard); its first write does,
-    once; a store that only reads, one in memory and one on a ``file:`` URI never do; a
-    closed store's thread is gone."""
+    once; a store that only reads, one in memory, and one on a ``file:`` URI or with
+    ``?uri=true`` never do; a closed store's thread is gone."""
     SQLStore(sqlite_url).close()  # the database exists: opening it again writes nothing
     store = SQLStore(sqlite_url)
     assert store.find_runs(RunFilter(limit=5)) == []
@@ -141,7 +141,8 @@ def test_a_store_starts_one_at_its_first_write(sqlite_url: str, tmp_path: Path) 
     assert reader.checkpointer is None
     reader.close()
     uri = f"sqlite:///file:{tmp_path / 'uri.db'}?uri=true"
-    for url in ("sqlite://", uri):
+    plain_uri = f"sqlite:///{tmp_path / 'plain.db'}?uri=true"  # given to SQLite as it is
+    for url in ("sqlite://", uri, plain_uri):
         other = SQLStore(url)
         other.create_run(new_run())
         assert other.checkpointer is None, url
