@@ -162,8 +162,9 @@ _busy_ms: weakref.WeakKeyDictionary[Engine, int] = weakref.WeakKeyDictionary()
 
 def checkpointed_file(engine: Engine) -> Path | None:
     """The SQLite file whose WAL a store writing through ``engine`` checkpoints itself
-    (flowloop/store/checkpointer.py); ``None`` in memory, read-only, on PostgreSQL, and for
-    a ``file:`` URI (its parameters — a VFS, ``nolock`` — would have to be the thread's too)."""
+    (flowloop/store/checkpointer.py); ``None`` in memory, read-only, on PostgreSQL, for a
+    ``file:`` URI (its parameters — a VFS, ``nolock`` — would have to be the thread's too)
+    and for ``?uri=true`` (the path goes to SQLite as it is)."""
     database = engine.url.database or ""
     if engine.dialect.name != "sqlite" or database.startswith("file:"):
         return None
