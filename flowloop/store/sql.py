@@ -44,7 +44,7 @@ from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
-from flowloop.store.base import Boundary, InboxEvent, RunFilter, Store, StoredRun
+from flowloop.store.base import Boundary, RunFilter, Store, StoredRun
 from flowloop.store.checkpointer import FALLBACK_PAGES, Checkpointer
 from flowloop.store.creation import CreationStoreMixin
 from flowloop.store.entries import (
@@ -57,11 +57,12 @@ from flowloop.store.entries import (
     until,
 )
 from flowloop.store.entries import stored_from_row as _stored_from_row
+from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
 from flowloop.store.loops import LoopStoreMixin
 from flowloop.store.raw import Raw
-from flowloop.store.schema import definitions, inbox, journal, runs
+from flowloop.store.schema import definitions, journal, runs
 
 CREATE_ATTEMPTS = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
@@ -91,6 +92,7 @@ class SQLStore(
     JoinStoreMixin,
     LoopStoreMixin,
     AdmissionStoreMixin,
+    InboxStoreMixin,
     Store,
 ):
     """The store on a SQLAlchemy URL (``sqlite:///path`` or ``postgresql+psycopg://…``)."""
@@ -737,76 +739,3 @@ class SQLStore(
         with self._read() as conn:
             value = conn.execute(query).scalar_one_or_none()
         return None if value is None else float(value)
-
-    # -- events sent to runs ---------------------------------------------------------------
-
-    def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
-        try:
-            with self._write() as conn:
-                if message.id is None:
-                    message_id = conn.execute(
-                        insert(inbox)
-                        .values(
-                            run_id=message.run_id,
-                            event=message.event,
-                            payload=message.payload,
-                            dedupe_key=message.dedupe_key,
-                            sent_at=message.sent_at,
-                            sender=message.sender,
-                        )
-                        .returning(inbox.c.id)
-                    ).scalar_one()
-                else:
-                    message_id = message.id
-                if boundary is None:
-                    return "buffered"
-                consumed = conn.execute(
-                    update(inbox)
-                    .where(inbox.c.id == message_id, inbox.c.consumed_seq.is_(None))
-                    .values(consumed_seq=boundary.record.last_seq)
-                ).rowcount
-                if consumed != 1 or not self._apply(conn, [boundary])[0]:
-                    raise _Conflict
-                if reports_end(boundary):
-                    self._report_ends(conn, [boundary])
-        except _Conflict:
-            return "conflict"
-        except IntegrityError:
-            if message.dedupe_key is not None and message.id is None:
-                return "duplicate"
-            raise
-        return "applied"
-
-    def has_message(self, run_id: str, dedupe_key: str) -> bool:
-        with self._read() as conn:
-            found = conn.execute(
-                select(inbox.c.id)
-                .where(inbox.c.run_id == run_id, inbox.c.dedupe_key == dedupe_key)
-                .limit(1)
-            ).first()
-        return found is not None
-
-    def pending_events(self, run_id: str) -> list[InboxEvent]:
-        with self._read() as conn:
-            rows = conn.execute(
-                select(inbox)
-                .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
-                .order_by(inbox.c.id)
-            )
-            return [
-                InboxEvent(
-                    id=row.id,
-                    run_id=row.run_id,
-                    event=row.event,
-                    payload=row.payload,
-                    dedupe_key=row.dedupe_key,
-                    sent_at=row.sent_at,
-                    sender=row.sender,
-                    consumed_seq=row.consumed_seq,
-                )
-                for row in rows
-            ]
-
-
-class _Conflict(Exception):
-    """Raised inside a transaction to roll it back: a fenced write was refused."""

@@ -1,0 +1,106 @@
+"""Events sent to runs: the inbox a waiting run takes its events from.
+
+An event is kept (``buffered``) until its run is in a state that accepts it; delivering one
+marks it consumed by the boundary it leads to, in that boundary's transaction, so an event
+is applied once or not at all (``conflict``: another writer moved the run first). A
+``dedupe_key`` makes a second send of the same event a ``duplicate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+
+from sqlalchemy import Connection, insert, select, update
+from sqlalchemy.exc import IntegrityError
+
+from flowloop.store.base import Boundary, InboxEvent
+from flowloop.store.joins import reports_end
+from flowloop.store.schema import inbox
+
+
+class _Conflict(Exception):
+    """Raised inside a transaction to roll it back: a fenced write was refused."""
+
+
+class InboxStoreMixin:
+    """The inbox's reads and writes for :class:`~flowloop.store.sql.SQLStore`."""
+
+    def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _read(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
+        raise NotImplementedError
+
+    def _apply(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
+        raise NotImplementedError  # provided by AppendStoreMixin
+
+    def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
+        raise NotImplementedError  # provided by JoinStoreMixin
+
+    def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
+        try:
+            with self._write() as conn:
+                if message.id is None:
+                    message_id = conn.execute(
+                        insert(inbox)
+                        .values(
+                            run_id=message.run_id,
+                            event=message.event,
+                            payload=message.payload,
+                            dedupe_key=message.dedupe_key,
+                            sent_at=message.sent_at,
+                            sender=message.sender,
+                        )
+                        .returning(inbox.c.id)
+                    ).scalar_one()
+                else:
+                    message_id = message.id
+                if boundary is None:
+                    return "buffered"
+                consumed = conn.execute(
+                    update(inbox)
+                    .where(inbox.c.id == message_id, inbox.c.consumed_seq.is_(None))
+                    .values(consumed_seq=boundary.record.last_seq)
+                ).rowcount
+                if consumed != 1 or not self._apply(conn, [boundary])[0]:
+                    raise _Conflict
+                if reports_end(boundary):
+                    self._report_ends(conn, [boundary])
+        except _Conflict:
+            return "conflict"
+        except IntegrityError:
+            if message.dedupe_key is not None and message.id is None:
+                return "duplicate"
+            raise
+        return "applied"
+
+    def has_message(self, run_id: str, dedupe_key: str) -> bool:
+        with self._read() as conn:
+            found = conn.execute(
+                select(inbox.c.id)
+                .where(inbox.c.run_id == run_id, inbox.c.dedupe_key == dedupe_key)
+                .limit(1)
+            ).first()
+        return found is not None
+
+    def pending_events(self, run_id: str) -> list[InboxEvent]:
+        with self._read() as conn:
+            rows = conn.execute(
+                select(inbox)
+                .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
+                .order_by(inbox.c.id)
+            )
+            return [
+                InboxEvent(
+                    id=row.id,
+                    run_id=row.run_id,
+                    event=row.event,
+                    payload=row.payload,
+                    dedupe_key=row.dedupe_key,
+                    sent_at=row.sent_at,
+                    sender=row.sender,
+                    consumed_seq=row.consumed_seq,
+                )
+                for row in rows
+            ]
