@@ -1,0 +1,304 @@
+"""The floor of flowloop's own write design: its SQL for a whole run, with no engine around it.
+
+``seq_steps.py`` compares flowloop with a hand-written Core loop whose tables have no
+index but their keys. This script asks what flowloop's *statements* cost by themselves: it
+records, at the driver, every statement one ``engine.run()`` of a ``--steps``-step
+workflow of trivial steps sends to SQLite (creation, the boundaries' fenced appends, the
+end), then replays that sequence on the stdlib sqlite3 driver, run after run, with a new
+run id each time and nothing else around it. Programs, alternated, each on a fresh file
+(WAL, ``synchronous=NORMAL``; the WAL checkpointed on a thread and the automatic
+checkpoint raised to 10,000 pages, as flowloop's store and ``seq_steps.py``'s ``core_apart``
+have it):
+
+* ``flowloop``: ``engine.run()`` per run, ``async def`` steps;
+* ``replay``: flowloop's recorded statements on the stdlib driver;
+* ``replay, runs keys only``: the same on a file whose runs table keeps only its primary
+  key and unique indexes (the listing indexes ``status``, the dashboard, ``prune`` and
+  ``stats`` read dropped): what those indexes cost the writes;
+* ``Core apart``: ``seq_steps.py``'s Core loop (one transaction per boundary) with the same
+  checkpoint thread;
+* ``floor``: ``seq_steps.py``'s stdlib loop (the Core loop's SQL on the stdlib driver).
+
+What the gap between ``flowloop`` and ``replay`` measures is flowloop's Python per step;
+``replay`` against ``Core apart`` says whether the write design alone leaves room for the
+issue-13 target of 1.5x the Core loop.
+
+    python bench/sql_floor.py                 # ~1 min
+    python bench/sql_floor.py --quick         # smoke run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import sqlite3
+import sqlite3.dbapi2
+import sys
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import common
+import seq_steps
+
+from flowloop import Engine
+
+Statement = tuple[str, tuple[Any, ...]]
+COMMIT: Statement = ("COMMIT", ())
+ROLLBACK: Statement = ("ROLLBACK", ())
+
+KEEP_INDEX_PREFIXES = ("sqlite_autoindex_", "ux_")
+"""Indexes ``replay, runs keys only`` keeps on the runs table: the primary key's and the
+unique ones (a business key, an idempotency key), which decide what a write may do."""
+
+
+class _Recording:
+    """Where the recording connections append what they send, while ``on``."""
+
+    on = False
+    statements: list[Statement] = []
+
+
+class _RecordingCursor(sqlite3.Cursor):
+    def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
+        if _Recording.on:
+            _Recording.statements.append((sql, tuple(parameters)))
+        return super().execute(sql, parameters)
+
+
+class _RecordingConnection(sqlite3.Connection):
+    def cursor(self, factory: Any = _RecordingCursor) -> Any:  # type: ignore[override]
+        return super().cursor(factory)
+
+    def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
+        return self.cursor().execute(sql, parameters)
+
+    def commit(self) -> None:
+        if _Recording.on and self.in_transaction:
+            _Recording.statements.append(COMMIT)
+        super().commit()
+
+    def rollback(self) -> None:
+        if _Recording.on and self.in_transaction:
+            _Recording.statements.append(ROLLBACK)
+        super().rollback()
+
+
+@contextlib.contextmanager
+def _recording_connections() -> Iterator[None]:
+    """sqlite3 connections opened meanwhile (SQLAlchemy's, through ``dbapi2.connect``)
+    record their statements while :attr:`_Recording.on`."""
+    original = sqlite3.dbapi2.connect
+    sqlite3.dbapi2.connect = functools.partial(original, factory=_RecordingConnection)
+    try:
+        yield
+    finally:
+        sqlite3.dbapi2.connect = original
+
+
+def record_run(directory: str, steps: int) -> tuple[str, list[Statement]]:
+    """The statements one warm ``engine.run()`` sends, and the run id they carry."""
+    workflow = common.chain("floor_rec", steps, kind="async")
+    with _recording_connections(), common.sqlite_file(directory, "recorded") as path:
+        engine = Engine(f"sqlite:///{path}", workflows=[workflow])
+        try:
+            for _ in range(5):  # statements prepared, the context cache warm
+                engine.run(workflow, common.Ctx())
+            _Recording.statements = []
+            _Recording.on = True
+            try:
+                info = engine.run(workflow, common.Ctx())
+            finally:
+                _Recording.on = False
+        finally:
+            engine.close()
+    if info.status != "succeeded":
+        raise SystemExit(f"the recorded run ended {info.status}, not succeeded")
+    return info.id, list(_Recording.statements)
+
+
+def _fresh_schema(path: str, *, keys_only: bool) -> None:
+    """flowloop's schema in a new file (an engine makes it), without the runs table's
+    listing indexes when ``keys_only``."""
+    Engine(f"sqlite:///{path}", workflows=[common.chain("floor_schema", 1)]).close()
+    if not keys_only:
+        return
+    con = sqlite3.connect(path, isolation_level=None)
+    try:
+        names = [
+            name
+            for (name,) in con.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'flowloop_runs'"
+            )
+        ]
+        for name in names:
+            if not name.startswith(KEEP_INDEX_PREFIXES):
+                con.execute(f'DROP INDEX "{name}"')
+    finally:
+        con.close()
+
+
+def replay_program(
+    backend: seq_steps.Backend,
+    run_id: str,
+    statements: Sequence[Statement],
+    steps: int,
+    warm: int,
+    *,
+    keys_only: bool,
+) -> common.Program:
+    """The recorded statements, replayed ``backend.runs`` times (each with a new run id)
+    on the stdlib driver, WAL checkpoints on a thread as flowloop's store has them."""
+
+    entries = sum(1 for sql, _ in statements if sql.startswith("INSERT INTO flowloop_journal"))
+
+    def run(_round: int) -> Mapping[str, float]:
+        with backend.database() as url:
+            path = url.removeprefix("sqlite:///")
+            _fresh_schema(path, keys_only=keys_only)
+            con = sqlite3.connect(path, isolation_level=None)
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.execute("PRAGMA busy_timeout=30000")
+            con.execute("PRAGMA wal_autocheckpoint=10000")
+            cursor = con.cursor()
+
+            def one() -> None:
+                new_id = uuid.uuid4().hex
+                for sql, params in statements:
+                    if (sql, params) == COMMIT:
+                        con.commit()
+                    elif (sql, params) == ROLLBACK:
+                        raise SystemExit("the recorded run rolled a transaction back")
+                    else:
+                        cursor.execute(sql, [new_id if p == run_id else p for p in params])
+
+            with seq_steps.checkpoints_apart(path, "NORMAL"):
+                for _ in range(warm):
+                    one()
+                gc.collect()
+                with common.Timer() as t:
+                    for _ in range(backend.runs):
+                        one()
+            # A fenced append that found no lease would insert nothing, and cost less: every
+            # replayed run must have written what the recorded one did.
+            (rows,) = con.execute("SELECT count(*) FROM flowloop_journal").fetchone()
+            (done,) = con.execute(
+                "SELECT count(*) FROM flowloop_runs WHERE status = 'succeeded'"
+            ).fetchone()
+            con.close()
+            replayed = warm + backend.runs
+            if rows != replayed * entries or done != replayed:
+                raise SystemExit(
+                    f"replay wrote {rows} entries and finished {done} runs, "
+                    f"not {replayed * entries} and {replayed}"
+                )
+        n = backend.runs * steps
+        return {
+            "steps_per_s": n / t.seconds,
+            "us_per_step": t.seconds / n * 1e6,
+            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            "commits": _transactions(statements) / steps,
+            "statements": _statement_count(statements) / steps,
+        }
+
+    return run
+
+
+def _statement_count(statements: Sequence[Statement]) -> int:
+    """SQL other than BEGIN/COMMIT/ROLLBACK, as seq_steps.py counts statements."""
+    return sum(
+        1
+        for sql, _ in statements
+        if not sql.strip().upper().startswith(("BEGIN", "COMMIT", "ROLLBACK"))
+    )
+
+
+def _transactions(statements: Sequence[Statement]) -> int:
+    """Commits the sequence makes: each BEGIN's transaction, and each statement sent alone
+    (autocommit) outside one."""
+    count, inside = 0, False
+    for sql, _ in statements:
+        word = sql.strip().split(None, 1)[0].upper() if sql.strip() else ""
+        if word == "BEGIN":
+            inside = True
+        elif word in ("COMMIT", "ROLLBACK"):
+            count += word == "COMMIT"
+            inside = False
+        elif not inside:
+            count += 1
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = common.parser(__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=None, help="runs per sample (default 1000)")
+    p.add_argument("--steps", type=int, default=10, help="steps per run (default 10)")
+    p.add_argument("--warm", type=int, default=None, help="warm-up runs per sample")
+    args = p.parse_args(argv)
+    runs = args.runs or (30 if args.quick else 1000)
+    warm = args.warm if args.warm is not None else (5 if args.quick else 50)
+    rounds = common.rounds_for(args)
+    with common.data_dir(args.dir) as directory:
+        info = common.machine(None, directory)
+        common.header(
+            "sql_floor: flowloop's own SQL replayed without flowloop",
+            info,
+            {
+                "workflow": f"{args.steps} trivial async def steps per run, sequential runs",
+                "runs": f"{runs} per sample after {warm} warm-up runs, {rounds} rounds",
+                "database": "SQLite WAL, synchronous=NORMAL, checkpoints on a thread",
+            },
+        )
+        run_id, statements = record_run(directory, args.steps)
+        print(
+            f"recorded: {len(statements)} driver calls per run, "
+            f"{_statement_count(statements)} statements, {_transactions(statements)} commits"
+        )
+        for sql, _ in statements:
+            print(f"  {' '.join(sql.split())[:110]}")
+        backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
+        programs = {
+            "flowloop": seq_steps.flowloop_program(backend, args.steps, warm, "async"),
+            "replay": replay_program(
+                backend, run_id, statements, args.steps, warm, keys_only=False
+            ),
+            "replay, runs keys only": replay_program(
+                backend, run_id, statements, args.steps, warm, keys_only=True
+            ),
+            "Core apart": seq_steps.core_program(backend, args.steps, warm, apart=True),
+            "floor": seq_steps.floor_program(backend, args.steps, warm),
+        }
+        results = common.alternate(list(programs.items()), rounds)
+        rows = [
+            [
+                name,
+                common.fmt_spread(results, name, "steps_per_s", 0),
+                common.fmt_spread(results, name, "us_per_step", 1),
+                common.fmt_spread(results, name, "cpu_us_per_step", 1),
+            ]
+            for name in programs
+        ]
+        common.table(["program", "steps/s", "µs/step", "CPU µs/step"], rows)
+        core = results.median("Core apart", "steps_per_s")
+        ours = results.median("flowloop", "steps_per_s")
+        print()
+        print("Ratios (medians) to the Core loop with the same checkpoint thread:")
+        ratio_rows = [
+            [name, f"{results.median(name, 'steps_per_s') / core:.2f}x"]
+            for name in ("flowloop", "replay", "replay, runs keys only", "floor")
+        ]
+        common.table(["program", "vs Core apart"], ratio_rows)
+        replay_us = results.median("replay", "us_per_step")
+        flowloop_us = results.median("flowloop", "us_per_step")
+        print(
+            f"flowloop's Python per step (flowloop - replay): {flowloop_us - replay_us:.1f} µs; "
+            f"flowloop / replay: {ours / results.median('replay', 'steps_per_s'):.2f}x"
+        )
+        common.write_json(args.json, {"machine": info, "results": results.to_json()})
+        common.footer()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
