@@ -4,6 +4,8 @@ vacuumed (their space reusable: pg_stat shows the vacuum) and a SQLite file shri
 from __future__ import annotations
 
 import json
+import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
 from flowloop.cli import main
+from flowloop.prune import vacuum
 
 RUNS = 300
 
@@ -79,3 +82,68 @@ def test_prune_vacuum_vacuums_postgres_tables(
         poll(vacuumed, timeout=10, every=0.1, what="pg_stat to show the vacuum")
     finally:
         engine.dispose()
+
+
+def test_vacuum_tries_the_truncating_checkpoint_again_while_another_holds_its_lock(
+    tmp_path: Path,
+) -> None:
+    """Another connection's checkpoint holds the checkpoint lock when ``vacuum`` asks for
+    its truncating one (SQLite answers busy at once, no busy handler): it asks again, and
+    the WAL is truncated once the lock is free. A single try leaves it whole."""
+    db = tmp_path / "flowloop.db"
+    url = f"sqlite:///{db}"
+    filled(url)  # (the store that filled it is closed: no checkpointing thread of its own)
+
+    def connect() -> sqlite3.Connection:
+        return sqlite3.connect(db, isolation_level=None, check_same_thread=False, timeout=30)
+
+    reader, holder, watcher = connect(), connect(), connect()
+    # The reader's snapshot predates the VACUUM: a RESTART checkpoint cannot finish (it
+    # waits for that reader, holding the checkpoint lock) until the reader lets go.
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM flowloop_runs").fetchone()
+    holding = threading.Thread(target=_checkpoint_held, args=(holder,), daemon=True)
+    tries: list[str] = []
+
+    def on_statement(sql: str) -> None:
+        if "wal_checkpoint(TRUNCATE)" not in sql:
+            return
+        tries.append(sql)
+        if len(tries) == 1:  # the lock taken by the holder before this try
+            holding.start()
+            poll(
+                lambda: watcher.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 1,
+                timeout=10,
+                every=0.005,
+                what="another connection to hold the checkpoint lock",
+            )
+        elif len(tries) == 2:  # and let go before the next
+            reader.execute("COMMIT")
+            holding.join(timeout=30)
+            assert not holding.is_alive()
+
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    sa.event.listen(
+        engine, "connect", lambda dbapi, _record: dbapi.set_trace_callback(on_statement)
+    )
+    try:
+        vacuum(engine)
+        assert len(tries) == 2
+        # Truncated by the try after the busy one (read while the watcher keeps the file
+        # open: the last connection to close removes it).
+        assert Path(f"{db}-wal").stat().st_size == 0
+    finally:
+        engine.dispose()
+        if reader.in_transaction:  # (a failed try: the holder still waits for the reader)
+            reader.execute("COMMIT")
+        if holding.ident is not None:
+            holding.join(timeout=30)
+        for conn in (reader, holder, watcher):
+            conn.close()
+
+
+def _checkpoint_held(conn: sqlite3.Connection) -> None:
+    """A RESTART checkpoint, tried until it takes the lock (a watcher's PASSIVE one may
+    hold it for a moment); it then returns only once the reader has let go."""
+    while conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()[0] == 1:
+        pass
