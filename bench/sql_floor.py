@@ -15,13 +15,18 @@ have it):
 * ``replay, runs keys only``: the same on a file whose runs table keeps only its primary
   key and unique indexes (the listing indexes ``status``, the dashboard, ``prune`` and
   ``stats`` read dropped): what those indexes cost the writes;
+* ``lean loop``: the least Python a run of this protocol needs around those statements:
+  per step the context parsed from the text the previous boundary wrote, the step called,
+  the context dumped, a timestamp, the recorded append sent with those values;
 * ``Core apart``: ``seq_steps.py``'s Core loop (one transaction per boundary) with the same
   checkpoint thread;
 * ``floor``: ``seq_steps.py``'s stdlib loop (the Core loop's SQL on the stdlib driver).
 
 What the gap between ``flowloop`` and ``replay`` measures is flowloop's Python per step;
 ``replay`` against ``Core apart`` says whether the write design alone leaves room for the
-issue-13 target of 1.5x the Core loop.
+issue-13 target of 1.5x the Core loop, and ``lean loop`` whether Python around it does.
+Every replayed run is checked to have written what the recorded one did (a fenced append
+that found no lease would insert nothing, and cost less).
 
     python bench/sql_floor.py                 # ~1 min
     python bench/sql_floor.py --quick         # smoke run
@@ -32,9 +37,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import re
 import sqlite3
 import sqlite3.dbapi2
 import sys
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -151,8 +158,6 @@ def replay_program(
     """The recorded statements, replayed ``backend.runs`` times (each with a new run id)
     on the stdlib driver, WAL checkpoints on a thread as flowloop's store has them."""
 
-    entries = sum(1 for sql, _ in statements if sql.startswith("INSERT INTO flowloop_journal"))
-
     def run(_round: int) -> Mapping[str, float]:
         with backend.database() as url:
             path = url.removeprefix("sqlite:///")
@@ -180,19 +185,8 @@ def replay_program(
                 with common.Timer() as t:
                     for _ in range(backend.runs):
                         one()
-            # A fenced append that found no lease would insert nothing, and cost less: every
-            # replayed run must have written what the recorded one did.
-            (rows,) = con.execute("SELECT count(*) FROM flowloop_journal").fetchone()
-            (done,) = con.execute(
-                "SELECT count(*) FROM flowloop_runs WHERE status = 'succeeded'"
-            ).fetchone()
+            _check_written(con, statements, warm + backend.runs)
             con.close()
-            replayed = warm + backend.runs
-            if rows != replayed * entries or done != replayed:
-                raise SystemExit(
-                    f"replay wrote {rows} entries and finished {done} runs, "
-                    f"not {replayed * entries} and {replayed}"
-                )
         n = backend.runs * steps
         return {
             "steps_per_s": n / t.seconds,
@@ -203,6 +197,119 @@ def replay_program(
         }
 
     return run
+
+
+_NAMED = re.compile(r"(\?|NULL) AS (\w+)")
+
+
+def _append_slots(sql: str) -> dict[str, int]:
+    """Where each named column's value sits among a fenced append's ``?`` parameters."""
+    named = [name for mark, name in _NAMED.findall(sql) if mark == "?"]
+    return {name: index for index, name in enumerate(named)}
+
+
+def lean_program(
+    backend: seq_steps.Backend,
+    run_id: str,
+    statements: Sequence[Statement],
+    steps: int,
+    warm: int,
+) -> common.Program:
+    """The least Python a run of this protocol needs, around flowloop's own statements:
+    per step, the context parsed from the text the previous boundary wrote (each step its
+    own copy), the step called (plain ``def``: ``ctx.n += 1``), the context dumped to JSON,
+    a timestamp, and the recorded append sent with those values. Creation and end are
+    replayed as recorded. No fold of a record, no events, no hooks: a floor, not an engine."""
+    appends = [
+        index
+        for index, (sql, _) in enumerate(statements)
+        if sql.startswith("INSERT INTO flowloop_journal")
+        and " SELECT " in sql
+        and not _inside_transaction(statements, index)
+    ]
+    if len(appends) != steps - 1:
+        raise SystemExit(f"recorded {len(appends)} lone appends, not {steps - 1}")
+    slots = _append_slots(statements[appends[0]][0])
+
+    def step(ctx: common.Ctx) -> None:
+        ctx.n += 1
+
+    def run(_round: int) -> Mapping[str, float]:
+        with backend.database() as url:
+            path = url.removeprefix("sqlite:///")
+            _fresh_schema(path, keys_only=False)
+            con = sqlite3.connect(path, isolation_level=None)
+            con.execute("PRAGMA synchronous=NORMAL")
+            con.execute("PRAGMA busy_timeout=30000")
+            con.execute("PRAGMA wal_autocheckpoint=10000")
+            cursor = con.cursor()
+            lone = set(appends)
+
+            def one() -> None:
+                new_id = uuid.uuid4().hex
+                text = common.Ctx().model_dump_json()
+                for index, (sql, params) in enumerate(statements):
+                    values = [new_id if p == run_id else p for p in params]
+                    if (sql, params) == COMMIT:
+                        con.commit()
+                        continue
+                    if index in lone:
+                        ctx = common.Ctx.model_validate_json(text)
+                        started = time.perf_counter()
+                        step(ctx)
+                        duration = time.perf_counter() - started
+                        text = ctx.model_dump_json()
+                        now = time.time()
+                        values[slots["at"]] = now
+                        values[slots["context"]] = text
+                        values[slots["duration"]] = duration
+                        values[slots["data"]] = f'{{"~then":[{now!r},1]}}'
+                    cursor.execute(sql, values)
+
+            with seq_steps.checkpoints_apart(path, "NORMAL"):
+                for _ in range(warm):
+                    one()
+                gc.collect()
+                with common.Timer() as t:
+                    for _ in range(backend.runs):
+                        one()
+            _check_written(con, statements, warm + backend.runs)
+            con.close()
+        n = backend.runs * steps
+        return {
+            "steps_per_s": n / t.seconds,
+            "us_per_step": t.seconds / n * 1e6,
+            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+        }
+
+    return run
+
+
+def _check_written(con: sqlite3.Connection, statements: Sequence[Statement], runs: int) -> None:
+    """A fenced append that found no lease would insert nothing, and cost less: every
+    replayed run must have written what the recorded one did."""
+    entries = sum(1 for sql, _ in statements if sql.startswith("INSERT INTO flowloop_journal"))
+    (rows,) = con.execute("SELECT count(*) FROM flowloop_journal").fetchone()
+    (done,) = con.execute(
+        "SELECT count(*) FROM flowloop_runs WHERE status = 'succeeded'"
+    ).fetchone()
+    if rows != runs * entries or done != runs:
+        raise SystemExit(
+            f"the replay wrote {rows} entries and finished {done} runs, "
+            f"not {runs * entries} and {runs}"
+        )
+
+
+def _inside_transaction(statements: Sequence[Statement], index: int) -> bool:
+    """Whether ``statements[index]`` is sent inside a BEGIN ... COMMIT."""
+    inside = False
+    for sql, _ in statements[:index]:
+        word = sql.strip().split(None, 1)[0].upper() if sql.strip() else ""
+        if word == "BEGIN":
+            inside = True
+        elif word in ("COMMIT", "ROLLBACK"):
+            inside = False
+    return inside
 
 
 def _statement_count(statements: Sequence[Statement]) -> int:
@@ -266,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             "replay, runs keys only": replay_program(
                 backend, run_id, statements, args.steps, warm, keys_only=True
             ),
+            "lean loop": lean_program(backend, run_id, statements, args.steps, warm),
             "Core apart": seq_steps.core_program(backend, args.steps, warm, apart=True),
             "floor": seq_steps.floor_program(backend, args.steps, warm),
         }
@@ -286,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         print("Ratios (medians) to the Core loop with the same checkpoint thread:")
         ratio_rows = [
             [name, f"{results.median(name, 'steps_per_s') / core:.2f}x"]
-            for name in ("flowloop", "replay", "replay, runs keys only", "floor")
+            for name in ("flowloop", "lean loop", "replay", "replay, runs keys only", "floor")
         ]
         common.table(["program", "vs Core apart"], ratio_rows)
         replay_us = results.median("replay", "us_per_step")
