@@ -280,7 +280,8 @@ class Ctx(BaseModel):
 def chain(name: str, steps: int = 10, *, kind: str = "async", sleep: float = 0.0) -> Any:
     """A workflow of ``steps`` trivial states s0 -> s1 -> ... -> done.
 
-    ``kind``: "async" (``async def`` steps) or "sync" (plain ``def``, run in a thread).
+    ``kind``: "async" (``async def`` steps) or "sync" (plain ``def``: ``engine.run`` calls one
+    without a timeout in the calling thread, a worker hands it to a thread pool).
     ``sleep``: async steps await ``asyncio.sleep(sleep)`` (I/O-bound work).
     """
     import asyncio

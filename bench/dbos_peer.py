@@ -11,7 +11,7 @@ Workload: a workflow of 10 trivial steps, each adding one to a counter in a smal
 ({"n", "label"}), run to completion one run at a time:
 
 * flowloop: ``engine.run(workflow, ctx)``; async: ``async def`` steps; sync: plain ``def``
-  steps (run in flowloop's thread pool)
+  steps (without a timeout, ``engine.run`` calls them in the calling thread)
 * DBOS: a ``@DBOS.workflow`` calling a ``@DBOS.step`` 10 times, called directly; async:
   ``async def`` workflow and step awaited in ``asyncio.run``; sync: plain ``def``
 

@@ -7,8 +7,9 @@ Programs, alternated per round, each on a fresh database (SQLite file / PostgreS
 * ``core_apart``  (SQLite) the Core loop with its WAL checkpoints on a thread, as flowloop's
   store does them: the same remedy given to the baseline, so its share reads apart
 * ``async``  flowloop: ``engine.run(workflow, ctx)`` per run, 10 ``async def`` steps
-* ``sync``   the same with plain ``def`` steps (``engine.run`` calls them in its own thread;
-  a worker and ``run_until_idle`` hand them to a thread pool: the hop timed below)
+* ``sync``   the same with plain ``def`` steps (``engine.run`` calls one without a timeout
+  in the calling thread; a worker and ``run_until_idle`` hand it to a thread pool: the
+  hop timed below)
 
 A run is its creation plus one boundary per step: 11 commits per 10 steps for the
 baselines (the floor flowloop's protocol also has: one commit per boundary). steps/s =

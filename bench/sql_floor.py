@@ -4,20 +4,23 @@
 index but their keys. This script asks what flowloop's *statements* cost by themselves: it
 records, at the driver, every statement one ``engine.run()`` of a ``--steps``-step
 workflow of trivial steps sends to SQLite (creation, the boundaries' fenced appends, the
-end), then replays that sequence on the stdlib sqlite3 driver, run after run, with a new
-run id each time and nothing else around it. Programs, alternated, each on a fresh file
-(WAL, ``synchronous=NORMAL``; the WAL checkpointed on a thread and the automatic
-checkpoint raised to 10,000 pages, as flowloop's store and ``seq_steps.py``'s ``core_apart``
-have it):
+end; checked to be one run's writes and nothing else), then replays that sequence on the
+stdlib sqlite3 driver, run after run, with a new run id each time (made as flowloop makes
+them: time-ordered) and nothing else around it. Programs, alternated, each on a fresh
+file (WAL, ``synchronous=NORMAL``; the WAL checkpointed on a thread and the automatic
+checkpoint raised to 10,000 pages, as flowloop's store and ``seq_steps.py``'s
+``core_apart`` have it):
 
 * ``flowloop``: ``engine.run()`` per run, ``async def`` steps;
 * ``replay``: flowloop's recorded statements on the stdlib driver;
 * ``replay, runs keys only``: the same on a file whose runs table keeps only its primary
-  key and unique indexes (the listing indexes ``status``, the dashboard, ``prune`` and
-  ``stats`` read dropped): what those indexes cost the writes;
+  key and unique indexes; dropped are its secondary indexes (those the claims, a
+  worker's owned runs, children, joins and limits read, and the listings of ``status``,
+  the dashboard, ``prune`` and ``stats``): what they cost the writes;
 * ``lean loop``: the least Python a run of this protocol needs around those statements:
-  per step the context parsed from the text the previous boundary wrote, the step called,
-  the context dumped, a timestamp, the recorded append sent with those values;
+  at each step's fenced append the context parsed from the text the previous boundary
+  wrote, the step called, the context dumped, a timestamp, the append sent with those
+  values;
 * ``Core apart``: ``seq_steps.py``'s Core loop (one transaction per boundary) with the same
   checkpoint thread;
 * ``floor``: ``seq_steps.py``'s stdlib loop (the Core loop's SQL on the stdlib driver).
@@ -28,7 +31,7 @@ issue-13 target of 1.5x the Core loop, and ``lean loop`` whether Python around i
 Every replayed run is checked to have written what the recorded one did (a fenced append
 that found no lease would insert nothing, and cost less).
 
-    python bench/sql_floor.py                 # ~1 min
+    python bench/sql_floor.py                 # ~2-3 min
     python bench/sql_floor.py --quick         # smoke run
 """
 
@@ -42,14 +45,13 @@ import sqlite3
 import sqlite3.dbapi2
 import sys
 import time
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import common
 import seq_steps
 
-from flowloop import Engine
+from flowloop import Engine, runids
 
 Statement = tuple[str, tuple[Any, ...]]
 COMMIT: Statement = ("COMMIT", ())
@@ -70,8 +72,20 @@ class _Recording:
 class _RecordingCursor(sqlite3.Cursor):
     def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
         if _Recording.on:
+            if isinstance(parameters, Mapping):
+                raise SystemExit("sql_floor records positional parameters only")
             _Recording.statements.append((sql, tuple(parameters)))
         return super().execute(sql, parameters)
+
+    def executemany(self, sql: str, seq_of_parameters: Any, /) -> Any:  # type: ignore[override]
+        if _Recording.on:  # several runs' writes in one call: not one run's statements
+            raise SystemExit("sql_floor cannot record executemany (a batch of runs)")
+        return super().executemany(sql, seq_of_parameters)
+
+    def executescript(self, sql_script: str, /) -> Any:  # type: ignore[override]
+        if _Recording.on:
+            raise SystemExit("sql_floor cannot record executescript")
+        return super().executescript(sql_script)
 
 
 class _RecordingConnection(sqlite3.Connection):
@@ -122,12 +136,43 @@ def record_run(directory: str, steps: int) -> tuple[str, list[Statement]]:
             engine.close()
     if info.status != "succeeded":
         raise SystemExit(f"the recorded run ended {info.status}, not succeeded")
-    return info.id, list(_Recording.statements)
+    statements = list(_Recording.statements)
+    _check_shape(statements, info.id, steps)
+    return info.id, statements
+
+
+def _is_append(sql: str) -> bool:
+    """A fenced append: a journal row inserted only if the writer holds the lease."""
+    return sql.startswith("INSERT INTO flowloop_journal") and " SELECT " in sql
+
+
+def _check_shape(statements: Sequence[Statement], run_id: str, steps: int) -> None:
+    """The recording is one run's writes and nothing else (a heartbeat's lease renewal or
+    another run's write would be replayed with every run): only inserts and updates of
+    flowloop's runs and journal tables, inside BEGIN ... COMMIT or alone, one fenced append
+    per step, and the run id nowhere but as a whole parameter."""
+    words = [sql.split(None, 1)[0].upper() for sql, _ in statements]
+    if words[0] != "BEGIN" or words[-1] != "COMMIT" or "ROLLBACK" in words:
+        raise SystemExit(f"recorded an unexpected sequence: {words}")
+    for sql, params in statements:
+        if sql.split(None, 1)[0].upper() in ("BEGIN", "COMMIT"):
+            continue
+        if not sql.startswith(("INSERT INTO flowloop_", "UPDATE flowloop_")):
+            raise SystemExit(f"recorded a statement of another kind: {sql[:80]}")
+        if not any(p == run_id for p in params) or any(
+            isinstance(p, str) and run_id in p and p != run_id for p in params
+        ):
+            raise SystemExit(
+                f"recorded a statement of another run, or the id inside a value: {sql[:80]}"
+            )
+    appends = sum(1 for sql, _ in statements if _is_append(sql))
+    if appends != steps:
+        raise SystemExit(f"recorded {appends} fenced appends for {steps} steps")
 
 
 def _fresh_schema(path: str, *, keys_only: bool) -> None:
     """flowloop's schema in a new file (an engine makes it), without the runs table's
-    listing indexes when ``keys_only``."""
+    secondary indexes when ``keys_only`` (see :data:`KEEP_INDEX_PREFIXES`)."""
     Engine(f"sqlite:///{path}", workflows=[common.chain("floor_schema", 1)]).close()
     if not keys_only:
         return
@@ -146,6 +191,55 @@ def _fresh_schema(path: str, *, keys_only: bool) -> None:
         con.close()
 
 
+def _id_positions(statements: Sequence[Statement], run_id: str) -> list[list[int]]:
+    """For each statement, where the run id sits among its parameters."""
+    return [[i for i, p in enumerate(params) if p == run_id] for _, params in statements]
+
+
+def _with_id(params: tuple[Any, ...], positions: list[int], run_id: str) -> list[Any]:
+    values = list(params)
+    for i in positions:
+        values[i] = run_id
+    return values
+
+
+def _timed(
+    backend: seq_steps.Backend,
+    statements: Sequence[Statement],
+    warm: int,
+    steps: int,
+    *,
+    keys_only: bool,
+    make_one: Callable[[sqlite3.Connection], Callable[[], None]],
+) -> dict[str, float]:
+    """``warm`` then ``backend.runs`` runs of ``make_one(connection)()`` on a fresh file with
+    flowloop's schema, on the stdlib driver, WAL checkpoints on a thread as flowloop's
+    store has them; each run checked to have written what the recorded one did."""
+    with backend.database() as url:
+        path = url.removeprefix("sqlite:///")
+        _fresh_schema(path, keys_only=keys_only)
+        con = sqlite3.connect(path, isolation_level=None)
+        con.execute("PRAGMA synchronous=NORMAL")
+        con.execute("PRAGMA busy_timeout=30000")
+        con.execute("PRAGMA wal_autocheckpoint=10000")
+        one = make_one(con)
+        with seq_steps.checkpoints_apart(path, "NORMAL"):
+            for _ in range(warm):
+                one()
+            gc.collect()
+            with common.Timer() as t:
+                for _ in range(backend.runs):
+                    one()
+        _check_written(con, statements, warm + backend.runs)
+        con.close()
+    n = backend.runs * steps
+    return {
+        "steps_per_s": n / t.seconds,
+        "us_per_step": t.seconds / n * 1e6,
+        "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+    }
+
+
 def replay_program(
     backend: seq_steps.Backend,
     run_id: str,
@@ -155,57 +249,41 @@ def replay_program(
     *,
     keys_only: bool,
 ) -> common.Program:
-    """The recorded statements, replayed ``backend.runs`` times (each with a new run id)
-    on the stdlib driver, WAL checkpoints on a thread as flowloop's store has them."""
+    """The recorded statements, replayed ``backend.runs`` times, each run with a new id
+    made as flowloop makes them (time-ordered: where a run's rows land in the indexes)."""
+    positions = _id_positions(statements, run_id)
+
+    def make_one(con: sqlite3.Connection) -> Callable[[], None]:
+        cursor = con.cursor()
+
+        def one() -> None:
+            new_id = runids.new_run_id()
+            for (sql, params), where in zip(statements, positions, strict=True):
+                if sql == "COMMIT":
+                    con.commit()
+                else:
+                    cursor.execute(sql, _with_id(params, where, new_id))
+
+        return one
 
     def run(_round: int) -> Mapping[str, float]:
-        with backend.database() as url:
-            path = url.removeprefix("sqlite:///")
-            _fresh_schema(path, keys_only=keys_only)
-            con = sqlite3.connect(path, isolation_level=None)
-            con.execute("PRAGMA synchronous=NORMAL")
-            con.execute("PRAGMA busy_timeout=30000")
-            con.execute("PRAGMA wal_autocheckpoint=10000")
-            cursor = con.cursor()
-
-            def one() -> None:
-                new_id = uuid.uuid4().hex
-                for sql, params in statements:
-                    if (sql, params) == COMMIT:
-                        con.commit()
-                    elif (sql, params) == ROLLBACK:
-                        raise SystemExit("the recorded run rolled a transaction back")
-                    else:
-                        cursor.execute(sql, [new_id if p == run_id else p for p in params])
-
-            with seq_steps.checkpoints_apart(path, "NORMAL"):
-                for _ in range(warm):
-                    one()
-                gc.collect()
-                with common.Timer() as t:
-                    for _ in range(backend.runs):
-                        one()
-            _check_written(con, statements, warm + backend.runs)
-            con.close()
-        n = backend.runs * steps
-        return {
-            "steps_per_s": n / t.seconds,
-            "us_per_step": t.seconds / n * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
-            "commits": _transactions(statements) / steps,
-            "statements": _statement_count(statements) / steps,
-        }
+        figures = _timed(backend, statements, warm, steps, keys_only=keys_only, make_one=make_one)
+        figures["commits"] = _transactions(statements) / steps
+        figures["statements"] = _statement_count(statements) / steps
+        return figures
 
     return run
 
 
-_NAMED = re.compile(r"(\?|NULL) AS (\w+)")
-
-
 def _append_slots(sql: str) -> dict[str, int]:
-    """Where each named column's value sits among a fenced append's ``?`` parameters."""
-    named = [name for mark, name in _NAMED.findall(sql) if mark == "?"]
-    return {name: index for index, name in enumerate(named)}
+    """Where each column's value sits among a fenced append's parameters: the position of
+    each ``?`` that an `` AS name`` follows (the values it selects)."""
+    slots: dict[str, int] = {}
+    for position, after in enumerate(sql.split("?")[1:]):
+        named = re.match(r"\s+AS\s+(\w+)", after)
+        if named is not None:
+            slots[named.group(1)] = position
+    return slots
 
 
 def lean_program(
@@ -216,71 +294,46 @@ def lean_program(
     warm: int,
 ) -> common.Program:
     """The least Python a run of this protocol needs, around flowloop's own statements:
-    per step, the context parsed from the text the previous boundary wrote (each step its
-    own copy), the step called (plain ``def``: ``ctx.n += 1``), the context dumped to JSON,
-    a timestamp, and the recorded append sent with those values. Creation and end are
-    replayed as recorded. No fold of a record, no events, no hooks: a floor, not an engine."""
-    appends = [
-        index
-        for index, (sql, _) in enumerate(statements)
-        if sql.startswith("INSERT INTO flowloop_journal")
-        and " SELECT " in sql
-        and not _inside_transaction(statements, index)
-    ]
-    if len(appends) != steps - 1:
-        raise SystemExit(f"recorded {len(appends)} lone appends, not {steps - 1}")
-    slots = _append_slots(statements[appends[0]][0])
+    at each fenced append (a step's outcome; the last one inside the end's transaction),
+    the context parsed from the text the previous boundary wrote (each step its own copy),
+    the step called (plain ``def``: ``ctx.n += 1``), the context dumped to JSON, a
+    timestamp, and the append sent with those values. The rest is replayed as recorded.
+    No fold of a record, no events, no hooks: a floor, not an engine."""
+    positions = _id_positions(statements, run_id)
+    slots = [_append_slots(sql) if _is_append(sql) else None for sql, _ in statements]
 
     def step(ctx: common.Ctx) -> None:
         ctx.n += 1
 
+    def make_one(con: sqlite3.Connection) -> Callable[[], None]:
+        cursor = con.cursor()
+
+        def one() -> None:
+            new_id = runids.new_run_id()
+            text = common.Ctx().model_dump_json()
+            for (sql, params), where, slot in zip(statements, positions, slots, strict=True):
+                if sql == "COMMIT":
+                    con.commit()
+                    continue
+                values = _with_id(params, where, new_id)
+                if slot is not None:
+                    ctx = common.Ctx.model_validate_json(text)
+                    started = time.perf_counter()
+                    step(ctx)
+                    duration = time.perf_counter() - started
+                    text = ctx.model_dump_json()
+                    now = time.time()
+                    values[slot["at"]] = now
+                    values[slot["context"]] = text
+                    values[slot["duration"]] = duration
+                    if str(params[slot["data"]]).startswith('{"~then"'):  # a joined start
+                        values[slot["data"]] = f'{{"~then":[{now!r},1]}}'
+                cursor.execute(sql, values)
+
+        return one
+
     def run(_round: int) -> Mapping[str, float]:
-        with backend.database() as url:
-            path = url.removeprefix("sqlite:///")
-            _fresh_schema(path, keys_only=False)
-            con = sqlite3.connect(path, isolation_level=None)
-            con.execute("PRAGMA synchronous=NORMAL")
-            con.execute("PRAGMA busy_timeout=30000")
-            con.execute("PRAGMA wal_autocheckpoint=10000")
-            cursor = con.cursor()
-            lone = set(appends)
-
-            def one() -> None:
-                new_id = uuid.uuid4().hex
-                text = common.Ctx().model_dump_json()
-                for index, (sql, params) in enumerate(statements):
-                    values = [new_id if p == run_id else p for p in params]
-                    if (sql, params) == COMMIT:
-                        con.commit()
-                        continue
-                    if index in lone:
-                        ctx = common.Ctx.model_validate_json(text)
-                        started = time.perf_counter()
-                        step(ctx)
-                        duration = time.perf_counter() - started
-                        text = ctx.model_dump_json()
-                        now = time.time()
-                        values[slots["at"]] = now
-                        values[slots["context"]] = text
-                        values[slots["duration"]] = duration
-                        values[slots["data"]] = f'{{"~then":[{now!r},1]}}'
-                    cursor.execute(sql, values)
-
-            with seq_steps.checkpoints_apart(path, "NORMAL"):
-                for _ in range(warm):
-                    one()
-                gc.collect()
-                with common.Timer() as t:
-                    for _ in range(backend.runs):
-                        one()
-            _check_written(con, statements, warm + backend.runs)
-            con.close()
-        n = backend.runs * steps
-        return {
-            "steps_per_s": n / t.seconds,
-            "us_per_step": t.seconds / n * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
-        }
+        return _timed(backend, statements, warm, steps, keys_only=False, make_one=make_one)
 
     return run
 
@@ -300,20 +353,9 @@ def _check_written(con: sqlite3.Connection, statements: Sequence[Statement], run
         )
 
 
-def _inside_transaction(statements: Sequence[Statement], index: int) -> bool:
-    """Whether ``statements[index]`` is sent inside a BEGIN ... COMMIT."""
-    inside = False
-    for sql, _ in statements[:index]:
-        word = sql.strip().split(None, 1)[0].upper() if sql.strip() else ""
-        if word == "BEGIN":
-            inside = True
-        elif word in ("COMMIT", "ROLLBACK"):
-            inside = False
-    return inside
-
-
 def _statement_count(statements: Sequence[Statement]) -> int:
-    """SQL other than BEGIN/COMMIT/ROLLBACK, as seq_steps.py counts statements."""
+    """Statements other than BEGIN/COMMIT/ROLLBACK (the recording holds only inserts and
+    updates besides those: :func:`_check_shape`)."""
     return sum(
         1
         for sql, _ in statements
