@@ -44,6 +44,7 @@ import re
 import sqlite3
 import sqlite3.dbapi2
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -63,28 +64,44 @@ unique ones (a business key, an idempotency key), which decide what a write may 
 
 
 class _Recording:
-    """Where the recording connections append what they send, while ``on``."""
+    """What the recording connections sent while ``on``: the statements of the recording
+    thread, and what could not be recorded as one run's statements (another thread's — a
+    lease renewal —, a batch, a script, named parameters), raised once the run is over (an
+    exception in another thread would be lost)."""
 
     on = False
+    thread = 0
     statements: list[Statement] = []
+    refused: list[str] = []
+
+
+def _note(sql: str, parameters: Any) -> None:
+    if not _Recording.on:
+        return
+    if threading.get_ident() != _Recording.thread:
+        _Recording.refused.append(f"a statement of another thread: {sql[:80]}")
+    elif isinstance(parameters, Mapping):
+        _Recording.refused.append(f"named parameters: {sql[:80]}")
+    else:
+        _Recording.statements.append((sql, tuple(parameters)))
+
+
+def _refuse(what: str) -> None:
+    if _Recording.on:
+        _Recording.refused.append(what)
 
 
 class _RecordingCursor(sqlite3.Cursor):
     def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
-        if _Recording.on:
-            if isinstance(parameters, Mapping):
-                raise SystemExit("sql_floor records positional parameters only")
-            _Recording.statements.append((sql, tuple(parameters)))
+        _note(sql, parameters)
         return super().execute(sql, parameters)
 
     def executemany(self, sql: str, seq_of_parameters: Any, /) -> Any:  # type: ignore[override]
-        if _Recording.on:  # several runs' writes in one call: not one run's statements
-            raise SystemExit("sql_floor cannot record executemany (a batch of runs)")
+        _refuse(f"executemany (a batch of runs): {sql[:80]}")
         return super().executemany(sql, seq_of_parameters)
 
     def executescript(self, sql_script: str, /) -> Any:  # type: ignore[override]
-        if _Recording.on:
-            raise SystemExit("sql_floor cannot record executescript")
+        _refuse("executescript")
         return super().executescript(sql_script)
 
 
@@ -95,14 +112,20 @@ class _RecordingConnection(sqlite3.Connection):
     def execute(self, sql: str, parameters: Any = (), /) -> Any:  # type: ignore[override]
         return self.cursor().execute(sql, parameters)
 
+    def executemany(self, sql: str, parameters: Any, /) -> Any:  # type: ignore[override]
+        return self.cursor().executemany(sql, parameters)
+
+    def executescript(self, sql_script: str, /) -> Any:  # type: ignore[override]
+        return self.cursor().executescript(sql_script)
+
     def commit(self) -> None:
-        if _Recording.on and self.in_transaction:
-            _Recording.statements.append(COMMIT)
+        if self.in_transaction:
+            _note(*COMMIT)
         super().commit()
 
     def rollback(self) -> None:
-        if _Recording.on and self.in_transaction:
-            _Recording.statements.append(ROLLBACK)
+        if self.in_transaction:
+            _note(*ROLLBACK)
         super().rollback()
 
 
@@ -126,7 +149,8 @@ def record_run(directory: str, steps: int) -> tuple[str, list[Statement]]:
         try:
             for _ in range(5):  # statements prepared, the context cache warm
                 engine.run(workflow, common.Ctx())
-            _Recording.statements = []
+            _Recording.statements, _Recording.refused = [], []
+            _Recording.thread = threading.get_ident()
             _Recording.on = True
             try:
                 info = engine.run(workflow, common.Ctx())
@@ -136,6 +160,8 @@ def record_run(directory: str, steps: int) -> tuple[str, list[Statement]]:
             engine.close()
     if info.status != "succeeded":
         raise SystemExit(f"the recorded run ended {info.status}, not succeeded")
+    if _Recording.refused:
+        raise SystemExit(f"sql_floor cannot replay the recorded run: {_Recording.refused[0]}")
     statements = list(_Recording.statements)
     _check_shape(statements, info.id, steps)
     return info.id, statements
@@ -146,28 +172,43 @@ def _is_append(sql: str) -> bool:
     return sql.startswith("INSERT INTO flowloop_journal") and " SELECT " in sql
 
 
+def _kind(sql: str) -> str:
+    """One letter per statement, for :func:`_check_shape`."""
+    if sql in ("COMMIT", "ROLLBACK"):
+        return sql[0]
+    if sql.startswith("BEGIN"):
+        return "B"
+    if sql.startswith("INSERT INTO flowloop_runs"):
+        return "R"
+    if _is_append(sql):
+        return "A"
+    if sql.startswith("INSERT INTO flowloop_journal"):
+        return "J"
+    if sql.startswith("UPDATE flowloop_runs") and "RETURNING" not in sql:
+        return "U"
+    return "?"
+
+
 def _check_shape(statements: Sequence[Statement], run_id: str, steps: int) -> None:
-    """The recording is one run's writes and nothing else (a heartbeat's lease renewal or
-    another run's write would be replayed with every run): only inserts and updates of
-    flowloop's runs and journal tables, inside BEGIN ... COMMIT or alone, one fenced append
-    per step, and the run id nowhere but as a whole parameter."""
-    words = [sql.split(None, 1)[0].upper() for sql, _ in statements]
-    if words[0] != "BEGIN" or words[-1] != "COMMIT" or "ROLLBACK" in words:
-        raise SystemExit(f"recorded an unexpected sequence: {words}")
+    """The recording is one run's writes and nothing else, as flowloop writes a run that
+    goes straight through: its creation (the run row and its first entries in one
+    transaction), one fenced append alone per step but the last, and the end (the last
+    append and the run row's update in one transaction); every statement's parameters
+    those its ``?`` take, the run id among them and nowhere inside another value."""
+    shape = "".join(_kind(sql) for sql, _ in statements)
+    if re.fullmatch(f"BRJ+C{'A' * (steps - 1)}BAUC", shape) is None:
+        raise SystemExit(f"recorded an unexpected sequence of statements: {shape}")
     for sql, params in statements:
-        if sql.split(None, 1)[0].upper() in ("BEGIN", "COMMIT"):
+        if _kind(sql) in "BC":
             continue
-        if not sql.startswith(("INSERT INTO flowloop_", "UPDATE flowloop_")):
-            raise SystemExit(f"recorded a statement of another kind: {sql[:80]}")
+        if sql.count("?") != len(params):
+            raise SystemExit(f"recorded {len(params)} parameters for: {sql[:80]}")
         if not any(p == run_id for p in params) or any(
             isinstance(p, str) and run_id in p and p != run_id for p in params
         ):
             raise SystemExit(
                 f"recorded a statement of another run, or the id inside a value: {sql[:80]}"
             )
-    appends = sum(1 for sql, _ in statements if _is_append(sql))
-    if appends != steps:
-        raise SystemExit(f"recorded {appends} fenced appends for {steps} steps")
 
 
 def _fresh_schema(path: str, *, keys_only: bool) -> None:

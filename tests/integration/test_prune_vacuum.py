@@ -91,8 +91,9 @@ def test_vacuum_tries_the_truncating_checkpoint_again_while_another_holds_its_lo
     """Another connection's checkpoint holds the checkpoint lock when ``vacuum`` asks for
     its truncating one (SQLite answers busy at once, no busy handler): it asks again, and
     the WAL is truncated once the lock is free. A single try leaves it whole."""
-    # Events decide when the lock is let go, not vacuum's 2 s of retries.
-    monkeypatch.setattr(flowloop.prune, "TRUNCATE_RETRY_S", 600.0)
+    # Events decide when the lock is let go, not vacuum's 2 s of retries (60 s: well past
+    # the waits below, short enough that a failed hand-over does not stall the suite).
+    monkeypatch.setattr(flowloop.prune, "TRUNCATE_RETRY_S", 60.0)
     db = tmp_path / "flowloop.db"
     url = f"sqlite:///{db}"
     filled(url)  # (the store that filled it is closed: no checkpointing thread of its own)
