@@ -21,6 +21,7 @@ from flowloop import journal as j
 from flowloop.backpressure import DROPPED_REASON, usage_by_workflow
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
 from flowloop.store.entries import row_context
+from flowloop.store.inbox import kept_row
 from flowloop.store.schema import inbox, journal, runs
 
 ATTEMPTS: Final = 5
@@ -171,16 +172,7 @@ class AdmissionStoreMixin:
                         return "full"
                     if not self._drop_oldest_kept(conn, message.run_id, limit, now, worker):
                         return "busy"
-                conn.execute(
-                    insert(inbox).values(
-                        run_id=message.run_id,
-                        event=message.event,
-                        payload=message.payload,
-                        dedupe_key=message.dedupe_key,
-                        sent_at=message.sent_at,
-                        sender=message.sender,
-                    )
-                )
+                conn.execute(insert(inbox).values(kept_row(message)))
         except IntegrityError:
             if message.dedupe_key is not None:
                 return "duplicate"

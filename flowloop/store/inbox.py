@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -21,6 +22,19 @@ from flowloop.store.schema import inbox
 
 class _Conflict(Exception):
     """Raised inside a transaction to roll it back: a fenced write was refused."""
+
+
+def kept_row(message: InboxEvent) -> dict[str, Any]:
+    """The inbox row that keeps ``message`` until its run takes it (its id is the
+    database's, its ``consumed_seq`` empty)."""
+    return {
+        "run_id": message.run_id,
+        "event": message.event,
+        "payload": message.payload,
+        "dedupe_key": message.dedupe_key,
+        "sent_at": message.sent_at,
+        "sender": message.sender,
+    }
 
 
 class InboxStoreMixin:
@@ -43,16 +57,7 @@ class InboxStoreMixin:
             with self._write() as conn:
                 if message.id is None:
                     message_id = conn.execute(
-                        insert(inbox)
-                        .values(
-                            run_id=message.run_id,
-                            event=message.event,
-                            payload=message.payload,
-                            dedupe_key=message.dedupe_key,
-                            sent_at=message.sent_at,
-                            sender=message.sender,
-                        )
-                        .returning(inbox.c.id)
+                        insert(inbox).values(kept_row(message)).returning(inbox.c.id)
                     ).scalar_one()
                 else:
                     message_id = message.id
