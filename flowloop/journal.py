@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from typing import Any, Final
 
 from flowloop import frozen, lifecycle
@@ -377,6 +377,102 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     new.__dict__.update(record.__dict__)
     new.__dict__.update(change)
     return new
+
+
+_EVENT_DEFAULTS: Final = {
+    name: spec.default
+    for name, spec in JournalEvent.__dataclass_fields__.items()
+    if spec.default is not MISSING
+}
+"""A new event's fields before its own are set (``data`` has a factory: always given)."""
+
+
+def _made(fields: Mapping[str, Any]) -> JournalEvent:
+    """A :class:`JournalEvent` from fields this module names itself (every required one and
+    ``data``), its dict filled at once: :func:`new_event` without the checks a caller's
+    typo needs."""
+    event = object.__new__(JournalEvent)
+    made = vars(event)
+    made.update(_EVENT_DEFAULTS)
+    made.update(fields)
+    return event
+
+
+_NOT_STRAIGHT_ON: Final = frozenset({"final", "compensate", "due", UNREADABLE})
+"""Keys of a success's data that make it another boundary than :func:`went_on`'s."""
+
+
+def went_on(
+    record: RunRecord,
+    *,
+    at: float,
+    worker: str,
+    event: str,
+    next_state: str,
+    context: str,
+    duration: float,
+    data: Mapping[str, Any],
+    started: Mapping[str, Any],
+) -> tuple[JournalEvent, JournalEvent, RunRecord]:
+    """The usual boundary of a run going on: its running step's success into a step due at
+    once, and that step's start, both ``at``. Returns the two events and the record after
+    them: what :func:`apply` gives for the one and then the other (the tests hold it to
+    that), built in one copy of the record instead of two. ``data`` is the success's (no
+    ``final``, ``compensate`` or ``due``: an end, a compensation or a durable sleep is not
+    this boundary), ``started`` the start's."""
+    if record.status != "running" or not data.keys().isdisjoint(_NOT_STRAIGHT_ON):
+        raise ValueError(
+            f"run {record.id}: went_on takes a running step's success into a step due now "
+            f"(status {record.status}, data {sorted(data)})"
+        )
+    seq = record.last_seq + 1
+    run_id = record.id
+    succeeded = _made(
+        {
+            "run_id": run_id,
+            "seq": seq,
+            "kind": STEP_SUCCEEDED,
+            "at": at,
+            "state": record.state,
+            "attempt": record.attempt,
+            "event": event,
+            "next_state": next_state,
+            "context": context,
+            "duration": duration,
+            "worker": worker,
+            "data": data,
+        }
+    )
+    start = _made(
+        {
+            "run_id": run_id,
+            "seq": seq + 1,
+            "kind": STEP_STARTED,
+            "at": at,
+            "state": next_state,
+            "attempt": 1,
+            "worker": worker,
+            "data": started,
+        }
+    )
+    visits = dict(record.visits)
+    visits[next_state] = visits.get(next_state, 0) + 1
+    after = object.__new__(RunRecord)
+    fields = vars(after)
+    fields.update(vars(record))
+    fields.update(
+        last_seq=seq + 1,
+        status="running",
+        state=next_state,
+        context=context,
+        context_version=int(data.get(CONTEXT_VERSION, record.context_version)),
+        attempt=1,
+        visits=visits,
+        next_run_at=None,
+        reason=None,
+        error=None,
+    )
+    return succeeded, start, after
 
 
 def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:

@@ -206,22 +206,10 @@ class Stepping:
         self.gates.called(spec, None)
         self.stats.steps += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0
-        succeeded = self._event(
-            record,
-            j.STEP_SUCCEEDED,
-            state=record.state,
-            attempt=record.attempt,
-            event=str(event),
-            next_state=next_state,
-            context=context,
-            duration=duration,
-            data=entering(workflow, next_state, self.clock.now(), delay=delay)
-            | (
-                {"note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
-                if step is not None and step.notes
-                else {}
-            ),
-        )
+        now = self.clock.now()
+        data = entering(workflow, next_state, now, delay=delay)
+        if step is not None and step.notes:
+            data["note"] = "; ".join(step.notes)[:MAX_NOTE_CHARS]
         if logged:
             log.info(
                 "run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)",
@@ -240,13 +228,64 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        after = await self._advance(workflow, record, fence, succeeded)
+        if not delay and self._straight_on(workflow, record.id, next_state):
+            after = await self._went_on(
+                record,
+                fence,
+                at=now,
+                event=str(event),
+                next_state=next_state,
+                context=context,
+                duration=duration,
+                data=data,
+            )
+        else:
+            succeeded = self._event(
+                record,
+                j.STEP_SUCCEEDED,
+                state=record.state,
+                attempt=record.attempt,
+                event=str(event),
+                next_state=next_state,
+                context=context,
+                duration=duration,
+                data=data,
+            )
+            after = await self._advance(workflow, record, fence, succeeded)
         if after is None:
             return None
         # The next step's own copy is this parse of the text it starts from (the same
         # text parses to the same model), unless the run moved on through other states.
         same = after.context is context and after.context_version == workflow.context_version
         return after, parsed if same else None
+
+    def _straight_on(self, workflow: Workflow, run_id: str, target: str) -> bool:
+        """Whether a success into ``target`` (due at once) is the usual boundary that
+        :meth:`_went_on` commits: ``target`` a step no gate can hold and no compensation
+        precedes, and nothing asked of the run (a pause, a stop) or of this worker (a
+        drain). What :meth:`_advance` would do with it is then known: start ``target``."""
+        spec = workflow.steps.get(target)
+        return (
+            spec is not None
+            and run_id not in self._controls
+            and not self._draining
+            and not gated(workflow, spec)
+            and not workflow.compensates(target)
+        )
+
+    async def _went_on(
+        self, record: RunRecord, fence: Fence, *, at: float, **success: Any
+    ) -> RunRecord | None:
+        """Commit a success and the next step's start (:meth:`_straight_on` said so) in one
+        boundary, both events and the record after them built at once (flowloop.journal's
+        ``went_on``: what :meth:`_advance` folds from them one by one). The record when it
+        was written, else ``None``."""
+        succeeded, started, after = j.went_on(
+            record, at=at, worker=self.worker_id, started=self.gates.granted(record.id), **success
+        )
+        if not await self._commit(Boundary(events=[succeeded, started], record=after, fence=fence)):
+            return None
+        return after
 
     async def _advance(
         self, workflow: Workflow, record: RunRecord, fence: Fence, transition: JournalEvent

@@ -205,3 +205,96 @@ def test_compare__names_each_difference() -> None:
         "status: journal says 'running', row says 'failed'",
         "context: journal says '{\"n\":0}', row says '{\"n\":9}'",
     ]
+
+
+def _running(*, deadline: float | None = None, version: int = 1) -> RunRecord:
+    """A run in its second step ``b`` (visits: a once, b twice)."""
+    log = Log().started("a").succeeded("a", "b", '{"n":1}').started("b")
+    log.succeeded("b", "b", '{"n":2}').started("b", attempt=2)
+    return dataclasses.replace(log.fold(), deadline=deadline, context_version=version)
+
+
+@pytest.mark.parametrize(
+    ("deadline", "version", "data", "started"),
+    [
+        (None, 1, {}, {}),
+        (T0 + 5, 1, {"note": "half done"}, {}),  # a deadline: due by it while scheduled
+        # a context carried to version 3 by the step (flowloop.upcast) says so
+        (None, 2, {j.CONTEXT_VERSION: 3}, {"rate": {"at": T0, "limits": ["x"]}}),
+        (None, 2, {}, {}),  # an entry without a version keeps the run's
+    ],
+)
+def test_went_on__is_apply_of_the_success_then_the_start(
+    deadline: float | None, version: int, data: dict[str, Any], started: dict[str, Any]
+) -> None:
+    record = _running(deadline=deadline, version=version)
+    at = T0 + 50
+    succeeded, start, after = j.went_on(
+        record,
+        at=at,
+        worker="w1",
+        event="next",
+        next_state="c",
+        context='{"n":3}',
+        duration=0.25,
+        data=data,
+        started=started,
+    )
+    assert succeeded == JournalEvent(
+        run_id="r",
+        seq=record.last_seq + 1,
+        kind=j.STEP_SUCCEEDED,
+        at=at,
+        state="b",
+        attempt=2,
+        event="next",
+        next_state="c",
+        context='{"n":3}',
+        duration=0.25,
+        worker="w1",
+        data=data,
+    )
+    assert start == JournalEvent(
+        run_id="r",
+        seq=record.last_seq + 2,
+        kind=j.STEP_STARTED,
+        at=at,
+        state="c",
+        attempt=1,
+        worker="w1",
+        data=started,
+    )
+    assert after == j.apply(j.apply(record, succeeded), start)
+    assert (after.state, after.status, after.attempt, dict(after.visits)) == (
+        "c",
+        "running",
+        1,
+        {"a": 1, "b": 2, "c": 1},
+    )
+    assert dict(record.visits) == {"a": 1, "b": 2}  # the record it started from is as it was
+
+
+@pytest.mark.parametrize(
+    ("status", "data"),
+    [
+        ("running", {"final": True}),
+        ("running", {"compensate": True}),
+        ("running", {"due": T0 + 60}),  # a durable sleep: handed back, not started
+        ("running", {j.UNREADABLE: True}),
+        ("scheduled", {}),
+    ],
+)
+def test_went_on__refuses_what_is_not_a_step_going_on(status: str, data: dict[str, Any]) -> None:
+    record = dataclasses.replace(_running(), status=status)
+    with pytest.raises(ValueError, match="went_on takes a running step's success"):
+        j.went_on(
+            record,
+            at=T0,
+            worker="w1",
+            event="next",
+            next_state="c",
+            context="{}",
+            duration=0.0,
+            data=data,
+            started={},
+        )
