@@ -244,7 +244,7 @@ class Workflow(compose.Composing):
         self._ensure_open()
         if not NAME_PATTERN.match(state):
             raise DefinitionError(self.name, f"state name {state!r} is not a valid name")
-        if state in self._draft.steps:
+        if state in self.states:  # a step, a wait, a call or map state, a final
             raise DefinitionError(self.name, f"state {state!r} is declared twice")
 
     def tune_step(
@@ -285,7 +285,7 @@ class Workflow(compose.Composing):
         self._ensure_open()
         if not NAME_PATTERN.match(name):
             raise DefinitionError(self.name, f"state name {name!r} is not a valid name")
-        if name in self._draft.steps or name in self._draft.waits:
+        if name in self.states:
             raise DefinitionError(self.name, f"state {name!r} is declared twice")
         self._draft.waits[name] = wait_spec(
             self.name,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, Final
 
 from flowloop import frozen, lifecycle
@@ -380,8 +381,8 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
 
 
 _EVENT_DEFAULTS: Final = {
-    name: spec.default
-    for name, spec in JournalEvent.__dataclass_fields__.items()
+    spec.name: spec.default
+    for spec in dataclass_fields(JournalEvent)
     if spec.default is not MISSING
 }
 """A new event's fields before its own are set (``data`` has a factory: always given)."""

@@ -209,7 +209,7 @@ class Stepping:
         now = self.clock.now()
         data = entering(workflow, next_state, now, delay=delay)
         if step is not None and step.notes:
-            data["note"] = "; ".join(step.notes)[:MAX_NOTE_CHARS]
+            data = {**data, "note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
         if logged:
             log.info(
                 "run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)",
@@ -228,7 +228,7 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        if not delay and self._straight_on(workflow, record.id, next_state):
+        if self._straight_on(workflow, record.id, next_state, delay):
             after = await self._went_on(
                 record,
                 fence,
@@ -259,29 +259,49 @@ class Stepping:
         same = after.context is context and after.context_version == workflow.context_version
         return after, parsed if same else None
 
-    def _straight_on(self, workflow: Workflow, run_id: str, target: str) -> bool:
-        """Whether a success into ``target`` (due at once) is the usual boundary that
-        :meth:`_went_on` commits: ``target`` a step no gate can hold and no compensation
-        precedes, and nothing asked of the run (a pause, a stop) or of this worker (a
-        drain). What :meth:`_advance` would do with it is then known: start ``target``."""
+    def _straight_on(self, workflow: Workflow, run_id: str, target: str, delay: float) -> bool:
+        """Whether a success into ``target`` is the usual boundary :meth:`_went_on` commits:
+        ``target`` a step due at once (no durable sleep) that no gate can hold, and nothing
+        asked of the run (a pause, a stop) or of this worker (a drain). :meth:`_advance`
+        would then start ``target`` in the same commit; every other success goes there."""
         spec = workflow.steps.get(target)
         return (
             spec is not None
+            and not delay
             and run_id not in self._controls
             and not self._draining
             and not gated(workflow, spec)
-            and not workflow.compensates(target)
+            # (A definition gives a state one kind; these hold should one slip through.)
+            and target not in workflow.waits
+            and target not in workflow.composites
         )
 
     async def _went_on(
-        self, record: RunRecord, fence: Fence, *, at: float, **success: Any
+        self,
+        record: RunRecord,
+        fence: Fence,
+        *,
+        at: float,
+        event: str,
+        next_state: str,
+        context: str,
+        duration: float,
+        data: Mapping[str, Any],
     ) -> RunRecord | None:
         """Commit a success and the next step's start (:meth:`_straight_on` said so) in one
         boundary, both events and the record after them built at once (flowloop.journal's
         ``went_on``: what :meth:`_advance` folds from them one by one). The record when it
         was written, else ``None``."""
         succeeded, started, after = j.went_on(
-            record, at=at, worker=self.worker_id, started=self.gates.granted(record.id), **success
+            record,
+            at=at,
+            worker=self.worker_id,
+            event=event,
+            next_state=next_state,
+            context=context,
+            duration=duration,
+            data=data,
+            started=self.gates.granted(record.id),
         )
         if not await self._commit(Boundary(events=[succeeded, started], record=after, fence=fence)):
             return None

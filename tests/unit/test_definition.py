@@ -155,6 +155,21 @@ def test_step__declared_twice_refused() -> None:
         wf.step(name="a", next="done")(fn)
 
 
+def test_step__named_like_a_wait_or_a_call_state_refused() -> None:
+    """One name, one kind of state: a step named like a wait or a call state was taken,
+    and the engine then had to guess which the run was in."""
+    wf = Workflow("w", context=Ctx)
+    wf.wait("approval", on={"approved": "done"})
+    child = Workflow("child", context=Ctx)
+    wf.call("fetch", child=child, context=lambda c: c, on={"succeeded": "done"})
+    for name in ("approval", "fetch"):
+        with pytest.raises(DefinitionError, match=f"state '{name}' is declared twice"):
+            wf.step(name=name, next="done")(fn)
+    wf.step(name="charge", initial=True, next="approval")(fn)
+    with pytest.raises(DefinitionError, match="state 'charge' is declared twice"):
+        wf.wait("charge", on={"approved": "done"})
+
+
 def test_step__function_without_ctx_refused() -> None:
     def nothing() -> None: ...
 

@@ -274,6 +274,32 @@ def test_went_on__is_apply_of_the_success_then_the_start(
     assert dict(record.visits) == {"a": 1, "b": 2}  # the record it started from is as it was
 
 
+def test_went_on__clears_the_error_and_reason_its_start_kept() -> None:
+    """A retried attempt runs with the error of the one before it, and a deferred start
+    with its reason (a step_started leaves both): a success clears them."""
+    log = Log().started("a").failed("a", retry_at=T0 + 10).started("a", attempt=2)
+    log.add(j.RUN_DEFERRED, state="a", data={"due": T0 + 20, "reason": "rate_limited: api"})
+    record = log.started("a", attempt=3).fold()
+    assert (record.status, record.error, record.reason) == (
+        "running",
+        "ValueError: bad",
+        "rate_limited: api",
+    )
+    succeeded, start, after = j.went_on(
+        record,
+        at=T0 + 30,
+        worker="w1",
+        event="next",
+        next_state="b",
+        context="{}",
+        duration=0.0,
+        data={},
+        started={},
+    )
+    assert after == j.apply(j.apply(record, succeeded), start)
+    assert (after.error, after.reason, after.next_run_at) == (None, None, None)
+
+
 @pytest.mark.parametrize(
     ("status", "data"),
     [
