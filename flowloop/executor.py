@@ -415,10 +415,11 @@ class Executor(Stepping, Recovery):
                 log.exception("listener failed")
 
     async def _commit(self, boundary: Boundary) -> bool:
-        if self.leases.fenced(boundary.run_id):
+        run_id = boundary.run_id
+        if self.leases.fenced(run_id):
             # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
             # abandoned, and no boundary of it is written from then on.
-            self.leases.given_up.add(boundary.run_id)
+            self.leases.given_up.add(run_id)
             return False
         before = time.monotonic()
         if len(self._active) <= 1:  # one run in flight: nothing can share its commit
@@ -427,34 +428,34 @@ class Executor(Stepping, Recovery):
         else:
             applied = await self.committer.submit(boundary)
         if applied and boundary.release:
-            self.due_here.note(boundary.run_id, boundary.record.next_run_at)
+            self.due_here.note(run_id, boundary.record.next_run_at)
         if applied:
-            if boundary.run_id in self.tracked:
-                self.committed[boundary.run_id] = (
+            if run_id in self.tracked:
+                self.committed[run_id] = (
                     boundary.record,
                     boundary.events[-1].at if boundary.events else 0.0,
                 )
             if self.store.renews_lease(boundary):
                 # A write of the run row renews the lease; an append leaves it to the
                 # heartbeat (flowloop/store/appends.py), so only the former counts here.
-                self.leases.renewed_by_write(boundary.run_id, before)
+                self.leases.renewed_by_write(run_id, before)
             self._notify(boundary)
-            if not boundary.release and self.leases.fenced(boundary.run_id):
+            if not boundary.release and self.leases.fenced(run_id):
                 # Fenced while the write was in flight: it landed under a lease the database
                 # still held, but nothing may follow it (the next step must not start).
-                self.leases.given_up.add(boundary.run_id)
+                self.leases.given_up.add(run_id)
                 return False
         else:
             self.stats.lost_leases += 1
             why = "write refused (lease lost or run changed by another writer); abandoning it"
             log.warning(
                 "run %s: %s",
-                boundary.run_id,
+                run_id,
                 why,
-                extra={"run": boundary.run_id, "event": "lease_lost"},
+                extra={"run": run_id, "event": "lease_lost"},
             )
-            self.leases.given_up.add(boundary.run_id)
-            self.leases.tell_lost(boundary.run_id, why)
+            self.leases.given_up.add(run_id)
+            self.leases.tell_lost(run_id, why)
         return applied
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:

@@ -303,7 +303,10 @@ class Stepping:
             data=data,
             started=self.gates.granted(record.id),
         )
-        if not await self._commit(Boundary(events=[succeeded, started], record=after, fence=fence)):
+        boundary = frozen.build(  # Boundary(...) without its generated __init__ (per step)
+            Boundary, {"events": [succeeded, started], "record": after, "fence": fence}
+        )
+        if not await self._commit(boundary):
             return None
         return after
 
