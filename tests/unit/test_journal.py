@@ -214,6 +214,26 @@ def _running(*, deadline: float | None = None, version: int = 1) -> RunRecord:
     return dataclasses.replace(log.fold(), deadline=deadline, context_version=version)
 
 
+def _went_on(
+    record: RunRecord,
+    *,
+    data: dict[str, Any] | None = None,
+    started: dict[str, Any] | None = None,
+) -> tuple[JournalEvent, JournalEvent, RunRecord]:
+    """``record``'s step ``b`` succeeded into ``c`` at ``T0 + 50``, and ``c`` started."""
+    return j.went_on(
+        record,
+        at=T0 + 50,
+        worker="w1",
+        event="next",
+        next_state="c",
+        context='{"n":3}',
+        duration=0.25,
+        data={} if data is None else data,
+        started={} if started is None else started,
+    )
+
+
 @pytest.mark.parametrize(
     ("deadline", "version", "data", "started"),
     [
@@ -229,17 +249,7 @@ def test_went_on__is_apply_of_the_success_then_the_start(
 ) -> None:
     record = _running(deadline=deadline, version=version)
     at = T0 + 50
-    succeeded, start, after = j.went_on(
-        record,
-        at=at,
-        worker="w1",
-        event="next",
-        next_state="c",
-        context='{"n":3}',
-        duration=0.25,
-        data=data,
-        started=started,
-    )
+    succeeded, start, after = _went_on(record, data=data, started=started)
     assert succeeded == JournalEvent(
         run_id="r",
         seq=record.last_seq + 1,
@@ -285,17 +295,7 @@ def test_went_on__clears_the_error_and_reason_its_start_kept() -> None:
         "ValueError: bad",
         "rate_limited: api",
     )
-    succeeded, start, after = j.went_on(
-        record,
-        at=T0 + 30,
-        worker="w1",
-        event="next",
-        next_state="b",
-        context="{}",
-        duration=0.0,
-        data={},
-        started={},
-    )
+    succeeded, start, after = _went_on(record)
     assert after == j.apply(j.apply(record, succeeded), start)
     assert (after.error, after.reason, after.next_run_at) == (None, None, None)
 
@@ -313,14 +313,4 @@ def test_went_on__clears_the_error_and_reason_its_start_kept() -> None:
 def test_went_on__refuses_what_is_not_a_step_going_on(status: str, data: dict[str, Any]) -> None:
     record = dataclasses.replace(_running(), status=status)
     with pytest.raises(ValueError, match="went_on takes a running step's success"):
-        j.went_on(
-            record,
-            at=T0,
-            worker="w1",
-            event="next",
-            next_state="c",
-            context="{}",
-            duration=0.0,
-            data=data,
-            started={},
-        )
+        _went_on(record, data=data)
