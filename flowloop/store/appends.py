@@ -180,6 +180,9 @@ class AppendStoreMixin:
     def _driver(self) -> AbstractContextManager[Any]:  # provided by SQLStore
         raise NotImplementedError
 
+    def _executed_pg(self, raw: Any, stmt: Raw, params: Mapping[str, Any]) -> Any:
+        raise NotImplementedError  # provided by SQLStore
+
     def _execute_alone(self, sql: str, args: Any) -> int:  # provided by SQLStore
         raise NotImplementedError
 
@@ -583,9 +586,8 @@ class AppendStoreMixin:
         with self._driver() as raw:
             raw.autocommit = True  # one statement: its own transaction
             try:
-                cursor = raw.cursor()
                 try:
-                    cursor.execute(stmt.sql, stmt.args(params))
+                    cursor = self._executed_pg(raw, stmt, params)
                 except self._dbapi_error as error:
                     if _unique_violation(error):
                         return False  # a concurrent writer took the seq: refused

@@ -11,7 +11,7 @@ Python than SQLite needs to run it).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
@@ -130,6 +130,9 @@ class CreationStoreMixin:
     def _driver(self) -> AbstractContextManager[Any]:  # provided by SQLStore
         raise NotImplementedError
 
+    def _executed_pg(self, raw: Any, stmt: Raw, params: Mapping[str, Any]) -> Any:
+        raise NotImplementedError  # provided by SQLStore
+
     def _ranked(self, conn: Connection, news: Sequence[NewRun]) -> list[NewRun]:
         raise NotImplementedError  # provided by LimitStoreMixin
 
@@ -247,9 +250,8 @@ class CreationStoreMixin:
         with self._driver() as raw:
             raw.autocommit = True  # one statement: its own transaction
             try:
-                cursor = raw.cursor()
                 try:
-                    cursor.execute(stmt.sql, stmt.args(params))
+                    cursor = self._executed_pg(raw, stmt, params)
                 except self._dbapi_error as error:
                     if getattr(error, "sqlstate", None) == "23505":
                         return None  # an id taken: the general path decides

@@ -14,12 +14,17 @@ from __future__ import annotations
 
 import functools
 import operator
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 VARIANTS_KEPT: Final = 32
 """``NULL`` patterns a statement keeps the text of (past this, each is built per call)."""
+
+_NAMED: Final = re.compile(r"%\((\w+)\)s|%%")
+"""A ``%(name)s`` placeholder (the pyformat style of SQLAlchemy's psycopg dialect), or the
+``%%`` that stands for a literal ``%`` in that style."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,28 @@ class Raw:
         if len(self.order) == 1:
             return lambda full: (pick(full),)
         return cast("Callable[[Mapping[str, Any]], tuple[Any, ...]]", pick)
+
+    @functools.cached_property
+    def numbered(self) -> Raw:
+        """This statement with its ``%(name)s`` placeholders numbered as PostgreSQL's own
+        (``$1``, ``$2`` …; a name used twice keeps its number) and its parameters passed in
+        that order, for psycopg's ``RawCursor``. psycopg reads the placeholders of a
+        ``%(name)s`` query at every execute unless the query is short: it caches them for
+        queries of up to 4,096 bytes and 50 parameters, and a step boundary's statement
+        and a run's creation are longer (a fifth of a PostgreSQL step's instructions in the
+        client went to reading them again)."""
+        if self.order is not None:
+            raise ValueError("numbered: the statement's parameters are positional already")
+        numbers: dict[str, int] = {}
+
+        def number(found: re.Match[str]) -> str:
+            name = found.group(1)
+            if name is None:  # %%: a literal % once nothing reads the placeholders
+                return "%"
+            return f"${numbers.setdefault(name, len(numbers) + 1)}"
+
+        sql = _NAMED.sub(number, self.sql)
+        return Raw(sql, tuple(numbers), self.defaults)
 
     @functools.cached_property
     def _pieces(self) -> tuple[str, ...] | None:

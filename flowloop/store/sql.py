@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -136,6 +136,13 @@ class SQLStore(
         dialect_ = self.engine.dialect
         self._postgres = dialect_.name == "postgresql"
         self._dbapi_error: type[Exception] = dialect_.loaded_dbapi.Error
+        # psycopg 3's cursor for numbered placeholders (Raw.numbered); another driver gets
+        # the hot path's statements as compiled
+        self._numbered_cursor: Any = (
+            getattr(dialect_.loaded_dbapi, "RawCursor", None)
+            if dialect_.driver == "psycopg"
+            else None
+        )
         self._contexts = ContextCache()
         self._pg_cache: dict[tuple[str, bool, int], Raw] = {}
         self._pg_creates: dict[tuple[bool, int], Raw] = {}
@@ -290,6 +297,20 @@ class SQLStore(
         return DBAPIError.instance(
             None, None, error, self._dbapi_error, connection_invalidated=lost
         )
+
+    def _executed_pg(self, raw: Any, stmt: Raw, params: Mapping[str, Any]) -> Any:
+        """``stmt`` executed with ``params`` on PostgreSQL's driver connection ``raw``; its
+        cursor. On psycopg 3 its placeholders numbered (:attr:`Raw.numbered`), which
+        psycopg sends as they are: the hot path's statements are too long for psycopg's
+        cache of the placeholders it reads."""
+        if self._numbered_cursor is None:
+            cursor = raw.cursor()
+            cursor.execute(stmt.sql, stmt.args(params))
+            return cursor
+        numbered = stmt.numbered
+        cursor = self._numbered_cursor(raw)
+        cursor.execute(numbered.sql, numbered.args(params))
+        return cursor
 
     def _execute_alone(self, sql: str, args: Any) -> int:
         """One statement on the held connection's driver, sent alone (in autocommit: its own
