@@ -308,7 +308,11 @@ class SQLStore(
             cursor.execute(stmt.sql, stmt.args(params))
             return cursor
         numbered = stmt.numbered
-        cursor = self._numbered_cursor(raw)
+        # Kept with its connection (_driver_of), as SQLite's in _execute_alone (which serves
+        # SQLite alone: one kind of cursor per store)
+        cursor = self._driver_cursor
+        if cursor is None:
+            cursor = self._driver_cursor = self._numbered_cursor(raw)
         cursor.execute(numbered.sql, numbered.args(params))
         return cursor
 
