@@ -14,9 +14,13 @@ workflow of ``--steps`` trivial steps:
 * ``async`` / ``sync``: flowloop, ``engine.run()`` per run, ``async def`` / plain ``def`` steps
 * ``core``: seq_steps.py's hand-written SQLAlchemy Core loop (one transaction per boundary)
 * ``floor``: the same SQL on the stdlib sqlite3 driver
+* ``pg_async`` / ``pg_core``: ``async`` and ``core`` on PostgreSQL (a fresh schema; the URL
+  is ``--pg`` or $FLOWLOOP_BENCH_PG): the client's instructions only, the server's are
+  another process's
 
     python bench/instructions.py                     # ~3 minutes (valgrind is ~50x slower)
     python bench/instructions.py --programs async --steps 1,10,50
+    python bench/instructions.py --programs pg_async,pg_core
     python bench/instructions.py --quick             # smoke run
 
 Needs valgrind (Debian: ``apt-get install valgrind``).
@@ -33,14 +37,19 @@ from typing import Any
 
 import common
 
-PROGRAMS = ("async", "sync", "core", "floor")
+PROGRAMS = ("async", "sync", "core", "floor", "pg_async", "pg_core")
+DEFAULT_PROGRAMS = ("async", "sync", "core", "floor")
 
 
-def _child(program: str, runs: int, steps: int, directory: str) -> None:
+def _child(program: str, runs: int, steps: int, directory: str, pg_url: str) -> None:
     """In the child, under callgrind: set up, warm up, then one counted batch of runs."""
     import seq_steps
 
-    backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
+    if program.startswith("pg_"):
+        program = program.removeprefix("pg_")
+        backend = seq_steps.Backend("pg", "pg", None, runs, pg_url=pg_url)
+    else:
+        backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
     if program in ("async", "sync"):
         from flowloop import Engine
 
@@ -64,22 +73,23 @@ def _child(program: str, runs: int, steps: int, directory: str) -> None:
     functools.reduce(lambda _a, _b: run(0), [0, 1])
 
 
-def _count(program: str, runs: int, steps: int, directory: str) -> float:
+def _count(program: str, runs: int, steps: int, directory: str, pg_url: str) -> float:
     """Instructions per step of one program. flowloop's batch is counted alone; a
     baseline's call also makes its database (2 x ``runs`` runs): the difference of two
     counts, at ``runs`` and twice that, is ``2 x runs`` runs."""
-    if program in ("core", "floor"):
-        once = _collected(program, runs, steps, directory)
-        twice = _collected(program, 2 * runs, steps, directory)
+    if program in ("core", "floor", "pg_core"):
+        once = _collected(program, runs, steps, directory, pg_url)
+        twice = _collected(program, 2 * runs, steps, directory, pg_url)
         return (twice - once) / (2 * runs * steps)
-    return _collected(program, runs, steps, directory) / (runs * steps)
+    return _collected(program, runs, steps, directory, pg_url) / (runs * steps)
 
 
-def _collected(program: str, runs: int, steps: int, directory: str) -> int:
+def _collected(program: str, runs: int, steps: int, directory: str, pg_url: str) -> int:
     """The instructions callgrind counted in one child process."""
     out = os.path.join(directory, f"callgrind.{program}.{steps}.{runs}.out")
+    child = [sys.executable, __file__, "--child", program, str(runs), str(steps), directory]
     return common.callgrind(
-        [sys.executable, __file__, "--child", program, str(runs), str(steps), directory],
+        [*child, pg_url],
         options=[
             "--collect-atstart=no",
             "--toggle-collect=functools_reduce",
@@ -94,12 +104,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         program, runs, steps, directory = argv[1], int(argv[2]), int(argv[3]), argv[4]
-        _child(program, runs, steps, directory)
+        _child(program, runs, steps, directory, argv[5])
         return 0
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=None, help="runs per program (default 20)")
     p.add_argument("--steps", default="10", help="steps per run, comma-separated (default 10)")
-    p.add_argument("--programs", default=",".join(PROGRAMS), help="which programs")
+    p.add_argument(
+        "--programs",
+        default=",".join(DEFAULT_PROGRAMS),
+        help=f"which programs, of {', '.join(PROGRAMS)}",
+    )
     args = p.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
@@ -111,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown program(s) {', '.join(unknown)}: choose from {', '.join(PROGRAMS)}")
         return 2
+    pg_url = args.pg
+    if pg_url == "none" and any(p.startswith("pg_") for p in programs):
+        print("the pg_* programs need a PostgreSQL server: --pg URL")
+        return 2
     with common.data_dir(args.dir) as directory:
         info = common.machine(None, directory)
         common.header(
@@ -119,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "workflow": f"{args.steps} trivial steps per run, sequential runs",
                 "runs": f"{runs} counted per program (after uncounted warm-up runs)",
-                "database": "SQLite WAL, synchronous=NORMAL, a fresh file per program",
+                "database": "SQLite WAL, synchronous=NORMAL, a fresh file per program; "
+                "pg_*: PostgreSQL, a fresh schema per program",
             },
         )
         rows = []
@@ -128,15 +147,16 @@ def main(argv: list[str] | None = None) -> int:
             for program in programs:
                 print(f"-- {program}, {steps} steps", file=sys.stderr, flush=True)
                 with tempfile.TemporaryDirectory(dir=directory) as own:
-                    figures[program, steps] = _count(program, runs, steps, own)
+                    figures[program, steps] = _count(program, runs, steps, own, pg_url)
                 rows.append([program, str(steps), f"{figures[program, steps] / 1000:,.1f} k"])
         common.table(["program", "steps per run", "instructions per step"], rows)
         for steps in step_counts:
-            core = figures.get(("core", steps))
-            for program in ("async", "sync"):
-                ours = figures.get((program, steps))
-                if core and ours:
-                    print(f"core / {program} ({steps} steps): {core / ours:.2f}x")
+            for prefix in ("", "pg_"):
+                core = figures.get((f"{prefix}core", steps))
+                for program in (f"{prefix}async", f"{prefix}sync"):
+                    ours = figures.get((program, steps))
+                    if core and ours:
+                        print(f"{prefix}core / {program} ({steps} steps): {core / ours:.2f}x")
     return 0
 
 
