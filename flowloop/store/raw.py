@@ -8,6 +8,9 @@ registry and looks up two protocol attributes (≈ 0.7 µs each, against 0.3 for
 a run's creation binds thirty of them). :meth:`Raw.bound` writes them into the statement
 as ``NULL`` literals instead: one variant of the text per pattern of ``None`` values (a
 handful per statement), each prepared once by the driver's statement cache.
+
+On PostgreSQL the same statements are sent with numbered placeholders (:attr:`Raw.numbered`)
+on psycopg's ``RawCursor``, which passes them on as they are.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ from typing import Any, Final, cast
 VARIANTS_KEPT: Final = 32
 """``NULL`` patterns a statement keeps the text of (past this, each is built per call)."""
 
-_NAMED: Final = re.compile(r"%\((\w+)\)s|%%")
-"""A ``%(name)s`` placeholder (the pyformat style of SQLAlchemy's psycopg dialect), or the
-``%%`` that stands for a literal ``%`` in that style."""
+_NAMED: Final = re.compile(r"%\(([^)]+)\)s|%%")
+"""A ``%(name)s`` placeholder (the pyformat style of SQLAlchemy's psycopg dialect; a name is
+anything up to its ``)``, as psycopg reads it), or the ``%%`` that stands for a literal
+``%`` in that style."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Raw:
     sql: str
     order: tuple[str, ...] | None
     defaults: dict[str, Any]
+    native: bool = False
+    """Its placeholders are PostgreSQL's own, ``$1``, ``$2`` … (:attr:`numbered`)."""
     _variants: dict[tuple[bool, ...], str] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -75,6 +81,8 @@ class Raw:
         client went to reading them again)."""
         if self.order is not None:
             raise ValueError("numbered: the statement's parameters are positional already")
+        if "__[POSTCOMPILE_" in self.sql:  # an expanding IN (...): its SQL is made per call
+            raise ValueError("numbered: the statement has parameters expanded at execution")
         numbers: dict[str, int] = {}
 
         def number(found: re.Match[str]) -> str:
@@ -84,13 +92,15 @@ class Raw:
             return f"${numbers.setdefault(name, len(numbers) + 1)}"
 
         sql = _NAMED.sub(number, self.sql)
-        return Raw(sql, tuple(numbers), self.defaults)
+        if "%" in _NAMED.sub("", self.sql):  # a % that is neither: not this style
+            raise ValueError(f"numbered: a % that is no placeholder in {self.sql[:200]!r}")
+        return Raw(sql, tuple(numbers), self.defaults, native=True)
 
     @functools.cached_property
     def _pieces(self) -> tuple[str, ...] | None:
         """The SQL cut at its ``?`` placeholders (SQLite's style), one more piece than
         parameters; ``None`` for another style (or a ``?`` that is not a placeholder)."""
-        if self.order is None:
+        if self.order is None or self.native:
             return None
         pieces = tuple(self.sql.split("?"))
         return pieces if len(pieces) == len(self.order) + 1 else None

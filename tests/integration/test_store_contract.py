@@ -410,6 +410,22 @@ def test_write__many_boundaries_one_transaction(store: SQLStore) -> None:
     assert 2 <= statements.count <= 8
 
 
+def test_write__one_boundary_and_a_creation_are_one_statement_on_postgresql(
+    store: SQLStore,
+) -> None:
+    """PostgreSQL: a run's creation and a boundary each one autocommit statement (one
+    round trip); SQLite: each one driver transaction."""
+    created = count_statements(store, lambda: store.create_run(new_run()))
+    claimed = claim_one(store, "a", created.result[0].id)
+    wrote = count_statements(store, lambda: store.write([start_step(claimed, "a")]))
+    assert wrote.result == [True]
+    assert journal_kinds(store, claimed.id) == [j.RUN_CREATED, j.STEP_STARTED]
+    if store._postgres:
+        assert (created.count, wrote.count) == (1, 1)
+    else:  # each: BEGIN IMMEDIATE, two statements (a start after a claim writes the row), COMMIT
+        assert (created.count, wrote.count) == (4, 4)
+
+
 # -- leases -------------------------------------------------------------------------------
 
 
@@ -803,17 +819,26 @@ def count_statements(store: SQLStore, action: Any) -> Counted:
         counted.count += 1
 
     real_driver = store._driver
+    real_executed_pg = store._executed_pg
 
     @contextlib.contextmanager
     def counted_driver() -> Iterator[Any]:
         with real_driver() as raw:
             yield _CountedDriver(raw, counted)
 
+    def counted_executed_pg(raw: Any, stmt: Any, params: Any) -> Any:
+        # PostgreSQL's one-statement writes, on the store's kept RawCursor: counted here,
+        # executed on the real connection (the cursor outlives this count)
+        counted.count += 1
+        return real_executed_pg(getattr(raw, "_raw", raw), stmt, params)
+
     sa.event.listen(store.engine, "before_cursor_execute", before)
     store._driver = counted_driver  # type: ignore[method-assign]
+    store._executed_pg = counted_executed_pg  # type: ignore[method-assign]
     try:
         counted.result = action()
     finally:
         del store._driver
+        del store._executed_pg
         sa.event.remove(store.engine, "before_cursor_execute", before)
     return counted

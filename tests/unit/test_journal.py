@@ -220,7 +220,7 @@ def _went_on(
     data: dict[str, Any] | None = None,
     started: dict[str, Any] | None = None,
 ) -> tuple[JournalEvent, JournalEvent, RunRecord]:
-    """``record``'s step ``b`` succeeded into ``c`` at ``T0 + 50``, and ``c`` started."""
+    """``record``'s running step succeeded into ``c`` at ``T0 + 50``, and ``c`` started."""
     return j.went_on(
         record,
         at=T0 + 50,
