@@ -511,6 +511,15 @@ class Timer:
         self.seconds = time.perf_counter() - self._t0
         self.cpu_seconds = time.process_time() - self._c0
 
+    def per_step(self, steps: int) -> dict[str, float]:
+        """The figures every script prints of ``steps`` timed steps: steps/s, µs and CPU µs
+        per step."""
+        return {
+            "steps_per_s": steps / self.seconds,
+            "us_per_step": self.seconds / steps * 1e6,
+            "cpu_us_per_step": self.cpu_seconds / steps * 1e6,
+        }
+
 
 Program = Callable[[int], Mapping[str, float]]
 """One compared program: called with the round number, returns its metrics."""

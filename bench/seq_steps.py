@@ -132,9 +132,7 @@ def floor_program(backend: Backend, steps: int, warm: int) -> common.Program:
             con.close()
         n = backend.runs * steps
         return {
-            "steps_per_s": n / t.seconds,
-            "us_per_step": t.seconds / n * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            **t.per_step(n),
             "commits": (steps + 1) / steps,
             "statements": 2 * (steps + 1) / steps,
         }
@@ -307,9 +305,7 @@ def core_program(backend: Backend, steps: int, warm: int, *, apart: bool = False
             engine.dispose()
         n = backend.runs * steps
         return {
-            "steps_per_s": n / t.seconds,
-            "us_per_step": t.seconds / n * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            **t.per_step(n),
             **counts,
         }
 
@@ -344,9 +340,7 @@ def flowloop_program(backend: Backend, steps: int, warm: int, kind: str) -> comm
                 engine.close()
         n = backend.runs * steps
         return {
-            "steps_per_s": n / t.seconds,
-            "us_per_step": t.seconds / n * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / n * 1e6,
+            **t.per_step(n),
             **counts,
         }
 

@@ -274,11 +274,7 @@ def _timed(
         _check_written(con, statements, warm + backend.runs)
         con.close()
     n = backend.runs * steps
-    return {
-        "steps_per_s": n / t.seconds,
-        "us_per_step": t.seconds / n * 1e6,
-        "cpu_us_per_step": t.cpu_seconds / n * 1e6,
-    }
+    return t.per_step(n)
 
 
 def replay_program(

@@ -92,11 +92,7 @@ def program(directory: str, *, runs: int, steps: int, mode: str) -> common.Progr
         want = 0 if mode == "off" else (runs + 1) * (steps + 1)
         if exporter.spans != want:
             raise RuntimeError(f"{mode}: {exporter.spans} spans exported, expected {want}")
-        return {
-            "steps_per_s": total / t.seconds,
-            "us_per_step": t.seconds / total * 1e6,
-            "cpu_us_per_step": t.cpu_seconds / total * 1e6,
-        }
+        return t.per_step(total)
 
     return run
 
