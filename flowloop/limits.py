@@ -42,18 +42,27 @@ def check_key(what: str, value: str | None) -> str | None:
     return check_text(what, value, MAX_KEY_LENGTH)
 
 
+_LEAVES: Final = frozenset({str, int, bool, type(None)})
+"""Types of JSON values that hold no number to check (most of a context): skipped without a
+call (a context is checked once per run it starts)."""
+
+
 def non_finite(value: object, path: str = "") -> str | None:
     """The path of the first NaN or infinite number in a JSON-like value (``None``: none).
     JSON has no such numbers: stored, they would silently become ``null``."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return path or "(the value)"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path or "(the value)"
     if isinstance(value, Mapping):
         for key, item in value.items():
+            if type(item) in _LEAVES:
+                continue
             found = non_finite(item, f"{path}.{key}" if path else str(key))
             if found is not None:
                 return found
     elif isinstance(value, (list, tuple)):
         for index, item in enumerate(value):
+            if type(item) in _LEAVES:
+                continue
             found = non_finite(item, f"{path}[{index}]")
             if found is not None:
                 return found

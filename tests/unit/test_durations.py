@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from flowloop import Engine, Retry, Workflow
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
+from flowloop.limits import non_finite
 
 HUGE = "1" * 400
 
@@ -98,3 +99,13 @@ def test_cli_refuses_non_finite_durations_in_one_line(tmp_path: Path) -> None:
     (tmp_path / "flowloop.toml").unlink()
     done = flowloop("start", str(flow), "--context", '{"x": NaN}', *db, cwd=tmp_path)
     assert done.returncode == 2 and "field x is NaN or infinite" in done.stderr, done.stderr
+
+
+def test_non_finite_names_the_first_bad_number_under_any_nesting() -> None:
+    nan, inf = float("nan"), float("inf")
+    assert non_finite({"a": "x", "b": [1, 2.0, {"c": nan}], "d": inf}) == "b[2].c"
+    assert non_finite([True, None, "s", (0, -inf)]) == "[3][1]"
+    assert non_finite({"outer": {"inner": [{"x": 1.5}, {"y": inf}]}}) == "outer.inner[1].y"
+    assert non_finite(nan) == "(the value)"
+    # Values that hold no number to check, and finite floats, pass.
+    assert non_finite({"a": True, "b": None, "c": 3, "d": "NaN", "e": [0.5, {"f": -1e308}]}) is None
