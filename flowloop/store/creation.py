@@ -166,14 +166,15 @@ class CreationStoreMixin:
         run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
         values: dict[str, Any] = {name: bindparam(f"p_{name}") for name in run_columns}
         lease = runs.c.lease_expires_at
+        owned_values = {**values, "lease_expires_at": self.now_sql + bindparam("p_lease")}
+        # Its parameters named as the columns (and ``lease``, the lease's length): a new
+        # run's row is its parameters, without a renamed copy per run.
         self._raw_create = {
-            False: Raw.of(insert(runs).values(values).returning(lease), sqlite_dialect),
-            True: Raw.of(
-                insert(runs)
-                .values({**values, "lease_expires_at": self.now_sql + bindparam("p_lease")})
-                .returning(lease),
+            owned: Raw.of(
+                insert(runs).values(owned_values if owned else values).returning(lease),
                 sqlite_dialect,
-            ),
+            ).unprefixed("p_")
+            for owned in (False, True)
         }
         self._raw_event = Raw.of(insert(journal), sqlite_dialect, list(JOURNAL_FIELDS))
         self._dbapi_integrity: type[Exception] = sqlite_dialect.loaded_dbapi.IntegrityError
@@ -183,15 +184,13 @@ class CreationStoreMixin:
         constraint (an id taken): the general path decides then, as it always did."""
         assert self._raw_create is not None
         row = _new_run_row(new)
-        params = {f"p_{name}": value for name, value in row.items()}
-        params["p_lease"] = new.lease_seconds
         stmt = self._raw_create[bool(new.owner)]
         event = self._raw_event
         with self._driver() as raw:
             cursor = raw.cursor()
             cursor.execute("BEGIN IMMEDIATE")
             try:
-                cursor.execute(*stmt.bound(params))
+                cursor.execute(*stmt.bound({**row, "lease": new.lease_seconds}))
                 lease = cursor.fetchone()[0]
                 for entry in new.events:  # (each its own NULLs: no executemany)
                     cursor.execute(*event.bound(event_row(entry)))

@@ -96,6 +96,20 @@ class Raw:
             raise ValueError(f"numbered: a % that is no placeholder in {self.sql[:200]!r}")
         return Raw(sql, tuple(numbers), self.defaults, native=True)
 
+    def unprefixed(self, prefix: str) -> Raw:
+        """This statement with ``prefix`` cut from the names of its parameters, so that a
+        row whose keys are the columns is its parameters as it is (an INSERT or UPDATE of a
+        column must name its parameter apart from the column: ``p_state`` for ``state``).
+        Positional placeholders only (SQLite's ``?``, :attr:`numbered`): the names are
+        the caller's, not the statement's."""
+        if self.order is None:
+            raise ValueError("unprefixed: the statement's parameters are named in its SQL")
+        order = tuple([name.removeprefix(prefix) for name in self.order])
+        defaults = {name.removeprefix(prefix): value for name, value in self.defaults.items()}
+        if len(set(order) | defaults.keys()) != len(set(self.order) | self.defaults.keys()):
+            raise ValueError(f"unprefixed: two parameters are one without {prefix!r}")
+        return Raw(self.sql, order, defaults, native=self.native)
+
     @functools.cached_property
     def _pieces(self) -> tuple[str, ...] | None:
         """The SQL cut at its ``?`` placeholders (SQLite's style), one more piece than

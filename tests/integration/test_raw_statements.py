@@ -154,3 +154,29 @@ def test_errorless__reads_exactly_the_error_fields() -> None:
     for name in JOURNAL_FIELDS:
         event = frozen.build(JournalEvent, {**plain, name: "x"})
         assert errorless(event) is (name not in ERROR_FIELDS), name
+
+
+def test_raw__unprefixed_takes_a_row_named_as_the_columns(tmp_path: Path) -> None:
+    """A run's creation binds its row as it is: the statement's ``p_``-named parameters
+    (an INSERT must name them apart from the columns) taken from the columns' names."""
+    named: dict[str, Any] = {name: sa.bindparam(f"p_{name}") for name in ("a", "b", "d")}
+    named["c"] = sa.bindparam("p_c") * 2
+    prefixed = Raw.of(sa.insert(TABLE).values(named), sqlite.dialect())
+    plain = prefixed.unprefixed("p_")
+    assert set(plain.order or ()) == {"a", "b", "c", "d", "param_1"}
+    assert plain.defaults == {"param_1": 2} and plain.sql == prefixed.sql
+    con = sqlite3.connect(tmp_path / "t.db")
+    con.execute("CREATE TABLE t (a INTEGER, b TEXT, c REAL, d TEXT)")
+    row = {"a": 1, "b": "x", "c": 1.25, "d": None}
+    con.execute(*plain.bound(row))
+    con.execute(*prefixed.bound({f"p_{name}": value for name, value in row.items()}))
+    assert _rows(con) == [(1, "x", 2.5, None)] * 2
+    with pytest.raises(KeyError):  # a column left out is missing, not bound as NULL
+        plain.bound({"a": 1, "b": "x", "c": 1.0})
+    clash = Raw.of(
+        sa.insert(TABLE).values(a=sa.bindparam("p_a"), b=sa.bindparam("a")), sqlite.dialect()
+    )
+    with pytest.raises(ValueError, match="two parameters are one"):
+        clash.unprefixed("p_")
+    with pytest.raises(ValueError, match="named in its SQL"):
+        Raw.of(sa.insert(TABLE), postgresql.psycopg.dialect()).unprefixed("p_")
