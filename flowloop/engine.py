@@ -531,6 +531,7 @@ class Engine(Operations, LoopControls, RunReading):
                 # or failed here must not stay tracked, nor its last record kept, for ever.
                 executor.tracked.discard(stored.id)
                 known = executor.committed.pop(stored.id, None)
+                parsed = executor.last_parsed.pop(stored.id, None)
                 # Ended before this returns: the loop is kept, not run, between calls, and a
                 # watchdog left watching it would warn of an "event loop blocked" at the
                 # caller's next line of its own.
@@ -538,14 +539,15 @@ class Engine(Operations, LoopControls, RunReading):
             if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here
         else:
-            known = None
+            known = parsed = None
         if created and known is not None and known[0].status != "running":
             # The row is what this process committed last: no need to read it back.
             record, at = known
             info = self._info(
                 frozen.replaced(
                     stored, record=record, owner=None, lease_expires_at=None, updated_at=at
-                )
+                ),
+                parsed,  # the last step's parse of the context it stored, when it did
             )
         else:
             info = self.get(stored.id)

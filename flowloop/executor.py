@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from pydantic import BaseModel
+
 from flowloop import children, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
@@ -164,6 +166,10 @@ class Executor(Stepping, Recovery):
         self.committed: dict[str, tuple[RunRecord, float]] = {}
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
+        self.last_parsed: dict[str, tuple[str, BaseModel]] = {}
+        """Of each ``tracked`` run that ended with a step: the context text that step stored
+        and its parse (the check of what it stored), which the engine's RunInfo takes
+        instead of parsing the same text once more; the reader removes it."""
         self.due_here = LocalDue(clock)
         """Due times of runs this executor handed back, on the monotonic clock too (a wall
         clock set back must not stall a 3 s retry for an hour)."""
@@ -481,7 +487,7 @@ class Executor(Stepping, Recovery):
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
         workflow = workflow_for(self.workflows, record)
         try:
-            problem = self._cannot_run(workflow, stored)
+            problem, checked = self._checked(workflow, stored)
             if problem is not None:
                 kind, reason, message = problem
                 await self._finish(
@@ -539,7 +545,12 @@ class Executor(Stepping, Recovery):
                 record = j.apply(record, started)
                 if not await self._commit(Boundary(events=[started], record=record, fence=fence)):
                     return
-            loaded = None
+            # The context the check above loaded, when the run still holds that very text
+            # (a wait ended or a composite moved on may have changed it): its first step
+            # need not parse it again.
+            first = stored.record
+            same = record.context is first.context
+            loaded = checked if same and record.context_version == first.context_version else None
             while record.status == "running":
                 went_on = await self._step(workflow, record, fence, loaded)
                 if went_on is None:
@@ -569,16 +580,20 @@ class Executor(Stepping, Recovery):
         await asyncio.sleep(0)
         self._handed_seen = handed
 
-    def _cannot_run(self, workflow: Workflow, stored: StoredRun) -> tuple[str, str, str] | None:
+    def _checked(
+        self, workflow: Workflow, stored: StoredRun
+    ) -> tuple[tuple[str, str, str] | None, BaseModel | None]:
+        """Why this worker cannot run ``stored`` (the entry to finish it with: kind, reason,
+        message), else ``None`` and its context as the check loaded it."""
         record = stored.record
         if stored.problem is not None:
-            return j.RUN_FAILED, "invalid_row", stored.problem
+            return (j.RUN_FAILED, "invalid_row", stored.problem), None
         verdict = self._verdict(workflow, record)
         if verdict.goes_on:
-            return None
+            return None, verdict.context
         # The reason says why, so `status` shows it without digging in the journal.
         kind = j.RUN_PAUSED if verdict.outcome == "paused" else j.RUN_FAILED
-        return kind, verdict.reason or "", verdict.message or ""
+        return (kind, verdict.reason or "", verdict.message or ""), None
 
     def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict:
         """What this definition does with the run (flowloop/verdicts.py, as check says)."""

@@ -19,6 +19,8 @@ from flowloop.runinfo import Replay, RunInfo, run_info
 from flowloop.store.base import RunFilter, RunSource, StoredRun
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from flowloop.definition import Workflow
     from flowloop.journal import JournalEvent, RunRecord
 
@@ -51,8 +53,8 @@ class RunReading:
         four characters) names. Raises UnknownRun, AmbiguousRunId."""
         return self._stored(run_id).id
 
-    def _info(self, stored: StoredRun) -> RunInfo:
-        return run_info(stored, self._workflow_for(stored.record))
+    def _info(self, stored: StoredRun, parsed: tuple[str, BaseModel] | None = None) -> RunInfo:
+        return run_info(stored, self._workflow_for(stored.record), parsed)
 
     def get(self, run_id: str) -> RunInfo:
         return self._info(self._stored(run_id))

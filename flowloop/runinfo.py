@@ -111,25 +111,24 @@ class Stranded:
     reason: str
 
 
-def run_info(stored: StoredRun, workflow: Workflow | None) -> RunInfo:
-    """A stored run as users see it (its context loaded by ``workflow`` when it is known)."""
+def run_info(
+    stored: StoredRun, workflow: Workflow | None, parsed: tuple[str, BaseModel] | None = None
+) -> RunInfo:
+    """A stored run as users see it (its context loaded by ``workflow`` when it is known).
+    ``parsed``: a context text and its parse by ``workflow``'s model at its version, taken
+    as the context when the run holds that very text (no second parse of it)."""
     record = stored.record
     context: BaseModel | dict[str, Any]
-    try:
-        context = (
-            workflow.load_context(record.context, record.context_version)
-            if workflow is not None
-            else json.loads(record.context)
-        )
-    except (ValueError, FlowloopError):
-        # A stored context that no longer validates (or parses) must not make the run
-        # unreadable: show what is there.
-        try:
-            context = json.loads(record.context)
-        except ValueError:
-            context = {INVALID_JSON_KEY: record.context}
-        if not isinstance(context, dict):
-            context = {INVALID_JSON_KEY: record.context}
+    if (
+        parsed is not None
+        and workflow is not None
+        and parsed[0] is record.context
+        and record.context_version == workflow.context_version
+        and type(parsed[1]) is workflow.context
+    ):
+        context = parsed[1]
+    else:
+        context = _loaded(record, workflow)
     return frozen.build(  # RunInfo(...) without its generated __init__ (one per run)
         RunInfo,
         {
@@ -152,3 +151,25 @@ def run_info(stored: StoredRun, workflow: Workflow | None) -> RunInfo:
             "fingerprint": record.fingerprint,
         },
     )
+
+
+def _loaded(record: RunRecord, workflow: Workflow | None) -> BaseModel | dict[str, Any]:
+    """The stored context loaded by ``workflow`` (as JSON when it is unknown, or the
+    context no longer validates: a run must stay readable)."""
+    context: BaseModel | dict[str, Any]
+    try:
+        context = (
+            workflow.load_context(record.context, record.context_version)
+            if workflow is not None
+            else json.loads(record.context)
+        )
+    except (ValueError, FlowloopError):
+        # A stored context that no longer validates (or parses) must not make the run
+        # unreadable: show what is there.
+        try:
+            context = json.loads(record.context)
+        except ValueError:
+            context = {INVALID_JSON_KEY: record.context}
+        if not isinstance(context, dict):
+            context = {INVALID_JSON_KEY: record.context}
+    return context

@@ -105,6 +105,8 @@ class Stepping:
         leases: LeaseKeeper
 
         _handed_seen: int
+        tracked: set[str]
+        last_parsed: dict[str, tuple[str, BaseModel]]
 
         async def _commit(self, boundary: Boundary) -> bool: ...
         async def _take_a_turn(self) -> None: ...
@@ -253,6 +255,8 @@ class Stepping:
             )
             after = await self._advance(workflow, record, fence, succeeded)
         if after is None:
+            if record.id in self.tracked:
+                self.last_parsed[record.id] = (context, parsed)
             return None
         # The next step's own copy is this parse of the text it starts from (the same
         # text parses to the same model), unless the run moved on through other states.

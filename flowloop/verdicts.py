@@ -20,9 +20,12 @@ This module imports neither sqlalchemy nor asyncio.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from pydantic import BaseModel
+
+from flowloop import frozen
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import InvalidContext
 from flowloop.upcast import ContextMigrationError
@@ -45,6 +48,9 @@ class Verdict:
     message: str | None = None
     """The same in words, for the journal and the operator."""
     outcome: Literal["runs", "paused", "failed"] = "runs"
+    context: BaseModel | None = field(default=None, compare=False, repr=False)
+    """The context as loaded for this definition (carried to its version) when the
+    verdict validated it: a worker's first step takes it instead of parsing it again."""
 
     @property
     def goes_on(self) -> bool:
@@ -96,7 +102,7 @@ def judge(
     if not validate and not migrating and (same or _same_context(old, workflow)):
         return CONTINUES
     try:
-        workflow.load_context(context, context_version)
+        loaded = workflow.load_context(context, context_version)
     except (InvalidContext, ContextMigrationError) as error:
         problem = error.problems if isinstance(error, InvalidContext) else error.problem
         if same and not migrating:
@@ -111,7 +117,9 @@ def judge(
         )
         reason = f"{CONTEXT_MISMATCH}: {problem} ({version})"
         return Verdict(kind="fails", reason=reason, message=reason, outcome="paused")
-    return Verdict(kind="migrates") if migrating else CONTINUES
+    # Verdict(...) without its generated __init__: once per run a worker starts.
+    kind: Kind = "migrates" if migrating else "continues"
+    return frozen.build(Verdict, {"kind": kind, "context": loaded})
 
 
 def _same_context(old: Mapping[str, Any] | None, workflow: Workflow) -> bool:
