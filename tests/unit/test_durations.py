@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from flowloop import Engine, Retry, Workflow
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
-from flowloop.limits import non_finite
+from flowloop.limits import check_finite, non_finite
 
 HUGE = "1" * 400
 
@@ -109,3 +109,25 @@ def test_non_finite_names_the_first_bad_number_under_any_nesting() -> None:
     assert non_finite(nan) == "(the value)"
     # Values that hold no number to check, and finite floats, pass.
     assert non_finite({"a": True, "b": None, "c": 3, "d": "NaN", "e": [0.5, {"f": -1e308}]}) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ({"a": 1.0, "b": [1, {"c": float("-inf")}]}, "b[1].c"),
+        ({"text": "NaN and Infinity are words here", "x": 2.5}, None),  # the walk decides
+        ({(1, 2): float("nan")}, "(1, 2)"),  # a key JSON cannot hold: the walk names it
+        ({"opaque": object(), "n": float("inf")}, "n"),  # a value JSON has no type for
+        ({"opaque": object()}, None),
+        ({"many": [{"price": 1.5, "qty": i} for i in range(1000)]}, None),
+    ],
+)
+def test_check_finite_refuses_exactly_what_non_finite_names(
+    value: object, named: str | None
+) -> None:
+    assert non_finite(value) == named
+    if named is None:
+        check_finite("context", value)
+    else:
+        with pytest.raises(FlowloopError, match=re.escape(f"context field {named} is NaN")):
+            check_finite("context", value)
