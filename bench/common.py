@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import sqlalchemy as sa  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
+from pydantic import BaseModel, Field  # noqa: E402
 
 PG_URL = os.environ.get("FLOWLOOP_BENCH_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 """The PostgreSQL server the benchmarks use (``--pg`` overrides; ``--pg none`` skips it)."""
@@ -277,8 +277,38 @@ class Ctx(BaseModel):
     label: str = "bench"
 
 
-def chain(name: str, steps: int = 10, *, kind: str = "async", sleep: float = 0.0) -> Any:
-    """A workflow of ``steps`` trivial states s0 -> s1 -> ... -> done.
+class Line(BaseModel):
+    sku: str
+    qty: int
+    price: float
+    note: str
+
+
+def _lines() -> list[Line]:
+    return [
+        Line(sku=f"SKU-{i:06d}", qty=i % 7 + 1, price=round(1.5 + i * 0.25, 2), note="n" * 40)
+        for i in range(1000)
+    ]
+
+
+class Lines(BaseModel):
+    """A large context: 1,000 order lines, ~100 KB of JSON (a context's parse costs in
+    proportion to its fields, not only its bytes)."""
+
+    n: int = 0
+    lines: list[Line] = Field(default_factory=_lines)
+
+
+def chain(
+    name: str,
+    steps: int = 10,
+    *,
+    kind: str = "async",
+    sleep: float = 0.0,
+    context: type[BaseModel] = Ctx,
+) -> Any:
+    """A workflow of ``steps`` trivial states s0 -> s1 -> ... -> done over ``context`` (a
+    model with a field ``n``, which each step counts up).
 
     ``kind``: "async" (``async def`` steps) or "sync" (plain ``def``: ``engine.run`` calls one
     without a timeout in the calling thread, a worker hands it to a thread pool).
@@ -288,7 +318,7 @@ def chain(name: str, steps: int = 10, *, kind: str = "async", sleep: float = 0.0
 
     from flowloop import Workflow
 
-    workflow = Workflow(name, context=Ctx)
+    workflow = Workflow(name, context=context)
     for i in range(steps):
         nxt = f"s{i + 1}" if i < steps - 1 else "done"
         if kind == "sync":

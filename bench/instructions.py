@@ -18,9 +18,14 @@ workflow of ``--steps`` trivial steps:
   is ``--pg`` or $FLOWLOOP_BENCH_PG): the client's instructions only, the server's are
   another process's
 
+``--context lines`` runs flowloop's programs over a ~100 KB context of 1,000 order lines
+(common.Lines) instead of the usual two fields (the baselines keep theirs): what a large
+context costs a run.
+
     python bench/instructions.py                     # ~3 minutes (valgrind is ~50x slower)
     python bench/instructions.py --programs async --steps 1,10,50
     python bench/instructions.py --programs pg_async,pg_core
+    python bench/instructions.py --programs async --steps 1,10 --context lines
     python bench/instructions.py --quick             # smoke run
 
 Needs valgrind (Debian: ``apt-get install valgrind``).
@@ -41,7 +46,11 @@ PROGRAMS = ("async", "sync", "core", "floor", "pg_async", "pg_core")
 DEFAULT_PROGRAMS = ("async", "sync", "core", "floor")
 
 
-def _child(program: str, runs: int, steps: int, directory: str, pg_url: str) -> None:
+CONTEXTS = {"small": "Ctx", "lines": "Lines"}
+"""``--context``: the model of flowloop's programs' context, in bench/common.py."""
+
+
+def _child(program: str, runs: int, steps: int, directory: str, pg_url: str, context: str) -> None:
     """In the child, under callgrind: set up, warm up, then one counted batch of runs."""
     import seq_steps
 
@@ -53,15 +62,20 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str) -> 
     if program in ("async", "sync"):
         from flowloop import Engine
 
-        workflow = common.chain(f"i_{program}", steps, kind=program)
+        model = getattr(common, CONTEXTS[context])
+        workflow = common.chain(f"i_{program}", steps, kind=program, context=model)
+        # A small context is made per run, as the figures of earlier passes were counted;
+        # the large one once (making 1,000 lines is not the engine's work).
+        lines = model()
+        fresh = model if context == "small" else lambda: lines
         with backend.database() as url:
             engine = Engine(url, workflows=[workflow])
             for _ in range(max(3, runs // 5)):
-                engine.run(workflow, common.Ctx())
+                engine.run(workflow, fresh())
 
             def batch(_a: Any, _b: Any) -> None:
                 for _ in range(runs):
-                    engine.run(workflow, common.Ctx())
+                    engine.run(workflow, fresh())
 
             functools.reduce(batch, [0, 1])
             engine.close()
@@ -73,23 +87,25 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str) -> 
     functools.reduce(lambda _a, _b: run(0), [0, 1])
 
 
-def _count(program: str, runs: int, steps: int, directory: str, pg_url: str) -> float:
+def _count(program: str, runs: int, steps: int, directory: str, pg_url: str, context: str) -> float:
     """Instructions per step of one program. flowloop's batch is counted alone; a
     baseline's call also makes its database (2 x ``runs`` runs): the difference of two
     counts, at ``runs`` and twice that, is ``2 x runs`` runs."""
     if program in ("core", "floor", "pg_core"):
-        once = _collected(program, runs, steps, directory, pg_url)
-        twice = _collected(program, 2 * runs, steps, directory, pg_url)
+        once = _collected(program, runs, steps, directory, pg_url, context)
+        twice = _collected(program, 2 * runs, steps, directory, pg_url, context)
         return (twice - once) / (2 * runs * steps)
-    return _collected(program, runs, steps, directory, pg_url) / (runs * steps)
+    return _collected(program, runs, steps, directory, pg_url, context) / (runs * steps)
 
 
-def _collected(program: str, runs: int, steps: int, directory: str, pg_url: str) -> int:
+def _collected(
+    program: str, runs: int, steps: int, directory: str, pg_url: str, context: str
+) -> int:
     """The instructions callgrind counted in one child process."""
     out = os.path.join(directory, f"callgrind.{program}.{steps}.{runs}.out")
     child = [sys.executable, __file__, "--child", program, str(runs), str(steps), directory]
     return common.callgrind(
-        [*child, pg_url],
+        [*child, pg_url, context],
         options=[
             "--collect-atstart=no",
             "--toggle-collect=functools_reduce",
@@ -104,11 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         program, runs, steps, directory = argv[1], int(argv[2]), int(argv[3]), argv[4]
-        _child(program, runs, steps, directory, argv[5])
+        _child(program, runs, steps, directory, argv[5], argv[6])
         return 0
     p = common.parser(__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=None, help="runs per program (default 20)")
     p.add_argument("--steps", default="10", help="steps per run, comma-separated (default 10)")
+    p.add_argument(
+        "--context",
+        choices=sorted(CONTEXTS),
+        default="small",
+        help="flowloop's context: two fields (small, the default) or ~100 KB of lines",
+    )
     p.add_argument(
         "--programs",
         default=",".join(DEFAULT_PROGRAMS),
@@ -136,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             info,
             {
                 "workflow": f"{args.steps} trivial steps per run, sequential runs",
+                "context": "two fields"
+                if args.context == "small"
+                else "~100 KB: 1,000 order lines (flowloop's programs)",
                 "runs": f"{runs} counted per program (after uncounted warm-up runs)",
                 "database": "SQLite WAL, synchronous=NORMAL, a fresh file per program; "
                 "pg_*: PostgreSQL, a fresh schema per program",
@@ -147,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             for program in programs:
                 print(f"-- {program}, {steps} steps", file=sys.stderr, flush=True)
                 with tempfile.TemporaryDirectory(dir=directory) as own:
-                    figures[program, steps] = _count(program, runs, steps, own, pg_url)
+                    figures[program, steps] = _count(
+                        program, runs, steps, own, pg_url, args.context
+                    )
                 rows.append([program, str(steps), f"{figures[program, steps] / 1000:,.1f} k"])
         common.table(["program", "steps per run", "instructions per step"], rows)
         for steps in step_counts:
