@@ -245,11 +245,14 @@ class Engine(Operations, LoopControls, RunReading):
         if not self._workflows.holds(workflow):
             self.register(workflow)
         ctx = workflow.parse_context(context)
-        check_finite("context", ctx.model_dump())
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         check_key("idempotency key", idempotency_key)
         limit_key = limit_key_of(workflow, ctx)
+        text = ctx.model_dump_json()
+        # Checked once its text is made: the check encodes a dump, which would exhaust an
+        # iterator (a field typed Iterable) that the text must still hold.
+        check_finite("context", ctx.model_dump())
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         initial = workflow.initial
         data = {
@@ -272,7 +275,7 @@ class Engine(Operations, LoopControls, RunReading):
                 "kind": j.RUN_CREATED,
                 "at": now,
                 "state": initial,
-                "context": ctx.model_dump_json(),
+                "context": text,
                 "worker": self.worker_id,
                 "data": data,
             }

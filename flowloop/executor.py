@@ -22,9 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any, Final
 
 from flowloop import children, interruptions
 from flowloop import journal as j
@@ -50,6 +48,9 @@ from flowloop.store.outage import is_outage
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 __all__ = [
     "CUT_OFF_WRITE_SECONDS",
@@ -167,9 +168,11 @@ class Executor(Stepping, Recovery):
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
         self.last_parsed: dict[str, tuple[str, BaseModel]] = {}
-        """Of each ``tracked`` run that ended with a step: the context text that step stored
-        and its parse (the check of what it stored), which the engine's RunInfo takes
-        instead of parsing the same text once more; the reader removes it."""
+        """Of each ``tracked`` run whose step succeeded without going on to the next (it
+        ended the run, or the run waits, sleeps, pauses or was refused): the context text
+        that step stored and its parse (the check of what it stored). The engine's RunInfo
+        takes it when the committed row holds that very text, instead of parsing it once
+        more; the reader removes it."""
         self.due_here = LocalDue(clock)
         """Due times of runs this executor handed back, on the monotonic clock too (a wall
         clock set back must not stall a 3 s retry for an hour)."""
@@ -549,8 +552,8 @@ class Executor(Stepping, Recovery):
             # (a wait ended or a composite moved on may have changed it): its first step
             # need not parse it again.
             first = stored.record
-            same = record.context is first.context
-            loaded = checked if same and record.context_version == first.context_version else None
+            same = j.holds_context(record, first.context, first.context_version)
+            loaded = checked if same else None
             while record.status == "running":
                 went_on = await self._step(workflow, record, fence, loaded)
                 if went_on is None:

@@ -156,6 +156,13 @@ UNREADABLE: Final = "unreadable"
 is still shown (with the reason under ``reason``), and folding it raises FoldError."""
 
 
+def holds_context(record: RunRecord, text: str, version: int) -> bool:
+    """Whether ``record``'s context is ``text`` itself (the same object, not an equal
+    copy) at context ``version``: a parse of ``text`` at ``version`` can stand for it,
+    without parsing it again."""
+    return record.context is text and record.context_version == version
+
+
 def load_data(text: str | None) -> dict[str, Any]:
     """A journal row's ``data`` column as a dict; a damaged one (not JSON, not an object)
     becomes ``{"unreadable": True, "reason": …}`` instead of making the whole journal

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeAlias, overload
 
 from flowloop import frozen
 from flowloop.errors import FlowloopError
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import JournalEvent, RunRecord, holds_context
 from flowloop.lifecycle import FINISHED
 from flowloop.store.base import StoredRun
 
@@ -122,8 +122,7 @@ def run_info(
     if (
         parsed is not None
         and workflow is not None
-        and parsed[0] is record.context
-        and record.context_version == workflow.context_version
+        and holds_context(record, parsed[0], workflow.context_version)
         and type(parsed[1]) is workflow.context
     ):
         context = parsed[1]

@@ -143,7 +143,9 @@ class Stepping:
     ) -> tuple[RunRecord, BaseModel | None] | None:
         """Run the started step of ``record``; commit its outcome. Returns the record when
         the run goes straight on with its next step, else ``None``; with it the next
-        step's context when this one already parsed it (``loaded``, see below)."""
+        step's context when this one already parsed it (``loaded``, see below). When the
+        run does not go on, a tracked run's parse is kept for the engine's RunInfo
+        (``last_parsed``)."""
         spec = workflow.steps[record.state]
         # Built only for a function that takes it: nothing else reads it (the watchdog
         # names a stalled async step from the record as well).
@@ -260,7 +262,7 @@ class Stepping:
             return None
         # The next step's own copy is this parse of the text it starts from (the same
         # text parses to the same model), unless the run moved on through other states.
-        same = after.context is context and after.context_version == workflow.context_version
+        same = j.holds_context(after, context, workflow.context_version)
         return after, parsed if same else None
 
     def _straight_on(self, workflow: Workflow, run_id: str, target: str, delay: float) -> bool:

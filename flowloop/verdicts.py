@@ -21,14 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
-
-from pydantic import BaseModel
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from flowloop import frozen
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import InvalidContext
 from flowloop.upcast import ContextMigrationError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Kind = Literal["continues", "migrates", "parks", "fails"]
 KINDS: Final[tuple[Kind, ...]] = ("continues", "migrates", "parks", "fails")

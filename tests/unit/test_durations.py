@@ -5,10 +5,14 @@ context."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+from collections.abc import Iterable
 from datetime import timedelta
+from decimal import Decimal
+from enum import Enum
 from pathlib import Path
 
 import pytest
@@ -111,15 +115,34 @@ def test_non_finite_names_the_first_bad_number_under_any_nesting() -> None:
     assert non_finite({"a": True, "b": None, "c": 3, "d": "NaN", "e": [0.5, {"f": -1e308}]}) is None
 
 
+class Ratio(float):
+    pass
+
+
+class Half(float, Enum):
+    NAN = float("nan")
+
+
+def _nested(depth: int, leaf: object) -> object:
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
 @pytest.mark.parametrize(
     ("value", "named"),
     [
         ({"a": 1.0, "b": [1, {"c": float("-inf")}]}, "b[1].c"),
         ({"text": "NaN and Infinity are words here", "x": 2.5}, None),  # the walk decides
-        ({(1, 2): float("nan")}, "(1, 2)"),  # a key JSON cannot hold: the walk names it
+        ({(1, 2): float("nan")}, "(1, 2)"),  # under a tuple key (written "1,2")
         ({"opaque": object(), "n": float("inf")}, "n"),  # a value JSON has no type for
         ({"opaque": object()}, None),
         ({"many": [{"price": 1.5, "qty": i} for i in range(1000)]}, None),
+        ({"sub": [Ratio("nan")]}, "sub[0]"),  # a float subclass
+        ({"enum": [Half.NAN]}, "enum[0]"),  # a float-valued enum
+        ({"deep": _nested(300, float("inf"))}, "deep" + "[0]" * 300),  # too deep to encode
+        # What the walk does not look into, the check does not refuse either:
+        ({"set": {float("nan")}, "decimal": Decimal("NaN"), "text": "Infinity"}, None),
     ],
 )
 def test_check_finite_refuses_exactly_what_non_finite_names(
@@ -131,3 +154,19 @@ def test_check_finite_refuses_exactly_what_non_finite_names(
     else:
         with pytest.raises(FlowloopError, match=re.escape(f"context field {named} is NaN")):
             check_finite("context", value)
+
+
+class Lazy(BaseModel):
+    items: Iterable[int]
+
+
+def test_a_context_s_iterator_is_stored_whole_before_it_is_checked(sqlite_url: str) -> None:
+    """The check encodes a dump of the context, which exhausts an iterator field: the
+    context's text is made first, so the run stores what it was given."""
+    wf = Workflow("lazy", context=Lazy)
+    wf.step(name="a", initial=True, next="done")(lambda ctx: None)
+    wf.final("done")
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+        run_id = engine.start(wf, Lazy(items=iter([1, 2, 3]))).id
+        stored = engine.store.get_run(run_id)
+        assert stored is not None and json.loads(stored.record.context) == {"items": [1, 2, 3]}
