@@ -1,8 +1,8 @@
 """How often a run's context is validated: once where it starts, once by the worker's check
 of the stored run (which its first step then takes as it is), once per step (the check of
-what the step stored, which the next step takes — and ``engine.run``'s RunInfo after the
-last). Parsing a large context is the costly part of a run's fixed work: the first step
-and the RunInfo used to parse the same texts once more."""
+what the step stored — what a resume would load — which the next step takes as its own
+copy, and ``engine.run``'s RunInfo after the last). A large context costs its parse once
+per step, not twice; the first step and the RunInfo used to parse the same texts again."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def chain(steps: int) -> Workflow:
     return wf
 
 
-@pytest.mark.parametrize("steps", [1, 3])
+@pytest.mark.parametrize("steps", [1, 3, 10])
 def test_a_run_validates_its_context_once_per_step_and_three_times_more(
     store_url: str, steps: int
 ) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from pydantic import BaseModel, model_validator
+from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
@@ -1074,42 +1074,3 @@ def test_engine__bare_path_is_a_sqlite_file(tmp_path: Path) -> None:
     with Engine(str(tmp_path / "plain.db")) as engine:
         assert engine.url.startswith("sqlite:///")
     assert (tmp_path / "plain.db").exists()
-
-
-PARSES = [0]
-
-
-class Counted(BaseModel):
-    n: int = 0
-
-    @model_validator(mode="after")
-    def _counted(self) -> Counted:
-        PARSES[0] += 1
-        return self
-
-
-def _counted_chain(steps: int) -> Workflow:
-    wf = Workflow(f"counted{steps}", context=Counted)
-    for i in range(steps):
-
-        async def fn(ctx: Counted) -> None:
-            ctx.n += 1
-
-        wf.step(name=f"s{i}", initial=i == 0, next=f"s{i + 1}" if i < steps - 1 else "done")(fn)
-    wf.final("done")
-    return wf
-
-
-def test_run__a_context_is_parsed_once_per_step(engine: Engine) -> None:
-    """Each step checks that the context it wrote parses (what a resume would load); the
-    next step takes that very parse as its own copy instead of parsing the text again (a
-    100 KB context costs its parse once per step, not twice)."""
-    counts = []
-    for steps in (5, 10):
-        wf = _counted_chain(steps)
-        engine.register(wf)
-        PARSES[0] = 0
-        info = engine.run(wf, Counted())
-        assert info.status == "succeeded" and info.context == Counted(n=steps)
-        counts.append(PARSES[0])
-    assert counts[1] - counts[0] == 10 - 5
