@@ -292,7 +292,7 @@ def _lines() -> list[Line]:
 
 
 class Lines(BaseModel):
-    """A large context: 1,000 order lines, ~100 KB of JSON (a context's parse costs in
+    """A large context: 1,000 order lines, ~93 KB of JSON (a context's parse costs in
     proportion to its fields, not only its bytes)."""
 
     n: int = 0

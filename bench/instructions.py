@@ -18,7 +18,7 @@ workflow of ``--steps`` trivial steps:
   is ``--pg`` or $FLOWLOOP_BENCH_PG): the client's instructions only, the server's are
   another process's
 
-``--context lines`` runs flowloop's programs over a ~100 KB context of 1,000 order lines
+``--context lines`` runs flowloop's programs over a ~93 KB context of 1,000 order lines
 (common.Lines) instead of the usual two fields (the baselines keep theirs): what a large
 context costs a run.
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "--context",
         choices=sorted(CONTEXTS),
         default="small",
-        help="flowloop's context: two fields (small, the default) or ~100 KB of lines",
+        help="flowloop's context: two fields (small, the default) or ~93 KB of lines",
     )
     p.add_argument(
         "--programs",
@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the pg_* programs need a PostgreSQL server: --pg URL")
         return 2
     with common.data_dir(args.dir) as directory:
-        info = common.machine(None, directory)
+        uses_pg = any(p.startswith("pg_") for p in programs)
+        info = common.machine(pg_url if uses_pg else None, directory)
         common.header(
             "instructions: callgrind's count per step (this process; not the kernel's work)",
             info,
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workflow": f"{args.steps} trivial steps per run, sequential runs",
                 "context": "two fields"
                 if args.context == "small"
-                else "~100 KB: 1,000 order lines (flowloop's programs)",
+                else "~93 KB: 1,000 order lines (flowloop's programs)",
                 "runs": f"{runs} counted per program (after uncounted warm-up runs)",
                 "database": "SQLite WAL, synchronous=NORMAL, a fresh file per program; "
                 "pg_*: PostgreSQL, a fresh schema per program",

@@ -251,7 +251,8 @@ class Engine(Operations, LoopControls, RunReading):
         limit_key = limit_key_of(workflow, ctx)
         text = ctx.model_dump_json()
         # Checked once its text is made: the check encodes a dump, which would exhaust an
-        # iterator (a field typed Iterable) that the text must still hold.
+        # iterator (a field typed Iterable) that the text must still hold. (What such a
+        # field yields is not checked: it is read once, by the text.)
         check_finite("context", ctx.model_dump())
         run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
         initial = workflow.initial

@@ -85,10 +85,10 @@ _ENCODE_FIRST: Final = _writes_non_finite()
 
 
 def check_finite(what: str, value: object) -> None:
-    """FlowloopError naming the field of ``value`` that is NaN or infinite. ``value``'s
-    iterators are exhausted (the engine checks a dump of a context once its text is made).
-    A dict or list subclass is read as stored, not through an ``items`` or ``__iter__`` of
-    its own (as JSON encoders read them)."""
+    """FlowloopError naming the field of ``value`` that is NaN or infinite. Encoding
+    ``value`` exhausts its iterators (the engine checks a dump of a context once its text
+    is made), and reads a dict or list subclass as stored, where the walk (and
+    ``json.dumps``) reads it through its own ``items`` or ``__iter__``."""
     if _ENCODE_FIRST:
         try:
             # Encoded in Rust, each NaN or infinity written as such: without one there is

@@ -38,7 +38,7 @@ def chain(steps: int) -> Workflow:
 
 
 @pytest.mark.parametrize("steps", [1, 3, 10])
-def test_a_run_validates_its_context_once_per_step_and_three_times_more(
+def test_a_run_validates_its_context_once_per_step_and_twice_more(
     store_url: str, steps: int
 ) -> None:
     wf = chain(steps)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, Retry, Workflow
+from flowloop import Engine, Retry, Workflow, limits
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
 from flowloop.limits import check_finite, non_finite
@@ -145,9 +145,15 @@ def _nested(depth: int, leaf: object) -> object:
         ({"set": {float("nan")}, "decimal": Decimal("NaN"), "text": "Infinity"}, None),
     ],
 )
+@pytest.mark.parametrize("encode_first", [True, False], ids=["encoded", "walked"])
 def test_check_finite_refuses_exactly_what_non_finite_names(
-    value: object, named: str | None
+    value: object, named: str | None, encode_first: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The same with the Rust encoding first and with the walk alone (a pydantic_core that
+    does not write NaN as such: limits._ENCODE_FIRST off)."""
+    if encode_first and not limits._ENCODE_FIRST:
+        pytest.skip("this pydantic_core does not write NaN as such: the walk alone runs")
+    monkeypatch.setattr(limits, "_ENCODE_FIRST", encode_first)
     assert non_finite(value) == named
     if named is None:
         check_finite("context", value)
