@@ -20,6 +20,7 @@ from flowloop.alerts import Alert, Alerts, breaker_alert, lease_lost_alert, run_
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
 from flowloop.executor import Executor
+from flowloop.freshstack import on_fresh_stack
 from flowloop.gates import BreakerChange
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
@@ -293,7 +294,8 @@ class Worker:
                 loop.add_signal_handler(sig, self.request_stop)
             await self.run(self.stop_event)
 
-        asyncio.run(main())
+        # The worker's loop at the same place whatever the caller's depth (freshstack.py).
+        on_fresh_stack(asyncio.run, main())
         _exit_if_threads_linger(self.exit_code)
         if self.exit_code:
             raise SystemExit(self.exit_code)
