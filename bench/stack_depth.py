@@ -8,7 +8,8 @@ thread's runs on a fresh chunk once they keep faulting. This script shows both s
 1. **Scan** (untimed): from each caller depth (0 to 278 frames of a small recursive
    function, in a thread of its own), a few 10-step runs with flowloop's rule off, then
    on: page faults per run (the thread's own, ``getrusage(RUSAGE_THREAD)``). Picks the
-   depth with the most faults (the worst) and one with none (a quiet one).
+   depth with the most faults (the worst) and the first with the fewest (a quiet one);
+   when no depth faults (a CPython that keeps a freed chunk), says so and stops.
 2. **Timed**, alternated per round, a fresh SQLite file per sample: 10-step runs from the
    quiet and the worst depth, rule off and on — steps/s, the thread's CPU µs per step and
    page faults per run.
@@ -71,7 +72,7 @@ def in_thread_at(depth: int, fn: Callable[..., T], *args: object) -> T:
 
 @contextmanager
 def rule(on: bool) -> Iterator[None]:
-    """flowloop's rule on (as shipped) or off (``steady`` then calls plainly)."""
+    """flowloop's rule on (as shipped) or off (``steady_call`` then calls plainly)."""
     shipped = freshstack.thread_faults
     if not on:
         freshstack.thread_faults = None
@@ -105,16 +106,16 @@ def drive(engine: Engine, workflow: Workflow, warm: int, runs: int) -> Driven:
     return driven
 
 
-def scan(url: str, workflow: Workflow, depths: range) -> dict[bool, dict[int, float]]:
-    """Per rule (off, on) and depth: the median page faults of 4 runs after 4 others (the
-    rule decides within three)."""
+def scan(url: str, workflow: Workflow, depths: range, warm: int) -> dict[bool, dict[int, float]]:
+    """Per rule (off, on) and depth: the median page faults of 4 runs after ``warm``
+    others (in which the rule decides)."""
     found: dict[bool, dict[int, float]] = {False: {}, True: {}}
     with Engine(url, workflows=[workflow]) as engine:
         engine.run(workflow, Ctx())
         for on in (False, True):
             for depth in depths:
                 with rule(on):
-                    driven = in_thread_at(depth, drive, engine, workflow, 4, 4)
+                    driven = in_thread_at(depth, drive, engine, workflow, warm, 4)
                 found[on][depth] = statistics.median(driven.faults)
     return found
 
@@ -145,7 +146,8 @@ def main() -> int:
         return 2
     rounds = common.rounds_for(args)
     runs = 20 if args.quick else 300
-    depths = range(0, 280, 2)
+    depths = range(0, 280, 6 if args.quick else 2)
+    warm = freshstack.STRIKES + 1  # the rule decides within STRIKES runs
     workflow = common.chain("depth", STEPS)
     with common.data_dir(args.dir) as directory:
         common.header(
@@ -154,13 +156,13 @@ def main() -> int:
             {
                 "workflow": f"{STEPS} trivial async steps per run, sequential runs",
                 "database": "SQLite WAL, synchronous=NORMAL",
-                "scan": f"caller depths {depths.start}-{depths.stop - 2} step 2, "
-                "8 runs each in a thread of its own",
+                "scan": f"caller depths {depths.start}-{depths[-1]} step {depths.step}, "
+                f"{warm} + 4 runs per depth and rule setting, each in a thread of its own",
                 "timed": f"{runs} runs per sample, {rounds} rounds",
             },
         )
         with common.sqlite_file(directory, "scan") as url:
-            found = scan(url, workflow, depths)
+            found = scan(url, workflow, depths, warm)
         off, on = found[False], found[True]
         worst = max(depths, key=lambda d: off[d])
         quiet = min(depths, key=lambda d: (off[d], d))
@@ -171,6 +173,9 @@ def main() -> int:
             f"depth {worst}"
         )
         print(f"scan, rule on: the most faults per run at any depth: {max(on.values()):g}")
+        if not faulting:
+            print("no caller depth makes runs fault here: nothing to time")
+            return 0
         programs = [
             (
                 f"depth {depth}, rule {'on' if rule_on else 'off'}",

@@ -42,7 +42,7 @@ from flowloop.executor import (
     new_worker_id,
 )
 from flowloop.flowcontrol import limit_key_of
-from flowloop.freshstack import steady
+from flowloop.freshstack import steady_call
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
@@ -455,8 +455,8 @@ class Engine(Operations, LoopControls, RunReading):
 
         The run is created already claimed, with its first ``step_started``, in one commit.
         """
-        # Its cost the same whatever the caller's depth (flowloop/freshstack.py).
-        return steady(self._run, workflow, context, key, idempotency_key, trace_context)
+        # It costs the same whatever the caller's depth (flowloop/freshstack.py).
+        return steady_call(self._run, workflow, context, key, idempotency_key, trace_context)
 
     def _run(
         self,
@@ -610,8 +610,8 @@ class Engine(Operations, LoopControls, RunReading):
     def run_until_idle(self, *, idle_horizon: float = 300.0) -> Stats:
         """Recover interrupted runs, then execute due runs of the registered workflows until
         none is due or running. Waits for retry backoff ending within ``idle_horizon`` s."""
-        # As Engine.run: the same cost whatever the caller's depth (flowloop/freshstack.py).
-        return steady(self._run_until_idle, idle_horizon)
+        # As Engine.run: it costs the same whatever the caller's depth (freshstack.py).
+        return steady_call(self._run_until_idle, idle_horizon)
 
     def _run_until_idle(self, idle_horizon: float) -> Stats:
         # Before any coroutine is built: refused, it is never left un-awaited.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 from pydantic import BaseModel
@@ -26,6 +26,14 @@ DEPTHS = range(0, 280, 2)
 """Caller depths in frames of ``at_depth``: two chunks' worth (~136 frames each here)."""
 
 RUNS = STRIKES + 5
+
+
+@pytest.fixture(autouse=True)
+def plain_calls_on_this_thread() -> Iterator[None]:
+    """The rule's state of the test's own thread, empty before and after."""
+    freshstack.reset_thread()
+    yield
+    freshstack.reset_thread()
 
 
 class Nothing(BaseModel):
@@ -84,7 +92,7 @@ def test_runs_stop_page_faulting_at_every_caller_depth(sqlite_url: str) -> None:
     thrashed = [d for d, s in seen.items() if min(s.faults[1:STRIKES]) >= THRASH_FAULTS]
     if not thrashed:
         pytest.skip(f"no caller depth made runs fault (Python {sys.version.split()[0]})")
-    # Once the rule decided (after STRIKES runs), runs fault no more than a steady one
+    # Once the rule decided (after STRIKES runs), runs fault no more than a steady_call one
     # does: at most a page or two of the fresh chunk, now and then a growing heap.
     after = {d: statistics.median(s.faults[STRIKES + 1 :]) for d, s in seen.items()}
     still = {d: (after[d], seen[d].faults) for d in DEPTHS if after[d] >= THRASH_FAULTS}
@@ -115,7 +123,6 @@ def test_run_and_run_until_idle_go_through_the_fresh_chunk_once_taken(
 
     wf.step(name="s", initial=True, next="done")(step)
     wf.final("done")
-    freshstack.reset_thread()
     with Engine(sqlite_url, workflows=[wf]) as engine:
         engine.run(wf, {})
         freshstack.reset_thread()  # (that first run made the engine's loop: it faulted)
@@ -127,5 +134,4 @@ def test_run_and_run_until_idle_go_through_the_fresh_chunk_once_taken(
         engine.run(wf, {})
         engine.start(wf, {})
         engine.run_until_idle()
-    freshstack.reset_thread()
     assert ["on_fresh_stack" in names for names in stacks] == [False] * (STRIKES + 1) + [True] * 2
