@@ -8,20 +8,22 @@ one freed chunk kept per thread, went into CPython's 3.13 and 3.14 branches in M
 — 3.14.4 lists it —; 3.11, 3.12 and the releases before it do not have it). An event loop
 is such a loop: each step of a run goes down and up the same frames. Measured on the
 2-core test machine (Python 3.11.7, ``bench/stack_depth.py``): from 14 of 140 caller
-depths a 10-step ``Engine.run`` took 4 or more page faults, at the worst 244 to 255, and
-its steps then took 3.2 times the CPU; from the other depths it takes none.
+depths a 10-step ``Engine.run`` took 4 or more page faults, at the worst 256, and its
+steps then took 3.4 times the CPU; from the other depths it takes less than one.
 
 :func:`on_fresh_stack` calls through a frame that reserves more stack than a 16 KiB chunk
 has room for (its code object says so; the reserve is never written). CPython then starts
 a chunk of 32 KiB for that frame, and everything the call does lives in the ~16 KiB after
 it: the same room at any caller depth. That costs a map, an unmap and a page fault per
-page the call's frames reach (two for a run), ~5 % of a 10-step run's CPU here — so
-:func:`steady_call` pays it only where it is needed.
+page the call's frames reach (two for a run): ~5 % of a 10-step run's steps/s here (~4 %
+of its CPU), so :func:`steady_call` pays it only where it is needed.
 It reads the thread's page faults around each call and takes the fresh chunk once
 :data:`STRIKES` calls in a row faulted, the thrash's signature (a steady call faults none;
 a thread's first call and a growing heap or cache fault for a call or two); it then makes
 every :data:`PROBE_EVERY`-th call plainly, and goes back to plain calls when that one does
-not fault.
+not fault. What it learns is the thread's, not a call site's: a thread that calls from a
+thrashing and a quiet place in turn may never see STRIKES faulting calls in a row, and a
+probe from the quiet place sends it back to plain calls.
 
 Where a thread's page faults cannot be read (not Linux, not CPython, or ``getrusage``
 refused), :func:`steady_call` calls plainly. When the current chunk is larger than 16 KiB
@@ -64,7 +66,7 @@ PROBE_EVERY = 256
 """A thread whose calls take the fresh chunk makes every this-many-th call plainly, to
 see whether it still faults: a caller that moved, or calls that faulted for another
 reason, go back to plain calls (at a thrashing depth that probe costs ~1 % of the calls'
-time; a fresh chunk, ~4 %)."""
+time; a fresh chunk, ~5 % of a 10-step run's steps/s)."""
 
 
 def on_fresh_stack(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -79,22 +81,22 @@ if sys.implementation.name == "cpython":
     on_fresh_stack.__code__ = on_fresh_stack.__code__.replace(co_stacksize=RESERVED_SLOTS)
 
 
-def _fault_counter() -> Callable[[], int] | None:
-    """This thread's minor page faults so far, when they can be read (0 should a later
-    read be refused: the calls then run plainly)."""
+def _fault_counter() -> Callable[[], int | None] | None:
+    """This thread's minor page faults so far, when they can be read (``None`` from a
+    read that is refused: that call is not judged)."""
     if sys.implementation.name != "cpython" or not sys.platform.startswith("linux"):
         return None
     import resource
 
-    def faults() -> int:
+    def faults() -> int | None:
         try:
             return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
         except OSError:
-            return 0
+            return None
 
     try:
         resource.getrusage(resource.RUSAGE_THREAD)
-    except OSError:  # a sandbox that refuses it
+    except (OSError, AttributeError):  # a sandbox that refuses it; no RUSAGE_THREAD
         return None
     return faults
 
@@ -119,20 +121,22 @@ def steady_call(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
     """``fn(*args, **kwargs)``, through :func:`on_fresh_stack` while this thread's plain
     calls keep faulting (see the module's docstring and :data:`PROBE_EVERY`). Used where
     ``Engine.run`` and ``Engine.run_until_idle`` enter their event loop."""
+    faults = thread_faults
+    if faults is None:
+        return fn(*args, **kwargs)
     watch = _watch
     if watch.fresh:
         watch.since_probe += 1
         if watch.since_probe < PROBE_EVERY:
             return on_fresh_stack(fn, *args, **kwargs)
         watch.since_probe = 0  # this one plainly: does it still fault?
-    faults = thread_faults
-    if faults is None:
-        return fn(*args, **kwargs)
     before = faults()
     try:
         return fn(*args, **kwargs)
     finally:
-        _judge(watch, faults() - before >= THRASH_FAULTS)
+        after = faults()
+        if before is not None and after is not None:
+            _judge(watch, after - before >= THRASH_FAULTS)
 
 
 def _judge(watch: _Watch, faulted: bool) -> None:

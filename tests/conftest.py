@@ -104,3 +104,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if "pg_url" in fixtures or params.get("store_url") == "postgres":
             item.add_marker(pytest.mark.postgres)
+
+
+@pytest.fixture(autouse=True)
+def _plain_calls_on_this_thread() -> Iterator[None]:
+    """flowloop.freshstack's per-thread rule starts empty in every test: what one test's
+    runs taught the test thread must not decide how the next test's runs are called."""
+    from flowloop import freshstack
+
+    freshstack.reset_thread()
+    yield

@@ -1,16 +1,16 @@
 """Engine.run costs the same at any depth of its caller's stack: where CPython's data-stack
 chunk ends inside the frames a run goes down and up at every step, each crossing maps,
-faults in and unmaps a chunk (gh-142183; at the worst depth here a 10-step run took 340
-page faults and twice the CPU). flowloop.freshstack watches the thread's page faults and,
-once runs keep faulting, starts them on a fresh chunk. Measured with the thread's real
-page-fault count, each caller depth in a thread of its own."""
+faults in and unmaps a chunk (gh-142183; at the worst depth of bench/stack_depth.py a
+10-step run took 256 page faults and 3.4 times the CPU). flowloop.freshstack watches the
+thread's page faults and, once runs keep faulting, starts them on a fresh chunk. Measured
+with the thread's real page-fault count, each caller depth in a thread of its own."""
 
 from __future__ import annotations
 
 import statistics
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from pydantic import BaseModel
@@ -26,14 +26,6 @@ DEPTHS = range(0, 280, 2)
 """Caller depths in frames of ``at_depth``: two chunks' worth (~136 frames each here)."""
 
 RUNS = STRIKES + 5
-
-
-@pytest.fixture(autouse=True)
-def plain_calls_on_this_thread() -> Iterator[None]:
-    """The rule's state of the test's own thread, empty before and after."""
-    freshstack.reset_thread()
-    yield
-    freshstack.reset_thread()
 
 
 class Nothing(BaseModel):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import mmap
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import FrameType
 
 import pytest
@@ -17,18 +17,10 @@ from flowloop.freshstack import (
     THRASH_FAULTS,
     fresh_on_this_thread,
     on_fresh_stack,
-    reset_thread,
     steady_call,
 )
 
 CPYTHON_ON_LINUX = sys.implementation.name == "cpython" and sys.platform.startswith("linux")
-
-
-@pytest.fixture(autouse=True)
-def fresh_watch() -> Iterator[None]:
-    reset_thread()
-    yield
-    reset_thread()
 
 
 def caller_code_name() -> str:
@@ -74,7 +66,7 @@ def test_on_fresh_stack__maps_a_fresh_chunk_per_call() -> None:
             call()
         return counter() - before
 
-    assert in_a_new_thread(lambda: faults_of_calls(nothing)) == 0
+    assert in_a_new_thread(lambda: faults_of_calls(nothing)) < 10
     assert in_a_new_thread(lambda: faults_of_calls(lambda: on_fresh_stack(nothing))) >= 20
 
 
@@ -128,6 +120,34 @@ def test_steady_call__probes_plainly_and_stays_fresh_while_the_probe_faults(
     fresh, plain = "on_fresh_stack", "steady_call"
     assert callers[STRIKES:] == [fresh, fresh, plain, fresh, fresh, plain, plain, plain]
     assert not fresh_on_this_thread()
+
+
+def test_steady_call__back_to_plain_calls_it_needs_strikes_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(freshstack, "PROBE_EVERY", 2)
+    # Fresh after STRIKES; a fresh call, a probe that does not fault (plain again); then
+    # STRIKES - 1 faulting calls stay plain, and one more makes the thread fresh again.
+    script = [THRASH_FAULTS] * STRIKES + [0] + [THRASH_FAULTS] * STRIKES
+    callers = through(monkeypatch, script, 2 * STRIKES + 3)
+    fresh, plain = "on_fresh_stack", "steady_call"
+    assert callers[STRIKES:] == [fresh, plain] + [plain] * STRIKES + [fresh]
+
+
+def test_steady_call__a_refused_read_judges_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = iter([None, 10**6] * STRIKES)  # a refused read, then a huge count: no strike
+    monkeypatch.setattr(freshstack, "thread_faults", lambda: next(reads))
+    assert [steady_call(caller_code_name) for _ in range(STRIKES)] == ["steady_call"] * STRIKES
+    assert not fresh_on_this_thread()
+
+
+def test_steady_call__without_a_counter_calls_plainly_even_when_fresh(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    through(monkeypatch, [THRASH_FAULTS] * STRIKES, STRIKES)
+    assert fresh_on_this_thread()
+    monkeypatch.setattr(freshstack, "thread_faults", None)
+    assert steady_call(caller_code_name) == "steady_call"
 
 
 def test_steady_call__is_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:
