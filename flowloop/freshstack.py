@@ -3,13 +3,13 @@
 CPython (3.11 and later) keeps the frames of Python functions in per-thread chunks of
 16 KiB. A call that does not fit in what is left of the current chunk maps a new one, and
 its return unmaps it. A loop that goes back and forth across the end of a chunk therefore
-maps, faults in and unmaps memory at every crossing (CPython issue gh-142183: the fix,
-one freed chunk kept per thread, went into CPython's 3.13 and 3.14 branches in March 2026
-— 3.14.4 lists it —; 3.11, 3.12 and the releases before it do not have it). An event loop
-is such a loop: each step of a run goes down and up the same frames. Measured on the
-2-core test machine (Python 3.11.7, ``bench/stack_depth.py``): from 14 of 140 caller
-depths a 10-step ``Engine.run`` took 4 or more page faults, at the worst 256, and its
-steps then took 3.4 times the CPU; from the other depths it takes less than one.
+maps, faults in and unmaps memory at every crossing (CPython issue gh-142183; its fix,
+which keeps one freed chunk per thread, went into the 3.13 and 3.14 branches in March
+2026, and 3.14.4 lists it; 3.11, 3.12 and the releases before the fix do not have it).
+An event loop is such a loop: each step of a run goes down and up the same frames.
+Measured on the 2-core test machine (Python 3.11.7, ``bench/stack_depth.py``): from 14
+of 140 caller depths a 10-step ``Engine.run`` took 4 or more page faults, at the worst
+256, and its steps then took 3.4 times the CPU; from the other depths, less than one.
 
 :func:`on_fresh_stack` calls through a frame that reserves more stack than a 16 KiB chunk
 has room for (its code object says so; the reserve is never written). CPython then starts
