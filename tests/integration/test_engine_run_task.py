@@ -1,0 +1,127 @@
+"""``Engine.run`` drives its run in the task it makes for the call (Executor.drive_here),
+not in a task of the run's own: a stop or a lost lease then cancels that task, and the
+drive takes those cancellations back, so the call returns the run's end instead of
+raising. ``await engine.arun()`` from a caller's own task keeps a task per run."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop import journal as j
+from flowloop.journal import JournalEvent, RunRecord
+
+WAIT_S = 30.0
+"""Bound of a wait that a stop ends at once (no test waits it out)."""
+
+
+class Ctx(BaseModel):
+    n: int = 0
+
+
+def _tasks_seen(name: str, seen: list[tuple[int, asyncio.Task[object] | None]]) -> Workflow:
+    wf = Workflow(name, context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    async def look(ctx: Ctx) -> None:
+        seen.append((len(asyncio.all_tasks()), asyncio.current_task()))
+
+    wf.final("done")
+    return wf
+
+
+def _stop_when_started(engine: Engine, workflow: str, state: str) -> None:
+    """Ask to stop a run of ``workflow`` once its step ``state`` is journaled as started."""
+
+    def listener(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        if record.workflow == workflow and any(
+            e.kind == j.STEP_STARTED and e.state == state for e in events
+        ):
+            engine.stop(record.id)
+
+    engine.listeners.append(listener)
+
+
+def _forever(name: str, cancelled: threading.Event) -> Workflow:
+    """A run whose second step waits until it is cancelled."""
+    wf = Workflow(name, context=Ctx)
+    wf.step(name="begin", initial=True, next="wait")(lambda ctx: None)
+
+    @wf.step(next="done")
+    async def wait(ctx: Ctx) -> None:
+        try:
+            await asyncio.sleep(WAIT_S)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    wf.final("done")
+    return wf
+
+
+def test_engine_run_drives_the_run_in_the_calls_own_task(sqlite_url: str) -> None:
+    seen: list[tuple[int, asyncio.Task[object] | None]] = []
+    wf = _tasks_seen("seen", seen)
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+        assert engine.run(wf, Ctx()).status == "succeeded"
+        assert engine.run(wf, Ctx()).status == "succeeded"
+    # One task on the loop during the step: the call's own (it runs the step inline).
+    assert [count for count, _ in seen] == [1, 1]
+    assert seen[0][1] is not seen[1][1]  # a task per call, not one kept between calls
+
+
+def test_arun_from_a_callers_task_drives_the_run_in_a_task_of_its_own(sqlite_url: str) -> None:
+    seen: list[tuple[int, asyncio.Task[object] | None]] = []
+    wf = _tasks_seen("seen", seen)
+    with Engine(sqlite_url, workflows=[wf]) as engine:
+
+        async def caller() -> asyncio.Task[object] | None:
+            info = await engine.arun(wf, Ctx())
+            assert info.status == "succeeded"
+            return asyncio.current_task()
+
+        callers_task = asyncio.run(caller())
+    ((count, step_task),) = seen
+    assert count == 2 and step_task is not callers_task
+
+
+def test_a_stop_during_engine_run_is_the_runs_end_not_the_calls(sqlite_url: str) -> None:
+    cancelled = threading.Event()
+    wf = _forever("stopped", cancelled)
+    with Engine(sqlite_url, workflows=[wf], poll_seconds=0.05) as engine:
+        _stop_when_started(engine, "stopped", "wait")
+        info = engine.run(wf, Ctx())
+        assert cancelled.is_set()
+        assert (info.status, info.reason) == ("stopped", "stopped during step")
+        engine.listeners.clear()
+        # The call's loop is kept: the next call finds nothing left of the stop.
+        assert engine.run(_tasks_seen("after", []), Ctx()).status == "succeeded"
+
+
+def test_a_run_stopped_inside_a_step_of_engine_run_leaves_that_step_going_on(
+    sqlite_url: str,
+) -> None:
+    """A step of ``engine.run`` that awaits ``engine.arun`` drives the inner run in the same
+    task: the inner run's stop cancels that task, and is taken back once the inner drive
+    ends, so the outer step goes on and its run succeeds."""
+    cancelled = threading.Event()
+    inner = _forever("inner", cancelled)
+    outer = Workflow("outer", context=Ctx)
+    ends: list[str] = []
+
+    @outer.step(initial=True, next="done")
+    async def call_inner(ctx: Ctx) -> None:
+        ends.append((await engine.arun(inner, Ctx())).status)
+        await asyncio.sleep(0)  # a cancellation left pending would land here
+        ctx.n = 1
+
+    outer.final("done")
+    with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        _stop_when_started(engine, "inner", "wait")
+        info = engine.run(outer, Ctx())
+        assert cancelled.is_set() and ends == ["stopped"]
+        assert info.status == "succeeded" and engine.get(info.id).context.n == 1  # type: ignore[union-attr]
