@@ -9,14 +9,17 @@ import asyncio
 import threading
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.store.sql import SQLStore
 
 WAIT_S = 30.0
 """Bound of a wait that a stop ends at once (no test waits it out)."""
+LEASE_S = 0.6
 
 
 class Ctx(BaseModel):
@@ -89,10 +92,10 @@ def test_arun_from_a_callers_task_drives_the_run_in_a_task_of_its_own(sqlite_url
     assert count == 2 and step_task is not callers_task
 
 
-def test_a_stop_during_engine_run_is_the_runs_end_not_the_calls(sqlite_url: str) -> None:
+def test_a_stop_during_engine_run_is_the_runs_end_not_the_calls(store_url: str) -> None:
     cancelled = threading.Event()
     wf = _forever("stopped", cancelled)
-    with Engine(sqlite_url, workflows=[wf], poll_seconds=0.05) as engine:
+    with Engine(store_url, workflows=[wf], poll_seconds=0.05) as engine:
         _stop_when_started(engine, "stopped", "wait")
         info = engine.run(wf, Ctx())
         assert cancelled.is_set()
@@ -125,3 +128,29 @@ def test_a_run_stopped_inside_a_step_of_engine_run_leaves_that_step_going_on(
         info = engine.run(outer, Ctx())
         assert cancelled.is_set() and ends == ["stopped"]
         assert info.status == "succeeded" and engine.get(info.id).context.n == 1  # type: ignore[union-attr]
+
+
+def test_a_lease_lost_during_engine_run_ends_the_drive_not_the_call(store_url: str) -> None:
+    """The lease ends in the database during a step (as if its renewals came too late):
+    the renewal finds it lost, the drive is cancelled and writes nothing more, and
+    ``engine.run`` returns the run as the database has it (recovery settles it later)."""
+    cancelled = threading.Event()
+    wf = _forever("lost", cancelled)
+
+    def end_lease(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        if any(e.kind == j.STEP_STARTED and e.state == "wait" for e in events):
+            assert isinstance(engine.store, SQLStore)
+            with engine.store.engine.begin() as conn:
+                conn.execute(
+                    sa.text("UPDATE flowloop_runs SET lease_expires_at = 0 WHERE id = :id"),
+                    {"id": record.id},
+                )
+
+    with Engine(store_url, workflows=[wf], lease_seconds=LEASE_S, poll_seconds=0.05) as engine:
+        engine.listeners.append(end_lease)
+        info = engine.run(wf, Ctx())
+        assert cancelled.is_set()
+        assert (info.status, info.state) == ("running", "wait")
+        assert [e.kind for e in engine.history(info.id)][-1] == j.STEP_STARTED  # nothing after
+        engine.listeners.clear()
+        assert engine.run(_tasks_seen("after", []), Ctx()).status == "succeeded"
