@@ -36,7 +36,6 @@ from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_POLL_SECONDS,
-    OWN_TASK,
     Executor,
     Listener,
     Stats,
@@ -526,25 +525,18 @@ class Engine(Operations, LoopControls, RunReading):
             cancels_before = caller.cancelling() if caller is not None else 0
             executor.leases.begin()
             executor.tracked.add(stored.id)
-            task: asyncio.Task[None] | None = None
             try:
-                if caller is not None and caller is OWN_TASK.get():
-                    # Engine.run: the call's own task drives the run (no task of its own).
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await executor.drive_here(stored, claimed_at=sent)
-                else:
-                    task = executor.spawn(stored, starting=False, claimed_at=sent)
-                    # Awaited directly (asyncio.wait costs an event-loop turn more per run).
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
-                # A CancelledError is the caller's or the run's own end, told apart here
-                # (drive_here took its own cancellations back); either way the run's drive
-                # has ended when it comes.
+                task = executor.spawn(stored, starting=False, claimed_at=sent)
+                # Awaited directly (asyncio.wait costs an event-loop turn more per run). A
+                # CancelledError from it is the caller's or the run's own end, told apart
+                # below; either way the run's task has ended when it comes.
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
                 if caller is not None and caller.cancelling() > cancels_before:
                     # The caller was cancelled meanwhile (Ctrl-C): the run's task was
                     # cancelled with it (cut off, journaled) — or went on to its end, had a
                     # step swallowed the cancellation. The caller's cancellation comes out.
-                    if task is not None and not task.done():  # (awaiting it waited for its end)
+                    if not task.done():  # (awaiting the task waited for its end)
                         task.cancel()
                         await asyncio.wait([task])
                     raise asyncio.CancelledError
@@ -560,7 +552,7 @@ class Engine(Operations, LoopControls, RunReading):
                 # watchdog left watching it would warn of an "event loop blocked" at the
                 # caller's next line of its own.
                 executor.leases.end()
-            if task is not None and not task.cancelled():
+            if not task.cancelled():
                 task.result()  # an error of the drive loop itself surfaces here
         else:
             known = parsed = None
@@ -692,13 +684,10 @@ class Engine(Operations, LoopControls, RunReading):
 
 async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
     """``work`` with plain ``def`` steps called on this loop's thread (``Engine.run``: the
-    loop is the engine's own and drives this run only; see Stepping._inline), and the run
-    it starts driven in this very task (Executor.drive_here). The tasks it spawns copy the
-    flags with the context (OWN_TASK names this task, not theirs)."""
+    loop is the engine's own and drives this run only; see Stepping._inline). The tasks it
+    spawns copy the flag with the context."""
     token = SYNC_STEPS_INLINE.set(True)
-    own = OWN_TASK.set(asyncio.current_task())
     try:
         return await work
-    finally:  # the flags are this call's only
-        OWN_TASK.reset(own)
+    finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)

@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
-from contextvars import ContextVar
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -109,27 +108,11 @@ async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> Non
         await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
 
 
-OWN_TASK: ContextVar[asyncio.Task[Any] | None] = ContextVar("flowloop_own_task", default=None)
-"""The task ``Engine.run`` made for its one call, set inside it: a run that call starts
-and claims is driven in that task (:meth:`Executor.drive_here`), not in one of its own."""
-
-
 @dataclass
 class _Active:
     task: asyncio.Task[None]
     step_task: asyncio.Future[Any] | None = None
     stopping_step: str | None = None  # "stop" when an operator stop cancelled the step
-    here: bool = False
-    """Driven in its caller's own task (:meth:`Executor.drive_here`), not one of its own."""
-    cancels: int = 0
-    """The cancellations this executor asked of that task (a stop, a lost lease): taken
-    back once the drive ends, so the caller's task is left as it was."""
-
-    def cancel(self, target: asyncio.Future[Any]) -> None:
-        """Cancel the run's task or its step's future, counting what the caller's own task
-        is asked (a cancellation that found the task done asks nothing)."""
-        if target.cancel() and self.here and target is self.task:
-            self.cancels += 1
 
 
 class Executor(Stepping, Recovery):
@@ -359,52 +342,27 @@ class Executor(Stepping, Recovery):
     ) -> asyncio.Task[None]:
         """Drive one claimed run in its own task; ``claimed_at`` is the monotonic instant
         noted before the claim was sent (its lease ends no earlier than that + lease)."""
-        task = asyncio.create_task(self._drive(stored, starting=starting))
-        active = self._hold(stored, _Active(task), claimed_at)
-        task.add_done_callback(lambda _: self._let_go(stored, active))
-        return task
-
-    def drive_here(self, stored: StoredRun, *, claimed_at: float) -> Coroutine[Any, Any, None]:
-        """Drive one run it just created claimed in the calling task itself: ``Engine.run``,
-        whose task is made for that one call (:data:`OWN_TASK`). A task of the run's own
-        costs its creation and two event-loop turns per run. A stop or a lost lease cancels
-        the caller's task then, and is taken back once the drive ends (``uncancel``): a
-        ``CancelledError`` out of the drive with the task's ``cancelling()`` back where it
-        was is the run's own end, not the caller's cancellation."""
-        task = asyncio.current_task()
-        if task is None:
-            raise RuntimeError("drive_here needs a running task")
-        return self._driven_here(stored, self._hold(stored, _Active(task, here=True), claimed_at))
-
-    async def _driven_here(self, stored: StoredRun, active: _Active) -> None:
-        try:
-            await self._drive(stored, starting=False)
-        finally:
-            self._let_go(stored, active)
-            for _ in range(active.cancels):
-                active.task.uncancel()
-
-    def _hold(self, stored: StoredRun, active: _Active, claimed_at: float | None) -> _Active:
-        """Note ``active`` as the drive of the claimed run ``stored``."""
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
-        self._active[stored.id] = active
+        task = asyncio.create_task(self._drive(stored, starting=starting))
+        self._active[stored.id] = active = _Active(task)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
-        return active
 
-    def _let_go(self, stored: StoredRun, active: _Active) -> None:
-        """The drive ``active`` of ``stored`` ended."""
-        self._per_workflow[stored.record.workflow] -= 1
-        if self._active.get(stored.id) is not active:
-            return  # the run was claimed again and is driven by a newer task
-        self._active.pop(stored.id, None)
-        self._controls.pop(stored.id, None)
-        self.leases.forget(stored.id)
-        self.committer.released.discard(stored.id)
-        if self._wake is not None:
-            self._wake.set()
+        def done(_: asyncio.Task[None]) -> None:
+            self._per_workflow[name] -= 1
+            if self._active.get(stored.id) is not active:
+                return  # the run was claimed again and is driven by a newer task
+            self._active.pop(stored.id, None)
+            self._controls.pop(stored.id, None)
+            self.leases.forget(stored.id)
+            self.committer.released.discard(stored.id)
+            if self._wake is not None:
+                self._wake.set()
+
+        task.add_done_callback(done)
+        return task
 
     def hand_back(self) -> None:
         """Claim nothing more, let the steps in flight finish and journal their outcome,
@@ -445,7 +403,7 @@ class Executor(Stepping, Recovery):
         self._controls[run_id] = "lost"
         active = self._active.get(run_id)
         if active is not None:
-            active.cancel(active.task)
+            active.task.cancel()
 
     def apply_controls(self, requests: Mapping[str, str]) -> None:
         """Pending pause/stop requests (read by the lease thread, flowloop/leasethread.py)."""
@@ -454,7 +412,7 @@ class Executor(Stepping, Recovery):
             active = self._active.get(run_id)
             if action == "stop" and active is not None and active.step_task is not None:
                 active.stopping_step = "stop"
-                active.cancel(active.step_task)
+                active.step_task.cancel()
 
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
 
