@@ -235,3 +235,34 @@ def test_a_context_variable_a_step_sets_does_not_outlive_a_durable_sleep(
     with Engine(sqlite_url, workflows=[wf], poll_seconds=0.05) as engine:
         assert engine.run(wf, Ctx()).status == "succeeded"
     assert seen == [None]
+
+
+def test_a_stop_still_reaches_a_run_after_a_nested_engine_run_in_its_step(
+    sqlite_url: str,
+) -> None:
+    """A plain ``def`` step of ``engine.run`` (called on the loop's thread) runs a nested
+    ``engine.run``, on an event loop of its own that closes when it returns. The lease
+    threads then hand the outer run's stop to the outer loop again, not to the closed one
+    (where it was dropped: the next step ran to its end)."""
+    cancelled = threading.Event()
+    inner = _tasks_seen("inner", [])
+    outer = Workflow("outer", context=Ctx)
+
+    @outer.step(initial=True, next="wait")
+    def nest(ctx: Ctx) -> None:
+        assert engine.run(inner, Ctx()).status == "succeeded"
+
+    @outer.step(next="done")
+    async def wait(ctx: Ctx) -> None:
+        try:
+            await asyncio.sleep(WAIT_S)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    outer.final("done")
+    with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        _stop_when_started(engine, "outer", "wait")
+        info = engine.run(outer, Ctx())
+        assert cancelled.is_set()
+        assert (info.status, info.reason) == ("stopped", "stopped during step")
