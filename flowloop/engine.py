@@ -574,21 +574,13 @@ class Engine(Operations, LoopControls, RunReading):
         ):
             # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
             # run in a call or map state is driven with its children until it moves on.
-            # The engine's executor drives until none of its runs is active: while it
-            # drives others (this call is a step of one of them), an executor of its own.
-            waiting = executor if not executor.busy else self._new_executor()
-            try:
-                while True:
-                    family = children.family(self.store, stored.id)
-                    await waiting.run(until_idle=True, run_ids=family)
-                    before, info = info, self.get(stored.id)
-                    if info.state not in workflow.composites or info.status not in CLAIMABLE:
-                        break
-                    if (before.state, before.last_seq) == (info.state, info.last_seq):
-                        break  # nothing of its family is due (children waiting for events)
-            finally:
-                if waiting is not executor:
-                    waiting.close()
+            while True:
+                await executor.run(until_idle=True, run_ids=children.family(self.store, stored.id))
+                before, info = info, self.get(stored.id)
+                if info.state not in workflow.composites or info.status not in CLAIMABLE:
+                    break
+                if (before.state, before.last_seq) == (info.state, info.last_seq):
+                    break  # nothing of its family is due (children waiting for events)
         return info
 
     # -- driving ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel
 
-from flowloop import Engine, Retry, Step, Workflow
+from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.specs import Sleep
@@ -266,47 +266,3 @@ def test_a_stop_still_reaches_a_run_after_a_nested_engine_run_in_its_step(
         info = engine.run(outer, Ctx())
         assert cancelled.is_set()
         assert (info.status, info.reason) == ("stopped", "stopped during step")
-
-
-def _flaky() -> Workflow:
-    """A run whose first attempt fails, retried after a short backoff."""
-    inner = Workflow("flaky", context=Ctx)
-
-    @inner.step(initial=True, next="done", retry=Retry(attempts=2, backoff="fixed", base=0.01))
-    def once(ctx: Ctx, step: Step) -> None:
-        if step.attempt == 1:
-            raise ConnectionError("the first attempt fails")
-        ctx.n = 1
-
-    inner.final("done")
-    return inner
-
-
-@pytest.mark.parametrize("kind", ["async", "def"])
-def test_a_nested_run_that_waits_out_a_retry_ends_while_its_caller_is_driven(
-    sqlite_url: str, kind: str
-) -> None:
-    """A step of ``engine.run`` runs another run (``await engine.arun`` in an ``async
-    def`` step, ``engine.run`` in a plain ``def`` one) whose first attempt fails with a
-    short backoff. Waiting it out drove the engine's executor until none of its runs was
-    active — the outer run among them, which waits for it: it never ended."""
-    inner = _flaky()
-    outer = Workflow("outer", context=Ctx)
-    if kind == "async":
-
-        @outer.step(initial=True, next="done")
-        async def call_inner(ctx: Ctx) -> None:
-            info = await asyncio.wait_for(engine.arun(inner, Ctx()), WAIT_S)
-            ctx.n = info.context.n  # type: ignore[attr-defined]
-
-    else:
-
-        @outer.step(initial=True, next="done", retry=Retry(attempts=1))
-        def run_inner(ctx: Ctx) -> None:
-            ctx.n = engine.run(inner, Ctx()).context.n  # type: ignore[attr-defined]
-
-    outer.final("done")
-    with Engine(sqlite_url, workflows=[outer, inner]) as engine:
-        info = engine.run(outer, Ctx())
-        assert info.status == "succeeded", info.error
-        assert engine.get(info.id).context.n == 1  # type: ignore[union-attr]
