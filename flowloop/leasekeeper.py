@@ -132,7 +132,7 @@ class LeaseKeeper:
 
     def end(self) -> None:
         """End one :meth:`begin`."""
-        self.guard.stop()
+        self.guard.stop(asyncio.get_running_loop())
         self.executor.watchdog.stop()
 
     def close(self) -> None:

@@ -150,9 +150,9 @@ class LeaseGuard:
         before it wakes it (else no wake-up: a thread switch costs more than a step)."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loops: list[asyncio.AbstractEventLoop] = []
-        """The loops of the starts not stopped yet, the latest last: a nested ``Engine.run``
-        (in a plain ``def`` step, on a loop of its own) hands the leases back to the outer
-        loop when it stops, not to its own closed one."""
+        """The loops of the starts not stopped yet, the latest last (under ``_lock``): when
+        a nested ``Engine.run`` (in a plain ``def`` step, on a loop of its own) stops, or
+        one thread's of several, calls go to a loop still started, not to its own."""
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
         self.handed = 0
@@ -208,7 +208,8 @@ class LeaseGuard:
         needs its :meth:`stop`. The threads are started at the first lease held and kept
         (until :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
         self._users += 1
-        self._loops.append(loop)
+        with self._lock:
+            self._loops.append(loop)
         self._loop = loop
         if not self._active.is_set():
             # (Setting an Event takes its condition's lock, per run. A thread that clears
@@ -231,17 +232,18 @@ class LeaseGuard:
         ):
             threading.Thread(target=target, name=name, daemon=True).start()
 
-    def stop(self) -> None:
-        """End the latest :meth:`start` (starts and stops nest: a loop's own, and a nested
-        ``Engine.run``'s inside the outer's); the loop told is then the one of the start
-        still going. After the last, the threads renew, poll and fence nothing (they see it
-        at their next tick, without being woken: ``Engine.run`` stops and starts a
-        heartbeat per run) and idle after ``IDLE_AFTER`` seconds without a user."""
+    def stop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """End one :meth:`start` of ``loop``; calls then go to the loop started latest of
+        those still started. After the last, the threads renew, poll and fence nothing
+        (they see it at their next tick, without being woken: ``Engine.run`` stops and
+        starts a heartbeat per run) and idle after ``IDLE_AFTER`` seconds without a user."""
         self._users = max(0, self._users - 1)
-        if self._loops:
-            self._loops.pop()
-            if self._loops:
-                self._loop = self._loops[-1]
+        with self._lock:
+            loops = self._loops
+            if loop in loops:
+                del loops[len(loops) - 1 - loops[::-1].index(loop)]
+            if loops:
+                self._loop = loops[-1]
         if not self._users:
             self._idle_since = time.monotonic()
 

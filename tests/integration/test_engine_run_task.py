@@ -27,7 +27,8 @@ from flowloop.store.sql import SQLStore
 
 WAIT_S = 30.0
 """Bound of a wait that a stop ends at once (no test waits it out)."""
-LEASE_S = 0.6
+LEASE_S = 2.0
+"""Renewed every lease/3: the lease-lost test waits one renewal for the loss."""
 
 
 class Ctx(BaseModel):
@@ -85,8 +86,8 @@ def test_arun_from_a_callers_task_drives_the_run_in_a_task_of_its_own(sqlite_url
             return asyncio.current_task()
 
         callers_task = asyncio.run(caller())
-    ((count, step_task),) = seen
-    assert count == 2 and step_task is not callers_task
+    ((_, step_task),) = seen
+    assert step_task is not callers_task
 
 
 def test_a_stop_during_engine_run_is_the_runs_end_not_the_calls(store_url: str) -> None:
@@ -105,9 +106,9 @@ def test_a_stop_during_engine_run_is_the_runs_end_not_the_calls(store_url: str) 
 def test_a_run_stopped_inside_a_step_of_engine_run_leaves_that_step_going_on(
     sqlite_url: str,
 ) -> None:
-    """A step of ``engine.run`` that awaits ``engine.arun`` drives the inner run in the same
-    task: the inner run's stop cancels that task, and is taken back once the inner drive
-    ends, so the outer step goes on and its run succeeds."""
+    """A step of ``engine.run`` awaits ``engine.arun`` of another run, which is stopped
+    during its step: the inner call returns it stopped, the outer step goes on (no
+    cancellation of the inner run reaches it) and its run succeeds."""
     cancelled = threading.Event()
     inner = _forever("inner", cancelled)
     outer = Workflow("outer", context=Ctx)
@@ -190,6 +191,8 @@ def test_ctrl_c_a_step_suppresses_with_uncancel_still_interrupts_engine_run(
     its run goes on to its end, and ``Engine.run`` still raises KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         pytest.skip("SIGINT reaches the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
     wf = Workflow("uncancels", context=Ctx)
 
     @wf.step(initial=True, next="done")

@@ -69,7 +69,7 @@ def test_a_blocked_loop_does_not_delay_the_fence() -> None:
             await asyncio.sleep(0)
             return claimed, at if seen else float("inf"), was_fenced
         finally:
-            guard.stop()
+            guard.stop(asyncio.get_running_loop())
             guard.close()
 
     try:
@@ -162,7 +162,7 @@ def test_renewals_from_the_thread_keep_a_run_while_the_writer_is_held(store_url:
                 assert not guard.fenced(run_id), lost
                 return guard.renewals
             finally:
-                guard.stop()
+                guard.stop(asyncio.get_running_loop())
                 guard.close()
 
         try:
@@ -232,7 +232,7 @@ def test_renewals_stop_while_the_loop_does_not_tick() -> None:
             seen = await asyncio.to_thread(fenced.wait, stall + lease + SLACK_S + 30)
             return alive_renewals, seen and guard.fenced("r1"), frozen
         finally:
-            guard.stop()
+            guard.stop(asyncio.get_running_loop())
             guard.close()
 
     try:
@@ -278,7 +278,7 @@ def test_an_unknown_renewal_is_neither_kept_nor_lost() -> None:
             await asyncio.sleep(0)
             return claimed, time.monotonic()
         finally:
-            guard.stop()
+            guard.stop(asyncio.get_running_loop())
             guard.close()
 
     claimed, at = asyncio.run(main())
@@ -341,3 +341,59 @@ def _call(renew: Callable[[Sequence[str]], object], ids: Sequence[str]) -> objec
         return renew(ids)
     except Exception as error:  # shown by the assertion on the result
         return error
+
+
+def _loop_in_a_thread() -> tuple[asyncio.AbstractEventLoop, threading.Thread]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    return loop, thread
+
+
+def _told_after(
+    started: Sequence[asyncio.AbstractEventLoop], stopped: asyncio.AbstractEventLoop
+) -> asyncio.AbstractEventLoop:
+    """The loop a stop request is handed to by a guard that ``started`` on each loop and
+    then stopped on ``stopped``."""
+    told: list[asyncio.AbstractEventLoop] = []
+    arrived = threading.Event()
+    asked: dict[str, str] = {}
+
+    def controls(_requests: Mapping[str, str]) -> None:
+        told.append(asyncio.get_running_loop())
+        arrived.set()
+
+    guard = LeaseGuard(
+        lease_seconds=LEASE_S,
+        poll_seconds=0.01,
+        renew=lambda run_ids: set(run_ids),
+        poll=lambda: dict(asked),
+        lost=lambda run_id, why: None,
+        controls=controls,
+    )
+    for loop in started:
+        guard.start(loop)
+    guard.hold("r1", time.monotonic())
+    guard.stop(stopped)
+    asked["r1"] = "stop"  # the poller finds the request: handed to a loop
+    try:
+        assert arrived.wait(timeout=30), "the request reached no running loop"
+        return told[0]
+    finally:
+        guard.close()
+
+
+def test_calls_go_to_a_loop_still_started_whichever_stops_first() -> None:
+    """Two loops keep leases with one guard (``Engine.run`` from two threads, or a nested
+    ``Engine.run`` on a loop of its own inside the outer's): when one of them stops, what
+    the lease threads hand over goes to the other, whichever started first."""
+    loops = [_loop_in_a_thread() for _ in range(2)]
+    (first, _), (second, _) = loops
+    try:
+        assert _told_after([first, second], stopped=first) is second
+        assert _told_after([first, second], stopped=second) is first
+    finally:
+        for loop, thread in loops:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=30)
+            loop.close()
