@@ -132,7 +132,8 @@ class LeaseKeeper:
 
     def end(self) -> None:
         """End one :meth:`begin`."""
-        self.guard.stop(asyncio.get_running_loop())
+        # (No running loop: a coroutine finalized by the GC after its loop was closed.)
+        self.guard.stop(asyncio.events._get_running_loop())
         self.executor.watchdog.stop()
 
     def close(self) -> None:

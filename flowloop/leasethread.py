@@ -134,7 +134,9 @@ class LeaseGuard:
         """A loop that has not ticked for this long is wedged: renewals stop."""
         self._wedged_since: float | None = None
         """The loop's last tick when renewals stopped for it (one warning per stall)."""
-        self._lock = threading.Lock()
+        # Reentrant: a coroutine finalized by the GC inside a section holding it may end a
+        # start (LeaseKeeper.end in its ``finally``), which takes it again on this thread.
+        self._lock = threading.RLock()
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
         self._active = threading.Event()
@@ -207,10 +209,10 @@ class LeaseGuard:
         """Begin keeping the leases, telling ``loop``. Calls nest: each :meth:`start`
         needs its :meth:`stop`. The threads are started at the first lease held and kept
         (until :meth:`close`): ``Engine.run`` starts and stops a heartbeat per run."""
-        self._users += 1
         with self._lock:
+            self._users += 1
             self._loops.append(loop)
-        self._loop = loop
+            self._loop = loop
         if not self._active.is_set():
             # (Setting an Event takes its condition's lock, per run. A thread that clears
             # it looks at ``_users`` after, so this start is seen either way.)
@@ -232,16 +234,19 @@ class LeaseGuard:
         ):
             threading.Thread(target=target, name=name, daemon=True).start()
 
-    def stop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """End one :meth:`start` of ``loop``; calls then go to the loop started latest of
-        those still started. After the last, the threads renew, poll and fence nothing
-        (they see it at their next tick, without being woken: ``Engine.run`` stops and
-        starts a heartbeat per run) and idle after ``IDLE_AFTER`` seconds without a user."""
-        self._users = max(0, self._users - 1)
+    def stop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """End one :meth:`start` of ``loop`` (``None``: the latest start, for a coroutine
+        finalized outside its loop); calls then go to the loop started latest of those
+        still started. After the last, the threads renew, poll and fence nothing (they see
+        it at their next tick, without being woken: ``Engine.run`` stops and starts a
+        heartbeat per run) and idle after ``IDLE_AFTER`` seconds without a user."""
         with self._lock:
+            self._users = max(0, self._users - 1)
             loops = self._loops
-            if loop in loops:
+            if loop is not None and loop in loops:
                 del loops[len(loops) - 1 - loops[::-1].index(loop)]
+            elif loops:
+                loops.pop()
             if loops:
                 self._loop = loops[-1]
         if not self._users:
