@@ -13,7 +13,7 @@ import contextvars
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import sqlalchemy as sa
@@ -58,10 +58,12 @@ def _stop_when_started(engine: Engine, workflow: str, state: str) -> None:
     engine.listeners.append(listener)
 
 
-def _forever(name: str, cancelled: threading.Event) -> Workflow:
-    """A run whose second step waits until it is cancelled."""
+def _forever(
+    name: str, cancelled: threading.Event, begin: Callable[[Ctx], None] = lambda ctx: None
+) -> Workflow:
+    """A run whose second step waits until it is cancelled (its first: ``begin``)."""
     wf = Workflow(name, context=Ctx)
-    wf.step(name="begin", initial=True, next="wait")(lambda ctx: None)
+    wf.step(name="begin", initial=True, next="wait")(begin)
 
     @wf.step(next="done")
     async def wait(ctx: Ctx) -> None:
@@ -249,21 +251,11 @@ def test_a_stop_still_reaches_a_run_after_a_nested_engine_run_in_its_step(
     (where it was dropped: the next step ran to its end)."""
     cancelled = threading.Event()
     inner = _tasks_seen("inner", [])
-    outer = Workflow("outer", context=Ctx)
 
-    @outer.step(initial=True, next="wait")
     def nest(ctx: Ctx) -> None:
         assert engine.run(inner, Ctx()).status == "succeeded"
 
-    @outer.step(next="done")
-    async def wait(ctx: Ctx) -> None:
-        try:
-            await asyncio.sleep(WAIT_S)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    outer.final("done")
+    outer = _forever("outer", cancelled, begin=nest)
     with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
         _stop_when_started(engine, "outer", "wait")
         info = engine.run(outer, Ctx())
