@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -210,7 +210,12 @@ class Executor(Stepping, Recovery):
         """Claim and drive due runs. With ``until_idle``, return when no run is due and none
         is running (waiting for retry backoff that ends within ``idle_horizon`` seconds);
         otherwise run until ``stop`` is set, then drain within ``grace`` seconds.
-        ``initial`` runs are already claimed and started by the caller."""
+        ``initial`` runs are already claimed and started by the caller.
+
+        ``run_ids`` limits all of it, the idle test and the drain included, to those runs:
+        the executor may be driving others meanwhile, such as the run whose step called
+        ``Engine.arun`` and now waits for this call to return."""
+        scope = None if run_ids is None else frozenset(run_ids)
         self._wake = asyncio.Event()
         share_limits(self.store, self.workflows)  # as now configured (config overrides)
         for stored in initial:
@@ -233,7 +238,7 @@ class Executor(Stepping, Recovery):
                     claimed = self._claim(run_ids)
                     due = (
                         self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
-                        if until_idle and not claimed and not self._active
+                        if until_idle and not claimed and not self._driving_any(scope)
                         else None
                     )
                     outage = 0.0
@@ -253,7 +258,7 @@ class Executor(Stepping, Recovery):
                     continue
                 if claimed:
                     continue
-                if until_idle and not self._active:
+                if until_idle and not self._driving_any(scope):
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
                     wait = None if due is None else max(0.0, due - self.clock.now())
@@ -262,10 +267,10 @@ class Executor(Stepping, Recovery):
                         wait = local  # the wall clock was set back: trust the monotonic one
                     if wait is None or wait > idle_horizon:
                         break
-                    await self.clock.sleep(wait)
+                    await self._sleep_unless_woken(wait)
                     continue
                 await self._wait_for_work(stop)
-            await self.drain(grace)
+            await self.drain(grace, scope)
         finally:
             for helper in helpers:
                 helper.cancel()
@@ -274,6 +279,12 @@ class Executor(Stepping, Recovery):
             # must go straight on from step to step instead of handing back at each one.
             self._draining = self.handing_back
         return self.stats
+
+    def _driving_any(self, scope: Collection[str] | None) -> bool:
+        """Some run of ``scope`` (None: any run) is being driven."""
+        if scope is None:
+            return bool(self._active)
+        return any(run_id in scope for run_id in self._active)
 
     def _claim(self, run_ids: Sequence[str] | None) -> int:
         free = self.max_concurrency - len(self._active) - self.reserved()
@@ -337,6 +348,22 @@ class Executor(Stepping, Recovery):
                 waiter.cancel()
             self._wake.clear()
 
+    async def _sleep_unless_woken(self, seconds: float) -> None:
+        """Sleep until a run is due, or until something wakes the loop first: a first
+        Ctrl-C (:meth:`hand_back`) must not wait out a backoff while a run outside this
+        call's ``run_ids`` keeps the executor busy (Ctrl-C cancels an idle one)."""
+        assert self._wake is not None
+        waiters = [
+            asyncio.ensure_future(self.clock.sleep(seconds)),
+            asyncio.ensure_future(self._wake.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            self._wake.clear()
+
     def spawn(
         self, stored: StoredRun, *, starting: bool, claimed_at: float | None = None
     ) -> asyncio.Task[None]:
@@ -378,11 +405,18 @@ class Executor(Stepping, Recovery):
         self.handing_back = False
         self._draining = False
 
-    async def drain(self, grace: float) -> None:
+    async def drain(self, grace: float, scope: Collection[str] | None = None) -> None:
         """Let in-flight steps finish (their runs are released, not continued) for up to
-        ``grace`` seconds, then cut the rest off: their journal shows the interruption."""
+        ``grace`` seconds, then cut the rest off: their journal shows the interruption.
+        With ``scope``, wait only for those runs: a run outside it may be waiting for this
+        call (it would be cut off after ``grace``, its step never done)."""
         self._draining = True
-        await finish_within([active.task for active in self._active.values()], grace)
+        tasks = [
+            active.task
+            for run_id, active in self._active.items()
+            if scope is None or run_id in scope
+        ]
+        await finish_within(tasks, grace)
 
     # -- leases and control (the lease work is flowloop/leasekeeper.py) -------------------
 

@@ -1,0 +1,167 @@
+"""A run started from a step of another run (``await engine.arun`` in an ``async def`` step,
+``engine.run`` in a plain ``def`` one) waits out its own retry backoff or durable sleep on
+the engine's executor, which is driving its caller meanwhile. The wait is limited to the
+started run's family: the caller, waiting for it, never counts as work still going on.
+
+(Before, the wait drove the executor until none of its runs was active — the caller among
+them, so it never ended; and a first Ctrl-C drained the caller too, cutting it off after
+the grace period.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Engine, Retry, Step, Workflow
+from flowloop import journal as j
+from flowloop.interrupt import Interrupted, run_interruptibly
+from flowloop.journal import JournalEvent, RunRecord
+from flowloop.specs import Sleep
+
+WAIT_S = 30.0
+"""Bound of each wait that the fixed code ends at once (a failing test waits it out)."""
+
+
+class Ctx(BaseModel):
+    n: int = 0
+    seen: str = ""
+
+
+def _flaky(backoff: float = 0.01) -> Workflow:
+    """A run whose first attempt fails, retried after ``backoff`` seconds."""
+    wf = Workflow("flaky", context=Ctx)
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=2, backoff="fixed", base=backoff))
+    def once(ctx: Ctx, step: Step) -> None:
+        if step.attempt == 1:
+            raise ConnectionError("the first attempt fails")
+        ctx.n = 1
+
+    wf.final("done")
+    return wf
+
+
+def _napping() -> Workflow:
+    """A run that sleeps durably (briefly) between its two steps."""
+    wf = Workflow("napping", context=Ctx)
+
+    @wf.step(initial=True, next="wake")
+    async def nap(ctx: Ctx, step: Step) -> Sleep:
+        return step.sleep(0.01)
+
+    @wf.step(next="done")
+    async def wake(ctx: Ctx) -> None:
+        ctx.n = 1
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("kind", ["async", "def"])
+@pytest.mark.parametrize("make_inner", [_flaky, _napping], ids=["retry", "sleep"])
+def test_a_run_started_from_a_step_waits_out_its_own_pause_and_ends(
+    store_url: str, kind: str, make_inner: Callable[[], Workflow]
+) -> None:
+    inner = make_inner()
+    outer = Workflow("outer", context=Ctx)
+    if kind == "async":
+
+        @outer.step(initial=True, next="done")
+        async def call_inner(ctx: Ctx) -> None:
+            info = await asyncio.wait_for(engine.arun(inner, Ctx()), WAIT_S)
+            ctx.n = info.context.n  # type: ignore[attr-defined]
+
+    else:
+
+        @outer.step(initial=True, next="done", retry=Retry(attempts=1))
+        def run_inner(ctx: Ctx) -> None:
+            ctx.n = engine.run(inner, Ctx()).context.n  # type: ignore[attr-defined]
+
+    outer.final("done")
+    with Engine(store_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        info = engine.run(outer, Ctx())
+        assert info.status == "succeeded", info.error
+        assert engine.get(info.id).context.n == 1  # type: ignore[union-attr]
+        (nested,) = [run for run in engine.runs() if run.workflow == inner.name]
+        assert nested.status == "succeeded"
+
+
+def test_a_wait_out_does_not_wait_for_a_run_the_same_loop_drives_beside_it(
+    sqlite_url: str,
+) -> None:
+    """Two ``engine.arun`` calls gathered on one loop: the first waits out a retry, the
+    second's step waits for the first call to return. Waiting for the second too, the first
+    call would only return once the second's step gave up."""
+    first_returned = asyncio.Event()
+    waiter = Workflow("waiter", context=Ctx)
+
+    @waiter.step(initial=True, next="done", retry=Retry(attempts=1))
+    async def wait_for_first(ctx: Ctx) -> None:
+        await asyncio.wait_for(first_returned.wait(), WAIT_S)
+        ctx.n = 2
+
+    waiter.final("done")
+    flaky = _flaky()
+
+    async def both(engine: Engine) -> tuple[str, str]:
+        async def first() -> str:
+            info = await engine.arun(flaky, Ctx())
+            first_returned.set()
+            return info.status
+
+        async def second() -> str:
+            return (await engine.arun(waiter, Ctx())).status
+
+        return tuple(await asyncio.gather(first(), second()))  # type: ignore[return-value]
+
+    with Engine(sqlite_url, workflows=[flaky, waiter], poll_seconds=0.05) as engine:
+        assert asyncio.run(both(engine)) == ("succeeded", "succeeded")
+
+
+def test_a_first_ctrl_c_during_a_nested_wait_out_ends_the_callers_step_at_once(
+    sqlite_url: str,
+) -> None:
+    """A first Ctrl-C lets the step in flight finish. When that step waits for a run it
+    started, which waits out a long backoff, the wait ends at once: the step gets the
+    started run as it stands (``retrying``, resumable) and its own run is handed back."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
+    inner = _flaky(backoff=10 * WAIT_S)
+    outer = Workflow("outer", context=Ctx)
+
+    @outer.step(initial=True, next="after")
+    async def call_inner(ctx: Ctx) -> None:
+        info = await asyncio.wait_for(engine.arun(inner, Ctx()), WAIT_S)
+        ctx.seen = info.status
+
+    @outer.step(next="done")
+    async def after(ctx: Ctx) -> None:
+        ctx.n = 1
+
+    outer.final("done")
+
+    def interrupt_on_retry(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        if record.workflow == inner.name and any(e.kind == j.STEP_FAILED for e in events):
+            os.kill(os.getpid(), signal.SIGINT)  # run_interruptibly's handler: hand back
+
+    with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        engine.listeners.append(interrupt_on_retry)
+        outcome = run_interruptibly(engine, outer, Ctx())
+        assert isinstance(outcome, Interrupted) and outcome.signals == 1
+        assert outcome.run is not None
+        run = engine.get(outcome.run.id)
+        assert (run.status, run.state) == ("scheduled", "after")
+        assert run.context == Ctx(seen="retrying")
+        (nested,) = [r for r in engine.runs() if r.workflow == inner.name]
+        assert nested.status == "retrying"
+        engine.run_until_idle(idle_horizon=0)  # resumed (the backoff is not yet over)
+        assert engine.get(run.id).status == "succeeded"
