@@ -151,7 +151,7 @@ class Engine(Operations, LoopControls, RunReading):
         context a new run journals (the caller's current span when none is given);
         ``None``: tracing is off."""
         self._workflows = Registry()
-        self._shared: Executor | None = None
+        self._thread_executors: mainloop.PerThread[Executor] = mainloop.PerThread(Executor.close)
         self._loops = mainloop.ThreadLoops()
         self.register(*workflows)
 
@@ -173,9 +173,7 @@ class Engine(Operations, LoopControls, RunReading):
 
     def close(self) -> None:
         self._loops.close()
-        if self._shared is not None:
-            self._shared.close()
-            self._shared = None
+        self._thread_executors.close()
         self.store.close()
 
     # -- workflows -------------------------------------------------------------------------
@@ -586,14 +584,15 @@ class Engine(Operations, LoopControls, RunReading):
     # -- driving ---------------------------------------------------------------------------
 
     def _executor(self, *, max_concurrency: int | None = None) -> Executor:
-        """The engine's executor for in-process driving (kept: its thread pool and prepared
-        state are reused across calls)."""
+        """This thread's executor for in-process driving, kept: its thread pool and prepared
+        state are reused across calls. One per calling thread, as its event loop is: the
+        lease threads hand a lost lease or a stop to the loop of the runs they keep, and
+        renew them while that loop ticks (shared, they served one thread's loop)."""
         limit = max_concurrency or self.max_concurrency
-        if self._shared is None or self._shared.max_concurrency != limit:
-            if self._shared is not None:
-                self._shared.close()
-            self._shared = self._new_executor(max_concurrency=limit)
-        return self._shared
+        executor = self._thread_executors.get()
+        if executor is None or executor.max_concurrency != limit:
+            executor = self._thread_executors.put(self._new_executor(max_concurrency=limit))
+        return executor
 
     def _new_executor(self, *, max_concurrency: int | None = None) -> Executor:
         return Executor(

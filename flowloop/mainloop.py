@@ -23,9 +23,9 @@ import contextlib
 import signal
 import threading
 import weakref
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -184,3 +184,65 @@ class ThreadLoops:
             self._local = threading.local()
         for one in kept:
             one.close()
+
+
+class _Own:
+    """One thread's object of a :class:`PerThread`: held only by that thread's locals (and
+    weakly by the :class:`PerThread`), so it is closed when the thread ends."""
+
+    __slots__ = ("__weakref__", "closer", "value")
+
+    def __init__(self, value: Any, closer: Callable[[Any], None]) -> None:
+        self.value = value
+        self.closer: Callable[[Any], None] | None = closer
+
+    def close(self) -> None:
+        closer, self.closer = self.closer, None
+        if closer is not None:
+            with contextlib.suppress(Exception):  # one left broken must not fail a close
+                closer(self.value)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class PerThread(Generic[T]):
+    """One object per calling thread (``Engine.run``'s executor: a thread's runs are driven
+    on its own loop, and an executor's lease threads and loop watchdog serve one loop at a
+    time), :meth:`put` by the thread and closed with ``closer`` when the thread ends or at
+    :meth:`close`."""
+
+    def __init__(self, closer: Callable[[T], None]) -> None:
+        self._closer = closer
+        self._local = threading.local()
+        self._made: weakref.WeakSet[_Own] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def get(self) -> T | None:
+        """This thread's object, if it has one."""
+        own: _Own | None = getattr(self._local, "own", None)
+        return None if own is None else own.value
+
+    def put(self, value: T) -> T:
+        """Make ``value`` this thread's object (closing the one it had)."""
+        old: _Own | None = getattr(self._local, "own", None)
+        if old is not None:
+            old.close()
+        own = _Own(value, self._closer)
+        self._local.own = own
+        with self._lock:
+            self._made.add(own)
+        return value
+
+    def made(self) -> list[T]:
+        """The objects of the threads that have one now."""
+        with self._lock:
+            return [own.value for own in self._made if own.closer is not None]
+
+    def close(self) -> None:
+        """Close every thread's object (a thread's next :meth:`get` finds none)."""
+        with self._lock:
+            made, self._made = list(self._made), weakref.WeakSet()
+            self._local = threading.local()
+        for own in made:
+            own.close()

@@ -404,9 +404,8 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
     tracing = RunTracing(engine, provider.get_tracer(SCOPE, __version__))
     engine.listeners.append(tracing)
     engine.direct_listeners.append(tracing)
-    shared = getattr(engine, "_shared", None)
-    if shared is not None:  # an executor already made keeps its own copy of the listeners
-        shared.listeners.append(tracing)
+    for executor in engine._thread_executors.made():  # one already made keeps its own copy
+        executor.listeners.append(tracing)
     engine.trace_new = tracing.new_run
     return tracing
 

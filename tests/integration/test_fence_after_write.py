@@ -58,8 +58,7 @@ def test_a_write_that_lands_after_the_fence_starts_no_further_step(
             # a's outcome with b's step_started: sent only once the fence thread has fenced
             # the run, while the database still holds its lease (3 s; fenced at 2.5 s).
             if not held and any(ev.kind == j.STEP_SUCCEEDED for b in boundaries for ev in b.events):
-                executor = e._shared
-                assert executor is not None
+                executor = e._executor()  # (on the thread of the call that drives the run)
                 run_id = boundaries[0].run_id
                 until = time.monotonic() + FENCE_WAIT_S
                 while not executor.leases.fenced(run_id) and time.monotonic() < until:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
@@ -125,6 +126,39 @@ def test_threads_that_end_leave_no_event_loop_open(tmp_path: Path) -> None:
         assert len(seen) == 1 + 30 * 2
         assert _open_fds() - before < 10
         assert all(loop.is_closed() for loop in seen[1:])
+
+
+def _flowloop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("flowloop-") and t.is_alive()]
+
+
+def test_threads_that_end_leave_no_executor_or_its_threads_behind(tmp_path: Path) -> None:
+    """Each calling thread's ``run`` drives its run with an executor of its own (its lease
+    threads and loop watchdog serve that thread's loop): closed when the thread ends, its
+    threads end too, rather than one set per thread that ever called."""
+    wf, _ = recording_loops("executors")
+    with Engine(f"sqlite:///{tmp_path / 'e.db'}", workflows=[wf]) as engine:
+        engine.run(wf, C())  # this thread's executor and its threads, first
+        before = {thread.ident for thread in _flowloop_threads()}
+        made: list[object] = []
+
+        def request() -> None:
+            assert engine.run(wf, C()).status == "succeeded"
+            made.append(engine._executor())
+
+        for _ in range(10):
+            thread = threading.Thread(target=request)
+            thread.start()
+            thread.join()
+        gc.collect()
+        assert len({id(executor) for executor in made}) == 10  # (all kept alive by ``made``)
+        assert engine._thread_executors.made() == [engine._executor()]  # this thread's alone
+        poll(
+            lambda: {thread.ident for thread in _flowloop_threads()} <= before,
+            timeout=30.0,
+            what="the ended threads' executors' threads to end",
+            every=0.05,
+        )
 
 
 def test_run_until_idle__a_drive_cut_short_by_an_error_leaves_no_task_on_the_kept_loop(
