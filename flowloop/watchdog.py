@@ -32,6 +32,9 @@ DEFAULT_STALL_SECONDS: Final = 0.5
 TICK_SECONDS: Final = 0.05
 """How often the ticker notes the time on the event loop (and the thread looks at it)."""
 
+IDLE_WAIT_SECONDS: Final = 1.0
+"""The longest the thread sleeps while nothing is watched before it looks again."""
+
 StallListener = Callable[[float, list[str]], None]
 """Called on the event loop after a stall with (its length in seconds, the steps named)."""
 
@@ -80,6 +83,10 @@ class LoopWatchdog:
         self._users = 0
         self._watching = False
         self._closed = threading.Event()
+        self._ring = threading.Event()
+        """The thread's doorbell out of idling: set by :meth:`start` (when not set already:
+        setting takes a lock, and ``Engine.run`` starts per run), cleared by the thread when
+        it finds nothing watched. An engine keeps one watchdog per calling thread."""
         self._inline: float | None = None
         """Since when (monotonic) a plain ``def`` step runs on the loop's thread on purpose
         (:meth:`excused`): the loop is busy in a step, not wedged."""
@@ -96,6 +103,8 @@ class LoopWatchdog:
         self._last = time.monotonic()
         self._schedule_tick(asyncio.get_running_loop(), self._last)
         self._watching = True
+        if not self._ring.is_set():  # after ``_watching``: the thread looks at it once more
+            self._ring.set()
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._watch, name="flowloop-watchdog", daemon=True
@@ -123,6 +132,7 @@ class LoopWatchdog:
         self._users = 0
         self._end_watching()
         self._closed.set()
+        self._ring.set()
 
     def _end_watching(self) -> None:
         self._watching = False
@@ -190,7 +200,10 @@ class LoopWatchdog:
 
     def _watch(self) -> None:
         while not self._closed.wait(TICK_SECONDS):
-            if not self._watching or self._inline is not None:
+            if not self._watching:
+                self._idle()
+                continue
+            if self._inline is not None:
                 continue
             last = self._last
             blocked = time.monotonic() - last
@@ -219,6 +232,13 @@ class LoopWatchdog:
                 ", ".join(self._named),
                 extra={"event": "loop_stall", "lag": blocked, "steps": self._named},
             )
+
+    def _idle(self) -> None:
+        """Sleep while nothing is watched, until a start rings (at most
+        ``IDLE_WAIT_SECONDS``, a bound should a ring ever be missed)."""
+        self._ring.clear()
+        if not self._watching:  # a start between the test and the clear set it first
+            self._ring.wait(IDLE_WAIT_SECONDS)
 
     def _where(self) -> tuple[str, bool]:
         """`` at FILE:LINE in FUNCTION`` for the loop thread's innermost frame, and whether

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+import threading
 import time
 
 import pytest
+from polling import poll
 from pydantic import BaseModel
 
-from flowloop import Engine, Step, Workflow
+from flowloop import Engine, Step, Workflow, watchdog
 from flowloop.metrics import Metrics
 from flowloop.watchdog import DEFAULT_STALL_SECONDS
 from flowloop.worker import Worker
@@ -111,6 +114,41 @@ def test_watchdog__silent_while_the_program_does_other_work_between_runs(
         assert engine.run(wf, Ctx()).status == "succeeded"
     assert stall_warnings(caplog) == []
     assert long_stalls(caplog) == []  # nor measured when a run ends
+
+
+def test_watchdog__its_thread_idles_between_runs_and_wakes_for_the_next(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between calls the watchdog's thread sleeps until the next run starts (an engine
+    keeps an executor, and so a watchdog, per calling thread): a stall in the next run is
+    still warned of while it lasts, although the idle thread would look again only after
+    a minute."""
+    monkeypatch.setattr(watchdog, "IDLE_WAIT_SECONDS", 60.0)
+    caplog.set_level(logging.INFO, logger="flowloop.watchdog")
+    quick = Workflow("quick", context=Ctx)
+
+    @quick.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    quick.final("done")
+    with Engine(sqlite_url) as engine:
+        assert engine.run(quick, Ctx()).status == "succeeded"
+        dog = engine._executor().watchdog
+        assert dog._thread is not None
+        poll(lambda: _idling(dog._thread), timeout=WAIT_S, what="the thread idle", every=0.01)
+        assert engine.run(blocking(), Ctx()).status == "succeeded"
+    assert [w for w in stall_warnings(caplog) if "blocky.crunch" in w.getMessage()]
+
+
+def _idling(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in the watchdog's idle sleep now."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == "_idle":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_watchdog__a_long_inline_def_step_is_no_stall(
