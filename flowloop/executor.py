@@ -440,11 +440,18 @@ class Executor(Stepping, Recovery):
             active.task.cancel()
 
     def apply_controls(self, requests: Mapping[str, str]) -> None:
-        """Pending pause/stop requests (read by the lease thread, flowloop/leasethread.py)."""
+        """Pending pause/stop requests (read by the lease thread, flowloop/leasethread.py).
+
+        The requests are this worker id's: those of runs another executor drives (another
+        thread's ``Engine.run``, a worker) are not kept — kept, they stayed for ever, and
+        paused such a run again were this executor to drive it after an unpause. A run
+        given up here stays ``lost``."""
         for run_id, action in requests.items():
-            self._controls[run_id] = action
             active = self._active.get(run_id)
-            if action == "stop" and active is not None and active.step_task is not None:
+            if active is None or self._controls.get(run_id) == "lost":
+                continue
+            self._controls[run_id] = action
+            if action == "stop" and active.step_task is not None:
                 active.stopping_step = "stop"
                 active.step_task.cancel()
 

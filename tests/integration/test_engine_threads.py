@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 from polling import poll
 from pydantic import BaseModel
@@ -131,3 +132,76 @@ def test_a_stop_reaches_a_run_in_the_thread_that_neither_started_first_nor_last(
         stopped = results["target"]
         assert (stopped.status, stopped.reason) == ("stopped", "stopped during step")
         assert results["first"].status == results["last"].status == "succeeded"
+
+
+def test_a_pause_seen_by_another_threads_executor_does_not_stick_to_the_run(
+    sqlite_url: str,
+) -> None:
+    """Every executor of an engine reads the pause and stop requests of its worker id. The
+    run paused in thread B's call, then unpaused and driven on by thread A's executor (A's
+    step calls ``arun`` with its idempotency key), runs to its end: A's executor had kept
+    the pause it read while B drove the run, and paused it again."""
+    a_started, go_a, b_started, release_b = (threading.Event() for _ in range(4))
+    executors: dict[str, Any] = {}
+    second = Workflow("second", context=Ctx)
+
+    @second.step(initial=True, next="then")
+    async def first_step(ctx: Ctx) -> None:
+        executors["b"] = engine._executor()
+        b_started.set()
+        assert await asyncio.to_thread(release_b.wait, WAIT_S)
+
+    @second.step(next="done")
+    async def then(ctx: Ctx) -> None:
+        ctx.n = 2
+
+    second.final("done")
+    first = Workflow("first", context=Ctx)
+
+    @first.step(initial=True, next="done")
+    async def drive_b_on(ctx: Ctx) -> None:
+        executors["a"] = engine._executor()
+        a_started.set()
+        assert await asyncio.to_thread(go_a.wait, WAIT_S)
+        info = await engine.arun(second, Ctx(), idempotency_key="b")
+        ctx.n = info.context.n  # type: ignore[attr-defined]
+
+    first.final("done")
+    results: dict[str, RunInfo] = {}
+    with Engine(sqlite_url, workflows=[first, second], poll_seconds=0.05) as engine:
+
+        def call(name: str, workflow: Workflow, key: str | None = None) -> None:
+            results[name] = engine.run(workflow, Ctx(), idempotency_key=key)
+
+        a = threading.Thread(target=call, args=("a", first))
+        b = threading.Thread(target=call, args=("b", second, "b"))
+        try:
+            a.start()
+            assert a_started.wait(WAIT_S)
+            b.start()
+            assert b_started.wait(WAIT_S)
+            (b_run,) = [run for run in engine.runs() if run.workflow == "second"]
+            guards = [executors[name].leases.guard for name in ("a", "b")]
+            handed = [guard.handed for guard in guards]
+            engine.pause(b_run.id)
+            # Both executors have read the request (and been handed it) while B drives the run.
+            poll(
+                lambda: all(g.handed > before for g, before in zip(guards, handed, strict=True)),
+                timeout=WAIT_S,
+                what="both threads' executors to read the pause",
+                every=0.01,
+            )
+            release_b.set()
+            b.join(WAIT_S)
+            assert results["b"].status == "paused"
+            engine.unpause(b_run.id)
+            go_a.set()
+            a.join(WAIT_S)
+        finally:
+            release_b.set()
+            go_a.set()
+            for thread in (a, b):
+                thread.join(WAIT_S)
+        assert results["a"].status == "succeeded", results["a"].error
+        assert engine.get(b_run.id).status == "succeeded"
+        assert engine.get(results["a"].id).context.n == 2  # type: ignore[union-attr]
