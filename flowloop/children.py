@@ -298,8 +298,7 @@ def _waited(executor: Executor, boundary: Boundary) -> None:
     executor.committer.released.add(boundary.run_id)
     executor.stats.commits += 1
     executor._notify(boundary)
-    if executor._wake is not None:
-        executor._wake.set()  # its children are due
+    executor.wake()  # its children are due
 
 
 async def _join(

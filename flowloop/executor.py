@@ -111,6 +111,7 @@ async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> Non
 @dataclass
 class _Active:
     task: asyncio.Task[None]
+    workflow: str
     step_task: asyncio.Future[Any] | None = None
     stopping_step: str | None = None  # "stop" when an operator stop cancelled the step
 
@@ -153,7 +154,10 @@ class Executor(Stepping, Recovery):
         self.async_steps: dict[str, RunningStep] = {}
         """The async steps in flight by run id, named by the loop watchdog on a stall."""
         self.watchdog = LoopWatchdog(self.async_steps)
-        self._wake: asyncio.Event | None = None
+        self._wakes: list[asyncio.Event] = []
+        """One per :meth:`run` call in progress (a nested ``Engine.arun`` waiting out a
+        retry runs one inside another's step, possibly on an event loop of its own): what
+        :meth:`wake` sets."""
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
         self._handed_seen = 0
@@ -216,7 +220,8 @@ class Executor(Stepping, Recovery):
         the executor may be driving others meanwhile, such as the run whose step called
         ``Engine.arun`` and now waits for this call to return."""
         scope = None if run_ids is None else frozenset(run_ids)
-        self._wake = asyncio.Event()
+        wake = asyncio.Event()
+        self._wakes.append(wake)
         share_limits(self.store, self.workflows)  # as now configured (config overrides)
         for stored in initial:
             self.spawn(stored, starting=False)
@@ -226,6 +231,7 @@ class Executor(Stepping, Recovery):
             # `resume` starting while the database refuses writes waits for it.
             last_recovery: float | None = None
             outage = 0.0
+            due_unclaimed = False  # the last turn found a run due, and claimed nothing
             while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
                     if last_recovery is None or self.clock.monotonic() - last_recovery > min(
@@ -235,7 +241,7 @@ class Executor(Stepping, Recovery):
                         if last_recovery is None:
                             self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
-                    claimed = self._claim(run_ids)
+                    claimed = self._claim(run_ids, scope)
                     due = (
                         self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
                         if until_idle and not claimed and not self._driving_any(scope)
@@ -257,6 +263,7 @@ class Executor(Stepping, Recovery):
                             await asyncio.wait_for(stop.wait(), outage)
                     continue
                 if claimed:
+                    due_unclaimed = False
                     continue
                 if until_idle and not self._driving_any(scope):
                     # Only the runs this call drives: another due run it may not claim
@@ -267,11 +274,15 @@ class Executor(Stepping, Recovery):
                         wait = local  # the wall clock was set back: trust the monotonic one
                     if wait is None or wait > idle_horizon:
                         break
-                    await self._sleep_unless_woken(wait)
-                    continue
-                await self._wait_for_work(stop)
+                    if wait > 0 or not due_unclaimed:
+                        due_unclaimed = wait <= 0  # (it may have come due since the claim)
+                        await self._sleep_unless_woken(wait, wake)
+                        continue
+                    # Due, and again nothing claimed (a limit, a gate): poll, do not spin.
+                await self._wait_for_work(stop, wake)
             await self.drain(grace, scope)
         finally:
+            self._wakes.remove(wake)
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -286,13 +297,18 @@ class Executor(Stepping, Recovery):
             return bool(self._active)
         return any(run_id in scope for run_id in self._active)
 
-    def _claim(self, run_ids: Sequence[str] | None) -> int:
-        free = self.max_concurrency - len(self._active) - self.reserved()
+    def _claim(self, run_ids: Sequence[str] | None, scope: Collection[str] | None = None) -> int:
+        """Claim and spawn what is due, within ``max_concurrency`` (all of it, and each
+        workflow's). With ``scope``, only the runs of the scope count against it: a run
+        outside it may be the very caller waiting for this call (as ``Engine.run``'s own
+        run is spawned without counting)."""
+        running, per_workflow = self._driving(scope)
+        free = self.max_concurrency - running - self.reserved()
         eligible = [
             name
             for name, workflow in self.workflows.items()
             if workflow.max_concurrency is None
-            or self._per_workflow.get(name, 0) < workflow.max_concurrency
+            or per_workflow.get(name, 0) < workflow.max_concurrency
         ]
         if free <= 0 or not eligible:
             return 0
@@ -324,17 +340,30 @@ class Executor(Stepping, Recovery):
         taken = 0
         for stored in rows:
             workflow = workflow_for(self.workflows, stored.record)
-            count = self._per_workflow.get(workflow.name, 0)
+            count = per_workflow.get(workflow.name, 0)
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
                 continue
             self.spawn(stored, starting=True, claimed_at=before)
+            per_workflow[workflow.name] = count + 1
             taken += 1
         return taken
 
-    async def _wait_for_work(self, stop: asyncio.Event | None) -> None:
-        assert self._wake is not None
-        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(self._wake.wait())]
+    def _driving(self, scope: Collection[str] | None) -> tuple[int, dict[str, int]]:
+        """How many runs of ``scope`` (None: all) are being driven, in all and by workflow."""
+        if scope is None:
+            return len(self._active), dict(self._per_workflow)
+        per_workflow: dict[str, int] = {}
+        running = 0
+        for run_id, active in self._active.items():
+            if run_id in scope:
+                running += 1
+                name = active.workflow
+                per_workflow[name] = per_workflow.get(name, 0) + 1
+        return running, per_workflow
+
+    async def _wait_for_work(self, stop: asyncio.Event | None, wake: asyncio.Event) -> None:
+        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(wake.wait())]
         if stop is not None:
             waiters.append(asyncio.ensure_future(stop.wait()))
         try:
@@ -346,23 +375,27 @@ class Executor(Stepping, Recovery):
         finally:
             for waiter in waiters:
                 waiter.cancel()
-            self._wake.clear()
+            wake.clear()
 
-    async def _sleep_unless_woken(self, seconds: float) -> None:
+    async def _sleep_unless_woken(self, seconds: float, wake: asyncio.Event) -> None:
         """Sleep until a run is due, or until something wakes the loop first: a first
         Ctrl-C (:meth:`hand_back`) must not wait out a backoff while a run outside this
         call's ``run_ids`` keeps the executor busy (Ctrl-C cancels an idle one)."""
-        assert self._wake is not None
         waiters = [
             asyncio.ensure_future(self.clock.sleep(seconds)),
-            asyncio.ensure_future(self._wake.wait()),
+            asyncio.ensure_future(wake.wait()),
         ]
         try:
             await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for waiter in waiters:
                 waiter.cancel()
-            self._wake.clear()
+            wake.clear()
+
+    def wake(self) -> None:
+        """Wake every :meth:`run` call waiting for work: a run ended, or is due at once."""
+        for wake in self._wakes:
+            wake.set()
 
     def spawn(
         self, stored: StoredRun, *, starting: bool, claimed_at: float | None = None
@@ -372,7 +405,7 @@ class Executor(Stepping, Recovery):
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
         task = asyncio.create_task(self._drive(stored, starting=starting))
-        self._active[stored.id] = active = _Active(task)
+        self._active[stored.id] = active = _Active(task, name)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
@@ -385,8 +418,7 @@ class Executor(Stepping, Recovery):
             self._controls.pop(stored.id, None)
             self.leases.forget(stored.id)
             self.committer.released.discard(stored.id)
-            if self._wake is not None:
-                self._wake.set()
+            self.wake()
 
         task.add_done_callback(done)
         return task
@@ -397,8 +429,7 @@ class Executor(Stepping, Recovery):
         first Ctrl-C does to ``flowloop run``. Cancelling the driving task then cuts off."""
         self.handing_back = True
         self._draining = True
-        if self._wake is not None:
-            self._wake.set()
+        self.wake()
 
     def stop_handing_back(self) -> None:
         """Drive runs again after :meth:`hand_back` (its caller got what it waited for)."""
@@ -409,8 +440,10 @@ class Executor(Stepping, Recovery):
         """Let in-flight steps finish (their runs are released, not continued) for up to
         ``grace`` seconds, then cut the rest off: their journal shows the interruption.
         With ``scope``, wait only for those runs: a run outside it may be waiting for this
-        call (it would be cut off after ``grace``, its step never done)."""
-        self._draining = True
+        call (it would be cut off after ``grace``, its step never done), nor ask the others
+        to hand back (:meth:`hand_back` does, when every run must)."""
+        if scope is None:
+            self._draining = True
         tasks = [
             active.task
             for run_id, active in self._active.items()

@@ -167,8 +167,8 @@ async def _failed(
         data=data,
     )
     await executor._finish(record, fence, [failed])
-    if retryable and executor._wake is not None:
-        executor._wake.set()
+    if retryable:
+        executor.wake()
 
 
 def _wants_step(function: Any) -> bool:

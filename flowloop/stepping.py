@@ -99,7 +99,6 @@ class Stepping:
         _active: dict[str, _Active]
         _controls: dict[str, str]
         _draining: bool
-        _wake: asyncio.Event | None
         _threads: StepThreads
         watchdog: LoopWatchdog
         leases: LeaseKeeper
@@ -117,6 +116,7 @@ class Stepping:
             self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
         ) -> JournalEvent: ...
         def _notify(self, boundary: Boundary) -> None: ...
+        def wake(self) -> None: ...
 
     def _whole(self) -> Executor:
         """This object as the executor it is part of (composition takes the executor)."""
@@ -357,8 +357,8 @@ class Stepping:
             )
             if applied and target in workflow.waits:
                 self._deliver(record.id)
-            elif applied and self._wake is not None and target not in workflow.waits:
-                self._wake.set()
+            elif applied and target not in workflow.waits:
+                self.wake()
             return None
         spec = workflow.steps[target]
         held = (
@@ -409,8 +409,8 @@ class Stepping:
                 continue
             if after.state in workflow.waits:
                 self._deliver(record.id)  # waits again: take what was kept for it
-            elif self._wake is not None:
-                self._wake.set()
+            else:
+                self.wake()
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.
@@ -449,8 +449,8 @@ class Stepping:
         delivered = try_deliver_pending(
             self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
         )
-        if delivered and self._wake is not None:
-            self._wake.set()
+        if delivered:
+            self.wake()
 
     async def _failed(
         self,
@@ -518,8 +518,8 @@ class Stepping:
         if route is not None:
             return await self._advance(workflow, record, fence, failed)
         await self._finish(record, fence, [failed])
-        if retryable and self._wake is not None:
-            self._wake.set()
+        if retryable:
+            self.wake()
         return None
 
     def _inline(self, spec: StepSpec) -> bool:

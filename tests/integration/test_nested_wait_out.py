@@ -11,16 +11,20 @@ the grace period.)
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
 from flowloop import Engine, Retry, Step, Workflow
 from flowloop import journal as j
+from flowloop.engine import RunInfo
+from flowloop.executor import Executor
 from flowloop.interrupt import Interrupted, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.specs import Sleep
@@ -165,3 +169,104 @@ def test_a_first_ctrl_c_during_a_nested_wait_out_ends_the_callers_step_at_once(
         assert nested.status == "retrying"
         engine.run_until_idle(idle_horizon=0)  # resumed (the backoff is not yet over)
         assert engine.get(run.id).status == "succeeded"
+
+
+def test_a_wait_out_inside_another_leaves_the_outer_one_its_own_wake(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The outer run's first attempt fails: ``engine.run`` waits it out (the executor's
+    until-idle loop, on the call's event loop). Its retried ``def`` step runs a nested
+    ``engine.run`` whose run waits out a retry too, on the step's own event loop. The
+    outer wait then still sleeps on an event of its own loop: sharing one, it got the
+    nested loop's, every wait failed at once ("bound to a different event loop") and the
+    loop spun, claiming thousands of times a second."""
+    inner = _flaky()
+    outer = Workflow("outer", context=Ctx)
+
+    @outer.step(initial=True, next="rest", retry=Retry(attempts=2, backoff="fixed", base=0.01))
+    def first(ctx: Ctx, step: Step) -> None:
+        if step.attempt == 1:
+            raise ConnectionError("the first attempt fails")
+        ctx.n = engine.run(inner, Ctx()).context.n  # type: ignore[attr-defined]
+
+    @outer.step(next="done")
+    async def rest(ctx: Ctx) -> None:
+        await asyncio.sleep(0.5)  # ~10 polls at poll_seconds=0.05, not thousands of claims
+
+    outer.final("done")
+    claims = _counting_claims(monkeypatch)
+    with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        info = engine.run(outer, Ctx())
+        assert info.status == "succeeded", info.error
+        assert engine.get(info.id).context.n == 1  # type: ignore[union-attr]
+    gc.collect()  # a failed wait left unretrieved is logged when it is collected
+    assert not [r for r in caplog.records if "different event loop" in r.getMessage()]
+    assert claims[0] < SPIN_CLAIMS, claims
+
+
+def test_a_wait_out_claims_although_its_caller_takes_every_slot(sqlite_url: str) -> None:
+    """``max_concurrency=1`` and the one slot is the caller's, whose step waits for the
+    run it started: the wait-out counts only its own runs against the limit (counting the
+    caller, it claimed nothing and spun until the step gave up)."""
+    inner = _flaky()
+    outer = Workflow("outer", context=Ctx)
+
+    @outer.step(initial=True, next="done", retry=Retry(attempts=1))
+    async def call_inner(ctx: Ctx) -> None:
+        info = await asyncio.wait_for(engine.arun(inner, Ctx()), WAIT_S)
+        ctx.n = info.context.n  # type: ignore[attr-defined]
+
+    outer.final("done")
+    with Engine(
+        sqlite_url, workflows=[outer, inner], poll_seconds=0.05, max_concurrency=1
+    ) as engine:
+        info = engine.run(outer, Ctx())
+        assert info.status == "succeeded", info.error
+        assert engine.get(info.id).context.n == 1  # type: ignore[union-attr]
+
+
+def test_a_first_ctrl_c_ends_two_wait_outs_going_on_at_once(sqlite_url: str) -> None:
+    """A step waits for two runs it started, both waiting out a long backoff, each in a
+    wait of its own on the step's loop: a first Ctrl-C ends both at once (with one wake
+    event for all, the later wait replaced the earlier's, which slept its backoff out)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
+    inner = _flaky(backoff=10 * WAIT_S)
+    outer = Workflow("outer", context=Ctx)
+
+    @outer.step(initial=True, next="done")
+    async def call_two(ctx: Ctx) -> None:
+        executor = engine._executor()
+        both = asyncio.gather(engine.arun(inner, Ctx()), engine.arun(inner, Ctx()))
+        while len(executor._wakes) < 2:  # both wait out their backoff now
+            await asyncio.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # run_interruptibly's handler: hand back
+        infos = await asyncio.wait_for(both, WAIT_S)
+        ctx.seen = ",".join(info.status for info in infos)
+
+    outer.final("done")
+    with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
+        outcome = run_interruptibly(engine, outer, Ctx())
+        assert isinstance(outcome, RunInfo), outcome  # the step, its run's last, finished
+        assert outcome.status == "succeeded"
+        assert engine.get(outcome.id).context == Ctx(seen="retrying,retrying")
+
+
+SPIN_CLAIMS = 200
+"""More claims than a 0.5 s step's polls and wakes could make; a spinning loop makes them
+in a fraction of it."""
+
+
+def _counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the executor's claims (``[count]``)."""
+    count = [0]
+    real = Executor._claim
+
+    def counted(self: Executor, *args: Any) -> int:
+        count[0] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(Executor, "_claim", counted)
+    return count
