@@ -405,7 +405,8 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
     engine.listeners.append(tracing)
     engine.direct_listeners.append(tracing)
     for executor in engine._thread_executors.made():  # one already made keeps its own copy
-        executor.listeners.append(tracing)
+        if tracing not in executor.listeners:  # (one made meanwhile copied it already)
+            executor.listeners.append(tracing)
     engine.trace_new = tracing.new_run
     return tracing
 
