@@ -154,10 +154,10 @@ class Executor(Stepping, Recovery):
         self.async_steps: dict[str, RunningStep] = {}
         """The async steps in flight by run id, named by the loop watchdog on a stall."""
         self.watchdog = LoopWatchdog(self.async_steps)
-        self._wakes: list[asyncio.Event] = []
-        """One per :meth:`run` call in progress (a nested ``Engine.arun`` waiting out a
-        retry runs one inside another's step, possibly on an event loop of its own): what
-        :meth:`wake` sets."""
+        self._wakes: list[tuple[frozenset[str] | None, asyncio.Event]] = []
+        """The runs (None: all) and the wake event of each :meth:`run` call in progress (a
+        nested ``Engine.arun`` waiting out a retry runs one inside another's step, possibly
+        on an event loop of its own): what :meth:`wake` sets."""
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
         self._handed_seen = 0
@@ -219,14 +219,17 @@ class Executor(Stepping, Recovery):
         ``run_ids`` limits all of it, the idle test and the drain included, to those runs:
         the executor may be driving others meanwhile, such as the run whose step called
         ``Engine.arun`` and now waits for this call to return."""
+        # Scoped, its runs are not asked to hand back by a drain (hand_back asks them all).
+        assert stop is None or run_ids is None, "a scoped run() ends idle, not on a stop"
         scope = None if run_ids is None else frozenset(run_ids)
         wake = asyncio.Event()
-        self._wakes.append(wake)
-        share_limits(self.store, self.workflows)  # as now configured (config overrides)
-        for stored in initial:
-            self.spawn(stored, starting=False)
-        helpers = [asyncio.create_task(self.heartbeat())]
+        helpers: list[asyncio.Task[None]] = []
+        self._wakes.append((scope, wake))
         try:
+            share_limits(self.store, self.workflows)  # as now configured (config overrides)
+            for stored in initial:
+                self.spawn(stored, starting=False)
+            helpers.append(asyncio.create_task(self.heartbeat()))
             # Recovery, the first one included, is inside the outage handling: a worker or
             # `resume` starting while the database refuses writes waits for it.
             last_recovery: float | None = None
@@ -279,16 +282,19 @@ class Executor(Stepping, Recovery):
                         await self._sleep_unless_woken(wait, wake)
                         continue
                     # Due, and again nothing claimed (a limit, a gate): poll, do not spin.
+                else:
+                    due_unclaimed = False
                 await self._wait_for_work(stop, wake)
             await self.drain(grace, scope)
         finally:
-            self._wakes.remove(wake)
+            self._wakes.remove((scope, wake))
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
             # Drained, not retired: the engine keeps this executor, and a later engine.run
             # must go straight on from step to step instead of handing back at each one.
-            self._draining = self.handing_back
+            if scope is None:
+                self._draining = self.handing_back
         return self.stats
 
     def _driving_any(self, scope: Collection[str] | None) -> bool:
@@ -298,10 +304,11 @@ class Executor(Stepping, Recovery):
         return any(run_id in scope for run_id in self._active)
 
     def _claim(self, run_ids: Sequence[str] | None, scope: Collection[str] | None = None) -> int:
-        """Claim and spawn what is due, within ``max_concurrency`` (all of it, and each
-        workflow's). With ``scope``, only the runs of the scope count against it: a run
-        outside it may be the very caller waiting for this call (as ``Engine.run``'s own
-        run is spawned without counting)."""
+        """Claim and spawn what is due, within this executor's ``max_concurrency`` and its
+        count of each workflow's runs. With ``scope``, only the runs of the scope count: a
+        run outside it may be the very caller waiting for this call (as ``Engine.run``'s
+        own run is spawned without counting). A workflow's limits in the store (across
+        workers, flowloop/store/limits.py) still count every run holding a slot."""
         running, per_workflow = self._driving(scope)
         free = self.max_concurrency - running - self.reserved()
         eligible = [
@@ -392,10 +399,13 @@ class Executor(Stepping, Recovery):
                 waiter.cancel()
             wake.clear()
 
-    def wake(self) -> None:
-        """Wake every :meth:`run` call waiting for work: a run ended, or is due at once."""
-        for wake in self._wakes:
-            wake.set()
+    def wake(self, run_id: str | None = None) -> None:
+        """Wake the :meth:`run` calls waiting for work that ``run_id`` concerns (None: all):
+        it ended, or is due at once. (Woken by every run, each of N calls waiting out a
+        backoff claimed at every end of another run.)"""
+        for scope, wake in self._wakes:
+            if run_id is None or scope is None or run_id in scope:
+                wake.set()
 
     def spawn(
         self, stored: StoredRun, *, starting: bool, claimed_at: float | None = None
@@ -418,7 +428,7 @@ class Executor(Stepping, Recovery):
             self._controls.pop(stored.id, None)
             self.leases.forget(stored.id)
             self.committer.released.discard(stored.id)
-            self.wake()
+            self.wake(stored.id)
 
         task.add_done_callback(done)
         return task

@@ -168,7 +168,7 @@ async def _failed(
     )
     await executor._finish(record, fence, [failed])
     if retryable:
-        executor.wake()
+        executor.wake(record.id)
 
 
 def _wants_step(function: Any) -> bool:

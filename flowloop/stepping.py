@@ -116,7 +116,7 @@ class Stepping:
             self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
         ) -> JournalEvent: ...
         def _notify(self, boundary: Boundary) -> None: ...
-        def wake(self) -> None: ...
+        def wake(self, run_id: str | None = None) -> None: ...
 
     def _whole(self) -> Executor:
         """This object as the executor it is part of (composition takes the executor)."""
@@ -358,7 +358,7 @@ class Stepping:
             if applied and target in workflow.waits:
                 self._deliver(record.id)
             elif applied and target not in workflow.waits:
-                self.wake()
+                self.wake(record.id)
             return None
         spec = workflow.steps[target]
         held = (
@@ -410,7 +410,7 @@ class Stepping:
             if after.state in workflow.waits:
                 self._deliver(record.id)  # waits again: take what was kept for it
             else:
-                self.wake()
+                self.wake(record.id)
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.
@@ -450,7 +450,7 @@ class Stepping:
             self.store, self.workflows, run_id, now=self.clock.now(), worker=self.worker_id
         )
         if delivered:
-            self.wake()
+            self.wake(run_id)
 
     async def _failed(
         self,
@@ -519,7 +519,7 @@ class Stepping:
             return await self._advance(workflow, record, fence, failed)
         await self._finish(record, fence, [failed])
         if retryable:
-            self.wake()
+            self.wake(record.id)
         return None
 
     def _inline(self, spec: StepSpec) -> bool:
