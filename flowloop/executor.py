@@ -219,8 +219,9 @@ class Executor(Stepping, Recovery):
         ``run_ids`` limits all of it, the idle test and the drain included, to those runs:
         the executor may be driving others meanwhile, such as the run whose step called
         ``Engine.arun`` and now waits for this call to return."""
-        # Scoped, its runs are not asked to hand back by a drain (hand_back asks them all).
-        assert stop is None or run_ids is None, "a scoped run() ends idle, not on a stop"
+        if stop is not None and run_ids is not None:
+            # Scoped, its runs are not asked to hand back by a drain (hand_back asks all).
+            raise ValueError("run(): a call limited to run_ids ends idle, not on a stop")
         scope = None if run_ids is None else frozenset(run_ids)
         wake = asyncio.Event()
         helpers: list[asyncio.Task[None]] = []
@@ -401,8 +402,8 @@ class Executor(Stepping, Recovery):
 
     def wake(self, run_id: str | None = None) -> None:
         """Wake the :meth:`run` calls waiting for work that ``run_id`` concerns (None: all):
-        it ended, or is due at once. (Woken by every run, each of N calls waiting out a
-        backoff claimed at every end of another run.)"""
+        it ended, or is due at once. (Waking all of them made N calls waiting out a backoff
+        each claim at every other run's end.)"""
         for scope, wake in self._wakes:
             if run_id is None or scope is None or run_id in scope:
                 wake.set()
@@ -414,6 +415,8 @@ class Executor(Stepping, Recovery):
         noted before the claim was sent (its lease ends no earlier than that + lease)."""
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
+        workflow = self.workflows.get(name)
+        limited = workflow is not None and workflow.limited
         task = asyncio.create_task(self._drive(stored, starting=starting))
         self._active[stored.id] = active = _Active(task, name)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
@@ -428,7 +431,9 @@ class Executor(Stepping, Recovery):
             self._controls.pop(stored.id, None)
             self.leases.forget(stored.id)
             self.committer.released.discard(stored.id)
-            self.wake(stored.id)
+            # A limited workflow's slot (the cluster's, in the store) is free again: a call
+            # waiting for another run of it may claim now.
+            self.wake(None if limited else stored.id)
 
         task.add_done_callback(done)
         return task

@@ -31,6 +31,9 @@ from flowloop.specs import Sleep
 
 WAIT_S = 30.0
 """Bound of each wait that the fixed code ends at once (a failing test waits it out)."""
+LONG_BACKOFF_S = 150.0
+"""A backoff longer than every bound here, yet within the default idle horizon (300 s),
+so that a wait-out waits for it (beyond it, the call would return at once)."""
 SPIN_BOUND_S = 10.0
 """The same, for a wait the unfixed code spends spinning a CPU."""
 SETTLE_S = 0.3
@@ -144,7 +147,7 @@ def test_a_first_ctrl_c_during_a_nested_wait_out_ends_the_callers_step_at_once(
         pytest.skip("SIGINT reaches the main thread only")
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
-    inner = _flaky(backoff=10 * WAIT_S)
+    inner = _flaky(backoff=LONG_BACKOFF_S)
     outer = Workflow("outer", context=Ctx)
 
     @outer.step(initial=True, next="after")
@@ -237,7 +240,7 @@ def test_a_first_ctrl_c_ends_two_wait_outs_going_on_at_once(sqlite_url: str) -> 
         pytest.skip("SIGINT reaches the main thread only")
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
-    inner = _flaky(backoff=10 * WAIT_S)
+    inner = _flaky(backoff=LONG_BACKOFF_S)
     outer = Workflow("outer", context=Ctx)
 
     @outer.step(initial=True, next="done")
@@ -255,7 +258,7 @@ def test_a_first_ctrl_c_ends_two_wait_outs_going_on_at_once(sqlite_url: str) -> 
 
     outer.final("done")
     with Engine(sqlite_url, workflows=[outer, inner], poll_seconds=0.05) as engine:
-        engine.start(inner, Ctx(), idempotency_key="later", run_at=time.time() + 10 * WAIT_S)
+        engine.start(inner, Ctx(), idempotency_key="later", run_at=time.time() + LONG_BACKOFF_S)
         outcome = run_interruptibly(engine, outer, Ctx())
         assert isinstance(outcome, RunInfo), outcome  # the step, its run's last, finished
         assert outcome.status == "succeeded"
@@ -278,3 +281,27 @@ def _counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(Executor, "_claim", counted)
     return count
+
+
+def test_waits_held_back_by_a_workflows_limit_claim_as_soon_as_a_slot_is_free(
+    sqlite_url: str,
+) -> None:
+    """Four ``arun`` calls of a workflow that runs one at a time, gathered on one loop:
+    each call waits for its own run, held back by the limit while another call's runs.
+    The end of a run frees the slot and wakes them, rather than each waiting for its next
+    poll (a long one here)."""
+    limited = Workflow("one_at_a_time", context=Ctx, max_concurrency=1)
+
+    @limited.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        ctx.n = 1
+
+    limited.final("done")
+
+    async def four(engine: Engine) -> list[str]:
+        calls = [engine.arun(limited, Ctx()) for _ in range(4)]
+        infos = await asyncio.wait_for(asyncio.gather(*calls), SPIN_BOUND_S)
+        return [info.status for info in infos]
+
+    with Engine(sqlite_url, workflows=[limited], poll_seconds=WAIT_S) as engine:
+        assert asyncio.run(four(engine)) == ["succeeded"] * 4
