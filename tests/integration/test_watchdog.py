@@ -52,6 +52,18 @@ def blocking(*, takes_step: bool = True) -> Workflow:
     return wf
 
 
+def quick() -> Workflow:
+    """A workflow of one trivial async step (no stall of its own)."""
+    wf = Workflow("quick", context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.final("done")
+    return wf
+
+
 def stall_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [
         r for r in caplog.records if r.name == "flowloop.watchdog" and r.levelno == logging.WARNING
@@ -101,13 +113,7 @@ def test_watchdog__silent_while_the_program_does_other_work_between_runs(
     watching when the call returns, so the caller's own work after it (here a sleep past
     the stall threshold) is no "event loop blocked" warning."""
     caplog.set_level(logging.INFO, logger="flowloop.watchdog")
-    wf = Workflow("quick", context=Ctx)
-
-    @wf.step(initial=True, next="done")
-    async def only(ctx: Ctx) -> None:
-        ctx.n += 1
-
-    wf.final("done")
+    wf = quick()
     with Engine(sqlite_url) as engine:
         assert engine.run(wf, Ctx()).status == "succeeded"
         time.sleep(BLOCK_S)  # the caller's own work, off the loop: nothing to warn about
@@ -125,15 +131,8 @@ def test_watchdog__its_thread_idles_between_runs_and_wakes_for_the_next(
     a minute."""
     monkeypatch.setattr(watchdog, "IDLE_WAIT_SECONDS", 60.0)
     caplog.set_level(logging.INFO, logger="flowloop.watchdog")
-    quick = Workflow("quick", context=Ctx)
-
-    @quick.step(initial=True, next="done")
-    async def only(ctx: Ctx) -> None:
-        ctx.n += 1
-
-    quick.final("done")
     with Engine(sqlite_url) as engine:
-        assert engine.run(quick, Ctx()).status == "succeeded"
+        assert engine.run(quick(), Ctx()).status == "succeeded"
         dog = engine._executor().watchdog
         assert dog._thread is not None
         poll(lambda: _idling(dog._thread), timeout=WAIT_S, what="the thread idle", every=0.01)
