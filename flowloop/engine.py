@@ -572,13 +572,18 @@ class Engine(Operations, LoopControls, RunReading):
         ):
             # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
             # run in a call or map state is driven with its children until it moves on.
+            family = children.family(self.store, stored.id)
             while True:
-                await executor.run(until_idle=True, run_ids=children.family(self.store, stored.id))
+                await executor.run(until_idle=True, run_ids=family)
                 before, info = info, self.get(stored.id)
                 if info.state not in workflow.composites or info.status not in CLAIMABLE:
                     break
-                if (before.state, before.last_seq) == (info.state, info.last_seq):
-                    break  # nothing of its family is due (children waiting for events)
+                driven, family = set(family), children.family(self.store, stored.id)
+                moved = (before.state, before.last_seq) != (info.state, info.last_seq)
+                if not moved and driven.issuperset(family):
+                    # Nothing of its family is due (children waiting for events). (A child
+                    # that started children of its own meanwhile: drive them too.)
+                    break
         return info
 
     # -- driving ---------------------------------------------------------------------------

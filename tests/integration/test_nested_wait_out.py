@@ -306,3 +306,39 @@ def test_waits_held_back_by_a_workflows_limit_claim_as_soon_as_a_slot_is_free(
 
     with Engine(sqlite_url, workflows=[limited], poll_seconds=WAIT_S) as engine:
         assert asyncio.run(four(engine)) == ["succeeded"] * 4
+
+
+@pytest.mark.parametrize("leaf_retries", [False, True], ids=["straight", "leaf_retries"])
+def test_engine_run_drives_a_child_that_calls_a_child_of_its_own(
+    store_url: str, leaf_retries: bool
+) -> None:
+    """top calls mid, which calls leaf. ``engine.run(top)`` drives all three to the end: the
+    family it drives is looked up again when a member started children of its own (before,
+    it returned ``top`` still ``scheduled`` in its call state, with ``leaf`` never run)."""
+    leaf = _flaky() if leaf_retries else _napping()
+    mid = _calling("mid", leaf)
+    top = _calling("top", mid)
+    with Engine(store_url, workflows=[top, mid, leaf], poll_seconds=0.05) as engine:
+        info = engine.run(top, Ctx())
+        assert (info.status, info.state) == ("succeeded", "done"), info.error
+        assert info.context == Ctx(n=1)
+        assert {run.workflow: run.status for run in engine.runs()} == {
+            "top": "succeeded",
+            "mid": "succeeded",
+            leaf.name: "succeeded",
+        }
+
+
+def _calling(name: str, child: Workflow) -> Workflow:
+    """A workflow whose initial state calls ``child`` and takes its ``n``."""
+    wf = Workflow(name, context=Ctx)
+    wf.call(
+        "go",
+        child=child,
+        context=lambda ctx: Ctx(),
+        on={"succeeded": "done"},
+        result=lambda ctx, done: setattr(ctx, "n", done.n),
+        initial=True,
+    )
+    wf.final("done")
+    return wf
