@@ -576,6 +576,8 @@ class Engine(Operations, LoopControls, RunReading):
             while True:
                 await executor.run(until_idle=True, run_ids=family)
                 before, info = info, self.get(stored.id)
+                if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
+                    break
                 if info.state not in workflow.composites or info.status not in CLAIMABLE:
                     break
                 driven, family = set(family), children.family(self.store, stored.id)

@@ -329,6 +329,26 @@ def test_engine_run_drives_a_child_that_calls_a_child_of_its_own(
         }
 
 
+def test_engine_run_returns_when_a_grandchild_waits_for_an_event(store_url: str) -> None:
+    """The family grew (leaf was created), yet nothing of it is due: leaf waits for an
+    event. ``engine.run(top)`` returns at once, top and mid ``scheduled`` in their call
+    states; the event then lets a later ``run_until_idle`` finish all three."""
+    leaf = Workflow("held", context=Ctx)
+    leaf.wait("hold", on={"go": "done"}, initial=True)
+    leaf.final("done")
+    mid = _calling("mid", leaf)
+    top = _calling("top", mid)
+    with Engine(store_url, workflows=[top, mid, leaf], poll_seconds=0.05) as engine:
+        info = engine.run(top, Ctx())
+        assert (info.status, info.state) == ("scheduled", "go")
+        states = {run.workflow: run.state for run in engine.runs()}
+        assert states == {"top": "go", "mid": "go", "held": "hold"}
+        (held,) = [run for run in engine.runs() if run.workflow == "held"]
+        engine.send(held.id, "go")
+        engine.run_until_idle()
+        assert engine.get(info.id).status == "succeeded"
+
+
 def _calling(name: str, child: Workflow) -> Workflow:
     """A workflow whose initial state calls ``child`` and takes its ``n``."""
     wf = Workflow(name, context=Ctx)
