@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -106,6 +106,18 @@ async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> Non
         # bounded time (the runs stay ``running`` and the next worker's recovery settles
         # them) rather than break the grace period's promise for good.
         await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
+
+
+async def _first_of(
+    waits: Sequence[Coroutine[Any, Any, Any]], timeout: float | None = None
+) -> None:
+    """Wait until the first of ``waits`` is done (or ``timeout``); cancel the others."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 @dataclass
@@ -371,34 +383,16 @@ class Executor(Stepping, Recovery):
         return running, per_workflow
 
     async def _wait_for_work(self, stop: asyncio.Event | None, wake: asyncio.Event) -> None:
-        waiters: list[asyncio.Future[Any]] = [asyncio.ensure_future(wake.wait())]
-        if stop is not None:
-            waiters.append(asyncio.ensure_future(stop.wait()))
-        try:
-            await asyncio.wait(
-                waiters,
-                timeout=self.gates.wake_in(self.poll_seconds),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            wake.clear()
+        waits = [wake.wait()] if stop is None else [wake.wait(), stop.wait()]
+        await _first_of(waits, timeout=self.gates.wake_in(self.poll_seconds))
+        wake.clear()
 
     async def _sleep_unless_woken(self, seconds: float, wake: asyncio.Event) -> None:
         """Sleep until a run is due, or until something wakes the loop first: a first
         Ctrl-C (:meth:`hand_back`) must not wait out a backoff while a run outside this
         call's ``run_ids`` keeps the executor busy (Ctrl-C cancels an idle one)."""
-        waiters = [
-            asyncio.ensure_future(self.clock.sleep(seconds)),
-            asyncio.ensure_future(wake.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
-            wake.clear()
+        await _first_of([self.clock.sleep(seconds), wake.wait()])
+        wake.clear()
 
     def wake(self, run_id: str | None = None) -> None:
         """Wake the :meth:`run` calls waiting for work that ``run_id`` concerns (None: all):

@@ -9,7 +9,9 @@ under ``CI=true`` they fail instead, so a missing server cannot hide a broken st
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,6 +89,16 @@ def pg_url() -> Iterator[str]:
 def sqlite_url(tmp_path: Path) -> str:
     """A SQLite database file in the test's own directory (not created yet)."""
     return f"sqlite:///{tmp_path / 'flowloop.db'}"
+
+
+@pytest.fixture
+def python_sigint() -> None:
+    """Skip unless a SIGINT this process sends itself reaches Python's default handler
+    (the main thread, and SIGINT not ignored, as a background job's is)."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("SIGINT reaches the main thread only")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

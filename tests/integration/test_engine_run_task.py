@@ -187,15 +187,12 @@ def test_a_step_that_cancels_its_own_task_and_handles_it_leaves_the_call_alone(
         assert info.status == "succeeded" and engine.get(info.id).context.n == 9  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_ctrl_c_a_step_suppresses_with_uncancel_still_interrupts_engine_run(
     sqlite_url: str,
 ) -> None:
     """A step suppresses the Ctrl-C's cancellation as asyncio's docs show (``uncancel``):
     its run goes on to its end, and ``Engine.run`` still raises KeyboardInterrupt."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("SIGINT reaches the main thread only")
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
     wf = Workflow("uncancels", context=Ctx)
 
     @wf.step(initial=True, next="done")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -137,13 +136,13 @@ def test_a_wait_out_does_not_wait_for_a_run_the_same_loop_drives_beside_it(
         assert asyncio.run(both(engine)) == ("succeeded", "succeeded")
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_during_a_nested_wait_out_ends_the_callers_step_at_once(
     sqlite_url: str,
 ) -> None:
     """A first Ctrl-C lets the step in flight finish. When that step waits for a run it
     started, which waits out a long backoff, the wait ends at once: the step gets the
     started run as it stands (``retrying``, resumable) and its own run is handed back."""
-    _skip_unless_sigint_reaches_python()
     inner = _flaky(backoff=LONG_BACKOFF_S)
     outer = Workflow("outer", context=Ctx)
 
@@ -228,12 +227,12 @@ def test_a_wait_out_claims_although_its_caller_takes_every_slot(sqlite_url: str)
         assert engine.get(info.id).context.n == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.usefixtures("python_sigint")
 def test_a_first_ctrl_c_ends_two_wait_outs_going_on_at_once(sqlite_url: str) -> None:
     """A step waits for two runs, each waiting out a long backoff in a wait of its own on
     the step's loop, the second begun while the first sleeps: a first Ctrl-C ends both at
     once. (With one wake event for all, the later wait replaced the earlier's, which then
     slept its backoff out.)"""
-    _skip_unless_sigint_reaches_python()
     inner = _flaky(backoff=LONG_BACKOFF_S)
     outer = Workflow("outer", context=Ctx)
 
@@ -257,13 +256,6 @@ def test_a_first_ctrl_c_ends_two_wait_outs_going_on_at_once(sqlite_url: str) -> 
         assert isinstance(outcome, RunInfo), outcome  # the step, its run's last, finished
         assert outcome.status == "succeeded"
         assert engine.get(outcome.id).context == Ctx(seen="retrying,scheduled")
-
-
-def _skip_unless_sigint_reaches_python() -> None:
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("SIGINT reaches the main thread only")
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        pytest.skip("SIGINT is not Python's default here (ignored by a background job?)")
 
 
 SPIN_CLAIMS = 200
