@@ -153,8 +153,9 @@ class LeaseGuard:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loops: list[asyncio.AbstractEventLoop] = []
         """The loops of the starts not stopped yet, the latest last (under ``_lock``): when
-        a nested ``Engine.run`` (in a plain ``def`` step, on a loop of its own) stops, or
-        one thread's of several, calls go to a loop still started, not to its own."""
+        a nested ``Engine.run`` (in a plain ``def`` step, on a loop of its own) stops,
+        calls go to a loop still started, not to its own. (Each thread calling
+        ``Engine.run`` has an executor, and so a guard, of its own: Engine._executor.)"""
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
         self.handed = 0
