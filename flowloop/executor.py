@@ -159,6 +159,8 @@ class Executor(Stepping, Recovery):
         step pool's bound (see flowloop.steppool)."""
         self._active: dict[str, _Active] = {}
         self._controls: dict[str, str] = {}
+        self._polled_pauses: set[str] = set()
+        """The runs whose pause the last poll's requests held (:meth:`apply_controls`)."""
         self._draining = False
         self.handing_back = False
         """Set by :meth:`hand_back`: claim nothing more and stop once the steps in flight
@@ -487,12 +489,23 @@ class Executor(Stepping, Recovery):
         The requests are this worker id's: those of runs another executor drives (another
         thread's ``Engine.run``, a worker) are not kept — kept, they stayed for ever, and
         paused such a run again were this executor to drive it after an unpause. A run
-        given up here stays ``lost``."""
+        given up here stays ``lost``.
+
+        They come after every poll that found some, and once after the last of those: a
+        pause an earlier poll read that this one lacks was withdrawn (``unpause`` of a
+        running run clears its request), and is dropped before the run's next boundary
+        honours it. (A pause read at the claim is not dropped until a poll has read it.)"""
+        for run_id in self._polled_pauses - requests.keys():
+            if self._controls.get(run_id) == "pause":
+                del self._controls[run_id]
+        self._polled_pauses = set()
         for run_id, action in requests.items():
             active = self._active.get(run_id)
             if active is None or self._controls.get(run_id) == "lost":
                 continue
             self._controls[run_id] = action
+            if action == "pause":
+                self._polled_pauses.add(run_id)
             if action == "stop" and active.step_task is not None:
                 active.stopping_step = "stop"
                 active.step_task.cancel()

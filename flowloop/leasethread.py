@@ -341,6 +341,7 @@ class LeaseGuard:
     def _renew_loop(self) -> None:
         last_renewal = last_poll = time.monotonic()
         failing = False
+        requested = False  # the last requests handed to the loop held some
         while not self._closed.wait(self.tick):
             if not self._users:
                 self._idle(self._closed, watcher=False)
@@ -354,8 +355,11 @@ class LeaseGuard:
                 if (now - last_poll >= self.poll_seconds or failing) and self._holding():
                     requests = self._poll()
                     last_poll, called = now, True
-                    if requests:
+                    # Handed over after requests even when empty: the loop drops a pause
+                    # that was withdrawn meanwhile (an operator's unpause of a running run).
+                    if requests or requested:
                         self._to_loop(self._controls, dict(requests))
+                    requested = bool(requests)
                 if failing and called:
                     log.info("heartbeat: database reachable again")
                     failing = False

@@ -1,0 +1,119 @@
+"""An operator's ``unpause`` of a running run withdraws the pause it asked for: the run goes
+on at its next boundary, even when its worker has already read the pause request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from polling import poll
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop.engine import RunInfo
+
+WAIT_S = 30.0
+
+
+class Ctx(BaseModel):
+    n: int = 0
+
+
+def _long_step_workflow(started: threading.Event, release: threading.Event) -> Workflow:
+    workflow = Workflow("withdrawn", context=Ctx)
+
+    @workflow.step(initial=True, next="then")
+    async def long_step(ctx: Ctx) -> None:
+        started.set()
+        assert await asyncio.to_thread(release.wait, WAIT_S)
+        ctx.n = 1
+
+    @workflow.step(next="done")
+    async def then(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    workflow.final("done")
+    return workflow
+
+
+def test_an_unpause_after_the_worker_read_the_pause_lets_the_run_go_on(store_url: str) -> None:
+    """The pause is read by the executor's poll while the step runs; the unpause clears the
+    request before the step ends. The poll after it hands the executor the requests
+    without that pause, and the boundary goes on: the run succeeds instead of pausing."""
+    started, release = threading.Event(), threading.Event()
+    workflow = _long_step_workflow(started, release)
+    results: dict[str, RunInfo] = {}
+    executors: dict[str, Any] = {}
+    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
+
+        def call() -> None:
+            executors["run"] = engine._executor()
+            results["run"] = engine.run(workflow, Ctx())
+
+        thread = threading.Thread(target=call)
+        try:
+            thread.start()
+            assert started.wait(WAIT_S)
+            (run,) = engine.runs()
+            guard = executors["run"].leases.guard
+            before = guard.handed
+            engine.pause(run.id)
+            poll(lambda: guard.handed > before, timeout=WAIT_S, what="the pause read", every=0.01)
+            assert executors["run"]._controls.get(run.id) == "pause"  # read: it would pause
+            read = guard.handed
+            assert engine.unpause(run.id).status == "running"
+            # The next poll finds no request and says so: the kept pause is dropped.
+            poll(
+                lambda: guard.handed > read,
+                timeout=WAIT_S,
+                what="the requests without the pause handed over",
+                every=0.01,
+            )
+            release.set()
+            thread.join(WAIT_S)
+        finally:
+            release.set()
+            thread.join(WAIT_S)
+        assert results["run"].status == "succeeded", results["run"]
+        assert results["run"].context.n == 2  # type: ignore[attr-defined]
+        kinds = [event.kind for event in engine.history(run.id)]
+        assert "run_paused" not in kinds
+
+
+def test_a_pause_that_is_not_withdrawn_still_pauses_the_run(store_url: str) -> None:
+    """Requests handed over after the pause still hold it: the run pauses at its boundary,
+    and the polls that follow (with the same request) do not drop it."""
+    started, release = threading.Event(), threading.Event()
+    workflow = _long_step_workflow(started, release)
+    results: dict[str, RunInfo] = {}
+    executors: dict[str, Any] = {}
+    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
+
+        def call() -> None:
+            executors["run"] = engine._executor()
+            results["run"] = engine.run(workflow, Ctx())
+
+        thread = threading.Thread(target=call)
+        try:
+            thread.start()
+            assert started.wait(WAIT_S)
+            (run,) = engine.runs()
+            guard = executors["run"].leases.guard
+            before = guard.handed
+            engine.pause(run.id)
+            poll(
+                lambda: guard.handed > before + 2,
+                timeout=WAIT_S,
+                what="three polls with the pause handed over",
+                every=0.01,
+            )
+            release.set()
+            thread.join(WAIT_S)
+        finally:
+            release.set()
+            thread.join(WAIT_S)
+        assert results["run"].status == "paused", results["run"]
+        assert engine.unpause(run.id).status in ("scheduled", "running", "succeeded")
+        assert engine.run_until_idle() is not None
+        assert engine.get(run.id).status == "succeeded"
