@@ -418,6 +418,10 @@ class Executor(Stepping, Recovery):
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
+        # A claim of a run given up here while its old task lives on (a step swallowed the
+        # cancellation) is a new lease: the old "lost" mark and polled pause are not its.
+        self._controls.pop(stored.id, None)
+        self._polled_pauses.discard(stored.id)
 
         def done(_: asyncio.Task[None]) -> None:
             self._per_workflow[name] -= 1
