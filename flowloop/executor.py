@@ -126,6 +126,9 @@ class _Active:
     workflow: str
     step_task: asyncio.Future[Any] | None = None
     stopping_step: str | None = None  # "stop" when an operator stop cancelled the step
+    lost: bool = False
+    """This drive gave the run up (its lease is lost): a later claim of the run is driven
+    by a task of its own, with a mark of its own."""
 
 
 class Executor(Stepping, Recovery):
@@ -419,7 +422,8 @@ class Executor(Stepping, Recovery):
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
         # A claim of a run given up here while its old task lives on (a step swallowed the
-        # cancellation) is a new lease: the old "lost" mark and polled pause are not its.
+        # cancellation) is a new lease: what the old drive was asked is not its (a request
+        # still pending is in the database: the claim read it, and the next poll reads it).
         self._controls.pop(stored.id, None)
         self._polled_pauses.discard(stored.id)
 
@@ -477,14 +481,16 @@ class Executor(Stepping, Recovery):
         return (run_id for run_id, active in self._active.items() if not active.task.done())
 
     def lost(self, run_id: str) -> bool:
-        """This executor gave up the run (its lease is lost or could not be renewed)."""
-        return self._controls.get(run_id) == "lost"
+        """This executor gave up its current drive of the run (its lease is lost or could
+        not be renewed)."""
+        active = self._active.get(run_id)
+        return active is not None and active.lost
 
     def cancel_lost(self, run_id: str) -> None:
         """Stop driving a run whose lease is gone: its task is cancelled, no cut-off."""
-        self._controls[run_id] = "lost"
         active = self._active.get(run_id)
         if active is not None:
+            active.lost = True
             active.task.cancel()
 
     def apply_controls(self, requests: Mapping[str, str]) -> None:
@@ -492,20 +498,20 @@ class Executor(Stepping, Recovery):
 
         The requests are this worker id's: those of runs another executor drives (another
         thread's ``Engine.run``, a worker) are not kept — kept, they stayed for ever, and
-        paused such a run again were this executor to drive it after an unpause. A run
-        given up here stays ``lost``.
+        paused such a run again were this executor to drive it after an unpause. A drive
+        given up here (lost) takes none.
 
         They come after every poll that found some, and once after the last of those: a
         pause an earlier poll read that this one lacks was withdrawn (``unpause`` of a
-        running run clears its request), and is dropped before the run's next boundary
-        honours it. (A pause read at the claim is not dropped until a poll has read it.)"""
+        running run clears its request), and is dropped, unless the run's boundary has
+        honoured it already."""
         for run_id in self._polled_pauses - requests.keys():
             if self._controls.get(run_id) == "pause":
                 del self._controls[run_id]
         self._polled_pauses = set()
         for run_id, action in requests.items():
             active = self._active.get(run_id)
-            if active is None or self._controls.get(run_id) == "lost":
+            if active is None or active.lost:
                 continue
             self._controls[run_id] = action
             if action == "pause":
@@ -665,7 +671,13 @@ class Executor(Stepping, Recovery):
                 if self.leases.handed != self._handed_seen or time.monotonic() >= self._next_turn:
                     await self._take_a_turn()
         except asyncio.CancelledError:
-            if self._controls.get(record.id) != "lost" and record.status == "running":
+            active = self._active.get(record.id)
+            # Given up (lost), or claimed again meanwhile by a newer task: its fence is
+            # stale, and the run's journal is no longer this task's to write.
+            given_up = active is not None and (
+                active.lost or active.task is not asyncio.current_task()
+            )
+            if not given_up and record.status == "running":
                 await asyncio.shield(self._cut_off(record, fence))
             raise
 

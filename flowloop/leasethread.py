@@ -59,6 +59,12 @@ this host and the database server, and the time to stop a step, must fit in it).
 RENEW_FRACTION: Final = 1 / 3
 """Of the lease, between two renewals (two more renewals can fail before the fence)."""
 
+QUIET_POLLS_HANDED: Final = 3
+"""Polls that find no request, after one that found some, whose (empty) requests are still
+handed to the loop: the loop drops a pause withdrawn meanwhile (Executor.apply_controls),
+even when one hand-over is lost (its loop closed) or overtaken (one queued to the outer
+loop while a nested ``Engine.run`` drove its own)."""
+
 FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
 """The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
 
@@ -341,7 +347,7 @@ class LeaseGuard:
     def _renew_loop(self) -> None:
         last_renewal = last_poll = time.monotonic()
         failing = False
-        requested = False  # the last requests handed to the loop held some
+        quiet_to_hand = 0  # polls without requests still to hand over (see the constant)
         while not self._closed.wait(self.tick):
             if not self._users:
                 self._idle(self._closed, watcher=False)
@@ -357,9 +363,9 @@ class LeaseGuard:
                     last_poll, called = now, True
                     # Handed over after requests even when empty: the loop drops a pause
                     # that was withdrawn meanwhile (an operator's unpause of a running run).
-                    if requests or requested:
+                    if requests or quiet_to_hand:
                         self._to_loop(self._controls, dict(requests))
-                    requested = bool(requests)
+                    quiet_to_hand = QUIET_POLLS_HANDED if requests else max(0, quiet_to_hand - 1)
                 if failing and called:
                     log.info("heartbeat: database reachable again")
                     failing = False

@@ -92,7 +92,9 @@ def test_a_run_lost_and_claimed_again_takes_a_stop(store_url: str) -> None:
             (run,) = engine.runs()
             executor.leases.begin()  # (the threads serve the second drive after arun ends)
             try:
-                executor.cancel_lost(run.id)  # the lease threads found the lease gone
+                # The lease threads found the lease gone: fenced, no longer renewed, the
+                # task cancelled.
+                executor.leases.abandon(run.id, "test: its lease is gone")
                 await asyncio.wait_for(events["swallowed"].wait(), WAIT_S)
                 # Its lease expires; this executor claims the run again and drives it.
                 engine.store.expire_leases([engine.worker_id])

@@ -14,6 +14,9 @@ from flowloop import Engine, Workflow
 from flowloop.engine import RunInfo
 
 WAIT_S = 30.0
+STEP_WAIT_S = 3 * WAIT_S
+"""How long the long step waits for its release: longer than any wait of the test, so a
+test that fails its wait never sees the step give up (and the run retried) first."""
 
 
 class Ctx(BaseModel):
@@ -26,7 +29,7 @@ def _long_step_workflow(started: threading.Event, release: threading.Event) -> W
     @workflow.step(initial=True, next="then")
     async def long_step(ctx: Ctx) -> None:
         started.set()
-        assert await asyncio.to_thread(release.wait, WAIT_S)
+        assert await asyncio.to_thread(release.wait, STEP_WAIT_S)
         ctx.n = 1
 
     @workflow.step(next="done")
@@ -39,8 +42,9 @@ def _long_step_workflow(started: threading.Event, release: threading.Event) -> W
 
 def test_an_unpause_after_the_worker_read_the_pause_lets_the_run_go_on(store_url: str) -> None:
     """The pause is read by the executor's poll while the step runs; the unpause clears the
-    request before the step ends. The poll after it hands the executor the requests
-    without that pause, and the boundary goes on: the run succeeds instead of pausing."""
+    request before the step ends. The polls after it hand the executor the requests
+    without that pause, and the boundary goes on: the run succeeds instead of pausing.
+    (Without the fix the wait for the pause to be dropped fails after ``WAIT_S``.)"""
     started, release = threading.Event(), threading.Event()
     workflow = _long_step_workflow(started, release)
     results: dict[str, RunInfo] = {}
@@ -56,18 +60,20 @@ def test_an_unpause_after_the_worker_read_the_pause_lets_the_run_go_on(store_url
             thread.start()
             assert started.wait(WAIT_S)
             (run,) = engine.runs()
-            guard = executors["run"].leases.guard
-            before = guard.handed
+            kept = executors["run"]._controls
             engine.pause(run.id)
-            poll(lambda: guard.handed > before, timeout=WAIT_S, what="the pause read", every=0.01)
-            assert executors["run"]._controls.get(run.id) == "pause"  # read: it would pause
-            read = guard.handed
+            poll(
+                lambda: kept.get(run.id) == "pause",  # read and kept: it would pause
+                timeout=WAIT_S,
+                what="the executor to keep the pause",
+                every=0.01,
+            )
             assert engine.unpause(run.id).status == "running"
             # The next poll finds no request and says so: the kept pause is dropped.
             poll(
-                lambda: guard.handed > read,
+                lambda: run.id not in kept,
                 timeout=WAIT_S,
-                what="the requests without the pause handed over",
+                what="the executor to drop the withdrawn pause",
                 every=0.01,
             )
             release.set()
