@@ -165,10 +165,13 @@ class Operations:
     def unpause(self, run_id: str) -> RunInfo:
         stored = self._stored(run_id)
         run_id = stored.id
-        if stored.record.status != "paused":
-            if stored.control == "pause":
-                self.store.request_control(run_id, None)
+        if stored.record.status != "paused" and stored.control == "pause":
+            # Running: withdraw the pause it has not honoured, that request only (a stop
+            # made meanwhile stays).
+            if self.store.withdraw_control(run_id, "pause"):
                 return self.get(run_id)
+            stored = self._stored(run_id)  # honoured or replaced meanwhile: look again
+        if stored.record.status != "paused":
             raise InvalidTransition(run_id, stored.record.status, "unpause")
         record = stored.record
         workflow = self._workflow_for(record)

@@ -292,6 +292,11 @@ class Store(abc.ABC):
         """Ask the owner of a run to pause or stop it at its next boundary."""
 
     @abc.abstractmethod
+    def withdraw_control(self, run_id: str, action: str) -> bool:
+        """Withdraw the run's pending ``action`` request; False when it holds none (or
+        another: a stop made meanwhile stays)."""
+
+    @abc.abstractmethod
     def pending_controls(self, *, worker: str) -> dict[str, str]:
         """Control requests on runs this worker owns."""
 

@@ -730,6 +730,15 @@ class SQLStore(
             result = conn.execute(update(runs).where(runs.c.id == run_id).values(control=action))
             return bool(result.rowcount == 1)
 
+    def withdraw_control(self, run_id: str, action: str) -> bool:
+        with self._write() as conn:
+            result = conn.execute(
+                update(runs)
+                .where(runs.c.id == run_id, runs.c.control == action)
+                .values(control=None)
+            )
+            return bool(result.rowcount == 1)
+
     def pending_controls(self, *, worker: str) -> dict[str, str]:
         with self._read() as conn:
             rows = conn.execute(

@@ -524,6 +524,20 @@ def test_request_control__withdrawn_with_none(store: SQLStore) -> None:
     assert store.pending_controls(worker="a") == {}
 
 
+def test_withdraw_control__only_the_request_it_names(store: SQLStore) -> None:
+    """An operator's unpause withdraws a pause; a stop made meanwhile is not withdrawn."""
+    stored, _ = store.create_run(new_run())
+    claim_one(store, "a", stored.id)
+    store.request_control(stored.id, "stop")
+    assert store.withdraw_control(stored.id, "pause") is False
+    assert store.pending_controls(worker="a") == {stored.id: "stop"}
+    store.request_control(stored.id, "pause")
+    assert store.withdraw_control(stored.id, "pause") is True
+    assert store.pending_controls(worker="a") == {}
+    assert store.withdraw_control(stored.id, "pause") is False
+    assert store.withdraw_control("no-such-run", "pause") is False
+
+
 def test_count_due_and_next_due(store: SQLStore) -> None:
     assert store.next_due() is None
     soon = time.time() + 100

@@ -7,11 +7,13 @@ import asyncio
 import threading
 from typing import Any
 
+import pytest
 from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
 from flowloop.engine import RunInfo
+from flowloop.errors import InvalidTransition
 
 WAIT_S = 30.0
 STEP_WAIT_S = 3 * WAIT_S
@@ -123,3 +125,37 @@ def test_a_pause_that_is_not_withdrawn_still_pauses_the_run(store_url: str) -> N
         assert engine.unpause(run.id).status in ("scheduled", "running", "succeeded")
         assert engine.run_until_idle() is not None
         assert engine.get(run.id).status == "succeeded"
+
+
+def test_an_unpause_does_not_withdraw_a_stop_made_meanwhile(store_url: str) -> None:
+    """``unpause`` reads the run (a pause pending), then withdraws the pause; a stop that an
+    operator asks for in between stays (before, the request was cleared whatever it had
+    become, and the run went on): the unpause is refused and the run is stopped."""
+    started, release = threading.Event(), threading.Event()
+    workflow = _long_step_workflow(started, release)
+    results: dict[str, RunInfo] = {}
+    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
+        thread = threading.Thread(target=lambda: results.update(run=engine.run(workflow, Ctx())))
+        try:
+            thread.start()
+            assert started.wait(WAIT_S)
+            (run,) = engine.runs()
+            engine.pause(run.id)
+            store: Any = engine.store
+            read = store.get_run
+
+            def stop_lands_after_the_read(run_id: str) -> Any:
+                row = read(run_id)
+                del store.get_run  # once
+                store.request_control(run_id, "stop")  # an operator's stop, meanwhile
+                return row
+
+            store.get_run = stop_lands_after_the_read
+            with pytest.raises(InvalidTransition):
+                engine.unpause(run.id)
+            assert engine.store.get_run(run.id).control == "stop"  # type: ignore[union-attr]
+            thread.join(WAIT_S)  # the stop cuts the step off
+        finally:
+            release.set()
+            thread.join(WAIT_S)
+        assert results["run"].status == "stopped", results["run"]
