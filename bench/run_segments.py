@@ -19,7 +19,7 @@ Python. Per run, in order:
 * ``last write -> return``: the run's task ended, the caller woken, its RunInfo built,
   the loop left.
 
-Each note is a call, a clock read and an append (4 + 2 per step in a run): a few tenths of
+Each note is a call, a clock read and an append (4 + 3 per step in a run): a few tenths of
 a µs each, counted in the segments. Figures: µs per run, the median (min-max) of the
 rounds; the fixed part (the three per-run segments), the engine's Python per step (its two
 per-step segments, each averaged over the steps it occurs in) and the store per step.

@@ -560,10 +560,15 @@ def family(store: Any, run_id: str) -> list[str]:
 
 
 def paused_children(store: Any, run_id: str) -> list[str]:
-    """The run's paused children (unpausing a parent unpauses them too)."""
+    """The run's paused children, and those asked to pause at their next boundary (the
+    pause of a parent cascades to both; unpausing it unpauses them too)."""
     if not isinstance(store, JoinStoreMixin):
         return []
-    return [c.id for c in store.live_children(run_id) if c.record.status == "paused"]
+    return [
+        c.id
+        for c in store.live_children(run_id)
+        if c.record.status == "paused" or c.control == "pause"
+    ]
 
 
 def retryable_state(workflow: Workflow, state: str) -> bool:

@@ -501,7 +501,8 @@ class Executor(Stepping, Recovery):
         paused such a run again were this executor to drive it after an unpause. A drive
         given up here (lost) takes none.
 
-        They come after every poll that found some, and once after the last of those: a
+        They come after every poll that found some, and a few after the last of those
+        (flowloop.leasethread.QUIET_POLLS_HANDED), in the order the polls read them: a
         pause an earlier poll read that this one lacks was withdrawn (``unpause`` of a
         running run clears its request), and is dropped, unless the run's boundary has
         honoured it already."""
@@ -671,12 +672,11 @@ class Executor(Stepping, Recovery):
                 if self.leases.handed != self._handed_seen or time.monotonic() >= self._next_turn:
                     await self._take_a_turn()
         except asyncio.CancelledError:
-            active = self._active.get(record.id)
-            # Given up (lost), or claimed again meanwhile by a newer task: its fence is
+            # Given up (lost), or claimed again meanwhile by a newer task (one that may have
+            # ended since: this task's own entry goes only once it has ended): its fence is
             # stale, and the run's journal is no longer this task's to write.
-            given_up = active is not None and (
-                active.lost or active.task is not asyncio.current_task()
-            )
+            active = self._active.get(record.id)
+            given_up = active is None or active.lost or active.task is not asyncio.current_task()
             if not given_up and record.status == "running":
                 await asyncio.shield(self._cut_off(record, fence))
             raise

@@ -62,8 +62,8 @@ RENEW_FRACTION: Final = 1 / 3
 QUIET_POLLS_HANDED: Final = 3
 """Polls that find no request, after one that found some, whose (empty) requests are still
 handed to the loop: the loop drops a pause withdrawn meanwhile (Executor.apply_controls),
-even when one hand-over is lost (its loop closed) or overtaken (one queued to the outer
-loop while a nested ``Engine.run`` drove its own)."""
+even when a hand-over is lost (queued to a nested ``Engine.run``'s loop as it closed). An
+overtaken one is ignored (LeaseGuard._hand_controls)."""
 
 FENCED: Final = "its lease deadline passed without a renewal; abandoned (self-fencing)"
 """The reason given to the loop (and the lease-lost hooks) for a run fenced off."""
@@ -162,6 +162,8 @@ class LeaseGuard:
         a nested ``Engine.run`` (in a plain ``def`` step, on a loop of its own) stops,
         calls go to a loop still started, not to its own. (Each thread calling
         ``Engine.run`` has an executor, and so a guard, of its own: Engine._executor.)"""
+        self._polls_handed = 0
+        """The last poll whose requests reached the loop (only the loops' thread sets it)."""
         self.renewals = 0
         """Renewals that returned (for tests and metrics)."""
         self.handed = 0
@@ -266,6 +268,15 @@ class LeaseGuard:
         self._active.set()  # rings idle threads: they see the close
         self._changed.set()
 
+    def _hand_controls(self, poll: int, requests: Mapping[str, str]) -> None:
+        """On the loop: the requests that poll number ``poll`` read, unless a later poll's
+        came first (one queued to an outer loop while a nested ``Engine.run`` drove its
+        own is overtaken: applied after them, it would bring back a withdrawn pause)."""
+        if poll <= self._polls_handed:
+            return
+        self._polls_handed = poll
+        self._controls(requests)
+
     # -- the threads -----------------------------------------------------------------------
 
     def _to_loop(self, callback: Callable[..., None], *args: object) -> None:
@@ -348,6 +359,7 @@ class LeaseGuard:
         last_renewal = last_poll = time.monotonic()
         failing = False
         quiet_to_hand = 0  # polls without requests still to hand over (see the constant)
+        polls = 0
         while not self._closed.wait(self.tick):
             if not self._users:
                 self._idle(self._closed, watcher=False)
@@ -360,11 +372,11 @@ class LeaseGuard:
                     last_renewal, called = now, True
                 if (now - last_poll >= self.poll_seconds or failing) and self._holding():
                     requests = self._poll()
-                    last_poll, called = now, True
+                    last_poll, called, polls = now, True, polls + 1
                     # Handed over after requests even when empty: the loop drops a pause
                     # that was withdrawn meanwhile (an operator's unpause of a running run).
                     if requests or quiet_to_hand:
-                        self._to_loop(self._controls, dict(requests))
+                        self._to_loop(self._hand_controls, polls, dict(requests))
                     quiet_to_hand = QUIET_POLLS_HANDED if requests else max(0, quiet_to_hand - 1)
                 if failing and called:
                     log.info("heartbeat: database reachable again")

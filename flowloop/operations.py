@@ -158,17 +158,19 @@ class Operations:
         )
         if status != "running" and self._operate(stored, kind, state=stored.record.state):
             return self.get(run_id)
-        # Owned (running): its worker honours the request at the next boundary.
-        self.store.request_control(run_id, action)
+        # Owned (running): its worker honours the request at the next boundary. A pause
+        # leaves a stop asked for before it in place.
+        self.store.request_control(run_id, action, unless="stop" if action == "pause" else None)
         return self.get(run_id)
 
     def unpause(self, run_id: str) -> RunInfo:
         stored = self._stored(run_id)
         run_id = stored.id
         if stored.record.status != "paused" and stored.control == "pause":
-            # Running: withdraw the pause it has not honoured, that request only (a stop
-            # made meanwhile stays).
+            # Not paused yet: withdraw the pause it has not honoured, that request only (a
+            # stop asked for meanwhile stays).
             if self.store.withdraw_control(run_id, "pause"):
+                self._unpause_children(run_id)
                 return self.get(run_id)
             stored = self._stored(run_id)  # honoured or replaced meanwhile: look again
         if stored.record.status != "paused":
@@ -187,10 +189,13 @@ class Operations:
         if "due" in data:
             # Events kept while it was paused: the run takes them now.
             self._hand_over_kept(run_id)
+        self._unpause_children(run_id)
+        return self.get(run_id)
+
+    def _unpause_children(self, run_id: str) -> None:
         for child in children.paused_children(self.store, run_id):
             with contextlib.suppress(FlowloopError):  # unpaused or ended meanwhile
                 self.unpause(child)
-        return self.get(run_id)
 
     def send(
         self,

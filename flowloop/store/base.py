@@ -288,8 +288,11 @@ class Store(abc.ABC):
         """Drop this worker's ownership of runs it will not touch further (no status change)."""
 
     @abc.abstractmethod
-    def request_control(self, run_id: str, action: str | None) -> bool:
-        """Ask the owner of a run to pause or stop it at its next boundary."""
+    def request_control(
+        self, run_id: str, action: str | None, *, unless: str | None = None
+    ) -> bool:
+        """Ask the owner of a run to pause or stop it at its next boundary; False when no
+        such run, or (``unless``) when it has that request pending, which stays."""
 
     @abc.abstractmethod
     def withdraw_control(self, run_id: str, action: str) -> bool:

@@ -725,10 +725,14 @@ class SQLStore(
 
     # -- control ---------------------------------------------------------------------------
 
-    def request_control(self, run_id: str, action: str | None) -> bool:
+    def request_control(
+        self, run_id: str, action: str | None, *, unless: str | None = None
+    ) -> bool:
+        query = update(runs).where(runs.c.id == run_id)
+        if unless is not None:
+            query = query.where(or_(runs.c.control.is_(None), runs.c.control != unless))
         with self._write() as conn:
-            result = conn.execute(update(runs).where(runs.c.id == run_id).values(control=action))
-            return bool(result.rowcount == 1)
+            return bool(conn.execute(query.values(control=action)).rowcount == 1)
 
     def withdraw_control(self, run_id: str, action: str) -> bool:
         with self._write() as conn:

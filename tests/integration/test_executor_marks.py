@@ -59,7 +59,9 @@ def test_a_run_lost_and_claimed_again_takes_a_stop(store_url: str) -> None:
     """The run's lease is lost while its step swallows the cancellation (its task lives
     on); the lease expires and this executor claims the run again. The new drive is not
     "lost": a stop request reaches it and cuts its step off. Before the fix the old mark
-    stayed, every request for the run was ignored, and it ran to its end."""
+    stayed, every request for the run was ignored, and it ran to its end. Then the old
+    task, cancelled again once the new drive has ended, does not cut the run off under its
+    stale fence (a write refused, a lease reported lost for a run that was not)."""
     workflow = Workflow("reclaimed", context=Ctx)
     events: dict[str, asyncio.Event] = {}
     calls: list[int] = []
@@ -106,6 +108,12 @@ def test_a_run_lost_and_claimed_again_takes_a_stop(store_url: str) -> None:
                 assert not executor.lost(run.id)
                 executor.apply_controls({run.id: "stop"})  # an operator's stop, polled
                 await asyncio.wait_for(asyncio.gather(second, return_exceptions=True), WAIT_S)
+                # The old task, cancelled again (its caller's Ctrl-C, say), writes nothing
+                # under its stale fence: no cut-off refused, no lease reported lost.
+                lost_before = executor.stats.lost_leases
+                first.cancel()
+                await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), WAIT_S)
+                assert executor.stats.lost_leases == lost_before
             finally:
                 events["old_ends"].set()
                 await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), WAIT_S)

@@ -397,3 +397,25 @@ def test_calls_go_to_a_loop_still_started_whichever_stops_first() -> None:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(timeout=30)
             loop.close()
+
+
+def test_requests_handed_over_out_of_order_do_not_undo_a_later_polls() -> None:
+    """Two polls' requests reach the loop out of order (the earlier one was queued to an
+    outer loop while a nested ``Engine.run`` drove its own): the earlier is ignored, so a
+    pause withdrawn between the two polls does not come back."""
+    received: list[Mapping[str, str]] = []
+    guard = LeaseGuard(
+        lease_seconds=LEASE_S,
+        poll_seconds=0.01,
+        renew=lambda run_ids: set(run_ids),
+        poll=dict,
+        lost=lambda run_id, why: None,
+        controls=received.append,
+    )
+    try:
+        guard._hand_controls(2, {})
+        guard._hand_controls(1, {"r1": "pause"})  # overtaken
+        guard._hand_controls(3, {"r1": "stop"})
+        assert received == [{}, {"r1": "stop"}]
+    finally:
+        guard.close()

@@ -524,6 +524,18 @@ def test_request_control__withdrawn_with_none(store: SQLStore) -> None:
     assert store.pending_controls(worker="a") == {}
 
 
+def test_request_control__unless_keeps_that_request(store: SQLStore) -> None:
+    """A pause asked for after a stop leaves the stop pending (the run still stops)."""
+    stored, _ = store.create_run(new_run())
+    claim_one(store, "a", stored.id)
+    assert store.request_control(stored.id, "stop") is True
+    assert store.request_control(stored.id, "pause", unless="stop") is False
+    assert store.pending_controls(worker="a") == {stored.id: "stop"}
+    store.request_control(stored.id, None)
+    assert store.request_control(stored.id, "pause", unless="stop") is True
+    assert store.pending_controls(worker="a") == {stored.id: "pause"}
+
+
 def test_withdraw_control__only_the_request_it_names(store: SQLStore) -> None:
     """An operator's unpause withdraws a pause; a stop made meanwhile is not withdrawn."""
     stored, _ = store.create_run(new_run())

@@ -153,9 +153,89 @@ def test_an_unpause_does_not_withdraw_a_stop_made_meanwhile(store_url: str) -> N
             store.get_run = stop_lands_after_the_read
             with pytest.raises(InvalidTransition):
                 engine.unpause(run.id)
-            assert engine.store.get_run(run.id).control == "stop"  # type: ignore[union-attr]
+            row = engine.store.get_run(run.id)
+            assert row is not None
+            # Pending, or honoured already (the worker polls every 0.05 s).
+            assert row.control == "stop" or row.record.status == "stopped", row
             thread.join(WAIT_S)  # the stop cuts the step off
         finally:
             release.set()
             thread.join(WAIT_S)
         assert results["run"].status == "stopped", results["run"]
+
+
+def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -> None:
+    """A parent waits in a call state while its child runs a long step. Pausing the parent
+    pauses it at once and asks the child to pause at its boundary; unpausing the parent
+    withdraws that request too (before, only children already paused were unpaused: the
+    child paused at its boundary, and the parent waited for it for ever)."""
+    started, release = threading.Event(), threading.Event()
+    child = _long_step_workflow(started, release)
+    parent = Workflow("parent", context=Ctx)
+    parent.call(
+        "calling",
+        child=child,
+        context=lambda ctx: Ctx(),
+        on={"succeeded": "done"},
+        result=lambda ctx, got: setattr(ctx, "n", got.n),
+        initial=True,
+    )
+    parent.final("done")
+    results: dict[str, RunInfo] = {}
+    executors: dict[str, Any] = {}
+    with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
+
+        def call() -> None:
+            executors["run"] = engine._executor()
+            results["run"] = engine.run(parent, Ctx())
+
+        thread = threading.Thread(target=call)
+        try:
+            thread.start()
+            assert started.wait(WAIT_S)
+            kid = next(run for run in engine.runs() if run.workflow == child.name)
+            top = next(run for run in engine.runs() if run.workflow == parent.name)
+            kept = executors["run"]._controls
+            engine.pause(top.id)
+            poll(
+                lambda: kept.get(kid.id) == "pause",
+                timeout=WAIT_S,
+                what="the executor to keep the child's pause",
+                every=0.01,
+            )
+            engine.unpause(top.id)
+            poll(
+                lambda: kid.id not in kept,
+                timeout=WAIT_S,
+                what="the executor to drop the child's withdrawn pause",
+                every=0.01,
+            )
+            release.set()
+            thread.join(WAIT_S)
+        finally:
+            release.set()
+            thread.join(WAIT_S)
+        assert engine.get(kid.id).status == "succeeded"
+        assert results["run"].status == "succeeded", results["run"]
+        assert results["run"].context.n == 2  # type: ignore[attr-defined]
+
+
+def test_a_pause_after_a_stop_leaves_the_stop(store_url: str) -> None:
+    """Both asked of a running run before its worker polls: the stop stays pending (before,
+    the pause replaced it, and the run paused instead of stopping)."""
+    started, release = threading.Event(), threading.Event()
+    workflow = _long_step_workflow(started, release)
+    # The worker does not poll during the test: both requests wait in the database.
+    with Engine(store_url, workflows=[workflow], poll_seconds=3 * WAIT_S) as engine:
+        thread = threading.Thread(target=lambda: engine.run(workflow, Ctx()))
+        try:
+            thread.start()
+            assert started.wait(WAIT_S)
+            (run,) = engine.runs()
+            engine.stop(run.id)
+            engine.pause(run.id)
+            row = engine.store.get_run(run.id)
+            assert row is not None and row.control == "stop", row
+        finally:
+            release.set()
+            thread.join(WAIT_S)
