@@ -502,7 +502,7 @@ class Executor(Stepping, Recovery):
         given up here (lost) takes none.
 
         They come after every poll that found some, and a few after the last of those
-        (flowloop.leasethread.QUIET_POLLS_HANDED), in the order the polls read them: a
+        (flowloop.leasethread.QUIET_POLLS_HANDED), an overtaken one left out: a
         pause an earlier poll read that this one lacks was withdrawn (``unpause`` of a
         running run clears its request), and is dropped, unless the run's boundary has
         honoured it already."""

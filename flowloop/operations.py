@@ -58,6 +58,10 @@ SEND_HOLD_SECONDS: Final = 2.0
 """How long ``send`` (without ``buffer``) waits for a worker to let go of a waiting run."""
 
 
+STOPPING: Final = "stopping"
+"""What a run with a stop pending is called when a pause is refused."""
+
+
 class Operations:
     """Mixed into :class:`~flowloop.engine.Engine`, whose state it uses."""
 
@@ -137,7 +141,8 @@ class Operations:
                 logging.getLogger("flowloop.engine").exception("listener failed")
 
     def pause(self, run_id: str) -> RunInfo:
-        """Pause a run: at once if it is queued, else at its next step boundary."""
+        """Pause a run: at once if it is queued, else at its next step boundary. A stop
+        asked for already wins: the pause is refused (InvalidTransition, "stopping")."""
         return self._control(run_id, "pause", j.RUN_PAUSED)
 
     def stop(self, run_id: str) -> RunInfo:
@@ -152,6 +157,8 @@ class Operations:
             return self._info(stored)
         if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
+        if action == "pause" and stored.control == "stop":
+            raise InvalidTransition(run_id, STOPPING, action)  # its owner will stop it
         # Stop and pause cascade to the run's live children (and theirs).
         children.cascade(
             self.store, run_id, action, lambda child, act: self._control(child, act, kind)
@@ -159,8 +166,11 @@ class Operations:
         if status != "running" and self._operate(stored, kind, state=stored.record.state):
             return self.get(run_id)
         # Owned (running): its worker honours the request at the next boundary. A pause
-        # leaves a stop asked for before it in place.
-        self.store.request_control(run_id, action, unless="stop" if action == "pause" else None)
+        # leaves a stop asked for meanwhile in place, and is refused.
+        if not self.store.request_control(
+            run_id, action, unless="stop" if action == "pause" else None
+        ):
+            raise InvalidTransition(run_id, STOPPING, action)
         return self.get(run_id)
 
     def unpause(self, run_id: str) -> RunInfo:

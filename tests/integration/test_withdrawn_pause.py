@@ -220,22 +220,37 @@ def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -
         assert results["run"].context.n == 2  # type: ignore[attr-defined]
 
 
-def test_a_pause_after_a_stop_leaves_the_stop(store_url: str) -> None:
-    """Both asked of a running run before its worker polls: the stop stays pending (before,
-    the pause replaced it, and the run paused instead of stopping)."""
+def test_a_pause_after_a_stop_is_refused_and_the_run_stops(store_url: str) -> None:
+    """A running run asked to stop, then to pause: the pause is refused and the stop stays
+    (before, the pause replaced it, and the run paused instead of stopping)."""
     started, release = threading.Event(), threading.Event()
     workflow = _long_step_workflow(started, release)
-    # The worker does not poll during the test: both requests wait in the database.
-    with Engine(store_url, workflows=[workflow], poll_seconds=3 * WAIT_S) as engine:
-        thread = threading.Thread(target=lambda: engine.run(workflow, Ctx()))
+    results: dict[str, RunInfo] = {}
+    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
+        thread = threading.Thread(target=lambda: results.update(run=engine.run(workflow, Ctx())))
         try:
             thread.start()
             assert started.wait(WAIT_S)
             (run,) = engine.runs()
             engine.stop(run.id)
-            engine.pause(run.id)
-            row = engine.store.get_run(run.id)
-            assert row is not None and row.control == "stop", row
+            # Refused as "stopping" while the stop is pending, as "stopped" once honoured.
+            with pytest.raises(InvalidTransition, match="stopp"):
+                engine.pause(run.id)
+            thread.join(WAIT_S)  # the stop cuts the step off
         finally:
             release.set()
             thread.join(WAIT_S)
+        assert results["run"].status == "stopped", results["run"]
+
+
+def test_a_pause_of_a_queued_run_with_a_stop_pending_is_refused(store_url: str) -> None:
+    """A run not running whose row holds a stop for its next claim (a child asked to stop
+    while released between steps, say): a pause does not pause it and wipe the stop."""
+    workflow = _long_step_workflow(threading.Event(), threading.Event())
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run = engine.start(workflow, Ctx())
+        assert engine.store.request_control(run.id, "stop")
+        with pytest.raises(InvalidTransition, match="is stopping"):
+            engine.pause(run.id)
+        row = engine.store.get_run(run.id)
+        assert row is not None and row.control == "stop" and row.record.status != "paused"
