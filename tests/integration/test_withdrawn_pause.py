@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -42,126 +44,140 @@ def _long_step_workflow(started: threading.Event, release: threading.Event) -> W
     return workflow
 
 
+class _Call:
+    """``engine.run(workflow)`` called in a thread of its own, as a web app's request
+    would; ``executor`` is that thread's, ``info`` what the call returned."""
+
+    def __init__(self, engine: Engine, workflow: Workflow, release: threading.Event) -> None:
+        self.executor: Any = None
+        self.info: RunInfo | None = None
+        self.release = release
+        """Set: the long step returns."""
+
+        def call() -> None:
+            self.executor = engine._executor()
+            self.info = engine.run(workflow, Ctx())
+
+        self.thread = threading.Thread(target=call)
+
+    def ended(self) -> RunInfo:
+        """What the call returned, once it has (the run ended without a release)."""
+        self.thread.join(WAIT_S)
+        assert self.info is not None, "the call did not return"
+        return self.info
+
+
+@contextmanager
+def _in_its_step(
+    engine: Engine, workflow: Workflow, started: threading.Event, release: threading.Event
+) -> Iterator[_Call]:
+    """A call of ``workflow`` whose first step has started; at the end its step is released
+    and the call awaited."""
+    call = _Call(engine, workflow, release)
+    call.thread.start()
+    try:
+        assert started.wait(WAIT_S)
+        yield call
+    finally:
+        release.set()
+        call.thread.join(WAIT_S)
+
+
+@contextmanager
+def _a_run_in_its_long_step(store_url: str) -> Iterator[tuple[Engine, _Call, str]]:
+    """An engine polling requests every 0.05 s, and a call of :func:`_long_step_workflow`
+    in its long step; with the run's id."""
+    started, release = threading.Event(), threading.Event()
+    workflow = _long_step_workflow(started, release)
+    with (
+        Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine,
+        _in_its_step(engine, workflow, started, release) as call,
+    ):
+        (run,) = engine.runs()
+        yield engine, call, run.id
+
+
+def _kept_then_dropped(kept: dict[str, str], run_id: str, withdraw: Callable[[], None]) -> None:
+    """Wait until the executor keeps ``run_id``'s pause (it would pause there), call
+    ``withdraw``, and wait until the executor has dropped the pause."""
+    poll(
+        lambda: kept.get(run_id) == "pause",
+        timeout=WAIT_S,
+        what="the executor to keep the pause",
+        every=0.01,
+    )
+    withdraw()
+    poll(
+        lambda: run_id not in kept,
+        timeout=WAIT_S,
+        what="the executor to drop the withdrawn pause",
+        every=0.01,
+    )
+
+
 def test_an_unpause_after_the_worker_read_the_pause_lets_the_run_go_on(store_url: str) -> None:
     """The pause is read by the executor's poll while the step runs; the unpause clears the
     request before the step ends. The polls after it hand the executor the requests
     without that pause, and the boundary goes on: the run succeeds instead of pausing.
     (Without the fix the wait for the pause to be dropped fails after ``WAIT_S``.)"""
-    started, release = threading.Event(), threading.Event()
-    workflow = _long_step_workflow(started, release)
-    results: dict[str, RunInfo] = {}
-    executors: dict[str, Any] = {}
-    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
 
-        def call() -> None:
-            executors["run"] = engine._executor()
-            results["run"] = engine.run(workflow, Ctx())
+        def unpause() -> None:
+            assert engine.unpause(run_id).status == "running"
 
-        thread = threading.Thread(target=call)
-        try:
-            thread.start()
-            assert started.wait(WAIT_S)
-            (run,) = engine.runs()
-            kept = executors["run"]._controls
-            engine.pause(run.id)
-            poll(
-                lambda: kept.get(run.id) == "pause",  # read and kept: it would pause
-                timeout=WAIT_S,
-                what="the executor to keep the pause",
-                every=0.01,
-            )
-            assert engine.unpause(run.id).status == "running"
-            # The next poll finds no request and says so: the kept pause is dropped.
-            poll(
-                lambda: run.id not in kept,
-                timeout=WAIT_S,
-                what="the executor to drop the withdrawn pause",
-                every=0.01,
-            )
-            release.set()
-            thread.join(WAIT_S)
-        finally:
-            release.set()
-            thread.join(WAIT_S)
-        assert results["run"].status == "succeeded", results["run"]
-        assert results["run"].context.n == 2  # type: ignore[attr-defined]
-        kinds = [event.kind for event in engine.history(run.id)]
-        assert "run_paused" not in kinds
+        _kept_then_dropped(call.executor._controls, run_id, unpause)
+        call.release.set()
+        info = call.ended()
+        assert "run_paused" not in [event.kind for event in engine.history(run_id)]
+    assert info.status == "succeeded", info
+    assert info.context.n == 2  # type: ignore[attr-defined]
 
 
 def test_a_pause_that_is_not_withdrawn_still_pauses_the_run(store_url: str) -> None:
     """Requests handed over after the pause still hold it: the run pauses at its boundary,
     and the polls that follow (with the same request) do not drop it."""
-    started, release = threading.Event(), threading.Event()
-    workflow = _long_step_workflow(started, release)
-    results: dict[str, RunInfo] = {}
-    executors: dict[str, Any] = {}
-    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
-
-        def call() -> None:
-            executors["run"] = engine._executor()
-            results["run"] = engine.run(workflow, Ctx())
-
-        thread = threading.Thread(target=call)
-        try:
-            thread.start()
-            assert started.wait(WAIT_S)
-            (run,) = engine.runs()
-            guard = executors["run"].leases.guard
-            before = guard.handed
-            engine.pause(run.id)
-            poll(
-                lambda: guard.handed > before + 2,
-                timeout=WAIT_S,
-                what="three polls with the pause handed over",
-                every=0.01,
-            )
-            release.set()
-            thread.join(WAIT_S)
-        finally:
-            release.set()
-            thread.join(WAIT_S)
-        assert results["run"].status == "paused", results["run"]
-        assert engine.unpause(run.id).status in ("scheduled", "running", "succeeded")
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        guard = call.executor.leases.guard
+        before = guard.handed
+        engine.pause(run_id)
+        poll(
+            lambda: guard.handed > before + 2,
+            timeout=WAIT_S,
+            what="three polls with the pause handed over",
+            every=0.01,
+        )
+        call.release.set()
+        assert call.ended().status == "paused", call.info
+        assert engine.unpause(run_id).status in ("scheduled", "running", "succeeded")
         assert engine.run_until_idle() is not None
-        assert engine.get(run.id).status == "succeeded"
+        assert engine.get(run_id).status == "succeeded"
 
 
 def test_an_unpause_does_not_withdraw_a_stop_made_meanwhile(store_url: str) -> None:
     """``unpause`` reads the run (a pause pending), then withdraws the pause; a stop that an
     operator asks for in between stays (before, the request was cleared whatever it had
     become, and the run went on): the unpause is refused and the run is stopped."""
-    started, release = threading.Event(), threading.Event()
-    workflow = _long_step_workflow(started, release)
-    results: dict[str, RunInfo] = {}
-    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
-        thread = threading.Thread(target=lambda: results.update(run=engine.run(workflow, Ctx())))
-        try:
-            thread.start()
-            assert started.wait(WAIT_S)
-            (run,) = engine.runs()
-            engine.pause(run.id)
-            store: Any = engine.store
-            read = store.get_run
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        store: Any = engine.store
+        read = store.get_run
 
-            def stop_lands_after_the_read(run_id: str) -> Any:
-                row = read(run_id)
-                del store.get_run  # once
-                store.request_control(run_id, "stop")  # an operator's stop, meanwhile
-                return row
+        def stop_lands_after_the_read(wanted: str) -> Any:
+            row = read(wanted)
+            del store.get_run  # once
+            store.request_control(wanted, "stop")  # an operator's stop, meanwhile
+            return row
 
-            store.get_run = stop_lands_after_the_read
-            with pytest.raises(InvalidTransition):
-                engine.unpause(run.id)
-            row = engine.store.get_run(run.id)
-            assert row is not None
-            # Pending, or honoured already (the worker polls every 0.05 s).
-            assert row.control == "stop" or row.record.status == "stopped", row
-            thread.join(WAIT_S)  # the stop cuts the step off
-        finally:
-            release.set()
-            thread.join(WAIT_S)
-        assert results["run"].status == "stopped", results["run"]
+        store.get_run = stop_lands_after_the_read
+        with pytest.raises(InvalidTransition):
+            engine.unpause(run_id)
+        row = engine.store.get_run(run_id)
+        assert row is not None
+        # Pending, or honoured already (the worker polls every 0.05 s).
+        assert row.control == "stop" or row.record.status == "stopped", row
+        info = call.ended()  # the stop cuts the step off
+    assert info.status == "stopped", info
 
 
 def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -> None:
@@ -181,66 +197,28 @@ def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -
         initial=True,
     )
     parent.final("done")
-    results: dict[str, RunInfo] = {}
-    executors: dict[str, Any] = {}
     with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
-
-        def call() -> None:
-            executors["run"] = engine._executor()
-            results["run"] = engine.run(parent, Ctx())
-
-        thread = threading.Thread(target=call)
-        try:
-            thread.start()
-            assert started.wait(WAIT_S)
+        with _in_its_step(engine, parent, started, release) as call:
             kid = next(run for run in engine.runs() if run.workflow == child.name)
             top = next(run for run in engine.runs() if run.workflow == parent.name)
-            kept = executors["run"]._controls
             engine.pause(top.id)
-            poll(
-                lambda: kept.get(kid.id) == "pause",
-                timeout=WAIT_S,
-                what="the executor to keep the child's pause",
-                every=0.01,
-            )
-            engine.unpause(top.id)
-            poll(
-                lambda: kid.id not in kept,
-                timeout=WAIT_S,
-                what="the executor to drop the child's withdrawn pause",
-                every=0.01,
-            )
-            release.set()
-            thread.join(WAIT_S)
-        finally:
-            release.set()
-            thread.join(WAIT_S)
+            _kept_then_dropped(call.executor._controls, kid.id, lambda: engine.unpause(top.id))
+        info = call.ended()
         assert engine.get(kid.id).status == "succeeded"
-        assert results["run"].status == "succeeded", results["run"]
-        assert results["run"].context.n == 2  # type: ignore[attr-defined]
+    assert info.status == "succeeded", info
+    assert info.context.n == 2  # type: ignore[attr-defined]
 
 
 def test_a_pause_after_a_stop_is_refused_and_the_run_stops(store_url: str) -> None:
     """A running run asked to stop, then to pause: the pause is refused and the stop stays
     (before, the pause replaced it, and the run paused instead of stopping)."""
-    started, release = threading.Event(), threading.Event()
-    workflow = _long_step_workflow(started, release)
-    results: dict[str, RunInfo] = {}
-    with Engine(store_url, workflows=[workflow], poll_seconds=0.05) as engine:
-        thread = threading.Thread(target=lambda: results.update(run=engine.run(workflow, Ctx())))
-        try:
-            thread.start()
-            assert started.wait(WAIT_S)
-            (run,) = engine.runs()
-            engine.stop(run.id)
-            # Refused as "stopping" while the stop is pending, as "stopped" once honoured.
-            with pytest.raises(InvalidTransition, match="stopp"):
-                engine.pause(run.id)
-            thread.join(WAIT_S)  # the stop cuts the step off
-        finally:
-            release.set()
-            thread.join(WAIT_S)
-        assert results["run"].status == "stopped", results["run"]
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.stop(run_id)
+        # Refused as "stopping" while the stop is pending, as "stopped" once honoured.
+        with pytest.raises(InvalidTransition, match="stopp"):
+            engine.pause(run_id)
+        info = call.ended()  # the stop cuts the step off
+    assert info.status == "stopped", info
 
 
 def test_a_pause_of_a_queued_run_with_a_stop_pending_is_refused(store_url: str) -> None:
