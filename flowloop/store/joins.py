@@ -34,6 +34,9 @@ from flowloop.store.journaled import contexts_at
 from flowloop.store.schema import joins, runs
 
 RESULT_BATCH: Final = 1_000
+PARENTS_PER_QUERY: Final = 500
+"""Parents looked up in one ``IN`` list by :meth:`JoinStoreMixin.live_descendants` (well
+under SQLite's 32,766 bound variables)."""
 """Children's final contexts read per query when a join folds its results."""
 OUTCOME_COLUMNS: Final = {"succeeded": joins.c.succeeded, "failed": joins.c.failed}
 
@@ -283,6 +286,27 @@ class JoinStoreMixin:
 
     def live_children(self, parent_id: str) -> list[StoredRun]:
         return [c for c in self.children_of(parent_id) if c.record.status in LIVE]
+
+    def live_descendants(self, run_id: str) -> list[str]:
+        """The ids of the run's live children, of theirs, and so on (a finished child's
+        are not looked at), a generation at a time: one query per generation (and per
+        :data:`PARENTS_PER_QUERY` parents), ids only. Parents before their children."""
+        found: list[str] = []
+        frontier = [run_id]
+        with self._read() as conn:
+            while frontier:
+                generation: list[str] = []
+                for start in range(0, len(frontier), PARENTS_PER_QUERY):
+                    parents = frontier[start : start + PARENTS_PER_QUERY]
+                    # Live ones kept here, not in the query: a status test there led
+                    # SQLite to the status index instead of the (partial) parent index.
+                    rows = conn.execute(
+                        select(runs.c.id, runs.c.status).where(runs.c.parent_id.in_(parents))
+                    )
+                    generation.extend(row.id for row in rows if row.status in LIVE)
+                found.extend(generation)
+                frontier = generation
+        return found
 
     def is_held(self, run_id: str) -> bool:
         """A map's child whose turn has not come yet (created held, not released)."""

@@ -18,15 +18,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from pydantic import BaseModel
 
-from flowloop import Engine, Retry, Step, Workflow
+from flowloop import Engine, Retry, Step, Workflow, children
 from flowloop import journal as j
 from flowloop.engine import RunInfo
 from flowloop.executor import Executor
 from flowloop.interrupt import Interrupted, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.specs import Sleep
+from flowloop.store import joins as joins_store
 
 WAIT_S = 30.0
 """Bound of each wait that the fixed code ends at once (a failing test waits it out)."""
@@ -354,3 +356,46 @@ def _calling(name: str, child: Workflow) -> Workflow:
     )
     wf.final("done")
     return wf
+
+
+def test_a_family_is_looked_up_a_generation_at_a_time(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``engine.run`` looks its run's family up again after each round of its drive. A map
+    of 30 items, each calling a child that waits for an event: the family of 61 live runs
+    is found with a query per generation (3), ids only — a query per run, of whole rows,
+    made a map of 800 items, 5 at a time, take 12.1 s instead of 3.5 (quadratic)."""
+    leaf = Workflow("leaf_waits", context=Ctx)
+    leaf.wait("waiting", on={"go": "done"}, initial=True)
+    leaf.final("done")
+    mid = _calling("mid_calls", leaf)
+    top = Workflow("top_maps", context=Ctx)
+    top.map(
+        "fan",
+        child=mid,
+        items=lambda ctx: list(range(30)),
+        context=lambda ctx, item: Ctx(),
+        on={"done": "end", "failed": "end"},
+        max_parallel=30,
+        initial=True,
+    )
+    top.final("end")
+    with Engine(store_url, workflows=[top]) as engine:
+        info = engine.run(top, Ctx())  # returns once every leaf waits for its event
+        live = [run.id for run in engine.runs(limit=1000) if run.status not in ("succeeded",)]
+        assert len(live) == 61, sorted(run.status for run in engine.runs(limit=1000))
+        statements: list[str] = []
+        sa.event.listen(
+            engine.store.engine,
+            "before_cursor_execute",
+            lambda *args: statements.append(args[2]),
+        )
+        family = children.family(engine.store, info.id)
+        assert sorted(family) == sorted(live)
+        assert family[0] == info.id
+        assert len(statements) <= 3, statements
+        # A generation of more parents than one query takes is looked up in parts.
+        monkeypatch.setattr(joins_store, "PARENTS_PER_QUERY", 7)
+        statements.clear()
+        assert sorted(children.family(engine.store, info.id)) == sorted(live)
+        assert len(statements) == 1 + 5 + 5, statements  # 1 parent, then 30 twice
