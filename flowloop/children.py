@@ -545,9 +545,9 @@ def interrupted(
 
 def family(store: Any, run_id: str) -> list[str]:
     """The run and its live descendants (what ``engine.run`` drives to the end). Looked up
-    again after each round of that drive: a query per generation, ids only (a query per
-    run, of whole rows, made ``engine.run`` of a map of 800 items, 5 at a time, each
-    calling a child, take 12.1 s instead of 3.5 on SQLite: quadratic)."""
+    again after each round of that drive: a query per generation, ids and statuses (a
+    query per run, of whole rows, made ``engine.run`` of a map of 800 items, 5 at a time,
+    each calling a child, take 12.1 s instead of 3.5 on SQLite: quadratic)."""
     if not isinstance(store, JoinStoreMixin):
         return [run_id]
     return [run_id, *store.live_descendants(run_id)]

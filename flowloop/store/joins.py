@@ -34,10 +34,10 @@ from flowloop.store.journaled import contexts_at
 from flowloop.store.schema import joins, runs
 
 RESULT_BATCH: Final = 1_000
-PARENTS_PER_QUERY: Final = 500
-"""Parents looked up in one ``IN`` list by :meth:`JoinStoreMixin.live_descendants` (well
-under SQLite's 32,766 bound variables)."""
 """Children's final contexts read per query when a join folds its results."""
+PARENTS_PER_QUERY: Final = 500
+"""Parents looked up in one ``IN`` list by :meth:`JoinStoreMixin.live_descendants` (under
+the 999 bound variables of SQLite before 3.32)."""
 OUTCOME_COLUMNS: Final = {"succeeded": joins.c.succeeded, "failed": joins.c.failed}
 
 

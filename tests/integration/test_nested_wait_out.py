@@ -27,6 +27,7 @@ from flowloop.engine import RunInfo
 from flowloop.executor import Executor
 from flowloop.interrupt import Interrupted, run_interruptibly
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lifecycle import LIVE
 from flowloop.specs import Sleep
 from flowloop.store import joins as joins_store
 
@@ -382,20 +383,23 @@ def test_a_family_is_looked_up_a_generation_at_a_time(
     top.final("end")
     with Engine(store_url, workflows=[top]) as engine:
         info = engine.run(top, Ctx())  # returns once every leaf waits for its event
-        live = [run.id for run in engine.runs(limit=1000) if run.status not in ("succeeded",)]
+        live = [run.id for run in engine.runs(limit=1000) if run.status in LIVE]
         assert len(live) == 61, sorted(run.status for run in engine.runs(limit=1000))
         statements: list[str] = []
-        sa.event.listen(
-            engine.store.engine,
-            "before_cursor_execute",
-            lambda *args: statements.append(args[2]),
-        )
-        family = children.family(engine.store, info.id)
-        assert sorted(family) == sorted(live)
-        assert family[0] == info.id
-        assert len(statements) <= 3, statements
-        # A generation of more parents than one query takes is looked up in parts.
-        monkeypatch.setattr(joins_store, "PARENTS_PER_QUERY", 7)
-        statements.clear()
-        assert sorted(children.family(engine.store, info.id)) == sorted(live)
-        assert len(statements) == 1 + 5 + 5, statements  # 1 parent, then 30 twice
+
+        def note(*args: Any) -> None:
+            statements.append(args[2])
+
+        sa.event.listen(engine.store.engine, "before_cursor_execute", note)
+        try:
+            family = children.family(engine.store, info.id)
+            assert sorted(family) == sorted(live)
+            assert family[0] == info.id
+            assert len(statements) == 3, statements  # the top, the 30 calls, the 30 leaves
+            # A generation of more parents than one query takes is looked up in parts.
+            monkeypatch.setattr(joins_store, "PARENTS_PER_QUERY", 7)
+            statements.clear()
+            assert sorted(children.family(engine.store, info.id)) == sorted(live)
+            assert len(statements) == 1 + 5 + 5, statements  # 1 parent, then 30 twice
+        finally:
+            sa.event.remove(engine.store.engine, "before_cursor_execute", note)
