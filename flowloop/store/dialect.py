@@ -12,14 +12,30 @@ ignored on SQLite).
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import time
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Engine, Float, create_engine, event, literal_column, make_url
+from sqlalchemy import (
+    ARRAY,
+    ColumnElement,
+    Engine,
+    Float,
+    String,
+    any_,
+    bindparam,
+    create_engine,
+    event,
+    func,
+    literal_column,
+    make_url,
+    select,
+)
 from sqlalchemy import cast as sql_cast
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
@@ -51,6 +67,30 @@ PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
 SQLITE_HEADER: Final = b"SQLite format 3\x00"
 VERSION_TABLE: Final = "flowloop_alembic_version"
 """The table that marks a flowloop database (flowloop.store.migrate.VERSION_TABLE)."""
+
+
+def ids_in(column: ColumnElement[Any], name: str, *, postgres: bool) -> ColumnElement[bool]:
+    """``column`` is one of the ids of the parameter ``name``, given as ONE value
+    (:func:`ids_value`): a JSON array read by ``json_each`` on SQLite, an array on
+    PostgreSQL. An expanding ``IN`` binds a variable per id, which SQLite refuses past
+    32,766 and psycopg past 65,535 (``engine.run`` of a big map scopes its claims to its
+    whole family), and SQLAlchemy renders every one of them again at each execution."""
+    if postgres:
+        return column == any_(sql_cast(bindparam(name), ARRAY(String)))
+    listed = func.json_each(bindparam(name, type_=String)).table_valued("value")
+    return column.in_(select(listed.c.value).scalar_subquery())
+
+
+def ids_in_sql(column: str, name: str, *, postgres: bool) -> str:
+    """:func:`ids_in` as SQL text, for statements written as text."""
+    if postgres:
+        return f"{column} = ANY(CAST(:{name} AS VARCHAR[]))"
+    return f"{column} IN (SELECT value FROM json_each(:{name}))"
+
+
+def ids_value(ids: Iterable[str], *, postgres: bool) -> Any:
+    """The value of an :func:`ids_in` parameter."""
+    return list(ids) if postgres else json.dumps(list(ids))
 
 
 def safe_url(url: str | URL) -> str:

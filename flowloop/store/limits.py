@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Connection, bindparam, func, insert, select, text, update
+from sqlalchemy import ColumnElement, Connection, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
 
 from flowloop.flowcontrol import (
@@ -43,6 +43,7 @@ from flowloop.flowcontrol import (
     take_all,
 )
 from flowloop.lifecycle import LIVE
+from flowloop.store import dialect
 from flowloop.store.base import BreakerRow, NewRun
 from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
@@ -153,11 +154,9 @@ class LimitStoreMixin:
         found = cache.get(by_id)
         if found is None:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
-            ids = "AND r.id IN :p_ids" if by_id else ""
-            found = text(_CLAIM_SQL.format(now=now, ids=ids))
-            if by_id:
-                found = found.bindparams(bindparam("p_ids", expanding=True))
-            cache[by_id] = found
+            postgres = self.engine.dialect.name == "postgresql"
+            ids = "AND " + dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
+            found = cache[by_id] = text(_CLAIM_SQL.format(now=now, ids=ids))
         return found
 
     def _claim_limited(
@@ -195,7 +194,8 @@ class LimitStoreMixin:
                 "p_scan": SCAN_PER_CLAIMED * (limit - len(rows)) + SCAN_EXTRA,
             }
             if run_ids is not None:
-                params["p_ids"] = list(run_ids)
+                postgres = self.engine.dialect.name == "postgresql"
+                params["p_ids"] = dialect.ids_value(run_ids, postgres=postgres)
             rows.extend(conn.execute(self._limited_statement(run_ids is not None), params))
         return rows
 

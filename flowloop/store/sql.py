@@ -542,7 +542,8 @@ class SQLStore(
     def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool) -> Any:
         """The claim UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED) for one shape of
         filter, built once: building SQLAlchemy statements per call costs more than the
-        commit. Values travel as bind parameters (lists as expanding IN)."""
+        commit. Values travel as bind parameters (workflows as an expanding IN, run ids as
+        one value: :func:`~flowloop.store.dialect.ids_in`)."""
         key = (kind, by_workflow, by_id)
         cached = self._claim_cache.get(key)
         if cached is not None:
@@ -566,7 +567,7 @@ class SQLStore(
         if by_workflow:
             conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
         if by_id:
-            conditions.append(runs.c.id.in_(bindparam("p_ids", expanding=True)))
+            conditions.append(dialect.ids_in(runs.c.id, "p_ids", postgres=self._postgres))
         candidates = (
             select(runs.c.id)
             .where(*conditions)
@@ -614,7 +615,7 @@ class SQLStore(
         if workflows is not None:
             params["p_workflows"] = list(workflows)
         if run_ids is not None:
-            params["p_ids"] = list(run_ids)
+            params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         with self._write() as conn:
             found = (
                 self._claim_limited(
@@ -772,8 +773,10 @@ class SQLStore(
         )
         if workflows is not None:
             query = query.where(runs.c.workflow.in_(list(workflows)))
+        params = {}
         if run_ids is not None:
-            query = query.where(runs.c.id.in_(list(run_ids)))
+            query = query.where(dialect.ids_in(runs.c.id, "p_ids", postgres=self._postgres))
+            params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         with self._read() as conn:
-            value = conn.execute(query).scalar_one_or_none()
+            value = conn.execute(query, params).scalar_one_or_none()
         return None if value is None else float(value)

@@ -120,6 +120,8 @@ def _status_searched(plan: str) -> bool:
 
 
 def _literal(value: Any) -> str:
+    if isinstance(value, list):
+        return "ARRAY[" + ", ".join(_literal(item) for item in value) + "]::varchar[]"
     if isinstance(value, str):
         return "'" + value.replace("'", "''") + "'"
     return repr(value)
@@ -147,5 +149,15 @@ def test_claim_plans__the_polled_claims_search_an_index_and_never_walk_one(pg_ur
         for name, claim in claims.items():
             plan = _generic_plan(store, claim)
             assert _walks(plan) == [] and _status_searched(plan), f"{name}:\n{plan}"
+        # engine.run's claims, scoped to its run's family (its ids as one array): searched
+        # by those ids or by status, never a walk.
+        family = [f"{i:032x}" for i in range(2_000)]
+        plan = _generic_plan(
+            store,
+            lambda: store.claim(
+                worker="w", now=time.time(), limit=8, lease_seconds=30.0, run_ids=family
+            ),
+        )
+        assert _walks(plan) == [], f"due, scoped to run ids:\n{plan}"
     finally:
         store.close()

@@ -20,6 +20,7 @@ from storekit import new_run, past, pause, start_step, succeed_step
 from flowloop import journal as j
 from flowloop.errors import SchemaMismatch, StoreError
 from flowloop.store import Fence, RunFilter, SQLStore, migrate
+from flowloop.store.limits import ClaimLimits
 
 DEADLINE_S = 10.0
 
@@ -260,6 +261,38 @@ def test_claim__filters_by_workflow_and_run_ids(store: SQLStore) -> None:
             worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"]
         )
     ] == [a.id]
+
+
+SCOPE_IDS = 70_000
+"""More run ids than one statement may bind: SQLite refuses past 32,766 variables, psycopg
+past 65,535 parameters (``engine.run`` of a big map scopes its claims to its family)."""
+
+
+def _default_variable_limit(connection: sqlite3.Connection, _: Any) -> None:
+    connection.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32_766)
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["unlimited", "max_concurrency"])
+def test_claim_and_next_due__take_a_scope_of_any_size(store: SQLStore, limited: bool) -> None:
+    if store.engine.dialect.name == "sqlite":  # SQLite's own default (Debian builds 250,000)
+        sa.event.listen(store.engine, "connect", _default_variable_limit)
+        store.engine.dispose()
+    if limited:  # claims of a limited workflow go through their own statement
+        store.set_claim_limits({"w": ClaimLimits(max_concurrency=10)})
+    inside, _ = store.create_run(new_run())
+    later, _ = store.create_run(new_run(due=time.time() + 100))
+    outside, _ = store.create_run(new_run())
+    scope = [f"{i:032x}" for i in range(SCOPE_IDS)] + [later.id, inside.id]
+    assert store.next_due(run_ids=scope) == pytest.approx(inside.record.next_run_at)
+    claimed = store.claim(
+        worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"], run_ids=scope
+    )
+    assert [r.id for r in claimed] == [inside.id]
+    assert store.next_due(run_ids=scope) == pytest.approx(later.record.next_run_at)
+    assert store.next_due(run_ids=[]) is None
+    # The run outside the scope was left alone: due, and claimable.
+    rest = store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"])
+    assert [r.id for r in rest] == [outside.id]
 
 
 def test_claim__concurrent_claimers_never_get_the_same_run(
