@@ -5,7 +5,9 @@ a call (a child run) against the same work as an inline step.
 
 Prints, per backend: the seconds and commits to create the N children (fan-out), to run
 them and join (the children's steps, their final transactions with the join counter, the
-parent's join), and per-run milliseconds of an order with a call vs one with an inline step.
+parent's join), the seconds of ``engine.run`` of a map of ``--run-items`` items (the call
+drives its run's family itself), and per-run milliseconds of an order with a call vs one
+with an inline step.
 """
 
 from __future__ import annotations
@@ -138,6 +140,19 @@ def fan(url: str, items: int, max_parallel: int) -> dict[str, Any]:
         }
 
 
+def run_map(url: str, items: int, max_parallel: int) -> dict[str, float]:
+    """``engine.run`` of the map: the call drives the run and its children itself, each of
+    its claims scoped to the run's family (every live child, held ones included)."""
+    parent, _ = workflows(max_parallel)
+    with Engine(url, max_concurrency=64) as engine:
+        t0 = time.perf_counter()
+        info = engine.run(parent, Batch(count=items))
+        seconds = time.perf_counter() - t0
+        assert info.state == "joined", info
+        assert info.context.total == items * (items - 1), info.context  # type: ignore[union-attr]
+    return {"engine_run_s": seconds}
+
+
 def per_run(url: str, runs: int) -> dict[str, float]:
     with_call, inline = call_vs_inline()
     out = {}
@@ -171,6 +186,10 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=10_000)
     parser.add_argument("--max-parallel", type=int, default=64)
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument(
+        "--run-items", type=int, default=2_000, help="items of the map engine.run drives"
+    )
+    parser.add_argument("--run-parallel", type=int, default=5, help="its max_parallel")
     parser.add_argument("--pg", default=PG_URL)
     args = parser.parse_args()
     backends = ["sqlite"] + ([] if args.pg == "none" else ["postgres"])
@@ -179,6 +198,8 @@ def main() -> None:
             pg = None if backend == "sqlite" else args.pg
             with fresh_url(backend, directory, pg, "fanout") as url:
                 figures = fan(url, args.items, args.max_parallel)
+            with fresh_url(backend, directory, pg, "engine_run") as url:
+                figures.update(run_map(url, args.run_items, args.run_parallel))
             with fresh_url(backend, directory, pg, "call") as url:
                 figures.update(per_run(url, args.runs))
             with fresh_url(backend, directory, pg, "batch") as url:
@@ -188,6 +209,8 @@ def main() -> None:
                 f"fan-out {figures['fan_out_s']:.2f}s / {figures['fan_out_commits']} commits; "
                 f"run+join {figures['run_and_join_s']:.2f}s / "
                 f"{figures['run_and_join_commits']} commits; "
+                f"engine.run of a map of {args.run_items} items, {args.run_parallel} at a time: "
+                f"{figures['engine_run_s']:.2f}s; "
                 f"per run: inline step {figures['inline_ms']:.2f} ms, "
                 f"call {figures['call_ms']:.2f} ms "
                 f"({figures['call_ms'] / figures['inline_ms']:.1f}x); "
