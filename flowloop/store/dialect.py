@@ -74,7 +74,8 @@ def ids_in(column: ColumnElement[Any], name: str, *, postgres: bool) -> ColumnEl
     (:func:`ids_value`): a JSON array read by ``json_each`` on SQLite, an array on
     PostgreSQL. An expanding ``IN`` binds a variable per id, which SQLite refuses past
     32,766 and psycopg past 65,535 (``engine.run`` of a big map scopes its claims to its
-    whole family), and SQLAlchemy renders every one of them again at each execution."""
+    whole family), and SQLAlchemy renders every one of them again at each execution.
+    (``json_each`` is built into SQLite since 3.38, and into the usual builds before.)"""
     if postgres:
         return column == any_(sql_cast(bindparam(name), ARRAY(String)))
     listed = func.json_each(bindparam(name, type_=String)).table_valued("value")

@@ -168,10 +168,11 @@ class LimitStoreMixin:
         lease_seconds: float,
         limit: int,
         now: float,
-        run_ids: Sequence[str] | None,
+        ids: Any | None,
     ) -> list[Any]:
         """Claim due runs of limited workflows ``names`` within ``conn``'s transaction:
-        per workflow, at most what its limits leave free (rows of the run table)."""
+        per workflow, at most what its limits leave free (rows of the run table); with
+        ``ids`` (:func:`~flowloop.store.dialect.ids_value`), only those runs."""
         if self.engine.dialect.name == "postgresql":
             # Serializes limited claims (see the module docstring); held until commit.
             conn.exec_driver_sql(
@@ -193,10 +194,9 @@ class LimitStoreMixin:
                 "p_key_limit": spec.key_limit or UNLIMITED,
                 "p_scan": SCAN_PER_CLAIMED * (limit - len(rows)) + SCAN_EXTRA,
             }
-            if run_ids is not None:
-                postgres = self.engine.dialect.name == "postgresql"
-                params["p_ids"] = dialect.ids_value(run_ids, postgres=postgres)
-            rows.extend(conn.execute(self._limited_statement(run_ids is not None), params))
+            if ids is not None:
+                params["p_ids"] = ids
+            rows.extend(conn.execute(self._limited_statement(ids is not None), params))
         return rows
 
     def _ranked(self, conn: Connection, news: Sequence[NewRun]) -> list[NewRun]:

@@ -625,7 +625,7 @@ class SQLStore(
                     lease_seconds=lease_seconds,
                     limit=limit,
                     now=now,
-                    run_ids=run_ids,
+                    ids=params.get("p_ids"),
                 )
                 if limited
                 else []

@@ -276,20 +276,26 @@ def _default_variable_limit(connection: sqlite3.Connection, _: Any) -> None:
 def test_claim_and_next_due__take_a_scope_of_any_size(store: SQLStore, limited: bool) -> None:
     if store.engine.dialect.name == "sqlite":  # SQLite's own default (Debian builds 250,000)
         sa.event.listen(store.engine, "connect", _default_variable_limit)
-        store.engine.dispose()
+        store.set_write_lease(30.0)  # (the held write connection closed too: made again)
+        with store._write() as conn, store._read() as reading:
+            for connection in (conn, reading):
+                raw = connection.connection.dbapi_connection
+                assert isinstance(raw, sqlite3.Connection)
+                assert raw.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) == 32_766
     if limited:  # claims of a limited workflow go through their own statement
         store.set_claim_limits({"w": ClaimLimits(max_concurrency=10)})
+    outside, _ = store.create_run(new_run(due=past() - 600))  # due first of all
     inside, _ = store.create_run(new_run())
     later, _ = store.create_run(new_run(due=time.time() + 100))
-    outside, _ = store.create_run(new_run())
     scope = [f"{i:032x}" for i in range(SCOPE_IDS)] + [later.id, inside.id]
-    assert store.next_due(run_ids=scope) == pytest.approx(inside.record.next_run_at)
+    due = store.next_due(run_ids=scope)
+    assert due == pytest.approx(inside.record.next_run_at, abs=1e-3)
+    assert store.next_due(run_ids=[later.id]) == pytest.approx(later.record.next_run_at, abs=1e-3)
+    assert store.next_due(run_ids=[]) is None
     claimed = store.claim(
         worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"], run_ids=scope
     )
     assert [r.id for r in claimed] == [inside.id]
-    assert store.next_due(run_ids=scope) == pytest.approx(later.record.next_run_at)
-    assert store.next_due(run_ids=[]) is None
     # The run outside the scope was left alone: due, and claimable.
     rest = store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"])
     assert [r.id for r in rest] == [outside.id]
