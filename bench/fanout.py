@@ -2,6 +2,7 @@
 a call (a child run) against the same work as an inline step.
 
     python bench/fanout.py --items 10000 --max-parallel 64 [--pg URL | --pg none]
+        [--run-items 2000 --run-parallel 5] [--runs 200]
 
 Prints, per backend: the seconds and commits to create the N children (fan-out), to run
 them and join (the children's steps, their final transactions with the join counter, the
