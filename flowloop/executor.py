@@ -161,6 +161,7 @@ class Executor(Stepping, Recovery):
         """Called (with the number of abandoned threads) when hung sync steps reach the
         step pool's bound (see flowloop.steppool)."""
         self._active: dict[str, _Active] = {}
+        self._parked_for: frozenset[tuple[str, str]] | None = None
         self._controls: dict[str, str] = {}
         self._polled_pauses: set[str] = set()
         """The runs whose pause the last poll's requests held (:meth:`apply_controls`)."""
@@ -262,7 +263,7 @@ class Executor(Stepping, Recovery):
                         if last_recovery is None:
                             self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
-                    claimed = self._claim(run_ids, scope)
+                    claimed, more = self._claim(run_ids, scope)
                     due = (
                         self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
                         if until_idle and not claimed and not self._driving_any(scope)
@@ -285,6 +286,12 @@ class Executor(Stepping, Recovery):
                     continue
                 if claimed:
                     due_unclaimed = False
+                    if more:
+                        continue
+                    # The claim took every run then due: another claim finds one only once
+                    # something ends or comes due (a wake, or the next poll). Claiming again
+                    # at once cost an empty write transaction per claim.
+                    await self._wait_for_work(stop, wake)
                     continue
                 if until_idle and not self._driving_any(scope):
                     # Only the runs this call drives: another due run it may not claim
@@ -321,12 +328,18 @@ class Executor(Stepping, Recovery):
             return bool(self._active)
         return any(run_id in scope for run_id in self._active)
 
-    def _claim(self, run_ids: Sequence[str] | None, scope: Collection[str] | None = None) -> int:
+    def _claim(
+        self, run_ids: Sequence[str] | None, scope: Collection[str] | None = None
+    ) -> tuple[int, bool]:
         """Claim and spawn what is due, within this executor's ``max_concurrency`` and its
         count of each workflow's runs. With ``scope``, only the runs of the scope count: a
         run outside it may be the very caller waiting for this call (as ``Engine.run``'s
         own run is spawned without counting). A workflow's limits in the store (across
-        workers, flowloop/store/limits.py) still count every run holding a slot."""
+        workers, flowloop/store/limits.py) still count every run holding a slot.
+
+        Returns how many runs it took, and whether more may be due now: the claim was cut
+        short by the free places, or gave runs back (its workflow's count here is full)
+        while others were due."""
         running, per_workflow = self._driving(scope)
         free = self.max_concurrency - running - self.reserved()
         eligible = [
@@ -336,7 +349,7 @@ class Executor(Stepping, Recovery):
             or per_workflow.get(name, 0) < workflow.max_concurrency
         ]
         if free <= 0 or not eligible:
-            return 0
+            return 0, False
         rows: list[StoredRun] = []
         overdue, at = self.due_here.overdue(run_ids)
         before = time.monotonic()  # the leases claimed below end no earlier than this + lease
@@ -353,8 +366,9 @@ class Executor(Stepping, Recovery):
                 run_ids=overdue,
             )
             free -= len(rows)
+        more = free <= 0  # the overdue runs took every free place
         if free > 0:
-            rows += self.store.claim(
+            claimed = self.store.claim(
                 worker=self.worker_id,
                 now=self.clock.now(),
                 limit=free,
@@ -362,17 +376,20 @@ class Executor(Stepping, Recovery):
                 workflows=eligible,
                 run_ids=run_ids,
             )
+            more = len(claimed) >= free
+            rows += claimed
         taken = 0
         for stored in rows:
             workflow = workflow_for(self.workflows, stored.record)
             count = per_workflow.get(workflow.name, 0)
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
+                more = True  # it took a place another workflow's due run may take
                 continue
             self.spawn(stored, starting=True, claimed_at=before)
             per_workflow[workflow.name] = count + 1
             taken += 1
-        return taken
+        return taken, more
 
     def _driving(self, scope: Collection[str] | None) -> tuple[int, dict[str, int]]:
         """How many runs of ``scope`` (None: all) are being driven, in all and by workflow."""
@@ -530,6 +547,13 @@ class Executor(Stepping, Recovery):
             except Exception:  # a listener must never break the journal
                 log.exception("listener failed")
 
+    def note_committed(self, boundary: Boundary) -> None:
+        """Keep the record of a tracked run's committed boundary: ``Engine.run`` answers
+        with it rather than read back the row it knows."""
+        if boundary.run_id in self.tracked:
+            at = boundary.events[-1].at if boundary.events else 0.0
+            self.committed[boundary.run_id] = (boundary.record, at)
+
     async def _commit(self, boundary: Boundary) -> bool:
         run_id = boundary.run_id
         if self.leases.fenced(run_id):
@@ -546,11 +570,7 @@ class Executor(Stepping, Recovery):
         if applied and boundary.release:
             self.due_here.note(run_id, boundary.record.next_run_at)
         if applied:
-            if run_id in self.tracked:
-                self.committed[run_id] = (
-                    boundary.record,
-                    boundary.events[-1].at if boundary.events else 0.0,
-                )
+            self.note_committed(boundary)
             if self.store.renews_lease(boundary):
                 # A write of the run row renews the lease; an append leaves it to the
                 # heartbeat (flowloop/store/appends.py), so only the former counts here.

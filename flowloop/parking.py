@@ -20,6 +20,7 @@ from flowloop import journal as j
 from flowloop.definition import Workflow
 from flowloop.journal import JournalEvent
 from flowloop.store import Boundary, Fence
+from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import runs
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import judge
@@ -30,60 +31,76 @@ log = logging.getLogger("flowloop")
 PARK_BATCH = 1_000
 
 
+def loaded_fingerprints(workflows: Mapping[str, Workflow]) -> dict[str, list[str]]:
+    """Each loaded workflow's name and the fingerprints of its loaded versions."""
+    return {
+        name: [
+            w.fingerprint
+            for w in (
+                workflows.versions(name) if isinstance(workflows, Registry) else [workflows[name]]
+            )
+        ]
+        for name in list(workflows)
+    }
+
+
 def park_stranded_waits(
     store: SQLStore, workflows: Mapping[str, Workflow], *, worker: str, now: float
 ) -> int:
     """Park the waiting runs (no due time, no owner) that the loaded definitions cannot
     take; returns how many."""
     parked = 0
-    for name in list(workflows):
-        loaded = workflows.versions(name) if isinstance(workflows, Registry) else [workflows[name]]
-        fingerprints = [w.fingerprint for w in loaded]
-        query = (
-            select(runs.c.id)
-            .where(
-                runs.c.workflow == name,
-                runs.c.status == "scheduled",
-                runs.c.next_run_at.is_(None),
-                runs.c.owner.is_(None),
-                runs.c.fingerprint.not_in(fingerprints),
-            )
-            .limit(PARK_BATCH)
+    stranded: list[str] = []
+    # One read transaction for every workflow (BEGIN, not BEGIN IMMEDIATE, on SQLite): the
+    # look finds nothing almost always, and must not take the write lock to find it.
+    with store.engine.connect() as conn:
+        conn = conn.execution_options(**{READ_OPTION: True})
+        with conn.begin():
+            for name, fingerprints in loaded_fingerprints(workflows).items():
+                query = (
+                    select(runs.c.id)
+                    .where(
+                        runs.c.workflow == name,
+                        runs.c.status == "scheduled",
+                        runs.c.next_run_at.is_(None),
+                        runs.c.owner.is_(None),
+                        runs.c.fingerprint.not_in(fingerprints),
+                    )
+                    .limit(PARK_BATCH)
+                )
+                stranded += [row.id for row in conn.execute(query)]
+    for run_id in stranded:
+        stored = store.get_run(run_id)
+        if stored is None or stored.owner is not None or stored.problem is not None:
+            continue
+        record = stored.record
+        workflow = workflow_for(workflows, record)
+        verdict = judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=store.definition(record.fingerprint),
         )
-        with store.engine.connect() as conn:
-            ids = [row.id for row in conn.execute(query)]
-        for run_id in ids:
-            stored = store.get_run(run_id)
-            if stored is None or stored.owner is not None or stored.problem is not None:
-                continue
-            record = stored.record
-            workflow = workflow_for(workflows, record)
-            verdict = judge(
-                workflow,
-                state=record.state,
-                fingerprint=record.fingerprint,
-                context=record.context,
-                context_version=record.context_version,
-                old=store.definition(record.fingerprint),
-            )
-            if verdict.goes_on or verdict.outcome != "paused":
-                continue
-            event = JournalEvent(
-                run_id=record.id,
-                seq=record.last_seq + 1,
-                kind=j.RUN_PAUSED,
-                at=now,
-                state=record.state,
-                error_message=verdict.message,
-                worker=worker,
-                data={"reason": verdict.reason},
-            )
-            boundary = Boundary(
-                events=[event],
-                record=j.apply(record, event),
-                fence=Fence(None, stored.lease_epoch),
-            )
-            if store.write([boundary])[0]:
-                parked += 1
-                log.warning("run %s parked: %s", record.id, verdict.reason)
+        if verdict.goes_on or verdict.outcome != "paused":
+            continue
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.RUN_PAUSED,
+            at=now,
+            state=record.state,
+            error_message=verdict.message,
+            worker=worker,
+            data={"reason": verdict.reason},
+        )
+        boundary = Boundary(
+            events=[event],
+            record=j.apply(record, event),
+            fence=Fence(None, stored.lease_epoch),
+        )
+        if store.write([boundary])[0]:
+            parked += 1
+            log.warning("run %s parked: %s", record.id, verdict.reason)
     return parked

@@ -44,6 +44,8 @@ class Recovery:
         stats: Stats
         leases: LeaseKeeper
         _active: dict[str, _Active]
+        _parked_for: frozenset[tuple[str, str]] | None
+        """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
 
         def _notify(self, boundary: Boundary) -> None: ...
         def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict: ...
@@ -167,14 +169,22 @@ class Recovery:
 
     def _park_stranded_waits(self) -> None:
         """Waiting runs without a timeout are never claimed: park, once at start, those
-        the loaded definitions cannot take (flowloop/parking.py)."""
-        from flowloop.parking import park_stranded_waits
+        the loaded definitions cannot take (flowloop/parking.py). Once per executor and
+        set of loaded definitions: the engine keeps its executor between ``Engine.run``
+        calls, and looking again at each call cost a transaction per call (a worker looks
+        once when it starts, too)."""
+        from flowloop.parking import loaded_fingerprints, park_stranded_waits
         from flowloop.store.sql import SQLStore
 
-        if isinstance(self.store, SQLStore):
-            park_stranded_waits(
-                self.store, self.workflows, worker=self.worker_id, now=self.clock.now()
-            )
+        loaded = frozenset(
+            (name, fingerprint)
+            for name, fingerprints in loaded_fingerprints(self.workflows).items()
+            for fingerprint in fingerprints
+        )
+        if loaded == self._parked_for or not isinstance(self.store, SQLStore):
+            return
+        park_stranded_waits(self.store, self.workflows, worker=self.worker_id, now=self.clock.now())
+        self._parked_for = loaded
 
     def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
         """A run cut off in a state (or with a context) the deployed definition no longer

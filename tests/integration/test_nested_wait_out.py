@@ -271,7 +271,7 @@ def _counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     count = [0]
     real = Executor._claim
 
-    def counted(self: Executor, *args: Any) -> int:
+    def counted(self: Executor, *args: Any) -> tuple[int, bool]:
         count[0] += 1
         return real(self, *args)
 
