@@ -53,6 +53,11 @@ def _plain(new: NewRun) -> bool:
     )
 
 
+_BY_IDEMPOTENCY: Final = select(runs).where(
+    runs.c.idempotency_key.in_(bindparam("p_keys", expanding=True))
+)
+
+
 def _unique_keys(new: NewRun) -> list[tuple[str, str]]:
     """The unique keys a new run takes: (workflow, business key) and ("", idempotency key)."""
     keys = []
@@ -369,16 +374,19 @@ class CreationStoreMixin:
         for new in news:
             if new.record.key is not None:
                 keys.setdefault(new.record.workflow, set()).add(new.record.key)
-        conditions = [
-            and_(runs.c.workflow == workflow, runs.c.key.in_(sorted(names)))
-            for workflow, names in keys.items()
-        ]
-        if idempotency:
-            conditions.append(runs.c.idempotency_key.in_(sorted(idempotency)))
-        if not conditions:
-            return {}
+        if not keys and idempotency:  # children and idempotent starts: built once
+            rows = conn.execute(_BY_IDEMPOTENCY, {"p_keys": sorted(idempotency)}).all()
+        else:
+            conditions = [
+                and_(runs.c.workflow == workflow, runs.c.key.in_(sorted(names)))
+                for workflow, names in keys.items()
+            ]
+            if idempotency:
+                conditions.append(runs.c.idempotency_key.in_(sorted(idempotency)))
+            if not conditions:
+                return {}
+            rows = conn.execute(select(runs).where(or_(*conditions))).all()
         found: dict[tuple[str, str], StoredRun] = {}
-        rows = conn.execute(select(runs).where(or_(*conditions))).all()
         folded = self._fold_tails(conn, [_stored_from_row(r) for r in rows])
         for row, stored in zip(rows, folded, strict=True):
             if row.key is not None:

@@ -38,6 +38,7 @@ from sqlalchemy import (
 from flowloop import journal as j
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.store import built
 from flowloop.store.base import Boundary, NewRun, StoredRun
 from flowloop.store.entries import JOURNALED, Unreadable
 from flowloop.store.journaled import contexts_at
@@ -74,6 +75,39 @@ _RELEASE_NEXT: Final = (
         runs.c.join_state == "held",
     )
     .values(join_state="open", next_run_at=bindparam("r_at"))
+)
+_RESULTS: Final = (
+    select(
+        runs.c.child_index,
+        runs.c.id,
+        runs.c.status,
+        runs.c.context,
+        runs.c.error,
+        runs.c.last_seq,
+    )
+    .where(runs.c.join_id == bindparam("j_id"), runs.c.child_index > bindparam("r_after"))
+    .order_by(runs.c.child_index)
+    .limit(RESULT_BATCH)
+)
+_JOIN_EXISTS: Final = select(joins.c.id).where(joins.c.id == bindparam("j_id"))
+_INSERT_JOIN: Final = insert(joins)
+_SET_CREATED: Final = (
+    update(joins).where(joins.c.id == bindparam("j_id")).values(created=bindparam("j_created"))
+)
+_DUE_IF_COMPLETE: Final = (
+    update(runs)
+    .where(
+        runs.c.id == bindparam("r_id"),
+        runs.c.status == "scheduled",
+        exists(
+            select(joins.c.id).where(
+                joins.c.id == bindparam("j_id"),
+                joins.c.created >= joins.c.total,
+                joins.c.succeeded + joins.c.failed + joins.c.stopped >= joins.c.total,
+            )
+        ),
+    )
+    .values(next_run_at=bindparam("r_at"))
 )
 _PARENT_DUE: Final = (
     update(runs)
@@ -174,6 +208,9 @@ class JoinStoreMixin:
     def _apply(self, conn: Connection, boundaries: Sequence[Boundary]) -> list[bool]:
         raise NotImplementedError  # provided by AppendStoreMixin
 
+    def _apply_whole(self, conn: Connection, boundary: Boundary) -> bool:
+        raise NotImplementedError  # provided by AppendStoreMixin
+
     def _fold_tails(self, conn: Connection, stored: Sequence[StoredRun]) -> list[StoredRun]:
         raise NotImplementedError  # provided by AppendStoreMixin
 
@@ -196,7 +233,7 @@ class JoinStoreMixin:
 
     def get_join(self, join_id: str) -> JoinRow | None:
         with self._read() as conn:
-            row = conn.execute(select(joins).where(joins.c.id == join_id)).first()
+            row = conn.execute(_READ_JOIN, {"j_id": join_id}).first()
         return None if row is None else _join(row)
 
     def create_children(
@@ -236,12 +273,12 @@ class JoinStoreMixin:
         leaves it waiting. A refused boundary (lost lease) undoes it all: False."""
         try:
             with self._write() as conn:
-                if conn.execute(select(joins.c.id).where(joins.c.id == join.id)).first() is None:
-                    conn.execute(insert(joins).values(_join_values(join, at)))
+                if conn.execute(_JOIN_EXISTS, {"j_id": join.id}).first() is None:
+                    conn.execute(_INSERT_JOIN, _join_values(join, at))
                 news = build(join.runnable())
                 self._create_many_in(conn, news)
-                conn.execute(update(joins).where(joins.c.id == join.id).values(created=len(news)))
-                if not self._apply(conn, [boundary])[0]:
+                conn.execute(_SET_CREATED, {"j_id": join.id, "j_created": len(news)})
+                if not self._apply_whole(conn, boundary):
                     raise _Refused
         except _Refused:
             return False
@@ -251,21 +288,16 @@ class JoinStoreMixin:
         """Write the parent's boundary that leaves it waiting for its children; in the same
         transaction, make it due at once if they have all ended already (the last child's
         transaction found it not waiting yet, or ran first)."""
-        with self._write() as conn:
-            if not self._apply(conn, [boundary])[0]:
-                return False
-            complete = exists(
-                select(joins.c.id).where(
-                    joins.c.id == join_id,
-                    joins.c.created >= joins.c.total,
-                    joins.c.succeeded + joins.c.failed + joins.c.stopped >= joins.c.total,
-                )
-            )
-            conn.execute(
-                update(runs)
-                .where(runs.c.id == boundary.run_id, runs.c.status == "scheduled", complete)
-                .values(next_run_at=boundary.events[-1].at)
-            )
+        try:
+            with self._write() as conn:
+                if not self._apply_whole(conn, boundary):
+                    raise _Refused
+                # Due at once when every child has ended already.
+                at = boundary.events[-1].at
+                params = {"r_id": boundary.run_id, "j_id": join_id, "r_at": at}
+                conn.execute(_DUE_IF_COMPLETE, params)
+        except _Refused:
+            return False
         return True
 
     def join_results(self, join_id: str) -> Iterator[ChildRow]:
@@ -273,19 +305,7 @@ class JoinStoreMixin:
         last = -1
         while True:
             with self._read() as conn:
-                rows = conn.execute(
-                    select(
-                        runs.c.child_index,
-                        runs.c.id,
-                        runs.c.status,
-                        runs.c.context,
-                        runs.c.error,
-                        runs.c.last_seq,
-                    )
-                    .where(runs.c.join_id == join_id, runs.c.child_index > last)
-                    .order_by(runs.c.child_index)
-                    .limit(RESULT_BATCH)
-                ).all()
+                rows = conn.execute(_RESULTS, {"j_id": join_id, "r_after": last}).all()
                 journaled = {r.id: r.last_seq for r in rows if r.context == JOURNALED}
                 kept = contexts_at(conn, journaled) if journaled else {}
             for row in rows:
@@ -341,9 +361,7 @@ class JoinStoreMixin:
                     parents = frontier[start : start + PARENTS_PER_QUERY]
                     # Live ones kept here, not in the query: a status test there led
                     # SQLite to the status index instead of the (partial) parent index.
-                    rows = conn.execute(
-                        select(runs.c.id, runs.c.status).where(runs.c.parent_id.in_(parents))
-                    )
+                    rows = conn.execute(built.CHILDREN_OF, {"r_parents": parents})
                     generation.extend(row.id for row in rows if row.status in LIVE)
                 found.extend(generation)
                 frontier = generation
@@ -364,6 +382,16 @@ class JoinStoreMixin:
 
     def _write_with_ends(self, boundaries: Sequence[Boundary]) -> list[bool]:
         # (_apply journals whole contexts and drops the runs' cached ones.)
+        if len(boundaries) == 1:  # one end, alone: refused, nothing of it is written
+            try:
+                with self._write() as conn:
+                    if not self._apply_whole(conn, boundaries[0]):
+                        raise _Refused
+                    if reports_end(boundaries[0]):
+                        self._report_ends(conn, boundaries)
+            except _Refused:
+                return [False]
+            return [True]
         with self._write() as conn:
             applied = self._apply(conn, boundaries)
             done = [b for b, ok in zip(boundaries, applied, strict=True) if ok]

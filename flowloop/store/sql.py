@@ -41,7 +41,7 @@ from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
 from flowloop.journal import JournalEvent
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect, leases, migrate, outage
+from flowloop.store import built, dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, RunFilter, Store, StoredRun
@@ -441,7 +441,7 @@ class SQLStore(
 
     def get_run(self, run_id: str) -> StoredRun | None:
         with self._read() as conn:
-            row = conn.execute(select(runs).where(runs.c.id == run_id)).first()
+            row = conn.execute(built.RUN_BY_ID, {"r_id": run_id}).first()
             return None if row is None else self._fold_tails(conn, [_stored_from_row(row)])[0]
 
     def run_ids_with_prefix(self, prefix: str, *, limit: int) -> list[str]:
@@ -480,11 +480,13 @@ class SQLStore(
             return self._fold_tails(conn, [_stored_from_row(row) for row in conn.execute(query)])
 
     def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]:
-        query = select(journal).where(journal.c.run_id == run_id)
-        if until_seq is not None:
-            query = query.where(journal.c.seq <= until_seq)
         with self._read() as conn:
-            events = decode(conn.execute(query.order_by(journal.c.seq)), strict=False)
+            rows = (
+                conn.execute(built.JOURNAL_OF, {"r_id": run_id})
+                if until_seq is None
+                else conn.execute(built.JOURNAL_UNTIL, {"r_id": run_id, "r_seq": until_seq})
+            )
+            events = decode(rows, strict=False)
         return until(events, until_seq)
 
     # -- the hot path (flowloop/store/appends.py) ------------------------------------------
@@ -691,7 +693,7 @@ class SQLStore(
 
     def running_owners(self) -> list[str]:
         with self._read() as conn:
-            rows = conn.execute(select(runs.c.owner).where(runs.c.owner.is_not(None)).distinct())
+            rows = conn.execute(built.RUNNING_OWNERS)
             return sorted(row.owner for row in rows)
 
     def expire_leases(self, owners: Sequence[str]) -> int:
@@ -767,16 +769,16 @@ class SQLStore(
     def next_due(
         self, *, workflows: Sequence[str] | None = None, run_ids: Sequence[str] | None = None
     ) -> float | None:
-        # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
-        query = select(func.min(runs.c.next_run_at)).where(
-            runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at.is_not(None)
-        )
+        if workflows is not None and not workflows:
+            return None
+        params: dict[str, Any] = {}
         if workflows is not None:
-            query = query.where(runs.c.workflow.in_(list(workflows)))
-        params = {}
+            params["p_workflows"] = list(workflows)
         if run_ids is not None:
-            query = query.where(dialect.ids_in(runs.c.id, "p_ids", postgres=self._postgres))
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
+        query = built.next_due(
+            by_workflow=workflows is not None, by_id=run_ids is not None, postgres=self._postgres
+        )
         with self._read() as conn:
             value = conn.execute(query, params).scalar_one_or_none()
         return None if value is None else float(value)

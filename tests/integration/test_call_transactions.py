@@ -1,0 +1,256 @@
+"""What a call costs the database: the transactions ``Engine.run`` of a workflow with a
+call opens, on a real SQLite file and a real PostgreSQL schema.
+
+A call is a child run: its creation, its step, its end told to the parent's join, the
+parent's join. Around those, the driving loop claims, reads and recovers; each of those is
+a transaction, and on this path they were most of a call's cost (bench/fanout.py).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow, parking
+from flowloop.store import dialect
+from flowloop.store.schema import joins, runs
+
+CALL_TRANSACTIONS = {"sqlite": 16, "postgresql": 17}
+"""The transactions of one call by ``Engine.run`` (prep, the call, the join): 20 on SQLite
+and 21 on PostgreSQL before the loop stopped claiming again at once after a claim took
+every due run, looked for stranded waits once per kept executor, answered from the record
+it committed, and skipped reading a join that could not exist yet. PostgreSQL's recovery
+also reads the database's clock (flowloop/dbclock.py)."""
+
+
+class Item(BaseModel):
+    n: int
+    doubled: int = 0
+
+
+def _caller() -> tuple[Workflow, Workflow]:
+    child = Workflow("callee", context=Item)
+
+    @child.step(initial=True, next="done")
+    async def work(ctx: Item) -> None:
+        ctx.doubled = ctx.n * 2
+
+    child.final("done")
+    parent = Workflow("caller", context=Item)
+
+    @parent.step(initial=True, next="sub")
+    async def prep(ctx: Item) -> None: ...
+
+    parent.call(
+        "sub",
+        child=child,
+        context=lambda ctx: ctx,
+        on={"succeeded": "done"},
+        result=lambda ctx, c: setattr(ctx, "doubled", c.doubled),
+    )
+    parent.final("done")
+    return parent, child
+
+
+def _count_transactions(engine: Engine) -> list[int]:
+    """Count every transaction the store opens: SQLAlchemy's (read and write) and the
+    boundary writes' own driver path."""
+    counter = [0]
+    store: Any = engine.store
+    for name in ("_write", "_read", "_driver"):
+        original = getattr(store, name)
+
+        def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            counter[0] += 1
+            return _original(*args, **kwargs)
+
+        setattr(store, name, counted)
+    return counter
+
+
+def _record_claims(engine: Engine) -> list[int]:
+    """How many runs each of the store's claims returned."""
+    sizes: list[int] = []
+    store: Any = engine.store
+    original = store.claim
+
+    def claim(**kwargs: Any) -> Any:
+        rows = original(**kwargs)
+        sizes.append(len(rows))
+        return rows
+
+    store.claim = claim
+    return sizes
+
+
+@pytest.fixture
+def engine(store_url: str) -> Iterator[Engine]:
+    # Polls far apart: the loop moves on wakes (a run's end, children due), never on a
+    # poll, so the claims counted below do not depend on how fast this machine is.
+    parent, child = _caller()
+    with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as engine:
+        yield engine
+
+
+def test_a_call_by_engine_run__claims_again_only_when_woken(engine: Engine) -> None:
+    """Each claim takes every run then due (the child, later the parent); the loop claims
+    again when something ends, not at once to find nothing. One claim finds nothing: the
+    one after the parent's end, before ``Engine.run`` decides the family is idle."""
+    parent = engine.workflows["caller"]
+    engine.run(parent, Item(n=1))  # the executor and the schema, as every later call finds
+    sizes = _record_claims(engine)
+    info = engine.run(parent, Item(n=21))
+    assert (info.state, info.context) == ("done", Item(n=21, doubled=42))
+    assert sizes == [1, 1, 0], sizes  # the child, the parent at its join, the idle check
+
+
+def test_a_call_by_engine_run__within_its_transactions(engine: Engine) -> None:
+    parent = engine.workflows["caller"]
+    engine.run(parent, Item(n=1))
+    counter = _count_transactions(engine)
+    info = engine.run(parent, Item(n=2))
+    assert (info.state, info.status, info.context.doubled) == ("done", "succeeded", 4)  # type: ignore[union-attr]
+    store: Any = engine.store
+    assert counter[0] <= CALL_TRANSACTIONS[store.engine.dialect.name], counter[0]
+
+
+def test_stranded_waits__looked_for_once_per_kept_executor_and_definitions(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine keeps its executor between calls: the look for waiting runs the loaded
+    definitions cannot take is made once, and again only when the definitions change."""
+    looks: list[set[str]] = []
+    real = parking.park_stranded_waits
+
+    def counted(store: Any, workflows: Any, **kwargs: Any) -> int:
+        looks.append(set(workflows))
+        return real(store, workflows, **kwargs)
+
+    monkeypatch.setattr(parking, "park_stranded_waits", counted)
+    parent = engine.workflows["caller"]
+    for n in range(3):
+        assert engine.run(parent, Item(n=n)).state == "done"
+    assert looks == [{"caller", "callee"}]
+    other = Workflow("other", context=Item)
+
+    @other.step(initial=True, next="done")
+    async def only(ctx: Item) -> None: ...
+
+    other.final("done")
+    engine.register(other)
+    assert engine.run(parent, Item(n=3)).state == "done"
+    assert looks == [{"caller", "callee"}, {"caller", "callee", "other"}]
+    engine.run_until_idle()  # a new executor, as a worker's start: it looks
+    assert len(looks) == 3
+
+
+def test_stranded_waits__the_look_does_not_wait_for_the_write_lock(sqlite_url: str) -> None:
+    """It reads (``BEGIN``): another process holding SQLite's write lock does not hold
+    back a worker starting, nor fail its start once the busy timeout has passed."""
+    parent, child = _caller()
+    with Engine(sqlite_url, workflows=[parent, child]) as engine:
+        engine.run(parent, Item(n=1))
+        store: Any = engine.store
+        store.set_write_lease(30.0)  # drops the held write connection (the old timeout)
+        dialect.set_busy_timeout(store.engine, 200)  # the pool's connections from now on
+        path = Path(sqlite_url.removeprefix("sqlite:///"))
+        holder = sqlite3.connect(path, isolation_level=None)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            parked = parking.park_stranded_waits(
+                store, engine.workflows, worker="w", now=engine.clock.now()
+            )
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+    assert parked == 0
+
+
+# -- refused: a fan-out and a child's end are written whole or not at all -------------------
+# (One boundary a transaction, without a savepoint: a refusal rolls all of it back.)
+
+
+def _steal(engine: Engine, workflow: str) -> str:
+    """Another worker takes over the running run of ``workflow``, as after a lease that
+    ran out: the next fenced write of its first owner is refused. Returns its id."""
+    store: Any = engine.store
+    store.expire_leases([engine.worker_id])
+    taken = store.claim_interrupted(worker="thief", limit=10, lease_seconds=600.0)
+    assert [stored.record.workflow for stored in taken] == [workflow]
+    return str(taken[0].id)
+
+
+def test_refused__a_calls_fan_out_writes_nothing(store_url: str) -> None:
+    """The parent's lease is lost while it builds its child's context: the join, the child
+    and the parent's ``children_started`` are one transaction, refused as one."""
+    child = Workflow("callee", context=Item)
+
+    @child.step(initial=True, next="done")
+    async def work(ctx: Item) -> None: ...
+
+    child.final("done")
+    parent = Workflow("caller", context=Item)
+
+    @parent.step(initial=True, next="sub")
+    async def prep(ctx: Item) -> None: ...
+
+    stolen: list[str] = []
+
+    def child_context(ctx: Item) -> Item:
+        stolen.append(_steal(running, "caller"))
+        return ctx
+
+    parent.call("sub", child=child, context=child_context, on={"succeeded": "done"})
+    parent.final("done")
+    with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
+        info = running.run(parent, Item(n=1))
+        assert stolen == [info.id]
+        store: Any = running.store
+        assert (store.get_run(info.id).owner, store.live_descendants(info.id)) == ("thief", [])
+        kinds = [event.kind for event in running.history(info.id)]
+        assert "children_started" not in kinds, kinds
+        with store.engine.connect() as conn:
+            assert conn.execute(sa.select(sa.func.count()).select_from(joins)).scalar() == 0
+
+
+def test_refused__a_childs_end_is_not_told_to_its_join(store_url: str) -> None:
+    """The child's lease is lost in its last step: its end is refused, and with it the
+    join's count and the parent's due time, written in the same transaction."""
+    child = Workflow("callee", context=Item)
+    stolen: list[str] = []
+
+    @child.step(initial=True, next="done")
+    async def work(ctx: Item) -> None:
+        stolen.append(_steal(running, "callee"))
+
+    child.final("done")
+    parent = Workflow("caller", context=Item)
+
+    @parent.step(initial=True, next="sub")
+    async def prep(ctx: Item) -> None: ...
+
+    parent.call("sub", child=child, context=lambda ctx: ctx, on={"succeeded": "done"})
+    parent.final("done")
+    with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
+        info = running.run(parent, Item(n=1))
+        assert (info.state, info.status) == ("sub", "scheduled")
+        store: Any = running.store
+        [child_id] = store.live_descendants(info.id)
+        assert stolen == [child_id]
+        ended = store.get_run(child_id)
+        assert (ended.record.status, ended.owner) == ("running", "thief")
+        with store.engine.connect() as conn:
+            counted = conn.execute(
+                sa.select(joins.c.succeeded + joins.c.failed + joins.c.stopped)
+            ).scalar_one()
+            told = conn.execute(
+                sa.select(runs.c.join_state).where(runs.c.id == child_id)
+            ).scalar_one()
+        assert (counted, told) == (0, "open")
+        assert store.get_run(info.id).record.next_run_at is None
