@@ -192,9 +192,7 @@ async def drive(
     store = joins_of(executor)
     visit = record.visit(record.state)
     join_id = compose.join_id(record.id, record.state, visit)
-    # Entered just now (not committed yet): no join of this visit can exist, as a join is
-    # created only with or after the entry's commit. Else the join says where it stands.
-    join = None if entered is not None else store.get_join(join_id)
+    join = store.get_join(join_id)
     if join is not None and join.complete:
         if not await flush():
             return None
@@ -251,6 +249,7 @@ async def drive(
                 executor, spec, record, fence, join_id, len(contexts), pending=pending
             )
             if store.start_children(row, batch_of(0), boundary, at=now):
+                executor.note_committed(boundary)  # the row as written (wait_join's may not be)
                 _waited(executor, boundary)
             return None
         if not await flush():
@@ -297,7 +296,6 @@ def _waiting(
 
 
 def _waited(executor: Executor, boundary: Boundary) -> None:
-    executor.note_committed(boundary)
     executor.committer.released.add(boundary.run_id)
     executor.stats.commits += 1
     executor._notify(boundary)

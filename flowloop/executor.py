@@ -288,9 +288,9 @@ class Executor(Stepping, Recovery):
                     due_unclaimed = False
                     if more:
                         continue
-                    # The claim took every run then due: another claim finds one only once
-                    # something ends or comes due (a wake, or the next poll). Claiming again
-                    # at once cost an empty write transaction per claim.
+                    # The claim found fewer due runs than it could take: another finds one
+                    # once something ends or comes due (a wake, or the next poll). Claiming
+                    # again at once cost an empty write transaction per claim.
                     await self._wait_for_work(stop, wake)
                     continue
                 if until_idle and not self._driving_any(scope):
@@ -338,8 +338,9 @@ class Executor(Stepping, Recovery):
         workers, flowloop/store/limits.py) still count every run holding a slot.
 
         Returns how many runs it took, and whether more may be due now: the claim was cut
-        short by the free places, or gave runs back (its workflow's count here is full)
-        while others were due."""
+        short by the free places, gave runs back (their workflow's count here is full), or
+        counted slots in the store (a limited claim looks at a window of candidates and
+        may take fewer than are due and fit)."""
         running, per_workflow = self._driving(scope)
         free = self.max_concurrency - running - self.reserved()
         eligible = [
@@ -376,7 +377,7 @@ class Executor(Stepping, Recovery):
                 workflows=eligible,
                 run_ids=run_ids,
             )
-            more = len(claimed) >= free
+            more = len(claimed) >= free or any(self.workflows[name].limited for name in eligible)
             rows += claimed
         taken = 0
         for stored in rows:
@@ -384,7 +385,7 @@ class Executor(Stepping, Recovery):
             count = per_workflow.get(workflow.name, 0)
             if workflow.max_concurrency is not None and count >= workflow.max_concurrency:
                 self.store.release(worker=self.worker_id, run_ids=[stored.id])
-                more = True  # it took a place another workflow's due run may take
+                more = True  # it took a place a run of another workflow may take
                 continue
             self.spawn(stored, starting=True, claimed_at=before)
             per_workflow[workflow.name] = count + 1

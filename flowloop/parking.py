@@ -20,7 +20,6 @@ from flowloop import journal as j
 from flowloop.definition import Workflow
 from flowloop.journal import JournalEvent
 from flowloop.store import Boundary, Fence
-from flowloop.store.dialect import READ_OPTION
 from flowloop.store.schema import runs
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import judge
@@ -53,22 +52,20 @@ def park_stranded_waits(
     stranded: list[str] = []
     # One read transaction for every workflow (BEGIN, not BEGIN IMMEDIATE, on SQLite): the
     # look finds nothing almost always, and must not take the write lock to find it.
-    with store.engine.connect() as conn:
-        conn = conn.execution_options(**{READ_OPTION: True})
-        with conn.begin():
-            for name, fingerprints in loaded_fingerprints(workflows).items():
-                query = (
-                    select(runs.c.id)
-                    .where(
-                        runs.c.workflow == name,
-                        runs.c.status == "scheduled",
-                        runs.c.next_run_at.is_(None),
-                        runs.c.owner.is_(None),
-                        runs.c.fingerprint.not_in(fingerprints),
-                    )
-                    .limit(PARK_BATCH)
+    with store._read() as conn:
+        for name, fingerprints in loaded_fingerprints(workflows).items():
+            query = (
+                select(runs.c.id)
+                .where(
+                    runs.c.workflow == name,
+                    runs.c.status == "scheduled",
+                    runs.c.next_run_at.is_(None),
+                    runs.c.owner.is_(None),
+                    runs.c.fingerprint.not_in(fingerprints),
                 )
-                stranded += [row.id for row in conn.execute(query)]
+                .limit(PARK_BATCH)
+            )
+            stranded += [row.id for row in conn.execute(query)]
     for run_id in stranded:
         stored = store.get_run(run_id)
         if stored is None or stored.owner is not None or stored.problem is not None:

@@ -171,8 +171,11 @@ class Recovery:
         """Waiting runs without a timeout are never claimed: park, once at start, those
         the loaded definitions cannot take (flowloop/parking.py). Once per executor and
         set of loaded definitions: the engine keeps its executor between ``Engine.run``
-        calls, and looking again at each call cost a transaction per call (a worker looks
-        once when it starts, too)."""
+        calls, and looking again at each call cost a transaction per call. A worker looks
+        once when it starts, and ``run_until_idle`` at each call (a new executor each
+        time): a wait stranded later (a run unpaused on a definition not loaded here, or
+        released into a wait by a process of another version) is found by those, not by
+        further ``Engine.run`` calls, whose own runs it does not hold back."""
         from flowloop.parking import loaded_fingerprints, park_stranded_waits
         from flowloop.store.sql import SQLStore
 

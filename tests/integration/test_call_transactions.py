@@ -8,6 +8,7 @@ a transaction, and on this path they were most of a call's cost (bench/fanout.py
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,16 +18,17 @@ import pytest
 import sqlalchemy as sa
 from pydantic import BaseModel
 
-from flowloop import Engine, Workflow, parking
+from flowloop import Engine, Step, Workflow, parking
 from flowloop.store import dialect
-from flowloop.store.schema import joins, runs
+from flowloop.store.schema import joins, journal, runs
 
-CALL_TRANSACTIONS = {"sqlite": 16, "postgresql": 17}
-"""The transactions of one call by ``Engine.run`` (prep, the call, the join): 20 on SQLite
-and 21 on PostgreSQL before the loop stopped claiming again at once after a claim took
-every due run, looked for stranded waits once per kept executor, answered from the record
-it committed, and skipped reading a join that could not exist yet. PostgreSQL's recovery
-also reads the database's clock (flowloop/dbclock.py)."""
+CALL_TRANSACTIONS = {"sqlite": 17, "postgresql": 18}
+"""The transactions of one call by ``Engine.run`` (prep, the call, the join), as
+:func:`_count_transactions` counts them: 20 on SQLite and 21 on PostgreSQL before the loop
+stopped claiming again at once after a claim found fewer due runs than it could take, and
+answered from the record the fan-out committed (and, not counted there, two looks for
+stranded waits at every call, now one per kept executor). PostgreSQL's recovery also reads
+the database's clock (flowloop/dbclock.py)."""
 
 
 class Item(BaseModel):
@@ -59,11 +61,12 @@ def _caller() -> tuple[Workflow, Workflow]:
 
 
 def _count_transactions(engine: Engine) -> list[int]:
-    """Count every transaction the store opens: SQLAlchemy's (read and write) and the
-    boundary writes' own driver path."""
+    """Count the transactions the store opens: SQLAlchemy's (read and write), and the
+    boundary writes' own on the driver (a batch, or the usual boundary sent alone). Not
+    counted: the lease threads' renewals, off the run's path."""
     counter = [0]
     store: Any = engine.store
-    for name in ("_write", "_read", "_driver"):
+    for name in ("_write", "_read", "_driver", "_execute_alone"):
         original = getattr(store, name)
 
         def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
@@ -98,6 +101,7 @@ def engine(store_url: str) -> Iterator[Engine]:
         yield engine
 
 
+@pytest.mark.timeout(120)  # a lost wake would wait for the next poll (600 s)
 def test_a_call_by_engine_run__claims_again_only_when_woken(engine: Engine) -> None:
     """Each claim takes every run then due (the child, later the parent); the loop claims
     again when something ends, not at once to find nothing. One claim finds nothing: the
@@ -110,14 +114,55 @@ def test_a_call_by_engine_run__claims_again_only_when_woken(engine: Engine) -> N
     assert sizes == [1, 1, 0], sizes  # the child, the parent at its join, the idle check
 
 
+class Keyed(BaseModel):
+    customer: str
+
+
+CROWD = 60
+"""Runs of one key ahead of another key's in claim order: more than a counted claim's
+window of candidates (4 x 4 places + 32, flowloop/store/limits.py) at
+``max_concurrency=4``."""
+
+
+@pytest.mark.timeout(120)  # a claim left for the next poll (600 s) fails here
+def test_a_limited_claim_cut_short_by_its_window__claims_again_at_once(store_url: str) -> None:
+    """A counted claim ranks a window of the due runs: crowded by one key at its limit, it
+    takes one run where four would fit. The loop claims again at once (the key now left
+    out of the window), rather than wait for a run's end or a poll: the crowded key's first
+    run waits for the other key's to start."""
+    other_started: dict[str, asyncio.Event] = {}
+
+    def started() -> asyncio.Event:
+        return other_started.setdefault("b", asyncio.Event())
+
+    fair = Workflow("fair", context=Keyed, concurrency_key=lambda c: c.customer, key_limit=1)
+
+    @fair.step(initial=True, next="done")
+    async def only(ctx: Keyed) -> None:
+        if ctx.customer == "b":
+            started().set()
+        else:
+            await asyncio.wait_for(started().wait(), 60)
+
+    fair.final("done")
+    with Engine(store_url, workflows=[fair], poll_seconds=600.0, max_concurrency=4) as engine:
+        # Ahead in claim order (their priority): the window holds only runs of "a".
+        engine.start_many(fair, [Keyed(customer="a") for _ in range(CROWD)], priority=1)
+        engine.start(fair, Keyed(customer="b"))
+        engine.run_until_idle()
+        assert len(engine.runs(workflow="fair", status="succeeded", limit=CROWD + 1)) == CROWD + 1
+
+
+@pytest.mark.timeout(120)  # a lost wake would wait for the next poll (600 s)
 def test_a_call_by_engine_run__within_its_transactions(engine: Engine) -> None:
     parent = engine.workflows["caller"]
     engine.run(parent, Item(n=1))
     counter = _count_transactions(engine)
     info = engine.run(parent, Item(n=2))
-    assert (info.state, info.status, info.context.doubled) == ("done", "succeeded", 4)  # type: ignore[union-attr]
+    opened = counter[0]
+    assert (info.state, info.status, info.context) == ("done", "succeeded", Item(n=2, doubled=4))
     store: Any = engine.store
-    assert counter[0] <= CALL_TRANSACTIONS[store.engine.dialect.name], counter[0]
+    assert opened <= CALL_TRANSACTIONS[store.engine.dialect.name], opened
 
 
 def test_stranded_waits__looked_for_once_per_kept_executor_and_definitions(
@@ -254,3 +299,49 @@ def test_refused__a_childs_end_is_not_told_to_its_join(store_url: str) -> None:
             ).scalar_one()
         assert (counted, told) == (0, "open")
         assert store.get_run(info.id).record.next_run_at is None
+
+
+def test_refused__a_childs_end_whose_seq_is_taken_writes_nothing(store_url: str) -> None:
+    """Another writer appended the entry the child's end would write: the end's fenced
+    append finds the journal past where it starts and writes nothing, and nothing of the
+    transaction is kept: the join is not told. The next call goes through."""
+    child = Workflow("callee", context=Item)
+    taken: list[str] = []
+
+    @child.step(initial=True, next="done")
+    async def work(ctx: Item, step: Step) -> None:
+        if taken:  # the first child only
+            return
+        taken.append(step.run_id)
+        store: Any = running.store
+        with store.engine.begin() as conn:
+            conn.execute(
+                sa.insert(journal).values(
+                    run_id=step.run_id, seq=step.seq + 1, kind="step_succeeded", at=1.0
+                )
+            )
+
+    child.final("done")
+    parent = Workflow("caller", context=Item)
+
+    @parent.step(initial=True, next="sub")
+    async def prep(ctx: Item) -> None: ...
+
+    parent.call("sub", child=child, context=lambda ctx: ctx, on={"succeeded": "done"})
+    parent.final("done")
+    with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
+        info = running.run(parent, Item(n=1))
+        assert (info.state, info.status) == ("sub", "scheduled")
+        store: Any = running.store
+        assert store.live_descendants(info.id) == taken
+        with store.engine.connect() as conn:
+            counted = conn.execute(
+                sa.select(joins.c.succeeded + joins.c.failed + joins.c.stopped)
+            ).scalar_one()
+            told = conn.execute(
+                sa.select(runs.c.join_state).where(runs.c.id == taken[0])
+            ).scalar_one()
+        assert (counted, told) == (0, "open")
+        assert store.get_run(info.id).record.next_run_at is None
+        # The store still writes: the next call goes through to its end.
+        assert running.run(parent, Item(n=2)).status == "succeeded"
