@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any, Final
 
-from sqlalchemy import bindparam, func, select
+from sqlalchemy import ColumnElement, bindparam, func, select
 
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect
@@ -48,11 +48,12 @@ def next_due(*, by_workflow: bool, by_id: bool, postgres: bool) -> Any:
     """The earliest due time of a claimable run, of the workflows ``p_workflows`` (a list)
     and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked."""
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
-    query = select(func.min(runs.c.next_run_at)).where(
-        runs.c.status.in_(sorted(CLAIMABLE)), runs.c.next_run_at.is_not(None)
-    )
+    conditions: list[ColumnElement[bool]] = [
+        runs.c.status.in_(sorted(CLAIMABLE)),
+        runs.c.next_run_at.is_not(None),
+    ]
     if by_workflow:
-        query = query.where(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
-    if by_id:
-        query = query.where(dialect.ids_in(runs.c.id, "p_ids", postgres=postgres))
-    return query
+        conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
+    if by_id:  # a family's runs, looked up by their ids (see dialect.within_ids)
+        conditions = [dialect.within_ids(runs.c.id, conditions, "p_ids", postgres=postgres)]
+    return select(func.min(runs.c.next_run_at)).where(*conditions)

@@ -85,10 +85,16 @@ class RateRow:
     deferrals: int
 
 
+_CANDIDATE_SQL: Final = """r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
+    AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now})
+    AND (r.limit_key IS NULL
+         OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))"""
+"""A due run of the workflow that its key's limit leaves room for (``{now}``: the
+database's clock)."""
 _CLAIM_SQL: Final = """
 WITH held AS (
   SELECT limit_key FROM flowloop_runs
-  WHERE owner IS NOT NULL AND workflow = :p_workflow AND lease_expires_at >= {now}
+  WHERE owner IS NOT NULL AND {plus}workflow = :p_workflow AND lease_expires_at >= {now}
 ),
 per_key AS (
   SELECT limit_key, count(*) AS n FROM held WHERE limit_key IS NOT NULL GROUP BY limit_key
@@ -96,10 +102,7 @@ per_key AS (
 candidates AS (
   SELECT r.id, r.priority, r.next_run_at, r.limit_key, coalesce(r.limit_rank, 0) AS lr
   FROM flowloop_runs r
-  WHERE r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
-    AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
-    AND (r.limit_key IS NULL
-         OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))
+  WHERE {where}
   ORDER BY r.priority DESC, lr, r.next_run_at, r.id
   LIMIT :p_scan
 ),
@@ -155,8 +158,13 @@ class LimitStoreMixin:
         if found is None:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
-            ids = "AND " + dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
-            found = cache[by_id] = text(_CLAIM_SQL.format(now=now, ids=ids))
+            where = _CANDIDATE_SQL.format(now=now)
+            if by_id:  # a family's runs, looked up by their ids (see dialect.within_ids)
+                where = dialect.within_ids_sql(where, "r.id", "p_ids", postgres=postgres)
+            # SQLite: the runs held now by the owner index, not every run of the workflow
+            # by its own (its finished runs too: a limited claim slowed as they piled up).
+            plus = "" if postgres else "+"
+            found = cache[by_id] = text(_CLAIM_SQL.format(now=now, where=where, plus=plus))
         return found
 
     def _claim_limited(

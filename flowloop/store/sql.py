@@ -569,7 +569,9 @@ class SQLStore(
         if by_workflow:
             conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
         if by_id:
-            conditions.append(dialect.ids_in(runs.c.id, "p_ids", postgres=self._postgres))
+            conditions = [
+                dialect.within_ids(runs.c.id, conditions, "p_ids", postgres=self._postgres)
+            ]
         candidates = (
             select(runs.c.id)
             .where(*conditions)
