@@ -44,9 +44,10 @@ CHILDREN_OF: Final = select(runs.c.id, runs.c.status).where(
 
 
 @cache
-def next_due(*, by_workflow: bool, by_id: bool, postgres: bool) -> Any:
+def next_due(*, by_workflow: bool, by_id: bool, postgres: bool, looked_up: bool) -> Any:
     """The earliest due time of a claimable run, of the workflows ``p_workflows`` (a list)
-    and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked."""
+    and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked, looked
+    up by their ids with ``looked_up`` (:func:`~flowloop.store.dialect.look_up`)."""
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
     conditions: list[ColumnElement[bool]] = [
         runs.c.status.in_(sorted(CLAIMABLE)),
@@ -54,6 +55,9 @@ def next_due(*, by_workflow: bool, by_id: bool, postgres: bool) -> Any:
     ]
     if by_workflow:
         conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
-    if by_id:  # a family's runs, looked up by their ids (see dialect.within_ids)
-        conditions = [dialect.within_ids(runs.c.id, conditions, "p_ids", postgres=postgres)]
+    if by_id:  # a family's runs (see dialect.within_ids)
+        scoped = dialect.within_ids(
+            runs.c.id, conditions, "p_ids", postgres=postgres, looked_up=looked_up
+        )
+        conditions = [scoped]
     return select(func.min(runs.c.next_run_at)).where(*conditions)

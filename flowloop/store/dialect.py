@@ -17,7 +17,7 @@ import os
 import sqlite3
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Sequence, Sized
 from pathlib import Path
 from typing import Any, Final
 
@@ -27,6 +27,7 @@ from sqlalchemy import (
     Engine,
     Float,
     String,
+    UnaryExpression,
     and_,
     any_,
     bindparam,
@@ -41,7 +42,6 @@ from sqlalchemy import cast as sql_cast
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
-from sqlalchemy.sql.elements import UnaryExpression
 from sqlalchemy.sql.operators import custom_op
 
 from flowloop.errors import StoreError, WrongDatabase
@@ -85,30 +85,46 @@ def ids_in(column: ColumnElement[Any], name: str, *, postgres: bool) -> ColumnEl
     return column.in_(select(listed.c.value).scalar_subquery())
 
 
+IDS_LOOKED_UP: Final = 100
+"""Up to this many run ids, SQLite looks a scope's runs up by their ids (:func:`within_ids`).
+Past it, the index of the other conditions serves (a map's family of 10,000 children,
+finished ones included until ``Engine.run`` reads the family again, took 42-46 s by
+``engine.run`` looked up by id at every claim, 27-28 s on the index)."""
+
+
+def look_up(ids: Sized | None) -> bool:
+    """A scope small enough for SQLite to look its runs up by their ids."""
+    return ids is not None and len(ids) <= IDS_LOOKED_UP
+
+
 def within_ids(
     column: ColumnElement[Any],
     conditions: Sequence[ColumnElement[bool]],
     name: str,
     *,
     postgres: bool,
+    looked_up: bool,
 ) -> ColumnElement[bool]:
     """Runs whose id (``column``) is one of the parameter ``name`` (:func:`ids_in`) and meet
-    ``conditions``, looked up by their ids. SQLite's planner took an index of the
-    conditions' columns instead (the workflow's, its claimable runs) and tested each of
-    those runs against the ids: with 20,000 scheduled runs of a call's child workflow, each
-    scoped claim of ``Engine.run`` cost 5.7 ms and each idle check 8.8. On SQLite the
-    conditions are one term behind a unary ``+``, which no index serves. PostgreSQL's
-    plans are left to its statistics (the scoped claim's: test_claim_plans.py)."""
+    ``conditions``; ``looked_up`` (:func:`look_up`): found by their ids. SQLite's planner
+    took an index of the conditions' columns (the workflow's: its claimable runs) and
+    tested each of those runs against the ids: with 20,000 runs of a call's child workflow
+    scheduled for later, each scoped claim of ``Engine.run`` cost 5.7 ms and each idle
+    check 8.8. Looked up, the conditions are one term behind a unary ``+`` on SQLite,
+    which no index serves. PostgreSQL's plans are left to its statistics (the scoped
+    claim's: tests/integration/test_claim_plans.py)."""
     ids = ids_in(column, name, postgres=postgres)
-    if postgres:
+    if postgres or not looked_up:
         return and_(*conditions, ids)
     return and_(ids, UnaryExpression(and_(*conditions).self_group(), operator=custom_op("+")))
 
 
-def within_ids_sql(conditions: str, column: str, name: str, *, postgres: bool) -> str:
+def within_ids_sql(
+    conditions: str, column: str, name: str, *, postgres: bool, looked_up: bool
+) -> str:
     """:func:`within_ids` as SQL text: ``conditions`` is SQL text too."""
     ids = ids_in_sql(column, name, postgres=postgres)
-    if postgres:
+    if postgres or not looked_up:
         return f"{conditions} AND {ids}"
     return f"{ids} AND +({conditions})"
 

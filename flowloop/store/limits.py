@@ -150,21 +150,26 @@ class LimitStoreMixin:
         """The workflows whose claims count slots (cluster-wide ``max_concurrency``,
         ``concurrency_key``/``key_limit``); the others claim as before."""
         self._claim_limits = dict(limits)
-        self._limited_sql: dict[bool, Any] = {}
+        self._limited_sql: dict[tuple[bool, bool], Any] = {}
 
-    def _limited_statement(self, by_id: bool) -> Any:
-        cache: dict[bool, Any] = self.__dict__.setdefault("_limited_sql", {})
-        found = cache.get(by_id)
+    def _limited_statement(self, by_id: bool, looked_up: bool) -> Any:
+        cache: dict[tuple[bool, bool], Any] = self.__dict__.setdefault("_limited_sql", {})
+        found = cache.get((by_id, looked_up))
         if found is None:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
             where = _CANDIDATE_SQL.format(now=now)
-            if by_id:  # a family's runs, looked up by their ids (see dialect.within_ids)
-                where = dialect.within_ids_sql(where, "r.id", "p_ids", postgres=postgres)
+            if by_id:  # a family's runs (see dialect.within_ids)
+                where = dialect.within_ids_sql(
+                    where, "r.id", "p_ids", postgres=postgres, looked_up=looked_up
+                )
             # SQLite: the runs held now by the owner index, not every run of the workflow
             # by its own (its finished runs too: a limited claim slowed as they piled up).
+            # It reads every held run of every workflow, once per limited workflow a claim
+            # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
-            found = cache[by_id] = text(_CLAIM_SQL.format(now=now, where=where, plus=plus))
+            found = text(_CLAIM_SQL.format(now=now, where=where, plus=plus))
+            cache[(by_id, looked_up)] = found
         return found
 
     def _claim_limited(
@@ -177,6 +182,7 @@ class LimitStoreMixin:
         limit: int,
         now: float,
         ids: Any | None,
+        looked_up: bool = False,
     ) -> list[Any]:
         """Claim due runs of limited workflows ``names`` within ``conn``'s transaction:
         per workflow, at most what its limits leave free (rows of the run table); with
@@ -204,7 +210,8 @@ class LimitStoreMixin:
             }
             if ids is not None:
                 params["p_ids"] = ids
-            rows.extend(conn.execute(self._limited_statement(ids is not None), params))
+            statement = self._limited_statement(ids is not None, looked_up)
+            rows.extend(conn.execute(statement, params))
         return rows
 
     def _ranked(self, conn: Connection, news: Sequence[NewRun]) -> list[NewRun]:

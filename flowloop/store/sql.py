@@ -122,7 +122,7 @@ class SQLStore(
         self._driver_for: Connection | None = None
         self._driver_conn: Any = None
         self._driver_cursor: Any = None
-        self._claim_cache: dict[tuple[str, bool, bool], Any] = {}
+        self._claim_cache: dict[tuple[str, bool, bool, bool], Any] = {}
         self._claim_limits: dict[str, ClaimLimits] = {}
         try:
             if check_schema:
@@ -541,12 +541,12 @@ class SQLStore(
 
     # -- claiming --------------------------------------------------------------------------
 
-    def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool) -> Any:
+    def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool, looked_up: bool) -> Any:
         """The claim UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED) for one shape of
         filter, built once: building SQLAlchemy statements per call costs more than the
         commit. Values travel as bind parameters (workflows as an expanding IN, run ids as
         one value: :func:`~flowloop.store.dialect.ids_in`)."""
-        key = (kind, by_workflow, by_id)
+        key = (kind, by_workflow, by_id, looked_up)
         cached = self._claim_cache.get(key)
         if cached is not None:
             return cached
@@ -570,7 +570,9 @@ class SQLStore(
             conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
         if by_id:
             conditions = [
-                dialect.within_ids(runs.c.id, conditions, "p_ids", postgres=self._postgres)
+                dialect.within_ids(
+                    runs.c.id, conditions, "p_ids", postgres=self._postgres, looked_up=looked_up
+                )
             ]
         candidates = (
             select(runs.c.id)
@@ -609,7 +611,8 @@ class SQLStore(
         if limited:  # counted against their limits, in this same transaction
             assert workflows is not None
             workflows = [w for w in workflows if w not in self._claim_limits]
-        stmt = self._claim_statement(kind, workflows is not None, run_ids is not None)
+        looked_up = dialect.look_up(run_ids)
+        stmt = self._claim_statement(kind, workflows is not None, run_ids is not None, looked_up)
         params: dict[str, Any] = {
             "p_worker": worker,
             "p_lease": lease_seconds,
@@ -630,6 +633,7 @@ class SQLStore(
                     limit=limit,
                     now=now,
                     ids=params.get("p_ids"),
+                    looked_up=looked_up,
                 )
                 if limited
                 else []
@@ -779,7 +783,10 @@ class SQLStore(
         if run_ids is not None:
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         query = built.next_due(
-            by_workflow=workflows is not None, by_id=run_ids is not None, postgres=self._postgres
+            by_workflow=workflows is not None,
+            by_id=run_ids is not None,
+            postgres=self._postgres,
+            looked_up=dialect.look_up(run_ids),
         )
         with self._read() as conn:
             value = conn.execute(query, params).scalar_one_or_none()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -350,15 +350,45 @@ def test_refused__a_childs_end_whose_seq_is_taken_writes_nothing(store_url: str)
 # -- a family's runs, looked up by their ids -------------------------------------------------
 
 
-def test_scoped_claims_on_sqlite__look_the_family_up_by_id(sqlite_url: str) -> None:
+def _plans(sqlite_url: str, store: Any, act: Callable[[], object]) -> list[tuple[str, list[str]]]:
+    """The plans (``EXPLAIN QUERY PLAN``) of the scoped and the limited statements ``act``
+    sends: (the statement's first word, its plan's lines)."""
+    sent: dict[str, Any] = {}
+
+    def seen(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if "json_each" in statement or "held AS" in statement:
+            sent[statement] = parameters
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        act()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    raw = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
+    try:
+        return [
+            (statement.split()[0], [row[3] for row in raw.execute(explain, parameters)])
+            for statement, parameters in sent.items()
+            for explain in [f"EXPLAIN QUERY PLAN {statement}"]
+        ]
+    finally:
+        raw.close()
+
+
+def _indexes(plan: list[str]) -> set[str]:
+    return {word for line in plan for word in line.split() if word.startswith("ix_flowloop")}
+
+
+def test_scoped_claims_on_sqlite__look_a_small_family_up_by_id(sqlite_url: str) -> None:
     """``Engine.run`` scopes its claims and idle checks to its run's family. SQLite planned
-    them on the workflows' index and tested each of the workflows' claimable runs against
-    the family's ids: with 20,000 scheduled runs of the child workflow a call took 46 ms
-    instead of 6. Each must search the runs by id (its plan, no statistics needed: the
-    planner chose by the statement's shape), the limited claim's candidates too; and the
-    limited claim counts the runs held now through the owner index, not by reading every
-    run of the workflow, finished ones included (20,000 of them made each limited run
-    cost 0.50 ms instead of 0.16)."""
+    them on the workflows' index and tested each claimable run of those workflows against
+    the family's ids: with 50,000 runs of the child workflow scheduled for later a call
+    took 82-101 ms instead of 4-5. Up to ``IDS_LOOKED_UP`` ids, they search the runs by
+    id, the limited claim's candidates too (their plans: no statistics needed, the planner
+    chose by the statement's shape); past it, the workflow's index (a big map's family is
+    looked up faster so). A limited claim, scoped or not, counts the runs held now by the
+    owner index, not by reading every run of its workflow, finished ones included (after
+    20,000 of them a limited run cost 0.39-0.60 ms instead of 0.21-0.23)."""
     parent, child = _caller()
     keyed_child = Workflow("keyed_callee", context=Item, concurrency_key=lambda c: str(c.n))
 
@@ -375,29 +405,37 @@ def test_scoped_claims_on_sqlite__look_the_family_up_by_id(sqlite_url: str) -> N
     keyed.final("done")
     with Engine(sqlite_url, workflows=[parent, child, keyed, keyed_child]) as engine:
         store: Any = engine.store
-        sent: list[tuple[str, Any]] = []
 
-        def seen(conn: Any, cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-            if "json_each" in statement:
-                sent.append((statement, parameters))
+        def calls() -> None:
+            assert engine.run(parent, Item(n=1)).state == "done"
+            assert engine.run(keyed, Item(n=2)).state == "done"
 
-        sa.event.listen(store.engine, "before_cursor_execute", seen)
-        assert engine.run(parent, Item(n=1)).state == "done"
-        assert engine.run(keyed, Item(n=2)).state == "done"
-        sa.event.remove(store.engine, "before_cursor_execute", seen)
-        raw = sqlite3.connect(sqlite_url.removeprefix("sqlite:///"))
-        try:
-            plans = [
-                (statement.split()[0], [row[3] for row in raw.execute(explain, parameters)])
-                for statement, parameters in dict(sent).items()
-                for explain in [f"EXPLAIN QUERY PLAN {statement}"]
-            ]
-        finally:
-            raw.close()
-    assert {kind for kind, _ in plans} == {"SELECT", "UPDATE", "WITH"}, plans  # idle, claims
-    for kind, plan in plans:
-        by_id = [line for line in plan if "sqlite_autoindex_flowloop_runs_1 (id=?)" in line]
-        by_workflow = [line for line in plan if "ix_flowloop_runs_workflow" in line]
-        assert by_id and not by_workflow, (kind, plan)
-        if kind == "WITH":  # the limited claim counts the runs held now by their owner
-            assert any("ix_flowloop_runs_owner (owner>?)" in line for line in plan), plan
+        small = _plans(sqlite_url, store, calls)
+        many = [f"{n:032x}" for n in range(dialect.IDS_LOOKED_UP + 1)]
+
+        def big_scope() -> None:
+            for name in ("callee", "keyed_callee"):
+                store.claim(worker="w", now=0.0, limit=5, lease_seconds=30.0,
+                            workflows=[name], run_ids=many)  # fmt: skip
+            store.next_due(workflows=["callee"], run_ids=many)
+
+        big = _plans(sqlite_url, store, big_scope)
+        unscoped = _plans(
+            sqlite_url,
+            store,
+            lambda: store.claim(
+                worker="w", now=0.0, limit=5, lease_seconds=30.0, workflows=["keyed_callee"]
+            ),
+        )
+    assert sorted(kind for kind, _ in small) == ["SELECT", "UPDATE", "WITH"], small
+    for kind, plan in small:
+        assert any("sqlite_autoindex_flowloop_runs_1 (id=?)" in line for line in plan), plan
+        assert _indexes(plan) <= {"ix_flowloop_runs_owner"}, (kind, plan)
+    assert sorted(kind for kind, _ in big) == ["SELECT", "UPDATE", "WITH"], big
+    for kind, plan in big:
+        assert "ix_flowloop_runs_workflow" in _indexes(plan), (kind, plan)
+    for _, plan in [*small, *big, *unscoped]:
+        if any("held" in line for line in plan):  # a limited claim
+            assert "ix_flowloop_runs_owner" in _indexes(plan), plan
+            assert "ix_flowloop_runs_workflow_created" not in _indexes(plan), plan
+    assert [kind for kind, _ in unscoped] == ["WITH"], unscoped
