@@ -383,12 +383,12 @@ def test_scoped_claims_on_sqlite__look_a_small_family_up_by_id(sqlite_url: str) 
     """``Engine.run`` scopes its claims and idle checks to its run's family. SQLite planned
     them on the workflows' index and tested each claimable run of those workflows against
     the family's ids: with 50,000 runs of the child workflow scheduled for later a call
-    took 82-101 ms instead of 4-5. Up to ``IDS_LOOKED_UP`` ids, they search the runs by
+    took 79-112 ms instead of 5-7. Up to ``IDS_LOOKED_UP`` ids, they search the runs by
     id, the limited claim's candidates too (their plans: no statistics needed, the planner
     chose by the statement's shape); past it, the workflow's index (a big map's family is
     looked up faster so). A limited claim, scoped or not, counts the runs held now by the
     owner index, not by reading every run of its workflow, finished ones included (after
-    20,000 of them a limited run cost 0.39-0.60 ms instead of 0.21-0.23)."""
+    20,000 of them a limited run cost 0.30-0.36 ms instead of 0.14-0.15)."""
     parent, child = _caller()
     keyed_child = Workflow("keyed_callee", context=Item, concurrency_key=lambda c: str(c.n))
 
