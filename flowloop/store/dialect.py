@@ -87,14 +87,16 @@ def ids_in(column: ColumnElement[Any], name: str, *, postgres: bool) -> ColumnEl
 
 IDS_LOOKED_UP: Final = 100
 """Up to this many run ids, SQLite looks a scope's runs up by their ids (:func:`within_ids`).
-Past it, the index of the other conditions serves (a map's family of 10,000 children,
+Past it, the index of the other conditions serves: a map's family of 10,000 children,
 finished ones included until ``Engine.run`` reads the family again, took 42-46 s by
-``engine.run`` looked up by id at every claim, 27-28 s on the index)."""
+``engine.run`` looked up by id at every claim (``06748ca``), 27-28 s on the index
+(``d0b8336``). The line is chosen, not measured: no size between 2 and 10,000 was timed."""
 
 
-def look_up(ids: Sized | None) -> bool:
-    """A scope small enough for SQLite to look its runs up by their ids."""
-    return ids is not None and len(ids) <= IDS_LOOKED_UP
+def look_up(ids: Sized | None, *, postgres: bool) -> bool:
+    """A scope small enough for SQLite to look its runs up by their ids (never on
+    PostgreSQL, whose statements do not change with it)."""
+    return not postgres and ids is not None and len(ids) <= IDS_LOOKED_UP
 
 
 def within_ids(
@@ -114,19 +116,9 @@ def within_ids(
     which no index serves. PostgreSQL's plans are left to its statistics (the scoped
     claim's: tests/integration/test_claim_plans.py)."""
     ids = ids_in(column, name, postgres=postgres)
-    if postgres or not looked_up:
+    if not looked_up:
         return and_(*conditions, ids)
     return and_(ids, UnaryExpression(and_(*conditions).self_group(), operator=custom_op("+")))
-
-
-def within_ids_sql(
-    conditions: str, column: str, name: str, *, postgres: bool, looked_up: bool
-) -> str:
-    """:func:`within_ids` as SQL text: ``conditions`` is SQL text too."""
-    ids = ids_in_sql(column, name, postgres=postgres)
-    if postgres or not looked_up:
-        return f"{conditions} AND {ids}"
-    return f"{ids} AND +({conditions})"
 
 
 def ids_in_sql(column: str, name: str, *, postgres: bool) -> str:

@@ -86,11 +86,11 @@ class RateRow:
 
 
 _CANDIDATE_SQL: Final = """r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
-    AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now})
+    AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
     AND (r.limit_key IS NULL
          OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))"""
 """A due run of the workflow that its key's limit leaves room for (``{now}``: the
-database's clock)."""
+database's clock; ``{ids}``: the scope's test, or nothing)."""
 _CLAIM_SQL: Final = """
 WITH held AS (
   SELECT limit_key FROM flowloop_runs
@@ -158,11 +158,11 @@ class LimitStoreMixin:
         if found is None:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
-            where = _CANDIDATE_SQL.format(now=now)
-            if by_id:  # a family's runs (see dialect.within_ids)
-                where = dialect.within_ids_sql(
-                    where, "r.id", "p_ids", postgres=postgres, looked_up=looked_up
-                )
+            scope = dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
+            if looked_up:  # a small family's runs, by their ids (see dialect.within_ids)
+                where = f"{scope} AND +({_CANDIDATE_SQL.format(now=now, ids='')})"
+            else:
+                where = _CANDIDATE_SQL.format(now=now, ids=f"AND {scope}" if scope else "")
             # SQLite: the runs held now by the owner index, not every run of the workflow
             # by its own (its finished runs too: a limited claim slowed as they piled up).
             # It reads every held run of every workflow, once per limited workflow a claim
@@ -182,7 +182,7 @@ class LimitStoreMixin:
         limit: int,
         now: float,
         ids: Any | None,
-        looked_up: bool = False,
+        looked_up: bool,
     ) -> list[Any]:
         """Claim due runs of limited workflows ``names`` within ``conn``'s transaction:
         per workflow, at most what its limits leave free (rows of the run table); with

@@ -611,7 +611,7 @@ class SQLStore(
         if limited:  # counted against their limits, in this same transaction
             assert workflows is not None
             workflows = [w for w in workflows if w not in self._claim_limits]
-        looked_up = dialect.look_up(run_ids)
+        looked_up = dialect.look_up(run_ids, postgres=self._postgres)
         stmt = self._claim_statement(kind, workflows is not None, run_ids is not None, looked_up)
         params: dict[str, Any] = {
             "p_worker": worker,
@@ -786,7 +786,7 @@ class SQLStore(
             by_workflow=workflows is not None,
             by_id=run_ids is not None,
             postgres=self._postgres,
-            looked_up=dialect.look_up(run_ids),
+            looked_up=dialect.look_up(run_ids, postgres=self._postgres),
         )
         with self._read() as conn:
             value = conn.execute(query, params).scalar_one_or_none()

@@ -388,7 +388,8 @@ def test_scoped_claims_on_sqlite__look_a_small_family_up_by_id(sqlite_url: str) 
     chose by the statement's shape); past it, the workflow's index (a big map's family is
     looked up faster so). A limited claim, scoped or not, counts the runs held now by the
     owner index, not by reading every run of its workflow, finished ones included (after
-    20,000 of them a limited run cost 0.30-0.36 ms instead of 0.14-0.15)."""
+    20,000 of them a limited run cost 0.30-0.36 ms instead of 0.14-0.15). The plans are
+    SQLite 3.40's choices without statistics: another version may choose otherwise."""
     parent, child = _caller()
     keyed_child = Workflow("keyed_callee", context=Item, concurrency_key=lambda c: str(c.n))
 
@@ -434,8 +435,8 @@ def test_scoped_claims_on_sqlite__look_a_small_family_up_by_id(sqlite_url: str) 
     assert sorted(kind for kind, _ in big) == ["SELECT", "UPDATE", "WITH"], big
     for kind, plan in big:
         assert "ix_flowloop_runs_workflow" in _indexes(plan), (kind, plan)
-    for _, plan in [*small, *big, *unscoped]:
-        if any("held" in line for line in plan):  # a limited claim
+    for kind, plan in [*small, *big, *unscoped]:
+        if kind == "WITH":  # a limited claim
             assert "ix_flowloop_runs_owner" in _indexes(plan), plan
             assert "ix_flowloop_runs_workflow_created" not in _indexes(plan), plan
     assert [kind for kind, _ in unscoped] == ["WITH"], unscoped
