@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,28 +36,33 @@ class Item(BaseModel):
     doubled: int = 0
 
 
-def _caller() -> tuple[Workflow, Workflow]:
+def _calling(
+    work: Callable[..., Awaitable[None]],
+    context: Callable[[Item], Item] = lambda ctx: ctx,
+    result: Callable[[Item, Any], None] | None = None,
+) -> tuple[Workflow, Workflow]:
+    """caller: prep, then a call of callee (its one step ``work``) with ``context(ctx)``,
+    ``result`` folding the child's context into the parent's."""
     child = Workflow("callee", context=Item)
-
-    @child.step(initial=True, next="done")
-    async def work(ctx: Item) -> None:
-        ctx.doubled = ctx.n * 2
-
+    child.step(initial=True, next="done")(work)
     child.final("done")
     parent = Workflow("caller", context=Item)
 
     @parent.step(initial=True, next="sub")
     async def prep(ctx: Item) -> None: ...
 
-    parent.call(
-        "sub",
-        child=child,
-        context=lambda ctx: ctx,
-        on={"succeeded": "done"},
-        result=lambda ctx, c: setattr(ctx, "doubled", c.doubled),
-    )
+    parent.call("sub", child=child, context=context, on={"succeeded": "done"}, result=result)
     parent.final("done")
     return parent, child
+
+
+def _caller() -> tuple[Workflow, Workflow]:
+    """The call that doubles ``n`` in its child."""
+
+    async def work(ctx: Item) -> None:
+        ctx.doubled = ctx.n * 2
+
+    return _calling(work, result=lambda ctx, c: setattr(ctx, "doubled", c.doubled))
 
 
 def _count_transactions(engine: Engine) -> list[int]:
@@ -231,28 +236,30 @@ def _steal(engine: Engine, workflow: str) -> str:
     return str(taken[0].id)
 
 
+def _assert_untold(store: Any, parent_id: str, child_id: str) -> None:
+    """Nothing of the child's end reached its join: not counted, not marked, the parent
+    not made due."""
+    with store.engine.connect() as conn:
+        counted = conn.execute(
+            sa.select(joins.c.succeeded + joins.c.failed + joins.c.stopped)
+        ).scalar_one()
+        told = conn.execute(sa.select(runs.c.join_state).where(runs.c.id == child_id)).scalar_one()
+    assert (counted, told) == (0, "open")
+    assert store.get_run(parent_id).record.next_run_at is None
+
+
 def test_refused__a_calls_fan_out_writes_nothing(store_url: str) -> None:
     """The parent's lease is lost while it builds its child's context: the join, the child
     and the parent's ``children_started`` are one transaction, refused as one."""
-    child = Workflow("callee", context=Item)
-
-    @child.step(initial=True, next="done")
-    async def work(ctx: Item) -> None: ...
-
-    child.final("done")
-    parent = Workflow("caller", context=Item)
-
-    @parent.step(initial=True, next="sub")
-    async def prep(ctx: Item) -> None: ...
-
     stolen: list[str] = []
+
+    async def work(ctx: Item) -> None: ...
 
     def child_context(ctx: Item) -> Item:
         stolen.append(_steal(running, "caller"))
         return ctx
 
-    parent.call("sub", child=child, context=child_context, on={"succeeded": "done"})
-    parent.final("done")
+    parent, child = _calling(work, child_context)
     with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
         info = running.run(parent, Item(n=1))
         assert stolen == [info.id]
@@ -267,21 +274,12 @@ def test_refused__a_calls_fan_out_writes_nothing(store_url: str) -> None:
 def test_refused__a_childs_end_is_not_told_to_its_join(store_url: str) -> None:
     """The child's lease is lost in its last step: its end is refused, and with it the
     join's count and the parent's due time, written in the same transaction."""
-    child = Workflow("callee", context=Item)
     stolen: list[str] = []
 
-    @child.step(initial=True, next="done")
     async def work(ctx: Item) -> None:
         stolen.append(_steal(running, "callee"))
 
-    child.final("done")
-    parent = Workflow("caller", context=Item)
-
-    @parent.step(initial=True, next="sub")
-    async def prep(ctx: Item) -> None: ...
-
-    parent.call("sub", child=child, context=lambda ctx: ctx, on={"succeeded": "done"})
-    parent.final("done")
+    parent, child = _calling(work)
     with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
         info = running.run(parent, Item(n=1))
         assert (info.state, info.status) == ("sub", "scheduled")
@@ -290,25 +288,15 @@ def test_refused__a_childs_end_is_not_told_to_its_join(store_url: str) -> None:
         assert stolen == [child_id]
         ended = store.get_run(child_id)
         assert (ended.record.status, ended.owner) == ("running", "thief")
-        with store.engine.connect() as conn:
-            counted = conn.execute(
-                sa.select(joins.c.succeeded + joins.c.failed + joins.c.stopped)
-            ).scalar_one()
-            told = conn.execute(
-                sa.select(runs.c.join_state).where(runs.c.id == child_id)
-            ).scalar_one()
-        assert (counted, told) == (0, "open")
-        assert store.get_run(info.id).record.next_run_at is None
+        _assert_untold(store, info.id, child_id)
 
 
 def test_refused__a_childs_end_whose_seq_is_taken_writes_nothing(store_url: str) -> None:
     """Another writer appended the entry the child's end would write: the end's fenced
     append finds the journal past where it starts and writes nothing, and nothing of the
     transaction is kept: the join is not told. The next call goes through."""
-    child = Workflow("callee", context=Item)
     taken: list[str] = []
 
-    @child.step(initial=True, next="done")
     async def work(ctx: Item, step: Step) -> None:
         if taken:  # the first child only
             return
@@ -321,28 +309,13 @@ def test_refused__a_childs_end_whose_seq_is_taken_writes_nothing(store_url: str)
                 )
             )
 
-    child.final("done")
-    parent = Workflow("caller", context=Item)
-
-    @parent.step(initial=True, next="sub")
-    async def prep(ctx: Item) -> None: ...
-
-    parent.call("sub", child=child, context=lambda ctx: ctx, on={"succeeded": "done"})
-    parent.final("done")
+    parent, child = _calling(work)
     with Engine(store_url, workflows=[parent, child], poll_seconds=600.0) as running:
         info = running.run(parent, Item(n=1))
         assert (info.state, info.status) == ("sub", "scheduled")
         store: Any = running.store
         assert store.live_descendants(info.id) == taken
-        with store.engine.connect() as conn:
-            counted = conn.execute(
-                sa.select(joins.c.succeeded + joins.c.failed + joins.c.stopped)
-            ).scalar_one()
-            told = conn.execute(
-                sa.select(runs.c.join_state).where(runs.c.id == taken[0])
-            ).scalar_one()
-        assert (counted, told) == (0, "open")
-        assert store.get_run(info.id).record.next_run_at is None
+        _assert_untold(store, info.id, taken[0])
         # The store still writes: the next call goes through to its end.
         assert running.run(parent, Item(n=2)).status == "succeeded"
 
