@@ -271,31 +271,43 @@ class JoinStoreMixin:
         """A fan-out that fits one batch, in ONE transaction: the join row, every child
         (``build(runnable)`` as in :meth:`create_children`) and the parent's boundary that
         leaves it waiting. A refused boundary (lost lease) undoes it all: False."""
-        try:
-            with self._write() as conn:
-                if conn.execute(_JOIN_EXISTS, {"j_id": join.id}).first() is None:
-                    conn.execute(_INSERT_JOIN, _join_values(join, at))
-                news = build(join.runnable())
-                self._create_many_in(conn, news)
-                conn.execute(_SET_CREATED, {"j_id": join.id, "j_created": len(news)})
-                if not self._apply_whole(conn, boundary):
-                    raise _Refused
-        except _Refused:
-            return False
-        return True
+
+        def fan_out(conn: Connection) -> None:
+            if conn.execute(_JOIN_EXISTS, {"j_id": join.id}).first() is None:
+                conn.execute(_INSERT_JOIN, _join_values(join, at))
+            news = build(join.runnable())
+            self._create_many_in(conn, news)
+            conn.execute(_SET_CREATED, {"j_id": join.id, "j_created": len(news)})
+
+        return self._write_whole(boundary, before=fan_out)
 
     def wait_join(self, boundary: Boundary, join_id: str) -> bool:
         """Write the parent's boundary that leaves it waiting for its children; in the same
         transaction, make it due at once if they have all ended already (the last child's
         transaction found it not waiting yet, or ran first)."""
+        params = {"r_id": boundary.run_id, "j_id": join_id, "r_at": boundary.events[-1].at}
+        return self._write_whole(
+            boundary, after=lambda conn: conn.execute(_DUE_IF_COMPLETE, params)
+        )
+
+    def _write_whole(
+        self,
+        boundary: Boundary,
+        *,
+        before: Callable[[Connection], object] | None = None,
+        after: Callable[[Connection], object] | None = None,
+    ) -> bool:
+        """One transaction that stands or falls with ``boundary``: ``before``, the boundary
+        (without a savepoint: :meth:`_apply_whole`), ``after``. Refused, all of it rolls
+        back: False."""
         try:
             with self._write() as conn:
+                if before is not None:
+                    before(conn)
                 if not self._apply_whole(conn, boundary):
                     raise _Refused
-                # Due at once when every child has ended already.
-                at = boundary.events[-1].at
-                params = {"r_id": boundary.run_id, "j_id": join_id, "r_at": at}
-                conn.execute(_DUE_IF_COMPLETE, params)
+                if after is not None:
+                    after(conn)
         except _Refused:
             return False
         return True
@@ -383,15 +395,8 @@ class JoinStoreMixin:
     def _write_with_ends(self, boundaries: Sequence[Boundary]) -> list[bool]:
         # (_apply journals whole contexts and drops the runs' cached ones.)
         if len(boundaries) == 1:  # one end, alone: refused, nothing of it is written
-            try:
-                with self._write() as conn:
-                    if not self._apply_whole(conn, boundaries[0]):
-                        raise _Refused
-                    if reports_end(boundaries[0]):
-                        self._report_ends(conn, boundaries)
-            except _Refused:
-                return [False]
-            return [True]
+            ends = [b for b in boundaries if reports_end(b)]
+            return [self._write_whole(boundaries[0], after=lambda c: self._report_ends(c, ends))]
         with self._write() as conn:
             applied = self._apply(conn, boundaries)
             done = [b for b, ok in zip(boundaries, applied, strict=True) if ok]

@@ -181,7 +181,7 @@ class LimitStoreMixin:
         lease_seconds: float,
         limit: int,
         now: float,
-        ids: Any | None,
+        ids: str | list[str] | None,
         looked_up: bool,
     ) -> list[Any]:
         """Claim due runs of limited workflows ``names`` within ``conn``'s transaction:
