@@ -16,7 +16,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, bindparam, func, select
 
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import dialect
+from flowloop.store import claims, dialect
 from flowloop.store.schema import journal, runs
 
 RUN_BY_ID: Final = select(runs).where(runs.c.id == bindparam("r_id"))
@@ -48,6 +48,8 @@ def next_due(*, by_workflow: bool, by_id: bool, postgres: bool, looked_up: bool)
     """The earliest due time of a claimable run, of the workflows ``p_workflows`` (a list)
     and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked, looked
     up by their ids with ``looked_up`` (:func:`~flowloop.store.dialect.look_up`)."""
+    if not by_id and not postgres:  # SQLite, a segment at a time (flowloop/store/claims.py)
+        return claims.segmented_next_due(by_workflow=by_workflow)
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
     conditions: list[ColumnElement[bool]] = [
         runs.c.status.in_(sorted(CLAIMABLE)),

@@ -43,7 +43,7 @@ from flowloop.flowcontrol import (
     take_all,
 )
 from flowloop.lifecycle import LIVE
-from flowloop.store import dialect
+from flowloop.store import claims, dialect
 from flowloop.store.base import BreakerRow, NewRun
 from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
@@ -85,14 +85,16 @@ class RateRow:
     deferrals: int
 
 
-_CANDIDATE_SQL: Final = """r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
-    AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
+_DUE_SQL: Final = """r.workflow = :p_workflow AND r.status IN ('scheduled', 'retrying')
+    AND r.next_run_at <= :p_now"""
+"""A due run of the workflow."""
+_ROOM_SQL: Final = """(r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
     AND (r.limit_key IS NULL
          OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))"""
-"""A due run of the workflow that its key's limit leaves room for (``{now}``: the
-database's clock; ``{ids}``: the scope's test, or nothing)."""
+"""A run nobody holds, that its key's limit leaves room for (``{now}``: the database's
+clock; ``{ids}``: the scope's test, or nothing)."""
 _CLAIM_SQL: Final = """
-WITH held AS (
+WITH {priorities}held AS (
   SELECT limit_key FROM flowloop_runs
   WHERE owner IS NOT NULL AND {plus}workflow = :p_workflow AND lease_expires_at >= {now}
 ),
@@ -159,16 +161,22 @@ class LimitStoreMixin:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
             scope = dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
+            segmented = not postgres and not by_id
+            room = _ROOM_SQL.format(now=now, ids="")
             if looked_up:  # a small family's runs, by their ids (see dialect.within_ids)
-                where = f"{scope} AND +({_CANDIDATE_SQL.format(now=now, ids='')})"
+                where = f"{scope} AND +({_DUE_SQL} AND {room})"
+            elif segmented:  # SQLite: the due runs by the due index's ranges (claims.py)
+                where = f"{claims.any_priority()} AND +r.workflow = :p_workflow AND {room}"
             else:
-                where = _CANDIDATE_SQL.format(now=now, ids=f"AND {scope}" if scope else "")
+                scoped = _ROOM_SQL.format(now=now, ids=f"AND {scope}" if scope else "")
+                where = f"{_DUE_SQL} AND {scoped}"
             # SQLite: the runs held now by the owner index, not every run of the workflow
             # by its own (its finished runs too: a limited claim slowed as they piled up).
             # It reads every held run of every workflow, once per limited workflow a claim
             # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
-            found = text(_CLAIM_SQL.format(now=now, where=where, plus=plus))
+            ranges = f"RECURSIVE {claims.priorities()},\n" if segmented else ""
+            found = text(_CLAIM_SQL.format(now=now, where=where, plus=plus, priorities=ranges))
             cache[(by_id, looked_up)] = found
         return found
 

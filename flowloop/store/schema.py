@@ -97,12 +97,15 @@ Index(
 )
 # Claims read runs that are due (every claim says `next_run_at <= now`, which implies NOT
 # NULL): a running or finished run has no due time, so it has no entry here — a run's
-# creation and its end write one B-tree fewer each (migration 0014).
+# creation and its end write one B-tree fewer each (migration 0014). In claim order within
+# a status: SQLite's claims read it a (status, priority) segment at a time, from the first
+# run up to the limit or the first one not yet due (flowloop/store/claims.py, 0017).
 Index(
     "ix_flowloop_runs_due",
     runs.c.status,
-    runs.c.priority,
+    runs.c.priority.desc(),
     runs.c.next_run_at,
+    runs.c.id,
     sqlite_where=text("next_run_at IS NOT NULL"),
     postgresql_where=text("next_run_at IS NOT NULL"),
 )

@@ -20,11 +20,9 @@ from sqlalchemy import (
     Connection,
     Engine,
     and_,
-    bindparam,
     func,
     insert,
     inspect,
-    literal_column,
     or_,
     select,
     update,
@@ -41,7 +39,7 @@ from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
 from flowloop.journal import JournalEvent
 from flowloop.lifecycle import CLAIMABLE
-from flowloop.store import built, dialect, leases, migrate, outage
+from flowloop.store import built, claims, dialect, leases, migrate, outage
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.appends import AppendStoreMixin, append_only
 from flowloop.store.base import Boundary, RunFilter, Store, StoredRun
@@ -75,13 +73,6 @@ before a store's first connection)."""
 _PREPARING = threading.Lock()
 
 log = logging.getLogger("flowloop.store")
-
-
-def _sql_literal(value: str) -> Any:
-    """``value`` written into the statement as a quoted SQL literal (a constant of ours,
-    never user input), so the planner sees it."""
-    assert "'" not in value
-    return literal_column(f"'{value}'")
 
 
 class SQLStore(
@@ -542,57 +533,21 @@ class SQLStore(
     # -- claiming --------------------------------------------------------------------------
 
     def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool, looked_up: bool) -> Any:
-        """The claim UPDATE … WHERE id IN (SELECT … FOR UPDATE SKIP LOCKED) for one shape of
-        filter, built once: building SQLAlchemy statements per call costs more than the
-        commit. Values travel as bind parameters (workflows as an expanding IN, run ids as
-        one value: :func:`~flowloop.store.dialect.ids_in`)."""
+        """The claim for one shape of filter (flowloop/store/claims.py), built once: building
+        SQLAlchemy statements per call costs more than the commit."""
         key = (kind, by_workflow, by_id, looked_up)
         cached = self._claim_cache.get(key)
-        if cached is not None:
-            return cached
-        # The statuses are literals in the SQL, not parameters: psycopg prepares a statement
-        # it runs every poll, and PostgreSQL's generic plan for `status = $1` guesses the
-        # average status's share of the rows — with running and due runs rare among many
-        # finished ones, it walked the primary key or the created_at index instead of the
-        # status index (357 ms, then 60-80 ms, against 0.2-0.4 ms at 200,000 runs;
-        # tests/integration/test_claim_plans.py).
-        if kind == "due":
-            conditions = [
-                runs.c.status.in_([_sql_literal(status) for status in sorted(CLAIMABLE)]),
-                runs.c.next_run_at <= bindparam("p_now"),
-            ]
-            order: tuple[Any, ...] = (runs.c.priority.desc(), runs.c.next_run_at, runs.c.id)
-        else:
-            conditions = [runs.c.status == _sql_literal("running")]
-            order = (runs.c.created_at.desc(), runs.c.id)  # ix_flowloop_runs_status_created's
-        conditions.append(or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql))
-        if by_workflow:
-            conditions.append(runs.c.workflow.in_(bindparam("p_workflows", expanding=True)))
-        if by_id:
-            conditions = [
-                dialect.within_ids(
-                    runs.c.id, conditions, "p_ids", postgres=self._postgres, looked_up=looked_up
-                )
-            ]
-        candidates = (
-            select(runs.c.id)
-            .where(*conditions)
-            .order_by(*order)
-            .limit(bindparam("p_limit"))
-            .with_for_update(skip_locked=True)
-        )
-        stmt = (
-            update(runs)
-            .where(runs.c.id.in_(candidates.scalar_subquery()))
-            .values(
-                owner=bindparam("p_worker"),
-                lease_epoch=runs.c.lease_epoch + 1,
-                lease_expires_at=self.now_sql + bindparam("p_lease"),
+        if cached is None:
+            cached = self._claim_cache[key] = claims.claim_statement(
+                kind,
+                by_workflow=by_workflow,
+                by_id=by_id,
+                looked_up=looked_up,
+                postgres=self._postgres,
+                now_sql=self.now_sql,
+                now_text=str(self.now_sql.compile(dialect=self.engine.dialect)),
             )
-            .returning(*runs.c)
-        )
-        self._claim_cache[key] = stmt
-        return stmt
+        return cached
 
     def _claim(
         self,
