@@ -44,12 +44,16 @@ CHILDREN_OF: Final = select(runs.c.id, runs.c.status).where(
 
 
 @cache
-def next_due(*, by_workflow: bool, by_id: bool, postgres: bool, looked_up: bool) -> Any:
+def next_due(
+    *, by_workflow: bool, by_id: bool, postgres: bool, looked_up: bool, segmented: int | None
+) -> Any:
     """The earliest due time of a claimable run, of the workflows ``p_workflows`` (a list)
     and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked, looked
-    up by their ids with ``looked_up`` (:func:`~flowloop.store.dialect.look_up`)."""
-    if not by_id and not postgres:  # SQLite, a segment at a time (flowloop/store/claims.py)
-        return claims.segmented_next_due(by_workflow=by_workflow)
+    up by their ids with ``looked_up`` (:func:`~flowloop.store.dialect.look_up`); or, with
+    ``segmented`` (:func:`~flowloop.store.claims.segments`), of that many workflows read
+    a segment at a time."""
+    if segmented is not None:
+        return claims.segmented_next_due(segmented)
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
     conditions: list[ColumnElement[bool]] = [
         runs.c.status.in_(sorted(CLAIMABLE)),

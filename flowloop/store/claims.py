@@ -9,17 +9,20 @@ due tomorrow (a durable sleep, a wait's timeout, a start for later) included. 50
 asleep cost an empty claim 7.1 ms instead of 0.09; 20,000 runs due cost each claim of ten
 4.4 ms, so draining a backlog cost time in the square of its size.
 
-On SQLite the due claim and the next due time read ``ix_flowloop_runs_due``, which orders
-a run by (status, priority DESC, next_run_at, id), a segment at a time: one segment per
-status and priority. Each status's priorities are found by a loose scan of the index (one
-seek per priority, :func:`_priorities`). Within a segment the runs are in claim order,
-the due ones first, so a segment is read from its first run up to the claim's limit or
-the first run not yet due, whichever comes first. The two statuses' first runs are then
-sorted together: at most twice the limit.
+On SQLite the due claim, a limited workflow's claim and the next due time read
+``ix_flowloop_runs_due``, which orders a run by (status, workflow, priority DESC,
+next_run_at, id), a segment at a time: one segment per status, workflow and priority. Each
+status and workflow's priorities are found by a loose scan of the index (one seek per
+priority, :func:`_priorities`). Within a segment the runs are in claim order, the due ones
+first: a claim reads each segment from its first run up to its limit or the first run not
+yet due, whichever comes first, and sorts those together (at most the limit per status and
+workflow). Runs due later, and other workflows' runs, are never read. The statement names
+each workflow: one is built per number of workflows, up to :data:`MOST_SEGMENTED`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from sqlalchemy import ColumnElement, bindparam, literal_column, or_, select, text, update
@@ -30,6 +33,13 @@ from flowloop.store import dialect
 from flowloop.store.schema import runs
 
 SEGMENTED_STATUSES: Final = tuple(sorted(CLAIMABLE))
+MOST_SEGMENTED: Final = 64
+"""The most workflows a segmented statement names (a term of a compound select per status
+and workflow; SQLite's default build takes at most 500). A claim naming more gets the
+statement PostgreSQL gets."""
+DUE_INDEX: Final = "INDEXED BY ix_flowloop_runs_due"
+"""Said, not left to the planner: with the workflow and a status named, SQLite preferred
+the workflow's index for a limited claim (every claimable run of the workflow again)."""
 
 
 def sql_literal(value: str) -> Any:
@@ -43,6 +53,7 @@ def claim_statement(
     kind: str,
     *,
     by_workflow: bool,
+    workflows: int | None,
     by_id: bool,
     looked_up: bool,
     postgres: bool,
@@ -53,9 +64,10 @@ def claim_statement(
     ``p_workflows`` (an expanding list), run ids ``p_ids`` (:func:`dialect.ids_value`,
     looked up by id when ``looked_up``); the claimer ``p_worker``, its lease ``p_lease``,
     the limit ``p_limit`` and, for due runs, the time ``p_now``. ``now_text``: ``now_sql``
-    as this database's SQL."""
-    if kind == "due" and not by_id and not postgres:
-        return _segmented_claim(by_workflow=by_workflow, now_text=now_text)
+    as this database's SQL. ``workflows``: :func:`segments`, and then the workflows are
+    the parameters of :func:`workflow_params`."""
+    if workflows is not None:
+        return _segmented_claim(workflows, now_text=now_text)
     # The statuses are literals in the SQL, not parameters: psycopg prepares a statement
     # it runs every poll, and PostgreSQL's generic plan for `status = $1` guesses the
     # average status's share of the rows — with running and due runs rare among many
@@ -99,83 +111,98 @@ def claim_statement(
     )
 
 
-def _priorities(position: int) -> str:
-    """A CTE ``pN(p)``: the priorities of the runs with a due time in the status at
-    ``position`` of :data:`SEGMENTED_STATUSES`, highest first, then one NULL: a seek of the
-    due index per priority, however many runs each has."""
-    status = SEGMENTED_STATUSES[position]
-    return f"""p{position}(p) AS (
-  SELECT max(priority) FROM flowloop_runs
-  WHERE status = '{status}' AND next_run_at IS NOT NULL
+def segments(
+    kind: str, workflows: Sequence[str] | None, *, by_id: bool, postgres: bool
+) -> int | None:
+    """How many workflows a claim of ``kind`` (or a look at the next due time, "due")
+    names in segments on SQLite; ``None``: the statement PostgreSQL gets (PostgreSQL, a
+    claim of interrupted runs or of a scope of ids, no workflow named, or more than
+    :data:`MOST_SEGMENTED`)."""
+    if postgres or kind != "due" or by_id or workflows is None:
+        return None
+    return len(workflows) if 0 < len(workflows) <= MOST_SEGMENTED else None
+
+
+def workflow_params(workflows: Sequence[str], segmented: int | None) -> dict[str, Any]:
+    """The parameters naming ``workflows`` in a statement of :func:`segments`' answer."""
+    if segmented is None:
+        return {"p_workflows": list(workflows)}
+    return {f"p_w{n}": name for n, name in enumerate(workflows)}
+
+
+def _pairs(workflows: int) -> list[tuple[int, int]]:
+    return [(s, w) for s in range(len(SEGMENTED_STATUSES)) for w in range(workflows)]
+
+
+def _priorities(status: int, workflow: str) -> str:
+    """A CTE ``p{status}_{workflow}(p)``: the priorities of the runs with a due time of the
+    workflow ``workflow`` (a parameter's name) in the status at ``status`` in
+    :data:`SEGMENTED_STATUSES`, highest first, then one NULL: a seek of the due index per
+    priority, however many runs each has."""
+    name = f"p{status}_{workflow}"
+    runs_of = (
+        f"FROM flowloop_runs {DUE_INDEX} WHERE status = '{SEGMENTED_STATUSES[status]}' "
+        f"AND workflow = :{workflow} AND next_run_at IS NOT NULL"
+    )
+    return f"""{name}(p) AS (
+  SELECT max(priority) {runs_of}
   UNION ALL
-  SELECT (SELECT max(priority) FROM flowloop_runs
-          WHERE status = '{status}' AND next_run_at IS NOT NULL AND priority < p{position}.p)
-  FROM p{position} WHERE p{position}.p IS NOT NULL
+  SELECT (SELECT max(priority) {runs_of} AND priority < {name}.p)
+  FROM {name} WHERE {name}.p IS NOT NULL
 )"""
 
 
-def priorities() -> str:
-    """The CTEs ``p0``, ``p1``…: each claimable status's priorities (:func:`_priorities`),
-    for a ``WITH RECURSIVE``."""
-    return ",\n".join(map(_priorities, range(len(SEGMENTED_STATUSES))))
+def _with_priorities(pairs: Sequence[tuple[int, str]]) -> str:
+    return "WITH RECURSIVE " + ",\n".join(_priorities(s, w) for s, w in pairs)
 
 
-def _with_priorities() -> str:
-    return f"WITH RECURSIVE {priorities()}"
-
-
-def any_priority() -> str:
-    """A due run's test in a statement ``WITH RECURSIVE`` :func:`priorities`: a claimable
-    status, a priority one of them has, due by ``p_now`` — the due index's ranges."""
+def limited_candidates() -> tuple[str, str]:
+    """For a limited claim of workflow ``p_workflow`` on SQLite: the CTEs of its priorities
+    (to follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
+    (``r``: the runs)."""
+    pairs = [(s, "p_workflow") for s in range(len(SEGMENTED_STATUSES))]
     statuses = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
-    each = " UNION ".join(f"SELECT p FROM p{n}" for n in range(len(SEGMENTED_STATUSES)))
-    return f"r.status IN ({statuses}) AND r.priority IN ({each}) AND r.next_run_at <= :p_now"
+    each = " UNION ".join(f"SELECT p FROM p{s}_{w}" for s, w in pairs)
+    due = (
+        f"r.status IN ({statuses}) AND r.workflow = :p_workflow AND r.priority IN ({each}) "
+        "AND r.next_run_at <= :p_now"
+    )
+    return ",\n".join(_priorities(s, w) for s, w in pairs), due
 
 
-def _workflows(by_workflow: bool) -> str:
-    # Behind a unary +: the due index drives, the workflow index is not a way in.
-    return "AND +workflow IN :p_workflows" if by_workflow else ""
-
-
-def _expanding(sql: str, by_workflow: bool) -> TextClause:
-    statement = text(sql)
-    if by_workflow:
-        statement = statement.bindparams(bindparam("p_workflows", expanding=True))
-    return statement
-
-
-def _segmented_claim(*, by_workflow: bool, now_text: str) -> TextClause:
+def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:
+    pairs = [(s, f"p_w{w}") for s, w in _pairs(workflows)]
     segments = " UNION ALL ".join(
         f"""SELECT * FROM (
-    SELECT id, priority, next_run_at FROM flowloop_runs
-    WHERE status = '{status}' AND priority IN (SELECT p FROM p{position})
-      AND next_run_at <= :p_now
-      AND +(owner IS NULL OR lease_expires_at < {now_text}) {_workflows(by_workflow)}
+    SELECT id, priority, next_run_at FROM flowloop_runs {DUE_INDEX}
+    WHERE status = '{SEGMENTED_STATUSES[s]}' AND workflow = :{w}
+      AND priority IN (SELECT p FROM p{s}_{w}) AND next_run_at <= :p_now
+      AND +(owner IS NULL OR lease_expires_at < {now_text})
     ORDER BY priority DESC, next_run_at, id LIMIT :p_limit
   )"""
-        for position, status in enumerate(SEGMENTED_STATUSES)
+        for s, w in pairs
     )
-    sql = f"""UPDATE flowloop_runs
+    return text(f"""UPDATE flowloop_runs
 SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now_text} + :p_lease
 WHERE id IN (
-  {_with_priorities()}
+  {_with_priorities(pairs)}
   SELECT id FROM ({segments})
   ORDER BY priority DESC, next_run_at, id LIMIT :p_limit
 )
-RETURNING *"""
-    return _expanding(sql, by_workflow)
+RETURNING *""")
 
 
-def segmented_next_due(*, by_workflow: bool) -> TextClause:
-    """SQLite's earliest due time of a claimable run (of the workflows ``p_workflows``):
-    the first run of each (status, priority) segment that the workflows have."""
+def segmented_next_due(workflows: int) -> TextClause:
+    """SQLite's earliest due time of a claimable run of the workflows ``p_w0``…: the first
+    run of each segment."""
+    pairs = [(s, f"p_w{w}") for s, w in _pairs(workflows)]
     firsts = " UNION ALL ".join(
         f"""SELECT (
-    SELECT next_run_at FROM flowloop_runs
-    WHERE status = '{status}' AND priority = p{position}.p AND next_run_at IS NOT NULL
-      {_workflows(by_workflow)}
+    SELECT next_run_at FROM flowloop_runs {DUE_INDEX}
+    WHERE status = '{SEGMENTED_STATUSES[s]}' AND workflow = :{w} AND priority = p{s}_{w}.p
+      AND next_run_at IS NOT NULL
     ORDER BY next_run_at LIMIT 1
-  ) AS due FROM p{position} WHERE p{position}.p IS NOT NULL"""
-        for position, status in enumerate(SEGMENTED_STATUSES)
+  ) AS due FROM p{s}_{w} WHERE p{s}_{w}.p IS NOT NULL"""
+        for s, w in pairs
     )
-    return _expanding(f"{_with_priorities()}\nSELECT min(due) FROM ({firsts})", by_workflow)
+    return text(f"{_with_priorities(pairs)}\nSELECT min(due) FROM ({firsts})")

@@ -103,7 +103,7 @@ per_key AS (
 ),
 candidates AS (
   SELECT r.id, r.priority, r.next_run_at, r.limit_key, coalesce(r.limit_rank, 0) AS lr
-  FROM flowloop_runs r
+  FROM flowloop_runs r{indexed}
   WHERE {where}
   ORDER BY r.priority DESC, lr, r.next_run_at, r.id
   LIMIT :p_scan
@@ -163,10 +163,13 @@ class LimitStoreMixin:
             scope = dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
             segmented = not postgres and not by_id
             room = _ROOM_SQL.format(now=now, ids="")
+            ranges = ""
             if looked_up:  # a small family's runs, by their ids (see dialect.within_ids)
                 where = f"{scope} AND +({_DUE_SQL} AND {room})"
             elif segmented:  # SQLite: the due runs by the due index's ranges (claims.py)
-                where = f"{claims.any_priority()} AND +r.workflow = :p_workflow AND {room}"
+                priorities, due = claims.limited_candidates()
+                ranges = f"RECURSIVE {priorities},\n"
+                where = f"{due} AND {room}"
             else:
                 scoped = _ROOM_SQL.format(now=now, ids=f"AND {scope}" if scope else "")
                 where = f"{_DUE_SQL} AND {scoped}"
@@ -175,8 +178,12 @@ class LimitStoreMixin:
             # It reads every held run of every workflow, once per limited workflow a claim
             # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
-            ranges = f"RECURSIVE {claims.priorities()},\n" if segmented else ""
-            found = text(_CLAIM_SQL.format(now=now, where=where, plus=plus, priorities=ranges))
+            indexed = f" {claims.DUE_INDEX}" if segmented else ""
+            found = text(
+                _CLAIM_SQL.format(
+                    now=now, where=where, plus=plus, priorities=ranges, indexed=indexed
+                )
+            )
             cache[(by_id, looked_up)] = found
         return found
 

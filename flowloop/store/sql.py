@@ -113,7 +113,7 @@ class SQLStore(
         self._driver_for: Connection | None = None
         self._driver_conn: Any = None
         self._driver_cursor: Any = None
-        self._claim_cache: dict[tuple[str, bool, bool, bool], Any] = {}
+        self._claim_cache: dict[tuple[str, bool, bool, bool, int | None], Any] = {}
         self._claim_limits: dict[str, ClaimLimits] = {}
         try:
             if check_schema:
@@ -532,15 +532,18 @@ class SQLStore(
 
     # -- claiming --------------------------------------------------------------------------
 
-    def _claim_statement(self, kind: str, by_workflow: bool, by_id: bool, looked_up: bool) -> Any:
+    def _claim_statement(
+        self, kind: str, by_workflow: bool, by_id: bool, looked_up: bool, segmented: int | None
+    ) -> Any:
         """The claim for one shape of filter (flowloop/store/claims.py), built once: building
         SQLAlchemy statements per call costs more than the commit."""
-        key = (kind, by_workflow, by_id, looked_up)
+        key = (kind, by_workflow, by_id, looked_up, segmented)
         cached = self._claim_cache.get(key)
         if cached is None:
             cached = self._claim_cache[key] = claims.claim_statement(
                 kind,
                 by_workflow=by_workflow,
+                workflows=segmented,
                 by_id=by_id,
                 looked_up=looked_up,
                 postgres=self._postgres,
@@ -567,7 +570,9 @@ class SQLStore(
             assert workflows is not None
             workflows = [w for w in workflows if w not in self._claim_limits]
         looked_up = dialect.look_up(run_ids, postgres=self._postgres)
-        stmt = self._claim_statement(kind, workflows is not None, run_ids is not None, looked_up)
+        by_id = run_ids is not None
+        segmented = claims.segments(kind, workflows, by_id=by_id, postgres=self._postgres)
+        stmt = self._claim_statement(kind, workflows is not None, by_id, looked_up, segmented)
         params: dict[str, Any] = {
             "p_worker": worker,
             "p_lease": lease_seconds,
@@ -575,7 +580,7 @@ class SQLStore(
             "p_now": now,
         }
         if workflows is not None:
-            params["p_workflows"] = list(workflows)
+            params.update(claims.workflow_params(workflows, segmented))
         if run_ids is not None:
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         with self._write() as conn:
@@ -732,16 +737,19 @@ class SQLStore(
     ) -> float | None:
         if workflows is not None and not workflows:
             return None
+        by_id = run_ids is not None
+        segmented = claims.segments("due", workflows, by_id=by_id, postgres=self._postgres)
         params: dict[str, Any] = {}
         if workflows is not None:
-            params["p_workflows"] = list(workflows)
+            params.update(claims.workflow_params(workflows, segmented))
         if run_ids is not None:
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         query = built.next_due(
             by_workflow=workflows is not None,
-            by_id=run_ids is not None,
+            by_id=by_id,
             postgres=self._postgres,
             looked_up=dialect.look_up(run_ids, postgres=self._postgres),
+            segmented=segmented,
         )
         with self._read() as conn:
             value = conn.execute(query, params).scalar_one_or_none()

@@ -49,9 +49,11 @@ def _scheduled(
     return stored
 
 
-def _retrying(store: SQLStore, name: str, *, priority: int, due: float) -> StoredRun:
+def _retrying(
+    store: SQLStore, name: str, *, priority: int, due: float, workflow: str = "w"
+) -> StoredRun:
     """A run whose step failed and waits to be tried again at ``due`` (status retrying)."""
-    created = _scheduled(store, name, priority=priority, due=past())
+    created = _scheduled(store, name, priority=priority, due=past(), workflow=workflow)
     [claimed] = store.claim(
         worker="first", now=time.time(), limit=1, lease_seconds=30, run_ids=[created.id]
     )
@@ -78,11 +80,11 @@ def _retrying(store: SQLStore, name: str, *, priority: int, due: float) -> Store
     return row
 
 
-def _claimed_in_turns(store: SQLStore, limit: int) -> list[list[str]]:
+def _claimed_in_turns(store: SQLStore, limit: int, workflows: list[str]) -> list[list[str]]:
     turns = []
     while True:
         rows = store.claim(
-            worker="me", now=time.time(), limit=limit, lease_seconds=30, workflows=["w"]
+            worker="me", now=time.time(), limit=limit, lease_seconds=30, workflows=workflows
         )
         turns.append([row.id for row in rows])
         if not rows:
@@ -90,30 +92,32 @@ def _claimed_in_turns(store: SQLStore, limit: int) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("limit", [1, 2, 10])
+@pytest.mark.parametrize("workflows", [["w"], ["w", "v"]], ids=["one workflow", "two"])
 def test_claims_take_due_runs_by_priority_then_due_time_then_id_across_statuses(
-    store: SQLStore, limit: int
+    store: SQLStore, limit: int, workflows: list[str]
 ) -> None:
     base = past()
     soon = time.time() + LATER
+    last = workflows[-1]  # with two workflows, every other run is of the second
     expected = [
         _scheduled(store, "s7", priority=7, due=base),
-        _retrying(store, "r2", priority=2, due=base - 5),
+        _retrying(store, "r2", priority=2, due=base - 5, workflow=last),
         _retrying(store, "r0", priority=0, due=base - 40),
-        _scheduled(store, "s0b", priority=0, due=base - 30),
+        _scheduled(store, "s0b", priority=0, due=base - 30, workflow=last),
         _retrying(store, "s0c", priority=0, due=base - 30),  # a tie across statuses: by id
-        _scheduled(store, "s-3", priority=-3, due=base - 100),
+        _scheduled(store, "s-3", priority=-3, due=base - 100, workflow=last),
     ]
     tie = _scheduled(store, "s0a", priority=0, due=base - 30)  # created last, sorts first
     expected.insert(3, tie)
     # Never claimed here: due later (whatever their priority), another workflow's, or
     # held by a live lease.
     _scheduled(store, "later9", priority=9, due=soon)
-    _retrying(store, "later-r9", priority=9, due=soon)
+    _retrying(store, "later-r9", priority=9, due=soon, workflow=last)
     _scheduled(store, "other", priority=9, due=base - 1000, workflow="other")
-    held = _scheduled(store, "held", priority=9, due=base - 1000)
+    held = _scheduled(store, "held", priority=9, due=base - 1000, workflow=last)
     store.claim(worker="holder", now=time.time(), limit=1, lease_seconds=60, run_ids=[held.id])
 
-    turns = _claimed_in_turns(store, limit)
+    turns = _claimed_in_turns(store, limit, workflows)
 
     assert [run_id for turn in turns for run_id in turn] == [run.id for run in expected]
     assert [len(turn) for turn in turns[:-1]] == [limit] * (len(turns) - 2) + [
@@ -141,19 +145,21 @@ def test_next_due_is_the_earliest_due_time_of_the_workflows_claimable_runs(
 # -- SQLite's work ---------------------------------------------------------------------------
 
 
-def _fill(url: str, *, later: int, due: int) -> None:
-    """``later`` runs due in an hour and ``due`` runs due now, over two priorities, written
-    by SQL (a copy of one run per row: the test is about reading them)."""
+def _fill(url: str, *, later: int, due: int, others: int = 0) -> None:
+    """``later`` runs of workflow ``w`` due in an hour and ``due`` due now, over two
+    priorities, and ``others`` runs of workflow ``other`` due now, written by SQL (a copy
+    of one run per row: the test is about reading them)."""
     with contextlib.closing(SQLStore(url)) as store:
         template = _scheduled(store, "template", priority=0, due=past())
-    copies = [(f"{n:032x}", n % 2, time.time() + LATER) for n in range(later)]
-    copies += [(f"{later + n:032x}", n % 2, past()) for n in range(due)]
+    copies = [(f"{n:032x}", "w", n % 2, time.time() + LATER) for n in range(later)]
+    copies += [(f"{later + n:032x}", "w", n % 2, past()) for n in range(due)]
+    copies += [(f"{later + due + n:032x}", "other", 0, past() - 60) for n in range(others)]
     with contextlib.closing(sqlite3.connect(url.removeprefix("sqlite:///"))) as conn:
         columns = [row[1] for row in conn.execute("PRAGMA table_info(flowloop_runs)")]
-        kept = [c for c in columns if c not in ("id", "priority", "next_run_at")]
+        kept = [c for c in columns if c not in ("id", "workflow", "priority", "next_run_at")]
         conn.executemany(
-            f"INSERT INTO flowloop_runs (id, priority, next_run_at, {', '.join(kept)}) "
-            f"SELECT ?, ?, ?, {', '.join(kept)} FROM flowloop_runs WHERE id = ?",
+            f"INSERT INTO flowloop_runs (id, workflow, priority, next_run_at, {', '.join(kept)})"
+            f" SELECT ?, ?, ?, ?, {', '.join(kept)} FROM flowloop_runs WHERE id = ?",
             [(*copy, template.id) for copy in copies],
         )
         conn.commit()
@@ -188,29 +194,33 @@ def _claims_and_next_due(url: str) -> dict[str, tuple[int, list[Any]]]:
     same workflow with a limit) and of ``run_until_idle``'s next due time, as the store
     sends them."""
     with contextlib.closing(SQLStore(url)) as store:
-        claim = store._claim_statement("due", True, False, False)
+        claim = store._claim_statement("due", True, False, False, 1)
         store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
         limited = store._limited_statement(False, False)
-    next_due = built.next_due(by_workflow=True, by_id=False, postgres=False, looked_up=False)
+    next_due = built.next_due(
+        by_workflow=True, by_id=False, postgres=False, looked_up=False, segmented=1
+    )
     claiming = {"p_worker": "me", "p_lease": 30.0, "p_limit": 10, "p_now": time.time()}
     limits = {"p_workflow": "w", "p_max": 1000, "p_key_limit": 1000, "p_scan": 72}
     return {
-        "claim": _steps(url, claim, {**claiming, "p_workflows": ["w"]}),
+        "claim": _steps(url, claim, {**claiming, "p_w0": "w"}),
         "limited claim": _steps(url, limited, {**claiming, **limits}),
-        "next due": _steps(url, next_due, {"p_workflows": ["w"]}),
+        "next due": _steps(url, next_due, {"p_w0": "w"}),
     }
 
 
 def test_sqlite_claims_and_next_due_read_no_run_they_do_not_need(tmp_path: Any) -> None:
-    """The same statements on a small database (20 runs due later, 20 due now) and on one
-    with 4,000 runs due later, then also 4,000 due now: each claim takes ten every time, and
-    does no more work for the runs due later, nor, but for the limited claim (which ranks
-    every due run of its workflow), for the due runs it leaves. Before, all 8,000 were read:
-    the claim did 39 times the instructions, the next due time 116 times."""
-    urls = {name: f"sqlite:///{tmp_path / name}.db" for name in ("small", "later", "both")}
-    _fill(urls["small"], later=20, due=20)
-    _fill(urls["later"], later=4000, due=20)
-    _fill(urls["both"], later=4000, due=4000)
+    """The same statements on a small database (20 runs of workflow ``w`` due later, 20 due
+    now) and on ones with 4,000 more runs due later, 4,000 more due now, or 4,000 runs of
+    another workflow due first: each claim takes ten every time, and does no more work for
+    the runs due later or the other workflow's, nor, but for the limited claim (which ranks
+    every due run of its workflow), for the due runs it leaves. Before, the claim and the
+    next due time read all 8,000 runs of ``w``: 39 and 116 times the instructions."""
+    sizes = {"small": (20, 20, 0), "later": (4000, 20, 0), "due": (4000, 4000, 0)}
+    sizes["others"] = (20, 20, 4000)
+    urls = {name: f"sqlite:///{tmp_path / name}.db" for name in sizes}
+    for name, (later, due, others) in sizes.items():
+        _fill(urls[name], later=later, due=due, others=others)
     steps = {name: _claims_and_next_due(url) for name, url in urls.items()}
     for found in steps.values():
         assert len(found["claim"][1]) == len(found["limited claim"][1]) == 10
@@ -218,7 +228,8 @@ def test_sqlite_claims_and_next_due_read_no_run_they_do_not_need(tmp_path: Any) 
     flat = {
         (statement, db): (steps["small"][statement][0], steps[db][statement][0])
         for statement in ("claim", "limited claim", "next due")
-        for db in (("later",) if statement == "limited claim" else ("later", "both"))
+        for db in sizes
+        if db != "small" and not (statement == "limited claim" and db == "due")
     }
     assert all(big <= 1.5 * few + 20 for few, big in flat.values()), flat
 
@@ -246,7 +257,11 @@ def test_sqlite_claim_plan_walks_the_due_index_by_segment(sqlite_url: str) -> No
                 row[3]
                 for row in conn.exec_driver_sql(f"EXPLAIN QUERY PLAN {statement}", parameters)
             ]
-    segments = [step for step in plan if "ix_flowloop_runs_due (status=? AND priority=?" in step]
+    segments = [
+        step
+        for step in plan
+        if "ix_flowloop_runs_due (status=? AND workflow=? AND priority=?" in step
+    ]
     assert len(segments) == 2, plan
     assert all("next_run_at<?" in step for step in segments), plan
     assert not any("ix_flowloop_runs_workflow" in step for step in plan), plan
@@ -288,7 +303,7 @@ def test_upgrade_puts_the_due_index_in_claim_order_and_keeps_runs_claimable(
         _scheduled(old, "later", priority=9, due=time.time() + LATER)
     to_revision(store_url, "head")
     definition = _due_index(store_url)
-    assert _columns(definition) == ["status", "priority DESC", "next_run_at", "id"]
+    assert _columns(definition) == ["status", "workflow", "priority DESC", "next_run_at", "id"]
     assert "next_run_at IS NOT NULL" in definition.replace("(", "").replace(")", "")
     with contextlib.closing(SQLStore(store_url)) as store:
         rows = store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30)

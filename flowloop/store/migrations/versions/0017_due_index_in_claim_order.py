@@ -1,4 +1,4 @@
-"""the runs' due index holds a status's runs in claim order
+"""the runs' due index holds a status and workflow's runs in claim order
 
 Revision ID: 0017
 Revises: 0016
@@ -8,9 +8,9 @@ Create Date: 2026-12-06 06:30:00.000000
 priority first, so SQLite could not read a priority's due runs in claim order from it,
 nor skip the runs due later: it walked the workflow's index instead, reading every
 claimable run of the workflow at every poll (runs asleep or waiting with a timeout
-included). The index becomes (status, priority DESC, next_run_at, id), still partial:
-SQLite's claims read it a (status, priority) segment at a time (flowloop/store/claims.py).
-No data changes, in either direction.
+included). The index becomes (status, workflow, priority DESC, next_run_at, id), still
+partial: SQLite's claims read it a (status, workflow, priority) segment at a time
+(flowloop/store/claims.py). No data changes, in either direction.
 
 On PostgreSQL the new index is built under another name before the old one goes (the
 build holds off writes to the runs, reads go on; dropping and renaming take no time).
@@ -33,7 +33,7 @@ depends_on = None
 NAME = "ix_flowloop_runs_due"
 BUILDING = "ix_flowloop_runs_due_0017"
 WHERE = "next_run_at IS NOT NULL"
-IN_CLAIM_ORDER = ["status", "priority DESC", "next_run_at", "id"]
+IN_CLAIM_ORDER = ["status", "workflow", "priority DESC", "next_run_at", "id"]
 BEFORE = ["status", "priority", "next_run_at"]
 
 
