@@ -14,13 +14,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from sqlalchemy import select
+from sqlalchemy import TextClause, bindparam, text
 
 from flowloop import journal as j
 from flowloop.definition import Workflow
 from flowloop.journal import JournalEvent
 from flowloop.store import Boundary, Fence
-from flowloop.store.schema import runs
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import judge
 from flowloop.versions import Registry, workflow_for
@@ -43,6 +42,19 @@ def loaded_fingerprints(workflows: Mapping[str, Workflow]) -> dict[str, list[str
     }
 
 
+def _stranded_query(*, postgres: bool) -> TextClause:
+    """A workflow's runs waiting without a due time and without an owner whose definition
+    is none of ``loaded`` (a list). On SQLite by the partial index of such runs, said: the
+    planner preferred the workflow's index, and read every queued run of the workflow,
+    those asleep included (50,000 asleep: 6 ms a look, at every ``run_until_idle``)."""
+    indexed = "" if postgres else " INDEXED BY ix_flowloop_runs_waiting"
+    return text(
+        f"SELECT id FROM flowloop_runs{indexed} WHERE workflow = :name"
+        " AND status = 'scheduled' AND next_run_at IS NULL AND owner IS NULL"
+        " AND fingerprint NOT IN :loaded LIMIT :batch"
+    ).bindparams(bindparam("loaded", expanding=True))
+
+
 def park_stranded_waits(
     store: SQLStore, workflows: Mapping[str, Workflow], *, worker: str, now: float
 ) -> int:
@@ -53,19 +65,10 @@ def park_stranded_waits(
     # One read transaction for every workflow (BEGIN, not BEGIN IMMEDIATE, on SQLite): the
     # look finds nothing almost always, and must not take the write lock to find it.
     with store._read() as conn:
+        query = _stranded_query(postgres=store._postgres)
         for name, fingerprints in loaded_fingerprints(workflows).items():
-            query = (
-                select(runs.c.id)
-                .where(
-                    runs.c.workflow == name,
-                    runs.c.status == "scheduled",
-                    runs.c.next_run_at.is_(None),
-                    runs.c.owner.is_(None),
-                    runs.c.fingerprint.not_in(fingerprints),
-                )
-                .limit(PARK_BATCH)
-            )
-            stranded += [row.id for row in conn.execute(query)]
+            found = conn.execute(query, {"name": name, "loaded": fingerprints, "batch": PARK_BATCH})
+            stranded += [row.id for row in found]
     for run_id in stranded:
         stored = store.get_run(run_id)
         if stored is None or stored.owner is not None or stored.problem is not None:

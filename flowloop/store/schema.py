@@ -111,6 +111,15 @@ Index(
     sqlite_where=text("next_run_at IS NOT NULL"),
     postgresql_where=text("next_run_at IS NOT NULL"),
 )
+# The runs waiting without a due time (a wait with no timeout): a worker's start and each
+# `run_until_idle` look for those the loaded definitions cannot take (flowloop/parking.py);
+# without it they read every queued run of the workflow, those asleep included (0017).
+Index(
+    "ix_flowloop_runs_waiting",
+    runs.c.workflow,
+    sqlite_where=text("status = 'scheduled' AND next_run_at IS NULL"),
+    postgresql_where=text("status = 'scheduled' AND next_run_at IS NULL"),
+)
 Index(
     "ix_flowloop_runs_owner",
     runs.c.owner,

@@ -1,4 +1,4 @@
-"""the runs' due index holds a status and workflow's runs in claim order
+"""the runs' due index holds a status and workflow's runs in claim order; waiting runs get theirs
 
 Revision ID: 0017
 Revises: 0016
@@ -11,6 +11,12 @@ claimable run of the workflow at every poll (runs asleep or waiting with a timeo
 included). The index becomes (status, workflow, priority DESC, next_run_at, id), still
 partial: SQLite's claims read it a (status, workflow, priority) segment at a time
 (flowloop/store/claims.py). No data changes, in either direction.
+
+A new partial index, ``ix_flowloop_runs_waiting`` (workflow) of the runs waiting without a
+due time, serves the look for waits the loaded definitions cannot take
+(flowloop/parking.py, at a worker's start and each ``run_until_idle``): it read every
+queued run of the workflow. It holds only such runs (a wait with no timeout), so only a
+run's entering and leaving one write it.
 
 On PostgreSQL the new index is built under another name before the old one goes (the
 build holds off writes to the runs, reads go on; dropping and renaming take no time).
@@ -35,6 +41,8 @@ BUILDING = "ix_flowloop_runs_due_0017"
 WHERE = "next_run_at IS NOT NULL"
 IN_CLAIM_ORDER = ["status", "workflow", "priority DESC", "next_run_at", "id"]
 BEFORE = ["status", "priority", "next_run_at"]
+WAITING = "ix_flowloop_runs_waiting"
+WAITING_WHERE = "status = 'scheduled' AND next_run_at IS NULL"
 
 
 def _replace(columns: Sequence[str]) -> None:
@@ -52,7 +60,12 @@ def _replace(columns: Sequence[str]) -> None:
 
 def upgrade() -> None:
     _replace(IN_CLAIM_ORDER)
+    where = sa.text(WAITING_WHERE)
+    op.create_index(
+        WAITING, "flowloop_runs", ["workflow"], sqlite_where=where, postgresql_where=where
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(WAITING, table_name="flowloop_runs")
     _replace(BEFORE)
