@@ -53,7 +53,7 @@ def next_due(
     ``segmented`` (:func:`~flowloop.store.claims.segments`), of that many workflows read
     a segment at a time."""
     if segmented is not None:
-        return claims.segmented_next_due(segmented)
+        return claims.PG_NEXT_DUE if postgres else claims.segmented_next_due(segmented)
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
     conditions: list[ColumnElement[bool]] = [
         runs.c.status.in_(sorted(CLAIMABLE)),

@@ -18,6 +18,9 @@ first: a claim reads each segment from its first run up to its limit or the firs
 yet due, whichever comes first, and sorts those together (at most the limit per status and
 workflow). Runs due later, and other workflows' runs, are never read. The statement names
 each workflow: one is built per number of workflows, up to :data:`MOST_SEGMENTED`.
+PostgreSQL looks at the next due time the same way (:data:`PG_NEXT_DUE`), and keeps its
+claims: they lock the runs they take in claim order, skipping those another claimer
+holds, which a segment's window would bound.
 """
 
 from __future__ import annotations
@@ -206,3 +209,26 @@ def segmented_next_due(workflows: int) -> TextClause:
         for s, w in pairs
     )
     return text(f"{_with_priorities(pairs)}\nSELECT min(due) FROM ({firsts})")
+
+
+_STATUSES_ARRAY: Final = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
+PG_NEXT_DUE: Final = text(f"""WITH RECURSIVE seg(status, workflow, p) AS (
+  SELECT s, w, (SELECT max(r.priority) FROM flowloop_runs r
+                WHERE r.status = s AND r.workflow = w AND r.next_run_at IS NOT NULL)
+  FROM unnest(CAST(ARRAY[{_STATUSES_ARRAY}] AS VARCHAR[])) AS s,
+       unnest(CAST(:p_workflows AS VARCHAR[])) AS w
+  UNION ALL
+  SELECT seg.status, seg.workflow, (SELECT max(r.priority) FROM flowloop_runs r
+    WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.next_run_at IS NOT NULL
+      AND r.priority < seg.p)
+  FROM seg WHERE seg.p IS NOT NULL
+)
+SELECT min((SELECT r.next_run_at FROM flowloop_runs r
+            WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
+              AND r.next_run_at IS NOT NULL ORDER BY r.next_run_at LIMIT 1))
+FROM seg WHERE seg.p IS NOT NULL""")
+"""PostgreSQL's earliest due time of a claimable run of the workflows ``p_workflows`` (a
+list), a segment at a time as on SQLite: each status and workflow's priorities by a loose
+scan of the due index, then each segment's first run. PostgreSQL's own plan read every
+claimable run of the workflows, analyzed or not (50,000 runs asleep: 7.5 ms, 0.09 ms
+this way)."""

@@ -738,10 +738,12 @@ class SQLStore(
         if workflows is not None and not workflows:
             return None
         by_id = run_ids is not None
-        segmented = claims.segments("due", workflows, by_id=by_id, postgres=self._postgres)
+        # (On PostgreSQL too: a read, no lock to take in claim order.)
+        segmented = claims.segments("due", workflows, by_id=by_id, postgres=False)
         params: dict[str, Any] = {}
         if workflows is not None:
-            params.update(claims.workflow_params(workflows, segmented))
+            named = None if self._postgres else segmented  # PostgreSQL: one array
+            params.update(claims.workflow_params(workflows, named))
         if run_ids is not None:
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         query = built.next_due(
