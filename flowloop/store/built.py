@@ -50,10 +50,12 @@ def next_due(
     """The earliest due time of a claimable run, of the workflows ``p_workflows`` (a list)
     and the runs ``p_ids`` (:func:`~flowloop.store.dialect.ids_value`) when asked, looked
     up by their ids with ``looked_up`` (:func:`~flowloop.store.dialect.look_up`); or, with
-    ``segmented`` (:func:`~flowloop.store.claims.segments`), of that many workflows read
-    a segment at a time."""
+    ``segmented`` (:func:`~flowloop.store.claims.segments`), of the workflows read a
+    segment at a time."""
+    if segmented == 0:
+        return claims.PG_NEXT_DUE
     if segmented is not None:
-        return claims.PG_NEXT_DUE if postgres else claims.segmented_next_due(segmented)
+        return claims.segmented_next_due(segmented)
     # NOT NULL spelled out: it lets the (partial) due index serve the minimum.
     conditions: list[ColumnElement[bool]] = [
         runs.c.status.in_(sorted(CLAIMABLE)),

@@ -739,11 +739,10 @@ class SQLStore(
             return None
         by_id = run_ids is not None
         # (On PostgreSQL too: a read, no lock to take in claim order.)
-        segmented = claims.segments("due", workflows, by_id=by_id, postgres=False)
+        segmented = claims.segments("due", workflows, by_id=by_id, postgres=self._postgres)
         params: dict[str, Any] = {}
         if workflows is not None:
-            named = None if self._postgres else segmented  # PostgreSQL: one array
-            params.update(claims.workflow_params(workflows, named))
+            params.update(claims.workflow_params(workflows, segmented))
         if run_ids is not None:
             params["p_ids"] = dialect.ids_value(run_ids, postgres=self._postgres)
         query = built.next_due(

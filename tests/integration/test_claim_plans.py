@@ -145,6 +145,10 @@ def test_claim_plans__the_polled_claims_search_an_index_and_never_walk_one(pg_ur
                 worker="w", limit=500, lease_seconds=30.0, workflows=[WORKFLOW]
             ),
             "due": lambda: store.claim(worker="w", now=time.time(), limit=8, lease_seconds=30.0),
+            # a worker's poll: its workflows named, read a segment at a time
+            "due, by workflow": lambda: store.claim(
+                worker="w", now=time.time(), limit=8, lease_seconds=30.0, workflows=[WORKFLOW]
+            ),
         }
         for name, claim in claims.items():
             plan = _generic_plan(store, claim)
