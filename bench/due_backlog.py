@@ -18,6 +18,10 @@ claim. One round, on a fresh database:
   queue of another workflow due (the case the new plan reads more for: it walks the due
   runs of every workflow, where the old one walked every claimable run of its own).
 
+On PostgreSQL the runs table is analyzed after each batch of starts, as autovacuum keeps
+it (until it does, after a burst into a small table, PostgreSQL plans without statistics
+and walks the workflow's index: see bench/README.md).
+
 Figures: the median of 50 calls (20 for ``run_until_idle``) per round, then the median
 (min-max) of the rounds. With ``--before TREE`` each round runs in TREE's flowloop and in
 this one, alternated, each in its own process, and the table gives both and their ratio.
@@ -42,7 +46,7 @@ from pathlib import Path
 import common
 from common import Ctx, Results
 
-from flowloop import Engine
+from flowloop import Engine, Workflow
 from flowloop.store.limits import ClaimLimits
 
 HERE = Path(__file__).resolve()
@@ -77,6 +81,12 @@ def one_round(url: str, *, later: int, due: int, drain: int) -> dict[str, float]
     with Engine(url, workflows=[asleep, queued]) as engine:
         store = engine.store
 
+        def start(workflow: Workflow, runs: int, **when: float) -> None:
+            engine.start_many(workflow, [Ctx()] * runs, **when)
+            if url.startswith("postgresql"):
+                with store.engine.begin() as conn:  # type: ignore[attr-defined]  (SQLStore)
+                    conn.exec_driver_sql("ANALYZE flowloop_runs")
+
         def claim(workflows: list[str]) -> Callable[[], object]:
             return lambda: store.claim(
                 worker="poller",
@@ -98,15 +108,15 @@ def one_round(url: str, *, later: int, due: int, drain: int) -> dict[str, float]
 
             return measured
 
-        engine.start_many(asleep, [Ctx()] * later, run_at=time.time() + TOMORROW)
+        start(asleep, later, run_at=time.time() + TOMORROW)
         found["empty poll"] = _median_ms(claim(both), 50)
         found["limited empty poll"] = limited(claim(both))()
         found["run_until_idle, nothing due"] = _median_ms(engine.run_until_idle, 20)
-        engine.start_many(queued, [Ctx()] * drain)
+        start(queued, drain)
         with common.Timer() as timer:
             engine.run_until_idle()
         found["drain"] = drain / timer.seconds
-        engine.start_many(queued, [Ctx()] * due)
+        start(queued, due)
         found["claim of 10"] = _median_ms(claim(both), 50)
         found["limited claim of 10"] = limited(claim(both))()
         found["poll beside another's queue"] = _median_ms(claim([asleep.name]), 50)
