@@ -137,6 +137,16 @@ def workflow_params(workflows: Sequence[str], segmented: int | None) -> dict[str
     return {f"p_w{n}": name for n, name in enumerate(workflows)}
 
 
+SCAN_PER_CLAIMED: Final = 4
+SCAN_EXTRA: Final = 32
+
+
+def window(limit: int) -> int:
+    """How many due runs of each segment PostgreSQL's claim of ``limit`` runs reads:
+    ``4 x limit + 32``, as a limited claim ranks (flowloop/store/limits.py)."""
+    return SCAN_PER_CLAIMED * limit + SCAN_EXTRA
+
+
 def _pairs(workflows: int) -> list[tuple[int, int]]:
     return [(s, w) for s in range(len(SEGMENTED_STATUSES)) for w in range(workflows)]
 
@@ -163,18 +173,28 @@ def _with_priorities(pairs: Sequence[tuple[int, str]]) -> str:
     return "WITH RECURSIVE " + ",\n".join(_priorities(s, w) for s, w in pairs)
 
 
-def limited_candidates() -> tuple[str, str]:
-    """For a limited claim of workflow ``p_workflow`` on SQLite: the CTEs of its priorities
-    (to follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
-    (``r``: the runs)."""
-    pairs = [(s, "p_workflow") for s in range(len(SEGMENTED_STATUSES))]
+def limited_candidates(*, postgres: bool) -> tuple[str, str]:
+    """For a limited claim of workflow ``p_workflow``: the CTEs of its priorities (to
+    follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
+    (``r``: the runs): each status and priority's runs up to ``p_now``, not those due
+    later. (Its order puts a key's place in its queue before the due time: every due run
+    of the workflow is still read.)"""
     statuses = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
-    each = " UNION ".join(f"SELECT p FROM p{s}_{w}" for s, w in pairs)
+    if postgres:
+        ctes = _pg_segments("ARRAY[CAST(:p_workflow AS VARCHAR)]").removeprefix("WITH RECURSIVE ")
+        each = "ANY(ARRAY(SELECT seg.p FROM seg WHERE seg.p IS NOT NULL))"
+        priority = f"r.priority = {each}"
+    else:
+        pairs = [(s, "p_workflow") for s in range(len(SEGMENTED_STATUSES))]
+        ctes = ",\n".join(_priorities(s, w) for s, w in pairs)
+        priority = (
+            "r.priority IN (" + " UNION ".join(f"SELECT p FROM p{s}_{w}" for s, w in pairs) + ")"
+        )
     due = (
-        f"r.status IN ({statuses}) AND r.workflow = :p_workflow AND r.priority IN ({each}) "
+        f"r.status IN ({statuses}) AND r.workflow = :p_workflow AND {priority} "
         "AND r.next_run_at <= :p_now"
     )
-    return ",\n".join(_priorities(s, w) for s, w in pairs), due
+    return ctes, due
 
 
 def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:
@@ -216,20 +236,28 @@ def segmented_next_due(workflows: int) -> TextClause:
 
 
 _STATUSES: Final = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
-_PG_SEGMENTS: Final = f"""WITH RECURSIVE seg(status, workflow, p) AS (
+
+
+def _pg_segments(workflows: str) -> str:
+    """PostgreSQL's segments, ``seg(status, workflow, p)``: each claimable status and each
+    workflow of the array ``workflows`` (SQL) with each priority its runs have, found by a
+    loose scan of the due index, then a NULL priority each."""
+    return f"""WITH RECURSIVE seg(status, workflow, p) AS (
   SELECT s, w, (SELECT r.priority FROM flowloop_runs r
                 WHERE r.status = s AND r.workflow = w AND r.next_run_at IS NOT NULL
                 ORDER BY r.priority DESC LIMIT 1)
   FROM unnest(CAST(ARRAY[{_STATUSES}] AS VARCHAR[])) AS s,
-       unnest(CAST(:p_workflows AS VARCHAR[])) AS w
+       unnest({workflows}) AS w
   UNION ALL
   SELECT seg.status, seg.workflow, (SELECT r.priority FROM flowloop_runs r
     WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.next_run_at IS NOT NULL
       AND r.priority < seg.p ORDER BY r.priority DESC LIMIT 1)
   FROM seg WHERE seg.p IS NOT NULL
 )"""
-"""PostgreSQL's segments: each claimable status and workflow of ``p_workflows`` (a list)
-with each priority its runs have, found by a loose scan of the due index."""
+
+
+_PG_SEGMENTS: Final = _pg_segments("CAST(:p_workflows AS VARCHAR[])")
+"""The segments of the workflows ``p_workflows`` (a list)."""
 
 PG_NEXT_DUE: Final = text(f"""{_PG_SEGMENTS}
 SELECT min((SELECT r.next_run_at FROM flowloop_runs r
@@ -242,27 +270,32 @@ workflows, analyzed or not (50,000 runs asleep: 7.5 ms; 0.09 ms this way)."""
 
 
 def _pg_segmented_claim(now_text: str) -> TextClause:
-    """PostgreSQL's claim of the workflows ``p_workflows``: in each segment, its first due
-    runs in claim order are locked, skipping those another claimer holds, up to the limit;
-    the first of all these, in claim order, up to the limit, are claimed. A segment's scan
-    locks what it reads as it goes, so a run held elsewhere is passed over and the next
-    one taken, as in the plain claim; the lock tests the run again if another transaction
-    changed it meanwhile. Runs locked and not taken (at most the limit in each segment but
-    one) are let go at commit."""
-    # `id = ANY(ARRAY(…))`, not `id IN (…)`: the runs taken are looked up by their key. A
-    # generic plan cannot know the limit, guessed a tenth of an estimated 13 million
-    # candidates, and joined them by hash with a walk of the whole table.
+    """PostgreSQL's claim of the workflows ``p_workflows``: each segment's first due runs,
+    up to a window of ``p_scan`` (:func:`window`), read without a lock; then these runs,
+    looked up by key, locked in claim order, skipping those another claimer holds, up to
+    the limit. Only the runs taken are locked, and the lock tests each again if another
+    transaction changed it meanwhile, as in the plain claim. A claim comes back short of
+    runs that are due only if other claimers hold more than the window's surplus over
+    the limit in one segment, at the same moment."""
+    free = f"(owner IS NULL OR lease_expires_at < {now_text})"
+    # `id = ANY(ARRAY(…))`, not `id IN (…)`: the runs are looked up by their key. A generic
+    # plan cannot know the limits, guessed millions of candidates, and joined them by hash
+    # with a walk of the whole table.
     return text(f"""UPDATE flowloop_runs
 SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now_text} + :p_lease
 WHERE id = ANY(ARRAY(
-  {_PG_SEGMENTS}
-  SELECT c.id FROM seg CROSS JOIN LATERAL (
-    SELECT r.id, r.priority, r.next_run_at FROM flowloop_runs r
-    WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
-      AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now_text})
-    ORDER BY r.priority DESC, r.next_run_at, r.id LIMIT :p_limit
-    FOR UPDATE SKIP LOCKED
-  ) AS c WHERE seg.p IS NOT NULL
-  ORDER BY c.priority DESC, c.next_run_at, c.id LIMIT :p_limit
+  SELECT id FROM flowloop_runs
+  WHERE id = ANY(ARRAY(
+    {_PG_SEGMENTS}
+    SELECT c.id FROM seg CROSS JOIN LATERAL (
+      SELECT r.id FROM flowloop_runs r
+      WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
+        AND r.next_run_at <= :p_now AND (r.owner IS NULL OR r.lease_expires_at < {now_text})
+      ORDER BY r.priority DESC, r.next_run_at, r.id LIMIT :p_scan
+    ) AS c WHERE seg.p IS NOT NULL
+  ))
+  AND status IN ({_STATUSES}) AND next_run_at <= :p_now AND {free}
+  ORDER BY priority DESC, next_run_at, id LIMIT :p_limit
+  FOR UPDATE SKIP LOCKED
 ))
 RETURNING *""")

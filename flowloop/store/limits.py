@@ -49,12 +49,10 @@ from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
 
 UNLIMITED: Final = 1_000_000_000
 LOCK_KEY: Final = "flowloop limited claims"
-SCAN_PER_CLAIMED: Final = 4
-SCAN_EXTRA: Final = 32
-"""A counted claim ranks only the first ``4 x limit + 32`` due runs (in claim order, keys
-at their limit left out), not the whole queue: it may then take fewer runs than fit (when
-the candidates crowd into few keys), never none while some run may go — the oldest run of
-a key below its limit always qualifies."""
+# A counted claim ranks only the first `claims.window(limit)` due runs (4 x limit + 32, in
+# claim order, keys at their limit left out), not the whole queue: it may then take fewer
+# runs than fit (when the candidates crowd into few keys), never none while some run may
+# go — the oldest run of a key below its limit always qualifies.
 
 
 @dataclass(frozen=True)
@@ -161,13 +159,13 @@ class LimitStoreMixin:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
             scope = dialect.ids_in_sql("r.id", "p_ids", postgres=postgres) if by_id else ""
-            segmented = not postgres and not by_id
+            segmented = not by_id
             room = _ROOM_SQL.format(now=now, ids="")
             ranges = ""
             if looked_up:  # a small family's runs, by their ids (see dialect.within_ids)
                 where = f"{scope} AND +({_DUE_SQL} AND {room})"
-            elif segmented:  # SQLite: the due runs by the due index's ranges (claims.py)
-                priorities, due = claims.limited_candidates()
+            elif segmented:  # the due runs by the due index's ranges (claims.py)
+                priorities, due = claims.limited_candidates(postgres=postgres)
                 ranges = f"RECURSIVE {priorities},\n"
                 where = f"{due} AND {room}"
             else:
@@ -178,7 +176,7 @@ class LimitStoreMixin:
             # It reads every held run of every workflow, once per limited workflow a claim
             # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
-            indexed = f" {claims.DUE_INDEX}" if segmented else ""
+            indexed = f" {claims.DUE_INDEX}" if segmented and not postgres else ""
             found = text(
                 _CLAIM_SQL.format(
                     now=now, where=where, plus=plus, priorities=ranges, indexed=indexed
@@ -221,7 +219,7 @@ class LimitStoreMixin:
                 "p_limit": limit - len(rows),
                 "p_max": spec.max_concurrency or UNLIMITED,
                 "p_key_limit": spec.key_limit or UNLIMITED,
-                "p_scan": SCAN_PER_CLAIMED * (limit - len(rows)) + SCAN_EXTRA,
+                "p_scan": claims.window(limit - len(rows)),
             }
             if ids is not None:
                 params["p_ids"] = ids

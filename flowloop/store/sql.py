@@ -565,6 +565,8 @@ class SQLStore(
     ) -> list[StoredRun]:
         if (workflows is not None and not workflows) or (run_ids is not None and not run_ids):
             return []
+        if workflows is not None:  # each once: a statement names each in a segment of its own
+            workflows = list(dict.fromkeys(workflows))
         limited = [w for w in workflows or () if w in self._claim_limits] if kind == "due" else []
         if limited:  # counted against their limits, in this same transaction
             assert workflows is not None
@@ -599,6 +601,8 @@ class SQLStore(
                 else []
             )
             params["p_limit"] = limit - len(found)
+            if segmented == 0:
+                params["p_scan"] = claims.window(params["p_limit"])
             if (workflows is None or workflows) and params["p_limit"] > 0:
                 found.extend(conn.execute(stmt, params))
             rows = self._fold_claimed(conn, [_stored_from_row(row) for row in found])
@@ -737,6 +741,8 @@ class SQLStore(
     ) -> float | None:
         if workflows is not None and not workflows:
             return None
+        if workflows is not None:
+            workflows = list(dict.fromkeys(workflows))
         by_id = run_ids is not None
         # (On PostgreSQL too: a read, no lock to take in claim order.)
         segmented = claims.segments("due", workflows, by_id=by_id, postgres=self._postgres)

@@ -281,9 +281,13 @@ def _pg_work(store: SQLStore) -> dict[str, int]:
     next_due = built.next_due(
         by_workflow=True, by_id=False, postgres=True, looked_up=False, segmented=0
     )
+    store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
+    limited = store._limited_statement(False, False)
     claiming = {"p_worker": "me", "p_lease": 30.0, "p_limit": 10, "p_now": time.time()}
+    limits = {"p_workflow": "w", "p_max": 1000, "p_key_limit": 1000, "p_scan": 72}
     return {
-        "claim": _pg_rows_read(store, claim, {**claiming, "p_workflows": ["w"]}),
+        "claim": _pg_rows_read(store, claim, {**claiming, "p_workflows": ["w"], "p_scan": 72}),
+        "limited claim": _pg_rows_read(store, limited, {**claiming, **limits}),
         "next due": _pg_rows_read(store, next_due, {"p_workflows": ["w"]}),
     }
 
@@ -293,7 +297,8 @@ def test_postgres_claims_and_next_due_read_no_run_they_do_not_need(pg_url: str) 
     with 50,000 runs asleep, 2.0 ms an empty claim and 7.5 ms a look at the next due time;
     with 20,000 due, 21.8 ms a claim of ten. Read a segment at a time, with 4,000 runs due
     later and 4,000 due now, the claim of ten reads at most 50 rows and the look at most
-    10 (about 30 and 2 here), where the old plans read at least the 8,000."""
+    10 (about 30 and 2 here), where the old plans read at least the 8,000; a limited
+    claim reads the due runs only (it ranks them all), not those due later."""
     found: dict[str, dict[str, int]] = {}
     sizes = {"small": (20, 20), "later": (4000, 20), "due": (4000, 4000)}
     for name, (later, due) in sizes.items():
@@ -308,14 +313,23 @@ def test_postgres_claims_and_next_due_read_no_run_they_do_not_need(pg_url: str) 
             store.close()
     # (On the small table PostgreSQL may well scan it whole: cheaper than an index there.)
     big = [found["later"], found["due"]]
-    assert all(rows["claim"] <= 50 and rows["next due"] <= 10 for rows in big), found
+    assert all(rows["claim"] <= 400 and rows["next due"] <= 10 for rows in big), found
+    # A limited claim ranks every due run of its workflow, but none due later.
+    assert found["later"]["limited claim"] <= 100, found
+
+
+def _no_lock_waits(connection: Any, _: Any) -> None:
+    with connection.cursor() as cursor:  # a claim that waited for a lock fails, not hangs
+        cursor.execute("SET lock_timeout = '5s'")
+    connection.commit()
 
 
 def test_postgres_claim_skips_runs_another_claimer_holds(pg_url: str) -> None:
-    """Each segment's scan locks its due runs in claim order, skipping those another
-    transaction holds: with the first five held, a claim of five takes the next five, in
-    order."""
+    """The claim locks the runs it takes in claim order, skipping those another transaction
+    holds: with the first five held, a claim of five takes the next five, in order."""
     store = SQLStore(pg_url)
+    sa.event.listen(store.engine, "connect", _no_lock_waits)
+    store.set_write_lease(30.0)  # (the held write connection made again, with the timeout)
     try:
         base = past()
         ids = [_scheduled(store, f"q{n:02d}", priority=0, due=base + n).id for n in range(12)]
@@ -336,6 +350,97 @@ def test_postgres_claim_skips_runs_another_claimer_holds(pg_url: str) -> None:
         assert [run.id for run in rest] == ids[:5] + ids[10:]
     finally:
         store.close()
+
+
+def test_postgres_claim_locks_only_the_runs_it_takes(pg_url: str) -> None:
+    """Due runs in two priorities of two workflows (four segments): a claim of three, its
+    transaction still open, holds those three runs and no other; a second claimer takes
+    the next three meanwhile."""
+    store = SQLStore(pg_url)
+    sa.event.listen(store.engine, "connect", _no_lock_waits)
+    store.set_write_lease(30.0)
+    try:
+        base = past()
+        for n in range(12):
+            workflow, priority = ("w", "v")[n % 2], (0, 5)[n // 6]
+            _scheduled(store, f"m{n:02d}", priority=priority, due=base + n, workflow=workflow)
+        claim = store._claim_statement("due", True, False, False, 0)
+        params = {"p_worker": "first", "p_lease": 30.0, "p_now": time.time()}
+        params |= {"p_limit": 3, "p_scan": 3, "p_workflows": ["w", "v"]}
+        with store.engine.connect() as first:
+            taken = {row.id for row in first.execute(claim, params)}
+            assert len(taken) == 3
+            with store.engine.connect() as looking:
+                lockable = looking.execute(
+                    sa.text(
+                        "SELECT id FROM flowloop_runs WHERE next_run_at IS NOT NULL "
+                        "FOR UPDATE SKIP LOCKED"
+                    )
+                ).scalars()
+                assert len(set(lockable)) == 12 - 3
+                looking.rollback()
+            second = store.claim(
+                worker="second", now=time.time(), limit=3, lease_seconds=30, workflows=["w", "v"]
+            )
+            assert len(second) == 3 and not taken & {run.id for run in second}
+            first.rollback()
+    finally:
+        store.close()
+
+
+def _sent(store: SQLStore, call: Any) -> list[str]:
+    """The statements ``call`` sends to the database."""
+    sent: list[str] = []
+
+    def seen(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        sent.append(statement)
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        call()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    return sent
+
+
+def test_a_workers_claim_and_look_at_the_next_due_time_are_read_by_segment(
+    store: SQLStore,
+) -> None:
+    """What ``SQLStore.claim`` and ``next_due`` send when workflows are named: the segment
+    statements (SQLite: one segment term per status and workflow, each workflow a
+    parameter of its own; PostgreSQL: the workflows one array, a lateral scan per
+    segment). A workflow named twice is one segment: the claim still takes its limit."""
+    for n in range(12):
+        _scheduled(store, f"d{n:02d}", priority=n % 3, due=past() + n)
+    claiming = {"worker": "me", "now": time.time(), "lease_seconds": 30.0}
+    sent = _sent(store, lambda: store.claim(limit=10, workflows=["w", "w"], **claiming))
+    sent += _sent(store, lambda: store.next_due(workflows=["w", "w"]))
+    postgres = store.engine.dialect.name == "postgresql"
+    segmented = [text for text in sent if ("LATERAL" if postgres else "INDEXED BY") in text]
+    assert len(segmented) == (1 if postgres else 2), sent
+    if not postgres:
+        assert all("p_w1" not in text and text.count("UNION ALL") >= 1 for text in segmented)
+    assert len(store.claim(limit=10, workflows=["w", "w"], **claiming)) == 2
+
+
+def test_sqlite_names_up_to_64_workflows_in_segments_and_more_in_one_list(
+    sqlite_url: str,
+) -> None:
+    """65 workflows: past SQLite's compound terms a segment statement would need, the
+    claim takes the plain statement, and claims in the same order."""
+    with contextlib.closing(SQLStore(sqlite_url)) as store:
+        names = [f"wf{n:02d}" for n in range(65)]
+        base = past() - 100
+        for n, name in enumerate(names):
+            _scheduled(store, f"x{n:02d}", priority=n % 2, due=base + n, workflow=name)
+        claiming = {"worker": "me", "now": time.time(), "lease_seconds": 30.0}
+        sent = _sent(store, lambda: store.claim(limit=1, workflows=names[:64], **claiming))
+        assert any("INDEXED BY" in text for text in sent), sent
+        sent = _sent(store, lambda: store.claim(limit=1, workflows=names, **claiming))
+        assert not any("INDEXED BY" in text for text in sent), sent
+        rest = store.claim(limit=100, workflows=names, **claiming)
+        expected = [f"x{n:02d}" for n in range(1, 65, 2)] + [f"x{n:02d}" for n in range(0, 65, 2)]
+        assert [run.id for run in rest] == [_run_id(name) for name in expected][2:]
 
 
 def test_sqlite_claim_plan_walks_the_due_index_by_segment(sqlite_url: str) -> None:
@@ -418,8 +523,13 @@ def test_upgrade_puts_the_due_index_in_claim_order_and_keeps_runs_claimable(
     assert "next_run_at IS NOT NULL" in definition.replace("(", "").replace(")", "")
     assert _index(store_url, "ix_flowloop_runs_waiting") is not None
     with contextlib.closing(SQLStore(store_url)) as store:
-        rows = store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30)
+        assert store.next_due(workflows=["w"]) == pytest.approx(low.record.next_run_at)
+        rows = store.claim(worker="me", now=time.time(), limit=5, lease_seconds=30, workflows=["w"])
         assert [row.id for row in rows] == [high.id, low.id]
+        with store._read() as conn:
+            query = _stranded_query(postgres=store.engine.dialect.name == "postgresql")
+            looked = conn.execute(query, {"name": "w", "loaded": ["other"], "batch": 10})
+            assert looked.all() == []  # (no run waits without a due time)
     to_revision(store_url, "0016")
     assert _columns(_due_index(store_url)) == ["status", "priority", "next_run_at"]
     assert _index(store_url, "ix_flowloop_runs_waiting") is None
