@@ -1,22 +1,21 @@
 """What a claim costs beside runs due later and runs queued (SQLite WAL NORMAL, PostgreSQL).
 
 A run asleep (``step.sleep``), waiting with a timeout, backing off before a retry or
-started for later is a claimable run with a due time ahead: before migration 0017, SQLite
-read every such run of a worker's workflows at every poll, and every queued run at every
-claim. One round, on a fresh database:
+started for later is a claimable run with a due time ahead: before migration 0017, both
+databases read every such run of a worker's workflows at every poll, and every queued run
+at every claim (flowloop/store/claims.py). One round, on a fresh database:
 
 * ``later`` runs of workflow ``asleep`` due tomorrow (started for later: the same row as
   a durable sleep's);
 * ``empty poll``: the claim a worker polls with (limit 10), nothing due; ``limited empty
   poll`` the same for workflows with a cluster-wide ``max_concurrency``;
-* ``run_until_idle, nothing due``: ``engine.run_until_idle()`` (its claims and its look
-  at the next due time);
+* ``run_until_idle, nothing due``: ``engine.run_until_idle()`` (its claims, its look at
+  the next due time and its look for waits the loaded definitions cannot take);
 * ``drain``: ``drain`` one-step runs queued, then run by ``engine.run_until_idle()``;
 * ``due`` more queued runs, then ``claim of 10`` and ``limited claim of 10`` from them
   (taken with a long lease, one claim after another);
 * ``poll beside another's queue``: the empty poll of a worker of ``asleep`` alone, the
-  queue of another workflow due (the case the new plan reads more for: it walks the due
-  runs of every workflow, where the old one walked every claimable run of its own).
+  queue of another workflow due (a worker that runs some workflows of a database).
 
 On PostgreSQL the runs table is analyzed after each batch of starts, as autovacuum keeps
 it (until it does, after a burst into a small table, PostgreSQL plans without statistics
@@ -26,8 +25,8 @@ Figures: the median of 50 calls (20 for ``run_until_idle``) per round, then the 
 (min-max) of the rounds. With ``--before TREE`` each round runs in TREE's flowloop and in
 this one, alternated, each in its own process, and the table gives both and their ratio.
 
-    python bench/due_backlog.py                                   # ~1 min a round
-    python bench/due_backlog.py --before /tmp/flowloop-before --rounds 3
+    python bench/due_backlog.py                                   # ~4 min
+    python bench/due_backlog.py --before /tmp/flowloop-before     # ~7 min
     python bench/due_backlog.py --quick                           # smoke run
 """
 
@@ -84,7 +83,7 @@ def one_round(url: str, *, later: int, due: int, drain: int) -> dict[str, float]
         def start(workflow: Workflow, runs: int, **when: float) -> None:
             engine.start_many(workflow, [Ctx()] * runs, **when)
             if url.startswith("postgresql"):
-                with store.engine.begin() as conn:  # type: ignore[attr-defined]  (SQLStore)
+                with store.engine.begin() as conn:  # (an SQLStore)
                     conn.exec_driver_sql("ANALYZE flowloop_runs")
 
         def claim(workflows: list[str]) -> Callable[[], object]:

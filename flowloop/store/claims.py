@@ -1,26 +1,29 @@
 """The statements that claim runs and find the next due time, built once per shape.
 
-A claim is ``UPDATE … WHERE id IN (the first due runs, in claim order) RETURNING *``: the
-highest priority first, then the earliest due time, then the id. PostgreSQL plans it from
-its statistics (tests/integration/test_claim_plans.py). SQLite plans without statistics,
-and the shape PostgreSQL gets — both claimable statuses, any priority — made it walk the
-workflow's index: every claimable run of the workflow read and sorted at every poll, those
-due tomorrow (a durable sleep, a wait's timeout, a start for later) included. 50,000 runs
-asleep cost an empty claim 7.1 ms instead of 0.09; 20,000 runs due cost each claim of ten
-4.4 ms, so draining a backlog cost time in the square of its size.
+A claim takes the first due runs in claim order: the highest priority first, then the
+earliest due time, then the id. Its plain statement (``UPDATE … WHERE id IN (SELECT …
+ORDER BY … LIMIT … FOR UPDATE SKIP LOCKED)``) names both claimable statuses and any
+priority, and both databases planned it on the workflow's index (SQLite plans without
+statistics; PostgreSQL could not range on the due time past the priority): every claim
+read every claimable run of the workflows, those due tomorrow (a durable sleep, a wait's
+timeout, a start for later) included, and sorted the due ones. With 50,000 runs asleep an
+empty claim cost 7.2 ms on SQLite and 2.2 ms on PostgreSQL (analyzed); beside 4,000 runs
+due later a claim of ten read 4,031 rows on PostgreSQL; with 20,000 runs due each claim
+of ten cost 11.7 ms on SQLite and 22 ms on PostgreSQL, so draining a backlog cost time in
+the square of its size (bench/due_backlog.py).
 
-On SQLite the due claim, a limited workflow's claim and the next due time read
-``ix_flowloop_runs_due``, which orders a run by (status, workflow, priority DESC,
-next_run_at, id), a segment at a time: one segment per status, workflow and priority. Each
-status and workflow's priorities are found by a loose scan of the index (one seek per
-priority, :func:`_priorities`). Within a segment the runs are in claim order, the due ones
-first: a claim reads each segment from its first run up to its limit or the first run not
-yet due, whichever comes first, and sorts those together (at most the limit per status and
-workflow). Runs due later, and other workflows' runs, are never read. The statement names
-each workflow: one is built per number of workflows, up to :data:`MOST_SEGMENTED`.
-PostgreSQL looks at the next due time the same way (:data:`PG_NEXT_DUE`), and keeps its
-claims: they lock the runs they take in claim order, skipping those another claimer
-holds, which a segment's window would bound.
+``ix_flowloop_runs_due`` orders a run by (status, workflow, priority DESC, next_run_at,
+id), and a worker's claim, a limited workflow's claim and the look at the next due time
+read it a segment at a time: one segment per status, workflow and priority. Each status
+and workflow's priorities are found by a loose scan of the index (one seek per priority:
+:func:`_priorities`, :func:`_pg_segments`). Within a segment the runs are in claim order,
+the due ones first, so a claim reads each segment from its first run up to its limit (on
+PostgreSQL a window wider than the limit, :func:`window`) or the first run not yet due,
+and sorts those together. Runs due later and other workflows' runs are not read; the
+work grows with the number of segments, so with the number of distinct priorities. On
+SQLite the statement names each workflow (one is built per number of workflows, up to
+:data:`MOST_SEGMENTED`) and says which index to use; on PostgreSQL the workflows are one
+array, and the runs taken are locked in claim order as by the plain statement.
 """
 
 from __future__ import annotations
@@ -37,9 +40,9 @@ from flowloop.store.schema import runs
 
 SEGMENTED_STATUSES: Final = tuple(sorted(CLAIMABLE))
 MOST_SEGMENTED: Final = 64
-"""The most workflows a segmented statement names (a term of a compound select per status
-and workflow; SQLite's default build takes at most 500). A claim naming more gets the
-statement PostgreSQL gets."""
+"""The most workflows a SQLite segment statement names (a term of a compound select per
+status and workflow; SQLite's default build takes at most 500). A claim naming more gets
+the plain statement."""
 DUE_INDEX: Final = "INDEXED BY ix_flowloop_runs_due"
 """Said, not left to the planner: with the workflow and a status named, SQLite preferred
 the workflow's index for a limited claim (every claimable run of the workflow again)."""
@@ -64,7 +67,7 @@ def claim_statement(
     now_text: str,
 ) -> Any:
     """The claim of ``kind`` ("due" or "interrupted") for one shape of filter: workflows
-    ``p_workflows`` (an expanding list), run ids ``p_ids`` (:func:`dialect.ids_value`,
+    ``p_workflows`` (a list), run ids ``p_ids`` (:func:`dialect.ids_value`,
     looked up by id when ``looked_up``); the claimer ``p_worker``, its lease ``p_lease``,
     the limit ``p_limit`` and, for due runs, the time ``p_now``. ``now_text``: ``now_sql``
     as this database's SQL. ``workflows``: :func:`segments`, and then the workflows are
