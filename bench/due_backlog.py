@@ -25,8 +25,8 @@ Figures: the median of 50 calls (20 for ``run_until_idle``) per round, then the 
 (min-max) of the rounds. With ``--before TREE`` each round runs in TREE's flowloop and in
 this one, alternated, each in its own process, and the table gives both and their ratio.
 
-    python bench/due_backlog.py                                   # ~4 min
-    python bench/due_backlog.py --before /tmp/flowloop-before     # ~7 min
+    python bench/due_backlog.py                                   # ~2 min
+    python bench/due_backlog.py --before /tmp/flowloop-before     # ~4 min
     python bench/due_backlog.py --quick                           # smoke run
 """
 

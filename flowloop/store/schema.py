@@ -98,7 +98,7 @@ Index(
 # Claims read runs that are due (every claim says `next_run_at <= now`, which implies NOT
 # NULL): a running or finished run has no due time, so it has no entry here — a run's
 # creation and its end write one B-tree fewer each (migration 0014). In claim order within
-# a status and workflow: SQLite's claims read it a (status, workflow, priority) segment at
+# a status and workflow: the claims read it a (status, workflow, priority) segment at
 # a time, from the first run up to the limit or the first one not yet due
 # (flowloop/store/claims.py, migration 0017).
 Index(

@@ -9,7 +9,7 @@ priority first, so SQLite could not read a priority's due runs in claim order fr
 nor skip the runs due later: it walked the workflow's index instead, reading every
 claimable run of the workflow at every poll (runs asleep or waiting with a timeout
 included). The index becomes (status, workflow, priority DESC, next_run_at, id), still
-partial: SQLite's claims read it a (status, workflow, priority) segment at a time
+partial: the claims read it a (status, workflow, priority) segment at a time
 (flowloop/store/claims.py). No data changes, in either direction.
 
 A new partial index, ``ix_flowloop_runs_waiting`` (workflow) of the runs waiting without a
