@@ -11,6 +11,7 @@ import uuid
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, NewRun, SQLStore, StoredRun, migrate
+from flowloop.store.schema import runs
 
 WORKFLOW = "w"
 FINGERPRINT = "f" * 16
@@ -165,3 +166,18 @@ def to_revision(url: str, revision: str) -> None:
             migrate.to_revision(conn, revision)
     finally:
         store.close()
+
+
+def copy_run_pg(store: SQLStore, run_id: str, copies: int, changed: dict[str, str]) -> None:
+    """Copy the run ``run_id`` ``copies`` times on PostgreSQL, in one statement: each copy's
+    columns as the run's, but those in ``changed`` (SQL over ``g``, the copy's number from
+    1), then analyze the runs table (as autovacuum keeps it)."""
+    columns = [c.name for c in runs.c]
+    copied = ", ".join(changed.get(name, name) for name in columns)
+    with store.engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO flowloop_runs ({', '.join(columns)}) SELECT {copied} "
+            f"FROM flowloop_runs, generate_series(1, {copies}) AS g WHERE id = %(id)s",
+            {"id": run_id},
+        )
+        conn.exec_driver_sql("ANALYZE flowloop_runs")

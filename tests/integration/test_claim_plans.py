@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from storekit import WORKFLOW, new_run
+from storekit import WORKFLOW, copy_run_pg, new_run
 
 from flowloop.store import SQLStore
 from flowloop.store.schema import runs
@@ -27,27 +27,17 @@ def _fill_with_finished_runs(store: SQLStore) -> None:
     """One real run, copied ``FINISHED`` times as succeeded runs (statistics analyzed): two
     statuses in the table, the one a claim asks for rare."""
     template, _ = store.create_run(new_run())
-    columns = [c.name for c in runs.c]
-    copied = ", ".join(
-        {
-            "id": "md5(g::text)",
-            "status": "'succeeded'",
-            "created_at": "g::float8",
-            "owner": "NULL",
-            "lease_expires_at": "NULL",
-            "next_run_at": "NULL",
-            "key": "NULL",
-            "idempotency_key": "NULL",
-        }.get(name, name)
-        for name in columns
-    )
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            f"INSERT INTO flowloop_runs ({', '.join(columns)}) SELECT {copied} "
-            f"FROM flowloop_runs, generate_series(1, {FINISHED}) AS g WHERE id = %(id)s",
-            {"id": template.id},
-        )
-        conn.exec_driver_sql("ANALYZE flowloop_runs")
+    changed = {
+        "id": "md5(g::text)",
+        "status": "'succeeded'",
+        "created_at": "g::float8",
+        "owner": "NULL",
+        "lease_expires_at": "NULL",
+        "next_run_at": "NULL",
+        "key": "NULL",
+        "idempotency_key": "NULL",
+    }
+    copy_run_pg(store, template.id, FINISHED, changed)
 
 
 def _claim_sql(store: SQLStore, claim: Callable[[], object]) -> tuple[str, dict[str, Any]]:

@@ -20,13 +20,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from storekit import FINGERPRINT, new_run, past, start_step, to_revision
+from storekit import FINGERPRINT, copy_run_pg, new_run, past, start_step, to_revision
 
 from flowloop import journal as j
 from flowloop.parking import _stranded_query
 from flowloop.store import Boundary, SQLStore, StoredRun, built, claims
 from flowloop.store.limits import ClaimLimits
-from flowloop.store.schema import runs
 
 LATER = 3600.0
 
@@ -246,17 +245,9 @@ def _pg_fill(store: SQLStore, *, later: int, due: int) -> None:
     """``later`` runs of workflow ``w`` due in an hour and ``due`` due now, copies of one run
     over two priorities (statistics analyzed, as autovacuum keeps them)."""
     template = _scheduled(store, f"template{later}-{due}", priority=0, due=past())
-    columns = [c.name for c in runs.c]
     changed = {"id": "md5(g::text)", "priority": "mod(g, 2)"}
     changed["next_run_at"] = f"CASE WHEN g <= {later} THEN {time.time() + LATER} ELSE {past()} END"
-    copied = ", ".join(changed.get(name, name) for name in columns)
-    with store.engine.begin() as conn:
-        conn.exec_driver_sql(
-            f"INSERT INTO flowloop_runs ({', '.join(columns)}) SELECT {copied} FROM "
-            f"flowloop_runs, generate_series(1, {later + due}) AS g WHERE id = %(id)s",
-            {"id": template.id},
-        )
-        conn.exec_driver_sql("ANALYZE flowloop_runs")
+    copy_run_pg(store, template.id, later + due, changed)
 
 
 def _pg_rows_read(store: SQLStore, statement: Any, params: dict[str, Any]) -> int:
