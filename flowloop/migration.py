@@ -74,6 +74,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         "to": to,
         "fingerprint": target.fingerprint,
         "from_state": record.state,
+        "kept_visits": True,  # the state left keeps its visit count (journal._migrated)
     }
     reason = record.reason or ""
     if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):

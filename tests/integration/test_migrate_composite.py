@@ -1,0 +1,104 @@
+"""A run migrated out of a call state and back starts a new child (SQLite and PostgreSQL).
+
+A call or map state's join and children are named by the parent, the state and its visit
+(flowloop/compose.py). ``flowloop migrate`` moved a run's visit count from the state it
+left to the state it was mapped to, so a run migrated out of a call state while its child
+ran, and later back into that state, counted visit 1 again: it found the first visit's
+join — complete by then — and went on at once with the old child's result instead of
+calling a new one. The state left now keeps its count (``kept_visits`` in the
+``run_migrated`` entry); entries written before fold as they did.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop import journal as j
+from flowloop.journal import JournalEvent
+
+
+class Kid(BaseModel):
+    n: int = 0
+
+
+kid = Workflow("kid_again", context=Kid)
+kid.wait("hold", on={"go": "done"}, initial=True)
+kid.final("done")
+
+
+class Loopy(BaseModel):
+    got: list[int] = []
+
+
+def loopy(version: int, migrates_from: dict[int, dict[str, str]] | None = None) -> Workflow:
+    """A parent that calls ``kid_again``, then waits to call it again or to finish."""
+    workflow = Workflow("loopy", context=Loopy, version=version, migrates_from=migrates_from)
+    workflow.call(
+        "ask",
+        child=kid,
+        context=lambda ctx: Kid(n=len(ctx.got)),
+        on={"succeeded": "between", "failed": "done", "stopped": "done"},
+        result=lambda ctx, child: ctx.got.append(child.n),
+        initial=True,
+    )
+    workflow.wait("between", on={"again": "ask", "finish": "done"})
+    workflow.final("done")
+    return workflow
+
+
+def _kids(engine: Engine) -> dict[str, str]:
+    return {run.id: run.status for run in engine.runs(workflow="kid_again", limit=10)}
+
+
+def test_a_run_migrated_out_of_a_call_state_and_back_calls_a_new_child(store_url: str) -> None:
+    with Engine(store_url, workflows=[loopy(1), kid]) as engine:
+        parent = engine.start(engine.workflow("loopy"), Loopy())
+        engine.run_until_idle()
+        assert engine.get(parent.id).state == "ask"
+        [first] = _kids(engine)
+    with Engine(store_url, workflows=[loopy(2, {1: {"ask": "between"}}), kid]) as engine:
+        [moved] = engine.migrate_workflow("loopy", to=2, by="deployer")
+        assert (moved.problem, engine.get(parent.id).state) == (None, "between")
+        engine.send(first, "go")  # the first child ends: its join completes, unused
+        engine.run_until_idle()
+        assert _kids(engine) == {first: "succeeded"}
+        engine.send(parent.id, "again")  # back into the call state: a new visit
+        engine.run_until_idle()
+        info = engine.get(parent.id)
+        assert (info.status, info.state) == ("scheduled", "ask"), info
+        kids = _kids(engine)
+        [second] = [run_id for run_id in kids if run_id != first]
+        assert kids[second] == "scheduled"  # waiting for its own "go"
+        engine.send(second, "go")
+        engine.run_until_idle()
+        assert engine.get(parent.id).state == "between"
+        assert engine.replay(parent.id).matches
+
+
+def test_migrated_entries_fold_their_visits_as_written() -> None:
+    """An entry with ``kept_visits`` leaves the state it moves from its count; one without
+    (written before) moves the count, as the rows written then say."""
+    record = j.create(
+        JournalEvent(
+            run_id="r",
+            seq=1,
+            kind=j.RUN_CREATED,
+            at=1.0,
+            state="ask",
+            context="{}",
+            data={"workflow": "w", "version": 1, "fingerprint": "f" * 16, "key": None},
+        )
+    )
+    base = {"to": 2, "fingerprint": "g" * 16, "from_state": "ask"}
+
+    def migrated(data: dict[str, object]) -> dict[str, int]:
+        event = JournalEvent(
+            run_id="r", seq=2, kind=j.RUN_MIGRATED, at=2.0, state="between", data=data
+        )
+        return dict(j.apply(record, event).visits)
+
+    visited = dict(record.visits)
+    assert visited.get("ask") == 1
+    assert migrated({**base, "kept_visits": True}) == {"ask": 1, "between": 1}
+    assert migrated(base) == {"between": 1}
