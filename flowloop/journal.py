@@ -490,10 +490,11 @@ def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:
     data = event.data
     visits = dict(record.visits)
     if event.state != record.state:  # a renamed state keeps its visit count
-        # Since ``kept_visits``, the state left keeps its count too: a call or map state's
-        # join and children are named by its visit, and a run migrated out of one and
-        # back found its earlier visit's join again. (Without it, as such entries were
-        # written: their replay still matches the rows written then.)
+        # With ``kept_visits`` (a state left that the new version still has), the state
+        # left keeps its count too: a call or map state's join and children are named by
+        # its visit, and a run migrated out of one and back found its earlier visit's
+        # join again. (Without it, as entries were written before and as a rename is:
+        # replays still match the rows written then.)
         left = visits.get(record.state, 0) if data.get("kept_visits") else None
         moved = visits.pop(record.state, 0) if left is None else left
         visits[event.state] = visits.get(event.state, 0) + moved

@@ -74,8 +74,10 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         "to": to,
         "fingerprint": target.fingerprint,
         "from_state": record.state,
-        "kept_visits": True,  # the state left keeps its visit count (journal._migrated)
     }
+    if state != record.state and record.state in target.states:
+        # Left for another state, not renamed: it keeps its visit count (journal._migrated).
+        data["kept_visits"] = True
     reason = record.reason or ""
     if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):
         data["status"] = "scheduled"
