@@ -43,6 +43,8 @@ from flowloop.store import dialect
 from flowloop.store.schema import runs
 
 SEGMENTED_STATUSES: Final = tuple(sorted(CLAIMABLE))
+_STATUSES: Final = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
+"""The claimable statuses as SQL literals, for ``IN (…)``."""
 MOST_SEGMENTED: Final = 64
 """The most workflows a SQLite segment statement names (a term of a compound select per
 status and workflow; SQLite's default build takes at most 500). A claim naming more gets
@@ -154,8 +156,19 @@ def window(limit: int) -> int:
     return SCAN_PER_CLAIMED * limit + SCAN_EXTRA
 
 
-def _pairs(workflows: int) -> list[tuple[int, int]]:
-    return [(s, w) for s in range(len(SEGMENTED_STATUSES)) for w in range(workflows)]
+def _pairs(workflows: int) -> list[tuple[int, str]]:
+    """Each status's position and each workflow's parameter (``p_w0``…): the segments
+    of a SQLite statement naming ``workflows`` workflows."""
+    return [(s, f"p_w{w}") for s in range(len(SEGMENTED_STATUSES)) for w in range(workflows)]
+
+
+def _claimed(candidates: str, now_text: str) -> TextClause:
+    """The claim of the runs ``candidates`` (SQL: their ids) by ``p_worker``, leased for
+    ``p_lease``, returned whole."""
+    return text(f"""UPDATE flowloop_runs
+SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now_text} + :p_lease
+WHERE {candidates}
+RETURNING *""")
 
 
 def _priorities(status: int, workflow: str) -> str:
@@ -186,7 +199,6 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
     (``r``: the runs): each status and priority's runs up to ``p_now``, not those due
     later. (Its order puts a key's place in its queue before the due time: every due run
     of the workflow is still read.)"""
-    statuses = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
     if postgres:
         ctes = _pg_segments("ARRAY[CAST(:p_workflow AS VARCHAR)]").removeprefix("WITH RECURSIVE ")
         each = "ANY(ARRAY(SELECT seg.p FROM seg WHERE seg.p IS NOT NULL))"
@@ -198,14 +210,14 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
             "r.priority IN (" + " UNION ".join(f"SELECT p FROM p{s}_{w}" for s, w in pairs) + ")"
         )
     due = (
-        f"r.status IN ({statuses}) AND r.workflow = :p_workflow AND {priority} "
+        f"r.status IN ({_STATUSES}) AND r.workflow = :p_workflow AND {priority} "
         "AND r.next_run_at <= :p_now"
     )
     return ctes, due
 
 
 def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:
-    pairs = [(s, f"p_w{w}") for s, w in _pairs(workflows)]
+    pairs = _pairs(workflows)
     segments = " UNION ALL ".join(
         f"""SELECT * FROM (
     SELECT id, priority, next_run_at FROM flowloop_runs {DUE_INDEX}
@@ -216,20 +228,20 @@ def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:
   )"""
         for s, w in pairs
     )
-    return text(f"""UPDATE flowloop_runs
-SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now_text} + :p_lease
-WHERE id IN (
+    return _claimed(
+        f"""id IN (
   {_with_priorities(pairs)}
   SELECT id FROM ({segments})
   ORDER BY priority DESC, next_run_at, id LIMIT :p_limit
-)
-RETURNING *""")
+)""",
+        now_text,
+    )
 
 
 def segmented_next_due(workflows: int) -> TextClause:
     """SQLite's earliest due time of a claimable run of the workflows ``p_w0``…: the first
     run of each segment."""
-    pairs = [(s, f"p_w{w}") for s, w in _pairs(workflows)]
+    pairs = _pairs(workflows)
     firsts = " UNION ALL ".join(
         f"""SELECT (
     SELECT next_run_at FROM flowloop_runs {DUE_INDEX}
@@ -240,9 +252,6 @@ def segmented_next_due(workflows: int) -> TextClause:
         for s, w in pairs
     )
     return text(f"{_with_priorities(pairs)}\nSELECT min(due) FROM ({firsts})")
-
-
-_STATUSES: Final = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
 
 
 def _pg_segments(workflows: str) -> str:
@@ -289,9 +298,8 @@ def _pg_segmented_claim(now_text: str) -> TextClause:
     # `id = ANY(ARRAY(…))`, not `id IN (…)`: the runs are looked up by their key. A generic
     # plan cannot know the limits, guessed millions of candidates, and joined them by hash
     # with a walk of the whole table.
-    return text(f"""UPDATE flowloop_runs
-SET owner = :p_worker, lease_epoch = lease_epoch + 1, lease_expires_at = {now_text} + :p_lease
-WHERE id = ANY(ARRAY(
+    return _claimed(
+        f"""id = ANY(ARRAY(
   SELECT id FROM flowloop_runs
   WHERE id = ANY(ARRAY(
     {_PG_SEGMENTS}
@@ -305,5 +313,6 @@ WHERE id = ANY(ARRAY(
   AND status IN ({_STATUSES}) AND next_run_at <= :p_now AND {free}
   ORDER BY priority DESC, next_run_at, id LIMIT :p_limit
   FOR UPDATE SKIP LOCKED
-))
-RETURNING *""")
+))""",
+        now_text,
+    )
