@@ -744,7 +744,6 @@ class SQLStore(
         if workflows is not None:
             workflows = list(dict.fromkeys(workflows))
         by_id = run_ids is not None
-        # (On PostgreSQL too: a read, no lock to take in claim order.)
         segmented = claims.segments("due", workflows, by_id=by_id, postgres=self._postgres)
         params: dict[str, Any] = {}
         if workflows is not None:
