@@ -19,8 +19,9 @@ and workflow's priorities are found by a loose scan of the index (one seek per p
 :func:`_priorities`, :func:`_pg_segments`). Within a segment the runs are in claim order,
 the due ones first, so a claim reads each segment from its first run up to its limit (on
 PostgreSQL a window wider than the limit, :func:`window`) or the first run not yet due,
-and sorts those together; a limited claim reads every due run of its segments (its order
-puts a key's place in its queue before the due time). Runs due later and other
+and sorts those together; so does a limited claim of a workflow without keys, while one
+with keys reads every due run of its segments (its order puts a key's place in its queue
+before the due time). Runs due later and other
 workflows' runs are not read; the work grows with the number of segments, so with the
 number of distinct priorities. On SQLite the statement names each workflow (one is built
 per number of workflows, up to :data:`MOST_SEGMENTED`) and says which index to use; on
@@ -198,7 +199,7 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
     follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
     (``r``: the runs): each status and priority's runs up to ``p_now``, not those due
     later. (Its order puts a key's place in its queue before the due time: every due run
-    of the workflow is still read.)"""
+    of the workflow is still read, unless it has no keys: :func:`limited_window`.)"""
     if postgres:
         ctes = _pg_segments("ARRAY[CAST(:p_workflow AS VARCHAR)]").removeprefix("WITH RECURSIVE ")
         each = "ANY(ARRAY(SELECT seg.p FROM seg WHERE seg.p IS NOT NULL))"
@@ -214,6 +215,36 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
         "AND r.next_run_at <= :p_now"
     )
     return ctes, due
+
+
+def limited_window(room: str, *, postgres: bool) -> str:
+    """The candidates of a limited claim of workflow ``p_workflow`` whose runs carry no
+    key's place (``max_concurrency`` alone): its first ``p_scan`` due runs that ``room``
+    (SQL of the runs ``r``) leaves free, in claim order, with the columns the ranking
+    reads (``lr`` none). Each segment is read up to ``p_scan`` runs, as the worker's claim
+    reads it, after the CTEs of :func:`limited_candidates`: 20,000 due runs are not all
+    read and sorted for a claim of ten."""
+    if postgres:
+        return f"""SELECT c.id, c.priority, c.next_run_at, c.limit_key, 0 AS lr
+  FROM seg CROSS JOIN LATERAL (
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key FROM flowloop_runs r
+    WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
+      AND r.next_run_at <= :p_now AND {room}
+    ORDER BY r.next_run_at, r.id LIMIT :p_scan
+  ) AS c WHERE seg.p IS NOT NULL
+  ORDER BY c.priority DESC, c.next_run_at, c.id LIMIT :p_scan"""
+    segments = " UNION ALL ".join(
+        f"""SELECT * FROM (
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key FROM flowloop_runs r {DUE_INDEX}
+    WHERE r.status = '{SEGMENTED_STATUSES[s]}' AND r.workflow = :p_workflow
+      AND r.priority IN (SELECT p FROM p{s}_p_workflow) AND r.next_run_at <= :p_now
+      AND +({room})
+    ORDER BY r.priority DESC, r.next_run_at, r.id LIMIT :p_scan
+  )"""
+        for s in range(len(SEGMENTED_STATUSES))
+    )
+    return f"""SELECT id, priority, next_run_at, limit_key, 0 AS lr FROM ({segments})
+  ORDER BY priority DESC, next_run_at, id LIMIT :p_scan"""
 
 
 def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:

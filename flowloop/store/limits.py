@@ -91,6 +91,15 @@ _ROOM_SQL: Final = """(r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
          OR r.limit_key NOT IN (SELECT limit_key FROM per_key WHERE n >= :p_key_limit))"""
 """A run nobody holds, that its key's limit leaves room for (``{now}``: the database's
 clock; ``{ids}``: the scope's test, or nothing)."""
+_RANKED_SQL: Final = """SELECT r.id, r.priority, r.next_run_at, r.limit_key,
+         coalesce(r.limit_rank, 0) AS lr
+  FROM flowloop_runs r{indexed}
+  WHERE {where}
+  ORDER BY r.priority DESC, lr, r.next_run_at, r.id
+  LIMIT :p_scan"""
+"""The candidates of a claim of a workflow with keys: its first due runs with room, a key's
+place in its queue (``lr``) before the due time. The order is not the due index's: every
+due run of the workflow is read and sorted (10 ms with 20,000 due, bench/due_backlog.py)."""
 _CLAIM_SQL: Final = """
 WITH {priorities}held AS (
   SELECT limit_key FROM flowloop_runs
@@ -100,11 +109,7 @@ per_key AS (
   SELECT limit_key, count(*) AS n FROM held WHERE limit_key IS NOT NULL GROUP BY limit_key
 ),
 candidates AS (
-  SELECT r.id, r.priority, r.next_run_at, r.limit_key, coalesce(r.limit_rank, 0) AS lr
-  FROM flowloop_runs r{indexed}
-  WHERE {where}
-  ORDER BY r.priority DESC, lr, r.next_run_at, r.id
-  LIMIT :p_scan
+  {candidates}
 ),
 ranked AS (
   SELECT c.id, c.priority, c.next_run_at, c.lr,
@@ -150,11 +155,16 @@ class LimitStoreMixin:
         """The workflows whose claims count slots (cluster-wide ``max_concurrency``,
         ``concurrency_key``/``key_limit``); the others claim as before."""
         self._claim_limits = dict(limits)
-        self._limited_sql: dict[tuple[bool, bool], Any] = {}
+        self._limited_sql: dict[tuple[bool, bool, bool], Any] = {}
 
-    def _limited_statement(self, by_id: bool, looked_up: bool) -> Any:
-        cache: dict[tuple[bool, bool], Any] = self.__dict__.setdefault("_limited_sql", {})
-        found = cache.get((by_id, looked_up))
+    def _limited_statement(self, by_id: bool, looked_up: bool, keyed: bool = True) -> Any:
+        """The limited claim of workflow ``p_workflow``: of the runs ``p_ids`` (``by_id``;
+        looked up by id when ``looked_up``) or of the workflow's due runs, read a segment
+        at a time (claims.py); those of a workflow without keys (not ``keyed``) only up to
+        their window, as they come in claim order."""
+        key = (by_id, looked_up, keyed)
+        cache: dict[tuple[bool, bool, bool], Any] = self.__dict__.setdefault("_limited_sql", {})
+        found = cache.get(key)
         if found is None:
             now = str(self.now_sql.compile(dialect=self.engine.dialect))
             postgres = self.engine.dialect.name == "postgresql"
@@ -177,12 +187,14 @@ class LimitStoreMixin:
             # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
             indexed = f" {claims.DUE_INDEX}" if segmented and not postgres else ""
+            if segmented and not keyed:
+                candidates = claims.limited_window(room, postgres=postgres)
+            else:
+                candidates = _RANKED_SQL.format(where=where, indexed=indexed)
             found = text(
-                _CLAIM_SQL.format(
-                    now=now, where=where, plus=plus, priorities=ranges, indexed=indexed
-                )
+                _CLAIM_SQL.format(now=now, plus=plus, priorities=ranges, candidates=candidates)
             )
-            cache[(by_id, looked_up)] = found
+            cache[key] = found
         return found
 
     def _claim_limited(
@@ -223,7 +235,7 @@ class LimitStoreMixin:
             }
             if ids is not None:
                 params["p_ids"] = ids
-            statement = self._limited_statement(ids is not None, looked_up)
+            statement = self._limited_statement(ids is not None, looked_up, spec.keyed)
             rows.extend(conn.execute(statement, params))
         return rows
 

@@ -100,6 +100,41 @@ def _claimed_in_turns(store: SQLStore, limit: int, workflows: list[str]) -> list
 def test_claims_take_due_runs_by_priority_then_due_time_then_id_across_statuses(
     store: SQLStore, limit: int, workflows: list[str]
 ) -> None:
+    _claims_in_order(store, limit, workflows)
+
+
+@pytest.mark.parametrize("limit", [1, 2, 10])
+def test_a_limited_claim_without_keys_takes_due_runs_in_the_same_order(
+    store: SQLStore, limit: int
+) -> None:
+    """A workflow with ``max_concurrency`` alone: its claim counts slots, and reads its due
+    runs a segment at a time up to its window, in claim order."""
+    store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
+    _claims_in_order(store, limit, ["w"])
+
+
+def test_a_limited_claims_window_is_the_first_due_runs_in_claim_order(store: SQLStore) -> None:
+    """More due runs than a limited claim's window (36 for a claim of one): the window is
+    each segment's first runs, in claim order — the higher priority, then the earlier due
+    time, whichever was queued first or is due earliest."""
+    store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
+    base = past()
+    for n in range(60):
+        _scheduled(store, f"low{n:02d}", priority=0, due=base - 1000 + n)
+    for n in range(2):
+        _retrying(store, f"retry-low{n}", priority=0, due=base - 1000 + n)
+    high = [
+        _scheduled(store, "high-late", priority=5, due=base - 10),
+        _scheduled(store, "high-early", priority=5, due=base - 20),
+        _retrying(store, "high-retry", priority=5, due=base - 15),
+    ]
+    turns = _claimed_in_turns(store, 1, ["w"])
+    firsts = [high[1].id, high[2].id, high[0].id, _run_id("low00"), _run_id("retry-low0")]
+    assert turns[:5] == [[run_id] for run_id in firsts]
+    assert len(turns) == 66 and turns[-1] == []
+
+
+def _claims_in_order(store: SQLStore, limit: int, workflows: list[str]) -> None:
     base = past()
     soon = time.time() + LATER
     last = workflows[-1]  # with two workflows, every other run is of the second
@@ -171,8 +206,10 @@ def _fill(url: str, *, later: int, due: int, others: int = 0) -> None:
 
 def _steps(url: str, statement: Any, params: dict[str, Any]) -> tuple[int, list[Any]]:
     """SQLite's virtual machine instructions (in tens) to run ``statement``, and its rows;
-    in a transaction rolled back, so the database stays as it was."""
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    in a transaction rolled back, so the database stays as it was. (Begun by hand: the
+    driver begins one itself only before a statement that opens with INSERT, UPDATE,
+    DELETE or REPLACE, and a claim opens with WITH — it was committed.)"""
+    engine = sa.create_engine(url, poolclass=sa.NullPool, connect_args={"isolation_level": None})
     counted = [0]
 
     def count() -> int:
@@ -185,8 +222,10 @@ def _steps(url: str, statement: Any, params: dict[str, Any]) -> tuple[int, list[
             assert isinstance(raw, sqlite3.Connection)
             raw.set_progress_handler(count, 10)
             with conn.begin() as transaction:
+                conn.exec_driver_sql("BEGIN")
                 rows = list(conn.execute(statement, params))
                 transaction.rollback()
+            assert raw.in_transaction is False
             raw.set_progress_handler(None, 0)
     finally:
         engine.dispose()
@@ -200,7 +239,8 @@ def _claims_and_next_due(url: str) -> dict[str, tuple[int, list[Any]]]:
     with contextlib.closing(SQLStore(url)) as store:
         claim = store._claim_statement("due", True, False, False, 1)
         store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
-        limited = store._limited_statement(False, False)
+        limited = store._limited_statement(False, False, False)
+        keyed = store._limited_statement(False, False, True)
     next_due = built.next_due(
         by_workflow=True, by_id=False, postgres=False, looked_up=False, segmented=1
     )
@@ -211,31 +251,38 @@ def _claims_and_next_due(url: str) -> dict[str, tuple[int, list[Any]]]:
         "look for stranded waits": _steps(url, _stranded_query(postgres=False), stranded),
         "claim": _steps(url, claim, {**claiming, "p_w0": "w"}),
         "limited claim": _steps(url, limited, {**claiming, **limits}),
+        "keyed claim": _steps(url, keyed, {**claiming, **limits}),
         "next due": _steps(url, next_due, {"p_w0": "w"}),
     }
 
 
 def test_sqlite_claims_and_next_due_read_no_run_they_do_not_need(tmp_path: Any) -> None:
-    """The same statements on a small database (20 runs of workflow ``w`` due later, 20 due
-    now) and on ones with 4,000 more runs due later, 4,000 more due now, or 4,000 runs of
-    another workflow due first: each claim takes ten every time, and does no more work for
-    the runs due later or the other workflow's, nor, but for the limited claim (which ranks
-    every due run of its workflow), for the due runs it leaves. Before, the claim and the
-    next due time read all 8,000 runs of ``w``: 39 and 116 times the instructions."""
-    sizes = {"small": (20, 20, 0), "later": (4000, 20, 0), "due": (4000, 4000, 0)}
+    """The same statements on a small database (20 runs of workflow ``w`` due later, 100 due
+    now: more than a limited claim's window of 72) and on ones with 4,000 runs due later,
+    4,000 due now, or 4,000 runs of another workflow due first: each claim takes ten every
+    time, and does no more work for
+    the runs due later or the other workflow's, nor, but for the limited claim of a workflow
+    with keys (which ranks every due run of its workflow), for the due runs it leaves.
+    Before, the claim and the next due time read all 8,000 runs of ``w``: 39 and 116 times
+    the instructions; the limited claim of a workflow without keys 14 times (it ranked every
+    due run, as one with keys does)."""
+    sizes = {"small": (20, 100, 0), "later": (4000, 20, 0), "due": (4000, 4000, 0)}
     sizes["others"] = (20, 20, 4000)
     urls = {name: f"sqlite:///{tmp_path / name}.db" for name in sizes}
     for name, (later, due, others) in sizes.items():
         _fill(urls[name], later=later, due=due, others=others)
     steps = {name: _claims_and_next_due(url) for name, url in urls.items()}
     for found in steps.values():
-        assert len(found["claim"][1]) == len(found["limited claim"][1]) == 10
+        claimed = [found[name][1] for name in ("claim", "limited claim", "keyed claim")]
+        assert [len(rows) for rows in claimed] == [10, 10, 10]
+        # (the same runs: without keys, a key's place in its queue orders nothing)
+        assert {row.id for row in claimed[1]} == {row.id for row in claimed[2]}
         assert found["next due"][1][0][0] <= time.time()
     flat = {
         (statement, db): (steps["small"][statement][0], steps[db][statement][0])
-        for statement in ("claim", "limited claim", "next due", "look for stranded waits")
+        for statement in steps["small"]
         for db in sizes
-        if db != "small" and not (statement == "limited claim" and db == "due")
+        if db != "small" and not (statement == "keyed claim" and db == "due")
     }
     grew = {name: steps for name, steps in flat.items() if steps[1] > 1.5 * steps[0] + 20}
     assert grew == {}, flat
@@ -276,12 +323,14 @@ def _pg_work(store: SQLStore) -> dict[str, int]:
         by_workflow=True, by_id=False, postgres=True, looked_up=False, segmented=0
     )
     store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
-    limited = store._limited_statement(False, False)
+    limited = store._limited_statement(False, False, False)
+    keyed = store._limited_statement(False, False, True)
     claiming = {"p_worker": "me", "p_lease": 30.0, "p_limit": 10, "p_now": time.time()}
     limits = {"p_workflow": "w", "p_max": 1000, "p_key_limit": 1000, "p_scan": 72}
     return {
         "claim": _pg_rows_read(store, claim, {**claiming, "p_workflows": ["w"], "p_scan": 72}),
         "limited claim": _pg_rows_read(store, limited, {**claiming, **limits}),
+        "keyed claim": _pg_rows_read(store, keyed, {**claiming, **limits}),
         "next due": _pg_rows_read(store, next_due, {"p_workflows": ["w"]}),
     }
 
@@ -310,8 +359,9 @@ def test_postgres_claims_and_next_due_read_no_run_they_do_not_need(pg_url: str) 
     # (On the small table PostgreSQL may well scan it whole: cheaper than an index there.)
     big = [found["later"], found["due"]]
     assert all(rows["claim"] <= 400 and rows["next due"] <= 10 for rows in big), found
-    # A limited claim ranks every due run of its workflow, but none due later.
-    assert found["later"]["limited claim"] <= 100, found
+    assert all(rows["limited claim"] <= 400 for rows in big), found
+    # A limited claim of a workflow with keys ranks every due run of it, but none due later.
+    assert found["later"]["keyed claim"] <= 100, found
 
 
 def _no_lock_waits(connection: Any, _: Any) -> None:
