@@ -14,9 +14,12 @@ workflow of ``--steps`` trivial steps:
 * ``async`` / ``sync``: flowloop, ``engine.run()`` per run, ``async def`` / plain ``def`` steps
 * ``core``: seq_steps.py's hand-written SQLAlchemy Core loop (one transaction per boundary)
 * ``floor``: the same SQL on the stdlib sqlite3 driver
-* ``pg_async`` / ``pg_core``: ``async`` and ``core`` on PostgreSQL (a fresh schema; the URL
-  is ``--pg`` or $FLOWLOOP_BENCH_PG): the client's instructions only, the server's are
-  another process's
+* ``concurrent``: flowloop, ``--runs`` runs of ``async def`` steps started, then one
+  ``engine.run_until_idle()`` with ``max_concurrency`` as many (their boundaries share
+  commits): the counted batch is the ``run_until_idle`` alone
+* ``pg_async`` / ``pg_core`` / ``pg_concurrent``: ``async``, ``core`` and ``concurrent`` on
+  PostgreSQL (a fresh schema; the URL is ``--pg`` or $FLOWLOOP_BENCH_PG): the client's
+  instructions only, the server's are another process's
 
 ``--context lines`` runs flowloop's programs over a ~93 KB context of 1,000 order lines
 (common.Lines) instead of the usual two fields (the baselines keep theirs): what a large
@@ -42,7 +45,7 @@ from typing import Any
 
 import common
 
-PROGRAMS = ("async", "sync", "core", "floor", "pg_async", "pg_core")
+PROGRAMS = ("async", "sync", "core", "floor", "concurrent", "pg_async", "pg_core", "pg_concurrent")
 DEFAULT_PROGRAMS = ("async", "sync", "core", "floor")
 
 
@@ -59,6 +62,9 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str, con
         backend = seq_steps.Backend("pg", "pg", None, runs, pg_url=pg_url)
     else:
         backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
+    if program == "concurrent":
+        _concurrent(backend, runs, steps)
+        return
     if program in ("async", "sync"):
         from flowloop import Engine
 
@@ -85,6 +91,25 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str, con
     make = seq_steps.floor_program if program == "floor" else seq_steps.core_program
     run = make(backend, steps, runs)
     functools.reduce(lambda _a, _b: run(0), [0, 1])
+
+
+def _concurrent(backend: Any, runs: int, steps: int) -> None:
+    """``runs`` runs started, then driven together by one counted ``run_until_idle``
+    (a batch of them first, uncounted: caches, connections)."""
+    from flowloop import Engine
+
+    workflow = common.chain("i_concurrent", steps, kind="async")
+    with backend.database() as url:
+        engine = Engine(url, workflows=[workflow], max_concurrency=runs)
+        for warming in (True, False):
+            for _ in range(runs):
+                engine.start(workflow, common.Ctx())
+            if warming:
+                engine.run_until_idle()
+        stats: list[Any] = []
+        functools.reduce(lambda _a, _b: stats.append(engine.run_until_idle()), [0, 1])
+        assert stats[0].steps == runs * steps, stats
+        engine.close()
 
 
 def _count(program: str, runs: int, steps: int, directory: str, pg_url: str, context: str) -> float:
