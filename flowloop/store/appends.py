@@ -296,7 +296,15 @@ class AppendStoreMixin:
         return list(rows)
 
     def _encode(self, boundaries: Sequence[Boundary]) -> list[list[dict[str, Any]]]:
-        return [encode(boundary.events, self._contexts) for boundary in boundaries]
+        cache = self._contexts
+        # The usual boundary (a success and the next start, one row) without the general
+        # loop, as a boundary written alone is encoded (_append_joined_sqlite).
+        return [
+            [encode_joined(events[0], events[1], cache)]
+            if len(events) == 2 and joinable(events[0], events[1])
+            else encode(events, cache)
+            for events in [boundary.events for boundary in boundaries]
+        ]
 
     def _settle(self, boundaries: Sequence[Boundary], applied: Sequence[bool]) -> None:
         """The context cache after a write: refused runs forgotten (their next write starts
@@ -355,12 +363,15 @@ class AppendStoreMixin:
         one by one; a unique violation (a concurrent writer took a seq) raises
         IntegrityError, wrapped by :meth:`_driver`, for the same."""
         assert self._raw_batch is not None
-        raw_stmts = self._raw_batch
-        by_fence: dict[bool, list[Any]] = {}
+        # SQLite: a success's append with its empty error columns as NULL literals (the
+        # driver adapts each None parameter at a cost), as a boundary written alone.
+        raw_stmts = self._raw if self._raw is not None else self._raw_batch
+        by_fence: dict[Any, list[Any]] = {}
         for boundary, rows in zip(boundaries, encoded, strict=True):
-            by_fence.setdefault(boundary.fence.owner is not None, []).extend(
-                self._append_params(boundary, rows)
-            )
+            owned: Any = boundary.fence.owner is not None
+            if owned and self._raw is not None and all(map(errorless, boundary.events)):
+                owned = ERRORLESS
+            by_fence.setdefault(owned, []).extend(self._append_params(boundary, rows))
         groups: dict[tuple[str, bool], list[Boundary]] = {}
         for boundary in boundaries:
             if not append_only(boundary):

@@ -147,6 +147,53 @@ def test_the_usual_boundary__binds_no_none(tmp_path: Path) -> None:
     assert set(rows) == {(None, None, None, None)}
 
 
+def test_a_batch_of_usual_boundaries__binds_no_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Concurrent runs' boundaries share a commit, each statement sent once with every
+    run's parameters (executemany): the successes' appends too are sent with their error
+    columns as NULL literals, and the failures', in a statement of their own, keep their
+    error."""
+    from flowloop.store import appends
+
+    workflow = Workflow("batched", context=Counter)
+
+    @workflow.step(initial=True, next="s1")
+    async def s0(ctx: Counter) -> None:
+        ctx.n += 1
+
+    @workflow.step(next="done")
+    async def s1(ctx: Counter) -> None:
+        raise ValueError("s1 fails")
+
+    workflow.final("done")
+    sent: list[tuple[str, list[Any]]] = []
+    executemany = appends._executemany
+
+    def spy(cursor: Any, stmt: Raw, params: Any, *, postgres: bool) -> bool:
+        sent.append((stmt.sql, [stmt.args(one) for one in params]))
+        return executemany(cursor, stmt, params, postgres=postgres)
+
+    monkeypatch.setattr(appends, "_executemany", spy)
+    with Engine(
+        f"sqlite:///{tmp_path / 'b.db'}", workflows=[workflow], max_concurrency=8
+    ) as engine:
+        for _ in range(8):
+            engine.start(workflow, Counter())
+        engine.run_until_idle()
+        assert {run.status for run in engine.runs(workflow="batched")} == {"failed"}
+    batched = [
+        (sql, rows) for sql, rows in sent if "INTO flowloop_journal" in sql and len(rows) > 1
+    ]
+    literal = [rows for sql, rows in batched if "NULL AS error_type" in sql]
+    successes = [args for rows in literal for args in rows if "step_succeeded" in args]
+    assert successes and all(None not in args for args in successes), sent
+    errors = sqlite3.connect(tmp_path / "b.db").execute(
+        "SELECT kind, error_type, error_message FROM flowloop_journal WHERE kind = 'step_failed'"
+    )
+    assert set(errors) == {("step_failed", "ValueError", "s1 fails")}
+
+
 def test_errorless__reads_exactly_the_error_fields() -> None:
     """A column outside ERROR_FIELDS set does not stop the NULL-literal append; one inside
     does (its value would otherwise be written as NULL)."""
