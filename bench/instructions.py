@@ -63,7 +63,7 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str, con
     else:
         backend = seq_steps.Backend("sqlite", "sqlite", "NORMAL", runs, directory=directory)
     if program == "concurrent":
-        _concurrent(backend, runs, steps)
+        _concurrent(backend, runs, steps, getattr(common, CONTEXTS[context]))
         return
     if program in ("async", "sync"):
         from flowloop import Engine
@@ -93,17 +93,17 @@ def _child(program: str, runs: int, steps: int, directory: str, pg_url: str, con
     functools.reduce(lambda _a, _b: run(0), [0, 1])
 
 
-def _concurrent(backend: Any, runs: int, steps: int) -> None:
-    """``runs`` runs started, then driven together by one counted ``run_until_idle``
-    (a batch of them first, uncounted: caches, connections)."""
+def _concurrent(backend: Any, runs: int, steps: int, model: Any) -> None:
+    """``runs`` runs of context ``model`` started, then driven together by one counted
+    ``run_until_idle`` (a batch of them first, uncounted: caches, connections)."""
     from flowloop import Engine
 
-    workflow = common.chain("i_concurrent", steps, kind="async")
+    workflow = common.chain("i_concurrent", steps, kind="async", context=model)
     with backend.database() as url:
         engine = Engine(url, workflows=[workflow], max_concurrency=runs)
         for warming in (True, False):
             for _ in range(runs):
-                engine.start(workflow, common.Ctx())
+                engine.start(workflow, model())
             if warming:
                 engine.run_until_idle()
         stats: list[Any] = []

@@ -217,17 +217,23 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
     return ctes, due
 
 
+NO_KEY: Final = "CAST(NULL AS VARCHAR(400)) AS limit_key"
+"""A candidate's key in :func:`limited_window`: none."""
+
+
 def limited_window(room: str, *, postgres: bool) -> str:
-    """The candidates of a limited claim of workflow ``p_workflow`` whose runs carry no
-    key's place (``max_concurrency`` alone): its first ``p_scan`` due runs that ``room``
-    (SQL of the runs ``r``) leaves free, in claim order, with the columns the ranking
-    reads (``lr`` none). Each segment is read up to ``p_scan`` runs, as the worker's claim
-    reads it, after the CTEs of :func:`limited_candidates`: 20,000 due runs are not all
-    read and sorted for a claim of ten."""
+    """The candidates of a limited claim of workflow ``p_workflow`` whose definition has
+    no key (``max_concurrency`` alone): its first ``p_scan`` due runs that ``room`` (SQL of
+    the runs ``r``) leaves free, in claim order, with the columns the ranking reads: no
+    key and no place in a key's queue (a run keeps the key an earlier definition gave it;
+    ranked by it, it would go before older runs). Each segment is read up to ``p_scan``
+    runs, as PostgreSQL's worker claim reads its window, after the CTEs of
+    :func:`limited_candidates`: 20,000 due runs are not all read and sorted for a claim of
+    ten."""
     if postgres:
-        return f"""SELECT c.id, c.priority, c.next_run_at, c.limit_key, 0 AS lr
+        return f"""SELECT c.id, c.priority, c.next_run_at, {NO_KEY}, 0 AS lr
   FROM seg CROSS JOIN LATERAL (
-    SELECT r.id, r.priority, r.next_run_at, r.limit_key FROM flowloop_runs r
+    SELECT r.id, r.priority, r.next_run_at FROM flowloop_runs r
     WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
       AND r.next_run_at <= :p_now AND {room}
     ORDER BY r.next_run_at, r.id LIMIT :p_scan
@@ -235,7 +241,7 @@ def limited_window(room: str, *, postgres: bool) -> str:
   ORDER BY c.priority DESC, c.next_run_at, c.id LIMIT :p_scan"""
     segments = " UNION ALL ".join(
         f"""SELECT * FROM (
-    SELECT r.id, r.priority, r.next_run_at, r.limit_key FROM flowloop_runs r {DUE_INDEX}
+    SELECT r.id, r.priority, r.next_run_at FROM flowloop_runs r {DUE_INDEX}
     WHERE r.status = '{SEGMENTED_STATUSES[s]}' AND r.workflow = :p_workflow
       AND r.priority IN (SELECT p FROM p{s}_p_workflow) AND r.next_run_at <= :p_now
       AND +({room})
@@ -243,7 +249,7 @@ def limited_window(room: str, *, postgres: bool) -> str:
   )"""
         for s in range(len(SEGMENTED_STATUSES))
     )
-    return f"""SELECT id, priority, next_run_at, limit_key, 0 AS lr FROM ({segments})
+    return f"""SELECT id, priority, next_run_at, {NO_KEY}, 0 AS lr FROM ({segments})
   ORDER BY priority DESC, next_run_at, id LIMIT :p_scan"""
 
 

@@ -157,7 +157,7 @@ class LimitStoreMixin:
         self._claim_limits = dict(limits)
         self._limited_sql: dict[tuple[bool, bool, bool], Any] = {}
 
-    def _limited_statement(self, by_id: bool, looked_up: bool, keyed: bool = True) -> Any:
+    def _limited_statement(self, by_id: bool, looked_up: bool, keyed: bool) -> Any:
         """The limited claim of workflow ``p_workflow``: of the runs ``p_ids`` (``by_id``;
         looked up by id when ``looked_up``) or of the workflow's due runs, read a segment
         at a time (claims.py); those of a workflow without keys (not ``keyed``) only up to

@@ -13,6 +13,7 @@ statements a claim sends, and the migration."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -132,6 +133,24 @@ def test_a_limited_claims_window_is_the_first_due_runs_in_claim_order(store: SQL
     firsts = [high[1].id, high[2].id, high[0].id, _run_id("low00"), _run_id("retry-low0")]
     assert turns[:5] == [[run_id] for run_id in firsts]
     assert len(turns) == 66 and turns[-1] == []
+
+
+def test_a_limited_claim_without_keys_orders_runs_an_earlier_definition_keyed_by_due_time(
+    store: SQLStore,
+) -> None:
+    """A run keeps the key (and its place in the key's queue) that an earlier definition
+    gave it. Once the workflow has no key, the claim takes runs by priority and due time:
+    the keyed run is not put before an older run for being its key's first."""
+    store.set_claim_limits({"w": ClaimLimits(max_concurrency=1000)})
+    base = past()
+    first = _scheduled(store, "u1", priority=0, due=base - 30)
+    second = _scheduled(store, "u2", priority=0, due=base - 20)
+    stored, created = store.create_run(
+        dataclasses.replace(new_run(_run_id("k1"), due=base - 10), limit_key="k")
+    )
+    assert created and stored.record.status == "scheduled"
+    turns = _claimed_in_turns(store, 2, ["w"])
+    assert turns == [[first.id, second.id], [stored.id], []]
 
 
 def _claims_in_order(store: SQLStore, limit: int, workflows: list[str]) -> None:
@@ -342,8 +361,9 @@ def test_postgres_claims_and_next_due_read_no_run_they_do_not_need(pg_url: str) 
     time, with 4,000 runs due later and 4,000 due now, the claim of ten reads at most 400
     rows (51 beside 4,000 due later, 298 with 4,000 due too: a window of 72 in each of two
     segments, read, then locked by key) and the look at most 10 (2), where the old plans
-    read every claimable run (4,031 and 8,011); a limited claim reads the due runs only (it
-    ranks them all), not those due later (31 against 4,031)."""
+    read every claimable run (4,031 and 8,011). A limited claim of a workflow without keys
+    reads at most 400 too (154 with 4,000 due); one with keys reads the due runs only (it
+    ranks them all: 8,011), not those due later (31 against 4,031)."""
     found: dict[str, dict[str, int]] = {}
     sizes = {"small": (20, 20), "later": (4000, 20), "due": (4000, 4000)}
     for name, (later, due) in sizes.items():

@@ -15,6 +15,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from flowloop import Engine, Workflow, frozen
 from flowloop.journal import JournalEvent
+from flowloop.store import appends
 from flowloop.store.entries import ERROR_FIELDS, JOURNAL_FIELDS, errorless
 from flowloop.store.raw import VARIANTS_KEPT, Raw
 
@@ -154,8 +155,6 @@ def test_a_batch_of_usual_boundaries__binds_no_none(
     run's parameters (executemany): the successes' appends too are sent with their error
     columns as NULL literals, and the failures', in a statement of their own, keep their
     error."""
-    from flowloop.store import appends
-
     workflow = Workflow("batched", context=Counter)
 
     @workflow.step(initial=True, next="s1")
@@ -188,6 +187,10 @@ def test_a_batch_of_usual_boundaries__binds_no_none(
     literal = [rows for sql, rows in batched if "NULL AS error_type" in sql]
     successes = [args for rows in literal for args in rows if "step_succeeded" in args]
     assert successes and all(None not in args for args in successes), sent
+    # The eight runs go in step, so their first failures are one batch too, sent with the
+    # statement that binds the error columns.
+    failures = [rows for sql, rows in batched if "NULL AS error_type" not in sql]
+    assert any(sum("step_failed" in args for args in rows) > 1 for rows in failures), sent
     errors = sqlite3.connect(tmp_path / "b.db").execute(
         "SELECT kind, error_type, error_message FROM flowloop_journal WHERE kind = 'step_failed'"
     )
