@@ -20,6 +20,8 @@ from urllib.parse import quote
 import pytest
 import sqlalchemy as sa
 
+from flowloop.store import SQLStore
+
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:  # helper modules (crashkit, storekit) import as top level
     sys.path.insert(0, str(TESTS_DIR))
@@ -106,6 +108,14 @@ def store_url(request: pytest.FixtureRequest) -> str:
     """The same test on a SQLite file and on a PostgreSQL schema."""
     name = "sqlite_url" if request.param == "sqlite" else "pg_url"
     return str(request.getfixturevalue(name))
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[SQLStore]:
+    """A store on :func:`store_url`'s database (both), closed after the test."""
+    s = SQLStore(store_url)
+    yield s
+    s.close()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -303,7 +303,7 @@ class AppendStoreMixin:
             [encode_joined(events[0], events[1], cache)]
             if len(events) == 2 and joinable(events[0], events[1])
             else encode(events, cache)
-            for events in [boundary.events for boundary in boundaries]
+            for events in (boundary.events for boundary in boundaries)
         ]
 
     def _settle(self, boundaries: Sequence[Boundary], applied: Sequence[bool]) -> None:

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import sqlite3
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,13 +28,6 @@ from flowloop.store import Boundary, SQLStore, StoredRun, built, claims
 from flowloop.store.limits import ClaimLimits
 
 LATER = 3600.0
-
-
-@pytest.fixture
-def store(store_url: str) -> Iterator[SQLStore]:
-    s = SQLStore(store_url)
-    yield s
-    s.close()
 
 
 def _run_id(name: str) -> str:

@@ -26,13 +26,6 @@ DEADLINE_S = 10.0
 
 
 @pytest.fixture
-def store(store_url: str) -> Iterator[SQLStore]:
-    s = SQLStore(store_url)
-    yield s
-    s.close()
-
-
-@pytest.fixture
 def other(store_url: str, store: SQLStore) -> Iterator[SQLStore]:
     """A second store instance on the same database (another process, as far as it knows)."""
     s = SQLStore(store_url)
