@@ -32,6 +32,7 @@ from flowloop.errors import FlowloopError, Interrupted
 from flowloop.events import check_visits, entering
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.lifecycle import PARENT_PAUSE, PARENT_PAUSED, PAUSES
 from flowloop.store import Boundary, Fence, NewRun, Store
 from flowloop.store.joins import JoinRow, JoinStoreMixin
 
@@ -387,13 +388,14 @@ async def _fail(
 
 
 def cascade(store: Any, run_id: str, action: str, operate: Any) -> int:
-    """Stop or pause (``action``) every live child of ``run_id``, and theirs: ``operate(
-    child_id, action)`` is the engine's own control of one run. Returns how many."""
+    """Stop or pause (``action``: STOP or PARENT_PAUSE) every live child of ``run_id``, and
+    theirs: ``operate(child_id, action)`` is the engine's own control of one run. A child
+    paused already, or asked to pause, keeps its own pause. Returns how many."""
     if not isinstance(store, JoinStoreMixin):
         return 0
     count = 0
     for child in store.live_children(run_id):
-        if action == "pause" and child.record.status == "paused":
+        if action in PAUSES and (child.record.status == "paused" or child.control in PAUSES):
             continue
         try:
             operate(child.id, action)
@@ -555,14 +557,15 @@ def family(store: Any, run_id: str) -> list[str]:
 
 
 def paused_children(store: Any, run_id: str) -> list[str]:
-    """The run's paused children, and those asked to pause at their next boundary (the
-    pause of a parent cascades to both; unpausing it unpauses them too)."""
+    """The run's children its pause paused, or asked to pause at their next boundary
+    (unpausing it unpauses them too); not a child an operator paused itself."""
     if not isinstance(store, JoinStoreMixin):
         return []
     return [
         c.id
         for c in store.live_children(run_id)
-        if c.record.status == "paused" or c.control == "pause"
+        if c.control == PARENT_PAUSE
+        or (c.record.status == "paused" and c.record.reason == PARENT_PAUSED)
     ]
 
 

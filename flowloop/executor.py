@@ -39,6 +39,7 @@ from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
+from flowloop.lifecycle import CONTROLS, PAUSES
 from flowloop.localdue import LocalDue
 from flowloop.recovery import RECOVERY_BATCH, Recovery
 from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
@@ -525,7 +526,7 @@ class Executor(Stepping, Recovery):
         running run clears its request), and is dropped, unless the run's boundary has
         honoured it already."""
         for run_id in self._polled_pauses - requests.keys():
-            if self._controls.get(run_id) == "pause":
+            if self._controls.get(run_id) in PAUSES:
                 del self._controls[run_id]
         self._polled_pauses = set()
         for run_id, action in requests.items():
@@ -533,7 +534,7 @@ class Executor(Stepping, Recovery):
             if active is None or active.lost:
                 continue
             self._controls[run_id] = action
-            if action == "pause":
+            if action in PAUSES:
                 self._polled_pauses.add(run_id)
             if action == "stop" and active.step_task is not None:
                 active.stopping_step = "stop"
@@ -635,7 +636,7 @@ class Executor(Stepping, Recovery):
                     ],
                 )
                 return
-            if stored.control in ("pause", "stop"):
+            if stored.control in CONTROLS:
                 self._controls[stored.id] = stored.control
             if (
                 starting
@@ -745,11 +746,14 @@ class Executor(Stepping, Recovery):
 
     async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
         action = self._controls.get(record.id)
-        if action not in ("pause", "stop"):
+        if action not in CONTROLS:
             return False
-        kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
+        kind, data = j.control_entry(action)
         await self._finish(
-            record, fence, [self._event(record, kind, state=record.state)], clear_control=True
+            record,
+            fence,
+            [self._event(record, kind, state=record.state, data=data)],
+            clear_control=True,
         )
         return True
 

@@ -156,6 +156,16 @@ UNREADABLE: Final = "unreadable"
 is still shown (with the reason under ``reason``), and folding it raises FoldError."""
 
 
+def control_entry(action: str) -> tuple[str, dict[str, Any]]:
+    """The kind and data of the entry honouring the request ``action`` (one of
+    :data:`~flowloop.lifecycle.CONTROLS`): a pause its parent's cascaded says so."""
+    if action == lifecycle.STOP:
+        return RUN_STOPPED, {}
+    return RUN_PAUSED, {
+        "reason": lifecycle.PARENT_PAUSED
+    } if action == lifecycle.PARENT_PAUSE else {}
+
+
 def holds_context(record: RunRecord, text: str, version: int) -> bool:
     """Whether ``record``'s context is ``text`` itself (the same object, not an equal
     copy) at context ``version``: a parse of ``text`` at ``version`` can stand for it,

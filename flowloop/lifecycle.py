@@ -31,6 +31,17 @@ FINISHED: Final[frozenset[str]] = frozenset({"succeeded", "failed", "stopped"})
 LIVE: Final[frozenset[str]] = frozenset({"idle", "scheduled", "running", "retrying", "paused"})
 CLAIMABLE: Final[frozenset[str]] = frozenset({"scheduled", "retrying"})
 
+# An operator's requests to a run's owner (the run row's ``control``), honoured at the run's
+# next boundary. A parent's pause cascades to its children as PARENT_PAUSE: unpausing the
+# parent withdraws that one, and leaves a pause an operator put on the child itself.
+PAUSE: Final = "pause"
+STOP: Final = "stop"
+PARENT_PAUSE: Final = "parent pause"
+PAUSES: Final[frozenset[str]] = frozenset({PAUSE, PARENT_PAUSE})
+CONTROLS: Final[frozenset[str]] = frozenset({PAUSE, PARENT_PAUSE, STOP})
+PARENT_PAUSED: Final = "parent paused"
+"""The reason of a run paused by its parent's pause (its ``run_paused`` entry's)."""
+
 ANY_LIVE: Final = "(any live status)"
 """A rule's source meaning every live status (but the rule's own destination)."""
 

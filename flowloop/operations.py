@@ -40,7 +40,7 @@ from flowloop.events import (
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import try_deliver_pending
-from flowloop.lifecycle import FINISHED
+from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PAUSE, PAUSES, STOP
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
@@ -142,44 +142,54 @@ class Operations:
 
     def pause(self, run_id: str) -> RunInfo:
         """Pause a run: at once if it is queued, else at its next step boundary. A stop
-        asked for already wins: the pause is refused (InvalidTransition, "stopping")."""
-        return self._control(run_id, "pause", j.RUN_PAUSED)
+        asked for already wins: the pause is refused (InvalidTransition, "stopping"). Its
+        live children pause too (unpausing it unpauses those, not a child paused itself)."""
+        return self._control(run_id, PAUSE)
 
     def stop(self, run_id: str) -> RunInfo:
         """Stop a run for good (until an operator retries it); a running step is cancelled."""
-        return self._control(run_id, "stop", j.RUN_STOPPED)
+        return self._control(run_id, STOP)
 
-    def _control(self, run_id: str, action: str, kind: str) -> RunInfo:
+    def _control(self, run_id: str, action: str) -> RunInfo:
         stored = self._stored(run_id)
         run_id = stored.id
         status = stored.record.status
-        if action == "pause" and status == "paused":
+        if action in PAUSES and status == "paused":
             return self._info(stored)
         if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
-        if action == "pause" and stored.control == "stop":
+        if action in PAUSES and stored.control == STOP:
             raise InvalidTransition(run_id, STOPPING, action)  # its owner will stop it
-        # Stop and pause cascade to the run's live children (and theirs).
-        children.cascade(
-            self.store, run_id, action, lambda child, act: self._control(child, act, kind)
-        )
-        if status != "running" and self._operate(stored, kind, state=stored.record.state):
-            return self.get(run_id)
-        # Owned (running): its worker honours the request at the next boundary. A pause
-        # leaves a stop asked for meanwhile in place, and is refused.
-        if not self.store.request_control(
-            run_id, action, unless="stop" if action == "pause" else None
-        ):
-            raise InvalidTransition(run_id, STOPPING, action)
+        # Stop and pause cascade to the run's live children (and theirs): a stop before
+        # the run's own, a pause after it (a pause refused leaves its children as they were).
+        if action == STOP:
+            children.cascade(self.store, run_id, STOP, self._control)
+        self._request(stored, action)
+        if action in PAUSES:
+            children.cascade(self.store, run_id, PARENT_PAUSE, self._control)
         return self.get(run_id)
+
+    def _request(self, stored: StoredRun, action: str) -> None:
+        """Pause or stop a run now when nobody owns it, else ask its owner to at its next
+        boundary (a pause leaves a stop asked for meanwhile in place, and is refused; a
+        parent's pause leaves the child's own pause in place)."""
+        kind, data = j.control_entry(action)
+        status = stored.record.status
+        if status != "running" and self._operate(
+            stored, kind, state=stored.record.state, data=data
+        ):
+            return
+        unless = {PAUSE: (STOP,), PARENT_PAUSE: (STOP, PAUSE)}.get(action, ())
+        if not self.store.request_control(stored.id, action, unless=unless):
+            raise InvalidTransition(stored.id, STOPPING, action)
 
     def unpause(self, run_id: str) -> RunInfo:
         stored = self._stored(run_id)
         run_id = stored.id
-        if stored.record.status != "paused" and stored.control == "pause":
+        if stored.record.status != "paused" and stored.control in PAUSES:
             # Not paused yet: withdraw the pause it has not honoured, that request only (a
             # stop asked for meanwhile stays).
-            if self.store.withdraw_control(run_id, "pause"):
+            if self.store.withdraw_control(run_id, stored.control):
                 self._unpause_children(run_id)
                 return self.get(run_id)
             stored = self._stored(run_id)  # honoured or replaced meanwhile: look again

@@ -43,6 +43,7 @@ from flowloop.events import check_visits, entering, receive
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
+from flowloop.lifecycle import CONTROLS
 from flowloop.store import Boundary, Fence, Store
 
 if TYPE_CHECKING:
@@ -330,11 +331,11 @@ class Stepping:
             )
             return None
         action = self._controls.get(record.id)
-        if action in ("pause", "stop") or self._draining:
+        if action in CONTROLS or self._draining:
             events = [transition]
-            if action in ("pause", "stop"):
-                kind = j.RUN_PAUSED if action == "pause" else j.RUN_STOPPED
-                events.append(self._event(record, kind, offset=2, state=target))
+            if action in CONTROLS:
+                kind, data = j.control_entry(action)
+                events.append(self._event(record, kind, offset=2, state=target, data=data))
             else:  # draining: say so in the journal (the due time stays the transition's)
                 reason = interruptions.RELEASED_ON_SHUTDOWN
                 due = after.next_run_at

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Protocol
 
@@ -289,10 +289,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def request_control(
-        self, run_id: str, action: str | None, *, unless: str | None = None
+        self, run_id: str, action: str | None, *, unless: Collection[str] = ()
     ) -> bool:
         """Ask the owner of a run to pause or stop it at its next boundary; False when no
-        such run, or (``unless``) when it has that request pending, which stays."""
+        such run, or when it has one of the requests ``unless`` pending, which stays."""
 
     @abc.abstractmethod
     def withdraw_control(self, run_id: str, action: str) -> bool:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -699,11 +699,13 @@ class SQLStore(
     # -- control ---------------------------------------------------------------------------
 
     def request_control(
-        self, run_id: str, action: str | None, *, unless: str | None = None
+        self, run_id: str, action: str | None, *, unless: Collection[str] = ()
     ) -> bool:
         query = update(runs).where(runs.c.id == run_id)
-        if unless is not None:
-            query = query.where(or_(runs.c.control.is_(None), runs.c.control != unless))
+        if unless:
+            query = query.where(
+                or_(runs.c.control.is_(None), runs.c.control.not_in(sorted(unless)))
+            )
         with self._write() as conn:
             return bool(conn.execute(query.values(control=action)).rowcount == 1)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -357,6 +358,65 @@ def test_call__pause_cascades_and_unpause_resumes_the_children(engine: Engine) -
     assert engine.get(child.id).status == "scheduled"
     engine.run_until_idle()
     assert engine.get(started.id).state == "shipped"
+
+
+def test_call__unpausing_the_parent_leaves_a_child_paused_by_an_operator_paused(
+    engine: Engine,
+) -> None:
+    """An operator pauses the child first, then the parent; unpausing the parent unpauses
+    only what its own pause paused (before, the child's own pause was withdrawn too)."""
+    wf = order(packing())
+    engine.register(wf)
+    cascaded = engine.start(wf, Order(order_id="A7"))
+    own = engine.start(wf, Order(order_id="A8"))
+    drive_only(engine, cascaded.id, own.id)
+    [kid] = joins(engine).children_of(cascaded.id)
+    [own_kid] = joins(engine).children_of(own.id)
+    engine.pause(own_kid.id)
+    engine.pause(own.id)
+    engine.pause(cascaded.id)
+    assert [engine.get(k.id).reason for k in (kid, own_kid)] == ["parent paused", "paused"]
+    engine.unpause(own.id)
+    engine.unpause(cascaded.id)
+    assert engine.get(kid.id).status == "scheduled"
+    assert engine.get(own_kid.id).status == "paused"
+    engine.run_until_idle()
+    assert engine.get(cascaded.id).state == "shipped"
+    assert engine.get(own.id).state == "pack"  # waits for the child its operator paused
+    engine.unpause(own_kid.id)
+    engine.run_until_idle()
+    assert engine.get(own.id).state == "shipped"
+
+
+def test_call__a_parents_pause_refused_leaves_its_children_unpaused(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parent's pause is asked for before its children's: when a stop lands on the
+    parent meanwhile and its pause is refused, the children are as they were (before, they
+    had been paused first and stayed paused)."""
+    from flowloop.errors import InvalidTransition
+    from flowloop.operations import Operations
+
+    wf = order(packing())
+    engine.register(wf)
+    started = engine.start(wf, Order(order_id="A9"))
+    drive_only(engine, started.id)
+    [kid] = joins(engine).children_of(started.id)
+    store = engine.store
+    real_request = store.request_control
+
+    def a_stop_lands_first(run_id: str, action: str | None, **kwargs: Any) -> bool:
+        if run_id == started.id:
+            assert real_request(run_id, "stop")  # another operator's stop, meanwhile
+        return real_request(run_id, action, **kwargs)
+
+    # The parent moved meanwhile too (a worker owns it): its pause goes to the row.
+    monkeypatch.setattr(Operations, "_operate", lambda self, stored, kind, **fields: False)
+    monkeypatch.setattr(store, "request_control", a_stop_lands_first)
+    with pytest.raises(InvalidTransition, match="stopping"):
+        engine.pause(started.id)
+    row = store.get_run(kid.id)
+    assert row is not None and (row.record.status, row.control) == ("scheduled", None)
 
 
 def test_call__the_child_runs_on_another_worker_than_its_parent(store_url: str) -> None:

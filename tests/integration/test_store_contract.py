@@ -561,11 +561,17 @@ def test_request_control__unless_keeps_that_request(store: SQLStore) -> None:
     stored, _ = store.create_run(new_run())
     claim_one(store, "a", stored.id)
     assert store.request_control(stored.id, "stop") is True
-    assert store.request_control(stored.id, "pause", unless="stop") is False
+    assert store.request_control(stored.id, "pause", unless=("stop",)) is False
     assert store.pending_controls(worker="a") == {stored.id: "stop"}
     store.request_control(stored.id, None)
-    assert store.request_control(stored.id, "pause", unless="stop") is True
+    assert store.request_control(stored.id, "pause", unless=("stop",)) is True
     assert store.pending_controls(worker="a") == {stored.id: "pause"}
+    # A parent's pause leaves the child's own pause (or stop) as it is.
+    assert store.request_control(stored.id, "parent pause", unless=("pause", "stop")) is False
+    assert store.pending_controls(worker="a") == {stored.id: "pause"}
+    store.request_control(stored.id, None)
+    assert store.request_control(stored.id, "parent pause", unless=("pause", "stop")) is True
+    assert store.pending_controls(worker="a") == {stored.id: "parent pause"}
 
 
 def test_withdraw_control__only_the_request_it_names(store: SQLStore) -> None:

@@ -44,6 +44,21 @@ def _long_step_workflow(started: threading.Event, release: threading.Event) -> W
     return workflow
 
 
+def _calling(child: Workflow) -> Workflow:
+    """A parent that calls ``child`` and ends when it has."""
+    parent = Workflow("parent", context=Ctx)
+    parent.call(
+        "calling",
+        child=child,
+        context=lambda ctx: Ctx(),
+        on={"succeeded": "done"},
+        result=lambda ctx, got: setattr(ctx, "n", got.n),
+        initial=True,
+    )
+    parent.final("done")
+    return parent
+
+
 class _Call:
     """``engine.run(workflow)`` called in a thread of its own, as a web app's request
     would; ``executor`` is that thread's, ``info`` what the call returned."""
@@ -97,11 +112,14 @@ def _a_run_in_its_long_step(store_url: str) -> Iterator[tuple[Engine, _Call, str
         yield engine, call, run.id
 
 
-def _kept_then_dropped(kept: dict[str, str], run_id: str, withdraw: Callable[[], None]) -> None:
-    """Wait until the executor keeps ``run_id``'s pause (it would pause there), call
-    ``withdraw``, and wait until the executor has dropped the pause."""
+def _kept_then_dropped(
+    kept: dict[str, str], run_id: str, withdraw: Callable[[], None], pause: str = "pause"
+) -> None:
+    """Wait until the executor keeps ``run_id``'s pause (it would pause there; ``pause``:
+    an operator's own, or its parent's), call ``withdraw``, and wait until the executor
+    has dropped the pause."""
     poll(
-        lambda: kept.get(run_id) == "pause",
+        lambda: kept.get(run_id) == pause,
         timeout=WAIT_S,
         what="the executor to keep the pause",
         every=0.01,
@@ -187,26 +205,39 @@ def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -
     child paused at its boundary, and the parent waited for it for ever)."""
     started, release = threading.Event(), threading.Event()
     child = _long_step_workflow(started, release)
-    parent = Workflow("parent", context=Ctx)
-    parent.call(
-        "calling",
-        child=child,
-        context=lambda ctx: Ctx(),
-        on={"succeeded": "done"},
-        result=lambda ctx, got: setattr(ctx, "n", got.n),
-        initial=True,
-    )
-    parent.final("done")
+    parent = _calling(child)
     with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
         with _in_its_step(engine, parent, started, release) as call:
             kid = next(run for run in engine.runs() if run.workflow == child.name)
             top = next(run for run in engine.runs() if run.workflow == parent.name)
             engine.pause(top.id)
-            _kept_then_dropped(call.executor._controls, kid.id, lambda: engine.unpause(top.id))
+            _kept_then_dropped(
+                call.executor._controls, kid.id, lambda: engine.unpause(top.id), "parent pause"
+            )
         info = call.ended()
         assert engine.get(kid.id).status == "succeeded"
     assert info.status == "succeeded", info
     assert info.context.n == 2  # type: ignore[attr-defined]
+
+
+def test_unpausing_a_parent_leaves_its_childs_own_pending_pause(store_url: str) -> None:
+    """The child in its long step is paused by an operator, then its parent: unpausing the
+    parent leaves the child's own request in place (before, it was withdrawn too)."""
+    started, release = threading.Event(), threading.Event()
+    child = _long_step_workflow(started, release)
+    parent = _calling(child)
+    with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
+        with _in_its_step(engine, parent, started, release) as call:
+            kid = next(run for run in engine.runs() if run.workflow == child.name)
+            top = next(run for run in engine.runs() if run.workflow == parent.name)
+            engine.pause(kid.id)
+            engine.pause(top.id)
+            engine.unpause(top.id)
+            row = engine.store.get_run(kid.id)
+            assert row is not None and row.control == "pause"
+            _kept_then_dropped(call.executor._controls, kid.id, lambda: engine.unpause(kid.id))
+        info = call.ended()
+    assert info.status == "succeeded", info
 
 
 def test_a_pause_after_a_stop_is_refused_and_the_run_stops(store_url: str) -> None:
