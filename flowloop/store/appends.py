@@ -47,6 +47,7 @@ from sqlalchemy.exc import IntegrityError
 
 from flowloop import journal as j
 from flowloop.journal import RunRecord
+from flowloop.store import recordsets
 from flowloop.store.base import Boundary, StoredRun
 from flowloop.store.dialect import restart_idle_timer
 from flowloop.store.entries import (
@@ -69,6 +70,7 @@ from flowloop.store.entries import (
 )
 from flowloop.store.journaled import given_runs, resolve
 from flowloop.store.raw import Raw
+from flowloop.store.recordsets import Value
 from flowloop.store.schema import journal, runs
 
 RUNNING_FROM: Final = frozenset(
@@ -188,19 +190,19 @@ class AppendStoreMixin:
 
     # -- statements ------------------------------------------------------------------------
 
-    def _fence(self, owned: bool) -> ColumnElement[bool]:
+    def _fence(self, owned: bool, value: Value = bindparam) -> ColumnElement[bool]:
         if owned:
             # The owner's fencing token: its id, its epoch, and a lease still running by
             # the database's clock (an expired lease writes nothing, even before a takeover).
             return and_(
-                runs.c.id == bindparam("f_id"),
-                runs.c.owner == bindparam("f_owner"),
-                runs.c.lease_epoch == bindparam("f_epoch"),
+                runs.c.id == value("f_id"),
+                runs.c.owner == value("f_owner"),
+                runs.c.lease_epoch == value("f_epoch"),
                 runs.c.lease_expires_at >= self.now_sql,
             )
         return and_(
-            runs.c.id == bindparam("f_id"),
-            runs.c.lease_epoch == bindparam("f_epoch"),
+            runs.c.id == value("f_id"),
+            runs.c.lease_epoch == value("f_epoch"),
             or_(runs.c.owner.is_(None), runs.c.lease_expires_at < self.now_sql),
         )
 
@@ -233,24 +235,32 @@ class AppendStoreMixin:
             .execution_options(preserve_rowcount=True)
             for owned in (True, False)
         }
-        row: dict[str, Any] = {name: bindparam(f"p_{name}") for name in RECORD_COLUMNS}
-        lease_until = self.now_sql + bindparam("p_lease")
-        self._row_stmt = {
-            "owned": update(runs)
-            .where(self._fence(True))
-            .values(**row, updated_at=bindparam("p_at"), lease_expires_at=lease_until),
-            "owned_release": update(runs)
-            .where(self._fence(True))
-            .values(**row, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None),
-            "unowned": update(runs)
-            .where(self._fence(False))
-            .values(**row, updated_at=bindparam("p_at"), owner=None, lease_expires_at=None),
-        }
+        self._row_stmt = self._row_statements(bindparam)
         self._row_stmt_clear = {k: stmt.values(control=None) for k, stmt in self._row_stmt.items()}
         self._raw: dict[Any, Raw] | None = None
         """SQLite: the statements of a single boundary's write, compiled for the driver."""
         self._raw_batch: dict[Any, Raw] | None = None
         """Both dialects: the same statements for a batch's executemany on the driver."""
+        self._raw_rows: dict[Any, Raw] | None = None
+        """PostgreSQL: a batch's statements, each run once on its rows' JSON (recordsets.py)."""
+
+    def _row_statements(self, value: Value) -> dict[str, Any]:
+        """The run row's write of a boundary, by kind (:func:`_row_kind`), with each
+        field's ``value`` (a parameter, or a column of a batch's rows)."""
+        row: dict[str, Any] = {name: value(f"p_{name}") for name in RECORD_COLUMNS}
+        at = value("p_at")
+        released = {"owner": None, "lease_expires_at": None}
+        return {
+            "owned": update(runs)
+            .where(self._fence(True, value))
+            .values(**row, updated_at=at, lease_expires_at=self.now_sql + value("p_lease")),
+            "owned_release": update(runs)
+            .where(self._fence(True, value))
+            .values(**row, updated_at=at, **released),
+            "unowned": update(runs)
+            .where(self._fence(False, value))
+            .values(**row, updated_at=at, **released),
+        }
 
     def _row_statement(self, boundary: Boundary) -> Any:
         kind, clear = _row_kind(boundary)
@@ -268,6 +278,15 @@ class AppendStoreMixin:
             raw[(kind, False)] = Raw.of(self._row_stmt[kind], dialect)
             raw[(kind, True)] = Raw.of(self._row_stmt_clear[kind], dialect)
         self._raw_batch = raw
+        if dialect.name == "postgresql":
+            self._raw_rows = {
+                key: Raw.of(stmt, dialect)
+                for built in (
+                    recordsets.appends(self._fence, self._at_end),
+                    recordsets.row_writes(self._row_statements, RECORD_COLUMNS),
+                )
+                for key, stmt in built.items()
+            }
         if dialect.name == "sqlite":
             # and the owned append with the columns a success leaves empty as NULL literals
             self._raw = {**raw, ERRORLESS: raw[True].with_nulls(ERROR_FIELDS)}
@@ -381,16 +400,12 @@ class AppendStoreMixin:
             if not self._postgres:
                 cursor.execute("BEGIN IMMEDIATE")
             try:
-                postgres = self._postgres
                 applied = all(
-                    _executemany(cursor, raw_stmts[owned], params, postgres=postgres)
+                    self._executed_batch(cursor, raw_stmts, owned, params)
                     for owned, params in by_fence.items()
                 ) and all(
-                    _executemany(
-                        cursor,
-                        raw_stmts[kind],
-                        [self._row_params(b) for b in group],
-                        postgres=postgres,
+                    self._executed_batch(
+                        cursor, raw_stmts, kind, [self._row_params(b) for b in group]
                     )
                     for kind, group in groups.items()
                 )
@@ -403,6 +418,19 @@ class AppendStoreMixin:
             else:
                 driver.rollback()
             return applied
+
+    def _executed_batch(
+        self, cursor: Any, raw_stmts: Mapping[Any, Raw], key: Any, params: Sequence[Any]
+    ) -> bool:
+        """The statement ``key`` for each of ``params`` on the driver's cursor: on
+        PostgreSQL once, on the rows' JSON (recordsets.py); whether each changed one row."""
+        if self._raw_rows is not None:
+            rows = recordsets.rows_json(params)
+            if rows is not None:
+                stmt = self._raw_rows[key]
+                cursor.execute(stmt.sql, stmt.args({"rows": rows}))
+                return bool(cursor.rowcount == len(params))
+        return _executemany(cursor, raw_stmts[key], params, postgres=self._postgres)
 
     def _apply_all(
         self,

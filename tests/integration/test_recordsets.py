@@ -1,0 +1,90 @@
+"""flowloop/store/recordsets.py: on PostgreSQL a batch of boundaries (concurrent runs
+sharing a commit) goes as one statement per kind of write, its rows one JSON array; what
+it stores is what the statements of a single boundary store, every character included."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+from flowloop.store import appends, recordsets
+from flowloop.store.recordsets import rows_json
+from flowloop.store.sql import SQLStore
+
+TRICKY = 'quote " backslash \\ text \\u0000, NUL \x00, tab \t, é, 🎉, \u2028'
+"""Characters JSON escapes (the NUL inside a context is escaped by the context's own JSON)."""
+
+
+class Text(BaseModel):
+    n: int = 0
+    s: str = ""
+    x: float = 0.0
+
+
+def _tricky() -> Workflow:
+    workflow = Workflow("tricky", context=Text)
+
+    @workflow.step(initial=True, next="b")
+    async def a(ctx: Text) -> None:
+        ctx.n += 1
+        ctx.s = TRICKY
+        ctx.x = 0.1 + 0.2
+
+    @workflow.step(next="done")
+    async def b(ctx: Text) -> None:
+        ctx.n += 1
+        ctx.x = 1e-300 * ctx.n
+
+    workflow.final("done")
+    return workflow
+
+
+def test_rows_json__none_for_what_postgresql_json_refuses() -> None:
+    assert rows_json([{"a": "x\x00y"}]) is None  # NUL: no text column holds it
+    assert rows_json([{"a": "\\\x00"}]) is None  # a backslash, then NUL
+    assert rows_json([{"a": float("nan")}]) is None
+    text = rows_json([{"a": "\\u0000", "b": None, "c": 1.5}])  # the text \u0000 is text
+    assert text is not None and json.loads(text) == [{"a": "\\u0000", "b": None, "c": 1.5}]
+
+
+def test_a_batch__one_statement_per_kind_and_every_character_kept(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight concurrent runs of two steps whose context holds characters JSON escapes: on
+    PostgreSQL their batches never go by executemany, and on both databases every run ends
+    with exactly its context (the journal's folded too)."""
+    sent: list[int] = []
+    executemany = appends._executemany
+
+    def spy(cursor: Any, stmt: Any, params: Any, *, postgres: bool) -> bool:
+        sent.append(len(params))
+        return executemany(cursor, stmt, params, postgres=postgres)
+
+    monkeypatch.setattr(appends, "_executemany", spy)
+    as_json: list[int] = []
+    real_rows_json = recordsets.rows_json
+
+    def json_spy(params: Any) -> str | None:
+        as_json.append(len(params))
+        return real_rows_json(params)
+
+    monkeypatch.setattr(recordsets, "rows_json", json_spy)
+    workflow = _tricky()
+    with Engine(store_url, workflows=[workflow], max_concurrency=8) as engine:
+        ids = [engine.start(workflow, Text()).id for _ in range(8)]
+        engine.run_until_idle()
+        for run_id in ids:
+            info = engine.get(run_id)
+            assert info.status == "succeeded", info
+            assert info.context == Text(n=2, s=TRICKY, x=2e-300), info.context
+            assert engine.replay(run_id).matches
+        assert isinstance(engine.store, SQLStore)
+        postgres = engine.store._postgres
+    if postgres:
+        assert sent == [] and max(as_json) > 1, (sent, as_json)
+    else:
+        assert max(sent) > 1  # SQLite keeps its executemany: the batches were batches
