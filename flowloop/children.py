@@ -28,7 +28,7 @@ from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.definition import StepSpec, Workflow, describe_validation
-from flowloop.errors import FlowloopError, Interrupted
+from flowloop.errors import FlowloopError, Interrupted, error_line
 from flowloop.events import check_visits, entering
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
@@ -373,8 +373,7 @@ async def _join(
 async def _fail(
     executor: Executor, record: RunRecord, fence: Fence, error: BaseException, reason: str
 ) -> None:
-    text = str(error).strip().splitlines()
-    message = text[0] if text else type(error).__name__
+    message = error_line(error)
     log.error("run %s: %s: %s", record.id, record.state, message, extra={"run": record.id})
     failed = executor._event(
         record,

@@ -7,6 +7,7 @@ Every error a user can cause derives from :class:`FlowloopError`. The CLI prints
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Iterable
 
 EXIT_USAGE = 2
@@ -192,7 +193,20 @@ class ConfigError(FlowloopError):
     """The configuration is invalid; the message names the key and the problem."""
 
 
+def storable(text: str) -> str:
+    """``text`` with its NUL characters written ``\\x00``: PostgreSQL's text holds none (a
+    step's error whose message held one failed the write of its run's boundary), and the
+    journal says the same on both databases."""
+    return text.replace("\x00", "\\x00") if "\x00" in text else text
+
+
 def error_line(error: BaseException) -> str:
-    """The first line of an error's message (its class name when it has none): for logs."""
+    """The first line of an error's message (its class name when it has none): for logs
+    and the journal (:func:`storable`)."""
     text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return storable(text.splitlines()[0]) if text else type(error).__name__
+
+
+def error_trace(error: BaseException) -> str:
+    """The error's traceback as the journal keeps it: its last 8,000 characters."""
+    return storable("".join(traceback.format_exception(error))[-8000:])

@@ -15,7 +15,13 @@ from pydantic import ValidationError
 
 from flowloop import journal as j
 from flowloop.definition import TIMEOUT_EVENT, Workflow, describe_validation
-from flowloop.errors import FlowloopError, InvalidEvent, InvalidTransition, MaxVisitsExceeded
+from flowloop.errors import (
+    FlowloopError,
+    InvalidEvent,
+    InvalidTransition,
+    MaxVisitsExceeded,
+    storable,
+)
 from flowloop.journal import JournalEvent, RunRecord
 
 
@@ -192,7 +198,7 @@ def reject_kept(
         state=record.state,
         event=event,
         error_type=type(error).__name__,
-        error_message=text.splitlines()[0] if text else None,
+        error_message=storable(text.splitlines()[0]) if text else None,
         worker=worker,
         data={"buffered_at": sent_at},
     )

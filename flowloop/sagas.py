@@ -22,12 +22,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-import traceback
 from typing import TYPE_CHECKING, Any
 
 from flowloop import compose
 from flowloop import journal as j
 from flowloop.definition import Step, Workflow
+from flowloop.errors import error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence
 
@@ -35,11 +35,6 @@ if TYPE_CHECKING:
     from flowloop.executor import Executor
 
 log = logging.getLogger("flowloop")
-
-
-def _error_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 async def drive(
@@ -136,7 +131,7 @@ async def _failed(
 ) -> None:
     retry = compose.compensation_retry(workflow, undo.state)
     retryable = retry.should_retry(error, record.attempt)
-    message = _error_line(error)
+    message = error_line(error)
     data: dict[str, Any] = {"for_seq": undo.seq}
     if retryable:
         data["retry_at"] = executor.clock.now() + retry.delay(record.attempt)
@@ -162,7 +157,7 @@ async def _failed(
         duration=executor.clock.monotonic() - began,
         error_type=type(error).__name__,
         error_message=message,
-        traceback="".join(traceback.format_exception(error))[-8000:],
+        traceback=error_trace(error),
         retryable=retryable,
         data=data,
     )

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import threading
-import traceback
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextvars import ContextVar
@@ -38,6 +37,7 @@ from flowloop.errors import (
     MaxVisitsExceeded,
     StepTimeout,
     error_line,
+    error_trace,
 )
 from flowloop.events import check_visits, entering, receive
 from flowloop.gates import gated
@@ -486,7 +486,7 @@ class Stepping:
             duration=duration,
             error_type=type(error).__name__,
             error_message=message,
-            traceback="".join(traceback.format_exception(error))[-8000:],
+            traceback=error_trace(error),
             retryable=retryable,
             data=data,
             event=None if route is None else route[0],
