@@ -103,10 +103,10 @@ def rows_json(params: Sequence[Mapping[str, Any]]) -> str | None:
     """``params`` (each a row's fields by name) as one JSON array; ``None`` when a text
     holds a NUL character, which PostgreSQL's ``json`` refuses to turn into text (such a
     batch goes by ``executemany`` and fails as it always has: no text column holds NUL),
-    or a number JSON has not (NaN, infinities)."""
+    or a value JSON has not (NaN, infinities, a type of its own)."""
     try:
         text = json.dumps(params, separators=(",", ":"), allow_nan=False)
-    except ValueError:
+    except (TypeError, ValueError):
         return None
     if "\\u0000" in text and _NUL.search(text):
         return None

@@ -47,6 +47,7 @@ def test_rows_json__none_for_what_postgresql_json_refuses() -> None:
     assert rows_json([{"a": "x\x00y"}]) is None  # NUL: no text column holds it
     assert rows_json([{"a": "\\\x00"}]) is None  # a backslash, then NUL
     assert rows_json([{"a": float("nan")}]) is None
+    assert rows_json([{"a": b"bytes"}]) is None  # no JSON type: the driver adapts it
     text = rows_json([{"a": "\\u0000", "b": None, "c": 1.5}])  # the text \u0000 is text
     assert text is not None and json.loads(text) == [{"a": "\\u0000", "b": None, "c": 1.5}]
 
