@@ -563,8 +563,8 @@ def paused_children(store: Any, run_id: str) -> list[str]:
     return [
         c.id
         for c in store.live_children(run_id)
-        if c.control == PARENT_PAUSE
-        or (c.record.status == "paused" and c.record.reason == PARENT_PAUSED)
+        if (c.record.status == "paused" and c.record.reason == PARENT_PAUSED)
+        or (c.record.status != "paused" and c.control == PARENT_PAUSE)
     ]
 
 

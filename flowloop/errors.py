@@ -194,10 +194,18 @@ class ConfigError(FlowloopError):
 
 
 def storable(text: str) -> str:
-    """``text`` with its NUL characters written ``\\x00``: PostgreSQL's text holds none (a
-    step's error whose message held one failed the write of its run's boundary), and the
-    journal says the same on both databases."""
-    return text.replace("\x00", "\\x00") if "\x00" in text else text
+    """``text`` as the journal can keep it on both databases: a NUL character written
+    ``\\x00`` (PostgreSQL's text holds none: a step's error whose message held one failed
+    the write of its run's boundary), a lone surrogate (text decoded with
+    ``surrogateescape``) as its escape (neither driver encodes it)."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 def error_line(error: BaseException) -> str:
@@ -208,5 +216,6 @@ def error_line(error: BaseException) -> str:
 
 
 def error_trace(error: BaseException) -> str:
-    """The error's traceback as the journal keeps it: its last 8,000 characters."""
-    return storable("".join(traceback.format_exception(error))[-8000:])
+    """The error's traceback as the journal keeps it (:func:`storable`): its last 8,000
+    characters."""
+    return storable("".join(traceback.format_exception(error)))[-8000:]

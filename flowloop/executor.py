@@ -39,7 +39,7 @@ from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
-from flowloop.lifecycle import CONTROLS, PAUSES
+from flowloop.lifecycle import CONTROLS, PAUSES, STOP
 from flowloop.localdue import LocalDue
 from flowloop.recovery import RECOVERY_BATCH, Recovery
 from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
@@ -536,7 +536,7 @@ class Executor(Stepping, Recovery):
             self._controls[run_id] = action
             if action in PAUSES:
                 self._polled_pauses.add(run_id)
-            if action == "stop" and active.step_task is not None:
+            if action == STOP and active.step_task is not None:
                 active.stopping_step = "stop"
                 active.step_task.cancel()
 

@@ -159,11 +159,13 @@ is still shown (with the reason under ``reason``), and folding it raises FoldErr
 def control_entry(action: str) -> tuple[str, dict[str, Any]]:
     """The kind and data of the entry honouring the request ``action`` (one of
     :data:`~flowloop.lifecycle.CONTROLS`): a pause its parent's cascaded says so."""
+    if action not in lifecycle.CONTROLS:
+        raise ValueError(f"not a control request: {action!r}")
     if action == lifecycle.STOP:
         return RUN_STOPPED, {}
-    return RUN_PAUSED, {
-        "reason": lifecycle.PARENT_PAUSED
-    } if action == lifecycle.PARENT_PAUSE else {}
+    if action == lifecycle.PARENT_PAUSE:
+        return RUN_PAUSED, {"reason": lifecycle.PARENT_PAUSED}
+    return RUN_PAUSED, {}
 
 
 def holds_context(record: RunRecord, text: str, version: int) -> bool:

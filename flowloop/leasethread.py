@@ -94,7 +94,8 @@ Renew = Callable[[Sequence[str]], "set[str] | Renewal"]
 LastTick = Callable[[], "float | None"]
 """When (monotonic) the event loop last showed it runs; None: unknown (renew anyway)."""
 Poll = Callable[[], Mapping[str, str]]
-"""Pending control requests (run id → "pause"/"stop") of this worker (in the renewer)."""
+"""Pending control requests (run id → one of lifecycle.CONTROLS) of this worker (in the
+renewer)."""
 
 
 @dataclass

@@ -40,7 +40,7 @@ from flowloop.events import (
 )
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import try_deliver_pending
-from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PAUSE, PAUSES, STOP
+from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSE, PAUSES, STOP
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
@@ -155,6 +155,11 @@ class Operations:
         run_id = stored.id
         status = stored.record.status
         if action in PAUSES and status == "paused":
+            if action == PAUSE and stored.record.reason == PARENT_PAUSED:
+                # Paused by its parent, now by an operator too: the pause becomes its own,
+                # and unpausing the parent leaves it. (Moved meanwhile: as it now is.)
+                self._operate(stored, j.RUN_PAUSED, state=stored.record.state)
+                return self.get(run_id)
             return self._info(stored)
         if status in FINISHED:
             raise InvalidTransition(run_id, status, action)
@@ -164,38 +169,53 @@ class Operations:
         # the run's own, a pause after it (a pause refused leaves its children as they were).
         if action == STOP:
             children.cascade(self.store, run_id, STOP, self._control)
-        self._request(stored, action)
-        if action in PAUSES:
+        if self._request(stored, action) and action in PAUSES:
             children.cascade(self.store, run_id, PARENT_PAUSE, self._control)
+            after = self._stored(run_id)
+            if after.record.status != "paused" and after.control not in PAUSES:
+                self._unpause_children(run_id)  # unpaused while its pause reached them
         return self.get(run_id)
 
-    def _request(self, stored: StoredRun, action: str) -> None:
+    def _request(self, stored: StoredRun, action: str) -> bool:
         """Pause or stop a run now when nobody owns it, else ask its owner to at its next
-        boundary (a pause leaves a stop asked for meanwhile in place, and is refused; a
-        parent's pause leaves the child's own pause in place)."""
+        boundary. A pause leaves a stop asked for meanwhile in place, and is refused
+        (InvalidTransition); a parent's pause leaves the child's own pause or stop in
+        place, or the child paused meanwhile, and is not made (False)."""
         kind, data = j.control_entry(action)
-        status = stored.record.status
-        if status != "running" and self._operate(
-            stored, kind, state=stored.record.state, data=data
-        ):
-            return
+        if stored.record.status != "running":
+            if self._operate(stored, kind, state=stored.record.state, data=data):
+                return True
+            moved = self._stored(stored.id)  # claimed, paused or ended meanwhile
+            if action in PAUSES and moved.record.status == "paused":
+                return action == PAUSE
         unless = {PAUSE: (STOP,), PARENT_PAUSE: (STOP, PAUSE)}.get(action, ())
-        if not self.store.request_control(stored.id, action, unless=unless):
-            raise InvalidTransition(stored.id, STOPPING, action)
+        if self.store.request_control(stored.id, action, unless=unless):
+            return True
+        if action == PARENT_PAUSE:
+            return False
+        raise InvalidTransition(stored.id, STOPPING, action)
 
     def unpause(self, run_id: str) -> RunInfo:
+        return self._unpause(run_id, cascaded=False)
+
+    def _unpause(self, run_id: str, *, cascaded: bool) -> RunInfo:
+        """Unpause a run, or withdraw the pause it has not honoured yet; ``cascaded``: only
+        a pause its parent's cascaded (the parent is being unpaused), looked at again here,
+        not an operator's own made since the parent listed its children."""
         stored = self._stored(run_id)
         run_id = stored.id
-        if stored.record.status != "paused" and stored.control in PAUSES:
+        pauses = (PARENT_PAUSE,) if cascaded else PAUSES
+        pending = stored.control
+        if stored.record.status != "paused" and pending is not None and pending in pauses:
             # Not paused yet: withdraw the pause it has not honoured, that request only (a
             # stop asked for meanwhile stays).
-            if self.store.withdraw_control(run_id, stored.control):
+            if self.store.withdraw_control(run_id, pending):
                 self._unpause_children(run_id)
                 return self.get(run_id)
             stored = self._stored(run_id)  # honoured or replaced meanwhile: look again
-        if stored.record.status != "paused":
-            raise InvalidTransition(run_id, stored.record.status, "unpause")
         record = stored.record
+        if record.status != "paused" or (cascaded and record.reason != PARENT_PAUSED):
+            raise InvalidTransition(run_id, record.status, "unpause")
         workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
         if workflow is not None and record.state in workflow.waits:
@@ -214,8 +234,8 @@ class Operations:
 
     def _unpause_children(self, run_id: str) -> None:
         for child in children.paused_children(self.store, run_id):
-            with contextlib.suppress(FlowloopError):  # unpaused or ended meanwhile
-                self.unpause(child)
+            with contextlib.suppress(FlowloopError):  # unpaused, paused again or ended
+                self._unpause(child, cascaded=True)
 
     def send(
         self,

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 
 from flowloop import frozen
 from flowloop.definition import Workflow, compatible
-from flowloop.errors import InvalidContext
+from flowloop.errors import InvalidContext, storable
 from flowloop.upcast import ContextMigrationError
 
 if TYPE_CHECKING:
@@ -109,14 +109,17 @@ def judge(
         if same and not migrating:
             # The run's own definition refuses its context: the row is corrupt.
             return Verdict(
-                kind="fails", reason="invalid_context", message=str(error), outcome="failed"
+                kind="fails",
+                reason="invalid_context",
+                message=storable(str(error)),
+                outcome="failed",
             )
         version = (
             f"context v{context_version} -> v{workflow.context_version}"
             if migrating
             else f"context v{context_version}"
         )
-        reason = f"{CONTEXT_MISMATCH}: {problem} ({version})"
+        reason = storable(f"{CONTEXT_MISMATCH}: {problem} ({version})")
         return Verdict(kind="fails", reason=reason, message=reason, outcome="paused")
     # Verdict(...) without its generated __init__: once per run a worker starts.
     kind: Kind = "migrates" if migrating else "continues"

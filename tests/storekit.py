@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import Any
 
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
@@ -181,3 +182,25 @@ def copy_run_pg(store: SQLStore, run_id: str, copies: int, changed: dict[str, st
             {"id": run_id},
         )
         conn.exec_driver_sql("ANALYZE flowloop_runs")
+
+
+def batch_sizes(monkeypatch: Any) -> tuple[list[int], list[int]]:
+    """From now on, the sizes of the batches a store sends by ``executemany`` and as one
+    JSON array (PostgreSQL, flowloop/store/recordsets.py), as they are sent."""
+    from flowloop.store import appends, recordsets
+
+    by_executemany: list[int] = []
+    as_json: list[int] = []
+    executemany, rows_json = appends._executemany, recordsets.rows_json
+
+    def counted_executemany(cursor: Any, stmt: Any, params: Any, *, postgres: bool) -> bool:
+        by_executemany.append(len(params))
+        return executemany(cursor, stmt, params, postgres=postgres)
+
+    def counted_rows_json(params: Any) -> str | None:
+        as_json.append(len(params))
+        return rows_json(params)
+
+    monkeypatch.setattr(appends, "_executemany", counted_executemany)
+    monkeypatch.setattr(recordsets, "rows_json", counted_rows_json)
+    return by_executemany, as_json

@@ -105,7 +105,8 @@ def rows_json(params: Sequence[Mapping[str, Any]]) -> str | None:
     batch goes by ``executemany`` and fails as it always has: no text column holds NUL),
     or a value JSON has not (NaN, infinities, a type of its own)."""
     try:
-        text = json.dumps(params, separators=(",", ":"), allow_nan=False)
+        # Not ASCII-escaped: shorter for the server to read, and text as the driver sends it.
+        text = json.dumps(params, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError):
         return None
     if "\\u0000" in text and _NUL.search(text):

@@ -702,6 +702,8 @@ class SQLStore(
         self, run_id: str, action: str | None, *, unless: Collection[str] = ()
     ) -> bool:
         query = update(runs).where(runs.c.id == run_id)
+        if isinstance(unless, str):  # one request named alone, not its letters
+            unless = (unless,)
         if unless:
             query = query.where(
                 or_(runs.c.control.is_(None), runs.c.control.not_in(sorted(unless)))

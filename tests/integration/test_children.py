@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, FakeClock, Step, Workflow
+from flowloop import Engine, FakeClock, Step, Workflow, children
 from flowloop import journal as j
 from flowloop.compose import ChildResult
 from flowloop.store.joins import JoinStoreMixin
@@ -386,6 +386,63 @@ def test_call__unpausing_the_parent_leaves_a_child_paused_by_an_operator_paused(
     engine.unpause(own_kid.id)
     engine.run_until_idle()
     assert engine.get(own.id).state == "shipped"
+
+
+def test_call__an_operators_pause_of_a_child_its_parent_paused_stays(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parent pauses first (its child with it), then an operator pauses the child: the
+    pause becomes the child's own, also when the operator's pause lands after unpausing
+    the parent has listed the children it paused (before, the unpause lifted it)."""
+    wf = order(packing())
+    engine.register(wf)
+    first = engine.start(wf, Order(order_id="B1"))
+    racing = engine.start(wf, Order(order_id="B2"))
+    drive_only(engine, first.id, racing.id)
+    [kid] = joins(engine).children_of(first.id)
+    [racing_kid] = joins(engine).children_of(racing.id)
+    engine.pause(first.id)
+    engine.pause(racing.id)
+    assert engine.get(kid.id).reason == "parent paused"
+    engine.pause(kid.id)
+    assert engine.get(kid.id).reason == "paused"
+    engine.unpause(first.id)
+    assert engine.get(kid.id).status == "paused"
+    real = children.paused_children
+
+    def an_operator_pauses_after_the_listing(store: object, run_id: str) -> list[str]:
+        listed = real(store, run_id)
+        if run_id == racing.id:
+            engine.pause(racing_kid.id)
+        return listed
+
+    monkeypatch.setattr(children, "paused_children", an_operator_pauses_after_the_listing)
+    engine.unpause(racing.id)
+    assert engine.get(racing_kid.id).status == "paused"
+    assert engine.get(racing.id).status == "scheduled"
+
+
+def test_call__a_parent_unpaused_while_its_pause_reaches_its_children_unpauses_them(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's unpause of the parent lands after the parent's pause and before its
+    children's: the pause looks at the parent again and takes its children's back."""
+    wf = order(packing())
+    engine.register(wf)
+    started = engine.start(wf, Order(order_id="B3"))
+    drive_only(engine, started.id)
+    [kid] = joins(engine).children_of(started.id)
+    real = children.cascade
+
+    def unpaused_meanwhile(store: object, run_id: str, action: str, operate: Any) -> int:
+        if run_id == started.id and action == "parent pause":
+            engine.unpause(started.id)
+        return real(store, run_id, action, operate)
+
+    monkeypatch.setattr(children, "cascade", unpaused_meanwhile)
+    engine.pause(started.id)
+    assert engine.get(started.id).status == "scheduled"
+    assert engine.get(kid.id).status == "scheduled"
 
 
 def test_call__a_parents_pause_refused_leaves_its_children_unpaused(

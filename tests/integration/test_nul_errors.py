@@ -5,7 +5,9 @@ databases."""
 
 from __future__ import annotations
 
+import pytest
 from pydantic import BaseModel
+from storekit import batch_sizes
 
 from flowloop import Engine, Retry, Workflow
 from flowloop import journal as j
@@ -28,12 +30,16 @@ def _failing() -> Workflow:
     return workflow
 
 
-def test_a_step_error_holding_nul_is_journaled_and_the_run_fails(store_url: str) -> None:
+def test_a_step_error_holding_nul_is_journaled_and_the_run_fails(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     workflow = _failing()
     with Engine(store_url, workflows=[workflow], max_concurrency=4) as engine:
         alone = engine.run(workflow, Ctx())  # one boundary at a time
         started = [engine.start(workflow, Ctx()).id for _ in range(4)]
+        by_executemany, as_json = batch_sizes(monkeypatch)
         engine.run_until_idle()  # the failures of four runs in one batch
+        assert max(by_executemany + as_json) == 4, (by_executemany, as_json)
         for run_id in [alone.id, *started]:
             info = engine.get(run_id)
             assert (info.status, info.error) == ("failed", "ValueError: bad\\x00char"), info

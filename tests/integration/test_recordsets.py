@@ -5,13 +5,15 @@ it stores is what the statements of a single boundary store, every character inc
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
 
 import pytest
 from pydantic import BaseModel
+from storekit import batch_sizes, event, new_run, start_step
 
 from flowloop import Engine, Workflow
-from flowloop.store import appends, recordsets
+from flowloop import journal as j
+from flowloop.store import Boundary
 from flowloop.store.recordsets import rows_json
 from flowloop.store.sql import SQLStore
 
@@ -58,22 +60,7 @@ def test_a_batch__one_statement_per_kind_and_every_character_kept(
     """Eight concurrent runs of two steps whose context holds characters JSON escapes: on
     PostgreSQL their batches never go by executemany, and on both databases every run ends
     with exactly its context (the journal's folded too)."""
-    sent: list[int] = []
-    executemany = appends._executemany
-
-    def spy(cursor: Any, stmt: Any, params: Any, *, postgres: bool) -> bool:
-        sent.append(len(params))
-        return executemany(cursor, stmt, params, postgres=postgres)
-
-    monkeypatch.setattr(appends, "_executemany", spy)
-    as_json: list[int] = []
-    real_rows_json = recordsets.rows_json
-
-    def json_spy(params: Any) -> str | None:
-        as_json.append(len(params))
-        return real_rows_json(params)
-
-    monkeypatch.setattr(recordsets, "rows_json", json_spy)
+    sent, as_json = batch_sizes(monkeypatch)
     workflow = _tricky()
     with Engine(store_url, workflows=[workflow], max_concurrency=8) as engine:
         ids = [engine.start(workflow, Text()).id for _ in range(8)]
@@ -89,3 +76,51 @@ def test_a_batch__one_statement_per_kind_and_every_character_kept(
         assert sent == [] and max(as_json) > 1, (sent, as_json)
     else:
         assert max(sent) > 1  # SQLite keeps its executemany: the batches were batches
+
+
+def test_a_batch__keeps_every_value_and_clears_the_requests_it_honours(
+    store: SQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Six claimed runs start their step in one batch (their rows written with a lease),
+    then, asked to pause, pause in one batch (rows released, requests cleared): every
+    entry's times are stored exactly as written, on PostgreSQL by one statement per kind."""
+    created = [store.create_run(new_run())[0] for _ in range(6)]
+    claimed = store.claim(
+        worker="a", now=time.time(), limit=6, lease_seconds=30, run_ids=[c.id for c in created]
+    )
+    assert len(claimed) == 6
+    by_executemany, as_json = batch_sizes(monkeypatch)
+    starts = [start_step(c, "a") for c in claimed]
+    assert store.write(starts) == [True] * 6
+    for run in claimed:
+        assert store.request_control(run.id, "pause")
+    pauses = []
+    for n, start in enumerate(starts):
+        record = start.record
+        paused = event(record, j.RUN_PAUSED, state=record.state, duration=n / 3 + 1e-9)
+        pauses.append(
+            Boundary(
+                events=[paused],
+                record=j.apply(record, paused),
+                fence=start.fence,
+                release=True,
+                clear_control=True,
+            )
+        )
+    assert store.write(pauses) == [True] * 6
+    for start, pause in zip(starts, pauses, strict=True):
+        stored = {e.seq: e for e in store.journal(start.run_id)}
+        for written in (*start.events, *pause.events):
+            entry = stored[written.seq]
+            assert (entry.kind, entry.at, entry.duration) == (
+                written.kind,
+                written.at,
+                written.duration,
+            )
+        row = store.get_run(start.run_id)
+        assert row is not None
+        assert (row.record.status, row.control, row.owner) == ("paused", None, None)
+    if store._postgres:
+        assert by_executemany == [] and as_json == [6, 6, 6, 6], (by_executemany, as_json)
+    else:
+        assert as_json == [] and max(by_executemany) == 6
