@@ -9,6 +9,8 @@ import time
 import uuid
 from typing import Any
 
+import sqlalchemy as sa
+
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, NewRun, SQLStore, StoredRun, migrate
@@ -204,3 +206,21 @@ def batch_sizes(monkeypatch: Any) -> tuple[list[int], list[int]]:
     monkeypatch.setattr(appends, "_executemany", counted_executemany)
     monkeypatch.setattr(recordsets, "rows_json", counted_rows_json)
     return by_executemany, as_json
+
+
+def pg_rows_read(store: SQLStore, statement: Any, params: dict[str, Any]) -> int:
+    """The rows of the runs table PostgreSQL reads to run ``statement`` (each scan's rows
+    out and rows its filter removed, over all its loops), in a transaction rolled back."""
+    with store.engine.connect() as conn:
+        explained = sa.text(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement.text}")
+        plan = conn.execute(explained, params).scalar_one()
+        conn.rollback()
+
+    def read(node: dict[str, Any]) -> int:
+        rows = 0
+        if node.get("Relation Name") == "flowloop_runs" and "Scan" in node["Node Type"]:
+            per_loop = node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+            rows = round(per_loop * node["Actual Loops"])
+        return rows + sum(read(child) for child in node.get("Plans", []))
+
+    return read(plan[0]["Plan"])

@@ -41,7 +41,7 @@ from sqlalchemy.sql.elements import TextClause
 
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.store import dialect
-from flowloop.store.schema import runs
+from flowloop.store.schema import KEYED_DUE_INDEX, KEYED_DUE_WHERE, runs
 
 SEGMENTED_STATUSES: Final = tuple(sorted(CLAIMABLE))
 _STATUSES: Final = ", ".join(f"'{status}'" for status in SEGMENTED_STATUSES)
@@ -194,12 +194,13 @@ def _with_priorities(pairs: Sequence[tuple[int, str]]) -> str:
     return "WITH RECURSIVE " + ",\n".join(_priorities(s, w) for s, w in pairs)
 
 
-def limited_candidates(*, postgres: bool) -> tuple[str, str]:
+def limited_candidates(*, postgres: bool, until: str = ":p_now") -> tuple[str, str]:
     """For a limited claim of workflow ``p_workflow``: the CTEs of its priorities (to
     follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
     (``r``: the runs): each status and priority's runs up to ``p_now``, not those due
     later. (Its order puts a key's place in its queue before the due time: every due run
-    of the workflow is still read, unless it has no keys: :func:`limited_window`.)"""
+    of the workflow is still read, unless it has no keys: :func:`limited_window`.)
+    ``until``: SQL of the latest due time read (:func:`unless_whole`)."""
     if postgres:
         ctes = _pg_segments("ARRAY[CAST(:p_workflow AS VARCHAR)]").removeprefix("WITH RECURSIVE ")
         each = "ANY(ARRAY(SELECT seg.p FROM seg WHERE seg.p IS NOT NULL))"
@@ -212,7 +213,7 @@ def limited_candidates(*, postgres: bool) -> tuple[str, str]:
         )
     due = (
         f"r.status IN ({_STATUSES}) AND r.workflow = :p_workflow AND {priority} "
-        "AND r.next_run_at <= :p_now"
+        f"AND r.next_run_at <= {until}"
     )
     return ctes, due
 
@@ -221,7 +222,7 @@ NO_KEY: Final = "CAST(NULL AS VARCHAR(400)) AS limit_key"
 """A candidate's key in :func:`limited_window`: none."""
 
 
-def limited_window(room: str, *, postgres: bool) -> str:
+def limited_window(room: str, *, postgres: bool, keyless: bool = False) -> str:
     """The candidates of a limited claim of workflow ``p_workflow`` whose definition has
     no key (``max_concurrency`` alone): its first ``p_scan`` due runs that ``room`` (SQL of
     the runs ``r``) leaves free, in claim order, with the columns the ranking reads: no
@@ -229,19 +230,28 @@ def limited_window(room: str, *, postgres: bool) -> str:
     ranked by it, it would go before older runs). Each segment is read up to ``p_scan``
     runs, as PostgreSQL's worker claim reads its window, after the CTEs of
     :func:`limited_candidates`: 20,000 due runs are not all read and sorted for a claim of
-    ten."""
+    ten. ``keyless``: of that window, the runs without a key or a place in its queue, with
+    their key (:func:`keyed_window`)."""
+    if keyless:
+        outer = "limit_key, 0 AS lr"
+        kept = "WHERE limit_key IS NULL OR limit_rank IS NULL"
+    else:
+        outer, kept = f"{NO_KEY}, 0 AS lr", ""
     if postgres:
-        return f"""SELECT c.id, c.priority, c.next_run_at, {NO_KEY}, 0 AS lr
-  FROM seg CROSS JOIN LATERAL (
-    SELECT r.id, r.priority, r.next_run_at FROM flowloop_runs r
-    WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
-      AND r.next_run_at <= :p_now AND {room}
-    ORDER BY r.next_run_at, r.id LIMIT :p_scan
-  ) AS c WHERE seg.p IS NOT NULL
-  ORDER BY c.priority DESC, c.next_run_at, c.id LIMIT :p_scan"""
+        return f"""SELECT id, priority, next_run_at, {outer} FROM (
+    SELECT c.id, c.priority, c.next_run_at, c.limit_key, c.limit_rank
+    FROM seg CROSS JOIN LATERAL (
+      SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank FROM flowloop_runs r
+      WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
+        AND r.next_run_at <= :p_now AND {room}
+      ORDER BY r.next_run_at, r.id LIMIT :p_scan
+    ) AS c WHERE seg.p IS NOT NULL
+    ORDER BY c.priority DESC, c.next_run_at, c.id LIMIT :p_scan
+  ) AS windowed {kept}"""
     segments = " UNION ALL ".join(
         f"""SELECT * FROM (
-    SELECT r.id, r.priority, r.next_run_at FROM flowloop_runs r {DUE_INDEX}
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank
+    FROM flowloop_runs r {DUE_INDEX}
     WHERE r.status = '{SEGMENTED_STATUSES[s]}' AND r.workflow = :p_workflow
       AND r.priority IN (SELECT p FROM p{s}_p_workflow) AND r.next_run_at <= :p_now
       AND +({room})
@@ -249,8 +259,94 @@ def limited_window(room: str, *, postgres: bool) -> str:
   )"""
         for s in range(len(SEGMENTED_STATUSES))
     )
-    return f"""SELECT id, priority, next_run_at, {NO_KEY}, 0 AS lr FROM ({segments})
-  ORDER BY priority DESC, next_run_at, id LIMIT :p_scan"""
+    return f"""SELECT id, priority, next_run_at, {outer} FROM (
+    SELECT * FROM ({segments}) ORDER BY priority DESC, next_run_at, id LIMIT :p_scan
+  ) {kept}"""
+
+
+EXAMINED_PER_WINDOW: Final = 16
+KEYED_INDEX: Final = f"INDEXED BY {KEYED_DUE_INDEX}"
+
+
+def examined(limit: int) -> int:
+    """How many claimable runs with a key a limited claim of ``limit`` runs reads at most
+    in its order before it falls back to reading every due run (:func:`keyed_window`)."""
+    return EXAMINED_PER_WINDOW * window(limit)
+
+
+WHOLE: Final = "(SELECT whole FROM keyed_whole)"
+"""Whether :func:`keyed_window`'s window from the index is whole."""
+UNLESS_WHOLE: Final = f"CASE WHEN {WHOLE} THEN NULL ELSE :p_now END"
+
+
+def unless_whole(*, postgres: bool) -> tuple[str, str]:
+    """How the ranked read behind :func:`keyed_window` reads nothing when the window is
+    whole: the latest due time it reads (for :func:`limited_candidates`) and a term to add
+    to its test. SQLite: no due time (a bound of the due index's range, tested once; as a
+    term of the statement, or outside it, SQLite scanned every due run first).
+    PostgreSQL: ``NOT`` :data:`WHOLE`, which it tests once before the scan (with the bound
+    instead, it could not estimate the range and planned a scan of the whole table)."""
+    if postgres:
+        return ":p_now", f" AND NOT {WHOLE}"
+    return UNLESS_WHOLE, ""
+
+
+def keyed_window(room: str, ranked: str, *, postgres: bool) -> str:
+    """The candidates of a limited claim of workflow ``p_workflow`` whose definition has a
+    key: its first ``p_scan`` due runs that ``room`` (SQL of the runs ``r``) leaves free,
+    in claim order — priority, then the key's place in its queue, then due time — with the
+    columns the ranking reads, after the CTEs of :func:`limited_candidates`.
+
+    They are read from the keyed due index, in that order: its first ``p_examine`` runs,
+    due or not, free or not, of which the due and free ones are the window. If those were
+    too few although more runs lay beyond (runs due later, or of keys at their limit, ahead
+    in the order), the claim reads ``ranked`` instead: every due run, sorted, as before
+    this index (``ranked`` reads nothing when the window is whole: :func:`unless_whole`).
+    Runs without a
+    key or a place (made before their workflow had a key) are not in that index: the
+    window takes those among each segment's first due runs (:func:`limited_window`),
+    place 0, as the ranked read puts them first."""
+    hint = "" if postgres else f" {KEYED_INDEX}"
+    keyless = limited_window(room, postgres=postgres, keyless=True)
+    keyed = f"""FROM flowloop_runs r{hint}
+      WHERE r.workflow = :p_workflow AND {KEYED_DUE_WHERE}"""
+    # (A CASE, not an OR: SQLite counted the prefix again even when the window was full.)
+    # The window's runs come in the index's order: PostgreSQL knows the prefix's order and
+    # stops at p_scan; SQLite reads the prefix as a coroutine, in its order, and stops
+    # there too, where an ORDER BY of its own would sort every run of the prefix first.
+    in_order = "ORDER BY r.priority DESC, r.lr, r.next_run_at, r.id" if postgres else ""
+    return f"""WITH keyed_free AS (
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.lr FROM (
+      SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank AS lr, r.owner,
+             r.lease_expires_at
+      {keyed}
+      ORDER BY r.priority DESC, r.limit_rank, r.next_run_at, r.id
+      LIMIT :p_examine
+    ) AS r
+    WHERE r.next_run_at <= :p_now AND {room}
+    {in_order}
+    LIMIT :p_scan
+  ),
+  keyed_whole AS (
+    SELECT CASE
+      WHEN (SELECT count(*) FROM keyed_free) >= :p_scan THEN TRUE
+      WHEN (SELECT count(*) FROM (SELECT 1 {keyed} LIMIT :p_examine) AS examined)
+           < :p_examine THEN TRUE
+      ELSE FALSE
+    END AS whole
+  )
+  SELECT * FROM (
+    SELECT * FROM (
+      SELECT id, priority, next_run_at, limit_key, lr FROM keyed_free
+      UNION ALL
+      SELECT * FROM ({keyless}) AS keyless
+    ) AS found
+    WHERE {WHOLE}
+    ORDER BY priority DESC, lr, next_run_at, id
+    LIMIT :p_scan
+  ) AS windowed
+  UNION ALL
+  SELECT * FROM ({ranked}) AS every_due"""
 
 
 def _segmented_claim(workflows: int, *, now_text: str) -> TextClause:

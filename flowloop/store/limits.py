@@ -175,9 +175,11 @@ class LimitStoreMixin:
             if looked_up:  # a small family's runs, by their ids (see dialect.within_ids)
                 where = f"{scope} AND +({_DUE_SQL} AND {room})"
             elif segmented:  # the due runs by the due index's ranges (claims.py)
-                priorities, due = claims.limited_candidates(postgres=postgres)
+                # keyed: the ranked read is the keyed window's fallback (claims.keyed_window)
+                until, gate = claims.unless_whole(postgres=postgres) if keyed else (":p_now", "")
+                priorities, due = claims.limited_candidates(postgres=postgres, until=until)
                 ranges = f"RECURSIVE {priorities},\n"
-                where = f"{due} AND {room}"
+                where = f"{due} AND {room}{gate}"
             else:
                 scoped = _ROOM_SQL.format(now=now, ids=f"AND {scope}" if scope else "")
                 where = f"{_DUE_SQL} AND {scoped}"
@@ -189,6 +191,9 @@ class LimitStoreMixin:
             indexed = f" {claims.DUE_INDEX}" if segmented and not postgres else ""
             if segmented and not keyed:
                 candidates = claims.limited_window(room, postgres=postgres)
+            elif segmented:  # the keyed index's window, or the ranked read when short
+                ranked = _RANKED_SQL.format(where=where, indexed=indexed)
+                candidates = claims.keyed_window(room, ranked, postgres=postgres)
             else:
                 candidates = _RANKED_SQL.format(where=where, indexed=indexed)
             found = text(
@@ -232,6 +237,7 @@ class LimitStoreMixin:
                 "p_max": spec.max_concurrency or UNLIMITED,
                 "p_key_limit": spec.key_limit or UNLIMITED,
                 "p_scan": claims.window(limit - len(rows)),
+                "p_examine": claims.examined(limit - len(rows)),
             }
             if ids is not None:
                 params["p_ids"] = ids

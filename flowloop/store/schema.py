@@ -3,6 +3,8 @@ on SQLite and PostgreSQL, and lease times can be computed by the database's own 
 
 from __future__ import annotations
 
+from typing import Final
+
 from sqlalchemy import (
     Boolean,
     Column,
@@ -17,6 +19,14 @@ from sqlalchemy import (
 )
 
 from flowloop.store.entries import JOURNAL_FIELDS
+
+KEYED_DUE_INDEX: Final = "ix_flowloop_runs_keyed_due"
+KEYED_DUE_WHERE: Final = (
+    "limit_key IS NOT NULL AND limit_rank IS NOT NULL AND next_run_at IS NOT NULL"
+    " AND status IN ('retrying', 'scheduled')"
+)
+"""The runs :data:`KEYED_DUE_INDEX` holds: claimable, with a key, a place in its queue and a
+due time (a query uses the index only when its own terms say as much, spelled alike)."""
 
 # Every change here needs a migration in flowloop/store/migrations/versions (autogenerate
 # one with `flowloop db revision -m "what changed"`).
@@ -135,6 +145,24 @@ Index(
     runs.c.limit_key,
     sqlite_where=text("limit_key IS NOT NULL"),
     postgresql_where=text("limit_key IS NOT NULL"),
+)
+# A limited claim of a workflow with a concurrency_key takes its due runs by a key's place
+# in its queue first (limit_rank): this index holds the claimable runs with a key in that
+# order, with what says whether one may go, so the claim reads a window of them instead of
+# every due run (flowloop/store/claims.py, migration 0018). Unkeyed runs never write it.
+Index(
+    KEYED_DUE_INDEX,
+    runs.c.workflow,
+    runs.c.priority.desc(),
+    runs.c.limit_rank,
+    runs.c.next_run_at,
+    runs.c.id,
+    runs.c.limit_key,
+    runs.c.owner,
+    runs.c.lease_expires_at,
+    runs.c.status,
+    sqlite_where=text(KEYED_DUE_WHERE),
+    postgresql_where=text(KEYED_DUE_WHERE),
 )
 # Claims use this one; widening it (say, with created_at) made claims 3x slower.
 Index("ix_flowloop_runs_workflow", runs.c.workflow, runs.c.status)
