@@ -13,7 +13,9 @@ at every claim (flowloop/store/claims.py). One round, on a fresh database:
   the next due time and its look for waits the loaded definitions cannot take);
 * ``drain``: ``drain`` one-step runs queued, then run by ``engine.run_until_idle()``;
 * ``due`` more queued runs, then ``claim of 10`` and ``limited claim of 10`` from them
-  (taken with a long lease, one claim after another);
+  (taken with a long lease, one claim after another); ``keyed claim of 10`` the same
+  from ``due`` queued runs of workflow ``fair``, whose ``concurrency_key`` spreads them
+  over 100 keys (a key limit never reached: migration 0018);
 * ``poll beside another's queue``: the empty poll of a worker of ``asleep`` alone, the
   queue of another workflow due (a worker that runs some workflows of a database).
 
@@ -58,8 +60,10 @@ METRICS = (
     "drain",
     "claim of 10",
     "limited claim of 10",
+    "keyed claim of 10",
     "poll beside another's queue",
 )
+KEYS = 100
 UNITS = {"drain": "runs/s"}
 
 
@@ -74,14 +78,15 @@ def _median_ms(call: Callable[[], object], times: int) -> float:
 
 
 def one_round(url: str, *, later: int, due: int, drain: int) -> dict[str, float]:
-    asleep, queued = common.chain("asleep", 1), common.chain("queued", 1)
+    asleep, queued, fair = common.chain("asleep", 1), common.chain("queued", 1), _fair()
     both = [asleep.name, queued.name]
     found: dict[str, float] = {}
-    with Engine(url, workflows=[asleep, queued]) as engine:
+    with Engine(url, workflows=[asleep, queued, fair]) as engine:
         store = engine.store
 
-        def start(workflow: Workflow, runs: int, **when: float) -> None:
-            engine.start_many(workflow, [Ctx()] * runs, **when)
+        def start(workflow: Workflow, runs: int | list[Ctx], **when: float) -> None:
+            contexts = [Ctx()] * runs if isinstance(runs, int) else runs
+            engine.start_many(workflow, contexts, **when)
             if url.startswith("postgresql"):
                 with store.engine.begin() as conn:  # (an SQLStore)
                     conn.exec_driver_sql("ANALYZE flowloop_runs")
@@ -119,7 +124,22 @@ def one_round(url: str, *, later: int, due: int, drain: int) -> dict[str, float]
         found["claim of 10"] = _median_ms(claim(both), 50)
         found["limited claim of 10"] = limited(claim(both))()
         found["poll beside another's queue"] = _median_ms(claim([asleep.name]), 50)
+        start(fair, [Ctx(n=n) for n in range(due)])
+        store.set_claim_limits({fair.name: ClaimLimits(key_limit=10**6, keyed=True)})
+        found["keyed claim of 10"] = _median_ms(claim([fair.name]), 50)
     return found
+
+
+def _fair() -> Workflow:
+    """One step, its runs spread over :data:`KEYS` keys by their context's ``n``."""
+    fair = Workflow("fair", context=Ctx, concurrency_key=lambda ctx: f"k{ctx.n % KEYS}")
+
+    @fair.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    fair.final("done")
+    return fair
 
 
 def _in_tree(tree: Path) -> Path:
