@@ -19,9 +19,10 @@ and workflow's priorities are found by a loose scan of the index (one seek per p
 :func:`_priorities`, :func:`_pg_segments`). Within a segment the runs are in claim order,
 the due ones first, so a claim reads each segment from its first run up to its limit (on
 PostgreSQL a window wider than the limit, :func:`window`) or the first run not yet due,
-and sorts those together; so does a limited claim of a workflow without keys, while one
-with keys reads every due run of its segments (its order puts a key's place in its queue
-before the due time). Runs due later and other
+and sorts those together; so does a limited claim of a workflow without keys. One with
+keys orders its runs by a key's place in its queue before the due time: it reads its
+window from an index of its own in that order (:func:`keyed_window`, migration 0018),
+and every due run only when that window comes up short. Runs due later and other
 workflows' runs are not read; the work grows with the number of segments, so with the
 number of distinct priorities. On SQLite the statement names each workflow (one is built
 per number of workflows, up to :data:`MOST_SEGMENTED`) and says which index to use; on
@@ -198,8 +199,9 @@ def limited_candidates(*, postgres: bool, until: str = ":p_now") -> tuple[str, s
     """For a limited claim of workflow ``p_workflow``: the CTEs of its priorities (to
     follow ``WITH RECURSIVE``), and the test of its due runs by the due index's ranges
     (``r``: the runs): each status and priority's runs up to ``p_now``, not those due
-    later. (Its order puts a key's place in its queue before the due time: every due run
-    of the workflow is still read, unless it has no keys: :func:`limited_window`.)
+    later. (The claim of a workflow with keys orders its runs by a key's place in its
+    queue before the due time: read so, every due run of the workflow is read and sorted,
+    as :func:`keyed_window` does when its own window comes up short.)
     ``until``: SQL of the latest due time read (:func:`unless_whole`)."""
     if postgres:
         ctes = _pg_segments("ARRAY[CAST(:p_workflow AS VARCHAR)]").removeprefix("WITH RECURSIVE ")

@@ -97,9 +97,11 @@ _RANKED_SQL: Final = """SELECT r.id, r.priority, r.next_run_at, r.limit_key,
   WHERE {where}
   ORDER BY r.priority DESC, lr, r.next_run_at, r.id
   LIMIT :p_scan"""
-"""The candidates of a claim of a workflow with keys: its first due runs with room, a key's
-place in its queue (``lr``) before the due time. The order is not the due index's: every
-due run of the workflow is read and sorted (10 ms with 20,000 due, bench/due_backlog.py)."""
+"""The candidates of a claim of a workflow with keys (or of a scope of runs): its first due
+runs with room, a key's place in its queue (``lr``) before the due time. The order is not
+the due index's: every due run of the workflow is read and sorted (10 ms with 20,000
+due, bench/due_backlog.py) — for a workflow with keys only when the window read from the
+keyed due index comes up short (claims.keyed_window)."""
 _CLAIM_SQL: Final = """
 WITH {priorities}held AS (
   SELECT limit_key FROM flowloop_runs
