@@ -304,10 +304,11 @@ def keyed_window(room: str, ranked: str, *, postgres: bool) -> str:
     too few although more runs lay beyond (runs due later, or of keys at their limit, ahead
     in the order), the claim reads ``ranked`` instead: every due run, sorted, as before
     this index (``ranked`` reads nothing when the window is whole: :func:`unless_whole`).
-    Runs without a
-    key or a place (made before their workflow had a key) are not in that index: the
-    window takes those among each segment's first due runs (:func:`limited_window`),
-    place 0, as the ranked read puts them first."""
+    That window holds the runs with a key the ranked read would take. Runs without a key
+    or a place (made before their workflow had a key) are not in that index: the window
+    takes those among each segment's first ``p_scan`` due runs (:func:`limited_window`),
+    place 0; one behind more runs due earlier waits for them, where the ranked read took
+    it first."""
     hint = "" if postgres else f" {KEYED_INDEX}"
     keyless = limited_window(room, postgres=postgres, keyless=True)
     keyed = f"""FROM flowloop_runs r{hint}

@@ -148,8 +148,10 @@ Index(
 )
 # A limited claim of a workflow with a concurrency_key takes its due runs by a key's place
 # in its queue first (limit_rank): this index holds the claimable runs with a key in that
-# order, with what says whether one may go, so the claim reads a window of them instead of
-# every due run (flowloop/store/claims.py, migration 0018). Unkeyed runs never write it.
+# order, with their key and owner, so the claim reads a window of them instead of every
+# due run (flowloop/store/claims.py, migration 0018). Unkeyed runs have no entry in it. Not
+# the lease's end: a column of an index, even a partial one, makes PostgreSQL write every
+# renewal of every run's lease into each of the table's indexes (no HOT update).
 Index(
     KEYED_DUE_INDEX,
     runs.c.workflow,
@@ -159,8 +161,6 @@ Index(
     runs.c.id,
     runs.c.limit_key,
     runs.c.owner,
-    runs.c.lease_expires_at,
-    runs.c.status,
     sqlite_where=text(KEYED_DUE_WHERE),
     postgresql_where=text(KEYED_DUE_WHERE),
 )

@@ -360,18 +360,22 @@ def test_call__pause_cascades_and_unpause_resumes_the_children(engine: Engine) -
     assert engine.get(started.id).state == "shipped"
 
 
+def _orders_in_their_call(engine: Engine, count: int) -> list[tuple[Any, Any]]:
+    """``count`` orders waiting in their call state, each with its child created and not
+    run yet: (the order, its child) each."""
+    wf = order(packing())
+    engine.register(wf)
+    started = [engine.start(wf, Order(order_id=f"P{n}")) for n in range(count)]
+    drive_only(engine, *[run.id for run in started])
+    return [(run, *joins(engine).children_of(run.id)) for run in started]
+
+
 def test_call__unpausing_the_parent_leaves_a_child_paused_by_an_operator_paused(
     engine: Engine,
 ) -> None:
     """An operator pauses the child first, then the parent; unpausing the parent unpauses
     only what its own pause paused (before, the child's own pause was withdrawn too)."""
-    wf = order(packing())
-    engine.register(wf)
-    cascaded = engine.start(wf, Order(order_id="A7"))
-    own = engine.start(wf, Order(order_id="A8"))
-    drive_only(engine, cascaded.id, own.id)
-    [kid] = joins(engine).children_of(cascaded.id)
-    [own_kid] = joins(engine).children_of(own.id)
+    (cascaded, kid), (own, own_kid) = _orders_in_their_call(engine, 2)
     engine.pause(own_kid.id)
     engine.pause(own.id)
     engine.pause(cascaded.id)
@@ -394,13 +398,7 @@ def test_call__an_operators_pause_of_a_child_its_parent_paused_stays(
     """The parent pauses first (its child with it), then an operator pauses the child: the
     pause becomes the child's own, also when the operator's pause lands after unpausing
     the parent has listed the children it paused (before, the unpause lifted it)."""
-    wf = order(packing())
-    engine.register(wf)
-    first = engine.start(wf, Order(order_id="B1"))
-    racing = engine.start(wf, Order(order_id="B2"))
-    drive_only(engine, first.id, racing.id)
-    [kid] = joins(engine).children_of(first.id)
-    [racing_kid] = joins(engine).children_of(racing.id)
+    (first, kid), (racing, racing_kid) = _orders_in_their_call(engine, 2)
     engine.pause(first.id)
     engine.pause(racing.id)
     assert engine.get(kid.id).reason == "parent paused"
@@ -427,11 +425,7 @@ def test_call__a_parent_unpaused_while_its_pause_reaches_its_children_unpauses_t
 ) -> None:
     """An operator's unpause of the parent lands after the parent's pause and before its
     children's: the pause looks at the parent again and takes its children's back."""
-    wf = order(packing())
-    engine.register(wf)
-    started = engine.start(wf, Order(order_id="B3"))
-    drive_only(engine, started.id)
-    [kid] = joins(engine).children_of(started.id)
+    [(started, kid)] = _orders_in_their_call(engine, 1)
     real = children.cascade
 
     def unpaused_meanwhile(store: object, run_id: str, action: str, operate: Any) -> int:
@@ -454,11 +448,7 @@ def test_call__a_parents_pause_refused_leaves_its_children_unpaused(
     from flowloop.errors import InvalidTransition
     from flowloop.operations import Operations
 
-    wf = order(packing())
-    engine.register(wf)
-    started = engine.start(wf, Order(order_id="A9"))
-    drive_only(engine, started.id)
-    [kid] = joins(engine).children_of(started.id)
+    [(started, kid)] = _orders_in_their_call(engine, 1)
     store = engine.store
     real_request = store.request_control
 

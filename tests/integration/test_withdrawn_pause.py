@@ -112,6 +112,23 @@ def _a_run_in_its_long_step(store_url: str) -> Iterator[tuple[Engine, _Call, str
         yield engine, call, run.id
 
 
+@contextmanager
+def _a_child_in_its_long_step(store_url: str) -> Iterator[tuple[Engine, _Call, Any, Any]]:
+    """An engine polling requests every 0.05 s, and a call of a parent whose child is in
+    its long step: with the call, the parent's run and the child's (``call.release``
+    ends the step; at the end it is released anyway and the call awaited)."""
+    started, release = threading.Event(), threading.Event()
+    child = _long_step_workflow(started, release)
+    parent = _calling(child)
+    with (
+        Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine,
+        _in_its_step(engine, parent, started, release) as call,
+    ):
+        kid = next(run for run in engine.runs() if run.workflow == child.name)
+        top = next(run for run in engine.runs() if run.workflow == parent.name)
+        yield engine, call, top, kid
+
+
 def _kept_then_dropped(
     kept: dict[str, str], run_id: str, withdraw: Callable[[], None], pause: str = "pause"
 ) -> None:
@@ -203,17 +220,12 @@ def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -
     pauses it at once and asks the child to pause at its boundary; unpausing the parent
     withdraws that request too (before, only children already paused were unpaused: the
     child paused at its boundary, and the parent waited for it for ever)."""
-    started, release = threading.Event(), threading.Event()
-    child = _long_step_workflow(started, release)
-    parent = _calling(child)
-    with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
-        with _in_its_step(engine, parent, started, release) as call:
-            kid = next(run for run in engine.runs() if run.workflow == child.name)
-            top = next(run for run in engine.runs() if run.workflow == parent.name)
-            engine.pause(top.id)
-            _kept_then_dropped(
-                call.executor._controls, kid.id, lambda: engine.unpause(top.id), "parent pause"
-            )
+    with _a_child_in_its_long_step(store_url) as (engine, call, top, kid):
+        engine.pause(top.id)
+        _kept_then_dropped(
+            call.executor._controls, kid.id, lambda: engine.unpause(top.id), "parent pause"
+        )
+        call.release.set()
         info = call.ended()
         assert engine.get(kid.id).status == "succeeded"
     assert info.status == "succeeded", info
@@ -223,19 +235,14 @@ def test_unpausing_a_parent_withdraws_its_childs_pending_pause(store_url: str) -
 def test_unpausing_a_parent_leaves_its_childs_own_pending_pause(store_url: str) -> None:
     """The child in its long step is paused by an operator, then its parent: unpausing the
     parent leaves the child's own request in place (before, it was withdrawn too)."""
-    started, release = threading.Event(), threading.Event()
-    child = _long_step_workflow(started, release)
-    parent = _calling(child)
-    with Engine(store_url, workflows=[parent, child], poll_seconds=0.05) as engine:
-        with _in_its_step(engine, parent, started, release) as call:
-            kid = next(run for run in engine.runs() if run.workflow == child.name)
-            top = next(run for run in engine.runs() if run.workflow == parent.name)
-            engine.pause(kid.id)
-            engine.pause(top.id)
-            engine.unpause(top.id)
-            row = engine.store.get_run(kid.id)
-            assert row is not None and row.control == "pause"
-            _kept_then_dropped(call.executor._controls, kid.id, lambda: engine.unpause(kid.id))
+    with _a_child_in_its_long_step(store_url) as (engine, call, top, kid):
+        engine.pause(kid.id)
+        engine.pause(top.id)
+        engine.unpause(top.id)
+        row = engine.store.get_run(kid.id)
+        assert row is not None and row.control == "pause"
+        _kept_then_dropped(call.executor._controls, kid.id, lambda: engine.unpause(kid.id))
+        call.release.set()
         info = call.ended()
     assert info.status == "succeeded", info
 
