@@ -191,13 +191,13 @@ class LimitStoreMixin:
             # looks at: cheap while a few hundred runs are held at a time.
             plus = "" if postgres else "+"
             indexed = f" {claims.DUE_INDEX}" if segmented and not postgres else ""
+            ranked = _RANKED_SQL.format(where=where, indexed=indexed)
             if segmented and not keyed:
                 candidates = claims.limited_window(room, postgres=postgres)
             elif segmented:  # the keyed index's window, or the ranked read when short
-                ranked = _RANKED_SQL.format(where=where, indexed=indexed)
                 candidates = claims.keyed_window(room, ranked, postgres=postgres)
             else:
-                candidates = _RANKED_SQL.format(where=where, indexed=indexed)
+                candidates = ranked
             found = text(
                 _CLAIM_SQL.format(now=now, plus=plus, priorities=ranges, candidates=candidates)
             )
