@@ -481,8 +481,12 @@ def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
             record=j.apply(child.record, event),
             fence=Fence(None, child.lease_epoch),
             clear_control=True,
+            seen_control=child.control,
         )
-        count += sum(store.write([boundary]))
+        if store.write([boundary])[0]:
+            count += 1
+        elif store.request_control(child.id, "stop"):
+            count += 1  # claimed or asked something meanwhile: its worker stops it
     return count
 
 

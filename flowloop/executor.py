@@ -607,13 +607,37 @@ class Executor(Stepping, Recovery):
         return j.new_event(fields)
 
     async def _finish(
-        self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
+        self,
+        record: RunRecord,
+        fence: Fence,
+        events: list[JournalEvent],
+        *,
+        honoured: str | None = None,
     ) -> None:
+        """Commit the run's last boundary here, letting it go; ``honoured``: the request
+        (a pause, a stop) it honours, cleared with it while the row still holds it."""
         for event in events:
             record = j.apply(record, event)
-        await self._commit(
-            Boundary(events=events, record=record, fence=fence, release=True, **flags)
+        boundary = Boundary(
+            events=events,
+            record=record,
+            fence=fence,
+            release=True,
+            clear_control=honoured is not None,
+            seen_control=honoured,
         )
+        await self._commit(boundary)
+
+    def _confirmed_control(self, run_id: str) -> str | None:
+        """The request the run's row holds now, read again before a boundary honours one:
+        the last poll's may be a poll old (a stop asked for since, a pause withdrawn by an
+        unpause). The boundary is fenced on it too, for a change after this read."""
+        action = self.store.pending_controls(worker=self.worker_id).get(run_id)
+        if action in CONTROLS:
+            self._controls[run_id] = action
+            return action
+        self._controls.pop(run_id, None)
+        return None
 
     async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
@@ -745,15 +769,17 @@ class Executor(Stepping, Recovery):
         )
 
     async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
-        action = self._controls.get(record.id)
-        if action not in CONTROLS:
+        if record.id not in self._controls:
+            return False
+        action = self._confirmed_control(record.id)
+        if action is None:
             return False
         kind, data = j.control_entry(action)
         await self._finish(
             record,
             fence,
             [self._event(record, kind, state=record.state, data=data)],
-            clear_control=True,
+            honoured=action,
         )
         return True
 
@@ -764,7 +790,7 @@ class Executor(Stepping, Recovery):
             event = self._event(
                 record, j.RUN_STOPPED, state=record.state, data={"reason": "stopped during step"}
             )
-            await self._finish(record, fence, [event], clear_control=True)
+            await self._finish(record, fence, [event], honoured=STOP)
             return
         row = StoredRun(
             record=record,

@@ -121,6 +121,7 @@ class Operations:
             record=j.apply(record, event),
             fence=Fence(None, stored.lease_epoch),
             clear_control=True,
+            seen_control=stored.control,  # a request made since: refused, the caller looks again
         )
         written = self.store.write([boundary])[0]
         if written:

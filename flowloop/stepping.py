@@ -111,8 +111,14 @@ class Stepping:
         async def _commit(self, boundary: Boundary) -> bool: ...
         async def _take_a_turn(self) -> None: ...
         async def _finish(
-            self, record: RunRecord, fence: Fence, events: list[JournalEvent], **flags: bool
+            self,
+            record: RunRecord,
+            fence: Fence,
+            events: list[JournalEvent],
+            *,
+            honoured: str | None = None,
         ) -> None: ...
+        def _confirmed_control(self, run_id: str) -> str | None: ...
         def _event(
             self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
         ) -> JournalEvent: ...
@@ -331,6 +337,8 @@ class Stepping:
             )
             return None
         action = self._controls.get(record.id)
+        if action is not None:
+            action = self._confirmed_control(record.id)  # may be withdrawn or a stop now
         if action in CONTROLS or self._draining:
             events = [transition]
             if action in CONTROLS:
@@ -343,7 +351,7 @@ class Stepping:
                 events.append(
                     self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
                 )
-            await self._finish(record, fence, events, clear_control=action is not None)
+            await self._finish(record, fence, events, honoured=action)
             if action is None and target in workflow.waits:
                 self._deliver(record.id)  # draining: still hand it what was kept for it
             return None

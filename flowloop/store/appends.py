@@ -236,7 +236,6 @@ class AppendStoreMixin:
             for owned in (True, False)
         }
         self._row_stmt = self._row_statements(bindparam)
-        self._row_stmt_clear = {k: stmt.values(control=None) for k, stmt in self._row_stmt.items()}
         self._raw: dict[Any, Raw] | None = None
         """SQLite: the statements of a single boundary's write, compiled for the driver."""
         self._raw_batch: dict[Any, Raw] | None = None
@@ -244,13 +243,16 @@ class AppendStoreMixin:
         self._raw_rows: dict[Any, Raw] | None = None
         """PostgreSQL: a batch's statements, each run once on its rows' JSON (recordsets.py)."""
 
-    def _row_statements(self, value: Value) -> dict[str, Any]:
-        """The run row's write of a boundary, by kind (:func:`_row_kind`), with each
-        field's ``value`` (a parameter, or a column of a batch's rows)."""
+    def _row_statements(self, value: Value) -> dict[tuple[str, bool], Any]:
+        """The run row's write of a boundary, by kind and whether it clears the control
+        request (:func:`_row_kind`), with each field's ``value`` (a parameter, or a column
+        of a batch's rows). One that clears it applies only while the row holds the
+        request the writer saw (``Boundary.seen_control``)."""
         row: dict[str, Any] = {name: value(f"p_{name}") for name in RECORD_COLUMNS}
         at = value("p_at")
         released = {"owner": None, "lease_expires_at": None}
-        return {
+        seen = runs.c.control.is_not_distinct_from(value("f_control"))
+        by_kind = {
             "owned": update(runs)
             .where(self._fence(True, value))
             .values(**row, updated_at=at, lease_expires_at=self.now_sql + value("p_lease")),
@@ -261,10 +263,14 @@ class AppendStoreMixin:
             .where(self._fence(False, value))
             .values(**row, updated_at=at, **released),
         }
+        return {
+            (kind, clear): stmt.where(seen).values(control=None) if clear else stmt
+            for kind, stmt in by_kind.items()
+            for clear in (False, True)
+        }
 
     def _row_statement(self, boundary: Boundary) -> Any:
-        kind, clear = _row_kind(boundary)
-        return self._row_stmt_clear[kind] if clear else self._row_stmt[kind]
+        return self._row_stmt[_row_kind(boundary)]
 
     def _prepare_raw(self, dialect: Any) -> None:
         """The boundary writes compiled once, run on the driver's cursor (through
@@ -274,9 +280,8 @@ class AppendStoreMixin:
         raw: dict[Any, Raw] = {}
         for owned in (True, False):
             raw[owned] = Raw.of(self._append_stmt[owned], dialect)
-        for kind in self._row_stmt:
-            raw[(kind, False)] = Raw.of(self._row_stmt[kind], dialect)
-            raw[(kind, True)] = Raw.of(self._row_stmt_clear[kind], dialect)
+        for key, stmt in self._row_stmt.items():
+            raw[key] = Raw.of(stmt, dialect)
         self._raw_batch = raw
         if dialect.name == "postgresql":
             self._raw_rows = {
@@ -305,6 +310,8 @@ class AppendStoreMixin:
         params["p_at"] = boundary.events[-1].at if boundary.events else 0.0
         if boundary.fence.owner is not None and not boundary.release:
             params["p_lease"] = self._lease_for_write
+        if boundary.clear_control:
+            params["f_control"] = boundary.seen_control
         return params
 
     def _append_params(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> list[Any]:

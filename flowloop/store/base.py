@@ -107,7 +107,12 @@ class Boundary:
     release: bool = False
     """Give up ownership with this write (the run is no longer being worked on)."""
     clear_control: bool = False
-    """The pending pause/stop request was honoured by this write."""
+    """The pending pause/stop request was honoured by this write (or an operator's entry
+    replaces it)."""
+    seen_control: str | None = None
+    """With ``clear_control``: the request the writer saw on the row (``None``: none). The
+    write applies only while the row still holds that one, so a stop asked for after the
+    writer looked, or a pause withdrawn, is never cleared unseen (the write is refused)."""
 
     @property
     def run_id(self) -> str:

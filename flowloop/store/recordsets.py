@@ -85,18 +85,14 @@ def appends(
 
 
 def row_writes(
-    statements: Callable[[Value], Mapping[str, Any]], record_columns: Sequence[str]
+    statements: Callable[[Value], Mapping[tuple[str, bool], Any]], record_columns: Sequence[str]
 ) -> dict[tuple[str, bool], Any]:
     """The run rows' writes of many boundaries, keyed as the single ones (kind, whether
-    the control request is cleared): ``statements(value)`` builds each kind's UPDATE."""
+    the control request is cleared): ``statements(value)`` builds them."""
     typed = [(f"p_{name}", runs.c[name].type) for name in record_columns]
-    rows = rows_of([*typed, ("p_at", Float()), ("p_lease", Float()), *FENCE_COLUMNS])
-    built = statements(lambda name: rows.c[name])
-    return {
-        (kind, clear): stmt.values(control=None) if clear else stmt
-        for kind, stmt in built.items()
-        for clear in (False, True)
-    }
+    control = ("f_control", runs.c.control.type)  # the request the writer saw
+    rows = rows_of([*typed, ("p_at", Float()), ("p_lease", Float()), *FENCE_COLUMNS, control])
+    return dict(statements(lambda name: rows.c[name]))
 
 
 def rows_json(params: Sequence[Mapping[str, Any]]) -> str | None:

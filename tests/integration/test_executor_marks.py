@@ -106,7 +106,9 @@ def test_a_run_lost_and_claimed_again_takes_a_stop(store_url: str) -> None:
                 second = executor.spawn(again, starting=True)
                 await asyncio.wait_for(events["second_started"].wait(), WAIT_S)
                 assert not executor.lost(run.id)
-                executor.apply_controls({run.id: "stop"})  # an operator's stop, polled
+                # An operator's stop, polled (a poll hands over what the row holds).
+                assert engine.store.request_control(run.id, "stop")
+                executor.apply_controls({run.id: "stop"})
                 await asyncio.wait_for(asyncio.gather(second, return_exceptions=True), WAIT_S)
                 # The old task, cancelled again (its caller's Ctrl-C, say), writes nothing
                 # under its stale fence: no cut-off refused, no lease reported lost.

@@ -105,6 +105,7 @@ def test_a_batch__keeps_every_value_and_clears_the_requests_it_honours(
                 fence=start.fence,
                 release=True,
                 clear_control=True,
+                seen_control="pause",
             )
         )
     assert store.write(pauses) == [True] * 6

@@ -542,6 +542,7 @@ def test_request_control__pending_only_for_its_owner(store: SQLStore) -> None:
         fence=Fence("a", claimed.lease_epoch),
         release=True,
         clear_control=True,
+        seen_control="pause",
     )
     assert store.write([boundary]) == [True]
     assert store.pending_controls(worker="a") == {}

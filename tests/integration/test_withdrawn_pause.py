@@ -270,3 +270,102 @@ def test_a_pause_of_a_queued_run_with_a_stop_pending_is_refused(store_url: str) 
             engine.pause(run.id)
         row = engine.store.get_run(run.id)
         assert row is not None and row.control == "stop" and row.record.status != "paused"
+
+
+def _polls_frozen(call: _Call, run_id: str) -> None:
+    """Wait until the executor keeps ``run_id``'s pause, then hand it no poll's requests
+    from then on: what an operator does next lands within a poll, before the boundary."""
+    poll(
+        lambda: call.executor._controls.get(run_id) == "pause",
+        timeout=WAIT_S,
+        what="the executor to keep the pause",
+        every=0.01,
+    )
+    call.executor.leases.guard._controls = lambda requests: None
+
+
+def test_a_stop_after_the_worker_read_the_pause_stops_the_run(store_url: str) -> None:
+    """The worker has read the pause; a stop lands before its next poll. The boundary reads
+    the request again and honours the stop (before, it paused the run and cleared the stop:
+    the operator's stop was lost)."""
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        assert engine.stop(run_id).status == "running"  # asked of its worker
+        call.release.set()
+        info = call.ended()
+        kinds = [event.kind for event in engine.history(run_id)]
+    assert info.status == "stopped", info
+    assert "run_paused" not in kinds, kinds
+    row = engine.store.get_run(run_id)
+    assert row is not None and row.control is None
+
+
+def test_an_unpause_before_the_workers_next_poll_lets_the_run_go_on(store_url: str) -> None:
+    """The worker has read the pause; the unpause withdraws it before the next poll could
+    tell the worker. The boundary reads the request again and goes on (before, the run
+    paused although the unpause had said it would not)."""
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        assert engine.unpause(run_id).status == "running"
+        call.release.set()
+        info = call.ended()
+    assert info.status == "succeeded", info
+    assert info.context.n == 2  # type: ignore[attr-defined]
+
+
+def test_a_pause_of_a_queued_run_whose_stop_landed_after_the_read_is_refused(
+    store_url: str,
+) -> None:
+    """``pause`` reads a queued run (no request), and a stop is asked for before its entry
+    is written: the entry is refused, the pause too ("stopping"), and the stop stays for
+    the run's claim (before, the pause was written and cleared the stop)."""
+    started, release = threading.Event(), threading.Event()
+    release.set()
+    workflow = _long_step_workflow(started, release)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        store: Any = engine.store
+        write = store.write
+
+        def stop_lands_first(boundaries: Any) -> Any:
+            del store.write  # once
+            store.request_control(run_id, "stop")  # an operator's stop, meanwhile
+            return write(boundaries)
+
+        store.write = stop_lands_first
+        with pytest.raises(InvalidTransition, match="stopping"):
+            engine.pause(run_id)
+        assert engine.run_until_idle() is not None
+        info = engine.get(run_id)
+    assert info.status == "stopped", info
+    assert not started.is_set()  # honoured at its claim, before its step
+
+
+def test_a_pause_withdrawn_after_the_claim_read_it_lets_the_run_go_on(store_url: str) -> None:
+    """A queued run with a pause pending is claimed (the claim reads the request), and the
+    pause is withdrawn before the claimer honours it: the claimer reads the request again
+    and runs the run (before, it paused it)."""
+    started, release = threading.Event(), threading.Event()
+    release.set()
+    workflow = _long_step_workflow(started, release)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        store: Any = engine.store
+        assert store.request_control(run_id, "pause")
+        claim = store.claim
+        withdrawn: list[bool] = []
+
+        def withdrawn_after_the_read(**kwargs: Any) -> Any:
+            rows = claim(**kwargs)
+            if rows and not withdrawn:
+                assert rows[0].control == "pause"
+                withdrawn.append(store.withdraw_control(run_id, "pause"))
+            return rows
+
+        store.claim = withdrawn_after_the_read
+        assert engine.run_until_idle() is not None
+        info = engine.get(run_id)
+    assert withdrawn == [True]
+    assert info.status == "succeeded", info
