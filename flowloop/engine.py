@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from datetime import timedelta
@@ -152,6 +153,9 @@ class Engine(Operations, LoopControls, RunReading):
         ``None``: tracing is off."""
         self._workflows = Registry()
         self._thread_executors: mainloop.PerThread[Executor] = mainloop.PerThread(Executor.close)
+        self._listening = threading.Lock()
+        """Held while a thread's executor copies the listeners and is kept, and while a
+        listener is added to the executors kept (:meth:`listen`): neither misses the other."""
         self._loops = mainloop.ThreadLoops()
         self.register(*workflows)
 
@@ -598,8 +602,20 @@ class Engine(Operations, LoopControls, RunReading):
         limit = max_concurrency or self.max_concurrency
         executor = self._thread_executors.get()
         if executor is None or executor.max_concurrency != limit:
-            executor = self._thread_executors.put(self._new_executor(max_concurrency=limit))
+            with self._listening:
+                executor = self._thread_executors.put(self._new_executor(max_concurrency=limit))
         return executor
+
+    def listen(self, listener: Listener, *, direct: bool = False) -> None:
+        """Tell ``listener`` of every boundary this engine's executors commit, those kept
+        already by threads that drove runs included; ``direct``: of what the engine writes
+        itself too (:attr:`direct_listeners`)."""
+        with self._listening:
+            self.listeners.append(listener)
+            if direct:
+                self.direct_listeners.append(listener)
+            for executor in self._thread_executors.made():
+                executor.listeners.append(listener)
 
     def _new_executor(self, *, max_concurrency: int | None = None) -> Executor:
         return Executor(

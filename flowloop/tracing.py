@@ -402,11 +402,7 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
     from flowloop import __version__
 
     tracing = RunTracing(engine, provider.get_tracer(SCOPE, __version__))
-    engine.listeners.append(tracing)
-    engine.direct_listeners.append(tracing)
-    for executor in engine._thread_executors.made():  # one already made keeps its own copy
-        if tracing not in executor.listeners:  # (one made meanwhile copied it already)
-            executor.listeners.append(tracing)
+    engine.listen(tracing, direct=True)  # executors kept already by threads too
     engine.trace_new = tracing.new_run
     return tracing
 

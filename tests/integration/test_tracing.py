@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow, tracing
@@ -286,3 +288,72 @@ def test_readme__the_tracing_example_runs(tmp_path: Path, monkeypatch: pytest.Mo
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md (tracing)", "exec"), namespace)
     assert (tmp_path / "traced.db").exists()
+
+
+def test_tracing__an_executor_made_while_instrumenting_is_traced(tmp_path: Path) -> None:
+    """A thread makes its executor (copying the engine's listeners) just as ``instrument``
+    runs in another: the executor is traced all the same (before, one made between the
+    copy and being kept missed the listener for good, and its runs had no spans)."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with Engine(str(tmp_path / "t.db"), clock=FakeClock()) as engine:
+        made, go, asked = threading.Event(), threading.Event(), threading.Event()
+        new_executor = engine._new_executor
+
+        def paused_after_the_copy(**kwargs: object) -> object:
+            executor = new_executor(**kwargs)  # type: ignore[arg-type]
+            made.set()
+            assert go.wait(30)
+            return executor
+
+        class NotedLock:
+            """The engine's lock, noting a second thread that asks for it."""
+
+            def __init__(self, lock: threading.Lock) -> None:
+                self.lock = lock
+
+            def __enter__(self) -> None:
+                if threading.current_thread() is not maker:
+                    asked.set()
+                self.lock.acquire()
+
+            def __exit__(self, *exc: object) -> None:
+                self.lock.release()
+
+        engine._new_executor = paused_after_the_copy  # type: ignore[method-assign,assignment]
+        if hasattr(engine, "_listening"):
+            engine._listening = NotedLock(engine._listening)  # type: ignore[assignment]
+        kept: list[object] = []
+        checked = threading.Event()
+
+        def make() -> None:
+            kept.append(engine._executor())
+            checked.wait(30)  # kept while the thread lives
+
+        maker = threading.Thread(target=make)
+        maker.start()
+        assert made.wait(30)
+        instrumenting = threading.Thread(
+            target=lambda: tracing.instrument(engine, tracer_provider=provider)
+        )
+        instrumenting.start()
+        # instrument() has run (it missed the executor), or it waits for it to be kept
+        poll(
+            lambda: asked.is_set() or not instrumenting.is_alive(),
+            timeout=30,
+            what="instrument() to end or to wait",
+            every=0.01,
+        )
+        go.set()
+        instrumenting.join(30)
+        poll(lambda: bool(kept), timeout=30, what="the executor to be kept", every=0.01)
+        (executor,) = kept
+        traced = [
+            listener
+            for listener in executor.listeners  # type: ignore[attr-defined]
+            if isinstance(listener, tracing.RunTracing)
+        ]
+        checked.set()
+        maker.join(30)
+        assert len(traced) == 1, executor.listeners  # type: ignore[attr-defined]
