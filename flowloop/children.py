@@ -32,8 +32,8 @@ from flowloop.errors import FlowloopError, Interrupted, error_line
 from flowloop.events import check_visits, entering
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import PARENT_PAUSE, PARENT_PAUSED, PAUSES
-from flowloop.store import Boundary, Fence, NewRun, Store
+from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSES, STOP
+from flowloop.store import Boundary, Fence, NewRun, Store, StoredRun
 from flowloop.store.joins import JoinRow, JoinStoreMixin
 
 if TYPE_CHECKING:
@@ -43,6 +43,9 @@ log = logging.getLogger("flowloop")
 
 CREATE_BATCH: Final = 500
 """Children created per transaction."""
+STOP_ATTEMPTS: Final = 4
+"""Writes of a child's stop at its parent's deadline, the child read again after each
+refusal; then its stop is asked for (its next claim honours it)."""
 
 
 class ChildContextError(FlowloopError):
@@ -463,10 +466,18 @@ def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
     count = 0
     for child in store.live_children(run_id):
         count += stop_children(store, child.id, now=now, worker=worker)
+        count += _stop_child(store, child, now=now, worker=worker)
+    return count
+
+
+def _stop_child(store: Store, child: StoredRun, *, now: float, worker: str) -> bool:
+    """Stop one child as it is now: ask its worker (held or running), else write its stop
+    (fenced on its row as read: claimed, ended or asked something meanwhile, look again)."""
+    for _ in range(STOP_ATTEMPTS):
+        if child.record.status in FINISHED:
+            return False
         if child.owner is not None or child.record.status == "running":
-            store.request_control(child.id, "stop")
-            count += 1
-            continue
+            return store.request_control(child.id, STOP)
         event = JournalEvent(
             run_id=child.id,
             seq=child.record.last_seq + 1,
@@ -484,10 +495,12 @@ def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
             seen_control=child.control,
         )
         if store.write([boundary])[0]:
-            count += 1
-        elif store.request_control(child.id, "stop"):
-            count += 1  # claimed or asked something meanwhile: its worker stops it
-    return count
+            return True
+        fresh = store.get_run(child.id)
+        if fresh is None:
+            return False
+        child = fresh
+    return store.request_control(child.id, STOP)  # still moving: its next claim stops it
 
 
 async def claimed(

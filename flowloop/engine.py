@@ -44,6 +44,7 @@ from flowloop.executor import (
 )
 from flowloop.flowcontrol import limit_key_of
 from flowloop.freshstack import steady_call
+from flowloop.holding import database_of, refuse_held_back
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
@@ -153,7 +154,7 @@ class Engine(Operations, LoopControls, RunReading):
         ``None``: tracing is off."""
         self._workflows = Registry()
         self._thread_executors: mainloop.PerThread[Executor] = mainloop.PerThread(Executor.close)
-        self._listening = threading.Lock()
+        self._listening = threading.RLock()
         """Held while a thread's executor copies the listeners and is kept, and while a
         listener is added to the executors kept (:meth:`listen`): neither misses the other."""
         self._loops = mainloop.ThreadLoops()
@@ -514,6 +515,8 @@ class Engine(Operations, LoopControls, RunReading):
             if workflow.initial in workflow.steps and not gates.gated_start(workflow)
             else None,
         )
+        if workflow.limited:  # a step waiting for a run its own run's slot holds back
+            refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:

@@ -164,6 +164,11 @@ class LeaseLost(FlowloopError):
         self.run_id = run_id
 
 
+class HeldBack(FlowloopError):
+    """A step would wait for a run that its own run's limit slot (or its callers') holds
+    back: refused at once (flowloop/holding.py), nothing written."""
+
+
 class StepTimeout(TimeoutError):
     """A step ran longer than its ``timeout``. Subclasses TimeoutError so ``Retry(on=...)``
     can name either."""

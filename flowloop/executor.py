@@ -37,11 +37,13 @@ from flowloop.committer import (
 from flowloop.definition import Workflow
 from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
+from flowloop.holding import Held, context_holding, database_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
-from flowloop.lifecycle import CONTROLS, PAUSES, STOP
+from flowloop.lifecycle import CONTROLS, STOP
 from flowloop.localdue import LocalDue
 from flowloop.recovery import RECOVERY_BATCH, Recovery
+from flowloop.run_requests import Requests
 from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
@@ -132,7 +134,7 @@ class _Active:
     by a task of its own, with a mark of its own."""
 
 
-class Executor(Stepping, Recovery):
+class Executor(Stepping, Recovery, Requests):
     """Drives runs of registered workflows from one asyncio event loop."""
 
     def __init__(
@@ -148,6 +150,8 @@ class Executor(Stepping, Recovery):
         listeners: Sequence[Listener] = (),
     ) -> None:
         self.store = store
+        self._database = database_of(store)
+        """Which database this is, for the slots its limited runs hold (flowloop.holding)."""
         self.workflows = workflows
         self.clock = clock
         self.worker_id = worker_id
@@ -435,7 +439,13 @@ class Executor(Stepping, Recovery):
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
         workflow = self.workflows.get(name)
         limited = workflow is not None and workflow.limited
-        task = asyncio.create_task(self._drive(stored, starting=starting))
+        drive = self._drive(stored, starting=starting)
+        if limited:
+            # Its steps hold its slot: a call of theirs waiting on that slot is refused.
+            slot = Held(self._database, name, stored.limit_key)
+            task = asyncio.create_task(drive, context=context_holding(slot))
+        else:
+            task = asyncio.create_task(drive)
         self._active[stored.id] = active = _Active(task, name)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
@@ -512,34 +522,6 @@ class Executor(Stepping, Recovery):
             active.lost = True
             active.task.cancel()
 
-    def apply_controls(self, requests: Mapping[str, str]) -> None:
-        """Pending pause/stop requests (read by the lease thread, flowloop/leasethread.py).
-
-        The requests are this worker id's: those of runs another executor drives (another
-        thread's ``Engine.run``, a worker) are not kept — kept, they stayed for ever, and
-        paused such a run again were this executor to drive it after an unpause. A drive
-        given up here (lost) takes none.
-
-        They come after every poll that found some, and a few after the last of those
-        (flowloop.leasethread.QUIET_POLLS_HANDED), an overtaken one left out: a
-        pause an earlier poll read that this one lacks was withdrawn (``unpause`` of a
-        running run clears its request), and is dropped, unless the run's boundary has
-        honoured it already."""
-        for run_id in self._polled_pauses - requests.keys():
-            if self._controls.get(run_id) in PAUSES:
-                del self._controls[run_id]
-        self._polled_pauses = set()
-        for run_id, action in requests.items():
-            active = self._active.get(run_id)
-            if active is None or active.lost:
-                continue
-            self._controls[run_id] = action
-            if action in PAUSES:
-                self._polled_pauses.add(run_id)
-            if action == STOP and active.step_task is not None:
-                active.stopping_step = "stop"
-                active.step_task.cancel()
-
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
 
     def _notify(self, boundary: Boundary) -> None:
@@ -556,7 +538,10 @@ class Executor(Stepping, Recovery):
             at = boundary.events[-1].at if boundary.events else 0.0
             self.committed[boundary.run_id] = (boundary.record, at)
 
-    async def _commit(self, boundary: Boundary) -> bool:
+    async def _commit(self, boundary: Boundary, *, refused_is_lost: bool = True) -> bool:
+        """Write ``boundary`` (alone, or in a shared commit); whether it was applied. A
+        refusal gives the run up as lost, unless ``refused_is_lost`` is False (a boundary
+        honouring a request that may have changed: its caller looks at the row first)."""
         run_id = boundary.run_id
         if self.leases.fenced(run_id):
             # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
@@ -583,18 +568,18 @@ class Executor(Stepping, Recovery):
                 # still held, but nothing may follow it (the next step must not start).
                 self.leases.given_up.add(run_id)
                 return False
-        else:
-            self.stats.lost_leases += 1
-            why = "write refused (lease lost or run changed by another writer); abandoning it"
-            log.warning(
-                "run %s: %s",
-                run_id,
-                why,
-                extra={"run": run_id, "event": "lease_lost"},
-            )
-            self.leases.given_up.add(run_id)
-            self.leases.tell_lost(run_id, why)
+        elif refused_is_lost:
+            self._give_up(run_id)
         return applied
+
+    def _give_up(self, run_id: str) -> None:
+        """A write of the run was refused: this drive lost it (its lease, or another writer
+        moved it); say so, and write nothing more of it."""
+        self.stats.lost_leases += 1
+        why = "write refused (lease lost or run changed by another writer); abandoning it"
+        log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
+        self.leases.given_up.add(run_id)
+        self.leases.tell_lost(run_id, why)
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
         fields.update(
@@ -613,9 +598,11 @@ class Executor(Stepping, Recovery):
         events: list[JournalEvent],
         *,
         honoured: str | None = None,
-    ) -> None:
+        refused_is_lost: bool = True,
+    ) -> bool:
         """Commit the run's last boundary here, letting it go; ``honoured``: the request
-        (a pause, a stop) it honours, cleared with it while the row still holds it."""
+        (a pause, a stop) it honours, cleared with it while the row still holds it.
+        Whether it was applied (see :meth:`_commit`)."""
         for event in events:
             record = j.apply(record, event)
         boundary = Boundary(
@@ -626,18 +613,7 @@ class Executor(Stepping, Recovery):
             clear_control=honoured is not None,
             seen_control=honoured,
         )
-        await self._commit(boundary)
-
-    def _confirmed_control(self, run_id: str) -> str | None:
-        """The request the run's row holds now, read again before a boundary honours one:
-        the last poll's may be a poll old (a stop asked for since, a pause withdrawn by an
-        unpause). The boundary is fenced on it too, for a change after this read."""
-        action = self.store.pending_controls(worker=self.worker_id).get(run_id)
-        if action in CONTROLS:
-            self._controls[run_id] = action
-            return action
-        self._controls.pop(run_id, None)
-        return None
+        return await self._commit(boundary, refused_is_lost=refused_is_lost)
 
     async def _drive(self, stored: StoredRun, *, starting: bool) -> None:
         record, fence = stored.record, Fence(self.worker_id, stored.lease_epoch)
@@ -767,21 +743,6 @@ class Executor(Stepping, Recovery):
             context_version=record.context_version,
             old=None if same else self.store.definition(record.fingerprint),
         )
-
-    async def _honour_control(self, record: RunRecord, fence: Fence) -> bool:
-        if record.id not in self._controls:
-            return False
-        action = self._confirmed_control(record.id)
-        if action is None:
-            return False
-        kind, data = j.control_entry(action)
-        await self._finish(
-            record,
-            fence,
-            [self._event(record, kind, state=record.state, data=data)],
-            honoured=action,
-        )
-        return True
 
     async def _cut_off(self, record: RunRecord, fence: Fence) -> None:
         """A step cancelled by shutdown or an operator's stop: journal it, then let go."""

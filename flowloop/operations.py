@@ -120,7 +120,7 @@ class Operations:
             events=[event],
             record=j.apply(record, event),
             fence=Fence(None, stored.lease_epoch),
-            clear_control=True,
+            clear_control=_clears_request(kind, stored.control),
             seen_control=stored.control,  # a request made since: refused, the caller looks again
         )
         written = self.store.write([boundary])[0]
@@ -420,6 +420,15 @@ class Operations:
         if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
         return self.get(run_id)
+
+
+def _clears_request(kind: str, pending: str | None) -> bool:
+    """Whether an operator's entry of ``kind`` takes the place of the request ``pending``
+    on the run: a pause, a stop and a retry do; an unpause a pause only (a stop asked for
+    stays, for the run's next claim); a migration none."""
+    if kind in (j.RUN_PAUSED, j.RUN_STOPPED, j.RUN_RETRIED):
+        return True
+    return kind == j.RUN_UNPAUSED and pending in PAUSES
 
 
 def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:

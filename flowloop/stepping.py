@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
@@ -43,7 +43,6 @@ from flowloop.events import check_visits, entering, receive
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
-from flowloop.lifecycle import CONTROLS
 from flowloop.store import Boundary, Fence, Store
 
 if TYPE_CHECKING:
@@ -117,8 +116,16 @@ class Stepping:
             events: list[JournalEvent],
             *,
             honoured: str | None = None,
-        ) -> None: ...
+            refused_is_lost: bool = True,
+        ) -> bool: ...
         def _confirmed_control(self, run_id: str) -> str | None: ...
+        async def _commit_honouring(
+            self,
+            record: RunRecord,
+            fence: Fence,
+            action: str,
+            entries: Callable[[str], list[JournalEvent]],
+        ) -> bool | None: ...
         def _event(
             self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
         ) -> JournalEvent: ...
@@ -339,21 +346,23 @@ class Stepping:
         action = self._controls.get(record.id)
         if action is not None:
             action = self._confirmed_control(record.id)  # may be withdrawn or a stop now
-        if action in CONTROLS or self._draining:
-            events = [transition]
-            if action in CONTROLS:
-                kind, data = j.control_entry(action)
-                events.append(self._event(record, kind, offset=2, state=target, data=data))
-            else:  # draining: say so in the journal (the due time stays the transition's)
-                reason = interruptions.RELEASED_ON_SHUTDOWN
-                due = after.next_run_at
-                released = {"due": due, "reason": reason}
-                events.append(
-                    self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
-                )
-            await self._finish(record, fence, events, honoured=action)
-            if action is None and target in workflow.waits:
-                self._deliver(record.id)  # draining: still hand it what was kept for it
+        if action is not None:
+
+            def entries(honour: str) -> list[JournalEvent]:
+                kind, data = j.control_entry(honour)
+                entry = self._event(record, kind, offset=2, state=target, data=data)
+                return [transition, entry]
+
+            if await self._commit_honouring(record, fence, action, entries) is not None:
+                return None
+            # (withdrawn meanwhile: nothing written, the run goes on)
+        if self._draining:  # say so in the journal (the due time stays the transition's)
+            reason = interruptions.RELEASED_ON_SHUTDOWN
+            released = {"due": after.next_run_at, "reason": reason}
+            event = self._event(record, j.RUN_RELEASED, offset=2, state=target, data=released)
+            await self._finish(record, fence, [transition, event])
+            if target in workflow.waits:
+                self._deliver(record.id)  # still hand it what was kept for it
             return None
         if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
             # A call/map state: fan out now (the entry committed with it), no claim first.
@@ -594,7 +603,9 @@ class Stepping:
         if spec.is_async:
             future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
         else:
-            work = self._threads.submit(spec.fn, *args)
+            # In the run task's context, as asyncio.to_thread would: what the run holds
+            # (flowloop.holding) and the caller's context variables reach the step.
+            work = self._threads.submit(copy_context().run, spec.fn, *args)
             work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
             thread = work

@@ -390,20 +390,22 @@ class RunTracing:
 
 def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = None) -> RunTracing:
     """Trace ``engine``'s runs with OpenTelemetry (the global tracer provider unless given;
-    it must be the SDK's). Call it before the engine runs anything: the executor takes its
-    listeners when it is created. Runs started from now on record the caller's current span
-    (or ``trace_context=``) as their parent. Returns the listener.
+    it must be the SDK's). Call it before the engine runs anything: a worker, or a
+    ``run_until_idle`` in progress, keeps the listeners it started with (the executors
+    ``engine.run`` keeps per thread are reached). Runs started from now on record the
+    caller's current span (or ``trace_context=``) as their parent. Returns the listener.
 
     Raises FlowloopError when the provider is not the OpenTelemetry SDK's."""
-    for listener in engine.listeners:
-        if isinstance(listener, RunTracing):
-            return listener  # instrumented already: a second listener would double every span
-    provider = tracer_provider or api.get_tracer_provider()
-    from flowloop import __version__
+    with engine._listening:  # one listener, however many threads instrument at once
+        for listener in engine.listeners:
+            if isinstance(listener, RunTracing):
+                return listener  # instrumented already: a second would double every span
+        provider = tracer_provider or api.get_tracer_provider()
+        from flowloop import __version__
 
-    tracing = RunTracing(engine, provider.get_tracer(SCOPE, __version__))
-    engine.listen(tracing, direct=True)  # executors kept already by threads too
-    engine.trace_new = tracing.new_run
+        tracing = RunTracing(engine, provider.get_tracer(SCOPE, __version__))
+        engine.listen(tracing, direct=True)  # executors kept already by threads too
+        engine.trace_new = tracing.new_run
     return tracing
 
 

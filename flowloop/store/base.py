@@ -50,6 +50,9 @@ class StoredRun:
     problem: str | None = None
     """Why part of the row could not be read (a corrupt JSON column), else ``None``: the
     executor then fails the run with this as its error instead of stepping it."""
+    limit_key: str | None = None
+    """The key whose ``key_limit`` the run counts against (its workflow's
+    ``concurrency_key``), else ``None``."""
 
     @property
     def id(self) -> str:

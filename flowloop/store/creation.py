@@ -105,6 +105,7 @@ def _created(new: NewRun, row: dict[str, Any], lease: float | None) -> StoredRun
             "control": None,
             "created_at": row["created_at"],
             "updated_at": row["updated_at"],
+            "limit_key": new.limit_key,
         },
     )
 

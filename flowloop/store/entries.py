@@ -512,6 +512,7 @@ def stored_from_mapping(m: Mapping[str, Any]) -> StoredRun:
         created_at=m["created_at"],
         updated_at=m["updated_at"],
         problem=problem,
+        limit_key=m["limit_key"],
     )
     return stored
 

@@ -6,11 +6,13 @@ a batch."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from storekit import event, new_run, pause, start_step
 
 from flowloop import journal as j
+from flowloop.children import _stop_child
 from flowloop.store import Boundary, SQLStore, StoredRun
 
 
@@ -71,15 +73,53 @@ def test_honouring_a_withdrawn_pause_is_refused(store: SQLStore) -> None:
     assert (row.control, row.record.status) == (None, "running")
 
 
-def test_a_batch_refuses_only_the_honour_whose_request_changed(store: SQLStore) -> None:
+def _batch_verdicts(store: SQLStore, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """What each batch written at once (not one by one) came to: applied as a whole, or
+    refused (then written one by one)."""
+    verdicts: list[bool] = []
+    at_once = store._write_batch_driver
+
+    def noted(*args: Any) -> bool:
+        verdicts.append(at_once(*args))
+        return verdicts[-1]
+
+    monkeypatch.setattr(store, "_write_batch_driver", noted)
+    return verdicts
+
+
+def test_a_batch_of_honours_whose_requests_hold_is_written_at_once(
+    store: SQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Honours that saw a pause, a parent's pause and no request (NULL) alike, in one
+    batch: applied as a batch (one statement per kind on PostgreSQL), not one by one."""
+    starts = _running(store, 6)
+    seen = ["pause", "parent pause", None, "pause", None, "parent pause"]
+    for start, request in zip(starts, seen, strict=True):
+        if request is not None:
+            assert store.request_control(start.run_id, request)
+    verdicts = _batch_verdicts(store, monkeypatch)
+    honours = [_honouring(start, request) for start, request in zip(starts, seen, strict=True)]
+    assert store.write(honours) == [True] * 6
+    assert verdicts == [True]
+    for start in starts:
+        row = _row(store, start.run_id)
+        assert (row.control, row.record.status) == (None, "paused")
+
+
+def test_a_batch_refuses_only_the_honour_whose_request_changed(
+    store: SQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Six runs pause in one batch (on PostgreSQL one statement per kind, on SQLite an
-    executemany); the third's request became a stop meanwhile: that one is refused and keeps
-    its stop, the other five are paused with their requests cleared."""
+    executemany); the third's request became a stop meanwhile: the batch is refused, and
+    written one by one that one is refused and keeps its stop, the other five are paused
+    with their requests cleared."""
     starts = _running(store, 6)
     for start in starts:
         assert store.request_control(start.run_id, "pause")
     assert store.request_control(starts[2].run_id, "stop")
+    verdicts = _batch_verdicts(store, monkeypatch)
     written = store.write([_honouring(start, "pause") for start in starts])
+    assert verdicts == [False]
     assert written == [True, True, False, True, True, True]
     for start, ok in zip(starts, written, strict=True):
         row = _row(store, start.run_id)
@@ -137,3 +177,39 @@ def test_a_write_that_does_not_clear_the_request_is_not_fenced_on_it(
     )
     assert store.write([boundary]) == [True]
     assert _row(store, start.run_id).control == "stop"
+
+
+def test_a_childs_stop_refused_looks_at_the_child_again(store: SQLStore) -> None:
+    """A child read with no request, asked to stop meanwhile (its parent's deadline path):
+    the stop entry, fenced on what was read, is refused; the child is read again and
+    stopped, its request cleared."""
+    stored, _ = store.create_run(new_run())
+    assert store.request_control(stored.id, "stop")  # after the read below was made
+    assert _stop_child(store, stored, now=time.time(), worker="w")
+    row = _row(store, stored.id)
+    assert (row.record.status, row.control) == ("stopped", None)
+
+
+def test_a_child_claimed_meanwhile_is_asked_to_stop(store: SQLStore) -> None:
+    stored, _ = store.create_run(new_run())
+    claimed = store.claim(
+        worker="a", now=time.time(), limit=1, lease_seconds=30, run_ids=[stored.id]
+    )
+    assert [c.id for c in claimed] == [stored.id]
+    assert _stop_child(store, stored, now=time.time(), worker="w")  # as read: nobody's
+    row = _row(store, stored.id)
+    assert (row.owner, row.control) == ("a", "stop"), row
+    assert row.record.last_seq == stored.record.last_seq  # nothing journaled: its owner stops it
+
+
+def test_a_child_that_ended_meanwhile_is_left_alone(store: SQLStore) -> None:
+    """Ended after it was read: not counted, and no stop left on its row (a later retry
+    would otherwise be stopped by it)."""
+    stored, _ = store.create_run(new_run())
+    record = stored.record
+    stopped = event(record, j.RUN_STOPPED, state=record.state)
+    ending = Boundary(events=[stopped], record=j.apply(record, stopped), fence=pause(stored).fence)
+    assert store.write([ending]) == [True]
+    assert not _stop_child(store, stored, now=time.time(), worker="w")
+    row = _row(store, stored.id)
+    assert (row.record.status, row.control) == ("stopped", None)

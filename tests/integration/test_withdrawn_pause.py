@@ -369,3 +369,95 @@ def test_a_pause_withdrawn_after_the_claim_read_it_lets_the_run_go_on(store_url:
         info = engine.get(run_id)
     assert withdrawn == [True]
     assert info.status == "succeeded", info
+
+
+def _then_meanwhile(call: _Call, act: Callable[[str], None]) -> None:
+    """After the executor reads a run's request again (before its boundary honours it),
+    ``act(run_id)`` once: what an operator does between that read and the write."""
+    executor = call.executor
+    confirmed = executor._confirmed_control
+
+    def and_then(run_id: str) -> str | None:
+        action: str | None = confirmed(run_id)
+        del executor._confirmed_control  # once
+        act(run_id)
+        return action
+
+    executor._confirmed_control = and_then
+
+
+def test_a_pause_withdrawn_between_the_read_and_the_write_lets_the_run_go_on(
+    store_url: str,
+) -> None:
+    """The boundary's honouring write is refused (the request changed), the row is read
+    again: no request now, and the run goes on with its step's outcome (before the retry,
+    the run was given up as lost: its step ran again after the lease ran out)."""
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        _then_meanwhile(call, lambda run: engine.store.withdraw_control(run, "pause"))
+        call.release.set()
+        info = call.ended()
+        kinds = [event.kind for event in engine.history(run_id)]
+    assert info.status == "succeeded", info
+    assert info.context.n == 2  # type: ignore[attr-defined]
+    assert kinds.count("step_started") == 2 and "step_interrupted" not in kinds, kinds
+    assert call.executor.stats.lost_leases == 0
+
+
+def test_a_stop_between_the_read_and_the_write_stops_the_run_with_its_steps_outcome(
+    store_url: str,
+) -> None:
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        _then_meanwhile(call, lambda run: engine.store.request_control(run, "stop"))
+        call.release.set()
+        info = call.ended()
+        kinds = [event.kind for event in engine.history(run_id)]
+    assert info.status == "stopped", info
+    assert kinds[-2:] == ["step_succeeded", "run_stopped"], kinds
+    assert call.executor.stats.lost_leases == 0
+
+
+def test_a_database_error_reading_the_request_again_honours_the_polled_one(
+    store_url: str,
+) -> None:
+    """The read before the boundary fails as an outage does: the request the last poll
+    read is honoured (the write is fenced on it), not an error out of the run's drive."""
+    from sqlalchemy.exc import OperationalError
+
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        store: Any = engine.store
+        read = store.pending_controls
+
+        def out_in_the_calls_thread(*, worker: str) -> Any:
+            if threading.current_thread() is call.thread:
+                raise OperationalError("SELECT control", {}, Exception("database is locked"))
+            return read(worker=worker)
+
+        store.pending_controls = out_in_the_calls_thread
+        call.release.set()
+        info = call.ended()
+        del store.pending_controls
+    assert info.status == "paused", info
+
+
+def test_unpausing_a_run_with_a_stop_pending_leaves_the_stop(store_url: str) -> None:
+    """A paused run asked to stop meanwhile (a stop nobody has honoured on its row): the
+    unpause takes the pause away, not the stop, and the run's next claim stops it (before,
+    the unpause cleared the stop and the run ran to its end)."""
+    started, release = threading.Event(), threading.Event()
+    release.set()
+    workflow = _long_step_workflow(started, release)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        assert engine.pause(run_id).status == "paused"
+        assert engine.store.request_control(run_id, "stop")
+        assert engine.unpause(run_id).status == "scheduled"
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert info.status == "stopped", info
+    assert not started.is_set()
