@@ -44,7 +44,7 @@ from flowloop.executor import (
 )
 from flowloop.flowcontrol import limit_key_of
 from flowloop.freshstack import steady_call
-from flowloop.holding import database_of, refuse_held_back
+from flowloop.holding import HELD, database_of, refuse_held_back
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
@@ -499,6 +499,13 @@ class Engine(Operations, LoopControls, RunReading):
         trace_context: Mapping[str, str] | None = None,
     ) -> RunInfo:
         """:meth:`run` for callers already inside an event loop."""
+        # A step waiting for a run its own run's (and callers') limit slots hold back: a
+        # new run is refused before anything is written, one found by its key once found.
+        held_back = workflow.limited and workflow.initial not in workflow.waits and bool(HELD.get())
+        keyed = key is not None or idempotency_key is not None or workflow.key is not None
+        if held_back and not keyed:
+            limit_key = limit_key_of(workflow, workflow.parse_context(context))
+            refuse_held_back(database_of(self.store), workflow, limit_key)
         new = self._new_run(
             workflow,
             context,
@@ -515,12 +522,12 @@ class Engine(Operations, LoopControls, RunReading):
             if workflow.initial in workflow.steps and not gates.gated_start(workflow)
             else None,
         )
-        if workflow.limited:  # a step waiting for a run its own run's slot holds back
-            refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
+        if held_back and keyed and stored.owner is None and _queued(stored.record, workflow):
+            refuse_held_back(database_of(self.store), workflow, stored.limit_key, queued=stored.id)
         executor = self._executor()
         if created and stored.owner is not None:
             # Fast path: drive the run we just created and claimed, without polling the
@@ -572,11 +579,7 @@ class Engine(Operations, LoopControls, RunReading):
             )
         else:
             info = self.get(stored.id)
-        if (
-            info.status in ("scheduled", "retrying")
-            and info.state not in workflow.waits
-            and not executor.handing_back  # a first Ctrl-C (flowloop.interrupt): stop here
-        ):
+        if _queued(info, workflow) and not executor.handing_back:  # (a first Ctrl-C: stop)
             # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
             # run in a call or map state is driven with its children until it moves on.
             family = children.family(self.store, stored.id)
@@ -716,3 +719,9 @@ async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
         return await work
     finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)
+
+
+def _queued(run: RunRecord | RunInfo, workflow: Workflow) -> bool:
+    """A run ``arun`` waits for until a claim takes it: due or backing off, not waiting
+    for an event (a run in a call or map state waits for its children's claims)."""
+    return run.status in ("scheduled", "retrying") and run.state not in workflow.waits

@@ -50,24 +50,28 @@ def context_holding(slot: Held) -> contextvars.Context:
     return context
 
 
-def refuse_held_back(database: str, workflow: Workflow, limit_key: str | None) -> None:
-    """Raise :class:`HeldBack` when a new run of ``workflow`` (with ``limit_key``) cannot
-    be claimed before the runs calling this code end: their slots fill its limit."""
+def refuse_held_back(
+    database: str, workflow: Workflow, limit_key: str | None, *, queued: str | None = None
+) -> None:
+    """Raise :class:`HeldBack` when a run of ``workflow`` (with ``limit_key``) cannot be
+    claimed before the runs calling this code end: their slots fill its limit. ``queued``:
+    the run exists already (found by its key, or made by this call), queued."""
     held = [h for h in HELD.get() if h.database == database and h.workflow == workflow.name]
+    why = None
     limit = workflow.max_concurrency
     if limit is not None and len(held) >= limit:
-        raise HeldBack(
-            f"a run of {workflow.name!r} waited for from a step of a {workflow.name!r} run "
-            f"would wait for ever: its max_concurrency={limit} is held by the calling "
-            f"run(s); start it with engine.start() and let the step end, or raise the limit"
-        )
+        why = f"its max_concurrency={limit} is held by the calling run(s)"
     key_limit = workflow.key_limit
-    if limit_key is None or key_limit is None:
+    same_key = sum(h.limit_key == limit_key for h in held) if limit_key is not None else 0
+    if why is None and key_limit is not None and same_key >= key_limit:
+        why = f"the key_limit={key_limit} of key {limit_key!r} is held by the calling run(s)"
+    if why is None:
         return
-    if sum(h.limit_key == limit_key for h in held) >= key_limit:
-        raise HeldBack(
-            f"a run of {workflow.name!r} with key {limit_key!r} waited for from a step of a "
-            f"run with that key would wait for ever: its key_limit={key_limit} is held by "
-            f"the calling run(s); start it with engine.start() and let the step end, or "
-            f"raise the limit"
-        )
+    then = (
+        f"run {queued} is queued and runs once the calling step has ended"
+        if queued is not None
+        else "start it with engine.start() to run once the step has ended, or raise the limit"
+    )
+    raise HeldBack(
+        f"a step waiting for a run of {workflow.name!r} would wait for ever: {why}; {then}"
+    )

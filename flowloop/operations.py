@@ -424,11 +424,11 @@ class Operations:
 
 def _clears_request(kind: str, pending: str | None) -> bool:
     """Whether an operator's entry of ``kind`` takes the place of the request ``pending``
-    on the run: a pause, a stop and a retry do; an unpause a pause only (a stop asked for
-    stays, for the run's next claim); a migration none."""
-    if kind in (j.RUN_PAUSED, j.RUN_STOPPED, j.RUN_RETRIED):
+    on the run: a stop and a retry do; a pause and an unpause a pause only (a stop asked
+    for stays, for the run's next claim); a migration none."""
+    if kind in (j.RUN_STOPPED, j.RUN_RETRIED):
         return True
-    return kind == j.RUN_UNPAUSED and pending in PAUSES
+    return kind in (j.RUN_PAUSED, j.RUN_UNPAUSED) and pending in PAUSES
 
 
 def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:

@@ -134,7 +134,7 @@ class Requests:
                 record, fence, entries(action), honoured=action, refused_is_lost=False
             ):
                 return True
-            lost, now = self._request_now(record, fence, action)
+            lost, now = self._request_now(record, fence)
             if lost:
                 break
             if now is None:
@@ -144,14 +144,11 @@ class Requests:
             self._give_up(record.id)
         return False
 
-    def _request_now(
-        self, record: RunRecord, fence: Fence, refused: str
-    ) -> tuple[bool, str | None]:
-        """After a write honouring ``refused`` was refused: whether the run is lost to this
+    def _request_now(self, record: RunRecord, fence: Fence) -> tuple[bool, str | None]:
+        """After a write honouring a request was refused: whether the run is lost to this
         drive, else the request its row holds now. Lost: no longer this drive's as
         ``record`` left it (another owner or epoch, its journal moved on, its lease fenced
-        off here or ended by the database's clock — the request unchanged), or the
-        database out (the refusal is then taken as the lease's loss)."""
+        off here), or the database out (the refusal is then taken as the lease's loss)."""
         if self.leases.fenced(record.id):
             return True, None
         try:
@@ -167,6 +164,6 @@ class Requests:
             or row.record.last_seq != record.last_seq
         ):
             return True, None
-        if row.control == refused:
-            return True, None  # not the request's doing
+        # (The request as it was: changed and changed back, or the lease ended by the
+        # database's clock; written again, a lease that ended refuses it again.)
         return False, self._kept(record.id, row.control)

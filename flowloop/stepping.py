@@ -604,8 +604,11 @@ class Stepping:
             future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
         else:
             # In the run task's context, as asyncio.to_thread would: what the run holds
-            # (flowloop.holding) and the caller's context variables reach the step.
-            work = self._threads.submit(copy_context().run, spec.fn, *args)
+            # (flowloop.holding) and the caller's context variables reach the step. Not
+            # this executor's inline steps: an engine called from the thread has its own.
+            context = copy_context()
+            context.run(SYNC_STEPS_INLINE.set, False)
+            work = self._threads.submit(context.run, spec.fn, *args)
             work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
             thread = work

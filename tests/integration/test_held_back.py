@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, Workflow
+from flowloop import Engine, Workflow, holding
 from flowloop.errors import HeldBack
 
 WAIT_S = 20.0
@@ -62,14 +62,16 @@ def _top(store_url: str, **limits: Any) -> Ctx:
 
 def test_a_step_waiting_for_its_own_workflows_only_slot_is_refused(store_url: str) -> None:
     got = _top(store_url, max_concurrency=1)
-    assert got.nested.startswith("refused: a run of 'nesting' waited for"), got.nested
-    assert "max_concurrency=1 is held by the calling run(s)" in got.nested
+    assert got.nested == (
+        "refused: a step waiting for a run of 'nesting' would wait for ever: its "
+        "max_concurrency=1 is held by the calling run(s); start it with engine.start() "
+        "to run once the step has ended, or raise the limit"
+    )
 
 
 def test_a_step_waiting_for_its_own_keys_only_slot_is_refused(store_url: str) -> None:
     got = _top(store_url, concurrency_key=lambda ctx: ctx.customer, key_limit=1)
-    assert got.nested.startswith("refused: a run of 'nesting' with key 'c1'"), got.nested
-    assert "key_limit=1" in got.nested
+    assert "would wait for ever: the key_limit=1 of key 'c1' is held" in got.nested, got.nested
 
 
 def test_a_run_of_another_key_is_not_held_back(store_url: str) -> None:
@@ -87,8 +89,8 @@ def test_slots_held_along_a_chain_of_callers_count_together(store_url: str) -> N
     """``max_concurrency=2``: the top run's call is claimed (one slot held), the second
     level's is refused (both slots held by its callers)."""
     got = _top(store_url, max_concurrency=2, until=2)
-    assert got.nested.startswith("succeeded / refused: a run of 'nesting'"), got.nested
-    assert "max_concurrency=2" in got.nested
+    assert got.nested.startswith("succeeded / refused: a step waiting for a run"), got.nested
+    assert "its max_concurrency=2 is held" in got.nested
 
 
 def test_a_def_step_in_a_thread_is_refused_too(store_url: str) -> None:
@@ -123,3 +125,108 @@ def test_a_worker_claimed_run_holds_its_slot_too(store_url: str) -> None:
         info = engine.get(run_id)
     assert info.status == "succeeded", info
     assert info.context.nested.startswith("refused: ")  # type: ignore[attr-defined]
+
+
+def _as_if_in_a_step_of(engine: Engine, workflow: str) -> Any:
+    """A context as a step of a ``workflow`` run (without a key) driven here has."""
+    slot = holding.Held(holding.database_of(engine.store), workflow, None)
+    return holding.context_holding(slot)
+
+
+def _one_step(name: str, **limits: Any) -> Workflow:
+    workflow = Workflow(name, context=Ctx, **limits)
+
+    @workflow.step(initial=True, next="done")
+    def only(ctx: Ctx) -> None:
+        ctx.nested = "ran"
+
+    workflow.final("done")
+    return workflow
+
+
+def test_a_run_found_by_its_key_that_has_ended_is_returned(store_url: str) -> None:
+    """The run waited for was made earlier and has ended: found by its idempotency key it
+    is returned at once, needing no slot, not refused."""
+    child = _one_step("child", max_concurrency=1)
+    with Engine(store_url, workflows=[child]) as engine:
+        ended = engine.run(child, Ctx(), idempotency_key="once")
+        assert ended.status == "succeeded"
+        in_a_step = _as_if_in_a_step_of(engine, "child")
+        again = in_a_step.run(engine.run, child, Ctx(), idempotency_key="once")
+        assert again.id == ended.id and again.status == "succeeded"
+        with pytest.raises(HeldBack, match="max_concurrency=1"):
+            in_a_step.run(engine.run, child, Ctx())  # a new one would wait for ever
+        assert len(engine.runs()) == 1
+
+
+def test_a_limited_workflow_that_starts_waiting_is_not_refused(store_url: str) -> None:
+    """Its run is made waiting for an event: ``run`` returns it at once, holding no slot."""
+    waiting = Workflow("waiting", context=Ctx, max_concurrency=1)
+    waiting.wait("idle", on={"go": "done"}, initial=True)
+    waiting.final("done")
+    with Engine(store_url, workflows=[waiting]) as engine:
+        info = _as_if_in_a_step_of(engine, "waiting").run(engine.run, waiting, Ctx())
+    assert (info.state, info.status) == ("idle", "scheduled"), info
+
+
+def test_a_run_on_another_database_is_not_held_back(store_url: str, tmp_path: Any) -> None:
+    other_url = f"sqlite:///{tmp_path / 'other.db'}"
+    engines: dict[str, Engine] = {}
+    workflow = _nesting(engines, "nesting", until=1, max_concurrency=1)
+    with Engine(store_url, workflows=[workflow]) as here, Engine(other_url) as there:
+        engines["engine"] = there  # the step's call goes to the other database
+        info = here.run(workflow, Ctx())
+    assert info.status == "succeeded", info
+    assert info.context.nested == "succeeded"  # type: ignore[attr-defined]
+
+
+def test_a_keyed_run_made_by_the_refused_call_runs_once_the_caller_has_ended(
+    store_url: str,
+) -> None:
+    """With a business key the run is made (so that the step's retry finds it, not a
+    second), then refused: the message names it, and it runs after its caller."""
+    engines: dict[str, Engine] = {}
+    workflow = Workflow("keyed", context=Ctx, max_concurrency=1, key=lambda ctx: f"k{ctx.depth}")
+    refused: list[str] = []
+
+    @workflow.step(initial=True, next="done")
+    async def call_myself(ctx: Ctx) -> None:
+        if ctx.depth == 0:
+            try:
+                await asyncio.wait_for(engines["engine"].arun(workflow, Ctx(depth=1)), WAIT_S)
+            except HeldBack as error:
+                refused.append(str(error))
+
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        engines["engine"] = engine
+        assert engine.run(workflow, Ctx()).status == "succeeded"
+        (queued,) = [run for run in engine.runs() if run.key == "k1"]
+        assert refused == [
+            f"a step waiting for a run of 'keyed' would wait for ever: its "
+            f"max_concurrency=1 is held by the calling run(s); run {queued.id} is queued "
+            f"and runs once the calling step has ended"
+        ]
+        engine.run_until_idle()
+        assert engine.get(queued.id).status == "succeeded"
+
+
+def test_a_def_step_in_a_thread_has_engine_runs_inline_flag_off(
+    store_url: str,
+) -> None:
+    """``engine.run`` runs its ``def`` steps without a timeout inline (a context flag); one
+    with a timeout runs in a thread with the run's context variables, that flag off, so an
+    engine the step calls drives its own steps as usual."""
+    from flowloop.stepping import SYNC_STEPS_INLINE
+
+    seen: list[bool] = []
+    workflow = Workflow("flagged", context=Ctx)
+
+    @workflow.step(initial=True, next="done", timeout=WAIT_S)
+    def threaded(ctx: Ctx) -> None:
+        seen.append(SYNC_STEPS_INLINE.get())
+
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        assert engine.run(workflow, Ctx()).status == "succeeded"
+    assert seen == [False]

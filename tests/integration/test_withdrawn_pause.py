@@ -461,3 +461,32 @@ def test_unpausing_a_run_with_a_stop_pending_leaves_the_stop(store_url: str) -> 
         info = engine.get(run_id)
     assert info.status == "stopped", info
     assert not started.is_set()
+
+
+def test_an_operators_pause_of_a_parent_paused_run_leaves_a_stop_pending(
+    store_url: str,
+) -> None:
+    """A run its parent paused, asked to stop meanwhile, then paused by an operator (the
+    pause becomes its own): the stop stays on its row, and the run stops at its next claim
+    (before, the operator's pause entry cleared it)."""
+    from flowloop import journal as j
+
+    started, release = threading.Event(), threading.Event()
+    release.set()
+    workflow = _long_step_workflow(started, release)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        stored = engine.store.get_run(run_id)
+        assert stored is not None
+        kind, data = j.control_entry("parent pause")
+        assert engine.operate(stored, kind, state=stored.record.state, data=data)
+        assert engine.get(run_id).reason == "parent paused"
+        assert engine.store.request_control(run_id, "stop")
+        assert engine.pause(run_id).reason != "parent paused"  # its own now
+        row = engine.store.get_run(run_id)
+        assert row is not None and row.control == "stop"
+        engine.unpause(run_id)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert info.status == "stopped", info
+    assert not started.is_set()
