@@ -430,13 +430,17 @@ class AppendStoreMixin:
         self, cursor: Any, raw_stmts: Mapping[Any, Raw], key: Any, params: Sequence[Any]
     ) -> bool:
         """The statement ``key`` for each of ``params`` on the driver's cursor: on
-        PostgreSQL once, on the rows' JSON (recordsets.py); whether each changed one row."""
+        PostgreSQL once per part of the rows' JSON (recordsets.py); whether each changed
+        one row."""
         if self._raw_rows is not None:
-            rows = recordsets.rows_json(params)
-            if rows is not None:
+            parts = recordsets.rows_json_parts(params)
+            if parts is not None:
                 stmt = self._raw_rows[key]
-                cursor.execute(stmt.sql, stmt.args({"rows": rows}))
-                return bool(cursor.rowcount == len(params))
+                for rows, count in parts:  # (one, unless its rows are long)
+                    cursor.execute(stmt.sql, stmt.args({"rows": rows}))
+                    if cursor.rowcount != count:
+                        return False
+                return True
         return _executemany(cursor, raw_stmts[key], params, postgres=self._postgres)
 
     def _apply_all(

@@ -41,6 +41,11 @@ from sqlalchemy.sql.selectable import TableValuedAlias
 from flowloop.store.entries import JOURNAL_FIELDS
 from flowloop.store.schema import journal, runs
 
+PART_CHARS: Final = 4_000_000
+"""The most characters of rows one statement reads. A batch of long contexts read as one
+array outlasted the worker's ``statement_timeout`` (a third of its lease, 2 s at least):
+100 runs whose steps each stored 2 MB were cancelled at every retry, for ever (50 runs of
+1 MB, 4 commits, went through). A part of 4 MB takes the server tens of milliseconds."""
 FENCE_COLUMNS: Final = (("f_id", String(40)), ("f_owner", String(200)), ("f_epoch", Integer()))
 """The fence's values of a row (AppendStoreMixin._fence_params)."""
 _NUL: Final = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -101,10 +106,34 @@ def rows_json(params: Sequence[Mapping[str, Any]]) -> str | None:
     batch goes by ``executemany`` and fails as it always has: no text column holds NUL),
     or a value JSON has not (NaN, infinities, a type of its own)."""
     try:
-        # Not ASCII-escaped: shorter for the server to read, and text as the driver sends it.
-        text = json.dumps(params, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+        text = _dumps(params)
     except (TypeError, ValueError):
         return None
     if "\\u0000" in text and _NUL.search(text):
         return None
     return text
+
+
+def rows_json_parts(params: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]] | None:
+    """:func:`rows_json` in parts of at most :data:`PART_CHARS` characters (a row longer
+    than that alone), each with its number of rows; ``None`` as :func:`rows_json`."""
+    whole = rows_json(params)
+    if whole is None or len(whole) <= PART_CHARS:
+        return None if whole is None else [(whole, len(params))]
+    parts: list[tuple[str, int]] = []
+    part: list[str] = []
+    size = 0
+    for row in params:
+        one = _dumps(row)  # as in the whole, which was made
+        if part and size + len(one) > PART_CHARS:
+            parts.append(("[" + ",".join(part) + "]", len(part)))
+            part, size = [], 0
+        part.append(one)
+        size += len(one) + 1
+    parts.append(("[" + ",".join(part) + "]", len(part)))
+    return parts
+
+
+def _dumps(value: Any) -> str:
+    # Not ASCII-escaped: shorter for the server to read, and text as the driver sends it.
+    return json.dumps(value, separators=(",", ":"), allow_nan=False, ensure_ascii=False)

@@ -13,8 +13,8 @@ from storekit import batch_sizes, event, new_run, start_step
 
 from flowloop import Engine, Workflow
 from flowloop import journal as j
-from flowloop.store import Boundary
-from flowloop.store.recordsets import rows_json
+from flowloop.store import Boundary, recordsets
+from flowloop.store.recordsets import rows_json, rows_json_parts
 from flowloop.store.sql import SQLStore
 
 TRICKY = 'quote " backslash \\ text \\u0000, NUL \x00, tab \t, é, 🎉, \u2028'
@@ -52,6 +52,66 @@ def test_rows_json__none_for_what_postgresql_json_refuses() -> None:
     assert rows_json([{"a": b"bytes"}]) is None  # no JSON type: the driver adapts it
     text = rows_json([{"a": "\\u0000", "b": None, "c": 1.5}])  # the text \u0000 is text
     assert text is not None and json.loads(text) == [{"a": "\\u0000", "b": None, "c": 1.5}]
+
+
+def test_rows_json_parts__each_at_most_the_limit_and_together_the_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rows = [{"i": i, "s": "é" * (i % 7) * 40} for i in range(50)]
+    assert rows_json_parts(rows) == [(rows_json(rows), 50)]  # short: one part
+    monkeypatch.setattr(recordsets, "PART_CHARS", 600)
+    parts = rows_json_parts([*rows, {"i": 50, "s": "x" * 2000}])  # the last alone, longer
+    assert parts is not None and len(parts) > 5
+    assert all(len(text) <= 600 for text, _ in parts[:-1]) and len(parts[-1][0]) > 2000
+    decoded = [row for text, count in parts for row in json.loads(text)]
+    assert [count for _, count in parts] == [len(json.loads(text)) for text, _ in parts]
+    assert decoded == [*rows, {"i": 50, "s": "x" * 2000}]
+    assert rows_json_parts([{"a": "x\x00"}]) is None
+
+
+def test_a_batch_of_long_contexts__in_parts_on_postgresql(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight concurrent runs whose steps store long contexts, the parts' limit made small:
+    each batch's rows go in several statements (one array was cancelled by the worker's
+    statement_timeout when the batch was long enough), and every run ends with exactly its
+    context."""
+    monkeypatch.setattr(recordsets, "PART_CHARS", 3_000)
+    counts: list[int] = []
+    in_parts = recordsets.rows_json_parts
+
+    def counted(params: object) -> object:
+        parts = in_parts(params)  # type: ignore[arg-type]
+        counts.append(0 if parts is None else len(parts))
+        return parts
+
+    monkeypatch.setattr(recordsets, "rows_json_parts", counted)
+    workflow = Workflow("long", context=Text)
+
+    @workflow.step(initial=True, next="b")
+    async def a(ctx: Text) -> None:
+        ctx.s = f"{ctx.n:04d}" * 250  # 1,000 characters
+
+    @workflow.step(next="done")
+    async def b(ctx: Text) -> None:
+        ctx.n += 1
+        ctx.s = ctx.s[::-1]
+
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow], max_concurrency=8) as engine:
+        ids = [engine.start(workflow, Text(n=n)).id for n in range(8)]
+        engine.run_until_idle()
+        for n, run_id in enumerate(ids):
+            info = engine.get(run_id)
+            assert info.status == "succeeded", info
+            assert info.context == Text(n=n + 1, s=(f"{n:04d}" * 250)[::-1]), info.context
+            assert engine.replay(run_id).matches
+        assert isinstance(engine.store, SQLStore)
+        postgres = engine.store._postgres
+    if postgres:
+        assert max(counts) > 1, counts
+    else:
+        assert counts == []  # SQLite keeps its executemany
 
 
 def test_a_batch__one_statement_per_kind_and_every_character_kept(
