@@ -64,6 +64,7 @@ from flowloop.store import (
     NewRun,
     SQLStore,
     Store,
+    StoredRun,
 )
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
 from flowloop.store.urls import DEFAULT_URL, ENV_DB, default_url, normalize_url
@@ -499,13 +500,6 @@ class Engine(Operations, LoopControls, RunReading):
         trace_context: Mapping[str, str] | None = None,
     ) -> RunInfo:
         """:meth:`run` for callers already inside an event loop."""
-        # A step waiting for a run its own run's (and callers') limit slots hold back: a
-        # new run is refused before anything is written, one found by its key once found.
-        held_back = workflow.limited and workflow.initial not in workflow.waits and bool(HELD.get())
-        keyed = key is not None or idempotency_key is not None or workflow.key is not None
-        if held_back and not keyed:
-            limit_key = limit_key_of(workflow, workflow.parse_context(context))
-            refuse_held_back(database_of(self.store), workflow, limit_key)
         new = self._new_run(
             workflow,
             context,
@@ -522,11 +516,17 @@ class Engine(Operations, LoopControls, RunReading):
             if workflow.initial in workflow.steps and not gates.gated_start(workflow)
             else None,
         )
+        # A step waiting for a run its own run's (and callers') limit slots hold back: a
+        # new run is refused before it is written, one found by its key once found.
+        held_back = workflow.limited and bool(HELD.get())
+        keyed = new.record.key is not None or idempotency_key is not None
+        if held_back and not keyed and workflow.initial not in workflow.waits:
+            refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
-        if held_back and keyed and stored.owner is None and _queued(stored.record, workflow):
+        if held_back and keyed and _claimed_later(stored, workflow):
             refuse_held_back(database_of(self.store), workflow, stored.limit_key, queued=stored.id)
         executor = self._executor()
         if created and stored.owner is not None:
@@ -719,6 +719,13 @@ async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
         return await work
     finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)
+
+
+def _claimed_later(stored: StoredRun, workflow: Workflow) -> bool:
+    """A run of ``workflow`` (made, or found by its key) that ``arun`` would wait for a
+    claim to take: nobody holds it, and it is queued."""
+    record = stored.record
+    return stored.owner is None and record.workflow == workflow.name and _queued(record, workflow)
 
 
 def _queued(run: RunRecord | RunInfo, workflow: Workflow) -> bool:

@@ -166,7 +166,8 @@ class LeaseLost(FlowloopError):
 
 class HeldBack(FlowloopError):
     """A step would wait for a run that its own run's limit slot (or its callers') holds
-    back: refused at once (flowloop/holding.py), nothing written."""
+    back: refused at once (flowloop/holding.py) — a new run before it is written, one
+    with a key once made or found, queued."""
 
 
 class StepTimeout(TimeoutError):

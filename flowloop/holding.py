@@ -6,7 +6,8 @@ and waits for it (``engine.run``, ``await engine.arun``) waits for ever when the
 that run needs are all held by the very runs waiting for it: the step's own run, and the
 runs whose steps called it. The executor notes each limited run it drives in the context
 of the run's task (copied into its steps, their threads and the runs they start), and a
-call that would wait so is refused at once, before anything is written.
+call that would wait so is refused at once: a new run before it is written, a run with a
+key once made or found (so that the step's retry finds it), named in the message.
 
 This module imports neither sqlalchemy nor asyncio.
 """

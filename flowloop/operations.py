@@ -157,6 +157,8 @@ class Operations:
         status = stored.record.status
         if action in PAUSES and status == "paused":
             if action == PAUSE and stored.record.reason == PARENT_PAUSED:
+                if stored.control == STOP:
+                    raise InvalidTransition(run_id, STOPPING, action)  # its claim stops it
                 # Paused by its parent, now by an operator too: the pause becomes its own,
                 # and unpausing the parent leaves it. (Moved meanwhile: as it now is.)
                 self._operate(stored, j.RUN_PAUSED, state=stored.record.state)
@@ -424,11 +426,12 @@ class Operations:
 
 def _clears_request(kind: str, pending: str | None) -> bool:
     """Whether an operator's entry of ``kind`` takes the place of the request ``pending``
-    on the run: a stop and a retry do; a pause and an unpause a pause only (a stop asked
-    for stays, for the run's next claim); a migration none."""
+    on the run (its write then fenced on it, none included: a request made after the read
+    refuses it): a stop and a retry do; a pause and an unpause a pause, or none (a stop
+    asked for stays, for the run's next claim); a migration never."""
     if kind in (j.RUN_STOPPED, j.RUN_RETRIED):
         return True
-    return kind in (j.RUN_PAUSED, j.RUN_UNPAUSED) and pending in PAUSES
+    return kind in (j.RUN_PAUSED, j.RUN_UNPAUSED) and (pending is None or pending in PAUSES)
 
 
 def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:

@@ -187,8 +187,9 @@ def copy_run_pg(store: SQLStore, run_id: str, copies: int, changed: dict[str, st
 
 
 def batch_sizes(monkeypatch: Any) -> tuple[list[int], list[int]]:
-    """From now on, the sizes of the batches a store sends by ``executemany`` and as one
-    JSON array (PostgreSQL, flowloop/store/recordsets.py), as they are sent."""
+    """From now on, the sizes of the batches a store sends by ``executemany`` and as JSON
+    (PostgreSQL, flowloop/store/recordsets.py: one array, or parts of a long one), as they
+    are encoded."""
     from flowloop.store import appends, recordsets
 
     by_executemany: list[int] = []

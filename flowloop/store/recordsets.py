@@ -122,12 +122,12 @@ def rows_json_parts(params: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]
         return None if whole is None else [(whole, len(params))]
     parts: list[tuple[str, int]] = []
     part: list[str] = []
-    size = 0
+    size = 1  # the part's text: its brackets, and a comma before each row but the first
     for row in params:
         one = _dumps(row)  # as in the whole, which was made
-        if part and size + len(one) > PART_CHARS:
+        if part and size + len(one) + 1 > PART_CHARS:
             parts.append(("[" + ",".join(part) + "]", len(part)))
-            part, size = [], 0
+            part, size = [], 1
         part.append(one)
         size += len(one) + 1
     parts.append(("[" + ",".join(part) + "]", len(part)))

@@ -19,6 +19,7 @@ WAIT_S = 20.0
 
 
 class Ctx(BaseModel):
+    order: str | None = None
     customer: str = "c1"
     other: str = "c1"
     depth: int = 0
@@ -230,3 +231,47 @@ def test_a_def_step_in_a_thread_has_engine_runs_inline_flag_off(
     with Engine(store_url, workflows=[workflow]) as engine:
         assert engine.run(workflow, Ctx()).status == "succeeded"
     assert seen == [False]
+
+
+def test_a_run_whose_business_key_is_none_is_refused_before_it_is_written(
+    store_url: str,
+) -> None:
+    """The workflow names a key field, but this context's is ``None``: the run has no key,
+    so it is refused before anything is written, every time (no queued run per call)."""
+    child = _one_step("optional-key", max_concurrency=1, key="order")
+    with Engine(store_url, workflows=[child]) as engine:
+        in_a_step = _as_if_in_a_step_of(engine, "optional-key")
+        for _ in range(3):
+            with pytest.raises(HeldBack, match=r"start it with engine\.start"):
+                in_a_step.run(engine.run, child, Ctx())
+        assert engine.runs() == []
+
+
+def test_a_run_found_by_its_key_queued_after_its_first_wait_is_refused(
+    store_url: str,
+) -> None:
+    """A workflow that starts waiting: a run of it that an event moved on into a step is
+    queued for a claim; found by its key from a step holding the slot, it is refused
+    (named), not waited for."""
+    workflow = Workflow("wait-first", context=Ctx, max_concurrency=1)
+    workflow.wait("idle", on={"go": "work"}, initial=True)
+    workflow.step(name="work", next="done")(_noted)
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        queued = engine.start(workflow, Ctx(), idempotency_key="other")
+        assert engine.send(queued.id, "go").run.state == "work"
+        in_a_step = _as_if_in_a_step_of(engine, "wait-first")
+
+        async def waited_for() -> object:
+            return await asyncio.wait_for(
+                engine.arun(workflow, Ctx(), idempotency_key="other"), WAIT_S
+            )
+
+        with pytest.raises(HeldBack, match=f"run {queued.id} is queued"):
+            in_a_step.run(asyncio.run, waited_for())
+        assert engine.run_until_idle() is not None
+        assert engine.get(queued.id).status == "succeeded"
+
+
+def _noted(ctx: Ctx) -> None:
+    ctx.nested = "ran"

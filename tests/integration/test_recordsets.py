@@ -86,6 +86,16 @@ def test_a_batch_of_long_contexts__in_parts_on_postgresql(
         return parts
 
     monkeypatch.setattr(recordsets, "rows_json_parts", counted)
+    one_by_one: list[int] = []
+    apply = SQLStore._apply
+
+    def noted_apply(
+        self: SQLStore, conn: object, boundaries: list[object], *rest: object
+    ) -> object:
+        one_by_one.append(len(boundaries))
+        return apply(self, conn, boundaries, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SQLStore, "_apply", noted_apply)
     workflow = Workflow("long", context=Text)
 
     @workflow.step(initial=True, next="b")
@@ -110,6 +120,7 @@ def test_a_batch_of_long_contexts__in_parts_on_postgresql(
         postgres = engine.store._postgres
     if postgres:
         assert max(counts) > 1, counts
+        assert one_by_one == []  # each batch applied in its parts, none written again alone
     else:
         assert counts == []  # SQLite keeps its executemany
 

@@ -466,9 +466,10 @@ def test_unpausing_a_run_with_a_stop_pending_leaves_the_stop(store_url: str) -> 
 def test_an_operators_pause_of_a_parent_paused_run_leaves_a_stop_pending(
     store_url: str,
 ) -> None:
-    """A run its parent paused, asked to stop meanwhile, then paused by an operator (the
-    pause becomes its own): the stop stays on its row, and the run stops at its next claim
-    (before, the operator's pause entry cleared it)."""
+    """A run its parent paused, asked to stop meanwhile, then paused by an operator: the
+    pause is refused ("stopping"), as for a run not paused yet, the stop stays on its row,
+    and the run stops at its next claim (before, the operator's pause, made its own,
+    cleared the stop)."""
     from flowloop import journal as j
 
     started, release = threading.Event(), threading.Event()
@@ -482,7 +483,8 @@ def test_an_operators_pause_of_a_parent_paused_run_leaves_a_stop_pending(
         assert engine.operate(stored, kind, state=stored.record.state, data=data)
         assert engine.get(run_id).reason == "parent paused"
         assert engine.store.request_control(run_id, "stop")
-        assert engine.pause(run_id).reason != "parent paused"  # its own now
+        with pytest.raises(InvalidTransition, match="stopping"):
+            engine.pause(run_id)
         row = engine.store.get_run(run_id)
         assert row is not None and row.control == "stop"
         engine.unpause(run_id)
@@ -490,3 +492,36 @@ def test_an_operators_pause_of_a_parent_paused_run_leaves_a_stop_pending(
         info = engine.get(run_id)
     assert info.status == "stopped", info
     assert not started.is_set()
+
+
+def test_a_request_that_keeps_changing_gives_the_run_up_after_so_many_writes(
+    store_url: str,
+) -> None:
+    """Each write honouring the request is refused because it changed again (a pause, a
+    parent's pause, a pause ...): after HONOUR_ATTEMPTS writes the run is given up as a
+    lost lease, its step's outcome not journaled (its next claim runs the step again)."""
+    from flowloop.run_requests import HONOUR_ATTEMPTS
+
+    with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
+        engine.pause(run_id)
+        _polls_frozen(call, run_id)
+        executor = call.executor
+        read_again = executor._request_now
+        reads: list[str | None] = []
+        flip = {"pause": "parent pause", "parent pause": "pause"}
+
+        def and_changed(record: Any, fence: Any) -> tuple[bool, str | None]:
+            lost, action = read_again(record, fence)
+            reads.append(action)
+            assert action is not None
+            engine.store.request_control(run_id, flip[action])  # changed again
+            return lost, action
+
+        executor._request_now = and_changed
+        _then_meanwhile(call, lambda run: engine.store.request_control(run, "parent pause"))
+        call.release.set()
+        call.ended()
+        kinds = [event.kind for event in engine.history(run_id)]
+    assert len(reads) == HONOUR_ATTEMPTS, reads
+    assert executor.stats.lost_leases == 1
+    assert "step_succeeded" not in kinds and "run_paused" not in kinds, kinds
