@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, Workflow, holding
 from flowloop.errors import HeldBack
+from flowloop.stepping import SYNC_STEPS_INLINE
 
 WAIT_S = 20.0
 """A bound on each nested wait: before the refusal existed, it waited for ever."""
@@ -218,8 +219,6 @@ def test_a_def_step_in_a_thread_has_engine_runs_inline_flag_off(
     """``engine.run`` runs its ``def`` steps without a timeout inline (a context flag); one
     with a timeout runs in a thread with the run's context variables, that flag off, so an
     engine the step calls drives its own steps as usual."""
-    from flowloop.stepping import SYNC_STEPS_INLINE
-
     seen: list[bool] = []
     workflow = Workflow("flagged", context=Ctx)
 

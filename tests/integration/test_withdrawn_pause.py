@@ -12,10 +12,13 @@ from typing import Any
 import pytest
 from polling import poll
 from pydantic import BaseModel
+from sqlalchemy.exc import OperationalError
 
 from flowloop import Engine, Workflow
+from flowloop import journal as j
 from flowloop.engine import RunInfo
 from flowloop.errors import InvalidTransition
+from flowloop.run_requests import HONOUR_ATTEMPTS
 
 WAIT_S = 30.0
 STEP_WAIT_S = 3 * WAIT_S
@@ -127,6 +130,17 @@ def _a_child_in_its_long_step(store_url: str) -> Iterator[tuple[Engine, _Call, A
         kid = next(run for run in engine.runs() if run.workflow == child.name)
         top = next(run for run in engine.runs() if run.workflow == parent.name)
         yield engine, call, top, kid
+
+
+@contextmanager
+def _a_queued_run(store_url: str) -> Iterator[tuple[Engine, str, threading.Event]]:
+    """An engine and a run of :func:`_long_step_workflow` started, not claimed yet (its
+    step returns at once); with the event its step sets when it starts."""
+    started, release = threading.Event(), threading.Event()
+    release.set()
+    workflow = _long_step_workflow(started, release)
+    with Engine(store_url, workflows=[workflow]) as engine:
+        yield engine, engine.start(workflow, Ctx()).id, started
 
 
 def _kept_then_dropped(
@@ -321,11 +335,7 @@ def test_a_pause_of_a_queued_run_whose_stop_landed_after_the_read_is_refused(
     """``pause`` reads a queued run (no request), and a stop is asked for before its entry
     is written: the entry is refused, the pause too ("stopping"), and the stop stays for
     the run's claim (before, the pause was written and cleared the stop)."""
-    started, release = threading.Event(), threading.Event()
-    release.set()
-    workflow = _long_step_workflow(started, release)
-    with Engine(store_url, workflows=[workflow]) as engine:
-        run_id = engine.start(workflow, Ctx()).id
+    with _a_queued_run(store_url) as (engine, run_id, started):
         store: Any = engine.store
         write = store.write
 
@@ -347,11 +357,7 @@ def test_a_pause_withdrawn_after_the_claim_read_it_lets_the_run_go_on(store_url:
     """A queued run with a pause pending is claimed (the claim reads the request), and the
     pause is withdrawn before the claimer honours it: the claimer reads the request again
     and runs the run (before, it paused it)."""
-    started, release = threading.Event(), threading.Event()
-    release.set()
-    workflow = _long_step_workflow(started, release)
-    with Engine(store_url, workflows=[workflow]) as engine:
-        run_id = engine.start(workflow, Ctx()).id
+    with _a_queued_run(store_url) as (engine, run_id, started):
         store: Any = engine.store
         assert store.request_control(run_id, "pause")
         claim = store.claim
@@ -369,6 +375,7 @@ def test_a_pause_withdrawn_after_the_claim_read_it_lets_the_run_go_on(store_url:
         info = engine.get(run_id)
     assert withdrawn == [True]
     assert info.status == "succeeded", info
+    assert started.is_set()
 
 
 def _then_meanwhile(call: _Call, act: Callable[[str], None]) -> None:
@@ -425,8 +432,6 @@ def test_a_database_error_reading_the_request_again_honours_the_polled_one(
 ) -> None:
     """The read before the boundary fails as an outage does: the request the last poll
     read is honoured (the write is fenced on it), not an error out of the run's drive."""
-    from sqlalchemy.exc import OperationalError
-
     with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
         engine.pause(run_id)
         _polls_frozen(call, run_id)
@@ -449,11 +454,7 @@ def test_unpausing_a_run_with_a_stop_pending_leaves_the_stop(store_url: str) -> 
     """A paused run asked to stop meanwhile (a stop nobody has honoured on its row): the
     unpause takes the pause away, not the stop, and the run's next claim stops it (before,
     the unpause cleared the stop and the run ran to its end)."""
-    started, release = threading.Event(), threading.Event()
-    release.set()
-    workflow = _long_step_workflow(started, release)
-    with Engine(store_url, workflows=[workflow]) as engine:
-        run_id = engine.start(workflow, Ctx()).id
+    with _a_queued_run(store_url) as (engine, run_id, started):
         assert engine.pause(run_id).status == "paused"
         assert engine.store.request_control(run_id, "stop")
         assert engine.unpause(run_id).status == "scheduled"
@@ -470,13 +471,7 @@ def test_an_operators_pause_of_a_parent_paused_run_leaves_a_stop_pending(
     pause is refused ("stopping"), as for a run not paused yet, the stop stays on its row,
     and the run stops at its next claim (before, the operator's pause, made its own,
     cleared the stop)."""
-    from flowloop import journal as j
-
-    started, release = threading.Event(), threading.Event()
-    release.set()
-    workflow = _long_step_workflow(started, release)
-    with Engine(store_url, workflows=[workflow]) as engine:
-        run_id = engine.start(workflow, Ctx()).id
+    with _a_queued_run(store_url) as (engine, run_id, started):
         stored = engine.store.get_run(run_id)
         assert stored is not None
         kind, data = j.control_entry("parent pause")
@@ -500,8 +495,6 @@ def test_a_request_that_keeps_changing_gives_the_run_up_after_so_many_writes(
     """Each write honouring the request is refused because it changed again (a pause, a
     parent's pause, a pause ...): after HONOUR_ATTEMPTS writes the run is given up as a
     lost lease, its step's outcome not journaled (its next claim runs the step again)."""
-    from flowloop.run_requests import HONOUR_ATTEMPTS
-
     with _a_run_in_its_long_step(store_url) as (engine, call, run_id):
         engine.pause(run_id)
         _polls_frozen(call, run_id)
