@@ -37,6 +37,7 @@ from flowloop.executor import (
     DEFAULT_LEASE_SECONDS,
     DEFAULT_MAX_CONCURRENCY,
     DEFAULT_POLL_SECONDS,
+    IDLE_HORIZON_SECONDS,
     Executor,
     Listener,
     Stats,
@@ -252,7 +253,9 @@ class Engine(Operations, LoopControls, RunReading):
         ctx = workflow.parse_context(context)
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
-        check_key("idempotency key", idempotency_key)
+        # (An empty one is none, as the store looks runs up: kept, a second start with
+        # it broke the unique index instead of finding the first.)
+        idempotency_key = check_key("idempotency key", idempotency_key) or None
         limit_key = limit_key_of(workflow, ctx)
         text = ctx.model_dump_json()
         # Checked once its text is made: the check encodes a dump, which would exhaust an
@@ -519,14 +522,14 @@ class Engine(Operations, LoopControls, RunReading):
         # A step waiting for a run its own run's (and callers') limit slots hold back: a
         # new run is refused before it is written, one found by its key once found.
         held_back = workflow.limited and bool(HELD.get())
-        keyed = new.record.key is not None or idempotency_key is not None
+        keyed = new.record.key is not None or new.idempotency_key is not None
         if held_back and not keyed and workflow.initial not in workflow.waits:
             refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if created and self.direct_listeners:
             self._tell_created(new)
-        if held_back and keyed and _claimed_later(stored, workflow):
+        if held_back and keyed and _claimed_later(stored, workflow, self.clock.now()):
             refuse_held_back(database_of(self.store), workflow, stored.limit_key, queued=stored.id)
         executor = self._executor()
         if created and stored.owner is not None:
@@ -721,11 +724,19 @@ async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
         SYNC_STEPS_INLINE.reset(token)
 
 
-def _claimed_later(stored: StoredRun, workflow: Workflow) -> bool:
+def _claimed_later(stored: StoredRun, workflow: Workflow, now: float) -> bool:
     """A run of ``workflow`` (made, or found by its key) that ``arun`` would wait for a
-    claim to take: nobody holds it, and it is queued."""
+    claim to take: nobody holds it, it is queued, and due within the horizon ``arun``
+    waits for (one due later is returned as it is)."""
     record = stored.record
-    return stored.owner is None and record.workflow == workflow.name and _queued(record, workflow)
+    due = record.next_run_at
+    return (
+        stored.owner is None
+        and record.workflow == workflow.name
+        and _queued(record, workflow)
+        and due is not None
+        and due <= now + IDLE_HORIZON_SECONDS
+    )
 
 
 def _queued(run: RunRecord | RunInfo, workflow: Workflow) -> bool:

@@ -123,6 +123,11 @@ async def _first_of(
             task.cancel()
 
 
+IDLE_HORIZON_SECONDS: Final = 300.0
+"""How far ahead ``run(until_idle=True)`` waits for a run's due time (a retry's backoff, a
+durable sleep) by default: a run due later is left for a worker."""
+
+
 @dataclass
 class _Active:
     task: asyncio.Task[None]
@@ -229,7 +234,7 @@ class Executor(Stepping, Recovery, Requests):
         *,
         until_idle: bool,
         run_ids: Sequence[str] | None = None,
-        idle_horizon: float = 300.0,
+        idle_horizon: float = IDLE_HORIZON_SECONDS,
         stop: asyncio.Event | None = None,
         grace: float = 30.0,
         initial: Sequence[StoredRun] = (),

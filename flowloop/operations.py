@@ -161,7 +161,8 @@ class Operations:
                     raise InvalidTransition(run_id, STOPPING, action)  # its claim stops it
                 # Paused by its parent, now by an operator too: the pause becomes its own,
                 # and unpausing the parent leaves it. (Moved meanwhile: as it now is.)
-                self._operate(stored, j.RUN_PAUSED, state=stored.record.state)
+                if not self._operate(stored, j.RUN_PAUSED, state=stored.record.state):
+                    return self._control(run_id, action)
                 return self.get(run_id)
             return self._info(stored)
         if status in FINISHED:
@@ -193,10 +194,23 @@ class Operations:
                 return action == PAUSE
         unless = {PAUSE: (STOP,), PARENT_PAUSE: (STOP, PAUSE)}.get(action, ())
         if self.store.request_control(stored.id, action, unless=unless):
+            if action == STOP:
+                self._stop_if_let_go(stored.id)
             return True
         if action == PARENT_PAUSE:
             return False
         raise InvalidTransition(stored.id, STOPPING, action)
+
+    def _stop_if_let_go(self, run_id: str) -> None:
+        """A stop asked of a run's owner that let go of the run meanwhile (into a wait
+        without a timeout, a pause: no claim would come to honour it): written now, as for
+        a run nobody owns, fenced on the request (claimed since: its claimer honours it)."""
+        moved = self._stored(run_id)
+        record = moved.record
+        let_go = moved.owner is None and record.status not in ("running", *FINISHED)
+        if let_go and moved.control == STOP:
+            kind, data = j.control_entry(STOP)
+            self._operate(moved, kind, state=record.state, data=data)
 
     def unpause(self, run_id: str) -> RunInfo:
         return self._unpause(run_id, cascaded=False)

@@ -115,8 +115,9 @@ def rows_json(params: Sequence[Mapping[str, Any]]) -> str | None:
 
 
 def rows_json_parts(params: Sequence[Mapping[str, Any]]) -> list[tuple[str, int]] | None:
-    """:func:`rows_json` in parts of at most :data:`PART_CHARS` characters (a row longer
-    than that alone), each with its number of rows; ``None`` as :func:`rows_json`."""
+    """:func:`rows_json` in parts of at most :data:`PART_CHARS` characters (a row that
+    does not fit in one goes alone), each with its number of rows; ``None`` as
+    :func:`rows_json`."""
     whole = rows_json(params)
     if whole is None or len(whole) <= PART_CHARS:
         return None if whole is None else [(whole, len(params))]

@@ -6,6 +6,7 @@ files and PostgreSQL; runs that can be claimed still run."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
@@ -274,3 +275,24 @@ def test_a_run_found_by_its_key_queued_after_its_first_wait_is_refused(
 
 def _noted(ctx: Ctx) -> None:
     ctx.nested = "ran"
+
+
+def test_a_run_found_by_its_key_due_beyond_the_horizon_is_returned(store_url: str) -> None:
+    """Found by its key and queued, but due in an hour: ``run`` returns it as it is (it
+    waits only for runs due within its horizon), so it is not refused."""
+    child = _one_step("later", max_concurrency=1)
+    with Engine(store_url, workflows=[child]) as engine:
+        queued = engine.start(child, Ctx(), idempotency_key="later", run_at=time.time() + 3600)
+        in_a_step = _as_if_in_a_step_of(engine, "later")
+        found = in_a_step.run(engine.run, child, Ctx(), idempotency_key="later")
+    assert (found.id, found.status) == (queued.id, "scheduled")
+
+
+def test_an_empty_idempotency_key_is_none(store_url: str) -> None:
+    """As the store looks runs up, an empty idempotency key is none: two starts with it
+    make two runs (before, the second broke the unique index: IntegrityError)."""
+    child = _one_step("empty-key")
+    with Engine(store_url, workflows=[child]) as engine:
+        first = engine.start(child, Ctx(), idempotency_key="")
+        second = engine.start(child, Ctx(), idempotency_key="")
+    assert first.id != second.id

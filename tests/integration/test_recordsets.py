@@ -69,6 +69,21 @@ def test_rows_json_parts__each_at_most_the_limit_and_together_the_rows(
     assert rows_json_parts([{"a": "x\x00"}]) is None
 
 
+@pytest.mark.parametrize("over", [0, 1])
+def test_rows_json_parts__a_part_exactly_at_the_limit(
+    monkeypatch: pytest.MonkeyPatch, over: int
+) -> None:
+    """Rows whose array is exactly the limit go as one part; one character more, in two."""
+    rows = [{"s": "x" * 40}, {"s": "y" * 40}, {"s": "z" * 40}]
+    whole = rows_json(rows)
+    assert whole is not None
+    monkeypatch.setattr(recordsets, "PART_CHARS", len(whole) - over)
+    parts = rows_json_parts([*rows, {"s": "w"}])  # longer than the limit: in parts
+    assert parts is not None
+    assert parts[0] == ((whole, 3) if not over else (rows_json(rows[:2]), 2))
+    assert all(len(text) <= recordsets.PART_CHARS for text, _ in parts)
+
+
 def test_a_batch_of_long_contexts__in_parts_on_postgresql(
     store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,7 +14,7 @@ from polling import poll
 from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 
-from flowloop import Engine, Workflow
+from flowloop import Engine, Workflow, frozen
 from flowloop import journal as j
 from flowloop.engine import RunInfo
 from flowloop.errors import InvalidTransition
@@ -518,3 +518,23 @@ def test_a_request_that_keeps_changing_gives_the_run_up_after_so_many_writes(
     assert len(reads) == HONOUR_ATTEMPTS, reads
     assert executor.stats.lost_leases == 1
     assert "step_succeeded" not in kinds and "run_paused" not in kinds, kinds
+
+
+def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str) -> None:
+    """``stop`` read the run running and asked its worker; the worker had let it go
+    meanwhile, into a wait with no timeout (no claim would come to honour the request):
+    the stop is written at once (before, the request stayed on a run nobody would take up,
+    and the run waited on)."""
+    workflow = Workflow("waits", context=Ctx)
+    workflow.wait("idle", on={"go": "done"}, initial=True)
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        stored = engine.store.get_run(run_id)
+        assert stored is not None and stored.owner is None
+        as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
+        assert engine._request(as_read, "stop")
+        info = engine.get(run_id)
+        row = engine.store.get_run(run_id)
+    assert info.status == "stopped", info
+    assert row is not None and row.control is None
