@@ -186,6 +186,8 @@ class Operations:
         (InvalidTransition); a parent's pause leaves the child's own pause or stop in
         place, or the child paused meanwhile, and is not made (False)."""
         kind, data = j.control_entry(action)
+        if action == PARENT_PAUSE and stored.control in (PAUSE, STOP):
+            return False  # its own request stays, honoured when it is claimed
         if stored.record.status != "running":
             if self._operate(stored, kind, state=stored.record.state, data=data):
                 return True

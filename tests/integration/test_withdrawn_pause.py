@@ -538,3 +538,23 @@ def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str)
         row = engine.store.get_run(run_id)
     assert info.status == "stopped", info
     assert row is not None and row.control is None
+
+
+@pytest.mark.parametrize("own", ["pause", "stop"])
+def test_a_parents_pause_leaves_a_queued_childs_own_request(store_url: str, own: str) -> None:
+    """A queued run with its own pause (or stop) pending, reached by its parent's pause:
+    the parent's pause is not made, the run's own request stays and is honoured at its
+    claim (before, the parent's pause replaced it: unpausing the parent then unpaused a
+    run an operator had paused, or never stopped it)."""
+    with _a_queued_run(store_url) as (engine, run_id, started):
+        assert engine.store.request_control(run_id, own)
+        stored = engine.store.get_run(run_id)
+        assert stored is not None
+        assert engine._request(stored, "parent pause") is False
+        row = engine.store.get_run(run_id)
+        assert row is not None and (row.record.status, row.control) == ("scheduled", own)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert info.status == ("paused" if own == "pause" else "stopped"), info
+    assert info.reason != "parent paused"
+    assert not started.is_set()
