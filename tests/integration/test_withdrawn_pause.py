@@ -542,10 +542,11 @@ def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str)
 
 @pytest.mark.parametrize("own", ["pause", "stop"])
 def test_a_parents_pause_leaves_a_queued_childs_own_request(store_url: str, own: str) -> None:
-    """A queued run with its own pause (or stop) pending, reached by its parent's pause:
+    """A queued run with its own pause (or stop) pending, asked for its parent's pause:
     the parent's pause is not made, the run's own request stays and is honoured at its
-    claim (before, the parent's pause replaced it: unpausing the parent then unpaused a
-    run an operator had paused, or never stopped it)."""
+    claim (before, the parent's pause was written over it; through ``engine.pause`` of a
+    parent that happened when the child's own pause landed after the cascade had listed
+    the child: the next test)."""
     with _a_queued_run(store_url) as (engine, run_id, started):
         assert engine.store.request_control(run_id, own)
         stored = engine.store.get_run(run_id)
@@ -558,3 +559,47 @@ def test_a_parents_pause_leaves_a_queued_childs_own_request(store_url: str, own:
     assert info.status == ("paused" if own == "pause" else "stopped"), info
     assert info.reason != "parent paused"
     assert not started.is_set()
+
+
+def _family() -> tuple[Workflow, Workflow, Workflow]:
+    """A parent calling a child calling a grandchild that waits for an event (no timeout):
+    once driven, the child is queued in its call state, waiting for its grandchild."""
+    grand = Workflow("grand", context=Ctx)
+    grand.wait("parked", initial=True, on={"go": "done"})
+    grand.final("done")
+    child = Workflow("child", context=Ctx)
+    child.call(
+        "calling", child=grand, context=lambda c: Ctx(), on={"succeeded": "done"}, initial=True
+    )
+    child.final("done")
+    parent = Workflow("parent", context=Ctx)
+    parent.call(
+        "calling", child=child, context=lambda c: Ctx(), on={"succeeded": "done"}, initial=True
+    )
+    parent.final("done")
+    return parent, child, grand
+
+
+def test_a_childs_own_pause_landing_after_the_cascade_listed_it_stays(store_url: str) -> None:
+    """The parent's pause lists its children, then an operator's pause of the (queued)
+    child lands as a request, then the cascade reaches the child: the child's own pause
+    stays, and unpausing the parent leaves it (before, the parent's pause was written over
+    it, and unpausing the parent unpaused the child: the operator's pause was lost)."""
+    parent, child, grand = _family()
+    with Engine(store_url, workflows=[parent, child, grand]) as engine:
+        top = engine.start(parent, Ctx()).id
+        engine.run_until_idle()
+        store: Any = engine.store
+        (kid,) = [run.id for run in store.live_children(top)]
+        listed = store.live_children(top)  # as the cascade lists them: no request yet
+        assert engine.store.request_control(kid, "pause")  # the operator's, meanwhile
+        live_children = store.live_children
+        store.live_children = lambda run_id: listed if run_id == top else live_children(run_id)
+        try:
+            engine.pause(top)
+        finally:
+            del store.live_children
+        engine.unpause(top)
+        row = engine.store.get_run(kid)
+    assert row is not None
+    assert (row.control, row.record.reason) == ("pause", None), row
