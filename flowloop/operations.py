@@ -155,20 +155,19 @@ class Operations:
         stored = self._stored(run_id)
         run_id = stored.id
         status = stored.record.status
+        if status in FINISHED:
+            raise InvalidTransition(run_id, status, action)
+        if action in PAUSES and stored.control == STOP:
+            # Its owner stops it at its next boundary, or its claim does (paused already).
+            raise InvalidTransition(run_id, STOPPING, action)
         if action in PAUSES and status == "paused":
             if action == PAUSE and stored.record.reason == PARENT_PAUSED:
-                if stored.control == STOP:
-                    raise InvalidTransition(run_id, STOPPING, action)  # its claim stops it
                 # Paused by its parent, now by an operator too: the pause becomes its own,
                 # and unpausing the parent leaves it. (Moved meanwhile: as it now is.)
                 if not self._operate(stored, j.RUN_PAUSED, state=stored.record.state):
                     return self._control(run_id, action)
                 return self.get(run_id)
             return self._info(stored)
-        if status in FINISHED:
-            raise InvalidTransition(run_id, status, action)
-        if action in PAUSES and stored.control == STOP:
-            raise InvalidTransition(run_id, STOPPING, action)  # its owner will stop it
         # Stop and pause cascade to the run's live children (and theirs): a stop before
         # the run's own, a pause after it (a pause refused leaves its children as they were).
         if action == STOP:
