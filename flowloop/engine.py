@@ -28,6 +28,7 @@ from flowloop.engine_loops import LoopControls
 from flowloop.errors import (
     FlowloopError,
     InvalidContext,
+    KeyTaken,
     UnknownWorkflow,
 )
 from flowloop.events import (
@@ -399,7 +400,9 @@ class Engine(Operations, LoopControls, RunReading):
             stored, created = starts.bounded_start(self, workflow, new)  # backpressure
         else:
             stored, created = self.store.create_run(new)
-        if created and self.direct_listeners:
+        if not created:
+            _refuse_foreign(stored, workflow, new)
+        elif self.direct_listeners:
             self._tell_created(new)
         return self._info(stored)
 
@@ -527,7 +530,9 @@ class Engine(Operations, LoopControls, RunReading):
             refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
-        if created and self.direct_listeners:
+        if not created:
+            _refuse_foreign(stored, workflow, new)
+        elif self.direct_listeners:
             self._tell_created(new)
         if held_back and keyed and _claimed_later(stored, workflow, self.clock.now()):
             refuse_held_back(database_of(self.store), workflow, stored.limit_key, queued=stored.id)
@@ -722,6 +727,15 @@ async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
         return await work
     finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)
+
+
+def _refuse_foreign(stored: StoredRun, workflow: Workflow, new: NewRun) -> None:
+    """A run found by ``new``'s idempotency key (keys are unique across workflows) must
+    be a run of ``workflow``: another's would be returned, driven and waited for as this
+    one's (its states judged by the wrong definition)."""
+    found = stored.record.workflow
+    if found != workflow.name and new.idempotency_key is not None:
+        raise KeyTaken(new.idempotency_key, stored.id, found, workflow.name)
 
 
 def _claimed_later(stored: StoredRun, workflow: Workflow, now: float) -> bool:

@@ -170,6 +170,19 @@ class HeldBack(FlowloopError):
     with a key once made or found, queued."""
 
 
+class KeyTaken(FlowloopError):
+    """An idempotency key is held by a run of another workflow: a start with it cannot
+    return that run as a run of the workflow asked for; start with another key."""
+
+    def __init__(self, key: str, run_id: str, held_by: str, asked: str) -> None:
+        super().__init__(
+            f"idempotency key {key!r} is taken by run {run_id} of workflow {held_by!r}, "
+            f"not {asked!r}: start with another key"
+        )
+        self.key = key
+        self.run_id = run_id
+
+
 class StepTimeout(TimeoutError):
     """A step ran longer than its ``timeout``. Subclasses TimeoutError so ``Retry(on=...)``
     can name either."""
