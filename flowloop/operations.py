@@ -195,22 +195,25 @@ class Operations:
                 return action == PAUSE
         unless = {PAUSE: (STOP,), PARENT_PAUSE: (STOP, PAUSE)}.get(action, ())
         if self.store.request_control(stored.id, action, unless=unless):
-            if action == STOP:
-                self._stop_if_let_go(stored.id)
+            if action != PARENT_PAUSE:
+                self._honour_if_let_go(stored.id, action)
             return True
         if action == PARENT_PAUSE:
             return False
         raise InvalidTransition(stored.id, STOPPING, action)
 
-    def _stop_if_let_go(self, run_id: str) -> None:
-        """A stop asked of a run's owner that let go of the run meanwhile (into a wait
-        without a timeout, a pause: no claim would come to honour it): written now, as for
-        a run nobody owns, fenced on the request (claimed since: its claimer honours it)."""
+    def _honour_if_let_go(self, run_id: str, action: str) -> None:
+        """A stop or pause asked of a run's owner that let go of the run meanwhile (into a
+        wait without a timeout, a pause: no claim would come to honour it, and a parent's
+        unpause would clear it): written now, as for a run nobody owns, fenced on the
+        request (claimed since: its claimer honours it). A pause of a run paused by its
+        parent makes the pause its own; one paused by an operator already stays so."""
         moved = self._stored(run_id)
         record = moved.record
         let_go = moved.owner is None and record.status not in ("running", *FINISHED)
-        if let_go and moved.control == STOP:
-            kind, data = j.control_entry(STOP)
+        paused_own = record.status == "paused" and record.reason != PARENT_PAUSED
+        if let_go and moved.control == action and not (action == PAUSE and paused_own):
+            kind, data = j.control_entry(action)
             self._operate(moved, kind, state=record.state, data=data)
 
     def unpause(self, run_id: str) -> RunInfo:
@@ -234,6 +237,11 @@ class Operations:
         record = stored.record
         if record.status != "paused" or (cascaded and record.reason != PARENT_PAUSED):
             raise InvalidTransition(run_id, record.status, "unpause")
+        if cascaded and stored.control == PAUSE:
+            # An operator's pause landed on it while its parent's held it: the pause is
+            # its own now, and stays (unpausing would clear the request, the pause lost).
+            self._operate(stored, j.RUN_PAUSED, state=record.state)
+            return self.get(run_id)
         workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
         if workflow is not None and record.state in workflow.waits:

@@ -603,3 +603,75 @@ def test_a_childs_own_pause_landing_after_the_cascade_listed_it_stays(store_url:
         row = engine.store.get_run(kid)
     assert row is not None
     assert (row.control, row.record.reason) == ("pause", None), row
+
+
+def _parent_paused_child(engine: Engine, parent: Workflow) -> tuple[str, str]:
+    """A parent of :func:`_family` driven into its call state and paused: its queued child
+    paused by the parent at once. The parent's id and the child's."""
+    top = engine.start(parent, Ctx()).id
+    engine.run_until_idle()
+    store: Any = engine.store
+    (kid,) = [run.id for run in store.live_children(top)]
+    engine.pause(top)
+    assert engine.get(kid).reason == "parent paused"
+    return top, kid
+
+
+def test_an_operators_pause_landing_on_a_parent_paused_child_stays_when_the_parent_unpauses(
+    store_url: str,
+) -> None:
+    """An operator's pause read the child running and its request landed after the parent's
+    pause had paused it: unpausing the parent leaves the child paused, now by the operator
+    (before, the cascaded unpause cleared the request with its entry: the pause was lost
+    and the child ran on)."""
+    parent, child, grand = _family()
+    with Engine(store_url, workflows=[parent, child, grand]) as engine:
+        top, kid = _parent_paused_child(engine, parent)
+        assert engine.store.request_control(kid, "pause")  # landed after the cascade
+        engine.unpause(top)
+        info = engine.get(kid)
+        row = engine.store.get_run(kid)
+    assert (info.status, info.reason) == ("paused", "paused"), info
+    assert row is not None and row.control is None
+
+
+def test_a_pause_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str) -> None:
+    """``pause`` read the child running and asked its worker; the worker had let it go
+    meanwhile (its parent's pause paused it): the pause is written at once and is the
+    child's own, so unpausing the parent leaves it (before, the request stayed on a run
+    nobody would take up, and the parent's unpause cleared it)."""
+    parent, child, grand = _family()
+    with Engine(store_url, workflows=[parent, child, grand]) as engine:
+        top, kid = _parent_paused_child(engine, parent)
+        stored = engine.store.get_run(kid)
+        assert stored is not None and stored.owner is None
+        as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
+        assert engine._request(as_read, "pause")
+        row = engine.store.get_run(kid)
+        assert row is not None and (row.record.reason, row.control) == ("paused", None), row
+        engine.unpause(top)
+        info = engine.get(kid)
+    assert (info.status, info.reason) == ("paused", "paused"), info
+
+
+def test_a_pause_asked_of_a_worker_that_let_the_run_go_into_a_wait_is_written(
+    store_url: str,
+) -> None:
+    """As for a stop: a pause that reached a run its worker let go into a wait without a
+    timeout pauses it at once (before, the request stayed until an event came)."""
+    workflow = Workflow("waits", context=Ctx)
+    workflow.wait("idle", on={"go": "done"}, initial=True)
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        run_id = engine.start(workflow, Ctx()).id
+        stored = engine.store.get_run(run_id)
+        assert stored is not None and stored.owner is None
+        as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
+        assert engine._request(as_read, "pause")
+        info = engine.get(run_id)
+        row = engine.store.get_run(run_id)
+        assert (info.status, info.reason) == ("paused", "paused"), info
+        assert row is not None and row.control is None
+        engine.unpause(run_id)
+        assert engine.send(run_id, "go").status == "applied"
+        assert engine.get(run_id).status == "succeeded"
