@@ -46,7 +46,14 @@ from flowloop.executor import (
 )
 from flowloop.flowcontrol import limit_key_of
 from flowloop.freshstack import steady_call
-from flowloop.holding import HELD, database_of, refuse_held_back
+from flowloop.holding import (
+    HELD,
+    claimed_later,
+    database_of,
+    queued,
+    refuse_held_back,
+    refuse_held_back_family,
+)
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
@@ -534,7 +541,11 @@ class Engine(Operations, LoopControls, RunReading):
             _refuse_foreign(stored, workflow, new)
         elif self.direct_listeners:
             self._tell_created(new)
-        if held_back and keyed and _claimed_later(stored, workflow, self.clock.now()):
+        if (
+            held_back
+            and keyed
+            and claimed_later(stored, workflow, self.clock.now(), IDLE_HORIZON_SECONDS)
+        ):
             refuse_held_back(database_of(self.store), workflow, stored.limit_key, queued=stored.id)
         executor = self._executor()
         if created and stored.owner is not None:
@@ -587,11 +598,20 @@ class Engine(Operations, LoopControls, RunReading):
             )
         else:
             info = self.get(stored.id)
-        if _queued(info, workflow) and not executor.handing_back:  # (a first Ctrl-C: stop)
+        if queued(info, workflow) and not executor.handing_back:  # (a first Ctrl-C: stop)
             # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
             # run in a call or map state is driven with its children until it moves on.
             family = children.family(self.store, stored.id)
             while True:
+                if HELD.get() and len(family) > 1:
+                    # (A run of the family the calling runs' slots hold back: refused.)
+                    refuse_held_back_family(
+                        self.store,
+                        stored.id,
+                        self._workflow_for,
+                        self.clock.now(),
+                        IDLE_HORIZON_SECONDS,
+                    )
                 await executor.run(until_idle=True, run_ids=family)
                 before, info = info, self.get(stored.id)
                 if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
@@ -736,24 +756,3 @@ def _refuse_foreign(stored: StoredRun, workflow: Workflow, new: NewRun) -> None:
     found = stored.record.workflow
     if found != workflow.name and new.idempotency_key is not None:
         raise KeyTaken(new.idempotency_key, stored.id, found, workflow.name)
-
-
-def _claimed_later(stored: StoredRun, workflow: Workflow, now: float) -> bool:
-    """A run of ``workflow`` (made, or found by its key) that ``arun`` would wait for a
-    claim to take: nobody holds it, it is queued, and due within the horizon ``arun``
-    waits for (one due later is returned as it is)."""
-    record = stored.record
-    due = record.next_run_at
-    return (
-        stored.owner is None
-        and record.workflow == workflow.name
-        and _queued(record, workflow)
-        and due is not None
-        and due <= now + IDLE_HORIZON_SECONDS
-    )
-
-
-def _queued(run: RunRecord | RunInfo, workflow: Workflow) -> bool:
-    """A run ``arun`` waits for until a claim takes it: due or backing off, not waiting
-    for an event (a run in a call or map state waits for its children's claims)."""
-    return run.status in ("scheduled", "retrying") and run.state not in workflow.waits

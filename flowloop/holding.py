@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any
 from flowloop.errors import HeldBack
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from flowloop.definition import Workflow
+    from flowloop.journal import RunRecord
+    from flowloop.runinfo import RunInfo
+    from flowloop.store.base import StoredRun
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,3 +81,48 @@ def refuse_held_back(
     raise HeldBack(
         f"a step waiting for a run of {workflow.name!r} would wait for ever: {why}; {then}"
     )
+
+
+def queued(record: RunRecord | RunInfo, workflow: Workflow) -> bool:
+    """A run ``engine.run`` waits for until a claim takes it: due or backing off, not
+    waiting for an event (a run in a call or map state waits for its children's claims)."""
+    return record.status in ("scheduled", "retrying") and record.state not in workflow.waits
+
+
+def claimed_later(stored: StoredRun, workflow: Workflow, now: float, horizon: float) -> bool:
+    """A run of ``workflow`` (made, or found by its key) that ``engine.run`` would wait for
+    a claim to take: nobody holds it, it is queued, and due within ``horizon`` seconds (the
+    wait's; one due later is returned as it is)."""
+    record = stored.record
+    due = record.next_run_at
+    return (
+        stored.owner is None
+        and record.workflow == workflow.name
+        and queued(record, workflow)
+        and due is not None
+        and due <= now + horizon
+    )
+
+
+def refuse_held_back_family(
+    store: Any,
+    root: str,
+    workflow_for: Callable[[RunRecord], Workflow | None],
+    now: float,
+    horizon: float,
+) -> None:
+    """:func:`refuse_held_back` for every queued live descendant of ``root`` (the runs
+    ``engine.run`` drives with a run in a call or map state), of a limited workflow:
+    an unlimited workflow's call state starting a child that the calling runs' slots hold
+    back waited for ever too. A query per parent; made only where slots are held."""
+    database = database_of(store)
+    frontier = [root]
+    while frontier:
+        kids: list[StoredRun] = [kid for run_id in frontier for kid in store.live_children(run_id)]
+        for kid in kids:
+            workflow = workflow_for(kid.record)
+            if workflow is None or not workflow.limited:
+                continue
+            if claimed_later(kid, workflow, now, horizon):
+                refuse_held_back(database, workflow, kid.limit_key, queued=kid.id)
+        frontier = [kid.id for kid in kids]

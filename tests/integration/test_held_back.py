@@ -296,3 +296,70 @@ def test_an_empty_idempotency_key_is_none(store_url: str) -> None:
         first = engine.start(child, Ctx(), idempotency_key="")
         second = engine.start(child, Ctx(), idempotency_key="")
     assert first.id != second.id
+
+
+def _calling_the_limited(max_concurrency: int) -> tuple[Workflow, Workflow, dict[str, Engine]]:
+    """A limited workflow whose step runs an unlimited one, whose call state starts a
+    child of the limited one (depth 1): the child needs a slot its caller's run holds."""
+    engines: dict[str, Engine] = {}
+    limited = Workflow("limited", context=Ctx, max_concurrency=max_concurrency)
+    plain = Workflow("plain", context=Ctx)
+    plain.call(
+        "calling",
+        child=limited,
+        context=lambda ctx: Ctx(depth=ctx.depth + 1),
+        on={"succeeded": "done"},
+        initial=True,
+    )
+    plain.final("done")
+
+    @limited.step(initial=True, next="done")
+    async def work(ctx: Ctx) -> None:
+        if ctx.depth > 0:
+            return
+        try:
+            info = await asyncio.wait_for(engines["engine"].arun(plain, Ctx()), WAIT_S)
+        except HeldBack as refused:
+            ctx.nested = f"refused: {refused}"
+        else:
+            ctx.nested = info.status
+
+    limited.final("done")
+    return limited, plain, engines
+
+
+def test_a_child_that_an_unlimited_workflows_call_state_starts_is_refused(
+    store_url: str,
+) -> None:
+    """The caller's ``max_concurrency=1`` slot holds back the child of the run it waits
+    for: refused once the call state has made it, naming it (before, only the workflow
+    called was judged, and the step waited for ever). The child runs once the step has
+    ended, and its parent with it."""
+    limited, plain, engines = _calling_the_limited(max_concurrency=1)
+    with Engine(store_url, workflows=[limited, plain]) as engine:
+        engines["engine"] = engine
+        info = engine.run(limited, Ctx())
+        nested = info.context.nested  # type: ignore[attr-defined]
+        (child,) = [run for run in engine.runs(workflow="limited") if run.id != info.id]
+        assert nested == (
+            "refused: a step waiting for a run of 'limited' would wait for ever: its "
+            f"max_concurrency=1 is held by the calling run(s); run {child.id} is queued and "
+            "runs once the calling step has ended"
+        )
+        engine.run_until_idle()
+        (parent,) = engine.runs(workflow="plain")
+        assert (engine.get(child.id).status, engine.get(parent.id).status) == (
+            "succeeded",
+            "succeeded",
+        )
+    assert info.status == "succeeded", info
+
+
+def test_a_child_with_a_free_slot_is_not_refused(store_url: str) -> None:
+    """``max_concurrency=2``: the caller holds one slot, the child takes the other."""
+    limited, plain, engines = _calling_the_limited(max_concurrency=2)
+    with Engine(store_url, workflows=[limited, plain]) as engine:
+        engines["engine"] = engine
+        info = engine.run(limited, Ctx())
+    assert info.status == "succeeded", info
+    assert info.context.nested == "succeeded"  # type: ignore[attr-defined]
