@@ -130,6 +130,9 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
         if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
             due = event.data.get("due")
             return float(due) if due is not None else event.at + wait.timeout
+        retried_due = event.data.get("due") if event.kind == j.RUN_RETRIED else None
+        if event.state == state and retried_due is not None:
+            return float(retried_due)  # retried into the wait: its timeout re-armed
         if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
             return event.at + wait.timeout
     return float("-inf")  # no entry found: treat as overdue (the timeout fires)

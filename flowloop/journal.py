@@ -367,7 +367,8 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             context_version=int(event.data.get(CONTEXT_VERSION, 1)),
             attempt=0,
             visits=visits,
-            next_run_at=event.at,
+            # Due now, or (retried in a wait state) at its timeout, or not at all.
+            next_run_at=event.data.get("due", event.at),
             reason=None,
             error=None,
         )

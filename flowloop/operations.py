@@ -35,6 +35,7 @@ from flowloop.events import (
     accepted,
     accepts,
     check_bufferable,
+    entering,
     receive,
     wait_due,
 )
@@ -419,11 +420,13 @@ class Operations:
         self.workflow(record.workflow)  # UnknownWorkflow unless registered
         workflow = self._workflows.for_run(record)
         state = from_state or record.state
-        if state not in workflow.steps and not children.retryable_state(workflow, state):
+        waits = state in workflow.waits
+        runnable = state in workflow.steps or waits or children.retryable_state(workflow, state)
+        if not runnable:
             raise DefinitionError(
                 workflow.name,
-                f"cannot retry from {state!r}: not a state with a step "
-                f"(states: {', '.join(workflow.steps)})",
+                f"cannot retry from {state!r}: not a step, wait, call or map state "
+                f"(states: {', '.join([*workflow.steps, *workflow.waits])})",
             )
         entered = _context_entering(self.store.journal(run_id), state)
         if state == record.state and workflow.compensates(state):
@@ -442,8 +445,13 @@ class Operations:
             data["set"] = to_jsonable_python(dict(set_fields))
         if version != 1:
             data[j.CONTEXT_VERSION] = version
+        if waits:
+            # It waits again, as on entering the state: its timeout counted from now.
+            data["due"] = entering(workflow, state, self.clock.now())["due"]
         if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
+        if waits:
+            self._hand_over_kept(run_id)  # events kept for it that it accepts now
         return self.get(run_id)
 
 

@@ -153,8 +153,9 @@ def open_engine(
     *,
     read: bool = False,
 ) -> Engine:
-    """The engine on --db; ``read``: for a command that only reads, so a database that does
-    not exist is refused (exit 2), not created."""
+    """The engine on --db; ``read``: for a command that reads or changes what the database
+    holds already (not run, start, worker, db upgrade), so a database that does not exist
+    is refused (exit 2), not created."""
     from flowloop.cli import support
     from flowloop.engine import Engine
 

@@ -252,7 +252,7 @@ def prune_command(
     from flowloop.prune import prune, vacuum
 
     age = seconds_option(older_than, "--older-than")
-    with open_engine(db, synchronous) as engine:
+    with open_engine(db, synchronous, read=True) as engine:
         result = prune(
             sql_engine(engine),
             cutoff=engine.clock.now() - age,

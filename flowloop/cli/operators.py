@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
 
@@ -137,9 +138,12 @@ def worker(
     )
     loaded = load_workflow_paths(paths)
     if not loaded.workflows and not loaded.loops:
-        raise FlowloopError(
-            "nothing to run: no workflows or loops in " + (", ".join(paths) or DEFAULT_WORKFLOWS)
-        )
+        where = ", ".join(paths) or DEFAULT_WORKFLOWS
+        if not paths and not Path(DEFAULT_WORKFLOWS).is_dir():
+            where = f"no -w given and no ./{DEFAULT_WORKFLOWS} here"
+        else:
+            where = f"no workflows or loops in {where}"
+        raise FlowloopError(f"nothing to run: {where}; pass -w FILE_OR_DIR that defines them")
     with Engine(
         database(config.db),
         synchronous=synchronous,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -25,6 +25,9 @@ from flowloop.cli.common import (
     workflows_option,
 )
 from flowloop.errors import FlowloopError
+
+if TYPE_CHECKING:
+    from flowloop.runinfo import RunInfo
 
 
 @click.command()
@@ -77,8 +80,7 @@ def run(
         leave(interrupted_line(info, resume=resume_with, retry=retry_with))
     if as_json:
         click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
-        if info.status != "succeeded" and waits.of(info) is None:
-            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+        _refuse_failed(info)
         return
     if info.status == "scheduled" and info.state in workflow.waits:
         wait = workflow.waits[info.state]
@@ -88,7 +90,14 @@ def run(
             f"(`flowloop send {info.id} EVENT`)"
         )
         return
-    if info.status != "succeeded":
+    _refuse_failed(info)
+    if not info.finished:
+        out.print(support.not_ended_line(info), markup=False)
+
+
+def _refuse_failed(info: RunInfo) -> None:
+    """A run that ended otherwise than succeeded: exit 1 (one not ended has not failed)."""
+    if info.finished and info.status != "succeeded":
         raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 
 
@@ -259,7 +268,7 @@ def retry(
     from flowloop.cli.views import info_json, styled
 
     loaded = load_workflow_paths(workflow_paths)
-    with open_engine(db, synchronous, loaded) as engine:
+    with open_engine(db, synchronous, loaded, read=True) as engine:
         with defined_in(workflow_paths):
             info = engine.retry(
                 run_id, from_state=from_state, set_fields=parse_assignments(assignments)
@@ -274,8 +283,17 @@ def retry(
         waits = support.WaitStates(engine)
         if as_json:
             click.echo(json.dumps({"run": info_json(info, waits)}))
-        if drive and info.status != "succeeded" and waits.of(info) is None:
-            raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+        waiting = waits.of(info)
+    if drive:
+        _refuse_failed(info)
+    if as_json or info.finished:
+        return
+    if waiting is not None:
+        out.print(
+            f"run {info.id} {waiting.describe()} (`flowloop send {info.id} EVENT`)", markup=False
+        )
+    elif drive:
+        out.print(support.not_ended_line(info), markup=False)
 
 
 @click.command()

@@ -41,6 +41,7 @@ def status(
     from flowloop.cli.views import family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
 
+    statuses = support.checked_statuses(statuses)
     with open_reader(db, synchronous) as reader:
         waits = support.WaitStates(reader)
         if run_id:

@@ -226,6 +226,27 @@ def what_continues(info: RunInfo, waiting: Waiting | None) -> str:
     return ""
 
 
+def not_ended_line(info: RunInfo) -> str:
+    """What a run ``run``/``retry`` handed back unended, outside a wait state, waits for,
+    and what continues it (exit 0: it did not fail)."""
+    from flowloop.clock import iso
+
+    due = iso(info.next_run_at) if info.next_run_at is not None else None
+    if info.status == "paused":
+        why = f" ({info.reason})" if info.reason else ""
+        return (
+            f"run {info.id} is paused in {info.state}{why}; "
+            f"`flowloop unpause {info.id}` lets it go on"
+        )
+    if info.status == "retrying" and due is not None:
+        waits_for = f"retries {info.state} at {due}"
+    elif due is not None:
+        waits_for = f"sleeps in {info.state} until {due}"
+    else:
+        waits_for = f"waits in {info.state} for its children"
+    return f"run {info.id} {waits_for}" + what_continues(info, None)
+
+
 # -- a business key that has a run already ------------------------------------------------
 
 
@@ -281,6 +302,31 @@ def short_ids(engine: RunReading, run_ids: Sequence[str]) -> dict[str, str]:
     from flowloop.ids import short_id
 
     return {run_id: short_id(engine.store, run_id) for run_id in run_ids}
+
+
+SHOWN_STATUSES: Final = (
+    WAITING,
+    "scheduled",
+    "running",
+    "retrying",
+    "paused",
+    "succeeded",
+    "failed",
+    "stopped",
+)
+"""The statuses `status` shows a run in (``waiting``: scheduled in a wait state)."""
+
+
+def checked_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
+    """``--status`` values, any case; one that is no status is refused (a typo listed
+    nothing, as if no run had it)."""
+    checked = tuple(status.lower() for status in statuses)
+    for given, status in zip(statuses, checked, strict=True):
+        if status not in SHOWN_STATUSES:
+            raise FlowloopError(
+                f"--status {given[:40]!r} is not a status (one of {', '.join(SHOWN_STATUSES)})"
+            )
+    return checked
 
 
 def list_runs(

@@ -475,3 +475,92 @@ def test_unknown_workflow__each_command_says_where_it_looked(here: Path, waiting
         "scheduled",
         "reserve",
     )
+
+
+# -- a second audit of the first hour ------------------------------------------------------
+
+SLEEPY = """
+    from datetime import timedelta
+
+    from pydantic import BaseModel
+
+    from flowloop import Step, Workflow
+
+
+    class Nap(BaseModel):
+        slept: bool = False
+
+
+    sleepy = Workflow("sleepy", context=Nap)
+
+
+    @sleepy.step(initial=True, next="remind")
+    def nap(ctx: Nap, step: Step):
+        if not ctx.slept:
+            ctx.slept = True
+            return step.sleep(timedelta(days=3), "remind")
+
+
+    @sleepy.step(next="done")
+    def remind(ctx: Nap) -> None: ...
+
+
+    sleepy.final("done")
+"""
+
+
+def test_run__a_run_that_sleeps_for_days_is_not_a_failure(here: Path) -> None:
+    """Before, `run` said "error: run … ended scheduled: " and exited 1 for a healthy run
+    in a 3-day durable sleep (the text said so; --json exited 1 too)."""
+    (here / "sleepy.py").write_text(textwrap.dedent(SLEEPY).lstrip())
+    shown = here_cli("run", "sleepy.py", cwd=here).splitlines()
+    assert shown[-1].startswith("run ") and " sleeps in remind until " in shown[-1], shown
+    assert shown[-1].endswith("continues it from remind"), shown
+    run = as_json("run", "sleepy.py", cwd=here)["run"]
+    assert (run["status"], run["state"]) == ("scheduled", "remind")
+
+
+def test_retry__a_run_stopped_waiting_waits_again(here: Path, waiting_run: str) -> None:
+    """Before: "cannot retry from 'awaiting': not a state with a step", exit 2."""
+    here_cli("stop", waiting_run, cwd=here)
+    shown = here_cli("retry", waiting_run, "-w", "orders.py", cwd=here).splitlines()
+    assert shown[-1].startswith(f"run {waiting_run} waiting in awaiting for approve or reject"), (
+        shown
+    )
+    assert shown[-1].endswith(f"(`flowloop send {waiting_run} EVENT`)"), shown
+    here_cli("send", waiting_run, "approve", "--data", '{"by": "ann"}', "-w", "orders.py", cwd=here)
+    shown_run = as_json("status", waiting_run, cwd=here)
+    assert (shown_run["status"], shown_run["state"]) == ("scheduled", "ship")  # approved
+
+
+def test_prune_and_retry__refuse_a_missing_database_and_create_nothing(here: Path) -> None:
+    """Before, both made an empty database: `prune` then said it deleted 0 runs, exit 0."""
+    here_cli("db", "upgrade", "--db", "flowloop.db", cwd=here)
+    files = sorted(p.name for p in here.iterdir())
+    line = refused("prune", "--older-than", "30d", "--db", "flowlop.db", cwd=here)
+    assert line == "error: no database at flowlop.db; did you mean flowloop.db?"
+    line = quick("retry", "abcd1234", "-w", "orders.py", "--db", "flowlop.db", cwd=here)
+    assert line == "error: no database at flowlop.db; did you mean flowloop.db?"
+    assert sorted(p.name for p in here.iterdir()) == files
+
+
+def test_status__a_status_that_is_none_is_refused(here: Path, waiting_run: str) -> None:
+    """Before, `--status bogus` listed nothing, exit 0, as if no run had it."""
+    line = refused("status", "--status", "bogus", cwd=here)
+    assert line == (
+        "error: --status 'bogus' is not a status (one of waiting, scheduled, running, "
+        "retrying, paused, succeeded, failed, stopped)"
+    )
+    listed = as_json("status", "--status", "Waiting", cwd=here)["runs"]
+    assert [run["id"] for run in listed] == [waiting_run]
+
+
+def test_worker__without_workflows_says_what_to_do(tmp_path: Path) -> None:
+    """Before: "nothing to run: no workflows or loops in workflows", as if ./workflows
+    existed and were empty, and no word of -w."""
+    line = quick("worker", "--db", "x.db", cwd=tmp_path)
+    assert line == (
+        "error: nothing to run: no -w given and no ./workflows here; "
+        "pass -w FILE_OR_DIR that defines them"
+    )
+    assert list(tmp_path.iterdir()) == []

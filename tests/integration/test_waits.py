@@ -551,3 +551,46 @@ def test_wait__failed_step_entered_by_an_event_can_be_retried(engine: TestEngine
     engine.run_until_idle()
     info = engine.get(run.id)
     assert (info.status, info.context.approved_by) == ("succeeded", "ann")  # type: ignore[union-attr]
+
+
+# -- an operator's retry of a run stopped in a wait state ------------------------------------
+
+
+def test_retry__a_run_stopped_waiting_waits_again_its_timeout_counted_from_the_retry(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """Before, retrying a run stopped in a wait state was refused ("not a state with a
+    step"): only a retry from an earlier step, which ran that step again, brought it
+    back."""
+    run_id = waiting(engine)
+    engine.stop(run_id)
+    clock.advance(DAY)
+    info = engine.retry(run_id)
+    assert (info.status, info.state, info.owner) == ("scheduled", "awaiting", None)
+    assert info.next_run_at == pytest.approx(clock.now() + 2 * DAY, abs=1e-3)
+    clock.advance(2 * DAY - 60)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(run_id).state == "awaiting"  # not timed out early
+    assert engine.send(run_id, "approve", {"by": "ann"}).status == "applied"
+    done = engine.get(run_id)
+    assert (done.status, done.state, done.context.prepared) == ("succeeded", "approved", 1)  # type: ignore[attr-defined]
+    assert_journal_sound(engine, run_id)
+
+
+def test_retry__into_a_wait_times_out_when_due_and_one_without_a_timeout_is_not_due(
+    engine: TestEngine, clock: FakeClock
+) -> None:
+    run_id = waiting(engine)
+    engine.stop(run_id)
+    engine.retry(run_id)
+    clock.advance(2 * DAY + 1)
+    engine.run_until_idle(idle_horizon=0)
+    assert (engine.get(run_id).status, engine.get(run_id).state) == ("succeeded", "expired")
+    assert_journal_sound(engine, run_id)
+    parked_run = engine.run(parked, {}).id
+    engine.stop(parked_run)
+    info = engine.retry(parked_run)
+    assert (info.status, info.state, info.next_run_at) == ("scheduled", "parked", None)
+    assert engine.send(parked_run, "go").status == "applied"
+    assert engine.get(parked_run).status == "succeeded"
+    assert_journal_sound(engine, parked_run)
