@@ -1,11 +1,13 @@
-"""Ctrl-C while ``flowloop run`` drives a run in the foreground.
+"""Ctrl-C (or SIGTERM) while ``flowloop run`` or ``flowloop resume`` drives runs in the
+foreground.
 
-The first SIGINT drains like SIGTERM does for a worker: nothing new starts, the step in
-flight finishes and its outcome is journaled, then the run is handed back (``run_released``,
-*released on shutdown*; status ``scheduled``) so ``flowloop resume`` continues it. With no
-step in flight (a retry's backoff) the run is left as it is. A second SIGINT cuts the step
-off: it is journaled as *cut off by shutdown* (an idempotent step runs again on resume; a
-non-idempotent one fails as ``interrupted`` and waits for an operator's ``retry``).
+The first signal drains as SIGTERM does for a worker: nothing new starts, the steps in
+flight finish and their outcomes are journaled, then their runs are handed back
+(``run_released``, *released on shutdown*; status ``scheduled``) so ``flowloop resume``
+continues them. With no step in flight (a retry's backoff) the runs are left as they are.
+A second signal cuts the steps off: journaled as *cut off by shutdown* (an idempotent step
+runs again on resume; a non-idempotent one fails as ``interrupted`` and waits for an
+operator's ``retry``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
 
@@ -24,11 +26,16 @@ from pydantic import BaseModel
 
 from flowloop.definition import Workflow
 from flowloop.engine import Engine, RunInfo
+from flowloop.executor import Executor, Stats
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 
-EXIT_INTERRUPTED: Final = 130
+EXIT_SIGNALLED: Final = 128
+"""The shell's code for a process ended by a signal is this plus the signal's number."""
+EXIT_INTERRUPTED: Final = EXIT_SIGNALLED + signal.SIGINT
 """The shell's code for a process ended by SIGINT (128 + 2)."""
+HANDLED: Final = (signal.SIGINT, signal.SIGTERM)
+"""The signals a foreground drive hands its runs back at (a worker's shutdown, as Ctrl-C)."""
 STEP_THREAD_PREFIX: Final = "flowloop-"
 
 
@@ -39,6 +46,8 @@ class Interrupted:
 
     run: RunInfo | None
     signals: int
+    first: int = signal.SIGINT
+    """The first signal's number (SIGTERM is taken as Ctrl-C is): the exit code says it."""
 
 
 def run_interruptibly(
@@ -60,45 +69,90 @@ def run_interruptibly(
             seen.append(record.id)
 
     async def main() -> RunInfo | Interrupted:
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
         executor = engine._executor()
         executor.listeners.append(remember)
-        signals = 0
 
-        def on_sigint() -> None:
-            nonlocal signals
-            signals += 1
+        def note_tracked() -> None:
             seen.extend(run_id for run_id in executor.tracked if run_id not in seen)
-            if signals == 1 and executor.busy:
-                notice(
-                    "interrupt: letting the step in flight finish, then stopping "
-                    "(Ctrl-C again to cut it off)"
-                )
-                executor.hand_back()
-            else:
-                notice("interrupt: cutting the step in flight off" if executor.busy else "")
-                task.cancel()
 
-        loop.add_signal_handler(signal.SIGINT, on_sigint)
-        try:
+        with _signals(executor, notice, note_tracked) as caught:
             try:
                 info: RunInfo | None = await engine.arun(workflow, context, key=key)
             except asyncio.CancelledError:
-                if signals == 0:
+                if not caught:
                     raise
                 info = None
-        finally:
-            loop.remove_signal_handler(signal.SIGINT)
-            executor.listeners.remove(remember)
-            executor.stop_handing_back()  # the engine's executor drives later runs again
-        if info is not None and (signals == 0 or info.status in FINISHED):
+            finally:
+                executor.listeners.remove(remember)
+        if info is not None and (not caught or info.status in FINISHED):
             return info  # a Ctrl-C that came as the run ended changes nothing
         run_id = info.id if info is not None else (seen[-1] if seen else None)
-        return Interrupted(engine.get(run_id) if run_id is not None else None, signals)
+        run = engine.get(run_id) if run_id is not None else None
+        return Interrupted(run, len(caught), caught[0])
 
     return asyncio.run(main())
+
+
+def resume_interruptibly(
+    engine: Engine, *, notice: Callable[[str], None] = lambda _: None
+) -> tuple[Stats, list[int]]:
+    """:meth:`Engine.resume` with the Ctrl-C behaviour of ``flowloop run`` (the module
+    docstring), for every run it drives: a first SIGINT or SIGTERM lets the steps in
+    flight finish and hands their runs back, a second cuts them off. The stats, and the
+    signals that came (none: it went to its end)."""
+
+    async def main() -> tuple[Stats, list[int]]:
+        executor = engine._new_executor()
+        try:
+            with _signals(executor, notice, lambda: None) as caught:
+                try:
+                    stats = await executor.run(until_idle=True)
+                except asyncio.CancelledError:
+                    if not caught:
+                        raise
+                    stats = executor.stats
+        finally:
+            executor.close()
+        return stats, caught
+
+    return asyncio.run(main())
+
+
+@contextlib.contextmanager
+def _signals(
+    executor: Executor, notice: Callable[[str], None], noted: Callable[[], None]
+) -> Iterator[list[int]]:
+    """SIGINT and SIGTERM handled on the running loop while the block runs: the first
+    hands the executor's runs back once their steps in flight have finished (with none in
+    flight, and at the second, the calling task is cancelled: cut off). Yields the
+    signals caught, in order; ``noted`` is called at each (the runs in flight are known
+    then)."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    caught: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        caught.append(signum)
+        noted()
+        if len(caught) == 1 and executor.busy:
+            notice(
+                "interrupt: letting the step in flight finish, then stopping "
+                "(Ctrl-C again to cut it off)"
+            )
+            executor.hand_back()
+        else:
+            notice("interrupt: cutting the step in flight off" if executor.busy else "")
+            task.cancel()
+
+    for signum in HANDLED:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        yield caught
+    finally:
+        for signum in HANDLED:
+            loop.remove_signal_handler(signum)
+        executor.stop_handing_back()  # the engine's executor drives later runs again
 
 
 def interrupted_line(outcome: Interrupted, *, resume: str, retry: str) -> str:
@@ -117,8 +171,8 @@ def interrupted_line(outcome: Interrupted, *, resume: str, retry: str) -> str:
     return f"interrupted: {where}"
 
 
-def leave(line: str) -> NoReturn:
-    """Print ``line`` to stderr and exit with :data:`EXIT_INTERRUPTED`. A sync step cut off
+def leave(line: str, code: int = EXIT_INTERRUPTED) -> NoReturn:
+    """Print ``line`` to stderr and exit with ``code`` (128 + the signal's). A sync step cut off
     by a second Ctrl-C keeps running in its thread (threads cannot be killed) and Python
     would wait for it at exit: its cut-off is journaled already, so exit at once then."""
     sys.stderr.write(line + "\n")
@@ -133,5 +187,5 @@ def leave(line: str) -> NoReturn:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
-        os._exit(EXIT_INTERRUPTED)
-    sys.exit(EXIT_INTERRUPTED)
+        os._exit(code)
+    sys.exit(code)

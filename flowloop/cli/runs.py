@@ -53,7 +53,13 @@ def run(
     from flowloop.cli.views import info_json
     from flowloop.clock import iso
     from flowloop.config import apply_overrides
-    from flowloop.interrupt import Interrupted, interrupted_line, leave, run_interruptibly
+    from flowloop.interrupt import (
+        EXIT_SIGNALLED,
+        Interrupted,
+        interrupted_line,
+        leave,
+        run_interruptibly,
+    )
     from flowloop.loader import load_target, split_target
 
     workflow, _ = load_target(target)
@@ -77,7 +83,8 @@ def run(
             click.echo(support.dumps(shown))
         where = f"-w {split_target(target)[0]} --db {database(db)}"
         resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
-        leave(interrupted_line(info, resume=resume_with, retry=retry_with))
+        line = interrupted_line(info, resume=resume_with, retry=retry_with)
+        leave(line, EXIT_SIGNALLED + info.first)
     if as_json:
         click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
         _refuse_failed(info)
@@ -220,9 +227,12 @@ def resume(
     synchronous: str,
     as_json: bool,
 ) -> None:
-    """Recover runs interrupted by a crash and drive every due run to the end."""
+    """Recover runs interrupted by a crash and drive every due run to the end. Ctrl-C (or
+    SIGTERM) lets the steps in flight finish and hands their runs back; a second cuts them
+    off."""
     from flowloop.cli.progress import progress_printer
     from flowloop.engine import Engine
+    from flowloop.interrupt import EXIT_SIGNALLED, leave, resume_interruptibly
 
     loaded = load_workflow_paths(workflow_paths)
     if not loaded.workflows:
@@ -231,15 +241,22 @@ def resume(
         engine.register(*loaded.workflows.values())
         if not as_json:
             engine.listeners.append(progress_printer())
-        stats = engine.resume()
+        stats, signals = resume_interruptibly(engine, notice=err.print)
+    done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
     if as_json:
-        done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
-        click.echo(json.dumps(done))
-        return
-    out.print(
-        f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
-        f"run, {stats.commits} commit(s)"
-    )
+        click.echo(
+            json.dumps({**done, "interrupted": {"signals": len(signals)}} if signals else done)
+        )
+    else:
+        out.print(
+            f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
+            f"run, {stats.commits} commit(s)"
+        )
+    if signals:
+        how = "after the steps in flight finished" if len(signals) == 1 else "cutting steps off"
+        paths = "".join(f" -w {path}" for path in workflow_paths)
+        line = f"interrupted {how}; continue with `flowloop resume{paths} --db {database(db)}`"
+        leave(line, EXIT_SIGNALLED + signals[0])  # (not waiting for a cut-off step's thread)
 
 
 @click.command()

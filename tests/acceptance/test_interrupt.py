@@ -73,11 +73,18 @@ PARCEL = """
 class FlowloopRun:
     """`flowloop run` in its own process; its stderr read line by line as it comes."""
 
-    def __init__(self, module: Path, db: Path, gate: Path, *options: str) -> None:
+    def __init__(
+        self, module: Path, db: Path, gate: Path, *options: str, resume: bool = False
+    ) -> None:
         env = {**os.environ, "PARCEL_DIR": str(gate), "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "flowloop.cli", "run", str(module), "--db", str(db)]
+        if resume:  # `flowloop resume` of what `flowloop start` queued
+            command = [sys.executable, "-m", "flowloop.cli", "resume", "-w", str(module)]
+            options = ("--db", str(db), *options)
+        else:
+            options = (*options, "--context", json.dumps({"order_id": "A1"}))
         self.process = subprocess.Popen(
-            [*command, *options, "--context", json.dumps({"order_id": "A1"})],
+            [*command, *options],
             cwd=gate,
             env=env,
             stdout=subprocess.PIPE,
@@ -122,9 +129,10 @@ class FlowloopRun:
         self._drain()
         return "stderr:\n" + "\n".join(self.err)
 
-    def first_ctrl_c(self, *, notice: str) -> None:
-        """Send SIGINT and wait (bounded) until the process says ``notice`` in reply."""
-        self.process.send_signal(signal.SIGINT)
+    def first_ctrl_c(self, *, notice: str, signum: int = signal.SIGINT) -> None:
+        """Send SIGINT (or ``signum``) and wait (bounded) until the process says ``notice``
+        in reply."""
+        self.process.send_signal(signum)
         poll(
             lambda: self.said(notice),
             timeout=EXIT_WAIT_S,
@@ -147,12 +155,16 @@ def command_in(line: str) -> list[str]:
     return shlex.split(line.split("`")[1])
 
 
-def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(
+    tmp_path: Path, signum: int
+) -> None:
+    """SIGTERM as Ctrl-C (before, it killed the process, the run left running), exit 143."""
     run, db, gate = start(tmp_path)
-    run.first_ctrl_c(notice="letting the step in flight finish")
+    run.first_ctrl_c(notice="letting the step in flight finish", signum=signum)
     assert run.process.poll() is None  # still finishing the step
     (gate / "open").touch()
-    assert run.wait() == 130, run.describe()
+    assert run.wait() == 128 + signum, run.describe()
     last = run.err[-1]
     assert "Traceback" not in "\n".join(run.err), run.describe()
     assert last.startswith("interrupted: run "), last
@@ -223,3 +235,84 @@ def test_run__json_after_ctrl_c_prints_the_run_as_handed_back(tmp_path: Path) ->
     assert (shown["run"]["status"], shown["run"]["state"]) == ("scheduled", "notify")
     assert shown["run"]["context"]["tracking"] == "TRK1"
     assert shown["interrupted"] == {"signals": 1} and shown["existing"] is False
+
+
+# -- `flowloop resume`: the same, for every run it drives ------------------------------------
+
+
+def resume_started(tmp_path: Path) -> tuple[FlowloopRun, Path, Path]:
+    """`flowloop start` queues a parcel, `flowloop resume` drives it: its step in flight."""
+    module = write_module(tmp_path / "parcel.py", PARCEL)
+    db = tmp_path / "runs.db"
+    context = json.dumps({"order_id": "A1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowloop.cli",
+            "start",
+            str(module),
+            "--db",
+            str(db),
+            "--context",
+            context,
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PARCEL_DIR": str(tmp_path)},
+        check=True,
+        capture_output=True,
+        timeout=EXIT_WAIT_S,
+    )
+    run = FlowloopRun(module, db, tmp_path, resume=True)
+    wait_exists(tmp_path / "in-flight-1")
+    return run, db, tmp_path
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_resume__first_signal_lets_the_step_finish_and_hands_the_run_back(
+    tmp_path: Path, signum: int
+) -> None:
+    """Before, one Ctrl-C cut the step off at once (an attempt used up: the parcel, not
+    idempotent, failed), and SIGTERM killed the process with the run left running."""
+    run, db, gate = resume_started(tmp_path)
+    run.first_ctrl_c(notice="letting the step in flight finish", signum=signum)
+    assert run.process.poll() is None  # still finishing the step
+    (gate / "open").touch()
+    assert run.wait() == 128 + signum, run.describe()
+    assert "Traceback" not in "\n".join(run.err), run.describe()
+    last = run.err[-1]
+    assert last.startswith("interrupted after the steps in flight finished; continue with "), last
+    with engine(db) as e:
+        (info,) = e.runs()
+        history = e.history(info.id)
+    assert (info.status, info.state, info.context["tracking"]) == ("scheduled", "notify", "TRK1")
+    assert [ev.kind for ev in history][-2:] == ["step_succeeded", "run_released"]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *command_in(last)[1:]],
+        cwd=tmp_path,
+        env={**os.environ, "PARCEL_DIR": str(gate)},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_WAIT_S,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    with engine(db) as e:
+        done = e.get(info.id)
+    assert (done.status, done.context["notified"]) == ("succeeded", True)
+    assert (gate / "shipments").read_text().split() == [info.id]  # shipped once
+
+
+def test_resume__second_ctrl_c_cuts_the_step_off(tmp_path: Path) -> None:
+    run, db, gate = resume_started(tmp_path)
+    run.first_ctrl_c(notice="Ctrl-C again to cut it off")
+    run.process.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.describe()
+    assert "Traceback" not in "\n".join(run.err), run.describe()
+    assert run.err[-1].startswith("interrupted cutting steps off; continue with "), run.describe()
+    with engine(db) as e:
+        (info,) = e.runs()
+        cut = e.history(info.id)[-1]
+    assert (cut.kind, cut.data["cause"]) == ("step_interrupted", "cut_off")
+    assert (info.status, info.reason) == ("failed", "interrupted")  # not idempotent
+    assert not (gate / "shipments").exists()
+    (gate / "open").touch()  # nothing left to release it: the process is gone
