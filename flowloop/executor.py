@@ -168,6 +168,7 @@ class Executor(Stepping, Recovery, Requests):
         self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
         self._threads = StepThreads(max_concurrency)
         self.pool_exhausted: list[Callable[[int], None]] = []
+        self._exhaustion_check: asyncio.TimerHandle | None = None
         """Called (with the number of abandoned threads) when hung sync steps reach the
         step pool's bound (see flowloop.steppool)."""
         self._active: dict[str, _Active] = {}

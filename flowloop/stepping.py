@@ -70,6 +70,9 @@ def in_inline_step() -> bool:
 
 
 MAX_NOTE_CHARS: Final = 500
+CUT_OFF_GRACE_SECONDS: Final = 60.0
+"""How long sync steps cut off (not timed out) may run on in their threads before those
+threads count towards the step pool's bound (a worker then exits with code 3)."""
 """Of a step's notes (``Step.note``), kept in its journal entry."""
 
 
@@ -96,6 +99,7 @@ class Stepping:
         gates: Gates
         async_steps: dict[str, RunningStep]
         pool_exhausted: list[Callable[[int], None]]
+        _exhaustion_check: asyncio.TimerHandle | None
         _active: dict[str, _Active]
         _controls: dict[str, str]
         _draining: bool
@@ -623,18 +627,19 @@ class Stepping:
                 raise StepTimeout(
                     f"step {spec.name!r} took longer than {spec.timeout:g}s"
                 ) from None
-        except BaseException:
+        except BaseException as error:
             abandoned.append(True)
             if thread is not None:
-                self._abandoned(run_id, spec.name, thread)
+                timed_out = isinstance(error, StepTimeout)
+                self._abandoned(run_id, spec.name, thread, timed_out=timed_out)
             raise
         finally:
             if active is not None:
                 active.step_task = None
 
-    def _abandoned(self, run_id: str, state: str, work: Future[Any]) -> None:
+    def _abandoned(self, run_id: str, state: str, work: Future[Any], *, timed_out: bool) -> None:
         """A sync step given up on: its thread is replaced (within the pool's bound)."""
-        if not self._threads.abandon(work):
+        if not self._threads.abandon(work, timed_out=timed_out):
             return
         count, bound = self._threads.abandoned, self._threads.spare
         log.warning(
@@ -646,19 +651,36 @@ class Stepping:
             bound,
             extra={"run": run_id, "event": "thread_abandoned", "abandoned": count},
         )
-        if count >= bound:
-            log.error(
-                "%d sync step thread(s) hang past their timeouts (the bound is %d): "
-                "each further one takes a slot of this process",
-                count,
-                bound,
-                extra={"event": "step_pool_exhausted", "abandoned": count},
+        if self._threads.timed_out >= bound:
+            self._pool_is_exhausted("hang past their timeouts")
+        elif count >= bound and self._exhaustion_check is None:
+            # Some were cut off (a lost lease, a stop), not timed out: such a step may end
+            # soon after (a worker frozen past its lease cut every step off at once). The
+            # bound counts only if their threads are still taken a while later.
+            self._exhaustion_check = asyncio.get_running_loop().call_later(
+                CUT_OFF_GRACE_SECONDS, self._still_exhausted
             )
-            for hook in self.pool_exhausted:
-                try:
-                    hook(count)
-                except Exception:  # a hook must never break the worker
-                    log.exception("pool-exhausted hook failed")
+
+    def _still_exhausted(self) -> None:
+        self._exhaustion_check = None
+        if self._threads.exhausted:
+            self._pool_is_exhausted(f"still run steps given up on {CUT_OFF_GRACE_SECONDS:g}s ago")
+
+    def _pool_is_exhausted(self, why: str) -> None:
+        count, bound = self._threads.abandoned, self._threads.spare
+        log.error(
+            "%d sync step thread(s) %s (the bound is %d): each further one takes a slot of "
+            "this process",
+            count,
+            why,
+            bound,
+            extra={"event": "step_pool_exhausted", "abandoned": count},
+        )
+        for hook in self.pool_exhausted:
+            try:
+                hook(count)
+            except Exception:  # a hook must never break the worker
+                log.exception("pool-exhausted hook failed")
 
 
 def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:

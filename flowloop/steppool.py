@@ -46,6 +46,7 @@ class StepThreads:
         self._idle = 0
         self._queued = 0
         self._abandoned: set[Future[Any]] = set()
+        self._timed_out: set[Future[Any]] = set()
         self._closed = False
         self._count = 0
 
@@ -56,6 +57,13 @@ class StepThreads:
         """Threads still running a step that was given up on (timed out, cut off)."""
         with self._lock:
             return len(self._abandoned)
+
+    @property
+    def timed_out(self) -> int:
+        """Of :attr:`abandoned`, the threads of steps given up on for their timeout (hung
+        past it, not cut off: a step cut off by a lost lease or a stop may end soon)."""
+        with self._lock:
+            return len(self._timed_out)
 
     @property
     def exhausted(self) -> bool:
@@ -83,16 +91,19 @@ class StepThreads:
             self._grow()
         return future
 
-    def abandon(self, future: Future[Any]) -> bool:
-        """The caller gave up on ``future``'s step. Not started yet: it never runs. Running:
-        its thread counts as abandoned until the step returns, and a thread is started in
-        its place (within the bound). Returns whether the thread was abandoned."""
+    def abandon(self, future: Future[Any], *, timed_out: bool = True) -> bool:
+        """The caller gave up on ``future``'s step (``timed_out``: for its timeout, else cut
+        off). Not started yet: it never runs. Running: its thread counts as abandoned until
+        the step returns, and a thread is started in its place (within the bound). Returns
+        whether the thread was abandoned."""
         if future.cancel():
             return False
         if future.done():
             return False
         with self._lock:
             self._abandoned.add(future)
+            if timed_out:
+                self._timed_out.add(future)
             self._grow()
         future.add_done_callback(self._returned)
         return True
@@ -100,6 +111,7 @@ class StepThreads:
     def _returned(self, future: Future[Any]) -> None:
         with self._lock:
             self._abandoned.discard(future)
+            self._timed_out.discard(future)
 
     def _grow(self) -> None:
         # Under the lock: start a thread for queued work no idle thread will take.

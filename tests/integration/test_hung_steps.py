@@ -11,11 +11,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, Retry, Workflow
+from flowloop import Engine, Retry, Workflow, stepping
 from flowloop.metrics import Metrics
 from flowloop.worker import EXIT_POOL_EXHAUSTED, Worker
 
@@ -139,3 +140,77 @@ def test_a_script_exits_after_a_sync_step_timed_out(sqlite_url: str, tmp_path: P
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "failed"
     print(f"script exited {time.monotonic() - started:.1f}s after start")
+
+
+async def _until(probe: Any, what: str) -> None:
+    """Poll ``probe`` on the event loop (the worker runs on it) until it is truthy."""
+    deadline = time.monotonic() + FINISH_BOUND_S
+    while not probe():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _cut_off_twice(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, *, threads_end: bool
+) -> Worker:
+    """A worker of concurrency 2 whose two sync steps (no timeout) an operator's stop cuts
+    off: both threads abandoned, the bound reached. ``threads_end``: the steps then
+    return. The worker is stopped once the pool's check has come (or ended itself)."""
+    monkeypatch.setattr(stepping, "CUT_OFF_GRACE_SECONDS", 0.3)
+    gate, started = threading.Event(), threading.Semaphore(0)
+    slow = Workflow("slow", context=Ctx)
+
+    @slow.step(initial=True, next="done")
+    def wait_for_gate(ctx: Ctx) -> None:
+        started.release()
+        gate.wait(FINISH_BOUND_S)
+
+    slow.final("done")
+    engine = Engine(sqlite_url, workflows=[slow], max_concurrency=2, poll_seconds=0.05)
+    runs = [engine.start(slow, Ctx()).id for _ in range(2)]
+    worker = Worker(engine, concurrency=2, grace=1.0)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(worker.run(stop))
+        for _ in runs:
+            assert await asyncio.to_thread(started.acquire, timeout=FINISH_BOUND_S)
+        for run_id in runs:
+            engine.stop(run_id)
+        await _until(lambda: worker.executor is not None, "the worker's executor")
+        threads = worker.executor._threads  # type: ignore[union-attr]
+        await _until(lambda: threads.abandoned == 2, "both step threads abandoned")
+        check = worker.executor._exhaustion_check  # type: ignore[union-attr]
+        assert check is not None  # cut off, not timed out: judged later
+        if threads_end:
+            gate.set()
+            await _until(lambda: threads.abandoned == 0, "the cut-off steps to return")
+        executor: Any = worker.executor
+        await _until(lambda: executor._exhaustion_check is None, "the pool's check to come")
+        stop.set()
+        await asyncio.wait_for(task, FINISH_BOUND_S)
+
+    try:
+        asyncio.run(main())
+        assert {engine.get(run_id).status for run_id in runs} == {"stopped"}
+    finally:
+        gate.set()
+        engine.close()
+    return worker
+
+
+def test_steps_cut_off_whose_threads_return_do_not_end_the_worker(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, a worker frozen past its lease (every step cut off at once) or an operator
+    stopping as many sync steps as its concurrency exited at once with code 3, "sync step
+    threads hang past their timeouts", though the steps returned moments later."""
+    worker = _cut_off_twice(sqlite_url, monkeypatch, threads_end=True)
+    assert worker.exit_code == 0
+
+
+def test_steps_cut_off_whose_threads_still_run_later_end_the_worker(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = _cut_off_twice(sqlite_url, monkeypatch, threads_end=False)
+    assert worker.exit_code == EXIT_POOL_EXHAUSTED
