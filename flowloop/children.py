@@ -197,6 +197,8 @@ async def drive(
     visit = record.visit(record.state)
     join_id = compose.join_id(record.id, record.state, visit)
     join = store.get_join(join_id)
+    # Every child made before this claim (an unpause, a recovery): waiting for them again.
+    again = join is not None and join.created >= join.total
     if join is not None and join.complete:
         if not await flush():
             return None
@@ -266,7 +268,7 @@ async def drive(
             return await _join(executor, workflow, spec, record, fence, join_id)
     if not await flush():
         return None
-    boundary = _waiting(executor, spec, record, fence, join_id, join.total)
+    boundary = _waiting(executor, spec, record, fence, join_id, join.total, again=again)
     if store.wait_join(boundary, join_id):
         _waited(executor, boundary)
     return None
@@ -281,19 +283,19 @@ def _waiting(
     total: int,
     *,
     pending: Sequence[JournalEvent] = (),
+    again: bool = False,
 ) -> Boundary:
     """The parent's boundary that leaves it waiting for its children (released), after
-    the ``pending`` events that led ``record`` here (already applied to it)."""
-    started = executor._event(
-        record,
-        j.CHILDREN_STARTED,
-        state=record.state,
-        data={
-            "join": join_id,
-            "children": total,
-            "child_workflow": ",".join(wf.name for wf in spec.workflows()),
-        },
-    )
+    the ``pending`` events that led ``record`` here (already applied to it); ``again``:
+    they were all made before (the entry says so: no child was started now)."""
+    data: dict[str, Any] = {
+        "join": join_id,
+        "children": total,
+        "child_workflow": ",".join(wf.name for wf in spec.workflows()),
+    }
+    if again:
+        data["again"] = True
+    started = executor._event(record, j.CHILDREN_STARTED, state=record.state, data=data)
     return Boundary(
         events=[*pending, started], record=j.apply(record, started), fence=fence, release=True
     )

@@ -99,6 +99,8 @@ def _composition_note(event: j.JournalEvent) -> str | None:
     """The overlay's line for a composition entry: children started or joined (with
     their counts), a compensation that ran."""
     data = event.data
+    if event.kind == j.CHILDREN_STARTED and data.get("again"):
+        return None  # waiting again for the children noted already
     if event.kind == j.CHILDREN_STARTED:
         return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
     if event.kind == j.CHILDREN_JOINED:

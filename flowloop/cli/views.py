@@ -206,7 +206,8 @@ def describe_entry(event: JournalEvent) -> str | None:
     """One line for a composition journal entry (``None`` for the others)."""
     data = event.data
     if event.kind == j.CHILDREN_STARTED:
-        return f"{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
+        waits = "waits again for " if data.get("again") else ""
+        return f"{waits}{data.get('children', 0)} child run(s) of {data.get('child_workflow', '?')}"
     if event.kind in (j.CHILDREN_JOINED, j.DEADLINE_PASSED) or (
         event.kind in (j.STEP_FAILED, j.STEP_INTERRUPTED) and event.next_state
     ):

@@ -675,3 +675,27 @@ def test_a_pause_asked_of_a_worker_that_let_the_run_go_into_a_wait_is_written(
         engine.unpause(run_id)
         assert engine.send(run_id, "go").status == "applied"
         assert engine.get(run_id).status == "succeeded"
+
+
+def test_a_parent_unpaused_in_its_call_state_waits_again_and_says_so(store_url: str) -> None:
+    """Unpausing a parent waiting for its children makes it due: its claim finds them all
+    made and waits again. That entry was a second `children_started` like the first (the
+    history and the diagram showed the children started twice); it now says `again`."""
+    from flowloop.cli.views import describe_entry
+    from flowloop.render_overlay import RunOverlay
+
+    parent, child, grand = _family()
+    with Engine(store_url, workflows=[parent, child, grand]) as engine:
+        top = engine.start(parent, Ctx()).id
+        engine.run_until_idle()
+        engine.pause(top)
+        engine.unpause(top)
+        engine.run_until_idle()
+        history = engine.history(top)
+        started = [e for e in history if e.kind == j.CHILDREN_STARTED]
+        assert [e.data.get("again", False) for e in started] == [False, True]
+        assert started[0].data["join"] == started[1].data["join"]
+        assert describe_entry(started[1]) == "waits again for 1 child run(s) of child"
+        assert RunOverlay.from_journal(history).notes == {"calling": ("1 child run(s) of child",)}
+        assert engine.get(top).status == "scheduled"  # waiting for its child, as before
+        assert not engine.replay(top).differences
