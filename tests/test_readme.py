@@ -77,3 +77,31 @@ def test_readme__every_python_block_runs_in_order(
                 value.close()
     if failure is not None:
         pytest.fail(failure, pytrace=False)
+
+
+def _shape(line: str) -> str:
+    """A progress line without what changes from run to run: ids and durations."""
+    line = re.sub(r"\b[0-9a-f]{32}\b", "RUN", line)
+    return re.sub(r" \d+\.\d ms$", " N ms", line.rstrip())
+
+
+def test_readme__the_main_jobs_output_is_what_flowloop_run_prints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sample under "The main job, end to end" as `flowloop run` prints it today (it
+    had drifted: the order workflow gained a call state the sample did not show)."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+
+    text = README.read_text()
+    block = text.split("## The main job, end to end", 1)[1].split("```bash\n", 1)[1]
+    command, *sample = block.split("```", 1)[0].strip().splitlines()
+    assert command.startswith("$ flowloop run workflows/order.py --context '")
+    context = command.split("--context ", 1)[1].strip("'")
+    workflows = README.parent / "workflows" / "order.py"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWLOOP_DB", raising=False)
+    result = CliRunner().invoke(cli, ["run", str(workflows), "--context", context])
+    assert result.exit_code == 0, result.output
+    assert [_shape(line) for line in result.output.splitlines()] == [_shape(s) for s in sample]

@@ -94,6 +94,10 @@ def progress_printer(
         return f"{prefix}[cyan]progress[/]  {escape(record.state):<12} " + "  ".join(parts)
 
     def show(record: RunRecord, events: Sequence[JournalEvent]) -> None:
+        # A child run's lines (a call or map state's) are indented and name its workflow,
+        # so they do not read as the lines of the run that was asked for.
+        child = record.join is not None
+        lead = f"{prefix}  {escape(record.workflow)} " if child else prefix
         found = counters(record.context)
         now = time.monotonic()
         due = False
@@ -109,7 +113,7 @@ def progress_printer(
                 continue
             took = f" {event.duration * 1000:.1f} ms" if event.duration is not None else ""
             out.print(
-                f"{prefix}[dim]seq {event.seq:>3}[/] {event.kind:<16} "
+                f"{lead}[dim]seq {event.seq:>3}[/] {event.kind:<16} "
                 f"{escape(describe_event(event))}{took}"
             )
             # A step that moved the count on (the last batch of a file): show where it got to.
@@ -122,7 +126,10 @@ def progress_printer(
             summary = found[0].get("summary") if found is not None else None
             if isinstance(summary, str) and summary:
                 out.print(f"{prefix}{escape(summary)}")
-            out.print(f"{prefix}run {record.id} {styled(record.status)} in state {record.state}")
+            run = f"run {record.id}"
+            if child:
+                run = f"  child {run} ({escape(record.workflow)})"
+            out.print(f"{prefix}{run} {styled(record.status)} in state {record.state}")
             first_seen.pop(record.id, None)
             last_line.pop(record.id, None)
 
