@@ -128,6 +128,18 @@ class DefinitionMismatch(FlowloopError):
         self.reason = reason
 
 
+class MissingExtra(FlowloopError, ImportError):
+    """An optional part of flowloop is used without the packages its extra installs; the
+    message names what is missing and the ``pip install`` that adds it (an ImportError
+    too, for code that tries an import)."""
+
+    def __init__(self, what: str, missing: str | None, extra: str) -> None:
+        FlowloopError.__init__(
+            self, f"{what} ({missing or 'a package'} is missing): pip install 'flowloop[{extra}]'"
+        )
+        self.name = missing
+
+
 class StoreError(FlowloopError):
     """The database cannot be used as a flowloop store; the message says why and what to do."""
 

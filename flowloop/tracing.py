@@ -32,16 +32,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
-from opentelemetry import trace as api
-from opentelemetry.context import Context
-from opentelemetry.sdk.trace import Tracer as SdkTracer
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from opentelemetry.util.types import AttributeValue
+from flowloop.errors import FlowloopError, MissingExtra
+
+try:
+    from opentelemetry import trace as api
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import Tracer as SdkTracer
+    from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+    from opentelemetry.util.types import AttributeValue
+except ModuleNotFoundError as missing:
+    raise MissingExtra("flowloop.tracing needs OpenTelemetry", missing.name, "otel") from None
 
 from flowloop import journal as j
 from flowloop.definition import TIMEOUT_EVENT, Workflow
-from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.tracecontext import RunTrace, new_run_trace, run_trace

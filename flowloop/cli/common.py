@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import click
 
-from flowloop.errors import EXIT_FAILURE, FlowloopError, UnknownWorkflow
+from flowloop.errors import EXIT_FAILURE, FlowloopError, MissingExtra, UnknownWorkflow
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -104,9 +104,7 @@ def trace(engine: Engine) -> None:
     try:
         from flowloop import tracing  # lazy: OpenTelemetry only when asked for
     except ImportError as error:
-        raise FlowloopError(
-            f"--trace needs OpenTelemetry ({error.name} is missing): pip install 'flowloop[otel]'"
-        ) from None
+        raise MissingExtra("--trace needs OpenTelemetry", error.name, "otel") from None
     tracing.instrument_from_env(engine)
 
 

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
 LOOPBACK: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8050
-INSTALL_HINT: Final = "the dashboard needs its extra: pip install 'flowloop[ui]'"
 
 
 def is_loopback(host: str) -> bool:
@@ -62,14 +61,14 @@ def ui_command(
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
     from flowloop.cli.common import database, err, load_workflow_paths, out, settings
     from flowloop.cli.support import require_database
-    from flowloop.errors import FlowloopError
+    from flowloop.errors import MissingExtra
 
     try:
         import uvicorn
 
         from flowloop.ui.app import create_app
     except ModuleNotFoundError as error:
-        raise FlowloopError(f"{INSTALL_HINT} ({error.name} is missing)") from error
+        raise MissingExtra("the dashboard needs its extra", error.name, "ui") from error
     from flowloop.store.sql import SQLStore
 
     loaded = load_workflow_paths(workflow_paths)

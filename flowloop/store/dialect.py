@@ -44,7 +44,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.pool import StaticPool
 from sqlalchemy.sql.operators import custom_op
 
-from flowloop.errors import StoreError, WrongDatabase
+from flowloop.errors import MissingExtra, WrongDatabase
 from flowloop.store.urls import normalize_url
 
 DEFAULT_SYNCHRONOUS: Final = "NORMAL"
@@ -459,10 +459,7 @@ def _postgres_engine(url: URL) -> Engine:
     try:
         engine = create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     except ModuleNotFoundError as error:
-        raise StoreError(
-            "PostgreSQL needs psycopg 3: pip install -e '.[postgres]' in the flowloop "
-            "checkout (or pip install 'psycopg[binary]')"
-        ) from error
+        raise MissingExtra("PostgreSQL needs psycopg 3", error.name, "postgres") from error
 
     @event.listens_for(engine, "do_connect")
     def _on_do_connect(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:

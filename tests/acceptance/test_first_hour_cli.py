@@ -564,3 +564,49 @@ def test_worker__without_workflows_says_what_to_do(tmp_path: Path) -> None:
         "pass -w FILE_OR_DIR that defines them"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def _without(module: str, code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a new interpreter where ``module`` cannot be imported (its extra is not
+    installed)."""
+    blocked = f"import sys; sys.modules[{module!r}] = None\n"
+    return subprocess.run(
+        [sys.executable, "-c", blocked + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=clean_env(),
+        check=False,
+    )
+
+
+def test_a_missing_extra_is_one_line_exit_2_and_an_import_error_in_python() -> None:
+    """Before: a PostgreSQL URL without psycopg exited 1 (a failure, not a setup mistake),
+    and `from flowloop import tracing` without OpenTelemetry was a bare traceback."""
+    cli_run = _without(
+        "psycopg",
+        """
+        from flowloop.cli import main
+        main(["status", "--db", "postgresql+psycopg://postgres@127.0.0.1:1/none"])
+        """,
+    )
+    assert cli_run.returncode == 2, cli_run.stderr
+    assert cli_run.stderr.splitlines() == [
+        "error: PostgreSQL needs psycopg 3 (psycopg is missing): pip install 'flowloop[postgres]'"
+    ]
+    imported = _without(
+        "opentelemetry",
+        """
+        from flowloop.errors import MissingExtra
+        try:
+            from flowloop import tracing
+        except ImportError as error:
+            assert isinstance(error, MissingExtra)
+            print(error)
+        """,
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.strip() == (
+        "flowloop.tracing needs OpenTelemetry (opentelemetry is missing): "
+        "pip install 'flowloop[otel]'"
+    )
