@@ -71,6 +71,7 @@ class InvalidContext(FlowloopError):
         super().__init__(f"{which} for workflow {workflow!r} is invalid: {problems}")
         self.workflow = workflow
         self.problems = problems
+        self.position = position
 
 
 class ContextNotSerializable(FlowloopError):

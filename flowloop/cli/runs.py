@@ -24,7 +24,7 @@ from flowloop.cli.common import (
     settings,
     workflows_option,
 )
-from flowloop.errors import FlowloopError
+from flowloop.errors import FlowloopError, InvalidContext
 
 if TYPE_CHECKING:
     from flowloop.runinfo import RunInfo
@@ -156,8 +156,9 @@ def start(
         out.print(f"run {info.id} {styled(info.status)} ({info.workflow} at {info.state})")
 
 
-def read_json_lines(name: str) -> list[Any]:
-    """The JSON objects of a JSON Lines file (``-``: stdin), blank lines skipped."""
+def read_json_lines(name: str) -> tuple[list[Any], list[str]]:
+    """The JSON objects of a JSON Lines file (``-``: stdin), blank lines skipped; with
+    where each is (``FILE line N``), for messages."""
     if name == "-":
         data, source = sys.stdin.buffer.read(), "stdin"
     else:
@@ -169,10 +170,11 @@ def read_json_lines(name: str) -> list[Any]:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise FlowloopError(f"{source} is not UTF-8 text: {error.reason}") from None
-    values = []
+    values, places = [], []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
+        places.append(f"{source} line {number}")
         try:
             value = json.loads(line)
         except json.JSONDecodeError as error:
@@ -183,7 +185,7 @@ def read_json_lines(name: str) -> list[Any]:
                 f"{type(value).__name__} (one object per line)"
             )
         values.append(value)
-    return values
+    return values, places
 
 
 def start_many(
@@ -195,17 +197,26 @@ def start_many(
     from flowloop.loader import load_target
 
     workflow, _ = load_target(target)
-    contexts = read_json_lines(contexts_file)
+    contexts, places = read_json_lines(contexts_file)
     # A progress bar on a terminal only: a piped stderr gets nothing but errors.
     bar = Progress(console=err, transient=True, disable=not err.is_terminal)
     with open_engine(db, synchronous) as engine, bar:
         task = bar.add_task(f"starting {workflow.name} runs", total=len(contexts))
-        infos = engine.start_many(
-            workflow,
-            contexts,
-            priority=priority,
-            progress=lambda done, _total: bar.update(task, completed=done),
-        )
+        try:
+            infos = engine.start_many(
+                workflow,
+                contexts,
+                priority=priority,
+                progress=lambda done, _total: bar.update(task, completed=done),
+            )
+        except InvalidContext as error:
+            if error.position is None:
+                raise
+            # Named by its line, as a line that is not JSON is (blank lines are not counted).
+            raise FlowloopError(
+                f"{places[error.position - 1]}: the context for workflow {workflow.name!r} "
+                f"is invalid: {error.problems}"
+            ) from None
     if as_json:
         click.echo(json.dumps([info_json(info) for info in infos]))
         return

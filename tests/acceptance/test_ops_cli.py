@@ -369,7 +369,15 @@ def test_cli__start_many_runs_from_json_lines_in_one_go(here: Path) -> None:
     assert len(result.stderr.splitlines()) == 1
     assert result.stderr.startswith("error: stdin line 2 is not valid JSON")
     result = flowloop(*from_stdin, cwd=here, code=2, stdin='{"fail": "sometimes"}\n')
-    assert result.stderr.startswith("error: context #1 for workflow 'jobs' is invalid: fail")
+    assert result.stderr.startswith(
+        "error: stdin line 1: the context for workflow 'jobs' is invalid: fail"
+    )
+    # Named by its line, blank lines counted (before: "context #3" for line 4).
+    (here / "bad.jsonl").write_text('{}\n\n{}\n{"fail": "sometimes"}\n')
+    bad = ("start", "jobs.py", "--contexts", "bad.jsonl", "--db", "jobs.db")
+    result = flowloop(*bad, cwd=here, code=2)
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: bad.jsonl line 4: the context for workflow 'jobs' is invalid")
     assert len(json.loads(here_cli(here, "status", "--json"))["runs"]) == 4
 
 
