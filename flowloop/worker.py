@@ -274,12 +274,13 @@ class Worker:
             raise IterationFailed(f"run {stored.id} {status}: {error}")
         return stored.id
 
-    def request_stop(self) -> None:
-        """Begin a graceful shutdown (what the first SIGTERM/SIGINT does)."""
+    def request_stop(self, signum: int | None = None) -> None:
+        """Begin a graceful shutdown (what the first SIGTERM/SIGINT does); a second signal
+        exits at once, with the shell's code for it (128 + its number)."""
         self._signals += 1
         if self._signals > 1:
             log.warning("second signal: exiting at once (the journal holds)")
-            os._exit(1)
+            os._exit(128 + signum if signum is not None else 1)
         log.info("stopping: no new work; in-flight work has %gs to finish", self.grace)
         if self.stop_event is not None:
             self.stop_event.set()
@@ -291,7 +292,7 @@ class Worker:
             loop = asyncio.get_running_loop()
             self.stop_event = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.request_stop)
+                loop.add_signal_handler(sig, self.request_stop, sig)
             await self.run(self.stop_event)
 
         # The worker's loop at the same place whatever the caller's depth (freshstack.py).
