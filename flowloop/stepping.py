@@ -39,7 +39,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
 )
-from flowloop.events import check_visits, entering, receive
+from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
@@ -435,8 +435,14 @@ class Stepping:
                 self.wake(record.id)
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
-        # timeout, or a clock that disagrees) goes back to waiting unchanged.
+        # timeout, or a clock that disagrees) goes back to waiting unchanged. The timeout
+        # is the one its entry into the state set (the journal's): a due time written by
+        # a writer that did not know the definition (an unpause from a process without
+        # it made the run due at once) must not time the wait out early.
         due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
+        if due is not None and due <= now:
+            entered = wait_due(workflow, record.state, self.store.journal(record.id))
+            due = max(due, entered) if entered is not None else None
         if due is None or due > now:
             released = self._event(
                 record,

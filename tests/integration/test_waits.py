@@ -594,3 +594,25 @@ def test_retry__into_a_wait_times_out_when_due_and_one_without_a_timeout_is_not_
     assert engine.send(parked_run, "go").status == "applied"
     assert engine.get(parked_run).status == "succeeded"
     assert_journal_sound(engine, parked_run)
+
+
+def test_unpause__from_a_process_without_the_definition_does_not_time_the_wait_out(
+    store_url: str, engine: Engine, clock: FakeClock
+) -> None:
+    """An operator's unpause from a process that does not load the workflow (the CLI
+    without -w) cannot know the wait's timeout and made the run due at once; its next
+    claim took that for the timeout and the 2-day approval expired. The claim now goes by
+    the timeout its entry into the state set, and puts the run back to waiting until it."""
+    run_id = waiting(engine)
+    due = engine.get(run_id).next_run_at
+    with Engine(store_url, clock=clock) as operator:  # no workflow registered
+        operator.pause(run_id)
+        operator.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("scheduled", "awaiting"), info
+    assert info.next_run_at == pytest.approx(due, abs=1e-3)
+    clock.advance(2 * DAY + 1)
+    engine.run_until_idle(idle_horizon=0)
+    assert (engine.get(run_id).status, engine.get(run_id).state) == ("succeeded", "expired")
+    assert_journal_sound(engine, run_id)
