@@ -82,7 +82,14 @@ def status(
         }
         click.echo(json.dumps(page))
         return
-    out.print(table)
+    if infos:
+        out.print(table)
+    else:  # an empty table said nothing of why (a misspelt workflow listed nothing too)
+        asked = [f"workflow {workflow!r}"] if workflow else []
+        asked += [f"status {', '.join(statuses)}"] if statuses else []
+        asked += [f"key {key!r}"] if key else []
+        asked += ["after that run"] if after_id else []
+        out.print("no runs" + (f" with {', '.join(asked)}" if asked else ""), markup=False)
     for b in breakers:  # circuit breakers shared by the workers (flowloop.flowcontrol)
         until = f" until {iso(b.until)}" if b.until is not None and b.status != "closed" else ""
         out.print(

@@ -553,6 +553,9 @@ def test_status__a_status_that_is_none_is_refused(here: Path, waiting_run: str) 
     )
     listed = as_json("status", "--status", "Waiting", cwd=here)["runs"]
     assert [run["id"] for run in listed] == [waiting_run]
+    # Nothing listed says so, with what was asked (before: an empty table).
+    shown = here_cli("status", "--workflow", "ordre", "--status", "failed", cwd=here)
+    assert shown.splitlines() == ["no runs with workflow 'ordre', status failed"]
 
 
 def test_worker__without_workflows_says_what_to_do(tmp_path: Path) -> None:
