@@ -197,8 +197,7 @@ async def drive(
     visit = record.visit(record.state)
     join_id = compose.join_id(record.id, record.state, visit)
     join = store.get_join(join_id)
-    # Every child made before this claim (an unpause, a recovery): waiting for them again.
-    again = join is not None and join.created >= join.total
+    made_before = join is not None and join.created >= join.total  # (an unpause, a recovery)
     if join is not None and join.complete:
         if not await flush():
             return None
@@ -268,6 +267,12 @@ async def drive(
             return await _join(executor, workflow, spec, record, fence, join_id)
     if not await flush():
         return None
+    # Waiting for them again when it said so already (a crash between a large map's last
+    # batch of children and its children_started leaves this claim the first to say it).
+    again = made_before and any(
+        event.kind == j.CHILDREN_STARTED and event.data.get("join") == join_id
+        for event in executor.store.journal(record.id)
+    )
     boundary = _waiting(executor, spec, record, fence, join_id, join.total, again=again)
     if store.wait_join(boundary, join_id):
         _waited(executor, boundary)

@@ -603,16 +603,14 @@ class Engine(Operations, LoopControls, RunReading):
             # run in a call or map state is driven with its children until it moves on.
             family = children.family(self.store, stored.id)
             while True:
-                if HELD.get() and len(family) > 1:
+                root = self.store.get_run(stored.id) if HELD.get() and len(family) > 1 else None
+                if root is not None:
                     # (A run of the family the calling runs' slots hold back: refused.)
                     refuse_held_back_family(
-                        self.store,
-                        stored.id,
-                        self._workflow_for,
-                        self.clock.now(),
-                        IDLE_HORIZON_SECONDS,
+                        self.store, root, self._workflow_for, self.clock.now(), IDLE_HORIZON_SECONDS
                     )
-                await executor.run(until_idle=True, run_ids=family)
+                # (A first Ctrl-C lets its children's steps finish, however long they take.)
+                await executor.run(until_idle=True, run_ids=family, grace=None)
                 before, info = info, self.get(stored.id)
                 if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
                     break

@@ -138,6 +138,17 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
     return float("-inf")  # no entry found: treat as overdue (the timeout fires)
 
 
+def stored_wait_due(state: str, events: Sequence[JournalEvent]) -> tuple[bool, float | None]:
+    """The due time the run's last entry into the wait state ``state`` stored (its timeout's;
+    ``None``: it has none), read from the journal alone, without the definition: whether
+    that entry stored one, and the due time."""
+    for event in reversed(events):
+        into = event.next_state == state and event.kind in j.TRANSITIONS
+        if into or (event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state):
+            return "due" in event.data, event.data.get("due")
+    return False, None
+
+
 def receive(
     workflow: Workflow,
     record: RunRecord,

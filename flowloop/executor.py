@@ -96,9 +96,10 @@ Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
 
 
-async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float) -> None:
-    """Wait up to ``grace`` seconds for ``tasks``, then cancel the rest and wait for them to
-    settle (a cancelled drive journals its cut-off before it ends)."""
+async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float | None) -> None:
+    """Wait up to ``grace`` seconds (``None``: for as long as they take) for ``tasks``, then
+    cancel the rest and wait for them to settle (a cancelled drive journals its cut-off
+    before it ends)."""
     if not tasks:
         return
     _, pending = await asyncio.wait(tasks, timeout=grace)
@@ -168,9 +169,9 @@ class Executor(Stepping, Recovery, Requests):
         self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
         self._threads = StepThreads(max_concurrency)
         self.pool_exhausted: list[Callable[[int], None]] = []
-        self._exhaustion_check: asyncio.TimerHandle | None = None
         """Called (with the number of abandoned threads) when hung sync steps reach the
         step pool's bound (see flowloop.steppool)."""
+        self._exhaustion_check: asyncio.TimerHandle | None = None
         self._active: dict[str, _Active] = {}
         self._parked_for: frozenset[tuple[str, str]] | None = None
         self._controls: dict[str, str] = {}
@@ -237,7 +238,7 @@ class Executor(Stepping, Recovery, Requests):
         run_ids: Sequence[str] | None = None,
         idle_horizon: float = IDLE_HORIZON_SECONDS,
         stop: asyncio.Event | None = None,
-        grace: float = 30.0,
+        grace: float | None = 30.0,
         initial: Sequence[StoredRun] = (),
     ) -> Stats:
         """Claim and drive due runs. With ``until_idle``, return when no run is due and none
@@ -490,7 +491,7 @@ class Executor(Stepping, Recovery, Requests):
         self.handing_back = False
         self._draining = False
 
-    async def drain(self, grace: float, scope: Collection[str] | None = None) -> None:
+    async def drain(self, grace: float | None, scope: Collection[str] | None = None) -> None:
         """Let in-flight steps finish (their runs are released, not continued) for up to
         ``grace`` seconds, then cut the rest off: their journal shows the interruption.
         With ``scope``, wait only for those runs: a run outside it may be waiting for this
@@ -775,6 +776,9 @@ class Executor(Stepping, Recovery, Requests):
             await self._commit(boundary)
 
     def close(self) -> None:
+        if self._exhaustion_check is not None:  # (the loop is the thread's, kept: no timer)
+            self._exhaustion_check.cancel()
+            self._exhaustion_check = None
         self.watchdog.close()
         self.leases.close()
         self._threads.shutdown()

@@ -106,7 +106,7 @@ def claimed_later(stored: StoredRun, workflow: Workflow, now: float, horizon: fl
 
 def refuse_held_back_family(
     store: Any,
-    root: str,
+    root: StoredRun,
     workflow_for: Callable[[RunRecord], Workflow | None],
     now: float,
     horizon: float,
@@ -114,15 +114,20 @@ def refuse_held_back_family(
     """:func:`refuse_held_back` for every queued live descendant of ``root`` (the runs
     ``engine.run`` drives with a run in a call or map state), of a limited workflow:
     an unlimited workflow's call state starting a child that the calling runs' slots hold
-    back waited for ever too. A query per parent; made only where slots are held."""
+    back waited for ever too. Made only where slots are held; a query per run of the
+    family in a call or map state (a map's plain items are not looked into)."""
     database = database_of(store)
     frontier = [root]
     while frontier:
-        kids: list[StoredRun] = [kid for run_id in frontier for kid in store.live_children(run_id)]
+        kids: list[StoredRun] = []
+        for parent in frontier:
+            workflow = workflow_for(parent.record)
+            if workflow is not None and parent.record.state in workflow.composites:
+                kids.extend(store.live_children(parent.id))
         for kid in kids:
             workflow = workflow_for(kid.record)
             if workflow is None or not workflow.limited:
                 continue
             if claimed_later(kid, workflow, now, horizon):
                 refuse_held_back(database, workflow, kid.limit_key, queued=kid.id)
-        frontier = [kid.id for kid in kids]
+        frontier = kids

@@ -106,7 +106,9 @@ def resume_interruptibly(
         try:
             with _signals(executor, notice, lambda: None) as caught:
                 try:
-                    stats = await executor.run(until_idle=True)
+                    # No grace period: the steps in flight finish however long they take
+                    # (the second signal is what cuts them off).
+                    stats = await executor.run(until_idle=True, grace=None)
                 except asyncio.CancelledError:
                     if not caught:
                         raise

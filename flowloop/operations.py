@@ -37,6 +37,7 @@ from flowloop.events import (
     check_bufferable,
     entering,
     receive,
+    stored_wait_due,
     wait_due,
 )
 from flowloop.journal import JournalEvent, RunRecord
@@ -196,8 +197,7 @@ class Operations:
                 return action == PAUSE
         unless = {PAUSE: (STOP,), PARENT_PAUSE: (STOP, PAUSE)}.get(action, ())
         if self.store.request_control(stored.id, action, unless=unless):
-            if action != PARENT_PAUSE:
-                self._honour_if_let_go(stored.id, action)
+            self._honour_if_let_go(stored.id, action)
             return True
         if action == PARENT_PAUSE:
             return False
@@ -208,12 +208,13 @@ class Operations:
         wait without a timeout, a pause: no claim would come to honour it, and a parent's
         unpause would clear it): written now, as for a run nobody owns, fenced on the
         request (claimed since: its claimer honours it). A pause of a run paused by its
-        parent makes the pause its own; one paused by an operator already stays so."""
+        parent makes the pause its own; a run paused already otherwise stays as it is."""
         moved = self._stored(run_id)
         record = moved.record
         let_go = moved.owner is None and record.status not in ("running", *FINISHED)
-        paused_own = record.status == "paused" and record.reason != PARENT_PAUSED
-        if let_go and moved.control == action and not (action == PAUSE and paused_own):
+        paused = record.status == "paused"
+        made_own = action == PAUSE and record.reason == PARENT_PAUSED
+        if let_go and moved.control == action and (action == STOP or not paused or made_own):
             kind, data = j.control_entry(action)
             self._operate(moved, kind, state=record.state, data=data)
 
@@ -249,15 +250,28 @@ class Operations:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
+        elif workflow is None and self._waits_by_stored_definition(record):
+            # Unpaused by a process without the definition (`flowloop unpause` without -w):
+            # the timeout its entry stored, not at once (its claim would take that for the
+            # timeout: a 2-day approval expired right after a pause).
+            found, due = stored_wait_due(record.state, self.store.journal(run_id))
+            if found:
+                data["due"] = due
         elif record.join is not None and children.is_held(self.store, run_id):
             data["due"] = None  # a map's child paused before its turn: held again
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
-        if "due" in data:
-            # Events kept while it was paused: the run takes them now.
+        if "due" in data and workflow is not None:
+            # Events kept while it was paused: the run takes them now (else its claim does).
             self._hand_over_kept(run_id)
         self._unpause_children(run_id)
         return self.get(run_id)
+
+    def _waits_by_stored_definition(self, record: RunRecord) -> bool:
+        """Whether the run's state is a wait state by the definition stored with its runs."""
+        structure = self.store.definition(record.fingerprint) or {}
+        state = dict(structure.get("states", {})).get(record.state, {})
+        return isinstance(state, dict) and state.get("kind") == "wait"
 
     def _unpause_children(self, run_id: str) -> None:
         for child in children.paused_children(self.store, run_id):
@@ -426,7 +440,7 @@ class Operations:
             raise DefinitionError(
                 workflow.name,
                 f"cannot retry from {state!r}: not a step, wait, call or map state "
-                f"(states: {', '.join([*workflow.steps, *workflow.waits])})",
+                f"(states: {', '.join([*workflow.steps, *workflow.waits, *workflow.composites])})",
             )
         entered = _context_entering(self.store.journal(run_id), state)
         if state == record.state and workflow.compensates(state):

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextvars import ContextVar, copy_context
@@ -39,7 +40,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
 )
-from flowloop.events import check_visits, entering, receive, wait_due
+from flowloop.events import check_visits, entering, receive
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
@@ -70,10 +71,10 @@ def in_inline_step() -> bool:
 
 
 MAX_NOTE_CHARS: Final = 500
-CUT_OFF_GRACE_SECONDS: Final = 60.0
-"""How long sync steps cut off (not timed out) may run on in their threads before those
-threads count towards the step pool's bound (a worker then exits with code 3)."""
 """Of a step's notes (``Step.note``), kept in its journal entry."""
+CUT_OFF_GRACE_SECONDS: Final = 60.0
+"""How long a sync step cut off (not timed out) may run on in its thread before the thread
+counts towards the step pool's bound (a worker at the bound exits with code 3)."""
 
 
 def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
@@ -435,14 +436,8 @@ class Stepping:
                 self.wake(record.id)
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
-        # timeout, or a clock that disagrees) goes back to waiting unchanged. The timeout
-        # is the one its entry into the state set (the journal's): a due time written by
-        # a writer that did not know the definition (an unpause from a process without
-        # it made the run due at once) must not time the wait out early.
+        # timeout, or a clock that disagrees) goes back to waiting unchanged.
         due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
-        if due is not None and due <= now:
-            entered = wait_due(workflow, record.state, self.store.journal(record.id))
-            due = max(due, entered) if entered is not None else None
         if due is None or due > now:
             released = self._event(
                 record,
@@ -657,20 +652,28 @@ class Stepping:
             bound,
             extra={"run": run_id, "event": "thread_abandoned", "abandoned": count},
         )
-        if self._threads.timed_out >= bound:
+        if self._threads.hung(CUT_OFF_GRACE_SECONDS) >= bound:
             self._pool_is_exhausted("hang past their timeouts")
-        elif count >= bound and self._exhaustion_check is None:
+        elif count >= bound:
             # Some were cut off (a lost lease, a stop), not timed out: such a step may end
-            # soon after (a worker frozen past its lease cut every step off at once). The
-            # bound counts only if their threads are still taken a while later.
-            self._exhaustion_check = asyncio.get_running_loop().call_later(
-                CUT_OFF_GRACE_SECONDS, self._still_exhausted
-            )
+            # soon after (a worker frozen past its lease cut every step off at once). Each
+            # counts only if its thread still runs it a while after its cut-off.
+            self._judge_later()
+
+    def _judge_later(self) -> None:
+        """Look at the pool again when the oldest cut-off thread still running would count."""
+        at = self._threads.next_hung(CUT_OFF_GRACE_SECONDS)
+        if self._exhaustion_check is None and at is not None:
+            delay = max(0.0, at - time.monotonic())
+            loop = asyncio.get_running_loop()
+            self._exhaustion_check = loop.call_later(delay, self._still_exhausted)
 
     def _still_exhausted(self) -> None:
         self._exhaustion_check = None
-        if self._threads.exhausted:
-            self._pool_is_exhausted(f"still run steps given up on {CUT_OFF_GRACE_SECONDS:g}s ago")
+        if self._threads.hung(CUT_OFF_GRACE_SECONDS) >= self._threads.spare:
+            self._pool_is_exhausted(f"still run steps cut off over {CUT_OFF_GRACE_SECONDS:g}s ago")
+        elif self._threads.exhausted:
+            self._judge_later()  # cut off later than the oldest: their turn comes later
 
     def _pool_is_exhausted(self, why: str) -> None:
         count, bound = self._threads.abandoned, self._threads.spare

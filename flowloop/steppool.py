@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
@@ -47,6 +48,8 @@ class StepThreads:
         self._queued = 0
         self._abandoned: set[Future[Any]] = set()
         self._timed_out: set[Future[Any]] = set()
+        self._cut_off_at: dict[Future[Any], float] = {}
+        """When each thread of a step cut off (not timed out) was abandoned (monotonic)."""
         self._closed = False
         self._count = 0
 
@@ -64,6 +67,20 @@ class StepThreads:
         past it, not cut off: a step cut off by a lost lease or a stop may end soon)."""
         with self._lock:
             return len(self._timed_out)
+
+    def hung(self, grace: float) -> int:
+        """Of :attr:`abandoned`, the threads taken for good: a timed-out step's, and a cut-off
+        one's still running ``grace`` seconds after it was cut off."""
+        since = time.monotonic() - grace
+        with self._lock:
+            old = sum(1 for at in self._cut_off_at.values() if at <= since)
+            return len(self._timed_out) + old
+
+    def next_hung(self, grace: float) -> float | None:
+        """When (monotonic) the oldest cut-off thread still running counts as hung."""
+        with self._lock:
+            oldest = min(self._cut_off_at.values(), default=None)
+        return None if oldest is None else oldest + grace
 
     @property
     def exhausted(self) -> bool:
@@ -104,6 +121,8 @@ class StepThreads:
             self._abandoned.add(future)
             if timed_out:
                 self._timed_out.add(future)
+            else:
+                self._cut_off_at[future] = time.monotonic()
             self._grow()
         future.add_done_callback(self._returned)
         return True
@@ -112,6 +131,7 @@ class StepThreads:
         with self._lock:
             self._abandoned.discard(future)
             self._timed_out.discard(future)
+            self._cut_off_at.pop(future, None)
 
     def _grow(self) -> None:
         # Under the lock: start a thread for queued work no idle thread will take.

@@ -232,12 +232,14 @@ def not_ended_line(info: RunInfo) -> str:
     from flowloop.clock import iso
 
     due = iso(info.next_run_at) if info.next_run_at is not None else None
+    if info.status == "running":  # another process drives it (found by its key)
+        return f"run {info.id} is running in {info.state}, driven by {info.owner or 'a worker'}"
     if info.status == "paused":
         why = f" ({info.reason})" if info.reason else ""
-        return (
-            f"run {info.id} is paused in {info.state}{why}; "
-            f"`flowloop unpause {info.id}` lets it go on"
-        )
+        then = f"`flowloop unpause {info.id}` lets it go on"
+        if (info.reason or "").startswith(("definition_mismatch", "context_mismatch")):
+            then = f"deploy a definition that can take it (`flowloop check FILE`), then {then}"
+        return f"run {info.id} is paused in {info.state}{why}; {then}"
     if info.status == "retrying" and due is not None:
         waits_for = f"retries {info.state} at {due}"
     elif due is not None:

@@ -541,3 +541,52 @@ def test_map__a_fan_out_cut_off_between_batches_resumes_without_a_second_child(
         assert join is not None and (join.created, join.succeeded) == (len(files), len(files))
     # Resumed at the first missing batch: the committed one was not created again.
     assert calls == [0, runtime.CREATE_BATCH, runtime.CREATE_BATCH, 2 * runtime.CREATE_BATCH]
+
+
+def test_map__a_crash_before_its_children_started_entry_says_started_not_again(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large map's children are made in batches before its ``children_started``: killed
+    in between, the next claim finds them all made and writes that entry. It is the first
+    (``again`` is for a claim that waits anew, after an unpause), so history says the
+    children started and the diagram notes them."""
+    from flowloop import children as runtime
+    from flowloop.render_overlay import RunOverlay
+    from flowloop.store.joins import JoinStoreMixin as Joins
+
+    real = Joins.wait_join
+    calls: list[str] = []
+
+    def crash_once(self: Joins, boundary: object, join_id: str) -> bool:
+        calls.append(join_id)
+        if len(calls) == 1:  # every child is made; its worker dies here
+            raise RuntimeError("killed before children_started")
+        return real(self, boundary, join_id)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Joins, "wait_join", crash_once)
+    item = Workflow("parked_item", context=FileJob)  # children that wait: none ends
+    item.wait("parked", on={"go": "done"}, initial=True)
+    item.final("done")
+    fan = Workflow("fan", context=Etl)
+    fan.map(
+        "load_files",
+        child=item,
+        items=lambda ctx: ctx.files,
+        context=lambda ctx, name: FileJob(path=name),
+        max_parallel=runtime.CREATE_BATCH + 1,
+        on={"done": "reported"},
+        initial=True,
+    )
+    fan.final("reported")
+    files = [f"f{i:04d}.csv" for i in range(runtime.CREATE_BATCH + 1)]
+    with Engine(store_url, clock=FakeClock(), lease_seconds=1.0) as engine:
+        engine.register(fan, item)
+        started = engine.start(fan, Etl(files=files))
+        engine.run_until_idle()
+        info = engine.get(started.id)
+        history = engine.history(started.id)
+    assert (info.status, info.state) == ("scheduled", "load_files")  # waits for them
+    entries = [e for e in history if e.kind == j.CHILDREN_STARTED]
+    assert len(calls) == 2 and [e.data.get("again", False) for e in entries] == [False]
+    notes = RunOverlay.from_journal(history).notes["load_files"]
+    assert notes == (f"{len(files)} child run(s) of parked_item",)

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from polling import poll
 from pydantic import BaseModel
 
 from flowloop import Engine, Retry, Workflow, stepping
 from flowloop.metrics import Metrics
+from flowloop.steppool import StepThreads
 from flowloop.worker import EXIT_POOL_EXHAUSTED, Worker
 
 TIMEOUT_S = 0.2
@@ -154,9 +156,10 @@ def _cut_off_twice(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch, *, threads_end: bool
 ) -> Worker:
     """A worker of concurrency 2 whose two sync steps (no timeout) an operator's stop cuts
-    off: both threads abandoned, the bound reached. ``threads_end``: the steps then
-    return. The worker is stopped once the pool's check has come (or ended itself)."""
-    monkeypatch.setattr(stepping, "CUT_OFF_GRACE_SECONDS", 0.3)
+    off: both threads abandoned, the bound reached, the pool judged later. ``threads_end``:
+    the steps then return and the pool is judged at once (the grace is long); else the
+    grace is short and the worker ends itself when its check finds them still running."""
+    monkeypatch.setattr(stepping, "CUT_OFF_GRACE_SECONDS", 60.0 if threads_end else 0.2)
     gate, started = threading.Event(), threading.Semaphore(0)
     slow = Workflow("slow", context=Ctx)
 
@@ -178,15 +181,18 @@ def _cut_off_twice(
         for run_id in runs:
             engine.stop(run_id)
         await _until(lambda: worker.executor is not None, "the worker's executor")
-        threads = worker.executor._threads  # type: ignore[union-attr]
+        executor: Any = worker.executor
+        threads = executor._threads
         await _until(lambda: threads.abandoned == 2, "both step threads abandoned")
-        check = worker.executor._exhaustion_check  # type: ignore[union-attr]
-        assert check is not None  # cut off, not timed out: judged later
         if threads_end:
+            assert executor._exhaustion_check is not None  # cut off, not timed out: later
             gate.set()
             await _until(lambda: threads.abandoned == 0, "the cut-off steps to return")
-        executor: Any = worker.executor
-        await _until(lambda: executor._exhaustion_check is None, "the pool's check to come")
+            executor._exhaustion_check.cancel()
+            executor._still_exhausted()  # the check, now: nothing hangs any more
+            assert not task.done()
+        else:
+            await _until(task.done, "the worker to end itself")
         stop.set()
         await asyncio.wait_for(task, FINISH_BOUND_S)
 
@@ -214,3 +220,42 @@ def test_steps_cut_off_whose_threads_still_run_later_end_the_worker(
 ) -> None:
     worker = _cut_off_twice(sqlite_url, monkeypatch, threads_end=False)
     assert worker.exit_code == EXIT_POOL_EXHAUSTED
+
+
+def test_each_cut_off_gets_its_own_grace() -> None:
+    """The pool counts a cut-off thread as hung once its own grace has passed, not the
+    first cut-off's: one cut off later is judged later."""
+    pool = StepThreads(2)
+    gates = [threading.Event() for _ in range(3)]
+    started = [threading.Event() for _ in range(3)]
+
+    def step(number: int) -> None:
+        started[number].set()
+        gates[number].wait(FINISH_BOUND_S)
+
+    def running(number: int) -> Any:
+        work = pool.submit(step, number)
+        assert started[number].wait(FINISH_BOUND_S)  # in its thread: abandoned, not cancelled
+        return work
+
+    try:
+        first_work, second_work = running(0), running(1)
+        assert pool.abandon(first_work, timed_out=False)
+        first = pool.next_hung(60.0)
+        assert first is not None and pool.hung(60.0) == 0 and pool.hung(0.0) == 1
+        assert pool.abandon(second_work, timed_out=True)
+        assert pool.hung(60.0) == 1  # a timed-out step's thread counts at once
+        gates[0].set()
+        poll(
+            lambda: pool.next_hung(60.0) is None,
+            timeout=FINISH_BOUND_S,
+            what="the first cut-off step to return",
+            every=0.01,
+        )
+        assert pool.abandon(running(2), timed_out=False)
+        later = pool.next_hung(60.0)
+        assert later is not None and later > first
+    finally:
+        for gate in gates:
+            gate.set()
+        pool.shutdown()

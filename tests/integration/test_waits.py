@@ -601,13 +601,15 @@ def test_unpause__from_a_process_without_the_definition_does_not_time_the_wait_o
 ) -> None:
     """An operator's unpause from a process that does not load the workflow (the CLI
     without -w) cannot know the wait's timeout and made the run due at once; its next
-    claim took that for the timeout and the 2-day approval expired. The claim now goes by
-    the timeout its entry into the state set, and puts the run back to waiting until it."""
+    claim took that for the timeout and the 2-day approval expired. The unpause now takes
+    the due time the entry into the state stored (the journal's; the stored definition
+    says the state is a wait)."""
     run_id = waiting(engine)
     due = engine.get(run_id).next_run_at
     with Engine(store_url, clock=clock) as operator:  # no workflow registered
         operator.pause(run_id)
-        operator.unpause(run_id)
+        unpaused = operator.unpause(run_id)
+    assert unpaused.next_run_at == pytest.approx(due, abs=1e-3)
     engine.run_until_idle(idle_horizon=0)
     info = engine.get(run_id)
     assert (info.status, info.state) == ("scheduled", "awaiting"), info

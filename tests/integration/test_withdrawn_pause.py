@@ -699,3 +699,25 @@ def test_a_parent_unpaused_in_its_call_state_waits_again_and_says_so(store_url: 
         assert RunOverlay.from_journal(history).notes == {"calling": ("1 child run(s) of child",)}
         assert engine.get(top).status == "scheduled"  # waiting for its child, as before
         assert not engine.replay(top).differences
+
+
+def test_a_parents_pause_reaching_a_child_let_go_into_a_wait_is_written(store_url: str) -> None:
+    """The cascade read the child running and asked its worker; the worker had let it go
+    into a wait without a timeout: the child is paused by its parent at once (before, the
+    request stayed on it, and it took events while its parent was paused)."""
+    parent, child, grand = _family()
+    with Engine(store_url, workflows=[parent, child, grand]) as engine:
+        engine.start(parent, Ctx())
+        engine.run_until_idle()
+        (waiting_grandchild,) = engine.runs(workflow="grand")
+        stored = engine.store.get_run(waiting_grandchild.id)
+        assert stored is not None and stored.owner is None
+        as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
+        assert engine._request(as_read, "parent pause")
+        row = engine.store.get_run(waiting_grandchild.id)
+    assert row is not None
+    assert (row.record.status, row.record.reason, row.control) == (
+        "paused",
+        "parent paused",
+        None,
+    ), row

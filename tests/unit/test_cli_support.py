@@ -31,3 +31,33 @@ def test_synchronous_modes__the_cli_option_offers_what_the_store_accepts() -> No
     from flowloop.store.dialect import SYNCHRONOUS_MODES as STORE_MODES
 
     assert SYNCHRONOUS_MODES == STORE_MODES
+
+
+def test_not_ended_line__says_what_the_run_waits_for_and_what_continues_it() -> None:
+    """What `flowloop run`/`retry` print (exit 0) for a run they hand back unended."""
+    import dataclasses
+
+    from flowloop.cli.support import not_ended_line
+    from flowloop.runinfo import RunInfo
+
+    fields = {f.name: None for f in dataclasses.fields(RunInfo)}
+    base = RunInfo(**{**fields, "id": "r1", "state": "s", "visits": {}, "attempt": 0})  # type: ignore[arg-type]
+    run = lambda **changes: dataclasses.replace(base, **changes)  # noqa: E731
+    assert (
+        not_ended_line(run(status="running", owner="w1")) == "run r1 is running in s, driven by w1"
+    )
+    assert not_ended_line(run(status="paused", reason="paused")) == (
+        "run r1 is paused in s (paused); `flowloop unpause r1` lets it go on"
+    )
+    assert not_ended_line(run(status="paused", reason="definition_mismatch: gone")) == (
+        "run r1 is paused in s (definition_mismatch: gone); deploy a definition that can "
+        "take it (`flowloop check FILE`), then `flowloop unpause r1` lets it go on"
+    )
+    sleeping = not_ended_line(run(status="scheduled", next_run_at=T))
+    assert sleeping.startswith("run r1 sleeps in s until 2025-12-01 09:16:08.974Z; a worker")
+    assert not_ended_line(run(status="retrying", next_run_at=T)).startswith(
+        "run r1 retries s at 2025-12-01 09:16:08.974Z; "
+    )
+    assert not_ended_line(run(status="scheduled")).startswith(
+        "run r1 waits in s for its children; "
+    )
