@@ -119,34 +119,52 @@ def check_bufferable(
     raise first
 
 
+def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | None:
+    """The entry by which the run last entered ``state``: a transition or an ``on_error``
+    route into it (any entry with it as ``next_state``), its creation or an operator's
+    retry there, or a migration that set its due time; a migration that renamed the state
+    is followed to the entry into the old name."""
+    looking = state
+    for event in reversed(events):
+        if event.kind == j.RUN_MIGRATED and event.state == looking:
+            if "due" in event.data:
+                return event
+            looking = str(event.data.get("from_state", looking))
+            continue
+        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == looking
+        if event.next_state == looking or begun:
+            return event
+    return None
+
+
 def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> float | None:
     """When the run's wait in ``state`` times out (``None``: it has no timeout): the due
-    time stored when the run last entered ``state``, or that entry's time plus the timeout.
-    An unpaused run goes back to waiting with it, so it is not timed out early."""
+    time stored when the run last entered ``state`` (:func:`entry_into`), or that entry's
+    time plus the timeout. An unpaused run goes back to waiting with it, so it is not timed
+    out early."""
     wait = workflow.waits.get(state)
     if wait is None or wait.timeout is None:
         return None
-    for event in reversed(events):
-        if event.kind in (j.STEP_SUCCEEDED, j.EVENT_RECEIVED) and event.next_state == state:
-            due = event.data.get("due")
-            return float(due) if due is not None else event.at + wait.timeout
-        retried_due = event.data.get("due") if event.kind == j.RUN_RETRIED else None
-        if event.state == state and retried_due is not None:
-            return float(retried_due)  # retried into the wait: its timeout re-armed
-        if event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state:
-            return event.at + wait.timeout
-    return float("-inf")  # no entry found: treat as overdue (the timeout fires)
+    entry = entry_into(state, events)
+    if entry is None:
+        return float("-inf")  # no entry found: treat as overdue (the timeout fires)
+    # (A creation's due may be its run_at's, or none for a map's child held back.)
+    due = entry.data.get("due") if entry.kind != j.RUN_CREATED else None
+    return float(due) if due is not None else entry.at + wait.timeout
 
 
 def stored_wait_due(state: str, events: Sequence[JournalEvent]) -> tuple[bool, float | None]:
     """The due time the run's last entry into the wait state ``state`` stored (its timeout's;
     ``None``: it has none), read from the journal alone, without the definition: whether
-    that entry stored one, and the due time."""
-    for event in reversed(events):
-        into = event.next_state == state and event.kind in j.TRANSITIONS
-        if into or (event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state):
-            return "due" in event.data, event.data.get("due")
-    return False, None
+    that entry tells it (a creation without one does not: a map's child held back), and
+    the due time."""
+    entry = entry_into(state, events)
+    if entry is None or "due" not in entry.data:
+        return False, None
+    due = entry.data["due"]
+    if entry.kind == j.RUN_CREATED and due is None:
+        return False, None
+    return True, None if due is None else float(due)
 
 
 def receive(

@@ -661,7 +661,7 @@ class Executor(Stepping, Recovery, Requests):
                 # A waiting run claimed because its timeout is due.
                 if await self._honour_control(record, fence):
                     return
-                waited = await self._end_wait(workflow, record, fence)
+                waited = await self._end_wait(workflow, record, fence, written_at=stored.updated_at)
                 if waited is None:
                     return
                 record = waited

@@ -252,10 +252,10 @@ class Operations:
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
         elif workflow is None and self._waits_by_stored_definition(record):
             # Unpaused by a process without the definition (`flowloop unpause` without -w):
-            # the timeout its entry stored, not at once (its claim would take that for the
-            # timeout: a 2-day approval expired right after a pause).
+            # the timeout its entry stored, not at once — unless events were kept for it:
+            # due at once, its claim hands them over (and judges the timeout by the journal).
             found, due = stored_wait_due(record.state, self.store.journal(run_id))
-            if found:
+            if found and not self.store.pending_events(run_id):
                 data["due"] = due
         elif record.join is not None and children.is_held(self.store, run_id):
             data["due"] = None  # a map's child paused before its turn: held again

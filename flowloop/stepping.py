@@ -40,7 +40,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
 )
-from flowloop.events import check_visits, entering, receive
+from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
@@ -407,7 +407,12 @@ class Stepping:
         return after
 
     async def _end_wait(
-        self, workflow: Workflow, record: RunRecord, fence: Fence
+        self,
+        workflow: Workflow,
+        record: RunRecord,
+        fence: Fence,
+        *,
+        written_at: float | None = None,
     ) -> RunRecord | None:
         """A claimed waiting run: take a buffered event it accepts (rejecting, one by one,
         those it cannot take), else its timeout when it is due; else (claimed early:
@@ -438,6 +443,10 @@ class Stepping:
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.
         due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
+        if due is not None and due <= now and _made_due_at_once(record, due, written_at):
+            # The timeout is the one its entry into the state set (read then only: a poll
+            # looping through a wait would read a growing journal at every timeout).
+            due = max(due, wait_due(workflow, record.state, self.store.journal(record.id)) or due)
         if due is None or due > now:
             released = self._event(
                 record,
@@ -662,7 +671,7 @@ class Stepping:
 
     def _judge_later(self) -> None:
         """Look at the pool again when the oldest cut-off thread still running would count."""
-        at = self._threads.next_hung(CUT_OFF_GRACE_SECONDS)
+        at = self._threads.next_hung(CUT_OFF_GRACE_SECONDS, self._threads.spare)
         if self._exhaustion_check is None and at is not None:
             delay = max(0.0, at - time.monotonic())
             loop = asyncio.get_running_loop()
@@ -673,7 +682,7 @@ class Stepping:
         if self._threads.hung(CUT_OFF_GRACE_SECONDS) >= self._threads.spare:
             self._pool_is_exhausted(f"still run steps cut off over {CUT_OFF_GRACE_SECONDS:g}s ago")
         elif self._threads.exhausted:
-            self._judge_later()  # cut off later than the oldest: their turn comes later
+            self._judge_later()  # cut off later: their turn comes when enough have waited
 
     def _pool_is_exhausted(self, why: str) -> None:
         count, bound = self._threads.abandoned, self._threads.spare
@@ -690,6 +699,14 @@ class Stepping:
                 hook(count)
             except Exception:  # a hook must never break the worker
                 log.exception("pool-exhausted hook failed")
+
+
+def _made_due_at_once(record: RunRecord, due: float, written_at: float | None) -> bool:
+    """Whether a waiting run's due time may be a writer's "at once" rather than its
+    timeout's: set no later than the row's last write (``written_at``; unknown: maybe), as
+    an unpause by a process without the definition sets it, or a run that has only its
+    creation (a map's child released from being held back is made due at once)."""
+    return written_at is None or due <= written_at or record.last_seq <= 1
 
 
 def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:

@@ -76,11 +76,15 @@ class StepThreads:
             old = sum(1 for at in self._cut_off_at.values() if at <= since)
             return len(self._timed_out) + old
 
-    def next_hung(self, grace: float) -> float | None:
-        """When (monotonic) the oldest cut-off thread still running counts as hung."""
+    def next_hung(self, grace: float, bound: int) -> float | None:
+        """When (monotonic) :meth:`hung` reaches ``bound`` should the threads now abandoned
+        all still run then; ``None``: they are too few."""
         with self._lock:
-            oldest = min(self._cut_off_at.values(), default=None)
-        return None if oldest is None else oldest + grace
+            needed = bound - len(self._timed_out)
+            cut_offs = sorted(self._cut_off_at.values())
+        if needed <= 0:
+            return time.monotonic()
+        return cut_offs[needed - 1] + grace if len(cut_offs) >= needed else None
 
     @property
     def exhausted(self) -> bool:

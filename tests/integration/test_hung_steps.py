@@ -224,10 +224,12 @@ def test_steps_cut_off_whose_threads_still_run_later_end_the_worker(
 
 def test_each_cut_off_gets_its_own_grace() -> None:
     """The pool counts a cut-off thread as hung once its own grace has passed, not the
-    first cut-off's: one cut off later is judged later."""
+    first cut-off's, and the bound is reached when enough of them have: the time to look
+    again is the last needed one's (before, the first's: past it, the worker's check was
+    re-armed at once, again and again, until the later one's grace had passed)."""
     pool = StepThreads(2)
-    gates = [threading.Event() for _ in range(3)]
-    started = [threading.Event() for _ in range(3)]
+    gates = [threading.Event() for _ in range(4)]
+    started = [threading.Event() for _ in range(4)]
 
     def step(number: int) -> None:
         started[number].set()
@@ -241,20 +243,22 @@ def test_each_cut_off_gets_its_own_grace() -> None:
     try:
         first_work, second_work = running(0), running(1)
         assert pool.abandon(first_work, timed_out=False)
-        first = pool.next_hung(60.0)
+        first = pool.next_hung(60.0, 1)
         assert first is not None and pool.hung(60.0) == 0 and pool.hung(0.0) == 1
-        assert pool.abandon(second_work, timed_out=True)
+        assert pool.next_hung(60.0, 2) is None  # one cut-off cannot reach a bound of 2
+        assert pool.abandon(second_work, timed_out=False)
+        second = pool.next_hung(60.0, 2)
+        assert second is not None and second > first  # the later cut-off's grace
+        assert pool.abandon(running(2), timed_out=True)
         assert pool.hung(60.0) == 1  # a timed-out step's thread counts at once
+        assert pool.next_hung(60.0, 2) == first  # it and the oldest cut-off make two
         gates[0].set()
         poll(
-            lambda: pool.next_hung(60.0) is None,
+            lambda: pool.next_hung(60.0, 2) == second,
             timeout=FINISH_BOUND_S,
             what="the first cut-off step to return",
             every=0.01,
         )
-        assert pool.abandon(running(2), timed_out=False)
-        later = pool.next_hung(60.0)
-        assert later is not None and later > first
     finally:
         for gate in gates:
             gate.set()

@@ -4,6 +4,7 @@ events accepted, rejected, buffered, deduplicated; timeouts taken only when due;
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -617,4 +618,110 @@ def test_unpause__from_a_process_without_the_definition_does_not_time_the_wait_o
     clock.advance(2 * DAY + 1)
     engine.run_until_idle(idle_horizon=0)
     assert (engine.get(run_id).status, engine.get(run_id).state) == ("succeeded", "expired")
+    assert_journal_sound(engine, run_id)
+
+
+# -- every way into a wait keeps its timeout through a pause ---------------------------------
+
+
+class Item(BaseModel):
+    n: int = 0
+    items: list[int] = [1, 2]
+
+
+def _into_waits() -> list[Workflow]:
+    """A step whose error routes into a 2-day wait; a call whose child's end leads into
+    one; a map whose children (one at a time) start in one."""
+    routed = Workflow("routed", context=Item)
+
+    @routed.step(initial=True, next="done", retry=Retry(attempts=1), on_error={"*": "review"})
+    def fails(ctx: Item) -> None:
+        raise ValueError("routed to a person")
+
+    routed.wait("review", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired")
+    routed.final("done", "expired")
+    item = Workflow("held_item", context=Item)
+    item.wait(
+        "hold", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired", initial=True
+    )
+    item.final("done", "expired")
+    quick = Workflow("quick_child", context=Item)
+
+    @quick.step(initial=True, next="done")
+    def count(ctx: Item) -> None:
+        ctx.n += 1
+
+    quick.final("done")
+    calling = Workflow("calling", context=Item)
+    calling.call(
+        "call", child=quick, context=lambda ctx: Item(), on={"succeeded": "review"}, initial=True
+    )
+    calling.wait("review", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired")
+    calling.final("done", "expired")
+    fan = Workflow("fan_waits", context=Item)
+    fan.map(
+        "each",
+        child=item,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Item(n=n),
+        max_parallel=1,
+        on={"done": "done"},
+        initial=True,
+    )
+    fan.final("done")
+    return [routed, item, quick, calling, fan]
+
+
+@pytest.mark.parametrize("workflow", ["routed", "calling"])
+def test_unpause__a_wait_entered_by_an_error_route_or_a_join_keeps_its_timeout(
+    store_url: str, workflow: str
+) -> None:
+    """Before, the due time of a wait entered by an ``on_error`` route or by a call's join
+    was not found in the journal (``-inf``): the unpause made the run overdue and the
+    2-day wait expired at once."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        info = engine.run(engine.workflow(workflow), Item())
+        assert (info.state, info.status) == ("review", "scheduled"), info
+        due = info.next_run_at
+        engine.pause(info.id)
+        assert engine.unpause(info.id).next_run_at == pytest.approx(due, abs=1e-3)
+        engine.run_until_idle(idle_horizon=0)
+        assert (engine.get(info.id).state, engine.get(info.id).status) == ("review", "scheduled")
+        assert_journal_sound(engine, info.id)
+
+
+def test_a_map_child_released_into_its_wait_is_not_timed_out_at_once(store_url: str) -> None:
+    """A map's child held back (``max_parallel=1``) that starts in a 2-day wait is made
+    due at once when its turn comes; its first claim took that for the timeout and it
+    expired. It now waits, until its creation plus the timeout."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        top = engine.start(engine.workflow("fan_waits"), Item()).id
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        assert engine.send(first.id, "go").status == "applied"
+        engine.run_until_idle(idle_horizon=0)  # the first ends; the second's turn comes
+        info = engine.get(second.id)
+        assert (info.state, info.status) == ("hold", "scheduled"), info
+        assert info.next_run_at == pytest.approx(second.created_at + 2 * DAY, abs=1e-3)
+        assert engine.send(second.id, "go").status == "applied"
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(top).status == "succeeded"
+
+
+def test_unpause__without_the_definition_hands_over_the_events_kept_meanwhile(
+    store_url: str, engine: Engine, clock: FakeClock
+) -> None:
+    """An event kept while the run was paused: an unpause from a process without the
+    definition makes the run due at once (not at its timeout), and its claim hands the
+    event over."""
+    run_id = waiting(engine)
+    with Engine(store_url, clock=clock) as operator:  # no workflow registered
+        operator.pause(run_id)
+        assert engine.send(run_id, "approve", {"by": "ann"}, buffer=True).status == "buffered"
+        operator.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("succeeded", "approved"), info
     assert_journal_sound(engine, run_id)
