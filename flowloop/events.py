@@ -148,8 +148,9 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
     entry = entry_into(state, events)
     if entry is None:
         return float("-inf")  # no entry found: treat as overdue (the timeout fires)
-    # (A creation's due may be its run_at's, or none for a map's child held back.)
-    due = entry.data.get("due") if entry.kind != j.RUN_CREATED else None
+    # (A creation's due is its run_at plus the timeout; none for a map's child held back,
+    # whose timeout counts from its creation.)
+    due = entry.data.get("due")
     return float(due) if due is not None else entry.at + wait.timeout
 
 

@@ -704,9 +704,10 @@ class Stepping:
 def _made_due_at_once(record: RunRecord, due: float, written_at: float | None) -> bool:
     """Whether a waiting run's due time may be a writer's "at once" rather than its
     timeout's: set no later than the row's last write (``written_at``; unknown: maybe), as
-    an unpause by a process without the definition sets it, or a run that has only its
-    creation (a map's child released from being held back is made due at once)."""
-    return written_at is None or due <= written_at or record.last_seq <= 1
+    an unpause by a process without the definition sets it, or a child of a call or map
+    (a map's child held back is made due at once when its turn comes, by a write that
+    journals nothing and leaves the row's ``updated_at``)."""
+    return written_at is None or due <= written_at or record.join is not None
 
 
 def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:

@@ -672,20 +672,24 @@ def _into_waits() -> list[Workflow]:
     return [routed, item, quick, calling, fan]
 
 
+@pytest.mark.parametrize("operator", ["with the definition", "without it"])
 @pytest.mark.parametrize("workflow", ["routed", "calling"])
 def test_unpause__a_wait_entered_by_an_error_route_or_a_join_keeps_its_timeout(
-    store_url: str, workflow: str
+    store_url: str, workflow: str, operator: str
 ) -> None:
     """Before, the due time of a wait entered by an ``on_error`` route or by a call's join
     was not found in the journal (``-inf``): the unpause made the run overdue and the
-    2-day wait expired at once."""
+    2-day wait expired at once. The same from a process without the definition."""
     clock = FakeClock(auto_advance=False)
     with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
         info = engine.run(engine.workflow(workflow), Item())
         assert (info.state, info.status) == ("review", "scheduled"), info
         due = info.next_run_at
-        engine.pause(info.id)
-        assert engine.unpause(info.id).next_run_at == pytest.approx(due, abs=1e-3)
+        clock.advance(60)  # (an unpause "at once" differs from the entry's time)
+        with Engine(store_url, clock=clock) as bare:
+            by = engine if operator == "with the definition" else bare
+            by.pause(info.id)
+            assert by.unpause(info.id).next_run_at == pytest.approx(due, abs=1e-3)
         engine.run_until_idle(idle_horizon=0)
         assert (engine.get(info.id).state, engine.get(info.id).status) == ("review", "scheduled")
         assert_journal_sound(engine, info.id)
@@ -700,6 +704,10 @@ def test_a_map_child_released_into_its_wait_is_not_timed_out_at_once(store_url: 
         top = engine.start(engine.workflow("fan_waits"), Item()).id
         engine.run_until_idle(idle_horizon=0)
         first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        engine.pause(top)  # cascaded to the held child too: it has more than its creation
+        engine.unpause(top)
+        assert len(engine.history(second.id)) > 1
+        clock.advance(60)  # released later than its row's last write
         assert engine.send(first.id, "go").status == "applied"
         engine.run_until_idle(idle_horizon=0)  # the first ends; the second's turn comes
         info = engine.get(second.id)
@@ -725,3 +733,19 @@ def test_unpause__without_the_definition_hands_over_the_events_kept_meanwhile(
     info = engine.get(run_id)
     assert (info.status, info.state) == ("succeeded", "approved"), info
     assert_journal_sound(engine, run_id)
+
+
+def test_unpause__a_run_created_in_its_wait_with_run_at_keeps_its_timeout(store_url: str) -> None:
+    """A run started into a 2-day wait with ``run_at`` 5 days ahead is due at 7 days; an
+    unpause with the definition went by the creation's time instead (2 days), and at 3
+    days the wait expired at once."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        info = engine.start(engine.workflow("held_item"), Item(), run_at=clock.now() + 5 * DAY)
+        assert info.next_run_at == pytest.approx(clock.now() + 7 * DAY, abs=1e-3)
+        clock.advance(3 * DAY)
+        engine.pause(info.id)
+        unpaused = engine.unpause(info.id)
+        assert unpaused.next_run_at == pytest.approx(info.next_run_at, abs=1e-3)
+        engine.run_until_idle(idle_horizon=0)
+        assert (engine.get(info.id).state, engine.get(info.id).status) == ("hold", "scheduled")
