@@ -155,6 +155,23 @@ def command_in(line: str) -> list[str]:
     return shlex.split(line.split("`")[1])
 
 
+def continued_by(line: str, db: Path, gate: Path, run_id: str) -> None:
+    """Run the command ``line`` names: it finishes the run, whose parcel shipped once."""
+    resumed = subprocess.run(
+        [sys.executable, "-m", "flowloop.cli", *command_in(line)[1:]],
+        cwd=gate,
+        env={**os.environ, "PARCEL_DIR": str(gate)},
+        capture_output=True,
+        text=True,
+        timeout=EXIT_WAIT_S,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    with engine(db) as e:
+        done = e.get(run_id)
+    assert (done.status, done.state, done.context["notified"]) == ("succeeded", "delivered", True)
+    assert (gate / "shipments").read_text().split() == [run_id]  # not shipped twice
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(
     tmp_path: Path, signum: int
@@ -180,19 +197,7 @@ def test_run__first_ctrl_c_lets_the_step_finish_and_resume_continues(
     assert [ev.kind for ev in history][-2:] == ["step_succeeded", "run_released"]
     assert history[-1].data["reason"] == "released on shutdown"
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "flowloop.cli", *command_in(last)[1:]],
-        cwd=tmp_path,
-        env={**os.environ, "PARCEL_DIR": str(gate)},
-        capture_output=True,
-        text=True,
-        timeout=EXIT_WAIT_S,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    with engine(db) as e:
-        done = e.get(info.id)
-    assert (done.status, done.state, done.context["notified"]) == ("succeeded", "delivered", True)
-    assert (gate / "shipments").read_text().split() == [info.id]  # not shipped twice
+    continued_by(last, db, gate, info.id)
 
 
 def test_run__second_ctrl_c_cuts_the_step_off_and_says_so(tmp_path: Path) -> None:
@@ -287,19 +292,7 @@ def test_resume__first_signal_lets_the_step_finish_and_hands_the_run_back(
         history = e.history(info.id)
     assert (info.status, info.state, info.context["tracking"]) == ("scheduled", "notify", "TRK1")
     assert [ev.kind for ev in history][-2:] == ["step_succeeded", "run_released"]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "flowloop.cli", *command_in(last)[1:]],
-        cwd=tmp_path,
-        env={**os.environ, "PARCEL_DIR": str(gate)},
-        capture_output=True,
-        text=True,
-        timeout=EXIT_WAIT_S,
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    with engine(db) as e:
-        done = e.get(info.id)
-    assert (done.status, done.context["notified"]) == ("succeeded", True)
-    assert (gate / "shipments").read_text().split() == [info.id]  # shipped once
+    continued_by(last, db, gate, info.id)
 
 
 def test_resume__second_ctrl_c_cuts_the_step_off(tmp_path: Path) -> None:

@@ -78,13 +78,18 @@ def _signal_then_open(
     return thread
 
 
-@pytest.mark.usefixtures("python_sigint")
-def test_run__a_childs_step_longer_than_the_grace_period_finishes_after_one_signal(
-    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`flowloop run` of a parent whose call state's child is in its step."""
+@pytest.fixture(autouse=True)
+def short_default_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's default grace period made 0.2 s: a drive that used it cuts off."""
     defaults = {**(Executor.run.__kwdefaults__ or {}), "grace": 0.2}
     monkeypatch.setattr(Executor.run, "__kwdefaults__", defaults)
+
+
+@pytest.mark.usefixtures("python_sigint")
+def test_run__a_childs_step_longer_than_the_grace_period_finishes_after_one_signal(
+    sqlite_url: str,
+) -> None:
+    """`flowloop run` of a parent whose call state's child is in its step."""
     started, gate = threading.Event(), threading.Event()
     child = _shipping(started, gate)
     parent = Workflow("order", context=Ctx)
@@ -106,10 +111,8 @@ def test_run__a_childs_step_longer_than_the_grace_period_finishes_after_one_sign
 
 @pytest.mark.usefixtures("python_sigint")
 def test_resume__a_step_longer_than_the_grace_period_finishes_after_one_signal(
-    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+    sqlite_url: str,
 ) -> None:
-    defaults = {**(Executor.run.__kwdefaults__ or {}), "grace": 0.2}
-    monkeypatch.setattr(Executor.run, "__kwdefaults__", defaults)
     started, gate = threading.Event(), threading.Event()
     parcel = _shipping(started, gate)
     notices: list[str] = []

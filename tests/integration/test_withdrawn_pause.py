@@ -520,11 +520,10 @@ def test_a_request_that_keeps_changing_gives_the_run_up_after_so_many_writes(
     assert "step_succeeded" not in kinds and "run_paused" not in kinds, kinds
 
 
-def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str) -> None:
-    """``stop`` read the run running and asked its worker; the worker had let it go
-    meanwhile, into a wait with no timeout (no claim would come to honour the request):
-    the stop is written at once (before, the request stayed on a run nobody would take up,
-    and the run waited on)."""
+@contextmanager
+def _asked_after_it_was_let_go(store_url: str, action: str) -> Iterator[tuple[Engine, str]]:
+    """A run that waits for an event (no timeout), asked for ``action`` by an operator who
+    read it running (its worker let it go into the wait meanwhile); the engine and its id."""
     workflow = Workflow("waits", context=Ctx)
     workflow.wait("idle", on={"go": "done"}, initial=True)
     workflow.final("done")
@@ -533,7 +532,16 @@ def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str)
         stored = engine.store.get_run(run_id)
         assert stored is not None and stored.owner is None
         as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
-        assert engine._request(as_read, "stop")
+        assert engine._request(as_read, action)
+        yield engine, run_id
+
+
+def test_a_stop_asked_of_a_worker_that_let_the_run_go_is_written(store_url: str) -> None:
+    """``stop`` read the run running and asked its worker; the worker had let it go
+    meanwhile, into a wait with no timeout (no claim would come to honour the request):
+    the stop is written at once (before, the request stayed on a run nobody would take up,
+    and the run waited on)."""
+    with _asked_after_it_was_let_go(store_url, "stop") as (engine, run_id):
         info = engine.get(run_id)
         row = engine.store.get_run(run_id)
     assert info.status == "stopped", info
@@ -659,15 +667,7 @@ def test_a_pause_asked_of_a_worker_that_let_the_run_go_into_a_wait_is_written(
 ) -> None:
     """As for a stop: a pause that reached a run its worker let go into a wait without a
     timeout pauses it at once (before, the request stayed until an event came)."""
-    workflow = Workflow("waits", context=Ctx)
-    workflow.wait("idle", on={"go": "done"}, initial=True)
-    workflow.final("done")
-    with Engine(store_url, workflows=[workflow]) as engine:
-        run_id = engine.start(workflow, Ctx()).id
-        stored = engine.store.get_run(run_id)
-        assert stored is not None and stored.owner is None
-        as_read = frozen.replaced(stored, record=frozen.replaced(stored.record, status="running"))
-        assert engine._request(as_read, "pause")
+    with _asked_after_it_was_let_go(store_url, "pause") as (engine, run_id):
         info = engine.get(run_id)
         row = engine.store.get_run(run_id)
         assert (info.status, info.reason) == ("paused", "paused"), info
