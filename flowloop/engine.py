@@ -162,6 +162,9 @@ class Engine(Operations, LoopControls, RunReading):
         """Set by ``flowloop.tracing.instrument``: ``(run_id, trace_context)`` → the trace
         context a new run journals (the caller's current span when none is given);
         ``None``: tracing is off."""
+        self.trace_forget: Callable[[str], None] | None = None
+        """Set with :attr:`trace_new`: forgets the trace of a new run that was not made
+        (its key found another run, or the call was refused)."""
         self._workflows = Registry()
         self._thread_executors: mainloop.PerThread[Executor] = mainloop.PerThread(Executor.close)
         self._listening = threading.RLock()
@@ -408,10 +411,17 @@ class Engine(Operations, LoopControls, RunReading):
         else:
             stored, created = self.store.create_run(new)
         if not created:
+            self._unmade(new)
             _refuse_foreign(stored, workflow, new)
         elif self.direct_listeners:
             self._tell_created(new)
         return self._info(stored)
+
+    def _unmade(self, new: NewRun) -> None:
+        """A new run that is not made (found by its key, or refused): its trace is not
+        kept (each such start left one behind until the table was cleared)."""
+        if self.trace_forget is not None:
+            self.trace_forget(new.record.id)
 
     def start_many(
         self,
@@ -452,7 +462,11 @@ class Engine(Operations, LoopControls, RunReading):
         infos: list[RunInfo] = []
         created = 0
         for first in range(0, len(news), batch_size):
-            results = self.store.create_runs(news[first : first + batch_size])
+            batch = news[first : first + batch_size]
+            results = self.store.create_runs(batch)
+            for new, (_, is_new) in zip(batch, results, strict=True):
+                if not is_new:
+                    self._unmade(new)
             infos.extend(self._info(stored) for stored, _ in results)
             created += sum(1 for _, is_new in results if is_new)
             if progress is not None:
@@ -534,10 +548,12 @@ class Engine(Operations, LoopControls, RunReading):
         held_back = workflow.limited and bool(HELD.get())
         keyed = new.record.key is not None or new.idempotency_key is not None
         if held_back and not keyed and workflow.initial not in workflow.waits:
+            self._unmade(new)
             refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
         stored, created = self.store.create_run(new)
         if not created:
+            self._unmade(new)
             _refuse_foreign(stored, workflow, new)
         elif self.direct_listeners:
             self._tell_created(new)

@@ -60,6 +60,8 @@ def admitted_start(
         stored, _ = store.debounce_start(
             _keyless(new, marker, group), marker, due=now + window, now=now, key=group
         )
+        if stored.id != new.record.id:
+            engine._unmade(new)  # merged into the run the burst already has
         return stored
     assert limit is not None
     prefix = admission.throttle_prefix(workflow.name, group)
@@ -70,6 +72,7 @@ def admitted_start(
         decide=lambda times: admission.throttle_verdict(times, limit, now),
     )
     if stored_or_none is None:
+        engine._unmade(new)
         raise admission.StartThrottled(
             workflow.name, group, limit.limit, limit.period, retry_at - now
         )

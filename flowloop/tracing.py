@@ -183,6 +183,10 @@ class RunTracing:
         self._remember(run_id, trace)
         return trace.to_data()
 
+    def forget(self, run_id: str) -> None:
+        """The trace :meth:`new_run` made for a run that was not made after all."""
+        self._runs.pop(run_id, None)
+
     def _remember(self, run_id: str, trace: RunTrace, created_at: float | None = None) -> _Run:
         if len(self._runs) > MAX_TRACKED_RUNS:  # runs that never finish here must not pile up
             self._runs.clear()
@@ -410,6 +414,7 @@ def instrument(engine: Engine, *, tracer_provider: api.TracerProvider | None = N
         tracing = RunTracing(engine, provider.get_tracer(SCOPE, __version__))
         engine.listen(tracing, direct=True)  # executors kept already by threads too
         engine.trace_new = tracing.new_run
+        engine.trace_forget = tracing.forget
     return tracing
 
 

@@ -54,7 +54,7 @@ MAX_JUMPS: Final = 10_000
 """How many times :meth:`TestEngine.run_until_idle` may move the clock to the next due
 time before it decides the workflows never go idle (a run sleeping in an endless cycle)."""
 RUN_ID_NAMESPACE: Final = uuid.UUID("6f1c9f0e-4a7e-4a43-9b7e-0f10f1005eed")
-_KEPT_HOOKS: Final = ("listeners", "direct_listeners", "trace_new")
+_KEPT_HOOKS: Final = ("listeners", "direct_listeners", "trace_new", "trace_forget")
 """Engine attributes a resumed test engine carries over from its dead incarnation."""
 TEST_POLL_SECONDS: Final = 0.05
 """How often the test engine's heartbeat looks for pause/stop requests (real seconds)."""

@@ -404,7 +404,9 @@ def worker(here: Path) -> Iterator[subprocess.Popen[str]]:
     finally:
         if process.poll() is None:
             process.send_signal(signal.SIGTERM)
-        process.communicate(timeout=WAIT_S)
+        out, err = process.communicate(timeout=WAIT_S)
+        # Shown by pytest when the test fails (it flaked once, its output lost).
+        print(f"worker exit {process.returncode}\nstdout:\n{out}\nstderr:\n{err}")
 
 
 def test_worker__takes_w_prints_json_and_pause_knows_its_loop(

@@ -357,3 +357,30 @@ def test_tracing__an_executor_made_while_instrumenting_is_traced(tmp_path: Path)
         checked.set()
         maker.join(30)
         assert len(traced) == 1, executor.listeners  # type: ignore[attr-defined]
+
+
+def test_tracing__a_start_that_makes_no_run_keeps_no_trace(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    """A start whose key finds a run, a debounced start merged into the burst's run, a
+    throttled one refused: each made a trace for its would-be run and kept it (until the
+    table of 10,000 was cleared, with every live run's)."""
+    from flowloop.admission import StartThrottled
+
+    engine, _, _ = traced
+    (listener,) = [
+        listener for listener in engine.listeners if isinstance(listener, tracing.RunTracing)
+    ]
+    wf = Workflow("keyed", context=Ctx)
+    wf.step(name="a", initial=True, next="done")(lambda ctx: None)
+    wf.final("done")
+    first = engine.start(wf, Ctx(), idempotency_key="req-1")
+    for _ in range(3):
+        assert engine.start(wf, Ctx(), idempotency_key="req-1").id == first.id
+    merged = {engine.start(wf, Ctx(), key="k", debounce=60).id for _ in range(3)}
+    assert len(merged) == 1
+    engine.start(wf, Ctx(), key="t", throttle=(1, 60))
+    with pytest.raises(StartThrottled):
+        engine.start(wf, Ctx(), key="t", throttle=(1, 60))
+    made = {run.id for run in engine.runs()}
+    assert set(listener._runs) <= made, set(listener._runs) - made
