@@ -12,7 +12,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -406,10 +406,11 @@ class Engine(Operations, LoopControls, RunReading):
             owner=None,
             trace_context=trace_context,
         )
-        if workflow.bounds.max_queued is not None:
-            stored, created = starts.bounded_start(self, workflow, new)  # backpressure
-        else:
-            stored, created = self.store.create_run(new)
+        with self._making(new):
+            if workflow.bounds.max_queued is not None:
+                stored, created = starts.bounded_start(self, workflow, new)  # backpressure
+            else:
+                stored, created = self.store.create_run(new)
         if not created:
             self._unmade(new)
             _refuse_foreign(stored, workflow, new)
@@ -422,6 +423,16 @@ class Engine(Operations, LoopControls, RunReading):
         kept (each such start left one behind until the table was cleared)."""
         if self.trace_forget is not None:
             self.trace_forget(new.record.id)
+
+    @contextlib.contextmanager
+    def _making(self, new: NewRun) -> Iterator[None]:
+        """:meth:`_unmade` when making ``new`` raises (a queue full, a throttle, the
+        database): forgetting a trace is always safe (a run's is read back if need be)."""
+        try:
+            yield
+        except BaseException:
+            self._unmade(new)
+            raise
 
     def start_many(
         self,
@@ -463,7 +474,12 @@ class Engine(Operations, LoopControls, RunReading):
         created = 0
         for first in range(0, len(news), batch_size):
             batch = news[first : first + batch_size]
-            results = self.store.create_runs(batch)
+            try:
+                results = self.store.create_runs(batch)
+            except BaseException:
+                for new in news[first:]:  # (this batch's, and the ones never tried)
+                    self._unmade(new)
+                raise
             for new, (_, is_new) in zip(batch, results, strict=True):
                 if not is_new:
                     self._unmade(new)
@@ -551,7 +567,8 @@ class Engine(Operations, LoopControls, RunReading):
             self._unmade(new)
             refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
-        stored, created = self.store.create_run(new)
+        with self._making(new):
+            stored, created = self.store.create_run(new)
         if not created:
             self._unmade(new)
             _refuse_foreign(stored, workflow, new)

@@ -57,20 +57,22 @@ def admitted_start(
     group = admission.admission_key(key if key is not None else new.record.key)
     if window is not None:
         marker = admission.debounce_marker(workflow.name, group)
-        stored, _ = store.debounce_start(
-            _keyless(new, marker, group), marker, due=now + window, now=now, key=group
-        )
-        if stored.id != new.record.id:
+        with engine._making(new):
+            stored, made = store.debounce_start(
+                _keyless(new, marker, group), marker, due=now + window, now=now, key=group
+            )
+        if not made:
             engine._unmade(new)  # merged into the run the burst already has
         return stored
     assert limit is not None
     prefix = admission.throttle_prefix(workflow.name, group)
-    stored_or_none, retry_at = store.throttled_start(
-        _keyless(new, prefix + new.record.id, group),
-        prefix,
-        since=now - limit.period,
-        decide=lambda times: admission.throttle_verdict(times, limit, now),
-    )
+    with engine._making(new):
+        stored_or_none, retry_at = store.throttled_start(
+            _keyless(new, prefix + new.record.id, group),
+            prefix,
+            since=now - limit.period,
+            decide=lambda times: admission.throttle_verdict(times, limit, now),
+        )
     if stored_or_none is None:
         engine._unmade(new)
         raise admission.StartThrottled(

@@ -180,7 +180,8 @@ class RunTracing:
         """The trace context a new run journals (``Engine.trace_new``): a child of
         ``carrier``, else of the current span, else a new trace."""
         trace = new_run_trace(carrier if carrier is not None else current_carrier())
-        self._remember(run_id, trace)
+        if run_id not in self._runs:  # (an id a run has already: its trace stays)
+            self._remember(run_id, trace)
         return trace.to_data()
 
     def forget(self, run_id: str) -> None:

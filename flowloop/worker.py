@@ -248,7 +248,10 @@ class Worker:
             owner=engine.worker_id,
         )
         sent = time.monotonic()  # the lease is counted from before the request that set it
-        stored, created = engine.store.create_run(new)
+        with engine._making(new):
+            stored, created = engine.store.create_run(new)
+        if not created:
+            engine._unmade(new)  # this slot's run, found by its key (a retried iteration)
         if created:
             if self.metrics is not None:
                 self.metrics.run_started(loop.workflow.name)

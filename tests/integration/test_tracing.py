@@ -366,6 +366,7 @@ def test_tracing__a_start_that_makes_no_run_keeps_no_trace(
     throttled one refused: each made a trace for its would-be run and kept it (until the
     table of 10,000 was cleared, with every live run's)."""
     from flowloop.admission import StartThrottled
+    from flowloop.backpressure import QueueFull
 
     engine, _, _ = traced
     (listener,) = [
@@ -379,8 +380,17 @@ def test_tracing__a_start_that_makes_no_run_keeps_no_trace(
         assert engine.start(wf, Ctx(), idempotency_key="req-1").id == first.id
     merged = {engine.start(wf, Ctx(), key="k", debounce=60).id for _ in range(3)}
     assert len(merged) == 1
-    engine.start(wf, Ctx(), key="t", throttle=(1, 60))
+    throttled = engine.start(wf, Ctx(), key="t", throttle=(1, 60))
     with pytest.raises(StartThrottled):
         engine.start(wf, Ctx(), key="t", throttle=(1, 60))
+    bounded = Workflow("bounded", context=Ctx, max_queued=1)
+    bounded.step(name="a", initial=True, next="done")(lambda ctx: None)
+    bounded.final("done")
+    queued = engine.start(bounded, Ctx())
+    with pytest.raises(QueueFull):
+        engine.start(bounded, Ctx())
+    engine.start_many(wf, [Ctx(), Ctx()])
     made = {run.id for run in engine.runs()}
     assert set(listener._runs) <= made, set(listener._runs) - made
+    # The runs that were made keep theirs.
+    assert {first.id, *merged, throttled.id, queued.id} <= set(listener._runs)
