@@ -250,12 +250,12 @@ class Worker:
         sent = time.monotonic()  # the lease is counted from before the request that set it
         with engine._making(new):
             stored, created = engine.store.create_run(new)
-        if not created:
-            engine._unmade(new)  # this slot's run, found by its key (a retried iteration)
         if created:
             if self.metrics is not None:
                 self.metrics.run_started(loop.workflow.name)
             self.executor.spawn(stored, starting=False, claimed_at=sent)
+        else:
+            engine._unmade(new)  # this slot's run, found by its key (a retried iteration)
         try:
             while True:
                 task = self.executor.driving(stored.id)
