@@ -264,8 +264,22 @@ class Operations:
         if "due" in data and workflow is not None:
             # Events kept while it was paused: the run takes them now (else its claim does).
             self._hand_over_kept(run_id)
+        elif data.get("due") is not None:
+            self._due_if_kept_meanwhile(run_id)
         self._unpause_children(run_id)
         return self.get(run_id)
+
+    def _due_if_kept_meanwhile(self, run_id: str) -> None:
+        """A definition-less unpause set the timeout's due time: an event kept after it
+        looked (its sender saw the run paused, so handed nothing over) would wait for that
+        timeout. Released due at once instead; its claim hands the event over. (Moved on
+        meanwhile, or claimed: whoever holds it takes the event.)"""
+        if not self.store.pending_events(run_id):
+            return
+        stored = self._stored(run_id)
+        if stored.owner is None and stored.record.status == "scheduled":
+            data = {"reason": "events were kept for it"}
+            self._operate(stored, j.RUN_RELEASED, state=stored.record.state, data=data)
 
     def _waits_by_stored_definition(self, record: RunRecord) -> bool:
         """Whether the run's state is a wait state by the definition stored with its runs."""

@@ -749,3 +749,30 @@ def test_unpause__a_run_created_in_its_wait_with_run_at_keeps_its_timeout(store_
         assert unpaused.next_run_at == pytest.approx(info.next_run_at, abs=1e-3)
         engine.run_until_idle(idle_horizon=0)
         assert (engine.get(info.id).state, engine.get(info.id).status) == ("hold", "scheduled")
+
+
+def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decided(
+    store_url: str, engine: Engine, clock: FakeClock
+) -> None:
+    """An event kept after the unpause looked for kept events and before it wrote (the
+    sender saw the run still paused, so its hand-over found nothing to do) waited for the
+    2-day timeout's claim. The unpause looks again once written: the run is due at once,
+    and its claim hands the event over."""
+    run_id = waiting(engine)
+    with Engine(store_url, clock=clock) as operator:  # no workflow registered
+        operator.pause(run_id)
+        looked = operator.store.pending_events
+
+        def pending_then_sent(asked: str) -> list[InboxEvent]:
+            found = looked(asked)
+            if not found:  # the sender's keep lands between the look and the write
+                sent = engine.send(run_id, "approve", {"by": "ann"}, buffer=True)
+                assert sent.status == "buffered"
+            return found
+
+        operator.store.pending_events = pending_then_sent  # type: ignore[method-assign]
+        operator.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("succeeded", "approved"), info
+    assert_journal_sound(engine, run_id)
