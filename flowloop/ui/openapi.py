@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from flowloop.lifecycle import STATUSES
+from flowloop.ui.waiting import SHOWN_STATUSES
 
 ERROR: Final = {
     "type": "object",
@@ -68,7 +68,7 @@ def document(*, actions: bool = False) -> dict[str, Any]:
             "Runs, newest first, keyset-paged, with counts per status",
             [
                 _param("workflow"),
-                _param("status", schema={"type": "string", "enum": list(STATUSES)}),
+                _param("status", schema={"type": "string", "enum": list(SHOWN_STATUSES)}),
                 _param("key"),
                 _param("id", description="A run id prefix"),
                 _param("after", description="The cursor `next` of the previous page"),

@@ -18,11 +18,11 @@ from starlette.routing import Route
 
 from flowloop import ids, render
 from flowloop.errors import RenderError, UnknownRun
-from flowloop.lifecycle import STATUSES
 from flowloop.ui import api
 from flowloop.ui import queries as q
 from flowloop.ui.actions import csrf_for, signed_in
 from flowloop.ui.contextdiff import diff
+from flowloop.ui.waiting import SHOWN_STATUSES
 
 WINDOWS: Final = ("1h", "24h", "7d", "30d", "all")
 ITERATION_KINDS: Final = ("iteration_succeeded", "iteration_failed", "iteration_interrupted")
@@ -60,7 +60,7 @@ def runs_page(request: Request) -> Response:
     status_links = {
         status: "/runs?"
         + urlencode({**{k: v for k, v in filters.items() if k != "status"}, "status": status})
-        for status in STATUSES
+        for status in SHOWN_STATUSES
     }
     return _render(
         request,
@@ -69,7 +69,7 @@ def runs_page(request: Request) -> Response:
             "page": page,
             "query": query,
             "filters": filters,
-            "statuses": STATUSES,
+            "statuses": SHOWN_STATUSES,
             "status_links": status_links,
             "all_link": "/runs?" + urlencode({k: v for k, v in filters.items() if k != "status"}),
             "next_link": next_link,
@@ -159,10 +159,10 @@ def workflows_page(request: Request) -> Response:
                 "counts": found,
                 "runs": sum(found.values()),
                 "success_rate": found.get("succeeded", 0) / finished if finished else None,
-                "parts": [(s, found[s]) for s in STATUSES if found.get(s)],
+                "parts": [(s, found[s]) for s in SHOWN_STATUSES if found.get(s)],
             }
         )
-    return _render(request, "workflows.html", {"cards": cards, "statuses": STATUSES})
+    return _render(request, "workflows.html", {"cards": cards, "statuses": SHOWN_STATUSES})
 
 
 def workflow_page(request: Request) -> Response:
@@ -198,7 +198,7 @@ def workflow_page(request: Request) -> Response:
             "shown": chosen,
             "windows": WINDOWS,
             "slowest": slowest or 1.0,
-            "statuses": STATUSES,
+            "statuses": SHOWN_STATUSES,
         },
     )
 

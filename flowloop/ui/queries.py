@@ -23,11 +23,12 @@ from sqlalchemy import cast as sql_cast
 
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
-from flowloop.lifecycle import CLAIMABLE, STATUSES
+from flowloop.lifecycle import CLAIMABLE
 from flowloop.store.appends import current_rows
 from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, journal, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore
+from flowloop.ui import waiting as w
 
 PAGE_SIZE: Final = 50
 MAX_PAGE_SIZE: Final = 500
@@ -97,8 +98,9 @@ class RunsQuery:
         """From query parameters ``workflow``, ``status``, ``key``, ``id`` (a prefix),
         ``after`` (a cursor from a previous page) and ``limit``. Raises BadInput."""
         status = text_param(params, "status")
-        if status is not None and status not in STATUSES:
-            raise BadInput(f"status={status[:40]!r} is not a status (one of {', '.join(STATUSES)})")
+        if status is not None and status not in w.SHOWN_STATUSES:
+            shown = ", ".join(w.SHOWN_STATUSES)
+            raise BadInput(f"status={status[:40]!r} is not a status (one of {shown})")
         prefix = text_param(params, "id")
         if prefix is not None and not ID_PREFIX.fullmatch(prefix):
             raise BadInput("id must be a run id or its first characters (letters, digits, - _)")
@@ -157,6 +159,7 @@ RUN_LIST_COLUMNS: Final = (
     runs.c.updated_at,
     runs.c.error,
     runs.c.reason,
+    runs.c.fingerprint,
 )
 
 
@@ -185,29 +188,36 @@ def _run_filters(query: RunsQuery) -> list[Any]:
 @dataclass(frozen=True, kw_only=True)
 class RunsPage:
     runs: list[dict[str, Any]]
+    """Each with ``display_status``: ``waiting`` for a run resting in a wait state."""
     next_cursor: str | None
     counts: dict[str, int]
-    """Runs per status matching the filters other than status."""
+    """Runs per shown status (``waiting`` apart from ``scheduled``) matching the filters
+    other than status."""
 
 
 def list_runs(db: SQLEngine, query: RunsQuery) -> RunsPage:
     """One page of runs, newest first, and the counts per status."""
     where = _run_filters(query)
-    page = select(*RUN_LIST_COLUMNS).where(*where)
-    if query.status is not None:
-        page = page.where(runs.c.status == query.status)
-    if query.after is not None:
-        page = page.where(after_run(*query.after))
-    page = page.order_by(*NEWEST_FIRST).limit(query.limit + 1)
     counts = select(runs.c.status, func.count()).where(*where).group_by(runs.c.status)
     with reading(db) as conn:
+        waits = w.wait_states(conn)
+        page = select(*RUN_LIST_COLUMNS).where(*where)
+        if query.status is not None:
+            page = page.where(w.status_condition(query.status, waits))
+        if query.after is not None:
+            page = page.where(after_run(*query.after))
+        page = page.order_by(*NEWEST_FIRST).limit(query.limit + 1)
         # A running run's row is a snapshot; its latest state comes from its journal.
         rows = current_rows(conn, [row._mapping for row in conn.execute(page)])
         found = {status: int(n) for status, n in conn.execute(counts)}
+        resting = select(func.count()).where(*where, w.is_waiting(waits))
+        waiting = int(conn.execute(resting).scalar_one()) if found.get("scheduled") else 0
     more = len(rows) > query.limit
     rows = rows[: query.limit]
+    for row in rows:
+        row["display_status"] = w.shown_status(row, waits)
     cursor = encode_cursor(rows[-1]["created_at"], rows[-1]["id"]) if more and rows else None
-    return RunsPage(runs=rows, next_cursor=cursor, counts={s: found.get(s, 0) for s in STATUSES})
+    return RunsPage(runs=rows, next_cursor=cursor, counts=w.split_counts(found, waiting))
 
 
 def run_row(db: SQLEngine, run_id: str) -> dict[str, Any]:
@@ -219,8 +229,12 @@ def run_row(db: SQLEngine, run_id: str) -> dict[str, Any]:
         if row is None:
             raise NotFound(f"no run {run_id}")
         found = current_rows(conn, [row._mapping])[0]
+        waits = w.wait_states(conn, found["fingerprint"])
     for column in ("context", "visits"):
         found[column] = _json_or_text(found[column])
+    found["display_status"] = w.shown_status(found, waits)
+    events = w.waits_for(found, waits)
+    found["waits_for"] = list(events) if events is not None else None
     return found
 
 
@@ -419,7 +433,8 @@ def definitions_seen(db: SQLEngine) -> dict[str, list[dict[str, Any]]]:
 
 
 def status_counts(db: SQLEngine) -> dict[str, dict[str, int]]:
-    """Runs per workflow and status (the ``(workflow, status)`` index serves it)."""
+    """Runs per workflow and shown status, ``waiting`` apart from ``scheduled`` (the
+    ``(workflow, status)`` index serves it)."""
     query = select(runs.c.workflow, runs.c.status, func.count()).group_by(
         runs.c.workflow, runs.c.status
     )
@@ -427,7 +442,14 @@ def status_counts(db: SQLEngine) -> dict[str, dict[str, int]]:
     with reading(db) as conn:
         for workflow, status, n in conn.execute(query):
             found.setdefault(workflow, {})[status] = int(n)
-    return found
+        waits = w.wait_states(conn)
+        resting = select(runs.c.workflow, func.count()).where(w.is_waiting(waits))
+        resting = resting.group_by(runs.c.workflow)
+        waiting = {name: int(n) for name, n in conn.execute(resting)} if waits else {}
+    return {
+        name: {s: n for s, n in w.split_counts(counts, waiting.get(name, 0)).items() if n}
+        for name, counts in found.items()
+    }
 
 
 # -- loops and workers ---------------------------------------------------------------------

@@ -1,0 +1,102 @@
+"""Runs resting in a wait state, shown as ``waiting`` as `flowloop status` shows them.
+
+The store keeps such a run ``scheduled`` (due at its timeout, or never); whether its state
+is a wait is its definition's to say. Each definition is stored before any run of it starts
+(``Engine.register``), so the stored structures name every run's wait states, and the
+filters below are plain conditions on ``(status, fingerprint, state)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Final
+
+from sqlalchemy import Connection, and_, false, not_, or_, select
+
+from flowloop.journal import TIMEOUT_EVENT
+from flowloop.lifecycle import STATUSES
+from flowloop.store.schema import definitions, runs
+
+WAITING: Final = "waiting"
+SHOWN_STATUSES: Final[tuple[str, ...]] = tuple(
+    shown
+    for status in STATUSES
+    for shown in ((status, WAITING) if status == "scheduled" else (status,))
+)
+"""The statuses the dashboard shows and filters by: the stored ones, and ``waiting``."""
+
+WaitStates = Mapping[str, Mapping[str, tuple[str, ...]]]
+"""The wait states of each stored definition, by its fingerprint, with the events each
+takes (its timeout's aside)."""
+
+
+def wait_states(
+    conn: Connection, fingerprint: str | None = None
+) -> dict[str, dict[str, tuple[str, ...]]]:
+    """Every stored definition's wait states, or ``fingerprint``'s (definitions without one
+    left out)."""
+    query = select(definitions.c.fingerprint, definitions.c.structure)
+    if fingerprint is not None:
+        query = query.where(definitions.c.fingerprint == fingerprint)
+    found: dict[str, dict[str, tuple[str, ...]]] = {}
+    for stored, structure in conn.execute(query):
+        waits = _waits_in(structure)
+        if waits:
+            found[stored] = waits
+    return found
+
+
+def _waits_in(structure: str) -> dict[str, tuple[str, ...]]:
+    try:
+        states = json.loads(structure).get("states", {})
+    except (ValueError, AttributeError):
+        return {}  # not a structure this version writes: nothing shown waiting
+    if not isinstance(states, dict):
+        return {}
+    return {
+        name: tuple(event for event in state.get("on") or {} if event != TIMEOUT_EVENT)
+        for name, state in states.items()
+        if isinstance(state, dict) and state.get("kind") == "wait"
+    }
+
+
+def is_waiting(waits: WaitStates) -> Any:
+    """The condition that a run rests in a wait state (false when no definition has one)."""
+    pairs = [
+        and_(runs.c.fingerprint == fingerprint, runs.c.state.in_(sorted(states)))
+        for fingerprint, states in sorted(waits.items())
+    ]
+    return and_(runs.c.status == "scheduled", or_(*pairs)) if pairs else false()
+
+
+def status_condition(status: str, waits: WaitStates) -> Any:
+    """Runs shown with ``status``: ``scheduled`` no longer holds the waiting ones."""
+    if status == WAITING:
+        return is_waiting(waits)
+    if status == "scheduled":
+        return and_(runs.c.status == "scheduled", not_(is_waiting(waits)))
+    return runs.c.status == status
+
+
+def shown_status(row: Mapping[str, Any], waits: WaitStates) -> str:
+    """A run row's status as shown: ``waiting`` for a scheduled run in a wait state."""
+    status = str(row["status"])
+    if status == "scheduled" and row["state"] in waits.get(str(row["fingerprint"]), {}):
+        return WAITING
+    return status
+
+
+def waits_for(row: Mapping[str, Any], waits: WaitStates) -> tuple[str, ...] | None:
+    """The events a waiting run's state takes (None unless it is shown waiting)."""
+    if shown_status(row, waits) != WAITING:
+        return None
+    return waits[str(row["fingerprint"])][str(row["state"])]
+
+
+def split_counts(counts: Mapping[str, int], waiting: int) -> dict[str, int]:
+    """Runs per stored status made runs per shown status (``waiting`` out of ``scheduled``)."""
+    shown: dict[str, int] = {status: counts.get(status, 0) for status in STATUSES}
+    shown["scheduled"] = max(0, shown["scheduled"] - waiting)  # two reads: never below 0
+    shown[WAITING] = waiting
+    return {status: shown[status] for status in SHOWN_STATUSES}
