@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -23,6 +23,9 @@ from flowloop.errors import (
     storable,
 )
 from flowloop.journal import JournalEvent, RunRecord
+
+TURN: Final = "turn"
+"""In a ``run_released`` entry's data: a map's child held back got its turn then."""
 
 
 class InvalidPayload(FlowloopError):
@@ -131,10 +134,28 @@ def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | Non
                 return event
             looking = str(event.data.get("from_state", looking))
             continue
-        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == looking
-        if event.next_state == looking or begun:
+        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED) or is_turn(event)
+        if event.next_state == looking or (begun and event.state == looking):
             return event
     return None
+
+
+def is_turn(event: JournalEvent) -> bool:
+    """The entry that says a map's child held back got its turn (its wait's clock starts)."""
+    return event.kind == j.RUN_RELEASED and bool(event.data.get(TURN))
+
+
+def waits_for_its_turn(state: str, events: Sequence[JournalEvent]) -> bool:
+    """Whether the run rests in the wait state ``state`` since its creation as a map's child
+    held back, its turn not journaled yet: its timeout counts from its turn (the due time
+    its row got when the turn came), not from its creation."""
+    entry = entry_into(state, events)
+    return (
+        entry is not None
+        and entry.kind == j.RUN_CREATED
+        and entry.data.get("join") is not None
+        and entry.data.get("due") is None
+    )
 
 
 def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> float | None:
@@ -149,7 +170,8 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
     if entry is None:
         return float("-inf")  # no entry found: treat as overdue (the timeout fires)
     # (A creation's due is its run_at plus the timeout; none for a map's child held back,
-    # whose timeout counts from its creation.)
+    # whose timeout counts from its turn: journaled at its first claim since, see
+    # waits_for_its_turn; until then, from its creation.)
     due = entry.data.get("due")
     return float(due) if due is not None else entry.at + wait.timeout
 

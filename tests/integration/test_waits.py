@@ -27,6 +27,7 @@ from waitkit import (
 )
 
 from flowloop import Engine, FakeClock, Retry, Workflow
+from flowloop import journal as j
 from flowloop.errors import DefinitionError, InvalidEvent, InvalidTransition
 from flowloop.events import InvalidPayload, NeverAccepted, NotWaiting
 from flowloop.store import InboxEvent
@@ -698,7 +699,7 @@ def test_unpause__a_wait_entered_by_an_error_route_or_a_join_keeps_its_timeout(
 def test_a_map_child_released_into_its_wait_is_not_timed_out_at_once(store_url: str) -> None:
     """A map's child held back (``max_parallel=1``) that starts in a 2-day wait is made
     due at once when its turn comes; its first claim took that for the timeout and it
-    expired. It now waits, until its creation plus the timeout."""
+    expired. It now waits, until its turn plus the timeout."""
     clock = FakeClock(auto_advance=False)
     with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
         top = engine.start(engine.workflow("fan_waits"), Item()).id
@@ -712,10 +713,47 @@ def test_a_map_child_released_into_its_wait_is_not_timed_out_at_once(store_url: 
         engine.run_until_idle(idle_horizon=0)  # the first ends; the second's turn comes
         info = engine.get(second.id)
         assert (info.state, info.status) == ("hold", "scheduled"), info
-        assert info.next_run_at == pytest.approx(second.created_at + 2 * DAY, abs=1e-3)
+        assert info.next_run_at == pytest.approx(second.created_at + 60 + 2 * DAY, abs=1e-3)
         assert engine.send(second.id, "go").status == "applied"
         engine.run_until_idle(idle_horizon=0)
         assert engine.get(top).status == "succeeded"
+
+
+@pytest.mark.parametrize("operator", ["with the definition", "without it"])
+def test_a_map_child_held_back_counts_its_timeout_from_its_turn(
+    store_url: str, operator: str
+) -> None:
+    """A map's child held back behind a sibling that took 3 days expired the moment its
+    turn came (its 2-day timeout counted from its creation). It now counts from its turn,
+    also through a pause and unpause (by a process with or without the definition)."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        engine.start(engine.workflow("fan_waits"), Item(items=[1, 2, 3]))
+        engine.run_until_idle(idle_horizon=0)
+        first, second, _ = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        clock.advance(DAY)
+        assert engine.send(first.id, "go").status == "applied"
+        engine.run_until_idle(idle_horizon=0)  # the second's turn: at a day
+        turn = clock.now()
+        clock.advance(1.5 * DAY)  # past its creation plus 2 days, not its turn plus 2 days
+        engine.run_until_idle(idle_horizon=0)
+        with Engine(store_url, clock=clock) as bare:
+            by = engine if operator == "with the definition" else bare
+            by.pause(second.id)
+            assert by.unpause(second.id).next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
+        engine.run_until_idle(idle_horizon=0)
+        info = engine.get(second.id)
+        assert (info.state, info.status) == ("hold", "scheduled"), info
+        assert info.next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
+        turns = [e for e in engine.history(second.id) if e.data.get("turn")]
+        assert [(e.kind, e.data["due"]) for e in turns] == [(j.RUN_RELEASED, turn + 2 * DAY)]
+        clock.advance(DAY)  # now past its turn plus 2 days: the timeout fires
+        engine.run_until_idle(idle_horizon=0)
+        assert (engine.get(second.id).state, engine.get(second.id).status) == (
+            "expired",
+            "succeeded",
+        )
+        assert_journal_sound(engine, second.id)
 
 
 def test_unpause__without_the_definition_hands_over_the_events_kept_meanwhile(
