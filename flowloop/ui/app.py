@@ -175,6 +175,7 @@ def create_app(
         num=lambda n: f"{n:,}" if isinstance(n, int) else str(n),
         allow_actions=allow_actions,
     )
+    templates.env.filters["json_text"] = pages.json_text
     routes = [
         *pages.routes(),
         *api.routes(),

@@ -79,6 +79,13 @@ def runs_page(request: Request) -> Response:
     )
 
 
+def json_text(value: Any, *, indent: int | None = None) -> str:
+    """A value as JSON to show as text (the page escapes it): letters of every script as
+    they are, not ``\\u`` escapes (Jinja's ``tojson`` escapes ``<``, ``&`` and ``'`` too,
+    for a script's data, not for text)."""
+    return json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=True)
+
+
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     """Everything the live part of a run page shows (header, diagram, timeline, errors,
     context at ``?seq=`` and the changes ``?from=&to=``, by default the latest)."""
@@ -115,7 +122,7 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "seq": seq,
         "diff_from": start,
         "diff_to": to,
-        "context_text": json.dumps(context, indent=2, sort_keys=True),
+        "context_text": json_text(context, indent=2),
         "changes": changes,
         "step_states": list(workflow.steps) if workflow is not None else [],
         "family": q.run_family(dash.db, run_id),

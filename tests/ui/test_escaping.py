@@ -12,6 +12,7 @@ from xml.etree import ElementTree
 
 import httpx
 import pytest
+from pydantic import BaseModel
 from uikit import (
     CHROMIUM_ARGS,
     HOSTILE,
@@ -24,6 +25,7 @@ from uikit import (
     serve,
 )
 
+from flowloop import Engine, Workflow
 from flowloop.store.sql import SQLStore
 from flowloop.ui.app import create_app
 
@@ -88,3 +90,37 @@ def test_hostile_names__no_script_runs_in_the_browser(
         page.screenshot(path=str(tmp_path / "hostile.png"), full_page=True)
         browser.close()
     assert dialogs == []
+
+
+class Place(BaseModel):
+    city: str = "Bern"
+    note: str = ""
+
+
+place = Workflow("place", context=Place)
+
+
+@place.step(initial=True, next="done")
+def move(ctx: Place) -> None:
+    ctx.city, ctx.note = "Zürich 東京", "<b>R&D</b> 'ok'"
+
+
+place.final("done")
+
+
+def test_context_and_changes__letters_of_every_script_shown_as_they_are(sqlite_url: str) -> None:
+    """The context and its changes were shown as JSON with ``\\u`` escapes ("Z\\u00fcrich",
+    "\\u003cb\\u003e"): text as it is now, escaped as HTML by the page."""
+    with Engine(sqlite_url) as engine:
+        run_id = engine.run(place, Place()).id
+    store = SQLStore(sqlite_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = httpx.get(f"{base}/runs/{run_id}", params={"from": 1}, timeout=30).text
+    finally:
+        store.close()
+    context = page[page.index('id="context"') :]
+    changes = page[page.index('class="d-changed"') :]
+    for shown in (context, changes):
+        assert "Zürich 東京" in shown and "&lt;b&gt;R&amp;D&lt;/b&gt;" in shown
+        assert "\\u" not in shown[:2000]
