@@ -2,8 +2,9 @@
 
 Computed in SQL from the journal, one code path for SQLite and PostgreSQL:
 
-- per transition: how many entries took it and how many distinct runs (``step_succeeded``
-  and ``event_received`` journaled in the window: a range on the ``(kind, at)`` index);
+- per transition: how many entries took it and how many distinct runs (steps' successes,
+  events, joins of calls and maps, passed deadlines, ``on_error`` routes journaled in the
+  window);
 - per state: step attempts, failures and p95 duration (:func:`flowloop.stats.step_stats`);
 - per state right now: live runs there (the ``(workflow, status)`` index of the runs).
 
@@ -34,7 +35,9 @@ from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
 from flowloop.store.windows import journal_since
 
-TAKEN_KINDS: Final = (j.STEP_SUCCEEDED, j.EVENT_RECEIVED)
+TAKEN_KINDS: Final = (*j.TRANSITIONS, j.STEP_FAILED, j.STEP_INTERRUPTED)
+"""Entries that may move a run on (a failure only by an ``on_error`` route: it names the
+next state), as a run's own overlay counts them (flowloop/render_overlay.py)."""
 HEAT_SCALE: Final = (
     (0.0, "#e8f3ea"),
     (0.05, "#fff4d6"),
@@ -213,8 +216,10 @@ def apply_heat(model: render.DiagramModel, found: Heat, *, window: str = "") -> 
     for node in model.nodes:
         state = found.states.get(node.name)
         if state is None or not (state.attempts or state.live_total):
-            entered = any(dest == node.name for (_, _, dest) in found.edges)
-            nodes.append(replace(node, mark="visited" if entered else "faded"))
+            # No step attempts (a wait, a call or map state, a final one): visited when a
+            # run came in or went on from it (an initial map state is only left).
+            used = any(node.name in (source, dest) for (source, _, dest) in found.edges)
+            nodes.append(replace(node, mark="visited" if used else "faded"))
             continue
         nodes.append(replace(node, mark="visited", notes=_notes(state)))
     edges = []
