@@ -143,37 +143,13 @@ def loop_model(loop: Loop, *, workflow_diagram: str | None = None) -> DiagramMod
             tooltip=f"{STOPPED}: ended; `flowloop unpause` starts it again from now",
         ),
     )
-    edges: list[DiagramEdge] = [DiagramEdge(source=SCHEDULED, dest=RUNNING, event=FIRE)]
-    if loop.misfire_grace is not None or loop.coalesce:
-        # Coalesced and missed slots: one self-loop (two would pile their labels up); the
-        # overlay's notes count them apart.
-        edges.append(DiagramEdge(source=SCHEDULED, dest=SCHEDULED, event=LATE))
-    if loop.retry.attempts > 1:
-        edges.append(DiagramEdge(source=RUNNING, dest=RUNNING, event=RETRIED))
-    if loop.mode == "fixed_rate":
-        edges.append(DiagramEdge(source=RUNNING, dest=RUNNING, event=SKIPPED))
-    edges += [
-        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=SUCCEEDED),
-        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=FAILED),
-        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=INTERRUPTED),
-    ]
-    if loop.max_failures is not None:
-        edges.append(DiagramEdge(source=RUNNING, dest=PAUSED, event=MAX_FAILURES))
-    operator = [
-        (SCHEDULED, PAUSE, PAUSED),
-        (RUNNING, PAUSE, PAUSED),
-        (PAUSED, UNPAUSE, SCHEDULED),
-        (SCHEDULED, STOP, STOPPED),
-        (RUNNING, STOP, STOPPED),
-        (PAUSED, STOP, STOPPED),
-        (STOPPED, UNPAUSE, SCHEDULED),
-    ]
-    if loop.end_at is not None:
-        operator.append((SCHEDULED, END_AT, STOPPED))
-    edges += [
-        DiagramEdge(source=source, dest=dest, event=event, secondary=True)
-        for source, event, dest in operator
-    ]
+    edges = _loop_edges(
+        late=loop.misfire_grace is not None or loop.coalesce,
+        retried=loop.retry.attempts > 1,
+        skipped=loop.mode == "fixed_rate",
+        max_failures=loop.max_failures is not None,
+        end_at=loop.end_at is not None,
+    )
     what = (
         f"runs workflow {loop.workflow.name} (drawn in {link})"
         if loop.workflow is not None
@@ -185,7 +161,70 @@ def loop_model(loop: Loop, *, workflow_diagram: str | None = None) -> DiagramMod
         caption=f"each iteration {what}; grey: an operator's actions",
         comment=f"loop {loop.name}, {loop.schedule}; drawn by `flowloop diagram`",
         nodes=nodes,
-        edges=tuple(edges),
+        edges=edges,
+        rankdir="TB",
+    )
+
+
+def _loop_edges(
+    *, late: bool, retried: bool, skipped: bool, max_failures: bool, end_at: bool
+) -> tuple[DiagramEdge, ...]:
+    """The transitions of a loop's machine, those its settings make possible included."""
+    edges: list[DiagramEdge] = [DiagramEdge(source=SCHEDULED, dest=RUNNING, event=FIRE)]
+    if late:
+        # Coalesced and missed slots: one self-loop (two would pile their labels up); the
+        # overlay's notes count them apart.
+        edges.append(DiagramEdge(source=SCHEDULED, dest=SCHEDULED, event=LATE))
+    if retried:
+        edges.append(DiagramEdge(source=RUNNING, dest=RUNNING, event=RETRIED))
+    if skipped:
+        edges.append(DiagramEdge(source=RUNNING, dest=RUNNING, event=SKIPPED))
+    edges += [
+        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=SUCCEEDED),
+        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=FAILED),
+        DiagramEdge(source=RUNNING, dest=SCHEDULED, event=INTERRUPTED),
+    ]
+    if max_failures:
+        edges.append(DiagramEdge(source=RUNNING, dest=PAUSED, event=MAX_FAILURES))
+    operator = [
+        (SCHEDULED, PAUSE, PAUSED),
+        (RUNNING, PAUSE, PAUSED),
+        (PAUSED, UNPAUSE, SCHEDULED),
+        (SCHEDULED, STOP, STOPPED),
+        (RUNNING, STOP, STOPPED),
+        (PAUSED, STOP, STOPPED),
+        (STOPPED, UNPAUSE, SCHEDULED),
+    ]
+    if end_at:
+        operator.append((SCHEDULED, END_AT, STOPPED))
+    edges += [
+        DiagramEdge(source=source, dest=dest, event=event, secondary=True)
+        for source, event, dest in operator
+    ]
+    return tuple(edges)
+
+
+def stored_loop_model(row: LoopRow) -> DiagramModel:
+    """The machine of a stored loop whose definition is not loaded: its statuses and every
+    transition a loop can take (its settings are unknown: none drawn but its schedule)."""
+    nodes = tuple(
+        DiagramNode(
+            name=name,
+            kind="state",
+            initial=name == SCHEDULED,
+            settings=row.schedule if name == SCHEDULED else "",
+            tooltip=f"{name}",
+        )
+        for name in LOOP_STATES
+    )
+    return DiagramModel(
+        name=diagram_name(row.name),
+        title=f"loop {row.name}",
+        caption="its definition is not loaded: every transition a loop can take; grey: an"
+        " operator's actions",
+        comment=f"loop {row.name}, {row.schedule}",
+        nodes=nodes,
+        edges=_loop_edges(late=True, retried=True, skipped=True, max_failures=True, end_at=True),
         rankdir="TB",
     )
 
@@ -351,11 +390,13 @@ def loop_digraph(loop: Loop) -> graphviz.Digraph:
 
 
 def stored_loop_digraph(
-    loop: Loop, row: LoopRow, events: Sequence[LoopEvent], *, capped: bool = False
+    loop: Loop | None, row: LoopRow, events: Sequence[LoopEvent], *, capped: bool = False
 ) -> graphviz.Digraph:
-    """``loop``'s machine with the stored loop (``row`` and its journal ``events``, oldest
-    first) drawn on it. ``capped``: ``events`` are only the latest entries of the journal."""
-    model = apply_loop_overlay(loop_model(loop), LoopOverlay.from_store(row, events))
+    """``loop``'s machine (``None``: not loaded, :func:`stored_loop_model`) with the stored
+    loop (``row`` and its journal ``events``, oldest first) drawn on it. ``capped``:
+    ``events`` are only the latest entries of the journal."""
+    machine = loop_model(loop) if loop is not None else stored_loop_model(row)
+    model = apply_loop_overlay(machine, LoopOverlay.from_store(row, events))
     if capped:
         model = replace(
             model, caption=f"{model.caption} (counts from the last {len(events):,} entries)"

@@ -8,7 +8,6 @@ Each page is rendered on the server from the same queries as the JSON API; the o
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -16,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import ids, render
+from flowloop import ids, render_loops
 from flowloop.errors import RenderError, UnknownRun
 from flowloop.ui import api
 from flowloop.ui import queries as q
@@ -223,25 +222,17 @@ def loop_page(request: Request) -> Response:
     counts = q.loop_kind_counts(dash.db, name)
     iterations = [e for e in events if e["kind"] in ITERATION_KINDS][:25]
     decisions = [e for e in events if e["kind"] in DECISION_KINDS][:25]
-    model = render.lifecycle_model()
-    notes = {
-        "running": f"{counts.get('iteration_started', 0)} iterations started",
-        "succeeded": f"{counts.get('iteration_succeeded', 0)} succeeded",
-        "failed": f"{counts.get('iteration_failed', 0)} failed",
-        "paused": f"{counts.get('loop_paused', 0)} pauses",
-    }
-    nodes = tuple(
-        replace(
-            node,
-            mark="current" if node.name == row["status"] else "plain",
-            notes=(notes[node.name],) if node.name in notes else (),
-        )
-        for node in model.nodes
-    )
-    lifecycle = render.to_digraph(
-        replace(model, nodes=nodes, caption=f"loop {name}: {row['status']} now")
-    )
+    # The loop's machine with what it did drawn on it, as `flowloop diagram --loop` draws
+    # it (every transition a loop can take when its definition is not loaded).
+    stored = dash.store.get_loop(name)
+    limit = render_loops.OVERLAY_JOURNAL_LIMIT
+    journal = dash.store.loop_journal(name, limit=limit) if stored is not None else []
     loop = dash.loops.get(name)
+    machine = (
+        None
+        if stored is None  # deleted since its row was read
+        else render_loops.stored_loop_digraph(loop, stored, journal, capped=len(journal) >= limit)
+    )
     return _render(
         request,
         "loop.html",
@@ -250,7 +241,7 @@ def loop_page(request: Request) -> Response:
             "iterations": iterations,
             "decisions": decisions,
             "counts": counts,
-            "svg": dash.svgs.svg(lifecycle),
+            "svg": dash.svgs.svg(machine) if machine is not None else "",
             "defined": loop is not None,
         },
     )
