@@ -26,7 +26,7 @@ from typing import Any, Final
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.definition import StepSpec, Workflow
-from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit
+from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit, admit
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Store
 from flowloop.store.limits import ClaimLimits
@@ -133,13 +133,26 @@ class Gates:
         limits = rate_limits_of(workflow, spec, state, record.visit(state), attempt)
         if spec.breaker is None and not limits:
             return None
-        if spec.breaker is not None:
-            blocked = self._breaker(spec.breaker, record, state)
-            if blocked is not None:
-                return blocked
+        breaker = spec.breaker
+        if breaker is not None:
+            now_state = self.store.breaker_state(breaker.name)
+            if now_state.status == "closed":
+                breaker = None  # the fast path: a closed breaker has nothing to take
+            elif not admit(breaker, now_state, self.store.db_now(), self.worker).allowed:
+                # Open in its cool-down, or its trial runs elsewhere: refused before a
+                # token is taken (it would be spent on no call).
+                blocked = self._breaker(breaker, record, state)
+                if blocked is not None:
+                    return blocked
+                breaker = None  # the cool-down ended meanwhile: this call holds the trial
         if limits:
-            return await self._rate(limits, record, state)
-        return None
+            deferred = await self._rate(limits, record, state)
+            if deferred is not None:
+                return deferred
+        # The trial after a cool-down goes to a call that is made: taken after the tokens
+        # (taken first, a run the rate limit then deferred held it for a whole cool-down,
+        # and every other run was refused meanwhile).
+        return None if breaker is None else self._breaker(breaker, record, state)
 
     def _breaker(self, breaker: Breaker, record: RunRecord, state: str) -> JournalEvent | None:
         answer = self.store.breaker_admit(breaker, self.worker)

@@ -1,0 +1,69 @@
+"""A step behind both a breaker and a rate limit: the breaker's half-open trial goes to a
+call the rate limit lets through. Before, the trial was taken first (``half_opened``
+journaled) and the run then deferred for its token: no call was made for a whole cool-down,
+every other run was refused as ``breaker_open``, and the trial was taken again and again —
+on SQLite and PostgreSQL, with the real store and its database clock."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import timedelta
+
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Workflow
+from flowloop import journal as j
+from flowloop.flowcontrol import Breaker, RateLimit
+from flowloop.gates import Gates
+
+rate = RateLimit("one-a-minute", 1, per=timedelta(minutes=1))
+provider = Breaker("provider", failures=1, within=timedelta(minutes=1), cool_down=0.05)
+
+
+class Call(BaseModel):
+    n: int = 0
+
+
+guarded = Workflow("guarded_call", context=Call)
+
+
+@guarded.step(initial=True, next="done", rate_limit=rate, breaker=provider)
+def call(ctx: Call) -> None:
+    ctx.n += 1
+
+
+guarded.final("done")
+roomy = Workflow("roomy_call", context=Call)
+roomy.step(
+    name="call", initial=True, next="done", rate_limit=RateLimit("roomy", 100), breaker=provider
+)(call)
+roomy.final("done")
+
+
+def test_a_run_the_rate_limit_defers_does_not_take_the_breakers_trial(store_url: str) -> None:
+    with Engine(store_url, workflows=[guarded, roomy], clock=FakeClock()) as engine:
+        store = engine.store
+        record = store.get_run(engine.start(guarded, Call()).id).record  # type: ignore[union-attr]
+        assert store.take_tokens([rate], queued=set())[0]  # type: ignore[attr-defined]
+        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
+        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
+            time.sleep(0.01)
+        gates = Gates(store, "w1", engine.clock)
+        entry = asyncio.run(gates.check(guarded, record, "call", attempt=0))
+        assert entry is not None and entry.kind == j.RUN_DEFERRED
+        assert entry.data["reason"] == "rate_limit:one-a-minute"
+        # The trial is still there for the call that gets a token, not held by this run.
+        assert store.breaker_state(provider.name).status == "open"  # type: ignore[attr-defined]
+        kinds = [e.kind for e in store.breaker_journal(provider.name)]  # type: ignore[attr-defined]
+        assert kinds == ["opened"]
+        # A call the rate limit lets through takes the trial (and is made).
+        other = store.get_run(engine.start(roomy, Call()).id).record  # type: ignore[union-attr]
+        assert (
+            asyncio.run(Gates(store, "w2", engine.clock).check(roomy, other, "call", attempt=0))
+            is None
+        )
+        after = store.breaker_state(provider.name)  # type: ignore[attr-defined]
+        assert (after.status, after.trial) == ("half_open", "w2")
