@@ -26,6 +26,16 @@ from flowloop.cli.common import (
 from flowloop.errors import FlowloopError
 
 
+def loop_request(control: str | None) -> str:
+    """What a loop's pending request does to the iteration running now (shown after its
+    status): a pause lets it finish, a stop cancels it."""
+    if control is None:
+        return ""
+    if control == "stop":
+        return " (stop requested; its worker cancels the running iteration)"
+    return f" ({control} requested; after the running iteration)"
+
+
 def control_command(name: str, doc: str) -> click.Command:
     """`flowloop NAME TARGET`: the engine's ``NAME`` (pause, unpause, stop) on a loop or a run."""
 
@@ -45,12 +55,7 @@ def control_command(name: str, doc: str) -> click.Command:
                 if as_json:
                     click.echo(json.dumps({"loop": loop_json(row)}))
                     return
-                pending = (
-                    f" ({row.control} requested; after the running iteration)"
-                    if row.control
-                    else ""
-                )
-                out.print(f"loop {row.name} {styled(row.status)}{pending}")
+                out.print(f"loop {row.name} {styled(row.status)}{loop_request(row.control)}")
                 return
             try:
                 info = getattr(engine, name)(target)

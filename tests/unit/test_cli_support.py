@@ -61,3 +61,13 @@ def test_not_ended_line__says_what_the_run_waits_for_and_what_continues_it() -> 
     assert not_ended_line(run(status="scheduled")).startswith(
         "run r1 waits in s for its children; "
     )
+
+
+def test_loop_request__a_stop_cancels_the_running_iteration_a_pause_lets_it_finish() -> None:
+    """`flowloop stop LOOP` during an iteration said "after the running iteration", as a
+    pause does; a stop cancels it (README: "stop cancels it")."""
+    from flowloop.cli.operators import loop_request
+
+    assert loop_request("stop") == " (stop requested; its worker cancels the running iteration)"
+    assert loop_request("pause") == " (pause requested; after the running iteration)"
+    assert loop_request(None) == ""
