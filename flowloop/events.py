@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -23,9 +23,6 @@ from flowloop.errors import (
     storable,
 )
 from flowloop.journal import JournalEvent, RunRecord
-
-TURN: Final = "turn"
-"""In a ``run_released`` entry's data: a map's child held back got its turn then."""
 
 
 class InvalidPayload(FlowloopError):
@@ -141,21 +138,10 @@ def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | Non
 
 
 def is_turn(event: JournalEvent) -> bool:
-    """The entry that says a map's child held back got its turn (its wait's clock starts)."""
-    return event.kind == j.RUN_RELEASED and bool(event.data.get(TURN))
-
-
-def waits_for_its_turn(state: str, events: Sequence[JournalEvent]) -> bool:
-    """Whether the run rests in the wait state ``state`` since its creation as a map's child
-    held back, its turn not journaled yet: its timeout counts from its turn (the due time
-    its row got when the turn came), not from its creation."""
-    entry = entry_into(state, events)
-    return (
-        entry is not None
-        and entry.kind == j.RUN_CREATED
-        and entry.data.get("join") is not None
-        and entry.data.get("due") is None
-    )
+    """The entry that says a map's child held back got its turn (written by its join when
+    a sibling's end makes room, flowloop/store/joins.py): a wait it rests in counts its
+    timeout from then, not from its creation."""
+    return event.kind == j.RUN_DEFERRED and bool(event.data.get(j.TURN))
 
 
 def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> float | None:
@@ -169,9 +155,10 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
     entry = entry_into(state, events)
     if entry is None:
         return float("-inf")  # no entry found: treat as overdue (the timeout fires)
+    if is_turn(entry):
+        return entry.at + wait.timeout  # a map's child held back: from its turn
     # (A creation's due is its run_at plus the timeout; none for a map's child held back,
-    # whose timeout counts from its turn: journaled at its first claim since, see
-    # waits_for_its_turn; until then, from its creation.)
+    # whose turn's entry then counts.)
     due = entry.data.get("due")
     return float(due) if due is not None else entry.at + wait.timeout
 
@@ -182,8 +169,8 @@ def stored_wait_due(state: str, events: Sequence[JournalEvent]) -> tuple[bool, f
     that entry tells it (a creation without one does not: a map's child held back), and
     the due time."""
     entry = entry_into(state, events)
-    if entry is None or "due" not in entry.data:
-        return False, None
+    if entry is None or "due" not in entry.data or is_turn(entry):
+        return False, None  # (a turn's due is when it came: the timeout is the definition's)
     due = entry.data["due"]
     if entry.kind == j.RUN_CREATED and due is None:
         return False, None

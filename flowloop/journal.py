@@ -31,6 +31,10 @@ RUN_RETRIED: Final = "run_retried"  # an operator's retry, maybe from a past sta
 EVENT_RECEIVED: Final = "event_received"  # a wait state took an event (or its timeout)
 EVENT_REJECTED: Final = "event_rejected"  # a kept event the wait could not take; still waits
 RUN_DEFERRED: Final = "run_deferred"  # a rate limit / open breaker: due later, status kept
+TURN: Final = "turn"
+"""In a ``run_deferred`` entry's data: a map's child held back got its turn (its join wrote
+it when a sibling's end made room); a wait it rests in counts its timeout from then."""
+TURN_REASON: Final = "its turn came"
 CHILDREN_STARTED: Final = "children_started"  # a call/map created its children; waits (no due)
 CHILDREN_JOINED: Final = "children_joined"  # every child ended: state -> next_state, context
 COMPENSATION_STARTED: Final = "compensation_started"  # status running, attempt

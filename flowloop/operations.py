@@ -246,7 +246,10 @@ class Operations:
             return self.get(run_id)
         workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
-        if workflow is not None and record.state in workflow.waits:
+        by_stored = False
+        if record.join is not None and children.is_held(self.store, run_id):
+            data["due"] = None  # a map's child paused before its turn: held again
+        elif workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
             data["due"] = wait_due(workflow, record.state, self.store.journal(run_id))
@@ -255,25 +258,25 @@ class Operations:
             # the timeout its entry stored, not at once — unless events were kept for it:
             # due at once, its claim hands them over (and judges the timeout by the journal).
             found, due = stored_wait_due(record.state, self.store.journal(run_id))
-            if found and not self.store.pending_events(run_id):
+            by_stored = found and not self.store.pending_events(run_id)
+            if by_stored:
                 data["due"] = due
-        elif record.join is not None and children.is_held(self.store, run_id):
-            data["due"] = None  # a map's child paused before its turn: held again
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data and workflow is not None:
             # Events kept while it was paused: the run takes them now (else its claim does).
             self._hand_over_kept(run_id)
-        elif data.get("due") is not None:
+        elif by_stored:
             self._due_if_kept_meanwhile(run_id)
         self._unpause_children(run_id)
         return self.get(run_id)
 
     def _due_if_kept_meanwhile(self, run_id: str) -> None:
-        """A definition-less unpause set the timeout's due time: an event kept after it
-        looked (its sender saw the run paused, so handed nothing over) would wait for that
-        timeout. Released due at once instead; its claim hands the event over. (Moved on
-        meanwhile, or claimed: whoever holds it takes the event.)"""
+        """A definition-less unpause set the timeout's due time (or none, for a wait
+        without one): an event kept after it looked (its sender saw the run paused, so
+        handed nothing over) would wait for that timeout, or for ever. Released due at once
+        instead; its claim hands the event over. (Moved on meanwhile, or claimed: whoever
+        holds it takes the event.)"""
         if not self.store.pending_events(run_id):
             return
         stored = self._stored(run_id)

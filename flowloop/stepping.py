@@ -40,7 +40,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
 )
-from flowloop.events import TURN, check_visits, entering, receive, wait_due, waits_for_its_turn
+from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
@@ -442,22 +442,17 @@ class Stepping:
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.
-        timeout = workflow.waits[record.state].timeout
-        due = record.next_run_at if timeout is not None else None
-        reason: dict[str, Any] = {"reason": "waiting for an event"}
+        due = record.next_run_at if workflow.waits[record.state].timeout is not None else None
         if due is not None and due <= now and _made_due_at_once(record, due, written_at):
             # The timeout is the one its entry into the state set (read then only: a poll
-            # looping through a wait would read a growing journal at every timeout) — or,
-            # for a map's child held back, its turn's: the due time its row got then.
-            events = self.store.journal(record.id)
-            if timeout is not None and waits_for_its_turn(record.state, events):
-                due += timeout
-                reason = {"reason": "its turn came; waiting for an event", TURN: True}
-            else:
-                due = max(due, wait_due(workflow, record.state, events) or due)
+            # looping through a wait would read a growing journal at every timeout).
+            due = max(due, wait_due(workflow, record.state, self.store.journal(record.id)) or due)
         if due is None or due > now:
             released = self._event(
-                record, j.RUN_RELEASED, state=record.state, data={"due": due, **reason}
+                record,
+                j.RUN_RELEASED,
+                state=record.state,
+                data={"due": due, "reason": "waiting for an event"},
             )
             await self._finish(record, fence, [released])
             return None

@@ -40,9 +40,9 @@ from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store import built
 from flowloop.store.base import Boundary, NewRun, StoredRun
-from flowloop.store.entries import JOURNALED, Unreadable
+from flowloop.store.entries import JOURNALED, Unreadable, event_row
 from flowloop.store.journaled import contexts_at
-from flowloop.store.schema import joins, runs
+from flowloop.store.schema import joins, journal, runs
 
 RESULT_BATCH: Final = 1_000
 """Children's final contexts read per query when a join folds its results."""
@@ -67,15 +67,27 @@ _COUNT_END: Final = {
     for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped)
 }
 _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
-_RELEASE_NEXT: Final = (
-    update(runs)
+_HELD_NEXT: Final = (
+    select(runs.c.id, runs.c.last_seq, runs.c.state)
     .where(
         runs.c.join_id == bindparam("j_id"),
         runs.c.child_index == bindparam("r_index"),
         runs.c.join_state == "held",
     )
-    .values(join_state="open", next_run_at=bindparam("r_at"))
+    .with_for_update()
 )
+_RELEASE: Final = (
+    update(runs)
+    .where(runs.c.id == bindparam("r_id"), runs.c.last_seq == bindparam("r_seq"))
+    .values(
+        join_state="open",
+        next_run_at=bindparam("r_at"),
+        last_seq=bindparam("r_next"),
+        reason=j.TURN_REASON,
+        updated_at=bindparam("r_at"),
+    )
+)
+_TURN: Final = insert(journal)
 _RESULTS: Final = (
     select(
         runs.c.child_index,
@@ -404,6 +416,26 @@ class JoinStoreMixin:
                 self._report_ends(conn, [b for b in done if reports_end(b)])
         return applied
 
+    def _release(self, conn: Connection, join_id: str, index: int, at: float) -> None:
+        """A held child's turn: due now, and journaled (``run_deferred``, ``turn``: its
+        status kept, a paused child stays paused), so that a wait it starts in counts its
+        timeout from now — through a pause too, which clears the due time."""
+        held = conn.execute(_HELD_NEXT, {"j_id": join_id, "r_index": index}).first()
+        if held is None:
+            return
+        turn = j.JournalEvent(
+            run_id=held.id,
+            seq=held.last_seq + 1,
+            kind=j.RUN_DEFERRED,
+            at=at,
+            state=held.state,
+            worker="join",
+            data={"due": at, "reason": j.TURN_REASON, j.TURN: True},
+        )
+        conn.execute(_TURN, [event_row(turn)])
+        values = {"r_id": held.id, "r_seq": held.last_seq, "r_next": turn.seq, "r_at": at}
+        conn.execute(_RELEASE, values)
+
     def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
         """The join's side of children's ends, in their final transaction: each child's
         first end is counted once; it releases the next held child; the last one makes
@@ -421,6 +453,6 @@ class JoinStoreMixin:
             nxt = join.runnable() - 1
             if join.ended + join.max_parallel <= join.total and nxt < join.created:
                 # The held child whose turn it is now (one not created yet is created due).
-                conn.execute(_RELEASE_NEXT, {"j_id": join.id, "r_index": nxt, "r_at": at})
+                self._release(conn, join.id, nxt, at)
             if join.complete:
                 conn.execute(_PARENT_DUE, {"j_parent": join.parent_id, "r_at": at})

@@ -740,13 +740,17 @@ def test_a_map_child_held_back_counts_its_timeout_from_its_turn(
         with Engine(store_url, clock=clock) as bare:
             by = engine if operator == "with the definition" else bare
             by.pause(second.id)
-            assert by.unpause(second.id).next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
+            unpaused = by.unpause(second.id)
+        if operator == "with the definition":
+            assert unpaused.next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
+        # (Without it, the turn's timeout is the definition's to say: due at once, and the
+        # claim that follows judges it by the journal.)
         engine.run_until_idle(idle_horizon=0)
         info = engine.get(second.id)
         assert (info.state, info.status) == ("hold", "scheduled"), info
         assert info.next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
-        turns = [e for e in engine.history(second.id) if e.data.get("turn")]
-        assert [(e.kind, e.data["due"]) for e in turns] == [(j.RUN_RELEASED, turn + 2 * DAY)]
+        turns = [e for e in engine.history(second.id) if e.data.get(j.TURN)]
+        assert [(e.kind, e.at) for e in turns] == [(j.RUN_DEFERRED, turn)]
         clock.advance(DAY)  # now past its turn plus 2 days: the timeout fires
         engine.run_until_idle(idle_horizon=0)
         assert (engine.get(second.id).state, engine.get(second.id).status) == (
@@ -754,6 +758,63 @@ def test_a_map_child_held_back_counts_its_timeout_from_its_turn(
             "succeeded",
         )
         assert_journal_sound(engine, second.id)
+
+
+@pytest.mark.parametrize("operator", ["with the definition", "without it"])
+def test_a_map_child_paused_after_its_turn_before_its_claim_keeps_its_turns_timeout(
+    store_url: str, operator: str
+) -> None:
+    """The turn's time lived only in the row's due time, which a pause clears: a child
+    paused and unpaused (its parent's pause, workers behind) between its turn and its first
+    claim went back to its creation's timeout and expired at once. The turn is journaled
+    when it comes now."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        engine.start(engine.workflow("fan_waits"), Item(items=[1, 2]))
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        engine.pause(first.id)  # the first stays live 5 days (its 2-day wait would end)
+        clock.advance(5 * DAY)
+        engine.unpause(first.id)
+        assert engine.send(first.id, "go").status == "applied"  # the second's turn
+        turn = clock.now()
+        with Engine(store_url, clock=clock) as bare:  # before a worker claims the second
+            by = engine if operator == "with the definition" else bare
+            by.pause(second.id)
+            clock.advance(10)
+            by.unpause(second.id)
+        engine.run_until_idle(idle_horizon=0)
+        info = engine.get(second.id)
+        assert (info.state, info.status) == ("hold", "scheduled"), info
+        assert info.next_run_at == pytest.approx(turn + 2 * DAY, abs=1e-3)
+        assert_journal_sound(engine, second.id)
+
+
+@pytest.mark.parametrize("operator", ["with the definition", "without it"])
+def test_a_held_map_child_in_a_wait_stays_held_through_its_parents_pause(
+    store_url: str, operator: str
+) -> None:
+    """A held child starting in a timed wait, unpaused by its parent's unpause, was made due
+    (at its creation's timeout, or at once without the definition) although its turn had
+    not come: claimed, it expired while its sibling still ran (max_parallel broken)."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        top = engine.start(engine.workflow("fan_waits"), Item(items=[1, 2])).id
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        with Engine(store_url, clock=clock) as bare:
+            by = engine if operator == "with the definition" else bare
+            by.pause(top)
+            clock.advance(10)
+            by.unpause(top)
+        assert engine.get(second.id).next_run_at is None  # held again
+        engine.pause(first.id)  # the first stays live: the second's turn does not come
+        for _ in range(2):
+            clock.advance(2 * DAY + 60)
+            engine.run_until_idle(idle_horizon=0)
+        info = engine.get(second.id)
+        assert (info.state, info.status) == ("hold", "scheduled"), info
+        assert not [e for e in engine.history(second.id) if e.data.get(j.TURN)]
 
 
 def test_unpause__without_the_definition_hands_over_the_events_kept_meanwhile(
@@ -813,4 +874,28 @@ def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decid
     engine.run_until_idle(idle_horizon=0)
     info = engine.get(run_id)
     assert (info.status, info.state) == ("succeeded", "approved"), info
+    assert_journal_sound(engine, run_id)
+
+
+def test_unpause__without_the_definition_of_a_wait_without_timeout_hands_over_a_late_event(
+    store_url: str, engine: Engine, clock: FakeClock
+) -> None:
+    """The same race in a wait without a timeout: the event kept while the unpause decided
+    stayed kept for ever (no timeout ever claimed the run)."""
+    run_id = engine.run(parked, {}).id
+    with Engine(store_url, clock=clock) as operator:  # no workflow registered
+        operator.pause(run_id)
+        looked = operator.store.pending_events
+
+        def pending_then_sent(asked: str) -> list[InboxEvent]:
+            found = looked(asked)
+            if not found:
+                assert engine.send(run_id, "go", buffer=True).status == "buffered"
+            return found
+
+        operator.store.pending_events = pending_then_sent  # type: ignore[method-assign]
+        operator.unpause(run_id)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("succeeded", "done"), info
     assert_journal_sound(engine, run_id)
