@@ -40,9 +40,9 @@ from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store import built
 from flowloop.store.base import Boundary, NewRun, StoredRun
-from flowloop.store.entries import JOURNALED, Unreadable, event_row
+from flowloop.store.entries import JOURNALED, Unreadable, definition_structure, event_row
 from flowloop.store.journaled import contexts_at
-from flowloop.store.schema import joins, journal, runs
+from flowloop.store.schema import definitions, joins, journal, runs
 
 RESULT_BATCH: Final = 1_000
 """Children's final contexts read per query when a join folds its results."""
@@ -67,27 +67,29 @@ _COUNT_END: Final = {
     for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped)
 }
 _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
-_HELD_NEXT: Final = (
-    select(runs.c.id, runs.c.last_seq, runs.c.state)
+_RELEASE_NEXT: Final = (
+    update(runs)
     .where(
         runs.c.join_id == bindparam("j_id"),
         runs.c.child_index == bindparam("r_index"),
         runs.c.join_state == "held",
     )
-    .with_for_update()
-)
-_RELEASE: Final = (
-    update(runs)
-    .where(runs.c.id == bindparam("r_id"), runs.c.last_seq == bindparam("r_seq"))
     .values(
         join_state="open",
         next_run_at=bindparam("r_at"),
-        last_seq=bindparam("r_next"),
-        reason=j.TURN_REASON,
         updated_at=bindparam("r_at"),
     )
+    .returning(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint)
+)
+_STRUCTURE: Final = select(definitions.c.structure).where(
+    definitions.c.fingerprint == bindparam("f_print")
 )
 _TURN: Final = insert(journal)
+_TURN_SEQ: Final = (
+    update(runs)
+    .where(runs.c.id == bindparam("r_id"))
+    .values(last_seq=bindparam("r_seq"), reason=j.TURN_REASON)
+)
 _RESULTS: Final = (
     select(
         runs.c.child_index,
@@ -417,24 +419,41 @@ class JoinStoreMixin:
         return applied
 
     def _release(self, conn: Connection, join_id: str, index: int, at: float) -> None:
-        """A held child's turn: due now, and journaled (``run_deferred``, ``turn``: its
-        status kept, a paused child stays paused), so that a wait it starts in counts its
-        timeout from now — through a pause too, which clears the due time."""
-        held = conn.execute(_HELD_NEXT, {"j_id": join_id, "r_index": index}).first()
-        if held is None:
+        """A held child's turn: due now. When it rests in a wait state, the turn is
+        journaled too (``run_deferred``, ``turn``: its status kept, a paused child stays
+        paused), so that its timeout counts from now — through a pause as well, which
+        clears the due time. (Other children's turns are not: an entry per child would
+        cost every map its share of a write.)"""
+        released = conn.execute(_RELEASE_NEXT, {"j_id": join_id, "r_index": index, "r_at": at})
+        row = released.first()
+        if row is None or row.state not in self._wait_states(conn, row.fingerprint):
             return
         turn = j.JournalEvent(
-            run_id=held.id,
-            seq=held.last_seq + 1,
+            run_id=row.id,
+            seq=row.last_seq + 1,
             kind=j.RUN_DEFERRED,
             at=at,
-            state=held.state,
+            state=row.state,
             worker="join",
             data={"due": at, "reason": j.TURN_REASON, j.TURN: True},
         )
-        conn.execute(_TURN, [event_row(turn)])
-        values = {"r_id": held.id, "r_seq": held.last_seq, "r_next": turn.seq, "r_at": at}
-        conn.execute(_RELEASE, values)
+        conn.execute(_TURN, event_row(turn))
+        conn.execute(_TURN_SEQ, {"r_id": row.id, "r_seq": turn.seq})
+
+    def _wait_states(self, conn: Connection, fingerprint: str) -> frozenset[str]:
+        """The wait states of the stored definition ``fingerprint`` (read once: a stored
+        definition never changes)."""
+        known: dict[str, frozenset[str]] = self.__dict__.setdefault("_wait_states_of", {})
+        if fingerprint not in known:
+            text = conn.execute(_STRUCTURE, {"f_print": fingerprint}).scalar()
+            structure = definition_structure(text, fingerprint) or {}
+            states = structure.get("states")
+            known[fingerprint] = frozenset(
+                name
+                for name, state in (states.items() if isinstance(states, dict) else ())
+                if isinstance(state, dict) and state.get("kind") == "wait"
+            )
+        return known[fingerprint]
 
     def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
         """The join's side of children's ends, in their final transaction: each child's
