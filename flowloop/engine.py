@@ -196,19 +196,21 @@ class Engine(Operations, LoopControls, RunReading):
 
     # -- workflows -------------------------------------------------------------------------
 
-    def register(self, *workflows: Workflow) -> None:
-        """Make workflows runnable by this engine (validates them)."""
+    def register(self, *workflows: Workflow, save: bool = True) -> None:
+        """Make workflows runnable by this engine (validates them) and store their
+        definitions; ``save=False``: known to this engine only (a command that reads)."""
         for workflow in workflows:
             workflow.validate()
             for child in workflow.children:  # a parent's children run where it runs
                 if self._workflows.get(child.name) is not child:
-                    self.register(child)
-            self.store.save_definition(
-                workflow.fingerprint,
-                workflow.name,
-                workflow.version,
-                json.dumps(workflow.definition_record(), sort_keys=True),
-            )
+                    self.register(child, save=save)
+            if save:
+                self.store.save_definition(
+                    workflow.fingerprint,
+                    workflow.name,
+                    workflow.version,
+                    json.dumps(workflow.definition_record(), sort_keys=True),
+                )
             self._workflows.add(workflow)
         gates.share_limits(self.store, self._workflows)
 

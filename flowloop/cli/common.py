@@ -150,10 +150,12 @@ def open_engine(
     loaded: Loaded | None = None,
     *,
     read: bool = False,
+    saves: bool = True,
 ) -> Engine:
     """The engine on --db; ``read``: for a command that reads or changes what the database
     holds already (not run, start, worker, db upgrade), so a database that does not exist
-    is refused (exit 2), not created."""
+    is refused (exit 2), not created. ``saves=False``: the loaded definitions are not
+    stored (a command that only reads: nothing written)."""
     from flowloop.cli import support
     from flowloop.engine import Engine
 
@@ -164,7 +166,7 @@ def open_engine(
     if ctx is not None and ctx.meta.get(TRACE):
         trace(engine)
     if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
-        engine.register(*loaded.all_versions())
+        engine.register(*loaded.all_versions(), save=saves)
     return engine
 
 

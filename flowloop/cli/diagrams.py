@@ -139,7 +139,10 @@ def diagram(
         graph = render.lifecycle_digraph()
     elif run_id is not None:
         loaded = load_workflow_paths(workflow_paths)
-        with open_engine(db, synchronous, loaded, read=True) as engine, defined_in(workflow_paths):
+        with (
+            open_engine(db, synchronous, loaded, read=True, saves=False) as engine,
+            defined_in(workflow_paths),
+        ):
             graph = engine.diagram(run_id)
     elif loop_name is not None:
         graph = _stored_loop_diagram(loop_name, workflow_paths, db, synchronous)
@@ -187,7 +190,7 @@ def _stored_loop_diagram(
     from flowloop import render_loops
 
     loaded = load_workflow_paths(workflow_paths)
-    with open_engine(db, synchronous, loaded, read=True) as engine:
+    with open_engine(db, synchronous, loaded, read=True, saves=False) as engine:
         row = engine.loop(name)
         limit = render_loops.OVERLAY_JOURNAL_LIMIT
         events = engine.loop_history(name, limit=limit)

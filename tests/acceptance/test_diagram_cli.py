@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -105,6 +106,26 @@ def test_diagram__run_overlay_from_the_store(tmp_path: Path) -> None:
         assert f'label="{label} {render.TIMES}1"' in dot
     assert dot.count(render.TIMES) == 4
     assert "children: 1 succeeded" in dot
+
+
+def _definitions(db: Path) -> list[str]:
+    with sqlite3.connect(db) as conn:
+        return sorted(row[0] for row in conn.execute("SELECT name FROM flowloop_definitions"))
+
+
+def test_diagram__run_and_loop_store_no_definition_they_read(tmp_path: Path) -> None:
+    """`diagram --run` and `--loop` with `-w workflows/` stored the definition of every
+    workflow in it (etl, converge …) in a database where none of them ever ran — the
+    dashboard then listed them — also when the command was refused."""
+    workflow, _ = load_target(str(ORDER))
+    with Engine(str(tmp_path / "cli.db"), clock=FakeClock()) as engine:
+        info = engine.run(workflow, {"order_id": "A1", "items": [{"sku": "book", "qty": 1}]})
+    before = _definitions(tmp_path / "cli.db")
+    assert before == ["order", "packing"]
+    for args in (["--run", info.id], ["--loop", "poll_feed"]):
+        result = flowloop("diagram", *args, "-w", str(WORKFLOWS), cwd=tmp_path)
+        assert result.returncode in (0, 2), result.stderr  # (no such loop here: refused)
+        assert _definitions(tmp_path / "cli.db") == before, args
 
 
 def test_diagram__a_file_that_defines_a_loop_draws_its_machine(tmp_path: Path) -> None:
