@@ -57,12 +57,13 @@ async def _authorize(request: Request) -> dict[str, Any]:
     """The action's fields, once the token (and for a form, the CSRF field) checks out."""
     dash = request.app.state.dash
     token: str = dash.token or ""
-    header = request.headers.get("authorization", "")
-    if header:
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
+    if _bearer(request):
+        given = request.headers.get("authorization", "").partition(" ")[2]
+        if not hmac.compare_digest(given.encode(), token.encode()):
             raise Forbidden("the token is wrong (see the line `flowloop ui` printed at start-up)")
-        return await _fields(request)
+        return await _fields(request, api=True)
+    if request.headers.get("authorization"):
+        raise Forbidden("send the token as `Authorization: Bearer TOKEN`")
     fields = await _fields(request)
     if not signed_in(request):
         raise Forbidden("actions need the token: sign in at /login or send Authorization: Bearer")
@@ -72,11 +73,24 @@ async def _authorize(request: Request) -> dict[str, Any]:
     return fields
 
 
-async def _fields(request: Request) -> dict[str, Any]:
-    if _is_form(request):
+def _bearer(request: Request) -> bool:
+    """An API client's request (``Authorization: Bearer …``): answered in JSON, never
+    redirected to a page."""
+    scheme = request.headers.get("authorization", "").partition(" ")[0]
+    return scheme.lower() == "bearer"
+
+
+def _form_reply(request: Request) -> bool:
+    """A page's form: answered by a redirect back to the page, errors shown there."""
+    return _is_form(request) and not _bearer(request)
+
+
+async def _fields(request: Request, *, api: bool = False) -> dict[str, Any]:
+    body = await request.body()
+    # A JSON object sent as a form (`curl -d '{…}'` says x-www-form-urlencoded) is JSON.
+    if _is_form(request) and not (api and body.lstrip().startswith(b"{")):
         form = await request.form()
         return {key: value for key, value in form.items() if isinstance(value, str)}
-    body = await request.body()
     if not body:
         return {}
     try:
@@ -150,7 +164,7 @@ async def run_action(request: Request) -> Response:
     action = str(request.path_params["action"])
     if action not in RUN_ACTIONS:
         raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
-    form = _is_form(request)
+    form = _form_reply(request)
     fields = await _authorize(request)
     try:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
@@ -177,7 +191,7 @@ async def loop_action(request: Request) -> Response:
     action = str(request.path_params["action"])
     if action not in LOOP_ACTIONS:
         raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")
-    form = _is_form(request)
+    form = _form_reply(request)
     await _authorize(request)
     try:
         row = await run_in_threadpool(_loop_action, request, name, action)

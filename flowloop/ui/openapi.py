@@ -60,6 +60,25 @@ def _get(
     }
 
 
+RUN_ACTION_BODY: Final = {
+    "required": False,
+    "description": "send: event (required), data, dedupe_key; retry: from (a past state)",
+    "content": {
+        "application/json": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "event": {"type": "string"},
+                    "data": {"type": "object"},
+                    "dedupe_key": {"type": "string"},
+                    "from": {"type": "string"},
+                },
+            }
+        }
+    },
+}
+
+
 def document(*, actions: bool = False) -> dict[str, Any]:
     """The API as OpenAPI 3.1 (with the action endpoints when they are enabled)."""
     window = _param("since", description="A duration (30m, 24h, 7d) or 'all'; default 24h")
@@ -123,16 +142,28 @@ def document(*, actions: bool = False) -> dict[str, Any]:
         "/api/workers": _get("Leases per owner and the queue", []),
     }
     if actions:
-        for path, what in (
-            ("/api/runs/{run_id}/{action}", "pause, unpause, stop, retry or send to a run"),
-            ("/api/loops/{name}/{action}", "pause, unpause or stop a loop"),
+        for path, what, names, body in (
+            (
+                "/api/runs/{run_id}/{action}",
+                "pause, unpause, stop, retry or send to a run",
+                ["pause", "unpause", "stop", "retry", "send"],
+                RUN_ACTION_BODY,
+            ),
+            (
+                "/api/loops/{name}/{action}",
+                "pause, unpause or stop a loop",
+                ["pause", "unpause", "stop"],
+                None,
+            ),
         ):
             key = RUN_ID if "run_id" in path else NAME
+            action = _param("action", "path", schema={"type": "string", "enum": names})
             paths[path] = {
                 "post": {
                     "summary": what,
-                    "parameters": [key, _param("action", "path")],
+                    "parameters": [key, action],
                     "security": [{"token": []}],
+                    **({"requestBody": body} if body else {}),
                     "responses": _responses("the run or loop after the action", 400, 403, 404),
                 }
             }

@@ -86,6 +86,38 @@ def test_actions__same_one_line_error_as_the_cli(site: tuple[str, str, str]) -> 
     assert post(base, f"/api/runs/{run_id}/send").status_code == 400  # no event named
 
 
+def test_actions__an_api_client_gets_json_whatever_content_type_its_body_says(
+    site: tuple[str, str, str],
+) -> None:
+    """`curl -X POST -H 'Authorization: Bearer T' -d '{"event": …}'` says its body is a
+    form: it was read as one, and the error came back as a redirect to an HTML page. A
+    Bearer request is an API client's: JSON answers, a JSON object read as JSON."""
+    base, run_id, _ = site
+    as_form = {"Authorization": f"Bearer {TOKEN}"}
+    as_form["Content-Type"] = "application/x-www-form-urlencoded"
+
+    def raw(path: str, body: str) -> httpx.Response:
+        return httpx.post(base + path, content=body, headers=as_form, timeout=30)
+
+    paused = raw(f"/api/runs/{run_id}/pause", "")
+    assert (paused.status_code, paused.json()["status"]) == (200, "paused")
+    refused = raw(f"/api/runs/{run_id}/send", '{"data": {}}')
+    assert refused.status_code == 400 and refused.json()["error"] == "event is required"
+    assert raw(f"/api/runs/{run_id}/stop", "").status_code == 200
+    again = raw(f"/api/runs/{run_id}/retry", '{"from": "weigh"}')
+    assert again.status_code == 200 and journal(base, run_id)[-1]["state"] == "weigh"
+    basic = httpx.post(
+        f"{base}/api/runs/{run_id}/pause", headers={"Authorization": f"Basic {TOKEN}"}
+    )
+    assert basic.status_code == 403 and "Bearer" in basic.json()["error"]
+    document = httpx.get(f"{base}/api/openapi.json").json()
+    post_run = document["paths"]["/api/runs/{run_id}/{action}"]["post"]
+    action = next(p for p in post_run["parameters"] if p["name"] == "action")
+    assert action["schema"]["enum"] == ["pause", "unpause", "stop", "retry", "send"]
+    fields = post_run["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert set(fields) == {"event", "data", "dedupe_key", "from"}
+
+
 def test_actions__a_form_needs_the_session_and_the_csrf_field(site: tuple[str, str, str]) -> None:
     base, run_id, _ = site
     with httpx.Client(base_url=base, timeout=30) as browser:
