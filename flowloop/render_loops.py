@@ -251,11 +251,13 @@ class LoopOverlay:
     def from_store(cls, row: LoopRow, events: Sequence[LoopEvent]) -> LoopOverlay:
         """Fold a loop's journal (oldest first) with its row. Each iteration ending is a
         transition back to ``scheduled`` unless a pause or stop follows it in the same
-        boundary, which is then the transition taken from ``running``."""
+        boundary (written with it: the same time), which is then the transition taken
+        from ``running``."""
         counts: Counter[str] = Counter()
         taken: Counter[tuple[str, str, str]] = Counter()
         status = SCHEDULED
         ending: str | None = None  # an iteration ended; where it led is not known yet
+        ended_at = 0.0
 
         def settle() -> None:
             nonlocal ending, status
@@ -266,6 +268,8 @@ class LoopOverlay:
         for event in events:
             kind = event.kind
             if kind in ("loop_paused", "loop_stopped"):
+                if event.at != ended_at:
+                    settle()  # a later write (an operator's, the loop idle): from scheduled
                 dest = PAUSED if kind == "loop_paused" else STOPPED
                 reason = str(event.data.get("reason", ""))
                 source = RUNNING if ending is not None else status
@@ -291,7 +295,7 @@ class LoopOverlay:
                 if event.attempt > 1:
                     counts["retried"] += event.attempt - 1
                     taken[(RUNNING, RETRIED, RUNNING)] += event.attempt - 1
-                ending = _ENDINGS[kind]
+                ending, ended_at = _ENDINGS[kind], event.at
             elif kind.startswith("iteration_"):  # stopped or cancelled at shutdown
                 status = SCHEDULED
             elif kind in (MISSED, COALESCED):

@@ -238,6 +238,22 @@ def test_loop_overlay__operator_pause_and_skips_of_a_fixed_rate_loop() -> None:
     assert model.node("stopped").mark == "current"
 
 
+def test_loop_overlay__a_pause_written_after_the_last_iteration_leaves_it_ended() -> None:
+    """An operator's pause of an idle loop, after its last iteration failed, was drawn as
+    taken from ``running`` and swallowed that failure's edge back to ``scheduled``."""
+    events = [entry("loop_created"), entry("iteration_started")]
+    events += [entry("iteration_failed", attempt=1)]
+    later = LoopEvent(loop="feed", kind="loop_paused", at=T0 + 60, data={"reason": "by ann"})
+    row = stored(status="paused", reason="by ann")
+    overlay = render_loops.LoopOverlay.from_store(row, [*events, later])
+    assert dict(overlay.taken) == {
+        ("scheduled", "slot due", "running"): 1,
+        ("running", "failed", "scheduled"): 1,
+        ("scheduled", "pause", "paused"): 1,
+    }
+    assert overlay.counts["failed"] == 1
+
+
 # -- golden DOT ----------------------------------------------------------------------------
 
 
