@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from flowloop import journal as j
 from flowloop.engine import Engine, RunInfo
+from flowloop.errors import FlowloopError
 from flowloop.journal import JournalEvent
 
 RunRef = RunInfo | str
@@ -25,6 +26,16 @@ def _run_id(run: RunRef) -> str:
 
 def _events(engine: Engine, run: RunRef) -> list[JournalEvent]:
     return engine.history(_run_id(run))
+
+
+def _known_state(engine: Engine, run: RunRef, state: str) -> None:
+    info = engine.get(_run_id(run))
+    workflow = engine.workflows.get(info.workflow)
+    if workflow is not None and state not in workflow.states:
+        raise FlowloopError(
+            f"workflow {info.workflow!r} has no state {state!r} "
+            f"(its states: {', '.join(workflow.states)})"
+        )
 
 
 def path(engine: Engine, run: RunRef) -> list[str]:
@@ -67,7 +78,10 @@ class Attempt:
 
 
 def attempts(engine: Engine, run: RunRef, state: str | None = None) -> list[Attempt]:
-    """Every attempt of every step (of ``state`` only, if given), in journal order."""
+    """Every attempt of every step (of ``state`` only, if given), in journal order. A
+    ``state`` the run's workflow does not have is refused (a typo found nothing)."""
+    if state is not None:
+        _known_state(engine, run, state)
     found: list[Attempt] = []
     open_: dict[str, int] = {}  # state -> index in found of its attempt without an outcome
     for event in _events(engine, run):

@@ -297,6 +297,13 @@ class TestEngine(Engine):
         """:meth:`run_loops` inside a running event loop."""
         from flowloop.testing.loops import drive_loops  # the worker's modules, when needed
 
+        for given in loops:
+            if not isinstance(given, Loop):
+                raise FlowloopError(
+                    f"run_loops takes loops (@loop functions or Loop(...)), not "
+                    f"{type(given).__name__} {getattr(given, 'name', given)!r}: a workflow "
+                    "runs with run_until_idle; a workflow loop is Loop(name, workflow, ...)"
+                )
         seconds = duration.total_seconds() if isinstance(duration, timedelta) else duration
         if seconds < 0:
             raise FlowloopError("run_loops: time only moves forward (got a negative duration)")
@@ -316,11 +323,19 @@ class TestEngine(Engine):
         * ``"after"``: just after its outcome is committed.
 
         ``occurrence`` picks a later visit or attempt (the n-th matching commit)."""
+        if not self.workflows:
+            raise FlowloopError(
+                f"crash_at({state!r}): no workflow is registered yet; register it (or pass "
+                "workflows= to TestEngine) first"
+            )
         known = [wf for wf in self.workflows.values() if state in wf.states]
         if not known:
-            raise DefinitionError(
-                ", ".join(self.workflows) or "(none registered)",
-                f"has no state {state!r} to crash at",
+            raise DefinitionError(", ".join(self.workflows), f"has no state {state!r} to crash at")
+        if when != "before" and all(state in wf.finals for wf in known):
+            # Nothing runs or is taken in a final state: only its entry is a commit.
+            raise FlowloopError(
+                f"crash_at({state!r}, {when!r}): {state!r} is a final state, reached by a "
+                "transition: crash 'before' it (or 'after' the state that leads there)"
             )
         is_step = any(state in wf.steps for wf in known)
         self._crash.trigger = at_state(state, when, is_step=is_step, occurrence=occurrence)

@@ -278,6 +278,29 @@ def test_crash_at_commit__commits_are_numbered_and_described(engine: TestEngine)
     assert all(commit.applied for commit in engine.commits)
 
 
+def test_crash__nothing_registered_a_final_state_inside_and_loops_of_workflows_refused(
+    engine: TestEngine,
+) -> None:
+    """Each was taken and never happened (a crash inside a final state), or said
+    "(none registered)" as a workflow's name, or failed with an AttributeError."""
+    with pytest.raises(FlowloopError, match="no workflow is registered yet"):
+        engine.crash_at("a")
+    flow = three_steps()
+    engine.register(flow)
+    for when in ("inside", "after"):
+        with pytest.raises(FlowloopError, match="'done' is a final state"):
+            engine.crash_at("done", when)  # type: ignore[arg-type]
+    engine.crash_at("done", "before")  # its entry: a commit
+    engine.disarm()
+    with pytest.raises(FlowloopError, match="run_loops takes loops"):
+        engine.run_loops([flow], timedelta(hours=1))  # type: ignore[list-item]
+    run = engine.start(flow, {"name": "s"})
+    engine.run_until_idle()
+    with pytest.raises(FlowloopError, match="has no state 'nosuch'"):
+        attempts(engine, run, "nosuch")
+    assert [a.state for a in attempts(engine, run, "b")] == ["b"]
+
+
 def test_crash__unknown_state_and_bad_when_refused(engine: TestEngine) -> None:
     engine.register(three_steps())
     with pytest.raises(DefinitionError, match="no state 'nope'"):
