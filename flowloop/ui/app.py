@@ -24,11 +24,12 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from flowloop import ids
 from flowloop.definition import Workflow
 from flowloop.engine import Engine
 from flowloop.errors import EXIT_USAGE, FlowloopError, StoreError, UnknownLoop, UnknownRun
@@ -100,7 +101,28 @@ def _error_response(request: Request, status: int, message: str) -> Response:
 
 
 async def _on_flowloop_error(request: Request, error: Exception) -> Response:
+    if isinstance(error, NotFound | UnknownRun) and request.method == "GET":
+        whole = _whole_run_url(request)
+        if whole is not None:
+            return RedirectResponse(whole, status_code=307)
     return _error_response(request, _status_for(error), str(error))
+
+
+def _whole_run_url(request: Request) -> str | None:
+    """The URL asked for with its run id made whole, when it names a run by a unique prefix
+    (as the CLI takes and `status` prints): its page and API paths alike, the query kept.
+    ``None`` when no run — or several — start with it."""
+    given = str(request.path_params.get("run_id", ""))
+    if not given:
+        return None
+    try:
+        whole = ids.resolve(request.app.state.dash.store, given)
+    except FlowloopError:  # none, too short, or several
+        return None
+    if whole == given:
+        return None
+    path = request.url.path.replace(f"/{given}", f"/{whole}", 1)
+    return path + (f"?{request.url.query}" if request.url.query else "")
 
 
 async def _on_http_error(request: Request, error: Exception) -> Response:

@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import ids, render_loops
-from flowloop.errors import RenderError, UnknownRun
+from flowloop import render_loops
+from flowloop.errors import RenderError
 from flowloop.ui import api
 from flowloop.ui import queries as q
 from flowloop.ui.actions import csrf_for, signed_in
@@ -129,17 +129,10 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
 
 
 def run_page(request: Request) -> Response:
-    """A run's page; a unique id prefix (as the CLI takes, and `status` prints on narrow
-    terminals) redirects to the page of the whole id."""
+    """A run's page (a unique id prefix, as the CLI takes and `status` prints on narrow
+    terminals, redirects to the page of the whole id: flowloop/ui/app.py)."""
     run_id = api.path_text(request, "run_id")
-    try:
-        return _render(request, "run.html", _run_view(request, run_id))
-    except q.NotFound as missing:
-        try:
-            whole = ids.resolve(request.app.state.dash.store, run_id)
-        except UnknownRun:
-            raise missing from None  # no run has this id or starts with it
-        return RedirectResponse(f"/runs/{whole}", status_code=303)
+    return _render(request, "run.html", _run_view(request, run_id))
 
 
 def run_live(request: Request) -> Response:

@@ -227,6 +227,13 @@ def test_run_page__a_unique_id_prefix_redirects_to_the_whole_id(served: tuple[st
     run_id = get(base, "/api/runs", limit=1).json()["runs"][0]["id"]
     prefix = run_id[:16]  # ids share their first digits with runs started the same moment
     moved = httpx.get(f"{base}/runs/{prefix}", follow_redirects=False)
-    assert moved.status_code == 303 and moved.headers["location"] == f"/runs/{run_id}"
+    assert moved.status_code == 307 and moved.headers["location"] == f"/runs/{run_id}"
     assert httpx.get(f"{base}/runs/{prefix}", follow_redirects=True).status_code == 200
+    # The query is kept (it dropped ?seq=), and the API takes a prefix too (it was a 404).
+    kept = httpx.get(f"{base}/runs/{prefix}?seq=1", follow_redirects=False)
+    assert kept.headers["location"] == f"/runs/{run_id}?seq=1"
+    api = httpx.get(f"{base}/api/runs/{prefix}/journal?limit=2", follow_redirects=True)
+    assert api.status_code == 200 and len(api.json()["events"]) == 2
+    row = httpx.get(f"{base}/api/runs/{prefix}", follow_redirects=True, timeout=30).json()
+    assert row["id"] == run_id
     assert httpx.get(f"{base}/runs/{'0' * 3}").status_code == 404  # too short to be a prefix
