@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import render_loops
+from flowloop import children, render_loops
+from flowloop.definition import Workflow
 from flowloop.errors import RenderError
 from flowloop.ui import api
 from flowloop.ui import queries as q
@@ -85,6 +86,18 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=True)
 
 
+def retry_states(workflow: Workflow) -> list[str]:
+    """The states a retry may start a run of ``workflow`` from, in declaration order: its
+    steps, its wait states and the call and map states a retry can enter again."""
+    return [
+        state
+        for state in workflow.states
+        if state in workflow.steps
+        or state in workflow.waits
+        or children.retryable_state(workflow, state)
+    ]
+
+
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     """Everything the live part of a run page shows (header, diagram, timeline, errors,
     context at ``?seq=`` and the changes ``?from=&to=``, by default the latest)."""
@@ -123,7 +136,7 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "diff_to": to,
         "context_text": json_text(context, indent=2),
         "changes": changes,
-        "step_states": list(workflow.steps) if workflow is not None else [],
+        "retry_states": retry_states(workflow) if workflow is not None else [],
         "family": q.run_family(dash.db, run_id),
     }
 

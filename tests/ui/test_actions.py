@@ -149,3 +149,23 @@ def test_read_only__no_action_endpoint_at_all(sqlite_url: str) -> None:
             assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
     finally:
         store.close()
+
+
+def test_retry_menu__lists_every_state_a_retry_may_start_from(store_url: str) -> None:
+    """The run page's "retry from" menu listed step states only, while a retry may start a
+    run in a wait state (or a call or map state) too."""
+    from waitkit import review
+
+    with Engine(store_url, workflows=[review]) as engine:
+        run_id = engine.run(review, {"doc_id": "D1"}).id
+    store = SQLStore(store_url, create=False)
+    try:
+        app = create_app(store, workflows={"review": review}, allow_actions=True, token=TOKEN)
+        with serve(app) as base, httpx.Client(base_url=base, timeout=30) as client:
+            client.post("/login", data={"token": TOKEN})
+            page = client.get(f"/runs/{run_id}").text
+    finally:
+        store.close()
+    menu = page[page.index('<select name="from">') : page.index("</select>")]
+    assert '<option value="prepare">' in menu and '<option value="awaiting">' in menu
+    assert '<option value="approved">' not in menu  # a final state: nothing to start from
