@@ -214,7 +214,7 @@ class FolderLoader:
         ctx.rows_total = sum(info.rows for info in pending if info.problem is None)
         ctx.batches_total = planned
         log.info(
-            "etl: %d new file(s), %d already loaded, %d deferred", len(pending), skipped, deferred
+            "etl: %d new file(s), %d seen before, %d deferred", len(pending), skipped, deferred
         )
         return "found" if pending else "nothing"
 
@@ -380,7 +380,7 @@ class FolderLoader:
         if ctx.changed:
             files.append(f"{len(ctx.changed)} changed while loading, left for the next run")
         if ctx.skipped:
-            files.append(f"{ctx.skipped} already loaded")
+            files.append(f"{ctx.skipped} seen before (loaded or rejected)")
         if ctx.deferred:
             files.append(f"{ctx.deferred} left for the next run")
         parts = [f"files: {', '.join(files)}" if files else "files: nothing new"]

@@ -474,6 +474,13 @@ def test_etl__flowloop_run__shows_rows_batches_rejects_and_rate(
     # Rows are counted as records (a quoted field may span lines): the total never shrinks.
     assert {line.split("rows ")[1].split()[0].split("/")[1] for line in progress} == {"46"}
     assert lines[-1].endswith("succeeded in state done")
+    # A second run says the four files were seen before: one of them was rejected, not
+    # loaded ("4 already loaded" said otherwise).
+    again = CliRunner().invoke(
+        cli, ["run", str(etlkit.ETL_FILE), "--context", context, "--db", str(tmp_path / "f.db")]
+    )
+    assert again.exit_code == 0, again.output
+    assert "files: 4 seen before (loaded or rejected)" in again.output
 
 
 def test_etl__history_shows_each_batch_byte_range_unbroken(sample: Path, tmp_path: Path) -> None:
