@@ -705,8 +705,8 @@ def _made_due_at_once(record: RunRecord, due: float, written_at: float | None) -
     """Whether a waiting run's due time may be a writer's "at once" rather than its
     timeout's: set no later than the row's last write (``written_at``; unknown: maybe), as
     an unpause by a process without the definition sets it, or a child of a call or map
-    (a map's child held back is made due at once when its turn comes, by a write that
-    journals nothing and leaves the row's ``updated_at``)."""
+    (a map's child held back is made due at once when its turn comes, by its sibling's
+    end: the turn journaled on it, ``run_deferred``, only when it rests in a wait)."""
     return written_at is None or due <= written_at or record.join is not None
 
 
