@@ -850,14 +850,19 @@ def test_unpause__a_run_created_in_its_wait_with_run_at_keeps_its_timeout(store_
         assert (engine.get(info.id).state, engine.get(info.id).status) == ("hold", "scheduled")
 
 
+@pytest.mark.parametrize(
+    ("workflow", "event", "end"),
+    [(review, "approve", "approved"), (parked, "go", "done")],
+    ids=["a 2-day wait", "a wait without timeout"],
+)
 def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decided(
-    store_url: str, engine: Engine, clock: FakeClock
+    store_url: str, engine: Engine, clock: FakeClock, workflow: Workflow, event: str, end: str
 ) -> None:
     """An event kept after the unpause looked for kept events and before it wrote (the
     sender saw the run still paused, so its hand-over found nothing to do) waited for the
-    2-day timeout's claim. The unpause looks again once written: the run is due at once,
-    and its claim hands the event over."""
-    run_id = waiting(engine)
+    2-day timeout's claim — for ever in a wait without a timeout. The unpause looks again
+    once written: the run is due at once, and its claim hands the event over."""
+    run_id = engine.run(workflow, {"doc_id": "D1"} if workflow is review else {}).id
     with Engine(store_url, clock=clock) as operator:  # no workflow registered
         operator.pause(run_id)
         looked = operator.store.pending_events
@@ -865,7 +870,8 @@ def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decid
         def pending_then_sent(asked: str) -> list[InboxEvent]:
             found = looked(asked)
             if not found:  # the sender's keep lands between the look and the write
-                sent = engine.send(run_id, "approve", {"by": "ann"}, buffer=True)
+                payload = {"by": "ann"} if workflow is review else None
+                sent = engine.send(run_id, event, payload, buffer=True)
                 assert sent.status == "buffered"
             return found
 
@@ -873,29 +879,5 @@ def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decid
         operator.unpause(run_id)
     engine.run_until_idle(idle_horizon=0)
     info = engine.get(run_id)
-    assert (info.status, info.state) == ("succeeded", "approved"), info
-    assert_journal_sound(engine, run_id)
-
-
-def test_unpause__without_the_definition_of_a_wait_without_timeout_hands_over_a_late_event(
-    store_url: str, engine: Engine, clock: FakeClock
-) -> None:
-    """The same race in a wait without a timeout: the event kept while the unpause decided
-    stayed kept for ever (no timeout ever claimed the run)."""
-    run_id = engine.run(parked, {}).id
-    with Engine(store_url, clock=clock) as operator:  # no workflow registered
-        operator.pause(run_id)
-        looked = operator.store.pending_events
-
-        def pending_then_sent(asked: str) -> list[InboxEvent]:
-            found = looked(asked)
-            if not found:
-                assert engine.send(run_id, "go", buffer=True).status == "buffered"
-            return found
-
-        operator.store.pending_events = pending_then_sent  # type: ignore[method-assign]
-        operator.unpause(run_id)
-    engine.run_until_idle(idle_horizon=0)
-    info = engine.get(run_id)
-    assert (info.status, info.state) == ("succeeded", "done"), info
+    assert (info.status, info.state) == ("succeeded", end), info
     assert_journal_sound(engine, run_id)
