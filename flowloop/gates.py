@@ -152,7 +152,10 @@ class Gates:
         # The trial after a cool-down goes to a call that is made: taken after the tokens
         # (taken first, a run the rate limit then deferred held it for a whole cool-down,
         # and every other run was refused meanwhile).
-        return None if breaker is None else self._breaker(breaker, record, state)
+        blocked = None if breaker is None else self._breaker(breaker, record, state)
+        if blocked is not None:
+            self._grants.pop(record.id, None)  # another worker took the trial: no call
+        return blocked
 
     def _breaker(self, breaker: Breaker, record: RunRecord, state: str) -> JournalEvent | None:
         answer = self.store.breaker_admit(breaker, self.worker)

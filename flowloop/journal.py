@@ -376,6 +376,10 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
             reason=None,
             error=None,
         )
+    elif kind == RUN_DEFERRED and event.data.get(TURN):
+        # A map's child got its turn: due now, its status and reason kept (a child paused
+        # by its parent stays "parent paused", for the parent's unpause to find).
+        change.update(next_run_at=event.data["due"])
     elif kind == RUN_DEFERRED:
         # The step was not called (flowloop/gates.py): nothing but when and why changes.
         change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))

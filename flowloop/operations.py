@@ -221,7 +221,7 @@ class Operations:
     def unpause(self, run_id: str) -> RunInfo:
         return self._unpause(run_id, cascaded=False)
 
-    def _unpause(self, run_id: str, *, cascaded: bool) -> RunInfo:
+    def _unpause(self, run_id: str, *, cascaded: bool, tries: int = 3) -> RunInfo:
         """Unpause a run, or withdraw the pause it has not honoured yet; ``cascaded``: only
         a pause its parent's cascaded (the parent is being unpaused), looked at again here,
         not an operator's own made since the parent listed its children."""
@@ -262,6 +262,8 @@ class Operations:
             if by_stored:
                 data["due"] = due
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
+            if tries > 1:  # moved meanwhile (a map child's turn journaled): look again
+                return self._unpause(run_id, cascaded=cascaded, tries=tries - 1)
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
         if "due" in data and workflow is not None:
             # Events kept while it was paused: the run takes them now (else its claim does).

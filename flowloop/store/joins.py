@@ -34,8 +34,11 @@ from sqlalchemy import (
     select,
     update,
 )
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from flowloop import journal as j
+from flowloop.errors import StoreError
 from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store import built
@@ -74,22 +77,40 @@ _RELEASE_NEXT: Final = (
         runs.c.child_index == bindparam("r_index"),
         runs.c.join_state == "held",
     )
-    .values(
-        join_state="open",
-        next_run_at=bindparam("r_at"),
-        updated_at=bindparam("r_at"),
+    .values(join_state="open", next_run_at=bindparam("r_at"))
+)
+_HELD_NEXT: Final = (
+    select(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint)
+    .where(
+        runs.c.join_id == bindparam("j_id"),
+        runs.c.child_index == bindparam("r_index"),
+        runs.c.join_state == "held",
     )
-    .returning(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint)
+    # PostgreSQL: a writer of the child (it holds the row KEY SHARE until it commits)
+    # passes it by: this transaction holds the join's row, and waiting on that writer's
+    # journal entry could deadlock with its own end. SQLite: one writer at a time.
+    .with_for_update(skip_locked=True)
+)
+_RELEASE_TURN: Final = (
+    update(runs)
+    .where(
+        runs.c.id == bindparam("r_id"),
+        runs.c.last_seq == bindparam("r_prev"),
+        runs.c.join_state == "held",
+    )
+    .values(join_state="open", next_run_at=bindparam("r_at"), last_seq=bindparam("r_seq"))
 )
 _STRUCTURE: Final = select(definitions.c.structure).where(
     definitions.c.fingerprint == bindparam("f_print")
 )
-_TURN: Final = insert(journal)
-_TURN_SEQ: Final = (
-    update(runs)
-    .where(runs.c.id == bindparam("r_id"))
-    .values(last_seq=bindparam("r_seq"), reason=j.TURN_REASON)
-)
+_TURN: Final = {
+    # The turn's entry, or nothing when a writer took its seq meanwhile (never an error:
+    # it would undo the sibling's end that makes the turn).
+    name: dialect_insert(journal)
+    .on_conflict_do_nothing(index_elements=[journal.c.run_id, journal.c.seq])
+    .execution_options(preserve_rowcount=True)
+    for name, dialect_insert in (("postgresql", pg_insert), ("sqlite", sqlite_insert))
+}
 _RESULTS: Final = (
     select(
         runs.c.child_index,
@@ -420,25 +441,30 @@ class JoinStoreMixin:
 
     def _release(self, conn: Connection, join_id: str, index: int, at: float) -> None:
         """A held child's turn: due now. When it rests in a wait state, the turn is
-        journaled too (``run_deferred``, ``turn``: its status kept, a paused child stays
-        paused), so that its timeout counts from now — through a pause as well, which
-        clears the due time. (Other children's turns are not: an entry per child would
-        cost every map its share of a write.)"""
-        released = conn.execute(_RELEASE_NEXT, {"j_id": join_id, "r_index": index, "r_at": at})
-        row = released.first()
-        if row is None or row.state not in self._wait_states(conn, row.fingerprint):
-            return
-        turn = j.JournalEvent(
-            run_id=row.id,
-            seq=row.last_seq + 1,
-            kind=j.RUN_DEFERRED,
-            at=at,
-            state=row.state,
-            worker="join",
-            data={"due": at, "reason": j.TURN_REASON, j.TURN: True},
-        )
-        conn.execute(_TURN, event_row(turn))
-        conn.execute(_TURN_SEQ, {"r_id": row.id, "r_seq": turn.seq})
+        journaled too (``run_deferred``, ``turn``: its status and reason kept, a paused
+        child stays paused), so that its timeout counts from now — through a pause as well,
+        which clears the due time. (Other children's turns are not: an entry per child
+        would cost every map its share of a write. Nor is the turn of a child another
+        writer is writing this instant: it is released as before.)"""
+        where = {"j_id": join_id, "r_index": index, "r_at": at}
+        held = conn.execute(_HELD_NEXT, where).first()
+        if held is not None and held.state in self._wait_states(conn, held.fingerprint):
+            turn = j.JournalEvent(
+                run_id=held.id,
+                seq=held.last_seq + 1,
+                kind=j.RUN_DEFERRED,
+                at=at,
+                state=held.state,
+                worker="join",
+                data={"due": at, "reason": j.TURN_REASON, j.TURN: True},
+            )
+            if conn.execute(_TURN[conn.dialect.name], event_row(turn)).rowcount == 1:
+                moved = {"r_id": held.id, "r_prev": held.last_seq, "r_seq": turn.seq, "r_at": at}
+                if conn.execute(_RELEASE_TURN, moved).rowcount != 1:
+                    # Held, unchanged, yet not written: nothing of this end may stand.
+                    raise StoreError(f"run {held.id} changed under its turn; try again")
+                return
+        conn.execute(_RELEASE_NEXT, where)
 
     def _wait_states(self, conn: Connection, fingerprint: str) -> frozenset[str]:
         """The wait states of the stored definition ``fingerprint`` (read once: a stored

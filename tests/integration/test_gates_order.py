@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -67,3 +68,29 @@ def test_a_run_the_rate_limit_defers_does_not_take_the_breakers_trial(store_url:
         )
         after = store.breaker_state(provider.name)  # type: ignore[attr-defined]
         assert (after.status, after.trial) == ("half_open", "w2")
+
+
+def test_a_run_refused_by_the_breaker_after_its_token_keeps_no_grant(store_url: str) -> None:
+    """Another worker took the trial between this run's token and its turn at the breaker:
+    the run is deferred, and the grant kept for its ``step_started`` was left behind (a
+    later call of the run on this worker journaled a stale grant)."""
+    with Engine(store_url, workflows=[guarded, roomy], clock=FakeClock()) as engine:
+        store = engine.store
+        record = store.get_run(engine.start(roomy, Call()).id).record  # type: ignore[union-attr]
+        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
+        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
+            time.sleep(0.01)
+        take = store.take_tokens  # type: ignore[attr-defined]
+
+        def then_another_worker_takes_the_trial(*args: Any, **kwargs: Any) -> Any:
+            taken = take(*args, **kwargs)
+            assert store.breaker_admit(provider, "w9").allowed  # type: ignore[attr-defined]
+            return taken
+
+        store.take_tokens = then_another_worker_takes_the_trial  # type: ignore[attr-defined]
+        gates = Gates(store, "w1", engine.clock)
+        entry = asyncio.run(gates.check(roomy, record, "call", attempt=0))
+        assert entry is not None and entry.data["reason"] == "breaker_open:provider"
+        assert gates.granted(record.id) == {}

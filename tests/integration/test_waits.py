@@ -3,11 +3,13 @@ events accepted, rejected, buffered, deduplicated; timeouts taken only when due;
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from pydantic import BaseModel
 from waitkit import (
     ALL,
@@ -815,6 +817,74 @@ def test_a_held_map_child_in_a_wait_stays_held_through_its_parents_pause(
         info = engine.get(second.id)
         assert (info.state, info.status) == ("hold", "scheduled"), info
         assert not [e for e in engine.history(second.id) if e.data.get(j.TURN)]
+
+
+def test_a_held_map_child_whose_turn_comes_while_its_parent_is_paused_is_unpaused_with_it(
+    store_url: str,
+) -> None:
+    """The turn's entry set the paused child's reason to "its turn came": the parent's
+    unpause, which unpauses the children its pause paused ("parent paused"), left it paused
+    and the map waited for it for ever (review)."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=_into_waits()) as engine:
+        top = engine.start(engine.workflow("fan_waits"), Item(items=[1, 2])).id
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        engine.pause(top)  # both children paused by it
+        engine.stop(first.id)  # the first ends while the parent is paused: the second's turn
+        assert engine.get(second.id).reason == "parent paused"
+        assert [e.kind for e in engine.history(second.id)][-1] == j.RUN_DEFERRED
+        engine.unpause(top)
+        assert engine.get(second.id).status == "scheduled"
+        assert engine.send(second.id, "go").status == "applied"
+        engine.run_until_idle(idle_horizon=0)
+        # The map joins (failed: its first child was stopped), not waiting for ever.
+        assert (engine.get(top).status, engine.get(top).reason) == ("failed", "child_failed")
+        assert_journal_sound(engine, second.id)
+
+
+def test_a_map_child_written_by_another_writer_at_its_turn_is_released_without_waiting(
+    pg_url: str,
+) -> None:
+    """PostgreSQL: the release held the join's row and waited on a journal entry another
+    writer of the child had not committed — whose own end needs the join's row: a
+    deadlock. A child being written is passed by (released as before, its turn unjournaled)."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(pg_url, clock=clock, workflows=_into_waits()) as engine:
+        engine.start(engine.workflow("fan_waits"), Item(items=[1, 2]))
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        other = sa.create_engine(pg_url)
+        try:
+            with other.connect() as writer:
+                # Another writer of the second child, mid-transaction: the row held as an
+                # append holds it, its next entry written, nothing committed.
+                writer.execute(
+                    sa.text("SELECT id FROM flowloop_runs WHERE id = :r FOR KEY SHARE"),
+                    {"r": second.id},
+                )
+                seq = len(engine.history(second.id)) + 1
+                writer.execute(
+                    sa.text(
+                        "INSERT INTO flowloop_journal (run_id, seq, kind, at, attempt) "
+                        "VALUES (:r, :s, 'run_deferred', 0, 0)"
+                    ),
+                    {"r": second.id, "s": seq},
+                )
+                sent: list[str] = []
+                sender = threading.Thread(
+                    target=lambda: sent.append(engine.send(first.id, "go").status)
+                )
+                sender.start()
+                sender.join(timeout=30)  # bounded: before, it waited for the writer
+                assert sent == ["applied"]
+                writer.rollback()
+        finally:
+            other.dispose()
+        info = engine.get(second.id)
+        assert (info.status, info.next_run_at) == ("scheduled", clock.now())
+        engine.run_until_idle(idle_horizon=0)
+        assert (engine.get(second.id).state, engine.get(second.id).status) == ("hold", "scheduled")
 
 
 def test_unpause__without_the_definition_hands_over_the_events_kept_meanwhile(
