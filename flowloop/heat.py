@@ -35,9 +35,8 @@ from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
 from flowloop.store.windows import journal_since
 
-TAKEN_KINDS: Final = (*j.TRANSITIONS, j.STEP_FAILED, j.STEP_INTERRUPTED)
-"""Entries that may move a run on (a failure only by an ``on_error`` route: it names the
-next state), as a run's own overlay counts them (flowloop/render_overlay.py)."""
+TAKEN_KINDS: Final = j.MOVES_ON
+"""As a run's own overlay counts them (flowloop/render_overlay.py)."""
 HEAT_SCALE: Final = (
     (0.0, "#e8f3ea"),
     (0.05, "#fff4d6"),

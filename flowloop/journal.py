@@ -82,6 +82,8 @@ KINDS: Final = (
 TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
 """Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
 ``step_interrupted`` that carries one: an ``on_error`` route)."""
+MOVES_ON: Final = (*TRANSITIONS, STEP_FAILED, STEP_INTERRUPTED)
+"""Kinds of the entries that may move a run on: a failure when it names a next state."""
 
 
 @dataclass(frozen=True, kw_only=True)

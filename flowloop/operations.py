@@ -46,6 +46,7 @@ from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSE, PAU
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
+from flowloop.store.entries import stored_waits
 from flowloop.verdicts import judge
 from flowloop.versions import Registry
 
@@ -288,9 +289,7 @@ class Operations:
 
     def _waits_by_stored_definition(self, record: RunRecord) -> bool:
         """Whether the run's state is a wait state by the definition stored with its runs."""
-        structure = self.store.definition(record.fingerprint) or {}
-        state = dict(structure.get("states", {})).get(record.state, {})
-        return isinstance(state, dict) and state.get("kind") == "wait"
+        return record.state in stored_waits(self.store.definition(record.fingerprint))
 
     def _unpause_children(self, run_id: str) -> None:
         for child in children.paused_children(self.store, run_id):
@@ -454,8 +453,7 @@ class Operations:
         workflow = self._workflows.for_run(record)
         state = from_state or record.state
         waits = state in workflow.waits
-        runnable = state in workflow.steps or waits or children.retryable_state(workflow, state)
-        if not runnable:
+        if not retryable_from(workflow, state):
             raise DefinitionError(
                 workflow.name,
                 f"cannot retry from {state!r}: not a step, wait, call or map state "
@@ -534,3 +532,13 @@ def _user() -> str:
         return getpass.getuser()
     except Exception:
         return "unknown"
+
+
+def retryable_from(workflow: Workflow, state: str) -> bool:
+    """Whether an operator's retry may start a run of ``workflow`` in ``state``: a step, a
+    wait, or a call, map or compensating state (the dashboard's menu lists these)."""
+    return (
+        state in workflow.steps
+        or state in workflow.waits
+        or children.retryable_state(workflow, state)
+    )

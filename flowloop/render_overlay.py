@@ -66,7 +66,7 @@ class RunOverlay:
             elif event.kind == j.STEP_INTERRUPTED and event.state is not None:
                 interrupted[event.state] += 1
             elif (
-                event.kind in (*j.TRANSITIONS, j.STEP_FAILED, j.STEP_INTERRUPTED)
+                event.kind in j.MOVES_ON
                 and event.state is not None
                 and event.event is not None
                 and event.next_state is not None

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
-from flowloop.journal import TIMEOUT_EVENT
 from flowloop.store.base import VERSION_TABLE
+from flowloop.store.entries import stored_waits
 from flowloop.store.urls import normalize_url
 
 if TYPE_CHECKING:
@@ -189,11 +189,7 @@ class WaitStates:
             if workflow is not None and workflow.fingerprint == fingerprint:
                 waits = {name: tuple(spec.on) for name, spec in workflow.waits.items()}
             else:
-                structure = self.engine.store.definition(fingerprint) or {}
-                for name, state in dict(structure.get("states", {})).items():
-                    if state.get("kind") == "wait":
-                        on = [e for e in state.get("on", {}) if e != TIMEOUT_EVENT]
-                        waits[name] = tuple(on)
+                waits = stored_waits(self.engine.store.definition(fingerprint))
             self._waits[fingerprint] = waits
         return self._waits[fingerprint]
 

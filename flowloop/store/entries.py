@@ -537,6 +537,19 @@ def definition_structure(text: str | None, fingerprint: str) -> dict[str, Any] |
     return value
 
 
+def stored_waits(structure: Mapping[str, Any] | None) -> dict[str, tuple[str, ...]]:
+    """The wait states of a stored definition's structure (as flowloop/structure.py writes
+    it), each with the events it takes, its timeout aside; none for a damaged one."""
+    states = (structure or {}).get("states")
+    if not isinstance(states, dict):
+        return {}
+    return {
+        name: tuple(event for event in state.get("on") or {} if event != j.TIMEOUT_EVENT)
+        for name, state in states.items()
+        if isinstance(state, dict) and state.get("kind") == "wait"
+    }
+
+
 def replaced_run(stored: StoredRun, **change: Any) -> StoredRun:
     """``stored`` with ``change`` (a frozen dataclass copied field by field: a tail's fold
     runs for every claimed run)."""

@@ -43,7 +43,13 @@ from flowloop.journal import RunRecord
 from flowloop.lifecycle import FINISHED, LIVE
 from flowloop.store import built
 from flowloop.store.base import Boundary, NewRun, StoredRun
-from flowloop.store.entries import JOURNALED, Unreadable, definition_structure, event_row
+from flowloop.store.entries import (
+    JOURNALED,
+    Unreadable,
+    definition_structure,
+    event_row,
+    stored_waits,
+)
 from flowloop.store.journaled import contexts_at
 from flowloop.store.schema import definitions, joins, journal, runs
 
@@ -472,13 +478,7 @@ class JoinStoreMixin:
         known: dict[str, frozenset[str]] = self.__dict__.setdefault("_wait_states_of", {})
         if fingerprint not in known:
             text = conn.execute(_STRUCTURE, {"f_print": fingerprint}).scalar()
-            structure = definition_structure(text, fingerprint) or {}
-            states = structure.get("states")
-            known[fingerprint] = frozenset(
-                name
-                for name, state in (states.items() if isinstance(states, dict) else ())
-                if isinstance(state, dict) and state.get("kind") == "wait"
-            )
+            known[fingerprint] = frozenset(stored_waits(definition_structure(text, fingerprint)))
         return known[fingerprint]
 
     def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:

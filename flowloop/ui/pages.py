@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import children, render_loops
+from flowloop import render_loops
 from flowloop.definition import Workflow
 from flowloop.errors import RenderError
+from flowloop.operations import retryable_from
 from flowloop.ui import api
 from flowloop.ui import queries as q
 from flowloop.ui.actions import csrf_for, signed_in
@@ -87,15 +88,8 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
 
 
 def retry_states(workflow: Workflow) -> list[str]:
-    """The states a retry may start a run of ``workflow`` from, in declaration order: its
-    steps, its wait states and the call and map states a retry can enter again."""
-    return [
-        state
-        for state in workflow.states
-        if state in workflow.steps
-        or state in workflow.waits
-        or children.retryable_state(workflow, state)
-    ]
+    """The states a retry may start a run of ``workflow`` from, in declaration order."""
+    return [state for state in workflow.states if retryable_from(workflow, state)]
 
 
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:

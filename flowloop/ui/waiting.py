@@ -8,14 +8,13 @@ filters below are plain conditions on ``(status, fingerprint, state)``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, Final
 
 from sqlalchemy import Connection, and_, false, not_, or_, select
 
-from flowloop.journal import TIMEOUT_EVENT
 from flowloop.lifecycle import STATUSES
+from flowloop.store.entries import definition_structure, stored_waits
 from flowloop.store.schema import definitions, runs
 
 WAITING: Final = "waiting"
@@ -41,24 +40,10 @@ def wait_states(
         query = query.where(definitions.c.fingerprint == fingerprint)
     found: dict[str, dict[str, tuple[str, ...]]] = {}
     for stored, structure in conn.execute(query):
-        waits = _waits_in(structure)
+        waits = stored_waits(definition_structure(structure, stored))
         if waits:
             found[stored] = waits
     return found
-
-
-def _waits_in(structure: str) -> dict[str, tuple[str, ...]]:
-    try:
-        states = json.loads(structure).get("states", {})
-    except (ValueError, AttributeError):
-        return {}  # not a structure this version writes: nothing shown waiting
-    if not isinstance(states, dict):
-        return {}
-    return {
-        name: tuple(event for event in state.get("on") or {} if event != TIMEOUT_EVENT)
-        for name, state in states.items()
-        if isinstance(state, dict) and state.get("kind") == "wait"
-    }
 
 
 def is_waiting(waits: WaitStates) -> Any:
