@@ -52,6 +52,9 @@ class InboxStoreMixin:
     def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
         raise NotImplementedError  # provided by JoinStoreMixin
 
+    def _lock_joins(self, conn: Connection, ends: Sequence[Boundary]) -> None:
+        raise NotImplementedError  # provided by JoinStoreMixin
+
     def deliver(self, message: InboxEvent, boundary: Boundary | None) -> str:
         try:
             with self._write() as conn:
@@ -68,10 +71,12 @@ class InboxStoreMixin:
                     .where(inbox.c.id == message_id, inbox.c.consumed_seq.is_(None))
                     .values(consumed_seq=boundary.record.last_seq)
                 ).rowcount
+                ends = [boundary] if reports_end(boundary) else []
+                self._lock_joins(conn, ends)  # before the run's row (see there)
                 if consumed != 1 or not self._apply(conn, [boundary])[0]:
                     raise _Conflict
-                if reports_end(boundary):
-                    self._report_ends(conn, [boundary])
+                if ends:
+                    self._report_ends(conn, ends)
         except _Conflict:
             return "conflict"
         except IntegrityError:

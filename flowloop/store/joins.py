@@ -76,6 +76,12 @@ _COUNT_END: Final = {
     for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped)
 }
 _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
+_LOCK_JOINS: Final = (
+    select(joins.c.id)
+    .where(joins.c.id.in_(bindparam("j_ids", expanding=True)))
+    .order_by(joins.c.id)
+    .with_for_update()
+)
 _RELEASE_NEXT: Final = (
     update(runs)
     .where(
@@ -435,10 +441,17 @@ class JoinStoreMixin:
 
     def _write_with_ends(self, boundaries: Sequence[Boundary]) -> list[bool]:
         # (_apply journals whole contexts and drops the runs' cached ones.)
+        ends = [b for b in boundaries if reports_end(b)]
         if len(boundaries) == 1:  # one end, alone: refused, nothing of it is written
-            ends = [b for b in boundaries if reports_end(b)]
-            return [self._write_whole(boundaries[0], after=lambda c: self._report_ends(c, ends))]
+            return [
+                self._write_whole(
+                    boundaries[0],
+                    before=lambda c: self._lock_joins(c, ends),
+                    after=lambda c: self._report_ends(c, ends),
+                )
+            ]
         with self._write() as conn:
+            self._lock_joins(conn, ends)
             applied = self._apply(conn, boundaries)
             done = [b for b, ok in zip(boundaries, applied, strict=True) if ok]
             if done:
@@ -480,6 +493,18 @@ class JoinStoreMixin:
             text = conn.execute(_STRUCTURE, {"f_print": fingerprint}).scalar()
             known[fingerprint] = frozenset(stored_waits(definition_structure(text, fingerprint)))
         return known[fingerprint]
+
+    def _lock_joins(self, conn: Connection, ends: Sequence[Boundary]) -> None:
+        """PostgreSQL: the joins of children's ends locked before the children's rows are
+        written. A sibling's end holds the join's row when its release waits for the next
+        held child's row; a held child's end that took its own row first and then waited
+        for the join's made a deadlock. Joins before runs, in id order, makes none.
+        (SQLite: one writer at a time.)"""
+        if conn.dialect.name == "sqlite":
+            return
+        ids = sorted({b.record.join for b in ends if b.record.join is not None})
+        if ids:
+            conn.execute(_LOCK_JOINS, {"j_ids": ids}).all()
 
     def _report_ends(self, conn: Connection, boundaries: Sequence[Boundary]) -> None:
         """The join's side of children's ends, in their final transaction: each child's

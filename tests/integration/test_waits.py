@@ -951,3 +951,68 @@ def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decid
     info = engine.get(run_id)
     assert (info.status, info.state) == ("succeeded", end), info
     assert_journal_sound(engine, run_id)
+
+
+@pytest.mark.parametrize("how", ["stop", "send"])
+def test_a_held_map_child_ending_as_its_sibling_releases_it_does_not_deadlock(
+    pg_url: str, how: str
+) -> None:
+    """PostgreSQL: a held child's end (an operator's stop, an event) held its own row and
+    waited for the join's row, which its sibling's end held while its release waited for
+    the child's row: a deadlock, and one of the two writers got ``DeadlockDetected``. A
+    child's end now takes its join's row first."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(pg_url, clock=clock, workflows=_into_waits()) as engine:
+        top = engine.start(engine.workflow("fan_waits"), Item(items=[1, 2])).id
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        watcher = sa.create_engine(pg_url)
+        sibling_errors: list[BaseException] = []
+
+        def end_the_sibling() -> None:
+            try:
+                assert engine.send(first.id, "go").status == "applied"
+            except BaseException as error:  # reported by the test's thread
+                sibling_errors.append(error)
+
+        sibling = threading.Thread(target=end_the_sibling)
+        try:
+            with TestEngine(pg_url, clock=clock, workflows=_into_waits()) as other:
+                store: Any = other.store
+                report_ends = store._report_ends
+
+                def sibling_ends_meanwhile(conn: sa.Connection, boundaries: Any) -> None:
+                    # The held child's end is written, not yet reported to its join: the
+                    # sibling's end starts now and this transaction goes on once it waits.
+                    pid = conn.connection.dbapi_connection.info.backend_pid  # type: ignore[union-attr]
+                    sibling.start()
+                    with watcher.connect() as look:
+                        for _ in range(3000):  # bounded: 30 s
+                            blocked = look.execute(
+                                sa.text(
+                                    "SELECT count(*) FROM pg_stat_activity"
+                                    " WHERE :pid = ANY(pg_blocking_pids(pid))"
+                                ),
+                                {"pid": pid},
+                            ).scalar()
+                            if blocked or not sibling.is_alive():
+                                break
+                            threading.Event().wait(0.01)
+                    report_ends(conn, boundaries)
+
+                store._report_ends = sibling_ends_meanwhile
+                if how == "stop":
+                    assert other.stop(second.id).status == "stopped"
+                else:
+                    assert other.send(second.id, "go").status == "applied"
+                store._report_ends = report_ends
+        finally:
+            sibling.join(timeout=30)
+            watcher.dispose()
+        assert not sibling.is_alive()
+        assert sibling_errors == []
+        engine.run_until_idle(idle_horizon=0)
+        expected = ("failed", "child_failed") if how == "stop" else ("succeeded", None)
+        assert (engine.get(top).status, engine.get(top).reason) == expected
+        for child in (first.id, second.id):
+            assert_journal_sound(engine, child)
