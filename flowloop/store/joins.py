@@ -92,7 +92,7 @@ _RELEASE_NEXT: Final = (
     .values(join_state="open", next_run_at=bindparam("r_at"))
 )
 _HELD_NEXT: Final = (
-    select(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint)
+    select(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint, runs.c.owner)
     .where(
         runs.c.join_id == bindparam("j_id"),
         runs.c.child_index == bindparam("r_index"),
@@ -464,10 +464,16 @@ class JoinStoreMixin:
         child stays paused), so that its timeout counts from now — through a pause as well,
         which clears the due time. (Other children's turns are not: an entry per child
         would cost every map its share of a write. Nor is the turn of a child another
-        writer is writing this instant: it is released as before.)"""
+        writer is writing this instant, or a worker holds: it is released as before.)"""
         where = {"j_id": join_id, "r_index": index, "r_at": at}
         held = conn.execute(_HELD_NEXT, where).first()
-        if held is not None and held.state in self._wait_states(conn, held.fingerprint):
+        if (
+            held is not None
+            # A worker holds it (claimed at its deadline): the turn's entry would take the
+            # seq of that worker's next write, refused then until its lease ran out.
+            and held.owner is None
+            and held.state in self._wait_states(conn, held.fingerprint)
+        ):
             turn = j.JournalEvent(
                 run_id=held.id,
                 seq=held.last_seq + 1,

@@ -1016,3 +1016,55 @@ def test_a_held_map_child_ending_as_its_sibling_releases_it_does_not_deadlock(
         assert (engine.get(top).status, engine.get(top).reason) == expected
         for child in (first.id, second.id):
             assert_journal_sound(engine, child)
+
+
+def test_a_held_map_child_a_worker_holds_at_its_turn_keeps_its_next_write(
+    store_url: str,
+) -> None:
+    """A held child with a deadline is due at it: claimed there, its sibling's end (an
+    operator's stop) released it meanwhile, and the turn's entry took the seq the worker's
+    ``deadline_passed`` was to take: the write was refused and the child sat owned until
+    its lease ran out. A child a worker holds is released without the turn's entry."""
+    item = Workflow("late_item", context=Item, deadline=timedelta(hours=1), on_deadline="late")
+    item.wait(
+        "hold", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired", initial=True
+    )
+    item.final("done", "expired", "late")
+    fan = Workflow("fan_late", context=Item)
+    fan.map(
+        "each",
+        child=item,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Item(n=n),
+        max_parallel=1,
+        tolerate_failures=1,
+        on={"done": "done"},
+        initial=True,
+    )
+    fan.final("done")
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item()).id
+        engine.run_until_idle(idle_horizon=0)
+        first, second = sorted(engine.runs(workflow="late_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        engine.pause(first.id)  # not claimed at its deadline: an operator ends it then
+        store: Any = engine.store
+        write = store.write
+        stopped: list[str] = []
+
+        def sibling_ends_meanwhile(boundaries: Any) -> Any:
+            if not stopped and any(b.run_id == second.id for b in boundaries):
+                # The worker holds the second at its deadline: its sibling ends now.
+                with Engine(store_url, clock=clock) as other:
+                    stopped.append(other.stop(first.id).status)
+            return write(boundaries)
+
+        store.write = sibling_ends_meanwhile
+        clock.advance(3600 + 5)
+        engine.run_until_idle(idle_horizon=0)
+        store.write = write
+        assert stopped == ["stopped"]
+        info = engine.get(second.id)
+        assert (info.status, info.state, info.owner) == ("succeeded", "late", None), info
+        assert engine.get(top).status == "succeeded"
+        assert_journal_sound(engine, second.id)
