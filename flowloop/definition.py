@@ -31,6 +31,7 @@ from flowloop.journal import TIMEOUT_EVENT
 from flowloop.retry import DEFAULT_RETRY, Retry, seconds
 from flowloop.specs import (
     NAME_PATTERN,
+    NAME_RULE,
     NEXT_EVENT,
     Sleep,
     Step,
@@ -113,9 +114,7 @@ class Workflow(compose.Composing):
         migrates_from: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         if not NAME_PATTERN.match(name):
-            raise DefinitionError(
-                name[:40], "name must be letters, digits, '_', '.' or '-', at most 200 of them"
-            )
+            raise DefinitionError(name[:40], NAME_RULE)
         if not (isinstance(context, type) and issubclass(context, BaseModel)):
             raise DefinitionError(name, "context must be a pydantic BaseModel subclass")
         # Limits hold for every worker sharing the database (flowloop/store/limits.py).

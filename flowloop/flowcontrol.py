@@ -49,8 +49,8 @@ class InvalidConcurrencyKey(FlowloopError):
 def _name(kind: str, name: object) -> str:
     if not isinstance(name, str) or not LIMIT_NAME.match(name):
         raise InvalidLimit(
-            f"{kind} name {name!r} must be letters, digits, '_', '.', ':' or '-' "
-            "(at most 200 characters)"
+            f"{kind} name {name!r} must start with an ASCII letter or '_' and hold only "
+            "ASCII letters, digits, '_', '.', ':' or '-' (at most 200 characters)"
         )
     return name
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry
+from flowloop.specs import NAME_RULE
 from flowloop.tz import UnknownTimeZone, zone
 
 Mode = Literal["fixed_rate", "fixed_delay"]
@@ -116,7 +117,7 @@ class Loop:
             return LoopDefinitionError(str(name), message)
 
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
-            raise bad("name must be letters, digits, '_', '.' or '-'")
+            raise bad(NAME_RULE)
         if (every is None) == (cron is None):
             raise bad("give exactly one of every= (seconds or a timedelta) or cron=")
         interval = _duration(bad, "every", every)

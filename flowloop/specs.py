@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel
 
@@ -28,6 +28,10 @@ from flowloop.journal import TIMEOUT_EVENT
 from flowloop.retry import DEFAULT_RETRY, Retry, human, seconds
 
 NAME_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,199}$")
+NAME_RULE: Final = (
+    "name must start with an ASCII letter or '_' and hold only ASCII letters, digits, '_', "
+    "'.' or '-' (at most 200 characters)"
+)
 """Names of workflows, states and loops: at most 200 characters (flowloop.limits)."""
 NEXT_EVENT = "next"
 """The event a ``next=`` step takes implicitly when it returns ``None``."""

@@ -213,8 +213,11 @@ def test_step__optional_extra_parameters_are_fine() -> None:
 
 
 def test_workflow__bad_arguments_refused() -> None:
-    with pytest.raises(DefinitionError, match="name must be"):
+    with pytest.raises(DefinitionError, match="name must start with"):
         Workflow("has space", context=Ctx)
+    # (The error said "letters" and refused one: it says which.)
+    with pytest.raises(DefinitionError, match="only ASCII letters, digits"):
+        Workflow("zürich", context=Ctx)
     with pytest.raises(DefinitionError, match="pydantic BaseModel"):
         Workflow("w", context=dict)  # type: ignore[arg-type]
     with pytest.raises(DefinitionError, match="max_concurrency"):

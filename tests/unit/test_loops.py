@@ -99,8 +99,10 @@ def test_loop__function_must_take_the_iteration() -> None:
 
 
 def test_loop__bad_name_is_refused() -> None:
-    with pytest.raises(LoopDefinitionError, match="name must be letters"):
+    with pytest.raises(LoopDefinitionError, match="only ASCII letters, digits"):
         Loop("two words", tick, every=10)
+    with pytest.raises(LoopDefinitionError, match="start with an ASCII letter"):
+        Loop("größe", tick, every=10)
 
 
 def test_loop__workflow_loop_needs_a_fitting_context() -> None:
