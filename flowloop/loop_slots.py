@@ -67,6 +67,8 @@ def interrupted(loop: Loop, row: LoopRow, *, now: float, worker: str) -> LoopWri
         "last_result": "interrupted",
         "last_error": INTERRUPTED_MESSAGE,
         "last_ended_at": now,
+        # It was the loop's iteration number iterations + 1: the next is the one after.
+        "iterations": row.iterations + 1,
         "consecutive_failures": failures,
         "updated_at": now,
     }

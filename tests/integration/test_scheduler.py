@@ -458,9 +458,16 @@ def fire_as_dead_worker(store: LoopStoreMixin, name: str, slot: float) -> None:
 
 
 def test_scheduler__interrupted_iteration_is_not_run_twice(sqlite_url: str) -> None:
+    numbers: list[int] = []
+
     async def main() -> None:
         clock = SteppedClock()
-        _, fn = timed(clock)
+        _, timed_fn = timed(clock)
+
+        async def fn(it: Iteration) -> None:
+            numbers.append(it.number)
+            await timed_fn(it)
+
         lp = Loop("tick", fn, every=10)
         await run_then_go_down(sqlite_url, clock, lp, 10)  # fired 0, 10; next 20
         clock.advance(10)
@@ -478,6 +485,8 @@ def test_scheduler__interrupted_iteration_is_not_run_twice(sqlite_url: str) -> N
             assert_slots_accounted(events, 10)
 
     run(main())
+    # The interrupted iteration (slot 20) had number 3: the next is the 4th, not another 3rd.
+    assert numbers == [1, 2, 4]
 
 
 def test_scheduler__live_worker_recovers_a_dead_workers_loop(sqlite_url: str) -> None:

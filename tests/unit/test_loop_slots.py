@@ -64,6 +64,7 @@ def test_interrupted__schedules_the_next_slot_and_is_never_run_twice() -> None:
     assert write.events[0].slot == T0 and write.events[0].error_type == "Interrupted"
     assert write.changes["next_fire_at"] == T0 + 60
     assert write.changes["consecutive_failures"] == 1
+    assert write.changes["iterations"] == row().iterations + 1  # counted: it.number moves on
     assert (write.status, write.gave_up) == ("scheduled", False)
 
 
