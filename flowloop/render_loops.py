@@ -256,13 +256,16 @@ class LoopOverlay:
         counts: Counter[str] = Counter()
         taken: Counter[tuple[str, str, str]] = Counter()
         status = SCHEDULED
-        ending: str | None = None  # an iteration ended; where it led is not known yet
+        # An iteration ended, where it led not known yet; "": an ending without an edge
+        # of its own back to scheduled (stopped, cancelled at shutdown, idle).
+        ending: str | None = None
         ended_at = 0.0
 
         def settle() -> None:
             nonlocal ending, status
             if ending is not None:
-                taken[(RUNNING, ending, SCHEDULED)] += 1
+                if ending:
+                    taken[(RUNNING, ending, SCHEDULED)] += 1
                 status, ending = SCHEDULED, None
 
         for event in events:
@@ -296,8 +299,9 @@ class LoopOverlay:
                     counts["retried"] += event.attempt - 1
                     taken[(RUNNING, RETRIED, RUNNING)] += event.attempt - 1
                 ending, ended_at = _ENDINGS[kind], event.at
-            elif kind.startswith("iteration_"):  # stopped or cancelled at shutdown
-                status = SCHEDULED
+            elif kind.startswith("iteration_"):  # stopped, cancelled at shutdown, idle
+                # (A stop that cut the iteration off is journaled with it: from running.)
+                ending, ended_at = "", event.at
             elif kind in (MISSED, COALESCED):
                 counts[kind] += event.count
                 taken[(SCHEDULED, LATE, SCHEDULED)] += 1

@@ -254,6 +254,21 @@ def test_loop_overlay__a_pause_written_after_the_last_iteration_leaves_it_ended(
     assert overlay.counts["failed"] == 1
 
 
+def test_loop_overlay__a_stop_that_cuts_an_iteration_off_is_taken_from_running() -> None:
+    """``iteration_stopped`` was folded as back to ``scheduled``, so the ``loop_stopped``
+    written with it was drawn as a stop of the idle loop."""
+    events = [entry("loop_created"), entry("iteration_started")]
+    events += [entry("iteration_stopped"), entry("loop_stopped", data={"reason": "by ann"})]
+    events += [entry("loop_unpaused"), entry("iteration_started"), entry("iteration_cancelled")]
+    row = stored(status="scheduled")
+    overlay = render_loops.LoopOverlay.from_store(row, events)
+    assert dict(overlay.taken) == {
+        ("scheduled", "slot due", "running"): 2,
+        ("running", "stop", "stopped"): 1,
+        ("stopped", "unpause", "scheduled"): 1,
+    }
+
+
 # -- golden DOT ----------------------------------------------------------------------------
 
 
