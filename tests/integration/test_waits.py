@@ -643,11 +643,7 @@ def _into_waits() -> list[Workflow]:
 
     routed.wait("review", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired")
     routed.final("done", "expired")
-    item = Workflow("held_item", context=Item)
-    item.wait(
-        "hold", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired", initial=True
-    )
-    item.final("done", "expired")
+    item = _held_item("held_item")
     quick = Workflow("quick_child", context=Item)
 
     @quick.step(initial=True, next="done")
@@ -661,18 +657,34 @@ def _into_waits() -> list[Workflow]:
     )
     calling.wait("review", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired")
     calling.final("done", "expired")
-    fan = Workflow("fan_waits", context=Item)
+    return [routed, item, quick, calling, _one_at_a_time("fan_waits", item)]
+
+
+def _held_item(name: str, **options: Any) -> Workflow:
+    """A child that starts in a 2-day wait for "go"."""
+    item = Workflow(name, context=Item, **options)
+    item.wait(
+        "hold", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired", initial=True
+    )
+    item.final("done", "expired", *([options["on_deadline"]] if "on_deadline" in options else []))
+    return item
+
+
+def _one_at_a_time(name: str, child: Workflow, **options: Any) -> Workflow:
+    """A map of ``child`` over ``ctx.items``, one child at a time (the rest held)."""
+    fan = Workflow(name, context=Item)
     fan.map(
         "each",
-        child=item,
+        child=child,
         items=lambda ctx: ctx.items,
         context=lambda ctx, n: Item(n=n),
         max_parallel=1,
         on={"done": "done"},
         initial=True,
+        **options,
     )
     fan.final("done")
-    return [routed, item, quick, calling, fan]
+    return fan
 
 
 @pytest.mark.parametrize("operator", ["with the definition", "without it"])
@@ -1025,23 +1037,8 @@ def test_a_held_map_child_a_worker_holds_at_its_turn_keeps_its_next_write(
     operator's stop) released it meanwhile, and the turn's entry took the seq the worker's
     ``deadline_passed`` was to take: the write was refused and the child sat owned until
     its lease ran out. A child a worker holds is released without the turn's entry."""
-    item = Workflow("late_item", context=Item, deadline=timedelta(hours=1), on_deadline="late")
-    item.wait(
-        "hold", on={"go": "done"}, timeout=timedelta(days=2), on_timeout="expired", initial=True
-    )
-    item.final("done", "expired", "late")
-    fan = Workflow("fan_late", context=Item)
-    fan.map(
-        "each",
-        child=item,
-        items=lambda ctx: ctx.items,
-        context=lambda ctx, n: Item(n=n),
-        max_parallel=1,
-        tolerate_failures=1,
-        on={"done": "done"},
-        initial=True,
-    )
-    fan.final("done")
+    item = _held_item("late_item", deadline=timedelta(hours=1), on_deadline="late")
+    fan = _one_at_a_time("fan_late", item, tolerate_failures=1)
     clock = FakeClock(auto_advance=False)
     with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
         top = engine.start(fan, Item()).id
