@@ -138,13 +138,14 @@ class Gates:
             now_state = self.store.breaker_state(breaker.name)
             if now_state.status == "closed":
                 breaker = None  # the fast path: a closed breaker has nothing to take
-            elif not admit(breaker, now_state, self.store.db_now(), self.worker).allowed:
-                # Open in its cool-down, or its trial runs elsewhere: refused before a
-                # token is taken (it would be spent on no call).
-                blocked = self._breaker(breaker, record, state)
-                if blocked is not None:
-                    return blocked
-                breaker = None  # the cool-down ended meanwhile: this call holds the trial
+            else:
+                look = admit(breaker, now_state, self.store.db_now(), self.worker)
+                if not look.allowed:
+                    # Open in its cool-down, or its trial runs elsewhere: refused as seen,
+                    # before a token is taken (it would be spent on no call) — and not by
+                    # the breaker's admission, which would give a cool-down that ended
+                    # meanwhile's trial to a run its token may then defer.
+                    return self._refused(breaker, record, state, look.due)
         if limits:
             deferred = await self._rate(limits, record, state)
             if deferred is not None:
@@ -167,6 +168,12 @@ class Gates:
             if answer.trial:
                 self._trials.add(breaker.name)
             return None
+        return self._refused(breaker, record, state, answer.due)
+
+    def _refused(
+        self, breaker: Breaker, record: RunRecord, state: str, due: float | None
+    ) -> JournalEvent:
+        """The entry of a run the breaker refuses: failed, or deferred until ``due``."""
         reason = f"{BREAKER_REASON}:{breaker.name}"
         if breaker.when_open == "fail":
             return self._entry(
@@ -176,7 +183,7 @@ class Gates:
                 error_message=f"breaker {breaker.name!r} is open; the step was not called",
                 data={"reason": reason},
             )
-        return self._defer(record, state, answer.due or time.time(), reason)
+        return self._defer(record, state, due or time.time(), reason)
 
     async def _rate(
         self, limits: list[RateLimit], record: RunRecord, state: str

@@ -94,3 +94,33 @@ def test_a_run_refused_by_the_breaker_after_its_token_keeps_no_grant(store_url: 
         entry = asyncio.run(gates.check(roomy, record, "call", attempt=0))
         assert entry is not None and entry.data["reason"] == "breaker_open:provider"
         assert gates.granted(record.id) == {}
+
+
+def test_a_cool_down_ending_after_the_look_does_not_give_the_trial_before_the_token(
+    store_url: str,
+) -> None:
+    """The look before the tokens saw the breaker open; its cool-down ended before this run
+    was refused, and the refusal went through the breaker's admission, which gave the
+    run the trial before its token: the rate limit then deferred it, and the trial was
+    held by a run that made no call. A run the look refuses is refused as the look saw."""
+    with Engine(store_url, workflows=[guarded, roomy], clock=FakeClock()) as engine:
+        store = engine.store
+        record = store.get_run(engine.start(guarded, Call()).id).record  # type: ignore[union-attr]
+        assert store.take_tokens([rate], queued=set())[0]  # type: ignore[attr-defined]
+        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
+        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 10
+        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
+            time.sleep(0.01)
+        db_now = store.db_now  # type: ignore[attr-defined]
+        store.db_now = lambda: until - 0.01  # type: ignore[attr-defined]  # the look, just before
+        try:
+            entry = asyncio.run(
+                Gates(store, "w1", engine.clock).check(guarded, record, "call", attempt=0)
+            )
+        finally:
+            store.db_now = db_now  # type: ignore[attr-defined]
+        assert entry is not None and entry.kind == j.RUN_DEFERRED
+        assert entry.data["reason"] == "breaker_open:provider"
+        assert store.breaker_state(provider.name).status == "open"  # type: ignore[attr-defined]
+        assert [e.kind for e in store.breaker_journal(provider.name)] == ["opened"]  # type: ignore[attr-defined]
