@@ -161,11 +161,17 @@ def open_engine(
 
     url = database(db)
     store = support.read_store(url, synchronous) if read else None
-    engine = Engine(url, synchronous=synchronous, store=store)
+    return prepared(Engine(url, synchronous=synchronous, store=store), loaded, saves=saves)
+
+
+def prepared(engine: Engine, loaded: Loaded | None, *, saves: bool = True) -> Engine:
+    """``engine`` traced when ``--trace`` asks for it, with every version of ``loaded``
+    registered: a run stays on the version it started with (issue 16) — the worker and
+    ``resume`` registered the newest only, and parked runs ``check`` had passed."""
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         trace(engine)
-    if loaded is not None:  # every version loaded: runs stay on theirs (issue 16)
+    if loaded is not None:
         engine.register(*loaded.all_versions(), save=saves)
     return engine
 

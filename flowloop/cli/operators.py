@@ -11,7 +11,6 @@ import click
 
 from flowloop.cli.common import (
     DEFAULT_WORKFLOWS,
-    TRACE,
     Failed,
     command_settings,
     database,
@@ -20,7 +19,7 @@ from flowloop.cli.common import (
     load_workflow_paths,
     open_engine,
     out,
-    trace,
+    prepared,
     workflows_option,
 )
 from flowloop.errors import FlowloopError
@@ -155,9 +154,7 @@ def worker(
         max_concurrency=config.concurrency,
         lease_seconds=config.lease,
     ) as engine:
-        engine.register(*loaded.workflows.values())
-        if click.get_current_context().meta.get(TRACE):
-            trace(engine)
+        prepared(engine, loaded)
         metrics, serving = None, None
         if as_json and config.metrics_port is not None:
             # Served before the worker starts, so the start-up line can name the port.

@@ -21,6 +21,7 @@ from flowloop.cli.common import (
     out,
     parse_assignments,
     parse_context,
+    prepared,
     settings,
     workflows_option,
 )
@@ -249,7 +250,7 @@ def resume(
     if not loaded.workflows:
         raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
     with Engine(database(db), synchronous=synchronous, max_concurrency=concurrency) as engine:
-        engine.register(*loaded.workflows.values())
+        prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
         if not as_json:
             engine.listeners.append(progress_printer())
         stats, signals = resume_interruptibly(engine, notice=err.print)

@@ -7,17 +7,21 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
+import subprocess
+import sys
 import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from deploykit import OrderV1, order
+from deploykit import OrderV1, order, renamed_state
 
 from flowloop import Engine
 from flowloop.cli import main
 from flowloop.clock import FakeClock
+from flowloop.runinfo import RunInfo
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -171,3 +175,40 @@ def test_check__old_and_new_version_in_one_file__runs_stay_on_theirs(here: Path)
     twice = _file(here, "twice", "a, b = deploykit.order(), deploykit.order()")
     result = _cli(here, "check", str(twice))
     assert result.exit_code == 2 and "version 1 is defined twice" in result.output
+
+
+@pytest.mark.parametrize("command", ["resume", "worker"])
+def test_resume_and_worker__with_old_and_new_version__runs_stay_on_theirs(
+    here: Path, command: str
+) -> None:
+    """``check`` passed a file holding both versions; ``resume`` and the worker registered
+    the newest only, and parked the v1 run (``definition_mismatch``) the check had passed."""
+    both = _file(here, "both", "order_v1, order_v2 = deploykit.order(), deploykit.renamed_state()")
+    assert _cli(here, "check", str(both)).exit_code == 0
+
+    def queued() -> RunInfo:
+        with Engine(str(here / "flowloop.db"), workflows=[order(), renamed_state()]) as engine:
+            return next(r for r in engine.runs(limit=10) if r.context.order_id == "q")  # type: ignore[attr-defined]
+
+    if command == "resume":
+        assert _cli(here, "resume", "-w", str(both)).exit_code == 0
+    else:
+        db = str(here / "flowloop.db")
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "flowloop.cli", "worker", str(both), "--db", db],
+            env={k: v for k, v in os.environ.items() if not k.startswith("FLOWLOOP_")},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while (now := queued()).state == "reserve" and now.status != "paused":
+                assert worker.poll() is None, "the worker exited"
+                assert time.monotonic() < deadline, "the worker did not take the queued run"
+                time.sleep(0.05)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=60)
+    info = queued()
+    assert (info.status, info.state, info.version) == ("scheduled", "confirm", 1), info
+    assert info.context.trail == ["reserve@v1", "charge@v1"]  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from polling import poll
 from tracekit import read_spans
@@ -119,12 +120,7 @@ def test_cli__trace_flag_exports_the_run_with_the_console_exporter(tmp_path: Pat
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    decoder, text, spans = json.JSONDecoder(), result.stderr, []
-    at = text.find("{")
-    while at != -1:
-        span, end = decoder.raw_decode(text, at)
-        spans.append(span)
-        at = text.find("{", end)
+    spans = _console_spans(result.stderr)
     names = [span["name"] for span in spans]
     assert names.count("flowloop.run order") == 1
     assert names.count("flowloop.step order.charge") == 2  # the flaky provider: one retry
@@ -142,3 +138,39 @@ def test_cli__trace_flag_exports_the_run_with_the_console_exporter(tmp_path: Pat
         check=False,
     )
     assert result.returncode == 2 and "OTEL_TRACES_EXPORTER='zipkin'" in result.stderr
+
+
+def _console_spans(text: str) -> list[dict[str, Any]]:
+    """The spans the console exporter wrote (JSON objects, one after another) in ``text``."""
+    decoder, spans = json.JSONDecoder(), []
+    at = text.find("{")
+    while at != -1:
+        span, end = decoder.raw_decode(text, at)
+        spans.append(span)
+        at = text.find("{", end)
+    return spans
+
+
+def test_cli__trace_flag_exports_a_resumed_run(tmp_path: Path) -> None:
+    """``flowloop --trace resume`` exported nothing: the README names it for a resumed run
+    joining its trace."""
+    order = Path(__file__).resolve().parents[2] / "workflows" / "order.py"
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "console", "FLOWLOOP_DB": str(tmp_path / "r.db")}
+    context = '{"order_id": "A2", "items": [{"sku": "book", "qty": 1}]}'
+    for args in (
+        ("start", str(order), "--context", context),
+        ("--trace", "resume", "-w", str(order)),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "flowloop.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+    names = [span["name"] for span in _console_spans(result.stderr)]
+    assert names.count("flowloop.run order") == 1, names
+    assert "flowloop.step order.reserve" in names
