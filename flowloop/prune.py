@@ -3,7 +3,8 @@ join rows (the call/map joins they were the parent of), and old loop journal ent
 batches (one short transaction each).
 
 What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
-runs that finished at or after the cutoff, and with ``keep_failed`` every ``failed`` run
+runs that finished at or after the cutoff, the finished children of a live parent (its
+join reads their results when it gets on), and with ``keep_failed`` every ``failed`` run
 (and failed loop iterations). A run is deleted only if it is still finished and old when
 its batch deletes it: the DELETE re-checks status and age on the row it locks, so an
 operator's retry racing with prune either wins (the run is kept) or finds the run gone.
@@ -21,7 +22,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from sqlalchemy import ColumnElement, Connection, Engine, delete, exists, func, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Engine,
+    and_,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+)
 
 from flowloop.store.reads import reading
 from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
@@ -64,6 +75,24 @@ def statuses(keep_failed: bool) -> tuple[str, ...]:
     return tuple(s for s in FINISHED if not (keep_failed and s == "failed"))
 
 
+_parent = runs.alias("parent")
+
+
+def _prunable(kinds: Sequence[str], cutoff: float) -> ColumnElement[bool]:
+    """A run finished (as ``kinds``) before ``cutoff`` that no live parent still needs: a
+    call's or map's join reads its children's final contexts when the parent gets on (a
+    paused parent, a map waiting for a last child), so a child goes with its parent or
+    after it — pruned first, the map's reduce saw fewer results or the call failed."""
+    return and_(
+        runs.c.status.in_(list(kinds)),
+        runs.c.updated_at < cutoff,
+        or_(
+            runs.c.parent_id.is_(None),
+            ~exists().where(_parent.c.id == runs.c.parent_id, _parent.c.status.not_in(FINISHED)),
+        ),
+    )
+
+
 def prune(
     db: Engine,
     *,
@@ -89,7 +118,7 @@ def prune(
             ids = list(
                 conn.execute(
                     select(runs.c.id)
-                    .where(runs.c.id > after, runs.c.status.in_(kinds), runs.c.updated_at < cutoff)
+                    .where(runs.c.id > after, _prunable(kinds, cutoff))
                     .order_by(runs.c.id)
                     .limit(batch)
                 ).scalars()
@@ -113,9 +142,7 @@ def _delete_runs(
     gone = list(
         conn.execute(
             delete(runs)
-            .where(
-                runs.c.id.in_(list(ids)), runs.c.status.in_(list(kinds)), runs.c.updated_at < cutoff
-            )
+            .where(runs.c.id.in_(list(ids)), _prunable(kinds, cutoff))
             .returning(runs.c.id)
         ).scalars()
     )
@@ -193,7 +220,7 @@ def _prune_loop_journal(
 def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
-    old = select(runs.c.id).where(runs.c.status.in_(list(kinds)), runs.c.updated_at < result.cutoff)
+    old = select(runs.c.id).where(_prunable(kinds, result.cutoff))
     with reading(db) as conn:
         result.runs = int(
             conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()

@@ -5,6 +5,7 @@ old loop journal entries go too."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -328,3 +329,49 @@ def sa_column(
         query = query.where(where)
     with db_of(engine).connect() as conn:
         return list(conn.execute(query).scalars())
+
+
+def test_prune__the_finished_children_of_a_live_parent_stay(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """A map with two children ended and one waiting: prune deleted the two (finished, old),
+    and when the last one ended the map's reduce saw one result of three, silently."""
+    box = Workflow("box_or_wait", context=Box)
+
+    @box.step(initial=True, on={"now": "boxed", "later": "held"})
+    def decide(ctx: Box) -> str:
+        return "later" if ctx.n == 3 else "now"
+
+    box.wait("held", on={"go": "boxed"})
+    box.final("boxed")
+    fan = Workflow("counted_parcels", context=Parcel)
+
+    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
+        ctx.packed = sum(1 for r in results if r.ok)
+
+    fan.map(
+        "rest",
+        child=box,
+        items=lambda ctx: ctx.boxes,
+        context=lambda ctx, item: Box(n=item),
+        reduce=count_boxed,
+        on={"done": "packed"},
+        initial=True,
+    )
+    fan.final("packed")
+    parent = engine.run(fan, {"boxes": [1, 2, 3]})
+    assert parent.status == "scheduled"
+    children = sa_column(engine, runs.c.id, runs.c.parent_id == parent.id)
+    clock.advance(40 * DAY)
+    dry = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True)
+    assert (dry.runs, dry.journal) == (0, 0)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 0
+    assert set(sa_column(engine, runs.c.parent_id)) == {None, parent.id}
+    (waiting,) = [c for c in children if engine.get(c).state == "held"]
+    assert engine.send(waiting, "go").status == "applied"
+    engine.run_until_idle(idle_horizon=0)
+    done = engine.get(parent.id)
+    assert (done.status, done.context.packed) == ("succeeded", 3)  # type: ignore[attr-defined]
+    # Once the parent has finished, it and its children go together.
+    clock.advance(40 * DAY)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 1 + 3
