@@ -88,11 +88,14 @@ def check_runs(
     *,
     pinned: Mapping[str, Workflow] | None = None,
     every: bool = False,
+    validate: bool = False,
     batch: int = SCAN_BATCH,
 ) -> CheckReport:
     """Judge every live run of ``workflow.name`` under ``workflow``. A run whose own
     definition is in ``pinned`` (fingerprint → workflow: older versions loaded beside the
-    new one) is judged under that one: it stays on its version."""
+    new one) is judged under that one: it stays on its version. Without ``validate`` a
+    context is trusted where its model is unchanged (as the fingerprint sees it: not a
+    validator's code); with it, every context is validated as a worker would."""
     workflow.validate()
     started = time.perf_counter()
     report = CheckReport(
@@ -117,7 +120,7 @@ def check_runs(
                 context=run.context,
                 context_version=run.context_version,
                 old=olds[run.fingerprint],
-                validate=False,
+                validate=validate,
                 cache=structures if target is workflow else None,
             )
             report.counts[verdict.kind] += 1
@@ -138,10 +141,11 @@ def check_runs(
 
 
 def check_workflows(
-    store: SQLStore, versions: Iterable[Workflow], *, every: bool = False
+    store: SQLStore, versions: Iterable[Workflow], *, every: bool = False, validate: bool = False
 ) -> list[tuple[Workflow, CheckReport]]:
     """One report per workflow name, for its newest version among ``versions``; the
-    older versions given are loaded beside it, so their runs stay on them (pinning)."""
+    older versions given are loaded beside it, so their runs stay on them (pinning).
+    ``validate``: every context through its model (see :func:`check_runs`)."""
     by_name: dict[str, list[Workflow]] = {}
     for workflow in versions:
         by_name.setdefault(workflow.name, []).append(workflow.validate())
@@ -149,7 +153,8 @@ def check_workflows(
     for loaded in by_name.values():
         newest = max(loaded, key=lambda w: w.version)
         pinned = {w.fingerprint: w for w in loaded if w is not newest}
-        reports.append((newest, check_runs(store, newest, pinned=pinned, every=every)))
+        report = check_runs(store, newest, pinned=pinned, every=every, validate=validate)
+        reports.append((newest, report))
     return reports
 
 
@@ -167,6 +172,10 @@ def describe_changes(old: Mapping[str, Any] | None, new: Workflow) -> list[str]:
     lines += [f"state {s!r} removed" for s in sorted(old_all - new_all)]
     lines += [f"state {s!r} added" for s in sorted(new_all - old_all)]
     for state in sorted(set(old_states) & set(new_states)):
+        was_kind = old_states[state].get("kind", "step")
+        now_kind = new_states[state].get("kind", "step")
+        if was_kind != now_kind:  # (compatible() parks a run there for it)
+            lines.append(f"state {state!r} changed from a {was_kind} to a {now_kind}")
         before, after = old_states[state].get("on", {}), new_states[state].get("on", {})
         for event in sorted(set(before) | set(after)):
             if before.get(event) != after.get(event):

@@ -10,15 +10,18 @@ recovery, the read commands and ``flowloop check`` share, so check tells what a 
   (``definition_mismatch: …``) — a worker pauses it; nothing is lost, ``flowloop unpause``
   after a fix (or ``flowloop migrate``) continues it;
 - ``fails``: its context does not validate after migration, or cannot be migrated
-  (``context_mismatch: field: problem``). A worker pauses it too (so an operator can deploy
-  a fixed upcaster and unpause it); only a run whose row contradicts its own, unchanged
-  definition (a corrupt row) is failed at once (``outcome == "failed"``).
+  (``context_mismatch: field: problem``), or its own, unchanged definition no longer
+  validates it (a validator changed: the fingerprint does not cover their code). A worker
+  pauses it too (so an operator can deploy a fixed upcaster or validator and unpause it);
+  only a run whose row contradicts its own, unchanged definition — a state it does not
+  have, a context that is not a JSON object — is failed at once (``outcome == "failed"``).
 
 This module imports neither sqlalchemy nor asyncio.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
@@ -106,8 +109,8 @@ def judge(
         loaded = workflow.load_context(context, context_version)
     except (InvalidContext, ContextMigrationError) as error:
         problem = error.problems if isinstance(error, InvalidContext) else error.problem
-        if same and not migrating:
-            # The run's own definition refuses its context: the row is corrupt.
+        if same and not migrating and not _an_object(context):
+            # Not even a JSON object: the row is corrupt, no definition can take it.
             return Verdict(
                 kind="fails",
                 reason="invalid_context",
@@ -119,11 +122,24 @@ def judge(
             if migrating
             else f"context v{context_version}"
         )
+        if same:
+            # Its own definition, as the fingerprint sees it, refuses it: a validator
+            # changed (the fingerprint does not cover their code) — parked, not failed,
+            # so that a fixed deploy and an unpause continue it — or a row edited by hand.
+            version += ", definition unchanged: a validator may have changed"
         reason = storable(f"{CONTEXT_MISMATCH}: {problem} ({version})")
         return Verdict(kind="fails", reason=reason, message=reason, outcome="paused")
     # Verdict(...) without its generated __init__: once per run a worker starts.
     kind: Kind = "migrates" if migrating else "continues"
     return frozen.build(Verdict, {"kind": kind, "context": loaded})
+
+
+def _an_object(context: str) -> bool:
+    """Whether ``context`` is a JSON object (the error path only: parsed once more)."""
+    try:
+        return isinstance(json.loads(context), dict)
+    except ValueError:
+        return False
 
 
 def _same_context(old: Mapping[str, Any] | None, workflow: Workflow) -> bool:

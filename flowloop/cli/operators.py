@@ -191,20 +191,36 @@ def worker(
 @db_option
 @json_option
 @click.option("--all-runs", is_flag=True, help="List every live run, not only those that change.")
-def check(target: str, db: str | None, synchronous: str, as_json: bool, all_runs: bool) -> None:
-    """Validate the workflows in FILE and tell, run by run, what they do to live runs:
-    continues as is, continues after migration, would be parked, would fail. Exit 0 only
-    when nothing would be parked or fail."""
+@click.option(
+    "--validate",
+    is_flag=True,
+    help="Run every live run's context through its model's validators too, also where the "
+    "definition's fingerprint is unchanged (slower; finds a changed validator).",
+)
+def check(
+    target: str, db: str | None, synchronous: str, as_json: bool, all_runs: bool, validate: bool
+) -> None:
+    """Validate the workflows in FILE[:NAME] and tell, run by run, what they do to live
+    runs: continues as is, continues after migration, would be parked, would fail. Exit 0
+    only when nothing would be parked or fail."""
     from flowloop.checking import check_workflows
     from flowloop.cli.deploy import print_check_report
     from flowloop.loader import load_paths
     from flowloop.store.sql import SQLStore
 
-    path = target.split(":")[0]
+    path, _, name = target.partition(":")
     loaded = load_paths([path])
+    versions = [w for w in loaded.all_versions() if not name or w.name == name]
+    if not versions:
+        defined = ", ".join(sorted(loaded.workflows)) or "none"
+        raise FlowloopError(
+            f"nothing to check: no workflow {name!r} in {path} (it defines: {defined})"
+            if name
+            else f"nothing to check: {path} defines no workflow; pass the file that does"
+        )
     with open_engine(db, synchronous, read=True) as engine:
         assert isinstance(engine.store, SQLStore)
-        reports = check_workflows(engine.store, loaded.all_versions(), every=all_runs)
+        reports = check_workflows(engine.store, versions, every=all_runs, validate=validate)
     bad = [run for _, report in reports for run in report.runs if run.kind in ("parks", "fails")]
     if as_json:
         click.echo(

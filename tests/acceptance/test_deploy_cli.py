@@ -212,3 +212,56 @@ def test_resume_and_worker__with_old_and_new_version__runs_stay_on_theirs(
     info = queued()
     assert (info.status, info.state, info.version) == ("scheduled", "confirm", 1), info
     assert info.context.trail == ["reserve@v1", "charge@v1"]  # type: ignore[attr-defined]
+
+
+STRICTER = """
+from pydantic import field_validator
+
+
+class Stricter(deploykit.OrderV1):
+    @field_validator("order_id")
+    @classmethod
+    def not_w(cls, value: str) -> str:
+        if value == "q":
+            raise ValueError("'q' is no order id any more")
+        return value
+
+
+order = deploykit.order(context=Stricter)
+"""
+
+
+def test_check_and_worker__a_validator_the_fingerprint_does_not_see(here: Path) -> None:
+    """A validator added to the context model leaves the fingerprint as it is: ``check``
+    said "continues as is", then the worker failed the run whose context it refused
+    (``invalid_context``). ``check --validate`` tells; a worker parks the run."""
+    stricter = here / "stricter.py"
+    stricter.write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nimport deploykit\n{STRICTER}"
+    )
+    assert _cli(here, "check", str(stricter)).exit_code == 0  # trusted: model unchanged
+    result = _cli(here, "check", str(stricter), "--validate")
+    assert result.exit_code == 1, result.output
+    assert "1 continues as is, 0 continues after migration, 0 would be parked, 1 would fail" in (
+        result.output
+    )
+    assert "'q' is no order id any more" in result.output
+    assert _cli(here, "resume", "-w", str(stricter)).exit_code == 0
+    with Engine(str(here / "flowloop.db"), workflows=[order()]) as engine:
+        queued = next(r for r in engine.runs(limit=10) if r.context.order_id == "q")  # type: ignore[attr-defined]
+    assert queued.status == "paused", queued
+    assert queued.reason is not None and "a validator may have changed" in queued.reason
+
+
+def test_check__a_file_without_workflows_or_an_unknown_name_is_refused(here: Path) -> None:
+    empty = _file(here, "empty", "x = 1")
+    result = _cli(here, "check", str(empty))
+    assert result.exit_code != 0
+    assert result.output.strip().splitlines() == [
+        f"error: nothing to check: {empty} defines no workflow; pass the file that does"
+    ]
+    v1 = _file(here, "v1", "order = deploykit.order()")
+    result = _cli(here, "check", f"{v1}:nosuch")
+    assert result.exit_code != 0
+    assert "no workflow 'nosuch' in" in result.output and "(it defines: order)" in result.output
+    assert _cli(here, "check", f"{v1}:order").exit_code == 0

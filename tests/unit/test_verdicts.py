@@ -75,8 +75,17 @@ def test_verdict__removed_state_untouched_positions_continue() -> None:
 def test_verdict__corrupt_row_of_the_same_definition_fails_at_once() -> None:
     assert _judge(V1, "nowhere").outcome == "failed"
     assert _judge(V1, "nowhere").reason == "unknown_state: nowhere"
+    corrupt = _judge(V1, "charge", context='["not", "an", "object"]')
+    assert (corrupt.kind, corrupt.reason, corrupt.outcome) == ("fails", "invalid_context", "failed")
+
+
+def test_verdict__a_context_its_unchanged_definition_refuses_is_parked() -> None:
+    """A validator added without a change the fingerprint sees: the worker failed every
+    run whose context it refused ("invalid_context"); it parks them, as a deploy should."""
     bad = _judge(V1, "charge", context='{"order_id": 5}')
-    assert (bad.kind, bad.reason, bad.outcome) == ("fails", "invalid_context", "failed")
+    assert (bad.kind, bad.outcome) == ("fails", "paused")
+    assert bad.reason is not None and bad.reason.startswith("context_mismatch: order_id")
+    assert bad.reason.endswith("(context v1, definition unchanged: a validator may have changed)")
 
 
 def test_verdict__validate_false_trusts_an_unchanged_context_model() -> None:
@@ -94,3 +103,26 @@ def test_verdict__validate_false_trusts_an_unchanged_context_model() -> None:
     )
     assert verdict.kind == "continues"
     assert OrderV1.model_fields.keys() == changed.context.model_fields.keys()
+
+
+def test_describe_changes__a_state_of_another_kind_is_a_change_that_matters() -> None:
+    """A wait turned into a step parks the runs resting there, yet ``check``'s summary of
+    the changes said "no change that matters"."""
+    from flowloop import Workflow
+    from flowloop.checking import describe_changes
+
+    def shaped(kind: str) -> Workflow:
+        wf = Workflow("shaped", context=OrderV1)
+        if kind == "wait":
+            wf.wait("confirm", on={"confirmed": "done"}, initial=True)
+        else:
+            wf.step(name="confirm", next="done", initial=True)(lambda ctx: None)
+        wf.final("done")
+        return wf.validate()
+
+    old = shaped("wait").definition_record()
+    assert describe_changes(old, shaped("step")) == [
+        "state 'confirm' changed from a wait to a step",
+        "transition confirm.confirmed: done -> nothing",
+        "transition confirm.next: nothing -> done",
+    ]
