@@ -472,6 +472,8 @@ class Engine(Operations, LoopControls, RunReading):
             except InvalidContext as error:
                 raise InvalidContext(workflow.name, error.problems, position=position) from None
             news.append(new)
+        if workflow.bounds.max_queued is not None:  # backpressure, as start() honours it
+            return starts.bounded_many(self, workflow, news, progress=progress)
         infos: list[RunInfo] = []
         created = 0
         for first in range(0, len(news), batch_size):

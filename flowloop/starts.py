@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from flowloop import admission, backpressure
 from flowloop import journal as j
+from flowloop.runinfo import StartedRuns
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
 
@@ -133,6 +134,36 @@ def bounded_start(engine: Engine, workflow: Workflow, new: NewRun) -> tuple[Stor
     if created is None:
         raise backpressure.queue_full(workflow.name, bounds, waited=waited)
     return created
+
+
+def bounded_many(
+    engine: Engine,
+    workflow: Workflow,
+    news: Sequence[NewRun],
+    *,
+    progress: Callable[[int, int], None] | None = None,
+) -> StartedRuns:
+    """:meth:`Engine.start_many` under the workflow's ``max_queued``: one run at a time, as
+    :meth:`Engine.start` creates one (a batch's transaction would pass the bound by). The
+    runs created before a refusal stay; the error says how many."""
+    infos, created = [], 0
+    for done, new in enumerate(news):
+        try:
+            with engine._making(new):
+                stored, made = bounded_start(engine, workflow, new)
+        except backpressure.QueueFull as full:
+            for rest in news[done + 1 :]:
+                engine._unmade(rest)
+            raise backpressure.QueueFull(
+                f"{full} ({done} of {len(news)} run(s) were started before it)"
+            ) from None
+        if not made:
+            engine._unmade(new)
+        created += made
+        infos.append(engine._info(stored))
+        if progress is not None:
+            progress(done + 1, len(news))
+    return StartedRuns(tuple(infos), created)
 
 
 def keep_bounded(engine: Engine, workflow: Workflow, message: InboxEvent) -> str:

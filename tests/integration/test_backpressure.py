@@ -131,6 +131,26 @@ def test_queue__reject_newest_refuses_the_start(engine: Engine) -> None:
     assert len(engine.runs()) == 3
 
 
+def test_queue__start_many_honours_the_bound_too(engine: Engine) -> None:
+    """``start_many`` (and ``flowloop start --contexts``) created every run in batches,
+    past ``max_queued``. It starts them one at a time under the bound now: those before a
+    refusal stay, the error says how many; a taken key still returns its run."""
+    wf = order_like("q-many", max_queued=2)
+    seen: list[tuple[int, int]] = []
+    with pytest.raises(
+        QueueFull, match=r"max_queued=2.*\(2 of 3 run\(s\) were started before it\)"
+    ):
+        engine.start_many(wf, [Ticket(id=k) for k in "abc"], progress=lambda *p: seen.append(p))
+    assert sorted(r.context.id for r in engine.runs()) == ["a", "b"]  # type: ignore[attr-defined]
+    assert seen == [(1, 3), (2, 3)]
+    again = engine.start_many(wf, [Ticket(id="a"), Ticket(id="b")])
+    assert (again.created, len(engine.runs())) == (0, 2)
+    dropping = order_like("q-many-drop", max_queued=2, queue_overflow="drop_oldest")
+    started = engine.start_many(dropping, [Ticket(id=k) for k in "xyz"])
+    assert started.created == 3
+    assert [engine.get(r.id).status for r in started] == ["stopped", "scheduled", "scheduled"]
+
+
 def test_queue__drop_oldest_stops_the_oldest_queued_run(engine: Engine) -> None:
     wf = order_like("q-drop", max_queued=2, queue_overflow="drop_oldest")
     ids = []
