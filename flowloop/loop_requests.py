@@ -84,7 +84,12 @@ def first_unstarted(
     done = {round(slot, 3) for slot in started}
     end = min(request.end, now)
     if loop.cron is not None:
-        slot = loop.slot_after(math.nextafter(request.start, -math.inf))
+        # A millisecond before the start (slots are kept to the millisecond): one float ulp
+        # was undone by the cron reader's datetime, which keeps microseconds, and a slot
+        # falling exactly on --from was left out.
+        slot = loop.slot_after(request.start - 1e-3)
+        if slot < request.start:
+            slot = loop.slot_after(slot)
     else:
         if anchor is None:
             anchor = loop.start_at or 0.0

@@ -47,6 +47,20 @@ def test_first_unstarted__cron_in_a_zone_over_spring_forward() -> None:
     assert nxt == datetime(2026, 3, 29, 3, 0, tzinfo=zone).timestamp()  # 02:30 is missing
 
 
+def test_first_unstarted__a_cron_slot_exactly_at_from_is_in_the_range() -> None:
+    """``--from`` on a slot left it out (``--to`` on one kept it): the float step back
+    before the start was undone by the cron reader's datetime."""
+    nightly = Loop("n", tick, cron="0 2 * * *")
+    at_two = datetime(2026, 11, 20, 2, 0, tzinfo=ZoneInfo("UTC")).timestamp()
+    now = at_two + 10**6
+    assert first(nightly, BackfillRequest(at_two, at_two + 86400), now=now, started=[]) == at_two
+    assert first(nightly, BackfillRequest(at_two, at_two), now=now, started=[]) == at_two
+    half_past = Loop("m", tick, cron="30 * * * *")
+    assert first(
+        half_past, BackfillRequest(at_two + 0.0004, at_two + 3600), now=now, started=[]
+    ) == (at_two + 1800)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
