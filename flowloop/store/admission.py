@@ -24,6 +24,8 @@ from flowloop.store.entries import row_context
 from flowloop.store.inbox import kept_row
 from flowloop.store.schema import inbox, journal, runs
 
+_FINISHED: Final = ("failed", "stopped", "succeeded")
+
 ATTEMPTS: Final = 5
 """Tries when a concurrent start of the same key wins a race (nothing is written then)."""
 
@@ -285,7 +287,8 @@ class AdmissionStoreMixin:
             kept = conn.execute(
                 select(runs.c.workflow, func.count())
                 .select_from(inbox.join(runs, runs.c.id == inbox.c.run_id))
-                .where(inbox.c.consumed_seq.is_(None))
+                # A finished run's are never taken: counted, the gauge never came down.
+                .where(inbox.c.consumed_seq.is_(None), runs.c.status.not_in(_FINISHED))
                 .group_by(runs.c.workflow, inbox.c.run_id)
             ).all()
             dropped_events = conn.execute(

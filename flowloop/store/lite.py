@@ -259,7 +259,9 @@ class LiteStore:
             ).fetchall()
             kept = conn.execute(
                 f"SELECT r.workflow, count(*) FROM flowloop_inbox i JOIN {RUNS} r "
-                "ON r.id = i.run_id WHERE i.consumed_seq IS NULL GROUP BY r.workflow, i.run_id"
+                "ON r.id = i.run_id WHERE i.consumed_seq IS NULL "
+                "AND r.status NOT IN ('failed', 'stopped', 'succeeded') "
+                "GROUP BY r.workflow, i.run_id"
             ).fetchall()
             dropped_events = conn.execute(
                 f"SELECT r.workflow, count(*) FROM {JOURNAL} j JOIN {RUNS} r "
