@@ -31,18 +31,35 @@ class AdmissionError(FlowloopError):
 
 
 class StartThrottled(FlowloopError):
-    """A start over its throttle: wait until ``retry_at`` (UTC epoch seconds)."""
+    """A start over its throttle: wait until ``retry_at`` (UTC epoch seconds), that is
+    ``retry_in`` seconds from the refusal."""
 
     exit_code = EXIT_FAILURE
 
-    def __init__(self, workflow: str, key: str, limit: int, period: float, retry_at: float):
-        super().__init__(
-            f"start of {workflow!r} with key {key!r} refused: throttle of {limit} per "
-            f"{period:g}s reached; try again in {max(0.0, retry_at):.3g}s or later"
-        )
+    def __init__(
+        self, workflow: str, key: str, limit: int, period: float, *, retry_at: float, now: float
+    ):
         self.workflow = workflow
         self.key = key
         self.retry_at = retry_at
+        self.retry_in = max(0.0, retry_at - now)
+        super().__init__(
+            f"start of {workflow!r} with key {key!r} refused: throttle of {limit} per "
+            f"{duration_text(period)} reached; try again in {duration_text(self.retry_in)} "
+            "or later"
+        )
+
+
+def duration_text(seconds: float) -> str:
+    """``40s``, ``0.5s``, ``1m 30s``, ``1h``, ``1d 3h 46m 40s``: not ``3.6e+03s``."""
+    if seconds < 60:
+        return f"{seconds:.3g}s"
+    rest, parts = round(seconds), []
+    for unit, size in (("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)):
+        count, rest = divmod(rest, size)
+        if count:
+            parts.append(f"{count}{unit}")
+    return " ".join(parts)
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def admitted_start(
     if stored_or_none is None:
         engine._unmade(new)
         raise admission.StartThrottled(
-            workflow.name, group, limit.limit, limit.period, retry_at - now
+            workflow.name, group, limit.limit, limit.period, retry_at=retry_at, now=now
         )
     return stored_or_none
 

@@ -88,8 +88,14 @@ def test_throttle__over_the_limit_is_refused_until_the_oldest_leaves(
     b = engine.start(wf, Change(customer="c1", n=2), throttle=(2, 60))
     assert a.id != b.id
     engine.start(wf, Change(customer="c2", n=1), throttle=(2, 60))  # another key
-    with pytest.raises(StartThrottled, match=r"throttle of 2 per 60s reached; try again in 40s"):
+    with pytest.raises(
+        StartThrottled, match=r"throttle of 2 per 1m reached; try again in 40s"
+    ) as refused:
         engine.start(wf, Change(customer="c1", n=3), throttle=(2, 60))
+    # (retry_at is a time, as documented: it was the seconds to wait.)
+    assert (refused.value.retry_at, refused.value.retry_in) == (clock.now() + 40, 40)
+    with pytest.raises(StartThrottled, match=r"1 per 1d reached; try again in 1d or later"):
+        engine.start(wf, Change(customer="c1", n=3), throttle=(1, 86_400))
     assert len(engine.runs()) == 3  # nothing written
     clock.advance(41)
     engine.start(wf, Change(customer="c1", n=4), throttle=(2, 60))
