@@ -112,6 +112,7 @@ PG_CAUSES: Final = {
     "53200": "the database server is out of memory",
     "53300": "the database server has no connection slot left",
     "3D000": "the database does not exist",
+    "3F000": "no schema of its search_path exists: create it first (CREATE SCHEMA …)",
     "57P01": "the database server is shutting down",
     "57P03": "the database server is starting up or not accepting connections",
 }
@@ -181,6 +182,16 @@ def _sqlite_cause(path: Path, code: int | None) -> str | None:
     return None
 
 
+def _refused_connection(detail: str) -> str | None:
+    """Why the server answered a connection with a refusal (libpq gives no SQLSTATE for
+    it, only the server's message): it was reached, so not "unreachable"."""
+    if "does not exist" in detail and 'database "' in detail:
+        return PG_CAUSES["3D000"]
+    if "authentication failed" in detail or ("role " in detail and "does not exist" in detail):
+        return PG_CLASS_CAUSES["28"]
+    return None
+
+
 def describe(error: BaseException, url: str) -> str:
     """One line for a storage error: the database, the cause in words when it is known,
     and the driver's own first line."""
@@ -195,6 +206,6 @@ def describe(error: BaseException, url: str) -> str:
         state = sqlstate(error)
         cause = None if state is None else PG_CAUSES.get(state, PG_CLASS_CAUSES.get(state[:2]))
         if cause is None and isinstance(error, OperationalError) and state is None:
-            cause = "the database server is unreachable"
+            cause = _refused_connection(detail) or "the database server is unreachable"
     text = f"database {where}: {cause} ({detail})" if cause else f"database {where}: {detail}"
     return text.replace("\n", " ")

@@ -25,6 +25,7 @@ from sqlalchemy import (
     inspect,
     or_,
     select,
+    text,
     update,
 )
 from sqlalchemy.exc import (
@@ -355,10 +356,7 @@ class SQLStore(
                         "point --db at a new file or schema"
                     )
                 if not create:
-                    raise MissingDatabase(
-                        f"{url} has no flowloop schema yet (a command that writes, or "
-                        "`flowloop db upgrade`, creates it)"
-                    )
+                    raise MissingDatabase(f"{url} has no flowloop schema yet {_creating(conn)}")
                 migrate.upgrade(conn)  # a new database: create the schema at head
                 return
             migrate.check(conn, url)
@@ -381,10 +379,8 @@ class SQLStore(
         try:
             with self._schema_write() as conn:
                 return migrate.upgrade(conn, url)
-        except SQLAlchemyError as error:
-            raise StoreError(
-                f"cannot upgrade database {url}: {dialect.first_line(error)}"
-            ) from error
+        except SQLAlchemyError as error:  # (the cause in words where it is known)
+            raise StoreError(f"cannot upgrade {outage.describe(error, self.url)}") from error
 
     def _build_statements(self) -> None:
         self._build_appends()
@@ -764,3 +760,17 @@ class SQLStore(
         with self._read() as conn:
             value = conn.execute(query, params).scalar_one_or_none()
         return None if value is None else float(value)
+
+
+def _creating(conn: Connection) -> str:
+    """How the missing schema gets created: on PostgreSQL none can be while no schema of
+    the search_path exists (CREATE SCHEMA first)."""
+    if (
+        conn.dialect.name != "sqlite"
+        and conn.execute(text("SELECT current_schema()")).scalar() is None
+    ):
+        return (
+            "and no schema of its search_path exists: create one (CREATE SCHEMA …), then a "
+            "command that writes, or `flowloop db upgrade`, creates flowloop's tables in it"
+        )
+    return "(a command that writes, or `flowloop db upgrade`, creates it)"

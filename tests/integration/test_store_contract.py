@@ -908,3 +908,22 @@ def count_statements(store: SQLStore, action: Any) -> Counted:
         del store._executed_pg
         sa.event.remove(store.engine, "before_cursor_execute", before)
     return counted
+
+
+def test_open__postgres_refusals_say_what_the_server_said(pg_url: str) -> None:
+    """A database that does not exist and an unknown role were both "the database server
+    is unreachable" (libpq gives no SQLSTATE for a refused connection); a search_path
+    naming no existing schema was told `flowloop db upgrade` would create the tables,
+    which it could not."""
+    from conftest import pg_base_url, with_search_path
+
+    base = sa.make_url(pg_base_url())
+    with pytest.raises(StoreError, match="the database does not exist"):
+        SQLStore(base.set(database="flowloop_no_such_db").render_as_string(hide_password=False))
+    with pytest.raises(StoreError, match="refused the credentials"):
+        SQLStore(base.set(username="flowloop_no_such_role").render_as_string(hide_password=False))
+    nowhere = with_search_path(pg_base_url(), "flowloop_no_such_schema")
+    with pytest.raises(StoreError, match=r"no schema of its search_path exists: create one"):
+        SQLStore(nowhere, create=False)
+    with pytest.raises(StoreError, match=r"no schema of its search_path exists: create it first"):
+        SQLStore(nowhere)
