@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Literal
+from zoneinfo import ZoneInfo
 
 from cronsim import CronSim, CronSimError
 from pydantic import BaseModel
@@ -100,7 +101,7 @@ class Loop:
         *,
         every: float | timedelta | None = None,
         cron: str | None = None,
-        tz: str | None = None,
+        tz: str | ZoneInfo | None = None,
         mode: Mode = "fixed_rate",
         workflow: Workflow | None = None,
         context: BaseModel | dict[str, Any] | Callable[[Iteration], Any] | None = None,
@@ -125,6 +126,8 @@ class Loop:
             raise bad(f"every={every!r} must be a positive duration")
         if cron is not None and (not isinstance(cron, str) or not _cron_valid(cron)):
             raise bad(f"cron={cron!r} is not a valid cron expression (e.g. '*/5 * * * *')")
+        if isinstance(tz, ZoneInfo):
+            tz = tz.key  # kept by its IANA name (stored, shown); None: made from a file
         if tz is not None:
             if cron is None:
                 raise bad("tz= applies to cron= schedules (every= runs in elapsed time)")

@@ -117,6 +117,15 @@ def test_cron_tz__utc_default_is_unchanged() -> None:
     )
 
 
+def test_cron_tz__a_zoneinfo_is_taken_by_its_name() -> None:
+    """``tz=ZoneInfo("UTC")`` was refused as "not an IANA time-zone name"."""
+    from zoneinfo import ZoneInfo
+
+    named = Loop("b", tick, cron="30 2 * * *", tz=ZoneInfo(BERLIN))
+    assert (named.tz, named.schedule) == (BERLIN, "cron 30 2 * * * (Europe/Berlin)")
+    assert named.slot_after(0) == Loop("b", tick, cron="30 2 * * *", tz=BERLIN).slot_after(0)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
