@@ -179,6 +179,12 @@ def test_cli__stats_table_json_and_window(here: Path) -> None:
     everything = json.loads(here_cli(here, "stats", "--since", "all", "--json"))
     assert everything["since"] is None and len(everything["states"]) == 2
 
+    # A misspelt workflow was answered as if it had been quiet.
+    misspelt = " ".join(here_cli(here, "stats", "jbos").split())
+    assert misspelt.startswith("nothing journaled since ")
+    assert misspelt.endswith(
+        "for workflow jbos; this database has no workflow 'jbos' (known: jobs)"
+    )
     bad = flowloop("stats", "--since", "soon", "--db", "jobs.db", cwd=here, code=2)
     assert bad.stderr.strip().splitlines() == [
         "error: --since 'soon' is not a duration (use seconds or e.g. 500ms, 30s, 5m, 2h, 7d)"
