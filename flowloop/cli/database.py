@@ -1,5 +1,5 @@
-"""Commands on the database: `db upgrade` and `db revision` (the schema), `stats` (figures
-from the journals) and `prune` (old finished runs)."""
+"""Commands on the database: `db upgrade`, `db current` and `db revision` (the schema),
+`stats` (figures from the journals) and `prune` (old finished runs)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,37 @@ def upgrade(db: str | None, synchronous: str, as_json: bool) -> None:
         out.print(f"schema already at revision {after}")
     else:
         out.print(f"schema upgraded from {before or 'nothing'} to {after}")
+
+
+@db.command()
+@db_option
+@json_option
+def current(db: str | None, synchronous: str, as_json: bool) -> None:
+    """Show the database's schema revision and this flowloop's, changing nothing (exit 1
+    when `flowloop db upgrade` has work to do)."""
+    from flowloop.cli import support
+    from flowloop.store import migrate
+    from flowloop.store.sql import SQLStore
+    from flowloop.store.urls import normalize_url
+
+    url = database(db)
+    support.require_database(url)
+    store = SQLStore(normalize_url(url), synchronous=synchronous, check_schema=False)
+    try:
+        with store.engine.connect() as conn:
+            found = migrate.current(conn)
+    finally:
+        store.close()
+    head = migrate.head()
+    if as_json:
+        click.echo(json.dumps({"revision": found, "head": head, "current": found == head}))
+    elif found == head:
+        out.print(f"schema at revision {found}, this flowloop's: nothing to upgrade")
+    else:
+        shown = found or "none (no flowloop schema)"
+        out.print(f"schema at revision {shown}; this flowloop's is {head}: `flowloop db upgrade`")
+    if found != head:
+        raise SystemExit(1)
 
 
 @db.command()

@@ -417,3 +417,34 @@ def test_cli__check_has_json_output(here: Path) -> None:
     data = json.loads(here_cli(here, "check", str(here / "jobs.py"), "--json"))
     assert data["stranded"] == []
     assert [(w["name"], w["states"]) for w in data["workflows"]] == [("jobs", 3)]
+
+
+def test_cli__db_current_tells_the_revision_without_changing_it(tmp_path: Path) -> None:
+    """There was no read-only way to see a database's schema revision: `db upgrade` was the
+    only `db` command for it."""
+    import sqlite3
+
+    from flowloop.store import migrate
+
+    path = tmp_path / "rev.db"
+    runner = CliRunner()
+    missing = runner.invoke(cli, ["db", "current", "--db", str(path)])
+    assert "no database at" in str(missing.exception) and not path.exists()
+    assert runner.invoke(cli, ["db", "upgrade", "--db", str(path)]).exit_code == 0
+    now = runner.invoke(cli, ["db", "current", "--db", str(path), "--json"])
+    assert now.exit_code == 0
+    head = migrate.head()
+    assert json.loads(now.stdout) == {"revision": head, "head": head, "current": True}
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"UPDATE {migrate.VERSION_TABLE} SET version_num = '0012'")
+    conn.close()
+    behind = runner.invoke(cli, ["db", "current", "--db", str(path)])
+    assert behind.exit_code == 1
+    assert " ".join(behind.stdout.split()) == (
+        f"schema at revision 0012; this flowloop's is {head}: `flowloop db upgrade`"
+    )
+    with sqlite3.connect(path) as conn:  # and nothing was changed
+        assert conn.execute(f"SELECT version_num FROM {migrate.VERSION_TABLE}").fetchall() == [
+            ("0012",)
+        ]
+    conn.close()
