@@ -12,6 +12,7 @@ ignored on SQLite).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
@@ -67,7 +68,6 @@ PG_CONNECTION_DEFAULTS: Final[dict[str, int]] = {
     "keepalives_count": 3,
 }
 """libpq connection parameters flowloop sets unless the URL sets them (``?keepalives_idle=…``)."""
-SQLITE_HEADER: Final = b"SQLite format 3\x00"
 VERSION_TABLE: Final = "flowloop_alembic_version"
 """The table that marks a flowloop database (flowloop.store.migrate.VERSION_TABLE)."""
 
@@ -167,22 +167,36 @@ def _sqlite_file(url: URL) -> Path | None:
     return Path(os.path.abspath(database))
 
 
-def _foreign_tables(path: Path) -> list[str] | None:
-    """The tables of an existing SQLite file when it is not a flowloop database (``[]``:
-    it has none), read without changing a byte of it; ``None`` when it is flowloop's or
-    cannot be read that way (the store's own check then decides)."""
+def _refuse_unless_ours(path: Path) -> None:
+    """Refuse an existing file that is not SQLite, or another application's database (its
+    tables named), before anything — switching it to WAL rewrites its header — touches
+    it; read without changing a byte of it.
+
+    Read through SQLite itself, never by a plain ``open()``: closing any descriptor of a
+    file drops every POSIX lock this process holds on it (SQLite's "How To Corrupt An
+    SQLite Database File", 2.2). A second engine opened beside a busy one dropped the first
+    one's locks so, and other processes checkpointed and reset the WAL under it: "database
+    disk image is malformed". SQLite's own connections share their locks per file."""
     try:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5)
     except sqlite3.Error:
-        return None
+        return  # (the store's own open says what is wrong)
     try:
         rows = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
-    except sqlite3.Error:
-        return None
+    except sqlite3.DatabaseError as error:
+        if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_NOTADB:
+            raise WrongDatabase(
+                f"{path} is not a SQLite database (point --db at a new file)"
+            ) from None
+        return
     finally:
         conn.close()
     tables = sorted(str(row[0]) for row in rows)
-    return None if VERSION_TABLE in tables else tables
+    if tables and VERSION_TABLE not in tables:
+        raise WrongDatabase(
+            f"{path} is not a flowloop database (it has tables {', '.join(tables[:5])}); "
+            "point --db at a new file"
+        )
 
 
 def _prepare_sqlite_file(url: URL) -> None:
@@ -192,18 +206,7 @@ def _prepare_sqlite_file(url: URL) -> None:
     if path.is_dir():
         raise WrongDatabase(f"{path} is a directory, not a database file")
     if path.exists():
-        with path.open("rb") as handle:
-            header = handle.read(len(SQLITE_HEADER))
-        if header and header != SQLITE_HEADER:
-            raise WrongDatabase(f"{path} is not a SQLite database (point --db at a new file)")
-        # Another application's database: refuse it before anything (switching it to WAL
-        # rewrites its header) touches it.
-        foreign = _foreign_tables(path) if header else None
-        if foreign:
-            raise WrongDatabase(
-                f"{path} is not a flowloop database (it has tables {', '.join(foreign[:5])}); "
-                "point --db at a new file"
-            )
+        _refuse_unless_ours(path)
         return
     if url.query.get("mode") == "ro":
         return
@@ -211,9 +214,11 @@ def _prepare_sqlite_file(url: URL) -> None:
         raise WrongDatabase(
             f"directory {path.parent} does not exist (create it or choose another --db)"
         )
-    # Created by us, readable by the owner only: contexts may hold personal data.
-    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
-    os.close(fd)
+    # Created by us, readable by the owner only: contexts may hold personal data. Only if
+    # it is still missing (O_EXCL): a descriptor of a file another engine of this process
+    # opened meanwhile would drop its locks when closed (see _refuse_unless_ours).
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
 
 
 def _enter_wal(cursor: sqlite3.Cursor) -> None:

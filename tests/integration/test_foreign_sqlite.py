@@ -48,3 +48,41 @@ def test_a_file_uri_database_is_created_private(tmp_path: Path) -> None:
     with Engine(f"sqlite:///file:{path}?uri=true") as engine:
         assert engine.runs() == []
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_second_engine_on_a_file_in_use_keeps_the_first_ones_locks(tmp_path: Path) -> None:
+    """Opening a second engine on a file this process already uses read the file's header
+    through a plain descriptor; closing it dropped every POSIX lock the process held on the
+    file (SQLite's "How To Corrupt", 2.2). Another process could then change the journal
+    mode or reset the WAL under the first engine: workers logged "database disk image is
+    malformed". The first engine's shared lock holds after the second opens."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "busy.db"
+    probe = (
+        "import sqlite3, sys\n"
+        "conn = sqlite3.connect(sys.argv[1], timeout=0)\n"
+        "try:\n"
+        "    print(conn.execute('PRAGMA journal_mode=DELETE').fetchone()[0])\n"
+        "except sqlite3.OperationalError as error:\n"
+        "    print(error)\n"
+    )
+
+    def another_process_switches_the_journal() -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", probe, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    with Engine(str(path)) as first:
+        first.runs()  # its connection open, holding the file's shared lock (WAL)
+        assert another_process_switches_the_journal() == "database is locked"
+        with Engine(str(path)) as second:
+            second.runs()
+            assert another_process_switches_the_journal() == "database is locked"
+        assert another_process_switches_the_journal() == "database is locked"
