@@ -10,8 +10,10 @@ Contract:
   ended)`` children (by item index) are due; the others are created *held* (scheduled,
   ``join_state`` "held", no due time). Each child's first end — the transaction of its
   final boundary — marks the child reported, adds one to its join's counter, makes the
-  next held child due and, when that was the last child, makes the parent due. No scan
-  per child, no timer.
+  next held child due (the first still held from that frontier on) and, when that was the
+  last child, makes the parent due. A child that ends while held (stopped) took no slot:
+  it frees none, and lowers the join row's stored ``max_parallel`` by one so that the
+  frontier stays where it was. No scan per child, no timer.
 * The parent's own "children started" boundary is written with :meth:`wait_join`, which
   makes it due in the same transaction if every child has already ended.
 """
@@ -30,7 +32,6 @@ from sqlalchemy import (
     exists,
     func,
     insert,
-    or_,
     select,
     update,
 )
@@ -63,13 +64,20 @@ OUTCOME_COLUMNS: Final = {"succeeded": joins.c.succeeded, "failed": joins.c.fail
 # A child's end, told to its join (JoinStoreMixin._report_ends): its statements built once.
 # Built per end, SQLAlchemy's construction of them cost more than running them (a map of
 # 2,000 items: 40 % of engine.run's time under cProfile).
-_MARK_END: Final = (
-    update(runs)
-    .where(
-        runs.c.id == bindparam("r_id"),
-        or_(runs.c.join_state == "open", runs.c.join_state == "held"),
-    )
+_MARK_END: Final = {
+    # A child's first end, told apart by where it ended: open (it held a slot, which the
+    # next held child takes) or held (it never took one).
+    was: update(runs)
+    .where(runs.c.id == bindparam("r_id"), runs.c.join_state == was)
     .values(join_state=bindparam("r_outcome"))
+    for was in ("open", "held")
+}
+_ENDED_HELD: Final = (
+    # The frontier (the first max_parallel + ended children may be due) moves with the
+    # ends that free a slot only: a held child's end lowers the stored bound by one.
+    update(joins)
+    .where(joins.c.id == bindparam("j_id"))
+    .values(max_parallel=joins.c.max_parallel - 1)
 )
 _COUNT_END: Final = {
     column.name: update(joins).where(joins.c.id == bindparam("j_id")).values({column: column + 1})
@@ -82,22 +90,26 @@ _LOCK_JOINS: Final = (
     .order_by(joins.c.id)
     .with_for_update()
 )
-_RELEASE_NEXT: Final = (
-    update(runs)
+_FIRST_HELD: Final = (
+    # The held child whose turn it is: the first from the frontier on (one that ended while
+    # held is passed by: it took no slot, and its turn frees none). By the join index.
+    select(runs.c.id)
     .where(
         runs.c.join_id == bindparam("j_id"),
-        runs.c.child_index == bindparam("r_index"),
+        runs.c.child_index >= bindparam("r_index"),
         runs.c.join_state == "held",
     )
+    .order_by(runs.c.child_index)
+    .limit(1)
+)
+_RELEASE_NEXT: Final = (
+    update(runs)
+    .where(runs.c.id == bindparam("r_id"), runs.c.join_state == "held")
     .values(join_state="open", next_run_at=bindparam("r_at"))
 )
 _HELD_NEXT: Final = (
     select(runs.c.id, runs.c.last_seq, runs.c.state, runs.c.fingerprint, runs.c.owner)
-    .where(
-        runs.c.join_id == bindparam("j_id"),
-        runs.c.child_index == bindparam("r_index"),
-        runs.c.join_state == "held",
-    )
+    .where(runs.c.id == bindparam("r_id"), runs.c.join_state == "held")
     # PostgreSQL: a writer of the child (it holds the row KEY SHARE until it commits)
     # passes it by: this transaction holds the join's row, and waiting on that writer's
     # journal entry could deadlock with its own end. SQLite: one writer at a time.
@@ -465,7 +477,10 @@ class JoinStoreMixin:
         which clears the due time. (Other children's turns are not: an entry per child
         would cost every map its share of a write. Nor is the turn of a child another
         writer is writing this instant, or a worker holds: it is released as before.)"""
-        where = {"j_id": join_id, "r_index": index, "r_at": at}
+        target = conn.execute(_FIRST_HELD, {"j_id": join_id, "r_index": index}).scalar()
+        if target is None:
+            return  # (the rest are not created yet: created due, by the frontier)
+        where = {"r_id": target, "r_at": at}
         held = conn.execute(_HELD_NEXT, where).first()
         if (
             held is not None
@@ -520,14 +535,17 @@ class JoinStoreMixin:
             record: RunRecord = boundary.record
             outcome = record.status
             at = boundary.events[-1].at if boundary.events else 0.0
-            marked = conn.execute(_MARK_END, {"r_id": record.id, "r_outcome": outcome}).rowcount
-            if marked != 1:
+            mark = {"r_id": record.id, "r_outcome": outcome}
+            freed = conn.execute(_MARK_END["open"], mark).rowcount == 1
+            if not freed and conn.execute(_MARK_END["held"], mark).rowcount != 1:
                 continue  # reported before (an operator retried a failed child)
             column = OUTCOME_COLUMNS.get(outcome, joins.c.stopped)
             conn.execute(_COUNT_END[column.name], {"j_id": record.join})
+            if not freed:  # ended held (stopped): it frees no slot
+                conn.execute(_ENDED_HELD, {"j_id": record.join})
             join = _join(conn.execute(_READ_JOIN, {"j_id": record.join}).one())
             nxt = join.runnable() - 1
-            if join.ended + join.max_parallel <= join.total and nxt < join.created:
+            if freed and join.ended + join.max_parallel <= join.total and nxt < join.created:
                 # The held child whose turn it is now (one not created yet is created due).
                 self._release(conn, join.id, nxt, at)
             if join.complete:

@@ -670,7 +670,7 @@ def _held_item(name: str, **options: Any) -> Workflow:
     return item
 
 
-def _one_at_a_time(name: str, child: Workflow, **options: Any) -> Workflow:
+def _one_at_a_time(name: str, child: Workflow, max_parallel: int = 1, **options: Any) -> Workflow:
     """A map of ``child`` over ``ctx.items``, one child at a time (the rest held)."""
     fan = Workflow(name, context=Item)
     fan.map(
@@ -678,7 +678,7 @@ def _one_at_a_time(name: str, child: Workflow, **options: Any) -> Workflow:
         child=child,
         items=lambda ctx: ctx.items,
         context=lambda ctx, n: Item(n=n),
-        max_parallel=1,
+        max_parallel=max_parallel,
         on={"done": "done"},
         initial=True,
         **options,
@@ -1065,3 +1065,43 @@ def test_a_held_map_child_a_worker_holds_at_its_turn_keeps_its_next_write(
         assert (info.status, info.state, info.owner) == ("succeeded", "late", None), info
         assert engine.get(top).status == "succeeded"
         assert_journal_sound(engine, second.id)
+
+
+@pytest.mark.parametrize("stopped", [[4, 5], [2], [3, 2]])
+def test_a_held_map_child_stopped_takes_no_slot_and_frees_none(
+    store_url: str, stopped: list[int]
+) -> None:
+    """A held child that ended (an operator's stop) counted as a slot freed: another held
+    child was released for it, and with the held ones stopped a map of ``max_parallel=2``
+    had six children running (fault-injection audit). Nor may a stopped child at the head
+    of the queue swallow the next release."""
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("slot_item")
+    fan = _one_at_a_time("fan_slots", item, max_parallel=2, tolerate_failures=2)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1, 2, 3, 4, 5])).id
+        engine.run_until_idle(idle_horizon=0)
+        children = sorted(engine.runs(workflow="slot_item"), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        ids = [c.id for c in children]
+
+        def running() -> list[int]:
+            store: Any = engine.store
+            return [
+                n
+                for n, run_id in enumerate(ids)
+                if engine.get(run_id).status == "scheduled" and not store.is_held(run_id)
+            ]
+
+        assert running() == [0, 1]
+        for n in stopped:
+            engine.stop(ids[n])
+            assert running() == [0, 1]
+        for n in range(6):
+            if n in stopped:
+                continue
+            assert len(running()) <= 2
+            assert engine.send(ids[n], "go").status == "applied"
+            engine.run_until_idle(idle_horizon=0)
+            queued = [m for m in range(n + 1, 6) if m not in stopped]
+            assert running() == queued[:2], (n, running())
+        assert engine.get(top).status == "succeeded"
