@@ -32,7 +32,7 @@ from flowloop.errors import FlowloopError, Interrupted, error_line
 from flowloop.events import check_visits, entering
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSES, STOP
+from flowloop.lifecycle import CONTROLS, FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSES, STOP
 from flowloop.store import Boundary, Fence, NewRun, Store, StoredRun
 from flowloop.store.joins import JoinRow, JoinStoreMixin
 
@@ -256,6 +256,7 @@ async def drive(
             if store.start_children(row, batch_of(0), boundary, at=now):
                 executor.note_committed(boundary)  # the row as written (wait_join's may not be)
                 _waited(executor, boundary)
+                honour_left_request(executor, record.id)
             return None
         if not await flush():
             return None
@@ -276,7 +277,45 @@ async def drive(
     boundary = _waiting(executor, spec, record, fence, join_id, join.total, again=again)
     if store.wait_join(boundary, join_id):
         _waited(executor, boundary)
+        honour_left_request(executor, record.id)
     return None
+
+
+def honour_left_request(executor: Executor, run_id: str) -> None:
+    """A pause or stop asked of a parent while its worker fanned out: the operator's
+    cascade read the children there were then, and the fan-out's boundary let the parent
+    go waiting with the request on it — which no claim would come to honour (shown
+    ``scheduled`` for ever), the children made since neither stopped nor paused. Honoured
+    now, as for a run nobody holds (fenced on the request: an operator doing the same
+    meanwhile writes it once), and carried to every child."""
+    store, worker = executor.store, executor.worker_id
+    stored = store.get_run(run_id)
+    if stored is None or stored.owner is not None or stored.control not in CONTROLS:
+        return
+    action = stored.control
+    kind, data = j.control_entry(action)
+    event = JournalEvent(
+        run_id=run_id,
+        seq=stored.record.last_seq + 1,
+        kind=kind,
+        at=executor.clock.now(),
+        state=stored.record.state,
+        worker=worker,
+        data=data,
+    )
+    boundary = Boundary(
+        events=[event],
+        record=j.apply(stored.record, event),
+        fence=Fence(None, stored.lease_epoch),
+        clear_control=True,
+        seen_control=action,
+    )
+    if not store.write([boundary])[0]:
+        return  # moved meanwhile: whoever moved it has the request in hand
+    if action == STOP:
+        stop_children(store, run_id, now=event.at, worker=worker, reason="its parent was stopped")
+    else:
+        pause_children(store, run_id, now=event.at, worker=worker)
 
 
 def _waiting(
@@ -465,34 +504,64 @@ async def past_deadline(
     return moved
 
 
-def stop_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
+def stop_children(
+    store: Store,
+    run_id: str,
+    *,
+    now: float,
+    worker: str,
+    reason: str = "its parent's deadline passed",
+) -> int:
     """Stop the live children of ``run_id`` (and theirs): at once when nobody holds one,
     else by a request its worker honours at the next boundary. Returns how many."""
     if not isinstance(store, JoinStoreMixin):
         return 0
     count = 0
     for child in store.live_children(run_id):
-        count += stop_children(store, child.id, now=now, worker=worker)
-        count += _stop_child(store, child, now=now, worker=worker)
+        count += stop_children(store, child.id, now=now, worker=worker, reason=reason)
+        count += _control_child(store, child, STOP, now=now, worker=worker, reason=reason)
     return count
 
 
-def _stop_child(store: Store, child: StoredRun, *, now: float, worker: str) -> bool:
-    """Stop one child as it is now: ask its worker (held or running), else write its stop
-    (fenced on its row as read: claimed, ended or asked something meanwhile, look again)."""
+def pause_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
+    """Pause the live children of ``run_id`` (and theirs) as a parent's pause does (reason
+    "parent paused", so that its unpause unpauses them): at once when nobody holds one,
+    else by a request. A child paused already, or asked to pause or stop, is left as it is.
+    Returns how many."""
+    if not isinstance(store, JoinStoreMixin):
+        return 0
+    count = 0
+    for child in store.live_children(run_id):
+        if child.record.status == "paused" or child.control in (*PAUSES, STOP):
+            continue
+        count += pause_children(store, child.id, now=now, worker=worker)
+        count += _control_child(
+            store, child, PARENT_PAUSE, now=now, worker=worker, reason=PARENT_PAUSED
+        )
+    return count
+
+
+def _control_child(
+    store: Store, child: StoredRun, action: str, *, now: float, worker: str, reason: str
+) -> bool:
+    """Stop or pause (``action``: STOP or PARENT_PAUSE) one child as it is now: ask its
+    worker (held or running), else write it (fenced on its row as read: claimed, ended or
+    asked something meanwhile, look again)."""
+    kind, _ = j.control_entry(action)
+    unless = () if action == STOP else (STOP, *PAUSES)
     for _ in range(STOP_ATTEMPTS):
         if child.record.status in FINISHED:
             return False
         if child.owner is not None or child.record.status == "running":
-            return store.request_control(child.id, STOP)
+            return store.request_control(child.id, action, unless=unless)
         event = JournalEvent(
             run_id=child.id,
             seq=child.record.last_seq + 1,
-            kind=j.RUN_STOPPED,
+            kind=kind,
             at=now,
             state=child.record.state,
             worker=worker,
-            data={"reason": "its parent's deadline passed"},
+            data={"reason": reason},
         )
         boundary = Boundary(
             events=[event],
@@ -507,7 +576,8 @@ def _stop_child(store: Store, child: StoredRun, *, now: float, worker: str) -> b
         if fresh is None:
             return False
         child = fresh
-    return store.request_control(child.id, STOP)  # still moving: its next claim stops it
+    # Still moving: its next claim honours it.
+    return store.request_control(child.id, action, unless=unless)
 
 
 async def claimed(

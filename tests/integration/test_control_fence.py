@@ -12,7 +12,7 @@ import pytest
 from storekit import event, new_run, pause, start_step
 
 from flowloop import journal as j
-from flowloop.children import _stop_child
+from flowloop.children import _control_child
 from flowloop.store import Boundary, SQLStore, StoredRun
 
 
@@ -179,13 +179,17 @@ def test_a_write_that_does_not_clear_the_request_is_not_fenced_on_it(
     assert _row(store, start.run_id).control == "stop"
 
 
+def _stop_child(store: SQLStore, stored: Any) -> bool:
+    return _control_child(store, stored, "stop", now=time.time(), worker="w", reason="test")
+
+
 def test_a_childs_stop_refused_looks_at_the_child_again(store: SQLStore) -> None:
     """A child read with no request, asked to stop meanwhile (its parent's deadline path):
     the stop entry, fenced on what was read, is refused; the child is read again and
     stopped, its request cleared."""
     stored, _ = store.create_run(new_run())
     assert store.request_control(stored.id, "stop")  # after the read below was made
-    assert _stop_child(store, stored, now=time.time(), worker="w")
+    assert _stop_child(store, stored)
     row = _row(store, stored.id)
     assert (row.record.status, row.control) == ("stopped", None)
 
@@ -196,7 +200,7 @@ def test_a_child_claimed_meanwhile_is_asked_to_stop(store: SQLStore) -> None:
         worker="a", now=time.time(), limit=1, lease_seconds=30, run_ids=[stored.id]
     )
     assert [c.id for c in claimed] == [stored.id]
-    assert _stop_child(store, stored, now=time.time(), worker="w")  # as read: nobody's
+    assert _stop_child(store, stored)  # as read: nobody's
     row = _row(store, stored.id)
     assert (row.owner, row.control) == ("a", "stop"), row
     assert row.record.last_seq == stored.record.last_seq  # nothing journaled: its owner stops it
@@ -210,6 +214,6 @@ def test_a_child_that_ended_meanwhile_is_left_alone(store: SQLStore) -> None:
     stopped = event(record, j.RUN_STOPPED, state=record.state)
     ending = Boundary(events=[stopped], record=j.apply(record, stopped), fence=pause(stored).fence)
     assert store.write([ending]) == [True]
-    assert not _stop_child(store, stored, now=time.time(), worker="w")
+    assert not _stop_child(store, stored)
     row = _row(store, stored.id)
     assert (row.record.status, row.control) == ("stopped", None)

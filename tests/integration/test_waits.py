@@ -1105,3 +1105,59 @@ def test_a_held_map_child_stopped_takes_no_slot_and_frees_none(
             queued = [m for m in range(n + 1, 6) if m not in stopped]
             assert running() == queued[:2], (n, running())
         assert engine.get(top).status == "succeeded"
+
+
+@pytest.mark.parametrize("action", ["stop", "pause"])
+@pytest.mark.parametrize("fan_out", ["one transaction", "in batches"])
+def test_a_request_made_while_a_parent_fans_out_reaches_every_child(
+    store_url: str, action: str, fan_out: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's stop or pause of a parent its worker held in its fan-out: the cascade
+    read the children that existed then, the request waited for the worker's next
+    boundary — and the fan-out's own let the parent go waiting, the request on it for ever
+    (shown `scheduled`), the children made after the read neither stopped nor paused
+    (fault-injection audit: 1,003 children of a stopped map left waiting)."""
+    from flowloop import children as kids
+    from flowloop.store.joins import JoinStoreMixin
+
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("fanned_item")
+    fan = _one_at_a_time("fanned", item, max_parallel=2)
+    items = list(range(3 if fan_out == "one transaction" else 7))
+    monkeypatch.setattr(kids, "CREATE_BATCH", 3)  # (7 items: three batches)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=items)).id
+        hooked = "start_children" if fan_out == "one transaction" else "create_children"
+        original = getattr(JoinStoreMixin, hooked)
+        asked: list[str] = []
+
+        def ask() -> None:
+            with Engine(store_url, clock=clock) as other:
+                asked.append(getattr(other, action)(top).status)
+
+        def operator_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # A call or small map: before its one transaction; a large map: after its
+            # first batch. Either way while the worker holds the parent.
+            if not asked and hooked == "start_children":
+                ask()
+            made = original(self, *args, **kwargs)
+            if not asked:
+                ask()
+            return made
+
+        monkeypatch.setattr(JoinStoreMixin, hooked, operator_meanwhile)
+        engine.run_until_idle(idle_horizon=0)
+        monkeypatch.undo()
+        assert len(asked) == 1  # asked while its worker held it
+        parent = engine.get(top)
+        kids_now = [engine.get(r.id) for r in engine.runs(workflow="fanned_item")]
+        assert len(kids_now) == len(items)
+        if action == "stop":
+            assert parent.status == "stopped"
+            assert {c.status for c in kids_now} == {"stopped"}
+        else:
+            assert parent.status == "paused"
+            assert engine.store.get_run(top).control is None  # type: ignore[union-attr]
+            assert {(c.status, c.reason) for c in kids_now} == {("paused", "parent paused")}
+            engine.unpause(top)
+            assert {engine.get(c.id).status for c in kids_now} == {"scheduled"}
