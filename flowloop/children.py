@@ -497,11 +497,14 @@ async def past_deadline(
         workflow.on_deadline,
         extra={"run": record.id, "event": "deadline_passed"},
     )
-    moved = await executor._advance(workflow, record, fence, event)
     if record.state in workflow.composites:  # its children are no longer waited for
+        # Stopped before the parent moves on: stopped after, a crash between left them
+        # live for ever (a finished parent's children are recovered by nothing); stopped
+        # first, a crash between leaves the parent past its deadline, and its next claim
+        # comes back here.
         stopped = stop_children(executor.store, record.id, now=now, worker=executor.worker_id)
         log.info("run %s: deadline passed; %d child run(s) stopped", record.id, stopped)
-    return moved
+    return await executor._advance(workflow, record, fence, event)
 
 
 def stop_children(

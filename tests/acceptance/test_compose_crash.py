@@ -216,3 +216,85 @@ def test_compose_crash__killed_at_every_commit_then_resume_is_exact(
         cut += 1
     assert cut >= 3, f"{workload}: only {cut} commit boundaries cut"
     print(f"{workload}: killed at each of {cut} commits, then finished uninterrupted")
+
+
+DEADLINE_SCRIPT = """
+import os
+import sys
+from datetime import timedelta
+
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Workflow
+from flowloop import journal as j
+
+
+class One(BaseModel):
+    n: int = 0
+
+
+child = Workflow("late_child", context=One)
+child.wait("w", on={"go": "done"}, initial=True)
+child.final("done")
+parent = Workflow("late_parent", context=One, deadline=timedelta(hours=1), on_deadline="late")
+parent.call("call", child=child, context=lambda ctx: One(), on={"succeeded": "done"}, initial=True)
+parent.final("done", "late")
+
+url, mode = sys.argv[1], sys.argv[2]
+clock = FakeClock(1_800_000_000.0, auto_advance=False)
+with Engine(url, clock=clock, workflows=[child, parent]) as engine:
+    if mode == "start":
+        engine.start(parent, One())
+        engine.run_until_idle(idle_horizon=0)
+    elif mode == "die after the deadline's entry":
+        clock.advance(3605)
+        write = engine.store.write
+
+        def then_die(boundaries):
+            applied = write(boundaries)
+            if any(e.kind == j.DEADLINE_PASSED for b in boundaries for e in b.events):
+                os._exit(9)  # as a SIGKILL the instant the parent's move is committed
+            return applied
+
+        engine.store.write = then_die
+        engine.run_until_idle(idle_horizon=0)
+    else:
+        clock.advance(3610)
+        engine.resume()
+    for run in engine.runs():
+        print(run.workflow, run.status, run.state)
+"""
+
+
+def test_a_crash_after_a_deadline_moved_the_parent_leaves_no_child_waiting(
+    tmp_path: Path,
+) -> None:
+    """A call parent whose deadline passed journaled its move, then stopped its children
+    in a separate step: a worker killed in between left the child waiting for ever (its
+    parent ended, nothing recovers a finished parent's children). The children are
+    stopped first now; the parent's move after them (a crash between: its next claim
+    moves it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late.py"
+    script.write_text(DEADLINE_SCRIPT)
+    url = f"sqlite:///{tmp_path / 'late.db'}"
+
+    def step(mode: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, str(script), url, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    assert step("start").returncode == 0
+    assert step("die after the deadline's entry").returncode == 9
+    resumed = step("resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert sorted(resumed.stdout.splitlines()) == [
+        "late_child stopped w",
+        "late_parent succeeded late",
+    ]
