@@ -10,10 +10,10 @@ Contract:
   ended)`` children (by item index) are due; the others are created *held* (scheduled,
   ``join_state`` "held", no due time). Each child's first end — the transaction of its
   final boundary — marks the child reported, adds one to its join's counter, makes the
-  next held child due (the first still held from that frontier on) and, when that was the
+  next held child due (the first still held from the frontier on) and, when that was the
   last child, makes the parent due. A child that ends while held (stopped) took no slot:
-  it frees none, and lowers the join row's stored ``max_parallel`` by one so that the
-  frontier stays where it was. No scan per child, no timer.
+  it frees none, counted apart (``ended_held``) so that the frontier moves with the ends
+  that free one. No scan per child, no timer.
 * The parent's own "children started" boundary is written with :meth:`wait_join`, which
   makes it due in the same transaction if every child has already ended.
 """
@@ -73,11 +73,8 @@ _MARK_END: Final = {
     for was in ("open", "held")
 }
 _ENDED_HELD: Final = (
-    # The frontier (the first max_parallel + ended children may be due) moves with the
-    # ends that free a slot only: a held child's end lowers the stored bound by one.
-    update(joins)
-    .where(joins.c.id == bindparam("j_id"))
-    .values(max_parallel=joins.c.max_parallel - 1)
+    # Counted apart too: the turns come with the ends that free a slot only.
+    update(joins).where(joins.c.id == bindparam("j_id")).values(ended_held=joins.c.ended_held + 1)
 )
 _COUNT_END: Final = {
     column.name: update(joins).where(joins.c.id == bindparam("j_id")).values({column: column + 1})
@@ -193,17 +190,26 @@ class JoinRow:
     succeeded: int = 0
     failed: int = 0
     stopped: int = 0
+    ended_held: int = 0
+    """Of those ended, the ones that ended while held (they freed no slot)."""
 
     @property
     def ended(self) -> int:
         return self.succeeded + self.failed + self.stopped
+
+    def turn_from(self) -> int:
+        """The lowest index the next held child's turn may have: each end that freed a
+        slot gave one turn, in index order; the children that ended held lie beyond it."""
+        return self.max_parallel + self.ended - self.ended_held - 1
 
     @property
     def complete(self) -> bool:
         return self.created >= self.total and self.ended >= self.total
 
     def runnable(self) -> int:
-        """How many children (the first, by index) may be due now."""
+        """How many children (the first, by index) may be due when created now: the turns
+        no held child took (each end gave one, those of held children included — the
+        children they passed over were created held) lie in a batch not created yet."""
         return min(self.total, self.max_parallel + self.ended)
 
 
@@ -229,6 +235,7 @@ def _join(row: Any) -> JoinRow:
         succeeded=row.succeeded,
         failed=row.failed,
         stopped=row.stopped,
+        ended_held=row.ended_held,
     )
 
 
@@ -544,9 +551,10 @@ class JoinStoreMixin:
             if not freed:  # ended held (stopped): it frees no slot
                 conn.execute(_ENDED_HELD, {"j_id": record.join})
             join = _join(conn.execute(_READ_JOIN, {"j_id": record.join}).one())
-            nxt = join.runnable() - 1
-            if freed and join.ended + join.max_parallel <= join.total and nxt < join.created:
-                # The held child whose turn it is now (one not created yet is created due).
+            nxt = join.turn_from()
+            if freed and nxt < join.created:
+                # The held child whose turn it is now (none among those created: the turn
+                # goes to one not created yet, created due).
                 self._release(conn, join.id, nxt, at)
             if join.complete:
                 conn.execute(_PARENT_DUE, {"j_parent": join.parent_id, "r_at": at})

@@ -345,6 +345,9 @@ joins = Table(
     Column("failed", Integer, nullable=False, default=0),
     Column("stopped", Integer, nullable=False, default=0),
     Column("created_at", Float, nullable=False),
+    # Of the ended, those that ended while held (stopped before their turn): they took no
+    # slot, so their ends free none (migration 0019).
+    Column("ended_held", Integer, nullable=False, default=0, server_default="0"),
 )
 Index("ix_flowloop_joins_parent", joins.c.parent_id)
 

@@ -1161,3 +1161,88 @@ def test_a_request_made_while_a_parent_fans_out_reaches_every_child(
             assert {(c.status, c.reason) for c in kids_now} == {("paused", "parent paused")}
             engine.unpause(top)
             assert {engine.get(c.id).status for c in kids_now} == {"scheduled"}
+
+
+def test_turns_owed_while_a_large_map_is_still_created_go_to_its_next_batch(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Children ending while their parent still creates its batches give turns no held
+    child can take (the one held was stopped): the next batch's first children are created
+    due for them — neither more than ``max_parallel`` running, nor none (which would leave
+    the map waiting for ever)."""
+    from flowloop import children as kids
+    from flowloop.store.joins import JoinStoreMixin
+
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("batched_item")
+    fan = _one_at_a_time("batched", item, max_parallel=2, tolerate_failures=1)
+    monkeypatch.setattr(kids, "CREATE_BATCH", 3)  # 0-2, 3-5, 6
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=list(range(7)))).id
+        create = JoinStoreMixin.create_children
+        batches: list[int] = []
+
+        def ends_between_batches(self: Any, join_id: str, first: int, build: Any) -> Any:
+            made = create(self, join_id, first, build)
+            batches.append(first)
+            if first == 0:  # 0 and 1 running, 2 held: 2 stopped, then 0 and 1 end
+                ids = {r.context.n: r.id for r in engine.runs(workflow="batched_item")}  # type: ignore[attr-defined]
+                with Engine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    other.stop(ids[2])
+                    for n in (0, 1):
+                        assert other.send(ids[n], "go").status == "applied"
+            return made
+
+        monkeypatch.setattr(JoinStoreMixin, "create_children", ends_between_batches)
+        engine.run_until_idle(idle_horizon=0)
+        monkeypatch.undo()
+        assert batches == [0, 3, 6]
+        store: Any = engine.store
+
+        def running() -> list[int]:
+            runs_now = engine.runs(workflow="batched_item")
+            return sorted(
+                r.context.n  # type: ignore[attr-defined]
+                for r in runs_now
+                if r.status == "scheduled" and not store.is_held(r.id)
+            )
+
+        assert running() == [3, 4]
+        for n in (3, 4, 5, 6):
+            ids = {r.context.n: r.id for r in engine.runs(workflow="batched_item")}  # type: ignore[attr-defined]
+            assert engine.send(ids[n], "go").status == "applied"
+            engine.run_until_idle(idle_horizon=0)
+            assert len(running()) <= 2
+        assert engine.get(top).status == "succeeded"
+
+
+def test_migration_0019__joins_in_flight_count_no_held_end_and_go_on(store_url: str) -> None:
+    """The join's ``ended_held`` arrives as 0 on a database with a map in flight, which
+    then goes on; a downgrade drops it and keeps the joins."""
+    from storekit import to_revision
+
+    from flowloop.store.schema import joins
+
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("migrated_item")
+    fan = _one_at_a_time("migrated", item, max_parallel=1)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1])).id
+        engine.run_until_idle(idle_horizon=0)
+    to_revision(store_url, "0018")
+    looking = sa.create_engine(store_url)
+    try:
+        columns = sa.inspect(looking).get_columns("flowloop_joins")
+    finally:
+        looking.dispose()
+    assert "ended_held" not in {c["name"] for c in columns}
+    to_revision(store_url, "head")
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        store: Any = engine.store
+        with store.engine.connect() as conn:
+            assert conn.execute(sa.select(joins.c.ended_held)).scalars().all() == [0]
+        for n in (0, 1):
+            ids = {r.context.n: r.id for r in engine.runs(workflow="migrated_item")}  # type: ignore[attr-defined]
+            assert engine.send(ids[n], "go").status == "applied"
+            engine.run_until_idle(idle_horizon=0)
+        assert engine.get(top).status == "succeeded"
