@@ -555,6 +555,8 @@ def _control_child(
     for _ in range(STOP_ATTEMPTS):
         if child.record.status in FINISHED:
             return False
+        if action != STOP and (child.record.status == "paused" or child.control in unless):
+            return False  # paused, or asked to, meanwhile: that pause (or stop) stays its own
         if child.owner is not None or child.record.status == "running":
             return store.request_control(child.id, action, unless=unless)
         event = JournalEvent(

@@ -175,7 +175,13 @@ class Operations:
         # the run's own, a pause after it (a pause refused leaves its children as they were).
         if action == STOP:
             children.cascade(self.store, run_id, STOP, self._control)
-        if self._request(stored, action) and action in PAUSES:
+        requested = self._request(stored, action)
+        if requested and action == STOP:
+            # Again: a worker fanning the run out meanwhile made children the first read
+            # did not see, and its fan-out let the run go before this request landed (the
+            # stop written for it then, by _honour_if_let_go, cascades no further).
+            children.cascade(self.store, run_id, STOP, self._control)
+        if requested and action in PAUSES:
             children.cascade(self.store, run_id, PARENT_PAUSE, self._control)
             after = self._stored(run_id)
             if after.record.status != "paused" and after.control not in PAUSES:

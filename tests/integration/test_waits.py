@@ -1246,3 +1246,102 @@ def test_migration_0019__joins_in_flight_count_no_held_end_and_go_on(store_url: 
             assert engine.send(ids[n], "go").status == "applied"
             engine.run_until_idle(idle_horizon=0)
         assert engine.get(top).status == "succeeded"
+
+
+def test_a_stop_landing_after_a_fan_out_let_its_parent_go_reaches_every_child(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop's cascade read the children of the first batch; the worker made the rest
+    and let the parent go before the stop's request landed — which then wrote the parent's
+    stop (nobody held it) and cascaded no further: the parent stopped, four children ran
+    on (review). The stop cascades again once the parent's is made."""
+    import threading
+
+    from flowloop import children as kids
+    from flowloop.store.joins import JoinStoreMixin
+
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("raced_item")
+    fan = _one_at_a_time("raced", item, max_parallel=2)
+    monkeypatch.setattr(kids, "CREATE_BATCH", 3)
+    cascaded, worker_looked = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=list(range(7)))).id
+        create, honour = JoinStoreMixin.create_children, kids.honour_left_request
+        operators: list[threading.Thread] = []
+
+        def operator() -> None:
+            try:
+                with Engine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    store: Any = other.store
+                    request = store.request_control
+
+                    def after_the_fan_out(run_id: str, action: Any, **options: Any) -> bool:
+                        if run_id == top:  # the children's stops are made: the parent's now
+                            cascaded.set()
+                            assert worker_looked.wait(30)
+                        return bool(request(run_id, action, **options))
+
+                    store.request_control = after_the_fan_out
+                    other.stop(top)
+            except BaseException as error:  # reported by the test's thread
+                errors.append(error)
+                cascaded.set()
+
+        def first_batch_then_the_operator(self: Any, *args: Any, **kwargs: Any) -> Any:
+            made = create(self, *args, **kwargs)
+            if not operators:
+                operators.append(threading.Thread(target=operator))
+                operators[0].start()
+                assert cascaded.wait(30)
+            return made
+
+        def looked(executor: Any, run_id: str) -> None:
+            honour(executor, run_id)
+            worker_looked.set()
+
+        monkeypatch.setattr(JoinStoreMixin, "create_children", first_batch_then_the_operator)
+        monkeypatch.setattr(kids, "honour_left_request", looked)
+        engine.run_until_idle(idle_horizon=0)
+        operators[0].join(30)
+        monkeypatch.undo()
+        assert errors == []
+        assert engine.get(top).status == "stopped"
+        assert {r.status for r in engine.runs(workflow="raced_item")} == {"stopped"}
+
+
+def test_a_childs_own_pause_made_while_its_parents_pause_reaches_it_stays_its_own(
+    store_url: str,
+) -> None:
+    """The parent's pause of a child, refused because the child changed, looked at it again
+    and wrote "parent paused" over the operator's own pause made meanwhile: the parent's
+    unpause would then unpause a child an operator had paused (review)."""
+    from flowloop import children as kids
+
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("own_item")
+    fan = _one_at_a_time("own_fan", item)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0])).id
+        engine.run_until_idle(idle_horizon=0)
+        (child,) = engine.runs(workflow="own_item")
+        store: Any = engine.store
+        write = store.write
+        paused: list[str] = []
+
+        def own_pause_first(boundaries: Any) -> Any:
+            if not paused and any(b.run_id == child.id for b in boundaries):
+                with Engine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    paused.append(other.pause(child.id).status)
+            return write(boundaries)
+
+        store.write = own_pause_first
+        try:
+            kids.pause_children(store, top, now=clock.now(), worker="w")
+        finally:
+            store.write = write
+        assert paused == ["paused"]
+        info = engine.get(child.id)
+        assert (info.status, info.reason) == ("paused", "paused"), info  # not "parent paused"
+        assert [e.kind for e in engine.history(child.id)].count(j.RUN_PAUSED) == 1
