@@ -127,7 +127,9 @@ class Loop:
         if cron is not None and (not isinstance(cron, str) or not _cron_valid(cron)):
             raise bad(f"cron={cron!r} is not a valid cron expression (e.g. '*/5 * * * *')")
         if isinstance(tz, ZoneInfo):
-            tz = tz.key  # kept by its IANA name (stored, shown); None: made from a file
+            if tz.key is None:  # (made from a file: it would run on UTC, silently)
+                raise bad("tz= is a ZoneInfo without an IANA name; pass the name itself")
+            tz = tz.key  # kept by its IANA name (stored, shown)
         if tz is not None:
             if cron is None:
                 raise bad("tz= applies to cron= schedules (every= runs in elapsed time)")

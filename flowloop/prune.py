@@ -3,9 +3,9 @@ join rows (the call/map joins they were the parent of), and old loop journal ent
 batches (one short transaction each).
 
 What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
-runs that finished at or after the cutoff, the finished children of a live parent (its
-join reads their results when it gets on), and with ``keep_failed`` every ``failed`` run
-(and failed loop iterations). A run is deleted only if it is still finished and old when
+runs that finished at or after the cutoff, the finished children of a parent that stays
+(its join reads their results when it gets on, or is retried), and with ``keep_failed``
+every ``failed`` run (and failed loop iterations). A run is deleted only if it is still finished and old when
 its batch deletes it: the DELETE re-checks status and age on the row it locks, so an
 operator's retry racing with prune either wins (the run is kept) or finds the run gone.
 
@@ -79,16 +79,20 @@ _parent = runs.alias("parent")
 
 
 def _prunable(kinds: Sequence[str], cutoff: float) -> ColumnElement[bool]:
-    """A run finished (as ``kinds``) before ``cutoff`` that no live parent still needs: a
+    """A run finished (as ``kinds``) before ``cutoff`` whose parent, if any, goes too: a
     call's or map's join reads its children's final contexts when the parent gets on (a
-    paused parent, a map waiting for a last child), so a child goes with its parent or
-    after it — pruned first, the map's reduce saw fewer results or the call failed."""
+    paused parent, a map waiting for a last child, a failed one kept and retried), so a
+    child goes with its parent or after it — pruned first, the map's reduce saw fewer
+    results or the call failed."""
     return and_(
         runs.c.status.in_(list(kinds)),
         runs.c.updated_at < cutoff,
         or_(
             runs.c.parent_id.is_(None),
-            ~exists().where(_parent.c.id == runs.c.parent_id, _parent.c.status.not_in(FINISHED)),
+            ~exists().where(
+                _parent.c.id == runs.c.parent_id,
+                or_(_parent.c.status.not_in(list(kinds)), _parent.c.updated_at >= cutoff),
+            ),
         ),
     )
 

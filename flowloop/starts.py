@@ -151,11 +151,14 @@ def bounded_many(
         try:
             with engine._making(new):
                 stored, made = bounded_start(engine, workflow, new)
-        except backpressure.QueueFull as full:
-            for rest in news[done + 1 :]:
+        except BaseException as error:
+            for rest in news[done + 1 :]:  # never made: their traces are not kept
                 engine._unmade(rest)
+            if not isinstance(error, backpressure.QueueFull):
+                raise
             raise backpressure.QueueFull(
-                f"{full} ({done} of {len(news)} run(s) were started before it)"
+                f"{error} ({created} run(s) of {len(news)} were created before it, "
+                f"{done - created} found by their key)"
             ) from None
         if not made:
             engine._unmade(new)

@@ -68,6 +68,10 @@ def current(db: str | None, synchronous: str, as_json: bool) -> None:
         click.echo(json.dumps({"revision": found, "head": head, "current": found == head}))
     elif found == head:
         out.print(f"schema at revision {found}, this flowloop's: nothing to upgrade")
+    elif found is not None and not migrate.known(found):
+        out.print(
+            f"schema at revision {found}, newer than this flowloop's {head}: upgrade flowloop"
+        )
     else:
         shown = found or "none (no flowloop schema)"
         out.print(f"schema at revision {shown}; this flowloop's is {head}: `flowloop db upgrade`")

@@ -233,12 +233,16 @@ class AdmissionStoreMixin:
             if count >= limit and not self._holds_key(conn, new):
                 if not drop_oldest:
                     return None
+                # Never a call's or map's child: stopped here, its join would not hear of
+                # it and its parent would wait for ever. None but children: full.
                 oldest = conn.execute(
                     select(runs.c.id)
-                    .where(*queued, *waiting)
+                    .where(*queued, *waiting, runs.c.parent_id.is_(None))
                     .order_by(runs.c.created_at, runs.c.id)
                     .limit(1)
-                ).scalar_one()
+                ).scalar()
+                if oldest is None:
+                    return None
                 reason = f"{DROPPED_REASON}{limit}"
                 conn.execute(
                     update(runs)

@@ -447,4 +447,10 @@ def test_cli__db_current_tells_the_revision_without_changing_it(tmp_path: Path) 
         assert conn.execute(f"SELECT version_num FROM {migrate.VERSION_TABLE}").fetchall() == [
             ("0012",)
         ]
+        conn.execute(f"UPDATE {migrate.VERSION_TABLE} SET version_num = '9999'")
     conn.close()
+    newer = runner.invoke(cli, ["db", "current", "--db", str(path)])
+    assert newer.exit_code == 1
+    assert " ".join(newer.stdout.split()) == (
+        f"schema at revision 9999, newer than this flowloop's {head}: upgrade flowloop"
+    )

@@ -138,7 +138,8 @@ def test_queue__start_many_honours_the_bound_too(engine: Engine) -> None:
     wf = order_like("q-many", max_queued=2)
     seen: list[tuple[int, int]] = []
     with pytest.raises(
-        QueueFull, match=r"max_queued=2.*\(2 of 3 run\(s\) were started before it\)"
+        QueueFull,
+        match=r"max_queued=2.*\(2 run\(s\) of 3 were created before it, 0 found by their key\)",
     ):
         engine.start_many(wf, [Ticket(id=k) for k in "abc"], progress=lambda *p: seen.append(p))
     assert sorted(r.context.id for r in engine.runs()) == ["a", "b"]  # type: ignore[attr-defined]
@@ -152,6 +153,47 @@ def test_queue__start_many_honours_the_bound_too(engine: Engine) -> None:
     # is the store's to say.)
     statuses = sorted(engine.get(r.id).status for r in started)
     assert statuses == ["scheduled", "scheduled", "stopped"]
+
+
+def test_queue__drop_oldest_never_stops_a_maps_child(engine: Engine) -> None:
+    """A map's children of a workflow with ``max_queued`` and ``drop_oldest`` count as
+    queued; a start of that workflow stopped the oldest — a held child, without its join
+    hearing of it: the map waited for ever (review). Only a run of its own is dropped; with
+    none, the start is refused."""
+    from flowloop.testing import TestEngine
+
+    child = Workflow(
+        "q-child", context=Ticket, key="id", max_queued=1, queue_overflow="drop_oldest"
+    )
+    child.wait("hold", on={"go": "done"}, initial=True)
+    child.final("done")
+
+    class Batch(BaseModel):
+        ids: list[str] = []
+
+    fan = Workflow("q-fan", context=Batch)
+    fan.map(
+        "each",
+        child=child,
+        items=lambda ctx: ctx.ids,
+        context=lambda ctx, item: Ticket(id=item),
+        max_parallel=1,
+        on={"done": "done"},
+        initial=True,
+    )
+    fan.final("done")
+    store_url = engine.url
+    with TestEngine(store_url, workflows=[child, fan]) as tests:
+        top = tests.start(fan, Batch(ids=["m1", "m2"])).id
+        tests.run_until_idle(idle_horizon=0)  # m1 waits for "go", m2 is held
+        with pytest.raises(QueueFull):
+            tests.start(child, Ticket(id="direct"))
+        queued = {r.context.id: r for r in tests.runs(workflow="q-child")}  # type: ignore[attr-defined]
+        assert {run.status for run in queued.values()} == {"scheduled"}
+        for item in ("m1", "m2"):
+            assert tests.send(queued[item].id, "go").status == "applied"
+            tests.run_until_idle(idle_horizon=0)
+        assert tests.get(top).status == "succeeded"
 
 
 def test_queue__drop_oldest_stops_the_oldest_queued_run(engine: Engine) -> None:

@@ -375,3 +375,43 @@ def test_prune__the_finished_children_of_a_live_parent_stay(
     # Once the parent has finished, it and its children go together.
     clock.advance(40 * DAY)
     assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 1 + 3
+
+
+def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """``--keep-failed`` kept a failed map parent and deleted its children: retried, its
+    reduce saw no result and the parent succeeded with nothing packed (review)."""
+    box = Workflow("kept_box", context=Box)
+    box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
+    box.final("boxed")
+    fan = Workflow("kept_fan", context=Parcel)
+    seen: list[int] = []
+
+    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
+        seen.append(len(results))
+        if len(seen) == 1:
+            raise RuntimeError("the reduce broke once")
+        ctx.packed = sum(1 for r in results if r.ok)
+
+    fan.map(
+        "rest",
+        child=box,
+        items=lambda ctx: ctx.boxes,
+        context=lambda ctx, item: Box(n=item),
+        reduce=count_boxed,
+        on={"done": "packed"},
+        initial=True,
+    )
+    fan.final("packed")
+    parent = engine.run(fan, {"boxes": [1, 2, 3]})
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(parent.id).status == "failed"
+    clock.advance(40 * DAY)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True).runs == 0
+    engine.retry(parent.id)
+    engine.run_until_idle(idle_horizon=0)
+    done = engine.get(parent.id)
+    assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
+    clock.advance(40 * DAY)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True).runs == 1 + 3

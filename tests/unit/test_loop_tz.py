@@ -150,3 +150,18 @@ def test_wall_time_schedule__fixed_fields_vs_stars() -> None:
     assert not wall_time_schedule("0 * * * *")
     assert not wall_time_schedule("*/5 * * * *")
     assert not wall_time_schedule("0 */2 * * *")
+
+
+def test_cron_tz__a_zoneinfo_without_a_name_is_refused() -> None:
+    """A ZoneInfo made from a file has no IANA name: taken as none, the loop ran on UTC
+    (review)."""
+    import io
+    from pathlib import Path
+    from zoneinfo import ZoneInfo
+
+    berlin = Path("/usr/share/zoneinfo/Europe/Berlin")
+    if not berlin.exists():
+        pytest.skip("no /usr/share/zoneinfo on this machine")
+    unnamed = ZoneInfo.from_file(io.BytesIO(berlin.read_bytes()))
+    with pytest.raises(LoopDefinitionError, match="ZoneInfo without an IANA name"):
+        Loop("b", tick, cron="30 2 * * *", tz=unnamed)
