@@ -10,6 +10,7 @@ from flowloop.errors import error_line
 from flowloop.events import accepted, accepts, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.versions import workflow_for
 
 log = logging.getLogger("flowloop")
@@ -33,6 +34,8 @@ def deliver_pending(
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
+        if record.join is not None and isinstance(store, JoinStoreMixin) and store.is_held(run_id):
+            return consumed  # a map's child held back: handed over when its turn comes
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
         if message is None:
             return consumed

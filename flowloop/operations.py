@@ -47,6 +47,7 @@ from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
 from flowloop.store.entries import stored_waits
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.verdicts import judge
 from flowloop.versions import Registry
 
@@ -344,7 +345,10 @@ class Operations:
             workflow = self._workflows.for_run(record)
             self._refuse_mismatch(workflow, record)
             waiting_here = accepts(workflow, record, event)
-            if waiting_here and stored.owner is None:
+            # A map's child held back takes no event before its turn (taken, it would go on
+            # beside the max_parallel running): kept, and handed over when its turn comes.
+            held = waiting_here and record.join is not None and self._held(run_id)
+            if waiting_here and stored.owner is None and not held:
                 if self._deliver_kept(workflow, record):
                     continue  # events kept earlier went first (in order): look again
                 received, after = receive(
@@ -368,7 +372,7 @@ class Operations:
                 if result == "applied" and after.state in workflow.waits:
                     # It waits again (maybe in another wait state): take what was kept for it.
                     self._hand_over_kept(run_id)
-            elif waiting_here and not buffer and time.monotonic() < hold_until:
+            elif waiting_here and not buffer and not held and time.monotonic() < hold_until:
                 # A worker holds the waiting run for a moment (its timeout is firing, or a
                 # kept event is being handed over): look again once it lets go, so the
                 # sender learns whether the event was taken or came too late, instead of
@@ -393,6 +397,10 @@ class Operations:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
+
+    def _held(self, run_id: str) -> bool:
+        """A map's child whose turn has not come yet."""
+        return isinstance(self.store, JoinStoreMixin) and self.store.is_held(run_id)
 
     def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
         """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition

@@ -965,14 +965,13 @@ def test_unpause__without_the_definition_hands_over_an_event_kept_while_it_decid
     assert_journal_sound(engine, run_id)
 
 
-@pytest.mark.parametrize("how", ["stop", "send"])
 def test_a_held_map_child_ending_as_its_sibling_releases_it_does_not_deadlock(
-    pg_url: str, how: str
+    pg_url: str,
 ) -> None:
-    """PostgreSQL: a held child's end (an operator's stop, an event) held its own row and
-    waited for the join's row, which its sibling's end held while its release waited for
-    the child's row: a deadlock, and one of the two writers got ``DeadlockDetected``. A
-    child's end now takes its join's row first."""
+    """PostgreSQL: a held child's end (an operator's stop; an event too, when a held child
+    still took one) held its own row and waited for the join's row, which its sibling's
+    end held while its release waited for the child's row: a deadlock, and one of the two
+    writers got ``DeadlockDetected``. A child's end now takes its join's row first."""
     clock = FakeClock(auto_advance=False)
     with TestEngine(pg_url, clock=clock, workflows=_into_waits()) as engine:
         top = engine.start(engine.workflow("fan_waits"), Item(items=[1, 2])).id
@@ -1013,10 +1012,7 @@ def test_a_held_map_child_ending_as_its_sibling_releases_it_does_not_deadlock(
                     report_ends(conn, boundaries)
 
                 store._report_ends = sibling_ends_meanwhile
-                if how == "stop":
-                    assert other.stop(second.id).status == "stopped"
-                else:
-                    assert other.send(second.id, "go").status == "applied"
+                assert other.stop(second.id).status == "stopped"
                 store._report_ends = report_ends
         finally:
             sibling.join(timeout=30)
@@ -1024,8 +1020,7 @@ def test_a_held_map_child_ending_as_its_sibling_releases_it_does_not_deadlock(
         assert not sibling.is_alive()
         assert sibling_errors == []
         engine.run_until_idle(idle_horizon=0)
-        expected = ("failed", "child_failed") if how == "stop" else ("succeeded", None)
-        assert (engine.get(top).status, engine.get(top).reason) == expected
+        assert (engine.get(top).status, engine.get(top).reason) == ("failed", "child_failed")
         for child in (first.id, second.id):
             assert_journal_sound(engine, child)
 
@@ -1345,3 +1340,33 @@ def test_a_childs_own_pause_made_while_its_parents_pause_reaches_it_stays_its_ow
         info = engine.get(child.id)
         assert (info.status, info.reason) == ("paused", "paused"), info  # not "parent paused"
         assert [e.kind for e in engine.history(child.id)].count(j.RUN_PAUSED) == 1
+
+
+def test_an_event_sent_to_a_held_map_child_waits_for_its_turn(store_url: str) -> None:
+    """An event sent to a child held back by ``max_parallel`` was taken at once and the
+    child went on into its step beside the one running (review). It is kept, and taken
+    when the child's turn comes."""
+    clock = FakeClock(auto_advance=False)
+    ran: list[int] = []
+    item = Workflow("turned_item", context=Item)
+    item.wait("hold", on={"go": "work"}, initial=True)
+
+    @item.step(next="done")
+    def work(ctx: Item) -> None:
+        ran.append(ctx.n)
+
+    item.final("done")
+    fan = _one_at_a_time("turned", item)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1])).id
+        engine.run_until_idle(idle_horizon=0)
+        ids = {r.context.n: r.id for r in engine.runs(workflow="turned_item")}  # type: ignore[attr-defined]
+        kept = engine.send(ids[1], "go")
+        assert (kept.status, kept.run.state) == ("buffered", "hold")
+        engine.run_until_idle(idle_horizon=0)
+        assert ran == [] and engine.get(ids[1]).state == "hold"
+        assert engine.send(ids[0], "go").status == "applied"
+        engine.run_until_idle(idle_horizon=0)  # the first ends: the second's turn, its event
+        assert ran == [0, 1]
+        assert engine.get(top).status == "succeeded"
+        assert_journal_sound(engine, ids[1])
