@@ -42,16 +42,23 @@ roomy.step(
 roomy.final("done")
 
 
+def _opened_and_cooled_down(store: Any) -> float:
+    """Open the breaker (a failure), then wait out its 50 ms cool-down by the database's
+    clock (bounded): its end, as a time."""
+    assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"
+    until = float(store.breaker_state(provider.name).until)
+    deadline = time.monotonic() + 10
+    while store.db_now() < until and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return until
+
+
 def test_a_run_the_rate_limit_defers_does_not_take_the_breakers_trial(store_url: str) -> None:
     with Engine(store_url, workflows=[guarded, roomy], clock=FakeClock()) as engine:
         store = engine.store
         record = store.get_run(engine.start(guarded, Call()).id).record  # type: ignore[union-attr]
         assert store.take_tokens([rate], queued=set())[0]  # type: ignore[attr-defined]
-        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
-        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
-        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
-            time.sleep(0.01)
+        _opened_and_cooled_down(store)
         gates = Gates(store, "w1", engine.clock)
         entry = asyncio.run(gates.check(guarded, record, "call", attempt=0))
         assert entry is not None and entry.kind == j.RUN_DEFERRED
@@ -77,11 +84,7 @@ def test_a_run_refused_by_the_breaker_after_its_token_keeps_no_grant(store_url: 
     with Engine(store_url, workflows=[guarded, roomy], clock=FakeClock()) as engine:
         store = engine.store
         record = store.get_run(engine.start(roomy, Call()).id).record  # type: ignore[union-attr]
-        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
-        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
-        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
-            time.sleep(0.01)
+        _opened_and_cooled_down(store)
         take = store.take_tokens  # type: ignore[attr-defined]
 
         def then_another_worker_takes_the_trial(*args: Any, **kwargs: Any) -> Any:
@@ -107,11 +110,7 @@ def test_a_cool_down_ending_after_the_look_does_not_give_the_trial_before_the_to
         store = engine.store
         record = store.get_run(engine.start(guarded, Call()).id).record  # type: ignore[union-attr]
         assert store.take_tokens([rate], queued=set())[0]  # type: ignore[attr-defined]
-        assert store.breaker_failed(provider, "w0", "ConnectionError: down") == "opened"  # type: ignore[attr-defined]
-        until = store.breaker_state(provider.name).until  # type: ignore[attr-defined]
-        deadline = time.monotonic() + 10
-        while store.db_now() < until and time.monotonic() < deadline:  # its cool-down: 50 ms
-            time.sleep(0.01)
+        until = _opened_and_cooled_down(store)
         db_now = store.db_now  # type: ignore[attr-defined]
         store.db_now = lambda: until - 0.01  # type: ignore[attr-defined]  # the look, just before
         try:

@@ -331,6 +331,22 @@ def sa_column(
         return list(conn.execute(query).scalars())
 
 
+def reducing(name: str, child: Workflow, reduce: Any) -> Workflow:
+    """A map of ``child`` over ``ctx.boxes`` whose results ``reduce`` counts."""
+    fan = Workflow(name, context=Parcel)
+    fan.map(
+        "rest",
+        child=child,
+        items=lambda ctx: ctx.boxes,
+        context=lambda ctx, item: Box(n=item),
+        reduce=reduce,
+        on={"done": "packed"},
+        initial=True,
+    )
+    fan.final("packed")
+    return fan
+
+
 def test_prune__the_finished_children_of_a_live_parent_stay(
     engine: Engine, clock: FakeClock
 ) -> None:
@@ -344,22 +360,11 @@ def test_prune__the_finished_children_of_a_live_parent_stay(
 
     box.wait("held", on={"go": "boxed"})
     box.final("boxed")
-    fan = Workflow("counted_parcels", context=Parcel)
 
     def count_boxed(ctx: Parcel, results: list[Any]) -> None:
         ctx.packed = sum(1 for r in results if r.ok)
 
-    fan.map(
-        "rest",
-        child=box,
-        items=lambda ctx: ctx.boxes,
-        context=lambda ctx, item: Box(n=item),
-        reduce=count_boxed,
-        on={"done": "packed"},
-        initial=True,
-    )
-    fan.final("packed")
-    parent = engine.run(fan, {"boxes": [1, 2, 3]})
+    parent = engine.run(reducing("counted_parcels", box, count_boxed), {"boxes": [1, 2, 3]})
     assert parent.status == "scheduled"
     children = sa_column(engine, runs.c.id, runs.c.parent_id == parent.id)
     clock.advance(40 * DAY)
@@ -385,7 +390,6 @@ def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
     box = Workflow("kept_box", context=Box)
     box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
     box.final("boxed")
-    fan = Workflow("kept_fan", context=Parcel)
     seen: list[int] = []
 
     def count_boxed(ctx: Parcel, results: list[Any]) -> None:
@@ -394,17 +398,7 @@ def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
             raise RuntimeError("the reduce broke once")
         ctx.packed = sum(1 for r in results if r.ok)
 
-    fan.map(
-        "rest",
-        child=box,
-        items=lambda ctx: ctx.boxes,
-        context=lambda ctx, item: Box(n=item),
-        reduce=count_boxed,
-        on={"done": "packed"},
-        initial=True,
-    )
-    fan.final("packed")
-    parent = engine.run(fan, {"boxes": [1, 2, 3]})
+    parent = engine.run(reducing("kept_fan", box, count_boxed), {"boxes": [1, 2, 3]})
     engine.run_until_idle(idle_horizon=0)
     assert engine.get(parent.id).status == "failed"
     clock.advance(40 * DAY)
