@@ -454,7 +454,11 @@ class Stepping:
                 state=record.state,
                 data={"due": due, "reason": "waiting for an event"},
             )
-            await self._finish(record, fence, [released])
+            if await self._finish(record, fence, [released]):
+                # An event kept after this claim read the inbox (a sender that found the
+                # run held, by this worker or by its map) is handed over now: nothing
+                # else would come for it while the run waits without a due time.
+                self._deliver(record.id)
             return None
         try:
             received, _ = receive(

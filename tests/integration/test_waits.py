@@ -1370,3 +1370,68 @@ def test_an_event_sent_to_a_held_map_child_waits_for_its_turn(store_url: str) ->
         assert ran == [0, 1]
         assert engine.get(top).status == "succeeded"
         assert_journal_sound(engine, ids[1])
+
+
+def test_an_event_kept_for_a_held_child_as_its_turn_comes_is_taken(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender found the child held and kept its event; meanwhile the child's turn came
+    and a worker claimed it, read the inbox before the event landed and let it go waiting
+    without a timeout: the event stayed kept and the map waited for ever (review). The
+    worker hands over what was kept after it lets the run go."""
+    import threading
+
+    clock = FakeClock(auto_advance=False)
+    item = Workflow("raced_turn", context=Item)
+    item.wait("hold", on={"go": "done"}, initial=True)  # no timeout: no claim comes later
+    item.final("done")
+    fan = _one_at_a_time("raced_turns", item)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1])).id
+        engine.run_until_idle(idle_horizon=0)
+        ids = {r.context.n: r.id for r in engine.runs(workflow="raced_turn")}  # type: ignore[attr-defined]
+        read_inbox, sent = threading.Event(), threading.Event()
+        errors: list[BaseException] = []
+
+        def worker() -> None:
+            try:
+                with TestEngine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    store: Any = other.store
+                    pending = store.pending_events
+
+                    def read_before_the_event(run_id: str) -> Any:
+                        found = pending(run_id)
+                        if run_id == ids[1] and not read_inbox.is_set():
+                            read_inbox.set()
+                            assert sent.wait(30)
+                        return found
+
+                    store.pending_events = read_before_the_event
+                    other.run_until_idle(idle_horizon=0)
+            except BaseException as error:  # reported by the test's thread
+                errors.append(error)
+                read_inbox.set()
+
+        workers: list[threading.Thread] = []
+        held = type(engine)._held
+
+        def held_then_its_turn(self: Any, run_id: str) -> bool:
+            answer = held(self, run_id)
+            if answer and not workers:
+                with Engine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    assert other.send(ids[0], "go").status == "applied"  # the second's turn
+                workers.append(threading.Thread(target=worker))
+                workers[0].start()
+                assert read_inbox.wait(30)
+            return bool(answer)
+
+        monkeypatch.setattr(type(engine), "_held", held_then_its_turn)
+        kept = engine.send(ids[1], "go")
+        monkeypatch.undo()
+        sent.set()
+        workers[0].join(30)
+        assert errors == []
+        assert kept.status == "buffered"
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(ids[1]).state == "done"
+        assert engine.get(top).status == "succeeded"
