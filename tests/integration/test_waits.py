@@ -1435,3 +1435,41 @@ def test_an_event_kept_for_a_held_child_as_its_turn_comes_is_taken(
         engine.run_until_idle(idle_horizon=0)
         assert engine.get(ids[1]).state == "done"
         assert engine.get(top).status == "succeeded"
+
+
+def test_held_map_children_parked_by_a_deploy_and_migrated_wait_their_turns(
+    store_url: str,
+) -> None:
+    """A deploy that dropped the held children's wait state parked them; migrated, every
+    one was made due at once and they all ran beside each other past ``max_parallel``
+    (review). A held child migrated stays held: its turn makes it due."""
+    clock = FakeClock(auto_advance=False)
+    ran: list[int] = []
+
+    def child(version: int) -> Workflow:
+        moved = None if version == 1 else {1: {"hold": "work"}}
+        wf = Workflow("moved_item", context=Item, version=version, migrates_from=moved)
+        if version == 1:
+            wf.wait("hold", on={"go": "work"}, initial=True)
+
+        @wf.step(name="work", initial=version == 2, next="done")
+        def work(ctx: Item) -> None:
+            ran.append(ctx.n)
+
+        wf.final("done")
+        return wf
+
+    old, new = child(1), child(2)
+    with TestEngine(store_url, clock=clock, workflows=[old, _one_at_a_time("moved", old)]) as v1:
+        top = v1.start(v1.workflow("moved"), Item(items=[0, 1, 2, 3])).id
+        v1.run_until_idle(idle_horizon=0)
+    with TestEngine(store_url, clock=clock, workflows=[new, _one_at_a_time("moved", new)]) as v2:
+        v2.run_until_idle(idle_horizon=0)  # the children are parked: "hold" is gone
+        assert {r.status for r in v2.runs(workflow="moved_item")} == {"paused"}
+        v2.migrate_workflow("moved_item", to=2, by="release")
+        store: Any = v2.store
+        due = [r for r in v2.runs(workflow="moved_item") if r.next_run_at is not None]
+        assert len(due) == 1 and not store.is_held(due[0].id)
+        v2.run_until_idle(idle_horizon=0)
+        assert sorted(ran) == [0, 1, 2, 3]
+        assert v2.get(top).status == "succeeded"
