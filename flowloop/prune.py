@@ -3,9 +3,10 @@ join rows (the call/map joins they were the parent of), and old loop journal ent
 batches (one short transaction each).
 
 What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
-runs that finished at or after the cutoff, the finished children of a parent that stays
+runs that finished at or after the cutoff, the finished descendants of a run that stays
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
-every ``failed`` run (and failed loop iterations). A run is deleted only if it is still
+every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
+run with no parent left and its finished descendants, deepest first. A run is deleted only if it is still
 finished and old when its batch deletes it: the DELETE re-checks status and age on the row
 it locks, so an operator's retry racing with prune either wins (the run is kept) or finds
 the run gone. (Not its parent's row: a parent retried that instant can lose a child.)
@@ -21,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from sqlalchemy import (
     ColumnElement,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     delete,
     exists,
     func,
+    literal,
     or_,
     select,
 )
@@ -79,22 +81,33 @@ def statuses(keep_failed: bool) -> tuple[str, ...]:
 _parent = runs.alias("parent")
 
 
-def _prunable(kinds: Sequence[str], cutoff: float) -> ColumnElement[bool]:
-    """A run finished (as ``kinds``) before ``cutoff`` whose parent, if any, goes too: a
-    call's or map's join reads its children's final contexts when the parent gets on (a
-    paused parent, a map waiting for a last child, a failed one kept and retried), so a
-    child goes with its parent or after it — pruned first, the map's reduce saw fewer
-    results or the call failed."""
+def _finished_before(table: Any, kinds: Sequence[str], cutoff: float) -> ColumnElement[bool]:
+    return and_(table.c.status.in_(list(kinds)), table.c.updated_at < cutoff)
+
+
+def _root(kinds: Sequence[str], cutoff: float) -> ColumnElement[bool]:
+    """A run finished (as ``kinds``) before ``cutoff`` with no parent (left): it goes with
+    its finished descendants (:func:`_family`). A child goes with its parent or after it,
+    never before: a call's or map's join reads its children's final contexts when the
+    parent gets on (a paused parent, a map waiting for its last child, a failed one kept
+    and retried — at any depth), so pruned first, its reduce saw fewer results or the call
+    failed."""
     return and_(
-        runs.c.status.in_(list(kinds)),
-        runs.c.updated_at < cutoff,
-        or_(
-            runs.c.parent_id.is_(None),
-            ~exists().where(
-                _parent.c.id == runs.c.parent_id,
-                or_(_parent.c.status.not_in(list(kinds)), _parent.c.updated_at >= cutoff),
-            ),
-        ),
+        _finished_before(runs, kinds, cutoff),
+        or_(runs.c.parent_id.is_(None), ~exists().where(_parent.c.id == runs.c.parent_id)),
+    )
+
+
+def _family(roots: Any, kinds: Sequence[str], cutoff: float) -> Any:
+    """``roots`` (a select of run ids) and their descendants finished before ``cutoff``,
+    down through those only (a child that stays keeps its own), each with its depth."""
+    tree = select(runs.c.id, literal(0).label("depth")).where(runs.c.id.in_(roots))
+    tree_cte = tree.cte("family", recursive=True)
+    child = runs.alias("child")
+    return tree_cte.union_all(
+        select(child.c.id, (tree_cte.c.depth + 1).label("depth")).where(
+            child.c.parent_id == tree_cte.c.id, _finished_before(child, kinds, cutoff)
+        )
     )
 
 
@@ -119,20 +132,31 @@ def prune(
         return result
     after = ""
     while True:
-        with db.begin() as conn:
-            ids = list(
-                conn.execute(
+        with reading(db) as reader:
+            roots = list(
+                reader.execute(
                     select(runs.c.id)
-                    .where(runs.c.id > after, _prunable(kinds, cutoff))
+                    .where(runs.c.id > after, _root(kinds, cutoff))
                     .order_by(runs.c.id)
                     .limit(batch)
                 ).scalars()
             )
-            if not ids:
+            if not roots:
                 break
-            after = ids[-1]
-            _delete_runs(conn, ids, kinds, cutoff, result)
-        result.batches += 1
+            after = roots[-1]
+            family = _family(roots, kinds, cutoff)
+            # Deepest first, the roots last: cut off between two transactions, what is left
+            # is a family whose top is still there, taken again by the next prune.
+            ids = [
+                row.id
+                for row in reader.execute(
+                    select(family.c.id, family.c.depth).order_by(family.c.depth.desc())
+                )
+            ]
+        for first in range(0, len(ids), batch):
+            with db.begin() as conn:
+                _delete_runs(conn, ids[first : first + batch], kinds, cutoff, result)
+            result.batches += 1
     _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
@@ -147,7 +171,7 @@ def _delete_runs(
     gone = list(
         conn.execute(
             delete(runs)
-            .where(runs.c.id.in_(list(ids)), _prunable(kinds, cutoff))
+            .where(runs.c.id.in_(list(ids)), _finished_before(runs, kinds, cutoff))
             .returning(runs.c.id)
         ).scalars()
     )
@@ -225,7 +249,8 @@ def _prune_loop_journal(
 def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
-    old = select(runs.c.id).where(_prunable(kinds, result.cutoff))
+    roots = select(runs.c.id).where(_root(kinds, result.cutoff))
+    old = select(_family(roots, kinds, result.cutoff).c.id)
     with reading(db) as conn:
         result.runs = int(
             conn.execute(select(func.count()).select_from(old.subquery())).scalar_one()

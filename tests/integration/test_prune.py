@@ -409,3 +409,53 @@ def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
     assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
     clock.advance(40 * DAY)
     assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True).runs == 1 + 3
+
+
+class Groups(BaseModel):
+    groups: list[list[int]] = []
+
+
+def test_prune__a_family_goes_together_at_any_depth(engine: Engine, clock: FakeClock) -> None:
+    """A failed middle map kept because its own parent is live had its children pruned (it
+    looked prunable itself): retried, its reduce saw none and it succeeded with nothing
+    (review). A run goes with its topmost finished ancestor's family, or not at all."""
+    box = Workflow("deep_box", context=Box)
+
+    @box.step(initial=True, next="boxed", retry=Retry(attempts=5, backoff="fixed", base=1e8))
+    def pack(ctx: Box) -> None:
+        if ctx.n < 0:
+            raise ValueError("not yet")  # a retry far away: the top map stays live
+
+    box.final("boxed")
+    seen: list[int] = []
+
+    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
+        seen.append(len(results))
+        if len(seen) == 1:
+            raise RuntimeError("the reduce broke once")
+        ctx.packed = sum(1 for r in results if r.ok)
+
+    middle = reducing("deep_middle", box, count_boxed)
+    top = Workflow("deep_top", context=Groups)
+    top.map(
+        "each",
+        child=middle,
+        items=lambda ctx: ctx.groups,
+        context=lambda ctx, group: Parcel(boxes=group),
+        on={"done": "done", "failed": "done"},
+        tolerate_failures=2,
+        initial=True,
+    )
+    top.final("done")
+    engine.register(top, middle, box)
+    root = engine.start(top, Groups(groups=[[1, 2, 3], [-1]])).id
+    engine.run_until_idle(idle_horizon=0)
+    failed = next(m for m in engine.runs(workflow="deep_middle") if m.status == "failed")
+    clock.advance(40 * DAY)
+    planned = prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == planned.runs == 0
+    engine.retry(failed.id)
+    engine.run_until_idle(idle_horizon=0)
+    done = engine.get(failed.id)
+    assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
+    assert engine.get(root).status == "scheduled"  # its other group still retries
