@@ -6,10 +6,11 @@ What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``pau
 runs that finished at or after the cutoff, the finished descendants of a run that stays
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
 every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
-run with no parent left and its finished descendants, deepest first. A run is deleted only if it is still
-finished and old when its batch deletes it: the DELETE re-checks status and age on the row
-it locks, so an operator's retry racing with prune either wins (the run is kept) or finds
-the run gone. (Not its parent's row: a parent retried that instant can lose a child.)
+run with no parent left and its finished descendants, deepest first. A run is deleted
+only if it is still finished and old when its batch deletes it: the DELETE re-checks status
+and age on the row it locks, so an operator's retry racing with prune either wins (the run
+is kept) or finds the run gone. (Not its parent's row: a parent retried that instant can
+lose a child.)
 
 A join row goes with its parent, unless a child of it has not reported its end yet (a
 child held by a worker when its parent was stopped only gets a stop request): that child's
