@@ -442,7 +442,9 @@ def cascade(store: Any, run_id: str, action: str, operate: Any) -> int:
     if not isinstance(store, JoinStoreMixin):
         return 0
     count = 0
-    for child in store.live_children(run_id):
+    # Last child first: a map's held children stop before the running ones, whose ends
+    # would otherwise give them their turn (due, claimed, a first step run) on the way.
+    for child in reversed(store.live_children(run_id)):
         if action in PAUSES and (child.record.status == "paused" or child.control in PAUSES):
             continue
         try:
@@ -520,7 +522,7 @@ def stop_children(
     if not isinstance(store, JoinStoreMixin):
         return 0
     count = 0
-    for child in store.live_children(run_id):
+    for child in reversed(store.live_children(run_id)):  # (last first: see cascade)
         count += stop_children(store, child.id, now=now, worker=worker, reason=reason)
         count += _control_child(store, child, STOP, now=now, worker=worker, reason=reason)
     return count

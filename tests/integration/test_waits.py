@@ -1473,3 +1473,37 @@ def test_held_map_children_parked_by_a_deploy_and_migrated_wait_their_turns(
         v2.run_until_idle(idle_horizon=0)
         assert sorted(ran) == [0, 1, 2, 3]
         assert v2.get(top).status == "succeeded"
+
+
+@pytest.mark.parametrize("how", ["an operator's stop", "the parent's deadline"])
+def test_stopping_a_map_gives_no_held_child_its_turn_on_the_way(store_url: str, how: str) -> None:
+    """The stop of a map's children went in item order: each running child's end gave the
+    next held one its turn (journaled, due now) before the stop reached it — a worker could
+    claim it and run its first step in between (review). The last child goes first now."""
+    clock = FakeClock(auto_advance=False)
+    item = _held_item("cut_item")
+    options: dict[str, Any] = {}
+    if how == "the parent's deadline":
+        options = {"deadline": timedelta(hours=1), "on_deadline": "late"}
+    fan = Workflow("cut_fan", context=Item, **options)
+    fan.map(
+        "each",
+        child=item,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Item(n=n),
+        max_parallel=2,
+        on={"done": "done"},
+        initial=True,
+    )
+    fan.final("done", *(["late"] if options else []))
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1, 2, 3, 4])).id
+        engine.run_until_idle(idle_horizon=0)
+        if how == "an operator's stop":
+            engine.stop(top)
+        else:
+            clock.advance(3600 + 5)
+            engine.run_until_idle(idle_horizon=0)
+        for run in engine.runs(workflow="cut_item"):
+            kinds = [e.kind for e in engine.history(run.id)]
+            assert kinds == [j.RUN_CREATED, j.RUN_STOPPED], (run.context, kinds)  # type: ignore[attr-defined]
