@@ -92,17 +92,11 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             )
         else:
             data["due"] = engine.clock.now()
-        if record.join is not None and _held(engine.store, record.id):
+        if record.join is not None and engine.is_held(record.id):
             data["due"] = None  # a map's child held back: its turn makes it due, as before
     if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data):
         raise FlowloopError(f"run {record.id} changed while migrating; try again")
     return Moved(record.id, record.version, to, record.state, state)
-
-
-def _held(store: object, run_id: str) -> bool:
-    from flowloop.store.joins import JoinStoreMixin
-
-    return isinstance(store, JoinStoreMixin) and store.is_held(run_id)
 
 
 def migrate_all(engine: Engine, workflow: str, *, to: int, by: str) -> list[Moved]:

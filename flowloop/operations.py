@@ -47,7 +47,6 @@ from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
 from flowloop.store.entries import stored_waits
-from flowloop.store.joins import JoinStoreMixin
 from flowloop.verdicts import judge
 from flowloop.versions import Registry
 
@@ -347,7 +346,7 @@ class Operations:
             waiting_here = accepts(workflow, record, event)
             # A map's child held back takes no event before its turn (taken, it would go on
             # beside the max_parallel running): kept, and handed over when its turn comes.
-            held = waiting_here and record.join is not None and self._held(run_id)
+            held = waiting_here and record.join is not None and self.is_held(run_id)
             if waiting_here and stored.owner is None and not held:
                 if self._deliver_kept(workflow, record):
                     continue  # events kept earlier went first (in order): look again
@@ -398,9 +397,10 @@ class Operations:
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
 
-    def _held(self, run_id: str) -> bool:
-        """A map's child whose turn has not come yet."""
-        return isinstance(self.store, JoinStoreMixin) and self.store.is_held(run_id)
+    def is_held(self, run_id: str) -> bool:
+        """Whether the run is a map's child held back by ``max_parallel`` (its turn has not
+        come yet: it takes no event and runs no step before)."""
+        return children.is_held(self.store, run_id)
 
     def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
         """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition

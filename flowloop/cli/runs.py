@@ -366,9 +366,18 @@ def send(
             result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
         waits = support.WaitStates(engine)
         waiting = waits.of(result.run)
+        held = result.status == "buffered" and engine.is_held(result.run.id)
     info = result.run
     if as_json:
-        click.echo(json.dumps({"result": result.status, "run": info_json(info, waits)}))
+        shown_json = {"result": result.status, "held": held, "run": info_json(info, waits)}
+        click.echo(json.dumps(shown_json))
+        return
+    if held:  # ("waiting in hold for go" would say the event was not taken for no reason)
+        out.print(
+            f"{event}: {result.status}; run {info.id} is held back by its map's max_parallel "
+            f"at {info.state}: it takes the event when its turn comes",
+            markup=False,
+        )
         return
     shown = styled(support.WAITING if waiting else info.status)
     out.print(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -1413,7 +1414,7 @@ def test_an_event_kept_for_a_held_child_as_its_turn_comes_is_taken(
                 read_inbox.set()
 
         workers: list[threading.Thread] = []
-        held = type(engine)._held
+        held = type(engine).is_held
 
         def held_then_its_turn(self: Any, run_id: str) -> bool:
             answer = held(self, run_id)
@@ -1425,7 +1426,7 @@ def test_an_event_kept_for_a_held_child_as_its_turn_comes_is_taken(
                 assert read_inbox.wait(30)
             return bool(answer)
 
-        monkeypatch.setattr(type(engine), "_held", held_then_its_turn)
+        monkeypatch.setattr(type(engine), "is_held", held_then_its_turn)
         kept = engine.send(ids[1], "go")
         monkeypatch.undo()
         sent.set()
@@ -1507,3 +1508,51 @@ def test_stopping_a_map_gives_no_held_child_its_turn_on_the_way(store_url: str, 
         for run in engine.runs(workflow="cut_item"):
             kinds = [e.kind for e in engine.history(run.id)]
             assert kinds == [j.RUN_CREATED, j.RUN_STOPPED], (run.context, kinds)  # type: ignore[attr-defined]
+
+
+HELD_FILE = """
+from pydantic import BaseModel
+from flowloop import Workflow
+
+
+class Item(BaseModel):
+    n: int = 0
+    items: list[int] = [1, 2]
+
+
+item = Workflow("cli_held_item", context=Item)
+item.wait("hold", on={"go": "done"}, initial=True)
+item.final("done")
+fan = Workflow("cli_held_fan", context=Item)
+fan.map("each", child=item, items=lambda ctx: ctx.items, context=lambda ctx, n: Item(n=n),
+        max_parallel=1, on={"done": "done"}, initial=True)
+fan.final("done")
+"""
+
+
+def test_send_to_a_held_child_says_it_waits_for_its_turn(tmp_path: Path) -> None:
+    """`flowloop send` to a held child printed "go: buffered; run … waiting at hold;
+    waiting in hold for go", which said nothing of why the event was not taken (review)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+
+    flows = tmp_path / "held.py"
+    flows.write_text(HELD_FILE)
+    db = str(tmp_path / "held.db")
+    runner = CliRunner()
+    assert runner.invoke(cli, ["run", str(flows) + ":cli_held_fan", "--db", db]).exit_code == 0
+    with Engine(db) as engine:
+        second = next(
+            r for r in engine.runs() if r.workflow == "cli_held_item" and r.context["n"] == 2
+        )  # type: ignore[index]
+    said = runner.invoke(cli, ["send", second.id, "go", "-w", str(flows), "--db", db])
+    assert said.exit_code == 0, said.output
+    assert " ".join(said.stdout.split()) == (
+        f"go: buffered; run {second.id} is held back by its map's max_parallel at hold: it "
+        "takes the event when its turn comes"
+    )
+    again = runner.invoke(cli, ["send", second.id, "go", "-w", str(flows), "--db", db, "--json"])
+    assert json.loads(again.stdout)["held"] is True
