@@ -289,6 +289,8 @@ def honour_left_request(executor: Executor, run_id: str) -> None:
     now, as for a run nobody holds (fenced on the request: an operator doing the same
     meanwhile writes it once), and carried to every child."""
     store, worker = executor.store, executor.worker_id
+    if not isinstance(store, JoinStoreMixin) or store.request_left(run_id) is None:
+        return  # (the usual fan-out: its write found no request on the parent)
     stored = store.get_run(run_id)
     if stored is None or stored.owner is not None or stored.control not in CONTROLS:
         return

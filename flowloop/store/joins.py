@@ -81,6 +81,7 @@ _COUNT_END: Final = {
     for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped)
 }
 _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
+_CONTROL_OF: Final = select(runs.c.control).where(runs.c.id == bindparam("r_id"))
 _LOCK_JOINS: Final = (
     select(joins.c.id)
     .where(joins.c.id.in_(bindparam("j_ids", expanding=True)))
@@ -345,16 +346,34 @@ class JoinStoreMixin:
             self._create_many_in(conn, news)
             conn.execute(_SET_CREATED, {"j_id": join.id, "j_created": len(news)})
 
-        return self._write_whole(boundary, before=fan_out)
+        return self._write_whole(
+            boundary, before=fan_out, after=lambda conn: self._note_request(conn, boundary)
+        )
 
     def wait_join(self, boundary: Boundary, join_id: str) -> bool:
         """Write the parent's boundary that leaves it waiting for its children; in the same
         transaction, make it due at once if they have all ended already (the last child's
         transaction found it not waiting yet, or ran first)."""
         params = {"r_id": boundary.run_id, "j_id": join_id, "r_at": boundary.events[-1].at}
-        return self._write_whole(
-            boundary, after=lambda conn: conn.execute(_DUE_IF_COMPLETE, params)
-        )
+
+        def after(conn: Connection) -> None:
+            conn.execute(_DUE_IF_COMPLETE, params)
+            self._note_request(conn, boundary)
+
+        return self._write_whole(boundary, after=after)
+
+    def _note_request(self, conn: Connection, boundary: Boundary) -> None:
+        """The pause or stop asked of a parent while its fan-out ran, read in the write that
+        lets it go waiting (:meth:`request_left`): no transaction of its own for the usual
+        fan-out, which finds none."""
+        control = conn.execute(_CONTROL_OF, {"r_id": boundary.run_id}).scalar()
+        if control is not None:
+            self.__dict__.setdefault("_requests_left", {})[boundary.run_id] = control
+
+    def request_left(self, run_id: str) -> str | None:
+        """The request :meth:`_note_request` found on ``run_id`` (once), else None."""
+        left: dict[str, str] = self.__dict__.get("_requests_left", {})
+        return left.pop(run_id, None)
 
     def _write_whole(
         self,
