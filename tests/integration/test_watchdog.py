@@ -7,6 +7,7 @@ test waits (bounded) for the log record, it asserts no durations beyond generous
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -114,10 +115,17 @@ def test_watchdog__silent_while_the_program_does_other_work_between_runs(
     the stall threshold) is no "event loop blocked" warning."""
     caplog.set_level(logging.INFO, logger="flowloop.watchdog")
     wf = quick()
-    with Engine(sqlite_url) as engine:
-        assert engine.run(wf, Ctx()).status == "succeeded"
-        time.sleep(BLOCK_S)  # the caller's own work, off the loop: nothing to warn about
-        assert engine.run(wf, Ctx()).status == "succeeded"
+    # No garbage collection inside the runs: late in a suite's process a full collection
+    # took 0.66 s within the second run, a real stall the watchdog rightly warned of.
+    gc.collect()
+    gc.disable()
+    try:
+        with Engine(sqlite_url) as engine:
+            assert engine.run(wf, Ctx()).status == "succeeded"
+            time.sleep(BLOCK_S)  # the caller's own work, off the loop: nothing to warn about
+            assert engine.run(wf, Ctx()).status == "succeeded"
+    finally:
+        gc.enable()
     assert stall_warnings(caplog) == []
     assert long_stalls(caplog) == []  # nor measured when a run ends
 
