@@ -254,7 +254,8 @@ class Operations:
         workflow = self._workflow_for(record)
         data: dict[str, Any] = {}
         by_stored = False
-        if record.join is not None and children.is_held(self.store, run_id):
+        held = record.join is not None and children.is_held(self.store, run_id)
+        if held:
             data["due"] = None  # a map's child paused before its turn: held again
         elif workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
@@ -272,13 +273,29 @@ class Operations:
             if tries > 1:  # moved meanwhile (a map child's turn journaled): look again
                 return self._unpause(run_id, cascaded=cascaded, tries=tries - 1)
             raise FlowloopError(f"run {run_id} changed while unpausing; try again")
-        if "due" in data and workflow is not None:
+        if held:
+            self._due_if_its_turn_came_meanwhile(run_id)
+        elif "due" in data and workflow is not None:
             # Events kept while it was paused: the run takes them now (else its claim does).
             self._hand_over_kept(run_id)
         elif by_stored:
             self._due_if_kept_meanwhile(run_id)
         self._unpause_children(run_id)
         return self.get(run_id)
+
+    def _due_if_its_turn_came_meanwhile(self, run_id: str) -> None:
+        """A map's child unpaused as held (no due time) whose turn came between that look
+        and the write: the release's due time was written over (a child in a step state
+        has no turn entry to refuse the write), and it waited for ever, its slot taken
+        (review). Released due at once instead. (Claimed or moved meanwhile: its holder
+        goes on.)"""
+        if children.is_held(self.store, run_id):
+            return
+        stored = self._stored(run_id)
+        record = stored.record
+        if stored.owner is None and record.status == "scheduled" and record.next_run_at is None:
+            data = {"reason": j.TURN_REASON}
+            self._operate(stored, j.RUN_RELEASED, state=record.state, data=data)
 
     def _due_if_kept_meanwhile(self, run_id: str) -> None:
         """A definition-less unpause set the timeout's due time (or none, for a wait

@@ -1556,3 +1556,48 @@ def test_send_to_a_held_child_says_it_waits_for_its_turn(tmp_path: Path) -> None
     )
     again = runner.invoke(cli, ["send", second.id, "go", "-w", str(flows), "--db", db, "--json"])
     assert json.loads(again.stdout)["held"] is True
+
+
+def test_a_held_child_unpaused_as_its_turn_comes_is_due(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unpause looked (held: no due time), the child's turn came, then the unpause
+    wrote "no due time" over the release's: a child in a step state, released but never
+    due, and the map waited for ever (review). It is released due once the unpause sees
+    the turn came."""
+    from flowloop import children as kids
+
+    clock = FakeClock(auto_advance=False)
+    item = Workflow("late_turn", context=Item)
+
+    @item.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=1e8))
+    def work(ctx: Item) -> None:
+        if ctx.n == 0:
+            raise ValueError("the first holds its slot, retrying")
+
+    item.final("done")
+    fan = _one_at_a_time("late_turns", item, tolerate_failures=1)
+    with TestEngine(store_url, clock=clock, workflows=[item, fan]) as engine:
+        top = engine.start(fan, Item(items=[0, 1])).id
+        engine.run_until_idle(idle_horizon=0)
+        ids = {r.context.n: r.id for r in engine.runs(workflow="late_turn")}  # type: ignore[attr-defined]
+        engine.pause(ids[1])
+        looked = kids.is_held
+        turned: list[str] = []
+
+        def then_its_turn(store: Any, run_id: str) -> bool:
+            answer = looked(store, run_id)
+            if answer and run_id == ids[1] and not turned:
+                with Engine(store_url, clock=clock, workflows=[item, fan]) as other:
+                    turned.append(other.stop(ids[0]).status)  # frees the slot: its turn
+            return answer
+
+        monkeypatch.setattr(kids, "is_held", then_its_turn)
+        engine.unpause(ids[1])
+        monkeypatch.undo()
+        assert turned == ["stopped"]
+        assert engine.get(ids[1]).next_run_at is not None
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(ids[1]).status == "succeeded"
+        assert engine.get(top).status == "succeeded"
+        assert_journal_sound(engine, ids[1])
