@@ -294,30 +294,38 @@ def honour_left_request(executor: Executor, run_id: str) -> None:
     stored = store.get_run(run_id)
     if stored is None or stored.owner is not None or stored.control not in CONTROLS:
         return
-    action = stored.control
-    kind, data = j.control_entry(action)
+    action, now = stored.control, executor.clock.now()
+    _, data = j.control_entry(action)
+    if not store.write([_honouring(stored, action, data, now=now, worker=worker)])[0]:
+        return  # moved meanwhile: whoever moved it has the request in hand
+    if action == STOP:
+        stop_children(store, run_id, now=now, worker=worker, reason="its parent was stopped")
+    else:
+        pause_children(store, run_id, now=now, worker=worker)
+
+
+def _honouring(
+    stored: StoredRun, action: str, data: dict[str, Any], *, now: float, worker: str
+) -> Boundary:
+    """The boundary that pauses or stops (``action``) a run nobody holds, fenced on its row
+    as read, the request it held then included (a request made since refuses it)."""
+    kind, _ = j.control_entry(action)
     event = JournalEvent(
-        run_id=run_id,
+        run_id=stored.id,
         seq=stored.record.last_seq + 1,
         kind=kind,
-        at=executor.clock.now(),
+        at=now,
         state=stored.record.state,
         worker=worker,
         data=data,
     )
-    boundary = Boundary(
+    return Boundary(
         events=[event],
         record=j.apply(stored.record, event),
         fence=Fence(None, stored.lease_epoch),
         clear_control=True,
-        seen_control=action,
+        seen_control=stored.control,
     )
-    if not store.write([boundary])[0]:
-        return  # moved meanwhile: whoever moved it has the request in hand
-    if action == STOP:
-        stop_children(store, run_id, now=event.at, worker=worker, reason="its parent was stopped")
-    else:
-        pause_children(store, run_id, now=event.at, worker=worker)
 
 
 def _waiting(
@@ -554,7 +562,6 @@ def _control_child(
     """Stop or pause (``action``: STOP or PARENT_PAUSE) one child as it is now: ask its
     worker (held or running), else write it (fenced on its row as read: claimed, ended or
     asked something meanwhile, look again)."""
-    kind, _ = j.control_entry(action)
     unless = () if action == STOP else (STOP, *PAUSES)
     for _ in range(STOP_ATTEMPTS):
         if child.record.status in FINISHED:
@@ -563,22 +570,7 @@ def _control_child(
             return False  # paused, or asked to, meanwhile: that pause (or stop) stays its own
         if child.owner is not None or child.record.status == "running":
             return store.request_control(child.id, action, unless=unless)
-        event = JournalEvent(
-            run_id=child.id,
-            seq=child.record.last_seq + 1,
-            kind=kind,
-            at=now,
-            state=child.record.state,
-            worker=worker,
-            data={"reason": reason},
-        )
-        boundary = Boundary(
-            events=[event],
-            record=j.apply(child.record, event),
-            fence=Fence(None, child.lease_epoch),
-            clear_control=True,
-            seen_control=child.control,
-        )
+        boundary = _honouring(child, action, {"reason": reason}, now=now, worker=worker)
         if store.write([boundary])[0]:
             return True
         fresh = store.get_run(child.id)

@@ -347,6 +347,19 @@ def reducing(name: str, child: Workflow, reduce: Any) -> Workflow:
     return fan
 
 
+def breaks_once(seen: list[int]) -> Any:
+    """A reduce that counts the boxes packed, noting how many results it saw, and fails
+    the first time (its parent fails, to be retried)."""
+
+    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
+        seen.append(len(results))
+        if len(seen) == 1:
+            raise RuntimeError("the reduce broke once")
+        ctx.packed = sum(1 for r in results if r.ok)
+
+    return count_boxed
+
+
 def test_prune__the_finished_children_of_a_live_parent_stay(
     engine: Engine, clock: FakeClock
 ) -> None:
@@ -391,12 +404,7 @@ def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
     box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
     box.final("boxed")
     seen: list[int] = []
-
-    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
-        seen.append(len(results))
-        if len(seen) == 1:
-            raise RuntimeError("the reduce broke once")
-        ctx.packed = sum(1 for r in results if r.ok)
+    count_boxed = breaks_once(seen)
 
     parent = engine.run(reducing("kept_fan", box, count_boxed), {"boxes": [1, 2, 3]})
     engine.run_until_idle(idle_horizon=0)
@@ -428,12 +436,7 @@ def test_prune__a_family_goes_together_at_any_depth(engine: Engine, clock: FakeC
 
     box.final("boxed")
     seen: list[int] = []
-
-    def count_boxed(ctx: Parcel, results: list[Any]) -> None:
-        seen.append(len(results))
-        if len(seen) == 1:
-            raise RuntimeError("the reduce broke once")
-        ctx.packed = sum(1 for r in results if r.ok)
+    count_boxed = breaks_once(seen)
 
     middle = reducing("deep_middle", box, count_boxed)
     top = Workflow("deep_top", context=Groups)
