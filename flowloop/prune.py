@@ -7,10 +7,10 @@ runs that finished at or after the cutoff, the finished descendants of a run tha
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
 every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
 run with no parent left and its finished descendants, deepest first. A run is deleted
-only if it is still finished and old when its batch deletes it: the DELETE re-checks status
-and age on the row it locks, so an operator's retry racing with prune either wins (the run
-is kept) or finds the run gone. (Not its parent's row: a parent retried that instant can
-lose a child.)
+only if it is still finished and old when its batch deletes it, and so is its parent (or it
+has none left): the DELETE re-checks both, so an operator's retry racing with prune either
+wins (the run and what is below it are kept) or finds the run gone. A family goes top down:
+once a run is gone, nobody can retry it.
 
 A join row goes with its parent, unless a child of it has not reported its end yet (a
 child held by a worker when its parent was stopped only gets a stop request): that child's
@@ -146,33 +146,60 @@ def prune(
                 break
             after = roots[-1]
             family = _family(roots, kinds, cutoff)
-            # Deepest first, the roots last: cut off between two transactions, what is left
-            # is a family whose top is still there, taken again by the next prune.
+            # The roots first, then down: once a run is gone nobody can retry it, and a run
+            # below it retried meanwhile keeps its own (the DELETE checks each run's parent).
+            # Cut off between two transactions, what is left are runs whose parent is gone:
+            # roots of the next prune.
             ids = [
                 row.id
                 for row in reader.execute(
-                    select(family.c.id, family.c.depth).order_by(family.c.depth.desc())
+                    select(family.c.id, family.c.depth).order_by(family.c.depth)
                 )
             ]
         for first in range(0, len(ids), batch):
-            with db.begin() as conn:
-                _delete_runs(conn, ids[first : first + batch], kinds, cutoff, result)
-            result.batches += 1
+            _delete_batch(db, ids[first : first + batch], kinds, cutoff, result)
     _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
     return result
 
 
+def _delete_batch(
+    db: Engine, ids: Sequence[str], kinds: Sequence[str], cutoff: float, result: PruneResult
+) -> None:
+    """One short transaction of :func:`_delete_runs`."""
+    with db.begin() as conn:
+        _delete_runs(conn, ids, kinds, cutoff, result)
+    result.batches += 1
+
+
 def _delete_runs(
     conn: Connection, ids: Sequence[str], kinds: Sequence[str], cutoff: float, result: PruneResult
 ) -> None:
-    # The run rows first, re-checked under their lock: only what is still finished and old
-    # goes, and only its journal and inbox rows follow it.
+    # The run rows first, re-checked under their lock: only what is still finished and old,
+    # under a parent still so (or none left), goes, and only its journal and inbox rows
+    # follow it. PostgreSQL: the runs and their parents locked first, so that a retry of a
+    # parent committed while this waited is seen by the DELETE (its subquery reads the
+    # snapshot its statement starts with, which a lock taken inside it would not renew).
+    if conn.dialect.name == "postgresql":
+        parents = select(runs.c.parent_id).where(runs.c.id.in_(list(ids)))
+        conn.execute(
+            select(runs.c.id)
+            .where(or_(runs.c.id.in_(list(ids)), runs.c.id.in_(parents)))
+            .order_by(runs.c.id)
+            .with_for_update()
+        ).all()
     gone = list(
         conn.execute(
             delete(runs)
-            .where(runs.c.id.in_(list(ids)), _finished_before(runs, kinds, cutoff))
+            .where(
+                runs.c.id.in_(list(ids)),
+                _finished_before(runs, kinds, cutoff),
+                ~exists().where(
+                    _parent.c.id == runs.c.parent_id,
+                    ~_finished_before(_parent, kinds, cutoff),
+                ),
+            )
             .returning(runs.c.id)
         ).scalars()
     )

@@ -462,3 +462,150 @@ def test_prune__a_family_goes_together_at_any_depth(engine: Engine, clock: FakeC
     done = engine.get(failed.id)
     assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
     assert engine.get(root).status == "scheduled"  # its other group still retries
+
+
+def retried_between_deletes(
+    monkeypatch: pytest.MonkeyPatch, engine: Engine, run_id: str
+) -> list[str]:
+    """prune's deletes, with an operator's retry of ``run_id`` landing right after the
+    first of them has committed (when the run is still there). Returns what the retry found."""
+    import flowloop.prune as pruning
+
+    found: list[str] = []
+    original = pruning._delete_batch
+
+    def deleting(*args: Any) -> None:
+        original(*args)
+        if not found:
+            try:
+                found.append(engine.retry(run_id).status)
+            except Exception as error:  # deleted already: nobody can retry it any more
+                found.append(type(error).__name__)
+
+    monkeypatch.setattr(pruning, "_delete_batch", deleting)
+    return found
+
+
+def test_prune__a_parent_retried_between_two_deletes_keeps_its_children(
+    engine: Engine, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prune deleted a family deepest first, one transaction per batch, the DELETE checking
+    each run's own row only: a failed map retried after its first child went lost the
+    others too, and its reduce saw none of the three results. A family goes top down now:
+    once the parent is gone nobody can retry it, and a run retried first keeps its own."""
+    box = Workflow("raced_box", context=Box)
+    box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
+    box.final("boxed")
+    seen: list[int] = []
+    parent = engine.run(reducing("raced_fan", box, breaks_once(seen)), {"boxes": [1, 2, 3]})
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(parent.id).status == "failed"
+    clock.advance(40 * DAY)
+    found = retried_between_deletes(monkeypatch, engine, parent.id)
+    prune(db_of(engine), cutoff=clock.now() - 30 * DAY, batch=1)
+    engine.run_until_idle(idle_horizon=0)
+    left = sa_column(engine, runs.c.id)
+    if found == ["scheduled"]:  # the retry won: the whole family stayed
+        done = engine.get(parent.id)
+        assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
+    else:  # prune won: nothing of the family is left
+        assert (found, left) == (["UnknownRun"], [])
+
+
+def test_prune__a_run_retried_after_its_parent_went_keeps_its_children(
+    engine: Engine, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed middle map whose finished parent prune deleted first, retried before its
+    children's batch: they stay with it (the DELETE checks each run's parent), and its
+    reduce sees all three results."""
+    box = Workflow("orphan_box", context=Box)
+    box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
+    box.final("boxed")
+    seen: list[int] = []
+    middle = reducing("orphan_middle", box, breaks_once(seen))
+    top = Workflow("orphan_top", context=Groups)
+    top.map(
+        "each",
+        child=middle,
+        items=lambda ctx: ctx.groups,
+        context=lambda ctx, group: Parcel(boxes=group),
+        on={"done": "done", "failed": "done"},
+        tolerate_failures=1,
+        initial=True,
+    )
+    top.final("done")
+    engine.register(top, middle, box)
+    root = engine.start(top, Groups(groups=[[1, 2, 3]])).id
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(root).status == "succeeded"
+    (failed,) = engine.runs(workflow="orphan_middle")
+    assert failed.status == "failed"
+    clock.advance(40 * DAY)
+    found = retried_between_deletes(monkeypatch, engine, failed.id)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, batch=1).runs == 1
+    assert found == ["scheduled"]
+    assert len(sa_column(engine, runs.c.id, runs.c.parent_id == failed.id)) == 3
+    engine.run_until_idle(idle_horizon=0)
+    done = engine.get(failed.id)
+    assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
+    clock.advance(40 * DAY)  # finished now, its parent gone: it goes with its children
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 1 + 3
+
+
+def test_prune__postgres_a_retry_committed_while_prune_waits_keeps_the_children(
+    pg_url: str, clock: FakeClock
+) -> None:
+    """PostgreSQL: a DELETE's subqueries read the snapshot its statement started with. A
+    retry of the parent in flight when prune's DELETE came locked the parent's row; the
+    DELETE waited for it, then kept the parent (its row checked again) but deleted the
+    children it had judged against the parent as it was. prune locks the runs and their
+    parents before it deletes, so the retry committed meanwhile is seen."""
+    import threading
+
+    with Engine(pg_url, clock=clock) as engine:
+        box = Workflow("locked_box", context=Box)
+        box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
+        box.final("boxed")
+        parent = engine.run(reducing("locked_fan", box, breaks_once([])), {"boxes": [1, 2, 3]})
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(parent.id).status == "failed"
+        clock.advance(40 * DAY)
+        db = db_of(engine)
+        errors: list[BaseException] = []
+
+        def pruning() -> None:
+            try:
+                prune(db, cutoff=clock.now() - 30 * DAY)
+            except BaseException as error:  # reported by the test's thread
+                errors.append(error)
+
+        worker = threading.Thread(target=pruning)
+        # Connections of their own: the engine's pool stays the engine's.
+        others = sa.create_engine(pg_url)
+        with others.connect() as retrying, others.connect() as look:
+            # The write of a retry, held open: the parent is live once it commits.
+            pid = retrying.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+            retrying.execute(
+                sa.update(runs)
+                .where(runs.c.id == parent.id)
+                .values(status="scheduled", updated_at=clock.now())
+            )
+            worker.start()
+            for _ in range(3000):  # bounded: 30 s, until prune waits on the parent's row
+                blocked = look.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity"
+                        " WHERE :pid = ANY(pg_blocking_pids(pid))"
+                    ),
+                    {"pid": pid},
+                ).scalar()
+                if blocked or not worker.is_alive():
+                    break
+                threading.Event().wait(0.01)
+            assert blocked == 1
+            retrying.commit()
+        others.dispose()
+        worker.join(timeout=30)
+        assert not worker.is_alive() and errors == []
+        assert len(sa_column(engine, runs.c.id, runs.c.parent_id == parent.id)) == 3
+        assert sa_column(engine, runs.c.status, runs.c.id == parent.id) == ["scheduled"]
