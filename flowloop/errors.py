@@ -183,6 +183,19 @@ class HeldBack(FlowloopError):
     with a key once made or found, queued."""
 
 
+class NoFreeSlot(FlowloopError):
+    """A retry of a map's child whose map already runs ``max_parallel`` children: it would
+    run past the bound. Retry it once one of them has ended."""
+
+    def __init__(self, run_id: str, parent_id: str, running: int) -> None:
+        super().__init__(
+            f"run {run_id} is a child of run {parent_id}, which runs {running} children "
+            f"(its max_parallel) now: retry it once one of them has ended"
+        )
+        self.run_id = run_id
+        self.parent_id = parent_id
+
+
 class KeyTaken(FlowloopError):
     """An idempotency key is held by a run of another workflow: a start with it cannot
     return that run as a run of the workflow asked for; start with another key."""

@@ -29,6 +29,7 @@ from flowloop.errors import (
     InvalidContext,
     InvalidEvent,
     InvalidTransition,
+    NoFreeSlot,
 )
 from flowloop.events import (
     NotWaiting,
@@ -47,6 +48,7 @@ from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
 from flowloop.store.entries import stored_waits
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.verdicts import judge
 from flowloop.versions import Registry
 
@@ -110,6 +112,14 @@ class Operations:
 
     def _operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
         """Write one operator event on a run nobody owns. False if someone owns it."""
+        boundary = self._operator_boundary(stored, kind, **fields)
+        written = self.store.write([boundary])[0]
+        if written:
+            self._tell(boundary)
+        return written
+
+    def _operator_boundary(self, stored: StoredRun, kind: str, **fields: Any) -> Boundary:
+        """One operator event on a run nobody owns, fenced on its row as read."""
         record = stored.record
         event = JournalEvent(
             run_id=record.id,
@@ -119,14 +129,25 @@ class Operations:
             worker=f"operator:{_user()}",
             **fields,
         )
-        boundary = Boundary(
+        return Boundary(
             events=[event],
             record=j.apply(record, event),
             fence=Fence(None, stored.lease_epoch),
             clear_control=_clears_request(kind, stored.control),
             seen_control=stored.control,  # a request made since: refused, the caller looks again
         )
-        written = self.store.write([boundary])[0]
+
+    def _retry_child(self, stored: StoredRun, **fields: Any) -> bool:
+        """An operator's retry of a map's (or call's) child: its join takes its end back
+        while it still waits for children, and the child runs as one of ``max_parallel``
+        — refused (NoFreeSlot) when that many run already (flowloop/store/joins.py)."""
+        store = self.store
+        if not isinstance(store, JoinStoreMixin):  # (children exist on the SQL store only)
+            return self._operate(stored, j.RUN_RETRIED, **fields)
+        boundary = self._operator_boundary(stored, j.RUN_RETRIED, **fields)
+        written, full = store.retry_child(boundary)
+        if full is not None:
+            raise NoFreeSlot(stored.id, full.parent_id, full.max_parallel)
         if written:
             self._tell(boundary)
         return written
@@ -510,7 +531,13 @@ class Operations:
         if waits:
             # It waits again, as on entering the state: its timeout counted from now.
             data["due"] = entering(workflow, state, self.clock.now())["due"]
-        if not self._operate(stored, j.RUN_RETRIED, state=state, context=context, data=data):
+        fields = {"state": state, "context": context, "data": data}
+        written = (
+            self._retry_child(stored, **fields)
+            if record.join is not None
+            else self._operate(stored, j.RUN_RETRIED, **fields)
+        )
+        if not written:
             raise FlowloopError(f"run {run_id} changed while retrying; try again")
         if waits:
             self._hand_over_kept(run_id)  # events kept for it that it accepts now

@@ -38,6 +38,7 @@ from sqlalchemy import (
     select,
 )
 
+from flowloop.store.joins import UNREPORTED
 from flowloop.store.reads import reading
 from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
 
@@ -47,8 +48,6 @@ LOOP_BATCH_FACTOR: Final = 10
 """Loop journal entries are small: this many times ``batch`` per transaction."""
 FINISHED: Final = ("succeeded", "failed", "stopped")
 FAILED_ITERATIONS: Final = ("iteration_failed", "iteration_interrupted")
-UNREPORTED: Final = ("open", "held")
-"""A child's ``join_state`` before its end has been counted in its join row."""
 
 
 @dataclass

@@ -14,6 +14,10 @@ Contract:
   last child, makes the parent due. A child that ends while held (stopped) took no slot:
   it frees none, counted apart (``ended_held``) so that the frontier moves with the ends
   that free one. No scan per child, no timer.
+* An operator's retry of a child whose join still waits takes its end back (uncounted,
+  ``join_state`` "open" again) when fewer than ``max_parallel`` siblings run, in one
+  transaction (:meth:`JoinStoreMixin.retry_child`): its next end is counted as a first. With
+  fewer than ``max_parallel`` running no created child is held, so the frontier stays true.
 * The parent's own "children started" boundary is written with :meth:`wait_join`, which
   makes it due in the same transaction if every child has already ended.
 """
@@ -71,6 +75,23 @@ _MARK_END: Final = {
     .where(runs.c.id == bindparam("r_id"), runs.c.join_state == was)
     .values(join_state=bindparam("r_outcome"))
     for was in ("open", "held")
+}
+UNREPORTED: Final = ("open", "held")
+"""A child's ``join_state`` before its end has been counted in its join row."""
+HELD_END: Final = "held_"
+"""Prefixed to the outcome a child that ended while held leaves in its ``join_state``: a
+retry of it gives back no slot (:meth:`JoinStoreMixin.retry_child`)."""
+_JOIN_STATE_OF: Final = select(runs.c.join_state).where(runs.c.id == bindparam("r_id"))
+_RUNNING: Final = (
+    # Its children released and not ended: at most max_parallel (by the join index).
+    select(func.count())
+    .select_from(runs)
+    .where(runs.c.join_id == bindparam("j_id"), runs.c.join_state == "open")
+)
+_REOPEN: Final = update(runs).where(runs.c.id == bindparam("r_id")).values(join_state="open")
+_UNCOUNT_END: Final = {
+    column.name: update(joins).where(joins.c.id == bindparam("j_id")).values({column: column - 1})
+    for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped, joins.c.ended_held)
 }
 _ENDED_HELD: Final = (
     # Counted apart too: the turns come with the ends that free a slot only.
@@ -541,6 +562,46 @@ class JoinStoreMixin:
             known[fingerprint] = frozenset(stored_waits(definition_structure(text, fingerprint)))
         return known[fingerprint]
 
+    def retry_child(self, boundary: Boundary) -> tuple[bool, JoinRow | None]:
+        """An operator's retry of a child (``boundary``), in one transaction with its join.
+        While its join still waits for children, the child's end is taken back — its
+        outcome counted no more (nor as ended held) — and it runs again as one of the
+        ``max_parallel``: refused when that many run already, nothing written, the join
+        returned. A join with every result (its parent has them, or is about to fold them)
+        is left as it is: the child runs on its own. Returns (written, the full join)."""
+        record = boundary.record
+        try:
+            with self._write() as conn:
+                self._lock_joins(conn, [boundary])
+                row = conn.execute(_READ_JOIN, {"j_id": record.join}).first()
+                join = None if row is None else _join(row)
+                ended = conn.execute(_JOIN_STATE_OF, {"r_id": record.id}).scalar()
+                rejoins = (
+                    join is not None
+                    and not join.complete
+                    and ended is not None
+                    and ended not in UNREPORTED
+                )
+                if rejoins and join is not None and self._running(conn, join) >= join.max_parallel:
+                    return False, join  # (nothing written: the transaction ends empty)
+                if not self._apply_whole(conn, boundary):
+                    raise _Refused
+                if rejoins and ended is not None:
+                    outcome = ended.removeprefix(HELD_END)
+                    column = OUTCOME_COLUMNS.get(outcome, joins.c.stopped)
+                    conn.execute(_UNCOUNT_END[column.name], {"j_id": record.join})
+                    if ended.startswith(HELD_END):
+                        conn.execute(_UNCOUNT_END["ended_held"], {"j_id": record.join})
+                    conn.execute(_REOPEN, {"r_id": record.id})
+        except _Refused:
+            return False, None
+        return True, None
+
+    @staticmethod
+    def _running(conn: Connection, join: JoinRow) -> int:
+        """How many of the join's children run now (released, not ended)."""
+        return int(conn.execute(_RUNNING, {"j_id": join.id}).scalar_one())
+
     def _lock_joins(self, conn: Connection, ends: Sequence[Boundary]) -> None:
         """PostgreSQL: the joins of children's ends locked before the children's rows are
         written. A sibling's end holds the join's row when its release waits for the next
@@ -563,8 +624,11 @@ class JoinStoreMixin:
             at = boundary.events[-1].at if boundary.events else 0.0
             mark = {"r_id": record.id, "r_outcome": outcome}
             freed = conn.execute(_MARK_END["open"], mark).rowcount == 1
-            if not freed and conn.execute(_MARK_END["held"], mark).rowcount != 1:
-                continue  # reported before (an operator retried a failed child)
+            if not freed:
+                mark["r_outcome"] = HELD_END + outcome
+                if conn.execute(_MARK_END["held"], mark).rowcount != 1:
+                    # Reported before: an operator retried it once its map had every result.
+                    continue
             column = OUTCOME_COLUMNS.get(outcome, joins.c.stopped)
             conn.execute(_COUNT_END[column.name], {"j_id": record.join})
             if not freed:  # ended held (stopped): it frees no slot
