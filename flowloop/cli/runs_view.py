@@ -47,7 +47,11 @@ def status(
         if run_id:
             info = reader.get(run_id)
             if as_json:
-                click.echo(json.dumps(info_json(info, waits)))
+                store = reader.store
+                held = hasattr(store, "is_held") and store.is_held(info.id)
+                kept = store.kept_count(info.id) if hasattr(store, "kept_count") else 0
+                shown = {**info_json(info, waits), "held": held, "kept_events": kept}
+                click.echo(json.dumps(shown))
                 return
             show_run(info, waits.of(info))
             for line in family_lines(reader.store, info.id):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 
 from flowloop.store.base import Boundary, InboxEvent
@@ -93,6 +93,17 @@ class InboxStoreMixin:
                 .limit(1)
             ).first()
         return found is not None
+
+    def kept_count(self, run_id: str) -> int:
+        """How many events are kept for the run, not taken yet."""
+        with self._read() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(inbox)
+                    .where(inbox.c.run_id == run_id, inbox.c.consumed_seq.is_(None))
+                ).scalar_one()
+            )
 
     def pending_events(self, run_id: str) -> list[InboxEvent]:
         with self._read() as conn:

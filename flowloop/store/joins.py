@@ -32,7 +32,9 @@ from typing import Any, Final
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    and_,
     bindparam,
+    case,
     exists,
     func,
     insert,
@@ -45,7 +47,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from flowloop import journal as j
 from flowloop.errors import StoreError
 from flowloop.journal import RunRecord
-from flowloop.lifecycle import FINISHED, LIVE
+from flowloop.lifecycle import FINISHED, HELD, LIVE
 from flowloop.store import built
 from flowloop.store.base import Boundary, NewRun, StoredRun
 from flowloop.store.entries import (
@@ -454,12 +456,15 @@ class JoinStoreMixin:
             return self._fold_tails(conn, [_stored_from_row(row) for row in rows])
 
     def child_counts(self, parent_id: str) -> dict[str, int]:
-        """How many of the parent's children are in each status."""
+        """How many of the parent's children are in each status; the scheduled ones held
+        back by ``max_parallel`` counted apart, as ``held``."""
+        shown = case(
+            (and_(runs.c.join_state == "held", runs.c.status == "scheduled"), HELD),
+            else_=runs.c.status,
+        ).label("shown")
         with self._read() as conn:
             rows = conn.execute(
-                select(runs.c.status, func.count())
-                .where(runs.c.parent_id == parent_id)
-                .group_by(runs.c.status)
+                select(shown, func.count()).where(runs.c.parent_id == parent_id).group_by(shown)
             )
             return {row[0]: int(row[1]) for row in rows}
 

@@ -28,6 +28,7 @@ from flowloop.backpressure import DROPPED_REASON, usage_by_workflow
 from flowloop.errors import StoreError
 from flowloop.ids import prefix_bounds
 from flowloop.journal import EVENT_DROPPED, JournalEvent
+from flowloop.lifecycle import HELD
 from flowloop.store.base import SCHEMA_HEAD, VERSION_TABLE, BreakerRow, RunFilter, StoredRun
 from flowloop.store.entries import (
     JOURNAL_FIELDS,
@@ -281,7 +282,21 @@ class LiteStore:
         return None if row is None or row[0] is None else str(row[0])
 
     def child_counts(self, parent_id: str) -> dict[str, int]:
-        """How many of the parent's children are in each status."""
-        sql = f"SELECT status, count(*) FROM {RUNS} WHERE parent_id = ? GROUP BY status"
+        """As :meth:`~flowloop.store.joins.JoinStoreMixin.child_counts` ("held" apart)."""
+        held = f"join_state = '{HELD}' AND status = 'scheduled'"
+        shown = f"CASE WHEN {held} THEN '{HELD}' ELSE status END"
+        sql = f"SELECT {shown}, count(*) FROM {RUNS} WHERE parent_id = ? GROUP BY 1"
         with self._read() as conn:
             return {row[0]: int(row[1]) for row in conn.execute(sql, (parent_id,))}
+
+    def is_held(self, run_id: str) -> bool:
+        """As :meth:`~flowloop.store.joins.JoinStoreMixin.is_held`."""
+        with self._read() as conn:
+            row = conn.execute(f"SELECT join_state FROM {RUNS} WHERE id = ?", (run_id,)).fetchone()
+        return row is not None and row[0] == HELD
+
+    def kept_count(self, run_id: str) -> int:
+        """As :meth:`~flowloop.store.inbox.InboxStoreMixin.kept_count`."""
+        sql = "SELECT count(*) FROM flowloop_inbox WHERE run_id = ? AND consumed_seq IS NULL"
+        with self._read() as conn:
+            return int(conn.execute(sql, (run_id,)).fetchone()[0])

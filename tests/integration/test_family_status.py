@@ -1,0 +1,67 @@
+"""``flowloop status`` of a map and its children, on a SQLite file (read without
+SQLAlchemy) and on PostgreSQL: the children held back by ``max_parallel`` are counted
+apart, and a held child says so, with the events kept for it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from click.testing import CliRunner
+from pydantic import BaseModel
+
+from flowloop import FakeClock, Workflow
+from flowloop.cli import cli
+from flowloop.testing import TestEngine
+
+
+class Item(BaseModel):
+    n: int = 0
+
+
+class Fan(BaseModel):
+    items: list[int] = []
+
+
+def fan() -> Workflow:
+    item = Workflow("status_item", context=Item)
+    item.wait("hold", on={"go": "done"}, initial=True)
+    item.final("done")
+    wf = Workflow("status_fan", context=Fan)
+    wf.map(
+        "each",
+        child=item,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Item(n=n),
+        max_parallel=1,
+        on={"done": "done"},
+        initial=True,
+    )
+    wf.final("done")
+    return wf
+
+
+def status(url: str, *args: str) -> str:
+    result = CliRunner().invoke(cli, ["status", *args, "--db", url])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_status_tells_the_children_held_back_and_the_events_kept(store_url: str) -> None:
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[fan()]) as engine:
+        parent = engine.start(engine.workflow("status_fan"), Fan(items=[1, 2, 3])).id
+        engine.run_until_idle(idle_horizon=0)
+        store: Any = engine.store
+        first, second, third = (c.id for c in store.children_of(parent))
+        assert engine.send(second, "go").status == "buffered"
+    assert "children  3 (2 held, 1 scheduled)" in status(store_url, parent)
+    shown = status(store_url, second)
+    assert f"parent    {parent}" in shown
+    assert "held      back by its parent's max_parallel: starts when a sibling ends" in shown
+    assert "kept      1 event(s) sent to it, not taken yet" in shown
+    assert "held " not in status(store_url, first) and "kept " not in status(store_url, first)
+    held = json.loads(status(store_url, second, "--json"))
+    assert (held["held"], held["kept_events"]) == (True, 1)
+    free = json.loads(status(store_url, first, "--json"))
+    assert (free["held"], free["kept_events"]) == (False, 0)
