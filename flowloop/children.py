@@ -46,6 +46,8 @@ CREATE_BATCH: Final = 500
 STOP_ATTEMPTS: Final = 4
 """Writes of a child's stop at its parent's deadline, the child read again after each
 refusal; then its stop is asked for (its next claim honours it)."""
+Tell = Callable[[Boundary], object]
+"""Told of a boundary written for a run nobody holds (the executor's listeners)."""
 
 
 class ChildContextError(FlowloopError):
@@ -274,11 +276,25 @@ async def drive(
         event.kind == j.CHILDREN_STARTED and event.data.get("join") == join_id
         for event in executor.store.journal(record.id)
     )
-    boundary = _waiting(executor, spec, record, fence, join_id, join.total, again=again)
-    if store.wait_join(boundary, join_id):
+    _wait_for(executor, spec, record, fence, join_id, join.total, again=again)
+    return None
+
+
+def _wait_for(
+    executor: Executor,
+    spec: Composite,
+    record: RunRecord,
+    fence: Fence,
+    join_id: str,
+    total: int,
+    *,
+    again: bool,
+) -> None:
+    """Let the parent go waiting for its children (due at once if they have all ended)."""
+    boundary = _waiting(executor, spec, record, fence, join_id, total, again=again)
+    if joins_of(executor).wait_join(boundary, join_id):
         _waited(executor, boundary)
         honour_left_request(executor, record.id)
-    return None
 
 
 def honour_left_request(executor: Executor, run_id: str) -> None:
@@ -296,12 +312,16 @@ def honour_left_request(executor: Executor, run_id: str) -> None:
         return
     action, now = stored.control, executor.clock.now()
     _, data = j.control_entry(action)
-    if not store.write([_honouring(stored, action, data, now=now, worker=worker)])[0]:
+    honoured = _honouring(stored, action, data, now=now, worker=worker)
+    if not store.write([honoured])[0]:
         return  # moved meanwhile: whoever moved it has the request in hand
+    tell = executor._notify  # (listeners — metrics, tracing — hear of it as of a worker's)
+    tell(honoured)
     if action == STOP:
-        stop_children(store, run_id, now=now, worker=worker, reason="its parent was stopped")
+        reason = "its parent was stopped"
+        stop_children(store, run_id, now=now, worker=worker, reason=reason, tell=tell)
     else:
-        pause_children(store, run_id, now=now, worker=worker)
+        pause_children(store, run_id, now=now, worker=worker, tell=tell)
 
 
 def _honouring(
@@ -391,6 +411,13 @@ async def _join(
     except Exception as error:  # a child's context unreadable: the parent fails, not hangs
         await _fail(executor, record, fence, error, "child_unreadable")
         return None
+    if any(result.status not in FINISHED for result in results):
+        join = store.get_join(join_id)
+        if join is not None and not join.complete:
+            # A child an operator retried since its join was read complete: its new end is
+            # the one the parent gets (a reduce never sees a child still running).
+            _wait_for(executor, spec, record, fence, join_id, join.total, again=True)
+            return None
     counts = {"succeeded": 0, "failed": 0, "stopped": 0}
     for result in results:
         counts[compose.call_outcome(result.status)] += 1
@@ -514,7 +541,9 @@ async def past_deadline(
         # live for ever (a finished parent's children are recovered by nothing); stopped
         # first, a crash between leaves the parent past its deadline, and its next claim
         # comes back here.
-        stopped = stop_children(executor.store, record.id, now=now, worker=executor.worker_id)
+        stopped = stop_children(
+            executor.store, record.id, now=now, worker=executor.worker_id, tell=executor._notify
+        )
         log.info("run %s: deadline passed; %d child run(s) stopped", record.id, stopped)
     return await executor._advance(workflow, record, fence, event)
 
@@ -526,6 +555,7 @@ def stop_children(
     now: float,
     worker: str,
     reason: str = "its parent's deadline passed",
+    tell: Tell | None = None,
 ) -> int:
     """Stop the live children of ``run_id`` (and theirs): at once when nobody holds one,
     else by a request its worker honours at the next boundary. Returns how many."""
@@ -533,12 +563,16 @@ def stop_children(
         return 0
     count = 0
     for child in reversed(store.live_children(run_id)):  # (last first: see cascade)
-        count += stop_children(store, child.id, now=now, worker=worker, reason=reason)
-        count += _control_child(store, child, STOP, now=now, worker=worker, reason=reason)
+        count += stop_children(store, child.id, now=now, worker=worker, reason=reason, tell=tell)
+        count += _control_child(
+            store, child, STOP, now=now, worker=worker, reason=reason, tell=tell
+        )
     return count
 
 
-def pause_children(store: Store, run_id: str, *, now: float, worker: str) -> int:
+def pause_children(
+    store: Store, run_id: str, *, now: float, worker: str, tell: Tell | None = None
+) -> int:
     """Pause the live children of ``run_id`` (and theirs) as a parent's pause does (reason
     "parent paused", so that its unpause unpauses them): at once when nobody holds one,
     else by a request. A child paused already, or asked to pause or stop, is left as it is.
@@ -549,19 +583,26 @@ def pause_children(store: Store, run_id: str, *, now: float, worker: str) -> int
     for child in store.live_children(run_id):
         if child.record.status == "paused" or child.control in (*PAUSES, STOP):
             continue
-        count += pause_children(store, child.id, now=now, worker=worker)
+        count += pause_children(store, child.id, now=now, worker=worker, tell=tell)
         count += _control_child(
-            store, child, PARENT_PAUSE, now=now, worker=worker, reason=PARENT_PAUSED
+            store, child, PARENT_PAUSE, now=now, worker=worker, reason=PARENT_PAUSED, tell=tell
         )
     return count
 
 
 def _control_child(
-    store: Store, child: StoredRun, action: str, *, now: float, worker: str, reason: str
+    store: Store,
+    child: StoredRun,
+    action: str,
+    *,
+    now: float,
+    worker: str,
+    reason: str,
+    tell: Tell | None = None,
 ) -> bool:
     """Stop or pause (``action``: STOP or PARENT_PAUSE) one child as it is now: ask its
     worker (held or running), else write it (fenced on its row as read: claimed, ended or
-    asked something meanwhile, look again)."""
+    asked something meanwhile, look again); ``tell``: of what it wrote (the listeners)."""
     unless = () if action == STOP else (STOP, *PAUSES)
     for _ in range(STOP_ATTEMPTS):
         if child.record.status in FINISHED:
@@ -572,6 +613,8 @@ def _control_child(
             return store.request_control(child.id, action, unless=unless)
         boundary = _honouring(child, action, {"reason": reason}, now=now, worker=worker)
         if store.write([boundary])[0]:
+            if tell is not None:
+                tell(boundary)
             return True
         fresh = store.get_run(child.id)
         if fresh is None:

@@ -55,6 +55,7 @@ from flowloop.store.entries import (
     Unreadable,
     definition_structure,
     event_row,
+    stored_from_row,
     stored_waits,
 )
 from flowloop.store.journaled import contexts_at
@@ -445,15 +446,13 @@ class JoinStoreMixin:
 
     def children_of(self, parent_id: str) -> list[StoredRun]:
         """The parent's child runs (every call and map visit), by join and index."""
-        from flowloop.store.entries import stored_from_row as _stored_from_row
-
         with self._read() as conn:
             rows = conn.execute(
                 select(runs)
                 .where(runs.c.parent_id == parent_id)
                 .order_by(runs.c.join_id, runs.c.child_index)
             )
-            return self._fold_tails(conn, [_stored_from_row(row) for row in rows])
+            return self._fold_tails(conn, [stored_from_row(row) for row in rows])
 
     def child_counts(self, parent_id: str) -> dict[str, int]:
         """How many of the parent's children are in each status; the scheduled ones held
@@ -569,11 +568,12 @@ class JoinStoreMixin:
 
     def retry_child(self, boundary: Boundary) -> tuple[bool, JoinRow | None]:
         """An operator's retry of a child (``boundary``), in one transaction with its join.
-        While its join still waits for children, the child's end is taken back — its
-        outcome counted no more (nor as ended held) — and it runs again as one of the
+        While its parent is still in the join's state and visit (waiting for children, or
+        stopped or failed there: its own retry joins them), the child's end is taken back —
+        its outcome counted no more (nor as ended held) — and it runs again as one of the
         ``max_parallel``: refused when that many run already, nothing written, the join
-        returned. A join with every result (its parent has them, or is about to fold them)
-        is left as it is: the child runs on its own. Returns (written, the full join)."""
+        returned. Once its parent has gone on, the join is left as it is: the child runs on
+        its own. Returns (written, the full join)."""
         record = boundary.record
         try:
             with self._write() as conn:
@@ -583,9 +583,9 @@ class JoinStoreMixin:
                 ended = conn.execute(_JOIN_STATE_OF, {"r_id": record.id}).scalar()
                 rejoins = (
                     join is not None
-                    and not join.complete
                     and ended is not None
                     and ended not in UNREPORTED
+                    and (not join.complete or self._parent_at(conn, join))
                 )
                 if rejoins and join is not None and self._running(conn, join) >= join.max_parallel:
                     return False, join  # (nothing written: the transaction ends empty)
@@ -601,6 +601,15 @@ class JoinStoreMixin:
         except _Refused:
             return False, None
         return True, None
+
+    def _parent_at(self, conn: Connection, join: JoinRow) -> bool:
+        """Whether the join's parent is still in the join's state and visit (as folded)."""
+        row = conn.execute(built.RUN_BY_ID, {"r_id": join.parent_id}).first()
+        if row is None:
+            return False
+        (parent,) = self._fold_tails(conn, [stored_from_row(row)])
+        record = parent.record
+        return record.state == join.state and record.visit(join.state) == join.visit
 
     @staticmethod
     def _running(conn: Connection, join: JoinRow) -> int:

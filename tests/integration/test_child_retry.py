@@ -184,3 +184,59 @@ def test_a_child_retried_after_its_map_finished_runs_on_its_own(engine: TestEngi
     with store.engine.connect() as conn:
         state = conn.execute(sa.select(runs.c.join_state).where(runs.c.id == first.id)).scalar()
     assert state == "failed"
+
+
+def test_children_retried_under_a_stopped_parent_are_joined_by_its_retry(
+    engine: TestEngine,
+) -> None:
+    """A stopped map's children retried, then the map: it joined them at once as they were
+    then (running), its reduce saw three ``scheduled`` children and it went on, leaving
+    them running under a finished parent (audit). The parent is still in its map state, so
+    their ends are taken back: its retry waits for their new ones."""
+    parent = engine.start(engine.workflow("retried_fan_3"), Fan(items=[0, 1, 2])).id
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.stop(parent).status == "stopped"
+    kids = children(engine, parent)
+    assert {c.status for c in kids} == {"stopped"}
+    for child in kids:
+        engine.retry(child.id)
+    engine.retry(parent)
+    engine.run_until_idle(idle_horizon=0)
+    assert (engine.get(parent).status, engine.get(parent).state) == ("scheduled", "each")
+    assert running(engine, parent) == [0, 1, 2]
+    for child in kids:
+        go(engine, child.id)
+    done = engine.get(parent)
+    assert (done.status, done.context.seen) == ("succeeded", ["succeeded"] * 3)  # type: ignore[attr-defined]
+
+
+def test_a_child_retried_as_its_map_joins_is_waited_for(
+    engine: TestEngine, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator's retry landing between the parent's read of its complete join and its
+    read of the children's results: the parent goes back to waiting instead of handing its
+    reduce a child still running."""
+    from flowloop.store.joins import JoinStoreMixin
+
+    parent = engine.start(engine.workflow("retried_fan_3"), Fan(items=[0, 1, 2], fail=[0])).id
+    engine.run_until_idle(idle_horizon=0)
+    first, second, third = children(engine, parent)
+    go(engine, second.id)
+    original = JoinStoreMixin.join_results
+    retried: list[str] = []
+
+    def results_after_a_retry(self: Any, join_id: str) -> Any:
+        if not retried:
+            with TestEngine(store_url, workflows=[item()]) as operator:
+                retried.append(operator.retry(first.id, set_fields={"fail": False}).status)
+        return original(self, join_id)
+
+    monkeypatch.setattr(JoinStoreMixin, "join_results", results_after_a_retry)
+    go(engine, third.id)  # the join is complete: the parent is due and claimed
+    monkeypatch.undo()
+    assert retried == ["scheduled"]
+    assert (engine.get(parent).status, engine.get(parent).state) == ("scheduled", "each")
+    engine.run_until_idle(idle_horizon=0)
+    go(engine, first.id)
+    done = engine.get(parent)
+    assert (done.status, done.context.seen) == ("succeeded", ["succeeded"] * 3)  # type: ignore[attr-defined]

@@ -163,3 +163,36 @@ def test_deadline__a_parent_past_it_stops_the_children_it_waited_for(
 
     assert isinstance(store, JoinStoreMixin)
     assert store.child_counts(started.id) == {"stopped": 3}
+
+
+def test_deadline__the_children_it_stops_are_told_to_listeners(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """The children a worker stops at their parent's deadline were written past the
+    executor's listeners: metrics never counted them stopped, tracing never ended their
+    spans. They are told as any boundary a worker commits."""
+    wf = Workflow("told_deadline", context=Ctx, deadline=HOUR, on_deadline="expired")
+    wf.map(
+        "fan",
+        child=waiting_child(),
+        items=lambda ctx: range(3),
+        context=lambda ctx, i: Job(n=i),
+        on={"done": "done"},
+        initial=True,
+    )
+    wf.final("done", "expired")
+    engine.register(wf)
+    told: list[tuple[str, str]] = []
+    engine.listen(lambda record, events: told.extend((record.id, e.kind) for e in events))
+    started = engine.start(wf, Ctx())
+    engine.run_until_idle(idle_horizon=0)
+    clock.advance(HOUR + 1)
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(started.id).state == "expired"
+    store = engine.store
+    from flowloop.store.joins import JoinStoreMixin
+
+    assert isinstance(store, JoinStoreMixin)
+    children = {child.id for child in store.children_of(started.id)}
+    stopped = {run_id for run_id, kind in told if kind == j.RUN_STOPPED}
+    assert stopped == children and len(children) == 3

@@ -1126,9 +1126,17 @@ def test_a_request_made_while_a_parent_fans_out_reaches_every_child(
         hooked = "start_children" if fan_out == "one transaction" else "create_children"
         original = getattr(JoinStoreMixin, hooked)
         asked: list[str] = []
+        told: set[str] = set()  # the runs whose stop or pause a listener heard of
+        kind = j.RUN_STOPPED if action == "stop" else j.RUN_PAUSED
+
+        def hear(record: Any, events: Any) -> None:
+            told.update(record.id for e in events if e.kind == kind)
+
+        engine.listen(hear)
 
         def ask() -> None:
             with Engine(store_url, clock=clock) as other:
+                other.listen(hear, direct=True)  # what the operator's cascade writes
                 asked.append(getattr(other, action)(top).status)
 
         def operator_meanwhile(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -1148,6 +1156,8 @@ def test_a_request_made_while_a_parent_fans_out_reaches_every_child(
         parent = engine.get(top)
         kids_now = [engine.get(r.id) for r in engine.runs(workflow="fanned_item")]
         assert len(kids_now) == len(items)
+        # Those the worker wrote too (before, past its listeners: metrics, tracing).
+        assert told == {top, *(c.id for c in kids_now)}
         if action == "stop":
             assert parent.status == "stopped"
             assert {c.status for c in kids_now} == {"stopped"}
