@@ -197,8 +197,11 @@ async def drive(
     spec = workflow.composites[record.state]
     store = joins_of(executor)
     visit = record.visit(record.state)
-    join_id = compose.join_id(record.id, record.state, visit)
-    join = store.get_join(join_id)
+    join = store.find_join(
+        compose.join_id(record.id, record.state, visit), record.id, record.state, visit
+    )
+    # (Derived from the state's name; a migration that renamed the state kept its own.)
+    join_id = compose.join_id(record.id, record.state, visit) if join is None else join.id
     made_before = join is not None and join.created >= join.total  # (an unpause, a recovery)
     if join is not None and join.complete:
         if not await flush():

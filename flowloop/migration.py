@@ -14,14 +14,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flowloop import journal as j
+from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
 from flowloop.events import wait_due
 from flowloop.lifecycle import LIVE
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
 from flowloop.verdicts import CONTEXT_MISMATCH, DEFINITION_MISMATCH
 
 if TYPE_CHECKING:
+    from flowloop.definition import Workflow
     from flowloop.engine import Engine
+    from flowloop.journal import RunRecord
     from flowloop.store import StoredRun
 
 
@@ -63,6 +67,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             f"{DEFINITION_MISMATCH}: state {record.state!r} maps to {state!r}, which "
             f"{target.name} v{to} does not have as a live state; add it to migrates_from",
         )
+    join_to = _join_renamed(engine, record, state, target, to)
     try:
         target.load_context(record.context, record.context_version)
     except (FlowloopError, ContextMigrationError) as error:
@@ -94,9 +99,39 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             data["due"] = engine.clock.now()
         if record.join is not None and engine.is_held(record.id):
             data["due"] = None  # a map's child held back: its turn makes it due, as before
-    if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data):
+    if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data, join_to=join_to):
         raise FlowloopError(f"run {record.id} changed while migrating; try again")
     return Moved(record.id, record.version, to, record.state, state)
+
+
+def _join_renamed(
+    engine: Engine, record: RunRecord, state: str, target: Workflow, to: int
+) -> str | None:
+    """The join a run moved to ``state`` takes along: that of the call or map state it is in,
+    when ``target`` renamed that state (the visit count moves with the name). Its children
+    report to it, and under the new name its claim finds it instead of starting them all
+    again — a succeeded child's work run twice. A renamed state that starts runs of another
+    workflow cannot take them: refused."""
+    store = engine.store
+    if (
+        state == record.state
+        or record.state in target.states
+        or not isinstance(store, JoinStoreMixin)
+    ):
+        return None
+    visit = record.visit(record.state)
+    join = store.find_join(join_id(record.id, record.state, visit), record.id, record.state, visit)
+    spec = target.composites.get(state)
+    if join is None or spec is None:
+        return None
+    if spec.child.name != join.child_workflow:
+        raise DefinitionMismatch(
+            record.id,
+            f"{DEFINITION_MISMATCH}: its {record.state!r} has child runs of "
+            f"{join.child_workflow!r}; v{to} renames it {state!r}, which starts runs of "
+            f"{spec.child.name!r}: migrate it once it has left {record.state!r}",
+        )
+    return join.id
 
 
 def migrate_all(engine: Engine, workflow: str, *, to: int, by: str) -> list[Moved]:

@@ -106,9 +106,21 @@ class Operations:
 
         return migrate_all(self._whole(), name, to=to, by=by or _user())
 
-    def operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
-        """Write one operator entry on a run nobody owns (fenced); False if it moved."""
-        return self._operate(stored, kind, **fields)
+    def operate(
+        self, stored: StoredRun, kind: str, *, join_to: str | None = None, **fields: Any
+    ) -> bool:
+        """Write one operator entry on a run nobody owns (fenced); False if it moved.
+        ``join_to``: the id of the join of the call or map state the entry renames (to
+        ``fields["state"]``), moved to that state in the same transaction."""
+        if join_to is None:
+            return self._operate(stored, kind, **fields)
+        boundary = self._operator_boundary(stored, kind, **fields)
+        store = self.store
+        assert isinstance(store, JoinStoreMixin)  # (a join exists: the SQL store)
+        written = store.rename_join(boundary, join_to, fields["state"])
+        if written:
+            self._tell(boundary)
+        return written
 
     def _operate(self, stored: StoredRun, kind: str, **fields: Any) -> bool:
         """Write one operator event on a run nobody owns. False if someone owns it."""

@@ -38,6 +38,7 @@ from sqlalchemy import (
     exists,
     func,
     insert,
+    or_,
     select,
     update,
 )
@@ -105,6 +106,20 @@ _COUNT_END: Final = {
     for column in (joins.c.succeeded, joins.c.failed, joins.c.stopped)
 }
 _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
+_FIND_JOIN: Final = select(joins).where(
+    # By its id, or — its state renamed by a migration since — by what it is the join of.
+    or_(
+        joins.c.id == bindparam("j_id"),
+        and_(
+            joins.c.parent_id == bindparam("j_parent"),
+            joins.c.state == bindparam("j_state"),
+            joins.c.visit == bindparam("j_visit"),
+        ),
+    )
+)
+_RENAME_JOIN: Final = (
+    update(joins).where(joins.c.id == bindparam("j_id")).values(state=bindparam("j_state"))
+)
 _CONTROL_OF: Final = select(runs.c.control).where(runs.c.id == bindparam("r_id"))
 _LOCK_JOINS: Final = (
     select(joins.c.id)
@@ -321,6 +336,33 @@ class JoinStoreMixin:
                 return _join(found)
             conn.execute(insert(joins).values(_join_values(join, at)))
         return join
+
+    def find_join(self, join_id: str, parent_id: str, state: str, visit: int) -> JoinRow | None:
+        """The join of ``parent_id``'s visit ``visit`` of ``state``: the row ``join_id`` (the
+        id derived from them), or the one a migration that renamed the state moved to it
+        (its id, and its children's, derived from the old name). One query."""
+        params = {"j_id": join_id, "j_parent": parent_id, "j_state": state, "j_visit": visit}
+        with self._read() as conn:
+            rows = conn.execute(_FIND_JOIN, params).all()
+        if not rows:
+            return None
+        # (Both, were the state renamed back and visited again: the id derived now wins.)
+        return _join(next((row for row in rows if row.id == join_id), rows[0]))
+
+    def rename_join(self, boundary: Boundary, join_id: str, state: str) -> bool:
+        """A migration's entry (``boundary``) that renames the call or map state its run is
+        in, in one transaction with its join's row: the join then belongs to ``state`` (its
+        claim finds it there, instead of starting every child again). The join's row is
+        locked first on PostgreSQL, as a child's end takes it. Whether it was written."""
+
+        def lock(conn: Connection) -> None:
+            if conn.dialect.name != "sqlite":
+                conn.execute(_LOCK_JOINS, {"j_ids": [join_id]}).all()
+
+        def rename(conn: Connection) -> None:
+            conn.execute(_RENAME_JOIN, {"j_id": join_id, "j_state": state})
+
+        return self._write_whole(boundary, before=lock, after=rename)
 
     def get_join(self, join_id: str) -> JoinRow | None:
         with self._read() as conn:

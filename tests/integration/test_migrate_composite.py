@@ -11,9 +11,11 @@ calling a new one. A state left that the new version still has now keeps its cou
 
 from __future__ import annotations
 
+import pytest
 from pydantic import BaseModel
 
 from flowloop import Engine, Workflow
+from flowloop.errors import DefinitionMismatch
 
 
 class Kid(BaseModel):
@@ -90,3 +92,74 @@ def test_a_renamed_state_moves_its_count(store_url: str) -> None:
         engine.migrate(parent.id, to=2, by="deployer")
         assert engine.get(parent.id).visits == {"query": 1}
         assert "kept_visits" not in engine.history(parent.id)[-1].data
+    # Its child goes on under the new name: its end is the call's, no second child.
+    [first] = _kids(engine)
+    with Engine(store_url, workflows=[renamed, kid]) as engine:
+        engine.send(first, "go")
+        engine.run_until_idle()
+        info = engine.get(parent.id)
+        assert (info.state, info.context.got) == ("between", [0])  # type: ignore[union-attr]
+        assert _kids(engine) == {first: "succeeded"}
+        assert engine.replay(parent.id).matches
+
+
+class Many(BaseModel):
+    items: list[int] = []
+    seen: list[int] = []
+
+
+def spread(version: int, state: str, child: Workflow = kid) -> Workflow:
+    """A map of ``child`` over ``ctx.items``, two at a time, named ``state``."""
+    workflow = Workflow(
+        "spread",
+        context=Many,
+        version=version,
+        migrates_from={1: {"fan": state}} if version > 1 else None,
+    )
+    workflow.map(
+        state,
+        child=child,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Kid(n=n),
+        max_parallel=2,
+        reduce=lambda ctx, results: ctx.seen.extend(r.context.n for r in results if r.ok),
+        on={"done": "done"},
+        initial=True,
+    )
+    workflow.final("done")
+    return workflow
+
+
+def test_a_map_migrated_into_its_renamed_state_keeps_its_children(store_url: str) -> None:
+    """A map waiting for its children (one ended, two running, one held) migrated to a
+    version that renames its state: its claim looked for the join under the new name,
+    found none and started all four again — eight children, the ended one's work run
+    twice (audit). The join goes with the state's name now."""
+    with Engine(store_url, workflows=[spread(1, "fan"), kid]) as engine:
+        parent = engine.start(engine.workflow("spread"), Many(items=[1, 2, 3, 4])).id
+        engine.run_until_idle()
+        kids = sorted(engine.runs(workflow="kid_again", limit=10), key=lambda r: r.context.n)  # type: ignore[attr-defined]
+        engine.send(kids[0].id, "go")
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[spread(2, "spread_out"), kid]) as engine:
+        assert engine.migrate(parent, to=2, by="deployer").state == "spread_out"
+        for child in kids[1:]:
+            engine.send(child.id, "go")
+            engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.status, info.context.seen) == ("succeeded", [1, 2, 3, 4])  # type: ignore[union-attr]
+        assert len(_kids(engine)) == 4
+        assert engine.replay(parent).matches
+
+
+def test_a_renamed_map_that_starts_another_workflow_is_not_migrated(store_url: str) -> None:
+    other = Workflow("other_kid", context=Kid)
+    other.step(name="work", initial=True, next="done")(lambda ctx: None)
+    other.final("done")
+    with Engine(store_url, workflows=[spread(1, "fan"), kid]) as engine:
+        parent = engine.start(engine.workflow("spread"), Many(items=[1])).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[spread(2, "spread_out", other), kid, other]) as engine:
+        with pytest.raises(DefinitionMismatch, match="starts runs of 'other_kid'"):
+            engine.migrate(parent, to=2, by="deployer")
+        assert engine.get(parent).state == "fan"
