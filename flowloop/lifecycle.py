@@ -40,10 +40,10 @@ PARENT_PAUSE: Final = "parent pause"
 PAUSES: Final[frozenset[str]] = frozenset({PAUSE, PARENT_PAUSE})
 CONTROLS: Final[frozenset[str]] = frozenset({PAUSE, PARENT_PAUSE, STOP})
 PARENT_PAUSED: Final = "parent paused"
+"""The reason of a run paused by its parent's pause (its ``run_paused`` entry's)."""
 HELD: Final = "held"
 """A map's child waiting for its turn (``max_parallel``): its ``join_state``, and how a
 listing of a parent's children counts the scheduled ones."""
-"""The reason of a run paused by its parent's pause (its ``run_paused`` entry's)."""
 
 ANY_LIVE: Final = "(any live status)"
 """A rule's source meaning every live status (but the rule's own destination)."""

@@ -116,7 +116,8 @@ class Operations:
             return self._operate(stored, kind, **fields)
         boundary = self._operator_boundary(stored, kind, **fields)
         store = self.store
-        assert isinstance(store, JoinStoreMixin)  # (a join exists: the SQL store)
+        if not isinstance(store, JoinStoreMixin):  # (joins exist on the SQL store only)
+            raise FlowloopError("a call or map state's join needs the SQL store")
         written = store.rename_join(boundary, join_to, fields["state"])
         if written:
             self._tell(boundary)
@@ -150,9 +151,10 @@ class Operations:
         )
 
     def _retry_child(self, stored: StoredRun, **fields: Any) -> bool:
-        """An operator's retry of a map's (or call's) child: its join takes its end back
-        while it still waits for children, and the child runs as one of ``max_parallel``
-        — refused (NoFreeSlot) when that many run already (flowloop/store/joins.py)."""
+        """An operator's retry of a map's (or call's) child: while its parent is still in
+        that state and visit, its join takes its end back and the child runs as one of
+        ``max_parallel`` — refused (NoFreeSlot) when that many run already
+        (flowloop/store/joins.py)."""
         store = self.store
         if not isinstance(store, JoinStoreMixin):  # (children exist on the SQL store only)
             return self._operate(stored, j.RUN_RETRIED, **fields)

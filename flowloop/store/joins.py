@@ -14,10 +14,11 @@ Contract:
   last child, makes the parent due. A child that ends while held (stopped) took no slot:
   it frees none, counted apart (``ended_held``) so that the frontier moves with the ends
   that free one. No scan per child, no timer.
-* An operator's retry of a child whose join still waits takes its end back (uncounted,
-  ``join_state`` "open" again) when fewer than ``max_parallel`` siblings run, in one
-  transaction (:meth:`JoinStoreMixin.retry_child`): its next end is counted as a first. With
-  fewer than ``max_parallel`` running no created child is held, so the frontier stays true.
+* An operator's retry of a child whose parent is still in the join's state and visit takes
+  its end back (uncounted, ``join_state`` "open" again) when fewer than ``max_parallel``
+  siblings run, in one transaction (:meth:`JoinStoreMixin.retry_child`): its next end is
+  counted as a first. With fewer than ``max_parallel`` running no created child is held, so
+  the frontier stays true.
 * The parent's own "children started" boundary is written with :meth:`wait_join`, which
   makes it due in the same transaction if every child has already ended.
 """
