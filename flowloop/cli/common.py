@@ -51,12 +51,23 @@ class _LazyConsole:
         self._options = options
         self._console: Console | None = None
 
-    def __getattr__(self, name: str) -> Any:
+    def made(self) -> Console:
+        """The Console itself: for rich's own objects (a Progress enters its console as a
+        context manager, which a proxy cannot forward)."""
         if self._console is None:
             from rich.console import Console
 
             self._console = Console(**self._options)
-        return getattr(self._console, name)
+        return self._console
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.made(), name)
+
+
+def real_console(console: Console) -> Console:
+    """The rich Console behind :data:`out` or :data:`err`."""
+    lazy: Any = console
+    return lazy.made() if isinstance(lazy, _LazyConsole) else console
 
 
 out = cast("Console", _LazyConsole(highlight=False, soft_wrap=True, width=None if WIDE else 200))

@@ -22,6 +22,7 @@ from flowloop.cli.common import (
     parse_assignments,
     parse_context,
     prepared,
+    real_console,
     settings,
     workflows_option,
 )
@@ -200,7 +201,7 @@ def start_many(
     workflow, _ = load_target(target)
     contexts, places = read_json_lines(contexts_file)
     # A progress bar on a terminal only: a piped stderr gets nothing but errors.
-    bar = Progress(console=err, transient=True, disable=not err.is_terminal)
+    bar = Progress(console=real_console(err), transient=True, disable=not err.is_terminal)
     with open_engine(db, synchronous) as engine, bar:
         task = bar.add_task(f"starting {workflow.name} runs", total=len(contexts))
         try:

@@ -4,6 +4,7 @@ flowloop.toml < FLOWLOOP_* < flags, with an invalid value reported in one line."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -454,3 +455,36 @@ def test_cli__db_current_tells_the_revision_without_changing_it(tmp_path: Path) 
     assert " ".join(newer.stdout.split()) == (
         f"schema at revision 9999, newer than this flowloop's {head}: upgrade flowloop"
     )
+
+
+def test_cli__start_many_on_a_terminal_shows_its_bar_and_starts_the_runs(here: Path) -> None:
+    """On a terminal (its stderr a pseudo-terminal) the progress bar entered the lazy
+    console, which is no context manager: a TypeError, nothing started, exit 1, the
+    cursor left hidden (new-user audit). Off a terminal it worked, so piped tests passed."""
+    import pty
+
+    (here / "runs.jsonl").write_text("{}\n" * 50)
+    command = ["start", "jobs.py", "--contexts", "runs.jsonl", "--db", "jobs.db"]
+    primary, secondary = pty.openpty()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "flowloop.cli", *command],
+            cwd=here,
+            env=clean_env(COLUMNS="100"),
+            stdout=subprocess.PIPE,
+            stderr=secondary,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(secondary)
+        shown = b""
+        with contextlib.suppress(OSError):  # (read until the terminal has nothing more)
+            while chunk := os.read(primary, 65536):
+                shown += chunk
+        os.close(primary)
+    assert result.returncode == 0, shown.decode(errors="replace")
+    assert result.stdout.splitlines() == ["50 run(s) of jobs: 50 new, 0 already there (same key)"]
+    assert b"Traceback" not in shown and b"TypeError" not in shown
+    assert len(json.loads(here_cli(here, "status", "--json", "--limit", "100"))["runs"]) == 50
