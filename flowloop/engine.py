@@ -18,12 +18,13 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
 
-from flowloop import children, frozen, gates, mainloop, runids, starts, tracecontext
+from flowloop import frozen, gates, mainloop, runids, starts, tracecontext
 from flowloop import journal as j
 from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow
+from flowloop.driving import drive_family
 from flowloop.engine_loops import LoopControls
 from flowloop.errors import (
     FlowloopError,
@@ -52,10 +53,8 @@ from flowloop.holding import (
     database_of,
     queued,
     refuse_held_back,
-    refuse_held_back_family,
 )
 from flowloop.journal import RunRecord
-from flowloop.lifecycle import CLAIMABLE
 from flowloop.limits import check_finite, check_key
 from flowloop.operations import Operations
 from flowloop.reading import RunReading
@@ -638,30 +637,23 @@ class Engine(Operations, LoopControls, RunReading):
         if queued(info, workflow) and not executor.handing_back:  # (a first Ctrl-C: stop)
             # Retry backoff or a durable sleep: wait for it like run_until_idle would; a
             # run in a call or map state is driven with its children until it moves on.
-            family = children.family(self.store, stored.id)
-            while True:
-                root = self.store.get_run(stored.id) if HELD.get() and len(family) > 1 else None
-                if root is not None:
-                    # (A run of the family the calling runs' slots hold back: refused.)
-                    refuse_held_back_family(
-                        self.store, root, self._workflow_for, self.clock.now(), IDLE_HORIZON_SECONDS
-                    )
-                # (A first Ctrl-C lets its children's steps finish, however long they take.)
-                await executor.run(until_idle=True, run_ids=family, grace=None)
-                before, info = info, self.get(stored.id)
-                if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
-                    break
-                if info.state not in workflow.composites or info.status not in CLAIMABLE:
-                    break
-                driven, family = set(family), children.family(self.store, stored.id)
-                moved = (before.state, before.last_seq) != (info.state, info.last_seq)
-                if not moved and driven.issuperset(family):
-                    # Nothing of its family is due (children waiting for events). (A child
-                    # that started children of its own meanwhile: drive them too.)
-                    break
+            info = await drive_family(self, executor, workflow, info)
         return info
 
     # -- driving ---------------------------------------------------------------------------
+
+    def drive(self, run_id: str) -> RunInfo:
+        """Drive one run (and its children) in this process until it finishes or waits, as
+        :meth:`run` drives the run it starts; other due runs are left to workers. What
+        ``flowloop retry`` does after its retry."""
+        return steady_call(self._drive_run, run_id)
+
+    def _drive_run(self, run_id: str) -> RunInfo:
+        info = self.get(run_id)
+        workflow = self.version_of(info.workflow, info.version)
+        work = drive_family(self, self._executor(), workflow, info)
+        driven: RunInfo = mainloop.run_on(self._runner(), work, call="drive", awaited="drive()")
+        return driven
 
     def _executor(self, *, max_concurrency: int | None = None) -> Executor:
         """This thread's executor for in-process driving, kept: its thread pool and prepared

@@ -308,8 +308,7 @@ def retry(
         if drive:
             if not as_json:
                 engine.listeners.append(progress_printer())
-            engine.run_until_idle()
-            info = engine.get(info.id)
+            info = engine.drive(info.id)  # (that run and its children only)
         waits = support.WaitStates(engine)
         if as_json:
             click.echo(json.dumps({"run": info_json(info, waits)}))

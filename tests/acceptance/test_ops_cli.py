@@ -488,3 +488,17 @@ def test_cli__start_many_on_a_terminal_shows_its_bar_and_starts_the_runs(here: P
     assert result.stdout.splitlines() == ["50 run(s) of jobs: 50 new, 0 already there (same key)"]
     assert b"Traceback" not in shown and b"TypeError" not in shown
     assert len(json.loads(here_cli(here, "status", "--json", "--limit", "100"))["runs"]) == 50
+
+
+def test_cli__retry_drives_that_run_only(here: Path) -> None:
+    """`flowloop retry RUN` drove every due run of the database to its end, a queued
+    order of someone else's among them (new-user audit): it drives that run only."""
+    failed, queued = make_runs(here, failed=1, queued=1)
+    result = flowloop(
+        "retry", failed, "--set", "fail=false", "-w", "jobs.py", "--db", "jobs.db", cwd=here
+    )
+    assert queued not in result.stdout + result.stderr
+    shown = {
+        run["id"]: run["status"] for run in json.loads(here_cli(here, "status", "--json"))["runs"]
+    }
+    assert shown == {failed: "succeeded", queued: "scheduled"}

@@ -1,0 +1,49 @@
+"""Driving one run and its family in this process until it finishes or waits: what
+``engine.run`` does once its run backs off, sleeps or fans out, and what ``engine.drive``
+(``flowloop retry``) does for a run already there. Other due runs are left alone: they
+are a worker's."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from flowloop import children
+from flowloop.executor import IDLE_HORIZON_SECONDS
+from flowloop.holding import HELD, refuse_held_back_family
+from flowloop.lifecycle import CLAIMABLE
+
+if TYPE_CHECKING:
+    from flowloop.definition import Workflow
+    from flowloop.engine import Engine
+    from flowloop.executor import Executor
+    from flowloop.runinfo import RunInfo
+
+
+async def drive_family(
+    engine: Engine, executor: Executor, workflow: Workflow, info: RunInfo
+) -> RunInfo:
+    """Drive the run ``info`` and its live descendants with ``executor`` until the run is
+    neither due nor in a call or map state with a descendant due; its RunInfo then. Retry
+    backoff and durable sleeps are waited for as ``run_until_idle`` would."""
+    run_id = info.id
+    family = children.family(engine.store, run_id)
+    while True:
+        root = engine.store.get_run(run_id) if HELD.get() and len(family) > 1 else None
+        if root is not None:
+            # (A run of the family the calling runs' slots hold back: refused.)
+            refuse_held_back_family(
+                engine.store, root, engine._workflow_for, engine.clock.now(), IDLE_HORIZON_SECONDS
+            )
+        # (A first Ctrl-C lets its children's steps finish, however long they take.)
+        await executor.run(until_idle=True, run_ids=family, grace=None)
+        before, info = info, engine.get(run_id)
+        if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
+            return info
+        if info.state not in workflow.composites or info.status not in CLAIMABLE:
+            return info
+        driven, family = set(family), children.family(engine.store, run_id)
+        moved = (before.state, before.last_seq) != (info.state, info.last_seq)
+        if not moved and driven.issuperset(family):
+            # Nothing of its family is due (children waiting for events). (A child that
+            # started children of its own meanwhile: drive them too.)
+            return info
