@@ -96,7 +96,13 @@ def ui_command(
     shown = f"[{host}]" if ":" in host else host
     out.print(f"flowloop dashboard on http://{shown}:{bound_port}/ (Ctrl-C stops it)", markup=False)
     if allow_actions:
-        out.print(f"actions enabled; token: {app.state.dash.token}", markup=False)
+        # A token given is a secret someone keeps: not written to a log of this output.
+        given = "$FLOWLOOP_UI_TOKEN" if token else "ui_token in flowloop.toml"
+        shown_token = app.state.dash.token if not (token or settings().ui_token) else None
+        out.print(
+            f"actions enabled; token: {shown_token or f'the one in {given} (not shown)'}",
+            markup=False,
+        )
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         server.run(sockets=[sock])
