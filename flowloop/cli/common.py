@@ -252,9 +252,15 @@ def defined_in(paths: Sequence[str]) -> Iterator[None]:
         raise FlowloopError(f"{error}: {where}; pass -w FILE_OR_DIR that defines it") from error
 
 
-def seconds_option(value: str, option: str) -> float:
+def seconds_option(value: str, option: str, *, unit: bool = False) -> float:
+    """``value`` of ``option`` as seconds; ``unit``: a bare number is refused (a window
+    of history: `prune --older-than 30` read as 30 seconds deleted every finished run)."""
     from flowloop.config import parse_duration
 
+    if unit and value.strip().replace(".", "", 1).isdigit():
+        raise FlowloopError(
+            f"{option} {value}: give a unit — {value}s, {value}m, {value}h or {value}d"
+        )
     try:
         return parse_duration(value)
     except ValueError as error:

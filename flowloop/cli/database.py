@@ -132,7 +132,7 @@ def stats_command(
     from flowloop.clock import iso
     from flowloop.stats import loop_stats, run_stats, step_stats
 
-    window = None if since.strip().lower() == "all" else seconds_option(since, "--since")
+    window = None if since.strip().lower() == "all" else seconds_option(since, "--since", unit=True)
     with open_engine(db, synchronous, read=True) as engine:
         start = None if window is None else engine.clock.now() - window
         db_engine = sql_engine(engine)
@@ -288,7 +288,7 @@ def prune_command(
     from flowloop.clock import iso
     from flowloop.prune import prune, vacuum
 
-    age = seconds_option(older_than, "--older-than")
+    age = seconds_option(older_than, "--older-than", unit=True)
     with open_engine(db, synchronous, read=True) as engine:
         result = prune(
             sql_engine(engine),

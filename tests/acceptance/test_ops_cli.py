@@ -502,3 +502,21 @@ def test_cli__retry_drives_that_run_only(here: Path) -> None:
         run["id"]: run["status"] for run in json.loads(here_cli(here, "status", "--json"))["runs"]
     }
     assert shown == {failed: "succeeded", queued: "scheduled"}
+
+
+def test_cli__a_window_of_history_needs_a_unit(here: Path) -> None:
+    """`prune --older-than 30` read as 30 seconds and deleted every finished run (new-user
+    audit: the README only ever shows `30d`); `stats --since 3` read as 3 seconds too."""
+    make_runs(here, ok=2)
+    for args in (("prune", "--older-than", "30"), ("stats", "--since", "3")):
+        result = flowloop(*args, "--db", "jobs.db", cwd=here, code=2)
+        [line] = result.stderr.splitlines()
+        assert (
+            line
+            == f"error: {args[1]} {args[2]}: give a unit — {args[2]}s, {args[2]}m, {args[2]}h or {args[2]}d"
+        )
+    assert len(json.loads(here_cli(here, "status", "--json"))["runs"]) == 2  # nothing deleted
+    assert (
+        "deleted 2 run(s)"
+        in flowloop("prune", "--older-than", "0s", "--db", "jobs.db", cwd=here).stdout
+    )
