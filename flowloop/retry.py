@@ -63,7 +63,9 @@ class Retry:
 
     The delay before attempt ``n + 1`` (after attempt ``n`` failed) is ``base`` (fixed),
     ``base * n`` (linear) or ``base * 2 ** (n - 1)`` (exponential), capped at ``cap``, then
-    spread by ``± jitter`` (a fraction, 0.1 = 10 %).
+    spread by ``± jitter`` (a fraction, 0.1 = 10 %). ``cap`` not given: 5 minutes, or
+    ``base`` when that is longer; a ``cap`` given below ``base`` is refused (every delay
+    would be cut to it).
 
     An exception is retried when it is an instance of one of ``on`` and of none of
     ``giving_up_on``.
@@ -72,7 +74,7 @@ class Retry:
     attempts: int = DEFAULT_ATTEMPTS
     backoff: Backoff = "exponential"
     base: float | timedelta = DEFAULT_BASE_SECONDS
-    cap: float | timedelta = DEFAULT_CAP_SECONDS
+    cap: float | timedelta | None = None
     jitter: float = 0.0
     on: tuple[type[BaseException], ...] = field(default=(Exception,))
     giving_up_on: tuple[type[BaseException], ...] = field(default=())
@@ -88,6 +90,12 @@ class Retry:
         seconds(self.cap, "Retry(cap=...):")
         if self.base_seconds < 0 or self.cap_seconds < 0:
             raise FlowloopError("Retry: base and cap must not be negative")
+        if self.cap is not None and self.cap_seconds < self.base_seconds:
+            raise FlowloopError(
+                f"Retry(base={human(self.base_seconds)}, cap={human(self.cap_seconds)}): cap is "
+                f"below base, so every delay would be cut to {human(self.cap_seconds)}; raise "
+                "cap (or leave it out: it is then at least base)"
+            )
         if not 0.0 <= self.jitter <= 1.0:
             raise FlowloopError(f"Retry(jitter={self.jitter}): jitter is a fraction in [0, 1]")
 
@@ -97,6 +105,8 @@ class Retry:
 
     @property
     def cap_seconds(self) -> float:
+        if self.cap is None:
+            return max(DEFAULT_CAP_SECONDS, self.base_seconds)
         return seconds(self.cap) or 0.0
 
     def is_retryable(self, error: BaseException) -> bool:

@@ -127,3 +127,16 @@ def test_seconds__numbers_and_timedeltas() -> None:
     assert seconds(None) is None
     assert seconds(3) == 3.0
     assert seconds(timedelta(minutes=1)) == 60.0
+
+
+def test_retry__cap_left_out_is_at_least_base() -> None:
+    """``Retry(base=600)`` waited 300 s (the default cap cut it silently: new-user audit);
+    a cap left out is now 5 minutes or ``base``, whichever is longer."""
+    assert Retry(backoff="fixed", base=600).delay(1) == 600.0
+    assert Retry(backoff="fixed", base=600).describe() == "3 attempts, 10m apart"
+    assert Retry(base=1).delay(10_000) == 300.0  # (the default cap as before)
+
+
+def test_retry__a_cap_below_base_is_refused() -> None:
+    with pytest.raises(FlowloopError, match=r"Retry\(base=10m, cap=5m\): cap is below base"):
+        Retry(backoff="fixed", base=600, cap=300)
