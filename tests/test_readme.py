@@ -80,8 +80,9 @@ def test_readme__every_python_block_runs_in_order(
 
 
 def _shape(line: str) -> str:
-    """A progress line without what changes from run to run: ids and durations."""
+    """A progress line without what changes from run to run: ids, times and durations."""
     line = re.sub(r"\b[0-9a-f]{32}\b", "RUN", line)
+    line = re.sub(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}Z \(in [^)]*\)", "TIME (in N)", line)
     return re.sub(r" \d+\.\d ms$", " N ms", line.rstrip())
 
 

@@ -15,6 +15,7 @@ from rich.table import Column, Table
 from rich.text import Text
 
 from flowloop import journal as j
+from flowloop.admission import duration_text
 from flowloop.cli import support
 from flowloop.cli.common import out
 from flowloop.clock import iso
@@ -122,7 +123,13 @@ def describe_event(event: JournalEvent) -> str:
     if event.kind == "event_rejected":
         return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind in ("step_failed", "step_interrupted", "run_failed"):
-        return f"{event.error_type or ''}: {event.error_message or ''}".strip(": ")
+        error = f"{event.error_type or ''}: {event.error_message or ''}".strip(": ")
+        retry_at = event.data.get("retry_at") if event.data else None
+        if isinstance(retry_at, (int, float)) and event.kind != "run_failed":
+            # What comes next: `flowloop run` is otherwise silent through a long backoff.
+            wait = duration_text(max(0.0, retry_at - event.at))
+            return f"{error}; attempt {(event.attempt or 0) + 1} at {iso(retry_at)} (in {wait})"
+        return error
     if event.kind == "run_retried":
         return f"from {event.state} by {event.data.get('by')}" + (
             f", set {json.dumps(event.data['set'])}" if event.data.get("set") else ""

@@ -511,12 +511,21 @@ def test_cli__a_window_of_history_needs_a_unit(here: Path) -> None:
     for args in (("prune", "--older-than", "30"), ("stats", "--since", "3")):
         result = flowloop(*args, "--db", "jobs.db", cwd=here, code=2)
         [line] = result.stderr.splitlines()
-        assert (
-            line
-            == f"error: {args[1]} {args[2]}: give a unit — {args[2]}s, {args[2]}m, {args[2]}h or {args[2]}d"
-        )
+        n = args[2]
+        assert line == f"error: {args[1]} {n}: give a unit — {n}s, {n}m, {n}h or {n}d"
     assert len(json.loads(here_cli(here, "status", "--json"))["runs"]) == 2  # nothing deleted
     assert (
         "deleted 2 run(s)"
         in flowloop("prune", "--older-than", "0s", "--db", "jobs.db", cwd=here).stdout
     )
+
+
+def test_cli__a_failed_attempt_says_when_the_next_one_comes(here: Path) -> None:
+    """`flowloop run` printed `step_failed` and then nothing through the backoff (ten
+    silent minutes in the new-user audit): the line says when the next attempt comes."""
+    result = flowloop("run", "jobs.py", "--db", "jobs.db", cwd=here)
+    [failed] = [line for line in result.stdout.splitlines() if "step_failed" in line]
+    assert "ConnectionError: upstream reset; attempt 2 at " in failed
+    assert "(in 0s)" in failed
+    [run_id] = [run["id"] for run in json.loads(here_cli(here, "status", "--json"))["runs"]]
+    assert "; attempt 2 at " in here_cli(here, "history", run_id)

@@ -53,7 +53,7 @@ def test_status_tells_the_children_held_back_and_the_events_kept(store_url: str)
         parent = engine.start(engine.workflow("status_fan"), Fan(items=[1, 2, 3])).id
         engine.run_until_idle(idle_horizon=0)
         store: Any = engine.store
-        first, second, third = (c.id for c in store.children_of(parent))
+        first, second, _third = (c.id for c in store.children_of(parent))
         assert engine.send(second, "go").status == "buffered"
     assert "children  3 (2 held, 1 scheduled)" in status(store_url, parent)
     shown = status(store_url, second)
