@@ -6,11 +6,11 @@ What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``pau
 runs that finished at or after the cutoff, the finished descendants of a run that stays
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
 every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
-run with no parent left and its finished descendants, deepest first. A run is deleted
-only if it is still finished and old when its batch deletes it, and so is its parent (or it
-has none left): the DELETE re-checks both, so an operator's retry racing with prune either
-wins (the run and what is below it are kept) or finds the run gone. A family goes top down:
-once a run is gone, nobody can retry it.
+run with no parent left and its finished descendants. A run is deleted
+only if it is still finished and old when its batch deletes it and its parent is gone (a
+root, or deleted before it: a family goes top down, a generation per statement, and once a
+run is gone nobody can retry it): the DELETE re-checks both, so an operator's retry racing
+with prune either wins (the run and everything below it are kept) or finds the run gone.
 
 A join row goes with its parent, unless a child of it has not reported its end yet (a
 child held by a worker when its parent was stopped only gets a stop request): that child's
@@ -145,18 +145,18 @@ def prune(
                 break
             after = roots[-1]
             family = _family(roots, kinds, cutoff)
-            # The roots first, then down: once a run is gone nobody can retry it, and a run
-            # below it retried meanwhile keeps its own (the DELETE checks each run's parent).
-            # Cut off between two transactions, what is left are runs whose parent is gone:
-            # roots of the next prune.
-            ids = [
-                row.id
+            # The roots first, then down, a generation per DELETE: once a run is gone nobody
+            # can retry it, and a run goes only once its parent has (one retried meanwhile
+            # keeps what is below it, at any depth). Cut off between two transactions, what
+            # is left are runs whose parent is gone: roots of the next prune.
+            rows = [
+                (row.id, int(row.depth))
                 for row in reader.execute(
                     select(family.c.id, family.c.depth).order_by(family.c.depth)
                 )
             ]
-        for first in range(0, len(ids), batch):
-            _delete_batch(db, ids[first : first + batch], kinds, cutoff, result)
+        for first in range(0, len(rows), batch):
+            _delete_batch(db, rows[first : first + batch], kinds, cutoff, result)
     _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
@@ -164,11 +164,17 @@ def prune(
 
 
 def _delete_batch(
-    db: Engine, ids: Sequence[str], kinds: Sequence[str], cutoff: float, result: PruneResult
+    db: Engine,
+    rows: Sequence[tuple[str, int]],
+    kinds: Sequence[str],
+    cutoff: float,
+    result: PruneResult,
 ) -> None:
-    """One short transaction of :func:`_delete_runs`."""
+    """One short transaction of :func:`_delete_runs`, a generation (``(id, depth)`` rows of
+    one depth) per statement, the shallowest first."""
     with db.begin() as conn:
-        _delete_runs(conn, ids, kinds, cutoff, result)
+        for depth in sorted({depth for _, depth in rows}):
+            _delete_runs(conn, [run_id for run_id, d in rows if d == depth], kinds, cutoff, result)
     result.batches += 1
 
 
@@ -176,16 +182,16 @@ def _delete_runs(
     conn: Connection, ids: Sequence[str], kinds: Sequence[str], cutoff: float, result: PruneResult
 ) -> None:
     # The run rows first, re-checked under their lock: only what is still finished and old,
-    # under a parent still so (or none left), goes, and only its journal and inbox rows
-    # follow it. PostgreSQL: the runs and their parents locked first, so that a retry of a
-    # parent committed while this waited is seen by the DELETE (its subquery reads the
-    # snapshot its statement starts with, which a lock taken inside it would not renew).
+    # with no parent left (a root, or a child whose parent went first: one retried meanwhile
+    # keeps it), goes, and only its journal and inbox rows follow it. PostgreSQL: the join
+    # rows this may delete or that children of these runs report to, locked first — joins
+    # before runs, as a child's end and an operator's retry of a child take them.
     if conn.dialect.name == "postgresql":
-        parents = select(runs.c.parent_id).where(runs.c.id.in_(list(ids)))
+        child_joins = select(runs.c.join_id).where(runs.c.id.in_(list(ids)))
         conn.execute(
-            select(runs.c.id)
-            .where(or_(runs.c.id.in_(list(ids)), runs.c.id.in_(parents)))
-            .order_by(runs.c.id)
+            select(joins.c.id)
+            .where(or_(joins.c.parent_id.in_(list(ids)), joins.c.id.in_(child_joins)))
+            .order_by(joins.c.id)
             .with_for_update()
         ).all()
     gone = list(
@@ -194,9 +200,9 @@ def _delete_runs(
             .where(
                 runs.c.id.in_(list(ids)),
                 _finished_before(runs, kinds, cutoff),
-                ~exists().where(
-                    _parent.c.id == runs.c.parent_id,
-                    ~_finished_before(_parent, kinds, cutoff),
+                or_(
+                    runs.c.parent_id.is_(None),
+                    ~exists().where(_parent.c.id == runs.c.parent_id),
                 ),
             )
             .returning(runs.c.id)

@@ -609,3 +609,151 @@ def test_prune__postgres_a_retry_committed_while_prune_waits_keeps_the_children(
         assert not worker.is_alive() and errors == []
         assert len(sa_column(engine, runs.c.id, runs.c.parent_id == parent.id)) == 3
         assert sa_column(engine, runs.c.status, runs.c.id == parent.id) == ["scheduled"]
+
+
+def test_prune__a_run_retried_before_its_family_goes_keeps_every_generation_below_it(
+    engine: Engine, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DELETE judged a run by its parent's status: a failed top map retried just before
+    prune's transaction kept itself and its middle map (their parent live), but the middle
+    map's children went, their parent being finished and old (review)."""
+    import flowloop.prune as pruning
+
+    box = Workflow("gen_box", context=Box)
+    box.step(name="pack", initial=True, next="boxed")(lambda ctx: None)
+    box.final("boxed")
+    middle = reducing("gen_middle", box, lambda ctx, results: None)
+    top = Workflow("gen_top", context=Groups)
+    seen: list[int] = []
+
+    def breaks_once_top(ctx: Groups, results: list[Any]) -> None:
+        seen.append(len(results))
+        if len(seen) == 1:
+            raise RuntimeError("the top reduce broke once")
+
+    top.map(
+        "each",
+        child=middle,
+        items=lambda ctx: ctx.groups,
+        context=lambda ctx, group: Parcel(boxes=group),
+        reduce=breaks_once_top,
+        on={"done": "done"},
+        initial=True,
+    )
+    top.final("done")
+    engine.register(top, middle, box)
+    root = engine.start(top, Groups(groups=[[1, 2, 3]])).id
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(root).status == "failed"
+    before = len(sa_column(engine, runs.c.id))
+    clock.advance(40 * DAY)
+    original = pruning._delete_batch
+    retried: list[str] = []
+
+    def retry_first(*args: Any) -> None:
+        if not retried:
+            retried.append(engine.retry(root).status)
+        original(*args)
+
+    monkeypatch.setattr(pruning, "_delete_batch", retry_first)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs == 0
+    assert before == 5  # the top map, its middle map and three boxes
+    assert (retried, len(sa_column(engine, runs.c.id))) == (["scheduled"], 5)
+    engine.run_until_idle(idle_horizon=0)
+    assert (engine.get(root).status, seen) == ("succeeded", [1, 1])
+
+
+def test_prune__postgres_racing_a_childs_retry_does_not_deadlock(
+    pg_url: str, clock: FakeClock
+) -> None:
+    """An operator's retry of a child takes its join's row, then the child's; prune took the
+    runs' rows, then the join's (to delete it): each waited for the other, and PostgreSQL
+    aborted one of them (review). prune takes the join rows first too now."""
+    import threading
+
+    from flowloop.store.joins import JoinStoreMixin
+
+    with Engine(pg_url, clock=clock) as engine:
+        item = Workflow("raced_item", context=Box)
+
+        @item.step(initial=True, next="boxed", retry=Retry(attempts=1))
+        def pack(ctx: Box) -> None:
+            if ctx.n == 0:
+                raise ValueError("no")
+
+        item.final("boxed")
+        fan = Workflow("raced_parcels", context=Parcel)
+        fan.map(
+            "rest",
+            child=item,
+            items=lambda ctx: ctx.boxes,
+            context=lambda ctx, n: Box(n=n),
+            tolerate_failures=1,
+            on={"done": "packed"},
+            initial=True,
+        )
+        fan.final("packed")
+        engine.register(fan, item)
+        parent = engine.start(fan, Parcel(boxes=[0, 1])).id
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(parent).status == "succeeded"
+        (failed,) = [
+            c
+            for c in sa_column(engine, runs.c.id, runs.c.parent_id == parent)
+            if engine.get(c).status == "failed"
+        ]
+        clock.advance(40 * DAY)
+        took_join, go_on = threading.Event(), threading.Event()
+        pid: list[int] = []
+        original = JoinStoreMixin._lock_joins
+        outcome: dict[str, str] = {}
+
+        def holding(self: Any, conn: sa.Connection, ends: Any) -> None:
+            original(self, conn, ends)
+            if threading.current_thread().name == "retry":
+                pid.append(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
+                took_join.set()
+                go_on.wait(30)
+
+        def retrying() -> None:
+            try:
+                outcome["retry"] = engine.retry(failed).status
+            except BaseException as error:  # reported by the test's thread
+                outcome["retry"] = type(error).__name__
+
+        def pruning() -> None:
+            try:
+                outcome["prune"] = str(prune(db_of(engine), cutoff=clock.now() - 30 * DAY).runs)
+            except BaseException as error:  # reported by the test's thread
+                outcome["prune"] = type(error).__name__
+
+        JoinStoreMixin._lock_joins = holding  # type: ignore[method-assign]
+        retry = threading.Thread(target=retrying, name="retry")
+        remover = threading.Thread(target=pruning, name="prune")
+        watcher = sa.create_engine(pg_url)
+        try:
+            retry.start()
+            assert took_join.wait(30)
+            remover.start()
+            with watcher.connect() as look:
+                for _ in range(3000):  # bounded: 30 s, until prune waits on the retry
+                    blocked = look.execute(
+                        sa.text(
+                            "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE :pid = ANY(pg_blocking_pids(pid))"
+                        ),
+                        {"pid": pid[0]},
+                    ).scalar()
+                    if blocked or not remover.is_alive():
+                        break
+                    threading.Event().wait(0.01)
+            go_on.set()
+            retry.join(30)
+            remover.join(30)
+        finally:
+            go_on.set()
+            JoinStoreMixin._lock_joins = original  # type: ignore[method-assign]
+            watcher.dispose()
+        # The parent and its other child went; the retried one runs on (its parent had gone on).
+        assert outcome == {"retry": "scheduled", "prune": "2"}, outcome
+        assert sa_column(engine, runs.c.id) == [failed]
