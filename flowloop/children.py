@@ -279,25 +279,11 @@ async def drive(
         event.kind == j.CHILDREN_STARTED and event.data.get("join") == join_id
         for event in executor.store.journal(record.id)
     )
-    _wait_for(executor, spec, record, fence, join_id, join.total, again=again)
-    return None
-
-
-def _wait_for(
-    executor: Executor,
-    spec: Composite,
-    record: RunRecord,
-    fence: Fence,
-    join_id: str,
-    total: int,
-    *,
-    again: bool,
-) -> None:
-    """Let the parent go waiting for its children (due at once if they have all ended)."""
-    boundary = _waiting(executor, spec, record, fence, join_id, total, again=again)
-    if joins_of(executor).wait_join(boundary, join_id):
+    boundary = _waiting(executor, spec, record, fence, join_id, join.total, again=again)
+    if store.wait_join(boundary, join_id):
         _waited(executor, boundary)
         honour_left_request(executor, record.id)
+    return None
 
 
 def honour_left_request(executor: Executor, run_id: str) -> None:
@@ -414,13 +400,6 @@ async def _join(
     except Exception as error:  # a child's context unreadable: the parent fails, not hangs
         await _fail(executor, record, fence, error, "child_unreadable")
         return None
-    if any(result.status not in FINISHED for result in results):
-        join = store.get_join(join_id)
-        if join is not None and not join.complete:
-            # A child an operator retried since its join was read complete: its new end is
-            # the one the parent gets (a reduce never sees a child still running).
-            _wait_for(executor, spec, record, fence, join_id, join.total, again=True)
-            return None
     counts = {"succeeded": 0, "failed": 0, "stopped": 0}
     for result in results:
         counts[compose.call_outcome(result.status)] += 1

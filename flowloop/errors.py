@@ -187,9 +187,9 @@ class NoFreeSlot(FlowloopError):
     """A retry of a map's child whose map already runs ``max_parallel`` children: it would
     run past the bound. Retry it once one of them has ended."""
 
-    def __init__(self, run_id: str, parent_id: str, running: int) -> None:
+    def __init__(self, run_id: str, parent_id: str, max_parallel: int) -> None:
         super().__init__(
-            f"run {run_id} is a child of run {parent_id}, which runs {running} children "
+            f"run {run_id} is a child of run {parent_id}, which runs {max_parallel} children "
             f"(its max_parallel) now: retry it once one of them has ended"
         )
         self.run_id = run_id

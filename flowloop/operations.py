@@ -118,7 +118,8 @@ class Operations:
         store = self.store
         if not isinstance(store, JoinStoreMixin):  # (joins exist on the SQL store only)
             raise FlowloopError("a call or map state's join needs the SQL store")
-        written = store.rename_join(boundary, join_to, fields["state"])
+        state = fields["state"]
+        written = store.rename_join(boundary, join_to, state, boundary.record.visit(state))
         if written:
             self._tell(boundary)
         return written
@@ -159,12 +160,17 @@ class Operations:
         if not isinstance(store, JoinStoreMixin):  # (children exist on the SQL store only)
             return self._operate(stored, j.RUN_RETRIED, **fields)
         boundary = self._operator_boundary(stored, j.RUN_RETRIED, **fields)
-        written, full = store.retry_child(boundary)
-        if full is not None:
-            raise NoFreeSlot(stored.id, full.parent_id, full.max_parallel)
-        if written:
+        outcome, join = store.retry_child(boundary)
+        if outcome == "full" and join is not None:
+            raise NoFreeSlot(stored.id, join.parent_id, join.max_parallel)
+        if outcome == "joining" and join is not None:
+            raise FlowloopError(
+                f"run {stored.id}'s parent {join.parent_id} is taking its children's results "
+                "now: retry it in a moment"
+            )
+        if outcome == "written":
             self._tell(boundary)
-        return written
+        return outcome == "written"
 
     def _tell(self, boundary: Boundary) -> None:
         self._tell_events(boundary.record, boundary.events)

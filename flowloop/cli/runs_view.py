@@ -54,7 +54,7 @@ def status(
                 click.echo(json.dumps(shown))
                 return
             show_run(info, waits.of(info))
-            for line in family_lines(reader.store, info.id):
+            for line in family_lines(reader.store, info.id, live=not info.finished):
                 out.print(line)
             return
         infos, truncated = support.list_runs(
@@ -127,7 +127,7 @@ def history(run_id: str, db: str | None, synchronous: str, as_json: bool) -> Non
         events = reader.history(run_id)
         info = reader.get(run_id)
         waiting = support.WaitStates(reader).of(info)
-        family = family_lines(reader.store, run_id)
+        family = family_lines(reader.store, run_id, live=not info.finished)
     if as_json:
         click.echo(json.dumps([event_json(e) for e in events]))
         return

@@ -192,19 +192,20 @@ def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
 # -- composition (flowloop/children.py): a run's family, its entries in words -----------------
 
 
-def family_lines(store: Any, run_id: str) -> list[str]:
+def family_lines(store: Any, run_id: str, *, live: bool = True) -> list[str]:
     """What ``flowloop status RUN`` / ``history RUN`` add for composition: the run's parent
     (and whether it is held back by it), the events kept for it, and how many of its
-    children are in each status, those held back as ``held`` (nothing when it has none)."""
+    children are in each status, those held back as ``held`` (nothing when it has none);
+    ``live``: the run is live (a finished one takes no event kept for it, nor waits a turn)."""
     if not hasattr(store, "child_counts"):  # SQLStore and LiteStore read families
         return []
     lines = []
     parent = store.parent_of(run_id)
     if parent is not None:
         lines.append(f"parent    {parent}")
-        if store.is_held(run_id):
+        if live and store.is_held(run_id):
             lines.append("held      back by its parent's max_parallel: starts when a sibling ends")
-    kept = store.kept_count(run_id)
+    kept = store.kept_count(run_id) if live else 0
     if kept:
         lines.append(f"kept      {kept} event(s) sent to it, not taken yet")
     counts = store.child_counts(run_id)

@@ -93,6 +93,7 @@ _RUNNING: Final = (
     .select_from(runs)
     .where(runs.c.join_id == bindparam("j_id"), runs.c.join_state == "open")
 )
+_RUN_LOCKED: Final = built.RUN_BY_ID.with_for_update()
 _REOPEN: Final = update(runs).where(runs.c.id == bindparam("r_id")).values(join_state="open")
 _UNCOUNT_END: Final = {
     column.name: update(joins).where(joins.c.id == bindparam("j_id")).values({column: column - 1})
@@ -110,7 +111,7 @@ _READ_JOIN: Final = select(joins).where(joins.c.id == bindparam("j_id"))
 _FIND_JOIN: Final = select(joins).where(
     # By its id, or — its state renamed by a migration since — by what it is the join of.
     or_(
-        joins.c.id == bindparam("j_id"),
+        and_(joins.c.id == bindparam("j_id"), joins.c.state == bindparam("j_state")),
         and_(
             joins.c.parent_id == bindparam("j_parent"),
             joins.c.state == bindparam("j_state"),
@@ -119,7 +120,9 @@ _FIND_JOIN: Final = select(joins).where(
     )
 )
 _RENAME_JOIN: Final = (
-    update(joins).where(joins.c.id == bindparam("j_id")).values(state=bindparam("j_state"))
+    update(joins)
+    .where(joins.c.id == bindparam("j_id"))
+    .values(state=bindparam("j_state"), visit=bindparam("j_visit"))
 )
 _CONTROL_OF: Final = select(runs.c.control).where(runs.c.id == bindparam("r_id"))
 _LOCK_JOINS: Final = (
@@ -347,21 +350,23 @@ class JoinStoreMixin:
             rows = conn.execute(_FIND_JOIN, params).all()
         if not rows:
             return None
-        # (Both, were the state renamed back and visited again: the id derived now wins.)
-        return _join(next((row for row in rows if row.id == join_id), rows[0]))
+        # (One row: the id derived from them names a join of this state and visit only.)
+        return _join(rows[0])
 
-    def rename_join(self, boundary: Boundary, join_id: str, state: str) -> bool:
+    def rename_join(self, boundary: Boundary, join_id: str, state: str, visit: int) -> bool:
         """A migration's entry (``boundary``) that renames the call or map state its run is
-        in, in one transaction with its join's row: the join then belongs to ``state`` (its
-        claim finds it there, instead of starting every child again). The join's row is
-        locked first on PostgreSQL, as a child's end takes it. Whether it was written."""
+        in, in one transaction with its join's row: the join then belongs to ``state`` and
+        the run's ``visit`` of it after the move (a renamed state merged into one it had
+        visited counts on) — its claim finds it there instead of starting every child
+        again. The join's row is locked first on PostgreSQL, as a child's end takes it.
+        Whether it was written."""
 
         def lock(conn: Connection) -> None:
             if conn.dialect.name != "sqlite":
                 conn.execute(_LOCK_JOINS, {"j_ids": [join_id]}).all()
 
         def rename(conn: Connection) -> None:
-            conn.execute(_RENAME_JOIN, {"j_id": join_id, "j_state": state})
+            conn.execute(_RENAME_JOIN, {"j_id": join_id, "j_state": state, "j_visit": visit})
 
         return self._write_whole(boundary, before=lock, after=rename)
 
@@ -609,14 +614,17 @@ class JoinStoreMixin:
             known[fingerprint] = frozenset(stored_waits(definition_structure(text, fingerprint)))
         return known[fingerprint]
 
-    def retry_child(self, boundary: Boundary) -> tuple[bool, JoinRow | None]:
+    def retry_child(self, boundary: Boundary) -> tuple[str, JoinRow | None]:
         """An operator's retry of a child (``boundary``), in one transaction with its join.
         While its parent is still in the join's state and visit (waiting for children, or
         stopped or failed there: its own retry joins them), the child's end is taken back —
         its outcome counted no more (nor as ended held) — and it runs again as one of the
-        ``max_parallel``: refused when that many run already, nothing written, the join
-        returned. Once its parent has gone on, the join is left as it is: the child runs on
-        its own. Returns (written, the full join)."""
+        ``max_parallel``. Refused, nothing written, when that many run already (``"full"``)
+        or when a worker holds the parent with every result in (``"joining"``: it is folding
+        them; the parent's row is locked here on PostgreSQL, so a claim racing this one comes
+        before or after it whole). Once its parent has gone on, the join is left as it is:
+        the child runs on its own. Returns ``"written"``, ``"refused"`` (the child's row
+        changed: fenced), ``"full"`` or ``"joining"``, and the join."""
         record = boundary.record
         try:
             with self._write() as conn:
@@ -624,14 +632,13 @@ class JoinStoreMixin:
                 row = conn.execute(_READ_JOIN, {"j_id": record.join}).first()
                 join = None if row is None else _join(row)
                 ended = conn.execute(_JOIN_STATE_OF, {"r_id": record.id}).scalar()
-                rejoins = (
-                    join is not None
-                    and ended is not None
-                    and ended not in UNREPORTED
-                    and (not join.complete or self._parent_at(conn, join))
-                )
-                if rejoins and join is not None and self._running(conn, join) >= join.max_parallel:
-                    return False, join  # (nothing written: the transaction ends empty)
+                parent = None if join is None else self._parent_at(conn, join)
+                rejoins = parent is not None and ended is not None and ended not in UNREPORTED
+                if rejoins and join is not None and parent is not None:
+                    if join.complete and parent.owner is not None:
+                        return "joining", join
+                    if self._running(conn, join) >= join.max_parallel:
+                        return "full", join  # (nothing written: the transaction ends empty)
                 if not self._apply_whole(conn, boundary):
                     raise _Refused
                 if rejoins and ended is not None:
@@ -642,17 +649,20 @@ class JoinStoreMixin:
                         conn.execute(_UNCOUNT_END["ended_held"], {"j_id": record.join})
                     conn.execute(_REOPEN, {"r_id": record.id})
         except _Refused:
-            return False, None
-        return True, None
+            return "refused", None
+        return "written", None
 
-    def _parent_at(self, conn: Connection, join: JoinRow) -> bool:
-        """Whether the join's parent is still in the join's state and visit (as folded)."""
-        row = conn.execute(built.RUN_BY_ID, {"r_id": join.parent_id}).first()
+    def _parent_at(self, conn: Connection, join: JoinRow) -> StoredRun | None:
+        """The join's parent (as folded) when it is still in the join's state and visit;
+        its row locked on PostgreSQL (a claim of it waits, or was committed first)."""
+        query = built.RUN_BY_ID if conn.dialect.name == "sqlite" else _RUN_LOCKED
+        row = conn.execute(query, {"r_id": join.parent_id}).first()
         if row is None:
-            return False
+            return None
         (parent,) = self._fold_tails(conn, [stored_from_row(row)])
         record = parent.record
-        return record.state == join.state and record.visit(join.state) == join.visit
+        at = record.state == join.state and record.visit(join.state) == join.visit
+        return parent if at else None
 
     @staticmethod
     def _running(conn: Connection, join: JoinRow) -> int:

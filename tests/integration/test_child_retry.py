@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel
 
 from flowloop import FakeClock, Retry, Workflow
-from flowloop.errors import NoFreeSlot
+from flowloop.errors import FlowloopError, NoFreeSlot
 from flowloop.store.schema import joins, runs
 from flowloop.testing import TestEngine
 
@@ -210,12 +210,14 @@ def test_children_retried_under_a_stopped_parent_are_joined_by_its_retry(
     assert (done.status, done.context.seen) == ("succeeded", ["succeeded"] * 3)  # type: ignore[attr-defined]
 
 
-def test_a_child_retried_as_its_map_joins_is_waited_for(
+def test_a_child_retry_is_refused_while_its_parent_takes_the_results(
     engine: TestEngine, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """An operator's retry landing between the parent's read of its complete join and its
-    read of the children's results: the parent goes back to waiting instead of handing its
-    reduce a child still running."""
+    """An operator's retry landing while a worker holds the parent with every result in (it
+    is folding them, its reduce running): accepted, its end taken back from a join the
+    parent had read complete — the reduce saw the old result, the parent went on, and the
+    child's new end completed a join nobody read (review). Refused now, nothing written;
+    retried once the parent has gone on, the child runs on its own."""
     from flowloop.store.joins import JoinStoreMixin
 
     parent = engine.start(engine.workflow("retried_fan_3"), Fan(items=[0, 1, 2], fail=[0])).id
@@ -223,20 +225,30 @@ def test_a_child_retried_as_its_map_joins_is_waited_for(
     first, second, third = children(engine, parent)
     go(engine, second.id)
     original = JoinStoreMixin.join_results
-    retried: list[str] = []
+    refused: list[str] = []
 
     def results_after_a_retry(self: Any, join_id: str) -> Any:
-        if not retried:
+        if not refused:
             with TestEngine(store_url, workflows=[item()]) as operator:
-                retried.append(operator.retry(first.id, set_fields={"fail": False}).status)
+                try:
+                    operator.retry(first.id, set_fields={"fail": False})
+                except FlowloopError as error:
+                    refused.append(str(error))
+                else:
+                    refused.append("accepted")
         return original(self, join_id)
 
     monkeypatch.setattr(JoinStoreMixin, "join_results", results_after_a_retry)
-    go(engine, third.id)  # the join is complete: the parent is due and claimed
+    go(engine, third.id)  # the join is complete: the parent is due, claimed, and folds
     monkeypatch.undo()
-    assert retried == ["scheduled"]
-    assert (engine.get(parent).status, engine.get(parent).state) == ("scheduled", "each")
+    assert refused == [
+        f"run {first.id}'s parent {parent} is taking its children's results now: "
+        "retry it in a moment"
+    ]
+    done = engine.get(parent)
+    assert (done.status, done.context.seen) == ("succeeded", ["failed", "succeeded", "succeeded"])  # type: ignore[attr-defined]
+    assert counts(engine, parent) == (2, 1, 0, 0)
+    engine.retry(first.id, set_fields={"fail": False})  # on its own now
     engine.run_until_idle(idle_horizon=0)
     go(engine, first.id)
-    done = engine.get(parent)
-    assert (done.status, done.context.seen) == ("succeeded", ["succeeded"] * 3)  # type: ignore[attr-defined]
+    assert (engine.get(first.id).status, counts(engine, parent)) == ("succeeded", (2, 1, 0, 0))

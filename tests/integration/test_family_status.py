@@ -65,3 +65,8 @@ def test_status_tells_the_children_held_back_and_the_events_kept(store_url: str)
     assert (held["held"], held["kept_events"]) == (True, 1)
     free = json.loads(status(store_url, first, "--json"))
     assert (free["held"], free["kept_events"]) == (False, 0)
+    # Stopped, it waits for no turn and takes no event: neither line (review).
+    with TestEngine(store_url, clock=clock, workflows=[fan()]) as engine:
+        assert engine.stop(second).status == "stopped"
+    stopped = status(store_url, second)
+    assert "held " not in stopped and "kept " not in stopped

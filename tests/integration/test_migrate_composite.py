@@ -11,6 +11,8 @@ calling a new one. A state left that the new version still has now keeps its cou
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from pydantic import BaseModel
 
@@ -163,3 +165,59 @@ def test_a_renamed_map_that_starts_another_workflow_is_not_migrated(store_url: s
         with pytest.raises(DefinitionMismatch, match="starts runs of 'other_kid'"):
             engine.migrate(parent, to=2, by="deployer")
         assert engine.get(parent).state == "fan"
+
+
+def test_a_call_state_merged_into_one_visited_before_keeps_its_child(store_url: str) -> None:
+    """v2 drops call state ``a`` and maps it onto ``b``, which the run had left: the move
+    adds a's visit to b's (b's second visit), but the join moved kept visit 1 — the claim
+    found nothing under (b, 2) and called a third child (review). The join moves to the
+    visit the run has there after the move."""
+    kid_n = Workflow("merge_kid", context=Kid)
+    kid_n.wait("hold", on={"go": "done"}, initial=True)
+    kid_n.final("done")
+
+    def merged(version: int) -> Workflow:
+        workflow = Workflow(
+            "merged",
+            context=Loopy,
+            version=version,
+            migrates_from={1: {"a": "b"}} if version == 2 else None,
+        )
+        workflow.call(
+            "b",
+            child=kid_n,
+            context=lambda ctx: Kid(n=10),
+            on={"succeeded": "a" if version == 1 else "done"},
+            result=lambda ctx, child: ctx.got.append(child.n),
+            initial=True,
+        )
+        if version == 1:
+            workflow.call(
+                "a",
+                child=kid_n,
+                context=lambda ctx: Kid(n=20),
+                on={"succeeded": "done"},
+                result=lambda ctx, child: ctx.got.append(child.n),
+            )
+        workflow.final("done")
+        return workflow
+
+    def kids(engine: Engine) -> list[Any]:
+        return engine.runs(workflow="merge_kid", limit=10)
+
+    with Engine(store_url, workflows=[merged(1), kid_n]) as engine:
+        parent = engine.start(engine.workflow("merged"), Loopy()).id
+        engine.run_until_idle()
+        (first,) = kids(engine)
+        engine.send(first.id, "go")
+        engine.run_until_idle()
+        assert engine.get(parent).state == "a"
+    with Engine(store_url, workflows=[merged(2), kid_n]) as engine:
+        engine.migrate(parent, to=2, by="deployer")
+        assert engine.get(parent).visits == {"b": 2}
+        (second,) = [k for k in kids(engine) if k.status == "scheduled"]
+        engine.send(second.id, "go")
+        engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.status, info.context.got) == ("succeeded", [10, 20])  # type: ignore[union-attr]
+        assert len(kids(engine)) == 2
