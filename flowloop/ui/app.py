@@ -102,7 +102,10 @@ def _error_response(request: Request, status: int, message: str) -> Response:
 
 async def _on_flowloop_error(request: Request, error: Exception) -> Response:
     if isinstance(error, NotFound | UnknownRun) and request.method == "GET":
-        whole = _whole_run_url(request)
+        try:
+            whole = _whole_run_url(request)
+        except ids.AmbiguousRunId as ambiguous:  # said as the CLI says it, not "no run"
+            return _error_response(request, 400, str(ambiguous))
         if whole is not None:
             return RedirectResponse(whole, status_code=307)
     return _error_response(request, _status_for(error), str(error))
@@ -111,13 +114,15 @@ async def _on_flowloop_error(request: Request, error: Exception) -> Response:
 def _whole_run_url(request: Request) -> str | None:
     """The URL asked for with its run id made whole, when it names a run by a unique prefix
     (as the CLI takes and `status` prints): its page and API paths alike, the query kept.
-    ``None`` when no run — or several — start with it."""
+    ``None`` when no run starts with it; AmbiguousRunId when several do."""
     given = str(request.path_params.get("run_id", ""))
     if not given:
         return None
     try:
         whole = ids.resolve(request.app.state.dash.store, given)
-    except FlowloopError:  # none, too short, or several
+    except ids.AmbiguousRunId:
+        raise
+    except FlowloopError:  # none, or too short
         return None
     if whole == given:
         return None

@@ -237,3 +237,11 @@ def test_run_page__a_unique_id_prefix_redirects_to_the_whole_id(served: tuple[st
     row = httpx.get(f"{base}/api/runs/{prefix}", follow_redirects=True, timeout=30).json()
     assert row["id"] == run_id
     assert httpx.get(f"{base}/runs/{'0' * 3}").status_code == 404  # too short to be a prefix
+    # A prefix several runs share (made the same moment) says so, as the CLI does: it said
+    # "no run" (new-user audit).
+    shared = run_id[:4]
+    assert len([r for r in get(base, "/api/runs").json()["runs"] if r["id"].startswith(shared)]) > 1
+    for path in (f"/runs/{shared}", f"/api/runs/{shared}"):
+        ambiguous = httpx.get(f"{base}{path}", follow_redirects=False)
+        assert ambiguous.status_code == 400, path
+        assert "is ambiguous" in ambiguous.text and shared in ambiguous.text
