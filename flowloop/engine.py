@@ -225,6 +225,12 @@ class Engine(Operations, LoopControls, RunReading):
     def version_of(self, name: str, version: int) -> Workflow:
         """The registered ``version`` of workflow ``name``; UnknownWorkflow otherwise."""
         found = self._workflows.version(name, version)
+        if found is None and not self.versions_of(name):  # (misspelt, or not loaded at all)
+            known = ", ".join(sorted(self.workflows)) or "none"
+            raise FlowloopError(
+                f"no workflow {name!r} is loaded (loaded: {known}); load the file that "
+                "defines it (-w)"
+            )
         if found is None:
             loaded = ", ".join(f"v{w.version}" for w in self.versions_of(name)) or "none"
             raise FlowloopError(

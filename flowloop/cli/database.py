@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import click
 
@@ -153,7 +152,7 @@ def stats_command(
         out.print(
             f"nothing journaled {'in ' if start is None else ''}{scope}"
             + (f" for workflow {workflow}" if workflow else "")
-            + _unknown_workflow(db_engine, workflow),
+            + support.unknown_workflow(db_engine, workflow),
             markup=False,
         )
         return
@@ -318,20 +317,3 @@ def prune_command(
     )
     if vacuumed is not None:
         out.print(vacuumed, markup=False)
-
-
-def _unknown_workflow(db: Any, workflow: str | None) -> str:
-    """``; no workflow … here (known: …)`` when ``workflow`` names none this database has
-    stored (a misspelt name answered "nothing journaled" as if it had been quiet)."""
-    from sqlalchemy import select
-
-    from flowloop.store.reads import reading
-    from flowloop.store.schema import definitions
-
-    if workflow is None:
-        return ""
-    with reading(db) as conn:
-        known = sorted(set(conn.execute(select(definitions.c.name).distinct()).scalars()))
-    if workflow in known:
-        return ""
-    return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"

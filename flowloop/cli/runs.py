@@ -24,11 +24,13 @@ from flowloop.cli.common import (
     prepared,
     real_console,
     settings,
+    sql_engine,
     workflows_option,
 )
-from flowloop.errors import FlowloopError, InvalidContext
+from flowloop.errors import FlowloopError, InvalidContext, UnknownRun
 
 if TYPE_CHECKING:
+    from flowloop.engine import Engine
     from flowloop.runinfo import RunInfo
 
 
@@ -325,6 +327,17 @@ def retry(
         out.print(support.not_ended_line(info), markup=False)
 
 
+def _refuse_a_key_as_run_id(engine: Engine, target: str) -> None:
+    """TARGET names no run but is the business key of some: say to give --workflow (a user
+    sent to key W1 as the README's samples do, and was told a prefix needs 4 characters)."""
+    keyed = sorted({info.workflow for info in engine.runs(key=target, limit=20)})
+    if keyed:
+        raise FlowloopError(
+            f"no run {target!r}; it is the key of run(s) of {', '.join(keyed)}: "
+            f"send {target} --workflow {keyed[0]}"
+        )
+
+
 @click.command()
 @click.argument("target")
 @click.argument("event")
@@ -360,10 +373,18 @@ def send(
         if workflow is not None:
             found = engine.find(workflow, key=target)
             if found is None:
-                raise FlowloopError(f"no run of workflow {workflow!r} has key {target!r}")
+                raise FlowloopError(
+                    f"no run of workflow {workflow!r} has key {target!r}"
+                    + support.unknown_workflow(sql_engine(engine), workflow)
+                )
             run_id = found.id
         with defined_in(workflow_paths):
-            result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
+            try:
+                result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
+            except UnknownRun:
+                if workflow is None:
+                    _refuse_a_key_as_run_id(engine, target)
+                raise
         waits = support.WaitStates(engine)
         waiting = waits.of(result.run)
         held = result.status == "buffered" and engine.is_held(result.run.id)

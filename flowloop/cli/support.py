@@ -376,3 +376,20 @@ def backpressure_lines(engine: RunReading, workflow: str | None = None) -> list[
             f"{use['dropped_events']} kept event(s), {use['dropped_runs']} queued run(s)"
         )
     return lines
+
+
+def unknown_workflow(db: Any, workflow: str | None) -> str:
+    """``; no workflow … here (known: …)`` when ``workflow`` names none this database has
+    stored (a misspelt name answered "nothing journaled" as if it had been quiet)."""
+    from sqlalchemy import select
+
+    from flowloop.store.reads import reading
+    from flowloop.store.schema import definitions
+
+    if workflow is None:
+        return ""
+    with reading(db) as conn:
+        known = sorted(set(conn.execute(select(definitions.c.name).distinct()).scalars()))
+    if workflow in known:
+        return ""
+    return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"

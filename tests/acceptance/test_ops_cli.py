@@ -529,3 +529,25 @@ def test_cli__a_failed_attempt_says_when_the_next_one_comes(here: Path) -> None:
     assert "(in 0s)" in failed
     [run_id] = [run["id"] for run in json.loads(here_cli(here, "status", "--json"))["runs"]]
     assert "; attempt 2 at " in here_cli(here, "history", run_id)
+
+
+def test_cli__a_misspelt_name_or_a_key_as_a_run_id_says_what_to_give(here: Path) -> None:
+    """New-user audit: `send W1 ...` with W1 a business key said a prefix needs 4
+    characters; a misspelt --workflow in `send` said only that no run had the key, and in
+    `migrate` "version 2 is not loaded (loaded: none)"."""
+    workflow, _ = load_target(str(here / "jobs.py"))
+    with Engine(str(here / "jobs.db")) as engine:
+        engine.start(workflow, {}, key="W1")
+    db = ("--db", "jobs.db")
+    result = flowloop("send", "W1", "go", *db, cwd=here, code=2)
+    assert result.stderr.splitlines() == [
+        "error: no run 'W1'; it is the key of run(s) of jobs: send W1 --workflow jobs"
+    ]
+    result = flowloop("send", "W1", "go", "--workflow", "jbos", *db, cwd=here, code=2)
+    assert result.stderr.splitlines() == [
+        "error: no run of workflow 'jbos' has key 'W1'; this database has no workflow 'jbos' "
+        "(known: jobs)"
+    ]
+    migrate = ("migrate", "--workflow", "jbos", "--to", "2", "-w", "jobs.py", *db)
+    result = flowloop(*migrate, cwd=here, code=2)
+    assert "no workflow 'jbos' is loaded (loaded: jobs)" in result.stderr
