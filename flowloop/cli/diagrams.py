@@ -20,6 +20,7 @@ from flowloop.cli.common import (
     looked_in,
     open_engine,
     out,
+    settings,
     workflows_option,
 )
 from flowloop.errors import FlowloopError
@@ -175,12 +176,16 @@ def diagram(
 
 def _machine_diagram(target: str) -> graphviz.Digraph:
     from flowloop import render_loops
+    from flowloop.config import apply_overrides
     from flowloop.loader import load_machine
     from flowloop.loops import Loop
 
     machine = load_machine(target)[0]
+    # Drawn as it runs: flowloop.toml's timeouts and retries, as a worker applies them.
     if isinstance(machine, Loop):
-        return render_loops.loop_digraph(machine)
+        loop = apply_overrides(settings(), {}, {machine.name: machine})[machine.name]
+        return render_loops.loop_digraph(loop)
+    apply_overrides(settings(), {machine.name: machine}, {})
     return machine.diagram()
 
 

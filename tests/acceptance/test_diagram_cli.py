@@ -297,3 +297,23 @@ def test_import__definitions_and_engine_do_not_load_graphviz(tmp_path: Path) -> 
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, timeout=60, check=False
     )
     assert result.returncode == 0, result.stderr.decode()
+
+
+def test_diagram__draws_the_timeouts_flowloop_toml_sets(tmp_path: Path) -> None:
+    """A step's timeout set in flowloop.toml ran (5 s) while the diagram drawn for review
+    said the code's (1 s) (new-user audit): the diagram applies the overrides a worker
+    does."""
+    (tmp_path / "slow.py").write_text(
+        "from pydantic import BaseModel\n"
+        "from flowloop import Workflow\n\n\n"
+        "class Ctx(BaseModel):\n    n: int = 0\n\n\n"
+        'slow = Workflow("slow", context=Ctx)\n\n\n'
+        '@slow.step(initial=True, next="done", timeout=1)\n'
+        "def work(ctx: Ctx) -> None: ...\n\n\n"
+        'slow.final("done")\n'
+    )
+    drawn = flowloop("diagram", "slow.py", cwd=tmp_path).stdout.decode()
+    assert "timeout 1s" in drawn
+    (tmp_path / "flowloop.toml").write_text('[workflows.slow.steps.work]\ntimeout = "5s"\n')
+    drawn = flowloop("diagram", "slow.py", cwd=tmp_path).stdout.decode()
+    assert "timeout 5s" in drawn and "timeout 1s" not in drawn
