@@ -655,10 +655,19 @@ class Engine(Operations, LoopControls, RunReading):
         return steady_call(self._drive_run, run_id)
 
     def _drive_run(self, run_id: str) -> RunInfo:
+        mainloop.refuse_inside_a_loop("drive", "drive()")
         info = self.get(run_id)
         workflow = self.version_of(info.workflow, info.version)
+        if not queued(info, workflow):  # finished, paused, or waiting for an event
+            return info
         work = drive_family(self, self._executor(), workflow, info)
-        driven: RunInfo = mainloop.run_on(self._runner(), work, call="drive", awaited="drive()")
+        if in_inline_step():  # called by a def step that runs on this thread's loop
+            with asyncio.Runner() as own:
+                nested: RunInfo = own.run(work)
+            return nested
+        driven: RunInfo = mainloop.run_on(
+            self._runner(), _steps_inline(work), call="drive", awaited="drive()"
+        )
         return driven
 
     def _executor(self, *, max_concurrency: int | None = None) -> Executor:

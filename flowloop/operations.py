@@ -166,7 +166,7 @@ class Operations:
         if outcome == "joining" and join is not None:
             raise FlowloopError(
                 f"run {stored.id}'s parent {join.parent_id} is taking its children's results "
-                "now: retry it in a moment"
+                "now: retry it once its worker has let it go (a dead worker's lease runs out)"
             )
         if outcome == "written":
             self._tell(boundary)

@@ -173,9 +173,26 @@ def _delete_batch(
     """One short transaction of :func:`_delete_runs`, a generation (``(id, depth)`` rows of
     one depth) per statement, the shallowest first."""
     with db.begin() as conn:
+        _lock_joins(conn, [run_id for run_id, _ in rows])
         for depth in sorted({depth for _, depth in rows}):
             _delete_runs(conn, [run_id for run_id, d in rows if d == depth], kinds, cutoff, result)
     result.batches += 1
+
+
+def _lock_joins(conn: Connection, ids: Sequence[str]) -> None:
+    """PostgreSQL: the join rows a batch may delete (its runs' as parents) or that its runs
+    report to, all of them at once in id order, before any run's row — joins before runs,
+    as a child's end, a worker's batch of ends and an operator's retry of a child take them
+    (a generation at a time, they came out of order across generations: a deadlock)."""
+    if conn.dialect.name != "postgresql":
+        return
+    child_joins = select(runs.c.join_id).where(runs.c.id.in_(list(ids)))
+    conn.execute(
+        select(joins.c.id)
+        .where(or_(joins.c.parent_id.in_(list(ids)), joins.c.id.in_(child_joins)))
+        .order_by(joins.c.id)
+        .with_for_update()
+    ).all()
 
 
 def _delete_runs(
@@ -183,17 +200,8 @@ def _delete_runs(
 ) -> None:
     # The run rows first, re-checked under their lock: only what is still finished and old,
     # with no parent left (a root, or a child whose parent went first: one retried meanwhile
-    # keeps it), goes, and only its journal and inbox rows follow it. PostgreSQL: the join
-    # rows this may delete or that children of these runs report to, locked first — joins
-    # before runs, as a child's end and an operator's retry of a child take them.
-    if conn.dialect.name == "postgresql":
-        child_joins = select(runs.c.join_id).where(runs.c.id.in_(list(ids)))
-        conn.execute(
-            select(joins.c.id)
-            .where(or_(joins.c.parent_id.in_(list(ids)), joins.c.id.in_(child_joins)))
-            .order_by(joins.c.id)
-            .with_for_update()
-        ).all()
+    # keeps it), goes, and only its journal and inbox rows follow it. (PostgreSQL: the join
+    # rows locked first, by _delete_batch.)
     gone = list(
         conn.execute(
             delete(runs)

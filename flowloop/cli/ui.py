@@ -44,8 +44,8 @@ def is_loopback(host: str) -> bool:
 @click.option(
     "--allow-actions",
     is_flag=True,
-    help="Enable pause, unpause, stop, retry and send (each needs the token printed at "
-    "start-up: $FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, else a new one).",
+    help="Enable pause, unpause, stop, retry and send (each needs the token: "
+    "$FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, else a new one printed at start-up).",
 )
 @click.option("--token", envvar="FLOWLOOP_UI_TOKEN", default=None, hidden=True)
 def ui_command(
@@ -97,7 +97,7 @@ def ui_command(
     out.print(f"flowloop dashboard on http://{shown}:{bound_port}/ (Ctrl-C stops it)", markup=False)
     if allow_actions:
         # A token given is a secret someone keeps: not written to a log of this output.
-        given = "$FLOWLOOP_UI_TOKEN" if token else "ui_token in flowloop.toml"
+        given = "$FLOWLOOP_UI_TOKEN or --token" if token else "ui_token in flowloop.toml"
         shown_token = app.state.dash.token if not (token or settings().ui_token) else None
         out.print(
             f"actions enabled; token: {shown_token or f'the one in {given} (not shown)'}",

@@ -243,7 +243,7 @@ def test_a_child_retry_is_refused_while_its_parent_takes_the_results(
     monkeypatch.undo()
     assert refused == [
         f"run {first.id}'s parent {parent} is taking its children's results now: "
-        "retry it in a moment"
+        "retry it once its worker has let it go (a dead worker's lease runs out)"
     ]
     done = engine.get(parent)
     assert (done.status, done.context.seen) == ("succeeded", ["failed", "succeeded", "succeeded"])  # type: ignore[attr-defined]

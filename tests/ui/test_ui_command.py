@@ -113,7 +113,7 @@ def test_ui__the_action_token_comes_from_flowloop_toml_and_the_env_wins(
     with flowloop_ui(*args, cwd=tmp_path, env=env) as (process, lines):
         read_until(process, lines, "http://")
         # A token given is not printed (the output may go to a log): where it is, is.
-        where = "$FLOWLOOP_UI_TOKEN" if from_env else "ui_token in flowloop.toml"
+        where = "$FLOWLOOP_UI_TOKEN or --token" if from_env else "ui_token in flowloop.toml"
         told = read_until(process, lines, "token:").split("token:")[1].strip()
         assert told == f"the one in {where} (not shown)"
         base = f"http://127.0.0.1:{port}"
