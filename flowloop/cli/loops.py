@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
+from typing import Final
 
 import click
 
 from flowloop import loop_requests
-from flowloop.cli.common import db_option, json_option, open_engine, out, seconds_option
+from flowloop.cli.common import db_option, err, json_option, open_engine, out, seconds_option
 from flowloop.errors import FlowloopError
+
+UNTAKEN_HINT_SECONDS: Final = 10.0
+"""`backfill --wait`: after this long (or half its --timeout) with nothing taken, ask
+whether a worker runs the loop (else it waits, silent, until its timeout)."""
 
 
 @click.command(name="loops")
@@ -148,12 +153,15 @@ def backfill_command(
             )
         seen = row.last_seq
         finished = not wait
-        deadline = time.monotonic() + timeout
+        begun = time.monotonic()
+        deadline = begun + timeout
+        hint_at: float | None = begun + min(UNTAKEN_HINT_SECONDS, timeout / 2)
+        taken = False
         while not finished:
             for event in engine.loop_history(name, limit=1000):
                 if event.seq <= seen:
                     continue
-                seen = event.seq
+                seen, taken = event.seq, True
                 if event.kind == "backfill_finished":
                     finished = True
                 elif event.data.get("reason") == "backfill" and not as_json:
@@ -161,6 +169,13 @@ def backfill_command(
                 elif event.kind.startswith("iteration_") and not as_json:
                     out.print(f"  slot {iso(event.slot)} {event.kind.removeprefix('iteration_')}")
             if not finished:
+                if not taken and hint_at is not None and time.monotonic() > hint_at:
+                    hint_at = None  # (said once: a worker may just be slow to poll)
+                    err.print(
+                        f"nothing has taken the backfill yet: is a worker running loop {name!r}? "
+                        f"(`flowloop worker FILE`; the request stays until one does)",
+                        markup=False,
+                    )
                 if time.monotonic() > deadline:
                     raise FlowloopError(
                         f"backfill of loop {name!r} still running after {timeout_text}; it goes "

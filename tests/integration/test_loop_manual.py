@@ -162,3 +162,26 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         assert refused.returncode == 2, refused.stderr
         assert message in refused.stderr and "Traceback" not in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
+    """`backfill --wait` with no worker running the loop printed its request, then nothing
+    until its timeout (new-user audit): it asks whether a worker runs the loop."""
+    db = tmp_path / "loops.db"
+    url = f"sqlite:///{db}"
+    start = datetime.fromtimestamp(T0, UTC).isoformat()
+    end = datetime.fromtimestamp(T0 + 2 * HOUR, UTC).isoformat()
+
+    async def register() -> None:
+        clock = SteppedClock(T0 + 3 * HOUR + 30)
+        async with LoopHarness(url, [Loop("lonely", lambda it: None, every=HOUR)], clock=clock):
+            await drive(clock, 1)
+
+    asyncio.run(register())
+    args = ("backfill", "lonely", "--from", start, "--to", end, "--wait", "--timeout", "1s")
+    waited = cli(*args, db=db, check=False)
+    assert waited.returncode != 0
+    assert "nothing has taken the backfill yet: is a worker running loop 'lonely'?" in (
+        waited.stderr
+    )
+    assert "still running after 1s" in waited.stderr
