@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 
 from flowloop import children
 from flowloop.executor import IDLE_HORIZON_SECONDS
-from flowloop.holding import HELD, refuse_held_back_family
+from flowloop.holding import (
+    HELD,
+    claimed_later,
+    database_of,
+    refuse_held_back,
+    refuse_held_back_family,
+)
 from flowloop.lifecycle import CLAIMABLE
 
 if TYPE_CHECKING:
@@ -47,3 +53,16 @@ async def drive_family(
             # Nothing of its family is due (children waiting for events). (A child that
             # started children of its own meanwhile: drive them too.)
             return info
+
+
+def refuse_a_held_back_run(engine: Engine, workflow: Workflow, run_id: str) -> None:
+    """Inside a step of a limited workflow: the run ``run_id`` its own run's (and callers')
+    limit slots hold back is refused (HeldBack), as ``engine.run`` refuses one — driven,
+    it would wait for a claim that never comes."""
+    if not (workflow.limited and HELD.get()):
+        return
+    stored = engine.store.get_run(run_id)
+    if stored is not None and claimed_later(
+        stored, workflow, engine.clock.now(), IDLE_HORIZON_SECONDS
+    ):
+        refuse_held_back(database_of(engine.store), workflow, stored.limit_key, queued=stored.id)

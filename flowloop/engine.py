@@ -24,12 +24,11 @@ from flowloop.admission import AdmissionError
 from flowloop.clock import Clock, SystemClock
 from flowloop.dbclock import DatabaseClock
 from flowloop.definition import Workflow
-from flowloop.driving import drive_family
+from flowloop.driving import drive_family, refuse_a_held_back_run
 from flowloop.engine_loops import LoopControls
 from flowloop.errors import (
     FlowloopError,
     InvalidContext,
-    KeyTaken,
     UnknownWorkflow,
 )
 from flowloop.events import (
@@ -72,7 +71,6 @@ from flowloop.store import (
     NewRun,
     SQLStore,
     Store,
-    StoredRun,
 )
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
 from flowloop.store.urls import DEFAULT_URL, ENV_DB, default_url, normalize_url
@@ -420,7 +418,7 @@ class Engine(Operations, LoopControls, RunReading):
                 stored, created = self.store.create_run(new)
         if not created:
             self._unmade(new)
-            _refuse_foreign(stored, workflow, new)
+            starts.refuse_foreign(stored, workflow, new)
         elif self.direct_listeners:
             self._tell_created(new)
         return self._info(stored)
@@ -580,7 +578,7 @@ class Engine(Operations, LoopControls, RunReading):
             stored, created = self.store.create_run(new)
         if not created:
             self._unmade(new)
-            _refuse_foreign(stored, workflow, new)
+            starts.refuse_foreign(stored, workflow, new)
         elif self.direct_listeners:
             self._tell_created(new)
         if (
@@ -655,20 +653,25 @@ class Engine(Operations, LoopControls, RunReading):
         return steady_call(self._drive_run, run_id)
 
     def _drive_run(self, run_id: str) -> RunInfo:
-        mainloop.refuse_inside_a_loop("drive", "drive()")
-        info = self.get(run_id)
-        workflow = self.version_of(info.workflow, info.version)
-        if not queued(info, workflow):  # finished, paused, or waiting for an event
-            return info
-        work = drive_family(self, self._executor(), workflow, info)
+        mainloop.refuse_inside_a_loop("drive", "adrive(run_id)")
+        work = self.adrive(run_id)
         if in_inline_step():  # called by a def step that runs on this thread's loop
             with asyncio.Runner() as own:
                 nested: RunInfo = own.run(work)
             return nested
         driven: RunInfo = mainloop.run_on(
-            self._runner(), _steps_inline(work), call="drive", awaited="drive()"
+            self._runner(), work, call="drive", awaited="adrive(run_id)"
         )
         return driven
+
+    async def adrive(self, run_id: str) -> RunInfo:
+        """:meth:`drive` for callers already inside an event loop."""
+        info = self.get(run_id)
+        workflow = self.version_of(info.workflow, info.version)
+        if not queued(info, workflow):  # finished, paused, or waiting for an event
+            return info
+        refuse_a_held_back_run(self, workflow, info.id)
+        return await drive_family(self, self._executor(), workflow, info)
 
     def _executor(self, *, max_concurrency: int | None = None) -> Executor:
         """This thread's executor for in-process driving, kept: its thread pool and prepared
@@ -777,8 +780,6 @@ class Engine(Operations, LoopControls, RunReading):
             if run.kind in ("parks", "fails")
         ]
 
-    # -- loops -----------------------------------------------------------------------------
-
 
 async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
     """``work`` with plain ``def`` steps called on this loop's thread (``Engine.run``: the
@@ -789,12 +790,3 @@ async def _steps_inline(work: Coroutine[Any, Any, T]) -> T:
         return await work
     finally:  # the flag is this call's only
         SYNC_STEPS_INLINE.reset(token)
-
-
-def _refuse_foreign(stored: StoredRun, workflow: Workflow, new: NewRun) -> None:
-    """A run found by ``new``'s idempotency key (keys are unique across workflows) must
-    be a run of ``workflow``: another's would be returned, driven and waited for as this
-    one's (its states judged by the wrong definition)."""
-    found = stored.record.workflow
-    if found != workflow.name and new.idempotency_key is not None:
-        raise KeyTaken(new.idempotency_key, stored.id, found, workflow.name)

@@ -93,6 +93,29 @@ def run_interruptibly(
     return asyncio.run(main())
 
 
+def drive_interruptibly(
+    engine: Engine, run_id: str, *, notice: Callable[[str], None] = lambda _: None
+) -> RunInfo | Interrupted:
+    """:meth:`Engine.drive` with the Ctrl-C behaviour of ``flowloop run`` (the module
+    docstring): ``flowloop retry`` drives the retried run so. Its RunInfo when no signal
+    came (or one came as the run ended), else :class:`Interrupted`."""
+
+    async def main() -> RunInfo | Interrupted:
+        executor = engine._executor()
+        with _signals(executor, notice, lambda: None) as caught:
+            try:
+                info: RunInfo | None = await engine.adrive(run_id)
+            except asyncio.CancelledError:
+                if not caught:
+                    raise
+                info = None
+        if info is not None and (not caught or info.status in FINISHED):
+            return info  # a Ctrl-C that came as the run ended changes nothing
+        return Interrupted(engine.get(run_id), len(caught), caught[0])
+
+    return asyncio.run(main())
+
+
 def resume_interruptibly(
     engine: Engine, *, notice: Callable[[str], None] = lambda _: None
 ) -> tuple[Stats, list[int]]:

@@ -64,7 +64,7 @@ class Retry:
     The delay before attempt ``n + 1`` (after attempt ``n`` failed) is ``base`` (fixed),
     ``base * n`` (linear) or ``base * 2 ** (n - 1)`` (exponential), capped at ``cap``, then
     spread by ``± jitter`` (a fraction, 0.1 = 10 %). ``cap`` not given: 5 minutes, or
-    ``base`` when that is longer (``cap=0``, given, retries at once).
+    ``base`` when that is longer; given, not below ``base`` (``cap=0`` retries at once).
 
     An exception is retried when it is an instance of one of ``on`` and of none of
     ``giving_up_on``.
@@ -89,6 +89,13 @@ class Retry:
         seconds(self.cap, "Retry(cap=...):")
         if self.base_seconds < 0 or self.cap_seconds < 0:
             raise FlowloopError("Retry: base and cap must not be negative")
+        if self.cap is not None and 0 < self.cap_seconds < self.base_seconds:
+            # (cut silently, a 10-minute base waited 5: a typo or a forgotten cap)
+            raise FlowloopError(
+                f"Retry(base={human(self.base_seconds)}, cap={human(self.cap_seconds)}): cap is "
+                f"below base, so every delay would be {human(self.cap_seconds)}; raise cap "
+                "with base (cap=0 retries at once)"
+            )
         if not 0.0 <= self.jitter <= 1.0:
             raise FlowloopError(f"Retry(jitter={self.jitter}): jitter is a fraction in [0, 1]")
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from flowloop import admission, backpressure
 from flowloop import journal as j
+from flowloop.errors import KeyTaken
 from flowloop.runinfo import StartedRuns
 from flowloop.store.admission import AdmissionStoreMixin
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
@@ -196,3 +197,12 @@ def keep_bounded(engine: Engine, workflow: Workflow, message: InboxEvent) -> str
             message.run_id, bounds, waited=waited if bounds.inbox_overflow == "block" else None
         )
     return result
+
+
+def refuse_foreign(stored: StoredRun, workflow: Workflow, new: NewRun) -> None:
+    """A run found by ``new``'s idempotency key (keys are unique across workflows) must
+    be a run of ``workflow``: another's would be returned, driven and waited for as this
+    one's (its states judged by the wrong definition)."""
+    found = stored.record.workflow
+    if found != workflow.name and new.idempotency_key is not None:
+        raise KeyTaken(new.idempotency_key, stored.id, found, workflow.name)

@@ -264,7 +264,7 @@ def seconds_option(value: str, option: str, *, unit: bool = False) -> float:
     try:
         return parse_duration(value)
     except ValueError as error:
-        if unit:  # (the parser's "use seconds or …" would suggest the bare number refused)
+        if unit and "use seconds" in str(error):  # (it would suggest the number refused)
             raise FlowloopError(f"{option} {value!r} is not a duration (30m, 12h, 30d)") from None
         raise FlowloopError(f"{option} {error}") from None
 

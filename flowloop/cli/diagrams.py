@@ -153,7 +153,11 @@ def diagram(
             from flowloop.heat import workflow_heat_digraph
 
             support.require_database(database(db))  # a read: a typo in --db creates nothing
-            graph = workflow_heat_digraph(load_target(target)[0], database(db), since=since)
+            from flowloop.config import apply_overrides
+
+            workflow = load_target(target)[0]
+            apply_overrides(settings(), {workflow.name: workflow}, {})  # (drawn as it runs)
+            graph = workflow_heat_digraph(workflow, database(db), since=since)
         else:
             graph = _machine_diagram(target)
     fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")

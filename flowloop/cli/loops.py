@@ -176,6 +176,11 @@ def backfill_command(
                         f"(`flowloop worker FILE`; the request stays until one does)",
                         markup=False,
                     )
+                if time.monotonic() > deadline and not taken:
+                    raise FlowloopError(
+                        f"nothing took the backfill of loop {name!r} in {timeout_text}; the "
+                        "request stays for a worker running the loop"
+                    )
                 if time.monotonic() > deadline:
                     raise FlowloopError(
                         f"backfill of loop {name!r} still running after {timeout_text}; it goes "

@@ -298,8 +298,16 @@ def retry(
     from flowloop.cli import support
     from flowloop.cli.progress import progress_printer
     from flowloop.cli.views import info_json, styled
+    from flowloop.interrupt import (
+        EXIT_SIGNALLED,
+        Interrupted,
+        drive_interruptibly,
+        interrupted_line,
+        leave,
+    )
 
     loaded = load_workflow_paths(workflow_paths)
+    cut: Interrupted | None = None
     with open_engine(db, synchronous, loaded, read=True) as engine:
         with defined_in(workflow_paths):
             info = engine.retry(
@@ -310,11 +318,18 @@ def retry(
         if drive:
             if not as_json:
                 engine.listeners.append(progress_printer())
-            info = engine.drive(info.id)  # (that run and its children only)
+            # That run and its children only; Ctrl-C as `flowloop run` takes it.
+            driven = drive_interruptibly(engine, info.id, notice=err.print)
+            cut = driven if isinstance(driven, Interrupted) else None
+            info = driven.run or info if isinstance(driven, Interrupted) else driven
         waits = support.WaitStates(engine)
         if as_json:
             click.echo(json.dumps({"run": info_json(info, waits)}))
         waiting = waits.of(info)
+    if cut is not None:
+        where = f"--db {database(db)}" + "".join(f" -w {path}" for path in workflow_paths)
+        resume, retry_again = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        leave(interrupted_line(cut, resume=resume, retry=retry_again), EXIT_SIGNALLED + cut.first)
     if drive:
         _refuse_failed(info)
     if as_json or info.finished:
@@ -334,7 +349,7 @@ def _refuse_a_key_as_run_id(engine: Engine, target: str) -> None:
     if keyed:
         raise FlowloopError(
             f"no run {target!r}; it is the key of run(s) of {', '.join(keyed)}: "
-            f"send {target} --workflow {keyed[0]}"
+            f"flowloop send {target} EVENT --workflow {keyed[0]}"
         )
 
 

@@ -74,12 +74,21 @@ class FlowloopRun:
     """`flowloop run` in its own process; its stderr read line by line as it comes."""
 
     def __init__(
-        self, module: Path, db: Path, gate: Path, *options: str, resume: bool = False
+        self,
+        module: Path,
+        db: Path,
+        gate: Path,
+        *options: str,
+        resume: bool = False,
+        retry: str | None = None,
     ) -> None:
         env = {**os.environ, "PARCEL_DIR": str(gate), "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "flowloop.cli", "run", str(module), "--db", str(db)]
         if resume:  # `flowloop resume` of what `flowloop start` queued
             command = [sys.executable, "-m", "flowloop.cli", "resume", "-w", str(module)]
+            options = ("--db", str(db), *options)
+        elif retry is not None:  # `flowloop retry RUN` of a failed run, driven here
+            command = [sys.executable, "-m", "flowloop.cli", "retry", retry, "-w", str(module)]
             options = ("--db", str(db), *options)
         else:
             options = (*options, "--context", json.dumps({"order_id": "A1"}))
@@ -309,3 +318,33 @@ def test_resume__second_ctrl_c_cuts_the_step_off(tmp_path: Path) -> None:
     assert (info.status, info.reason) == ("failed", "interrupted")  # not idempotent
     assert not (gate / "shipments").exists()
     (gate / "open").touch()  # nothing left to release it: the process is gone
+
+
+def test_retry__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path: Path) -> None:
+    """`flowloop retry` drove the run with its plain `def` step on the main thread: one
+    Ctrl-C did nothing until the step ended, then exited 130 although the run had
+    succeeded; two raised KeyboardInterrupt inside the step (review). It takes Ctrl-C as
+    `flowloop run` does."""
+    run, db, gate = start(tmp_path)
+    run.first_ctrl_c(notice="Ctrl-C again to cut it off")
+    run.process.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.describe()
+    with engine(db) as e:
+        (failed,) = e.runs()
+    assert (failed.status, failed.reason) == ("failed", "interrupted")
+    (gate / "in-flight-1").unlink()
+    retried = FlowloopRun(gate / "parcel.py", db, gate, retry=failed.id)
+    poll(
+        lambda: any(gate.glob("in-flight-*")) or None,
+        timeout=EXIT_WAIT_S,
+        what="the retried step",
+        every=0.02,
+    )
+    retried.first_ctrl_c(notice="letting the step in flight finish")
+    assert retried.process.poll() is None  # still finishing the step
+    (gate / "open").touch()
+    assert retried.wait() == 130, retried.describe()
+    last = retried.err[-1]
+    assert "Traceback" not in "\n".join(retried.err), retried.describe()
+    assert "stopped after its step finished: scheduled in state notify" in last, last
+    continued_by(last, db, gate, failed.id)

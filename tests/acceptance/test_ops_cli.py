@@ -541,7 +541,8 @@ def test_cli__a_misspelt_name_or_a_key_as_a_run_id_says_what_to_give(here: Path)
     db = ("--db", "jobs.db")
     result = flowloop("send", "W1", "go", *db, cwd=here, code=2)
     assert result.stderr.splitlines() == [
-        "error: no run 'W1'; it is the key of run(s) of jobs: send W1 --workflow jobs"
+        "error: no run 'W1'; it is the key of run(s) of jobs: "
+        "flowloop send W1 EVENT --workflow jobs"
     ]
     result = flowloop("send", "W1", "go", "--workflow", "jbos", *db, cwd=here, code=2)
     assert result.stderr.splitlines() == [

@@ -184,4 +184,4 @@ def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
     assert "nothing has taken the backfill yet: is a worker running loop 'lonely'?" in (
         waited.stderr
     )
-    assert "still running after 1s" in waited.stderr
+    assert "nothing took the backfill of loop 'lonely' in 1s" in waited.stderr

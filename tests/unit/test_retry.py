@@ -137,8 +137,9 @@ def test_retry__cap_left_out_is_at_least_base() -> None:
     assert Retry(base=1).delay(10_000) == 300.0  # (the default cap as before)
 
 
-def test_retry__a_cap_given_still_cuts_every_delay() -> None:
-    """``cap=0`` retries at once whatever the base (review: refusing a cap below base broke
-    it, and a configuration that overrides only ``base``)."""
-    assert Retry(backoff="fixed", base=600, cap=300).delay(1) == 300.0
+def test_retry__a_cap_given_below_base_is_refused_but_zero() -> None:
+    """A cap below base cut every delay silently (a 10-minute base waited 5); ``cap=0``
+    still retries at once whatever the base (review)."""
+    with pytest.raises(FlowloopError, match=r"Retry\(base=10m, cap=5m\): cap is below base"):
+        Retry(backoff="fixed", base=600, cap=300)
     assert Retry(attempts=5, cap=0).delay(3) == 0.0
