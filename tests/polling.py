@@ -29,3 +29,32 @@ def poll(
             detail = f"\n{describe()}" if describe is not None else ""
             raise AssertionError(f"timed out after {timeout:g}s waiting for {what}{detail}")
         time.sleep(every)
+
+
+def wait_until_blocked_by(
+    url: str, pid: int, *, still_going: Callable[[], bool], timeout: float = 30.0
+) -> int:
+    """PostgreSQL: wait (bounded) until a backend waits for a lock the backend ``pid``
+    holds, or ``still_going()`` says the one expected to wait has ended. How many wait
+    then (0: it ended without waiting, or the time ran out)."""
+    import sqlalchemy as sa
+
+    watcher = sa.create_engine(url)
+    deadline = time.monotonic() + timeout
+    try:
+        with watcher.connect() as look:
+            while True:
+                blocked = int(
+                    look.execute(
+                        sa.text(
+                            "SELECT count(*) FROM pg_stat_activity"
+                            " WHERE :pid = ANY(pg_blocking_pids(pid))"
+                        ),
+                        {"pid": pid},
+                    ).scalar_one()
+                )
+                if blocked or not still_going() or time.monotonic() > deadline:
+                    return blocked
+                time.sleep(0.01)
+    finally:
+        watcher.dispose()

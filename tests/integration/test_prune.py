@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from polling import wait_until_blocked_by
 from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Workflow
@@ -582,27 +583,17 @@ def test_prune__postgres_a_retry_committed_while_prune_waits_keeps_the_children(
         worker = threading.Thread(target=pruning)
         # Connections of their own: the engine's pool stays the engine's.
         others = sa.create_engine(pg_url)
-        with others.connect() as retrying, others.connect() as look:
+        with others.connect() as retrying:
             # The write of a retry, held open: the parent is live once it commits.
-            pid = retrying.execute(sa.text("SELECT pg_backend_pid()")).scalar()
+            pid = int(retrying.execute(sa.text("SELECT pg_backend_pid()")).scalar_one())
             retrying.execute(
                 sa.update(runs)
                 .where(runs.c.id == parent.id)
                 .values(status="scheduled", updated_at=clock.now())
             )
             worker.start()
-            for _ in range(3000):  # bounded: 30 s, until prune waits on the parent's row
-                blocked = look.execute(
-                    sa.text(
-                        "SELECT count(*) FROM pg_stat_activity"
-                        " WHERE :pid = ANY(pg_blocking_pids(pid))"
-                    ),
-                    {"pid": pid},
-                ).scalar()
-                if blocked or not worker.is_alive():
-                    break
-                threading.Event().wait(0.01)
-            assert blocked == 1
+            # Until prune waits on the parent's row.
+            assert wait_until_blocked_by(pg_url, pid, still_going=worker.is_alive) == 1
             retrying.commit()
         others.dispose()
         worker.join(timeout=30)
@@ -730,30 +721,18 @@ def test_prune__postgres_racing_a_childs_retry_does_not_deadlock(
         JoinStoreMixin._lock_joins = holding  # type: ignore[method-assign]
         retry = threading.Thread(target=retrying, name="retry")
         remover = threading.Thread(target=pruning, name="prune")
-        watcher = sa.create_engine(pg_url)
         try:
             retry.start()
             assert took_join.wait(30)
             remover.start()
-            with watcher.connect() as look:
-                for _ in range(3000):  # bounded: 30 s, until prune waits on the retry
-                    blocked = look.execute(
-                        sa.text(
-                            "SELECT count(*) FROM pg_stat_activity"
-                            " WHERE :pid = ANY(pg_blocking_pids(pid))"
-                        ),
-                        {"pid": pid[0]},
-                    ).scalar()
-                    if blocked or not remover.is_alive():
-                        break
-                    threading.Event().wait(0.01)
+            # Until prune waits on the retry (or has ended without waiting).
+            wait_until_blocked_by(pg_url, pid[0], still_going=remover.is_alive)
             go_on.set()
             retry.join(30)
             remover.join(30)
         finally:
             go_on.set()
             JoinStoreMixin._lock_joins = original  # type: ignore[method-assign]
-            watcher.dispose()
         # The parent and its other child went; the retried one runs on (its parent had gone on).
         assert outcome == {"retry": "scheduled", "prune": "2"}, outcome
         assert sa_column(engine, runs.c.id) == [failed]
