@@ -442,7 +442,13 @@ async def _fail(
     executor: Executor, record: RunRecord, fence: Fence, error: BaseException, reason: str
 ) -> None:
     message = error_line(error)
-    log.error("run %s: %s: %s", record.id, record.state, message, extra={"run": record.id})
+    log.error(
+        "run %s: %s: %s",
+        record.id,
+        record.state,
+        message,
+        extra={"run": record.id, "event": "run_failed"},
+    )
     failed = executor._event(
         record,
         j.RUN_FAILED,

@@ -3,9 +3,11 @@ boundary, and progress lines with a rate and an ETA for runs that count their wo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
@@ -18,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def progress_printer(
-    prefix: str = "", *, every: float = 1.0
+    prefix: str = "", *, every: float = 1.0, shown_ends: set[str] | None = None
 ) -> Callable[[RunRecord, Sequence[JournalEvent]], None]:
     """Prints each committed boundary of a run as it happens.
 
@@ -29,6 +31,9 @@ def progress_printer(
     an ETA. Its steps that loop back to their own state (batch after batch) print no line
     each: a progress line comes at most every ``every`` seconds, when such a loop ends and
     when the run ends. A ``summary`` text in the final context is printed last.
+
+    A run's last line says how it ended, with the error or reason of one that failed or was
+    stopped; its id goes into ``shown_ends`` (so the command need not say it again).
     """
     ended = ("succeeded", "failed", "stopped", "paused")
 
@@ -129,8 +134,42 @@ def progress_printer(
             run = f"run {record.id}"
             if child:
                 run = f"  child {run} ({escape(record.workflow)})"
-            out.print(f"{prefix}{run} {styled(record.status)} in state {record.state}")
+            why = record.error or record.reason if record.status in ("failed", "stopped") else None
+            tail = f": {escape(why)}" if why else ""
+            out.print(f"{prefix}{run} {styled(record.status)} in state {record.state}{tail}")
+            if shown_ends is not None:
+                shown_ends.add(record.id)
             first_seen.pop(record.id, None)
             last_line.pop(record.id, None)
 
     return show
+
+
+SHOWN_EVENTS = frozenset({"step_finished", "run_failed"})
+"""The ``event`` of the engine's log lines that a progress printer shows as lines of its own
+(a failed attempt, a run that failed): the same error logged again says nothing new."""
+
+
+class _ShownByPrinter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return getattr(record, "event", None) not in SHOWN_EVENTS or not hasattr(record, "run")
+
+
+@contextlib.contextmanager
+def printed_not_logged(printing: bool = True) -> Iterator[None]:
+    """While a progress printer shows the runs a command drives (``printing``), the engine's
+    log lines of their failures are left out — unless logging was asked for at ``info`` or
+    below (then the log is what was asked for, and is kept whole)."""
+    root = logging.getLogger()
+    if not printing or root.getEffectiveLevel() <= logging.INFO:
+        yield
+        return
+    shown = _ShownByPrinter()
+    handlers = list(root.handlers)
+    for handler in handlers:
+        handler.addFilter(shown)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(shown)

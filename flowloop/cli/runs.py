@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,7 @@ from flowloop.cli.common import (
     sql_engine,
     workflows_option,
 )
-from flowloop.errors import FlowloopError, InvalidContext, UnknownRun
+from flowloop.errors import EXIT_FAILURE, FlowloopError, InvalidContext, UnknownRun
 
 if TYPE_CHECKING:
     from flowloop.engine import Engine
@@ -53,7 +54,7 @@ def run(
     A business key that has a run already: the same context goes on with that run (a line
     says so); a different context is refused (exit 2), nothing started."""
     from flowloop.cli import support
-    from flowloop.cli.progress import progress_printer
+    from flowloop.cli.progress import printed_not_logged, progress_printer
     from flowloop.cli.views import info_json
     from flowloop.clock import iso
     from flowloop.config import apply_overrides
@@ -73,9 +74,11 @@ def run(
         note = support.refuse_or_note_existing(engine, workflow, context, key)
         if note is not None and not as_json:
             out.print(note, markup=False)
+        shown_ends: set[str] = set()
         if not as_json:
-            engine.listeners.append(progress_printer())
-        info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
+            engine.listeners.append(progress_printer(shown_ends=shown_ends))
+        with printed_not_logged(not as_json):
+            info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
         waits = support.WaitStates(engine)
     if isinstance(info, Interrupted):
         # --json still prints the run: as Ctrl-C handed it back (None: never created), and
@@ -101,15 +104,19 @@ def run(
             f"(`flowloop send {info.id} EVENT`)"
         )
         return
-    _refuse_failed(info)
+    _refuse_failed(info, shown_ends)
     if not info.finished:
         out.print(support.not_ended_line(info), markup=False)
 
 
-def _refuse_failed(info: RunInfo) -> None:
-    """A run that ended otherwise than succeeded: exit 1 (one not ended has not failed)."""
-    if info.finished and info.status != "succeeded":
-        raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
+def _refuse_failed(info: RunInfo, shown_ends: Collection[str] = ()) -> None:
+    """A run that ended otherwise than succeeded: exit 1 (one not ended has not failed),
+    saying so unless the progress printer's last line of the run did (``shown_ends``)."""
+    if not info.finished or info.status == "succeeded":
+        return
+    if info.id in shown_ends:
+        sys.exit(EXIT_FAILURE)
+    raise Failed(f"run {info.id} ended {info.status}: {info.error or info.reason or ''}")
 
 
 @click.command()
@@ -245,7 +252,7 @@ def resume(
     """Recover runs interrupted by a crash and drive every due run to the end. Ctrl-C (or
     SIGTERM) lets the steps in flight finish and hands their runs back; a second cuts them
     off."""
-    from flowloop.cli.progress import progress_printer
+    from flowloop.cli.progress import printed_not_logged, progress_printer
     from flowloop.engine import Engine
     from flowloop.interrupt import EXIT_SIGNALLED, leave, resume_interruptibly
 
@@ -256,7 +263,8 @@ def resume(
         prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
         if not as_json:
             engine.listeners.append(progress_printer())
-        stats, signals = resume_interruptibly(engine, notice=err.print)
+        with printed_not_logged(not as_json):
+            stats, signals = resume_interruptibly(engine, notice=err.print)
     done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
     if as_json:
         click.echo(
@@ -296,7 +304,7 @@ def retry(
 ) -> None:
     """Run a failed or stopped run again."""
     from flowloop.cli import support
-    from flowloop.cli.progress import progress_printer
+    from flowloop.cli.progress import printed_not_logged, progress_printer
     from flowloop.cli.views import info_json, styled
     from flowloop.interrupt import (
         EXIT_SIGNALLED,
@@ -308,6 +316,7 @@ def retry(
 
     loaded = load_workflow_paths(workflow_paths)
     cut: Interrupted | None = None
+    shown_ends: set[str] = set()
     with open_engine(db, synchronous, loaded, read=True) as engine:
         with defined_in(workflow_paths):
             info = engine.retry(
@@ -317,9 +326,10 @@ def retry(
             out.print(f"run {info.id} {styled(info.status)} at {info.state}")
         if drive:
             if not as_json:
-                engine.listeners.append(progress_printer())
+                engine.listeners.append(progress_printer(shown_ends=shown_ends))
             # That run and its children only; Ctrl-C as `flowloop run` takes it.
-            driven = drive_interruptibly(engine, info.id, notice=err.print)
+            with printed_not_logged(not as_json):
+                driven = drive_interruptibly(engine, info.id, notice=err.print)
             cut = driven if isinstance(driven, Interrupted) else None
             info = driven.run or info if isinstance(driven, Interrupted) else driven
         waits = support.WaitStates(engine)
@@ -331,7 +341,7 @@ def retry(
         resume, retry_again = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
         leave(interrupted_line(cut, resume=resume, retry=retry_again), EXIT_SIGNALLED + cut.first)
     if drive:
-        _refuse_failed(info)
+        _refuse_failed(info, shown_ends)
     if as_json or info.finished:
         return
     if waiting is not None:

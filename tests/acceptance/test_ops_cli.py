@@ -552,3 +552,29 @@ def test_cli__a_misspelt_name_or_a_key_as_a_run_id_says_what_to_give(here: Path)
     migrate = ("migrate", "--workflow", "jbos", "--to", "2", "-w", "jobs.py", *db)
     result = flowloop(*migrate, cwd=here, code=2)
     assert "no workflow 'jbos' is loaded (loaded: jobs)" in result.stderr
+
+
+def test_cli__a_failed_run_says_its_error_once_and_exits_1(here: Path) -> None:
+    """`flowloop run` of a run that failed printed its error three times more than its
+    failed attempts did: an ERROR log line, "run … failed in state check" and "error: run …
+    ended failed: …" (new-user audit). The run's last line says how it ended, and why."""
+    error = "ConnectionError: upstream reset"
+    failing = ("jobs.py", "--context", '{"fail": true}', "--db", "jobs.db")
+
+    def shown_once(result: subprocess.CompletedProcess[str]) -> None:
+        lines = result.stdout.splitlines()
+        assert result.stderr == "", result.stderr
+        assert lines[-1].endswith(f"failed in state check: {error}"), lines
+        # Two failed attempts (a retry has its own), then the run's last line.
+        assert [error in line for line in lines].count(True) == 3, lines
+
+    shown_once(flowloop("run", *failing, cwd=here, code=1))
+    [run_id] = [run["id"] for run in json.loads(here_cli(here, "status", "--json"))["runs"]]
+    shown_once(flowloop("retry", run_id, "-w", "jobs.py", "--db", "jobs.db", cwd=here, code=1))
+    # Logging asked for is logging given: the engine's own line of the failure stays.
+    verbose = flowloop("--log-level", "info", "run", *failing, cwd=here, code=1)
+    assert "check attempt 2 failed in" in verbose.stderr, verbose.stderr
+    # --json: the run on stdout and the one error line on stderr (no printer).
+    quiet = flowloop("run", *failing, "--json", cwd=here, code=1)
+    assert json.loads(quiet.stdout)["run"]["status"] == "failed"
+    assert quiet.stderr.splitlines()[-1].startswith("error: run "), quiet.stderr
