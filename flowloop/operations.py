@@ -200,6 +200,8 @@ class Operations:
         run_id = stored.id
         status = stored.record.status
         if status in FINISHED:
+            if action == STOP and status == "stopped":
+                return self._info(stored)  # done already, as a pause of a paused run
             raise InvalidTransition(run_id, status, action)
         if action in PAUSES and stored.control == STOP:
             # Its owner stops it at its next boundary, or its claim does (paused already).

@@ -175,7 +175,9 @@ def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
     shown = support.WAITING if waiting is not None else info.status
-    out.print(f"status    {styled(shown)}" + (f" ({escape(info.reason)})" if info.reason else ""))
+    # (The reason, when it says more than the status: "stopped (deadline)", not "(stopped)".)
+    reason = info.reason if info.reason not in (None, info.status) else None
+    out.print(f"status    {styled(shown)}" + (f" ({escape(reason)})" if reason else ""))
     if waiting is not None:
         out.print(f"waits     {escape(waiting.describe())} (stored status {info.status})")
     out.print(f"state     {info.state} (attempt {info.attempt})")

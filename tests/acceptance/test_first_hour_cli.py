@@ -615,3 +615,15 @@ def test_a_missing_extra_is_one_line_exit_2_and_an_import_error_in_python() -> N
         "flowloop.tracing needs OpenTelemetry (opentelemetry is missing): "
         "pip install 'flowloop[otel]'"
     )
+
+
+def test_stop_and_pause__done_already_is_exit_0_and_status_says_it_once(
+    here: Path, waiting_run: str
+) -> None:
+    """Stopping a stopped run exited 2 ("is stopped: cannot stop it") while pausing a paused
+    one exited 0; `status RUN` said "paused (paused)" (new-user audit)."""
+    for action, status in (("pause", "paused"), ("stop", "stopped")):
+        for _ in range(2):  # the second time: done already
+            assert here_cli(action, waiting_run, cwd=here).strip() == f"run {waiting_run} {status}"
+        shown = here_cli("status", waiting_run, cwd=here).splitlines()
+        assert f"status    {status}" in shown, shown
