@@ -47,7 +47,9 @@ def _render(request: Request, name: str, context: dict[str, Any], status: int = 
 
 
 def home(request: Request) -> Response:
-    return RedirectResponse("/runs", status_code=307)
+    # The query goes along: a link or bookmark of /?status=failed lands on those runs.
+    query = request.url.query
+    return RedirectResponse(f"/runs?{query}" if query else "/runs", status_code=307)
 
 
 def runs_page(request: Request) -> Response:

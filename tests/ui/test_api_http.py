@@ -245,3 +245,14 @@ def test_run_page__a_unique_id_prefix_redirects_to_the_whole_id(served: tuple[st
         ambiguous = httpx.get(f"{base}{path}", follow_redirects=False)
         assert ambiguous.status_code == 400, path
         assert "is ambiguous" in ambiguous.text and shared in ambiguous.text
+
+
+def test_home__keeps_the_query_on_its_way_to_the_runs(served: tuple[str, str]) -> None:
+    """`/?status=failed` redirected to `/runs`, every run listed (new-user audit)."""
+    base, _ = served
+    moved = httpx.get(f"{base}/?status=failed", follow_redirects=False)
+    assert moved.status_code == 307 and moved.headers["location"] == "/runs?status=failed"
+    assert httpx.get(f"{base}/", follow_redirects=False).headers["location"] == "/runs"
+    page = httpx.get(f"{base}/?status=failed", follow_redirects=True, timeout=30)
+    assert page.status_code == 200 and page.url.path == "/runs"
+    assert page.url.query == b"status=failed"
