@@ -58,54 +58,61 @@ class Draft:
 
     def check(self, workflow: str, *, on_deadline: str | None) -> None:
         """DefinitionError, naming ``workflow``, when the declared states do not make a
-        machine every run can finish."""
+        machine every run can finish: every problem found at once, not the first alone (a
+        definition with three mistakes took three tries to learn them)."""
+        problems = self.problems(on_deadline=on_deadline)
+        if len(problems) == 1:
+            raise DefinitionError(workflow, problems[0])
+        if problems:
+            listed = "; ".join(f"({n}) {problem}" for n, problem in enumerate(problems, 1))
+            raise DefinitionError(workflow, f"{len(problems)} problems: {listed}")
+
+    def problems(self, *, on_deadline: str | None) -> list[str]:
+        """What keeps the declared states from making a machine every run can finish."""
         steps, waits, composites = self.steps, self.waits, self.composites
         finals = set(self.finals)
+        problems = []
         if not finals:
-            raise DefinitionError(workflow, "declares no final state; add workflow.final(...)")
+            problems.append("declares no final state; add workflow.final(...)")
         on_final = sorted(finals & (steps.keys() | waits.keys() | composites.keys()))
         if on_final:
-            raise DefinitionError(
-                workflow,
-                f"final state(s) {', '.join(map(repr, on_final))} must not have a step or wait",
+            problems.append(
+                f"final state(s) {', '.join(map(repr, on_final))} must not have a step or wait"
             )
+        if self.compensating and not any(s.compensate for s in steps.values()):
+            problems.append(
+                f"final state(s) {', '.join(map(repr, self.compensating))} compensate, but "
+                "no step declares compensate="
+            )
+        # Mistakes in the graph's own ends and edges: with any of them, states left unreached
+        # or stuck are not mistakes of their own, and are checked once those are fixed.
+        misdrawn = []
         if len(self.initial) != 1:
             found = ", ".join(map(repr, self.initial)) or "none"
-            raise DefinitionError(
-                workflow, f"needs exactly one initial state (initial=True), found {found}"
-            )
+            misdrawn.append(f"needs exactly one initial state (initial=True), found {found}")
         known = steps.keys() | waits.keys() | composites.keys() | finals
         if on_deadline is not None and on_deadline not in known:
-            raise DefinitionError(workflow, f"on_deadline goes to unknown state {on_deadline!r}")
-        if self.compensating and not any(s.compensate for s in steps.values()):
-            raise DefinitionError(
-                workflow,
-                f"final state(s) {', '.join(map(repr, self.compensating))} compensate, but "
-                "no step declares compensate=",
-            )
+            misdrawn.append(f"on_deadline goes to unknown state {on_deadline!r}")
         outgoing = self.outgoing()
         for state, targets in outgoing.items():
             unknown = sorted({dest for dest in targets.values() if dest not in known})
             if unknown:
-                raise DefinitionError(
-                    workflow,
-                    f"state {state!r} goes to unknown state(s) {', '.join(map(repr, unknown))}",
+                misdrawn.append(
+                    f"state {state!r} goes to unknown state(s) {', '.join(map(repr, unknown))}"
                 )
+        if misdrawn:
+            return problems + misdrawn
         edges = {state: set(outgoing.get(state, {}).values()) for state in known}
         if on_deadline is not None:  # every waiting or working state may time out there
             for state in known - finals:
                 edges[state].add(on_deadline)
         unreachable = sorted(known - graph.reachable(edges, self.initial))
         if unreachable:
-            raise DefinitionError(
-                workflow, f"state(s) {', '.join(map(repr, unreachable))} cannot be reached"
-            )
-        stuck = sorted(known - graph.can_reach(edges, finals))
+            problems.append(f"state(s) {', '.join(map(repr, unreachable))} cannot be reached")
+        stuck = sorted(known - graph.can_reach(edges, finals)) if finals else []
         if stuck:
-            raise DefinitionError(
-                workflow,
-                f"state(s) {', '.join(map(repr, stuck))} can never reach a final state",
-            )
+            problems.append(f"state(s) {', '.join(map(repr, stuck))} can never reach a final state")
+        return problems
 
     def structure(self, name: str, *, on_deadline: str | None) -> dict[str, Any]:
         """The definition as plain data: what a stored run's compatibility is judged on."""

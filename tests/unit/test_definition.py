@@ -413,3 +413,37 @@ def test_compatible__changed_transition_refused() -> None:
 def test_compatible__unknown_old_structure_judged_on_state_alone() -> None:
     assert compatible({}, linear().validate(), "b") is None
     assert compatible({}, linear().validate(), "gone") is not None
+
+
+def test_validate__every_problem_at_once() -> None:
+    """A definition with three mistakes took three tries to learn them (new-user audit):
+    one error lists them all, numbered — and not the states a misspelt target leaves
+    unreached, which are no mistakes of their own."""
+
+    def build(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, on={"ok": "shiped", "no": "b"})(fn)
+        wf.step(name="b", on={"again": "a", "give_up": "nowhere"})(fn)
+        wf.step(name="done", next="a")(fn)
+        wf.final("done", "shipped")
+
+    with pytest.raises(DefinitionError) as caught:
+        define(build).validate()
+    message = str(caught.value)
+    assert message.startswith("workflow 'w': 3 problems: (1) final state(s) 'done' must not")
+    assert "(2) state 'a' goes to unknown state(s) 'shiped'" in message
+    assert "(3) state 'b' goes to unknown state(s) 'nowhere'" in message
+    assert "cannot be reached" not in message  # ('shipped': the typo's doing)
+
+    def unreachable_and_stuck(wf: Workflow) -> None:
+        wf.step(name="a", initial=True, on={"ok": "done", "loop": "b"})(fn)
+        wf.step(name="b", next="c")(fn)
+        wf.step(name="c", next="b")(fn)
+        wf.step(name="orphan", next="done")(fn)
+        wf.final("done")
+
+    with pytest.raises(DefinitionError) as caught:
+        define(unreachable_and_stuck).validate()
+    assert str(caught.value).endswith(
+        "2 problems: (1) state(s) 'orphan' cannot be reached; "
+        "(2) state(s) 'b', 'c' can never reach a final state"
+    ), caught.value
