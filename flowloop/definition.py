@@ -13,9 +13,10 @@ This module imports neither sqlalchemy nor asyncio.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -509,6 +510,37 @@ class Workflow(compose.Composing):
             return self.context.model_validate(dict(data))
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
+
+    def parse_new_context(self, data: str | bytes | Mapping[str, Any] | BaseModel) -> BaseModel:
+        """:meth:`parse_context` of a new run's context, given by a caller: a field the model
+        does not have is refused (pydantic dropped a misspelt one without a word, and the run
+        started with that field's default), unless the model says itself what becomes of
+        extra fields (``model_config['extra']``)."""
+        if self.context.model_config.get("extra") is None:
+            keys: Iterable[str] = ()
+            if isinstance(data, Mapping):
+                keys = data.keys()
+            elif isinstance(data, (str, bytes)):
+                with contextlib.suppress(ValueError):  # (invalid JSON: validation says so)
+                    parsed = json.loads(data)
+                    keys = parsed.keys() if isinstance(parsed, dict) else ()
+            self.check_fields(keys)
+        return self.parse_context(data)
+
+    def check_fields(self, names: Iterable[str]) -> None:
+        """InvalidContext naming the ``names`` that are no field of the context's model (by
+        name or alias), with the fields it has."""
+        model = self.context
+        known = set(model.model_fields) | {
+            f.alias for f in model.model_fields.values() if f.alias is not None
+        }
+        unknown = sorted(set(names) - known)
+        if unknown:
+            raise InvalidContext(
+                self.name,
+                f"no field(s) {', '.join(map(repr, unknown))} in {model.__name__} "
+                f"(fields: {', '.join(model.model_fields)})",
+            )
 
     def load_context(self, text: str, version: int = 1) -> BaseModel:
         """A stored context (JSON text written at context ``version``) as this workflow's

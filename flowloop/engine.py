@@ -266,7 +266,7 @@ class Engine(Operations, LoopControls, RunReading):
     ) -> NewRun:
         if not self._workflows.holds(workflow):
             self.register(workflow)
-        ctx = workflow.parse_context(context)
+        ctx = workflow.parse_new_context(context)
         now = self.clock.now()
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         # (An empty one is none, as the store looks runs up: kept, a second start with

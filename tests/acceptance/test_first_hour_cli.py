@@ -627,3 +627,12 @@ def test_stop_and_pause__done_already_is_exit_0_and_status_says_it_once(
             assert here_cli(action, waiting_run, cwd=here).strip() == f"run {waiting_run} {status}"
         shown = here_cli("status", waiting_run, cwd=here).splitlines()
         assert f"status    {status}" in shown, shown
+
+
+def test_run__a_misspelt_context_field_is_refused_not_dropped(here: Path) -> None:
+    """`--context '{"order_id": "Z", "amout": 2}'` started a run with amount 1.0, the typo
+    dropped without a word (new-user audit)."""
+    line = refused("run", "orders.py", "--context", '{"order_id": "Z", "amout": 2}', cwd=here)
+    assert "no field(s) 'amout' in Order (fields: order_id, amount, approved_by)" in line
+    with sqlite3.connect(here / "flowloop.db") as conn:
+        assert conn.execute("SELECT count(*) FROM flowloop_runs").fetchone() == (0,)

@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from flowloop import Retry, Step, Workflow
 from flowloop.definition import NEXT_EVENT, compatible
@@ -364,6 +364,30 @@ def test_parse_context__invalid_names_the_field() -> None:
     # A list of pairs would pass dict(); a context is an object of fields, nothing else.
     with pytest.raises(InvalidContext, match="expected an object of fields, got list"):
         linear().parse_context([("order_id", "n")])  # type: ignore[arg-type]
+
+
+def test_parse_new_context__a_field_the_model_lacks_is_refused() -> None:
+    """A misspelt field of a new run's context was dropped without a word and the run
+    started with that field's default (new-user audit): refused, naming it and the fields.
+    A model that says what becomes of extra fields keeps its say; a stored context (an
+    older version's leftover fields) still loads."""
+    wf = linear()
+    for given in ('{"order_id": "x", "m": 2}', {"order_id": "x", "m": 2}):
+        with pytest.raises(
+            InvalidContext, match=r"no field\(s\) 'm' in Ctx \(fields: order_id, n\)"
+        ):
+            wf.parse_new_context(given)
+    assert wf.parse_new_context({"order_id": "x", "n": 2}) == Ctx(order_id="x", n=2)
+    with pytest.raises(InvalidContext, match="invalid"):
+        wf.parse_new_context("{not json")
+
+    class Loose(BaseModel):
+        model_config = ConfigDict(extra="ignore")
+        n: int = 0
+
+    loose = Workflow("loose", context=Loose)
+    assert loose.parse_new_context({"n": 1, "other": 2}) == Loose(n=1)
+    assert wf.load_context('{"order_id": "x", "n": 1, "gone": true}') == Ctx(order_id="x", n=1)
 
 
 def test_business_key__field_function_or_none() -> None:
