@@ -80,11 +80,8 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         "fingerprint": target.fingerprint,
         "from_state": record.state,
     }
-    if state != record.state:
-        # The state left keeps its visit count (journal._migrated): left for another state,
-        # it may be entered again; renamed, a later version may bring the name back. Either
-        # way its next visit must be a new one — a call or map state's join and children
-        # are named by the visit, and an old visit's would be found (or collided with).
+    if state != record.state and record.state in target.states:
+        # Left for another state, not renamed: it keeps its visit count (journal._migrated).
         data["kept_visits"] = True
     reason = record.reason or ""
     if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):

@@ -8,7 +8,7 @@ from flowloop.journal import JournalEvent
 
 def test_migrated_entries_fold_their_visits_as_written() -> None:
     """An entry with ``kept_visits`` leaves the state it moves from its count; one without
-    (written before) moves the count, as the rows written then say."""
+    (written before, or a rename) moves the count, as the rows written then say."""
     record = j.create(
         JournalEvent(
             run_id="r",
