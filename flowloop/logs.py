@@ -72,6 +72,17 @@ def formatter(fmt: LogFormat) -> logging.Formatter:
     return logging.Formatter(TEXT_FORMAT)
 
 
+def text_handlers(logger: logging.Logger | None = None) -> list[logging.Handler]:
+    """The handlers :func:`setup_logging` installed on ``logger`` (default: the root) that
+    write text lines — not a program's own handlers, not JSON logs (a log pipeline's)."""
+    target = logger if logger is not None else logging.getLogger()
+    return [
+        handler
+        for handler in target.handlers
+        if getattr(handler, _MARK, False) and not isinstance(handler.formatter, JsonFormatter)
+    ]
+
+
 def level_number(level: str | int) -> int:
     """``"info"`` → ``logging.INFO``; raises ConfigError naming the choices."""
     if isinstance(level, int):

@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from flowloop.cli.common import out
 from flowloop.cli.views import describe_event, styled
+from flowloop.logs import text_handlers
 
 if TYPE_CHECKING:
     from flowloop.journal import JournalEvent, RunRecord
@@ -134,8 +135,7 @@ def progress_printer(
             run = f"run {record.id}"
             if child:
                 run = f"  child {run} ({escape(record.workflow)})"
-            why = record.error or record.reason if record.status in ("failed", "stopped") else None
-            tail = f": {escape(why)}" if why else ""
+            tail = f": {escape(why)}" if (why := _why(record)) else ""
             out.print(f"{prefix}{run} {styled(record.status)} in state {record.state}{tail}")
             if shown_ends is not None:
                 shown_ends.add(record.id)
@@ -155,17 +155,28 @@ class _ShownByPrinter(logging.Filter):
         return getattr(record, "event", None) not in SHOWN_EVENTS or not hasattr(record, "run")
 
 
+def _why(record: RunRecord) -> str | None:
+    """What ended a run that did not succeed: a failed run's error, a stopped run's reason
+    (not an error an earlier attempt left on the record, nor "stopped" again)."""
+    if record.status == "failed":
+        return record.error or record.reason
+    if record.status == "stopped" and record.reason != "stopped":
+        return record.reason
+    return None
+
+
 @contextlib.contextmanager
 def printed_not_logged(printing: bool = True) -> Iterator[None]:
     """While a progress printer shows the runs a command drives (``printing``), the engine's
-    log lines of their failures are left out — unless logging was asked for at ``info`` or
-    below (then the log is what was asked for, and is kept whole)."""
+    log lines of their failures are left out of flowloop's own text log on stderr — unless
+    logging was asked for at ``info`` or below (then the log is what was asked for, and is
+    kept whole). A JSON log (a pipeline's) and a program's own handlers keep every line."""
     root = logging.getLogger()
     if not printing or root.getEffectiveLevel() <= logging.INFO:
         yield
         return
     shown = _ShownByPrinter()
-    handlers = list(root.handlers)
+    handlers = text_handlers(root)
     for handler in handlers:
         handler.addFilter(shown)
     try:
