@@ -70,8 +70,13 @@ def real_console(console: Console) -> Console:
     return lazy.made() if isinstance(lazy, _LazyConsole) else console
 
 
-out = cast("Console", _LazyConsole(highlight=False, soft_wrap=True, width=None if WIDE else 200))
-err = cast("Console", _LazyConsole(stderr=True, highlight=False, soft_wrap=True))
+# No emoji codes: rich turned ":label:" in a stored key or context into 🏷 (`run:label:1`
+# printed as `run🏷1` — a charge's idempotency key copied wrong from `status`).
+out = cast(
+    "Console",
+    _LazyConsole(highlight=False, soft_wrap=True, emoji=False, width=None if WIDE else 200),
+)
+err = cast("Console", _LazyConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False))
 
 
 class Failed(FlowloopError):

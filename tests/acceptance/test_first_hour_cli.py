@@ -636,3 +636,15 @@ def test_run__a_misspelt_context_field_is_refused_not_dropped(here: Path) -> Non
     assert "no field(s) 'amout' in Order (fields: order_id, amount, approved_by)" in line
     with sqlite3.connect(here / "flowloop.db") as conn:
         assert conn.execute("SELECT count(*) FROM flowloop_runs").fetchone() == (0,)
+
+
+def test_status__prints_stored_text_as_it_is_never_as_emoji(here: Path) -> None:
+    """rich turned ":fire:" in a key or context into an emoji, and an idempotency key
+    `RUN:label:1` into `RUN🏷1`, in `status`, `replay`, `history` and `run` (new-user
+    audit): copied from there, a key was wrong."""
+    key = "box :fire: 7 :label:"
+    started = as_json("run", "orders.py", "--context", json.dumps({"order_id": key}), cwd=here)
+    run_id = started["run"]["id"]
+    for args in (("status", run_id), ("replay", run_id)):
+        shown = here_cli(*args, cwd=here)
+        assert key in shown and "🔥" not in shown, shown
