@@ -13,7 +13,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel
@@ -54,7 +54,7 @@ from flowloop.holding import (
     refuse_held_back,
 )
 from flowloop.journal import RunRecord
-from flowloop.limits import check_finite, check_key
+from flowloop.limits import check_finite, check_key, check_priority, check_run_at
 from flowloop.operations import Operations
 from flowloop.reading import RunReading
 from flowloop.retry import seconds
@@ -260,7 +260,7 @@ class Engine(Operations, LoopControls, RunReading):
         key: str | None,
         idempotency_key: str | None,
         priority: int,
-        run_at: float | None,
+        run_at: float | datetime | None,
         owner: str | None,
         trace_context: Mapping[str, str] | None = None,
     ) -> NewRun:
@@ -268,6 +268,7 @@ class Engine(Operations, LoopControls, RunReading):
             self.register(workflow)
         ctx = workflow.parse_new_context(context)
         now = self.clock.now()
+        run_at, priority = check_run_at(run_at, now), check_priority(priority)
         business_key = check_key("key", key if key is not None else workflow.business_key(ctx))
         # (An empty one is none, as the store looks runs up: kept, a second start with
         # it broke the unique index instead of finding the first.)
@@ -366,7 +367,7 @@ class Engine(Operations, LoopControls, RunReading):
         key: str | None = None,
         idempotency_key: str | None = None,
         priority: int = 0,
-        run_at: float | None = None,
+        run_at: float | datetime | None = None,
         trace_context: Mapping[str, str] | None = None,
         debounce: float | timedelta | None = None,
         throttle: tuple[int, float | timedelta] | None = None,
@@ -445,7 +446,7 @@ class Engine(Operations, LoopControls, RunReading):
         contexts: Iterable[BaseModel | Mapping[str, Any] | str],
         *,
         priority: int = 0,
-        run_at: float | None = None,
+        run_at: float | datetime | None = None,
         batch_size: int = START_BATCH,
         progress: Callable[[int, int], None] | None = None,
     ) -> StartedRuns:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Final
 
 import pydantic_core
 
 from flowloop.errors import FlowloopError
+from flowloop.retry import MAX_DURATION_SECONDS
 
 MAX_NAME_LENGTH: Final = 200
 """Workflow, state, event and loop names (``varchar(200)`` columns)."""
@@ -38,6 +40,52 @@ def check_text(what: str, value: str | None, limit: int) -> str | None:
     if "\x00" in value:
         raise FlowloopError(f"{what} {shown(value)} contains a NUL character (\\0)")
     return value
+
+
+MAX_PRIORITY: Final = 2**31 - 1
+"""A run's priority is a PostgreSQL ``integer`` (32 bits): the same range on SQLite."""
+
+
+def check_priority(value: object) -> int:
+    """``value`` if it is a whole number a priority column holds, else FlowloopError (SQLite
+    took 3,000,000,000 that PostgreSQL refused, and gave a traceback past 2**63)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or not -MAX_PRIORITY - 1 <= value <= MAX_PRIORITY
+    ):
+        raise FlowloopError(
+            f"priority {value!r} is not a whole number from {-MAX_PRIORITY - 1} to {MAX_PRIORITY}"
+        )
+    return value
+
+
+def check_run_at(value: object, now: float) -> float | None:
+    """A new run's due time in seconds since the epoch: ``value`` given in those, or as an
+    aware datetime. NaN stored no due time (a run that never ran), infinity broke `status`
+    and the dashboard, a datetime reached the driver: refused with one line."""
+    if value is None:
+        return None
+    if isinstance(value, datetime):
+        if value.tzinfo is None:
+            raise FlowloopError(
+                f"run_at {value!r} has no time zone: give an aware datetime "
+                "(tzinfo=timezone.utc) or seconds since the epoch"
+            )
+        result = value.timestamp()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    else:
+        raise FlowloopError(
+            f"run_at {value!r} is not a time: give seconds since the epoch "
+            "(time.time() + 3600) or an aware datetime"
+        )
+    if not (math.isfinite(result) and 0 <= result <= now + MAX_DURATION_SECONDS):
+        raise FlowloopError(
+            f"run_at {value!r} is not a time from the epoch to 10 years from now "
+            "(seconds since the epoch)"
+        )
+    return result
 
 
 def check_key(what: str, value: str | None) -> str | None:

@@ -5,6 +5,9 @@ limits on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import math
+import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,32 @@ def test_keys_and_names_are_checked_against_the_schema(store_url: str) -> None:
         flow().step(name="s" * 201, next="done")(lambda ctx: None)
 
 
+def test_due_times_and_priorities_are_checked_the_same_on_both_databases(store_url: str) -> None:
+    """`run_at=nan` stored a run with no due time (never run), `inf` broke `status` and
+    the dashboard, a datetime reached the driver as a StatementError; a priority past 2**63
+    was a traceback on SQLite, and 3e9 worked there while PostgreSQL refused it (new-user
+    audit). Each is one line now, nothing written; an aware datetime is a due time."""
+    wf = flow()
+    with Engine(store_url, workflows=[wf]) as engine:
+        for bad, problem in (
+            (math.nan, "is not a time from the epoch"),
+            (math.inf, "is not a time from the epoch"),
+            (time.time() + 11 * 365 * 86400, "is not a time from the epoch"),
+            ("tomorrow", "is not a time: give seconds since the epoch"),
+            (datetime(2030, 1, 1), "has no time zone"),
+        ):
+            with pytest.raises(FlowloopError, match=problem):
+                engine.start(wf, Ctx(), run_at=bad)  # type: ignore[arg-type]
+        for priority in (2**31, -(2**31) - 1, 2**64, True):
+            with pytest.raises(FlowloopError, match="is not a whole number from -2147483648"):
+                engine.start(wf, Ctx(), priority=priority)
+        assert engine.runs(limit=5) == []
+        later = datetime.now(UTC) + timedelta(hours=1)
+        run = engine.start(wf, Ctx(), run_at=later, priority=2**31 - 1)
+        assert run.next_run_at == pytest.approx(later.timestamp())
+        assert engine.run_until_idle().steps == 0  # (due in an hour)
+
+
 def test_cli_bad_input_is_one_line(
     store_url: str, flow_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -104,6 +133,8 @@ def test_cli_bad_input_is_one_line(
     assert code == 2 and "at most 400" in err, err
     code, err = cli(capsys, "start", str(flow_file), "--key", "a\x00b", *db)
     assert code == 2 and "NUL" in err, err
+    code, err = cli(capsys, "start", str(flow_file), "--priority", str(2**63), *db)
+    assert code == 2 and "priority 9223372036854775808 is not a whole number" in err, err
     # --limit is range-checked by click (its usage message; exit 2, no traceback).
     with pytest.raises(SystemExit) as exited:
         main(["status", "--limit", "-1", *db])
