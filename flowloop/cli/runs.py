@@ -204,6 +204,7 @@ def start_many(
 ) -> None:
     from rich.progress import Progress
 
+    from flowloop.cli import support
     from flowloop.cli.views import info_json
     from flowloop.loader import load_target
 
@@ -228,13 +229,28 @@ def start_many(
                 f"{places[error.position - 1]}: the context for workflow {workflow.name!r} "
                 f"is invalid: {error.problems}"
             ) from None
+        # A line whose key a run holds with another context changes nothing: said, exit 2.
+        otherwise = support.started_otherwise(engine, workflow, contexts, infos)
     if as_json:
         click.echo(json.dumps([info_json(info) for info in infos]))
-        return
-    out.print(
-        f"{len(infos)} run(s) of {workflow.name}: {infos.created} new, "
-        f"{len(infos) - infos.created} already there (same key)"
-    )
+    else:
+        same = len(infos) - infos.created - len(otherwise)
+        out.print(
+            f"{len(infos)} run(s) of {workflow.name}: {infos.created} new, {same} already "
+            f"there (same key)" + (f", {len(otherwise)} not started" if otherwise else "")
+        )
+    if otherwise:
+        named = [
+            f"{places[position]} (key {info.key!r}, run {info.id}: differs in "
+            f"{', '.join(fields)})"
+            for position, info, fields in otherwise[:3]
+        ]
+        more = f" and {len(otherwise) - 3} more" if len(otherwise) > 3 else ""
+        raise FlowloopError(
+            f"{'; '.join(named)}{more}: a run holds the key, started with another context — "
+            "not changed (use another key, or see it with `flowloop status RUN`); the other "
+            "lines' runs are started"
+        )
 
 
 @click.command()

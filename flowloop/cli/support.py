@@ -15,6 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from pydantic import BaseModel
+
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
 from flowloop.store.base import VERSION_TABLE
 from flowloop.store.entries import stored_waits
@@ -271,6 +273,27 @@ def existing_for_key(
     journal = engine.history(found.id)
     first = journal[0].context if journal and journal[0].context else "{}"
     return found, differing_fields(json.loads(first), json.loads(parsed.model_dump_json()))
+
+
+def started_otherwise(
+    engine: Engine, workflow: Workflow, contexts: Sequence[Any], runs: Sequence[RunInfo]
+) -> list[tuple[int, RunInfo, list[str]]]:
+    """For ``start --contexts``: the positions (from 0) of the ``contexts`` whose run — one
+    that held their key already, or took an earlier line's — was started with another
+    context, that run, and the fields that differ. Runs whose context is the one given are
+    not read again."""
+    found = []
+    for position, (context, info) in enumerate(zip(contexts, runs, strict=True)):
+        given = json.loads(workflow.parse_context(context).model_dump_json())
+        now = info.context
+        if (json.loads(now.model_dump_json()) if isinstance(now, BaseModel) else now) == given:
+            continue
+        journal = engine.history(info.id)
+        first = journal[0].context if journal and journal[0].context else "{}"
+        differences = differing_fields(json.loads(first), given)
+        if differences:
+            found.append((position, info, differences))
+    return found
 
 
 def refuse_or_note_existing(

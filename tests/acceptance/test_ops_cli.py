@@ -400,6 +400,20 @@ def test_cli__start_many_counts_runs_whose_key_was_taken_and_refuses_non_objects
     (tmp_path / "orders.jsonl").write_text(line % "B" + line % "C")
     result = flowloop(*args, cwd=tmp_path)
     assert result.stdout.splitlines() == ["2 run(s) of order: 1 new, 1 already there (same key)"]
+    # A line whose key a run holds with another context (a corrected batch re-imported, a
+    # key twice in one file) was counted "already there", exit 0, its context dropped
+    # (new-user audit): named, exit 2; the other lines' runs are started.
+    other = '{"order_id": "%s", "items": [{"sku": "ink", "qty": 2}]}\n'
+    (tmp_path / "orders.jsonl").write_text(other % "A" + line % "E" + "\n" + other % "E")
+    result = flowloop(*args, cwd=tmp_path, code=2)
+    assert result.stdout.splitlines() == [
+        "3 run(s) of order: 1 new, 0 already there (same key), 2 not started"
+    ]
+    [error] = result.stderr.splitlines()
+    assert error.startswith("error: orders.jsonl line 1 (key 'A', run "), error
+    assert "; orders.jsonl line 4 (key 'E', run " in error and "differs in items)" in error
+    started = json.loads(flowloop("status", "--json", "--db", "o.db", cwd=tmp_path).stdout)
+    assert sorted(run["key"] for run in started["runs"]) == ["A", "B", "C", "E"]
     # A JSON array where JSON Lines were wanted, a bare number, bytes that are not UTF-8:
     # one line each, exit 2.
     for content, message in (
