@@ -80,9 +80,15 @@ def control_command(name: str, doc: str) -> click.Command:
 pause = control_command(
     "pause", "Pause a loop or run (TARGET: loop name or run id); what is in progress finishes."
 )
-unpause = control_command("unpause", "Resume a paused loop or run (TARGET: loop name or run id).")
+unpause = control_command(
+    "unpause",
+    "Resume a paused loop or run, or a stopped loop (TARGET: loop name or run id); a stopped "
+    "run is run again by `flowloop retry`.",
+)
 stop = control_command(
-    "stop", "Stop a loop or run for good (TARGET: loop name or run id); cancels work in progress."
+    "stop",
+    "Stop a loop or run (TARGET: loop name or run id); cancels work in progress. A stopped "
+    "run stays stopped until `flowloop retry`, a stopped loop until `flowloop unpause`.",
 )
 
 
