@@ -241,8 +241,7 @@ def start_many(
         )
     if otherwise:
         named = [
-            f"{places[position]} (key {info.key!r}, run {info.id}: differs in "
-            f"{', '.join(fields)})"
+            f"{places[position]} (key {info.key!r}, run {info.id}: differs in {', '.join(fields)})"
             for position, info, fields in otherwise[:3]
         ]
         more = f" and {len(otherwise) - 3} more" if len(otherwise) > 3 else ""
@@ -279,6 +278,10 @@ def resume(
         prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
         if not as_json:
             engine.listeners.append(progress_printer())
+        failed: list[str] = []
+        engine.listeners.append(
+            lambda record, _: failed.append(record.id) if record.status == "failed" else None
+        )
         with printed_not_logged(not as_json):
             stats, signals = resume_interruptibly(engine, notice=err.print)
     done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
@@ -295,6 +298,12 @@ def resume(
         how = "after the steps in flight finished" if len(signals) == 1 else "cutting steps off"
         paths = "".join(f" -w {path}" for path in workflow_paths)
         line = f"interrupted {how}; continue with `flowloop resume{paths} --db {database(db)}`"
+        if failed:
+            # (A step cut off that is not idempotent fails its run: resume runs it no more.)
+            line += (
+                f"; {len(failed)} run(s) failed, e.g. {failed[-1]}: check what a step cut off "
+                f"did, then `flowloop retry RUN{paths} --db {database(db)}`"
+            )
         leave(line, EXIT_SIGNALLED + signals[0])  # (not waiting for a cut-off step's thread)
 
 

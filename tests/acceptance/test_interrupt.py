@@ -310,12 +310,17 @@ def test_resume__second_ctrl_c_cuts_the_step_off(tmp_path: Path) -> None:
     run.process.send_signal(signal.SIGINT)
     assert run.wait() == 130, run.describe()
     assert "Traceback" not in "\n".join(run.err), run.describe()
-    assert run.err[-1].startswith("interrupted cutting steps off; continue with "), run.describe()
+    last = run.err[-1]
+    assert last.startswith("interrupted cutting steps off; continue with "), run.describe()
     with engine(db) as e:
         (info,) = e.runs()
         cut = e.history(info.id)[-1]
     assert (cut.kind, cut.data["cause"]) == ("step_interrupted", "cut_off")
     assert (info.status, info.reason) == ("failed", "interrupted")  # not idempotent
+    # It said "continue with `flowloop resume`", which does nothing for a failed run (new-user
+    # audit): it names the failed run and `retry`.
+    assert f"; 1 run(s) failed, e.g. {info.id}: check what a step cut off did, then " in last
+    assert "`flowloop retry RUN -w " in last, last
     assert not (gate / "shipments").exists()
     (gate / "open").touch()  # nothing left to release it: the process is gone
 
