@@ -512,15 +512,16 @@ def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:
     assert event.state is not None
     data = event.data
     visits = dict(record.visits)
-    if event.state != record.state:  # a renamed state keeps its visit count
-        # With ``kept_visits`` (a state left that the new version still has), the state
-        # left keeps its count too: a call or map state's join and children are named by
-        # its visit, and a run migrated out of one and back found its earlier visit's
-        # join again. (Without it, as entries were written before and as a rename is:
-        # replays still match the rows written then.)
+    if event.state != record.state:  # the state mapped to counts the visit on
+        # With ``kept_visits`` (every such entry written now), the state left keeps its
+        # count too: a call or map state's join and children are named by its visit, and a
+        # run migrated out of one and back found its earlier visit's join again — renamed
+        # away and brought back by a later version, it collided with it. (Without it, as
+        # entries were written before: replays still match the rows written then.)
         left = visits.get(record.state, 0) if data.get("kept_visits") else None
         moved = visits.pop(record.state, 0) if left is None else left
-        visits[event.state] = visits.get(event.state, 0) + moved
+        if not data.get("same_visit"):  # (back to a name whose count holds this visit)
+            visits[event.state] = visits.get(event.state, 0) + moved
     change: dict[str, Any] = {
         "version": int(data["to"]),
         "fingerprint": str(data["fingerprint"]),

@@ -10,6 +10,7 @@ A run parked for a mismatch is unparked by the move; any other keeps its status.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,9 +81,16 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         "fingerprint": target.fingerprint,
         "from_state": record.state,
     }
-    if state != record.state and record.state in target.states:
-        # Left for another state, not renamed: it keeps its visit count (journal._migrated).
+    if state != record.state:
+        # The state left keeps its visit count (journal._migrated): left for another state,
+        # it may be entered again; renamed, a later version may bring the name back. Either
+        # way its next visit must be a new one — a call or map state's join and children
+        # are named by the visit, and an old visit's would be found (or collided with).
         data["kept_visits"] = True
+        if state in _names_of_this_visit(engine.store.journal(record.id), record.state):
+            # Back to a name this very visit had (a rollback of a rename): its count holds
+            # the visit already — counted again, a retried step's idempotency_key changed.
+            data["same_visit"] = True
     reason = record.reason or ""
     if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):
         data["status"] = "scheduled"
@@ -132,6 +140,23 @@ def _join_renamed(
             f"{spec.child.name!r}: migrate it once it has left {record.state!r}",
         )
     return join.id
+
+
+def _names_of_this_visit(events: Sequence[j.JournalEvent], state: str) -> set[str]:
+    """The names the run's visit of ``state`` had since it entered it, whose counts hold
+    that visit: ``state``, and each one a migration moved it from, with its count kept
+    (``kept_visits``; an older entry moved the count away)."""
+    names, current = set(), state
+    for event in reversed(events):
+        if event.kind == j.RUN_MIGRATED:
+            source = event.data.get("from_state")
+            if event.state == current and isinstance(source, str) and source != current:
+                if event.data.get("kept_visits"):
+                    names.add(source)
+                current = source
+        elif event.next_state is not None or event.kind in (j.RUN_CREATED, j.RUN_RETRIED):
+            break  # the transition (or start, or retry) that began the visit
+    return names
 
 
 def migrate_all(engine: Engine, workflow: str, *, to: int, by: str) -> list[Moved]:

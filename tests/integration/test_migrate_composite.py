@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, Workflow
+from flowloop import Engine, Retry, Step, Workflow
 from flowloop.errors import DefinitionMismatch
 
 
@@ -84,16 +84,16 @@ def test_a_run_migrated_out_of_a_call_state_and_back_calls_a_new_child(store_url
 
 
 def test_a_renamed_state_moves_its_count(store_url: str) -> None:
-    """A state the new version no longer has was renamed: its count moves to the new name,
-    as before (the entry says nothing of kept visits)."""
+    """A state the new version no longer has was renamed: its count goes on under the new
+    name, and the old name keeps its own (a later version may bring it back)."""
     with Engine(store_url, workflows=[loopy(1), kid]) as engine:
         parent = engine.start(engine.workflow("loopy"), Loopy())
         engine.run_until_idle()
     renamed = loopy(2, {1: {"ask": "query"}}, call="query")
     with Engine(store_url, workflows=[renamed, kid]) as engine:
         engine.migrate(parent.id, to=2, by="deployer")
-        assert engine.get(parent.id).visits == {"query": 1}
-        assert "kept_visits" not in engine.history(parent.id)[-1].data
+        assert engine.get(parent.id).visits == {"ask": 1, "query": 1}
+        assert engine.history(parent.id)[-1].data["kept_visits"] is True
     # Its child goes on under the new name: its end is the call's, no second child.
     [first] = _kids(engine)
     with Engine(store_url, workflows=[renamed, kid]) as engine:
@@ -214,10 +214,99 @@ def test_a_call_state_merged_into_one_visited_before_keeps_its_child(store_url: 
         assert engine.get(parent).state == "a"
     with Engine(store_url, workflows=[merged(2), kid_n]) as engine:
         engine.migrate(parent, to=2, by="deployer")
-        assert engine.get(parent).visits == {"b": 2}
+        assert engine.get(parent).visits == {"a": 1, "b": 2}
         (second,) = [k for k in kids(engine) if k.status == "scheduled"]
         engine.send(second.id, "go")
         engine.run_until_idle()
         info = engine.get(parent)
         assert (info.status, info.context.got) == ("succeeded", [10, 20])  # type: ignore[union-attr]
         assert len(kids(engine)) == 2
+
+
+def test_a_state_renamed_away_and_brought_back_calls_a_new_child(store_url: str) -> None:
+    """v2 renamed call state ``ask`` to ``query`` while the run waited there (its join went
+    along); v3 brings ``ask`` back. The rename had moved ask's count away, so the run's next
+    visit of ``ask`` was visit 1 again, whose join's id (and its child's) the first visit's
+    had taken: the run waited there for ever (review). The state left keeps its count."""
+    with Engine(store_url, workflows=[loopy(1), kid]) as engine:
+        parent = engine.start(engine.workflow("loopy"), Loopy()).id
+        engine.run_until_idle()
+        [first] = _kids(engine)
+    with Engine(store_url, workflows=[loopy(2, {1: {"ask": "query"}}, call="query"), kid]) as e2:
+        e2.migrate(parent, to=2, by="deployer")
+        e2.send(first, "go")
+        e2.run_until_idle()
+        assert e2.get(parent).state == "between"
+    with Engine(store_url, workflows=[loopy(3, {2: {}}), kid]) as engine:
+        engine.migrate(parent, to=3, by="deployer")
+        engine.send(parent, "again")  # into the ask of v3
+        engine.run_until_idle()
+        kids = _kids(engine)
+        [second] = [run_id for run_id in kids if run_id != first]
+        assert kids == {first: "succeeded", second: "scheduled"}
+        engine.send(second, "go")
+        engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.state, info.context.got) == ("between", [0, 1])  # type: ignore[union-attr]
+        assert info.visits == {"ask": 2, "query": 1, "between": 2}
+        assert engine.replay(parent).matches
+
+
+def test_a_rename_rolled_back_while_the_run_is_in_it_is_the_same_visit(store_url: str) -> None:
+    """v2 renames call state ``ask`` to ``query`` while the run waits there, v3 (a
+    rollback) renames it back, the run still there: one visit, not two. A first version of
+    the kept count added it again — ``{'ask': 2}`` for one visit, a retried step's
+    idempotency_key changed from ``:ask:1`` to ``:ask:2`` (review). The join goes along
+    both ways: the first child's end is the call's, no second child."""
+    with Engine(store_url, workflows=[loopy(1), kid]) as engine:
+        parent = engine.start(engine.workflow("loopy"), Loopy()).id
+        engine.run_until_idle()
+        [first] = _kids(engine)
+    with Engine(store_url, workflows=[loopy(2, {1: {"ask": "query"}}, call="query"), kid]) as e2:
+        e2.migrate(parent, to=2, by="deployer")
+    with Engine(store_url, workflows=[loopy(3, {2: {"query": "ask"}}), kid]) as engine:
+        engine.migrate(parent, to=3, by="deployer")
+        assert engine.history(parent)[-1].data["same_visit"] is True
+        assert engine.get(parent).visits == {"ask": 1, "query": 1}
+        engine.send(first, "go")
+        engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.state, info.context.got) == ("between", [0])  # type: ignore[union-attr]
+        assert _kids(engine) == {first: "succeeded"}
+        assert engine.replay(parent).matches
+
+
+def test_a_step_retried_across_a_rolled_back_rename_keeps_its_idempotency_key(
+    store_url: str,
+) -> None:
+    keys: list[str] = []
+
+    def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
+        workflow = Workflow("pay_back", context=Kid, version=version, migrates_from=migrates_from)
+
+        @workflow.step(name=name, initial=True, next="done", retry=Retry(attempts=3, base=3600))
+        def charge(ctx: Kid, step: Step) -> None:
+            keys.append(step.idempotency_key.split(":", 1)[1])
+            if len(keys) == 1:
+                raise ConnectionError("timed out after the provider took the charge")
+
+        workflow.final("done")
+        return workflow
+
+    with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
+        run = engine.start(engine.workflow("pay_back"), Kid()).id
+        engine.run_until_idle()  # the first attempt fails; the next is an hour away
+        engine.pause(run)
+    with Engine(store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})]) as engine:
+        engine.migrate(run, to=2, by="deployer")
+    with Engine(store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})]) as engine:
+        engine.migrate(run, to=3, by="deployer")
+        engine.unpause(run)  # (due at once: the unpaused step is tried again)
+        engine.run_until_idle()
+        info = engine.get(run)
+        assert (info.status, dict(info.visits)) == (
+            "succeeded",
+            {"bill": 1, "charge": 1, "done": 1},
+        )
+        assert engine.replay(run).matches
+    assert keys == ["charge:1", "charge:1"]  # the same visit's key, as the provider saw it

@@ -8,7 +8,7 @@ from flowloop.journal import JournalEvent
 
 def test_migrated_entries_fold_their_visits_as_written() -> None:
     """An entry with ``kept_visits`` leaves the state it moves from its count; one without
-    (written before, or a rename) moves the count, as the rows written then say."""
+    (written before) moves the count, as the rows written then say."""
     record = j.create(
         JournalEvent(
             run_id="r",
@@ -30,3 +30,5 @@ def test_migrated_entries_fold_their_visits_as_written() -> None:
 
     assert migrated({**base, "kept_visits": True}) == {"ask": 1, "between": 1}
     assert migrated(base) == {"between": 1}
+    # Back to a name whose count holds this very visit (a rename rolled back): nothing added.
+    assert migrated({**base, "kept_visits": True, "same_visit": True}) == {"ask": 1}
