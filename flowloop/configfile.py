@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -93,6 +94,29 @@ def _names_a_setting(variable: str, value: str) -> bool:
     if not value or not upper.startswith(ENV_PREFIX) or variable in READ_BY_CLICK:
         return False
     return upper[len(ENV_PREFIX) :].split("__", 1)[0].lower() in SETTING_NAMES
+
+
+def misspelt_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    """``FLOWLOOP_*`` variables that name no setting but come close to one: (the variable,
+    the one it was likely meant as). pydantic-settings skips them without a word, so a
+    misspelt ``FLOWLOOP_CONCURENCY`` left the concurrency at its default. Names far from
+    any setting (a program's own ``FLOWLOOP_TEST_PG``) are none of flowloop's business."""
+    names = {name.upper() for name in SETTING_NAMES} | {ENV_CONFIG[len(ENV_PREFIX) :]}
+    found = []
+    for variable in environ if environ is not None else os.environ:
+        upper = variable.upper()
+        if not upper.startswith(ENV_PREFIX):
+            continue
+        head = upper[len(ENV_PREFIX) :].split("__", 1)[0]
+        if head in names or head.startswith("ALERT_"):  # (what alert commands are given)
+            continue
+        import difflib  # (only with such a variable: a brief command's start stays brief)
+
+        close = difflib.get_close_matches(head, names, n=1, cutoff=0.75)
+        close = close or [name for name in names if head.startswith(f"{name}_")][:1]
+        if close:
+            found.append((variable, ENV_PREFIX + close[0]))
+    return found
 
 
 def nothing_to_read(

@@ -122,8 +122,13 @@ def cli(
     FLOWLOOP_* environment variables, then flags; later ones win."""
     if ctx.obj is AS_PROGRAM and ctx.invoked_subcommand in BRIEF:
         gc.disable()
-    from flowloop.configfile import nothing_to_read
+    from flowloop.configfile import misspelt_variables, nothing_to_read
     from flowloop.logs import setup_logging
+
+    for variable, meant in misspelt_variables():
+        err.print(
+            f"warning: ${variable} is no flowloop setting (did you mean ${meant}?)", markup=False
+        )
 
     flags = {"log_format": log_format, "log_level": log_level}
     ctx.meta[GLOBAL_FLAGS] = flags

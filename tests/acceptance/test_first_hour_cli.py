@@ -648,3 +648,15 @@ def test_status__prints_stored_text_as_it_is_never_as_emoji(here: Path) -> None:
     for args in (("status", run_id), ("replay", run_id)):
         shown = here_cli(*args, cwd=here)
         assert key in shown and "🔥" not in shown, shown
+
+
+def test_a_misspelt_setting_variable_gets_a_warning(here: Path, waiting_run: str) -> None:
+    """`FLOWLOOP_CONCURENCY=4 flowloop worker` ran with the default concurrency, the
+    variable skipped without a word (new-user audit)."""
+    env = clean_env(FLOWLOOP_CONCURENCY="4")
+    result = flowloop("status", waiting_run, cwd=here, env=env)
+    assert result.stderr.splitlines() == [
+        "warning: $FLOWLOOP_CONCURENCY is no flowloop setting (did you mean "
+        "$FLOWLOOP_CONCURRENCY?)"
+    ]
+    assert waiting_run in result.stdout

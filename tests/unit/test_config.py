@@ -464,3 +464,27 @@ def test_nothing_to_read__a_file_to_read(tmp_path: Path, monkeypatch: pytest.Mon
     assert not configfile.nothing_to_read()
     with pytest.raises(ConfigError, match=r"missing\.toml does not exist"):
         configfile.nothing_to_read(tmp_path / "missing.toml")
+
+
+def test_a_misspelt_setting_variable_is_named_with_the_one_meant() -> None:
+    """pydantic-settings skipped FLOWLOOP_CONCURENCY without a word (new-user audit): the
+    commands warn, naming the setting meant. Variables far from any setting are a
+    program's own; nested keys and the alert commands' variables are flowloop's."""
+    from flowloop.configfile import misspelt_variables
+
+    environ = {
+        "FLOWLOOP_CONCURENCY": "4",
+        "FLOWLOOP_LEASE_SECONDS": "60",
+        "flowloop_dbb": "x.db",
+        "FLOWLOOP_TEST_PG": "postgresql://",
+        "FLOWLOOP_WORKFLOWS__ORDER__MAX_CONCURRENCY": "2",
+        "FLOWLOOP_ALERT_KIND": "run_failed",
+        "FLOWLOOP_DB": "y.db",
+        "FLOWLOOP_CONFIG": "z.toml",
+        "HOME": "/root",
+    }
+    assert sorted(misspelt_variables(environ)) == [
+        ("FLOWLOOP_CONCURENCY", "FLOWLOOP_CONCURRENCY"),
+        ("FLOWLOOP_LEASE_SECONDS", "FLOWLOOP_LEASE"),
+        ("flowloop_dbb", "FLOWLOOP_DB"),
+    ]
