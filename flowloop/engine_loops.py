@@ -86,6 +86,31 @@ class LoopControls:
         )
         return self.loop(name)
 
+    def withdraw_loop_request(self, name: str) -> LoopRow:
+        """Withdraw the loop's pending trigger, or the rest of its backfill: an iteration
+        running now finishes; no manual one starts after it (journaled
+        ``request_withdrawn`` when the loop waits for its slot)."""
+        store = self._loop_store()
+        for _ in range(8):  # (a worker fired or finished meanwhile: read it again)
+            row = self.loop(name)
+            if row.control not in loop_requests.MANUAL:
+                raise loop_requests.LoopRequestRefused(
+                    f"loop {name!r} has no trigger or backfill pending"
+                    + (f" ({row.control} requested)" if row.control else "")
+                )
+            event = LoopEvent(
+                loop=name,
+                kind="request_withdrawn",
+                at=self.clock.now(),
+                worker=f"operator:{_user()}",
+                data={"request": row.control},
+            )
+            if store.withdraw_loop_run(row, event):
+                return self.loop(name)
+        raise loop_requests.LoopRequestRefused(
+            f"loop {name!r} kept changing; look at `flowloop loops {name}` and try again"
+        )
+
     def _loop_control(self, name: str, action: str) -> LoopRow:
         row = self.loop(name)
         target = "paused" if action == "pause" else "stopped"

@@ -158,7 +158,8 @@ def ask(
     if row.control is not None:
         raise LoopRequestRefused(
             f"loop {row.name!r} already has a {row.control} request pending; wait until its "
-            f"worker has taken it (`flowloop loops {row.name}`)"
+            f"worker has taken it (`flowloop loops {row.name}`), or withdraw it "
+            f"(`flowloop {row.control} {row.name} --withdraw`)"
         )
     text = None if request is None else replace(request, asked_at=now).to_json()
     if not store.request_loop_run(row.name, action, text):

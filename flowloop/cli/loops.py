@@ -93,15 +93,39 @@ def _when(text: str, option: str) -> float:
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp()
 
 
+WITHDRAW_HELP: Final = (
+    "Withdraw the loop's pending trigger, or the rest of its backfill, instead (an "
+    "iteration running now finishes)."
+)
+
+
+def _withdraw(name: str, db: str | None, synchronous: str, as_json: bool) -> None:
+    from flowloop.cli.views import loop_json
+
+    with open_engine(db, synchronous, read=True) as engine:
+        asked = engine.loop(name).control
+        row = engine.withdraw_loop_request(name)
+    if as_json:
+        click.echo(json.dumps({"loop": loop_json(row)}))
+        return
+    out.print(f"loop {row.name}: {asked} withdrawn; the schedule goes on", markup=False)
+
+
 @click.command(name="trigger")
 @click.argument("name")
+@click.option("--withdraw", is_flag=True, help=WITHDRAW_HELP)
 @db_option
 @json_option
-def trigger_command(name: str, db: str | None, synchronous: str, as_json: bool) -> None:
+def trigger_command(
+    name: str, withdraw: bool, db: str | None, synchronous: str, as_json: bool
+) -> None:
     """Run one iteration of loop NAME now (journaled as manual; its worker runs it, never
     while another iteration of NAME runs; the schedule is unchanged)."""
     from flowloop.cli.views import loop_json
 
+    if withdraw:
+        _withdraw(name, db, synchronous, as_json)
+        return
     with open_engine(db, synchronous, read=True) as engine:
         row = engine.trigger_loop(name)
     if as_json:
@@ -112,8 +136,8 @@ def trigger_command(name: str, db: str | None, synchronous: str, as_json: bool) 
 
 @click.command(name="backfill")
 @click.argument("name")
-@click.option("--from", "start", required=True, help="First slot time (ISO 8601; UTC if bare).")
-@click.option("--to", "end", required=True, help="Last slot time (ISO 8601; UTC if bare).")
+@click.option("--from", "start", help="First slot time (ISO 8601; UTC if bare).")
+@click.option("--to", "end", help="Last slot time (ISO 8601; UTC if bare).")
 @click.option(
     "--max",
     "limit",
@@ -124,15 +148,17 @@ def trigger_command(name: str, db: str | None, synchronous: str, as_json: bool) 
 )
 @click.option("--wait", is_flag=True, help="Show progress until the backfill has finished.")
 @click.option("--timeout", "timeout_text", default="10m", show_default=True, help="For --wait.")
+@click.option("--withdraw", is_flag=True, help=WITHDRAW_HELP)
 @db_option
 @json_option
 def backfill_command(
     name: str,
-    start: str,
-    end: str,
+    start: str | None,
+    end: str | None,
     limit: int,
     wait: bool,
     timeout_text: str,
+    withdraw: bool,
     db: str | None,
     synchronous: str,
     as_json: bool,
@@ -141,6 +167,12 @@ def backfill_command(
     no worker ran, given up past the misfire grace), oldest first, one at a time."""
     from flowloop.cli.views import loop_json
     from flowloop.clock import iso
+
+    if withdraw:
+        _withdraw(name, db, synchronous, as_json)
+        return
+    if start is None or end is None:
+        raise FlowloopError("backfill needs --from and --to (or --withdraw)")
 
     request = loop_requests.BackfillRequest(_when(start, "--from"), _when(end, "--to"), limit)
     timeout = seconds_option(timeout_text, "--timeout")
@@ -179,7 +211,8 @@ def backfill_command(
                 if time.monotonic() > deadline and not taken:
                     raise FlowloopError(
                         f"nothing took the backfill of loop {name!r} in {timeout_text}; the "
-                        "request stays for a worker running the loop"
+                        "request stays for a worker running the loop (`flowloop backfill "
+                        f"{name} --withdraw` withdraws it)"
                     )
                 if time.monotonic() > deadline:
                     raise FlowloopError(

@@ -419,6 +419,26 @@ class LoopStoreMixin:
             self._bump_changes(conn)
         return True
 
+    def withdraw_loop_run(self, row: LoopRow, event: LoopEvent) -> bool:
+        """Withdraw the trigger or backfill ``row.control`` asks for, if it still does. A
+        loop waiting for its slot (scheduled) gets ``event`` journaled with it, fenced on
+        the row as read: a worker firing the request from that row fails its fenced write
+        and reads the loop again. A running one's worker reads the request again when its
+        iteration ends; its row is not fenced (that would fence the worker off)."""
+        fence = and_(loops.c.name == row.name, loops.c.control == row.control)
+        values: dict[str, Any] = {"control": None}
+        if row.status == "scheduled":
+            fence = and_(fence, loops.c.last_seq == row.last_seq, self._claimable())
+            values.update(last_seq=row.last_seq + 1, updated_at=event.at)
+        with self._write() as conn:
+            if conn.execute(update(loops).where(fence).values(**values)).rowcount != 1:
+                return False
+            if row.status == "scheduled":
+                conn.execute(insert(loop_journal), _event_rows([event], row.last_seq + 1))
+            conn.execute(meta.delete().where(meta.c.key == f"loop_backfill:{row.name}"[:64]))
+            self._bump_changes(conn)
+        return True
+
     def loop_run_request(self, name: str) -> str | None:
         """A loop's pending backfill range (JSON), if any."""
         key = f"loop_backfill:{name}"[:64]

@@ -153,8 +153,13 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
     # The loop's chain runs through its first slot (T0 + 3h 30s): 30 s past each hour.
     backfilled = [e.slot for e in events if e.data.get("reason") == "backfill"]
     assert backfilled == [T0 + 30, T0 + HOUR + 30]
+    asked = cli("trigger", "nightly", db=db)
+    withdrawn = cli("trigger", "nightly", "--withdraw", db=db)
+    assert withdrawn.stdout.strip() == "loop nightly: trigger withdrawn; the schedule goes on"
     for args, message in [
         (("trigger", "nope"), "no loop 'nope'"),
+        (("trigger", "nightly", "--withdraw"), "loop 'nightly' has no trigger or backfill pending"),
+        (("backfill", "nightly", "--to", end), "backfill needs --from and --to (or --withdraw)"),
         (("backfill", "nightly", "--from", "yesterday", "--to", end), "is not an ISO 8601"),
         (("backfill", "nightly", "--from", end, "--to", start), "--to is before --from"),
     ]:
@@ -185,3 +190,75 @@ def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
         waited.stderr
     )
     assert "nothing took the backfill of loop 'lonely' in 1s" in waited.stderr
+
+
+def test_withdraw__a_pending_trigger_is_never_run(store_url: str) -> None:
+    """A trigger or backfill asked for could not be taken back: it refused the next request
+    until a worker ran it (new-user audit). Withdrawn while the loop waits for its slot,
+    journaled, fenced on the row as read: a worker firing it from that row is refused."""
+
+    async def main() -> None:
+        clock = SteppedClock(T0 + 60)
+        seen: list[float] = []
+        daily = Loop("daily_w", lambda it: seen.append(it.slot), cron="0 3 * * *")
+        async with LoopHarness(store_url, [daily], clock=clock) as h:
+            await drive(clock, 1)
+            h.engine.trigger_loop("daily_w")
+            stale = h.row("daily_w")
+            row = h.engine.withdraw_loop_request("daily_w")
+            assert row.control is None
+            assert h.journal("daily_w")[-1].kind == "request_withdrawn"
+            assert h.journal("daily_w")[-1].data == {"request": "trigger"}
+            # A worker that read the row before: its fenced fire of the trigger fails.
+            assert (
+                h.store.fire_loop(
+                    name="daily_w",
+                    follows_seq=stale.last_seq,
+                    worker="w2",
+                    lease_seconds=30,
+                    events=[],
+                    changes={"control": None},
+                )
+                is None
+            )
+            await drive(clock, 5)
+            assert seen == [] and started(h.journal("daily_w")) == []
+            with pytest.raises(LoopRequestRefused, match="has no trigger or backfill pending"):
+                h.engine.withdraw_loop_request("daily_w")
+            h.engine.trigger_loop("daily_w")  # a new request is taken again
+            await drive(clock, 3)
+            assert len(seen) == 1
+
+    asyncio.run(main())
+
+
+def test_withdraw__the_rest_of_a_backfill_while_its_slot_runs(store_url: str) -> None:
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+
+        async def fn(it: Iteration) -> None:
+            if it.slot == T0 + 2 * HOUR:  # the first slot backfilled
+                await release.wait()
+
+        hourly = Loop("hourly_w", fn, every=HOUR, misfire_grace=60)
+        async with LoopHarness(store_url, [hourly], clock=clock) as h:
+            await drive(clock, HOUR + 1, step=60)  # slots 0 and 1h run
+        clock.advance(4 * HOUR)  # down: 2h, 3h, 4h, 5h pass
+        async with LoopHarness(store_url, [hourly], clock=clock) as h:
+            await drive(clock, 60, step=10)  # 2h-4h missed; 5h fires
+            h.engine.backfill_loop("hourly_w", BackfillRequest(T0, T0 + 6 * HOUR))
+            await drive(clock, 3)
+            assert h.row("hourly_w").status == "running"
+            assert started(h.journal("hourly_w"), "backfill") == [2 * HOUR]
+            seq = h.row("hourly_w").last_seq
+            assert h.engine.withdraw_loop_request("hourly_w").control is None
+            assert h.row("hourly_w").last_seq == seq  # (the running worker is not fenced off)
+            release.set()
+            await drive(clock, 10)
+            events = h.journal("hourly_w")
+            assert started(events, "backfill") == [2 * HOUR]  # not 3h and 4h
+            assert events[-1].kind == "iteration_succeeded"  # its outcome recorded
+            assert h.row("hourly_w").control is None
+
+    asyncio.run(main())
