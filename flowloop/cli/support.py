@@ -15,8 +15,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from pydantic import BaseModel
-
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
 from flowloop.store.base import VERSION_TABLE
 from flowloop.store.entries import stored_waits
@@ -282,6 +280,8 @@ def started_otherwise(
     that held their key already, or took an earlier line's — was started with another
     context, that run, and the fields that differ. Runs whose context is the one given are
     not read again."""
+    from pydantic import BaseModel  # (here: the reading commands never import pydantic)
+
     found = []
     for position, (context, info) in enumerate(zip(contexts, runs, strict=True)):
         given = json.loads(workflow.parse_context(context).model_dump_json())
