@@ -302,7 +302,16 @@ def refuse_or_note_existing(
     """For ``run``/``start``: when the business key has a run already, a line saying so
     (its context is the same: nothing new is started, the caller goes on with that run);
     raise a FlowloopError (exit 2) when that run was started with a different context,
-    which would otherwise be ignored without a word."""
+    which would otherwise be ignored without a word. A ``--key`` other than the one the
+    workflow takes from the context is refused: it replaced that key without a word, and a
+    start without it made a second run of the same order."""
+    if key is not None and workflow.key is not None:
+        derived = workflow.business_key(workflow.parse_context(context))
+        if derived is not None and derived != key:
+            raise FlowloopError(
+                f"workflow {workflow.name!r} takes its key from the context ({derived!r}); "
+                f"--key {key!r} would replace it: drop --key"
+            )
     existing = existing_for_key(engine, workflow, context, key)
     if existing is None:
         return None

@@ -660,3 +660,12 @@ def test_a_misspelt_setting_variable_gets_a_warning(here: Path, waiting_run: str
         "$FLOWLOOP_CONCURRENCY?)"
     ]
     assert waiting_run in result.stdout
+
+
+def test_start__a_key_other_than_the_workflows_own_is_refused(here: Path) -> None:
+    """`start --key other` of a workflow keyed by order_id replaced the key without a word:
+    a later start of the same order without --key made a second run (new-user audit)."""
+    order = ("orders.py", "--context", '{"order_id": "K1"}')
+    line = refused("start", *order, "--key", "other", cwd=here, process=False)
+    assert "takes its key from the context ('K1'); --key 'other' would replace it" in line
+    assert as_json("start", *order, "--key", "K1", cwd=here)["key"] == "K1"
