@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Any
 
 import click
 
@@ -38,7 +39,7 @@ def status(
     """Show one run, or list runs (newest first, --limit at a time: --after the last one
     shown lists the next ones). A run resting in a wait state shows as `waiting`."""
     from flowloop.cli import support
-    from flowloop.cli.views import family_lines, info_json, show_run, status_table
+    from flowloop.cli.views import NARROW_DROPS, family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
 
     statuses = support.checked_statuses(statuses)
@@ -72,9 +73,13 @@ def status(
         else:
             rows = [(info, waits.status(info)) for info in infos]
             table = status_table(rows, {})
-            natural = out.measure(table, options=out.options.update_width(10_000)).maximum
-            if natural > out.width:  # a narrow terminal: short ids that still work
-                table = status_table(rows, support.short_ids(reader, [i.id for i in infos]))
+            if natural_width(table) > out.width:  # a narrow terminal: short ids that still work
+                short = support.short_ids(reader, [i.id for i in infos])
+                table = status_table(rows, short)
+                for dropped in NARROW_DROPS:  # still too wide: the least needed columns go
+                    if natural_width(table) <= out.width:
+                        break
+                    table = status_table(rows, short, dropped)
             pressure = support.backpressure_lines(reader, workflow)
     if as_json:
         page = {
@@ -180,3 +185,8 @@ def replay(
             out.print(f"[green]journal fold ({len(result.events)} events) equals the stored row[/]")
     if not result.matches:
         raise Failed("journal fold differs from the stored row: " + "; ".join(result.differences))
+
+
+def natural_width(table: Any) -> int:
+    """How wide ``table`` is drawn with room to spare."""
+    return int(out.measure(table, options=out.options.update_width(10_000)).maximum)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from rich.markup import escape
 from rich.table import Column, Table
@@ -146,19 +146,37 @@ def journal_row(
     return (str(event.seq), iso(event.at), event.kind, *middle, took, detail)
 
 
-def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> Table:
-    """The runs table; ``short``: the short form of (some) ids (see flowloop.ids)."""
+NARROW_DROPS: Final = (("note",), ("note", "attempt"), ("note", "attempt", "updated"))
+"""The columns a narrow terminal's runs table leaves out, least needed first: cut to a few
+letters each, every column said nothing (the state and workflow as "ch…", "or…")."""
+
+
+def status_table(
+    rows: Sequence[tuple[RunInfo, str]], short: dict[str, str], leave_out: Sequence[str] = ()
+) -> Table:
+    """The runs table; ``short``: the short form of (some) ids (see flowloop.ids);
+    ``leave_out``: columns not shown (a narrow terminal)."""
     shown_ids = [short.get(info.id, info.id) for info, _ in rows]
     # Never cut an id short with an ellipsis: a shown id must work as a RUN argument.
     run_column = Column("run", no_wrap=True, min_width=max(map(len, shown_ids), default=3))
     status_column = Column("status", no_wrap=True)
-    table = Table(
-        run_column, "workflow", status_column, "state", "attempt", "key", "updated", "note"
+    names = ("run", "workflow", "status", "state", "attempt", "key", "updated", "note")
+    kept = [n not in leave_out for n in names]
+    columns: tuple[Column | str, ...] = (
+        run_column,
+        "workflow",
+        status_column,
+        "state",
+        "attempt",
+        "key",
+        "updated",
+        "note",
     )
+    table = Table(*(column for column, keep in zip(columns, kept, strict=True) if keep))
     # Cells as Text, not markup: nothing in them is parsed (a name is shown as it is), and
     # parsing every cell's markup was a quarter of drawing the table (issue 13).
     for info, shown in rows:
-        table.add_row(
+        cells = (
             Text(short.get(info.id, info.id)),
             Text(f"{info.workflow} v{info.version}"),
             Text(shown, style=STATUS_STYLE.get(shown, "")),
@@ -168,6 +186,7 @@ def status_table(rows: Sequence[tuple[RunInfo, str]], short: dict[str, str]) -> 
             Text(iso(info.updated_at)),
             Text((info.error or info.reason or "")[:60]),
         )
+        table.add_row(*(cell for cell, keep in zip(cells, kept, strict=True) if keep))
     return table
 
 

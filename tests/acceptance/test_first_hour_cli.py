@@ -223,6 +223,23 @@ def test_status__on_a_narrow_terminal_shows_short_ids_that_work(
     assert "run_created" in here_cli("history", shown, cwd=here)
     wide = here_cli("status", cwd=here)  # piped: wide enough for whole ids
     assert waiting_run in wide
+    # At 60 columns every column was cut to a few letters ("aw…" for awaiting: new-user
+    # audit): the least needed columns are left out instead, the rest shown whole.
+    narrow = flowloop("status", cwd=here, env=clean_env(COLUMNS="60")).stdout.splitlines()
+    assert all(len(line) <= 60 for line in narrow), narrow
+    assert [cell.strip() for cell in narrow[1].split("┃")[1:-1]] == [
+        "run",
+        "workflow",
+        "status",
+        "state",
+        "key",
+    ]
+    assert [cell.strip() for cell in narrow[3].split("│")[2:-1]] == [
+        "order v1",
+        "waiting",
+        "awaiting",
+        "A1",
+    ]
 
 
 # -- item 3: a business key that has a run already -----------------------------------------
