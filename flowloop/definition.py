@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import AliasChoices, AliasPath, BaseModel, RootModel, ValidationError
 from transitions import Machine
 
 from flowloop import compose, graph, upcast
@@ -512,29 +513,30 @@ class Workflow(compose.Composing):
             raise InvalidContext(self.name, describe_validation(error)) from error
 
     def parse_new_context(self, data: str | bytes | Mapping[str, Any] | BaseModel) -> BaseModel:
-        """:meth:`parse_context` of a new run's context, given by a caller: a field the model
-        does not have is refused (pydantic dropped a misspelt one without a word, and the run
-        started with that field's default), unless the model says itself what becomes of
-        extra fields (``model_config['extra']``)."""
-        if self.context.model_config.get("extra") is None:
-            keys: Iterable[str] = ()
+        """:meth:`parse_context` of a new run's context, given by a caller: a key that no
+        field of the model takes is refused (pydantic dropped a misspelt one without a word,
+        and the run started with that field's default) — unless the model says itself what
+        becomes of extra keys (``model_config['extra']``) or reads its input its own way (a
+        root model, a ``mode="before"`` model validator)."""
+        if not _own_way(self.context):
+            keys: Iterable[Any] = ()
             if isinstance(data, Mapping):
                 keys = data.keys()
             elif isinstance(data, (str, bytes)):
                 with contextlib.suppress(ValueError):  # (invalid JSON: validation says so)
                     parsed = json.loads(data)
                     keys = parsed.keys() if isinstance(parsed, dict) else ()
-            self.check_fields(keys)
+            if keys:
+                self.check_fields(keys)
         return self.parse_context(data)
 
-    def check_fields(self, names: Iterable[str]) -> None:
-        """InvalidContext naming the ``names`` that are no field of the context's model (by
-        name or alias), with the fields it has."""
+    def check_fields(self, names: Iterable[Any]) -> None:
+        """InvalidContext naming the ``names`` that no field of the context's model takes (by
+        its name, alias or validation alias; a computed field's, which a dumped context
+        holds), with the fields it has."""
         model = self.context
-        known = set(model.model_fields) | {
-            f.alias for f in model.model_fields.values() if f.alias is not None
-        }
-        unknown = sorted(set(names) - known)
+        known = _input_keys(model)
+        unknown = sorted(str(name) for name in names if name not in known)
         if unknown:
             raise InvalidContext(
                 self.name,
@@ -583,6 +585,36 @@ class Workflow(compose.Composing):
             return None
         value = getattr(context, self.key) if isinstance(self.key, str) else self.key(context)
         return None if value is None else str(value)
+
+
+def _own_way(model: type[BaseModel]) -> bool:
+    """Whether ``model`` decides itself what becomes of keys no field takes: extra keys
+    configured, a root model, a model validator that sees the raw input."""
+    if model.model_config.get("extra") is not None or issubclass(model, RootModel):
+        return True
+    validators = model.__pydantic_decorators__.model_validators.values()
+    return any(validator.info.mode in ("before", "wrap") for validator in validators)
+
+
+@functools.cache
+def _input_keys(model: type[BaseModel]) -> frozenset[str]:
+    """The keys ``model`` takes from a mapping: its fields' names (unless only an alias
+    is taken), aliases and validation aliases (each choice; a path's first key), and its
+    computed fields (a dumped context holds them)."""
+    by_name = bool(
+        model.model_config.get("populate_by_name") or model.model_config.get("validate_by_name")
+    )
+    keys: set[str] = set(model.model_computed_fields)
+    for name, field in model.model_fields.items():
+        aliases = [field.alias, field.validation_alias]
+        if not any(aliases) or by_name:
+            keys.add(name)
+        for alias in aliases:
+            for choice in alias.choices if isinstance(alias, AliasChoices) else [alias]:
+                key = choice.path[0] if isinstance(choice, AliasPath) and choice.path else choice
+                if isinstance(key, str):
+                    keys.add(key)
+    return frozenset(keys)
 
 
 def describe_validation(error: ValidationError) -> str:

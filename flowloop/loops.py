@@ -185,7 +185,7 @@ class Loop:
             workflow.validate()
             if not callable(context) or isinstance(context, BaseModel):
                 try:
-                    workflow.parse_context(context)  # type: ignore[arg-type]
+                    workflow.parse_new_context(context)  # type: ignore[arg-type]
                 except FlowloopError as error:
                     message = f"context= does not fit workflow {workflow.name!r}: {error}"
                     raise bad(message) from None

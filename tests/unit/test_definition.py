@@ -7,7 +7,16 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, ConfigDict
+from pydantic import (
+    AliasChoices,
+    AliasPath,
+    BaseModel,
+    ConfigDict,
+    Field,
+    RootModel,
+    computed_field,
+    model_validator,
+)
 
 from flowloop import Retry, Step, Workflow
 from flowloop.definition import NEXT_EVENT, compatible
@@ -388,6 +397,47 @@ def test_parse_new_context__a_field_the_model_lacks_is_refused() -> None:
     loose = Workflow("loose", context=Loose)
     assert loose.parse_new_context({"n": 1, "other": 2}) == Loose(n=1)
     assert wf.load_context('{"order_id": "x", "n": 1, "gone": true}') == Ctx(order_id="x", n=1)
+
+
+def test_parse_new_context__takes_every_key_the_model_takes() -> None:
+    """A first version refused keys pydantic takes (review): validation aliases (a choice, a
+    path's first key), a computed field (a dumped context holds it), a model that reads
+    its raw input itself (a root model, a "before" validator); a non-text key was a
+    traceback. A field's name is no key when only its alias is taken (pydantic drops it)."""
+
+    class Aliased(BaseModel):
+        order_id: str = Field("", validation_alias=AliasChoices("orderId", AliasPath("o", 0)))
+        note: str = Field("", alias="Note")
+
+        @computed_field  # type: ignore[prop-decorator]
+        @property
+        def size(self) -> int:
+            return len(self.order_id)
+
+    wf = Workflow("aliased", context=Aliased)
+    assert wf.parse_new_context({"orderId": "x", "Note": "n"}).order_id == "x"  # type: ignore[attr-defined]
+    assert wf.parse_new_context('{"o": ["y"], "size": 1}').order_id == "y"  # type: ignore[attr-defined]
+    with pytest.raises(InvalidContext, match=r"no field\(s\) 'note' in Aliased"):
+        wf.parse_new_context({"orderId": "x", "note": "dropped by pydantic"})
+    with pytest.raises(InvalidContext, match=r"no field\(s\) '1'"):
+        wf.parse_new_context({1: "a", "orderId": "x"})  # type: ignore[dict-item]
+
+    class Legacy(BaseModel):
+        order_id: str
+
+        @model_validator(mode="before")
+        @classmethod
+        def renamed(cls, data: Any) -> Any:
+            if isinstance(data, dict) and "orderId" in data:
+                data = {"order_id": data.pop("orderId"), **data}
+            return data
+
+    assert Workflow("legacy", context=Legacy).parse_new_context({"orderId": "z"}).order_id == "z"  # type: ignore[attr-defined]
+
+    class Counts(RootModel[dict[str, int]]):
+        pass
+
+    assert Workflow("counts", context=Counts).parse_new_context({"a": 1}).root == {"a": 1}  # type: ignore[attr-defined]
 
 
 def test_business_key__field_function_or_none() -> None:

@@ -111,6 +111,9 @@ def test_loop__workflow_loop_needs_a_fitting_context() -> None:
         Loop("l", workflow=wf, every=10)
     with pytest.raises(LoopDefinitionError, match=r"context= does not fit workflow 'count'.*n"):
         Loop("l", workflow=wf, every=10, context={"n": "many"})
+    # A misspelt key was taken here and refused by every run the loop started (review).
+    with pytest.raises(LoopDefinitionError, match=r"context= does not fit .*no field\(s\) 'nn'"):
+        Loop("l", workflow=wf, every=10, context={"nn": 1})
     fine = Loop("l", workflow=wf, every=10, context=lambda it: {"n": it.number})
     assert fine.context_for(Iteration(loop="l", slot=T0, number=3, attempt=1)) == {"n": 3}
 
