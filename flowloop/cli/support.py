@@ -248,19 +248,37 @@ def not_ended_line(info: RunInfo) -> str:
 # -- a business key that has a run already ------------------------------------------------
 
 
-def differing_fields(first: Any, second: Any) -> list[str]:
-    """Top-level fields whose values differ between two JSON objects."""
-    if not isinstance(first, dict) or not isinstance(second, dict):
-        return [] if first == second else ["(the whole context)"]
-    return sorted(k for k in first.keys() | second.keys() if first.get(k) != second.get(k))
+def start_differences(engine: Engine, workflow: Workflow, given: Any, info: RunInfo) -> list[str]:
+    """The fields ``given`` (a parsed context) sets explicitly whose value differs from the
+    context ``info``'s run was started with — not its defaults (a default factory's time or
+    uuid differs at every parse), nor fields the stored context lacks that the model added
+    since (the stored one is loaded as the model reads it now)."""
+    from pydantic import BaseModel  # (here: the reading commands never import pydantic)
+
+    from flowloop.journal import CONTEXT_VERSION
+
+    explicit = sorted(given.model_fields_set)
+    want = given.model_dump(mode="json", include=set(explicit))
+    now = info.context
+    held = now.model_dump(mode="json") if isinstance(now, BaseModel) else dict(now)
+    if all(held.get(name) == want[name] for name in explicit):
+        return []  # (as it is now: its start need not be read)
+    first = engine.store.journal(info.id, until_seq=1)
+    text = first[0].context if first and first[0].context else "{}"
+    try:
+        started = workflow.load_context(text, int(first[0].data.get(CONTEXT_VERSION, 1)))
+        stored = started.model_dump(mode="json")
+    except (FlowloopError, IndexError, TypeError, ValueError):
+        stored = json.loads(text)
+    return [name for name in explicit if stored.get(name) != want[name]]
 
 
 def existing_for_key(
     engine: Engine, workflow: Workflow, context: Any, key: str | None
 ) -> tuple[RunInfo, list[str]] | None:
     """The run that already holds the business key of a run about to be started, with
-    the fields in which its starting context differs from ``context`` (empty: the same);
-    None when the key is free (or the workflow has no key)."""
+    the fields given in ``context`` that differ from its starting context (empty: the
+    same); None when the key is free (or the workflow has no key)."""
     parsed = workflow.parse_context(context)
     business_key = key if key is not None else workflow.business_key(parsed)
     if business_key is None:
@@ -268,9 +286,7 @@ def existing_for_key(
     found = engine.find(workflow, key=business_key)
     if found is None:
         return None
-    journal = engine.history(found.id)
-    first = journal[0].context if journal and journal[0].context else "{}"
-    return found, differing_fields(json.loads(first), json.loads(parsed.model_dump_json()))
+    return found, start_differences(engine, workflow, parsed, found)
 
 
 def started_otherwise(
@@ -278,19 +294,10 @@ def started_otherwise(
 ) -> list[tuple[int, RunInfo, list[str]]]:
     """For ``start --contexts``: the positions (from 0) of the ``contexts`` whose run — one
     that held their key already, or took an earlier line's — was started with another
-    context, that run, and the fields that differ. Runs whose context is the one given are
-    not read again."""
-    from pydantic import BaseModel  # (here: the reading commands never import pydantic)
-
+    context, that run, and the fields that differ."""
     found = []
     for position, (context, info) in enumerate(zip(contexts, runs, strict=True)):
-        given = json.loads(workflow.parse_context(context).model_dump_json())
-        now = info.context
-        if (json.loads(now.model_dump_json()) if isinstance(now, BaseModel) else now) == given:
-            continue
-        journal = engine.history(info.id)
-        first = journal[0].context if journal and journal[0].context else "{}"
-        differences = differing_fields(json.loads(first), given)
+        differences = start_differences(engine, workflow, workflow.parse_context(context), info)
         if differences:
             found.append((position, info, differences))
     return found

@@ -427,6 +427,44 @@ def test_cli__start_many_counts_runs_whose_key_was_taken_and_refuses_non_objects
         assert error.startswith("error: orders.jsonl") and message in error, error
 
 
+STAMPED = """
+    from datetime import UTC, datetime
+
+    from pydantic import BaseModel, Field
+
+    from flowloop import Workflow
+
+
+    class Parcel(BaseModel):
+        parcel_id: str
+        weight: float = 1.0
+        received_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+
+
+    parcels = Workflow("parcels", context=Parcel, key="parcel_id")
+    parcels.step(name="weigh", initial=True, next="done")(lambda ctx: None)
+    parcels.final("done")
+"""
+
+
+def test_cli__start_many_compares_only_what_a_line_gives(tmp_path: Path) -> None:
+    """A context with a default factory (a time) differed from itself at every parse: a
+    fresh file of two lines said "2 new, -2 already there, 2 not started", exit 2
+    (review). A line's fields are compared with the run's start, its defaults are not."""
+    (tmp_path / "parcels.py").write_text(textwrap.dedent(STAMPED).lstrip())
+    (tmp_path / "in.jsonl").write_text('{"parcel_id": "P1"}\n{"parcel_id": "P2", "weight": 2}\n')
+    args = ("start", "parcels.py", "--contexts", "in.jsonl", "--db", "p.db")
+    assert flowloop(*args, cwd=tmp_path).stdout.splitlines() == [
+        "2 run(s) of parcels: 2 new, 0 already there (same key)"
+    ]
+    assert flowloop(*args, cwd=tmp_path).stdout.splitlines() == [
+        "2 run(s) of parcels: 0 new, 2 already there (same key)"
+    ]
+    (tmp_path / "in.jsonl").write_text('{"parcel_id": "P2", "weight": 3}\n')
+    refused = flowloop(*args, cwd=tmp_path, code=2)
+    assert "(key 'P2', run " in refused.stderr and "differs in weight)" in refused.stderr
+
+
 def test_cli__check_has_json_output(here: Path) -> None:
     here_cli(here, "db", "upgrade")  # check reads a database; it creates none
     data = json.loads(here_cli(here, "check", str(here / "jobs.py"), "--json"))

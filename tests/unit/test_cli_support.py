@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flowloop.cli.support import differing_fields, iso8601, with_times
+from flowloop.cli.support import iso8601, with_times
 
 T = 1_764_580_568.974123  # 2025-12-01 09:16:08.974123 UTC
 
@@ -17,12 +17,6 @@ def test_with_times__iso_8601_utc_and_the_epoch_beside_it() -> None:
         "n": 1,
     }
     assert iso8601(None) is None
-
-
-def test_differing_fields__names_top_level_fields_that_differ() -> None:
-    assert differing_fields({"a": 1, "b": [1]}, {"a": 1, "b": [1]}) == []
-    assert differing_fields({"a": 1, "b": 2}, {"a": 1, "b": 3, "c": 0}) == ["b", "c"]
-    assert differing_fields([1], [2]) == ["(the whole context)"]
 
 
 def test_synchronous_modes__the_cli_option_offers_what_the_store_accepts() -> None:
