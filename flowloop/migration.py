@@ -87,12 +87,22 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         # way its next visit must be a new one — a call or map state's join and children
         # are named by the visit, and an old visit's would be found (or collided with).
         data["kept_visits"] = True
-        if state in _names_of_this_visit(engine.store.journal(record.id), record.state):
+        if record.state not in target.states:
+            data["renamed"] = True
+        if data.get("renamed") and state in _names_of_this_visit(
+            engine.store.journal(record.id), record.state
+        ):
             # Back to a name this very visit had (a rollback of a rename): its count holds
             # the visit already — counted again, a retried step's idempotency_key changed.
             data["same_visit"] = True
     reason = record.reason or ""
-    if record.status == "paused" and reason.startswith((DEFINITION_MISMATCH, CONTEXT_MISMATCH)):
+    parked = record.status == "paused" and reason.startswith(
+        (DEFINITION_MISMATCH, CONTEXT_MISMATCH)
+    )
+    # Waiting with no due time (a wait without a timeout) and moved: due now, or at the
+    # timeout of the wait it moves to — it stayed scheduled with no due time, never claimed.
+    undue = record.status == "scheduled" and record.next_run_at is None and state != record.state
+    if parked or undue:
         data["status"] = "scheduled"
         if state in target.waits:
             wait = target.waits[state]
@@ -143,19 +153,26 @@ def _join_renamed(
 
 
 def _names_of_this_visit(events: Sequence[j.JournalEvent], state: str) -> set[str]:
-    """The names the run's visit of ``state`` had since it entered it, whose counts hold
-    that visit: ``state``, and each one a migration moved it from, with its count kept
-    (``kept_visits``; an older entry moved the count away)."""
+    """The names the run's visit of ``state`` had before renames since it entered it, whose
+    counts hold that visit: each one a migration renamed (``renamed``, not a move to a state
+    the version still has) with its count kept (``kept_visits``; an older entry moved the
+    count away)."""
     names, current = set(), state
-    for event in reversed(events):
+    for index in range(len(events) - 1, -1, -1):
+        event = events[index]
         if event.kind == j.RUN_MIGRATED:
             source = event.data.get("from_state")
             if event.state == current and isinstance(source, str) and source != current:
-                if event.data.get("kept_visits"):
+                if event.data.get("kept_visits") and event.data.get("renamed"):
                     names.add(source)
                 current = source
-        elif event.next_state is not None or event.kind in (j.RUN_CREATED, j.RUN_RETRIED):
-            break  # the transition (or start, or retry) that began the visit
+        elif event.kind == j.RUN_RETRIED:
+            # Retried in the state it was in: the same visit (journal.apply counts none).
+            before = events[index - 1] if index else None
+            if before is None or (before.next_state or before.state) != event.state:
+                break
+        elif event.next_state is not None or event.kind == j.RUN_CREATED:
+            break  # the transition (or the start) that began the visit
     return names
 
 

@@ -583,8 +583,14 @@ def _check_fields(workflow: Workflow, set_fields: Mapping[str, Any]) -> None:
 
 
 def _context_entering(events: Sequence[JournalEvent], state: str) -> tuple[str, int] | None:
-    """The context a run had when it last entered ``state``, with its context version."""
+    """The context a run had when it last entered ``state`` — or the state a migration
+    moved it there from (renamed, or mapped: the context it had there), with its context
+    version."""
     for event in reversed(events):
+        source = event.data.get("from_state") if event.kind == j.RUN_MIGRATED else None
+        if event.state == state and isinstance(source, str) and source != state:
+            state = source  # (before, a renamed state "never reached")
+            continue
         # Entered by any transition that records the context it entered with: a step's
         # outcome, a wait state's event or timeout, a child run's result.
         entered = (event.next_state == state) or (

@@ -310,3 +310,95 @@ def test_a_step_retried_across_a_rolled_back_rename_keeps_its_idempotency_key(
         )
         assert engine.replay(run).matches
     assert keys == ["charge:1", "charge:1"]  # the same visit's key, as the provider saw it
+
+
+def test_a_kept_move_back_into_a_call_state_is_a_new_visit(store_url: str) -> None:
+    """v2 maps the run from call state ``ask`` (its child running) to ``between``, a state
+    it still has; v3 maps it back. A first version took that for a rolled-back rename:
+    the same visit, whose join the child's end had completed — the run went on with the
+    old result (review). A move between states a version has is no rename: a new visit, a
+    new child."""
+    with Engine(store_url, workflows=[loopy(1), kid]) as engine:
+        parent = engine.start(engine.workflow("loopy"), Loopy()).id
+        engine.run_until_idle()
+        [first] = _kids(engine)
+    with Engine(store_url, workflows=[loopy(2, {1: {"ask": "between"}}), kid]) as e2:
+        e2.migrate(parent, to=2, by="deployer")
+        e2.send(first, "go")
+        e2.run_until_idle()
+    with Engine(store_url, workflows=[loopy(3, {2: {"between": "ask"}}), kid]) as engine:
+        engine.migrate(parent, to=3, by="deployer")
+        assert "same_visit" not in engine.history(parent)[-1].data
+        engine.run_until_idle()
+        kids = _kids(engine)
+        assert len(kids) == 2 and kids[first] == "succeeded", kids
+        assert engine.get(parent).visits["ask"] == 2
+
+
+def test_a_rename_rolled_back_after_a_retry_in_it_is_still_the_same_visit(
+    store_url: str,
+) -> None:
+    """An operator's retry in the renamed state (the same state: no new visit) ended the
+    walk back to the rename, and the rollback counted the visit again (review)."""
+    keys: list[str] = []
+
+    def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
+        workflow = Workflow("pay_retry", context=Kid, version=version, migrates_from=migrates_from)
+
+        @workflow.step(name=name, initial=True, next="done", retry=Retry(attempts=2, base=3600))
+        def charge(ctx: Kid, step: Step) -> None:
+            keys.append(step.idempotency_key.split(":", 1)[1])
+            if len(keys) < 3:
+                raise ConnectionError("the provider timed out")
+
+        workflow.final("done")
+        return workflow
+
+    with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
+        run = engine.start(engine.workflow("pay_retry"), Kid()).id
+        engine.run_until_idle()  # attempt 1 fails; attempt 2 an hour away
+        engine.pause(run)
+    with Engine(store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})]) as engine:
+        engine.migrate(run, to=2, by="deployer")
+        engine.unpause(run)
+        engine.run_until_idle()  # attempt 2 fails: the run fails
+        assert engine.get(run).status == "failed"
+        engine.retry(run)
+        engine.pause(run)
+    with Engine(store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})]) as engine:
+        engine.migrate(run, to=3, by="deployer")
+        engine.unpause(run)
+        engine.run_until_idle()
+        info = engine.get(run)
+        assert (info.status, info.visits["charge"]) == ("succeeded", 1)
+        assert engine.replay(run).matches
+    assert keys == ["charge:1", "bill:1", "charge:1"]
+
+
+def test_a_run_moved_out_of_a_wait_with_no_timeout_is_due(store_url: str) -> None:
+    """Moved from a wait without a timeout (no due time) to a step, it stayed scheduled with
+    no due time: never claimed, never run (review)."""
+
+    def flow(version: int) -> Workflow:
+        workflow = Workflow(
+            "parked_wait",
+            context=Kid,
+            version=version,
+            migrates_from={1: {"hold": "work"}} if version == 2 else None,
+        )
+        if version == 1:
+            workflow.wait("hold", on={"go": "done"}, initial=True)
+        else:
+            workflow.step(name="work", initial=True, next="done")(lambda ctx: None)
+        workflow.final("done")
+        return workflow
+
+    with Engine(store_url, workflows=[flow(1)]) as engine:
+        run = engine.start(engine.workflow("parked_wait"), Kid()).id
+        engine.run_until_idle()
+        assert engine.get(run).next_run_at is None
+    with Engine(store_url, workflows=[flow(2)]) as engine:
+        engine.migrate(run, to=2, by="deployer")
+        engine.run_until_idle()
+        assert engine.get(run).status == "succeeded"
+        assert engine.replay(run).matches
