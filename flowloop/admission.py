@@ -21,6 +21,7 @@ from datetime import timedelta
 from typing import Final
 
 from flowloop.errors import EXIT_FAILURE, FlowloopError
+from flowloop.retry import MAX_DURATION_SECONDS
 
 DEBOUNCE_PREFIX: Final = "debounce:"
 THROTTLE_PREFIX: Final = "throttle:"
@@ -76,8 +77,8 @@ def seconds_of(value: float | timedelta, label: str) -> float:
         result = float(value)
     else:
         raise AdmissionError(f"{label}={value!r} must be seconds or a timedelta")
-    if not math.isfinite(result) or result <= 0:
-        raise AdmissionError(f"{label}={value!r} must be a positive duration")
+    if not math.isfinite(result) or not 0 < result <= MAX_DURATION_SECONDS:
+        raise AdmissionError(f"{label}={value!r} must be a positive duration of at most 10 years")
     return result
 
 

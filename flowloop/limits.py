@@ -9,6 +9,8 @@ be stored is refused with one line naming it instead of a driver traceback.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Final
@@ -47,23 +49,25 @@ MAX_PRIORITY: Final = 2**31 - 1
 
 
 def check_priority(value: object) -> int:
-    """``value`` if it is a whole number a priority column holds, else FlowloopError (SQLite
-    took 3,000,000,000 that PostgreSQL refused, and gave a traceback past 2**63)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or not -MAX_PRIORITY - 1 <= value <= MAX_PRIORITY
-    ):
+    """``value`` if it is a whole number a priority column holds (a numpy integer too),
+    else FlowloopError (SQLite took 3,000,000,000 that PostgreSQL refused, and gave a
+    traceback past 2**63)."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if isinstance(value, bool) or number is None or not -MAX_PRIORITY - 1 <= number <= MAX_PRIORITY:
         raise FlowloopError(
             f"priority {value!r} is not a whole number from {-MAX_PRIORITY - 1} to {MAX_PRIORITY}"
         )
-    return value
+    return number
 
 
 def check_run_at(value: object, now: float) -> float | None:
-    """A new run's due time in seconds since the epoch: ``value`` given in those, or as an
-    aware datetime. NaN stored no due time (a run that never ran), infinity broke `status`
-    and the dashboard, a datetime reached the driver: refused with one line."""
+    """A new run's due time in seconds since the epoch: ``value`` given in those (any real
+    number), or as an aware datetime. NaN stored no due time (a run that never ran),
+    infinity broke `status` and the dashboard, a datetime reached the driver: refused with
+    one line."""
     if value is None:
         return None
     if isinstance(value, datetime):
@@ -73,16 +77,20 @@ def check_run_at(value: object, now: float) -> float | None:
                 "(tzinfo=timezone.utc) or seconds since the epoch"
             )
         result = value.timestamp()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            result = float(value)
+        except OverflowError:
+            result = math.inf
     else:
         raise FlowloopError(
             f"run_at {value!r} is not a time: give seconds since the epoch "
             "(time.time() + 3600) or an aware datetime"
         )
     if not (math.isfinite(result) and 0 <= result <= now + MAX_DURATION_SECONDS):
+        shown = value if not isinstance(value, int) or abs(value) < 10**20 else "a huge number"
         raise FlowloopError(
-            f"run_at {value!r} is not a time from the epoch to 10 years from now "
+            f"run_at {shown!r} is not a time from the epoch to 10 years from now "
             "(seconds since the epoch)"
         )
     return result

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import time
 from datetime import UTC, datetime, timedelta
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,16 @@ def test_keys_and_names_are_checked_against_the_schema(store_url: str) -> None:
         flow().step(name="s" * 201, next="done")(lambda ctx: None)
 
 
+class IndexOnly:
+    """A whole number that is no int (as numpy's integers): it has ``__index__``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
 def test_due_times_and_priorities_are_checked_the_same_on_both_databases(store_url: str) -> None:
     """`run_at=nan` stored a run with no due time (never run), `inf` broke `status` and
     the dashboard, a datetime reached the driver as a StatementError; a priority past 2**63
@@ -101,17 +112,21 @@ def test_due_times_and_priorities_are_checked_the_same_on_both_databases(store_u
             (time.time() + 11 * 365 * 86400, "is not a time from the epoch"),
             ("tomorrow", "is not a time: give seconds since the epoch"),
             (datetime(2030, 1, 1), "has no time zone"),
+            (10**400, "run_at 'a huge number' is not a time"),  # (float() overflowed: review)
         ):
             with pytest.raises(FlowloopError, match=problem):
                 engine.start(wf, Ctx(), run_at=bad)  # type: ignore[arg-type]
-        for priority in (2**31, -(2**31) - 1, 2**64, True):
+        for priority in (2**31, -(2**31) - 1, 2**64, True, 1.0, "1"):
             with pytest.raises(FlowloopError, match="is not a whole number from -2147483648"):
                 engine.start(wf, Ctx(), priority=priority)
         assert engine.runs(limit=5) == []
+        # Any whole number a column holds (an int subclass, a numpy integer: __index__).
+        assert engine.start(wf, Ctx(), priority=IndexOnly(7), run_at=Fraction(1)).id
         later = datetime.now(UTC) + timedelta(hours=1)
         run = engine.start(wf, Ctx(), run_at=later, priority=2**31 - 1)
         assert run.next_run_at == pytest.approx(later.timestamp())
-        assert engine.run_until_idle().steps == 0  # (due in an hour)
+        engine.run_until_idle()  # (the one due at epoch 1 runs, not the one due in an hour)
+        assert engine.get(run.id).status == "scheduled"
 
 
 def test_cli_bad_input_is_one_line(
