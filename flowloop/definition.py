@@ -587,6 +587,7 @@ class Workflow(compose.Composing):
         return None if value is None else str(value)
 
 
+@functools.cache
 def _own_way(model: type[BaseModel]) -> bool:
     """Whether ``model`` decides itself what becomes of keys no field takes: extra keys
     configured, a root model, a model validator that sees the raw input."""

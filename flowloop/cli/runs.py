@@ -278,9 +278,9 @@ def resume(
         prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
         if not as_json:
             engine.listeners.append(progress_printer())
-        failed: list[str] = []
+        failed: dict[str, None] = {}  # (in order, each once)
         engine.listeners.append(
-            lambda record, _: failed.append(record.id) if record.status == "failed" else None
+            lambda record, _: failed.setdefault(record.id) if record.status == "failed" else None
         )
         with printed_not_logged(not as_json):
             stats, signals = resume_interruptibly(engine, notice=err.print)
@@ -300,9 +300,11 @@ def resume(
         line = f"interrupted {how}; continue with `flowloop resume{paths} --db {database(db)}`"
         if failed:
             # (A step cut off that is not idempotent fails its run: resume runs it no more.)
+            last = list(failed)[-1]
             line += (
-                f"; {len(failed)} run(s) failed, e.g. {failed[-1]}: check what a step cut off "
-                f"did, then `flowloop retry RUN{paths} --db {database(db)}`"
+                f"; {len(failed)} run(s) failed, e.g. {last} (`flowloop status {last}`): a "
+                f"step cut off may have done part of its work; `flowloop retry RUN{paths} "
+                f"--db {database(db)}` runs one again"
             )
         leave(line, EXIT_SIGNALLED + signals[0])  # (not waiting for a cut-off step's thread)
 

@@ -319,8 +319,8 @@ def test_resume__second_ctrl_c_cuts_the_step_off(tmp_path: Path) -> None:
     assert (info.status, info.reason) == ("failed", "interrupted")  # not idempotent
     # It said "continue with `flowloop resume`", which does nothing for a failed run (new-user
     # audit): it names the failed run and `retry`.
-    assert f"; 1 run(s) failed, e.g. {info.id}: check what a step cut off did, then " in last
-    assert "`flowloop retry RUN -w " in last, last
+    assert f"; 1 run(s) failed, e.g. {info.id} (`flowloop status {info.id}`): a step " in last
+    assert "`flowloop retry RUN -w " in last and last.endswith("runs one again"), last
     assert not (gate / "shipments").exists()
     (gate / "open").touch()  # nothing left to release it: the process is gone
 
