@@ -113,7 +113,6 @@ def misspelt_variables(environ: Mapping[str, str] | None = None) -> list[tuple[s
         import difflib  # (only with such a variable: a brief command's start stays brief)
 
         close = difflib.get_close_matches(head, names, n=1, cutoff=0.75)
-        close = close or [name for name in names if head.startswith(f"{name}_")][:1]
         if close:
             found.append((variable, ENV_PREFIX + close[0]))
     return found

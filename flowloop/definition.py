@@ -527,21 +527,21 @@ class Workflow(compose.Composing):
                     parsed = json.loads(data)
                     keys = parsed.keys() if isinstance(parsed, dict) else ()
             if keys:
-                self.check_fields(keys)
+                self.check_fields(keys, dumped=True)
         return self.parse_context(data)
 
-    def check_fields(self, names: Iterable[Any]) -> None:
+    def check_fields(self, names: Iterable[Any], *, dumped: bool = False) -> None:
         """InvalidContext naming the ``names`` that no field of the context's model takes (by
-        its name, alias or validation alias; a computed field's, which a dumped context
-        holds), with the fields it has."""
+        its name, alias or validation alias; with ``dumped``, a computed field's too, which
+        a dumped context holds), with the keys it takes."""
         model = self.context
-        known = _input_keys(model)
+        known = {*_input_keys(model), *(model.model_computed_fields if dumped else ())}
         unknown = sorted(str(name) for name in names if name not in known)
         if unknown:
             raise InvalidContext(
                 self.name,
                 f"no field(s) {', '.join(map(repr, unknown))} in {model.__name__} "
-                f"(fields: {', '.join(model.model_fields)})",
+                f"(fields: {', '.join(_input_keys(model))})",
             )
 
     def load_context(self, text: str, version: int = 1) -> BaseModel:
@@ -598,24 +598,23 @@ def _own_way(model: type[BaseModel]) -> bool:
 
 
 @functools.cache
-def _input_keys(model: type[BaseModel]) -> frozenset[str]:
+def _input_keys(model: type[BaseModel]) -> tuple[str, ...]:
     """The keys ``model`` takes from a mapping: its fields' names (unless only an alias
-    is taken), aliases and validation aliases (each choice; a path's first key), and its
-    computed fields (a dumped context holds them)."""
+    is taken), aliases and validation aliases (each choice; a path's first key)."""
     by_name = bool(
         model.model_config.get("populate_by_name") or model.model_config.get("validate_by_name")
     )
-    keys: set[str] = set(model.model_computed_fields)
+    keys: dict[str, None] = {}  # (in the fields' order, for messages)
     for name, field in model.model_fields.items():
         aliases = [field.alias, field.validation_alias]
         if not any(aliases) or by_name:
-            keys.add(name)
+            keys[name] = None
         for alias in aliases:
             for choice in alias.choices if isinstance(alias, AliasChoices) else [alias]:
                 key = choice.path[0] if isinstance(choice, AliasPath) and choice.path else choice
                 if isinstance(key, str):
-                    keys.add(key)
-    return frozenset(keys)
+                    keys[key] = None
+    return tuple(keys)
 
 
 def describe_validation(error: ValidationError) -> str:

@@ -19,6 +19,7 @@ from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
 from flowloop.events import wait_due
 from flowloop.lifecycle import LIVE
+from flowloop.store.entries import stored_waits
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
 from flowloop.verdicts import CONTEXT_MISMATCH, DEFINITION_MISMATCH
@@ -101,7 +102,12 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     )
     # Waiting with no due time (a wait without a timeout) and moved: due now, or at the
     # timeout of the wait it moves to — it stayed scheduled with no due time, never claimed.
-    undue = record.status == "scheduled" and record.next_run_at is None and state != record.state
+    undue = (
+        record.status == "scheduled"
+        and record.next_run_at is None
+        and state != record.state
+        and record.state in stored_waits(engine.store.definition(record.fingerprint))
+    )  # (not a parent waiting for its children: their ends make it due, review)
     if parked or undue:
         data["status"] = "scheduled"
         if state in target.waits:
@@ -154,17 +160,18 @@ def _join_renamed(
 
 def _names_of_this_visit(events: Sequence[j.JournalEvent], state: str) -> set[str]:
     """The names the run's visit of ``state`` had before renames since it entered it, whose
-    counts hold that visit: each one a migration renamed (``renamed``, not a move to a state
-    the version still has) with its count kept (``kept_visits``; an older entry moved the
-    count away)."""
+    counts hold that visit: each one a migration renamed (``renamed``) with its count kept
+    (``kept_visits``). A move between states a version has, or an older entry (which moved
+    the count away), began a visit of its own: the walk ends there."""
     names, current = set(), state
     for index in range(len(events) - 1, -1, -1):
         event = events[index]
         if event.kind == j.RUN_MIGRATED:
             source = event.data.get("from_state")
             if event.state == current and isinstance(source, str) and source != current:
-                if event.data.get("kept_visits") and event.data.get("renamed"):
-                    names.add(source)
+                if not (event.data.get("kept_visits") and event.data.get("renamed")):
+                    break  # a move between states (or an older entry): a visit of its own
+                names.add(source)
                 current = source
         elif event.kind == j.RUN_RETRIED:
             # Retried in the state it was in: the same visit (journal.apply counts none).

@@ -169,6 +169,10 @@ def backfill_command(
     from flowloop.clock import iso
 
     if withdraw:
+        if start is not None or end is not None or wait:
+            raise FlowloopError(
+                "--withdraw takes back the pending request: drop --from/--to/--wait"
+            )
         _withdraw(name, db, synchronous, as_json)
         return
     if start is None or end is None:

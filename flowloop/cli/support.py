@@ -253,23 +253,27 @@ def start_differences(engine: Engine, workflow: Workflow, given: Any, info: RunI
     context ``info``'s run was started with — not its defaults (a default factory's time or
     uuid differs at every parse), nor fields the stored context lacks that the model added
     since (the stored one is loaded as the model reads it now)."""
-    from pydantic import BaseModel  # (here: the reading commands never import pydantic)
+    from pydantic import BaseModel, RootModel  # (here: reading commands import no pydantic)
 
     from flowloop.journal import CONTEXT_VERSION
 
-    explicit = sorted(given.model_fields_set)
-    want = given.model_dump(mode="json", include=set(explicit))
-    now = info.context
-    held = now.model_dump(mode="json") if isinstance(now, BaseModel) else dict(now)
-    if all(held.get(name) == want[name] for name in explicit):
+    whole = isinstance(given, RootModel)  # (its one field is the whole context)
+    explicit = ["(the whole context)"] if whole else sorted(given.model_fields_set)
+    dumped = given.model_dump(mode="json")
+    want = {explicit[0]: dumped} if whole else {name: dumped.get(name) for name in explicit}
+
+    def values(context: Any) -> dict[str, Any]:
+        data = context.model_dump(mode="json") if isinstance(context, BaseModel) else context
+        return {explicit[0]: data} if whole else dict(data)
+
+    if all(values(info.context).get(name) == want[name] for name in explicit):
         return []  # (as it is now: its start need not be read)
     first = engine.store.journal(info.id, until_seq=1)
     text = first[0].context if first and first[0].context else "{}"
     try:
-        started = workflow.load_context(text, int(first[0].data.get(CONTEXT_VERSION, 1)))
-        stored = started.model_dump(mode="json")
+        stored = values(workflow.load_context(text, int(first[0].data.get(CONTEXT_VERSION, 1))))
     except (FlowloopError, IndexError, TypeError, ValueError):
-        stored = json.loads(text)
+        stored = values(json.loads(text))
     return [name for name in explicit if stored.get(name) != want[name]]
 
 

@@ -425,11 +425,15 @@ class LoopStoreMixin:
         the row as read: a worker firing the request from that row fails its fenced write
         and reads the loop again. A running one's worker reads the request again when its
         iteration ends; its row is not fenced (that would fence the worker off)."""
-        fence = and_(loops.c.name == row.name, loops.c.control == row.control)
+        fence = and_(
+            loops.c.name == row.name, loops.c.control == row.control, loops.c.status == row.status
+        )
         values: dict[str, Any] = {"control": None}
         if row.status == "scheduled":
             fence = and_(fence, loops.c.last_seq == row.last_seq, self._claimable())
             values.update(last_seq=row.last_seq + 1, updated_at=event.at)
+        # (Running: the status in the fence — its iteration ended meanwhile, the loop
+        # scheduled with the request kept, a worker would fire it: refused, read again.)
         with self._write() as conn:
             if conn.execute(update(loops).where(fence).values(**values)).rowcount != 1:
                 return False

@@ -673,8 +673,7 @@ def test_a_misspelt_setting_variable_gets_a_warning(here: Path, waiting_run: str
     env = clean_env(FLOWLOOP_CONCURENCY="4")
     result = flowloop("status", waiting_run, cwd=here, env=env)
     assert result.stderr.splitlines() == [
-        "warning: $FLOWLOOP_CONCURENCY is no flowloop setting (did you mean "
-        "$FLOWLOOP_CONCURRENCY?)"
+        "warning: $FLOWLOOP_CONCURENCY is no flowloop setting (did you mean $FLOWLOOP_CONCURRENCY?)"
     ]
     assert waiting_run in result.stdout
 

@@ -160,6 +160,7 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         (("trigger", "nope"), "no loop 'nope'"),
         (("trigger", "nightly", "--withdraw"), "loop 'nightly' has no trigger or backfill pending"),
         (("backfill", "nightly", "--to", end), "backfill needs --from and --to (or --withdraw)"),
+        (("backfill", "nightly", "--to", end, "--withdraw"), "drop --from/--to/--wait"),
         (("backfill", "nightly", "--from", "yesterday", "--to", end), "is not an ISO 8601"),
         (("backfill", "nightly", "--from", end, "--to", start), "--to is before --from"),
     ]:
@@ -260,5 +261,55 @@ def test_withdraw__the_rest_of_a_backfill_while_its_slot_runs(store_url: str) ->
             assert started(events, "backfill") == [2 * HOUR]  # not 3h and 4h
             assert events[-1].kind == "iteration_succeeded"  # its outcome recorded
             assert h.row("hourly_w").control is None
+
+    asyncio.run(main())
+
+
+def test_withdraw__read_running_and_rescheduled_meanwhile_is_read_again(store_url: str) -> None:
+    """Read while its iteration ran, written after the iteration's end had put the loop back
+    on its schedule with the trigger kept: the withdrawal cleared it unfenced, and a worker
+    firing from its own read fired the withdrawn trigger (review). Refused; read again."""
+
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+
+        async def fn(it: Iteration) -> None:
+            await release.wait()
+
+        slow = Loop("slow_w", fn, every=HOUR)
+        async with LoopHarness(store_url, [slow], clock=clock) as h:
+            await settle()
+            h.engine.trigger_loop("slow_w")
+            running = h.row("slow_w")
+            assert (running.status, running.control) == ("running", "trigger")
+            # The iteration's end, as its worker writes it: scheduled, the trigger kept.
+            assert h.store.write_loop(
+                name="slow_w",
+                owner=running.owner,
+                epoch=running.lease_epoch,
+                follows_seq=running.last_seq,
+                changes={"status": "scheduled", "control": "trigger"},
+                events=[],
+            )
+            event = LoopEvent(loop="slow_w", kind="request_withdrawn", at=clock.now())
+            assert not h.store.withdraw_loop_run(running, event)
+            assert h.row("slow_w").control == "trigger"
+            # The engine reads it again and withdraws it fenced: a stale fire is refused.
+            scheduled = h.row("slow_w")
+            assert h.engine.withdraw_loop_request("slow_w").control is None
+            assert h.journal("slow_w")[-1].kind == "request_withdrawn"
+            assert (
+                h.store.fire_loop(
+                    name="slow_w",
+                    follows_seq=scheduled.last_seq,
+                    worker="w2",
+                    lease_seconds=30,
+                    events=[],
+                    changes={"control": None},
+                )
+                is None
+            )
+            release.set()
 
     asyncio.run(main())

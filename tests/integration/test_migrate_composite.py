@@ -94,6 +94,11 @@ def test_a_renamed_state_moves_its_count(store_url: str) -> None:
         engine.migrate(parent.id, to=2, by="deployer")
         assert engine.get(parent.id).visits == {"ask": 1, "query": 1}
         assert engine.history(parent.id)[-1].data["kept_visits"] is True
+        # Waiting for its child, it is not made due (it was claimed for nothing and
+        # journaled its children started again: review).
+        engine.run_until_idle()
+        assert engine.history(parent.id)[-1].kind == "run_migrated"
+        assert engine.get(parent.id).next_run_at is None
     # Its child goes on under the new name: its end is the call's, no second child.
     [first] = _kids(engine)
     with Engine(store_url, workflows=[renamed, kid]) as engine:
@@ -402,3 +407,53 @@ def test_a_run_moved_out_of_a_wait_with_no_timeout_is_due(store_url: str) -> Non
         engine.run_until_idle()
         assert engine.get(run).status == "succeeded"
         assert engine.replay(run).matches
+
+
+def test_a_rename_before_a_move_between_states_is_not_this_visits(store_url: str) -> None:
+    """v2 renames call state ``ask`` to ``ask2``; v3 moves the run on to ``between`` (a state
+    it has); v4 renames ``between`` to ``ask``. The walk back went past the move and took
+    ``ask`` for a name of this visit: visit 1 again, the old join's id, no child — the
+    parent waited for ever (review). A move between states is a visit of its own."""
+
+    def flow(version: int, call: str, wait: str, moves: dict[str, str] | None) -> Workflow:
+        workflow = Workflow(
+            "walked",
+            context=Loopy,
+            version=version,
+            migrates_from={version - 1: moves} if moves is not None else None,
+        )
+        workflow.call(
+            call,
+            child=kid,
+            context=lambda ctx: Kid(n=len(ctx.got)),
+            on={"succeeded": wait, "failed": "done", "stopped": "done"},
+            result=lambda ctx, child: ctx.got.append(child.n),
+            initial=True,
+        )
+        workflow.wait(wait, on={"again": call, "finish": "done"})
+        workflow.final("done")
+        return workflow
+
+    with Engine(store_url, workflows=[flow(1, "ask", "between", None), kid]) as engine:
+        parent = engine.start(engine.workflow("walked"), Loopy()).id
+        engine.run_until_idle()
+        [first] = _kids(engine)
+    with Engine(store_url, workflows=[flow(2, "ask2", "between", {"ask": "ask2"}), kid]) as e:
+        e.migrate(parent, to=2, by="deployer")
+    with Engine(store_url, workflows=[flow(3, "ask2", "between", {"ask2": "between"}), kid]) as e:
+        e.migrate(parent, to=3, by="deployer")
+        e.send(first, "go")
+        e.run_until_idle()
+    with Engine(store_url, workflows=[flow(4, "ask", "pause_here", {"between": "ask"}), kid]) as e:
+        e.migrate(parent, to=4, by="deployer")
+        assert "same_visit" not in e.history(parent)[-1].data
+        e.run_until_idle()
+        kids = _kids(e)
+        [second] = [run_id for run_id in kids if run_id != first]
+        e.send(second, "go")
+        e.run_until_idle()
+        info = e.get(parent)
+        # (The first child's end came while the run was moved away: its join went unused.)
+        assert (info.state, info.context.got) == ("pause_here", [0])  # type: ignore[union-attr]
+        assert len(kids) == 2
+        assert e.replay(parent).matches

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flowloop.cli.support import iso8601, with_times
 
 T = 1_764_580_568.974123  # 2025-12-01 09:16:08.974123 UTC
@@ -65,3 +67,25 @@ def test_loop_request__a_stop_cancels_the_running_iteration_a_pause_lets_it_fini
     assert loop_request("stop") == " (stop requested; its worker cancels the running iteration)"
     assert loop_request("pause") == " (pause requested; after the running iteration)"
     assert loop_request(None) == ""
+
+
+def test_a_taken_key_of_a_root_model_context_is_compared_whole(tmp_path: Path) -> None:
+    """`run`/`start` with a taken key of a root-model context: a KeyError traceback from
+    comparing its fields (review). Compared whole."""
+    from pydantic import RootModel
+
+    from flowloop import Engine, Workflow
+    from flowloop.cli.support import existing_for_key
+
+    class Counts(RootModel[dict[str, int]]):
+        pass
+
+    wf = Workflow("counts", context=Counts, key=lambda ctx: "k1")
+    wf.step(name="count", initial=True, next="done")(lambda ctx: None)
+    wf.final("done")
+    with Engine(f"sqlite:///{tmp_path / 'c.db'}") as engine:
+        engine.start(wf, {"a": 1})
+        found = existing_for_key(engine, wf, {"a": 1}, None)
+        assert found is not None and found[1] == []
+        found = existing_for_key(engine, wf, {"a": 2}, None)
+        assert found is not None and found[1] == ["(the whole context)"]

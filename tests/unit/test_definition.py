@@ -422,6 +422,11 @@ def test_parse_new_context__takes_every_key_the_model_takes() -> None:
     with pytest.raises(InvalidContext, match=r"no field\(s\) '1'"):
         wf.parse_new_context({1: "a", "orderId": "x"})  # type: ignore[dict-item]
 
+    # An edit (`retry --set`) of a computed field would be dropped: not a key to set.
+    with pytest.raises(InvalidContext, match=r"no field\(s\) 'size'"):
+        wf.check_fields({"size"})
+    wf.check_fields({"size"}, dumped=True)
+
     class Legacy(BaseModel):
         order_id: str
 
