@@ -14,7 +14,7 @@ from loopkit_proc import cli
 from flowloop import Engine
 from flowloop.loop_requests import BackfillRequest, LoopRequestRefused
 from flowloop.loops import Iteration, Loop
-from flowloop.store.loops import LoopEvent
+from flowloop.store.loops import LoopEvent, LoopRow
 
 HOUR = 3600.0
 
@@ -193,6 +193,19 @@ def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
     assert "nothing took the backfill of loop 'lonely' in 1s" in waited.stderr
 
 
+def fired_from(h: LoopHarness, read: LoopRow) -> bool:
+    """Whether another worker, firing the loop's request from the row it ``read``, could."""
+    fired = h.store.fire_loop(
+        name=read.name,
+        follows_seq=read.last_seq,
+        worker="w2",
+        lease_seconds=30,
+        events=[],
+        changes={"control": None},
+    )
+    return fired is not None
+
+
 def test_withdraw__a_pending_trigger_is_never_run(store_url: str) -> None:
     """A trigger or backfill asked for could not be taken back: it refused the next request
     until a worker ran it (new-user audit). Withdrawn while the loop waits for its slot,
@@ -211,17 +224,7 @@ def test_withdraw__a_pending_trigger_is_never_run(store_url: str) -> None:
             assert h.journal("daily_w")[-1].kind == "request_withdrawn"
             assert h.journal("daily_w")[-1].data == {"request": "trigger"}
             # A worker that read the row before: its fenced fire of the trigger fails.
-            assert (
-                h.store.fire_loop(
-                    name="daily_w",
-                    follows_seq=stale.last_seq,
-                    worker="w2",
-                    lease_seconds=30,
-                    events=[],
-                    changes={"control": None},
-                )
-                is None
-            )
+            assert not fired_from(h, stale)
             await drive(clock, 5)
             assert seen == [] and started(h.journal("daily_w")) == []
             with pytest.raises(LoopRequestRefused, match="has no trigger or backfill pending"):
@@ -299,17 +302,7 @@ def test_withdraw__read_running_and_rescheduled_meanwhile_is_read_again(store_ur
             scheduled = h.row("slow_w")
             assert h.engine.withdraw_loop_request("slow_w").control is None
             assert h.journal("slow_w")[-1].kind == "request_withdrawn"
-            assert (
-                h.store.fire_loop(
-                    name="slow_w",
-                    follows_seq=scheduled.last_seq,
-                    worker="w2",
-                    lease_seconds=30,
-                    events=[],
-                    changes={"control": None},
-                )
-                is None
-            )
+            assert not fired_from(h, scheduled)
             release.set()
 
     asyncio.run(main())

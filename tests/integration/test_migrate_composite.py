@@ -281,22 +281,37 @@ def test_a_rename_rolled_back_while_the_run_is_in_it_is_the_same_visit(store_url
         assert engine.replay(parent).matches
 
 
+def paying(
+    name: str,
+    version: int,
+    state: str,
+    migrates_from: dict[int, dict[str, str]] | None,
+    keys: list[str],
+    *,
+    failures: int,
+    attempts: int,
+) -> Workflow:
+    """One step, ``state``, that notes its idempotency key (after the run id) in ``keys``
+    and fails its first ``failures`` calls, an hour between attempts."""
+    workflow = Workflow(name, context=Kid, version=version, migrates_from=migrates_from)
+
+    @workflow.step(name=state, initial=True, next="done", retry=Retry(attempts=attempts, base=3600))
+    def charge(ctx: Kid, step: Step) -> None:
+        keys.append(step.idempotency_key.split(":", 1)[1])
+        if len(keys) <= failures:
+            raise ConnectionError("the provider timed out (after it took the charge, perhaps)")
+
+    workflow.final("done")
+    return workflow
+
+
 def test_a_step_retried_across_a_rolled_back_rename_keeps_its_idempotency_key(
     store_url: str,
 ) -> None:
     keys: list[str] = []
 
     def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
-        workflow = Workflow("pay_back", context=Kid, version=version, migrates_from=migrates_from)
-
-        @workflow.step(name=name, initial=True, next="done", retry=Retry(attempts=3, base=3600))
-        def charge(ctx: Kid, step: Step) -> None:
-            keys.append(step.idempotency_key.split(":", 1)[1])
-            if len(keys) == 1:
-                raise ConnectionError("timed out after the provider took the charge")
-
-        workflow.final("done")
-        return workflow
+        return paying("pay_back", version, name, migrates_from, keys, failures=1, attempts=3)
 
     with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
         run = engine.start(engine.workflow("pay_back"), Kid()).id
@@ -348,16 +363,7 @@ def test_a_rename_rolled_back_after_a_retry_in_it_is_still_the_same_visit(
     keys: list[str] = []
 
     def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
-        workflow = Workflow("pay_retry", context=Kid, version=version, migrates_from=migrates_from)
-
-        @workflow.step(name=name, initial=True, next="done", retry=Retry(attempts=2, base=3600))
-        def charge(ctx: Kid, step: Step) -> None:
-            keys.append(step.idempotency_key.split(":", 1)[1])
-            if len(keys) < 3:
-                raise ConnectionError("the provider timed out")
-
-        workflow.final("done")
-        return workflow
+        return paying("pay_retry", version, name, migrates_from, keys, failures=2, attempts=2)
 
     with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
         run = engine.start(engine.workflow("pay_retry"), Kid()).id
