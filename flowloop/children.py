@@ -92,9 +92,9 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
         child = child_workflow(spec, index)
         try:
             if isinstance(value, BaseModel):
-                model = child.context.model_validate(value.model_dump())
+                model = child.context.model_validate(value.model_dump(), by_name=True)
             else:
-                model = child.context.model_validate(value)
+                model = child.context.model_validate(value, by_name=True)
         except ValidationError as error:
             raise ChildContextError(
                 f"{label}: context for {child.name!r} is invalid: {describe_validation(error)}"
@@ -389,7 +389,7 @@ async def _join(
                     index=row.index,
                     status=row.status,
                     context=child_workflow(spec, row.index).context.model_validate_json(
-                        row.context
+                        row.context, by_name=True
                     ),
                     error=row.error,
                     branch=list(spec.branches)[row.index]
@@ -422,7 +422,7 @@ async def _join(
             )
         check_visits(workflow, record, target)
         context = ctx.model_dump_json()
-        workflow.context.model_validate_json(context)
+        workflow.context.model_validate_json(context, by_name=True)
     except Exception as error:
         await _fail(executor, record, fence, error, f"child_{outcome}")
         return None

@@ -499,16 +499,16 @@ class Workflow(compose.Composing):
         """Validate a context given as JSON text, a mapping or a model instance."""
         try:
             if isinstance(data, self.context):
-                return self.context.model_validate(data.model_dump())
+                return self.context.model_validate(data.model_dump(), by_name=True)
             if isinstance(data, BaseModel):
-                return self.context.model_validate(data.model_dump())
+                return self.context.model_validate(data.model_dump(), by_name=True)
             if isinstance(data, (str, bytes)):
-                return self.context.model_validate_json(data)
+                return self.context.model_validate_json(data, by_name=True)
             if not isinstance(data, Mapping):
                 raise InvalidContext(
                     self.name, f"expected an object of fields, got {type(data).__name__}"
                 )
-            return self.context.model_validate(dict(data))
+            return self.context.model_validate(dict(data), by_name=True)
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
 
@@ -550,7 +550,7 @@ class Workflow(compose.Composing):
         validate) or ContextMigrationError (it cannot be migrated)."""
         if version == self.context_version:
             try:
-                return self.context.model_validate_json(text)
+                return self.context.model_validate_json(text, by_name=True)
             except ValidationError as error:
                 raise InvalidContext(self.name, describe_validation(error)) from error
         try:
@@ -599,17 +599,12 @@ def _own_way(model: type[BaseModel]) -> bool:
 
 @functools.cache
 def _input_keys(model: type[BaseModel]) -> tuple[str, ...]:
-    """The keys ``model`` takes from a mapping: its fields' names (unless only an alias
-    is taken), aliases and validation aliases (each choice; a path's first key)."""
-    by_name = bool(
-        model.model_config.get("populate_by_name") or model.model_config.get("validate_by_name")
-    )
+    """The keys ``model`` takes from a mapping: its fields' names (contexts are validated
+    by name too), aliases and validation aliases (each choice; a path's first key)."""
     keys: dict[str, None] = {}  # (in the fields' order, for messages)
     for name, field in model.model_fields.items():
-        aliases = [field.alias, field.validation_alias]
-        if not any(aliases) or by_name:
-            keys[name] = None
-        for alias in aliases:
+        keys[name] = None
+        for alias in (field.alias, field.validation_alias):
             for choice in alias.choices if isinstance(alias, AliasChoices) else [alias]:
                 key = choice.path[0] if isinstance(choice, AliasPath) and choice.path else choice
                 if isinstance(key, str):

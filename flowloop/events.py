@@ -201,7 +201,7 @@ def receive(
         if handler is not None:
             handler(ctx, value)
     context = ctx.model_dump_json()
-    workflow.context.model_validate_json(context)
+    workflow.context.model_validate_json(context, by_name=True)
     data = {**entering(workflow, target, now), **(extra or {})}
     received = JournalEvent(
         run_id=record.id,

@@ -86,7 +86,7 @@ async def drive(
         try:
             await executor._call(record, undo_spec, ctx, step)
             context = ctx.model_dump_json()
-            workflow.context.model_validate_json(context)
+            workflow.context.model_validate_json(context, by_name=True)
         except Exception as error:
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None

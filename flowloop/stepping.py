@@ -213,7 +213,8 @@ class Stepping:
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
-            parsed = workflow.context.model_validate_json(context)  # what a resume loads
+            # What a resume loads (by name too: stored contexts are dumped by field name).
+            parsed = workflow.context.model_validate_json(context, by_name=True)
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
