@@ -19,7 +19,6 @@ from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
 from flowloop.events import wait_due
 from flowloop.lifecycle import LIVE
-from flowloop.store.entries import stored_waits
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
 from flowloop.verdicts import CONTEXT_MISMATCH, DEFINITION_MISMATCH
@@ -100,14 +99,16 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     parked = record.status == "paused" and reason.startswith(
         (DEFINITION_MISMATCH, CONTEXT_MISMATCH)
     )
-    # Waiting with no due time (a wait without a timeout) and moved: due now, or at the
-    # timeout of the wait it moves to — it stayed scheduled with no due time, never claimed.
+    # Waiting with no due time (in a wait without a timeout, or for its children) and moved:
+    # due now, or at the timeout of the wait it moves to — it stayed scheduled with no due
+    # time, never claimed. Not a parent whose join goes along to its renamed state: its
+    # children's ends make it due (claimed now, it started them again: review).
     undue = (
         record.status == "scheduled"
         and record.next_run_at is None
         and state != record.state
-        and record.state in stored_waits(engine.store.definition(record.fingerprint))
-    )  # (not a parent waiting for its children: their ends make it due, review)
+        and join_to is None
+    )
     if parked or undue:
         data["status"] = "scheduled"
         if state in target.waits:

@@ -273,7 +273,10 @@ def start_differences(engine: Engine, workflow: Workflow, given: Any, info: RunI
     try:
         stored = values(workflow.load_context(text, int(first[0].data.get(CONTEXT_VERSION, 1))))
     except (FlowloopError, IndexError, TypeError, ValueError):
-        stored = values(json.loads(text))
+        try:
+            stored = values(json.loads(text))
+        except (TypeError, ValueError):  # (not an object of fields: nothing is the same)
+            return explicit
     return [name for name in explicit if stored.get(name) != want[name]]
 
 

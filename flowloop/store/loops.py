@@ -424,7 +424,8 @@ class LoopStoreMixin:
         loop waiting for its slot (scheduled) gets ``event`` journaled with it, fenced on
         the row as read: a worker firing the request from that row fails its fenced write
         and reads the loop again. A running one's worker reads the request again when its
-        iteration ends; its row is not fenced (that would fence the worker off)."""
+        iteration ends; its row is fenced on its status only (its seq would fence the
+        worker off)."""
         fence = and_(
             loops.c.name == row.name, loops.c.control == row.control, loops.c.status == row.status
         )

@@ -463,3 +463,40 @@ def test_a_rename_before_a_move_between_states_is_not_this_visits(store_url: str
         assert (info.state, info.context.got) == ("pause_here", [0])  # type: ignore[union-attr]
         assert len(kids) == 2
         assert e.replay(parent).matches
+
+
+def test_a_parent_moved_out_of_its_call_state_to_a_step_goes_on(store_url: str) -> None:
+    """Moved from a call state (its child waiting for ever) to a step of the new version,
+    it stayed scheduled with no due time until the child ended: with this child, never
+    (review). Due at once: the step runs; the old child is left as it is."""
+
+    def flow(version: int) -> Workflow:
+        workflow = Workflow(
+            "jumpy",
+            context=Loopy,
+            version=version,
+            migrates_from={1: {"ask": "manual"}} if version == 2 else None,
+        )
+        workflow.call(
+            "ask",
+            child=kid,
+            context=lambda ctx: Kid(n=0),
+            on={"succeeded": "done", "failed": "manual"} if version == 2 else {"succeeded": "done"},
+            initial=True,
+        )
+        if version == 2:  # (reached by hand, or when the child fails)
+            workflow.step(name="manual", next="done")(lambda ctx: ctx.got.append(9))
+        workflow.final("done")
+        return workflow
+
+    with Engine(store_url, workflows=[flow(1), kid]) as engine:
+        parent = engine.start(engine.workflow("jumpy"), Loopy()).id
+        engine.run_until_idle()
+        [child] = _kids(engine)
+    with Engine(store_url, workflows=[flow(2), kid]) as engine:
+        engine.migrate(parent, to=2, by="deployer")
+        engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.status, info.context.got) == ("succeeded", [9])  # type: ignore[union-attr]
+        assert _kids(engine) == {child: "scheduled"}
+        assert engine.replay(parent).matches
