@@ -27,6 +27,7 @@ from flowloop import compose, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
+from flowloop.contexts import context_from
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted, error_line
 from flowloop.events import check_visits, entering
@@ -91,10 +92,9 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
     for index, (label, value) in enumerate(zip(where, values, strict=True)):
         child = child_workflow(spec, index)
         try:
-            if isinstance(value, BaseModel):
-                model = child.context.model_validate(value.model_dump(), by_name=True)
-            else:
-                model = child.context.model_validate(value, by_name=True)
+            model = context_from(
+                child.context, value.model_dump() if isinstance(value, BaseModel) else value
+            )
         except ValidationError as error:
             raise ChildContextError(
                 f"{label}: context for {child.name!r} is invalid: {describe_validation(error)}"
@@ -388,9 +388,7 @@ async def _join(
                 ChildResult(
                     index=row.index,
                     status=row.status,
-                    context=child_workflow(spec, row.index).context.model_validate_json(
-                        row.context, by_name=True
-                    ),
+                    context=context_from(child_workflow(spec, row.index).context, row.context),
                     error=row.error,
                     branch=list(spec.branches)[row.index]
                     if isinstance(spec, ParallelSpec)
@@ -422,7 +420,7 @@ async def _join(
             )
         check_visits(workflow, record, target)
         context = ctx.model_dump_json()
-        workflow.context.model_validate_json(context, by_name=True)
+        context_from(workflow.context, context)
     except Exception as error:
         await _fail(executor, record, fence, error, f"child_{outcome}")
         return None

@@ -4,12 +4,23 @@ field when a value cannot be kept (a lock, a connection, a file handle …)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic_core
 from pydantic import BaseModel
 
 from flowloop.errors import ContextNotSerializable
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def context_from(model: type[M], data: str | bytes | Mapping[str, Any]) -> M:
+    """A context of ``model`` from JSON text or a mapping, its fields taken by name as well as
+    by alias: contexts are kept as models dump them, by name, and read back by alias only, a
+    field with an alias (and no ``populate_by_name``) came back as its default."""
+    if isinstance(data, (str, bytes)):
+        return model.model_validate_json(data, by_name=True)
+    return model.model_validate(data, by_name=True)
 
 
 def dump_context(ctx: BaseModel, *, workflow: str, state: str) -> str:

@@ -27,6 +27,7 @@ from transitions import Machine
 from flowloop import compose, graph, upcast
 from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite
+from flowloop.contexts import context_from
 from flowloop.errors import DefinitionError, InvalidContext, InvalidEvent
 from flowloop.flowcontrol import Breaker, RateLimit, check_step_limits, check_workflow_limits
 from flowloop.journal import TIMEOUT_EVENT
@@ -498,17 +499,15 @@ class Workflow(compose.Composing):
     def parse_context(self, data: str | bytes | Mapping[str, Any] | BaseModel) -> BaseModel:
         """Validate a context given as JSON text, a mapping or a model instance."""
         try:
-            if isinstance(data, self.context):
-                return self.context.model_validate(data.model_dump(), by_name=True)
-            if isinstance(data, BaseModel):
-                return self.context.model_validate(data.model_dump(), by_name=True)
-            if isinstance(data, (str, bytes)):
-                return self.context.model_validate_json(data, by_name=True)
-            if not isinstance(data, Mapping):
+            if isinstance(data, BaseModel):  # (a copy: steps never share one)
+                return context_from(self.context, data.model_dump())
+            if not isinstance(data, (str, bytes, Mapping)):
                 raise InvalidContext(
                     self.name, f"expected an object of fields, got {type(data).__name__}"
                 )
-            return self.context.model_validate(dict(data), by_name=True)
+            return context_from(
+                self.context, data if isinstance(data, (str, bytes)) else dict(data)
+            )
         except ValidationError as error:
             raise InvalidContext(self.name, describe_validation(error)) from error
 
@@ -550,7 +549,7 @@ class Workflow(compose.Composing):
         validate) or ContextMigrationError (it cannot be migrated)."""
         if version == self.context_version:
             try:
-                return self.context.model_validate_json(text, by_name=True)
+                return context_from(self.context, text)
             except ValidationError as error:
                 raise InvalidContext(self.name, describe_validation(error)) from error
         try:

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from flowloop import journal as j
+from flowloop.contexts import context_from
 from flowloop.definition import TIMEOUT_EVENT, Workflow, describe_validation
 from flowloop.errors import (
     FlowloopError,
@@ -201,7 +202,7 @@ def receive(
         if handler is not None:
             handler(ctx, value)
     context = ctx.model_dump_json()
-    workflow.context.model_validate_json(context, by_name=True)
+    context_from(workflow.context, context)
     data = {**entering(workflow, target, now), **(extra or {})}
     received = JournalEvent(
         run_id=record.id,

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from flowloop import compose
 from flowloop import journal as j
+from flowloop.contexts import context_from
 from flowloop.definition import Step, Workflow
 from flowloop.errors import error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
@@ -86,7 +87,7 @@ async def drive(
         try:
             await executor._call(record, undo_spec, ctx, step)
             context = ctx.model_dump_json()
-            workflow.context.model_validate_json(context, by_name=True)
+            context_from(workflow.context, context)
         except Exception as error:
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None

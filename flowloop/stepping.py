@@ -23,7 +23,7 @@ from flowloop import children, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
-from flowloop.contexts import dump_context
+from flowloop.contexts import context_from, dump_context
 from flowloop.definition import (
     TIMEOUT_EVENT,
     Sleep,
@@ -213,8 +213,7 @@ class Stepping:
             event = workflow.event_for(record.state, returned)
             next_state = workflow.next_state(record.state, event)
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
-            # What a resume loads (by name too: stored contexts are dumped by field name).
-            parsed = workflow.context.model_validate_json(context, by_name=True)
+            parsed = context_from(workflow.context, context)  # what a resume loads
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise

@@ -234,7 +234,7 @@ def start_many(
     if as_json:
         click.echo(json.dumps([info_json(info) for info in infos]))
     else:
-        same = max(0, len(infos) - infos.created - len(otherwise))
+        same = len(infos) - infos.created - len(otherwise)
         out.print(
             f"{len(infos)} run(s) of {workflow.name}: {infos.created} new, {same} already "
             f"there (same key)" + (f", {len(otherwise)} not started" if otherwise else "")

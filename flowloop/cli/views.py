@@ -160,18 +160,9 @@ def status_table(
     # Never cut an id short with an ellipsis: a shown id must work as a RUN argument.
     run_column = Column("run", no_wrap=True, min_width=max(map(len, shown_ids), default=3))
     status_column = Column("status", no_wrap=True)
-    names = ("run", "workflow", "status", "state", "attempt", "key", "updated", "note")
-    kept = [n not in leave_out for n in names]
-    columns: tuple[Column | str, ...] = (
-        run_column,
-        "workflow",
-        status_column,
-        "state",
-        "attempt",
-        "key",
-        "updated",
-        "note",
-    )
+    columns = [run_column, Column("workflow"), status_column, Column("state")]
+    columns += [Column("attempt"), Column("key"), Column("updated"), Column("note")]
+    kept = [column.header not in leave_out for column in columns]
     table = Table(*(column for column, keep in zip(columns, kept, strict=True) if keep))
     # Cells as Text, not markup: nothing in them is parsed (a name is shown as it is), and
     # parsing every cell's markup was a quarter of drawing the table (issue 13).

@@ -29,6 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import IntegrityError
 
 from flowloop.journal import load_data
+from flowloop.loop_requests import REQUEST_KEY_PREFIX
 from flowloop.store import leases
 from flowloop.store.schema import loop_journal, loops, meta
 
@@ -89,6 +90,11 @@ class LoopSpec:
     name: str
     schedule: str
     first_slot: float
+
+
+def _request_key(name: str) -> str:
+    """The ``flowloop_meta`` key of the loop's pending backfill range (a key holds 64)."""
+    return f"{REQUEST_KEY_PREFIX}{name}"[:64]
 
 
 def _row(row: Any) -> LoopRow:
@@ -412,7 +418,7 @@ class LoopStoreMixin:
             )
             if result.rowcount != 1:
                 return False
-            key = f"loop_backfill:{name}"[:64]
+            key = _request_key(name)
             conn.execute(meta.delete().where(meta.c.key == key))
             if request is not None:
                 conn.execute(insert(meta).values(key=key, value=request))
@@ -440,13 +446,13 @@ class LoopStoreMixin:
                 return False
             if row.status == "scheduled":
                 conn.execute(insert(loop_journal), _event_rows([event], row.last_seq + 1))
-            conn.execute(meta.delete().where(meta.c.key == f"loop_backfill:{row.name}"[:64]))
+            conn.execute(meta.delete().where(meta.c.key == _request_key(row.name)))
             self._bump_changes(conn)
         return True
 
     def loop_run_request(self, name: str) -> str | None:
         """A loop's pending backfill range (JSON), if any."""
-        key = f"loop_backfill:{name}"[:64]
+        key = _request_key(name)
         with self._read() as conn:
             value = conn.execute(select(meta.c.value).where(meta.c.key == key)).scalar()
         return None if value is None else str(value)
