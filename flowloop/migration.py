@@ -99,15 +99,16 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     parked = record.status == "paused" and reason.startswith(
         (DEFINITION_MISMATCH, CONTEXT_MISMATCH)
     )
-    # Waiting with no due time (in a wait without a timeout, or for its children) and moved:
-    # due now, or at the timeout of the wait it moves to — it stayed scheduled with no due
-    # time, never claimed. Not a parent whose join goes along to its renamed state: its
-    # children's ends make it due (claimed now, it started them again: review).
+    # Waiting and moved: due now, or at the timeout of the wait it moves to. With no due time
+    # (a wait without a timeout, or for its children) it stayed scheduled, never claimed; out
+    # of a wait with a timeout it kept that timeout — a step ran that much late. Not a parent
+    # whose join goes along to its renamed state: its children's ends make it due (claimed
+    # now, it started them again: review).
     undue = (
         record.status == "scheduled"
-        and record.next_run_at is None
         and state != record.state
         and join_to is None
+        and (record.next_run_at is None or engine._waits_by_stored_definition(record))
     )
     if parked or undue:
         data["status"] = "scheduled"

@@ -11,6 +11,7 @@ calling a new one. A state left that the new version still has now keeps its cou
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -412,6 +413,49 @@ def test_a_run_moved_out_of_a_wait_with_no_timeout_is_due(store_url: str) -> Non
         engine.migrate(run, to=2, by="deployer")
         engine.run_until_idle()
         assert engine.get(run).status == "succeeded"
+        assert engine.replay(run).matches
+
+
+def _timed_wait_flow(version: int, target: str) -> Workflow:
+    """v1 waits in ``hold`` for a day; v2 maps ``hold`` onto ``target``: the step ``work`` or
+    the wait ``hold2``, whose timeout is a minute."""
+    workflow = Workflow(
+        "timed_wait",
+        context=Kid,
+        version=version,
+        migrates_from={1: {"hold": target}} if version == 2 else None,
+    )
+    if version == 1:
+        workflow.wait("hold", on={"go": "done"}, timeout=86_400, on_timeout="done", initial=True)
+    elif target == "work":
+        workflow.step(name="work", initial=True, next="done")(lambda ctx: None)
+    else:
+        workflow.wait("hold2", on={"go": "done"}, timeout=60, on_timeout="done", initial=True)
+    workflow.final("done")
+    return workflow
+
+
+@pytest.mark.parametrize("target", ["work", "hold2"])
+def test_a_run_moved_out_of_a_wait_with_a_timeout_is_due_as_its_new_state_says(
+    store_url: str, target: str
+) -> None:
+    """Moved from a wait with a timeout, it kept that timeout as its due time: a step ran a
+    day late, a wait timed out by the old wait's timeout. Due now (a step) or at the new
+    wait's timeout, as a run moved out of a wait without one."""
+    with Engine(store_url, workflows=[_timed_wait_flow(1, target)]) as engine:
+        run = engine.start(engine.workflow("timed_wait"), Kid()).id
+        engine.run_until_idle()
+        assert engine.get(run).next_run_at == pytest.approx(time.time() + 86_400, abs=60)
+    with Engine(store_url, workflows=[_timed_wait_flow(2, target)]) as engine:
+        moved_at = time.time()
+        engine.migrate(run, to=2, by="deployer")
+        engine.run_until_idle(idle_horizon=0)
+        info = engine.get(run)
+        if target == "work":
+            assert info.status == "succeeded"
+        else:
+            assert (info.status, info.state) == ("scheduled", "hold2")
+            assert info.next_run_at == pytest.approx(moved_at + 60, abs=30)
         assert engine.replay(run).matches
 
 
