@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Final
 
 import click
+from click.core import ParameterSource
 
 from flowloop import loop_requests
 from flowloop.cli.common import db_option, err, json_option, open_engine, out, seconds_option
@@ -134,6 +135,16 @@ def trigger_command(
     out.print(f"loop {row.name}: trigger requested; its worker runs it (`flowloop loops {name}`)")
 
 
+def _given_options(*options: tuple[str, str]) -> list[str]:
+    """Which of the (flag, parameter) ``options`` the command line gave (defaults aside)."""
+    ctx = click.get_current_context()
+    return [
+        flag
+        for flag, parameter in options
+        if ctx.get_parameter_source(parameter) is ParameterSource.COMMANDLINE
+    ]
+
+
 @click.command(name="backfill")
 @click.argument("name")
 @click.option("--from", "start", help="First slot time (ISO 8601; UTC if bare).")
@@ -169,9 +180,16 @@ def backfill_command(
     from flowloop.clock import iso
 
     if withdraw:
-        if start is not None or end is not None or wait:
+        given = _given_options(
+            ("--from", "start"),
+            ("--to", "end"),
+            ("--max", "limit"),
+            ("--wait", "wait"),
+            ("--timeout", "timeout_text"),
+        )
+        if given:
             raise FlowloopError(
-                "--withdraw takes back the pending request: drop --from/--to/--wait"
+                f"--withdraw takes back the pending request: drop {'/'.join(given)}"
             )
         _withdraw(name, db, synchronous, as_json)
         return

@@ -160,7 +160,12 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         (("trigger", "nope"), "no loop 'nope'"),
         (("trigger", "nightly", "--withdraw"), "loop 'nightly' has no trigger or backfill pending"),
         (("backfill", "nightly", "--to", end), "backfill needs --from and --to (or --withdraw)"),
-        (("backfill", "nightly", "--to", end, "--withdraw"), "drop --from/--to/--wait"),
+        (("backfill", "nightly", "--to", end, "--withdraw"), "drop --to"),
+        (("backfill", "nightly", "--max", "5", "--withdraw"), "drop --max"),
+        (
+            ("backfill", "nightly", "--withdraw", "--wait", "--timeout", "1m"),
+            "drop --wait/--timeout",
+        ),
         (("backfill", "nightly", "--from", "yesterday", "--to", end), "is not an ISO 8601"),
         (("backfill", "nightly", "--from", end, "--to", start), "--to is before --from"),
     ]:
