@@ -42,6 +42,7 @@ from flowloop.specs import (
     StepSpec,
     Transition,
     WaitSpec,
+    check_retry,
     step_spec,
     wait_spec,
 )
@@ -209,6 +210,7 @@ class Workflow(compose.Composing):
         def register(function: F) -> F:
             state = name or function.__name__
             self._new_step_name(state)
+            check_retry(self.name, state, "compensate_retry", compensate_retry)
             self._draft.steps[state] = step_spec(
                 self.name,
                 state,
@@ -260,6 +262,7 @@ class Workflow(compose.Composing):
             raise DefinitionError(self.name, f"has no step {state!r}")
         if timeout is not None and timeout <= 0:
             raise DefinitionError(self.name, f"state {state!r}: timeout must be positive")
+        check_retry(self.name, state, "retry", retry)
         self._draft.steps[state] = dataclasses.replace(
             spec,
             timeout=spec.timeout if timeout is None else timeout,

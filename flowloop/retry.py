@@ -79,6 +79,8 @@ class Retry:
     giving_up_on: tuple[type[BaseException], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
+            raise FlowloopError(f"Retry(attempts={self.attempts!r}): attempts must be an integer")
         if self.attempts < 1:
             raise FlowloopError(f"Retry(attempts={self.attempts}): attempts must be at least 1")
         if self.backoff not in BACKOFFS:
@@ -96,8 +98,21 @@ class Retry:
                 f"below base, so every delay would be {human(self.cap_seconds)}; raise cap "
                 "with base (cap=0 retries at once)"
             )
-        if not 0.0 <= self.jitter <= 1.0:
-            raise FlowloopError(f"Retry(jitter={self.jitter}): jitter is a fraction in [0, 1]")
+        if not isinstance(self.jitter, int | float) or not 0.0 <= self.jitter <= 1.0:
+            raise FlowloopError(f"Retry(jitter={self.jitter!r}): jitter is a fraction in [0, 1]")
+        for name in ("on", "giving_up_on"):
+            # One class alone is taken as a tuple of one (isinstance reads both alike); a
+            # name or an instance failed only when a step raised, and took the worker down.
+            value = getattr(self, name)
+            classes = (value,) if isinstance(value, type) else value
+            if not isinstance(classes, tuple | list) or not all(
+                isinstance(c, type) and issubclass(c, BaseException) for c in classes
+            ):
+                raise FlowloopError(
+                    f"Retry({name}={value!r}): {name} takes exception classes, "
+                    f"e.g. {name}=(TimeoutError, ConnectionError)"
+                )
+            object.__setattr__(self, name, tuple(classes))
 
     @property
     def base_seconds(self) -> float:

@@ -167,6 +167,17 @@ class Transition:
 # -- declaring: each spec checked on its own (Workflow checks names and the whole machine) --
 
 
+def check_retry(workflow: str, state: str, option: str, value: object) -> None:
+    """DefinitionError unless ``value`` (a step's ``option``) is a Retry or None: anything
+    else failed only when the step did, and took the worker down with it."""
+    if value is not None and not isinstance(value, Retry):
+        raise DefinitionError(
+            workflow,
+            f"state {state!r}: {option}={value!r} must be a flowloop Retry, "
+            f"e.g. {option}=Retry(attempts=3)",
+        )
+
+
 def step_spec(
     workflow: str,
     state: str,
@@ -191,6 +202,7 @@ def step_spec(
     timeout_s = seconds(timeout, f"{workflow}: state {state!r} timeout")
     if timeout_s is not None and timeout_s <= 0:
         raise DefinitionError(workflow, f"state {state!r}: timeout must be positive")
+    check_retry(workflow, state, "retry", retry)
     if max_visits is not None and max_visits < 1:
         raise DefinitionError(workflow, f"state {state!r}: max_visits must be at least 1")
     return StepSpec(

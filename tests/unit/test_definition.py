@@ -140,6 +140,13 @@ def test_validate__message_names_the_workflow() -> None:
         ({"next": "done", "timeout": timedelta(seconds=-1)}, "timeout must be positive"),
         ({"next": "done", "max_visits": 0}, "max_visits must be at least 1"),
         ({"next": "done", "name": "bad name"}, "not a valid name"),
+        # Taken before, they failed only when the step raised, taking the worker down
+        # (new-user audit).
+        ({"next": "done", "retry": 3}, r"retry=3 must be a flowloop Retry"),
+        (
+            {"next": "done", "compensate": fn, "compensate_retry": 2},
+            r"compensate_retry=2 must be a flowloop Retry",
+        ),
     ],
     ids=[
         "neither",
@@ -149,12 +156,21 @@ def test_validate__message_names_the_workflow() -> None:
         "negative-timedelta",
         "zero-visits",
         "bad-name",
+        "retry-a-number",
+        "compensate-retry-a-number",
     ],
 )
 def test_step__bad_declaration_refused(kwargs: dict[str, Any], message: str) -> None:
     wf = Workflow("w", context=Ctx)
     with pytest.raises(DefinitionError, match=message):
         wf.step(initial=True, **kwargs)(fn)
+
+
+def test_tune_step__retry_not_a_retry_refused() -> None:
+    wf = Workflow("w", context=Ctx)
+    wf.step(name="a", initial=True, next="done")(fn)
+    with pytest.raises(DefinitionError, match=r"state 'a': retry='3' must be a flowloop Retry"):
+        wf.tune_step("a", retry="3")  # type: ignore[arg-type]
 
 
 def test_step__declared_twice_refused() -> None:

@@ -106,6 +106,15 @@ def test_should_retry__giving_up_on_wins_over_on() -> None:
         ({"cap": timedelta(seconds=-1)}, "must not be negative"),
         ({"jitter": 1.5}, "jitter is a fraction"),
         ({"jitter": -0.1}, "jitter is a fraction"),
+        # Refused when declared: each failed only when a step raised, and took the worker
+        # down with a traceback, the run left running (new-user audit).
+        ({"jitter": "0.1"}, "jitter is a fraction"),
+        ({"attempts": "3"}, "attempts must be an integer"),
+        ({"attempts": True}, "attempts must be an integer"),
+        ({"on": ("ValueError",)}, r"on takes exception classes"),
+        ({"on": (ValueError(),)}, r"on takes exception classes"),
+        ({"giving_up_on": "KeyError"}, r"giving_up_on takes exception classes"),
+        ({"on": (int,)}, r"on takes exception classes"),
     ],
 )
 def test_retry__invalid_policy_refused(kwargs: dict[str, object], message: str) -> None:
@@ -143,3 +152,9 @@ def test_retry__a_cap_given_below_base_is_refused_but_zero() -> None:
     with pytest.raises(FlowloopError, match=r"Retry\(base=10m, cap=5m\): cap is below base"):
         Retry(backoff="fixed", base=600, cap=300)
     assert Retry(attempts=5, cap=0).delay(3) == 0.0
+
+
+def test_retry__one_exception_class_is_taken_as_a_tuple_of_one() -> None:
+    policy = Retry(on=ValueError, giving_up_on=[KeyError])  # type: ignore[arg-type]
+    assert (policy.on, policy.giving_up_on) == ((ValueError,), (KeyError,))
+    assert policy.should_retry(ValueError(), 1) and not policy.should_retry(KeyError(), 1)
