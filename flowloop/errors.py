@@ -8,7 +8,10 @@ Every error a user can cause derives from :class:`FlowloopError`. The CLI prints
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
@@ -212,6 +215,35 @@ class KeyTaken(FlowloopError):
 class StepTimeout(TimeoutError):
     """A step ran longer than its ``timeout``. Subclasses TimeoutError so ``Retry(on=...)``
     can name either."""
+
+
+class StepExited(Exception):
+    """A step, a compensation or a loop's function called ``sys.exit()`` (raised
+    ``SystemExit``): it fails like any error (retried under its policy, routed by
+    ``on_error``), instead of ending the worker and every run it holds."""
+
+    def __init__(self, what: str, code: object) -> None:
+        super().__init__(
+            f"{what} called sys.exit({code!r}): return, or raise an error (an exit would end "
+            "the worker)"
+        )
+        self.code = code
+
+    @classmethod
+    def instead_of(cls, error: BaseException, what: str) -> Exception:
+        """``error`` as the step's error: a ``SystemExit`` becomes a StepExited."""
+        if isinstance(error, Exception):
+            return error
+        return cls(what, error.code if isinstance(error, SystemExit) else None)
+
+
+async def exits_as_errors(call: Awaitable[T], what: str) -> T:
+    """Await ``call`` in a task of its own with ``SystemExit`` turned into StepExited:
+    asyncio lets a task's ``SystemExit`` out of the event loop, ending the process."""
+    try:
+        return await call
+    except SystemExit as exited:
+        raise StepExited(what, exited.code) from None
 
 
 class Interrupted(FlowloopError):

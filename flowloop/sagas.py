@@ -28,7 +28,7 @@ from flowloop import compose
 from flowloop import journal as j
 from flowloop.contexts import context_from
 from flowloop.definition import Step, Workflow
-from flowloop.errors import error_line, error_trace
+from flowloop.errors import StepExited, error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence
 
@@ -88,7 +88,8 @@ async def drive(
             await executor._call(record, undo_spec, ctx, step)
             context = ctx.model_dump_json()
             context_from(workflow.context, context)
-        except Exception as error:
+        except (Exception, SystemExit) as caught:
+            error = StepExited.instead_of(caught, f"compensation of {undo.state!r}")
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None
         log.info(

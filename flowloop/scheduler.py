@@ -25,7 +25,7 @@ from typing import Any, Final
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout
+from flowloop.errors import StepTimeout, exits_as_errors
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -572,7 +572,7 @@ class Scheduler:
         while True:
             iteration = Iteration(loop=loop.name, slot=slot, number=number, attempt=attempt)
             try:
-                call = self.run_iteration(loop, iteration)
+                call = exits_as_errors(self.run_iteration(loop, iteration), f"loop {loop.name!r}")
                 if loop.timeout is not None:
                     try:
                         result = await asyncio.wait_for(call, loop.timeout)

@@ -36,9 +36,11 @@ from flowloop.errors import (
     ContextNotSerializable,
     InvalidEvent,
     MaxVisitsExceeded,
+    StepExited,
     StepTimeout,
     error_line,
     error_trace,
+    exits_as_errors,
 )
 from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
@@ -217,7 +219,8 @@ class Stepping:
             check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
-        except Exception as error:
+        except (Exception, SystemExit) as caught:
+            error = StepExited.instead_of(caught, f"step {record.state!r}")
             duration = self.clock.monotonic() - started
             if isinstance(error, children.DeadlineCut):
                 moved = await children.past_deadline(self._whole(), workflow, record, fence)
@@ -619,7 +622,9 @@ class Stepping:
         thread: Future[Any] | None = None
         active = self._active.get(run_id)
         if spec.is_async:
-            future: asyncio.Future[Any] = asyncio.ensure_future(spec.fn(*args))
+            future: asyncio.Future[Any] = asyncio.ensure_future(
+                exits_as_errors(spec.fn(*args), f"step {spec.name!r}")
+            )
         else:
             # In the run task's context, as asyncio.to_thread would: what the run holds
             # (flowloop.holding) and the caller's context variables reach the step. Not
