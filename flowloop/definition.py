@@ -129,6 +129,7 @@ class Workflow(compose.Composing):
             key_limit=key_limit,
             rate_limit=rate_limit,
         )
+        _check_key(name, context, key)
         self.concurrency_key = concurrency_key
         self.key_limit = key_limit
         self.rate_limit = rate_limit
@@ -587,6 +588,28 @@ class Workflow(compose.Composing):
             return None
         value = getattr(context, self.key) if isinstance(self.key, str) else self.key(context)
         return None if value is None else str(value)
+
+
+def _check_key(workflow: str, model: type[BaseModel], key: object) -> None:
+    """DefinitionError unless ``key`` names a field (or property) of ``model`` or is a
+    function: a misspelt name failed only when a run started, with a traceback."""
+    if key is None or callable(key):
+        return
+    if not isinstance(key, str):
+        raise DefinitionError(workflow, f"key={key!r} must be a field name or a function")
+    if key in model.model_fields or key in model.model_computed_fields:
+        return
+    if (
+        isinstance(getattr(model, key, None), property)
+        or model.model_config.get("extra") == "allow"
+    ):
+        return  # (an extra field of a model that keeps extras is read as an attribute too)
+    fields = ", ".join(model.model_fields) or "none"
+    raise DefinitionError(
+        workflow,
+        f"key={key!r} is not a field of {model.__name__} (fields: {fields}); name a field "
+        "or pass a function of the context",
+    )
 
 
 @functools.cache

@@ -543,3 +543,24 @@ def test_validate__every_problem_at_once() -> None:
         "2 problems: (1) state(s) 'orphan' cannot be reached; "
         "(2) state(s) 'b', 'c' can never reach a final state"
     ), caught.value
+
+
+def test_workflow__key_naming_no_field_refused() -> None:
+    """A misspelt ``key=`` was taken, and every start failed with an AttributeError's
+    traceback (new-user audit)."""
+
+    class Order(BaseModel):
+        id: str
+
+        @property
+        def upper(self) -> str:
+            return self.id.upper()
+
+    with pytest.raises(
+        DefinitionError, match=r"key='order_id' is not a field of Order \(fields: id\)"
+    ):
+        Workflow("keyed", context=Order, key="order_id")
+    with pytest.raises(DefinitionError, match=r"key=3 must be a field name or a function"):
+        Workflow("keyed", context=Order, key=3)  # type: ignore[arg-type]
+    for key in ("id", "upper", lambda ctx: ctx.id):
+        assert Workflow("keyed", context=Order, key=key).key == key  # type: ignore[arg-type]
