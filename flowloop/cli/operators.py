@@ -15,6 +15,7 @@ from flowloop.cli.common import (
     command_settings,
     database,
     db_option,
+    err,
     json_option,
     load_workflow_paths,
     open_engine,
@@ -209,14 +210,18 @@ def check(
     """Validate the workflows in FILE[:NAME] and tell, run by run, what they do to live
     runs: continues as is, continues after migration, would be parked, would fail. Exit 0
     only when nothing would be parked or fail."""
-    from flowloop.checking import check_workflows
+    from flowloop.checking import CheckReport, check_workflows
     from flowloop.cli.deploy import print_check_report
+    from flowloop.definition import Workflow
     from flowloop.loader import load_paths
     from flowloop.store.sql import SQLStore
 
     path, _, name = target.partition(":")
     loaded = load_paths([path])
     versions = [w for w in loaded.all_versions() if not name or w.name == name]
+    variable = getattr(loaded.modules[-1], name, None) if name and loaded.modules else None
+    if not versions and isinstance(variable, Workflow):
+        versions = [variable]  # FILE:VARIABLE, as run and diagram take it
     if not versions:
         defined = ", ".join(sorted(loaded.workflows)) or "none"
         raise FlowloopError(
@@ -224,9 +229,21 @@ def check(
             if name
             else f"nothing to check: {path} defines no workflow; pass the file that does"
         )
-    with open_engine(db, synchronous, read=True) as engine:
-        assert isinstance(engine.store, SQLStore)
-        reports = check_workflows(engine.store, versions, every=all_runs, validate=validate)
+    missing = _no_database_yet(db)
+    if missing is not None:
+        # A new project: the definitions are checked (loading them did), no runs to judge.
+        reports = [
+            (w, CheckReport(workflow=w.name, version=w.version, fingerprint=w.fingerprint))
+            for w in versions
+        ]
+        err.print(
+            f"no database at {missing}: no live runs to judge (--db names one)",
+            markup=False,
+        )
+    else:
+        with open_engine(db, synchronous, read=True) as engine:
+            assert isinstance(engine.store, SQLStore)
+            reports = check_workflows(engine.store, versions, every=all_runs, validate=validate)
     bad = [run for _, report in reports for run in report.runs if run.kind in ("parks", "fails")]
     if as_json:
         click.echo(
@@ -246,6 +263,20 @@ def check(
             print_check_report(out, workflow, report)
     if bad:
         raise Failed(f"{len(bad)} live run(s) would be parked or fail under this definition")
+
+
+def _no_database_yet(db: str | None) -> Path | None:
+    """./flowloop.db when it does not exist and no --db, $FLOWLOOP_DB or configured
+    database names another: a new project. (A database named and missing is refused as a
+    typo, as every reading command does.)"""
+    from flowloop.cli.support import sqlite_path
+    from flowloop.store.urls import DEFAULT_URL, normalize_url
+
+    url = database(db)
+    if db or url != normalize_url(DEFAULT_URL):
+        return None
+    path = sqlite_path(url)
+    return path if path is not None and not path.exists() else None
 
 
 @click.command()

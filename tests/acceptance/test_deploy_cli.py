@@ -265,3 +265,47 @@ def test_check__a_file_without_workflows_or_an_unknown_name_is_refused(here: Pat
     assert result.exit_code != 0
     assert "no workflow 'nosuch' in" in result.output and "(it defines: order)" in result.output
     assert _cli(here, "check", f"{v1}:order").exit_code == 0
+
+
+def test_check__file_variable_as_run_and_diagram_take_it(here: Path) -> None:
+    """`check FILE:VARIABLE` was refused ("no workflow 'order_v2'") though run and diagram
+    take a variable's name (new-user audit)."""
+    both = _file(
+        here, "both", "order_v1 = deploykit.order(); order_v2 = deploykit.order(version=2)"
+    )
+    result = _cli(here, "check", f"{both}:order_v2")
+    assert result.exit_code in (0, 1), result.output
+    assert "order v2" in result.output and "order v1" not in result.output
+
+
+def test_check__a_new_project_without_a_database_checks_the_definitions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`check FILE` in a folder with no database refused ("no database at flowloop.db")
+    though it is how a new definition is checked before anything runs (new-user audit). A
+    database named and missing is still refused: a typo."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWLOOP_DB", raising=False)
+    v1 = _file(tmp_path, "v1", "order = deploykit.order()")
+    broken = _file(
+        tmp_path, "broken", "order = deploykit.order(); order.step(name='x', next='nowhere')(print)"
+    )
+
+    def check(*args: str) -> int:
+        try:
+            main(["check", *args])
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 1
+        return 0
+
+    assert check(str(v1)) == 0
+    captured = capsys.readouterr()
+    assert "ok order v1" in captured.out
+    assert captured.err.strip() == (
+        "no database at flowloop.db: no live runs to judge (--db names one)"
+    )
+    assert not (tmp_path / "flowloop.db").exists()  # nothing created
+    assert check(str(broken)) == 2
+    assert "goes to unknown state(s) 'nowhere'" in capsys.readouterr().err
+    assert check(str(v1), "--db", "typo.db") == 2
+    assert "no database at typo.db" in capsys.readouterr().err
