@@ -145,9 +145,10 @@ def progress_printer(
     return show
 
 
-SHOWN_EVENTS = frozenset({"step_finished", "run_failed"})
+SHOWN_EVENTS = frozenset({"step_finished", "run_failed", "compensation_failed", "deadline_passed"})
 """The ``event`` of the engine's log lines that a progress printer shows as lines of its own
-(a failed attempt, a run that failed): the same error logged again says nothing new."""
+(a failed attempt or compensation, a run that failed, a deadline passed): the same error
+logged again says nothing new."""
 
 
 class _ShownByPrinter(logging.Filter):

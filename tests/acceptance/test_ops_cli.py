@@ -630,3 +630,42 @@ def test_cli__a_failed_run_says_its_error_once_and_exits_1(here: Path) -> None:
     quiet = flowloop("run", *failing, "--json", cwd=here, code=1)
     assert json.loads(quiet.stdout)["run"]["status"] == "failed"
     assert quiet.stderr.splitlines()[-1].startswith("error: run "), quiet.stderr
+
+
+SAGA = """
+from datetime import timedelta
+from pydantic import BaseModel
+from flowloop import Retry, Workflow
+
+class C(BaseModel):
+    late: bool = False
+
+saga = Workflow("saga", context=C)
+
+def undo_a(ctx: C) -> None:
+    raise RuntimeError("refund api down")
+
+@saga.step(initial=True, next="b", compensate=undo_a, compensate_retry=Retry(attempts=1))
+def a(ctx: C) -> None:
+    pass
+
+@saga.step(next="done", retry=Retry(attempts=1), on_error={"*": "rolled_back"})
+def b(ctx: C) -> None:
+    raise ValueError("declined")
+
+saga.final("done")
+saga.final("rolled_back", compensate=True)
+"""
+
+
+def test_cli__a_failed_compensation_is_shown_once(tmp_path: Path) -> None:
+    """A compensation's failure was printed by the run's lines and logged at ERROR on
+    stderr besides, against the README's promise for a step's (new-user audit)."""
+    (tmp_path / "saga.py").write_text(textwrap.dedent(SAGA).lstrip())
+    result = flowloop("run", "saga.py", "--context", "{}", cwd=tmp_path, code=1)
+    assert result.stderr == "", result.stderr
+    assert "compensation_failed" in result.stdout and "refund api down" in result.stdout
+    verbose = flowloop(
+        "--log-level", "info", "run", "saga.py", "--context", "{}", cwd=tmp_path, code=1
+    )
+    assert "compensation of a attempt 1 failed: refund api down" in verbose.stderr
