@@ -53,7 +53,7 @@ class LoopControls:
             if row.control == "pause":
                 self._loop_store().request_loop_control(name, None)
                 return self.loop(name)
-            raise InvalidTransition(name, row.status, "unpause")
+            raise InvalidTransition(name, row.status, "unpause", what="loop")
         self._loop_write(
             row,
             "loop_unpaused",
@@ -117,7 +117,7 @@ class LoopControls:
         if row.status == target:
             return row
         if row.status == "stopped":
-            raise InvalidTransition(name, row.status, action)
+            raise InvalidTransition(name, row.status, action, what="loop")
         if row.status == "running" or not self._loop_write(
             row,
             f"loop_{target}",

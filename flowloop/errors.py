@@ -109,8 +109,14 @@ class InvalidEvent(FlowloopError):
 class InvalidTransition(FlowloopError):
     """An operation is not allowed in the run's current lifecycle status."""
 
-    def __init__(self, run_id: str, status: str, action: str) -> None:
-        super().__init__(f"run {run_id!r} is {status}: cannot {action} it")
+    def __init__(self, run_id: str, status: str, action: str, *, what: str = "run") -> None:
+        # A stopped or failed run goes on only by a retry: say so where one is refused.
+        hint = (
+            "; `flowloop retry` runs it again"
+            if what == "run" and action == "unpause" and status in ("stopped", "failed")
+            else ""
+        )
+        super().__init__(f"{what} {run_id!r} is {status}: cannot {action} it{hint}")
         self.run_id = run_id
         self.status = status
 

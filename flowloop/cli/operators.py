@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Final
 
 import click
 
@@ -68,14 +69,18 @@ def control_command(name: str, doc: str) -> click.Command:
             if as_json:
                 click.echo(json.dumps({"run": info_json(info, support.WaitStates(engine))}))
                 return
-        pending = (
-            " (requested; its worker acts at the next step boundary)"
-            if info.status == "running"
-            else ""
-        )
+        pending = RUNNING_REQUEST.get(name, "") if info.status == "running" else ""
         out.print(f"run {info.id} {styled(info.status)}{pending}")
 
     return command
+
+
+RUNNING_REQUEST: Final = {
+    "pause": " (pause requested; its worker pauses it at the next step boundary)",
+    "stop": " (stop requested; its worker cancels the step in progress)",
+}
+"""What ``pause``/``stop`` of a running run add: its worker honours them (an ``unpause``
+that withdrew a pending pause says nothing more: the run goes on)."""
 
 
 pause = control_command(

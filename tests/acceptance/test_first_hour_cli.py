@@ -17,6 +17,7 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -685,3 +686,46 @@ def test_start__a_key_other_than_the_workflows_own_is_refused(here: Path) -> Non
     line = refused("start", *order, "--key", "other", cwd=here, process=False)
     assert "takes its key from the context ('K1'); --key 'other' would replace it" in line
     assert as_json("start", *order, "--key", "K1", cwd=here)["key"] == "K1"
+
+
+def test_pause_and_stop__of_a_running_run_say_what_its_worker_does(here: Path) -> None:
+    """`stop` of a running run said its worker acts "at the next step boundary", as `pause`
+    does, but a stop cancels the step in progress (new-user audit); `unpause` of a stopped
+    run did not say what runs it again."""
+    from pydantic import BaseModel
+
+    from flowloop import Workflow
+
+    class Slow(BaseModel):
+        n: int = 0
+
+    release = threading.Event()
+    slow = Workflow("slow", context=Slow)
+    slow.step(name="work", initial=True, next="done")(lambda ctx: release.wait(30))
+    slow.final("done")
+    for action, said in (
+        ("pause", "pause requested; its worker pauses it at the next step boundary"),
+        ("stop", "stop requested; its worker cancels the step in progress"),
+    ):
+        release.clear()
+        with Engine(str(here / "flowloop.db"), workflows=[slow]) as engine:
+            run_id = engine.start(slow, Slow()).id
+            driving = threading.Thread(target=engine.run_until_idle, kwargs={"idle_horizon": 0})
+            driving.start()
+            try:
+                poll(
+                    lambda run=run_id: engine.get(run).status == "running",
+                    timeout=30,
+                    every=0.01,
+                    what="the step to start",
+                )
+                shown = here_cli(action, run_id, cwd=here).strip()
+            finally:
+                release.set()
+                driving.join(30)
+        assert shown == f"run {run_id} running ({said})"
+    stopped = as_json("start", "orders.py", "--context", '{"order_id": "S1"}', cwd=here)["id"]
+    here_cli("stop", stopped, cwd=here)
+    assert quick("unpause", stopped, cwd=here) == (
+        f"error: run '{stopped}' is stopped: cannot unpause it; `flowloop retry` runs it again"
+    )

@@ -173,6 +173,10 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         assert refused.returncode == 2, refused.stderr
         assert message in refused.stderr and "Traceback" not in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
+    cli("stop", "nightly", db=db)
+    refused = cli("pause", "nightly", db=db, check=False)  # it said "run 'nightly' is …"
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == "error: loop 'nightly' is stopped: cannot pause it"
 
 
 def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
