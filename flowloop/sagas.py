@@ -31,6 +31,7 @@ from flowloop.definition import Step, Workflow
 from flowloop.errors import error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence
+from flowloop.versions import Registry
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
@@ -43,7 +44,7 @@ async def drive(
 ) -> RunRecord | None:
     """Run the compensations a claimed compensating run still owes, then end it."""
     events = executor.store.journal(record.id)
-    owed = compose.compensations_due(workflow, events)
+    owed = compose.compensations_due(workflow, events, _versions(executor, workflow))
     undone = compose.undone(events)
     pending: list[JournalEvent] = []  # a success, committed with what follows it
     for undo in owed:
@@ -75,7 +76,8 @@ async def drive(
         step = Step(
             run_id=record.id,
             workflow=workflow.name,
-            state=undo.state,
+            # The key of the step it undoes (its name and visit then), plus ":undo".
+            state=undo.ran_as,
             attempt=attempt,
             visit=undo.visit,
             seq=record.last_seq,
@@ -165,6 +167,14 @@ async def _failed(
     await executor._finish(record, fence, [failed])
     if retryable:
         executor.wake(record.id)
+
+
+def _versions(executor: Executor, workflow: Workflow) -> compose.VersionOf | None:
+    """The loaded versions of ``workflow`` (the names a migration gave its steps)."""
+    registry = executor.workflows
+    if not isinstance(registry, Registry):
+        return None
+    return lambda number: registry.version(workflow.name, number)
 
 
 def _wants_step(function: Any) -> bool:

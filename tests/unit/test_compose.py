@@ -241,11 +241,15 @@ def entry(seq: int, kind: str, **fields: object) -> j.JournalEvent:
     return j.JournalEvent(run_id="r", seq=seq, kind=kind, at=float(seq), **fields)  # type: ignore[arg-type]
 
 
+CREATED = {"workflow": "saga", "version": 1, "fingerprint": "f"}
+"""A ``run_created`` entry's data (compensations_due folds the journal as apply does)."""
+
+
 def test_compensations_due__reverse_journal_order_minus_those_done() -> None:
     wf = saga()
     wf.validate()
     events = [
-        entry(1, j.RUN_CREATED, state="reserve", context="{}"),
+        entry(1, j.RUN_CREATED, state="reserve", context="{}", data=CREATED),
         entry(2, j.STEP_STARTED, state="reserve"),
         entry(3, j.STEP_SUCCEEDED, state="reserve", next_state="charge", context="{}"),
         entry(4, j.STEP_STARTED, state="charge"),
