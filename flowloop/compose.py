@@ -37,8 +37,6 @@ MAP_OUTCOMES: Final = ("done", "failed")
 CHILD_ID_LENGTH: Final = 32
 DEFAULT_MAX_PARALLEL: Final = 16
 DEFAULT_MAX_ITEMS: Final = 100_000
-MAX_COMPENSATION_INTERRUPTIONS: Final = 25
-"""A compensation cut off this many times in a row (its worker died) parks the run."""
 
 
 # -- failure transitions ------------------------------------------------------------------
@@ -502,6 +500,25 @@ def undone(events: Sequence[JournalEvent]) -> list[str]:
 def compensation_retry(workflow: Workflow, state: str) -> Retry:
     spec = workflow.steps.get(state)
     return spec.compensate_retry if spec is not None else DEFAULT_RETRY
+
+
+def compensation_cut_off(
+    workflow: Workflow, state: str | None, attempt: int, now: float
+) -> tuple[dict[str, Any], str]:
+    """The data and message of the ``step_interrupted`` entry of a compensation (of the
+    step ``state``) cut off in its ``attempt``: a crash counts against its own
+    ``compensate_retry`` as a step's does against its ``retry`` — run again at once while
+    attempts are left, else the run parks ``failed`` like a compensation that failed for
+    good (one that takes its process down every time must not loop)."""
+    retry = compensation_retry(workflow, state) if state is not None else DEFAULT_RETRY
+    undo = f"the compensation of {state}" if state is not None else "a compensation"
+    if retry.has_attempts_left(attempt):
+        return {"retry_at": now}, f"cut off during {undo} (attempt {attempt}); it runs again"
+    reason = f"compensation_failed: {state or '?'}: interrupted {attempt} time(s)"
+    return {"reason": reason}, (
+        f"{reason}, no attempts left (fix it, then `flowloop retry` runs the compensations "
+        "still owed)"
+    )
 
 
 # -- deadlines ----------------------------------------------------------------------------

@@ -13,7 +13,9 @@ is journaled — runs the compensation exactly like a step:
   continues with the compensations still owed).
 
 So a compensation whose success is committed never runs again; one cut off by a crash runs
-again (it gets ``step.idempotency_key`` ending in ``:undo``). When none is owed the run ends
+again (it gets ``step.idempotency_key`` ending in ``:undo``) while its ``compensate_retry``
+has attempts left — the cut-off attempt counts, as a step's does (compose.compensation_cut_off,
+from recovery), else the run parks ``failed``. When none is owed the run ends
 in the compensating state, ``succeeded``, reason ``compensated: <states undone>``.
 """
 
