@@ -648,17 +648,19 @@ def error_route(
 
 
 def interrupted(
-    workflow: Workflow, record: RunRecord, data: dict[str, Any], message: str, now: float
+    workflow: Workflow,
+    record: RunRecord,
+    data: dict[str, Any],
+    message: str,
+    now: float,
+    undoing: str | None = None,
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
-    """Recovery of a run cut off mid-step: a compensation runs again (compensations are
-    idempotent by their key); a non-idempotent step goes where ``on_error={Interrupted:
-    ...}`` says. Returns the event's data, message and ``event``/``next_state`` fields."""
+    """Recovery of a run cut off mid-step: a compensation (of the step ``undoing``) runs
+    again while its ``compensate_retry`` has attempts left (compensations are idempotent
+    by their key); a non-idempotent step goes where ``on_error={Interrupted: ...}`` says.
+    Returns the event's data, message and ``event``/``next_state`` fields."""
     if workflow.compensates(record.state):
-        if record.attempt >= compose.MAX_COMPENSATION_INTERRUPTIONS:
-            # A compensation that takes its process down every time must not loop forever.
-            reason = f"compensation_failed: interrupted {record.attempt} time(s)"
-            return {"reason": reason}, f"{reason}; fix it, then retry", {}
-        return {"retry_at": now}, "cut off during a compensation; it runs again", {}
+        return (*compose.compensation_cut_off(workflow, undoing, record.attempt, now), {})
     spec = workflow.steps.get(record.state)
     if spec is None or "retry_at" in data:
         return data, message, {}

@@ -37,8 +37,6 @@ MAP_OUTCOMES: Final = ("done", "failed")
 CHILD_ID_LENGTH: Final = 32
 DEFAULT_MAX_PARALLEL: Final = 16
 DEFAULT_MAX_ITEMS: Final = 100_000
-MAX_COMPENSATION_INTERRUPTIONS: Final = 25
-"""A compensation cut off this many times in a row (its worker died) parks the run."""
 
 
 # -- failure transitions ------------------------------------------------------------------
@@ -419,35 +417,75 @@ def call_outcome(status: str) -> str:
 
 @dataclass(frozen=True)
 class Undo:
-    """One compensation to run: of the step that succeeded at journal ``seq``."""
+    """One compensation to run: of the step that succeeded at journal ``seq``, in visit
+    ``visit`` of the state it ran as (``ran_as``: its name then; ``state`` is its name in
+    the run's definition now, which a migration may have renamed it to)."""
 
     state: str
     seq: int
     visit: int
+    ran_as: str
 
 
-def compensations_due(workflow: Workflow, events: Sequence[JournalEvent]) -> list[Undo]:
+VersionOf = Callable[[int], "Workflow | None"]
+"""The loaded definition of a version of the run's workflow (``None``: not loaded)."""
+
+
+def compensations_due(
+    workflow: Workflow, events: Sequence[JournalEvent], version_of: VersionOf | None = None
+) -> list[Undo]:
     """The compensations a compensating run still owes, in the order they must run: every
     step that succeeded in this run and declares ``compensate=``, newest first, except
-    those whose ``compensation_succeeded`` is journaled."""
+    those whose ``compensation_succeeded`` is journaled. Each one's visit is the one its
+    step ran under, read off the journal's own fold (:func:`journal.apply`): a retry from a
+    past state or a migration begins or moves visits too, and a second count kept here
+    missed them (two visits' charges refunded under one key). A step a migration renamed
+    since (``version_of`` gives the versions it crossed) is undone by its new name's
+    ``compensate=``: looked up by the old one, it was skipped."""
     done = {
         int(event.data["for_seq"])
         for event in events
         if event.kind == j.COMPENSATION_SUCCEEDED and "for_seq" in event.data
     }
-    visits: dict[str, int] = {}
-    owed: list[Undo] = []
+    succeeded: list[Undo] = []
+    record: RunRecord | None = None
     for event in events:
-        if event.kind == j.RUN_CREATED and event.state is not None:
-            visits[event.state] = 1
-        elif event.kind in j.TRANSITIONS and event.next_state is not None:
-            if event.kind == j.STEP_SUCCEEDED and event.state is not None:
-                spec = workflow.steps.get(event.state)
-                if spec is not None and spec.compensate is not None and event.seq not in done:
-                    owed.append(Undo(event.state, event.seq, visits.get(event.state, 1)))
-            visits[event.next_state] = visits.get(event.next_state, 0) + 1
+        if record is None:
+            record = j.create(event)
+            continue
+        if event.kind == j.STEP_SUCCEEDED and event.state is not None and event.seq not in done:
+            visit = record.visit(event.state)
+            succeeded.append(Undo(event.state, event.seq, visit, event.state))
+        elif event.kind == j.RUN_MIGRATED:
+            succeeded = _renamed(succeeded, workflow, event, version_of)
+        record = j.apply(record, event)
+    owed = [undo for undo in succeeded if _compensates(workflow, undo.state)]
     owed.reverse()
     return owed
+
+
+def _compensates(workflow: Workflow, state: str) -> bool:
+    spec = workflow.steps.get(state)
+    return spec is not None and spec.compensate is not None
+
+
+def _renamed(
+    undos: list[Undo], workflow: Workflow, event: JournalEvent, version_of: VersionOf | None
+) -> list[Undo]:
+    """``undos`` named as the version a ``run_migrated`` entry moved the run to names
+    them: a state that version lacks and its ``migrates_from`` maps is renamed (a mapped
+    state it still has is where runs in it moved to, not a new name for its step)."""
+    to = int(event.data["to"])
+    target = workflow if to == workflow.version else version_of(to) if version_of else None
+    if target is None:
+        return undos
+    mapping = target.migrates_from.get(int(event.data["from"]), {})
+    return [
+        Undo(mapping[u.state], u.seq, u.visit, u.ran_as)
+        if u.state in mapping and u.state not in target.states
+        else u
+        for u in undos
+    ]
 
 
 def undone(events: Sequence[JournalEvent]) -> list[str]:
@@ -462,6 +500,25 @@ def undone(events: Sequence[JournalEvent]) -> list[str]:
 def compensation_retry(workflow: Workflow, state: str) -> Retry:
     spec = workflow.steps.get(state)
     return spec.compensate_retry if spec is not None else DEFAULT_RETRY
+
+
+def compensation_cut_off(
+    workflow: Workflow, state: str | None, attempt: int, now: float
+) -> tuple[dict[str, Any], str]:
+    """The data and message of the ``step_interrupted`` entry of a compensation (of the
+    step ``state``) cut off in its ``attempt``: a crash counts against its own
+    ``compensate_retry`` as a step's does against its ``retry`` — run again at once while
+    attempts are left, else the run parks ``failed`` like a compensation that failed for
+    good (one that takes its process down every time must not loop)."""
+    retry = compensation_retry(workflow, state) if state is not None else DEFAULT_RETRY
+    undo = f"the compensation of {state}" if state is not None else "a compensation"
+    if retry.has_attempts_left(attempt):
+        return {"retry_at": now}, f"cut off during {undo} (attempt {attempt}); it runs again"
+    reason = f"compensation_failed: {state or '?'}: interrupted {attempt} time(s)"
+    return {"reason": reason}, (
+        f"{reason}, no attempts left (fix it, then `flowloop retry` runs the compensations "
+        "still owed)"
+    )
 
 
 # -- deadlines ----------------------------------------------------------------------------

@@ -105,7 +105,8 @@ class Recovery:
         message = interruptions.message(
             cause, idempotent=idempotent, attempts_left=attempts_left, attempt=record.attempt
         )
-        data, message, route = children.interrupted(workflow, record, data, message, now)
+        undoing = self._undoing(workflow, record)
+        data, message, route = children.interrupted(workflow, record, data, message, now, undoing)
         data.setdefault("cause", cause)
         event = JournalEvent(
             run_id=record.id,
@@ -143,6 +144,16 @@ class Recovery:
             fence=Fence(self.worker_id, row.lease_epoch),
             release=True,
         )
+
+    def _undoing(self, workflow: Workflow, record: RunRecord) -> str | None:
+        """The step whose compensation a run cut off in a compensating state was running:
+        the one its last ``compensation_started`` names (``None``: not compensating)."""
+        if not workflow.compensates(record.state):
+            return None
+        for event in reversed(self.store.journal(record.id)):
+            if event.kind == j.COMPENSATION_STARTED:
+                return event.state
+        return None
 
     def _broken(self, row: StoredRun) -> Boundary:
         """A run whose row or journal tail cannot be read (``row.problem``) fails at once

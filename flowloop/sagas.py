@@ -13,7 +13,9 @@ is journaled — runs the compensation exactly like a step:
   continues with the compensations still owed).
 
 So a compensation whose success is committed never runs again; one cut off by a crash runs
-again (it gets ``step.idempotency_key`` ending in ``:undo``). When none is owed the run ends
+again (it gets ``step.idempotency_key`` ending in ``:undo``) while its ``compensate_retry``
+has attempts left — the cut-off attempt counts, as a step's does (compose.compensation_cut_off,
+from recovery), else the run parks ``failed``. When none is owed the run ends
 in the compensating state, ``succeeded``, reason ``compensated: <states undone>``.
 """
 
@@ -31,6 +33,7 @@ from flowloop.definition import Step, Workflow
 from flowloop.errors import StepExited, error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence
+from flowloop.versions import Registry
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
@@ -43,7 +46,7 @@ async def drive(
 ) -> RunRecord | None:
     """Run the compensations a claimed compensating run still owes, then end it."""
     events = executor.store.journal(record.id)
-    owed = compose.compensations_due(workflow, events)
+    owed = compose.compensations_due(workflow, events, _versions(executor, workflow))
     undone = compose.undone(events)
     pending: list[JournalEvent] = []  # a success, committed with what follows it
     for undo in owed:
@@ -75,7 +78,8 @@ async def drive(
         step = Step(
             run_id=record.id,
             workflow=workflow.name,
-            state=undo.state,
+            # The key of the step it undoes (its name and visit then), plus ":undo".
+            state=undo.ran_as,
             attempt=attempt,
             visit=undo.visit,
             seq=record.last_seq,
@@ -166,6 +170,14 @@ async def _failed(
     await executor._finish(record, fence, [failed])
     if retryable:
         executor.wake(record.id)
+
+
+def _versions(executor: Executor, workflow: Workflow) -> compose.VersionOf | None:
+    """The loaded versions of ``workflow`` (the names a migration gave its steps)."""
+    registry = executor.workflows
+    if not isinstance(registry, Registry):
+        return None
+    return lambda number: registry.version(workflow.name, number)
 
 
 def _wants_step(function: Any) -> bool:

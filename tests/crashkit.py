@@ -61,6 +61,7 @@ VISITS_PER_RUN = len(STATES) + STATES.index(LOOP_FROM) - STATES.index(LOOP_TO) +
 CRASH_RETRY = Retry(attempts=1_000, backoff="fixed", base=0, cap=0)
 """Interruptions count as attempts; a run may be cut off in the same step many times."""
 SUICIDE_ATTEMPTS = 3
+UNDO_SUICIDE_ATTEMPTS = 2
 
 LEDGER: Path | None = None
 """Where steps record their executions (set in the worker; ``None``: nowhere)."""
@@ -223,8 +224,37 @@ def suicide() -> Workflow:
     return wf
 
 
+def undo_suicide() -> Workflow:
+    """``charge``'s compensation kills its own process every time (while ``ctx.n`` is not
+    0): ``fail`` routes the run into the compensating ``cancelled``."""
+    wf = Workflow("undo_suicide", context=CrashCtx)
+
+    def refund(ctx: CrashCtx, step: Step) -> None:
+        record(step, kind="undo")
+        if ctx.n:
+            os._exit(1)
+        ctx.trail.append("refunded")
+
+    @wf.step(
+        initial=True,
+        next="fail",
+        compensate=refund,
+        compensate_retry=Retry(attempts=UNDO_SUICIDE_ATTEMPTS, base=0),
+    )
+    def charge(ctx: CrashCtx, step: Step) -> None:
+        record(step)
+
+    @wf.step(next="done", retry=Retry(attempts=1), on_error={"*": "cancelled"})
+    def fail(ctx: CrashCtx) -> None:
+        raise RuntimeError("declined")
+
+    wf.final("done")
+    wf.final("cancelled", compensate=True)
+    return wf
+
+
 def all_workflows() -> list[Workflow]:
-    return [crash20(), fragile(), suicide()]
+    return [crash20(), fragile(), suicide(), undo_suicide()]
 
 
 # -- the zygote and its workers (worker side) ---------------------------------------------

@@ -211,3 +211,34 @@ def test_crash__step_that_exits_its_process_every_time_ends_failed(
         interrupted = [e for e in engine.history(run_id) if e.kind == j.STEP_INTERRUPTED]
         assert [e.retryable for e in interrupted] == [True, True, False]
         assert engine.replay(run_id).matches
+
+
+def test_crash__compensation_that_exits_its_process_counts_against_compensate_retry(
+    store_url: str, zygote: Zygote, ledger: Path
+) -> None:
+    """Each worker finds the last one's compensation cut off (its process gone), runs it
+    again and dies: an attempt of ``compensate_retry`` each time, as for a step's
+    ``retry``; out of attempts the run parks ``failed`` (not 25 runs of it, as before)."""
+    attempts = crashkit.UNDO_SUICIDE_ATTEMPTS
+    with Engine(store_url, workflows=crashkit.all_workflows()) as engine:
+        run_id = engine.start(engine.workflow("undo_suicide"), CrashCtx(n=1)).id
+        for _ in range(3 * attempts):  # bounded
+            zygote.exit_code(zygote.fork(db=store_url, ledger=str(ledger)))
+            if engine.get(run_id).status == "failed":
+                break
+        info = engine.get(run_id)
+        assert (info.status, info.state) == ("failed", "cancelled"), info
+        assert info.reason == f"compensation_failed: charge: interrupted {attempts} time(s)"
+        undos = [e for e in crashkit.ledger_rows(ledger) if e.kind == "undo"]
+        assert [(e.state, e.attempt) for e in undos] == [("charge", a) for a in (1, 2)]
+        interrupted = [e for e in engine.history(run_id) if e.kind == j.STEP_INTERRUPTED]
+        assert [e.retryable for e in interrupted] == [True, False]
+        assert engine.replay(run_id).matches
+        # Fixed (it no longer exits), an operator's retry runs it again, budget renewed.
+        engine.retry(run_id, set_fields={"n": 0})
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        assert (info.status, info.reason) == ("succeeded", "compensated: charge")
+        assert info.context.trail == ["refunded"]
+        undos = [e for e in crashkit.ledger_rows(ledger) if e.kind == "undo"]
+        assert [e.attempt for e in undos] == [1, 2, 1]

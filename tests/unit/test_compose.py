@@ -241,11 +241,15 @@ def entry(seq: int, kind: str, **fields: object) -> j.JournalEvent:
     return j.JournalEvent(run_id="r", seq=seq, kind=kind, at=float(seq), **fields)  # type: ignore[arg-type]
 
 
+CREATED = {"workflow": "saga", "version": 1, "fingerprint": "f"}
+"""A ``run_created`` entry's data (compensations_due folds the journal as apply does)."""
+
+
 def test_compensations_due__reverse_journal_order_minus_those_done() -> None:
     wf = saga()
     wf.validate()
     events = [
-        entry(1, j.RUN_CREATED, state="reserve", context="{}"),
+        entry(1, j.RUN_CREATED, state="reserve", context="{}", data=CREATED),
         entry(2, j.STEP_STARTED, state="reserve"),
         entry(3, j.STEP_SUCCEEDED, state="reserve", next_state="charge", context="{}"),
         entry(4, j.STEP_STARTED, state="charge"),
@@ -377,24 +381,23 @@ def test_parallel__branches_are_checked_and_their_workflows_registered() -> None
     assert wf.structure()["states"]["p"]["child"] == "child,other"
 
 
-def test_interrupted_compensation__runs_again_until_the_cap_then_parks() -> None:
+def test_interrupted_compensation__counts_against_its_compensate_retry_then_parks() -> None:
+    """A crash in a compensation is an attempt of its ``compensate_retry`` (``charge``'s
+    default ``Retry()``: 3), as a crash in a step is one of its ``retry``."""
     from flowloop import children
 
     wf = saga()
     wf.validate()
-    record = j.create(
-        entry(
-            1,
-            j.RUN_CREATED,
-            state="cancelled",
-            context="{}",
-            data={"workflow": "saga", "version": 1, "fingerprint": "f"},
-        )
-    )
-    again, _, _ = children.interrupted(wf, record, {"reason": "interrupted"}, "cut", 9.0)
-    assert again == {"retry_at": 9.0}
-    worn = object.__new__(j.RunRecord)
-    worn.__dict__.update({**record.__dict__, "attempt": compose.MAX_COMPENSATION_INTERRUPTIONS})
-    parked, message, _ = children.interrupted(wf, worn, {}, "cut", 9.0)
-    assert parked["reason"].startswith("compensation_failed: interrupted 25 time(s)")
-    assert "retry" in message
+    record = j.create(entry(1, j.RUN_CREATED, state="cancelled", context="{}", data=CREATED))
+
+    def cut_in(attempt: int) -> tuple[dict[str, object], str]:
+        worn = object.__new__(j.RunRecord)
+        worn.__dict__.update({**record.__dict__, "attempt": attempt})
+        data, message, route = children.interrupted(wf, worn, {}, "cut", 9.0, "charge")
+        assert route == {}
+        return data, message
+
+    assert cut_in(1)[0] == cut_in(2)[0] == {"retry_at": 9.0}
+    parked, message = cut_in(3)
+    assert parked == {"reason": "compensation_failed: charge: interrupted 3 time(s)"}
+    assert "no attempts left" in message and "flowloop retry" in message
