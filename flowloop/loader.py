@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import sys
+import sysconfig
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +68,33 @@ class Loaded:
             self.older.append(value)
 
 
+_NOT_USER_CODE: tuple[Path, ...] = (
+    Path(__file__).resolve().parent,  # flowloop itself
+    *{Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")},
+)
+
+
+def _where(error: BaseException) -> str:
+    """`` (at FILE:LINE)``: the line of the user's code the error came from — the last
+    frame of its traceback outside flowloop, the standard library and installed packages
+    (an error in a neighbour module the file imports names that module). A SyntaxError
+    says where itself."""
+    if isinstance(error, SyntaxError):
+        return ""
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith("<"):
+            continue  # importlib's frozen frames
+        file = Path(frame.filename).resolve()
+        if any(place == file or place in file.parents for place in _NOT_USER_CODE):
+            continue
+        try:
+            shown = file.relative_to(Path.cwd())
+        except ValueError:
+            shown = file
+        return f" (at {shown}:{frame.lineno})"
+    return ""
+
+
 def split_target(target: str) -> tuple[Path, str | None]:
     """``file.py:name`` → (file.py, name); a Windows-free split on the last colon."""
     path_text, sep, name = target.rpartition(":")
@@ -97,10 +126,12 @@ def import_file(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except FlowloopError as error:
         sys.modules.pop(module_name, None)
-        raise LoadError(f"{path}: {error}") from error
+        raise LoadError(f"{path}: {error}{_where(error)}") from error
     except Exception as error:
         sys.modules.pop(module_name, None)
-        raise LoadError(f"{path}: import failed: {type(error).__name__}: {error}") from error
+        raise LoadError(
+            f"{path}: import failed: {type(error).__name__}: {error}{_where(error)}"
+        ) from error
     return module
 
 
