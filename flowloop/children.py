@@ -637,7 +637,7 @@ def error_route(
 ) -> tuple[str, str] | None:
     """The ``(event, target)`` of the step's ``on_error`` route for ``error``, unless the
     target refuses another visit (then the run fails as it would without a route)."""
-    route = compose.route_error(spec.on_error, error)
+    route = compose.route_error(spec.on_error, error, idempotent=spec.idempotent)
     if route is None:
         return None
     try:
@@ -657,7 +657,8 @@ def interrupted(
 ) -> tuple[dict[str, Any], str, dict[str, Any]]:
     """Recovery of a run cut off mid-step: a compensation (of the step ``undoing``) runs
     again while its ``compensate_retry`` has attempts left (compensations are idempotent
-    by their key); a non-idempotent step goes where ``on_error={Interrupted: ...}`` says.
+    by their key); a non-idempotent step goes where ``on_error={Interrupted: ...}`` says,
+    an idempotent one with no attempts left where its ``"*"`` says too.
     Returns the event's data, message and ``event``/``next_state`` fields."""
     if workflow.compensates(record.state):
         return (*compose.compensation_cut_off(workflow, undoing, record.attempt, now), {})

@@ -78,19 +78,20 @@ def check_on_error(
 
 
 def route_error(
-    on_error: Sequence[tuple[ErrorKey, str]], error: BaseException
+    on_error: Sequence[tuple[ErrorKey, str]], error: BaseException, *, idempotent: bool = False
 ) -> tuple[str, str] | None:
     """``(event, target)`` of the route ``error`` takes: the most specific class among its
-    bases that ``on_error`` names, else ``"*"`` (which never takes an :class:`Interrupted`:
-    the effect of a cut-off non-idempotent step is unknown, so only an explicit route may
-    move on from it). ``None``: no route, the run fails as before."""
+    bases that ``on_error`` names, else ``"*"`` (which never takes an :class:`Interrupted`
+    of a non-``idempotent`` step: the effect of a cut-off non-idempotent step is unknown,
+    so only an explicit route may move on from it; an idempotent one's last attempt cut
+    off failed like any attempt). ``None``: no route, the run fails as before."""
     if not on_error:
         return None
     by_class = {key: target for key, target in on_error if not isinstance(key, str)}
     for base in type(error).__mro__:
         if base in by_class:
             return error_event(base), by_class[base]
-    if isinstance(error, Interrupted):
+    if isinstance(error, Interrupted) and not idempotent:
         return None
     for key, target in on_error:
         if key == ANY_ERROR:

@@ -201,8 +201,8 @@ class Workflow(compose.Composing):
         ``on_error={ExceptionType: state, "*": state}`` routes an error once the retry
         policy gives up on it (at once for one it does not retry); the most specific class
         wins, ``"*"`` takes the rest. ``StepTimeout`` routes a timeout; ``Interrupted`` (from
-        flowloop.errors) routes a non-idempotent step cut off by a crash, which ``"*"``
-        never does. ``compensate=fn(ctx, step)`` undoes the step's effect when the run
+        flowloop.errors) routes a step cut off by a crash, which ``"*"`` does only for an
+        idempotent step (with no attempts left). ``compensate=fn(ctx, step)`` undoes the step's effect when the run
         later enters a compensating state (``final(..., compensate=True)``);
         ``compensate_retry`` is that function's own retry policy.
         """

@@ -255,7 +255,8 @@ async def exits_as_errors(call: Awaitable[T], what: str) -> T:
 class Interrupted(FlowloopError):
     """A step was cut off (its worker died or was killed) and is not idempotent, or has no
     attempts left. Name it in ``on_error={Interrupted: state}`` to route such a step
-    somewhere instead of failing the run for an operator ("*" never matches it)."""
+    somewhere instead of failing the run for an operator ("*" matches it only for an
+    idempotent step, whose effect may be repeated)."""
 
     exit_code = EXIT_FAILURE
 

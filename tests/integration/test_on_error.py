@@ -142,3 +142,50 @@ def test_on_error__an_interrupted_non_idempotent_step_routes_on_interrupted(
     assert info.context.seen == "Interrupted"  # type: ignore[union-attr]
     interrupted = [e for e in engine.history(info.id) if e.kind == j.STEP_INTERRUPTED]
     assert [(e.event, e.next_state) for e in interrupted] == [("error:Interrupted", "check")]
+
+
+def _cut_off_once(idempotent: bool) -> Workflow:
+    """A step with one attempt and only a ``"*"`` route, cut off by a crash below."""
+    wf = Workflow(f"cut_off_{'idem' if idempotent else 'once'}", context=Ctx)
+
+    @wf.step(
+        initial=True,
+        next="done",
+        idempotent=idempotent,
+        retry=Retry(attempts=1),
+        on_error={"*": "check"},
+    )
+    def pay(ctx: Ctx) -> None:
+        pass
+
+    @wf.step(next="done")
+    def check(ctx: Ctx, step: Step) -> None:
+        assert step.error is not None
+        ctx.seen = step.error.type
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("idempotent", [True, False], ids=["idempotent", "not-idempotent"])
+def test_on_error__star_routes_an_idempotent_steps_last_attempt_cut_off(
+    engine: Engine, idempotent: bool
+) -> None:
+    """An idempotent step's last attempt cut off by a crash failed the run ("interrupted")
+    although ``"*"`` takes every error once the retries are spent — a crash counts as an
+    attempt (API audit). ``"*"`` still never takes a non-idempotent step's: its effect is
+    unknown, only ``on_error={Interrupted: ...}`` moves on from it."""
+    wf = _cut_off_once(idempotent)
+    engine.register(wf)
+    started = engine.start(wf, Ctx())
+    owner = dead_owner()
+    [claimed] = engine.store.claim(worker=owner, now=1e12, limit=1, lease_seconds=30.0)
+    assert engine.store.write([start_step(claimed, owner)]) == [True]
+    engine.run_until_idle()
+    info = engine.get(started.id)
+    if idempotent:
+        assert (info.status, info.state) == ("succeeded", "done")
+        assert info.context.seen == "Interrupted"  # type: ignore[union-attr]
+    else:
+        assert (info.status, info.state, info.reason) == ("failed", "pay", "interrupted")
+    assert engine.replay(info.id).differences == []
