@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -51,8 +51,29 @@ Tell = Callable[[Boundary], object]
 """Told of a boundary written for a run nobody holds (the executor's listeners)."""
 
 
+T = TypeVar("T")
+
+
 class ChildContextError(FlowloopError):
     """A map item (or a call) gives a child context that does not validate."""
+
+
+class JoinFunctionError(FlowloopError):
+    """A call's ``result=`` or a map's ``reduce=`` raised: the parent fails ``join_failed``."""
+
+
+def called(where: str, function: Callable[..., T], *args: Any, error: type[FlowloopError]) -> T:
+    """``function(*args)`` — a user's ``context=``, ``items=``, ``result=`` or ``reduce=``
+    — with what it raises said with ``where`` it was called: a bare ``KeyError: 'a.csv'``
+    named neither the state nor the item (API audit)."""
+    try:
+        return function(*args)
+    except FlowloopError:
+        raise
+    except ValidationError as raised:
+        raise error(f"{where} is invalid: {describe_validation(raised)}") from None
+    except Exception as raised:
+        raise error(f"{where} raised {type(raised).__name__}: {error_line(raised)}") from None
 
 
 def joins_of(executor: Executor) -> JoinStoreMixin:
@@ -74,20 +95,28 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
     its ``concurrency_key`` (computed as for a run started directly), before any child is
     created. Raises ChildContextError naming the item's index and field (or the key's
     problem)."""
+    bad = ChildContextError
     if isinstance(spec, CallSpec):
-        values: list[Any] = [spec.context(ctx)]
         where = [f"call state {spec.name!r}"]
+        values: list[Any] = [called(f"{where[0]}: context=", spec.context, ctx, error=bad)]
     elif isinstance(spec, ParallelSpec):
-        values = [make(ctx) for _, make in spec.branches.values()]
         where = [f"parallel state {spec.name!r}: branch {name!r}" for name in spec.branches]
+        values = [
+            called(f"{label}: context=", make, ctx, error=bad)
+            for label, (_, make) in zip(where, spec.branches.values(), strict=True)
+        ]
     else:
-        items = list(spec.items(ctx))
+        state = f"map state {spec.name!r}"
+        items = list(called(f"{state}: items=", spec.items, ctx, error=bad))
         if len(items) > spec.max_items:
             raise ChildContextError(
-                f"map state {spec.name!r}: {len(items)} items, more than max_items={spec.max_items}"
+                f"{state}: {len(items)} items, more than max_items={spec.max_items}"
             )
-        values = [spec.context(ctx, item) for item in items]
-        where = [f"map state {spec.name!r}: item {index}" for index in range(len(items))]
+        where = [f"{state}: item {index}" for index in range(len(items))]
+        values = [
+            called(f"{label}: context=", spec.context, ctx, item, error=bad)
+            for label, item in zip(where, items, strict=True)
+        ]
     out = []
     for index, (label, value) in enumerate(zip(where, values, strict=True)):
         child = child_workflow(spec, index)
@@ -406,12 +435,14 @@ async def _join(
         if isinstance(spec, CallSpec):
             outcome = compose.call_outcome(results[0].status)
             if spec.result is not None:
-                spec.result(ctx, results[0].context)
+                where = f"call state {spec.name!r}: result="
+                called(where, spec.result, ctx, results[0].context, error=JoinFunctionError)
         else:
             failed = len(results) - counts["succeeded"]
             outcome = compose.map_outcome(spec.tolerate_failures, len(results), failed)
             if spec.reduce is not None:
-                spec.reduce(ctx, results)
+                where = f"{spec.kind} state {spec.name!r}: reduce="
+                called(where, spec.reduce, ctx, results, error=JoinFunctionError)
         target = spec.on.get(outcome)
         if target is None:
             raise FlowloopError(
@@ -422,7 +453,9 @@ async def _join(
         context = ctx.model_dump_json()
         context_from(workflow.context, context)
     except Exception as error:
-        await _fail(executor, record, fence, error, f"child_{outcome}")
+        # (A result= or reduce= that raised failed the run "child_succeeded": join_failed.)
+        reason = "join_failed" if isinstance(error, JoinFunctionError) else f"child_{outcome}"
+        await _fail(executor, record, fence, error, reason)
         return None
     joined = executor._event(
         record,

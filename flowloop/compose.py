@@ -342,27 +342,28 @@ def check_composite(workflow: str, spec: Composite) -> None:
         raise DefinitionError(workflow, f"{where}: on= needs {allowed[0]!r}")
     if not isinstance(spec, ParallelSpec) and not callable(spec.context):
         raise DefinitionError(workflow, f"{where}: context= must be a function")
-    if isinstance(spec, ParallelSpec) and not (
-        spec.tolerate_failures >= 0
-        and (float(spec.tolerate_failures).is_integer() or spec.tolerate_failures < 1)
-    ):
+    if isinstance(spec, ParallelSpec | MapSpec) and not _tolerance(spec.tolerate_failures):
         raise DefinitionError(
             workflow,
-            f"{where}: tolerate_failures is a count (0, 1, 2, ...) or a fraction below 1",
+            f"{where}: tolerate_failures={spec.tolerate_failures!r} is a count (0, 1, 2, ...) "
+            "or a fraction below 1",
         )
     if isinstance(spec, MapSpec):
         if not callable(spec.items):
             raise DefinitionError(workflow, f"{where}: items= must be a function")
-        if spec.max_parallel < 1:
-            raise DefinitionError(workflow, f"{where}: max_parallel must be at least 1")
-        if spec.max_items < 1:
-            raise DefinitionError(workflow, f"{where}: max_items must be at least 1")
-        tolerance = spec.tolerate_failures
-        if tolerance < 0 or (not float(tolerance).is_integer() and tolerance >= 1):
-            raise DefinitionError(
-                workflow,
-                f"{where}: tolerate_failures is a count (0, 1, 2, ...) or a fraction below 1",
-            )
+        for option, value in (("max_parallel", spec.max_parallel), ("max_items", spec.max_items)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise DefinitionError(
+                    workflow, f"{where}: {option}={value!r} must be an integer of at least 1"
+                )
+
+
+def _tolerance(value: object) -> bool:
+    """A count of failures (0, 1, 2 …) or a fraction below 1 — not NaN (every run then
+    failed at its join), not infinity, not a bool."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return value >= 0 and (float(value).is_integer() or value < 1)
 
 
 def check_no_call_cycle(parent: Workflow) -> None:

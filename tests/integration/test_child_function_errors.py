@@ -1,0 +1,110 @@
+"""What a user's ``context=``, ``items=``, ``result=`` or ``reduce=`` raises names the state
+and the item (SQLite and PostgreSQL).
+
+A map's ``context=`` that built the child's model itself and failed its validation failed
+the parent with "1 validation error for FileJob" (no item, no field); a call's that raised
+``KeyError`` with "'a.csv'" (no type, no state); a ``result=`` that raised failed the run
+with the reason ``child_succeeded`` (API audit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from flowloop import Engine, Workflow
+
+
+class FileJob(BaseModel):
+    path: str
+    size: int
+
+
+class Batch(BaseModel):
+    files: list[Any] = []
+
+
+kid = Workflow("fe_kid", context=FileJob)
+kid.step(name="load", initial=True, next="loaded")(lambda ctx: None)
+kid.final("loaded")
+
+
+def mapped(context: Any = None, items: Any = None, reduce: Any = None) -> Workflow:
+    wf = Workflow("fe_map", context=Batch)
+    wf.map(
+        "fan",
+        child=kid,
+        items=items or (lambda ctx: ctx.files),
+        context=context or (lambda ctx, item: FileJob(path=item[0], size=item[1])),
+        reduce=reduce,
+        on={"done": "ok", "failed": "bad"},
+        initial=True,
+    )
+    wf.final("ok", "bad")
+    return wf
+
+
+def called(result: Any = None, context: Any = None) -> Workflow:
+    wf = Workflow("fe_call", context=Batch)
+    wf.call(
+        "one",
+        child=kid,
+        context=context or (lambda ctx: FileJob(path="a.csv", size=1)),
+        result=result,
+        on={"succeeded": "ok"},
+        initial=True,
+    )
+    wf.final("ok")
+    return wf
+
+
+def _boom(*_: Any) -> None:
+    raise RuntimeError("merge broke")
+
+
+@pytest.mark.parametrize(
+    ("build", "files", "reason", "message"),
+    [
+        (
+            lambda: mapped(),
+            [["a.csv", 1], ["b.csv", "big"]],
+            "invalid_child_context",
+            "map state 'fan': item 1: context= is invalid: size: Input should be a valid integer",
+        ),
+        (
+            lambda: mapped(items=lambda ctx: ctx.files["x"]),
+            [],
+            "invalid_child_context",
+            "map state 'fan': items= raised TypeError: list indices must be integers",
+        ),
+        (
+            lambda: called(context=lambda ctx: {"a.csv": 1}["b.csv"] and None),
+            [],
+            "invalid_child_context",
+            "call state 'one': context= raised KeyError: 'b.csv'",
+        ),
+        (
+            lambda: called(result=_boom),
+            [],
+            "join_failed",
+            "call state 'one': result= raised RuntimeError: merge broke",
+        ),
+        (
+            lambda: mapped(reduce=_boom),
+            [["a.csv", 1]],
+            "join_failed",
+            "map state 'fan': reduce= raised RuntimeError: merge broke",
+        ),
+    ],
+    ids=["map-context-invalid", "map-items-raises", "call-context-raises", "result", "reduce"],
+)
+def test_a_user_function_that_fails_names_the_state_and_item(
+    store_url: str, build: Any, files: list[Any], reason: str, message: str
+) -> None:
+    workflow = build()
+    with Engine(store_url, workflows=[workflow, kid]) as engine:
+        info = engine.run(workflow, Batch(files=files))
+        assert (info.status, info.reason) == ("failed", reason)
+        assert info.error is not None and message in info.error, info.error
+        assert engine.replay(info.id).matches
