@@ -41,6 +41,8 @@ class RunReading:
 
     def _stored(self, run_id: str) -> StoredRun:
         """The run ``run_id`` names: its whole id or a unique prefix (see flowloop.ids)."""
+        if not isinstance(run_id, str):  # (None failed deep in the store: "no attribute")
+            raise TypeError(f"a run id is a string (RunInfo.id), not {run_id!r}")
         stored = self.store.get_run(run_id)
         if stored is None:
             stored = self.store.get_run(ids.resolve(self.store, run_id))
@@ -98,7 +100,8 @@ class RunReading:
         run_id = stored.id
         events = self.store.journal(run_id)
         if at is not None and not 1 <= at <= len(events):
-            raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; --at {at} is outside")
+            # (Said for the Python API and the CLI's --at alike.)
+            raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; seq {at} is outside")
         full = j.fold(events)
         differences = j.compare(full, stored.record)
         record = full if at is None else j.fold(events, until_seq=at)

@@ -660,10 +660,13 @@ def test_replay__at_a_seq_shows_the_context_then(engine: Engine) -> None:
     assert json.loads(replay.record.context)["trail"] == ["reserve"]
     assert engine.replay(info.id, at=1).record.state == "reserve"
     assert replay.matches  # the comparison is always of the full fold
-    with pytest.raises(FlowloopError, match="outside"):
-        engine.replay(info.id, at=len(history) + 1)
+    # (It named the CLI's --at to a Python caller: API audit.)
+    with pytest.raises(FlowloopError, match=f"has seq 1..{len(history)}; seq 99 is outside$"):
+        engine.replay(info.id, at=99)
     with pytest.raises(UnknownRun):
         engine.replay("nope")
+    with pytest.raises(TypeError, match="a run id is a string"):  # an AttributeError before
+        engine.get(None)  # type: ignore[arg-type]
 
 
 def test_replay__tampered_row_is_reported(engine: Engine) -> None:
