@@ -373,7 +373,7 @@ def apply_overrides(
     for name, override in settings.workflows.items():
         workflow = _by_name(workflows, name)
         if workflow is None:
-            log.info("config: workflow %r is not loaded here; its overrides are skipped", name)
+            _not_loaded("workflow", name, workflows)
             continue
         if override.max_concurrency is not None:
             workflow.max_concurrency = override.max_concurrency
@@ -383,10 +383,29 @@ def apply_overrides(
     for name, loop_override in settings.loops.items():
         loop = _by_name(loops, name)
         if loop is None:
-            log.info("config: loop %r is not loaded here; its overrides are skipped", name)
+            _not_loaded("loop", name, loops)
             continue
         result[loop.name] = _override_loop(loop, loop_override)
     return result
+
+
+def _not_loaded(kind: str, name: str, loaded: Mapping[str, Any]) -> None:
+    """An override of a workflow or loop not loaded here: an info line (one file may serve
+    several workers), a warning when a loaded one has a close name — a misspelt section
+    (``[workflows.jbo]``) was skipped without a word while a misspelt step was refused."""
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), [n.lower() for n in loaded], n=1, cutoff=0.75)
+    if close:
+        meant = next(n for n in loaded if n.lower() == close[0])
+        log.warning(
+            "config: no %s %r is loaded here (did you mean %r?); its overrides are skipped",
+            kind,
+            name,
+            meant,
+        )
+    else:
+        log.info("config: %s %r is not loaded here; its overrides are skipped", kind, name)
 
 
 def _by_name(items: Mapping[str, Any], name: str) -> Any:

@@ -4,6 +4,7 @@ it came from; overrides by name reach workflows and loops without touching their
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from pathlib import Path
 
@@ -388,6 +389,36 @@ def test_apply_overrides__names_not_loaded_here_are_skipped(tmp_path: Path) -> N
     wf = order()
     loops = apply_overrides(load_settings(), {"order": wf}, {})
     assert loops == {}
+    assert wf.max_concurrency is None
+
+
+def test_apply_overrides__a_name_close_to_a_loaded_one_gets_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`[workflows.ordr]` was skipped with an info line only, while a misspelt step is
+    refused (new-user audit): a name close to a loaded one is a warning naming it."""
+    write(
+        tmp_path / "flowloop.toml",
+        "[workflows.ordr]\nmax_concurrency = 1\n[workflows.other]\nmax_concurrency = 2\n"
+        "[loops.pol]\nevery = 5\n",
+    )
+    wf = order()
+    with caplog.at_level(logging.INFO, logger="flowloop"):
+        apply_overrides(load_settings(), {"order": wf}, {"poll": Loop("poll", poll, every=30)})
+    shown = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert shown == [
+        (
+            "WARNING",
+            "config: no workflow 'ordr' is loaded here (did you mean 'order'?); its overrides "
+            "are skipped",
+        ),
+        ("INFO", "config: workflow 'other' is not loaded here; its overrides are skipped"),
+        (
+            "WARNING",
+            "config: no loop 'pol' is loaded here (did you mean 'poll'?); its overrides are "
+            "skipped",
+        ),
+    ]
     assert wf.max_concurrency is None
 
 
