@@ -124,6 +124,13 @@ def diagram(
             raise FlowloopError("diagram --all writes .dot and .svg; --format is for one diagram")
         out_dir = out_path or Path(render.DIAGRAMS_DIR)
         loaded = load_workflow_paths(workflow_paths)
+        if not loaded.workflows and not loaded.loops:
+            # (It drew the lifecycle machine alone and exited 0 without a word.)
+            err.print(
+                f"no workflow or loop to draw ({looked_in(workflow_paths)}); the lifecycle "
+                "machine alone is drawn — pass -w FILE_OR_DIR",
+                markup=False,
+            )
         diagrams = render.all_diagrams(loaded.workflows.values(), loaded.loops.values())
         written = render.write_all(diagrams, out_dir)
         stale = render.stale(out_dir, diagrams)

@@ -227,6 +227,22 @@ def test_diagram__all_writes_dot_and_svg_for_every_workflow_loop_and_the_lifecyc
     assert all(status in texts for status in ("idle", "scheduled", "running", "succeeded"))
 
 
+@needs_dot
+def test_diagram__all_with_no_workflows_says_so(tmp_path: Path) -> None:
+    """`diagram --all` in a folder with no ./workflows wrote the lifecycle machine alone and
+    exited 0 without a word (new-user audit)."""
+    result = flowloop("diagram", "--all", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.decode().splitlines() == [
+        "no workflow or loop to draw (no -w given and no ./workflows here); the lifecycle "
+        "machine alone is drawn — pass -w FILE_OR_DIR"
+    ]
+    assert sorted(p.name for p in (tmp_path / "diagrams").iterdir()) == [
+        "lifecycle.dot",
+        "lifecycle.svg",
+    ]
+
+
 def test_diagram__usage_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     for args in (
         ("diagram",),
