@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowloop.definition import Workflow
+from flowloop.errors import FlowloopError
+from flowloop.store import Store
 from flowloop.store.scan import SCAN_BATCH, live_runs
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import KINDS, Kind, judge
@@ -83,7 +85,7 @@ class CheckReport:
 
 
 def check_runs(
-    store: SQLStore,
+    store: Store,
     workflow: Workflow,
     *,
     pinned: Mapping[str, Workflow] | None = None,
@@ -96,6 +98,8 @@ def check_runs(
     new one) is judged under that one: it stays on its version. Without ``validate`` a
     context is trusted where its model is unchanged (as the fingerprint sees it: not a
     validator's code); with it, every context is validated as a worker would."""
+    if not isinstance(store, SQLStore):  # (typed Store: `check_runs(engine.store, wf)`)
+        raise FlowloopError("check_runs reads a SQL store's live runs (engine.store of a URL)")
     workflow.validate()
     started = time.perf_counter()
     report = CheckReport(
@@ -141,7 +145,7 @@ def check_runs(
 
 
 def check_workflows(
-    store: SQLStore, versions: Iterable[Workflow], *, every: bool = False, validate: bool = False
+    store: Store, versions: Iterable[Workflow], *, every: bool = False, validate: bool = False
 ) -> list[tuple[Workflow, CheckReport]]:
     """One report per workflow name, for its newest version among ``versions``; the
     older versions given are loaded beside it, so their runs stay on them (pinning).

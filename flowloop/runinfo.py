@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
     from flowloop.definition import Workflow
 
-    Context: TypeAlias = BaseModel | dict[str, Any]
-else:
-    Context = Any  # what typing.get_type_hints(RunInfo) resolves without importing pydantic
+# The workflow's context model (a dict for a run whose workflow is not loaded here) —
+# typed Any, as a JSON value is: typed `BaseModel | dict`, every `info.context.field` of a
+# typed user's code failed mypy (`union-attr`) though the model is the workflow's own.
+Context: TypeAlias = Any
 
 INVALID_JSON_KEY: Final = "_invalid_json"
 """``RunInfo.context`` of a run whose stored context is not a JSON object: the raw text."""
