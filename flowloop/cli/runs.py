@@ -159,8 +159,10 @@ def start(
     with open_engine(db, synchronous) as engine:
         note = support.refuse_or_note_existing(engine, workflow, context, key)
         info = engine.start(workflow, context, key=key, priority=priority)
+        # (As status --json: a run that starts in a wait state says it waits, and for what.)
+        shown = info_json(info, support.WaitStates(engine))
     if as_json:
-        click.echo(json.dumps(info_json(info) | {"existing": note is not None}))
+        click.echo(json.dumps(shown | {"existing": note is not None}))
     elif note is not None:
         out.print(note, markup=False)
     else:
@@ -231,8 +233,10 @@ def start_many(
             ) from None
         # A line whose key a run holds with another context changes nothing: said, exit 2.
         otherwise = support.started_otherwise(engine, workflow, contexts, infos)
+        waits = support.WaitStates(engine)
+        shown_runs = [info_json(info, waits) for info in infos] if as_json else []
     if as_json:
-        click.echo(json.dumps([info_json(info) for info in infos]))
+        click.echo(json.dumps(shown_runs))
     else:
         same = len(infos) - infos.created - len(otherwise)
         out.print(

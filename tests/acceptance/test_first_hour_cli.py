@@ -729,3 +729,29 @@ def test_pause_and_stop__of_a_running_run_say_what_its_worker_does(here: Path) -
     assert quick("unpause", stopped, cwd=here) == (
         f"error: run '{stopped}' is stopped: cannot unpause it; `flowloop retry` runs it again"
     )
+
+
+def test_start_json__a_run_that_starts_waiting_says_so_as_status_does(here: Path) -> None:
+    """`start --json` of a workflow that starts in a wait state had no `display_status` and
+    `waiting` (status --json has them; new-user audit)."""
+    (here / "approvals.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import BaseModel
+            from flowloop import Workflow
+
+            class Ask(BaseModel):
+                what: str = "leave"
+
+            approvals = Workflow("approvals", context=Ask)
+            approvals.wait("asked", on={"yes": "granted", "no": "denied"}, initial=True)
+            approvals.final("granted", "denied")
+            """
+        )
+    )
+    one = as_json("start", "approvals.py", "--context", "{}", cwd=here)
+    assert (one["status"], one["display_status"]) == ("scheduled", "waiting")
+    assert one["waiting"]["events"] == ["yes", "no"] and one["existing"] is False
+    (here / "asks.jsonl").write_text('{"what": "a"}\n{"what": "b"}\n')
+    many = as_json("start", "approvals.py", "--contexts", "asks.jsonl", cwd=here)
+    assert [run["display_status"] for run in many] == ["waiting", "waiting"]
