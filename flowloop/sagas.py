@@ -89,8 +89,10 @@ async def drive(
             context = ctx.model_dump_json()
             context_from(workflow.context, context)
         except Exception as error:
+            executor.stats.compensations += 1
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None
+        executor.stats.compensations += 1
         log.info(
             "run %s: compensation of %s succeeded",
             record.id,
