@@ -29,7 +29,7 @@ from flowloop.clock import Clock
 from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.contexts import context_from
 from flowloop.definition import StepSpec, Workflow, describe_validation
-from flowloop.errors import FlowloopError, Interrupted, error_line
+from flowloop.errors import FlowloopError, Interrupted, InvalidContext, error_line
 from flowloop.events import check_visits, entering
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
@@ -121,12 +121,12 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
     for index, (label, value) in enumerate(zip(where, values, strict=True)):
         child = child_workflow(spec, index)
         try:
-            model = context_from(
-                child.context, value.model_dump() if isinstance(value, BaseModel) else value
-            )
-        except ValidationError as error:
+            # As a run started directly takes it: a field the child's model has not is
+            # refused (it was dropped, from a mapping or another model alike).
+            model = child.parse_new_context(value)
+        except InvalidContext as error:
             raise ChildContextError(
-                f"{label}: context for {child.name!r} is invalid: {describe_validation(error)}"
+                f"{label}: context for {child.name!r} is invalid: {error.problems}"
             ) from None
         try:
             limit_key = limit_key_of(child, model)

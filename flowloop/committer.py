@@ -34,11 +34,17 @@ class Stats:
     """What an executor did (``Engine.run_until_idle`` returns it)."""
 
     steps: int = 0
+    """Step attempts that succeeded."""
     commits: int = 0
     boundaries: int = 0
     lost_leases: int = 0
     recovered: int = 0
     outage_retries: int = 0
+    attempts: int = 0
+    """Step attempts that ran to an outcome: succeeded (``steps``), failed, timed out, or
+    cut off by the run's deadline (``attempts - steps`` of them did not succeed)."""
+    compensations: int = 0
+    """Compensation attempts that ran to an outcome (succeeded or failed)."""
 
 
 class Committer:

@@ -202,8 +202,9 @@ class Workflow(compose.Composing):
         policy gives up on it (at once for one it does not retry); the most specific class
         wins, ``"*"`` takes the rest. ``StepTimeout`` routes a timeout; ``Interrupted`` (from
         flowloop.errors) routes a step cut off by a crash, which ``"*"`` does only for an
-        idempotent step (with no attempts left). ``compensate=fn(ctx, step)`` undoes the step's effect when the run
-        later enters a compensating state (``final(..., compensate=True)``);
+        idempotent step (with no attempts left). ``compensate=fn(ctx, step)`` undoes the
+        step's effect when the run later enters a compensating state
+        (``final(..., compensate=True)``);
         ``compensate_retry`` is that function's own retry policy.
         """
         check_step_limits(self.name, name or "?", rate_limit, breaker)
@@ -520,7 +521,18 @@ class Workflow(compose.Composing):
         field of the model takes is refused (pydantic dropped a misspelt one without a word,
         and the run started with that field's default) — unless the model says itself what
         becomes of extra keys (``model_config['extra']``) or reads its input its own way (a
-        root model, a ``mode="before"`` model validator)."""
+        root model, a ``mode="before"`` model validator). An instance of the model is taken
+        as it is; one of another model (a subclass of it too) is judged by its fields as the
+        mapping of them would be: taken when the model has every one of them, refused when
+        it has one the model has not (it was taken, that field's value dropped)."""
+        if isinstance(data, BaseModel) and type(data) is not self.context:
+            fields = data.model_dump()  # (what parse_context reads of it)
+            if not _own_way(self.context):
+                # (Its computed fields are no data of its own: nothing is lost without them.)
+                computed = type(data).model_computed_fields
+                given = [name for name in fields if name not in computed]
+                self.check_fields(given, dumped=True, given=type(data))
+            return self.parse_context(fields)
         if not _own_way(self.context):
             keys: Iterable[Any] = ()
             if isinstance(data, Mapping):
@@ -533,18 +545,22 @@ class Workflow(compose.Composing):
                 self.check_fields(keys, dumped=True)
         return self.parse_context(data)
 
-    def check_fields(self, names: Iterable[Any], *, dumped: bool = False) -> None:
+    def check_fields(
+        self, names: Iterable[Any], *, dumped: bool = False, given: type | None = None
+    ) -> None:
         """InvalidContext naming the ``names`` that no field of the context's model takes (by
         its name, alias or validation alias; with ``dumped``, a computed field's too, which
-        a dumped context holds), with the keys it takes."""
+        a dumped context holds), with the keys it takes (and the class of the instance
+        ``given``, whose fields the names are)."""
         model = self.context
         known = {*_input_keys(model), *(model.model_computed_fields if dumped else ())}
         unknown = sorted(str(name) for name in names if name not in known)
         if unknown:
+            instead = "" if given is None else f"; the context given is a {given.__name__}"
             raise InvalidContext(
                 self.name,
                 f"no field(s) {', '.join(map(repr, unknown))} in {model.__name__} "
-                f"(fields: {', '.join(_input_keys(model))})",
+                f"(fields: {', '.join(_input_keys(model))}){instead}",
             )
 
     def load_context(self, text: str, version: int = 1) -> BaseModel:

@@ -94,8 +94,10 @@ async def drive(
             context_from(workflow.context, context)
         except (Exception, SystemExit) as caught:
             error = StepExited.instead_of(caught, f"compensation of {undo.state!r}")
+            executor.stats.compensations += 1
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None
+        executor.stats.compensations += 1
         log.info(
             "run %s: compensation of %s succeeded",
             record.id,

@@ -26,7 +26,7 @@ from sqlalchemy import ColumnElement, Engine, FromClause, Row, Select, case, fun
 from flowloop import journal as j
 from flowloop.store.reads import PERCENTILES, Ranks, counts_and_seconds, nearest_ranks, reading
 from flowloop.store.schema import journal, loop_journal, runs
-from flowloop.store.windows import journal_since
+from flowloop.store.windows import ended_since, journal_since, unindexed
 
 OUTCOME_KINDS: Final = (j.STEP_SUCCEEDED, j.STEP_FAILED, j.STEP_INTERRUPTED)
 DEFAULT_SLOWEST: Final = 3
@@ -176,16 +176,11 @@ def step_stats(
 # -- whole runs ------------------------------------------------------------------------------
 
 RUN_FINAL_STATUSES: Final = ("succeeded", "failed", "stopped")
-FINAL_ENTRY_KINDS: Final = (
-    j.STEP_SUCCEEDED,
-    j.EVENT_RECEIVED,
-    j.STEP_FAILED,
-    j.STEP_INTERRUPTED,
-    j.RUN_FAILED,
-    j.RUN_STOPPED,
-)
-"""The kinds a finished run's last entry can have: a range on the journal's ``(kind, at)``
-index finds the runs that finished in the window without reading every run."""
+"""A finished run's statuses (:data:`flowloop.lifecycle.FINISHED`, in the table's order).
+Whatever entry ended it — a step, an event, a call or map's join, a compensation, a
+deadline, a failure, an operator's stop — it is the run's last entry (a finished run takes
+no other until an operator's retry, whose new end is then its last): the row's status and
+``last_seq`` say so, with no list of kinds to keep up with the journal's."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,15 +227,15 @@ def run_stats(
     joined = runs.join(created, (created.c.run_id == runs.c.id) & (created.c.seq == 1)).join(
         ended, (ended.c.run_id == runs.c.id) & (ended.c.seq == runs.c.last_seq)
     )
-    filters: list[ColumnElement[bool]] = [runs.c.status.in_(RUN_FINAL_STATUSES)]
-    if since is not None:
-        filters.extend((runs.c.updated_at >= since, ended.c.at >= since))
+    conditions: list[ColumnElement[bool]] = [runs.c.status.in_(RUN_FINAL_STATUSES)]
     if workflow is not None:
-        filters.append(runs.c.workflow == workflow)
-    where = [*filters, ended.c.kind.in_(FINAL_ENTRY_KINDS)]
-    # A finished run whose last entry is a success is a succeeded run: said by the entry's
-    # kind (not `status = 'succeeded'`, which would make the planner read every such run).
-    succeeded = [*filters, ended.c.kind.in_((j.STEP_SUCCEEDED, j.EVENT_RECEIVED))]
+        conditions.append(runs.c.workflow == workflow)
+    by_workflow: ColumnElement[str] = runs.c.workflow
+    filters = conditions
+    if since is not None:
+        sqlite = db.dialect.name == "sqlite"
+        filters = [ended_since(since, conditions, sqlite=sqlite), ended.c.at >= since]
+        by_workflow = unindexed(runs.c.workflow, sqlite=sqlite)
 
     def of(status: str) -> ColumnElement[Any]:
         return func.sum(case((runs.c.status == status, 1), else_=0)).label(status)
@@ -248,13 +243,15 @@ def run_stats(
     counts = (
         select(runs.c.workflow, func.count().label("n"), *map(of, RUN_FINAL_STATUSES))
         .select_from(joined)
-        .where(*where)
-        .group_by(runs.c.workflow)
+        .where(*filters)
+        .group_by(by_workflow)
     )
-    latency = ended.c.at - created.c.at
-    group = ("workflow", runs.c.workflow)
+    # The succeeded runs' latency (NULL for the others, which the ranks leave out), under
+    # the counts' own conditions: a `status = 'succeeded'` condition would let the planner
+    # read every succeeded run by the status index instead of the window's by updated_at.
+    latency = case((runs.c.status == "succeeded", ended.c.at - created.c.at))
     count_rows, ranks = counts_and_seconds(
-        db, counts, latency, where=succeeded, group=group, select_from=joined
+        db, counts, latency, where=filters, group=("workflow", by_workflow), select_from=joined
     )
     result = []
     for row in count_rows:

@@ -222,6 +222,7 @@ class Stepping:
         except (Exception, SystemExit) as caught:
             error = StepExited.instead_of(caught, f"step {record.state!r}")
             duration = self.clock.monotonic() - started
+            self.stats.attempts += 1
             if isinstance(error, children.DeadlineCut):
                 moved = await children.past_deadline(self._whole(), workflow, record, fence)
             else:
@@ -231,6 +232,7 @@ class Stepping:
         duration = self.clock.monotonic() - started
         self.gates.called(spec, None)
         self.stats.steps += 1
+        self.stats.attempts += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0
         now = self.clock.now()
         data = entering(workflow, next_state, now, delay=delay)

@@ -31,6 +31,7 @@ from flowloop.cli.common import (
 from flowloop.errors import EXIT_FAILURE, FlowloopError, InvalidContext, UnknownRun
 
 if TYPE_CHECKING:
+    from flowloop.committer import Stats
     from flowloop.engine import Engine
     from flowloop.runinfo import RunInfo
 
@@ -288,16 +289,19 @@ def resume(
         )
         with printed_not_logged(not as_json):
             stats, signals = resume_interruptibly(engine, notice=err.print)
-    done = {"recovered": stats.recovered, "steps": stats.steps, "commits": stats.commits}
+    done = {
+        "recovered": stats.recovered,
+        "steps": stats.steps,  # (the attempts that succeeded, as ever)
+        "attempts": stats.attempts,
+        "compensations": stats.compensations,
+        "commits": stats.commits,
+    }
     if as_json:
         click.echo(
             json.dumps({**done, "interrupted": {"signals": len(signals)}} if signals else done)
         )
     else:
-        out.print(
-            f"resumed: {stats.recovered} interrupted run(s) recovered, {stats.steps} step(s) "
-            f"run, {stats.commits} commit(s)"
-        )
+        out.print(resumed_line(stats))
     if signals:
         how = "after the steps in flight finished" if len(signals) == 1 else "cutting steps off"
         paths = "".join(f" -w {path}" for path in workflow_paths)
@@ -311,6 +315,19 @@ def resume(
                 f"--db {database(db)}` runs one again"
             )
         leave(line, EXIT_SIGNALLED + signals[0])  # (not waiting for a cut-off step's thread)
+
+
+def resumed_line(stats: Stats) -> str:
+    """``resume``'s summary: every step attempt that ran, those that failed among them (it
+    once counted only the successes: a run whose three attempts failed "ran 0 steps"), and
+    the compensations when some ran."""
+    failed = stats.attempts - stats.steps
+    attempts = f"{stats.attempts} step attempt(s) run" + (f" ({failed} failed)" if failed else "")
+    undone = f", {stats.compensations} compensation(s) run" if stats.compensations else ""
+    return (
+        f"resumed: {stats.recovered} interrupted run(s) recovered, {attempts}{undone}, "
+        f"{stats.commits} commit(s)"
+    )
 
 
 @click.command()

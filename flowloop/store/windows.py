@@ -13,10 +13,16 @@ the history.
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, and_, or_, select
+from collections.abc import Sequence
+from typing import TypeVar
+
+from sqlalchemy import ColumnElement, UnaryExpression, and_, or_, select
+from sqlalchemy.sql.operators import custom_op
 
 from flowloop.lifecycle import LIVE
 from flowloop.store.schema import journal, runs
+
+T = TypeVar("T")
 
 
 def runs_since(since: float) -> ColumnElement[bool]:
@@ -29,3 +35,23 @@ def journal_since(since: float) -> ColumnElement[bool]:
     indexes), their entries by the journal's key."""
     window = select(runs.c.id).where(runs_since(since))
     return and_(journal.c.run_id.in_(window), journal.c.at >= since)
+
+
+def unindexed(expression: ColumnElement[T], *, sqlite: bool) -> ColumnElement[T]:
+    """``expression`` behind a unary ``+`` on SQLite, which no index serves (as is on
+    PostgreSQL, whose planner goes by its statistics)."""
+    if not sqlite:
+        return expression
+    return UnaryExpression(expression.self_group(), operator=custom_op("+"))
+
+
+def ended_since(
+    since: float, conditions: Sequence[ColumnElement[bool]], *, sqlite: bool
+) -> ColumnElement[bool]:
+    """Finished runs (``conditions`` say which) whose row was last written at or after
+    ``since``, found by ``ix_flowloop_runs_updated``. On SQLite the other conditions are
+    :func:`unindexed`: given the status or the workflow, its planner read every finished
+    run by their indexes (1,100 ms for a 10-minute window over 330,000 runs; 20-60 ms by
+    ``updated_at``). A query grouping such runs by workflow groups by the unindexed column
+    too, or the planner reads the workflow's index in order, all of it, to save a sort."""
+    return and_(runs.c.updated_at >= since, unindexed(and_(*conditions), sqlite=sqlite))

@@ -369,6 +369,8 @@ def test_json__every_command_and_iso_timestamps(here: Path, waiting_run: str) ->
     assert as_json("resume", "-w", "orders.py", cwd=here) == {
         "recovered": 0,
         "steps": 0,
+        "attempts": 0,
+        "compensations": 0,
         "commits": 0,
     }
     dot = as_json("diagram", "orders.py:order_flow", cwd=here)

@@ -462,6 +462,55 @@ def test_parse_new_context__takes_every_key_the_model_takes() -> None:
     assert Workflow("counts", context=Counts).parse_new_context({"a": 1}).root == {"a": 1}  # type: ignore[attr-defined]
 
 
+def test_parse_new_context__another_models_instance_is_judged_by_its_fields() -> None:
+    """An instance of another model was taken and its fields the workflow's model has not
+    dropped without a word, where the mapping of the same fields was refused (audit):
+    judged like that mapping now. The model's own instances are taken as before, and so
+    is any instance whose fields the model all has."""
+
+    class Refund(BaseModel):
+        order_id: str
+        refund_amount: float
+
+    class Rush(Ctx):
+        rush: bool = True
+
+    class Same(BaseModel):
+        order_id: str
+
+        @computed_field  # type: ignore[prop-decorator]
+        @property
+        def shown(self) -> str:  # derived, no data of its own: nothing is lost
+            return self.order_id.upper()
+
+    class Plain(Ctx):
+        pass
+
+    wf = linear()
+    refused = [Refund(order_id="A1", refund_amount=5.0), Rush(order_id="R")]
+    for given, field, kind in zip(
+        refused, ("refund_amount", "rush"), ("Refund", "Rush"), strict=True
+    ):
+        with pytest.raises(
+            InvalidContext,
+            match=rf"no field\(s\) '{field}' in Ctx \(fields: order_id, n\); "
+            rf"the context given is a {kind}$",
+        ):
+            wf.parse_new_context(given)
+    assert wf.parse_new_context(Same(order_id="S")) == Ctx(order_id="S")
+    assert wf.parse_new_context(Plain(order_id="P", n=2)) == Ctx(order_id="P", n=2)
+    own = Ctx(order_id="O", n=3)
+    taken = wf.parse_new_context(own)
+    assert taken == own and taken is not own and type(taken) is Ctx
+
+    class Loose(BaseModel):  # it says what becomes of extra fields: its say is kept
+        model_config = ConfigDict(extra="ignore")
+        order_id: str = ""
+
+    loose = Workflow("loose", context=Loose)
+    assert loose.parse_new_context(Refund(order_id="L", refund_amount=1)) == Loose(order_id="L")
+
+
 def test_business_key__field_function_or_none() -> None:
     by_field = Workflow("w", context=Ctx, key="order_id")
     by_function = Workflow("w", context=Ctx, key=lambda c: f"{c.order_id}/{c.n}")
