@@ -41,6 +41,7 @@ from flowloop.testing.crash import (
     CrashingStore,
     CrashState,
     SimulatedCrash,
+    Trigger,
     When,
     _Death,
     at_commit,
@@ -348,6 +349,10 @@ class TestEngine(Engine):
         if when not in ("before", "after"):
             raise FlowloopError(f"crash_at_commit: when must be 'before' or 'after', not {when!r}")
         self._crash.trigger = at_commit(number, "before" if when == "before" else "after")
+
+    def _arm(self, trigger: Trigger) -> None:
+        """Arm a crash at any point a :class:`~flowloop.testing.crash.Trigger` names."""
+        self._crash.trigger = trigger
 
     def disarm(self) -> None:
         """Forget an armed crash that has not happened."""
