@@ -263,6 +263,7 @@ class Engine(Operations, LoopControls, RunReading):
         run_at: float | datetime | None,
         owner: str | None,
         trace_context: Mapping[str, str] | None = None,
+        recurring: bool = False,
     ) -> NewRun:
         if not self._workflows.holds(workflow):
             self.register(workflow)
@@ -279,7 +280,9 @@ class Engine(Operations, LoopControls, RunReading):
         # iterator (a field typed Iterable) that the text must still hold. (What such a
         # field yields is not checked: it is read once, by the text.)
         check_finite("context", ctx.model_dump())
-        run_id = self._new_run_id(workflow.name, business_key, idempotency_key)
+        # A debounced/throttled run does not own its key (its runs recur): no id from it.
+        id_key = None if recurring else business_key
+        run_id = self._new_run_id(workflow.name, id_key, idempotency_key)
         initial = workflow.initial
         data = {
             "workflow": workflow.name,

@@ -55,6 +55,7 @@ def admitted_start(
         run_at=None if window is None else now + window,
         owner=None,
         trace_context=trace_context,
+        recurring=True,
     )
     group = admission.admission_key(key if key is not None else new.record.key)
     if window is not None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -131,6 +131,39 @@ def at_commit(number: int, when: Literal["before", "after"]) -> Trigger:
         after=when == "after",
         label=f"{when} journal commit #{number}",
     )
+
+
+def like_commit(
+    commits: Sequence[Commit], number: int, when: Literal["before", "after"]
+) -> Trigger:
+    """Crash before or after the commit of another run of the same script that carries what
+    commit ``number`` of ``commits`` carried: its journal entries, named by run and seq.
+
+    Group commit shares a transaction among the boundaries that are ready together, which
+    depends on timing (steps run in threads): the same script's runs may group the same
+    entries otherwise, so a commit's number does not name the same point in each. ``before``
+    fires at the first commit carrying one of the entries (none of them is committed);
+    ``after``, after the commit that completes them (all are). A commit with no journal entry
+    (an event kept for later) is named by its call and its rank among such commits."""
+    target = commits[number - 1]
+    label = f"{when} the commit of {target.describe()}"
+    if not target.events:
+
+        def entryless(commit: Commit) -> bool:
+            return commit.call == target.call and not commit.events
+
+        rank = sum(1 for commit in commits[:number] if entryless(commit))
+        return Trigger(matches=entryless, after=when == "after", label=label, occurrence=rank)
+    left = {(event.run_id, event.seq) for event in target.events}
+
+    def carries(commit: Commit) -> bool:
+        carried = left.intersection((event.run_id, event.seq) for event in commit.events)
+        if not carried or when == "before":
+            return bool(carried)
+        left.difference_update(carried)
+        return not left  # the last of them: once, as ``left`` is empty from then on
+
+    return Trigger(matches=carries, after=when == "after", label=label)
 
 
 def at_state(state: str, when: When, *, is_step: bool, occurrence: int = 1) -> Trigger:

@@ -41,6 +41,7 @@ from flowloop.testing.crash import (
     CrashingStore,
     CrashState,
     SimulatedCrash,
+    Trigger,
     When,
     _Death,
     at_commit,
@@ -76,9 +77,10 @@ class TestEngine(Engine):
 
     Leases and fencing keep working however far the fake clock jumps: leases are judged by
     the database's clock, due times by the engine's (fake) clock. Run ids are reproducible:
-    derived from a run's key or idempotency key when it has one, else drawn from a
-    generator seeded with ``seed`` — the same test script gives the same ids (and so the
-    same ``step.idempotency_key`` values) every time.
+    derived from a run's key or idempotency key when it has one, else (and for a debounced
+    or throttled start, whose key has many runs) drawn from a generator seeded with
+    ``seed`` — the same test script gives the same ids (and so the same
+    ``step.idempotency_key`` values) every time.
     """
 
     __test__ = False  # a class named Test* is not a pytest test class
@@ -129,7 +131,8 @@ class TestEngine(Engine):
         # Reproducible ids, so two runs of one test script get the same ids and hence the
         # same idempotency keys (a crashed run compares with an uninterrupted one field by
         # field): derived from the run's key when it has one (a start repeated after a
-        # crash gets the same id), else drawn from a generator seeded with ``seed``.
+        # crash gets the same id), else drawn from a generator seeded with ``seed`` (the
+        # engine passes no key for a debounced or throttled start: the key's runs recur).
         if idempotency_key is not None or key is not None:
             name = f"{workflow}\0{key}\0{idempotency_key}"
             return uuid.uuid5(RUN_ID_NAMESPACE, name).hex
@@ -346,6 +349,10 @@ class TestEngine(Engine):
         if when not in ("before", "after"):
             raise FlowloopError(f"crash_at_commit: when must be 'before' or 'after', not {when!r}")
         self._crash.trigger = at_commit(number, "before" if when == "before" else "after")
+
+    def _arm(self, trigger: Trigger) -> None:
+        """Arm a crash at any point a :class:`~flowloop.testing.crash.Trigger` names."""
+        self._crash.trigger = trigger
 
     def disarm(self) -> None:
         """Forget an armed crash that has not happened."""

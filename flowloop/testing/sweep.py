@@ -1,6 +1,8 @@
 """A crash at every journal point: run a workflow once uninterrupted, then once per crash
-point (before and after each of its journal commits), resume after the crash, and check
-that every run ends as the uninterrupted one did — the check flowloop's own crash suite
+point (before and after each of its journal commits, found in the crashed run by the
+journal entries it carried: group commit bundles boundaries by timing, so a commit's number
+may not name the same point in two runs), resume after the crash, and check that every run
+ends as the uninterrupted one did — the check flowloop's own crash suite
 makes with real processes and SIGKILL, in-process and in milliseconds.
 
 Besides the final status, state and context, each crashed run is checked for the journal
@@ -21,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel
 
@@ -30,7 +32,7 @@ from flowloop.clock import FakeClock
 from flowloop.definition import Step, StepSpec, Workflow
 from flowloop.journal import JournalEvent
 from flowloop.store import RunFilter, SQLStore
-from flowloop.testing.crash import Commit, SimulatedCrash
+from flowloop.testing.crash import Commit, SimulatedCrash, like_commit
 from flowloop.testing.engine import TestEngine
 
 Action = Callable[[TestEngine, str], object]
@@ -39,6 +41,8 @@ SWEEP_KEY: Final = "flowloop-testing-crash-sweep"
 """The idempotency key the sweep starts its run with (a start repeated after a crash
 returns the same run)."""
 CLOCK_START: Final = 1_800_000_000.0
+AROUND: Final[tuple[Literal["before", "after"], ...]] = ("before", "after")
+"""The crash points of each journal commit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +134,7 @@ def check_crash_points(
             )
             outcomes = []
             for commit in commits:
-                for when in ("before", "after"):
+                for when in AROUND:
                     ledger.clear()
                     outcomes.append(
                         _crashed(
@@ -139,6 +143,7 @@ def check_crash_points(
                             workflow,
                             context,
                             actions,
+                            commits=commits,
                             commit=commit,
                             when=when,
                             baseline=baseline,
@@ -226,8 +231,9 @@ def _crashed(
     context: BaseModel | Mapping[str, Any],
     actions: Sequence[Action],
     *,
+    commits: Sequence[Commit],
     commit: Commit,
-    when: str,
+    when: Literal["before", "after"],
     baseline: Ending,
     ledger: list[tuple[str, str, int]],
     operator_retry: bool,
@@ -239,7 +245,8 @@ def _crashed(
     retried = False
     crashes = 0
     with TestEngine(db, workflows=workflows, clock=FakeClock(clock_start)) as engine:
-        engine.crash_at_commit(commit.number, when)
+        # Named by what it carries, not by number: this run may group its commits otherwise.
+        engine._arm(like_commit(commits, commit.number, when))
         parts = _script(workflow, context, actions)
         index = 0
         while index < len(parts):
@@ -258,8 +265,8 @@ def _crashed(
                     retried = _retry_interrupted(engine, workflows)
         if crashes == 0:
             problems.append(
-                "the crash point was never reached: the run made other commits than the "
-                "uninterrupted one (is the workflow deterministic?)"
+                "the crash point was never reached: the run made other journal entries than "
+                "the uninterrupted one (is the workflow deterministic?)"
             )
         end = _end(engine, run[0]) if run else None
         if end is not None:
