@@ -137,6 +137,7 @@ def worker(
 ) -> None:
     """Execute due runs and loop iterations from PATHS or -w (default ./workflows) until
     stopped."""
+    from flowloop.cli.startup import StoppedWaiting, when_reachable
     from flowloop.engine import Engine
     from flowloop.metrics import Metrics
     from flowloop.store.dialect import safe_url
@@ -160,13 +161,27 @@ def worker(
         else:
             where = f"no workflows or loops in {where}"
         raise FlowloopError(f"nothing to run: {where}; pass -w FILE_OR_DIR that defines them")
-    with Engine(
-        database(config.db),
-        synchronous=synchronous,
-        max_concurrency=config.concurrency,
-        lease_seconds=config.lease,
-    ) as engine:
-        prepared(engine, loaded)
+    url = database(config.db)
+
+    def opened() -> Engine:
+        engine = Engine(
+            url,
+            synchronous=synchronous,
+            max_concurrency=config.concurrency,
+            lease_seconds=config.lease,
+        )
+        try:
+            return prepared(engine, loaded)
+        except BaseException:
+            engine.close()
+            raise
+
+    try:
+        engine = when_reachable(opened, url)
+    except StoppedWaiting as stopped:
+        err.print(str(stopped), markup=False)
+        return
+    with engine:
         metrics, serving = None, None
         if as_json and config.metrics_port is not None:
             # Served before the worker starts, so the start-up line can name the port.

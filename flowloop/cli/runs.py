@@ -273,14 +273,29 @@ def resume(
     SIGTERM) lets the steps in flight finish and hands their runs back; a second cuts them
     off."""
     from flowloop.cli.progress import printed_not_logged, progress_printer
+    from flowloop.cli.startup import StoppedWaiting, when_reachable
     from flowloop.engine import Engine
     from flowloop.interrupt import EXIT_SIGNALLED, leave, resume_interruptibly
 
     loaded = load_workflow_paths(workflow_paths)
     if not loaded.workflows:
         raise FlowloopError("no workflows loaded: pass -w FILE_OR_DIR (default ./workflows)")
-    with Engine(database(db), synchronous=synchronous, max_concurrency=concurrency) as engine:
-        prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
+    url = database(db)
+
+    def opened() -> Engine:
+        engine = Engine(url, synchronous=synchronous, max_concurrency=concurrency)
+        try:
+            return prepared(engine, loaded)  # (traced with --trace: a resumed run joins its trace)
+        except BaseException:
+            engine.close()
+            raise
+
+    try:
+        engine = when_reachable(opened, url)  # (started during an outage: it waits)
+    except StoppedWaiting as stopped:
+        err.print(str(stopped), markup=False)
+        return
+    with engine:
         if not as_json:
             engine.listeners.append(progress_printer())
         failed: dict[str, None] = {}  # (in order, each once)

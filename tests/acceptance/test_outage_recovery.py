@@ -199,3 +199,61 @@ def test_sigterm_during_an_outage_ends_the_worker_and_nothing_is_lost(
             workers.stop_all()
             outage.end()
             outage.close()
+
+
+@pytest.mark.postgres
+def test_a_worker_and_resume_started_during_an_outage_wait_for_the_database(
+    tmp_path: Path, workers: mwkit.Workers
+) -> None:
+    """A worker (or `flowloop resume`) started while PostgreSQL refused connections exited 1
+    at once ("cannot use database …: unreachable"), though the README says it waits (fault
+    audit). Both wait, say so once, and do their work when the database answers."""
+    import os
+    import subprocess
+    import sys
+
+    require_pg()
+    with faultkit.scratch_pg_database(pg_base_url()) as url:
+        outage = faultkit.PgOutage(pg_base_url(), url.rsplit("/", 1)[1])
+        try:
+            flow = mwkit.write_flow(tmp_path)
+            mwkit.enqueue(url, flow, RUNS, lease=LEASE_S)
+            outage.begin()
+            worker = workers.add(
+                mwkit.spawn_worker(
+                    flow, url, tmp_path, "w", concurrency=4, lease=LEASE_S, grace=GRACE_S, env=ENV
+                )
+            )
+            resume = subprocess.Popen(
+                [sys.executable, "-m", "flowloop.cli", "resume", "-w", str(flow), "--db", url],
+                cwd=tmp_path,
+                env={**os.environ, "PYTHONPATH": str(mwkit.ROOT), **ENV},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            waiting = "cannot use the database yet"
+            mwkit.wait_for(
+                "the worker to say it waits for the database",
+                lambda: waiting in worker.output(),
+                timeout=60,
+                describe=workers.logs,
+            )
+            assert worker.proc.poll() is None and resume.poll() is None, workers.logs()
+            outage.end()
+            mwkit.wait_for(
+                "every run to finish once the database answers",
+                lambda: mwkit.all_finished(url, RUNS),
+                timeout=RECOVERY_BOUND_S,
+                describe=lambda: f"{mwkit.statuses(url)}\n{workers.logs()}",
+            )
+            output, _ = resume.communicate(timeout=RECOVERY_BOUND_S)
+            assert resume.returncode == 0, output
+            assert waiting in output and "the database answers again" in output, output
+            assert "the database answers again" in worker.output()
+            assert mwkit.succeeded_once_per_visit(mwkit.journal_rows(url)) == []
+            assert worker.stop() == 0, workers.logs()
+        finally:
+            workers.stop_all()
+            outage.end()
+            outage.close()
