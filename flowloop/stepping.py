@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import children, frozen, interruptions
+from flowloop import children, compose, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
@@ -251,7 +251,7 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        if self._straight_on(workflow, record.id, next_state, delay):
+        if self._straight_on(workflow, record, next_state, delay, now):
             after = await self._went_on(
                 record,
                 fence,
@@ -284,16 +284,20 @@ class Stepping:
         same = j.holds_context(after, context, workflow.context_version)
         return after, parsed if same else None
 
-    def _straight_on(self, workflow: Workflow, run_id: str, target: str, delay: float) -> bool:
-        """Whether a success into ``target`` is the usual boundary :meth:`_went_on` commits:
-        ``target`` a step due at once (no durable sleep) that no gate can hold, and nothing
-        asked of the run (a pause, a stop) or of this worker (a drain). :meth:`_advance`
-        would then start ``target`` in the same commit; every other success goes there."""
+    def _straight_on(
+        self, workflow: Workflow, record: RunRecord, target: str, delay: float, now: float
+    ) -> bool:
+        """Whether a success into ``target`` at ``now`` is the usual boundary
+        :meth:`_went_on` commits: ``target`` a step due at once (no durable sleep) that no
+        gate can hold, the run's deadline not passed, and nothing asked of the run (a
+        pause, a stop) or of this worker (a drain). :meth:`_advance` would then start
+        ``target`` in the same commit; every other success goes there."""
         spec = workflow.steps.get(target)
         return (
             spec is not None
             and not delay
-            and run_id not in self._controls
+            and (record.deadline is None or now < record.deadline)
+            and record.id not in self._controls
             and not self._draining
             and not gated(workflow, spec)
             # (A definition gives a state one kind; these hold should one slip through.)
@@ -372,9 +376,14 @@ class Stepping:
         if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
             # A call/map state: fan out now (the entry committed with it), no claim first.
             return await children.drive(self._whole(), workflow, record, fence, entered=transition)
-        if target not in workflow.steps or (after.next_run_at or 0.0) > transition.at:
+        if (
+            target not in workflow.steps
+            or (after.next_run_at or 0.0) > transition.at
+            or compose.deadline_passed(after, transition.at)
+        ):
             # Waiting or sleeping: hand the run back; its due time (if any) is stored. (A
-            # call, map or compensating state is due now: a claim takes it on.)
+            # call, map or compensating state is due now: a claim takes it on; so is a
+            # step past the run's deadline, moved on by the claim with no attempt begun.)
             applied = await self._commit(
                 Boundary(events=[transition], record=after, fence=fence, release=True)
             )
