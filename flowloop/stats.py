@@ -183,6 +183,7 @@ FINAL_ENTRY_KINDS: Final = (
     j.STEP_INTERRUPTED,
     j.RUN_FAILED,
     j.RUN_STOPPED,
+    j.SLEEP_ENDED,
 )
 """The kinds a finished run's last entry can have: a range on the journal's ``(kind, at)``
 index finds the runs that finished in the window without reading every run."""
@@ -240,7 +241,7 @@ def run_stats(
     where = [*filters, ended.c.kind.in_(FINAL_ENTRY_KINDS)]
     # A finished run whose last entry is a success is a succeeded run: said by the entry's
     # kind (not `status = 'succeeded'`, which would make the planner read every such run).
-    succeeded = [*filters, ended.c.kind.in_((j.STEP_SUCCEEDED, j.EVENT_RECEIVED))]
+    succeeded = [*filters, ended.c.kind.in_((j.STEP_SUCCEEDED, j.EVENT_RECEIVED, j.SLEEP_ENDED))]
 
     def of(status: str) -> ColumnElement[Any]:
         return func.sum(case((runs.c.status == status, 1), else_=0)).label(status)

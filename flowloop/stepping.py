@@ -373,7 +373,11 @@ class Stepping:
             if target in workflow.waits:
                 self._deliver(record.id)  # still hand it what was kept for it
             return None
-        if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
+        if (
+            target in workflow.composites
+            and (after.deadline or transition.at + 1) > transition.at
+            and (after.next_run_at or transition.at) <= transition.at  # (not after a sleep)
+        ):
             # A call/map state: fan out now (the entry committed with it), no claim first.
             return await children.drive(self._whole(), workflow, record, fence, entered=transition)
         if (
@@ -426,7 +430,9 @@ class Stepping:
         """A claimed waiting run: take a buffered event it accepts (rejecting, one by one,
         those it cannot take), else its timeout when it is due; else (claimed early:
         unpaused, or created in its wait state) hand it back with its stored due time
-        (``None`` without a timeout)."""
+        (``None`` without a timeout). A run asleep before the state enters it first."""
+        if record.reason == j.ASLEEP:
+            return await self._end_sleep(workflow, record, fence)
         now = self.clock.now()
         for message in self.store.pending_events(record.id):
             if message.event not in workflow.waits[record.state].on:
@@ -489,6 +495,23 @@ class Stepping:
             )
             return None
         return await self._advance(workflow, record, fence, received)
+
+    async def _end_sleep(
+        self, workflow: Workflow, record: RunRecord, fence: Fence
+    ) -> RunRecord | None:
+        """A run claimed asleep (``step.sleep``) before its wait or final state: when the
+        sleep is over it enters the state now (``sleep_ended``: a wait's timeout counts
+        from here, and it takes the events kept for it; a final state ends the run); a
+        claim before then hands it back asleep, due when the sleep ends."""
+        now, due = self.clock.now(), record.next_run_at
+        if due is not None and due > now:
+            released = self._event(record, j.RUN_RELEASED, state=record.state, data={"due": due})
+            await self._finish(record, fence, [released])
+            return None
+        data = entering(workflow, record.state, now)
+        data.pop(j.CONTEXT_VERSION, None)  # (it writes no context)
+        woke = self._event(record, j.SLEEP_ENDED, state=record.state, data=data)
+        return await self._advance(workflow, record, fence, woke)
 
     def _deliver(self, run_id: str) -> None:
         delivered = try_deliver_pending(
