@@ -647,7 +647,7 @@ async def claimed(
     executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence
 ) -> RunRecord | None:
     """A claimed run in a state without a step of its own: a wait past the run's deadline,
-    a call or map state, or a compensating state."""
+    a call or map state, a compensating state, or a final state it sleeps before."""
     now = executor.clock.now()
     compensating = workflow.compensates(record.state)
     if compose.deadline_passed(record, now) and not compensating:
@@ -660,6 +660,8 @@ async def claimed(
         from flowloop import sagas
 
         return await sagas.drive(executor, workflow, record, fence)
+    if workflow.is_final(record.state):  # (scheduled there: asleep before it, step.sleep)
+        return await executor._end_sleep(workflow, record, fence)
     released = executor._event(record, j.RUN_RELEASED, state=record.state, data={"due": None})
     await executor._finish(record, fence, [released])
     return None

@@ -46,24 +46,39 @@ class NeverAccepted(InvalidEvent):
 
 
 class NotWaiting(InvalidTransition):
-    """The run's state accepts the event, but the run cannot take it now (it is paused)."""
+    """The run's state accepts the event, but the run cannot take it now (it is paused, or
+    asleep before the state: ``step.sleep``)."""
 
-    def __init__(self, run_id: str, status: str, state: str, event: str) -> None:
+    def __init__(
+        self, run_id: str, status: str, state: str, event: str, *, asleep: bool = False
+    ) -> None:
+        where = (
+            f"asleep before state {state!r} (step.sleep)"
+            if asleep
+            else f"{status} in state {state!r}"
+        )
+        first = "" if asleep else "unpause it first, or "
         FlowloopError.__init__(
             self,
-            f"run {run_id!r} is {status} in state {state!r}: it cannot take event {event!r} "
-            f"now (unpause it first, or send with buffer=True / --buffer to keep the event "
-            f"until it can)",
+            f"run {run_id!r} is {where}: it cannot take event {event!r} now ({first}send "
+            f"with buffer=True / --buffer to keep the event until it can)",
         )
         self.run_id = run_id
         self.status = status
 
 
 def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:
-    """The ``data`` of a transition into ``state``: final, due now (a step, maybe after a
-    durable ``delay``), due at the wait's timeout, or not due at all (a wait without one)."""
+    """The ``data`` of a transition into ``state``: final, due now, due at the wait's
+    timeout, or not due at all (a wait without one). A durable ``delay`` (``step.sleep``)
+    makes it due only then: a step, call or map state starts then, a compensating state's
+    compensations run then; a wait or final state is entered then (``j.ASLEEP``: its
+    timeout counts, or the run ends, from the ``sleep_ended`` entry then)."""
     # The entry writes a context: it says which context version (issue 16).
     stamp = workflow.context_stamp()
+    if delay and workflow.compensates(state):
+        return {"compensate": True, "due": now + delay, **stamp}
+    if delay and (workflow.is_final(state) or state in workflow.waits):
+        return {"due": now + delay, j.ASLEEP: True, **stamp}
     if workflow.compensates(state):
         return {"compensate": True, **stamp}  # due now: its compensations run before it ends
     if workflow.is_final(state):
@@ -92,7 +107,11 @@ def accepted(workflow: Workflow, state: str) -> list[str]:
 def accepts(workflow: Workflow, record: RunRecord, event: str) -> bool:
     """Whether the run, as it is now, can take ``event`` (it waits in a state that accepts
     it; the timeout is only ever fired by a worker)."""
-    return record.status == "scheduled" and event in accepted(workflow, record.state)
+    return (
+        record.status == "scheduled"
+        and record.reason != j.ASLEEP  # (asleep before the state: not there yet)
+        and event in accepted(workflow, record.state)
+    )
 
 
 def check_bufferable(
@@ -123,8 +142,8 @@ def check_bufferable(
 def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | None:
     """The entry by which the run last entered ``state``: a transition or an ``on_error``
     route into it (any entry with it as ``next_state``), its creation or an operator's
-    retry there, or a migration that set its due time; a migration that renamed the state
-    is followed to the entry into the old name."""
+    retry there, the end of a sleep before it, or a migration that set its due time; a
+    migration that renamed the state is followed to the entry into the old name."""
     looking = state
     for event in reversed(events):
         if event.kind == j.RUN_MIGRATED and event.state == looking:
@@ -132,7 +151,7 @@ def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | Non
                 return event
             looking = str(event.data.get("from_state", looking))
             continue
-        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED) or is_turn(event)
+        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED, j.SLEEP_ENDED) or is_turn(event)
         if event.next_state == looking or (begun and event.state == looking):
             return event
     return None
@@ -158,6 +177,8 @@ def wait_due(workflow: Workflow, state: str, events: Sequence[JournalEvent]) -> 
         return float("-inf")  # no entry found: treat as overdue (the timeout fires)
     if is_turn(entry):
         return entry.at + wait.timeout  # a map's child held back: from its turn
+    if entry.data.get(j.ASLEEP):  # (not waiting yet: from the end of its sleep)
+        return float(entry.data["due"]) + wait.timeout
     # (A creation's due is its run_at plus the timeout; none for a map's child held back,
     # whose turn's entry then counts.)
     due = entry.data.get("due")
@@ -170,12 +191,23 @@ def stored_wait_due(state: str, events: Sequence[JournalEvent]) -> tuple[bool, f
     that entry tells it (a creation without one does not: a map's child held back), and
     the due time."""
     entry = entry_into(state, events)
-    if entry is None or "due" not in entry.data or is_turn(entry):
-        return False, None  # (a turn's due is when it came: the timeout is the definition's)
+    if entry is None or "due" not in entry.data or is_turn(entry) or entry.data.get(j.ASLEEP):
+        # (A turn's due is when it came, an unended sleep's when it ends: the timeout is
+        # the definition's.)
+        return False, None
     due = entry.data["due"]
     if entry.kind == j.RUN_CREATED and due is None:
         return False, None
     return True, None if due is None else float(due)
+
+
+def asleep_until(state: str, events: Sequence[JournalEvent]) -> float | None:
+    """When the sleep (``step.sleep``) before the run's wait or final state ``state`` ends,
+    while the run has not entered it yet; else ``None``."""
+    entry = entry_into(state, events)
+    if entry is None or not entry.data.get(j.ASLEEP):
+        return None
+    return float(entry.data["due"])
 
 
 def receive(

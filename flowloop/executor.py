@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from flowloop import children, interruptions
+from flowloop import children, compose, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.committer import (
@@ -665,6 +665,15 @@ class Executor(Stepping, Recovery, Requests):
                 if waited is None:
                     return
                 record = waited
+            elif starting and compose.deadline_passed(record, self.clock.now()):
+                # A step's run claimed past its deadline (it passed during a retry's backoff
+                # or a sleep): moved on before an attempt that would never run is journaled.
+                if await self._honour_control(record, fence):
+                    return
+                moved = await children.past_deadline(self, workflow, record, fence)
+                if moved is None:
+                    return
+                record = moved
             elif starting:
                 if await self._honour_control(record, fence):
                     return

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flowloop.errors import HeldBack
+from flowloop.journal import ASLEEP
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,8 +86,11 @@ def refuse_held_back(
 
 def queued(record: RunRecord | RunInfo, workflow: Workflow) -> bool:
     """A run ``engine.run`` waits for until a claim takes it: due or backing off, not
-    waiting for an event (a run in a call or map state waits for its children's claims)."""
-    return record.status in ("scheduled", "retrying") and record.state not in workflow.waits
+    waiting for an event (a run in a call or map state waits for its children's claims; one
+    asleep before a wait state, for the claim that ends its sleep)."""
+    return record.status in ("scheduled", "retrying") and (
+        record.state not in workflow.waits or record.reason == ASLEEP
+    )
 
 
 def claimed_later(stored: StoredRun, workflow: Workflow, now: float, horizon: float) -> bool:

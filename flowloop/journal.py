@@ -45,6 +45,11 @@ DEADLINE_PASSED: Final = "deadline_passed"  # state -> on_deadline; the deadline
 EVENT_DROPPED: Final = "event_dropped"  # a kept event dropped for max_inbox; only the seq
 RUN_DEBOUNCED: Final = "run_debounced"  # a later start of a burst: context, due (admission.py)
 RUN_MIGRATED: Final = "run_migrated"  # moved to a newer version: version, fingerprint, state
+SLEEP_ENDED: Final = "sleep_ended"  # a step.sleep before a wait/final state ended: enters it
+ASLEEP: Final = "asleep"
+"""In a step's success into a wait or final state, true when ``step.sleep`` delays it: the
+run rests there scheduled, due when the sleep ends, with this as its reason (it takes no
+event, its timeout does not count, it does not end) until ``sleep_ended`` enters the state."""
 
 TIMEOUT_EVENT: Final = "timeout"
 """The event a wait state takes when its ``timeout`` passes (an ``event_received`` entry
@@ -78,6 +83,7 @@ KINDS: Final = (
     RUN_DEBOUNCED,
     EVENT_DROPPED,
     RUN_MIGRATED,
+    SLEEP_ENDED,
 )
 TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_PASSED)
 """Kinds that move a run to ``next_state`` (as does a ``step_failed`` or
@@ -265,7 +271,7 @@ def _moved(record: RunRecord, event: JournalEvent, change: dict[str, Any]) -> No
         attempt=0,
         visits=visits,
         next_run_at=None if final else event.data.get("due", event.at),
-        reason=None,
+        reason=ASLEEP if event.data.get(ASLEEP) else None,
         error=None,
     )
 
@@ -346,9 +352,10 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_UNPAUSED:
         change.update(
             status=_status(record, "scheduled", event),
-            # A run waiting in a wait state keeps its timeout's due time (or none).
+            # A run waiting in a wait state keeps its timeout's due time (or none); one
+            # asleep before its state sleeps on.
             next_run_at=event.data.get("due", event.at),
-            reason=None,
+            reason=ASLEEP if event.data.get(ASLEEP) else None,
         )
     elif kind == RUN_STOPPED:
         change.update(
@@ -388,6 +395,14 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
         change.update(context=event.context, next_run_at=event.data.get("due", event.at))
+    elif kind == SLEEP_ENDED:
+        # The sleep before the run's state is over: it enters it now (ends in a final one).
+        final = bool(event.data.get("final"))
+        change.update(
+            status=_status(record, "succeeded" if final else "scheduled", event),
+            next_run_at=None if final else event.data.get("due", event.at),
+            reason=None,
+        )
     elif kind == RUN_MIGRATED:
         assert event.state is not None
         change.update(_migrated(record, event))

@@ -71,15 +71,20 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule("start", ("scheduled", "retrying"), "running", "a worker claims it and runs a step"),
     Rule(
         "succeed",
-        ("running", "scheduled"),
+        ("running", "scheduled", "retrying"),
         "succeeded",
-        "a final state is reached (a waiting run: by an event)",
+        "a final state is reached (a waiting run: by an event; one backing off: by its deadline)",
     ),
     Rule("retry", ("running",), "retrying", "a step failed; it is tried again after a backoff"),
     Rule(
         "fail", ("running", "scheduled", "retrying"), "failed", "out of attempts, or not retryable"
     ),
-    Rule("release", ("running",), "scheduled", "back to the queue: a wait, a timer, a shutdown"),
+    Rule(
+        "release",
+        ("running", "retrying"),
+        "scheduled",
+        "back to the queue: a wait, a timer, a shutdown, a deadline passed in a backoff",
+    ),
     Rule("pause", ANY_LIVE, "paused", "at once, or at the running step's end"),
     Rule("unpause", ("paused",), "scheduled", "it goes on where it was"),
     Rule("stop", ANY_LIVE, "stopped", "a running step is cancelled"),

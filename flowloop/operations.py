@@ -34,6 +34,7 @@ from flowloop.events import (
     NotWaiting,
     accepted,
     accepts,
+    asleep_until,
     check_bufferable,
     entering,
     receive,
@@ -297,8 +298,13 @@ class Operations:
         data: dict[str, Any] = {}
         by_stored = False
         held = record.join is not None and children.is_held(self.store, run_id)
+        asleep = None if held else self._asleep_until(workflow, record)
         if held:
             data["due"] = None  # a map's child paused before its turn: held again
+        elif asleep is not None:
+            # Paused asleep before its wait or final state (step.sleep): it sleeps on, due
+            # when the sleep ends (at once if that has passed), and takes no event before.
+            data.update({"due": asleep, j.ASLEEP: True})
         elif workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
@@ -351,6 +357,15 @@ class Operations:
         if stored.owner is None and stored.record.status == "scheduled":
             data = {"reason": "events were kept for it"}
             self._operate(stored, j.RUN_RELEASED, state=stored.record.state, data=data)
+
+    def _asleep_until(self, workflow: Workflow | None, record: RunRecord) -> float | None:
+        """When the sleep the run was paused in before its wait or final state ends (it had
+        not entered the state yet), else ``None``."""
+        if workflow is not None and not (
+            record.state in workflow.waits or workflow.is_final(record.state)
+        ):
+            return None
+        return asleep_until(record.state, self.store.journal(record.id))
 
     def _waits_by_stored_definition(self, record: RunRecord) -> bool:
         """Whether the run's state is a wait state by the definition stored with its runs."""
@@ -450,7 +465,8 @@ class Operations:
                 if result == "buffered":
                     self._hand_over_kept(run_id)
             elif event in accepted(workflow, record.state):
-                raise NotWaiting(run_id, record.status, record.state, event)
+                asleep = record.reason == j.ASLEEP
+                raise NotWaiting(run_id, record.status, record.state, event, asleep=asleep)
             else:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))

@@ -76,9 +76,11 @@ class Step:
 
     def sleep(self, delay: float | timedelta, event: str | None = None) -> Sleep:
         """A durable timer: ``return step.sleep(timedelta(days=3), "remind")`` takes ``event``
-        (``None`` for a ``next=`` step) but starts the next state only after ``delay``.
-        The due time is stored; no worker or thread waits meanwhile, and a restarted
-        worker fires it on time, or at once if overdue."""
+        (``None`` for a ``next=`` step) but starts the next state only after ``delay``:
+        the run rests scheduled until then (a wait state's timeout counts, and its events
+        are taken, only from then; a final state ends the run then). The due time is
+        stored; no worker or thread waits meanwhile, and a restarted worker fires it on
+        time, or at once if overdue."""
         delay_s = seconds(delay) or 0.0
         if delay_s < 0:
             raise ValueError("step.sleep: delay must not be negative")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import children, frozen, interruptions
+from flowloop import children, compose, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
@@ -256,7 +256,7 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        if self._straight_on(workflow, record.id, next_state, delay):
+        if self._straight_on(workflow, record, next_state, delay, now):
             after = await self._went_on(
                 record,
                 fence,
@@ -289,16 +289,20 @@ class Stepping:
         same = j.holds_context(after, context, workflow.context_version)
         return after, parsed if same else None
 
-    def _straight_on(self, workflow: Workflow, run_id: str, target: str, delay: float) -> bool:
-        """Whether a success into ``target`` is the usual boundary :meth:`_went_on` commits:
-        ``target`` a step due at once (no durable sleep) that no gate can hold, and nothing
-        asked of the run (a pause, a stop) or of this worker (a drain). :meth:`_advance`
-        would then start ``target`` in the same commit; every other success goes there."""
+    def _straight_on(
+        self, workflow: Workflow, record: RunRecord, target: str, delay: float, now: float
+    ) -> bool:
+        """Whether a success into ``target`` at ``now`` is the usual boundary
+        :meth:`_went_on` commits: ``target`` a step due at once (no durable sleep) that no
+        gate can hold, the run's deadline not passed, and nothing asked of the run (a
+        pause, a stop) or of this worker (a drain). :meth:`_advance` would then start
+        ``target`` in the same commit; every other success goes there."""
         spec = workflow.steps.get(target)
         return (
             spec is not None
             and not delay
-            and run_id not in self._controls
+            and (record.deadline is None or now < record.deadline)
+            and record.id not in self._controls
             and not self._draining
             and not gated(workflow, spec)
             # (A definition gives a state one kind; these hold should one slip through.)
@@ -374,12 +378,21 @@ class Stepping:
             if target in workflow.waits:
                 self._deliver(record.id)  # still hand it what was kept for it
             return None
-        if target in workflow.composites and (after.deadline or transition.at + 1) > transition.at:
+        if (
+            target in workflow.composites
+            and (after.deadline or transition.at + 1) > transition.at
+            and (after.next_run_at or transition.at) <= transition.at  # (not after a sleep)
+        ):
             # A call/map state: fan out now (the entry committed with it), no claim first.
             return await children.drive(self._whole(), workflow, record, fence, entered=transition)
-        if target not in workflow.steps or (after.next_run_at or 0.0) > transition.at:
+        if (
+            target not in workflow.steps
+            or (after.next_run_at or 0.0) > transition.at
+            or compose.deadline_passed(after, transition.at)
+        ):
             # Waiting or sleeping: hand the run back; its due time (if any) is stored. (A
-            # call, map or compensating state is due now: a claim takes it on.)
+            # call, map or compensating state is due now: a claim takes it on; so is a
+            # step past the run's deadline, moved on by the claim with no attempt begun.)
             applied = await self._commit(
                 Boundary(events=[transition], record=after, fence=fence, release=True)
             )
@@ -422,7 +435,9 @@ class Stepping:
         """A claimed waiting run: take a buffered event it accepts (rejecting, one by one,
         those it cannot take), else its timeout when it is due; else (claimed early:
         unpaused, or created in its wait state) hand it back with its stored due time
-        (``None`` without a timeout)."""
+        (``None`` without a timeout). A run asleep before the state enters it first."""
+        if record.reason == j.ASLEEP:
+            return await self._end_sleep(workflow, record, fence)
         now = self.clock.now()
         for message in self.store.pending_events(record.id):
             if message.event not in workflow.waits[record.state].on:
@@ -485,6 +500,23 @@ class Stepping:
             )
             return None
         return await self._advance(workflow, record, fence, received)
+
+    async def _end_sleep(
+        self, workflow: Workflow, record: RunRecord, fence: Fence
+    ) -> RunRecord | None:
+        """A run claimed asleep (``step.sleep``) before its wait or final state: when the
+        sleep is over it enters the state now (``sleep_ended``: a wait's timeout counts
+        from here, and it takes the events kept for it; a final state ends the run); a
+        claim before then hands it back asleep, due when the sleep ends."""
+        now, due = self.clock.now(), record.next_run_at
+        if due is not None and due > now:
+            released = self._event(record, j.RUN_RELEASED, state=record.state, data={"due": due})
+            await self._finish(record, fence, [released])
+            return None
+        data = entering(workflow, record.state, now)
+        data.pop(j.CONTEXT_VERSION, None)  # (it writes no context)
+        woke = self._event(record, j.SLEEP_ENDED, state=record.state, data=data)
+        return await self._advance(workflow, record, fence, woke)
 
     def _deliver(self, run_id: str) -> None:
         delivered = try_deliver_pending(

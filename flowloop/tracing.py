@@ -320,13 +320,23 @@ class RunTracing:
                 found.append(
                     (name, {STATE: state, EVENT: event.event or "", NEXT_STATE: event.next_state})
                 )
-            if workflow is not None and event.next_state in workflow.waits:
+            if (
+                workflow is not None
+                and event.next_state in workflow.waits
+                and not data.get(j.ASLEEP)  # (asleep before it: a timer, then the wait)
+            ):
                 attributes: dict[str, AttributeValue] = {STATE: event.next_state}
                 if due is not None:
                     attributes["flowloop.timeout_at"] = due
                 found.append(("flowloop.wait", attributes))
             elif due is not None and due > event.at and not data.get("final"):
                 found.append(("flowloop.timer", {STATE: event.next_state, "flowloop.due": due}))
+        if kind == j.SLEEP_ENDED and "due" in data:  # (a final state's has none)
+            # The sleep before a wait state ended: the wait begins (its timeout, if any).
+            began: dict[str, AttributeValue] = {STATE: state}
+            if data.get("due") is not None:
+                began["flowloop.timeout_at"] = data["due"]
+            found.append(("flowloop.wait", began))
         if kind in (j.RUN_PAUSED, j.RUN_UNPAUSED, j.RUN_STOPPED, j.RUN_RETRIED, j.RUN_FAILED):
             found.append((f"flowloop.{kind}", {STATE: state}))
         return found

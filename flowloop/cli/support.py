@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from flowloop.errors import FlowloopError, MissingDatabase, WrongDatabase
+from flowloop.journal import ASLEEP
 from flowloop.store.base import VERSION_TABLE
 from flowloop.store.entries import stored_waits
 from flowloop.store.urls import normalize_url
@@ -195,8 +196,8 @@ class WaitStates:
 
     def of(self, info: RunInfo) -> Waiting | None:
         """How ``info`` waits, or None when it does not (only a ``scheduled`` run waits;
-        a paused one is shown paused)."""
-        if info.status != "scheduled":
+        a paused one is shown paused, one asleep before its wait state scheduled)."""
+        if info.status != "scheduled" or info.reason == ASLEEP:
             return None
         events = self._of(info).get(info.state)
         if events is None:

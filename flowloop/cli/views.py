@@ -119,7 +119,13 @@ def describe_event(event: JournalEvent) -> str:
         return composed
     if event.kind in ("step_succeeded", "event_received"):
         note = f": {event.data['note']}" if event.data.get("note") else ""  # Step.note
+        if event.data.get(j.ASLEEP):  # (step.sleep before a wait or final state)
+            note += f" (asleep until {iso(event.data['due'])})"
         return f"{event.state} --{event.event}--> {event.next_state}{note}"
+    if event.kind == j.SLEEP_ENDED:  # the state entered when the sleep ended
+        due = event.data.get("due")
+        until = f" until {iso(due)}" if isinstance(due, (int, float)) else ""
+        return "the run ends" if event.data.get("final") else f"waits in {event.state}{until}"
     if event.kind == "event_rejected":
         return f"{event.event}: {event.error_type or ''}: {event.error_message or ''}".strip(": ")
     if event.kind in ("step_failed", "step_interrupted", "run_failed"):

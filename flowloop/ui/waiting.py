@@ -13,6 +13,7 @@ from typing import Any, Final
 
 from sqlalchemy import Connection, and_, false, not_, or_, select
 
+from flowloop.journal import ASLEEP
 from flowloop.lifecycle import STATUSES
 from flowloop.store.entries import definition_structure, stored_waits
 from flowloop.store.schema import definitions, runs
@@ -52,7 +53,11 @@ def is_waiting(waits: WaitStates) -> Any:
         and_(runs.c.fingerprint == fingerprint, runs.c.state.in_(sorted(states)))
         for fingerprint, states in sorted(waits.items())
     ]
-    return and_(runs.c.status == "scheduled", or_(*pairs)) if pairs else false()
+    if not pairs:
+        return false()
+    # (A run asleep before its wait state, step.sleep, is not there yet: shown scheduled.)
+    awake = or_(runs.c.reason.is_(None), runs.c.reason != ASLEEP)
+    return and_(runs.c.status == "scheduled", or_(*pairs), awake)
 
 
 def status_condition(status: str, waits: WaitStates) -> Any:
@@ -65,9 +70,14 @@ def status_condition(status: str, waits: WaitStates) -> Any:
 
 
 def shown_status(row: Mapping[str, Any], waits: WaitStates) -> str:
-    """A run row's status as shown: ``waiting`` for a scheduled run in a wait state."""
+    """A run row's status as shown: ``waiting`` for a scheduled run in a wait state (not
+    asleep before it)."""
     status = str(row["status"])
-    if status == "scheduled" and row["state"] in waits.get(str(row["fingerprint"]), {}):
+    if (
+        status == "scheduled"
+        and row["state"] in waits.get(str(row["fingerprint"]), {})
+        and row.get("reason") != ASLEEP
+    ):
         return WAITING
     return status
 

@@ -12,8 +12,9 @@ from datetime import timedelta
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, FakeClock, Retry, Workflow
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
+from flowloop.testing import SimulatedCrash, TestEngine
 
 HOUR = 3600.0
 
@@ -196,3 +197,142 @@ def test_deadline__the_children_it_stops_are_told_to_listeners(
     children = {child.id for child in store.children_of(started.id)}
     stopped = {run_id for run_id, kind in told if kind == j.RUN_STOPPED}
     assert stopped == children and len(children) == 3
+
+
+# -- a deadline that passes while no attempt runs: no attempt journaled for it -------------
+
+
+def backing_off(base: float, calls: list[int]) -> Workflow:
+    wf = Workflow("deadline_backoff", context=Ctx, deadline=HOUR, on_deadline="expired")
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=5, backoff="fixed", base=base))
+    def poll(ctx: Ctx, step: Step) -> None:
+        calls.append(step.attempt)
+        raise ConnectionError("down")
+
+    wf.final("done", "expired")
+    return wf
+
+
+def tail(engine: Engine, run_id: str, n: int) -> list[tuple[str, int]]:
+    return [(e.kind, e.attempt) for e in engine.history(run_id)][-n:]
+
+
+def test_deadline__passed_in_a_backoff_journals_no_attempt_that_never_ran(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """A retry due after the deadline: the claim at the deadline journaled the next
+    attempt's step_started, then deadline_passed — an attempt never called, which
+    `attempts()` showed as still running."""
+    calls: list[int] = []
+    info = engine.run(backing_off(3000, calls), Ctx())
+    clock.advance(3000)
+    engine.run_until_idle(idle_horizon=0)  # attempt 2 fails; attempt 3 would come at 6000 s
+    clock.advance(HOUR - 3000)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("succeeded", "expired")
+    assert calls == [1, 2]
+    assert tail(engine, info.id, 2) == [(j.STEP_FAILED, 2), (j.DEADLINE_PASSED, 2)]
+    assert engine.replay(info.id).differences == []
+
+
+def test_deadline__passed_in_a_backoff_moves_on_to_a_step(engine: Engine, clock: FakeClock) -> None:
+    """on_deadline a step: the retrying run is scheduled there (no attempt of the step it
+    was backing off in), and that step runs."""
+    wf = Workflow("deadline_cleanup", context=Ctx, deadline=HOUR, on_deadline="cleanup")
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=5, backoff="fixed", base=HOUR))
+    def poll(ctx: Ctx) -> None:
+        raise ConnectionError("down")
+
+    @wf.step(next="expired")
+    def cleanup(ctx: Ctx) -> None:
+        ctx.note = "cleaned up"
+
+    wf.final("done", "expired")
+    info = engine.run(wf, Ctx())
+    clock.advance(HOUR)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("succeeded", "expired")
+    assert info.context.note == "cleaned up"  # type: ignore[union-attr]
+    started = [e.state for e in engine.history(info.id) if e.kind == j.STEP_STARTED]
+    assert started == ["poll", "cleanup"]
+    assert engine.replay(info.id).differences == []
+
+
+def test_deadline__a_retry_claimed_late_past_it_is_not_attempted(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """The retry was due before the deadline, but no worker claimed it until after (all
+    were down): the run moves to on_deadline without a step_started first."""
+    calls: list[int] = []
+    info = engine.run(backing_off(1800, calls), Ctx())  # due at 30 min: before the deadline
+    assert engine.get(info.id).status == "retrying"
+    clock.advance(2 * HOUR)
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("succeeded", "expired")
+    assert calls == [1]
+    assert tail(engine, info.id, 2) == [(j.STEP_FAILED, 1), (j.DEADLINE_PASSED, 1)]
+    assert engine.replay(info.id).differences == []
+
+
+def test_deadline__passed_by_a_step_that_succeeded_starts_no_next_step(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """A step succeeds at (fake) time past the deadline: the next step's start was
+    journaled with its success, then cut off at once. The run moves on by a claim."""
+    wf = Workflow("deadline_between", context=Ctx, deadline=HOUR, on_deadline="expired")
+    ran: list[str] = []
+
+    @wf.step(initial=True, next="second")
+    def first(ctx: Ctx) -> None:
+        ran.append("first")
+        clock.advance(HOUR + 1)  # it took that long (the deadline passed as it returned)
+
+    @wf.step(next="done")
+    def second(ctx: Ctx) -> None:
+        ran.append("second")
+
+    wf.final("done", "expired")
+    info = engine.run(wf, Ctx())
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(info.id)
+    assert (info.status, info.state) == ("succeeded", "expired")
+    assert ran == ["first"]
+    kinds = [e.kind for e in engine.history(info.id)]
+    assert kinds[-2:] == [j.STEP_SUCCEEDED, j.DEADLINE_PASSED]
+    assert kinds.count(j.STEP_STARTED) == 1
+    assert engine.replay(info.id).differences == []
+
+
+def test_deadline__a_crash_after_the_success_past_it_keeps_it(store_url: str) -> None:
+    """Crash safety: killed after the success past the deadline is committed (the run
+    handed back due at once), the next worker moves it to on_deadline."""
+    clock = FakeClock(auto_advance=False)
+    wf = Workflow("deadline_crash", context=Ctx, deadline=HOUR, on_deadline="expired")
+
+    @wf.step(initial=True, next="second")
+    def first(ctx: Ctx) -> None:
+        clock.advance(HOUR + 1)
+
+    @wf.step(next="done")
+    def second(ctx: Ctx) -> None:
+        raise AssertionError("never called: the deadline passed before it")
+
+    wf.final("done", "expired")
+    with TestEngine(store_url, workflows=[wf], clock=clock) as engine:
+        run = engine.start(wf, Ctx())
+        engine.crash_at("first", "after")
+        with pytest.raises(SimulatedCrash):
+            engine.run_until_idle()
+        engine.resume()
+        info = engine.get(run.id)
+        assert (info.status, info.state) == ("succeeded", "expired")
+        assert [e.kind for e in engine.history(run.id)][-2:] == [
+            j.STEP_SUCCEEDED,
+            j.DEADLINE_PASSED,
+        ]
+        assert engine.replay(run.id).differences == []

@@ -18,6 +18,8 @@ ALLOWED_BY_DESIGN = [
     ("running", "retrying"),
     ("running", "failed"),
     ("running", "scheduled"),  # released at shutdown / next step queued
+    ("retrying", "succeeded"),  # its deadline passed in a backoff: on_deadline is final
+    ("retrying", "scheduled"),  # … or on_deadline is a step or a wait
     ("paused", "scheduled"),
     ("failed", "scheduled"),  # an operator's retry
     ("stopped", "scheduled"),
@@ -34,7 +36,6 @@ FORBIDDEN = [
     ("failed", "paused"),
     ("idle", "running"),
     ("paused", "running"),
-    ("retrying", "succeeded"),
 ]
 
 
