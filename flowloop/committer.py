@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from flowloop import outagelog
 from flowloop.errors import error_line
 from flowloop.store import Boundary, Store
 from flowloop.store.outage import is_outage
@@ -118,6 +119,8 @@ class Committer:
         return applied
 
     def _written(self, boundaries: int) -> None:
+        if self._backoff:  # (written after an outage)
+            outagelog.answered("writes")
         self._backoff = 0.0
         self.stats.commits += 1
         self.stats.boundaries += boundaries
@@ -169,8 +172,10 @@ class Committer:
         self._retrying = batch
         self._backoff = min(self.cap, max(OUTAGE_BACKOFF_START, self._backoff * 2))
         self.stats.outage_retries += 1
-        log.warning(
-            "database unreachable (%s); %d boundary write(s) kept, retrying in %.1fs",
+        log.log(
+            outagelog.failed("writes"),
+            "writes: database %s (%s); %d boundary write(s) kept, retrying in %.1fs",
+            outagelog.cause(error),
             error_line(error),
             len(batch),
             self._backoff,

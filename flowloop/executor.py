@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from flowloop import children, compose, interruptions
+from flowloop import children, compose, interruptions, outagelog
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.committer import (
@@ -282,13 +282,18 @@ class Executor(Stepping, Recovery, Requests):
                         else None
                     )
                     outage = 0.0
+                    outagelog.answered("claims")
                 except Exception as error:
                     if not is_outage(error):
                         raise
                     cap = backoff_cap(self.lease_seconds)
                     outage = min(cap, max(OUTAGE_BACKOFF_START, outage * 2))
-                    log.warning(
-                        "database unreachable (%s); retrying in %.1fs", error_line(error), outage
+                    log.log(
+                        outagelog.failed("claims"),
+                        "claims: database %s (%s); retrying in %.1fs",
+                        outagelog.cause(error),
+                        error_line(error),
+                        outage,
                     )
                     if stop is None:
                         await asyncio.sleep(outage)

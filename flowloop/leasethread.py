@@ -49,6 +49,7 @@ from typing import Final
 
 from sqlalchemy.pool import StaticPool
 
+from flowloop import outagelog
 from flowloop.store import Store
 
 log = logging.getLogger("flowloop")
@@ -380,12 +381,16 @@ class LeaseGuard:
                         self._to_loop(self._hand_controls, polls, dict(requests))
                     quiet_to_hand = QUIET_POLLS_HANDED if requests else max(0, quiet_to_hand - 1)
                 if failing and called:
-                    log.info("heartbeat: database reachable again")
+                    outagelog.answered("heartbeat")
                     failing = False
             except Exception as error:  # keep beating (retrying every tick) through a hiccup
                 if not failing:
                     text = str(error).strip().splitlines()
-                    log.warning("heartbeat failed (retrying): %s", text[0] if text else type(error))
+                    log.log(
+                        outagelog.failed("heartbeat"),
+                        "heartbeat failed (retrying): %s",
+                        text[0] if text else type(error),
+                    )
                 failing = True
 
     def _holding(self) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from flowloop import loop_slots as slots
+from flowloop import outagelog
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout, exits_as_errors
@@ -191,8 +192,10 @@ class Scheduler:
                     raise
                 cap = backoff_cap(self.lease_seconds)
                 backoff = min(cap, max(OUTAGE_BACKOFF_START, backoff * 2))
-                log.warning(
-                    "loops: database unreachable at start (%s); retrying in %.1fs",
+                log.log(
+                    outagelog.failed("loops"),
+                    "loops: database %s at start (%s); retrying in %.1fs",
+                    outagelog.cause(error),
                     error_line(error),
                     backoff,
                 )
@@ -255,7 +258,8 @@ class Scheduler:
         try:
             self._wake_loop(name)
         except Exception as error:  # a database hiccup must not stop every other loop
-            log.warning("loop %s: could not fire (%s); trying again", name, error_line(error))
+            level = outagelog.failed("loops") if is_outage(error) else logging.WARNING
+            log.log(level, "loop %s: could not fire (%s); trying again", name, error_line(error))
             if name in self._generation:
                 self._push(name, self.poll_seconds)
 
@@ -269,8 +273,10 @@ class Scheduler:
         try:
             changes = self.store.loop_changes()
         except Exception as error:
-            log.warning("could not poll loop changes: %s", error_line(error))
+            level = outagelog.failed("loops") if is_outage(error) else logging.WARNING
+            log.log(level, "loops: could not poll loop changes: %s", error_line(error))
             return
+        outagelog.answered("loops")
         if changes == self._changes:
             return
         self._changes = changes

@@ -76,6 +76,12 @@ def _ride_out(url: str, tmp_path: Path, workers: mwkit.Workers, fault: object) -
     )
     recovered = time.monotonic() - ended
     assert worker.proc.poll() is None, workers.logs()
+    # Said once per part of the worker (each retry logged a warning: 67-203 lines in 40 s),
+    # and said when it was over (fault audit).
+    output = worker.output()
+    for part in ("claims", "writes"):
+        assert output.count(f"{part}: database ") <= 1, workers.logs()
+    assert "the database answers again" in output, workers.logs()
     assert mwkit.statuses(url) == Counter({"succeeded": RUNS}), workers.logs()
     assert mwkit.succeeded_once_per_visit(mwkit.journal_rows(url)) == []
     output = worker.output()
