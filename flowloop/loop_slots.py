@@ -15,7 +15,13 @@ from typing import Any
 from flowloop.loops import Loop, Wake
 from flowloop.store.loops import LoopEvent, LoopRow
 
-INTERRUPTED_MESSAGE = "the worker died during this iteration; it is not run twice"
+INTERRUPTED_MESSAGE = (
+    "its worker went away during this iteration (killed, crashed, or lost its lease); "
+    "it is not run twice"
+)
+LEASE_LOST_MESSAGE = (
+    "this worker lost its lease during this iteration (self-fenced); it is not run twice"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,10 +44,14 @@ def failures_reason(loop: Loop, failures: int) -> str:
     return f"{failures} consecutive failures (max_failures={loop.max_failures})"
 
 
-def interrupted(loop: Loop, row: LoopRow, *, now: float, worker: str) -> LoopWrite:
+def interrupted(
+    loop: Loop, row: LoopRow, *, now: float, worker: str, lease_lost: bool = False
+) -> LoopWrite:
     """Settle an iteration left running by a dead worker: journaled as interrupted (never
     run twice: its slot has its ``iteration_started``), the next slot scheduled, or the
-    loop paused when that was its ``max_failures``-th failure in a row."""
+    loop paused when that was its ``max_failures``-th failure in a row. ``lease_lost``:
+    the worker settling it is the one that held it, and gave it up with its lease."""
+    message = LEASE_LOST_MESSAGE if lease_lost else INTERRUPTED_MESSAGE
     slot = row.last_slot if row.last_slot is not None else now
     if row.next_fire_at is not None:
         nxt = row.next_fire_at  # a manual iteration kept the schedule's slot
@@ -58,14 +68,14 @@ def interrupted(loop: Loop, row: LoopRow, *, now: float, worker: str) -> LoopWri
             slot=slot,
             worker=worker,
             error_type="Interrupted",
-            error_message=INTERRUPTED_MESSAGE,
+            error_message=message,
         )
     ]
     changes: dict[str, Any] = {
         "status": "scheduled",
         "next_fire_at": nxt,
         "last_result": "interrupted",
-        "last_error": INTERRUPTED_MESSAGE,
+        "last_error": message,
         "last_ended_at": now,
         # It was the loop's iteration number iterations + 1: the next is the one after.
         "iterations": row.iterations + 1,

@@ -66,6 +66,8 @@ class Capacity:
 class _Running:
     task: asyncio.Task[None]
     stop_requested: bool = False
+    lease_lost: bool = False
+    """The heartbeat found the lease gone: the iteration is abandoned, nothing recorded."""
 
 
 class Scheduler:
@@ -318,7 +320,9 @@ class Scheduler:
                     extra={"loop": name, "event": "lease_lost"},
                 )
                 self._notify_lease_lost(name, "lost its lease; abandoning the iteration")
-                self._running[name].task.cancel()
+                running = self._running[name]
+                running.lease_lost = True  # before the cancel: _iterate must not record it
+                running.task.cancel()
 
     def _notify_lease_lost(self, name: str, why: str) -> None:
         for hook in self.lease_lost:
@@ -348,7 +352,14 @@ class Scheduler:
             loop = self.loops.get(row.name)
             if loop is None or row.name in self._running:
                 continue
-            write = slots.interrupted(loop, row, now=self.clock.now(), worker=self.worker_id)
+            # Still ours: this worker lost the lease (frozen, cut off) and abandoned it.
+            write = slots.interrupted(
+                loop,
+                row,
+                now=self.clock.now(),
+                worker=self.worker_id,
+                lease_lost=row.owner == self.worker_id,
+            )
             if not self.store.write_loop(
                 name=row.name,
                 owner=None,
@@ -549,10 +560,10 @@ class Scheduler:
             },
         )
         started_mono = self.clock.monotonic()
+        running = self._running.get(loop.name)
         try:
             outcome, error, attempts = await self._attempts(loop, row, slot, number)
         except asyncio.CancelledError:
-            running = self._running.get(loop.name)
             outcome = "stopped" if running is not None and running.stop_requested else "cancelled"
             error = "stopped by an operator" if outcome == "stopped" else "worker shutting down"
         finally:
@@ -560,6 +571,9 @@ class Scheduler:
             self._running.pop(loop.name, None)
             self._wake.set()  # a slot of max_concurrency is free again
         duration = self.clock.monotonic() - started_mono
+        if running is not None and running.lease_lost:
+            self._abandoned(loop, number, duration)
+            return
         try:
             self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
         except Exception as failure:
@@ -570,6 +584,19 @@ class Scheduler:
                 slot,
                 error_line(failure),
             )
+
+    def _abandoned(self, loop: Loop, number: int, duration: float) -> None:
+        """The heartbeat fenced this worker off the iteration: whatever it did, nothing is
+        written for it (the write would be refused anyway, or land only because no other
+        worker has recovered the loop yet); recovery journals it interrupted."""
+        self._manual.discard(loop.name)
+        log.info(
+            "loop %s iteration %d abandoned after %.1f ms: lost its lease; not recorded",
+            loop.name,
+            number,
+            duration * 1000,
+            extra={"loop": loop.name, "iteration": number, "event": "iteration_abandoned"},
+        )
 
     async def _attempts(
         self, loop: Loop, row: LoopRow, slot: float, number: int

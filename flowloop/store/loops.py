@@ -1,7 +1,8 @@
 """Loop rows and their iteration journal (SQL shared by SQLite and PostgreSQL).
 
 Contract: a loop row is written only by (a) the worker that fired its current slot — fenced
-by owner, lease epoch and ``last_seq`` like a run — or (b) an operator while no live worker
+by owner, lease epoch, ``last_seq`` and an unexpired lease (the database's clock) like a
+run — or (b) an operator while no live worker
 owns it. Firing a slot inserts its ``iteration_started`` entry under a unique (loop, slot)
 index, so two workers sharing a database can never run the same slot twice.
 """
@@ -286,6 +287,10 @@ class LoopStoreMixin:
     def _claimable(self) -> ColumnElement[bool]:
         return or_(loops.c.owner.is_(None), loops.c.lease_expires_at < self.now_sql)
 
+    def _held_by(self, owner: str) -> ColumnElement[bool]:
+        """``owner`` still holds the loop: the complement of :meth:`_claimable` for it."""
+        return and_(loops.c.owner == owner, loops.c.lease_expires_at >= self.now_sql)
+
     def fire_loop(
         self,
         *,
@@ -339,12 +344,15 @@ class LoopStoreMixin:
         events: Sequence[LoopEvent],
         release: bool = True,
     ) -> bool:
-        """A fenced update of a loop row plus its journal entries. ``owner=None``: an
-        operator write that applies only while no live worker owns the loop."""
+        """A fenced update of a loop row plus its journal entries. ``owner``: the worker
+        that fired the slot, which writes only while its lease is unexpired by the
+        database's clock (a worker frozen past its lease writes nothing, whether or not
+        another worker has settled the iteration yet). ``owner=None``: an operator write
+        that applies only while no live worker owns the loop."""
         fence = and_(
             loops.c.name == name, loops.c.lease_epoch == epoch, loops.c.last_seq == follows_seq
         )
-        owned = loops.c.owner == owner if owner is not None else self._claimable()
+        owned = self._held_by(owner) if owner is not None else self._claimable()
         values: dict[str, Any] = {**changes, "last_seq": follows_seq + len(events)}
         if release:
             values.update(owner=None, lease_expires_at=None)

@@ -7,7 +7,13 @@ from typing import Any
 
 from loopkit import loop_row
 
-from flowloop.loop_slots import firing, interrupted, outcome
+from flowloop.loop_slots import (
+    INTERRUPTED_MESSAGE,
+    LEASE_LOST_MESSAGE,
+    firing,
+    interrupted,
+    outcome,
+)
 from flowloop.loops import Iteration, Loop, Wake
 from flowloop.store.loops import LoopRow
 
@@ -66,6 +72,16 @@ def test_interrupted__schedules_the_next_slot_and_is_never_run_twice() -> None:
     assert write.changes["consecutive_failures"] == 1
     assert write.changes["iterations"] == row().iterations + 1  # counted: it.number moves on
     assert (write.status, write.gave_up) == ("scheduled", False)
+
+
+def test_interrupted__says_whether_the_worker_went_away_or_lost_its_lease() -> None:
+    gone = interrupted(every_minute(), row(), now=T0 + 90, worker="w2")
+    fenced = interrupted(every_minute(), row(), now=T0 + 90, worker=WORKER, lease_lost=True)
+    assert gone.events[0].error_message == gone.changes["last_error"] == INTERRUPTED_MESSAGE
+    assert fenced.events[0].error_message == fenced.changes["last_error"] == LEASE_LOST_MESSAGE
+    assert "died" not in INTERRUPTED_MESSAGE  # it may be alive, frozen past its lease
+    assert "self-fenced" in LEASE_LOST_MESSAGE
+    assert gone.changes == {**fenced.changes, "last_error": INTERRUPTED_MESSAGE}
 
 
 def test_interrupted__the_max_failures_th_pauses_the_loop() -> None:
