@@ -72,6 +72,8 @@ def called(where: str, function: Callable[..., T], *args: Any, error: type[Flowl
         raise
     except ValidationError as raised:
         raise error(f"{where} is invalid: {describe_validation(raised)}") from None
+    except SystemExit as exited:  # (it ended the worker, the run left running: review)
+        raise error(f"{where} called sys.exit({exited.code!r})") from None
     except Exception as raised:
         raise error(f"{where} raised {type(raised).__name__}: {error_line(raised)}") from None
 

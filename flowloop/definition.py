@@ -616,7 +616,7 @@ def _check_key(workflow: str, model: type[BaseModel], key: object) -> None:
     if key in model.model_fields or key in model.model_computed_fields:
         return
     if (
-        isinstance(getattr(model, key, None), property)
+        isinstance(getattr(model, key, None), property | functools.cached_property)
         or model.model_config.get("extra") == "allow"
     ):
         return  # (an extra field of a model that keeps extras is read as an attribute too)

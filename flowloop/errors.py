@@ -243,13 +243,14 @@ class StepExited(Exception):
         return cls(what, error.code if isinstance(error, SystemExit) else None)
 
 
-async def exits_as_errors(call: Awaitable[T], what: str) -> T:
-    """Await ``call`` in a task of its own with ``SystemExit`` turned into StepExited:
+async def exits_as_errors(call: Awaitable[T], kind: str, name: str) -> T:
+    """Await ``call`` in a task of its own with ``SystemExit`` turned into StepExited (of
+    the ``kind`` named ``name``; the text is made only then: a step pays nothing for it):
     asyncio lets a task's ``SystemExit`` out of the event loop, ending the process."""
     try:
         return await call
     except SystemExit as exited:
-        raise StepExited(what, exited.code) from None
+        raise StepExited(f"{kind} {name!r}", exited.code) from None
 
 
 class Interrupted(FlowloopError):

@@ -605,7 +605,7 @@ class Scheduler:
         while True:
             iteration = Iteration(loop=loop.name, slot=slot, number=number, attempt=attempt)
             try:
-                call = exits_as_errors(self.run_iteration(loop, iteration), f"loop {loop.name!r}")
+                call = exits_as_errors(self.run_iteration(loop, iteration), "loop", loop.name)
                 if loop.timeout is not None:
                     try:
                         result = await asyncio.wait_for(call, loop.timeout)

@@ -657,7 +657,7 @@ class Stepping:
         active = self._active.get(run_id)
         if spec.is_async:
             future: asyncio.Future[Any] = asyncio.ensure_future(
-                exits_as_errors(spec.fn(*args), f"step {spec.name!r}")
+                exits_as_errors(spec.fn(*args), "step", spec.name)
             )
         else:
             # In the run task's context, as asyncio.to_thread would: what the run holds

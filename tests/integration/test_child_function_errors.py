@@ -8,6 +8,7 @@ with the reason ``child_succeeded`` (API audit)."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -85,6 +86,12 @@ def _boom(*_: Any) -> None:
             "call state 'one': context= raised KeyError: 'b.csv'",
         ),
         (
+            lambda: called(context=lambda ctx: sys.exit(3)),
+            [],
+            "invalid_child_context",
+            "call state 'one': context= called sys.exit(3)",
+        ),
+        (
             lambda: called(result=_boom),
             [],
             "join_failed",
@@ -97,7 +104,14 @@ def _boom(*_: Any) -> None:
             "map state 'fan': reduce= raised RuntimeError: merge broke",
         ),
     ],
-    ids=["map-context-invalid", "map-items-raises", "call-context-raises", "result", "reduce"],
+    ids=[
+        "map-context-invalid",
+        "map-items-raises",
+        "call-context-raises",
+        "call-context-exits",
+        "result",
+        "reduce",
+    ],
 )
 def test_a_user_function_that_fails_names_the_state_and_item(
     store_url: str, build: Any, files: list[Any], reason: str, message: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -605,11 +606,15 @@ def test_workflow__key_naming_no_field_refused() -> None:
         def upper(self) -> str:
             return self.id.upper()
 
+        @functools.cached_property
+        def lower(self) -> str:  # (refused by the first version of this check: review)
+            return self.id.lower()
+
     with pytest.raises(
         DefinitionError, match=r"key='order_id' is not a field of Order \(fields: id\)"
     ):
         Workflow("keyed", context=Order, key="order_id")
     with pytest.raises(DefinitionError, match=r"key=3 must be a field name or a function"):
         Workflow("keyed", context=Order, key=3)  # type: ignore[arg-type]
-    for key in ("id", "upper", lambda ctx: ctx.id):
+    for key in ("id", "upper", "lower", lambda ctx: ctx.id):
         assert Workflow("keyed", context=Order, key=key).key == key  # type: ignore[arg-type]
