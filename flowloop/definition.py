@@ -616,10 +616,16 @@ def _check_key(workflow: str, model: type[BaseModel], key: object) -> None:
     if key in model.model_fields or key in model.model_computed_fields:
         return
     if (
-        isinstance(getattr(model, key, None), property | functools.cached_property)
-        or model.model_config.get("extra") == "allow"
+        hasattr(model, key)  # a property, a cached_property, any attribute of the class
+        or key in model.__private_attributes__
+        or model.model_config.get("extra") == "allow"  # (extras are read as attributes)
+        or any(
+            "__getattr__" in vars(cls)
+            for cls in model.__mro__
+            if not cls.__module__.startswith("pydantic")
+        )
     ):
-        return  # (an extra field of a model that keeps extras is read as an attribute too)
+        return  # (a model that answers attributes its own way: trusted, as before)
     fields = ", ".join(model.model_fields) or "none"
     raise DefinitionError(
         workflow,

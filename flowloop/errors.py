@@ -112,7 +112,7 @@ class InvalidTransition(FlowloopError):
     def __init__(self, run_id: str, status: str, action: str, *, what: str = "run") -> None:
         # A stopped or failed run goes on only by a retry: say so where one is refused.
         hint = (
-            "; `flowloop retry` runs it again"
+            "; a retry runs it again (engine.retry, `flowloop retry`)"
             if what == "run" and action == "unpause" and status in ("stopped", "failed")
             else ""
         )

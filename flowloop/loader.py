@@ -53,7 +53,10 @@ class Loaded:
         existing = self.workflows.get(value.name)
         if existing is value or any(w is value for w in self.older):
             return
-        value.validate()
+        try:
+            value.validate()
+        except FlowloopError as error:  # (which file, when -w names a folder: review)
+            raise LoadError(f"{path}: {error}") from error
         versions = [w for w in (existing, *self.older) if w is not None and w.name == value.name]
         if any(w.version == value.version for w in versions):
             raise LoadError(

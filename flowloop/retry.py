@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import random
+import types
+import typing
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Literal
@@ -51,6 +53,24 @@ def seconds(value: float | timedelta | None, what: str = "duration") -> float | 
             f"{what} {value!r} is not a finite duration of at most 10 years (in seconds)"
         )
     return result
+
+
+def _exception_classes(value: object) -> tuple[type[BaseException], ...] | None:
+    """``value`` — an exception class, a union of them, a tuple or list of those (nested) —
+    as a flat tuple of classes; ``None`` when anything in it is not an exception class."""
+    if isinstance(value, type):
+        return (value,) if issubclass(value, BaseException) else None
+    if isinstance(value, types.UnionType):
+        value = typing.get_args(value)
+    if not isinstance(value, tuple | list):
+        return None
+    flat: list[type[BaseException]] = []
+    for item in value:
+        classes = _exception_classes(item)
+        if classes is None:
+            return None
+        flat.extend(classes)
+    return tuple(flat)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,18 +121,17 @@ class Retry:
         if not isinstance(self.jitter, int | float) or not 0.0 <= self.jitter <= 1.0:
             raise FlowloopError(f"Retry(jitter={self.jitter!r}): jitter is a fraction in [0, 1]")
         for name in ("on", "giving_up_on"):
-            # One class alone is taken as a tuple of one (isinstance reads both alike); a
-            # name or an instance failed only when a step raised, and took the worker down.
+            # What isinstance takes (a class, a union, tuples of them, nested) is taken, as
+            # a flat tuple; a name or an instance failed only when a step raised, and took
+            # the worker down.
             value = getattr(self, name)
-            classes = (value,) if isinstance(value, type) else value
-            if not isinstance(classes, tuple | list) or not all(
-                isinstance(c, type) and issubclass(c, BaseException) for c in classes
-            ):
+            classes = _exception_classes(value)
+            if classes is None:
                 raise FlowloopError(
                     f"Retry({name}={value!r}): {name} takes exception classes, "
                     f"e.g. {name}=(TimeoutError, ConnectionError)"
                 )
-            object.__setattr__(self, name, tuple(classes))
+            object.__setattr__(self, name, classes)
 
     @property
     def base_seconds(self) -> float:

@@ -180,7 +180,7 @@ def worker(
         engine = when_reachable(opened, url)
     except StoppedWaiting as stopped:
         err.print(str(stopped), markup=False)
-        return
+        sys.exit(stopped.exit_code)
     with engine:
         metrics, serving = None, None
         if as_json and config.metrics_port is not None:
@@ -239,9 +239,10 @@ def check(
     path, _, name = target.partition(":")
     loaded = load_paths([path])
     versions = [w for w in loaded.all_versions() if not name or w.name == name]
-    variable = getattr(loaded.modules[-1], name, None) if name and loaded.modules else None
-    if not versions and isinstance(variable, Workflow):
-        versions = [variable]  # FILE:VARIABLE, as run and diagram take it
+    if not versions and name:
+        # FILE:VARIABLE, as run and diagram take it (DIR:VARIABLE: in any of its files).
+        held = [getattr(module, name, None) for module in loaded.modules]
+        versions = [w for w in held if isinstance(w, Workflow)][:1]
     if not versions:
         defined = ", ".join(sorted(loaded.workflows)) or "none"
         raise FlowloopError(
@@ -252,9 +253,13 @@ def check(
     missing = _no_database_yet(db)
     if missing is not None:
         # A new project: the definitions are checked (loading them did), no runs to judge.
+        newest: dict[str, Workflow] = {}  # (one report per workflow, as with a database)
+        for w in versions:
+            if w.name not in newest or w.version > newest[w.name].version:
+                newest[w.name] = w
         reports = [
             (w, CheckReport(workflow=w.name, version=w.version, fingerprint=w.fingerprint))
-            for w in versions
+            for w in newest.values()
         ]
         err.print(
             f"no database at {missing}: no live runs to judge (--db names one)",

@@ -294,7 +294,7 @@ def resume(
         engine = when_reachable(opened, url)  # (started during an outage: it waits)
     except StoppedWaiting as stopped:
         err.print(str(stopped), markup=False)
-        return
+        sys.exit(stopped.exit_code)
     with engine:
         if not as_json:
             engine.listeners.append(progress_printer())

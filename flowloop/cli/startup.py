@@ -29,8 +29,17 @@ FIRST_WAIT_SECONDS: Final = 0.5
 MAX_WAIT_SECONDS: Final = 5.0
 
 
+REMINDER_SECONDS: Final = 60.0
+"""A wait says again that it waits (a lone line an hour ago reads like a hang)."""
+
+
 class StoppedWaiting(Exception):
-    """SIGTERM while waiting for the database at start-up: nothing was started."""
+    """SIGTERM (exit 0) or Ctrl-C (exit 130) while waiting for the database at start-up:
+    nothing was started."""
+
+    def __init__(self, exit_code: int = 0) -> None:
+        super().__init__("stopped while waiting for the database; nothing was started")
+        self.exit_code = exit_code
 
 
 def cause_is_outage(error: BaseException) -> bool:
@@ -50,13 +59,14 @@ def when_reachable(
     url: str,
     *,
     sleep: Callable[[float], None] = time.sleep,
+    monotonic: Callable[[], float] = time.monotonic,
 ) -> Engine:
     """``open_it()`` again and again, backing off (0.5 s doubling to 5 s), while it fails
     with an outage; said once as a warning, and when the database answers again. Raises
     :class:`StoppedWaiting` on SIGTERM (Ctrl-C: KeyboardInterrupt, as ever)."""
     from flowloop.store import outage
 
-    delay, said = FIRST_WAIT_SECONDS, False
+    delay, began, said_at = FIRST_WAIT_SECONDS, monotonic(), None
     with _stop_on_sigterm():
         while True:
             try:
@@ -64,16 +74,21 @@ def when_reachable(
             except StoreError as error:
                 if not cause_is_outage(error):
                     raise
-                if not said:
+                now = monotonic()
+                if said_at is None or now - said_at >= REMINDER_SECONDS:
                     log.warning(
-                        "cannot use the database yet (%s); waiting for it (Ctrl-C to stop)",
+                        "cannot use the database yet (%s); waiting for it%s (Ctrl-C to stop)",
                         outage.describe(error.__cause__ or error, url),
+                        "" if said_at is None else f", {now - began:.0f}s so far",
                     )
-                    said = True
-                sleep(delay)
+                    said_at = now
+                try:
+                    sleep(delay)
+                except KeyboardInterrupt:
+                    raise StoppedWaiting(exit_code=130) from None
                 delay = min(delay * 2, MAX_WAIT_SECONDS)
                 continue
-            if said:
+            if said_at is not None:
                 log.warning("the database answers again; starting")
             return engine
 
@@ -86,7 +101,7 @@ def _stop_on_sigterm() -> Iterator[None]:
         return
 
     def stop(_signum: int, _frame: Any) -> None:
-        raise StoppedWaiting("stopped while waiting for the database; nothing was started")
+        raise StoppedWaiting()
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:

@@ -99,6 +99,11 @@ def is_outage(error: BaseException) -> bool:
     code = sqlite_code(error)
     if code is not None:
         return code in OUTAGE_SQLITE_CODES
+    if state is None and _refused_connection(_first_line(error)) is not None:
+        # A server that answered "no such database", "no such role" or "wrong password"
+        # (libpq gives no SQLSTATE for them): a mistake, not an outage — a worker started
+        # on it waited for ever (review).
+        return False
     if isinstance(error, (OperationalError, InterfaceError)):
         return True
     return isinstance(error, DBAPIError) and bool(error.connection_invalidated)

@@ -309,3 +309,38 @@ def test_check__a_new_project_without_a_database_checks_the_definitions(
     assert "goes to unknown state(s) 'nowhere'" in capsys.readouterr().err
     assert check(str(v1), "--db", "typo.db") == 2
     assert "no database at typo.db" in capsys.readouterr().err
+
+
+def test_check__newest_version_alone_without_a_database_and_dir_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a database `check` reported every version of a workflow (with one, the
+    newest: the same shape now); `check DIR:VARIABLE` looked in the folder's last file only
+    (review)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWLOOP_DB", raising=False)
+    folder = tmp_path / "flows"
+    folder.mkdir()
+    _file(folder, "a", "var_a = deploykit.order(); var_a2 = deploykit.order(version=2)")
+    _file(
+        folder,
+        "b",
+        "from flowloop import Workflow; var_b = Workflow('other', context=deploykit.OrderV1); "
+        "var_b.step(name='s', initial=True, next='done')(print); var_b.final('done')",
+    )
+
+    def check(*args: str) -> int:
+        try:
+            main(["check", *args, "--json"])
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else 1
+        return 0
+
+    assert check(str(folder)) == 0
+    shown = json.loads(capsys.readouterr().out)["workflows"]
+    assert sorted((w["workflow"], w["version"]) for w in shown if w["workflow"] == "order") == [
+        ("order", 2)
+    ]
+    for variable in ("var_a", "var_b"):
+        assert check(f"{folder}:{variable}") == 0, variable
+        assert len(json.loads(capsys.readouterr().out)["workflows"]) == 1

@@ -729,7 +729,8 @@ def test_pause_and_stop__of_a_running_run_say_what_its_worker_does(here: Path) -
     stopped = as_json("start", "orders.py", "--context", '{"order_id": "S1"}', cwd=here)["id"]
     here_cli("stop", stopped, cwd=here)
     assert quick("unpause", stopped, cwd=here) == (
-        f"error: run '{stopped}' is stopped: cannot unpause it; `flowloop retry` runs it again"
+        f"error: run '{stopped}' is stopped: cannot unpause it; a retry runs it again "
+        "(engine.retry, `flowloop retry`)"
     )
 
 

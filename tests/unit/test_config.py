@@ -519,3 +519,16 @@ def test_a_misspelt_setting_variable_is_named_with_the_one_meant() -> None:
         ("FLOWLOOP_CONCURENCY", "FLOWLOOP_CONCURRENCY"),
         ("flowloop_dbb", "FLOWLOOP_DB"),
     ]
+
+
+def test_apply_overrides__another_workers_longer_name_gets_no_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`[workflows.orders]` beside a loaded `order` is another worker's workflow, not a typo:
+    a warning at every start was noise (review)."""
+    write(tmp_path / "flowloop.toml", "[workflows.orders]\nmax_concurrency = 1\n")
+    with caplog.at_level(logging.INFO, logger="flowloop"):
+        apply_overrides(load_settings(), {"order": order()}, {})
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("INFO", "config: workflow 'orders' is not loaded here; its overrides are skipped")
+    ]

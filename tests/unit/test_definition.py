@@ -14,6 +14,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     RootModel,
     computed_field,
     model_validator,
@@ -618,3 +619,15 @@ def test_workflow__key_naming_no_field_refused() -> None:
         Workflow("keyed", context=Order, key=3)  # type: ignore[arg-type]
     for key in ("id", "upper", "lower", lambda ctx: ctx.id):
         assert Workflow("keyed", context=Order, key=key).key == key  # type: ignore[arg-type]
+
+    # Models that answer attributes their own way are trusted, as before (review).
+    class Private(BaseModel):
+        id: str
+        _shard: str = PrivateAttr("s1")
+
+    class Loose(RootModel[dict[str, str]]):
+        def __getattr__(self, name: str) -> str:
+            return self.root[name]
+
+    assert Workflow("keyed", context=Private, key="_shard").key == "_shard"
+    assert Workflow("keyed", context=Loose, key="anything").key == "anything"

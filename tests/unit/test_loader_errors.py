@@ -47,3 +47,25 @@ def test_a_syntax_error_says_where_once(tmp_path: Path) -> None:
     message = str(error.value)
     assert "SyntaxError" in message and "line 1" in message and "(at " not in message
     assert os.fspath(path) in message
+
+
+def test_a_definition_error_names_the_file(tmp_path: Path) -> None:
+    """One found when the definitions are checked after the import (a target that does not
+    exist) named neither file nor line: with -w naming a folder, which file? (review)"""
+    from flowloop.loader import load_paths
+
+    folder = tmp_path / "flows"
+    folder.mkdir()
+    _write(folder, "fine.py", "x = 1\n")
+    _write(
+        folder,
+        "broken.py",
+        "from pydantic import BaseModel\nfrom flowloop import Workflow\n\n"
+        "class C(BaseModel):\n    n: int = 0\n\n"
+        "w = Workflow('dfn', context=C)\n"
+        "w.step(name='s', initial=True, next='nowhere')(lambda ctx: None)\n"
+        "w.final('done')\n",
+    )
+    with pytest.raises(LoadError) as error:
+        load_paths([str(folder)])
+    assert str(error.value).startswith(f"{folder / 'broken.py'}: workflow 'dfn': state 's' goes")

@@ -158,3 +158,13 @@ def test_retry__one_exception_class_is_taken_as_a_tuple_of_one() -> None:
     policy = Retry(on=ValueError, giving_up_on=[KeyError])  # type: ignore[arg-type]
     assert (policy.on, policy.giving_up_on) == ((ValueError,), (KeyError,))
     assert policy.should_retry(ValueError(), 1) and not policy.should_retry(KeyError(), 1)
+
+
+def test_retry__takes_what_isinstance_takes() -> None:
+    """Unions and nested tuples worked before the check and must still (review)."""
+    network = (ConnectionError, TimeoutError)
+    for on in (ValueError | KeyError, (network, OSError), [ValueError, (KeyError,)]):
+        policy = Retry(on=on)  # type: ignore[arg-type]
+        assert all(isinstance(c, type) for c in policy.on), policy.on
+    assert Retry(on=ValueError | KeyError).should_retry(KeyError(), 1)  # type: ignore[arg-type]
+    assert Retry(on=(network, OSError)).on == (ConnectionError, TimeoutError, OSError)  # type: ignore[arg-type]
