@@ -1,0 +1,149 @@
+"""A run asleep (``step.sleep``) before its next state, under an operator's hand and a
+deadline, on SQLite and PostgreSQL, on a fake clock: a migration keeps the sleep (it made
+the run wait at once, or run its next step at once, and refused a final state with advice
+no mapping could follow); a deadline passing during a sleep before a compensating state
+moves the run to ``on_deadline`` (it ran the compensations at the deadline); a run stopped
+asleep before its final state can be retried; ``flowloop run`` says the run is asleep, not
+waiting; schema revision 0020 makes an older flowloop refuse the database and its
+downgrade refuses while such a run could be misread."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+from storekit import to_revision
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop import journal as j
+from flowloop.events import NotWaiting
+from flowloop.testing import TestEngine
+
+HOUR = 3600.0
+SLEEP = 2 * HOUR
+
+
+class C(BaseModel):
+    log: list[str] = []
+
+
+def napper(
+    version: int,
+    wait: str = "w",
+    *,
+    migrates: Mapping[int, Mapping[str, str]] | None = None,
+    into: str = "wait",
+) -> Workflow:
+    """Sleeps two hours into wait ``wait`` (one hour's timeout), or into final ``done``."""
+    wf = Workflow("napper", context=C, version=version, migrates_from=migrates)
+
+    @wf.step(initial=True, next=wait if into == "wait" else "done")
+    def first(ctx: C, step: Step) -> object:
+        return step.sleep(SLEEP)
+
+    if into == "wait":
+        wf.wait(wait, on={"reply": "done"}, timeout=HOUR, on_timeout="done")
+    wf.final("done")
+    return wf
+
+
+def checker() -> Workflow:
+    """v2 of :func:`napper`: its wait ``w`` became the step ``check``."""
+    wf = Workflow("napper", context=C, version=2, migrates_from={1: {"w": "check"}})
+
+    @wf.step(initial=True, next="check")
+    def first(ctx: C, step: Step) -> object:
+        return step.sleep(SLEEP)
+
+    @wf.step(next="done")
+    def check(ctx: C) -> None:
+        ctx.log.append("checked")
+
+    wf.final("done")
+    return wf
+
+
+def asleep(engine: TestEngine, wf: Workflow) -> tuple[str, float]:
+    """A run of ``wf`` asleep after its first step; its id and when the sleep ends."""
+    run = engine.start(wf, C())
+    until = engine.clock.now() + SLEEP
+    engine.run_until_idle(skip_time=False)
+    assert engine.get(run.id).reason == j.ASLEEP
+    return run.id, until
+
+
+# -- migrate -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_migrate__a_run_asleep_before_a_renamed_wait_sleeps_on(
+    store_url: str, paused: bool
+) -> None:
+    v1, v2 = napper(1), napper(2, "w2", migrates={1: {"w": "w2"}})
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run_id, until = asleep(engine, v1)
+        if paused:
+            engine.pause(run_id)
+        engine.migrate(run_id, to=2)
+        if paused:
+            engine.unpause(run_id)
+        info = engine.get(run_id)
+        assert (info.version, info.status, info.state) == (2, "scheduled", "w2")
+        assert (info.reason, info.next_run_at) == (j.ASLEEP, until)
+        with pytest.raises(NotWaiting, match="asleep before state 'w2'"):
+            engine.send(run_id, "reply")
+        engine.advance(SLEEP - 1)
+        assert engine.get(run_id).reason == j.ASLEEP
+        engine.advance(1)
+        info = engine.get(run_id)
+        assert (info.state, info.reason, info.next_run_at) == ("w2", None, until + HOUR)
+        engine.advance(HOUR)
+        info = engine.get(run_id)
+        assert (info.status, info.state) == ("succeeded", "done")
+        assert engine.history(run_id)[-1].event == "timeout"
+        assert engine.replay(run_id).differences == []
+
+
+def test_migrate__a_run_asleep_before_a_wait_made_a_step_runs_it_when_the_sleep_ends(
+    store_url: str,
+) -> None:
+    v1, v2 = napper(1), checker()
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run_id, until = asleep(engine, v1)
+        engine.migrate(run_id, to=2)
+        info = engine.get(run_id)
+        assert (info.state, info.reason, info.next_run_at) == ("check", None, until)
+        engine.advance(SLEEP - 1)
+        assert engine.get(run_id).context.log == []  # type: ignore[union-attr]
+        engine.advance(1)
+        info = engine.get(run_id)
+        assert (info.status, info.context.log) == ("succeeded", ["checked"])  # type: ignore[union-attr]
+        assert [e.at for e in engine.history(run_id) if e.kind == j.STEP_STARTED][-1] == until
+        assert engine.replay(run_id).differences == []
+
+
+def test_migrate__a_run_asleep_before_its_final_state_moves_and_ends_when_the_sleep_ends(
+    store_url: str,
+) -> None:
+    """A run asleep before its final state has not ended: it moves (it was refused with
+    "add it to migrates_from", which no mapping could satisfy)."""
+    v1, v2 = napper(1, into="final"), napper(2, into="final", migrates={1: {}})
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run_id, until = asleep(engine, v1)
+        assert engine.migrate_workflow("napper", to=2)[0].problem is None
+        info = engine.get(run_id)
+        assert (info.version, info.status, info.state) == (2, "scheduled", "done")
+        assert (info.reason, info.next_run_at) == (j.ASLEEP, until)
+        engine.advance(SLEEP)
+        info = engine.get(run_id)
+        assert (info.status, info.state, info.reason) == ("succeeded", "done", None)
+        assert (engine.history(run_id)[-1].kind, engine.history(run_id)[-1].at) == (
+            j.SLEEP_ENDED,
+            until,
+        )
+        assert engine.replay(run_id).differences == []
