@@ -147,3 +147,61 @@ def test_migrate__a_run_asleep_before_its_final_state_moves_and_ends_when_the_sl
             until,
         )
         assert engine.replay(run_id).differences == []
+
+
+# -- a deadline during a sleep before a compensating state -------------------------------
+
+
+def undoer(*, deadline: float, sleep: float, fails: int = 0) -> Workflow:
+    """Sleeps ``sleep`` into ``cancelled`` (compensating); its compensation fails
+    ``fails`` times first, each retried an hour later."""
+    wf = Workflow("undoer", context=C, deadline=deadline, on_deadline="expired")
+    failures = [fails]
+
+    def undo(ctx: C) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("not yet")
+        ctx.log.append("undone")
+
+    retry = Retry(attempts=3, backoff="fixed", base=HOUR)
+
+    @wf.step(initial=True, next="cancelled", compensate=undo, compensate_retry=retry)
+    def first(ctx: C, step: Step) -> object:
+        return step.sleep(sleep)
+
+    wf.final("cancelled", compensate=True)
+    wf.final("expired")
+    return wf
+
+
+def test_deadline__passing_during_a_sleep_before_a_compensating_state_moves_the_run_on(
+    store_url: str,
+) -> None:
+    wf = undoer(deadline=1.5 * HOUR, sleep=SLEEP)
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        run = engine.start(wf, C())
+        t0 = clock.now()
+        engine.run_until_idle(skip_time=False)
+        engine.advance(1.5 * HOUR)
+        info = engine.get(run.id)
+        assert (info.status, info.state, info.context.log) == ("succeeded", "expired", [])  # type: ignore[union-attr]
+        kinds = [(e.kind, e.at) for e in engine.history(run.id)]
+        assert kinds[-1] == (j.DEADLINE_PASSED, t0 + 1.5 * HOUR)
+        assert j.COMPENSATION_STARTED not in [kind for kind, _ in kinds]
+        assert engine.replay(run.id).differences == []
+
+
+def test_deadline__compensations_begun_before_it_are_not_cut_off(store_url: str) -> None:
+    """The sleep ends before the deadline: the compensations begin, one fails and is
+    retried past the deadline — still running them, the run is not moved."""
+    wf = undoer(deadline=1.5 * HOUR, sleep=HOUR, fails=1)
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        run = engine.start(wf, C())
+        engine.run_until_idle(skip_time=False)
+        engine.advance(3 * HOUR)
+        info = engine.get(run.id)
+        assert (info.status, info.state, info.context.log) == ("succeeded", "cancelled", ["undone"])  # type: ignore[union-attr]
+        assert j.DEADLINE_PASSED not in [e.kind for e in engine.history(run.id)]
