@@ -205,3 +205,32 @@ def test_deadline__compensations_begun_before_it_are_not_cut_off(store_url: str)
         info = engine.get(run.id)
         assert (info.status, info.state, info.context.log) == ("succeeded", "cancelled", ["undone"])  # type: ignore[union-attr]
         assert j.DEADLINE_PASSED not in [e.kind for e in engine.history(run.id)]
+
+
+# -- retry of a run stopped asleep ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("into", ["final", "wait"])
+def test_retry__a_run_stopped_asleep_enters_its_state_at_once(store_url: str, into: str) -> None:
+    """Stopped asleep before its final state, a run could not be retried ("cannot retry
+    from 'done'"): its retry enters the state at once, as one before a wait state waits
+    there at once (and one before a step runs it at once)."""
+    wf = napper(1, into=into)
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        run_id, _ = asleep(engine, wf)
+        engine.advance(HOUR)
+        engine.stop(run_id)
+        engine.advance(HOUR)
+        retried_at = clock.now()
+        engine.retry(run_id)
+        engine.run_until_idle(skip_time=False)
+        info = engine.get(run_id)
+        if into == "final":
+            assert (info.status, info.state) == ("succeeded", "done")
+            last = engine.history(run_id)[-1]
+            assert (last.kind, last.at) == (j.SLEEP_ENDED, retried_at)
+        else:
+            assert (info.state, info.reason, info.next_run_at) == ("w", None, retried_at + HOUR)
+            assert engine.send(run_id, "reply").run.status == "succeeded"
+        assert engine.replay(run_id).differences == []
