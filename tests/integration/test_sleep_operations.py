@@ -234,3 +234,45 @@ def test_retry__a_run_stopped_asleep_enters_its_state_at_once(store_url: str, in
             assert (info.state, info.reason, info.next_run_at) == ("w", None, retried_at + HOUR)
             assert engine.send(run_id, "reply").run.status == "succeeded"
         assert engine.replay(run_id).differences == []
+
+
+# -- flowloop run ------------------------------------------------------------------------
+
+NAP_FILE = """
+from pydantic import BaseModel
+from flowloop import Step, Workflow
+
+class C(BaseModel):
+    n: int = 0
+
+nap = Workflow("cli_nap", context=C)
+
+@nap.step(initial=True, next="w")
+def first(ctx: C, step: Step):
+    return step.sleep(7200)
+
+nap.wait("w", on={"reply": "done"}, timeout=3600, on_timeout="done")
+nap.final("done")
+"""
+
+
+def test_cli_run__says_a_run_asleep_before_its_wait_state_is_asleep(tmp_path: Path) -> None:
+    """It said "waits in w for reply; times out at <the sleep's end>" with a `flowloop send`
+    that was then refused."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+    from flowloop.clock import iso
+
+    flows = tmp_path / "nap.py"
+    flows.write_text(NAP_FILE)
+    db = str(tmp_path / "nap.db")
+    said = CliRunner().invoke(cli, ["run", str(flows), "--db", db], env={"COLUMNS": "300"})
+    assert said.exit_code == 0, said.output
+    with Engine(db) as engine:
+        info = engine.runs()[0]
+    last = said.stdout.strip().splitlines()[-1]
+    assert last.startswith(
+        f"run {info.id} is asleep until {iso(info.next_run_at)} before entering w;"
+    ), last
+    assert "flowloop send" not in last
