@@ -276,3 +276,53 @@ def test_cli_run__says_a_run_asleep_before_its_wait_state_is_asleep(tmp_path: Pa
         f"run {info.id} is asleep until {iso(info.next_run_at)} before entering w;"
     ), last
     assert "flowloop send" not in last
+
+
+# -- schema revision 0020 --------------------------------------------------------------------
+
+
+def test_migration_0020__downgrade_refused_while_a_run_slept_before_its_state(
+    store_url: str,
+) -> None:
+    wf = napper(1)
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        run_id, _ = asleep(engine, wf)
+    with pytest.raises(RuntimeError, match=f"run {run_id} \\(scheduled\\) slept before a wait"):
+        to_revision(store_url, "0019")
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        engine.advance(SLEEP)  # waits in w now: entered by sleep_ended
+        assert engine.get(run_id).reason is None
+    with pytest.raises(RuntimeError, match=f"run {run_id} \\(scheduled\\)"):
+        to_revision(store_url, "0019")
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        engine.send(run_id, "reply")
+        assert engine.get(run_id).status == "succeeded"
+    to_revision(store_url, "0019")  # (succeeded: it never moves again)
+    to_revision(store_url, "head")
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        assert engine.get(run_id).status == "succeeded"
+
+
+def test_migration_0020__downgrade_refused_while_a_run_passed_its_deadline_in_a_backoff(
+    store_url: str,
+) -> None:
+    wf = Workflow("backoff_late", context=C, deadline=HOUR, on_deadline="late")
+
+    @wf.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=2 * HOUR))
+    def flaky(ctx: C) -> None:
+        raise RuntimeError("down")
+
+    wf.wait("late", on={"ack": "done"})
+    wf.final("done")
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        run = engine.start(wf, C())
+        engine.advance(HOUR)
+        assert engine.get(run.id).state == "late"
+    with pytest.raises(RuntimeError, match=f"run {run.id} .* deadline in a retry backoff"):
+        to_revision(store_url, "0019")
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        engine.send(run.id, "ack")
+    to_revision(store_url, "0019")
+    to_revision(store_url, "head")
