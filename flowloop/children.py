@@ -30,7 +30,7 @@ from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.contexts import context_from
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted, InvalidContext, error_line
-from flowloop.events import check_visits, entering
+from flowloop.events import check_visits, entering, slept_past_deadline
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CONTROLS, FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSES, STOP
@@ -652,7 +652,9 @@ async def claimed(
     a call or map state, a compensating state, or a final state it sleeps before."""
     now = executor.clock.now()
     compensating = workflow.compensates(record.state)
-    if compose.deadline_passed(record, now) and not compensating:
+    if compose.deadline_passed(record, now) and (
+        not compensating or slept_past_deadline(record, executor.store.journal(record.id))
+    ):
         return await past_deadline(executor, workflow, record, fence)
     if record.state in workflow.waits:
         return await executor._end_wait(workflow, record, fence)

@@ -210,6 +210,20 @@ def asleep_until(state: str, events: Sequence[JournalEvent]) -> float | None:
     return float(entry.data["due"])
 
 
+def slept_past_deadline(record: RunRecord, events: Sequence[JournalEvent]) -> bool:
+    """Whether a run in a compensating state, its deadline passed, is still asleep before
+    the state (``step.sleep``): the entry into it is due no sooner than the deadline and no
+    compensation has begun since. The deadline then moves it to ``on_deadline``, as it
+    does any sleeping run; compensations begun (or due) before it are not cut off."""
+    entry = entry_into(record.state, events)
+    if entry is None or record.deadline is None:
+        return False
+    due = entry.data.get("due")
+    if not isinstance(due, (int, float)) or due < record.deadline:
+        return False
+    return not any(e.kind == j.COMPENSATION_STARTED and e.seq > entry.seq for e in events)
+
+
 def receive(
     workflow: Workflow,
     record: RunRecord,

@@ -547,7 +547,7 @@ def _migrated(record: RunRecord, event: JournalEvent) -> dict[str, Any]:
         change.update(
             status=_status(record, str(data["status"]), event),
             next_run_at=data.get("due"),
-            reason=None,
+            reason=ASLEEP if data.get(ASLEEP) else None,  # (moved asleep: sleeps on)
             error=None,
         )
     return change

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flowloop import journal as j
 from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
-from flowloop.events import wait_due
+from flowloop.events import asleep_until, wait_due
 from flowloop.lifecycle import LIVE
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
@@ -62,7 +62,10 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             f"states of v{record.version} map onto v{to} (an empty mapping keeps the names)",
         )
     state = mapping.get(record.state, record.state)
-    if state not in target.states or target.is_final(state):
+    sleep_end = _sleep_end(engine, record)
+    if state not in target.states or (target.is_final(state) and sleep_end is None):
+        # (A run asleep before its state, step.sleep, has not entered it: it may move to
+        # a final state, which it enters when its sleep ends.)
         raise DefinitionMismatch(
             record.id,
             f"{DEFINITION_MISMATCH}: state {record.state!r} maps to {state!r}, which "
@@ -110,7 +113,13 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         and join_to is None
         and (record.next_run_at is None or engine._waits_by_stored_definition(record))
     )
-    if parked or undue:
+    if sleep_end is not None and (parked or record.status == "scheduled"):
+        # Asleep before its state (step.sleep): it sleeps on, due when the sleep ends, and
+        # enters the state it moves to then (not a wait or final one: just due then).
+        data.update(status="scheduled", due=sleep_end)
+        if state in target.waits or (target.is_final(state) and not target.compensates(state)):
+            data[j.ASLEEP] = True
+    elif parked or undue:
         data["status"] = "scheduled"
         if state in target.waits:
             wait = target.waits[state]
@@ -128,6 +137,15 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data, join_to=join_to):
         raise FlowloopError(f"run {record.id} changed while migrating; try again")
     return Moved(record.id, record.version, to, record.state, state)
+
+
+def _sleep_end(engine: Engine, record: RunRecord) -> float | None:
+    """When the sleep (``step.sleep``) the run rests in before its wait or final state ends
+    (it has not entered the state yet), else ``None``: scheduled there with reason
+    ``asleep``, or paused while so (its journal tells)."""
+    if record.reason != j.ASLEEP and record.status != "paused":
+        return None
+    return asleep_until(record.state, engine.store.journal(record.id))
 
 
 def _join_renamed(

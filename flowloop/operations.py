@@ -542,7 +542,11 @@ class Operations:
         workflow = self._workflows.for_run(record)
         state = from_state or record.state
         waits = state in workflow.waits
-        if not retryable_from(workflow, state):
+        # A run stopped asleep (step.sleep) before its final state is in it, not ended: its
+        # retry enters it at once (the claim's sleep_ended ends the run), as a retry of a
+        # run stopped asleep before a step or wait state starts or waits there at once.
+        into_final = state == record.state and workflow.is_final(state)
+        if not (into_final or retryable_from(workflow, state)):
             raise DefinitionError(
                 workflow.name,
                 f"cannot retry from {state!r}: not a step, wait, call or map state "

@@ -97,7 +97,7 @@ def run(
         click.echo(support.dumps({"run": info_json(info, waits), "existing": note is not None}))
         _refuse_failed(info)
         return
-    if info.status == "scheduled" and info.state in workflow.waits:
+    if waits.of(info) is not None and info.state in workflow.waits:  # (not asleep before it)
         wait = workflow.waits[info.state]
         until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""
         out.print(

@@ -239,6 +239,8 @@ def not_ended_line(info: RunInfo) -> str:
         return f"run {info.id} is paused in {info.state}{why}; {then}"
     if info.status == "retrying" and due is not None:
         waits_for = f"retries {info.state} at {due}"
+    elif info.reason == ASLEEP and due is not None:  # (step.sleep before a wait/final state)
+        waits_for = f"is asleep until {due} before entering {info.state}"
     elif due is not None:
         waits_for = f"sleeps in {info.state} until {due}"
     else:
