@@ -138,6 +138,8 @@ class _Active:
     lost: bool = False
     """This drive gave the run up (its lease is lost): a later claim of the run is driven
     by a task of its own, with a mark of its own."""
+    epoch: int = 0
+    """The lease epoch of the claim this drive holds (its fence's)."""
 
 
 class Executor(Stepping, Recovery, Requests):
@@ -453,7 +455,7 @@ class Executor(Stepping, Recovery, Requests):
             task = asyncio.create_task(drive, context=context_holding(slot))
         else:
             task = asyncio.create_task(drive)
-        self._active[stored.id] = active = _Active(task, name)
+        self._active[stored.id] = active = _Active(task, name, epoch=stored.lease_epoch)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
@@ -553,7 +555,7 @@ class Executor(Stepping, Recovery, Requests):
         if self.leases.fenced(run_id):
             # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
             # abandoned, and no boundary of it is written from then on.
-            self.leases.given_up.add(run_id)
+            self.leases.given_up[run_id] = boundary.fence.epoch
             return False
         before = time.monotonic()
         if len(self._active) <= 1:  # one run in flight: nothing can share its commit
@@ -573,20 +575,27 @@ class Executor(Stepping, Recovery, Requests):
             if not boundary.release and self.leases.fenced(run_id):
                 # Fenced while the write was in flight: it landed under a lease the database
                 # still held, but nothing may follow it (the next step must not start).
-                self.leases.given_up.add(run_id)
+                self.leases.given_up[run_id] = boundary.fence.epoch
                 return False
         elif refused_is_lost:
-            self._give_up(run_id)
+            self._give_up(run_id, boundary.fence.epoch)
         return applied
 
-    def _give_up(self, run_id: str) -> None:
+    def _give_up(self, run_id: str, epoch: int) -> None:
         """A write of the run was refused: this drive lost it (its lease, or another writer
         moved it); say so, and write nothing more of it."""
         self.stats.lost_leases += 1
         why = "write refused (lease lost or run changed by another writer); abandoning it"
         log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
-        self.leases.given_up.add(run_id)
+        self.leases.given_up[run_id] = epoch
         self.leases.tell_lost(run_id, why)
+
+    def mark_given_up(self, run_id: str) -> None:
+        """Note that this worker gave the run's current drive up, with the lease epoch it
+        held: its recovery tells its own cut-off attempt from a later holder's."""
+        active = self._active.get(run_id)
+        if active is not None:
+            self.leases.given_up[run_id] = active.epoch
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
         fields.update(

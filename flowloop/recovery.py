@@ -89,9 +89,10 @@ class Recovery:
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
         if cause is None:  # found by recovery: this worker's own lease, or another's
-            mine = row.id in self.leases.given_up or row.id in self._active
-            cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
-        self.leases.given_up.discard(row.id)
+            cause = (
+                interruptions.LEASE_LOST if self._cut_off_here(row) else interruptions.WORKER_GONE
+            )
+        self.leases.given_up.pop(row.id, None)
         parked = self._park_interrupted(workflow, row, now)
         if parked is not None:
             return parked
@@ -145,6 +146,18 @@ class Recovery:
             release=True,
         )
 
+    def _cut_off_here(self, row: StoredRun) -> bool:
+        """Whether the attempt recovery found cut off is this worker's own: it held the
+        run's lease (gave it up, or drives it still) at the epoch just before this claim.
+        Every claim adds one to the epoch, so a run this worker gave up, then another
+        worker claimed (and, in its turn, went away), is not this worker's loss: that
+        attempt was the other's."""
+        held = row.lease_epoch - 1
+        active = self._active.get(row.id)
+        return self.leases.given_up.get(row.id) == held or (
+            active is not None and active.epoch == held
+        )
+
     def _undoing(self, workflow: Workflow, record: RunRecord) -> str | None:
         """The step whose compensation a run cut off in a compensating state was running:
         the one its last ``compensation_started`` names (``None``: not compensating)."""
@@ -159,7 +172,7 @@ class Recovery:
         """A run whose row or journal tail cannot be read (``row.problem``) fails at once
         as ``invalid_row`` with the reason: judged again, it would be claimed forever."""
         record = row.record
-        self.leases.given_up.discard(row.id)
+        self.leases.given_up.pop(row.id, None)
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
