@@ -42,6 +42,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
 from flowloop.lifecycle import CONTROLS, STOP
 from flowloop.localdue import LocalDue
+from flowloop.outcome_log import OutcomeLog
 from flowloop.recovery import RECOVERY_BATCH, Recovery
 from flowloop.run_requests import Requests
 from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
@@ -167,6 +168,7 @@ class Executor(Stepping, Recovery, Requests):
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
         self.listeners = list(listeners)
+        self.outcomes = OutcomeLog()
         self.stats = Stats()
         self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
         self._threads = StepThreads(max_concurrency)
@@ -534,6 +536,8 @@ class Executor(Stepping, Recovery, Requests):
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
 
     def _notify(self, boundary: Boundary) -> None:
+        if self.outcomes.held:  # an outcome's line, said once written (outcome_log.py)
+            self.outcomes.written(boundary)
         for listener in self.listeners:
             try:
                 listener(boundary.record, boundary.events)
@@ -589,13 +593,6 @@ class Executor(Stepping, Recovery, Requests):
         log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
         self.leases.given_up[run_id] = epoch
         self.leases.tell_lost(run_id, why)
-
-    def mark_given_up(self, run_id: str) -> None:
-        """Note that this worker gave the run's current drive up, with the lease epoch it
-        held: its recovery tells its own cut-off attempt from a later holder's."""
-        active = self._active.get(run_id)
-        if active is not None:
-            self.leases.given_up[run_id] = active.epoch
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
         fields.update(
@@ -791,7 +788,7 @@ class Executor(Stepping, Recovery, Requests):
         )
         boundary = self._interrupted(row, interruptions.CUT_OFF)
         with contextlib.suppress(Exception):
-            await self._commit(boundary)
+            await self.outcomes.said(record.id, self._commit(boundary))
 
     def close(self) -> None:
         if self._exhaustion_check is not None:  # (the loop is the thread's, kept: no timer)

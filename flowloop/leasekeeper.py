@@ -159,7 +159,9 @@ class LeaseKeeper:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
         if not logged:
             log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
-        self.executor.mark_given_up(run_id)
+        active = self.executor._active.get(run_id)
+        if active is not None:  # the epoch it held: its recovery tells its own loss
+            self.given_up[run_id] = active.epoch
         self.executor.stats.lost_leases += 1
         self.tell_lost(run_id, why)
         self.guard.give_up(run_id)  # fenced until its task ends (nothing more is written)

@@ -18,6 +18,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import error_line
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
+from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog
 from flowloop.stepping import step_fields
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.verdicts import Verdict
@@ -43,6 +44,7 @@ class Recovery:
         lease_seconds: float
         stats: Stats
         leases: LeaseKeeper
+        outcomes: OutcomeLog
         _active: dict[str, _Active]
         _parked_for: frozenset[tuple[str, str]] | None
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
@@ -72,16 +74,23 @@ class Recovery:
             )
             if not rows:
                 return recovered
-            boundaries = [
-                self._interrupted(row) if row.problem is None else self._broken(row) for row in rows
-            ]
-            results = self.store.write(boundaries)
+            try:
+                boundaries = [
+                    self._interrupted(row) if row.problem is None else self._broken(row)
+                    for row in rows
+                ]
+                results = self.store.write(boundaries)
+            except BaseException:
+                for row in rows:  # (whether they were written is not known)
+                    self.outcomes.drop(row.id)
+                raise
             self.stats.commits += 1
             for boundary, applied in zip(boundaries, results, strict=True):
                 if applied:
                     recovered += 1
                     self.stats.recovered += 1
-                    self._notify(boundary)
+                    self._notify(boundary)  # (says its line: flowloop/outcome_log.py)
+                self.outcomes.settle(boundary.run_id)
 
     def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
@@ -123,15 +132,14 @@ class Recovery:
             data=data,
             **route,
         )
-        log.log(
-            logging.ERROR if "reason" in data else logging.WARNING,
-            "run %s seq %d: %s attempt %d interrupted: %s",
+        self.outcomes.hold(  # said once written (flowloop/outcome_log.py)
             record.id,
-            record.last_seq,
-            record.state,
-            record.attempt,
-            message,
-            extra={
+            event.seq,
+            logging.ERROR if "reason" in data else logging.WARNING,
+            INTERRUPTED,
+            INTERRUPTED_UNWRITTEN,
+            (record.id, record.last_seq, record.state, record.attempt, message),
+            {
                 **step_fields(record.workflow, record),
                 "event": "step_finished",
                 "outcome": "interrupted",
