@@ -42,6 +42,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
 from flowloop.lifecycle import CONTROLS, STOP
 from flowloop.localdue import LocalDue
+from flowloop.outcome_log import OutcomeLog
 from flowloop.recovery import RECOVERY_BATCH, Recovery
 from flowloop.run_requests import Requests
 from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
@@ -138,6 +139,8 @@ class _Active:
     lost: bool = False
     """This drive gave the run up (its lease is lost): a later claim of the run is driven
     by a task of its own, with a mark of its own."""
+    epoch: int = 0
+    """The lease epoch of the claim this drive holds (its fence's)."""
 
 
 class Executor(Stepping, Recovery, Requests):
@@ -165,6 +168,7 @@ class Executor(Stepping, Recovery, Requests):
         self.lease_seconds = lease_seconds
         self.poll_seconds = poll_seconds
         self.listeners = list(listeners)
+        self.outcomes = OutcomeLog()
         self.stats = Stats()
         self.committer = Committer(store, self.stats, cap=backoff_cap(lease_seconds))
         self._threads = StepThreads(max_concurrency)
@@ -458,7 +462,7 @@ class Executor(Stepping, Recovery, Requests):
             task = asyncio.create_task(drive, context=context_holding(slot))
         else:
             task = asyncio.create_task(drive)
-        self._active[stored.id] = active = _Active(task, name)
+        self._active[stored.id] = active = _Active(task, name, epoch=stored.lease_epoch)
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
@@ -537,6 +541,8 @@ class Executor(Stepping, Recovery, Requests):
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
 
     def _notify(self, boundary: Boundary) -> None:
+        if self.outcomes.held:  # an outcome's line, said once written (outcome_log.py)
+            self.outcomes.written(boundary)
         for listener in self.listeners:
             try:
                 listener(boundary.record, boundary.events)
@@ -558,7 +564,7 @@ class Executor(Stepping, Recovery, Requests):
         if self.leases.fenced(run_id):
             # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
             # abandoned, and no boundary of it is written from then on.
-            self.leases.given_up.add(run_id)
+            self.leases.given_up[run_id] = boundary.fence.epoch
             return False
         before = time.monotonic()
         if len(self._active) <= 1:  # one run in flight: nothing can share its commit
@@ -578,19 +584,19 @@ class Executor(Stepping, Recovery, Requests):
             if not boundary.release and self.leases.fenced(run_id):
                 # Fenced while the write was in flight: it landed under a lease the database
                 # still held, but nothing may follow it (the next step must not start).
-                self.leases.given_up.add(run_id)
+                self.leases.given_up[run_id] = boundary.fence.epoch
                 return False
         elif refused_is_lost:
-            self._give_up(run_id)
+            self._give_up(run_id, boundary.fence.epoch)
         return applied
 
-    def _give_up(self, run_id: str) -> None:
+    def _give_up(self, run_id: str, epoch: int) -> None:
         """A write of the run was refused: this drive lost it (its lease, or another writer
         moved it); say so, and write nothing more of it."""
         self.stats.lost_leases += 1
         why = "write refused (lease lost or run changed by another writer); abandoning it"
         log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
-        self.leases.given_up.add(run_id)
+        self.leases.given_up[run_id] = epoch
         self.leases.tell_lost(run_id, why)
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
@@ -787,7 +793,7 @@ class Executor(Stepping, Recovery, Requests):
         )
         boundary = self._interrupted(row, interruptions.CUT_OFF)
         with contextlib.suppress(Exception):
-            await self._commit(boundary)
+            await self.outcomes.said(record.id, self._commit(boundary))
 
     def close(self) -> None:
         if self._exhaustion_check is not None:  # (the loop is the thread's, kept: no timer)

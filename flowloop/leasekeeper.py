@@ -71,8 +71,9 @@ class LeaseKeeper:
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.given_up: set[str] = set()
-        """Runs this worker abandoned (lost lease): recovering one later says so."""
+        self.given_up: dict[str, int] = {}
+        """Runs this worker abandoned (lost lease), each with the lease epoch it held then:
+        recovering one later says so, when nobody claimed the run in between."""
         self.hooks: list[Callable[[str, str], None]] = []
         """Called with (run id, why) when this worker stops driving a run it lost."""
         store, worker = executor.store, executor.worker_id
@@ -158,7 +159,9 @@ class LeaseKeeper:
         """Stop driving a run this worker no longer (surely) holds; write nothing more for it."""
         if not logged:
             log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
-        self.given_up.add(run_id)
+        active = self.executor._active.get(run_id)
+        if active is not None:  # the epoch it held: its recovery tells its own loss
+            self.given_up[run_id] = active.epoch
         self.executor.stats.lost_leases += 1
         self.tell_lost(run_id, why)
         self.guard.give_up(run_id)  # fenced until its task ends (nothing more is written)

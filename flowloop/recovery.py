@@ -18,6 +18,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import error_line
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
+from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog
 from flowloop.stepping import step_fields
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.verdicts import Verdict
@@ -43,6 +44,7 @@ class Recovery:
         lease_seconds: float
         stats: Stats
         leases: LeaseKeeper
+        outcomes: OutcomeLog
         _active: dict[str, _Active]
         _parked_for: frozenset[tuple[str, str]] | None
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
@@ -72,16 +74,23 @@ class Recovery:
             )
             if not rows:
                 return recovered
-            boundaries = [
-                self._interrupted(row) if row.problem is None else self._broken(row) for row in rows
-            ]
-            results = self.store.write(boundaries)
+            try:
+                boundaries = [
+                    self._interrupted(row) if row.problem is None else self._broken(row)
+                    for row in rows
+                ]
+                results = self.store.write(boundaries)
+            except BaseException:
+                for row in rows:  # (whether they were written is not known)
+                    self.outcomes.drop(row.id)
+                raise
             self.stats.commits += 1
             for boundary, applied in zip(boundaries, results, strict=True):
                 if applied:
                     recovered += 1
                     self.stats.recovered += 1
-                    self._notify(boundary)
+                    self._notify(boundary)  # (says its line: flowloop/outcome_log.py)
+                self.outcomes.settle(boundary.run_id)
 
     def _interrupted(self, row: StoredRun, cause: str | None = None) -> Boundary:
         record = row.record
@@ -89,9 +98,10 @@ class Recovery:
         spec = workflow.steps.get(record.state)
         now = self.clock.now()
         if cause is None:  # found by recovery: this worker's own lease, or another's
-            mine = row.id in self.leases.given_up or row.id in self._active
-            cause = interruptions.LEASE_LOST if mine else interruptions.WORKER_GONE
-        self.leases.given_up.discard(row.id)
+            cause = (
+                interruptions.LEASE_LOST if self._cut_off_here(row) else interruptions.WORKER_GONE
+            )
+        self.leases.given_up.pop(row.id, None)
         parked = self._park_interrupted(workflow, row, now)
         if parked is not None:
             return parked
@@ -122,15 +132,14 @@ class Recovery:
             data=data,
             **route,
         )
-        log.log(
-            logging.ERROR if "reason" in data else logging.WARNING,
-            "run %s seq %d: %s attempt %d interrupted: %s",
+        self.outcomes.hold(  # said once written (flowloop/outcome_log.py)
             record.id,
-            record.last_seq,
-            record.state,
-            record.attempt,
-            message,
-            extra={
+            event.seq,
+            logging.ERROR if "reason" in data else logging.WARNING,
+            INTERRUPTED,
+            INTERRUPTED_UNWRITTEN,
+            (record.id, record.last_seq, record.state, record.attempt, message),
+            {
                 **step_fields(record.workflow, record),
                 "event": "step_finished",
                 "outcome": "interrupted",
@@ -143,6 +152,18 @@ class Recovery:
             record=j.apply(record, event),
             fence=Fence(self.worker_id, row.lease_epoch),
             release=True,
+        )
+
+    def _cut_off_here(self, row: StoredRun) -> bool:
+        """Whether the attempt recovery found cut off is this worker's own: it held the
+        run's lease (gave it up, or drives it still) at the epoch just before this claim.
+        Every claim adds one to the epoch, so a run this worker gave up, then another
+        worker claimed (and, in its turn, went away), is not this worker's loss: that
+        attempt was the other's."""
+        held = row.lease_epoch - 1
+        active = self._active.get(row.id)
+        return self.leases.given_up.get(row.id) == held or (
+            active is not None and active.epoch == held
         )
 
     def _undoing(self, workflow: Workflow, record: RunRecord) -> str | None:
@@ -159,7 +180,7 @@ class Recovery:
         """A run whose row or journal tail cannot be read (``row.problem``) fails at once
         as ``invalid_row`` with the reason: judged again, it would be claimed forever."""
         record = row.record
-        self.leases.given_up.discard(row.id)
+        self.leases.given_up.pop(row.id, None)
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)

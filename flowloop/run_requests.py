@@ -47,7 +47,7 @@ class Requests:
             honoured: str | None = None,
             refused_is_lost: bool = True,
         ) -> bool: ...
-        def _give_up(self, run_id: str) -> None: ...
+        def _give_up(self, run_id: str, epoch: int) -> None: ...
         def _event(
             self, record: RunRecord, kind: str, offset: int = 1, **fields: Any
         ) -> JournalEvent: ...
@@ -141,7 +141,7 @@ class Requests:
                 return None
             action = now
         if not self.leases.fenced(record.id):  # (a fenced run is being given up already)
-            self._give_up(record.id)
+            self._give_up(record.id, fence.epoch)
         return False
 
     def _request_now(self, record: RunRecord, fence: Fence) -> tuple[bool, str | None]:

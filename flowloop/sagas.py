@@ -32,13 +32,17 @@ from flowloop.contexts import context_from
 from flowloop.definition import Step, Workflow
 from flowloop.errors import StepExited, error_line, error_trace
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.outcome_log import (
+    COMPENSATED,
+    COMPENSATED_UNWRITTEN,
+    UNDO_FAILED,
+    UNDO_FAILED_UNWRITTEN,
+)
 from flowloop.store import Boundary, Fence
 from flowloop.versions import Registry
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
-
-log = logging.getLogger("flowloop")
 
 
 async def drive(
@@ -65,7 +69,8 @@ async def drive(
         )
         batch = [*pending, started]
         after = j.apply(after, started)
-        if not await executor._commit(Boundary(events=batch, record=after, fence=fence)):
+        boundary = Boundary(events=batch, record=after, fence=fence)
+        if not await executor.outcomes.said(record.id, executor._commit(boundary)):
             return None
         record, pending = after, []
         function = spec.compensate
@@ -98,12 +103,6 @@ async def drive(
             await _failed(executor, workflow, record, fence, undo, error, began)
             return None
         executor.stats.compensations += 1
-        log.info(
-            "run %s: compensation of %s succeeded",
-            record.id,
-            undo.state,
-            extra={"run": record.id, "state": undo.state, "event": "compensation_succeeded"},
-        )
         pending = [
             executor._event(
                 record,
@@ -115,6 +114,15 @@ async def drive(
                 data={"for_seq": undo.seq},
             )
         ]
+        executor.outcomes.hold(  # said once committed, with what follows it (outcomes.said)
+            record.id,
+            pending[0].seq,
+            logging.INFO,
+            COMPENSATED,
+            COMPENSATED_UNWRITTEN,
+            (record.id, undo.state),
+            {"run": record.id, "state": undo.state, "event": "compensation_succeeded"},
+        )
         undone.append(undo.state)
     reason = "compensated: " + (", ".join(undone) if undone else "nothing to undo")
     finished = executor._event(
@@ -124,7 +132,7 @@ async def drive(
         state=record.state,
         data={"reason": reason, "undone": undone},
     )
-    await executor._finish(record, fence, [*pending, finished])
+    await executor.outcomes.said(record.id, executor._finish(record, fence, [*pending, finished]))
     return None
 
 
@@ -148,15 +156,6 @@ async def _failed(
             f"compensation_failed: {undo.state}: {type(error).__name__}: {message} "
             "(fix it, then `flowloop retry` runs the compensations still owed)"
         )
-    log.log(
-        logging.INFO if retryable else logging.ERROR,
-        "run %s: compensation of %s attempt %d failed: %s",
-        record.id,
-        undo.state,
-        record.attempt,
-        message,
-        extra={"run": record.id, "state": undo.state, "event": "compensation_failed"},
-    )
     failed = executor._event(
         record,
         j.COMPENSATION_FAILED,
@@ -169,7 +168,16 @@ async def _failed(
         retryable=retryable,
         data=data,
     )
-    await executor._finish(record, fence, [failed])
+    executor.outcomes.hold(
+        record.id,
+        failed.seq,
+        logging.INFO if retryable else logging.ERROR,
+        UNDO_FAILED,
+        UNDO_FAILED_UNWRITTEN,
+        (record.id, undo.state, record.attempt, message),
+        {"run": record.id, "state": undo.state, "event": "compensation_failed"},
+    )
+    await executor.outcomes.said(record.id, executor._finish(record, fence, [failed]))
     if retryable:
         executor.wake(record.id)
 

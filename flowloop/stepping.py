@@ -46,6 +46,7 @@ from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
+from flowloop.outcome_log import FAILED, FAILED_UNWRITTEN, SUCCEEDED, SUCCEEDED_UNWRITTEN
 from flowloop.store import Boundary, Fence, Store
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from flowloop.executor import Executor, _Active
     from flowloop.gates import Gates
     from flowloop.leasekeeper import LeaseKeeper
+    from flowloop.outcome_log import OutcomeLog
     from flowloop.steppool import StepThreads
     from flowloop.watchdog import LoopWatchdog, RunningStep
 
@@ -109,6 +111,7 @@ class Stepping:
         _threads: StepThreads
         watchdog: LoopWatchdog
         leases: LeaseKeeper
+        outcomes: OutcomeLog
 
         _handed_seen: int
         tracked: set[str]
@@ -238,17 +241,23 @@ class Stepping:
         data = entering(workflow, next_state, now, delay=delay)
         if step is not None and step.notes:
             data = {**data, "note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
-        if logged:
-            log.info(
-                "run %s seq %d: %s attempt %d succeeded in %.1f ms (%s -> %s)",
+        if logged:  # said once its entry is committed (flowloop/outcome_log.py)
+            self.outcomes.hold(
                 record.id,
-                record.last_seq,
-                record.state,
-                record.attempt,
-                duration * 1000,
-                event,
-                next_state,
-                extra={
+                record.last_seq + 1,
+                logging.INFO,
+                SUCCEEDED,
+                SUCCEEDED_UNWRITTEN,
+                (
+                    record.id,
+                    record.last_seq,
+                    record.state,
+                    record.attempt,
+                    duration * 1000,
+                    event,
+                    next_state,
+                ),
+                {
                     **step_fields(workflow.name, record),
                     "event": "step_finished",
                     "outcome": "succeeded",
@@ -256,30 +265,36 @@ class Stepping:
                     "next_state": next_state,
                 },
             )
-        if self._straight_on(workflow, record, next_state, delay, now):
-            after = await self._went_on(
-                record,
-                fence,
-                at=now,
-                event=str(event),
-                next_state=next_state,
-                context=context,
-                duration=duration,
-                data=data,
-            )
-        else:
-            succeeded = self._event(
-                record,
-                j.STEP_SUCCEEDED,
-                state=record.state,
-                attempt=record.attempt,
-                event=str(event),
-                next_state=next_state,
-                context=context,
-                duration=duration,
-                data=data,
-            )
-            after = await self._advance(workflow, record, fence, succeeded)
+        try:
+            if self._straight_on(workflow, record, next_state, delay, now):
+                after = await self._went_on(
+                    record,
+                    fence,
+                    at=now,
+                    event=str(event),
+                    next_state=next_state,
+                    context=context,
+                    duration=duration,
+                    data=data,
+                )
+            else:
+                succeeded = self._event(
+                    record,
+                    j.STEP_SUCCEEDED,
+                    state=record.state,
+                    attempt=record.attempt,
+                    event=str(event),
+                    next_state=next_state,
+                    context=context,
+                    duration=duration,
+                    data=data,
+                )
+                after = await self._advance(workflow, record, fence, succeeded)
+        except BaseException:
+            self.outcomes.drop(record.id)
+            raise
+        if logged:
+            self.outcomes.settle(record.id)
         if after is None:
             if record.id in self.tracked:
                 self.last_parsed[record.id] = (context, parsed)
@@ -568,18 +583,23 @@ class Stepping:
         outcome = (
             "timed_out" if isinstance(error, StepTimeout) else "retried" if retryable else "failed"
         )
-        log.log(
-            level,
-            "run %s seq %d: %s attempt %d %s in %.1f ms: %s: %s",
+        self.outcomes.hold(  # said once its entry is committed (flowloop/outcome_log.py)
             record.id,
-            record.last_seq,
-            record.state,
-            record.attempt,
-            outcome,
-            duration * 1000,
-            type(error).__name__,
-            message,
-            extra={
+            failed.seq,
+            level,
+            FAILED,
+            FAILED_UNWRITTEN,
+            (
+                record.id,
+                record.last_seq,
+                record.state,
+                record.attempt,
+                outcome,
+                duration * 1000,
+                type(error).__name__,
+                message,
+            ),
+            {
                 **step_fields(workflow.name, record),
                 "event": "step_finished",
                 "outcome": outcome,
@@ -588,12 +608,19 @@ class Stepping:
                 "retryable": retryable,
             },
         )
-        if route is not None:
-            return await self._advance(workflow, record, fence, failed)
-        await self._finish(record, fence, [failed])
+        try:
+            if route is not None:
+                moved = await self._advance(workflow, record, fence, failed)
+            else:
+                moved = None
+                await self._finish(record, fence, [failed])
+        except BaseException:
+            self.outcomes.drop(record.id)
+            raise
+        self.outcomes.settle(record.id)
         if retryable:
             self.wake(record.id)
-        return None
+        return moved
 
     def _inline(self, spec: StepSpec) -> bool:
         """Whether a plain ``def`` step is called on the loop's thread: under
