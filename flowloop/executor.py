@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -49,6 +49,7 @@ from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
+from flowloop.tasks import CUT_OFF_WRITE_SECONDS, finish_within, first_of
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
@@ -90,39 +91,9 @@ that is shorter, so a run of a dead or frozen worker is taken over soon after it
 
 YIELD_EVERY_SECONDS: Final = 0.05
 """At least how often a run going straight from step to step lets the event loop turn."""
-CUT_OFF_WRITE_SECONDS: Final = 5.0
-"""How long, after the grace period, shutdown waits for the cut-offs to be journaled."""
 
 Listener = Callable[[RunRecord, Sequence[JournalEvent]], None]
 """Called after each committed boundary with the run's new record and the events written."""
-
-
-async def finish_within(tasks: Sequence[asyncio.Task[Any]], grace: float | None) -> None:
-    """Wait up to ``grace`` seconds (``None``: for as long as they take) for ``tasks``, then
-    cancel the rest and wait for them to settle (a cancelled drive journals its cut-off
-    before it ends)."""
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, timeout=grace)
-    for task in pending:
-        task.cancel()
-    if pending:
-        # Journaling the cut-offs needs the database: during an outage, give up after a
-        # bounded time (the runs stay ``running`` and the next worker's recovery settles
-        # them) rather than break the grace period's promise for good.
-        await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
-
-
-async def _first_of(
-    waits: Sequence[Coroutine[Any, Any, Any]], timeout: float | None = None
-) -> None:
-    """Wait until the first of ``waits`` is done (or ``timeout``); cancel the others."""
-    tasks = [asyncio.ensure_future(wait) for wait in waits]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
 
 
 IDLE_HORIZON_SECONDS: Final = 300.0
@@ -428,14 +399,14 @@ class Executor(Stepping, Recovery, Requests):
 
     async def _wait_for_work(self, stop: asyncio.Event | None, wake: asyncio.Event) -> None:
         waits = [wake.wait()] if stop is None else [wake.wait(), stop.wait()]
-        await _first_of(waits, timeout=self.gates.wake_in(self.poll_seconds))
+        await first_of(waits, timeout=self.gates.wake_in(self.poll_seconds))
         wake.clear()
 
     async def _sleep_unless_woken(self, seconds: float, wake: asyncio.Event) -> None:
         """Sleep until a run is due, or until something wakes the loop first: a first
         Ctrl-C (:meth:`hand_back`) must not wait out a backoff while a run outside this
         call's ``run_ids`` keeps the executor busy (Ctrl-C cancels an idle one)."""
-        await _first_of([self.clock.sleep(seconds), wake.wait()])
+        await first_of([self.clock.sleep(seconds), wake.wait()])
         wake.clear()
 
     def wake(self, run_id: str | None = None) -> None:
