@@ -326,3 +326,41 @@ def test_migration_0020__downgrade_refused_while_a_run_passed_its_deadline_in_a_
         engine.send(run.id, "ack")
     to_revision(store_url, "0019")
     to_revision(store_url, "head")
+
+
+def test_migration_0020__downgrade_refused_with_an_entry_between_the_backoff_and_deadline(
+    store_url: str,
+) -> None:
+    """A migration (or a deferral) between the failure backing off and the deadline keeps
+    the run retrying: the first check looked at the entry just before only (review)."""
+
+    def flow(version: int) -> Workflow:
+        wf = Workflow(
+            "backoff_moved",
+            context=C,
+            version=version,
+            deadline=HOUR,
+            on_deadline="late",
+            migrates_from={1: {}} if version == 2 else None,
+        )
+
+        @wf.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=2 * HOUR))
+        def flaky(ctx: C) -> None:
+            raise RuntimeError("down")
+
+        wf.wait("late", on={"ack": "done"})
+        wf.final("done")
+        return wf
+
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[flow(1)]) as engine:
+        run = engine.start(engine.workflow("backoff_moved"), C())
+        engine.run_until_idle(idle_horizon=0)
+        assert engine.get(run.id).status == "retrying"
+    with TestEngine(store_url, clock=clock, workflows=[flow(1), flow(2)]) as engine:
+        engine.migrate(run.id, to=2, by="deployer")
+        engine.advance(HOUR)
+        kinds = [e.kind for e in engine.history(run.id)][-3:]
+        assert kinds == ["step_failed", "run_migrated", "deadline_passed"], kinds
+    with pytest.raises(RuntimeError, match=f"run {run.id} .* deadline in a retry backoff"):
+        to_revision(store_url, "0019")

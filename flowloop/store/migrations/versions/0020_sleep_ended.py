@@ -20,7 +20,7 @@ else changes.
 from __future__ import annotations
 
 from alembic import op
-from sqlalchemy import Connection, and_, or_, select
+from sqlalchemy import Connection, and_, exists, or_, select
 from sqlalchemy.orm import aliased
 
 revision = "0020"
@@ -56,8 +56,13 @@ def _misread_run(conn: Connection) -> tuple[str, str, str] | None:
             movable,
             or_(
                 journal.c.kind == j.SLEEP_ENDED,
-                # (data is compact JSON: an escaped string holding these words never matches)
-                journal.c.data.like(f'%"{j.ASLEEP}":true%'),
+                and_(
+                    # (the kinds that carry the marker first: the LIKE reads only those)
+                    journal.c.kind.in_((j.STEP_SUCCEEDED, j.RUN_MIGRATED, j.RUN_UNPAUSED)),
+                    # (data is compact JSON: an escaped string holding these words never
+                    # matches)
+                    journal.c.data.like(f'%"{j.ASLEEP}":true%'),
+                ),
             ),
         )
         .limit(1)
@@ -65,16 +70,26 @@ def _misread_run(conn: Connection) -> tuple[str, str, str] | None:
     row = conn.execute(slept).first()
     if row is not None:
         return row[0], row[1], "slept before a wait or final state (step.sleep)"
-    before = aliased(journal)
+    # The deadline passed while the run was retrying: the last entry before it that set
+    # the status was a failure backing off — entries that keep the status may lie between
+    # (a deferral by a rate limit, a migration, an event rejected or dropped: review).
+    before, between = aliased(journal), aliased(journal)
+    keep_status = (j.RUN_DEFERRED, j.RUN_MIGRATED, j.EVENT_REJECTED, j.EVENT_DROPPED)
     backoff = (
         select(runs.c.id, runs.c.status)
         .join(journal, journal.c.run_id == runs.c.id)
-        .join(before, and_(before.c.run_id == runs.c.id, before.c.seq == journal.c.seq - 1))
+        .join(before, and_(before.c.run_id == runs.c.id, before.c.seq < journal.c.seq))
         .where(
             movable,
             journal.c.kind == j.DEADLINE_PASSED,
             before.c.kind.in_((j.STEP_FAILED, j.STEP_INTERRUPTED)),
             before.c.next_state.is_(None),  # (a failure routed on: not backing off)
+            ~exists().where(
+                between.c.run_id == runs.c.id,
+                between.c.seq > before.c.seq,
+                between.c.seq < journal.c.seq,
+                between.c.kind.not_in(keep_status),
+            ),
         )
         .limit(1)
     )
