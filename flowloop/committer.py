@@ -63,6 +63,7 @@ class Committer:
         self.store = store
         self.stats = stats
         self.cap = cap
+        self._outage = outagelog.Part("writes")
         self._pending: list[tuple[Boundary, asyncio.Future[bool]]] = []
         self._scheduled = False
         self._retrying: list[tuple[Boundary, asyncio.Future[bool]]] = []
@@ -120,7 +121,7 @@ class Committer:
 
     def _written(self, boundaries: int) -> None:
         if self._backoff:  # (written after an outage)
-            outagelog.answered("writes")
+            self._outage.answered()
         self._backoff = 0.0
         self.stats.commits += 1
         self.stats.boundaries += boundaries
@@ -173,7 +174,7 @@ class Committer:
         self._backoff = min(self.cap, max(OUTAGE_BACKOFF_START, self._backoff * 2))
         self.stats.outage_retries += 1
         log.log(
-            outagelog.failed("writes"),
+            self._outage.failed(),
             "writes: database %s (%s); %d boundary write(s) kept, retrying in %.1fs",
             outagelog.cause(error),
             error_line(error),

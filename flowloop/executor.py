@@ -240,6 +240,7 @@ class Executor(Stepping, Recovery, Requests):
             # `resume` starting while the database refuses writes waits for it.
             last_recovery: float | None = None
             outage = 0.0
+            claims = outagelog.Part("claims")
             due_unclaimed = False  # the last turn found a run due, and claimed nothing
             while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
@@ -257,14 +258,14 @@ class Executor(Stepping, Recovery, Requests):
                         else None
                     )
                     outage = 0.0
-                    outagelog.answered("claims")
+                    claims.answered()
                 except Exception as error:
                     if not is_outage(error):
                         raise
                     cap = backoff_cap(self.lease_seconds)
                     outage = min(cap, max(OUTAGE_BACKOFF_START, outage * 2))
                     log.log(
-                        outagelog.failed("claims"),
+                        claims.failed(),
                         "claims: database %s (%s); retrying in %.1fs",
                         outagelog.cause(error),
                         error_line(error),

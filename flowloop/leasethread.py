@@ -360,6 +360,7 @@ class LeaseGuard:
     def _renew_loop(self) -> None:
         last_renewal = last_poll = time.monotonic()
         failing = False
+        heartbeat = outagelog.Part("heartbeat")
         quiet_to_hand = 0  # polls without requests still to hand over (see the constant)
         polls = 0
         while not self._closed.wait(self.tick):
@@ -381,13 +382,13 @@ class LeaseGuard:
                         self._to_loop(self._hand_controls, polls, dict(requests))
                     quiet_to_hand = QUIET_POLLS_HANDED if requests else max(0, quiet_to_hand - 1)
                 if failing and called:
-                    outagelog.answered("heartbeat")
+                    heartbeat.answered()
                     failing = False
             except Exception as error:  # keep beating (retrying every tick) through a hiccup
                 if not failing:
                     text = str(error).strip().splitlines()
                     log.log(
-                        outagelog.failed("heartbeat"),
+                        heartbeat.failed(),
                         "heartbeat failed (retrying): %s",
                         text[0] if text else type(error),
                     )

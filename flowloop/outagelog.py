@@ -22,10 +22,6 @@ log = logging.getLogger("flowloop")
 REMINDER_SECONDS: Final = 60.0
 """How often a part still failing says so again at WARNING (DEBUG in between)."""
 
-_lock = threading.Lock()
-_down_since: dict[str, float] = {}  # part of the worker -> when it first failed
-_warned_at: dict[str, float] = {}
-
 
 def cause(error: BaseException) -> str:
     """The outage in words: "read-only", "locked", "full" or "unreachable"."""
@@ -39,28 +35,39 @@ def cause(error: BaseException) -> str:
     return "unreachable"
 
 
-def failed(part: str) -> int:
-    """``part`` (the claims, the writes, the heartbeat, the loops) failed for an outage:
-    the level to log it at — WARNING the first time and once a minute, DEBUG otherwise."""
-    now = time.monotonic()
-    with _lock:
-        _down_since.setdefault(part, now)
-        last = _warned_at.get(part)
-        if last is not None and now - last < REMINDER_SECONDS:
-            return logging.DEBUG
-        _warned_at[part] = now
-    return logging.WARNING
+class Part:
+    """One part of a worker (``claims``, ``writes``, ``heartbeat``, ``loops``) of one
+    executor or scheduler: its own outage state (two engines in one process, on different
+    databases, do not end each other's outages: review)."""
 
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()  # (the heartbeat's part is told from its thread)
+        self._down_since: float | None = None
+        self._warned_at: float | None = None
 
-def answered(part: str) -> None:
-    """``part`` worked again: said once (WARNING, so that it shows wherever the outage's
-    first line did), with how long it was out."""
-    if part not in _down_since:  # (the usual case: one lookup)
-        return
-    with _lock:
-        since = _down_since.pop(part, None)
-        _warned_at.pop(part, None)
-    if since is not None:
-        log.warning(
-            "%s: the database answers again (out for %.1fs)", part, time.monotonic() - since
-        )
+    def failed(self) -> int:
+        """The part failed for an outage: the level to log it at — WARNING the first time
+        and once a minute, DEBUG otherwise."""
+        now = time.monotonic()
+        with self._lock:
+            if self._down_since is None:
+                self._down_since = now
+            if self._warned_at is not None and now - self._warned_at < REMINDER_SECONDS:
+                return logging.DEBUG
+            self._warned_at = now
+        return logging.WARNING
+
+    def answered(self) -> None:
+        """The part worked again: said once (WARNING, so that it shows wherever the
+        outage's first line did), with how long it was out."""
+        if self._down_since is None:  # (the usual case: one attribute read)
+            return
+        with self._lock:
+            since, self._down_since, self._warned_at = self._down_since, None, None
+        if since is not None:
+            log.warning(
+                "%s: the database answers again (out for %.1fs)",
+                self.name,
+                time.monotonic() - since,
+            )

@@ -85,6 +85,7 @@ class Scheduler:
         alert: Callable[[Alert], None] | None = None,
     ) -> None:
         self.store = store
+        self._outage = outagelog.Part("loops")
         self.loops = dict(loops)
         self.clock = clock
         self.worker_id = worker_id
@@ -195,7 +196,7 @@ class Scheduler:
                 cap = backoff_cap(self.lease_seconds)
                 backoff = min(cap, max(OUTAGE_BACKOFF_START, backoff * 2))
                 log.log(
-                    outagelog.failed("loops"),
+                    self._outage.failed(),
                     "loops: database %s at start (%s); retrying in %.1fs",
                     outagelog.cause(error),
                     error_line(error),
@@ -259,8 +260,10 @@ class Scheduler:
     def _wake_quietly(self, name: str) -> None:
         try:
             self._wake_loop(name)
+            # (Said by a write that worked: on a read-only standby the polls read on.)
+            self._outage.answered()
         except Exception as error:  # a database hiccup must not stop every other loop
-            level = outagelog.failed("loops") if is_outage(error) else logging.WARNING
+            level = self._outage.failed() if is_outage(error) else logging.WARNING
             log.log(level, "loop %s: could not fire (%s); trying again", name, error_line(error))
             if name in self._generation:
                 self._push(name, self.poll_seconds)
@@ -275,10 +278,9 @@ class Scheduler:
         try:
             changes = self.store.loop_changes()
         except Exception as error:
-            level = outagelog.failed("loops") if is_outage(error) else logging.WARNING
+            level = self._outage.failed() if is_outage(error) else logging.WARNING
             log.log(level, "loops: could not poll loop changes: %s", error_line(error))
             return
-        outagelog.answered("loops")
         if changes == self._changes:
             return
         self._changes = changes

@@ -230,20 +230,24 @@ def test_a_worker_and_resume_started_during_an_outage_wait_for_the_database(
                     flow, url, tmp_path, "w", concurrency=4, lease=LEASE_S, grace=GRACE_S, env=ENV
                 )
             )
-            resume = subprocess.Popen(
-                [sys.executable, "-m", "flowloop.cli", "resume", "-w", str(flow), "--db", url],
-                cwd=tmp_path,
-                env={**os.environ, "PYTHONPATH": str(mwkit.ROOT), **ENV},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            resumed = tmp_path / "resume.log"
+            with resumed.open("w") as log:
+                resume = subprocess.Popen(
+                    [sys.executable, "-m", "flowloop.cli", "resume", "-w", str(flow), "--db", url],
+                    cwd=tmp_path,
+                    env={**os.environ, "PYTHONPATH": str(mwkit.ROOT), **ENV},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
             waiting = "cannot use the database yet"
+            # Both have tried and are waiting before the outage ends (a slow start of
+            # either found the database back, and had nothing to wait for).
             mwkit.wait_for(
-                "the worker to say it waits for the database",
-                lambda: waiting in worker.output(),
+                "the worker and resume to say they wait for the database",
+                lambda: waiting in worker.output() and waiting in resumed.read_text(),
                 timeout=60,
-                describe=workers.logs,
+                describe=lambda: f"{workers.logs()}\nresume: {resumed.read_text()}",
             )
             assert worker.proc.poll() is None and resume.poll() is None, workers.logs()
             outage.end()
@@ -253,7 +257,8 @@ def test_a_worker_and_resume_started_during_an_outage_wait_for_the_database(
                 timeout=RECOVERY_BOUND_S,
                 describe=lambda: f"{mwkit.statuses(url)}\n{workers.logs()}",
             )
-            output, _ = resume.communicate(timeout=RECOVERY_BOUND_S)
+            resume.wait(timeout=RECOVERY_BOUND_S)
+            output = resumed.read_text()
             assert resume.returncode == 0, output
             assert waiting in output and "the database answers again" in output, output
             assert "the database answers again" in worker.output()
