@@ -396,7 +396,7 @@ def _not_loaded(kind: str, name: str, loaded: Mapping[str, Any]) -> None:
     import difflib
 
     close = difflib.get_close_matches(name.lower(), [n.lower() for n in loaded], n=1, cutoff=0.75)
-    if close and (close[0].startswith(name.lower()) or name.lower().startswith(close[0])):
+    if close and name.lower().startswith(close[0]):
         close = []  # (`orders` beside `order`, `sync_v2` beside `sync`: another's, not a typo)
     if close:
         meant = next(n for n in loaded if n.lower() == close[0])
