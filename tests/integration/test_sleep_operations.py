@@ -327,6 +327,29 @@ def test_cli_run__says_a_run_asleep_before_its_wait_state_is_asleep(tmp_path: Pa
     assert "flowloop send" not in last
 
 
+@pytest.mark.parametrize("into", ["wait", "final"])
+def test_cli_status__names_when_a_run_asleep_wakes_and_the_state_it_enters(
+    store_url: str, into: str
+) -> None:
+    """It said only "scheduled (asleep)", the state line naming a state the run is not in
+    yet."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+    from flowloop.clock import iso
+
+    wf = napper(1, into=into)
+    with TestEngine(store_url, clock=FakeClock(auto_advance=False), workflows=[wf]) as engine:
+        run_id, until = asleep(engine, wf)
+        engine.pause(run_id)
+        engine.unpause(run_id)  # (its latest entry with the sleep's end)
+    said = CliRunner().invoke(cli, ["status", run_id, "--db", store_url], env={"COLUMNS": "300"})
+    assert said.exit_code == 0, said.output
+    state = "w" if into == "wait" else "done"
+    lines = said.stdout.splitlines()
+    assert f"status    scheduled (asleep until {iso(until)}, then enters {state})" in lines, lines
+
+
 # -- schema revision 0020 --------------------------------------------------------------------
 
 
