@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from pydantic import ValidationError
 
@@ -208,6 +208,43 @@ def asleep_until(state: str, events: Sequence[JournalEvent]) -> float | None:
     if entry is None or not entry.data.get(j.ASLEEP):
         return None
     return float(entry.data["due"])
+
+
+BEGUN: Final = (j.STEP_STARTED, j.CHILDREN_STARTED, j.COMPENSATION_STARTED)
+"""Kinds that begin a step, call, map or compensating state: a sleep before it is over."""
+
+
+def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> float | None:
+    """When the sleep (``step.sleep``) before the run's state ``state`` ends while the run
+    has not entered it yet, else ``None``. Before a wait (``wait``) or final state the
+    entry into it says so (``asleep``: :func:`asleep_until`); before a step, call, map or
+    compensating state it is the due time of the success into it (or of a migration that
+    kept a sleep) while nothing has begun there since — a step, its children, its
+    compensations. (A due time written under an older version, a migration since, may be
+    a wait's timeout: not taken for a sleep.)"""
+    entry = entry_into(state, events)
+    due = None if entry is None else entry.data.get("due")
+    if entry is None or not isinstance(due, (int, float)):
+        return None
+    if entry.data.get(j.ASLEEP):
+        trusted = True
+    elif wait:
+        return None  # (a wait's due time is its timeout's)
+    elif entry.kind == j.STEP_SUCCEEDED:
+        trusted = not any(e.kind == j.RUN_MIGRATED and e.seq > entry.seq for e in events)
+    else:
+        trusted = entry.kind == j.RUN_MIGRATED
+    if not trusted or any(e.kind in BEGUN and e.seq > entry.seq for e in events):
+        return None
+    return float(due)
+
+
+def asleep_before(workflow: Workflow, state: str) -> bool:
+    """Whether a sleep before ``state`` is journaled ``asleep`` (a wait or final state, not a
+    compensating one: the run enters it by ``sleep_ended``), rather than just due then."""
+    if workflow.compensates(state):
+        return False
+    return state in workflow.waits or workflow.is_final(state)
 
 
 def slept_past_deadline(record: RunRecord, events: Sequence[JournalEvent]) -> bool:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flowloop import journal as j
 from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
-from flowloop.events import asleep_until, wait_due
+from flowloop.events import asleep_before, sleep_end, wait_due
 from flowloop.lifecycle import LIVE
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
@@ -113,11 +113,15 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         and join_to is None
         and (record.next_run_at is None or engine._waits_by_stored_definition(record))
     )
-    if sleep_end is not None and (parked or record.status == "scheduled"):
+    if sleep_end is not None:
         # Asleep before its state (step.sleep): it sleeps on, due when the sleep ends, and
         # enters the state it moves to then (not a wait or final one: just due then).
-        data.update(status="scheduled", due=sleep_end)
-        if state in target.waits or (target.is_final(state) and not target.compensates(state)):
+        # Paused by an operator (or its parent) it stays paused: the entry keeps the sleep
+        # for its unpause (journal._migrated reads a due time only with a status).
+        data["due"] = sleep_end
+        if parked or record.status == "scheduled":
+            data["status"] = "scheduled"
+        if asleep_before(target, state):
             data[j.ASLEEP] = True
     elif parked or undue:
         data["status"] = "scheduled"
@@ -140,12 +144,18 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
 
 
 def _sleep_end(engine: Engine, record: RunRecord) -> float | None:
-    """When the sleep (``step.sleep``) the run rests in before its wait or final state ends
-    (it has not entered the state yet), else ``None``: scheduled there with reason
-    ``asleep``, or paused while so (its journal tells)."""
-    if record.reason != j.ASLEEP and record.status != "paused":
-        return None
-    return asleep_until(record.state, engine.store.journal(record.id))
+    """When the sleep (``step.sleep``) the run rests in before its state ends (it has not
+    entered or begun the state yet), else ``None``: scheduled there asleep (reason
+    ``asleep``, or due later in a state not a wait), or paused while so (its journal tells;
+    the version it is on says whether its state is a wait, whose due time is a timeout's)."""
+    flagged = record.reason == j.ASLEEP or record.status == "paused"
+    later = record.next_run_at is not None and record.next_run_at > engine.clock.now()
+    if not flagged and (record.status != "scheduled" or not later):
+        return None  # (due now, or waiting without a due time: not asleep)
+    wait = engine._waits_by_stored_definition(record)
+    if wait and not flagged:
+        return None  # (waiting there: its due time is its timeout's)
+    return sleep_end(record.state, engine.store.journal(record.id), wait=wait)
 
 
 def _join_renamed(

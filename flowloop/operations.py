@@ -34,10 +34,12 @@ from flowloop.events import (
     NotWaiting,
     accepted,
     accepts,
+    asleep_before,
     asleep_until,
     check_bufferable,
     entering,
     receive,
+    sleep_end,
     stored_wait_due,
     wait_due,
 )
@@ -298,13 +300,14 @@ class Operations:
         data: dict[str, Any] = {}
         by_stored = False
         held = record.join is not None and children.is_held(self.store, run_id)
-        asleep = None if held else self._asleep_until(workflow, record)
+        slept = None if held else self._sleep_end(workflow, record)
         if held:
             data["due"] = None  # a map's child paused before its turn: held again
-        elif asleep is not None:
-            # Paused asleep before its wait or final state (step.sleep): it sleeps on, due
-            # when the sleep ends (at once if that has passed), and takes no event before.
-            data.update({"due": asleep, j.ASLEEP: True})
+        elif slept is not None:
+            # Paused asleep before its state (step.sleep): it sleeps on, due when the sleep
+            # ends (at once if that has passed); before a wait or final state it takes no
+            # event before (a step, call, map or compensating state just starts then).
+            data.update({"due": slept[0], **({j.ASLEEP: True} if slept[1] else {})})
         elif workflow is not None and record.state in workflow.waits:
             # Back to waiting: due when its timeout was due (at once if that has passed),
             # never before, and not at all without a timeout.
@@ -358,14 +361,17 @@ class Operations:
             data = {"reason": "events were kept for it"}
             self._operate(stored, j.RUN_RELEASED, state=stored.record.state, data=data)
 
-    def _asleep_until(self, workflow: Workflow | None, record: RunRecord) -> float | None:
-        """When the sleep the run was paused in before its wait or final state ends (it had
-        not entered the state yet), else ``None``."""
-        if workflow is not None and not (
-            record.state in workflow.waits or workflow.is_final(record.state)
-        ):
-            return None
-        return asleep_until(record.state, self.store.journal(record.id))
+    def _sleep_end(self, workflow: Workflow | None, record: RunRecord) -> tuple[float, bool] | None:
+        """When the sleep the run was paused in before its state ends (it had not entered
+        or begun the state yet), and whether it sleeps ``asleep`` (before a wait or final
+        state); else ``None``."""
+        events = self.store.journal(record.id)
+        if workflow is None:  # (definition-less: the stored one's waits, the entry's flag)
+            wait = self._waits_by_stored_definition(record)
+            end = sleep_end(record.state, events, wait=wait)
+            return None if end is None else (end, asleep_until(record.state, events) is not None)
+        end = sleep_end(record.state, events, wait=record.state in workflow.waits)
+        return None if end is None else (end, asleep_before(workflow, record.state))
 
     def _waits_by_stored_definition(self, record: RunRecord) -> bool:
         """Whether the run's state is a wait state by the definition stored with its runs."""

@@ -209,6 +209,24 @@ class WaitStates:
         return WAITING if self.of(info) is not None else info.status
 
 
+def asleep_reason(reader: RunReading, info: RunInfo) -> str | None:
+    """The reason ``flowloop status RUN`` shows for a run asleep (``step.sleep``) before its
+    wait or final state: when the sleep ends and the state it enters then (it said only
+    "asleep", its state line naming a state it is not in yet); ``None`` for another run.
+    The end is the due time of its latest entry that says ``asleep`` (the run's next due
+    time may be its deadline's, sooner)."""
+    from flowloop.clock import iso
+
+    if info.status != "scheduled" or info.reason != ASLEEP:
+        return None
+    flagged = (
+        e.data.get("due") for e in reversed(reader.store.journal(info.id)) if e.data.get(ASLEEP)
+    )
+    ends = next(flagged, None)
+    ends = ends if isinstance(ends, (int, float)) else info.next_run_at
+    return f"{ASLEEP} until {iso(ends)}, then enters {info.state}"
+
+
 def what_continues(info: RunInfo, waiting: Waiting | None) -> str:
     """After an event: what moves the run on from here, in words."""
     if info.finished:

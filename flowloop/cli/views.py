@@ -187,12 +187,15 @@ def status_table(
     return table
 
 
-def show_run(info: RunInfo, waiting: support.Waiting | None = None) -> None:
+def show_run(
+    info: RunInfo, waiting: support.Waiting | None = None, reason: str | None = None
+) -> None:
+    """``reason``: said instead of the run's (a sleep's end, support.asleep_reason)."""
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
     shown = support.WAITING if waiting is not None else info.status
     # (The reason, when it says more than the status: "stopped (deadline)", not "(stopped)".)
-    reason = info.reason if info.reason not in (None, info.status) else None
+    reason = reason or (info.reason if info.reason not in (None, info.status) else None)
     out.print(f"status    {styled(shown)}" + (f" ({escape(reason)})" if reason else ""))
     if waiting is not None:
         out.print(f"waits     {escape(waiting.describe())} (stored status {info.status})")

@@ -49,9 +49,11 @@ def napper(
     return wf
 
 
-def checker() -> Workflow:
-    """v2 of :func:`napper`: its wait ``w`` became the step ``check``."""
-    wf = Workflow("napper", context=C, version=2, migrates_from={1: {"w": "check"}})
+def checker(version: int = 2) -> Workflow:
+    """v2 of :func:`napper`: its wait ``w`` became the step ``check`` (v1: sleeps two hours
+    into the step ``check``)."""
+    migrates = {1: {"w": "check"}} if version == 2 else None
+    wf = Workflow("napper", context=C, version=version, migrates_from=migrates)
 
     @wf.step(initial=True, next="check")
     def first(ctx: C, step: Step) -> object:
@@ -107,23 +109,70 @@ def test_migrate__a_run_asleep_before_a_renamed_wait_sleeps_on(
         assert engine.replay(run_id).differences == []
 
 
+@pytest.mark.parametrize("paused", [False, True])
 def test_migrate__a_run_asleep_before_a_wait_made_a_step_runs_it_when_the_sleep_ends(
-    store_url: str,
+    store_url: str, paused: bool
 ) -> None:
+    """Paused (by an operator) while asleep, then moved and unpaused, it ran the step at
+    once: the rest of the sleep was lost."""
     v1, v2 = napper(1), checker()
     clock = FakeClock(auto_advance=False)
     with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
         run_id, until = asleep(engine, v1)
+        if paused:
+            engine.pause(run_id)
         engine.migrate(run_id, to=2)
+        slept = HOUR if paused else 0.0
+        if paused:
+            engine.advance(slept)
+            engine.unpause(run_id)
         info = engine.get(run_id)
         assert (info.state, info.reason, info.next_run_at) == ("check", None, until)
-        engine.advance(SLEEP - 1)
+        engine.advance(SLEEP - slept - 1)
         assert engine.get(run_id).context.log == []  # type: ignore[union-attr]
         engine.advance(1)
         info = engine.get(run_id)
         assert (info.status, info.context.log) == ("succeeded", ["checked"])  # type: ignore[union-attr]
         assert [e.at for e in engine.history(run_id) if e.kind == j.STEP_STARTED][-1] == until
         assert engine.replay(run_id).differences == []
+
+
+@pytest.mark.parametrize("paused", [False, True])
+def test_migrate__a_run_asleep_before_a_step_made_a_wait_sleeps_on_before_it(
+    store_url: str, paused: bool
+) -> None:
+    """Moved into a wait while asleep before a step, the run was in the wait at once: it
+    took events during the sleep, and its timeout came at the sleep's end."""
+    v1, v2 = checker(1), napper(2, migrates={1: {"check": "w"}})
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run = engine.start(v1, C())
+        until = clock.now() + SLEEP
+        engine.run_until_idle(skip_time=False)
+        info = engine.get(run.id)
+        assert (info.state, info.reason, info.next_run_at) == ("check", None, until)
+        engine.advance(HOUR)
+        if paused:
+            engine.pause(run.id)
+        engine.migrate(run.id, to=2)
+        if paused:
+            engine.unpause(run.id)
+        info = engine.get(run.id)
+        assert (info.version, info.status, info.state) == (2, "scheduled", "w")
+        assert (info.reason, info.next_run_at) == (j.ASLEEP, until)
+        with pytest.raises(NotWaiting, match="asleep before state 'w'"):
+            engine.send(run.id, "reply")
+        engine.advance(HOUR - 1)
+        assert engine.get(run.id).reason == j.ASLEEP
+        engine.advance(1)
+        info = engine.get(run.id)
+        assert (info.state, info.reason, info.next_run_at) == ("w", None, until + HOUR)
+        engine.advance(HOUR)
+        info = engine.get(run.id)
+        assert (info.status, info.state) == ("succeeded", "done")
+        last = engine.history(run.id)[-1]
+        assert (last.event, last.at) == ("timeout", until + HOUR)
+        assert engine.replay(run.id).differences == []
 
 
 def test_migrate__a_run_asleep_before_its_final_state_moves_and_ends_when_the_sleep_ends(
@@ -276,6 +325,29 @@ def test_cli_run__says_a_run_asleep_before_its_wait_state_is_asleep(tmp_path: Pa
         f"run {info.id} is asleep until {iso(info.next_run_at)} before entering w;"
     ), last
     assert "flowloop send" not in last
+
+
+@pytest.mark.parametrize("into", ["wait", "final"])
+def test_cli_status__names_when_a_run_asleep_wakes_and_the_state_it_enters(
+    store_url: str, into: str
+) -> None:
+    """It said only "scheduled (asleep)", the state line naming a state the run is not in
+    yet."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+    from flowloop.clock import iso
+
+    wf = napper(1, into=into)
+    with TestEngine(store_url, clock=FakeClock(auto_advance=False), workflows=[wf]) as engine:
+        run_id, until = asleep(engine, wf)
+        engine.pause(run_id)
+        engine.unpause(run_id)  # (its latest entry with the sleep's end)
+    said = CliRunner().invoke(cli, ["status", run_id, "--db", store_url], env={"COLUMNS": "300"})
+    assert said.exit_code == 0, said.output
+    state = "w" if into == "wait" else "done"
+    lines = said.stdout.splitlines()
+    assert f"status    scheduled (asleep until {iso(until)}, then enters {state})" in lines, lines
 
 
 # -- schema revision 0020 --------------------------------------------------------------------

@@ -47,7 +47,14 @@ def sleeper(deadline: float | None = None) -> Workflow:
         deadline=deadline,
         on_deadline="expired" if deadline is not None else None,
     )
-    on = {"step": "s2", "wait": "w", "call": "c", "final": "done", "undo": "cancelled"}
+    on = {
+        "step": "s2",
+        "wait": "w",
+        "call": "c",
+        "map": "m",
+        "final": "done",
+        "undo": "cancelled",
+    }
 
     @wf.step(initial=True, on=on, compensate=lambda ctx: ctx.log.append("undone"))
     def first(ctx: C, step: Step) -> object:
@@ -59,6 +66,13 @@ def sleeper(deadline: float | None = None) -> Workflow:
 
     wf.wait("w", on={"reply": "done"}, timeout=HOUR, on_timeout="done")
     wf.call("c", child=kid(), context=lambda ctx: C(target="kid"), on={"succeeded": "done"})
+    wf.map(
+        "m",
+        child=kid(),
+        items=lambda ctx: [1, 2],
+        context=lambda ctx, item: C(target="kid"),
+        on={"done": "done", "failed": "done"},
+    )
     wf.final("done", *(["expired"] if deadline is not None else []))
     wf.final("cancelled", compensate=True)
     return wf
@@ -190,21 +204,118 @@ def test_sleep__then_a_compensating_state_undoes_after_the_delay(engine: TestEng
     assert engine.replay(run_id).differences == []
 
 
-@pytest.mark.parametrize("target", ["wait", "final"])
+STATES = {"step": "s2", "wait": "w", "call": "c", "map": "m", "final": "done", "undo": "cancelled"}
+ENTERS = {  # the entry by which the run enters (or starts) the state after its sleep
+    "step": j.STEP_STARTED,
+    "wait": j.SLEEP_ENDED,
+    "call": j.CHILDREN_STARTED,
+    "map": j.CHILDREN_STARTED,
+    "final": j.SLEEP_ENDED,
+    "undo": j.COMPENSATION_STARTED,
+}
+
+
+def entered(engine: TestEngine, run_id: str, target: str) -> list[float]:
+    """When the run entered (or started) the state ``target`` names, after its sleep."""
+    state, kind = STATES[target], ENTERS[target]
+    if kind == j.COMPENSATION_STARTED:  # (in the state each undoes)
+        return [e.at for e in engine.history(run_id) if e.kind == kind]
+    return [e.at for e in engine.history(run_id) if e.kind == kind and e.state == state]
+
+
+@pytest.mark.parametrize("target", list(STATES))
 def test_sleep__paused_and_unpaused_it_sleeps_on(engine: TestEngine, target: str) -> None:
+    """Toward a step, call, map or compensating state the unpause made the run due at
+    once: the rest of the sleep was skipped (kept only toward a wait or final state)."""
     run_id, until = started(engine, target)
-    state = "w" if target == "wait" else "done"
     engine.advance(HOUR)
     engine.pause(run_id)
+    engine.advance(HOUR / 2)
     engine.unpause(run_id)
-    assert_asleep(engine, run_id, state, until)
-    assert engine.get(run_id).reason == j.ASLEEP
-    engine.advance(HOUR - 1)
+    assert_asleep(engine, run_id, STATES[target], until)
+    asleep = target in ("wait", "final")
+    assert engine.get(run_id).reason == (j.ASLEEP if asleep else None)
+    engine.advance(HOUR / 2 - 1)
     assert engine.get(run_id).status == "scheduled"
+    assert entered(engine, run_id, target) == []
+    # Paused and unpaused again: the same end.
+    engine.pause(run_id)
+    engine.unpause(run_id)
+    assert_asleep(engine, run_id, STATES[target], until)
     engine.advance(1)
-    sleep_ended = [e.at for e in engine.history(run_id) if e.kind == j.SLEEP_ENDED]
-    assert sleep_ended == [until]
+    assert entered(engine, run_id, target) == [until]
     assert engine.replay(run_id).differences == []
+
+
+@pytest.mark.parametrize("target", list(STATES))
+def test_sleep__unpaused_after_its_end_enters_the_state_at_once(
+    engine: TestEngine, target: str
+) -> None:
+    run_id, until = started(engine, target)
+    engine.advance(HOUR)
+    engine.pause(run_id)
+    engine.advance(2 * HOUR)
+    engine.unpause(run_id)
+    now = engine.clock.now()
+    assert engine.get(run_id).next_run_at == until  # (past: due at once)
+    engine.run_until_idle(skip_time=False)
+    assert entered(engine, run_id, target) == [now]
+    assert engine.replay(run_id).differences == []
+
+
+@pytest.mark.parametrize("target", ["step", "wait", "final", "undo"])
+def test_sleep__unpaused_without_the_definition_it_sleeps_on(
+    store_url: str, clock: FakeClock, target: str
+) -> None:
+    """`flowloop unpause` without -w: the stored definition's wait states and the journal
+    tell the sleep (and whether the run sleeps ``asleep``)."""
+    with TestEngine(store_url, clock=clock, workflows=[sleeper(), kid()]) as engine:
+        run_id, until = started(engine, target)
+        engine.advance(HOUR)
+        engine.pause(run_id)
+    with TestEngine(store_url, clock=clock) as bare:
+        bare.unpause(run_id)
+    with TestEngine(store_url, clock=clock, workflows=[sleeper(), kid()]) as engine:
+        assert_asleep(engine, run_id, STATES[target], until)
+        asleep = target in ("wait", "final")
+        assert engine.get(run_id).reason == (j.ASLEEP if asleep else None)
+        engine.advance(HOUR - 1)
+        assert entered(engine, run_id, target) == []
+        engine.advance(1)
+        assert entered(engine, run_id, target) == [until]
+        assert engine.replay(run_id).differences == []
+
+
+def test_sleep__a_child_asleep_sleeps_on_through_its_parents_pause(
+    store_url: str, clock: FakeClock
+) -> None:
+    """A parent's pause and unpause reach its child asleep before a step: it sleeps on."""
+    parent = Workflow("sleep_parent", context=C)
+    parent.call(
+        "p",
+        child=sleeper(),
+        context=lambda ctx: C(target="step"),
+        on={"succeeded": "pdone"},
+        initial=True,
+    )
+    parent.final("pdone")
+    with TestEngine(store_url, clock=clock, workflows=[parent, sleeper(), kid()]) as engine:
+        run = engine.start(parent, C(target="parent"))
+        engine.run_until_idle(skip_time=False)
+        until = clock.now() + SLEEP
+        (child,) = engine.runs(workflow="sleep_then")
+        assert_asleep(engine, child.id, "s2", until)
+        engine.advance(HOUR)
+        engine.pause(run.id)
+        assert engine.get(child.id).status == "paused"
+        engine.unpause(run.id)
+        assert_asleep(engine, child.id, "s2", until)
+        engine.advance(HOUR - 1)
+        assert entered(engine, child.id, "step") == []
+        engine.advance(1)
+        assert entered(engine, child.id, "step") == [until]
+        assert engine.get(run.id).status == "succeeded"
+        assert engine.replay(child.id).differences == []
 
 
 def test_sleep__a_deadline_during_it_moves_the_run_on(store_url: str, clock: FakeClock) -> None:
