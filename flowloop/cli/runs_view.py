@@ -38,6 +38,7 @@ def status(
 ) -> None:
     """Show one run, or list runs (newest first, --limit at a time: --after the last one
     shown lists the next ones). A run resting in a wait state shows as `waiting`."""
+    from flowloop import family
     from flowloop.cli import support
     from flowloop.cli.views import NARROW_DROPS, family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
@@ -49,7 +50,7 @@ def status(
             info = reader.get(run_id)
             if as_json:
                 store = reader.store
-                held = hasattr(store, "is_held") and store.is_held(info.id)
+                held = family.held_back(store, info.id, live=not info.finished)
                 kept = store.kept_count(info.id) if hasattr(store, "kept_count") else 0
                 shown = {**info_json(info, waits), "held": held, "kept_events": kept}
                 click.echo(json.dumps(shown))

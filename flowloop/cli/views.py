@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 from rich.text import Text
 
+from flowloop import family
 from flowloop import journal as j
 from flowloop.admission import duration_text
 from flowloop.cli import support
@@ -224,12 +225,12 @@ def family_lines(store: Any, run_id: str, *, live: bool = True) -> list[str]:
     parent = store.parent_of(run_id)
     if parent is not None:
         lines.append(f"parent    {parent}")
-        if live and store.is_held(run_id):
-            lines.append("held      back by its parent's max_parallel: starts when a sibling ends")
+        if family.held_back(store, run_id, live=live):  # (as the dashboard's run page says)
+            lines.append(f"held      {family.HELD_BACK.removeprefix('held ')}")
     kept = store.kept_count(run_id) if live else 0
     if kept:
         lines.append(f"kept      {kept} event(s) sent to it, not taken yet")
-    counts = store.child_counts(run_id)
+    counts = family.child_counts(store, run_id)
     if counts:
         total = sum(counts.values())
         parts = ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))

@@ -8,10 +8,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from flowloop import family
 from flowloop import journal as j
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
 from flowloop.heat import heat
+from flowloop.lifecycle import LIVE
 from flowloop.ui import queries as q
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.openapi import document
@@ -69,7 +71,15 @@ def runs_json(request: Request) -> Response:
 
 
 def run_json(request: Request) -> Response:
-    return JSONResponse(q.run_row(_dash(request).db, path_text(request, "run_id")))
+    return JSONResponse(run_facts(_dash(request), path_text(request, "run_id")))
+
+
+def run_facts(dash: Any, run_id: str) -> dict[str, Any]:
+    """The run row as the API and the run page give it, with ``held``: a map's child held
+    back by its parent's ``max_parallel`` (as `flowloop status --json` says)."""
+    row = q.run_row(dash.db, run_id)
+    row["held"] = family.held_back(dash.store, row["id"], live=row["status"] in LIVE)
+    return row
 
 
 def progress_json(request: Request) -> Response:

@@ -11,6 +11,7 @@ mistake, the CLI's exit 2) or 409 (a failure, exit 1), a database that cannot be
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +167,19 @@ def _fmt_duration(value: float | None) -> str:
     return f"{value / 3600:.1f} h"
 
 
+def _fmt_until(seconds: float) -> str:
+    """A time to come as "in 59 min" (``static/app.js`` counts it down the same way)."""
+    if seconds <= 0:
+        return "due now"
+    if seconds < 60:
+        return f"in {math.ceil(seconds)} s"
+    if seconds < 5400:
+        return f"in {math.floor(seconds / 60 + 0.5)} min"
+    if seconds < 172_800:
+        return f"in {seconds / 3600:.1f} h"
+    return f"in {seconds / 86400:.1f} d"
+
+
 def create_app(
     store: SQLStore,
     *,
@@ -199,6 +213,7 @@ def create_app(
     templates.env.globals.update(
         fmt_time=_fmt_time,
         fmt_duration=_fmt_duration,
+        fmt_until=_fmt_until,
         num=lambda n: f"{n:,}" if isinstance(n, int) else str(n),
         allow_actions=allow_actions,
     )

@@ -8,6 +8,7 @@ Each page is rendered on the server from the same queries as the JSON API; the o
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -15,15 +16,17 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import render_loops
+from flowloop import family, render_loops
 from flowloop.definition import Workflow
 from flowloop.errors import RenderError
+from flowloop.journal import ASLEEP
+from flowloop.lifecycle import FINISHED
 from flowloop.operations import retryable_from
 from flowloop.ui import api
 from flowloop.ui import queries as q
 from flowloop.ui.actions import csrf_for, signed_in
 from flowloop.ui.contextdiff import diff
-from flowloop.ui.waiting import SHOWN_STATUSES
+from flowloop.ui.waiting import SHOWN_STATUSES, WAITING
 
 WINDOWS: Final = ("1h", "24h", "7d", "30d", "all")
 ITERATION_KINDS: Final = ("iteration_succeeded", "iteration_failed", "iteration_interrupted")
@@ -94,11 +97,25 @@ def retry_states(workflow: Workflow) -> list[str]:
     return [state for state in workflow.states if retryable_from(workflow, state)]
 
 
+def next_move(run: Mapping[str, Any]) -> str | None:
+    """What a run does when its ``next_run_at`` comes, for its page's "Next run" (``""``:
+    it goes on at its state). None when the page shows no such time there: the run is not
+    scheduled or retrying, has no time, is held back (its turn has none), or waits (its
+    "Waits for" says until when)."""
+    if run["next_run_at"] is None or run["held"] or run["display_status"] == WAITING:
+        return None
+    if run["status"] == "retrying":
+        return f"attempt {int(run['attempt']) + 1} of {run['state']}"
+    if run["status"] != "scheduled":
+        return None
+    return "wakes from its step.sleep" if run["reason"] == ASLEEP else ""
+
+
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     """Everything the live part of a run page shows (header, diagram, timeline, errors,
     context at ``?seq=`` and the changes ``?from=&to=``, by default the latest)."""
     dash = request.app.state.dash
-    row = q.run_row(dash.db, run_id)
+    row = api.run_facts(dash, run_id)
     events = q.run_journal(dash.store, run_id)
     params = dict(request.query_params)
     last = len(events)
@@ -118,22 +135,27 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     steps = q.timeline(events)
     longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
     failures = [e for e in events if e.traceback or e.error_message]
+    live = row["status"] not in FINISHED
     return {
         "run": row,
+        "held_back": family.HELD_BACK if row["held"] else None,
+        "next_move": next_move(row),
+        # The database's clock (as the workers page's): "in 59 min" from it.
+        "now": dash.store.db_now() if live and row["next_run_at"] is not None else None,
         "events": events,
         "steps": steps,
         "longest": longest or 1.0,
         "svg": svg,
         "diagram_problem": problem,
         "failures": failures,
-        "live": row["status"] not in ("succeeded", "failed", "stopped"),
+        "live": live,
         "seq": seq,
         "diff_from": start,
         "diff_to": to,
         "context_text": json_text(context, indent=2),
         "changes": changes,
         "retry_states": retry_states(workflow) if workflow is not None else [],
-        "family": q.run_family(dash.db, run_id),
+        "family": q.run_family(dash.store, run_id),
     }
 
 

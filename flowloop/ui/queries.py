@@ -21,6 +21,7 @@ from sqlalchemy import Engine as SQLEngine
 from sqlalchemy import Integer, and_, func, select
 from sqlalchemy import cast as sql_cast
 
+from flowloop import family
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE
@@ -287,23 +288,28 @@ FAMILY_LIMIT: Final = 50
 """Children listed on a run page (the counts per status cover them all)."""
 
 
-def run_family(db: SQLEngine, run_id: str) -> dict[str, Any]:
+def run_family(store: SQLStore, run_id: str) -> dict[str, Any]:
     """A run's child runs (call, map and parallel states): the first :data:`FAMILY_LIMIT`
-    by join and index, and how many are in each status (one indexed read each)."""
-    with reading(db) as conn:
+    by join and index, and how many are in each status (one indexed read each) — those
+    held back by a map's ``max_parallel`` as ``held``, as `flowloop status` counts them."""
+    with reading(store.engine) as conn:
         listed = conn.execute(
-            select(runs.c.id, runs.c.workflow, runs.c.status, runs.c.state, runs.c.child_index)
+            select(
+                runs.c.id,
+                runs.c.workflow,
+                runs.c.status,
+                runs.c.state,
+                runs.c.child_index,
+                runs.c.join_state,
+            )
             .where(runs.c.parent_id == run_id)
             .order_by(runs.c.join_id, runs.c.child_index)
             .limit(FAMILY_LIMIT)
         ).all()
-        counts = conn.execute(
-            select(runs.c.status, func.count())
-            .where(runs.c.parent_id == run_id)
-            .group_by(runs.c.status)
-        ).all()
         children = current_rows(conn, [row._mapping for row in listed])
-    by_status = {row[0]: int(row[1]) for row in counts}
+    for child in children:
+        child["status"] = family.child_status(child["status"], child.pop("join_state"))
+    by_status = family.child_counts(store, run_id)
     return {
         "children": children,
         "counts": dict(sorted(by_status.items())),

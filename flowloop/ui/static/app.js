@@ -18,6 +18,7 @@
       .then(function (r) { if (!r.ok) { throw new Error(r.status); } return r.text(); })
       .then(function (html) {
         live.innerHTML = html;
+        countDown(); // (from now: the times to come just swapped in)
         var body = document.getElementById("live-body");
         if (body) {
           live.setAttribute("data-seq", body.getAttribute("data-seq"));
@@ -30,7 +31,32 @@
       });
   }
 
+  // A time to come, "in 59 min" (rendered from the database clock: data-now), counted
+  // down here from when the page got it (data-got), so a page left open does not say it for ever.
+  // The same words as the server's (flowloop/ui/app.py: _fmt_until).
+  function until(left) {
+    if (left <= 0) { return "due now"; }
+    if (left < 60) { return "in " + Math.ceil(left) + " s"; }
+    if (left < 5400) { return "in " + Math.floor(left / 60 + 0.5) + " min"; }
+    if (left < 172800) { return "in " + (left / 3600).toFixed(1) + " h"; }
+    return "in " + (left / 86400).toFixed(1) + " d";
+  }
+
+  function countDown() {
+    var now = Date.now();
+    var found = live.querySelectorAll(".until[data-at]");
+    for (var i = 0; i < found.length; i++) {
+      var el = found[i];
+      if (!el.hasAttribute("data-got")) { el.setAttribute("data-got", String(now)); }
+      var served = parseFloat(el.getAttribute("data-now"));
+      var since = (now - parseFloat(el.getAttribute("data-got"))) / 1000;
+      var text = until(parseFloat(el.getAttribute("data-at")) - served - since);
+      if (el.textContent !== text) { el.textContent = text; }
+    }
+  }
+
   function tick() {
+    countDown();
     if (busy || document.hidden) { return schedule(); }
     busy = true;
     fetch(base + "/progress", { headers: { "Accept": "application/json" } })
@@ -48,5 +74,6 @@
   }
 
   function schedule() { window.setTimeout(tick, every); }
+  countDown();
   schedule();
 })();

@@ -1,0 +1,233 @@
+"""A run page says when the run next moves, and a map's child held back says so (the
+dashboard audit): an asleep run (``step.sleep`` before a wait), a retrying one and one
+waiting with a timeout show that time (UTC, and "in 60 min" counted down in the page);
+a child held back by its parent's ``max_parallel`` says so as `flowloop status` does, and
+its parent counts such children ``held``, apart from ``scheduled``.
+
+Real Chromium (Debian's, driven by Playwright) on SQLite and PostgreSQL; the engines run on
+a fake clock that starts now and never moves, so every run stays where it is."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from pydantic import BaseModel
+from uikit import CHROMIUM_ARGS, chromium_path, off_loop, serve
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop.store.sql import SQLStore
+from flowloop.ui.app import create_app
+
+playwright = pytest.importorskip("playwright.sync_api")
+WAIT_MS = 15_000
+HOUR = 3600.0
+HELD_BACK = "held back by its parent's max_parallel: starts when a sibling ends"
+IN_MINUTES = re.compile(r"\(in \d+ min\)")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    executable = chromium_path()
+    if executable is None:
+        message = "Debian's chromium is not installed (make system installs it)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    with playwright.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield launched
+        launched.close()
+
+
+def new_page(browser: Any) -> Any:
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    return page
+
+
+def utc(at: float) -> str:
+    """A time as the dashboard writes it (UTC)."""
+    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def clock() -> FakeClock:
+    # Starts now (the page says "in 60 min" from the database's clock) and never moves.
+    return FakeClock(start=time.time(), auto_advance=False)
+
+
+class Item(BaseModel):
+    n: int = 0
+
+
+class Fan(BaseModel):
+    items: list[int] = []
+
+
+def napping_fan() -> tuple[Workflow, Workflow]:
+    """A map over six items, two at a time, each child asleep for an hour before its wait."""
+    item = Workflow("ui_nap_item", context=Item)
+
+    @item.step(initial=True, next="hold")
+    def nap(ctx: Item, step: Step) -> object:
+        return step.sleep(HOUR)
+
+    item.wait("hold", on={"go": "done"})
+    item.final("done")
+    fan = Workflow("ui_nap_fan", context=Fan)
+    fan.map(
+        "each",
+        child=item,
+        items=lambda ctx: ctx.items,
+        context=lambda ctx, n: Item(n=n),
+        max_parallel=2,
+        on={"done": "done"},
+        initial=True,
+    )
+    fan.final("done")
+    return fan, item
+
+
+def start_family(url: str) -> tuple[str, list[tuple[str, float]], list[str]]:
+    """The parent, its two children asleep (with when they wake) and its four held back."""
+    fan, item = napping_fan()
+    with Engine(url, clock=clock(), workflows=[fan, item]) as engine:
+        parent = engine.start(fan, Fan(items=list(range(6)))).id
+        engine.run_until_idle(idle_horizon=0)
+        children = [engine.get(c.id) for c in engine.store.children_of(parent)]  # type: ignore[attr-defined]
+        held = [c.id for c in children if engine.is_held(c.id)]
+        asleep = [(c.id, c.next_run_at) for c in children if c.reason == "asleep"]
+    assert len(held) == 4 and len(asleep) == 2
+    return parent, [(run_id, float(at)) for run_id, at in asleep], held
+
+
+def test_run_page__an_asleep_run_says_when_it_wakes_and_counts_down(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    _, asleep, _ = off_loop(start_family, store_url)
+    (napping, wakes), _ = asleep
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.clock.install()  # Date.now and the page's timers move when told
+            page.goto(f"{base}/runs/{napping}")
+            assert page.locator("#run-status").inner_text() == "scheduled"
+            shown = page.locator("#run-next").inner_text()
+            assert utc(wakes) in shown and "wakes from its step.sleep" in shown, shown
+            assert IN_MINUTES.search(shown), shown
+            reason = page.locator(".run-reason").inner_text()
+            assert f"Why scheduled: asleep until {utc(wakes)} UTC" in reason, reason
+            assert page.locator("#run-held").count() == 0
+            page.screenshot(path=str(tmp_path / "asleep.png"), full_page=True)
+            # Left open, the page counts down (not "in 60 min" for the hour).
+            page.clock.fast_forward("30:00")
+            until = page.locator("#run-next .until")
+            playwright.expect(until).to_have_text(re.compile(r"in (29|30) min"))
+            page.clock.fast_forward("31:00")
+            playwright.expect(until).to_have_text("due now")
+            page.close()
+            assert httpx.get(f"{base}/api/runs/{napping}", timeout=30).json()["held"] is False
+    finally:
+        store.close()
+
+
+def test_run_page__a_held_child_says_so_and_its_parent_counts_it_held(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    parent, _, held = off_loop(start_family, store_url)
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{held[0]}")
+            assert page.locator("#run-status").inner_text() == "scheduled"
+            told = page.locator("#run-held").inner_text()
+            assert told == f"Waits for its turn: {HELD_BACK}", told
+            assert page.locator("#run-next").count() == 0  # its turn has no time
+            page.screenshot(path=str(tmp_path / "held.png"), full_page=True)
+
+            page.goto(f"{base}/runs/{parent}")
+            summary = page.locator("#family p.muted").inner_text()
+            assert summary == "6 child run(s): held 4 · scheduled 2", summary
+            badges = page.locator("#children tbody .badge").all_inner_texts()
+            assert sorted(badges) == ["held"] * 4 + ["scheduled"] * 2
+            page.screenshot(path=str(tmp_path / "parent.png"), full_page=True)
+            page.close()
+            # The API says it too (as `flowloop status --json`).
+            assert httpx.get(f"{base}/api/runs/{held[0]}", timeout=30).json()["held"] is True
+    finally:
+        store.close()
+
+
+def retrying_and_waiting() -> tuple[Workflow, Workflow]:
+    flaky = Workflow("ui_flaky", context=Item)
+
+    @flaky.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=HOUR))
+    def dial(ctx: Item) -> None:
+        raise ConnectionError("the line is busy")
+
+    flaky.final("done")
+    approval = Workflow("ui_approval", context=Item)
+    approval.wait("approve", on={"yes": "done"}, timeout=HOUR, on_timeout="done", initial=True)
+    approval.final("done")
+    return flaky, approval
+
+
+def start_retrying_and_waiting(url: str) -> dict[str, tuple[str, float]]:
+    flaky, approval = retrying_and_waiting()
+    with Engine(url, clock=clock(), workflows=[flaky, approval]) as engine:
+        made = {
+            "retrying": engine.start(flaky, Item()).id,
+            "waiting": engine.start(approval, Item()).id,
+        }
+        engine.run_until_idle(idle_horizon=0)
+        found = {shown: engine.get(run_id) for shown, run_id in made.items()}
+    assert found["retrying"].status == "retrying"
+    return {shown: (info.id, float(info.next_run_at or 0)) for shown, info in found.items()}
+
+
+def test_run_page__a_retrying_run_says_when_its_next_attempt_is(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    retrying, again = off_loop(start_retrying_and_waiting, store_url)["retrying"]
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{retrying}")
+            assert page.locator("#run-status").inner_text() == "retrying"
+            shown = page.locator("#run-next").inner_text()
+            assert utc(again) in shown and "attempt 2 of dial" in shown, shown
+            assert IN_MINUTES.search(shown), shown
+            error = page.locator("#errors summary").last.inner_text()
+            assert f"(retried: attempt 2 at {utc(again)} UTC)" in error, error
+            page.screenshot(path=str(tmp_path / "retrying.png"), full_page=True)
+            page.close()
+    finally:
+        store.close()
+
+
+def test_run_page__a_waiting_run_says_how_long_until_its_timeout(
+    browser: Any, store_url: str
+) -> None:
+    waiting, timeout = off_loop(start_retrying_and_waiting, store_url)["waiting"]
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{waiting}")
+            assert page.locator("#run-status").inner_text() == "waiting"
+            waits = page.locator("#run-waits").inner_text()
+            assert f"yes until {utc(timeout)} UTC" in waits and IN_MINUTES.search(waits), waits
+            assert page.locator("#run-next").count() == 0  # "Waits for" says until when
+            page.close()
+    finally:
+        store.close()
