@@ -10,15 +10,17 @@ place).
 
 from __future__ import annotations
 
+import enum
 import json
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
 from sqlalchemy import ColumnElement, Connection, func, insert, or_, select, text, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 
 from flowloop import journal as j
 from flowloop.backpressure import DROPPED_REASON, usage_by_workflow
+from flowloop.store import dialect
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
 from flowloop.store.entries import row_context
 from flowloop.store.inbox import kept_row
@@ -28,6 +30,19 @@ _FINISHED: Final = ("failed", "stopped", "succeeded")
 
 ATTEMPTS: Final = 5
 """Tries when a concurrent start of the same key wins a race (nothing is written then)."""
+BOUNDED_ATTEMPTS: Final = 5
+"""Tries of a start under ``max_queued`` (a lost key race or deadlock, or every run to
+drop being claimed at that moment: nothing is written then)."""
+
+
+class _Claiming(enum.Enum):
+    """Every queued run :meth:`AdmissionStoreMixin.start_bounded` could drop is being
+    claimed (or was since the count): they are leaving the queue, look again."""
+
+    CLAIMING = "claiming"
+
+
+_CLAIMING: Final = _Claiming.CLAIMING
 
 
 class AdmissionStoreMixin:
@@ -223,50 +238,102 @@ class AdmissionStoreMixin:
         (scheduled, unowned, only ``run_created`` journaled), or (``drop_oldest``) after
         stopping the oldest of them (``run_stopped``, reason ``dropped``). A run that
         already holds ``new``'s key is returned as by ``create_run``. None: full, nothing
-        written."""
-        workflow = new.record.workflow
-        with self._write() as conn:
-            self._serialize(conn, f"queue:{workflow}")
-            queued = (runs.c.workflow == workflow, runs.c.status == "scheduled")
-            waiting = (runs.c.last_seq == 1, runs.c.owner.is_(None))
-            count = conn.execute(select(func.count()).where(*queued, *waiting)).scalar_one()
-            if count >= limit and not self._holds_key(conn, new):
-                if not drop_oldest:
-                    return None
-                # Never a call's or map's child: stopped here, its join would not hear of
-                # it and its parent would wait for ever. None but children: full.
-                oldest = conn.execute(
-                    select(runs.c.id)
-                    .where(*queued, *waiting, runs.c.parent_id.is_(None))
-                    .order_by(runs.c.created_at, runs.c.id)
-                    .limit(1)
-                ).scalar()
-                if oldest is None:
-                    return None
-                reason = f"{DROPPED_REASON}{limit}"
-                conn.execute(
-                    update(runs)
-                    .where(runs.c.id == oldest, *queued, *waiting)
-                    .values(
-                        status="stopped",
-                        reason=reason,
-                        next_run_at=None,
-                        last_seq=2,
-                        updated_at=now,
-                    )
-                )
-                conn.execute(
-                    journal.insert().values(
-                        run_id=oldest,
-                        seq=2,
-                        kind=j.RUN_STOPPED,
-                        at=now,
-                        attempt=0,
+        written.
+
+        A worker's claim takes the oldest queued run too, and claims do not take the starts'
+        turn: the run to drop is locked (``FOR UPDATE``) and stopped only while it still
+        waits; one being claimed is passed by (``SKIP LOCKED``). When every one is being
+        claimed, the start looks again in a new transaction, waiting for those claims to
+        commit (it holds no run's lock then: no deadlock with a worker that holds one).
+        A lost key race or a deadlock writes nothing and is tried again too.
+        """
+        patient = False
+        for attempt in range(BOUNDED_ATTEMPTS):
+            last = attempt == BOUNDED_ATTEMPTS - 1
+            try:
+                with self._write() as conn:
+                    outcome = self._start_bounded_in(
+                        conn,
+                        new,
+                        limit,
+                        drop_oldest=drop_oldest,
+                        patient=patient,
+                        now=now,
                         worker=worker,
-                        data=json.dumps({"reason": reason}),
                     )
-                )
+            except IntegrityError:
+                # A concurrent start (of another workflow: its idempotency key) took a
+                # key first: once more, and the winner is found and returned.
+                if last:
+                    raise
+                continue
+            except OperationalError as error:
+                if last or not dialect.is_deadlock(error):
+                    raise
+                continue  # a deadlock's victim: nothing was written
+            if outcome is not _CLAIMING:
+                return outcome
+            patient = True  # those claims commit: they leave the queue
+        return None
+
+    def _start_bounded_in(
+        self,
+        conn: Connection,
+        new: NewRun,
+        limit: int,
+        *,
+        drop_oldest: bool,
+        patient: bool,
+        now: float,
+        worker: str,
+    ) -> tuple[StoredRun, bool] | _Claiming | None:
+        workflow = new.record.workflow
+        self._serialize(conn, f"queue:{workflow}")  # starts take turns (claims do not)
+        queued = (runs.c.workflow == workflow, runs.c.status == "scheduled")
+        waiting = (runs.c.last_seq == 1, runs.c.owner.is_(None))
+        counted = select(func.count()).where(*queued, *waiting)
+        if conn.execute(counted).scalar_one() < limit or self._holds_key(conn, new):
             return self._create_in(conn, new)
+        if not drop_oldest:
+            return None
+        # Never a call's or map's child: stopped here, its join would not hear of it and
+        # its parent would wait for ever. None but children: full.
+        droppable = select(runs.c.id).where(*queued, *waiting, runs.c.parent_id.is_(None))
+        oldest = conn.execute(
+            droppable.order_by(runs.c.created_at, runs.c.id)
+            .limit(1)
+            # PostgreSQL: the one taken is locked, so no claim takes it before this commits;
+            # one a claim took since the count is passed by, one a claim holds is passed by
+            # too or (patient) waited for.
+            .with_for_update(skip_locked=not patient)
+        ).scalar()
+        if oldest is None:
+            waiting_now, children = conn.execute(
+                select(func.count(), func.count(runs.c.parent_id)).where(*queued, *waiting)
+            ).one()
+            if waiting_now < limit:  # claimed since the count: room now
+                return self._create_in(conn, new)
+            return _CLAIMING if waiting_now > children else None
+        reason = f"{DROPPED_REASON}{limit}"
+        stopped = conn.execute(
+            update(runs)
+            .where(runs.c.id == oldest, *queued, *waiting)
+            .values(status="stopped", reason=reason, next_run_at=None, last_seq=2, updated_at=now)
+        )
+        if stopped.rowcount != 1:  # cannot happen while it is locked: journal no stop
+            return _CLAIMING
+        conn.execute(
+            journal.insert().values(
+                run_id=oldest,
+                seq=2,
+                kind=j.RUN_STOPPED,
+                at=now,
+                attempt=0,
+                worker=worker,
+                data=json.dumps({"reason": reason}),
+            )
+        )
+        return self._create_in(conn, new)
 
     def _holds_key(self, conn: Connection, new: NewRun) -> bool:
         held: list[ColumnElement[bool]] = []
