@@ -91,6 +91,22 @@ def saga(*, gated: bool = False) -> Workflow:
     return wf
 
 
+class PollsSeen:
+    """Counts the worker's polls that found a request (``store.pending_controls``)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.found = 0
+        inner = engine.store.pending_controls
+
+        def pending(*, worker: str) -> dict[str, str]:
+            requests = inner(worker=worker)
+            if requests:
+                self.found += 1
+            return requests
+
+        engine.store.pending_controls = pending  # type: ignore[method-assign]
+
+
 @contextmanager
 def worker_thread(engine: Engine, *, grace: float = 5.0) -> Iterator[Callable[[], None]]:
     """A worker of ``engine`` on its own thread and event loop; yields what shuts it down
@@ -193,6 +209,42 @@ def test_a_stop_during_a_compensation_stops_the_run_at_once_and_retry_undoes_it(
     started = [e for e in operator.history(run_id) if e.kind == j.COMPENSATION_STARTED]
     assert [(e.state, e.attempt) for e in started] == [("a", 1), ("a", 1)]
     replays(operator, run_id)
+
+
+def test_a_pause_during_a_compensation_is_honoured_before_the_next_one(store_url: str) -> None:
+    """The pause is honoured at the next compensation's boundary, committed with the
+    success of the one that ran; unpaused, the run undoes what is still owed. (Before,
+    the compensating drive never looked: every compensation ran, the run ended
+    ``succeeded`` with the pause left on its row.)"""
+    wf = saga(gated=True)
+    with (
+        Engine(store_url, workflows=[wf], lease_seconds=LEASE_S, poll_seconds=0.05) as driving,
+        Engine(store_url, workflows=[wf]) as operator,
+    ):
+        polls = PollsSeen(driving)
+        run_id = operator.start(wf, Undo()).id
+        with worker_thread(driving):
+            assert SIG.entered.wait(WAIT_S)
+            assert operator.pause(run_id).status == "running"
+            # Found twice: the first finding handed to the worker's loop before a2's
+            # compensation may end.
+            poll(lambda: polls.found >= 2, timeout=WAIT_S, what="two polls", every=0.01)
+            SIG.gate.set()
+            status_becomes(operator, run_id, "paused")
+            assert kinds(operator, run_id)[-3:] == [
+                j.COMPENSATION_STARTED,
+                j.COMPENSATION_SUCCEEDED,
+                j.RUN_PAUSED,
+            ]
+            assert driving.store.get_run(run_id).control is None  # type: ignore[union-attr]
+            replays(operator, run_id)
+            operator.unpause(run_id)
+            status_becomes(operator, run_id, "succeeded")
+        info = operator.get(run_id)
+        assert (info.state, info.reason) == ("rollback", "compensated: a2, a")
+        assert isinstance(info.context, Undo)
+        assert info.context.log == ["a", "a2", "undo a2:1:undo #1", "undo a:1:undo #1"]
+        replays(operator, run_id)
 
 
 def test_a_shutdown_during_a_compensation_journals_its_cut_off_at_once(
