@@ -112,6 +112,9 @@ class _Active:
     by a task of its own, with a mark of its own."""
     epoch: int = 0
     """The lease epoch of the claim this drive holds (its fence's)."""
+    record: RunRecord | None = None
+    """The run as this drive's last committed boundary left it, for a cut-off to follow
+    (a compensating drive's record, the claim's, misses its ``compensation_started``)."""
 
 
 class Executor(Stepping, Recovery, Requests):
@@ -513,6 +516,9 @@ class Executor(Stepping, Recovery, Requests):
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
 
     def _notify(self, boundary: Boundary) -> None:
+        active = self._active.get(boundary.run_id)
+        if active is not None and active.epoch == boundary.fence.epoch:
+            active.record = boundary.record  # (what a cut-off writes after)
         if self.outcomes.held:  # an outcome's line, said once written (outcome_log.py)
             self.outcomes.written(boundary)
         for listener in self.listeners:
@@ -698,8 +704,15 @@ class Executor(Stepping, Recovery, Requests):
             # stale, and the run's journal is no longer this task's to write.
             active = self._active.get(record.id)
             given_up = active is None or active.lost or active.task is not asyncio.current_task()
-            if not given_up and record.status == "running":
-                await asyncio.shield(self._cut_off(record, fence))
+            if given_up:
+                raise
+            assert active is not None
+            # (The newer of the two: this one's may be a composition's older, the other
+            # one's older when a boundary of this drive was cancelled in flight.)
+            if active.record is not None and active.record.last_seq > record.last_seq:
+                record = active.record
+            if record.status == "running":
+                await asyncio.shield(self._cut_off(workflow, record, fence))
             raise
 
     async def _take_a_turn(self) -> None:
@@ -743,12 +756,18 @@ class Executor(Stepping, Recovery, Requests):
             old=None if same else self.store.definition(record.fingerprint),
         )
 
-    async def _cut_off(self, record: RunRecord, fence: Fence) -> None:
-        """A step cancelled by shutdown or an operator's stop: journal it, then let go."""
+    async def _cut_off(self, workflow: Workflow, record: RunRecord, fence: Fence) -> None:
+        """A step or compensation cancelled by shutdown or an operator's stop: journal it,
+        then let go. Stopped, its attempt is not counted (no ``step_interrupted``): a
+        retry calls it again from attempt 1, as it does a stopped run's step."""
         active = self._active.get(record.id)
         if active is not None and active.stopping_step == "stop":
+            during = "compensation" if workflow.compensates(record.state) else "step"
             event = self._event(
-                record, j.RUN_STOPPED, state=record.state, data={"reason": "stopped during step"}
+                record,
+                j.RUN_STOPPED,
+                state=record.state,
+                data={"reason": f"stopped during {during}"},
             )
             await self._finish(record, fence, [event], honoured=STOP)
             return

@@ -17,6 +17,11 @@ again (it gets ``step.idempotency_key`` ending in ``:undo``) while its ``compens
 has attempts left — the cut-off attempt counts, as a step's does (compose.compensation_cut_off,
 from recovery), else the run parks ``failed``. When none is owed the run ends
 in the compensating state, ``succeeded``, reason ``compensated: <states undone>``.
+
+A stop cancels the compensation in progress (the executor's cut-off writes ``run_stopped``
+after its ``compensation_started``; a retry calls it again, from attempt 1); a pause (or
+a stop that came after the call) is honoured at the next compensation's boundary, with
+the success of the one that ran.
 """
 
 from __future__ import annotations
@@ -56,6 +61,15 @@ async def drive(
     for undo in owed:
         spec = workflow.steps[undo.state]
         assert spec.compensate is not None
+        # A pause or stop asked during the previous compensation: honoured at this
+        # boundary, with that one's success (unpaused or retried, the run goes on with the
+        # compensations still owed), unless withdrawn meanwhile.
+        if (
+            pending
+            and record.id in executor._controls
+            and await _honoured(executor, record, fence, pending) is not None
+        ):
+            return None
         after = record
         for event in pending:  # the previous one's success (attempt back to 0)
             after = j.apply(after, event)
@@ -134,6 +148,31 @@ async def drive(
     )
     await executor.outcomes.said(record.id, executor._finish(record, fence, [*pending, finished]))
     return None
+
+
+async def _honoured(
+    executor: Executor, record: RunRecord, fence: Fence, pending: list[JournalEvent]
+) -> bool | None:
+    """Commit ``pending`` (a compensation's success) with the entry honouring the run's
+    request; as ``_commit_honouring`` answers (``None``: withdrawn, nothing written)."""
+    action = executor._confirmed_control(record.id)
+    if action is None:
+        return None
+
+    def entries(honour: str) -> list[JournalEvent]:
+        kind, data = j.control_entry(honour)
+        offset = len(pending) + 1
+        entry = executor._event(record, kind, offset=offset, state=record.state, data=data)
+        return [*pending, entry]
+
+    try:
+        done = await executor._commit_honouring(record, fence, action, entries)
+    except BaseException:
+        executor.outcomes.drop(record.id)  # (whether it was written is not known)
+        raise
+    if done is not None:  # (withdrawn: the success's line waits for its commit)
+        executor.outcomes.settle(record.id)
+    return done
 
 
 async def _failed(
