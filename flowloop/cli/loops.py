@@ -210,14 +210,14 @@ def backfill_command(
         begun = time.monotonic()
         deadline = begun + timeout
         hint_at: float | None = begun + min(UNTAKEN_HINT_SECONDS, timeout / 2)
-        taken = False
+        taken, said = False, ""
         while not finished:
             for event in engine.loop_history(name, limit=1000):
                 if event.seq <= seen:
                     continue
                 seen, taken = event.seq, True
                 if event.kind == "backfill_finished":
-                    finished = True
+                    finished, said = True, str(event.data.get("reason") or "")
                 elif event.data.get("reason") == "backfill" and not as_json:
                     out.print(f"  slot {iso(event.slot)} started")
                 elif event.kind.startswith("iteration_") and not as_json:
@@ -246,4 +246,6 @@ def backfill_command(
     if as_json:
         click.echo(json.dumps({"loop": loop_json(row)}))
     elif wait:
-        out.print(f"loop {row.name}: backfill finished")
+        out.print(
+            f"loop {row.name}: backfill finished" + (f": {said}" if said else ""), markup=False
+        )
