@@ -32,7 +32,7 @@ def loops_command(
     from rich.table import Table
 
     from flowloop.cli import support
-    from flowloop.cli.views import journal_row, loop_json, styled
+    from flowloop.cli.views import journal_row, loop_json, styled, with_operator
     from flowloop.clock import iso
 
     with open_engine(db, synchronous, read=True) as engine:
@@ -76,7 +76,8 @@ def loops_command(
     if events:
         journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
         for event in events:
-            detail = escape(event.error_message or str(event.data.get("reason", "")) or "")
+            reason = event.error_message or str(event.data.get("reason", "")) or ""
+            detail = escape(with_operator(reason, event.worker))
             middle = (iso(event.slot), str(event.count or ""))
             journal_table.add_row(*journal_row(event, middle, detail))
         out.print(journal_table)

@@ -14,6 +14,7 @@ from loopkit_proc import cli
 from flowloop import Engine
 from flowloop.loop_requests import BackfillRequest, LoopRequestRefused
 from flowloop.loops import Iteration, Loop
+from flowloop.operations import _user
 from flowloop.store.loops import LoopEvent, LoopRow
 
 HOUR = 3600.0
@@ -227,6 +228,12 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         assert message in refused.stderr and "Traceback" not in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
     cli("stop", "nightly", db=db)
+    [stopped] = [
+        line
+        for line in cli("loops", "nightly", db=db).stdout.splitlines()
+        if "loop_stopped" in line
+    ]
+    assert f"by {_user()}" in stopped  # the entry an operator wrote says who (ops audit)
     refused = cli("pause", "nightly", db=db, check=False)  # it said "run 'nightly' is …"
     assert refused.returncode == 2
     assert refused.stderr.strip() == "error: loop 'nightly' is stopped: cannot pause it"
