@@ -249,7 +249,10 @@ def stats_command(
 @click.option(
     "--keep-failed",
     is_flag=True,
-    help="Keep failed runs (and failed loop iterations) whatever their age.",
+    help=(
+        "Keep failed runs (and failed loop iterations) whatever their age, and the parents "
+        "of the failed children."
+    ),
 )
 @click.option(
     "--loops/--no-loops",
