@@ -6,7 +6,9 @@ What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``pau
 runs that finished at or after the cutoff, the finished descendants of a run that stays
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
 every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
-run with no parent left and its finished descendants. A run is deleted
+run with no parent left and its finished descendants — only when none of its descendants
+stays (a run kept keeps its parent, at any depth: it never names a parent that is gone).
+A run is deleted
 only if it is still finished and old when its batch deletes it and its parent is gone (a
 root, or deleted before it: a family goes top down, a generation per statement, and once a
 run is gone nobody can retry it): the DELETE re-checks both, so an operator's retry racing
@@ -111,6 +113,27 @@ def _family(roots: Any, kinds: Sequence[str], cutoff: float) -> Any:
     )
 
 
+def _held_by_below(roots: Any, kinds: Sequence[str], cutoff: float) -> Any:
+    """The runs of ``roots`` (a select of run ids, or a list) with a descendant, at any
+    depth, that stays — live, finished at or after ``cutoff``, or failed and kept: such a
+    run stays too, so a run kept never names a parent that is gone (a failed map child
+    ``--keep-failed`` kept lost its parent: `flowloop status` named a run that no longer
+    existed, the dashboard linked to a 404)."""
+    top = runs.alias("below_top")
+    tree = select(top.c.id, top.c.id.label("root")).where(top.c.id.in_(roots))
+    tree_cte = tree.cte("below", recursive=True)
+    child = runs.alias("below_child")
+    tree_cte = tree_cte.union_all(
+        select(child.c.id, tree_cte.c.root).where(child.c.parent_id == tree_cte.c.id)
+    )
+    staying = runs.alias("staying")
+    return (
+        select(tree_cte.c.root)
+        .join(staying, staying.c.id == tree_cte.c.id)
+        .where(~_finished_before(staying, kinds, cutoff))
+    )
+
+
 def prune(
     db: Engine,
     *,
@@ -133,7 +156,7 @@ def prune(
     after = ""
     while True:
         with reading(db) as reader:
-            roots = list(
+            candidates = list(
                 reader.execute(
                     select(runs.c.id)
                     .where(runs.c.id > after, _root(kinds, cutoff))
@@ -141,9 +164,13 @@ def prune(
                     .limit(batch)
                 ).scalars()
             )
-            if not roots:
+            if not candidates:
                 break
-            after = roots[-1]
+            after = candidates[-1]
+            held = set(reader.execute(_held_by_below(candidates, kinds, cutoff)).scalars())
+            roots = [run_id for run_id in candidates if run_id not in held]
+            if not roots:
+                continue
             family = _family(roots, kinds, cutoff)
             # The roots first, then down, a generation per DELETE: once a run is gone nobody
             # can retry it, and a run goes only once its parent has (one retried meanwhile
@@ -290,7 +317,8 @@ def _prune_loop_journal(
 def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
-    roots = select(runs.c.id).where(_root(kinds, result.cutoff))
+    candidates = select(runs.c.id).where(_root(kinds, result.cutoff))
+    roots = candidates.where(runs.c.id.not_in(_held_by_below(candidates, kinds, result.cutoff)))
     old = select(_family(roots, kinds, result.cutoff).c.id)
     with reading(db) as conn:
         result.runs = int(

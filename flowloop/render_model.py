@@ -362,10 +362,11 @@ def _step_tooltip(spec: StepSpec, *, cyclic: bool) -> str:
     if retry.attempts == 1:
         retry_text = "none (1 attempt)"
     else:
-        retry_text = (
-            f"{retry.attempts} attempts, {retry.backoff} backoff "
-            f"{retry.base_seconds:g}s..{retry.cap_seconds:g}s"
-        )
+        # A fixed backoff (or one retry, or a cap at the base) waits one time, not a range.
+        first, cap = min(retry.base_seconds, retry.cap_seconds), retry.cap_seconds
+        one = retry.backoff == "fixed" or retry.attempts == 2 or first >= cap
+        waits = f"{first:g}s" if one else f"{first:g}s..{cap:g}s"
+        retry_text = f"{retry.attempts} attempts, {retry.backoff} backoff {waits}"
         if retry.jitter:
             retry_text += f" ±{retry.jitter:.0%}"
         retry_text += " on " + ", ".join(error.__name__ for error in retry.on)

@@ -34,7 +34,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
-from flowloop.loop_requests import MANUAL, TRIGGER, manual_firing
+from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 from flowloop.store.outage import is_outage
@@ -458,12 +458,13 @@ class Scheduler:
                 self._waiting.append(row.name)
             return
         firing = manual_firing(self.store, loop, row, now)
-        if firing is None:
+        if isinstance(firing, BackfillEnd):
             self._operator_write(
                 row,
                 "backfill_finished",
                 {"control": None},
-                data={"reason": "every slot of the range has run"},
+                count=firing.ran,
+                data={"reason": firing.reason},
             )
             return
         slot, reason = firing

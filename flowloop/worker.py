@@ -166,7 +166,7 @@ class Worker:
         metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
         metrics.track_in_flight(lambda: executor.busy)
         if isinstance(store, AdmissionStoreMixin):
-            backpressure_metrics.track(metrics.registry, store.backpressure_usage)
+            backpressure_metrics.track(metrics.registry, store.backpressure_usage, names)
         metrics.known(
             {name: list(wf.steps) for name, wf in self.engine.workflows.items()}, self.loops
         )

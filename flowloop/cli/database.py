@@ -16,6 +16,7 @@ from flowloop.cli.common import (
     seconds_option,
     sql_engine,
 )
+from flowloop.errors import FlowloopError
 
 
 @click.group()
@@ -135,6 +136,9 @@ def stats_command(
     with open_engine(db, synchronous, read=True) as engine:
         start = None if window is None else engine.clock.now() - window
         db_engine = sql_engine(engine)
+        unknown = support.unknown_workflow(db_engine, workflow)
+        if unknown:  # a misspelt name is a mistake, not a quiet workflow (exit 2)
+            raise FlowloopError(unknown.removeprefix("; "))
         found = step_stats(db_engine, workflow=workflow, since=start, slowest=slowest)
         whole = run_stats(db_engine, workflow=workflow, since=start)
         looped = [] if workflow else loop_stats(db_engine, since=start)
@@ -151,8 +155,7 @@ def stats_command(
     if not (found or whole or looped):
         out.print(
             f"nothing journaled {'in ' if start is None else ''}{scope}"
-            + (f" for workflow {workflow}" if workflow else "")
-            + support.unknown_workflow(db_engine, workflow),
+            + (f" for workflow {workflow}" if workflow else ""),
             markup=False,
         )
         return
@@ -246,7 +249,10 @@ def stats_command(
 @click.option(
     "--keep-failed",
     is_flag=True,
-    help="Keep failed runs (and failed loop iterations) whatever their age.",
+    help=(
+        "Keep failed runs (and failed loop iterations) whatever their age, and the parents "
+        "of the failed children."
+    ),
 )
 @click.option(
     "--loops/--no-loops",

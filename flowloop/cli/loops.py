@@ -32,7 +32,7 @@ def loops_command(
     from rich.table import Table
 
     from flowloop.cli import support
-    from flowloop.cli.views import journal_row, loop_json, styled
+    from flowloop.cli.views import journal_row, loop_json, styled, with_operator
     from flowloop.clock import iso
 
     with open_engine(db, synchronous, read=True) as engine:
@@ -76,7 +76,8 @@ def loops_command(
     if events:
         journal_table = Table("seq", "at", "event", "slot", "count", "duration", "detail")
         for event in events:
-            detail = escape(event.error_message or str(event.data.get("reason", "")) or "")
+            reason = event.error_message or str(event.data.get("reason", "")) or ""
+            detail = escape(with_operator(reason, event.worker))
             middle = (iso(event.slot), str(event.count or ""))
             journal_table.add_row(*journal_row(event, middle, detail))
         out.print(journal_table)
@@ -210,14 +211,14 @@ def backfill_command(
         begun = time.monotonic()
         deadline = begun + timeout
         hint_at: float | None = begun + min(UNTAKEN_HINT_SECONDS, timeout / 2)
-        taken = False
+        taken, said = False, ""
         while not finished:
             for event in engine.loop_history(name, limit=1000):
                 if event.seq <= seen:
                     continue
                 seen, taken = event.seq, True
                 if event.kind == "backfill_finished":
-                    finished = True
+                    finished, said = True, str(event.data.get("reason") or "")
                 elif event.data.get("reason") == "backfill" and not as_json:
                     out.print(f"  slot {iso(event.slot)} started")
                 elif event.kind.startswith("iteration_") and not as_json:
@@ -246,4 +247,6 @@ def backfill_command(
     if as_json:
         click.echo(json.dumps({"loop": loop_json(row)}))
     elif wait:
-        out.print(f"loop {row.name}: backfill finished")
+        out.print(
+            f"loop {row.name}: backfill finished" + (f": {said}" if said else ""), markup=False
+        )

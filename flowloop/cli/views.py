@@ -141,7 +141,35 @@ def describe_event(event: JournalEvent) -> str:
         return f"from {event.state} by {event.data.get('by')}" + (
             f", set {json.dumps(event.data['set'])}" if event.data.get("set") else ""
         )
-    return str(event.data.get("reason", "")) if event.data else ""
+    if event.kind == j.RUN_MIGRATED:
+        return _migrated(event)
+    return with_operator(str(event.data.get("reason", "")) if event.data else "", event.worker)
+
+
+OPERATOR: Final = "operator:"
+"""How an operator's entry names its writer (``worker``): ``operator:<user>``."""
+
+
+def with_operator(detail: str, worker: str | None) -> str:
+    """An entry's detail, and who wrote it when an operator did (a pause, an unpause, a
+    stop: ``by root``, as the dashboard shows it)."""
+    if worker is None or not worker.startswith(OPERATOR):
+        return detail
+    by = f"by {worker.removeprefix(OPERATOR)}"
+    return f"{detail}, {by}" if detail else by
+
+
+def _migrated(event: JournalEvent) -> str:
+    """``v1 → v2, review → triage, by root`` (the state moved to is the entry's own)."""
+    data = event.data
+    before, after = data.get("from_state"), event.state
+    moved = (
+        f"{before} → {after}" + (" (renamed)" if data.get("renamed") else "")
+        if before is not None and before != after
+        else f"in {after}"
+    )
+    by = f", by {data['by']}" if data.get("by") else ""
+    return f"v{data.get('from', '?')} → v{data.get('to', '?')}, {moved}{by}"
 
 
 def journal_row(

@@ -4,7 +4,7 @@ a real database (a clock the test moves), and the CLI that asks for them and sho
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -14,9 +14,13 @@ from loopkit_proc import cli
 from flowloop import Engine
 from flowloop.loop_requests import BackfillRequest, LoopRequestRefused
 from flowloop.loops import Iteration, Loop
+from flowloop.operations import _user
 from flowloop.store.loops import LoopEvent, LoopRow
 
 HOUR = 3600.0
+PAST = T0 - 1000 * 24 * HOUR
+"""A base for the tests whose CLI reads the wall clock (T0 is in 2027): a backfill of a
+range in the future is refused."""
 
 
 def started(events: list[LoopEvent], reason: str | None = None) -> list[float]:
@@ -119,6 +123,54 @@ def test_backfill__runs_the_missed_slots_once_each_oldest_first(tmp_path: Path) 
     asyncio.run(main())
 
 
+def test_backfill__a_future_range_is_refused_and_a_partly_future_one_says_what_is_left(
+    store_url: str,
+) -> None:
+    """A backfill of a range in the future was taken, then journaled ``backfill_finished``
+    "every slot of the range has run" with nothing run (ops audit): refused when asked for,
+    nothing written. A range partly in the future, or cut by ``--max``, ends with a reason
+    that says what of the range did not run; the entry counts the slots the backfill ran."""
+
+    async def main() -> None:
+        clock = SteppedClock()
+        hourly = Loop("hourly_f", lambda it: None, every=HOUR, misfire_grace=60)
+        async with LoopHarness(store_url, [hourly], clock=clock) as h:
+            await drive(clock, HOUR + 1, step=60)  # slots 0 and 1h run
+        clock.advance(4 * HOUR)  # down: 2h, 3h, 4h, 5h pass
+        async with LoopHarness(store_url, [hourly], clock=clock) as h:
+            await drive(clock, 60, step=10)  # 2h-4h missed; 5h fires
+            seq = h.row("hourly_f").last_seq
+            future = clock.now() + 1
+            with pytest.raises(LoopRequestRefused, match=r"--from .* is in the future: future"):
+                h.engine.backfill_loop("hourly_f", BackfillRequest(future, future + 10))
+            row = h.row("hourly_f")
+            assert (row.control, row.last_seq) == (None, seq)  # nothing asked, nothing written
+            h.engine.backfill_loop("hourly_f", BackfillRequest(T0, T0 + 8 * HOUR, 2))
+            await drive(clock, 10)
+            end = h.journal("hourly_f")[-1]
+            assert started(h.journal("hourly_f"), "backfill") == [2 * HOUR, 3 * HOUR]
+            assert (end.kind, end.count) == ("backfill_finished", 2)
+            assert end.data["reason"] == (
+                "--max 2 reached: 1 slot of the range not run (backfill again); "
+                "3 slots later left to the schedule"
+            )
+            h.engine.backfill_loop("hourly_f", BackfillRequest(T0, T0 + 8 * HOUR))
+            await drive(clock, 10)
+            end = h.journal("hourly_f")[-1]
+            assert started(h.journal("hourly_f"), "backfill") == [2 * HOUR, 3 * HOUR, 4 * HOUR]
+            assert (end.kind, end.count) == ("backfill_finished", 1)
+            assert end.data["reason"] == (
+                "every due slot of the range has run; 3 slots later left to the schedule"
+            )
+            h.engine.backfill_loop("hourly_f", BackfillRequest(T0, T0 + 4 * HOUR))
+            await drive(clock, 3)
+            end = h.journal("hourly_f")[-1]
+            assert (end.kind, end.count) == ("backfill_finished", 0)
+            assert end.data["reason"] == "every slot of the range has run"
+
+    asyncio.run(main())
+
+
 def test_manual_cli__trigger_and_backfill_journaled_and_shown(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -127,11 +179,12 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
     monkeypatch.setenv("COLUMNS", "200")  # the journal table on one line per entry
     db = tmp_path / "loops.db"
     url = f"sqlite:///{db}"
-    start = datetime.fromtimestamp(T0, UTC).isoformat()
-    end = datetime.fromtimestamp(T0 + 2 * HOUR, UTC).replace(tzinfo=None).isoformat()
+    start = datetime.fromtimestamp(PAST, UTC).isoformat()
+    end = datetime.fromtimestamp(PAST + 2 * HOUR, UTC).replace(tzinfo=None).isoformat()
+    future = (datetime.now(UTC) + timedelta(days=1)).isoformat()
 
     async def work(seconds: float) -> None:
-        clock = SteppedClock(T0 + 3 * HOUR + 30)
+        clock = SteppedClock(PAST + 3 * HOUR + 30)
         daily = Loop("nightly", lambda it: None, every=HOUR, misfire_grace=60)
         async with LoopHarness(url, [daily], clock=clock):
             await drive(clock, seconds)
@@ -152,7 +205,7 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         events = engine.loop_history("nightly")
     # The loop's chain runs through its first slot (T0 + 3h 30s): 30 s past each hour.
     backfilled = [e.slot for e in events if e.data.get("reason") == "backfill"]
-    assert backfilled == [T0 + 30, T0 + HOUR + 30]
+    assert backfilled == [PAST + 30, PAST + HOUR + 30]
     asked = cli("trigger", "nightly", db=db)
     withdrawn = cli("trigger", "nightly", "--withdraw", db=db)
     assert withdrawn.stdout.strip() == "loop nightly: trigger withdrawn; the schedule goes on"
@@ -168,12 +221,19 @@ def test_manual_cli__trigger_and_backfill_journaled_and_shown(
         ),
         (("backfill", "nightly", "--from", "yesterday", "--to", end), "is not an ISO 8601"),
         (("backfill", "nightly", "--from", end, "--to", start), "--to is before --from"),
+        (("backfill", "nightly", "--from", future, "--to", future), "is in the future: future"),
     ]:
         refused = cli(*args, db=db, check=False)
         assert refused.returncode == 2, refused.stderr
         assert message in refused.stderr and "Traceback" not in refused.stderr
         assert len(refused.stderr.strip().splitlines()) == 1
     cli("stop", "nightly", db=db)
+    [stopped] = [
+        line
+        for line in cli("loops", "nightly", db=db).stdout.splitlines()
+        if "loop_stopped" in line
+    ]
+    assert f"by {_user()}" in stopped  # the entry an operator wrote says who (ops audit)
     refused = cli("pause", "nightly", db=db, check=False)  # it said "run 'nightly' is …"
     assert refused.returncode == 2
     assert refused.stderr.strip() == "error: loop 'nightly' is stopped: cannot pause it"
@@ -184,11 +244,11 @@ def test_backfill_wait_with_no_worker_says_so(tmp_path: Path) -> None:
     until its timeout (new-user audit): it asks whether a worker runs the loop."""
     db = tmp_path / "loops.db"
     url = f"sqlite:///{db}"
-    start = datetime.fromtimestamp(T0, UTC).isoformat()
-    end = datetime.fromtimestamp(T0 + 2 * HOUR, UTC).isoformat()
+    start = datetime.fromtimestamp(PAST, UTC).isoformat()
+    end = datetime.fromtimestamp(PAST + 2 * HOUR, UTC).isoformat()
 
     async def register() -> None:
-        clock = SteppedClock(T0 + 3 * HOUR + 30)
+        clock = SteppedClock(PAST + 3 * HOUR + 30)
         async with LoopHarness(url, [Loop("lonely", lambda it: None, every=HOUR)], clock=clock):
             await drive(clock, 1)
 

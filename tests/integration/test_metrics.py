@@ -337,3 +337,27 @@ def test_metrics__every_known_series_exists_at_zero_before_any_run(sqlite_url: s
     )
     # No `_created` series: they double the output and no rule uses them.
     assert not [name for name, _ in samples if name.endswith("_created")]
+
+
+def test_metrics__backpressure_series_exist_at_zero_for_every_known_workflow(
+    store_url: str,
+) -> None:
+    """flowloop_runs_queued and flowloop_inbox_kept* were absent from a scrape while zero
+    (the database counts only workflows with something queued or kept), unlike every other
+    per-workflow series (ops audit): present at 0 from the first scrape."""
+    clock = FakeClock(T0)
+    with Engine(store_url, clock=clock, poll_seconds=0.05) as engine:
+        engine.register(metered(clock))
+
+        async def body(worker: Worker) -> Samples:
+            assert worker.metrics_bound is not None
+            return await asyncio.to_thread(scrape, worker.metrics_bound)
+
+        samples = asyncio.run(run_worker(Worker(engine, grace=1.0, metrics_port=0), body))
+
+    mine = frozenset({"workflow": "metered"}.items())
+    for name in ("flowloop_runs_queued", "flowloop_inbox_kept", "flowloop_inbox_kept_max"):
+        assert samples.get((name, mine)) == 0.0, (name, sorted(n for n, _ in samples))
+    for what in ("event", "run"):
+        labels = frozenset({"workflow": "metered", "what": what}.items())
+        assert samples.get(("flowloop_backpressure_dropped_total", labels)) == 0.0

@@ -287,8 +287,9 @@ def test_prune__a_join_row_a_live_child_still_reports_to_stays_until_it_ended(
     engine: Engine, clock: FakeClock
 ) -> None:
     """A parent stopped while its child is held by a worker that then died: the child only
-    gets a stop request, and the parent can be pruned long before the child ends. The join
-    row the child updates at its end stays; the prune after that end removes it."""
+    gets a stop request. The parent stays while the child is live (a run kept keeps its
+    parent), then goes with it. A parent gone before (an earlier flowloop's prune): the
+    join row the child updates at its end stays; the prune after that end removes it."""
     wf = parcels(boxing())
     engine.register(wf)
     started = engine.start(wf, {"boxes": []})
@@ -311,7 +312,14 @@ def test_prune__a_join_row_a_live_child_still_reports_to_stays_until_it_ended(
     clock.advance(40 * DAY)
 
     kept = prune(db_of(engine), cutoff=clock.now() - 30 * DAY)
-    assert (kept.runs, kept.joins) == (1, 0)
+    assert (kept.runs, kept.joins) == (0, 0)
+    assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, dry_run=True).runs == 0
+    from flowloop.prune import PruneResult
+
+    gone = PruneResult(cutoff=clock.now() - 30 * DAY)
+    with db_of(engine).begin() as conn:  # as a prune that kept no parent did
+        _delete_runs(conn, [started.id], ("succeeded", "failed", "stopped"), gone.cutoff, gone)
+    assert (gone.runs, gone.joins) == (1, 0)
     assert count(engine, joins) == 1
 
     store.expire_leases(["gone"])  # as the database's clock would, a minute on
@@ -418,6 +426,66 @@ def test_prune__the_children_of_a_failed_parent_kept_stay_with_it(
     assert (done.status, done.context.packed, seen) == ("succeeded", 3, [3, 3])  # type: ignore[attr-defined]
     clock.advance(40 * DAY)
     assert prune(db_of(engine), cutoff=clock.now() - 30 * DAY, keep_failed=True).runs == 1 + 3
+
+
+def test_prune__a_failed_child_kept_keeps_its_parent_at_any_depth(
+    engine: Engine, clock: FakeClock
+) -> None:
+    """``--keep-failed`` kept a failed map child and deleted its parent (the map tolerated
+    the failure and succeeded): `flowloop status CHILD` named a parent that no longer
+    existed and the dashboard linked to a 404 (ops audit). A run kept keeps its parent, and
+    theirs; without --keep-failed the family goes together."""
+    box = Workflow("tolerant_box", context=Box)
+
+    @box.step(initial=True, next="boxed", retry=Retry(attempts=1))
+    def pack(ctx: Box) -> None:
+        if ctx.n < 0:
+            raise ValueError("cannot pack")
+
+    box.final("boxed")
+    middle = Workflow("tolerant_middle", context=Parcel)
+    middle.map(
+        "rest",
+        child=box,
+        items=lambda ctx: ctx.boxes,
+        context=lambda ctx, item: Box(n=item),
+        on={"done": "packed", "failed": "packed"},
+        tolerate_failures=1,
+        initial=True,
+    )
+    middle.final("packed")
+    top = Workflow("tolerant_top", context=Groups)
+    top.map(
+        "each",
+        child=middle,
+        items=lambda ctx: ctx.groups,
+        context=lambda ctx, group: Parcel(boxes=group),
+        on={"done": "done", "failed": "done"},
+        initial=True,
+    )
+    top.final("done")
+    engine.register(top, middle, box)
+    root = engine.start(top, Groups(groups=[[1, -1], [2]])).id
+    plain = engine.run(middle, Parcel(boxes=[3])).id  # nothing failed: it goes
+    engine.run_until_idle(idle_horizon=0)
+    assert engine.get(root).status == "succeeded"
+    (failed,) = [r.id for r in engine.runs(workflow="tolerant_box") if r.status == "failed"]
+    chain = [failed]
+    while (parent := engine.store.parent_of(chain[-1])) is not None:  # type: ignore[attr-defined]
+        chain.append(parent)
+    assert len(chain) == 3 and chain[-1] == root
+    total = count(engine, runs)
+    clock.advance(40 * DAY)
+
+    cutoff = clock.now() - 30 * DAY
+    planned = prune(db_of(engine), cutoff=cutoff, keep_failed=True, dry_run=True)
+    result = prune(db_of(engine), cutoff=cutoff, keep_failed=True, batch=1)
+    assert result.runs == planned.runs == 2  # the plain map and its child
+    kept = set(sa_column(engine, runs.c.id))
+    assert set(chain) <= kept and plain not in kept and len(kept) == total - 2
+    # Each kept run's parent is there: none names a run that is gone.
+    assert set(sa_column(engine, runs.c.parent_id)) - {None} <= kept
+    assert prune(db_of(engine), cutoff=cutoff).runs == total - 2
 
 
 class Groups(BaseModel):

@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
+from flowloop.cli import main
 from flowloop.stats import OUTCOME_KINDS, StateStats, loop_stats, run_stats, step_stats
 from flowloop.store import SQLStore
 from flowloop.store.schema import journal, loop_journal, runs
@@ -191,6 +192,33 @@ def test_step_stats__empty_journal_and_unknown_workflow(engine: Engine) -> None:
     assert step_stats(db_of(engine)) == []
     insert_history(engine, rows=10, seed=3)
     assert step_stats(db_of(engine), workflow="nope") == []
+
+
+def flowloop_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """The CLI's entry point in this process (FlowloopError to one line and its exit code):
+    the exit code, stdout, stderr."""
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as exit_:
+        code = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_stats_cli__an_unknown_workflow_is_a_mistake_exit_2(
+    engine: Engine, store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flowloop stats nosuch` said the database had no such workflow, and exited 0 (ops
+    audit): a misspelt name is refused, one line, exit 2, as other usage errors are — with
+    --json too."""
+    engine.run(timed_workflow(FakeClock(T0)), Timed(seconds=1))
+    for extra in ([], ["--json"]):
+        code, out, err = flowloop_cli(capsys, "stats", "nosuch", *extra, "--db", store_url)
+        assert (code, out) == (2, "")
+        assert err.splitlines() == ["error: this database has no workflow 'nosuch' (known: timed)"]
+    code, out, _ = flowloop_cli(capsys, "stats", "timed", "--since", "all", "--db", store_url)
+    assert code == 0 and "timed" in out
 
 
 def test_step_stats__json_shape(engine: Engine, clock: FakeClock) -> None:

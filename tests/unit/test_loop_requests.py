@@ -7,8 +7,14 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from flowloop.loop_requests import BACKFILL_MAX_LIMIT, BackfillRequest, LoopRequestRefused
+from flowloop.loop_requests import (
+    BACKFILL_MAX_LIMIT,
+    BackfillRequest,
+    LoopRequestRefused,
+    finished_reason,
+)
 from flowloop.loop_requests import first_unstarted as first
+from flowloop.loop_requests import slots_left as left
 from flowloop.loops import Iteration, Loop
 
 T0 = 1_800_000_000.0
@@ -78,3 +84,36 @@ def test_backfill_request__bad_range_is_refused(args: tuple[float, ...], message
 def test_backfill_request__round_trips_through_json() -> None:
     request = BackfillRequest(T0, T0 + 60, 5, T0 + 1)
     assert BackfillRequest.from_json(request.to_json()) == request
+
+
+def test_slots_left__due_never_started_and_later_ones_up_to_end_at() -> None:
+    hourly = Loop("h", tick, every=3600, end_at=T0 + 4 * 3600)
+    request = BackfillRequest(T0, T0 + 10 * 3600)
+    now = T0 + 3600 + 1
+    assert left(hourly, request, now=now, started=[]) == (2, 2)  # 0h, 1h; 2h, 3h (4h ends)
+    assert left(hourly, request, now=now, started=[T0, T0 + 3600]) == (0, 2)
+    many = Loop("m", tick, every=1)
+    assert left(many, BackfillRequest(T0, T0 + 10**6), now=T0, started=[]) == (
+        1,
+        BACKFILL_MAX_LIMIT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("counts", "reason"),
+    [
+        ((3, 5, 0, 0), "every slot of the range has run"),
+        ((3, 5, 0, 2), "every due slot of the range has run; 2 slots later left to the schedule"),
+        ((5, 5, 0, 1), "every due slot of the range has run; 1 slot later left to the schedule"),
+        ((5, 5, 1, 0), "--max 5 reached: 1 slot of the range not run (backfill again)"),
+        (
+            (5, 5, 2, BACKFILL_MAX_LIMIT),
+            "--max 5 reached: 2 slots of the range not run (backfill again); "
+            f"{BACKFILL_MAX_LIMIT} or more slots later left to the schedule",
+        ),
+    ],
+)
+def test_finished_reason__never_says_every_slot_ran_when_some_did_not(
+    counts: tuple[int, int, int, int], reason: str
+) -> None:
+    assert finished_reason(*counts) == reason

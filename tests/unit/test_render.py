@@ -102,6 +102,25 @@ def test_workflow_model__step_settings_compact_and_in_tooltip() -> None:
     assert model.node("delivered").settings == ""
 
 
+@pytest.mark.parametrize(
+    ("retry", "said"),
+    [
+        (Retry(backoff="fixed", base=60), "3 attempts, fixed backoff 60s on Exception"),
+        (Retry(backoff="fixed", base=5, cap=0), "3 attempts, fixed backoff 0s on Exception"),
+        (Retry(attempts=4, base=1, cap=30), "4 attempts, exponential backoff 1s..30s on"),
+        (Retry(attempts=4, backoff="linear", base=2, cap=2), "4 attempts, linear backoff 2s on"),
+        (Retry(attempts=2, base=1), "2 attempts, exponential backoff 1s on"),
+    ],
+)
+def test_workflow_model__retry_tooltip_says_the_waits_it_makes(retry: Retry, said: str) -> None:
+    """A fixed backoff of 60 s read "fixed backoff 60s..300s" (ops audit): it always waits
+    60 s. One wait (a fixed backoff, a single retry, a cap at the base) is one time."""
+    wf = Workflow("waits", context=Ctx)
+    wf.step(name="a", initial=True, next="end", retry=retry)(lambda ctx: None)
+    wf.final("end")
+    assert f"retry: {said}" in render.workflow_model(wf).node("a").tooltip
+
+
 def test_workflow_model__cyclic_states_show_max_visits() -> None:
     model = render.workflow_model(polling(max_visits=4))
     assert {n.name for n in model.nodes if n.cyclic} == {"poll", "wait_a_bit"}
