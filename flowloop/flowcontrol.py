@@ -16,6 +16,14 @@ state and the time, what the new state is. They import neither sqlalchemy nor as
   rescheduled to the end of the cool-down, or fail at once with ``when_open="fail"``);
   after the cool-down one call is let through as a trial: success closes the breaker,
   failure opens it for another cool-down.
+
+The trial is one call, named by its run and the seq of its ``step_started``
+(:func:`call_id`), stored with the half-open state: only that call's outcome closes or
+reopens the breaker — the outcome of a call let through before the breaker opened, ending
+while it is open or half open, changes nothing. While the trial still runs (its run holds
+its lease and has journaled nothing after the trial's start) no other call goes through,
+however long it takes; once that no longer holds (its worker died and the lease ended,
+its call was cut off), the next call after the cool-down is the trial instead.
 """
 
 from __future__ import annotations
@@ -286,16 +294,32 @@ def take_all(
 BreakerStatus = Literal["closed", "open", "half_open"]
 
 
+def call_id(run_id: str, seq: int) -> str:
+    """The name of one call of a step: its run and the seq of its ``step_started``."""
+    return f"{run_id}:{seq}"
+
+
+def parse_call(call: str | None) -> tuple[str, int] | None:
+    """``(run id, seq)`` of a :func:`call_id`; ``None`` for anything else (a trial stored
+    by an earlier version named its worker)."""
+    run_id, _, seq = (call or "").rpartition(":")
+    if not run_id or not seq.isdigit():
+        return None
+    return run_id, int(seq)
+
+
 @dataclass(frozen=True)
 class BreakerState:
     """A breaker's stored state. ``until``: open — end of the cool-down; half open — when
-    the trial call is given up on (its worker died) and another may try."""
+    to look whether the trial still runs (the cool-down after it began, then every
+    :data:`HALF_OPEN_RECHECK` seconds while it does): before, every other call is refused
+    without a look."""
 
     status: BreakerStatus = "closed"
     failures: tuple[float, ...] = ()
     until: float | None = None
     trial: str | None = None
-    """The worker holding the trial call while half open."""
+    """The trial call while half open (:func:`call_id`)."""
 
 
 @dataclass(frozen=True)
@@ -311,22 +335,42 @@ class Admission:
     """A transition to journal (``half_opened``), else ``None``."""
 
 
-def admit(breaker: Breaker, state: BreakerState, now: float, worker: str) -> Admission:
+def admit(
+    breaker: Breaker, state: BreakerState, now: float, call: str, trial_runs: bool = False
+) -> Admission:
+    """May ``call`` (:func:`call_id`) be made now? ``trial_runs``: half open past
+    ``until``, whether the trial still runs (its run holds its lease and has journaled
+    nothing since the trial's ``step_started``)."""
     if state.status == "closed":
         return Admission(True, state=state)
+    if state.status == "half_open" and state.trial == call:
+        # The trial again: its step_started was never written (the same run and seq).
+        return Admission(True, trial=True, state=state)
     assert state.until is not None
     if now < state.until:
         # Open: back at the end of the cool-down. Half open: soon, to learn how the trial went.
         due = state.until if state.status == "open" else min(state.until, now + HALF_OPEN_RECHECK)
         return Admission(False, due=due, state=state)
-    # Cool-down over (or the trial's worker went silent): this call is the trial.
-    trial = BreakerState("half_open", (), now + breaker.cool_down_s, worker)
+    if state.status == "half_open" and trial_runs:
+        # The trial outlasts the cool-down and still runs: nobody else goes through; the
+        # next to ask after a while looks again.
+        later = BreakerState("half_open", (), now + HALF_OPEN_RECHECK, state.trial)
+        return Admission(False, due=later.until, state=later)
+    # Cool-down over (or the trial no longer runs: its worker died, it was cut off): this
+    # call is the trial.
+    trial = BreakerState("half_open", (), now + breaker.cool_down_s, call)
     return Admission(True, trial=True, state=trial, change="half_opened")
 
 
-def failed(breaker: Breaker, state: BreakerState, now: float) -> tuple[BreakerState, str | None]:
-    """The state after a failed call, and ``"opened"`` when this failure opens it."""
+def failed(
+    breaker: Breaker, state: BreakerState, now: float, call: str | None
+) -> tuple[BreakerState, str | None]:
+    """The state after ``call`` failed (``None``: a call not named), and ``"opened"`` when
+    this failure opens it. Counted while closed; while open or half open only the trial's
+    failure changes anything (a call let through before it opened is ending)."""
     if state.status == "half_open":
+        if call is None or call != state.trial:
+            return state, None
         return BreakerState("open", (), now + breaker.cool_down_s), "opened"
     if state.status == "open":
         return state, None  # a call let through before it opened, ending now
@@ -336,8 +380,9 @@ def failed(breaker: Breaker, state: BreakerState, now: float) -> tuple[BreakerSt
     return BreakerState("closed", recent[-breaker.failures :]), None
 
 
-def succeeded(state: BreakerState, worker: str) -> tuple[BreakerState, str | None]:
-    """The state after a successful call: a trial's success closes the breaker."""
-    if state.status == "half_open" and state.trial == worker:
+def succeeded(state: BreakerState, call: str | None) -> tuple[BreakerState, str | None]:
+    """The state after ``call`` succeeded: the trial's success closes the breaker; any
+    other call's changes nothing."""
+    if state.status == "half_open" and call is not None and state.trial == call:
         return BreakerState("closed"), "closed"
     return state, None

@@ -10,7 +10,9 @@ or thread held; a breaker declared ``when_open="fail"`` fails the run instead
 
 Breakers count the failures of the calls behind them, whichever worker made them; opening,
 the trial after the cool-down (``half_opened``) and closing are journaled in the breaker's
-own journal and told to :attr:`Gates.changed` (the worker raises alerts and metrics).
+own journal and told to :attr:`Gates.changed` (the worker raises alerts and metrics). The
+trial is one call, named by its run and the seq of its ``step_started``: only its outcome
+closes or reopens the breaker (flowloop/flowcontrol.py says when another replaces it).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, Final
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.definition import StepSpec, Workflow
-from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit, admit
+from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit, admit, call_id
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Store
 from flowloop.store.limits import ClaimLimits
@@ -98,6 +100,11 @@ def gated(workflow: Workflow, spec: StepSpec) -> bool:
     )
 
 
+def _call(record: RunRecord) -> str:
+    """The call a check of ``record`` admits: its next entry is the ``step_started``."""
+    return call_id(record.id, record.last_seq + 1)
+
+
 def _queued(reason: str | None) -> set[str]:
     if reason is None or not reason.startswith(RATE_REASON + ":"):
         return set()
@@ -114,6 +121,7 @@ class Gates:
         self.clock = clock
         self.changed: list[Callable[[BreakerChange], None]] = []
         self._trials: set[str] = set()
+        """The trial calls (:func:`~flowloop.flowcontrol.call_id`) this worker was given."""
         self._wakeups: list[float] = []
         self._grants: dict[str, dict[str, Any]] = {}
 
@@ -139,7 +147,7 @@ class Gates:
             if now_state.status == "closed":
                 breaker = None  # the fast path: a closed breaker has nothing to take
             else:
-                look = admit(breaker, now_state, self.store.db_now(), self.worker)
+                look = admit(breaker, now_state, self.store.db_now(), _call(record))
                 if not look.allowed:
                     # Open in its cool-down, or its trial runs elsewhere: refused as seen,
                     # before a token is taken (it would be spent on no call) — and not by
@@ -159,14 +167,15 @@ class Gates:
         return blocked
 
     def _breaker(self, breaker: Breaker, record: RunRecord, state: str) -> JournalEvent | None:
-        answer = self.store.breaker_admit(breaker, self.worker)
+        call = _call(record)
+        answer = self.store.breaker_admit(breaker, self.worker, call)
         if answer.change is not None:
             self._tell(
                 BreakerChange(breaker.name, answer.change, self.worker, until=answer.state.until)
             )
         if answer.allowed:
             if answer.trial:
-                self._trials.add(breaker.name)
+                self._trials.add(call)
             return None
         return self._refused(breaker, record, state, answer.due)
 
@@ -224,23 +233,26 @@ class Gates:
             return horizon
         return min(horizon, self._wakeups[0] - now)
 
-    def called(self, spec: StepSpec, error: BaseException | None) -> None:
-        """After a call of ``spec``'s step: count a failure against its breaker; a trial's
-        outcome closes or reopens it."""
+    def called(self, spec: StepSpec, record: RunRecord, error: BaseException | None) -> None:
+        """After the call of ``spec``'s step that ``record`` started (its last entry is
+        the ``step_started``): count a failure against its breaker; the trial's outcome
+        closes or reopens it — only the trial's: the outcome of a call let through before
+        the breaker opened changes nothing while it is open or half open."""
         breaker = spec.breaker
         if breaker is None:
             return
-        trial = breaker.name in self._trials
-        self._trials.discard(breaker.name)
+        call = call_id(record.id, record.last_seq)
+        trial = call in self._trials
+        self._trials.discard(call)
         try:
             if error is not None:
                 text = f"{type(error).__name__}: {error}"
-                if self.store.breaker_failed(breaker, self.worker, text) == "opened":
+                if self.store.breaker_failed(breaker, self.worker, text, call) == "opened":
                     state = self.store.breaker_state(breaker.name)
                     self._tell(
                         BreakerChange(breaker.name, "opened", self.worker, text, state.until)
                     )
-            elif trial and self.store.breaker_succeeded(breaker, self.worker) == "closed":
+            elif trial and self.store.breaker_succeeded(breaker, self.worker, call) == "closed":
                 self._tell(BreakerChange(breaker.name, "closed", self.worker))
         except Exception as problem:  # the step's own outcome is journaled regardless
             log.warning("breaker %s: could not record a call: %s", breaker.name, problem)

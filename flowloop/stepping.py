@@ -229,11 +229,11 @@ class Stepping:
             if isinstance(error, children.DeadlineCut):
                 moved = await children.past_deadline(self._whole(), workflow, record, fence)
             else:
-                self.gates.called(spec, error)
+                self.gates.called(spec, record, error)
                 moved = await self._failed(workflow, spec, record, fence, error, duration)
             return None if moved is None else (moved, None)
         duration = self.clock.monotonic() - started
-        self.gates.called(spec, None)
+        self.gates.called(spec, record, None)
         self.stats.steps += 1
         self.stats.attempts += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0

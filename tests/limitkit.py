@@ -12,7 +12,9 @@ raised. Workflows:
 * ``paced`` — one step taking ``RateLimit("pace", 20, per=1s)``;
 * ``guarded`` — one step behind ``Breaker("provider", failures=4, cool_down=$LIMIT_COOL)``;
   it raises while ``$LIMIT_FAIL_FLAG`` exists, after waiting (up to 10 s) until two
-  processes have entered it, so the failures come from two workers.
+  processes have entered it, so the failures come from two workers; a run of customer
+  ``hang`` writes ``hang-<pid>`` in the ledger directory and waits while
+  ``$LIMIT_HANG_FLAG`` exists.
 
 Steps sleep ``$LIMIT_STEP_SLEEP`` seconds (default 0.02) except ``paced``.
 """
@@ -77,6 +79,11 @@ def _two_entered(directory: str) -> None:
 
 def charge(ctx: Ctx, step: Step) -> None:
     started = time.time()
+    hang = os.environ.get("LIMIT_HANG_FLAG", "")
+    if ctx.customer == "hang" and hang:
+        open(os.path.join(os.environ["LIMIT_LEDGER_DIR"], f"hang-{os.getpid()}"), "w").close()
+        while os.path.exists(hang):
+            time.sleep(0.05)
     flag = os.environ.get("LIMIT_FAIL_FLAG", "")
     if flag and os.path.exists(flag):
         _two_entered(os.environ["LIMIT_LEDGER_DIR"])

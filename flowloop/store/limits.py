@@ -43,13 +43,14 @@ from flowloop.flowcontrol import (
     RateLimit,
     admit,
     failed,
+    parse_call,
     succeeded,
     take_all,
 )
 from flowloop.lifecycle import LIVE
 from flowloop.store import claims, dialect
 from flowloop.store.base import BreakerRow, NewRun
-from flowloop.store.schema import breaker_journal, breakers, rate_limits, runs
+from flowloop.store.schema import breaker_journal, breakers, journal, rate_limits, runs
 
 UNLIMITED: Final = 1_000_000_000
 LOCK_KEY: Final = "flowloop limited claims"
@@ -374,24 +375,43 @@ class LimitStoreMixin:
             row = conn.execute(select(breakers).where(breakers.c.name == name)).first()
         return BreakerState() if row is None else _state(row)
 
-    def breaker_admit(self, breaker: Breaker, worker: str) -> Admission:
-        """May a step behind ``breaker`` be called now? Opening the trial (half open) is
-        journaled in the same transaction."""
+    def breaker_admit(self, breaker: Breaker, worker: str, call: str) -> Admission:
+        """May ``call`` (:func:`flowloop.flowcontrol.call_id`), a step behind ``breaker``,
+        be made now? Opening the trial (half open) is journaled in the same transaction.
+        Half open past its ``until``, the trial is looked at in that transaction too:
+        while its run holds its lease and has journaled nothing after the trial's start,
+        nobody else goes through."""
         state = self.breaker_state(breaker.name)
         if state.status == "closed":
-            return admit(breaker, state, 0.0, worker)
-        return self._breaker_change(breaker, worker, lambda s, now: _admit(breaker, s, now, worker))
+            return admit(breaker, state, 0.0, call)
 
-    def breaker_failed(self, breaker: Breaker, worker: str, error: str) -> str | None:
-        """Count a failed call; returns ``"opened"`` when it opened the breaker."""
+        def decide(before: BreakerState, now: float, conn: Connection) -> Admission:
+            runs_yet = (
+                before.status == "half_open"
+                and before.until is not None
+                and now >= before.until
+                and _trial_runs(conn, before.trial, now)
+            )
+            return admit(breaker, before, now, call, runs_yet)
+
+        return self._breaker_change(breaker, worker, decide)
+
+    def breaker_failed(
+        self, breaker: Breaker, worker: str, error: str, call: str | None = None
+    ) -> str | None:
+        """Count a failed call (``call``: its :func:`~flowloop.flowcontrol.call_id`, which
+        a half-open breaker's trial has); returns ``"opened"`` when it opened the breaker."""
         answer = self._breaker_change(
-            breaker, worker, lambda s, now: _failed(breaker, s, now), data={"error": error}
+            breaker,
+            worker,
+            lambda s, now, _: _failed(breaker, s, now, call),
+            data={"error": error},
         )
         return answer.change
 
-    def breaker_succeeded(self, breaker: Breaker, worker: str) -> str | None:
-        """A call succeeded; a trial's success closes the breaker (returns ``"closed"``)."""
-        answer = self._breaker_change(breaker, worker, lambda s, now: _succeeded(s, worker))
+    def breaker_succeeded(self, breaker: Breaker, worker: str, call: str) -> str | None:
+        """``call`` succeeded; the trial's success closes the breaker (returns ``"closed"``)."""
+        answer = self._breaker_change(breaker, worker, lambda s, now, _: _succeeded(s, call))
         return answer.change
 
     def _breaker_change(
@@ -407,7 +427,7 @@ class LimitStoreMixin:
             ).one()
             now = float(conn.execute(select(self.now_sql)).scalar_one())
             before = _state(row)
-            answer: Admission = decide(before, now)
+            answer: Admission = decide(before, now, conn)
             after = answer.state
             if after == before:
                 return answer
@@ -423,6 +443,11 @@ class LimitStoreMixin:
                 values["last_seq"] = seq
                 if answer.change == "opened":
                     values["opened"] = breakers.c.opened + 1
+                said: dict[str, Any] = {"until": after.until, "from": before.status}
+                if answer.change == "half_opened":
+                    said["trial"] = after.trial
+                    if before.status == "half_open":
+                        said["given_up"] = before.trial  # no longer running
                 conn.execute(
                     insert(breaker_journal),
                     [
@@ -432,10 +457,7 @@ class LimitStoreMixin:
                             "kind": answer.change,
                             "at": now,
                             "worker": worker,
-                            "data": json.dumps(
-                                {"until": after.until, "from": before.status, **(data or {})},
-                                sort_keys=True,
-                            ),
+                            "data": json.dumps({**said, **(data or {})}, sort_keys=True),
                         }
                     ],
                 )
@@ -477,15 +499,32 @@ def _state(row: Any) -> BreakerState:
     )
 
 
-def _admit(breaker: Breaker, state: BreakerState, now: float, worker: str) -> Admission:
-    return admit(breaker, state, now, worker)
+def _trial_runs(conn: Connection, trial: str | None, now: float) -> bool:
+    """Whether the trial call still runs: its run is held (a lease not ended by the
+    database's clock ``now``) and has journaled nothing after the trial's ``step_started``.
+    Not when its worker died (once the lease ends), its call ended or was cut off, or
+    ``trial`` names no call."""
+    named = parse_call(trial)
+    if named is None:
+        return False
+    run_id, seq = named
+    later = select(journal.c.seq).where(journal.c.run_id == run_id, journal.c.seq > seq).exists()
+    held = conn.execute(
+        select(runs.c.id).where(
+            runs.c.id == run_id,
+            runs.c.owner.is_not(None),
+            runs.c.lease_expires_at >= now,
+            ~later,
+        )
+    ).first()
+    return held is not None
 
 
-def _failed(breaker: Breaker, state: BreakerState, now: float) -> Admission:
-    after, change = failed(breaker, state, now)
+def _failed(breaker: Breaker, state: BreakerState, now: float, call: str | None) -> Admission:
+    after, change = failed(breaker, state, now, call)
     return Admission(True, state=after, change=change)
 
 
-def _succeeded(state: BreakerState, worker: str) -> Admission:
-    after, change = succeeded(state, worker)
+def _succeeded(state: BreakerState, call: str) -> Admission:
+    after, change = succeeded(state, call)
     return Admission(True, state=after, change=change)

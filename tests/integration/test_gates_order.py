@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Workflow
 from flowloop import journal as j
-from flowloop.flowcontrol import Breaker, RateLimit
+from flowloop.flowcontrol import Breaker, RateLimit, call_id
 from flowloop.gates import Gates
 
 rate = RateLimit("one-a-minute", 1, per=timedelta(minutes=1))
@@ -74,7 +74,7 @@ def test_a_run_the_rate_limit_defers_does_not_take_the_breakers_trial(store_url:
             is None
         )
         after = store.breaker_state(provider.name)  # type: ignore[attr-defined]
-        assert (after.status, after.trial) == ("half_open", "w2")
+        assert (after.status, after.trial) == ("half_open", call_id(other.id, other.last_seq + 1))
 
 
 def test_a_run_refused_by_the_breaker_after_its_token_keeps_no_grant(store_url: str) -> None:
@@ -89,7 +89,7 @@ def test_a_run_refused_by_the_breaker_after_its_token_keeps_no_grant(store_url: 
 
         def then_another_worker_takes_the_trial(*args: Any, **kwargs: Any) -> Any:
             taken = take(*args, **kwargs)
-            assert store.breaker_admit(provider, "w9").allowed  # type: ignore[attr-defined]
+            assert store.breaker_admit(provider, "w9", "elsewhere:1").allowed  # type: ignore[attr-defined]
             return taken
 
         store.take_tokens = then_another_worker_takes_the_trial  # type: ignore[attr-defined]

@@ -10,7 +10,16 @@ from pydantic import BaseModel
 
 from flowloop import FakeClock, Workflow
 from flowloop.alerts import breaker_alert
-from flowloop.flowcontrol import Breaker, BreakerState, Bucket, RateLimit, admit, failed, take
+from flowloop.flowcontrol import (
+    Breaker,
+    BreakerState,
+    Bucket,
+    RateLimit,
+    admit,
+    failed,
+    parse_call,
+    take,
+)
 from flowloop.flowcontrol import succeeded as breaker_succeeded
 from flowloop.metrics import Metrics
 
@@ -68,28 +77,67 @@ def test_breaker__opens_after_failures_within_the_window_and_closes_after_a_tria
     clock = FakeClock(start=0.0)
     state = BreakerState()
     for _ in range(2):
-        state, change = failed(breaker, state, clock.now())
+        state, change = failed(breaker, state, clock.now(), None)
         assert change is None
         clock.advance(40)  # the first failure falls out of the 60 s window
-    state, change = failed(breaker, state, clock.now())
+    state, change = failed(breaker, state, clock.now(), "r0:2")
     assert change is None and state.status == "closed"
-    state, change = failed(breaker, state, clock.now())
+    state, change = failed(breaker, state, clock.now(), None)
     assert change == "opened" and state.until == clock.now() + 30
-    refused = admit(breaker, state, clock.now() + 29, "w1")
+    refused = admit(breaker, state, clock.now() + 29, "r1:2")
     assert not refused.allowed and refused.due == state.until
     clock.advance(30)
-    trial = admit(breaker, state, clock.now(), "w1")
+    trial = admit(breaker, state, clock.now(), "r1:2")
     assert trial.allowed and trial.trial and trial.change == "half_opened"
-    # Another worker is refused while the trial runs (asked again within a second).
-    other = admit(breaker, trial.state, clock.now() + 0.1, "w2")
+    assert trial.state.trial == "r1:2"
+    # Another call is refused while the trial runs (asked again within a second).
+    other = admit(breaker, trial.state, clock.now() + 0.1, "r2:4")
     assert not other.allowed and other.due is not None and other.due <= clock.now() + 1.1
-    # Another worker's success does not close it; the trial's does.
-    assert breaker_succeeded(trial.state, "w2") == (trial.state, None)
-    closed, change = breaker_succeeded(trial.state, "w1")
+    # Another call's success does not close it; the trial's does.
+    assert breaker_succeeded(trial.state, "r2:4") == (trial.state, None)
+    closed, change = breaker_succeeded(trial.state, "r1:2")
     assert change == "closed" and closed.status == "closed"
     # A failed trial opens it for another cool-down.
-    reopened, change = failed(breaker, trial.state, clock.now() + 1)
+    reopened, change = failed(breaker, trial.state, clock.now() + 1, "r1:2")
     assert change == "opened" and reopened.until == clock.now() + 31
+
+
+def test_breaker__only_the_trial_call_changes_a_half_open_breaker() -> None:
+    """A call let through before the breaker opened (``stale``), ending while the trial
+    runs, neither closes nor reopens it; the trial's own outcome still does."""
+    breaker = Breaker("pay", failures=1, within=60, cool_down=30)
+    opened, _ = failed(breaker, BreakerState(), 0.0, "a:2")
+    trial = admit(breaker, opened, 30.0, "t:2").state
+    assert (trial.status, trial.trial) == ("half_open", "t:2")
+    for call in ("stale:2", None, "t:1", "t:3"):
+        assert failed(breaker, trial, 31.0, call) == (trial, None)
+        assert breaker_succeeded(trial, call) == (trial, None)
+    # While open, nothing but the cool-down changes it (the old trial's late success too).
+    assert breaker_succeeded(opened, "a:2") == (opened, None)
+    assert failed(breaker, opened, 1.0, "a:2") == (opened, None)
+    assert failed(breaker, trial, 31.0, "t:2")[1] == "opened"
+
+
+def test_breaker__a_trial_that_still_runs_past_the_cool_down_lets_nobody_through() -> None:
+    breaker = Breaker("pay", failures=1, within=60, cool_down=30)
+    opened, _ = failed(breaker, BreakerState(), 0.0, None)
+    trial = admit(breaker, opened, 30.0, "t:2").state
+    assert trial.until == 60.0
+    # Past its own cool-down the trial still runs: refused, looked at again a second later.
+    slow = admit(breaker, trial, 61.0, "o:2", trial_runs=True)
+    assert not slow.allowed and slow.change is None and slow.due == 62.0
+    assert slow.state == BreakerState("half_open", (), 62.0, "t:2")
+    assert not admit(breaker, slow.state, 61.5, "o:2").allowed  # (no look before)
+    # Its run's lease ended (the worker died) or the call ended unseen: the next call is
+    # the trial.
+    again = admit(breaker, slow.state, 62.5, "o:2", trial_runs=False)
+    assert again.allowed and again.trial and again.change == "half_opened"
+    assert again.state == BreakerState("half_open", (), 92.5, "o:2")
+    # The first trial's late outcome changes nothing any more.
+    assert breaker_succeeded(again.state, "t:2") == (again.state, None)
+    # The trial's own call asking again (its step_started was never written) is let through.
+    assert admit(breaker, again.state, 76.0, "o:2").allowed
+    assert parse_call("o:2") == ("o", 2) and parse_call("worker-7") is None
 
 
 class Ctx(BaseModel):
