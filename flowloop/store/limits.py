@@ -15,11 +15,7 @@ unlimited workflows keep the one-statement ``SKIP LOCKED`` claim and take no loc
 Round-robin. Runs of a workflow with a ``concurrency_key`` carry their place in their
 key's queue (``limit_rank``: the key's live runs + 1 when created) and are claimed by it:
 the first run of every key, then the second of every key, … — within one priority. A key
-with 10,000 queued runs gets one slot per round like a key with one. Within a key too the
-place goes before the due time (``ranked``'s ``rn``): a run retried at once, recovered
-after its worker died or deferred is due later than the runs queued after it, and goes
-before them (ranked by due time it went after every one). A run backing off until later
-is not due, so no candidate: its key's next runs go meanwhile.
+with 10,000 queued runs gets one slot per round like a key with one.
 """
 
 from __future__ import annotations
@@ -121,7 +117,7 @@ candidates AS (
 ranked AS (
   SELECT c.id, c.priority, c.next_run_at, c.lr,
          row_number() OVER (
-           PARTITION BY c.limit_key ORDER BY c.priority DESC, c.lr, c.next_run_at, c.id
+           PARTITION BY c.limit_key ORDER BY c.priority DESC, c.next_run_at, c.id
          ) AS rn,
          coalesce(k.n, 0) AS kn
   FROM candidates c LEFT JOIN per_key k ON k.limit_key = c.limit_key

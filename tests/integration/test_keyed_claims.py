@@ -5,11 +5,9 @@ took, and its work does not grow with the queue.
 
 The order the claim keeps (flowloop/store/limits.py): among the first ``p_scan`` due runs
 that are free (nobody holds them, their key is below its limit) by priority, then their
-key's place in its queue, then due time, each key's first in that order go, up to its
-limit (not its earliest due: a run retried or recovered is due later than the runs queued
-after it, tests/integration/test_key_order.py); then by priority, place, that rank, due
-time, up to the claim's limit and the workflow's ``max_concurrency``. :func:`_expected`
-is that order written in Python."""
+key's place in its queue, then due time, each key's earliest go first, up to its limit;
+then by priority, place, that rank, due time, up to the claim's limit and the workflow's
+``max_concurrency``. :func:`_expected` is that order written in Python."""
 
 from __future__ import annotations
 
@@ -86,7 +84,7 @@ def _expected(rows: list[_Run], *, now: float, limit: int, spec: ClaimLimits) ->
     window = window[: claims.window(limit)]
     rank: dict[str, int] = {}
     seen: Counter[str | None] = Counter()
-    for r in sorted(window, key=lambda r: (-r.priority, place(r), due(r), r.id)):
+    for r in sorted(window, key=lambda r: (-r.priority, due(r), r.id)):
         seen[r.limit_key] += 1
         rank[r.id] = seen[r.limit_key]
     passing = [r for r in window if rank[r.id] + per_key[r.limit_key] <= key_limit]
