@@ -1,8 +1,9 @@
 """The testing kit's crash points at a call's or map's fan-out and at the store's admission
 calls: a claim that takes a slot of a workflow's limits (``concurrency_key``), a debounced,
-throttled or bounded start. A sweep (the kit's SQLite files) of a map workflow and of a
-keyed one crashes there and every resumed run ends as the uninterrupted one, no step run
-twice; and a TestEngine on SQLite and PostgreSQL crashes at each of them by number."""
+throttled or bounded start, an event kept under ``max_inbox``. A sweep (the kit's SQLite
+files) of a map workflow and of a keyed one crashes there and every resumed run ends as the
+uninterrupted one, no step run twice; and a TestEngine on SQLite and PostgreSQL crashes at
+each of them by number."""
 
 from __future__ import annotations
 
@@ -156,6 +157,20 @@ def admission_script() -> tuple[list[Workflow], Script, Callable[[TestEngine], o
     return [wf], script, ended
 
 
+def inbox_script() -> tuple[list[Workflow], Script, Callable[[TestEngine], object]]:
+    wf = Workflow("cp_inbox", context=Sync, max_inbox=2)
+    wf.step(name="prep", initial=True, next="hold")(lambda ctx: None)
+    wf.wait("hold", on={"go": "done"})
+    wf.final("done")
+    script: Script = [
+        lambda e: e.start(wf, Sync(rev=1), idempotency_key="inbox"),
+        # Kept for later (the run is not waiting yet), under max_inbox: keep_bounded.
+        lambda e: e.send(e.runs(workflow="cp_inbox")[0].id, "go", buffer=True, dedupe_key="g"),
+        lambda e: e.run_until_idle(),
+    ]
+    return [wf], script, lambda e: [(r.status, r.state) for r in e.runs(workflow="cp_inbox")]
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def databases(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[[], str]]:
     """A new empty database per call: SQLite files, or PostgreSQL schemas (dropped after)."""
@@ -189,6 +204,7 @@ def databases(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callab
         (admission_script, "debounce_start"),
         (admission_script, "throttled_start"),
         (admission_script, "start_bounded"),
+        (inbox_script, "keep_bounded"),
     ],
 )
 def test_crash_at_commit__fan_out_and_admission_points(
