@@ -84,7 +84,8 @@ class Metrics:
 
     Feed it with :meth:`listener` (an executor listener), :meth:`iteration` (a scheduler
     iteration listener) and :meth:`lease_lost`; give it gauges read at scrape time with
-    :meth:`track_queue` and :meth:`track_in_flight`.
+    :meth:`track_queue` and :meth:`track_in_flight`, and the journal's first start of a run
+    with :meth:`track_begins` (``flowloop_runs_started`` counts each run once, there).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
