@@ -2,10 +2,11 @@
 
 * **Debounce** (``engine.start(wf, ctx, key=K, debounce=30)``): a burst of starts with one
   key becomes one run with the last context. The first start creates the run due
-  ``window`` from now; each later start within the window (while that run has not begun
-  its first step) replaces its context and pushes its due time to ``window`` after this
-  start — journaled ``run_debounced`` with the new context, so replay still equals the
-  row. Once the run has begun, the next start with the key opens a new burst (a new run).
+  ``window`` from now; each later start within the window (while that run has not begun:
+  no step started, no call's or map's children, ``journal.BEGINS``) replaces its context
+  and pushes its due time to ``window`` after this start — journaled ``run_debounced``
+  with the new context, so replay still equals the row. Once the run has begun, the next
+  start with the key opens a new burst (a new run).
   A debounced run keeps no business key (bursts recur); its key is in its journal.
 * **Throttle** (``throttle=(n, period)``): at most ``n`` runs started with one key per
   ``period`` (a sliding window of run creation times, counted in the database, so it holds

@@ -100,9 +100,12 @@ class Heat:
 def _of_workflow(db: SQLEngine, workflow: str) -> ColumnElement[bool]:
     """Runs of ``workflow``, as each database plans it best next to a journal window."""
     if db.dialect.name == "sqlite":
-        # Given ``runs.workflow = :w``, SQLite drives the join from the runs index (every
-        # run of the workflow ever, then its journal: 0.5 s at 100k runs, whatever the
-        # window); the expression makes it read the (kind, at) range and look up each run.
+        # Given ``runs.workflow = :w``, SQLite drives the join from the runs' workflow
+        # index (every run of the workflow ever, then its journal: 0.5 s at 100k runs,
+        # whatever the window); the expression, which no index serves, makes it start
+        # from the window's runs (journal_since: ix_flowloop_runs_status_created and
+        # ix_flowloop_runs_updated), read their entries by the journal's key and look up
+        # each run by id. (With no window it scans the journal.)
         return func.coalesce(runs.c.workflow, "") == workflow
     # PostgreSQL misjudges that expression's selectivity (a nested loop over every run,
     # 0.8 s at 100k runs) and plans a hash join for the plain comparison (70 ms).

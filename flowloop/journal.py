@@ -90,6 +90,13 @@ TRANSITIONS: Final = (STEP_SUCCEEDED, EVENT_RECEIVED, CHILDREN_JOINED, DEADLINE_
 ``step_interrupted`` that carries one: an ``on_error`` route)."""
 MOVES_ON: Final = (*TRANSITIONS, STEP_FAILED, STEP_INTERRUPTED)
 """Kinds of the entries that may move a run on: a failure when it names a next state."""
+BEGINS: Final = (STEP_STARTED, CHILDREN_STARTED)
+"""Kinds of the entries a run begins with: its first step's start, or its first call's or
+map's children (both written by an executor). What may come before does not begin it: a
+debounce, a rate limit's or breaker's deferral, a pause, a release, a migration, a passed
+deadline, an event taken (maybe in its sender's process) or a kept one rejected. A
+debounced start merges only into a run that has not begun; ``flowloop_runs_started``
+counts a run at its first."""
 
 
 @dataclass(frozen=True, kw_only=True)

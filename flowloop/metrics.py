@@ -56,6 +56,10 @@ FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
 ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "skipped_idle", "stopped", "cancelled")
 LEASE_KINDS: Final = ("run", "loop")
 TIMEOUT_ERROR: Final = "StepTimeout"
+BEGINS: Final = j.BEGINS
+GONE_ON: Final = frozenset({*BEGINS, j.STEP_SUCCEEDED, j.STEP_FAILED, j.CHILDREN_JOINED})
+"""Kinds of an entry that follows a beginning: a start after one in the same boundary is
+not the run's first."""
 
 
 def step_outcome(event: JournalEvent) -> str | None:
@@ -80,7 +84,8 @@ class Metrics:
 
     Feed it with :meth:`listener` (an executor listener), :meth:`iteration` (a scheduler
     iteration listener) and :meth:`lease_lost`; give it gauges read at scrape time with
-    :meth:`track_queue` and :meth:`track_in_flight`.
+    :meth:`track_queue` and :meth:`track_in_flight`, and the journal's first start of a run
+    with :meth:`track_begins` (``flowloop_runs_started`` counts each run once, there).
     """
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -91,7 +96,9 @@ class Metrics:
         r = self.registry
         self.runs_started = Counter(
             "flowloop_runs_started",
-            "Runs whose first step this worker started.",
+            "Runs that began on this worker: their first step started, or their first call's "
+            "or map's children (each run once, whatever came before: a debounce, a deferral, "
+            "a pause, an event).",
             ["workflow"],
             registry=r,
         )
@@ -188,6 +195,7 @@ class Metrics:
         )
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+        self._first_begin: Callable[[str], int | None] | None = None
 
     def known(self, workflows: Mapping[str, Iterable[str]], loops: Iterable[str]) -> None:
         """Create every labelled series this worker can produce at 0: per workflow (name →
@@ -217,12 +225,8 @@ class Metrics:
     def listener(self, record: RunRecord, events: Sequence[JournalEvent]) -> None:
         """An executor listener: counts what one committed boundary did."""
         workflow = record.workflow
-        for event in events:
-            if event.seq == 2 and event.kind in (
-                j.STEP_STARTED,
-                j.EVENT_RECEIVED,
-                j.EVENT_REJECTED,
-            ):
+        for index, event in enumerate(events):
+            if event.kind in BEGINS and self._begins(events, index):
                 self.runs_started.labels(workflow).inc()
             outcome = step_outcome(event)
             if outcome is None:
@@ -236,10 +240,29 @@ class Metrics:
             # listener), so each run is counted once.
             self.runs_finished.labels(workflow, record.status).inc()
 
-    def run_started(self, workflow: str) -> None:
-        """A run created already claimed by this worker (its seq 2 is not a boundary the
-        executor commits, so the listener does not see it)."""
-        self.runs_started.labels(workflow).inc()
+    def track_begins(self, first_begin: Callable[[str], int | None]) -> None:
+        """Read a run's first :data:`BEGINS` entry with ``first_begin(run_id)`` (its seq):
+        asked only of a start the boundary itself does not tell (not seq 2, not after a
+        step's end) — a run's first after a deferral, a debounce or a pause, and each start
+        after a wait, a sleep or a join. Without it only a start at seq 2 is counted."""
+        self._first_begin = first_begin
+
+    def _begins(self, events: Sequence[JournalEvent], index: int) -> bool:
+        """Whether ``events[index]`` (one of :data:`BEGINS`) is its run's first."""
+        event = events[index]
+        if event.kind == j.STEP_STARTED and event.attempt != 1:
+            return False  # a retry: attempt 1 started before
+        if event.seq == 2:
+            return True  # right after run_created
+        if any(earlier.kind in GONE_ON for earlier in events[:index]):
+            return False  # after a step's end or a join: the usual boundary of a step
+        if self._first_begin is None:
+            return False
+        try:
+            return self._first_begin(event.run_id) == event.seq
+        except Exception as error:  # the database: this start is not counted
+            log.warning("runs started: run %s not counted: %s", event.run_id, error)
+            return False
 
     def iteration(self, loop: str, outcome: str, duration: float, skipped: int) -> None:
         """A scheduler iteration listener."""

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Final
 
-from flowloop import backpressure_metrics
+from flowloop import backpressure_metrics, gates
 from flowloop.alerts import Alert, Alerts, breaker_alert, lease_lost_alert, run_alerts
 from flowloop.engine import Engine
 from flowloop.errors import FlowloopError
@@ -25,7 +25,7 @@ from flowloop.gates import BreakerChange
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import FINISHED
 from flowloop.loops import IDLE, Idle, Iteration, Loop
-from flowloop.metrics import DEFAULT_METRICS_HOST, Metrics
+from flowloop.metrics import BEGINS, DEFAULT_METRICS_HOST, Metrics
 from flowloop.retry import seconds
 from flowloop.scheduler import Capacity, Scheduler
 from flowloop.store.admission import AdmissionStoreMixin
@@ -164,6 +164,7 @@ class Worker:
         scheduler.iteration_listeners.append(metrics.iteration)
         store, clock, names = self.engine.store, self.engine.clock, list(self.engine.workflows)
         metrics.track_queue(lambda: store.count_due(now=clock.now(), workflows=names))
+        metrics.track_begins(lambda run_id: store.first_entry(run_id, BEGINS))
         metrics.track_in_flight(lambda: executor.busy)
         if isinstance(store, AdmissionStoreMixin):
             backpressure_metrics.track(metrics.registry, store.backpressure_usage, names)
@@ -238,22 +239,30 @@ class Worker:
         context = loop.context_for(iteration)
         if context is None or context is IDLE:
             return IDLE  # nothing to do in this slot: no run
+        workflow = loop.workflow
         new = engine._new_run(
-            loop.workflow,
+            workflow,
             context,
             key=None,
             idempotency_key=key,
             priority=0,
             run_at=None,
-            owner=engine.worker_id,
+            # Claimed at birth, its first step started, as by Engine.run: only a run that
+            # starts with a step no limit decides (one that starts with a call, a map or a
+            # wait, created claimed, had nothing to go on with until its lease ran out).
+            owner=engine.worker_id
+            if workflow.initial in workflow.steps and not gates.gated_start(workflow)
+            else None,
         )
         sent = time.monotonic()  # the lease is counted from before the request that set it
         with engine._making(new):
             stored, created = engine.store.create_run(new)
-        if created:
-            if self.metrics is not None:
-                self.metrics.run_started(loop.workflow.name)
+        if created and stored.owner is not None:
+            if self.metrics is not None:  # (its step_started is the creation's, at seq 2)
+                self.metrics.listener(new.record, new.events)
             self.executor.spawn(stored, starting=False, claimed_at=sent)
+        elif created:
+            self.executor.wake(stored.id)  # claimed like any other run
         else:
             engine._unmade(new)  # this slot's run, found by its key (a retried iteration)
         try:

@@ -72,8 +72,8 @@ class AdmissionStoreMixin:
         self, new: NewRun, marker: str, *, due: float, now: float, key: str
     ) -> tuple[StoredRun, bool]:
         """Create ``new`` (idempotency key ``marker``, due ``due``) or, when the run holding
-        ``marker`` has not begun, give it ``new``'s context and due time (journaled
-        ``run_debounced``). Returns the run and whether it was created."""
+        ``marker`` has not begun (no entry of ``journal.BEGINS``), give it ``new``'s context
+        and due time (journaled ``run_debounced``). Returns the run and whether it was created."""
         for attempt in range(ATTEMPTS):
             try:
                 with self._write() as conn:
@@ -95,7 +95,7 @@ class AdmissionStoreMixin:
         if row is not None:
             began = conn.execute(
                 select(journal.c.seq)
-                .where(journal.c.run_id == row.id, journal.c.kind == j.STEP_STARTED)
+                .where(journal.c.run_id == row.id, journal.c.kind.in_(j.BEGINS))
                 .limit(1)
             ).first()
             if row.status == "scheduled" and row.owner is None and began is None:

@@ -236,6 +236,13 @@ class Store(abc.ABC):
     def journal(self, run_id: str, *, until_seq: int | None = None) -> list[JournalEvent]:
         """A run's journal in seq order."""
 
+    def first_entry(self, run_id: str, kinds: Collection[str]) -> int | None:
+        """The seq of the run's first journal entry of one of ``kinds`` (``None``: none).
+        The SQL store reads rows: a ``step_started`` stored in the row of the success
+        before it (flowloop/store/entries.py) is not found — it is never the run's first
+        start."""
+        return next((e.seq for e in self.journal(run_id) if e.kind in kinds), None)
+
     @abc.abstractmethod
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:
         """Apply boundaries (of different runs) in ONE transaction: one commit for all.

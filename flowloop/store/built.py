@@ -34,6 +34,18 @@ JOURNAL_UNTIL: Final = (
 )
 """A run's entries up to ``r_seq`` in order (``r_id``)."""
 
+FIRST_ENTRY_OF: Final = (
+    select(journal.c.seq)
+    .where(
+        journal.c.run_id == bindparam("r_id"),
+        journal.c.kind.in_(bindparam("r_kinds", expanding=True)),
+    )
+    .order_by(journal.c.seq)
+    .limit(1)
+)
+"""The seq of a run's first entry of one of ``r_kinds`` (``r_id``): read on the journal's
+key in seq order, so it stops at that entry."""
+
 RUNNING_OWNERS: Final = select(runs.c.owner).where(runs.c.owner.is_not(None)).distinct()
 """Every owner of a run now."""
 

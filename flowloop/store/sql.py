@@ -476,6 +476,11 @@ class SQLStore(
             events = decode(rows, strict=False)
         return until(events, until_seq)
 
+    def first_entry(self, run_id: str, kinds: Collection[str]) -> int | None:
+        with self._read() as conn:
+            seq = conn.execute(built.FIRST_ENTRY_OF, {"r_id": run_id, "r_kinds": list(kinds)})
+            return seq.scalar()
+
     # -- the hot path (flowloop/store/appends.py) ------------------------------------------
 
     def write(self, boundaries: Sequence[Boundary]) -> list[bool]:

@@ -8,10 +8,19 @@ and from then on refuses every call — so the dead engine can write nothing mor
 kit then abandons that engine and continues on a fresh one (:meth:`TestEngine.resume`).
 
 Journal commits are the store calls that append journal events or keep a sent event
-(``create_run``, ``create_runs``, ``write``, ``deliver``; with composition also the calls
-that open joins and create children). They are numbered from 1 per engine, and each is
-recorded as a :class:`Commit` (what it carried), so a test can name a crash point by number
-or by state.
+(``create_run``, ``create_runs``, ``write``, ``deliver``), the fan-out of a call or map
+state (``start_children``: the join, the children and the parent's ``children_started`` in
+one transaction; a large map's ``open_join`` and ``create_children`` batches; ``wait_join``),
+the admission of a start (``debounce_start``, ``throttled_start``, ``start_bounded``) or of
+a kept event (``keep_bounded``), and a claim that takes runs of a workflow with limits
+(``max_concurrency``, ``concurrency_key``): its slots are counted and taken in that
+commit. They are numbered from 1 per engine, and each is recorded as a :class:`Commit`
+(what it carried: a fan-out its children's ``run_created`` too; a claim the runs it took),
+so a test can name a crash point by number or by state.
+
+A claim is a crash point only *after* it (then the runs are held by the dead worker until
+its lease is expired): before it, the database is as after the commit before, and whether
+a claim takes anything is known only once it has.
 """
 
 from __future__ import annotations
@@ -43,9 +52,20 @@ JOURNAL_WRITES: Final = frozenset(
         # Composition (child runs and joins), where the store has them.
         "open_join",
         "create_children",
+        "start_children",
         "wait_join",
+        # Admission (flowloop/store/admission.py), where the store has it.
+        "debounce_start",
+        "throttled_start",
+        "start_bounded",
+        "keep_bounded",
     }
 )
+FAN_OUTS: Final = frozenset({"start_children", "create_children"})
+"""Journal commits that create children with a ``build(runnable)`` of theirs."""
+CLAIM: Final = "claim"
+"""The store call a claim is: a crash point (after it) when it takes runs of a workflow
+with limits."""
 _STILL_ALLOWED: Final = frozenset({"close", "commits", "crashed", "url", "engine", "now_sql"})
 """What a dead store still answers: closing (no write), and what the kit reads of it."""
 
@@ -87,12 +107,24 @@ class Commit:
     events: tuple[JournalEvent, ...]
     applied: bool | None = None
     """Whether the write was applied (``None``: not known, the crash came before it)."""
+    claimed: tuple[tuple[str, str, int], ...] = ()
+    """A claim's: the (workflow, run id, last seq) of each run it took under its workflow's
+    limits."""
+
+    @property
+    def marks(self) -> frozenset[tuple[str, str, int]]:
+        """What names this commit in another run of the same script: its journal entries
+        by run and seq, a claim's runs by run and the seq they were claimed at."""
+        entries = {("entry", event.run_id, event.seq) for event in self.events}
+        return frozenset(entries | {("claim", run_id, seq) for _, run_id, seq in self.claimed})
 
     def describe(self) -> str:
         """One line: ``#3 write: step_succeeded charge->ship, step_started ship``."""
         parts = [_describe_event(event) for event in self.events]
+        parts += [f"{wf} run {run_id[:8]} at seq {seq}" for wf, run_id, seq in self.claimed]
         if not parts:
-            parts = ["an event kept for later" if self.call == "deliver" else "no journal entry"]
+            kept = self.call in ("deliver", "keep_bounded")
+            parts = ["an event kept for later" if kept else "no journal entry"]
         return f"#{self.number} {self.call}: {', '.join(parts)}"
 
 
@@ -137,27 +169,34 @@ def like_commit(
     commits: Sequence[Commit], number: int, when: Literal["before", "after"]
 ) -> Trigger:
     """Crash before or after the commit of another run of the same script that carries what
-    commit ``number`` of ``commits`` carried: its journal entries, named by run and seq.
+    commit ``number`` of ``commits`` carried: its journal entries, named by run and seq (a
+    claim: the runs it took, by run and the seq they were at).
 
     Group commit shares a transaction among the boundaries that are ready together, which
     depends on timing (steps run in threads): the same script's runs may group the same
     entries otherwise, so a commit's number does not name the same point in each. ``before``
     fires at the first commit carrying one of the entries (none of them is committed);
     ``after``, after the commit that completes them (all are). A commit with no journal entry
-    (an event kept for later) is named by its call and its rank among such commits."""
+    (an event kept for later) is named by its call and its rank among such commits. A claim
+    has no ``before`` (see the module docstring)."""
     target = commits[number - 1]
+    if target.claimed and when == "before":
+        raise FlowloopError(
+            f"{target.describe()}: a claim is a crash point only after it (before it, the "
+            "database is as after the commit before)"
+        )
     label = f"{when} the commit of {target.describe()}"
-    if not target.events:
+    if not target.marks:
 
         def entryless(commit: Commit) -> bool:
-            return commit.call == target.call and not commit.events
+            return commit.call == target.call and not commit.marks
 
         rank = sum(1 for commit in commits[:number] if entryless(commit))
         return Trigger(matches=entryless, after=when == "after", label=label, occurrence=rank)
-    left = {(event.run_id, event.seq) for event in target.events}
+    left = set(target.marks)
 
     def carries(commit: Commit) -> bool:
-        carried = left.intersection((event.run_id, event.seq) for event in commit.events)
+        carried = left.intersection(commit.marks)
         if not carried or when == "before":
             return bool(carried)
         left.difference_update(carried)
@@ -213,14 +252,32 @@ def _events_of(args: tuple[Any, ...]) -> tuple[JournalEvent, ...]:
     return tuple(found)
 
 
+def _children(call: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[JournalEvent, ...]:
+    """The ``run_created`` entries of the children a fan-out call creates: its ``build`` of
+    them (a pure function of the runnable count: their ids and contexts do not depend on
+    it), for the runnable count a new join starts with (``create_children``: its first)."""
+    names = ("join", "build") if call == "start_children" else ("join_id", "first", "build")
+    given = {**dict(zip(names, args, strict=False)), **kwargs}
+    build = given.get("build")
+    if not callable(build):
+        return ()
+    join = given.get("join")
+    news = build(join.runnable() if join is not None else given.get("first", 0))
+    return tuple(event for new in news for event in new.events)
+
+
 def _applied(result: Any) -> bool | None:
     """Whether a journal call changed something, when its result says so."""
+    if result is None:
+        return False  # start_bounded: full
     if isinstance(result, bool):
         return result
     if isinstance(result, str):
         return result in ("applied", "buffered")
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], bool):
         return result[1]  # create_run: (run, created)
+    if isinstance(result, tuple) and len(result) == 2 and result[0] is None:
+        return False  # throttled_start: refused
     if isinstance(result, list):
         return any(item[1] if isinstance(item, tuple) else bool(item) for item in result)
     return None
@@ -272,6 +329,8 @@ class CrashingStore(SQLStore):
         if name in JOURNAL_WRITES and callable(attribute):
             journal_call = object.__getattribute__(self, "_journal_call")
             return functools.partial(journal_call, name, attribute)
+        if name == CLAIM:
+            return functools.partial(object.__getattribute__(self, "_claim_call"), attribute)
         return attribute
 
     def _death(self) -> BaseException:
@@ -289,6 +348,8 @@ class CrashingStore(SQLStore):
     def _journal_call(self, call: str, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         state = self._crash
         carried = _events_of(args) + _events_of(tuple(kwargs.values()))
+        if call in FAN_OUTS:
+            carried += _children(call, args, kwargs)
         commit = Commit(number=len(state.commits) + 1, call=call, events=carried)
         trigger = state.trigger
         fire = trigger is not None and trigger.fires(commit)
@@ -298,6 +359,26 @@ class CrashingStore(SQLStore):
         result = real(*args, **kwargs)
         state.commits.append(Commit(commit.number, call, carried, applied=_applied(result)))
         if fire and trigger is not None:
+            self._die(trigger.label)
+        return result
+
+    def _claim_call(self, real: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A claim: recorded as a commit when it took runs of a workflow with limits (its
+        admission), and a crash point after it."""
+        result = real(*args, **kwargs)
+        limited = self._claim_limits
+        taken = tuple(
+            (stored.record.workflow, stored.id, stored.record.last_seq)
+            for stored in result
+            if stored.record.workflow in limited
+        )
+        if not taken:
+            return result
+        state = self._crash
+        commit = Commit(len(state.commits) + 1, CLAIM, (), applied=True, claimed=taken)
+        state.commits.append(commit)
+        trigger = state.trigger
+        if trigger is not None and trigger.after and trigger.fires(commit):
             self._die(trigger.label)
         return result
 

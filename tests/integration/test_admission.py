@@ -79,6 +79,28 @@ def test_debounce__a_run_already_started_is_not_changed(engine: Engine, clock: F
     assert Change.model_validate(engine.get(first.id).context).n == 1
 
 
+def test_debounce__a_run_that_began_with_a_call_is_not_changed(
+    engine: Engine, clock: FakeClock
+) -> None:
+    # Its call started the child, which waits: the run is queued (scheduled, no owner) with
+    # no step started, but it has begun. A later start opens a new burst; merged into it,
+    # it replaced the context of a run whose child runs and made it due meanwhile.
+    child = Workflow("approve", context=Change)
+    child.wait("hold", on={"go": "done"}, initial=True)
+    child.final("done")
+    wf = Workflow("calling", context=Change, key="customer")
+    wf.call("ask", child=child, context=lambda ctx: ctx, on={"succeeded": "done"}, initial=True)
+    wf.final("done")
+    first = engine.start(wf, Change(customer="c1", n=1), debounce=5)
+    clock.advance(5)
+    engine.run_until_idle(idle_horizon=1)
+    assert [e.kind for e in engine.history(first.id)] == ["run_created", "children_started"]
+    second = engine.start(wf, Change(customer="c1", n=2), debounce=5)
+    assert second.id != first.id
+    assert [e.kind for e in engine.history(first.id)] == ["run_created", "children_started"]
+    assert Change.model_validate(engine.get(first.id).context).n == 1
+
+
 def test_throttle__over_the_limit_is_refused_until_the_oldest_leaves(
     engine: Engine, clock: FakeClock
 ) -> None:

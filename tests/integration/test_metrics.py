@@ -22,7 +22,7 @@ from flowloop import journal as j
 from flowloop.errors import ConfigError
 from flowloop.journal import JournalEvent
 from flowloop.loops import Iteration, Loop
-from flowloop.metrics import Metrics
+from flowloop.metrics import BEGINS, Metrics
 from flowloop.worker import Worker
 
 T0 = 1_800_000_000.0
@@ -257,9 +257,11 @@ def test_metrics__registries_are_private_to_each_instance() -> None:
     assert os.environ.get("PROMETHEUS_MULTIPROC_DIR") is None
 
 
-def test_metrics__a_run_whose_first_boundary_rejects_a_kept_event_counts_as_started() -> None:
-    # Created in a wait state, its first boundary (seq 2) is the rejection of a kept event;
-    # the event it then takes is seq 3, so seq 2 is where the run is counted.
+def test_metrics__a_run_that_rejects_a_kept_event_first_counts_when_its_step_starts() -> None:
+    # Created in a wait state, its first boundary (seq 2) is the rejection of a kept event,
+    # then it takes one (seq 3): neither begins it (an event may as well be taken in its
+    # sender's process, where no worker sees it). Its first step's start (seq 4) does,
+    # once: a later start of that step after a wait (seq 6) is not counted again.
     metrics = Metrics()
     created = JournalEvent(
         run_id="r",
@@ -280,9 +282,36 @@ def test_metrics__a_run_whose_first_boundary_rejects_a_kept_event_counts_as_star
         error_type="ValueError",
         error_message="no",
     )
-    record = j.apply(j.create(created), rejected)
-    metrics.listener(record, [rejected])
-    assert ("flowloop_runs_started_total", {"workflow": "gated"}, 1.0) in list(metrics.samples())
+    received = JournalEvent(
+        run_id="r",
+        seq=3,
+        kind=j.EVENT_RECEIVED,
+        at=T0,
+        state="gate",
+        event="open",
+        next_state="work",
+        context="{}",
+    )
+    started = JournalEvent(run_id="r", seq=4, kind=j.STEP_STARTED, at=T0, state="work", attempt=1)
+    journal = [created, rejected, received, started]
+    metrics.track_begins(
+        lambda run_id: next(e.seq for e in journal if e.run_id == run_id and e.kind in BEGINS)
+    )
+    again = JournalEvent(run_id="r", seq=6, kind=j.STEP_STARTED, at=T0, state="work", attempt=1)
+    record = j.create(created)
+    counted = []
+    for entry in (rejected, received, started, again):
+        if entry is not again:
+            record = j.apply(record, entry)
+        metrics.listener(record, [entry])
+        counted.append(
+            sum(
+                v
+                for name, labels, v in metrics.samples()
+                if name == "flowloop_runs_started_total" and labels == {"workflow": "gated"}
+            )
+        )
+    assert counted == [0.0, 0.0, 1.0, 1.0]
 
 
 def test_metrics__every_known_series_exists_at_zero_before_any_run(sqlite_url: str) -> None:

@@ -47,9 +47,10 @@ def test_sweep__a_crashed_run_grouping_its_commits_otherwise_reaches_every_point
     tmp_path: Path,
 ) -> None:
     """Deterministically: the uninterrupted run's first child takes a few more event-loop
-    turns than later runs' do, so it commits its success alone (5 commits) where the
-    crashed runs commit both children's successes together (4). Before, the crash points
-    around commit #5 were "never reached"."""
+    turns than later runs' do, so it commits its success alone (6 commits) where the
+    crashed runs commit both children's successes together (5). Before, the crash points
+    around commit #6 were "never reached". (Commit #2 is the fan-out: the parent's
+    children_started and the two children's run_created.)"""
     calls: list[int] = []
     item = Workflow("grouping_item", context=Item)
 
@@ -69,10 +70,10 @@ def test_sweep__a_crashed_run_grouping_its_commits_otherwise_reaches_every_point
             engine.start(wf, Numbers(ns=[1, 2]))
             engine.run_until_idle()
             grouped.append([len(commit.events) for commit in engine.commits])
-    assert grouped == [[1, 2, 1, 1, 1], [1, 2, 2, 1]]
+    assert grouped == [[1, 3, 2, 1, 1, 1], [1, 3, 2, 2, 1]]
     calls.clear()
     sweep = assert_crash_safe(wf, Numbers(ns=[1, 2]), directory=tmp_path)
-    assert len(sweep.commits) == 5 and len(sweep.outcomes) == 10
+    assert len(sweep.commits) == 6 and len(sweep.outcomes) == 12
 
 
 def test_sweep__a_map_of_sync_steps_passes_every_time(tmp_path: Path) -> None:
