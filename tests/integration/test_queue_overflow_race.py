@@ -273,7 +273,8 @@ def test_drop_oldest__starter_processes_and_a_worker_end_every_run_as_journaled(
         workers.stop_all()
     counts = mwkit.statuses(store_url)
     assert sum(counts.values()) == total and set(counts) <= {"succeeded", "stopped"}, counts
-    assert counts["stopped"] > 0  # the queue was full: some were dropped
+    # (How many were dropped depends on how fast the worker claims against the starters:
+    # the deterministic tests above drop one; this one holds the invariants whatever.)
     with Engine(store_url, workflows=[import_file(flow).bounded]) as engine:
         for run in engine.runs(workflow="bounded", limit=total):
             history = kinds(engine, run.id)
