@@ -280,7 +280,15 @@ class Loop:
         return count
 
     def finished(self, slot: float) -> bool:
+        """Whether ``slot`` is at or after ``end_at`` (not a slot of the loop: it ended)."""
         return self.end_at is not None and slot >= self.end_at
+
+    def horizon(self, now: float) -> float:
+        """The latest moment whose slots are the loop's, as of ``now``: ``now``, or just
+        before ``end_at`` when that is earlier."""
+        if self.end_at is None or now < self.end_at:
+            return now
+        return math.nextafter(self.end_at, -math.inf)
 
     def jittered(self, slot: float, rand: random.Random | None = None) -> float:
         if not self.jitter:
@@ -311,8 +319,9 @@ class Wake:
     missed: int
     """Slots given up because they are later than the misfire grace."""
     reason: str
-    """``on_time``, ``coalesced``, ``catch_up`` (one of several due slots, fired one by one)
-    or ``missed``."""
+    """``on_time``, ``coalesced``, ``catch_up`` (one of several due slots, fired one by one),
+    ``missed``, or ``ended`` (the slot is at or after ``end_at``: the loop ends, nothing is
+    given up)."""
     coalesced: int = 0
     """Due slots within the grace folded into the one fired (``coalesce=True``)."""
 
@@ -322,8 +331,13 @@ def decide(loop: Loop, slot: float, now: float) -> Wake:
 
     Due slots later than the misfire grace are given up (``missed``); of the rest, the
     latest fires with the others coalesced into it, or (``coalesce=False``) the earliest
-    fires and the others follow one by one."""
-    due = loop.missed_slots(slot, now)
+    fires and the others follow one by one. Only slots before ``end_at`` count: after
+    downtime past it, the slots before it are decided so, and the loop ends once they are
+    done (a ``slot`` at or after it is ``ended``)."""
+    if loop.finished(slot):
+        return Wake(False, slot, 0, "ended")
+    horizon = loop.horizon(now)
+    due = loop.missed_slots(slot, horizon)
     if due <= 1:
         if loop.misfire_grace is not None and now - slot > loop.misfire_grace:
             return Wake(False, slot, 1, "missed")
@@ -332,7 +346,8 @@ def decide(loop: Loop, slot: float, now: float) -> Wake:
     past = 0
     if loop.misfire_grace is not None:
         # Slots strictly more than the grace late.
-        past = loop.missed_slots(slot, math.nextafter(now - loop.misfire_grace, -math.inf))
+        late = math.nextafter(now - loop.misfire_grace, -math.inf)
+        past = loop.missed_slots(slot, min(late, horizon))
     if past >= due:
         return Wake(False, latest, due, "missed")
     if loop.coalesce:

@@ -280,6 +280,33 @@ def test_decide__infinite_grace_never_misses() -> None:
     assert (wake.fire, wake.missed, wake.coalesced) == (True, 0, 8640)
 
 
+def test_decide__only_slots_before_end_at_count() -> None:
+    """Down past end_at (T0 + 60): the slots before it are decided as after any downtime —
+    before, the latest due slot (past end_at) was chosen and the loop ended at once."""
+    ends = {"start_at": T0, "end_at": T0 + 60}
+    # At T0 + 80 with grace 25, every slot before end_at (0 … 50) is late: all missed.
+    assert decide(every(10, misfire_grace=25, **ends), T0, T0 + 80) == Wake(
+        False, T0 + 50, 6, "missed"
+    )
+    # At T0 + 70 with grace 25: 0 … 40 late, 50 within: it fires, nothing coalesced.
+    assert decide(every(10, misfire_grace=25, **ends), T0, T0 + 70) == Wake(
+        True, T0 + 50, 5, "on_time"
+    )
+    assert decide(every(10, **ends), T0, T0 + 500) == Wake(
+        True, T0 + 50, 0, "coalesced", coalesced=5
+    )
+    assert decide(every(10, coalesce=False, **ends), T0 + 40, T0 + 500) == Wake(
+        True, T0 + 40, 0, "catch_up"
+    )
+    assert decide(every(10, coalesce=False, **ends), T0 + 50, T0 + 500) == Wake(
+        True, T0 + 50, 0, "on_time"
+    )
+    # A slot at or after end_at: the loop has ended, nothing is given up.
+    assert decide(every(10, **ends), T0 + 60, T0 + 500) == Wake(False, T0 + 60, 0, "ended")
+    cron = Loop("c", tick, cron="*/5 * * * *", end_at=T0 + 900)
+    assert decide(cron, T0, T0 + 3600) == Wake(True, T0 + 600, 0, "coalesced", coalesced=2)
+
+
 def test_decide__cron_downtime_coalesces() -> None:
     wake = decide(Loop("c", tick, cron="*/5 * * * *"), T0, T0 + 17 * 60)
     assert wake == Wake(True, T0 + 15 * 60, 0, "coalesced", coalesced=3)
@@ -306,6 +333,10 @@ def test_finished__at_end_at() -> None:
     lp = every(10, start_at=T0, end_at=T0 + 30)
     assert not lp.finished(T0 + 20)
     assert lp.finished(T0 + 30)
+    assert lp.horizon(T0 + 29) == T0 + 29
+    assert T0 + 29.999 < lp.horizon(T0 + 30) < T0 + 30
+    assert lp.horizon(T0 + 900) == lp.horizon(T0 + 30)
+    assert every(10).horizon(T0 + 900) == T0 + 900
 
 
 def test_cron__aliases_and_fixed_results() -> None:

@@ -1,0 +1,119 @@
+"""A loop's bounds, driven by the worker's scheduler on a fake clock (run_loops), on both
+databases: the slots before ``end_at`` after downtime."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+from flowloop.clock import FakeClock
+from flowloop.loops import Iteration, Loop
+from flowloop.store.loops import LoopEvent
+from flowloop.testing import TestEngine
+
+BERLIN = ZoneInfo("Europe/Berlin")
+ELEVEN = datetime(2026, 6, 1, 11, 0, tzinfo=UTC).timestamp()
+NOON = ELEVEN + 3600
+MINUTE = 60.0
+
+
+def tick(it: Iteration) -> None:
+    return None
+
+
+def journal(events: list[LoopEvent], name: str) -> list[tuple[str, float | None, int, str]]:
+    """(kind, slot as minutes after 11:00 UTC, count, reason) of each entry of loop ``name``."""
+    return [
+        (
+            e.kind,
+            None if e.slot is None else (e.slot - ELEVEN) / MINUTE,
+            e.count,
+            str(e.data.get("reason", "")),
+        )
+        for e in events
+        if e.loop == name and e.kind != "loop_created"
+    ]
+
+
+def down_until(engine: TestEngine, lp: Loop, minutes: float) -> list[LoopEvent]:
+    """The loop runs 11:00-11:05, its worker is down until ``minutes`` after 11:00, then
+    runs half an hour more."""
+    events = engine.run_loops([lp], timedelta(minutes=5))
+    engine.clock.advance(timedelta(minutes=minutes - 5))
+    return events + engine.run_loops([lp], timedelta(minutes=30))
+
+
+# -- end_at after downtime -----------------------------------------------------------------
+
+
+def test_end_at_after_downtime__slots_before_it_are_missed_or_coalesced_then_it_ends(
+    store_url: str,
+) -> None:
+    """every 10 min, end_at 12:00, down 11:05-12:25 (grace 1 h): 11:10 and 11:20 are past
+    the grace (missed), 11:30-11:50 within it (coalesced into 11:50, which runs); then the
+    loop ends at end_at. Before, it ended at once and journaled none of those slots."""
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        lp = Loop("b", tick, every=600, start_at=ELEVEN, end_at=NOON)
+        events = down_until(engine, lp, 85)
+        assert journal(events, "b") == [
+            ("iteration_started", 0, 0, "on_time"),
+            ("iteration_succeeded", 0, 0, ""),
+            ("missed", 10, 2, ""),
+            ("coalesced", 50, 2, ""),
+            ("iteration_started", 50, 0, "coalesced"),
+            ("iteration_succeeded", 50, 0, ""),
+            ("loop_stopped", None, 0, "end_at reached"),
+        ]
+        row = engine.loop("b")
+        assert (row.status, row.reason, row.missed, row.next_fire_at) == (
+            "stopped",
+            "end_at reached",
+            4,
+            None,
+        )
+
+
+def test_end_at_after_downtime__without_coalescing_each_slot_within_grace_runs(
+    store_url: str,
+) -> None:
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        lp = Loop("d", tick, every=600, start_at=ELEVEN, end_at=NOON, coalesce=False)
+        events = down_until(engine, lp, 85)
+        entries = journal(events, "d")
+        ran = [(slot, why) for kind, slot, _, why in entries if kind == "iteration_started"]
+        assert ran == [(0, "on_time"), (30, "catch_up"), (40, "catch_up"), (50, "on_time")]
+        assert entries[-1] == ("loop_stopped", None, 0, "end_at reached")
+        assert ("missed", 10, 2, "") in entries
+        assert engine.loop("d").status == "stopped"
+
+
+def test_end_at_after_downtime__all_past_the_grace_are_missed_and_it_ends_in_one_write(
+    store_url: str,
+) -> None:
+    """Down 11:05-13:30: every slot before end_at is past the grace. They are journaled
+    missed, and the loop ends in the same write (not when a slot past end_at comes due)."""
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        lp = Loop("m", tick, every=600, start_at=ELEVEN, end_at=NOON)
+        events = down_until(engine, lp, 150)
+        assert journal(events, "m")[2:] == [
+            ("missed", 10, 5, ""),
+            ("loop_stopped", None, 0, "end_at reached"),
+        ]
+        assert len({e.at for e in events[-2:]}) == 1
+        row = engine.loop("m")
+        assert (row.status, row.reason, row.missed) == ("stopped", "end_at reached", 5)
+
+
+def test_end_at__down_past_the_grace_before_end_at_goes_on_until_it(store_url: str) -> None:
+    """Slots missed while end_at is still ahead: the loop goes on to its next slot."""
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        lp = Loop("g", tick, every=600, start_at=ELEVEN, end_at=NOON, misfire_grace=60)
+        events = down_until(engine, lp, 35)  # back at 11:35, runs until 12:05
+        assert journal(events, "g")[2:] == [
+            ("missed", 10, 3, ""),
+            ("iteration_started", 40, 0, "on_time"),
+            ("iteration_succeeded", 40, 0, ""),
+            ("iteration_started", 50, 0, "on_time"),
+            ("iteration_succeeded", 50, 0, ""),
+            ("loop_stopped", None, 0, "end_at reached"),
+        ]
