@@ -224,6 +224,20 @@ class Loop:
             slot = base + steps * every
         return slot
 
+    def earliest_slot(self) -> float | None:
+        """The first slot ``start_at`` allows (None without one): ``start_at`` itself for
+        ``every=`` (the anchor of its chain), the first cron time at or after it for
+        ``cron=``. Nothing fires before it, whatever a capped wait says."""
+        return None if self.start_at is None else self._first_from(self.start_at)
+
+    def _first_from(self, start: float) -> float:
+        if self.cron is None:
+            return start
+        # A millisecond before it (slots are kept to the millisecond; the cron reader keeps
+        # microseconds): a cron time exactly at start is the first.
+        slot = self.slot_after(start - 1e-3)
+        return slot if slot >= start else self.slot_after(slot)
+
     def nth_slot(self, slot: float, n: int) -> float:
         """The slot ``n`` places after ``slot`` in its chain (``n = 0``: ``slot``)."""
         if n <= 0:
@@ -235,11 +249,12 @@ class Loop:
         return slot
 
     def first_slot(self, now: float) -> float:
-        """The slot a newly registered (or unpaused) loop fires first: ``start_at`` when it
-        is ahead; else the next cron time; else now — or, with a past ``start_at``, the next
-        point of its grid (so the loop keeps the phase it was given)."""
+        """The slot a newly registered (or unpaused) loop fires first. With ``start_at``
+        ahead: the first cron time at or after it, or ``start_at`` itself for ``every=`` (the
+        anchor of its chain). Else the next cron time; else now — or, with a past
+        ``start_at``, the next point of its grid (so the loop keeps the phase it was given)."""
         if self.start_at is not None and self.start_at >= now:
-            return self.start_at
+            return self._first_from(self.start_at)
         if self.cron is not None:
             return self.slot_after(now)
         if self.start_at is not None:

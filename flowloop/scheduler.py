@@ -400,9 +400,21 @@ class Scheduler:
         if row.control in MANUAL and now < row.next_fire_at:
             self._fire_manual(loop, row, now)  # a due slot of the schedule goes first
             return
-        if loop.start_at is not None and now < loop.start_at:
-            # start_at is a promise in wall time: a capped wait ending early re-arms.
-            self._schedule(row)
+        earliest = loop.earliest_slot()
+        if earliest is not None and now < earliest:
+            # start_at is a promise in wall time (a cron loop's: its first cron time at or
+            # after it). A slot before it (start_at moved later since the row was written)
+            # moves to it; a capped wait ending early re-arms.
+            if row.next_fire_at < earliest:
+                self._operator_write(
+                    row,
+                    "loop_rescheduled",
+                    {"next_fire_at": earliest},
+                    slot=earliest,
+                    data={"reason": "start_at is later than the slot"},
+                )
+            else:
+                self._schedule(row)
             return
         wake = decide(loop, row.next_fire_at, now)  # only slots before end_at
         if wake.reason == "ended":

@@ -1,5 +1,6 @@
 """A loop's bounds, driven by the worker's scheduler on a fake clock (run_loops), on both
-databases: the slots before ``end_at`` after downtime."""
+databases: the slots before ``end_at`` after downtime, a loop's first slot after
+``start_at``."""
 
 from __future__ import annotations
 
@@ -117,3 +118,63 @@ def test_end_at__down_past_the_grace_before_end_at_goes_on_until_it(store_url: s
             ("iteration_succeeded", 50, 0, ""),
             ("loop_stopped", None, 0, "end_at reached"),
         ]
+
+
+# -- start_at on a cron loop ---------------------------------------------------------------
+
+
+def berlin(*fields: int) -> float:
+    return datetime(*fields, tzinfo=BERLIN).timestamp()  # type: ignore[misc]
+
+
+def started(events: list[LoopEvent], name: str) -> list[str]:
+    return [
+        datetime.fromtimestamp(e.slot, BERLIN).strftime("%m-%d %H:%M")
+        for e in events
+        if e.loop == name and e.kind == "iteration_started" and e.slot is not None
+    ]
+
+
+def test_cron_start_at__first_slot_is_the_first_cron_time_at_or_after_it(
+    store_url: str,
+) -> None:
+    """start_at 06-01 10:00 is not a cron time of '30 2 * * *': the first slot is 06-02
+    02:30 (before, the loop fired at 10:00 too)."""
+    with TestEngine(store_url, clock=FakeClock(berlin(2026, 5, 31, 12))) as engine:
+        lp = Loop(
+            "a",
+            tick,
+            cron="30 2 * * *",
+            tz="Europe/Berlin",
+            start_at=datetime(2026, 6, 1, 10, tzinfo=BERLIN),
+        )
+        events = engine.run_loops([lp], timedelta(days=3))
+        created = [e for e in events if e.kind == "loop_created"]
+        assert created[0].slot == berlin(2026, 6, 2, 2, 30)
+        assert started(events, "a") == ["06-02 02:30", "06-03 02:30"]
+
+
+def test_every_start_at__is_the_anchor_and_fires_first(store_url: str) -> None:
+    """every= keeps the chain from start_at (README): its first slot is start_at itself."""
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        lp = Loop("e", tick, every=3600, start_at=ELEVEN + 25 * MINUTE)
+        events = engine.run_loops([lp], timedelta(hours=2))
+        slots = [e.slot for e in events if e.kind == "iteration_started"]
+        assert slots == [ELEVEN + 25 * MINUTE, ELEVEN + 85 * MINUTE]
+
+
+def test_start_at_moved_later__the_slot_written_before_waits_for_it(store_url: str) -> None:
+    """The row's next slot is the old start_at (12:00), due at 13:00; the loop now says
+    start_at 15:00. The slot moves to 15:00, journaled (before, the scheduler re-armed the
+    due slot at once, again and again: a busy loop until 15:00)."""
+    with TestEngine(store_url, clock=FakeClock(ELEVEN)) as engine:
+        engine.run_loops([Loop("s", tick, every=600, start_at=NOON)], timedelta(minutes=1))
+        engine.clock.advance(timedelta(hours=2))
+        later = Loop("s", tick, every=600, start_at=ELEVEN + 4 * 3600)
+        events = engine.run_loops([later], timedelta(hours=3), max_jumps=100)
+        assert journal(events, "s")[:3] == [
+            ("loop_rescheduled", 240, 0, "start_at is later than the slot"),
+            ("iteration_started", 240, 0, "on_time"),
+            ("iteration_succeeded", 240, 0, ""),
+        ]
+        assert len([e for e in events if e.kind == "iteration_started"]) == 7  # 15:00-16:00

@@ -166,6 +166,18 @@ def test_first_slot__now_or_start_at() -> None:
     assert Loop("c", tick, cron="*/5 * * * *").first_slot(T0 + 1) == T0 + 300
 
 
+def test_first_slot__a_cron_loop_starts_at_its_first_cron_time_at_or_after_start_at() -> None:
+    """start_at is not a slot of a cron loop unless it is a cron time (before, a loop fired
+    at start_at, then on its schedule)."""
+    five = Loop("c", tick, cron="*/5 * * * *", start_at=T0 + 61)
+    assert five.first_slot(T0) == five.earliest_slot() == T0 + 300
+    exact = Loop("c", tick, cron="*/5 * * * *", start_at=T0 + 600)
+    assert exact.first_slot(T0) == exact.earliest_slot() == T0 + 600
+    # every= starts its chain at start_at itself.
+    assert every(10, start_at=T0 + 61).earliest_slot() == T0 + 61
+    assert every(10).earliest_slot() is None
+
+
 def test_slot_after__follows_the_chain_of_the_anchor() -> None:
     lp = every(10)
     assert lp.slot_after(T0 + 3.3, anchor=T0 + 3.3) == T0 + 13.3
