@@ -23,7 +23,7 @@ from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry
 from flowloop.specs import NAME_RULE
-from flowloop.tz import UnknownTimeZone, zone
+from flowloop.tz import UnknownTimeZone, local, wall_epoch, zone
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
@@ -55,10 +55,14 @@ class Iteration:
     """The scheduled time of this iteration (UTC epoch seconds)."""
     number: int
     attempt: int
+    tz: str | None = None
+    """The loop's ``tz=`` (None: UTC)."""
 
     @property
     def scheduled_for(self) -> datetime:
-        return datetime.fromtimestamp(self.slot, UTC)
+        """The slot as an aware datetime in the loop's zone (UTC for a loop without ``tz=``):
+        ``scheduled_for.date()`` is the day on that zone's calendar."""
+        return local(self.slot, self.tz)
 
     @property
     def idempotency_key(self) -> str:
@@ -79,16 +83,20 @@ class Loop:
 
     ``mode``: ``fixed_rate`` (next = slot + every; a slot that comes due while the previous
     iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs
-    ``every=``). Slots form a chain from the first one (``start_at``, else the moment the loop
-    is first registered). After downtime, slots later than ``misfire_grace`` are journaled as
-    missed; the rest are coalesced into one iteration (``coalesce=True``) or fired one by one.
-    ``max_failures`` consecutive failed iterations pause the loop and raise an alert.
+    ``every=``). An ``every=`` loop's slots form a chain from the first one (``start_at``,
+    else the moment the loop is first registered); a cron loop's first slot is its first
+    cron time at or after ``start_at``. After downtime, slots later than ``misfire_grace``
+    are journaled as missed; the rest are coalesced into one iteration (``coalesce=True``)
+    or fired one by one. Slots at or after ``end_at`` are not the loop's: the slots before
+    it are handled so, then the loop stops. ``max_failures`` consecutive failed iterations
+    pause the loop and raise an alert.
 
     ``tz`` (an IANA name such as ``"Europe/Berlin"``; default UTC) reads ``cron=`` on that
-    zone's wall clock; slots stay UTC epoch seconds. Daylight-saving changes follow the
-    policy in :mod:`flowloop.tz`: a fixed wall time that does not exist (spring forward)
-    fires at the first time after the gap, one that happens twice (fall back) fires once;
-    hourly and finer schedules follow real time.
+    zone's wall clock, a naive ``start_at``/``end_at`` as that zone's wall time, and gives
+    ``Iteration.scheduled_for`` in that zone; slots stay UTC epoch seconds. Daylight-saving
+    changes follow the policy in :mod:`flowloop.tz`: a fixed wall time that does not exist
+    (spring forward) fires at the first time after the gap, one that happens twice (fall
+    back) fires once; hourly and finer schedules follow real time.
 
     Every invalid argument raises :class:`~flowloop.errors.LoopDefinitionError` here, at
     definition time.
@@ -176,8 +184,8 @@ class Loop:
         self.misfire_grace = None if grace == math.inf else grace
         self.coalesce = coalesce
         self.max_failures = max_failures
-        self.start_at = _epoch(bad, "start_at", start_at)
-        self.end_at = _epoch(bad, "end_at", end_at)
+        self.start_at = _epoch(bad, "start_at", start_at, tz)
+        self.end_at = _epoch(bad, "end_at", end_at, tz)
         if self.start_at is not None and self.end_at is not None and self.end_at <= self.start_at:
             raise bad("end_at must be after start_at")
         self.is_async = fn is not None and inspect.iscoroutinefunction(fn)
@@ -387,13 +395,18 @@ def loop(
 
 
 def _epoch(
-    bad: Callable[[str], LoopDefinitionError], label: str, value: datetime | float | None
+    bad: Callable[[str], LoopDefinitionError],
+    label: str,
+    value: datetime | float | None,
+    tz: str | None,
 ) -> float | None:
+    """UTC epoch seconds of ``value``: a naive datetime is wall time in ``tz`` (the loop's
+    zone, under the DST policy of :mod:`flowloop.tz`; UTC when None)."""
     if value is None:
         return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
+            return wall_epoch(value, tz)
         return value.timestamp()
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad(f"{label}={value!r} must be a datetime or UTC epoch seconds")

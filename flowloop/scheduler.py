@@ -613,7 +613,9 @@ class Scheduler:
     ) -> tuple[str, str | None, int]:
         attempt = 1
         while True:
-            iteration = Iteration(loop=loop.name, slot=slot, number=number, attempt=attempt)
+            iteration = Iteration(
+                loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
+            )
             try:
                 call = exits_as_errors(self.run_iteration(loop, iteration), "loop", loop.name)
                 if loop.timeout is not None:

@@ -1,12 +1,15 @@
-"""A loop's bounds, driven by the worker's scheduler on a fake clock (run_loops), on both
-databases: the slots before ``end_at`` after downtime, a loop's first slot after
-``start_at``."""
+"""A loop's bounds and zone, driven by the worker's scheduler on a fake clock (run_loops),
+on both databases: the slots before ``end_at`` after downtime, a cron loop's first slot
+after ``start_at``, ``it.scheduled_for`` in the loop's zone, a naive ``start_at`` read in it."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from zoneinfo import ZoneInfo
 
+from pydantic import BaseModel
+
+from flowloop import Workflow
 from flowloop.clock import FakeClock
 from flowloop.loops import Iteration, Loop
 from flowloop.store.loops import LoopEvent
@@ -178,3 +181,66 @@ def test_start_at_moved_later__the_slot_written_before_waits_for_it(store_url: s
             ("iteration_succeeded", 240, 0, ""),
         ]
         assert len([e for e in events if e.kind == "iteration_started"]) == 7  # 15:00-16:00
+
+
+# -- the loop's zone -----------------------------------------------------------------------
+
+
+class Day(BaseModel):
+    day: str
+
+
+def report_workflow() -> Workflow:
+    wf = Workflow("report", context=Day)
+
+    @wf.step(initial=True, next="sent")
+    def send(ctx: Day) -> None:
+        return None
+
+    wf.final("sent")
+    return wf
+
+
+def test_scheduled_for__is_in_the_loop_zone_so_its_date_is_the_local_day(
+    store_url: str,
+) -> None:
+    """The 00:30 Berlin slot of 06-02 is 22:30 UTC of 06-01: it.scheduled_for is the Berlin
+    time, and the README's nightly pattern labels the run 2026-06-02 (before: 06-01)."""
+    seen: list[datetime] = []
+    with TestEngine(store_url, clock=FakeClock(berlin(2026, 6, 1, 12))) as engine:
+        nightly = Loop("nightly", seen.append, cron="30 0 * * *", tz="Europe/Berlin")
+        report = Loop(
+            "nightly-report",
+            workflow=report_workflow(),
+            cron="30 0 * * *",
+            tz="Europe/Berlin",
+            context=lambda it: {"day": it.scheduled_for.date().isoformat()},
+        )
+        plain = Loop("utc", seen.append, cron="30 0 * * *")
+        engine.run_loops([nightly, report, plain], timedelta(days=1))
+        berlin_it, utc_it = sorted(seen, key=lambda it: it.loop)
+        assert berlin_it.scheduled_for == datetime(2026, 6, 2, 0, 30, tzinfo=BERLIN)
+        assert berlin_it.scheduled_for.utcoffset() == timedelta(hours=2)
+        assert berlin_it.scheduled_for.date() == date(2026, 6, 2)
+        assert berlin_it.scheduled_for.timestamp() == berlin_it.slot
+        assert [r.context.day for r in engine.runs(workflow="report")] == ["2026-06-02"]
+        # A loop without tz=: UTC, as before.
+        assert utc_it.scheduled_for == datetime(2026, 6, 2, 0, 30, tzinfo=UTC)
+        assert utc_it.scheduled_for.utcoffset() == timedelta(0)
+
+
+def test_naive_start_at__is_wall_time_in_the_loop_zone(store_url: str) -> None:
+    """start_at=datetime(2026, 6, 2, 2, 30) beside tz='Europe/Berlin' is 02:30 in Berlin
+    (before: 02:30 UTC, 04:30 in Berlin); a naive end_at likewise."""
+    with TestEngine(store_url, clock=FakeClock(berlin(2026, 6, 1, 12))) as engine:
+        lp = Loop(
+            "n",
+            tick,
+            cron="30 2 * * *",
+            tz="Europe/Berlin",
+            start_at=datetime(2026, 6, 2, 2, 30),
+            end_at=datetime(2026, 6, 4, 2, 30),
+        )
+        events = engine.run_loops([lp], timedelta(days=4))
+        assert started(events, "n") == ["06-02 02:30", "06-03 02:30"]
+        assert engine.loop("n").status == "stopped"

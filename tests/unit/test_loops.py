@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from pydantic import BaseModel
@@ -136,6 +137,27 @@ def test_loop__durations_accept_timedeltas_and_datetimes() -> None:
     assert made.schedule == "every 60s (fixed_rate)"
 
 
+def test_loop__naive_start_and_end_are_wall_time_in_the_loop_zone() -> None:
+    """Beside tz=, a naive datetime means that zone's wall time (before: UTC); without tz=
+    it is UTC, as before; an aware one is what it says."""
+    berlin = ZoneInfo("Europe/Berlin")
+    made = Loop(
+        "l",
+        tick,
+        cron="30 2 * * *",
+        tz="Europe/Berlin",
+        start_at=datetime(2026, 6, 1, 10),
+        end_at=datetime(2026, 6, 30, 10, tzinfo=UTC),
+    )
+    assert made.start_at == datetime(2026, 6, 1, 10, tzinfo=berlin).timestamp()
+    assert made.end_at == datetime(2026, 6, 30, 10, tzinfo=UTC).timestamp()
+    plain = Loop("l", tick, cron="30 2 * * *", start_at=datetime(2026, 6, 1, 10))
+    assert plain.start_at == datetime(2026, 6, 1, 10, tzinfo=UTC).timestamp()
+    # Spring forward: 02:30 does not exist in Berlin that night; it is the end of the gap.
+    gap = Loop("l", tick, cron="30 2 * * *", tz=berlin, start_at=datetime(2026, 3, 29, 2, 30))
+    assert gap.start_at == datetime(2026, 3, 29, 3, 0, tzinfo=berlin).timestamp()
+
+
 def test_loop_decorator__names_the_loop_after_the_function() -> None:
     @loop(every=5, mode="fixed_delay", max_failures=2)
     def poll(it: Iteration) -> int:
@@ -152,6 +174,16 @@ def test_iteration__idempotency_key_is_stable_per_slot() -> None:
     retry = Iteration(loop="l", slot=T0 + 0.1234, number=1, attempt=2)
     assert first.idempotency_key == retry.idempotency_key == "loop:l:1800000000.123"
     assert first.scheduled_for == datetime.fromtimestamp(T0 + 0.1234, UTC)
+    assert first.scheduled_for.utcoffset() == timedelta(0)
+
+
+def test_iteration__scheduled_for_is_in_the_loop_zone() -> None:
+    """00:30 in Berlin on 2 June is 22:30 UTC on 1 June: the date is Berlin's."""
+    slot = datetime(2026, 6, 1, 22, 30, tzinfo=UTC).timestamp()
+    it = Iteration(loop="l", slot=slot, number=1, attempt=1, tz="Europe/Berlin")
+    assert it.scheduled_for.isoformat() == "2026-06-02T00:30:00+02:00"
+    assert it.scheduled_for.timestamp() == slot
+    assert Iteration(loop="l", slot=slot, number=1, attempt=1).scheduled_for.day == 1
 
 
 # -- slots -----------------------------------------------------------------------------------
