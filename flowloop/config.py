@@ -457,6 +457,7 @@ def _override_loop(loop: Loop, override: LoopSettings) -> Loop:
             loop.fn,
             every=every,
             cron=cron,
+            tz=loop.tz if cron is not None else None,  # (a cron loop keeps its zone)
             mode=override.mode or ("fixed_rate" if cron is not None else loop.mode),
             workflow=loop.workflow,
             context=loop.context,

@@ -112,6 +112,39 @@ def firing(row: LoopRow, wake: Wake, *, now: float, worker: str) -> LoopWrite:
     return LoopWrite(changes=changes, events=events)
 
 
+def giving_up(loop: Loop, row: LoopRow, wake: Wake, *, now: float, worker: str) -> LoopWrite:
+    """Give up the due slots ``wake`` found past the misfire grace (none fires): journaled
+    ``missed``, and the loop goes on with its next slot — or, when that is at or after
+    ``end_at``, stops in the same write (the slots before it are accounted for)."""
+    assert row.next_fire_at is not None, "a scheduled loop"
+    nxt = loop.slot_after(now, anchor=row.next_fire_at)
+    events = [
+        LoopEvent(
+            loop=row.name,
+            kind="missed",
+            at=now,
+            slot=row.next_fire_at,
+            count=wake.missed,
+            worker=worker,
+        )
+    ]
+    changes: dict[str, Any] = {
+        "next_fire_at": nxt,
+        "missed": row.missed + wake.missed,
+        "updated_at": now,
+    }
+    if not loop.finished(nxt):
+        return LoopWrite(changes=changes, events=events)
+    reason = "end_at reached"
+    events.append(
+        LoopEvent(
+            loop=row.name, kind="loop_stopped", at=now, worker=worker, data={"reason": reason}
+        )
+    )
+    changes.update(status="stopped", reason=reason, next_fire_at=None)
+    return LoopWrite(changes=changes, events=events, status="stopped", reason=reason)
+
+
 def started(name: str, slot: float, reason: str, *, now: float, worker: str) -> LoopEvent:
     """The ``iteration_started`` entry of ``slot`` (``reason``: why it fires now)."""
     return LoopEvent(
@@ -152,6 +185,10 @@ def outcome(
         # A manual iteration leaves the schedule alone: its next slot stays (and fires
         # after it, late if it came due meanwhile, under the misfire policy).
         nxt, skipped = (row.next_fire_at if row.next_fire_at is not None else nxt), 0
+    elif skipped and loop.end_at is not None:
+        # Slots at or after end_at are not the loop's: an iteration outlasting end_at
+        # skipped only the ones before it.
+        skipped = loop.missed_slots(loop.slot_after(slot, anchor=slot), loop.horizon(ended))
     # Shutdown and operator stops are nobody's failure: the count stays as it was.
     failures = {"ok": 0, "failed": row.consecutive_failures + 1}.get(
         result, row.consecutive_failures

@@ -23,7 +23,7 @@ from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry
 from flowloop.specs import NAME_RULE
-from flowloop.tz import UnknownTimeZone, zone
+from flowloop.tz import UnknownTimeZone, local, wall_epoch, zone
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
@@ -55,10 +55,14 @@ class Iteration:
     """The scheduled time of this iteration (UTC epoch seconds)."""
     number: int
     attempt: int
+    tz: str | None = None
+    """The loop's ``tz=`` (None: UTC)."""
 
     @property
     def scheduled_for(self) -> datetime:
-        return datetime.fromtimestamp(self.slot, UTC)
+        """The slot as an aware datetime in the loop's zone (UTC for a loop without ``tz=``):
+        ``scheduled_for.date()`` is the day on that zone's calendar."""
+        return local(self.slot, self.tz)
 
     @property
     def idempotency_key(self) -> str:
@@ -79,16 +83,20 @@ class Loop:
 
     ``mode``: ``fixed_rate`` (next = slot + every; a slot that comes due while the previous
     iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs
-    ``every=``). Slots form a chain from the first one (``start_at``, else the moment the loop
-    is first registered). After downtime, slots later than ``misfire_grace`` are journaled as
-    missed; the rest are coalesced into one iteration (``coalesce=True``) or fired one by one.
-    ``max_failures`` consecutive failed iterations pause the loop and raise an alert.
+    ``every=``). An ``every=`` loop's slots form a chain from the first one (``start_at``,
+    else the moment the loop is first registered); a cron loop's first slot is its first
+    cron time at or after ``start_at``. After downtime, slots later than ``misfire_grace``
+    are journaled as missed; the rest are coalesced into one iteration (``coalesce=True``)
+    or fired one by one. Slots at or after ``end_at`` are not the loop's: the slots before
+    it are handled so, then the loop stops. ``max_failures`` consecutive failed iterations
+    pause the loop and raise an alert.
 
     ``tz`` (an IANA name such as ``"Europe/Berlin"``; default UTC) reads ``cron=`` on that
-    zone's wall clock; slots stay UTC epoch seconds. Daylight-saving changes follow the
-    policy in :mod:`flowloop.tz`: a fixed wall time that does not exist (spring forward)
-    fires at the first time after the gap, one that happens twice (fall back) fires once;
-    hourly and finer schedules follow real time.
+    zone's wall clock, a naive ``start_at``/``end_at`` as that zone's wall time, and gives
+    ``Iteration.scheduled_for`` in that zone; slots stay UTC epoch seconds. Daylight-saving
+    changes follow the policy in :mod:`flowloop.tz`: a fixed wall time that does not exist
+    (spring forward) fires at the first time after the gap, one that happens twice (fall
+    back) fires once; hourly and finer schedules follow real time.
 
     Every invalid argument raises :class:`~flowloop.errors.LoopDefinitionError` here, at
     definition time.
@@ -176,8 +184,8 @@ class Loop:
         self.misfire_grace = None if grace == math.inf else grace
         self.coalesce = coalesce
         self.max_failures = max_failures
-        self.start_at = _epoch(bad, "start_at", start_at)
-        self.end_at = _epoch(bad, "end_at", end_at)
+        self.start_at = _epoch(bad, "start_at", start_at, tz)
+        self.end_at = _epoch(bad, "end_at", end_at, tz)
         if self.start_at is not None and self.end_at is not None and self.end_at <= self.start_at:
             raise bad("end_at must be after start_at")
         self.is_async = fn is not None and inspect.iscoroutinefunction(fn)
@@ -224,6 +232,20 @@ class Loop:
             slot = base + steps * every
         return slot
 
+    def earliest_slot(self) -> float | None:
+        """The first slot ``start_at`` allows (None without one): ``start_at`` itself for
+        ``every=`` (the anchor of its chain), the first cron time at or after it for
+        ``cron=``. Nothing fires before it, whatever a capped wait says."""
+        return None if self.start_at is None else self._first_from(self.start_at)
+
+    def _first_from(self, start: float) -> float:
+        if self.cron is None:
+            return start
+        # A millisecond before it (slots are kept to the millisecond; the cron reader keeps
+        # microseconds): a cron time exactly at start is the first.
+        slot = self.slot_after(start - 1e-3)
+        return slot if slot >= start else self.slot_after(slot)
+
     def nth_slot(self, slot: float, n: int) -> float:
         """The slot ``n`` places after ``slot`` in its chain (``n = 0``: ``slot``)."""
         if n <= 0:
@@ -235,11 +257,12 @@ class Loop:
         return slot
 
     def first_slot(self, now: float) -> float:
-        """The slot a newly registered (or unpaused) loop fires first: ``start_at`` when it
-        is ahead; else the next cron time; else now — or, with a past ``start_at``, the next
-        point of its grid (so the loop keeps the phase it was given)."""
+        """The slot a newly registered (or unpaused) loop fires first. With ``start_at``
+        ahead: the first cron time at or after it, or ``start_at`` itself for ``every=`` (the
+        anchor of its chain). Else the next cron time; else now — or, with a past
+        ``start_at``, the next point of its grid (so the loop keeps the phase it was given)."""
         if self.start_at is not None and self.start_at >= now:
-            return self.start_at
+            return self._first_from(self.start_at)
         if self.cron is not None:
             return self.slot_after(now)
         if self.start_at is not None:
@@ -280,7 +303,15 @@ class Loop:
         return count
 
     def finished(self, slot: float) -> bool:
+        """Whether ``slot`` is at or after ``end_at`` (not a slot of the loop: it ended)."""
         return self.end_at is not None and slot >= self.end_at
+
+    def horizon(self, now: float) -> float:
+        """The latest moment whose slots are the loop's, as of ``now``: ``now``, or just
+        before ``end_at`` when that is earlier."""
+        if self.end_at is None or now < self.end_at:
+            return now
+        return math.nextafter(self.end_at, -math.inf)
 
     def jittered(self, slot: float, rand: random.Random | None = None) -> float:
         if not self.jitter:
@@ -311,8 +342,9 @@ class Wake:
     missed: int
     """Slots given up because they are later than the misfire grace."""
     reason: str
-    """``on_time``, ``coalesced``, ``catch_up`` (one of several due slots, fired one by one)
-    or ``missed``."""
+    """``on_time``, ``coalesced``, ``catch_up`` (one of several due slots, fired one by one),
+    ``missed``, or ``ended`` (the slot is at or after ``end_at``: the loop ends, nothing is
+    given up)."""
     coalesced: int = 0
     """Due slots within the grace folded into the one fired (``coalesce=True``)."""
 
@@ -322,8 +354,13 @@ def decide(loop: Loop, slot: float, now: float) -> Wake:
 
     Due slots later than the misfire grace are given up (``missed``); of the rest, the
     latest fires with the others coalesced into it, or (``coalesce=False``) the earliest
-    fires and the others follow one by one."""
-    due = loop.missed_slots(slot, now)
+    fires and the others follow one by one. Only slots before ``end_at`` count: after
+    downtime past it, the slots before it are decided so, and the loop ends once they are
+    done (a ``slot`` at or after it is ``ended``)."""
+    if loop.finished(slot):
+        return Wake(False, slot, 0, "ended")
+    horizon = loop.horizon(now)
+    due = loop.missed_slots(slot, horizon)
     if due <= 1:
         if loop.misfire_grace is not None and now - slot > loop.misfire_grace:
             return Wake(False, slot, 1, "missed")
@@ -332,7 +369,8 @@ def decide(loop: Loop, slot: float, now: float) -> Wake:
     past = 0
     if loop.misfire_grace is not None:
         # Slots strictly more than the grace late.
-        past = loop.missed_slots(slot, math.nextafter(now - loop.misfire_grace, -math.inf))
+        late = math.nextafter(now - loop.misfire_grace, -math.inf)
+        past = loop.missed_slots(slot, min(late, horizon))
     if past >= due:
         return Wake(False, latest, due, "missed")
     if loop.coalesce:
@@ -357,13 +395,18 @@ def loop(
 
 
 def _epoch(
-    bad: Callable[[str], LoopDefinitionError], label: str, value: datetime | float | None
+    bad: Callable[[str], LoopDefinitionError],
+    label: str,
+    value: datetime | float | None,
+    tz: str | None,
 ) -> float | None:
+    """UTC epoch seconds of ``value``: a naive datetime is wall time in ``tz`` (the loop's
+    zone, under the DST policy of :mod:`flowloop.tz`; UTC when None)."""
     if value is None:
         return None
     if isinstance(value, datetime):
         if value.tzinfo is None:
-            value = value.replace(tzinfo=UTC)
+            return wall_epoch(value, tz)
         return value.timestamp()
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad(f"{label}={value!r} must be a datetime or UTC epoch seconds")

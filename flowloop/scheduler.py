@@ -400,27 +400,30 @@ class Scheduler:
         if row.control in MANUAL and now < row.next_fire_at:
             self._fire_manual(loop, row, now)  # a due slot of the schedule goes first
             return
-        if loop.start_at is not None and now < loop.start_at:
-            # start_at is a promise in wall time: a capped wait ending early re-arms.
-            self._schedule(row)
+        earliest = loop.earliest_slot()
+        if earliest is not None and now < earliest:
+            # start_at is a promise in wall time (a cron loop's: its first cron time at or
+            # after it). A slot before it (start_at moved later since the row was written)
+            # moves to it; a capped wait ending early re-arms.
+            if row.next_fire_at < earliest:
+                self._operator_write(
+                    row,
+                    "loop_rescheduled",
+                    {"next_fire_at": earliest},
+                    slot=earliest,
+                    data={"reason": "start_at is later than the slot"},
+                )
+            else:
+                self._schedule(row)
             return
-        if loop.finished(row.next_fire_at):
+        wake = decide(loop, row.next_fire_at, now)  # only slots before end_at
+        if wake.reason == "ended":
             self._end(row)
             return
-        wake = decide(loop, row.next_fire_at, now)
         if not wake.fire:
-            nxt = loop.slot_after(now, anchor=row.next_fire_at)
             log.warning("loop %s: %d slot(s) missed past the misfire grace", name, wake.missed)
-            self._operator_write(
-                row,
-                "missed",
-                {"next_fire_at": nxt, "missed": row.missed + wake.missed},
-                slot=row.next_fire_at,
-                count=wake.missed,
-            )
-            return
-        if loop.finished(wake.slot):
-            self._end(row)
+            given_up = slots.giving_up(loop, row, wake, now=now, worker=self.worker_id)
+            self._write(row, given_up.changes, given_up.events)
             return
         if self.capacity.free() <= 0:
             # Full: fire as soon as a slot frees; slots passing meanwhile are coalesced.
@@ -532,13 +535,18 @@ class Scheduler:
             worker=self.worker_id,
             data=data or {},
         )
+        self._write(row, {**changes, "updated_at": now}, [event])
+
+    def _write(self, row: LoopRow, changes: dict[str, Any], events: list[LoopEvent]) -> None:
+        """Write a loop row the worker does not hold (fenced on the row as read) and re-arm
+        its timer from what the store has then."""
         ok = self.store.write_loop(
             name=row.name,
             owner=None,
             epoch=row.lease_epoch,
             follows_seq=row.last_seq,
-            changes={**changes, "updated_at": now},
-            events=[event],
+            changes=changes,
+            events=events,
         )
         self._changes += 1 if ok else 0  # our own bump: no need to re-read every loop
         fresh = self.store.get_loop(row.name)
@@ -606,7 +614,9 @@ class Scheduler:
     ) -> tuple[str, str | None, int]:
         attempt = 1
         while True:
-            iteration = Iteration(loop=loop.name, slot=slot, number=number, attempt=attempt)
+            iteration = Iteration(
+                loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
+            )
             try:
                 call = exits_as_errors(self.run_iteration(loop, iteration), "loop", loop.name)
                 if loop.timeout is not None:

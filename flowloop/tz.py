@@ -66,3 +66,28 @@ def describe(moment: float, name: str | None) -> str:
     """``2026-03-29 03:00 CEST`` — a slot as its zone's wall clock shows it (listings)."""
     shown = local(moment, name)
     return shown.strftime("%Y-%m-%d %H:%M %Z")
+
+
+def wall_epoch(wall: datetime, name: str | None) -> float:
+    """UTC epoch seconds of the naive wall-clock time ``wall`` in zone ``name`` (None: UTC),
+    under the policy above: a time that happens twice (fall back) is its first occurrence
+    (its second with ``fold=1``); one that does not exist (spring forward) is the first
+    moment after the gap (02:30 on Berlin's spring-forward night is 03:00 CEST)."""
+    if name is None:
+        return wall.replace(tzinfo=UTC).timestamp()
+    tz = zone(name)
+    moment = wall.replace(tzinfo=tz).timestamp()
+    if datetime.fromtimestamp(moment, tz).replace(tzinfo=None) == wall:
+        return moment
+    # In a gap: fold=1 reads it with the offset after the change (a moment before it),
+    # fold=0 with the one before (a moment after it); the change lies between them.
+    before = wall.replace(tzinfo=tz, fold=1).timestamp()
+    after = wall.replace(tzinfo=tz, fold=0).timestamp()
+    offset = datetime.fromtimestamp(after, tz).utcoffset()
+    while after - before > 1e-3:
+        middle = (before + after) / 2
+        if datetime.fromtimestamp(middle, tz).utcoffset() == offset:
+            after = middle
+        else:
+            before = middle
+    return float(round(after))  # zone changes fall on whole seconds

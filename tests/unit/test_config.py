@@ -352,6 +352,32 @@ def test_apply_overrides__loop_interval_timeout_retry_max_failures(tmp_path: Pat
     assert loop.schedule.startswith("every 300s")
 
 
+def test_apply_overrides__a_cron_loop_keeps_its_time_zone(tmp_path: Path) -> None:
+    """An override of any setting rebuilds the loop: it kept every argument but tz=, so a
+    Berlin 02:30 job ran at 02:30 UTC once flowloop.toml tuned its timeout."""
+    write(
+        tmp_path / "flowloop.toml",
+        """
+        [loops.nightly]
+        timeout = 10
+        [loops.hourly]
+        cron = "0 * * * *"
+        [loops.poll]
+        every = "5m"
+    """,
+    )
+    defined = {
+        name: Loop(name, poll, cron="30 2 * * *", tz="Europe/Berlin")
+        for name in ("nightly", "hourly", "poll")
+    }
+    loops = apply_overrides(load_settings(), {}, defined)
+    assert (loops["nightly"].tz, loops["nightly"].timeout) == ("Europe/Berlin", 10.0)
+    assert loops["nightly"].schedule == "cron 30 2 * * * (Europe/Berlin)"
+    assert loops["hourly"].schedule == "cron 0 * * * * (Europe/Berlin)"
+    # every= runs in elapsed time: no zone.
+    assert (loops["poll"].tz, loops["poll"].schedule) == (None, "every 300s (fixed_rate)")
+
+
 def test_apply_overrides__env_names_match_without_case(monkeypatch: pytest.MonkeyPatch) -> None:
     wf = Workflow("OrderFlow", context=Ctx)
 

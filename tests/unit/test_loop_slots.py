@@ -11,6 +11,7 @@ from flowloop.loop_slots import (
     INTERRUPTED_MESSAGE,
     LEASE_LOST_MESSAGE,
     firing,
+    giving_up,
     interrupted,
     outcome,
 )
@@ -140,3 +141,37 @@ def test_outcome__shutdown_keeps_the_failure_count_and_end_at_stops() -> None:
     assert cancelled.changes["consecutive_failures"] == 2
     ending = recorded(every_minute(end_at=T0 + 30), row())
     assert (ending.status, ending.reason) == ("stopped", "end_at reached")
+
+
+def test_outcome__slots_at_or_after_end_at_are_not_skipped() -> None:
+    """The iteration of T0 runs 150 s; end_at is T0 + 90: only T0 + 60 was the loop's slot
+    (before, T0 + 120 was counted skipped too)."""
+    ending = recorded(every_minute(end_at=T0 + 90), row(), duration=150.0, now=T0 + 150)
+    assert [(e.kind, e.count) for e in ending.events] == [
+        ("iteration_succeeded", 0),
+        ("skipped_overlap", 1),
+        ("loop_stopped", 0),
+    ]
+    assert (ending.skipped, ending.changes["skipped"]) == (1, row().skipped + 1)
+    past = recorded(every_minute(end_at=T0 + 60), row(), duration=150.0, now=T0 + 150)
+    assert [e.kind for e in past.events] == ["iteration_succeeded", "loop_stopped"]
+    assert past.skipped == 0
+
+
+def test_giving_up__missed_slots_then_the_next_slot_or_the_end() -> None:
+    due = row(status="scheduled", next_fire_at=T0, owner=None)
+    goes_on = giving_up(
+        every_minute(), due, Wake(False, T0 + 120, 3, "missed"), now=T0 + 150, worker=WORKER
+    )
+    assert [(e.kind, e.slot, e.count) for e in goes_on.events] == [("missed", T0, 3)]
+    assert goes_on.changes["next_fire_at"] == T0 + 180
+    assert goes_on.changes["missed"] == due.missed + 3
+    assert goes_on.status == "scheduled"
+    ends = every_minute(end_at=T0 + 150)
+    ended = giving_up(ends, due, Wake(False, T0 + 120, 3, "missed"), now=T0 + 4000, worker=WORKER)
+    assert [(e.kind, e.data) for e in ended.events] == [
+        ("missed", {}),
+        ("loop_stopped", {"reason": "end_at reached"}),
+    ]
+    assert (ended.status, ended.reason) == ("stopped", "end_at reached")
+    assert (ended.changes["status"], ended.changes["next_fire_at"]) == ("stopped", None)

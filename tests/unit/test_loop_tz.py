@@ -14,7 +14,7 @@ import pytest
 
 from flowloop.errors import LoopDefinitionError
 from flowloop.loops import Iteration, Loop, decide
-from flowloop.tz import describe, wall_time_schedule
+from flowloop.tz import describe, wall_epoch, wall_time_schedule
 
 
 def tick(it: Iteration) -> None:
@@ -165,3 +165,29 @@ def test_cron_tz__a_zoneinfo_without_a_name_is_refused() -> None:
     unnamed = ZoneInfo.from_file(io.BytesIO(berlin.read_bytes()))
     with pytest.raises(LoopDefinitionError, match="ZoneInfo without an IANA name"):
         Loop("b", tick, cron="30 2 * * *", tz=unnamed)
+
+
+@pytest.mark.parametrize(
+    ("zone", "wall", "fold", "shown"),
+    [
+        (BERLIN, "2026-06-01T10:00", 0, "2026-06-01 10:00 CEST"),
+        (BERLIN, "2026-01-15T10:00", 0, "2026-01-15 10:00 CET"),
+        # Spring forward: a wall time that does not exist is the first moment after the gap.
+        (BERLIN, "2026-03-29T02:00", 0, "2026-03-29 03:00 CEST"),
+        (BERLIN, "2026-03-29T02:30", 1, "2026-03-29 03:00 CEST"),
+        (BERLIN, "2026-03-29T01:59", 0, "2026-03-29 01:59 CET"),
+        (NEW_YORK, "2026-03-08T02:30", 0, "2026-03-08 03:00 EDT"),
+        # Fall back: a wall time that happens twice is its first occurrence (fold=1: second).
+        (BERLIN, "2026-10-25T02:30", 0, "2026-10-25 02:30 CEST"),
+        (BERLIN, "2026-10-25T02:30", 1, "2026-10-25 02:30 CET"),
+        (NEW_YORK, "2026-11-01T01:30", 0, "2026-11-01 01:30 EDT"),
+        (None, "2026-06-01T10:00", 0, "2026-06-01 10:00 UTC"),
+    ],
+)
+def test_wall_epoch__a_naive_time_in_a_zone_under_the_dst_policy(
+    zone: str | None, wall: str, fold: int, shown: str
+) -> None:
+    """How a naive start_at/end_at beside tz= is read (flowloop.tz.wall_epoch)."""
+    moment = wall_epoch(datetime.fromisoformat(wall).replace(fold=fold), zone)
+    assert describe(moment, zone) == shown
+    assert moment == int(moment)  # whole seconds, also inside a gap

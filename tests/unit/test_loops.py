@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from pydantic import BaseModel
@@ -136,6 +137,27 @@ def test_loop__durations_accept_timedeltas_and_datetimes() -> None:
     assert made.schedule == "every 60s (fixed_rate)"
 
 
+def test_loop__naive_start_and_end_are_wall_time_in_the_loop_zone() -> None:
+    """Beside tz=, a naive datetime means that zone's wall time (before: UTC); without tz=
+    it is UTC, as before; an aware one is what it says."""
+    berlin = ZoneInfo("Europe/Berlin")
+    made = Loop(
+        "l",
+        tick,
+        cron="30 2 * * *",
+        tz="Europe/Berlin",
+        start_at=datetime(2026, 6, 1, 10),
+        end_at=datetime(2026, 6, 30, 10, tzinfo=UTC),
+    )
+    assert made.start_at == datetime(2026, 6, 1, 10, tzinfo=berlin).timestamp()
+    assert made.end_at == datetime(2026, 6, 30, 10, tzinfo=UTC).timestamp()
+    plain = Loop("l", tick, cron="30 2 * * *", start_at=datetime(2026, 6, 1, 10))
+    assert plain.start_at == datetime(2026, 6, 1, 10, tzinfo=UTC).timestamp()
+    # Spring forward: 02:30 does not exist in Berlin that night; it is the end of the gap.
+    gap = Loop("l", tick, cron="30 2 * * *", tz=berlin, start_at=datetime(2026, 3, 29, 2, 30))
+    assert gap.start_at == datetime(2026, 3, 29, 3, 0, tzinfo=berlin).timestamp()
+
+
 def test_loop_decorator__names_the_loop_after_the_function() -> None:
     @loop(every=5, mode="fixed_delay", max_failures=2)
     def poll(it: Iteration) -> int:
@@ -152,6 +174,16 @@ def test_iteration__idempotency_key_is_stable_per_slot() -> None:
     retry = Iteration(loop="l", slot=T0 + 0.1234, number=1, attempt=2)
     assert first.idempotency_key == retry.idempotency_key == "loop:l:1800000000.123"
     assert first.scheduled_for == datetime.fromtimestamp(T0 + 0.1234, UTC)
+    assert first.scheduled_for.utcoffset() == timedelta(0)
+
+
+def test_iteration__scheduled_for_is_in_the_loop_zone() -> None:
+    """00:30 in Berlin on 2 June is 22:30 UTC on 1 June: the date is Berlin's."""
+    slot = datetime(2026, 6, 1, 22, 30, tzinfo=UTC).timestamp()
+    it = Iteration(loop="l", slot=slot, number=1, attempt=1, tz="Europe/Berlin")
+    assert it.scheduled_for.isoformat() == "2026-06-02T00:30:00+02:00"
+    assert it.scheduled_for.timestamp() == slot
+    assert Iteration(loop="l", slot=slot, number=1, attempt=1).scheduled_for.day == 1
 
 
 # -- slots -----------------------------------------------------------------------------------
@@ -164,6 +196,18 @@ def test_first_slot__now_or_start_at() -> None:
     assert every(10, start_at=T0).first_slot(T0 + 25) == T0 + 30
     assert every(10, start_at=T0).first_slot(T0 + 30) == T0 + 30
     assert Loop("c", tick, cron="*/5 * * * *").first_slot(T0 + 1) == T0 + 300
+
+
+def test_first_slot__a_cron_loop_starts_at_its_first_cron_time_at_or_after_start_at() -> None:
+    """start_at is not a slot of a cron loop unless it is a cron time (before, a loop fired
+    at start_at, then on its schedule)."""
+    five = Loop("c", tick, cron="*/5 * * * *", start_at=T0 + 61)
+    assert five.first_slot(T0) == five.earliest_slot() == T0 + 300
+    exact = Loop("c", tick, cron="*/5 * * * *", start_at=T0 + 600)
+    assert exact.first_slot(T0) == exact.earliest_slot() == T0 + 600
+    # every= starts its chain at start_at itself.
+    assert every(10, start_at=T0 + 61).earliest_slot() == T0 + 61
+    assert every(10).earliest_slot() is None
 
 
 def test_slot_after__follows_the_chain_of_the_anchor() -> None:
@@ -280,6 +324,33 @@ def test_decide__infinite_grace_never_misses() -> None:
     assert (wake.fire, wake.missed, wake.coalesced) == (True, 0, 8640)
 
 
+def test_decide__only_slots_before_end_at_count() -> None:
+    """Down past end_at (T0 + 60): the slots before it are decided as after any downtime —
+    before, the latest due slot (past end_at) was chosen and the loop ended at once."""
+    ends = {"start_at": T0, "end_at": T0 + 60}
+    # At T0 + 80 with grace 25, every slot before end_at (0 … 50) is late: all missed.
+    assert decide(every(10, misfire_grace=25, **ends), T0, T0 + 80) == Wake(
+        False, T0 + 50, 6, "missed"
+    )
+    # At T0 + 70 with grace 25: 0 … 40 late, 50 within: it fires, nothing coalesced.
+    assert decide(every(10, misfire_grace=25, **ends), T0, T0 + 70) == Wake(
+        True, T0 + 50, 5, "on_time"
+    )
+    assert decide(every(10, **ends), T0, T0 + 500) == Wake(
+        True, T0 + 50, 0, "coalesced", coalesced=5
+    )
+    assert decide(every(10, coalesce=False, **ends), T0 + 40, T0 + 500) == Wake(
+        True, T0 + 40, 0, "catch_up"
+    )
+    assert decide(every(10, coalesce=False, **ends), T0 + 50, T0 + 500) == Wake(
+        True, T0 + 50, 0, "on_time"
+    )
+    # A slot at or after end_at: the loop has ended, nothing is given up.
+    assert decide(every(10, **ends), T0 + 60, T0 + 500) == Wake(False, T0 + 60, 0, "ended")
+    cron = Loop("c", tick, cron="*/5 * * * *", end_at=T0 + 900)
+    assert decide(cron, T0, T0 + 3600) == Wake(True, T0 + 600, 0, "coalesced", coalesced=2)
+
+
 def test_decide__cron_downtime_coalesces() -> None:
     wake = decide(Loop("c", tick, cron="*/5 * * * *"), T0, T0 + 17 * 60)
     assert wake == Wake(True, T0 + 15 * 60, 0, "coalesced", coalesced=3)
@@ -306,6 +377,10 @@ def test_finished__at_end_at() -> None:
     lp = every(10, start_at=T0, end_at=T0 + 30)
     assert not lp.finished(T0 + 20)
     assert lp.finished(T0 + 30)
+    assert lp.horizon(T0 + 29) == T0 + 29
+    assert T0 + 29.999 < lp.horizon(T0 + 30) < T0 + 30
+    assert lp.horizon(T0 + 900) == lp.horizon(T0 + 30)
+    assert every(10).horizon(T0 + 900) == T0 + 900
 
 
 def test_cron__aliases_and_fixed_results() -> None:
