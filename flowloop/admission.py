@@ -2,11 +2,14 @@
 
 * **Debounce** (``engine.start(wf, ctx, key=K, debounce=30)``): a burst of starts with one
   key becomes one run with the last context. The first start creates the run due
-  ``window`` from now; each later start within the window (while that run has not begun:
-  no step started, no call's or map's children, ``journal.BEGINS``) replaces its context
-  and pushes its due time to ``window`` after this start — journaled ``run_debounced``
-  with the new context, so replay still equals the row. Once the run has begun, the next
-  start with the key opens a new burst (a new run).
+  ``window`` from now; each later start within the window (while that run has not begun
+  its first step) replaces its context and pushes its due time to ``window`` after this
+  start — journaled ``run_debounced`` with the new context, so replay still equals the
+  row. Paused by an operator before its first step, the run takes the start and stays
+  paused (unpaused, it is due when the last start's window ends); a run whose first state
+  is a wait takes it while it has taken no event (its timeout counts from the window's
+  end). Once the run has begun (:data:`BEGAN`), or was claimed, stopped or failed first,
+  the next start with the key opens a new burst (a new run).
   A debounced run keeps no business key (bursts recur); its key is in its journal.
 * **Throttle** (``throttle=(n, period)``): at most ``n`` runs started with one key per
   ``period`` (a sliding window of run creation times, counted in the database, so it holds
@@ -21,11 +24,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Final
 
+from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.retry import MAX_DURATION_SECONDS
 
 DEBOUNCE_PREFIX: Final = "debounce:"
 THROTTLE_PREFIX: Final = "throttle:"
+BEGAN: Final = (
+    j.STEP_STARTED,
+    j.CHILDREN_STARTED,
+    j.COMPENSATION_STARTED,
+    j.EVENT_RECEIVED,
+    j.DEADLINE_PASSED,
+)
+"""Entries by which a debounced run has begun: its first step (call, map, compensating
+state) started, or its first state, a wait, took an event or its timeout, or its deadline
+moved it on. From then on it collects no more starts."""
+COLLECTS: Final = ("scheduled", "paused")
 
 
 class AdmissionError(FlowloopError):
@@ -106,6 +121,15 @@ def admission_key(key: object) -> str:
 def debounce_marker(workflow: str, key: str) -> str:
     """The idempotency key of the run that collects a burst (unique while it collects)."""
     return f"{DEBOUNCE_PREFIX}{workflow}:{key}"
+
+
+def collecting(status: str, owner: str | None, began: bool) -> bool:
+    """Whether the run holding a burst's marker takes a later start of the burst (its
+    context and due time): it has not begun (``began``: an entry of :data:`BEGAN`), no
+    worker holds it, and it is scheduled (waiting in its first state, too) or paused by an
+    operator (it stays paused). Stopped, failed or claimed before it began, the next start
+    opens a new burst."""
+    return status in COLLECTS and owner is None and not began
 
 
 def throttle_prefix(workflow: str, key: str) -> str:

@@ -139,11 +139,16 @@ def check_bufferable(
     raise first
 
 
+ENTRIES: Final = (j.RUN_CREATED, j.RUN_DEBOUNCED, j.RUN_RETRIED, j.SLEEP_ENDED)
+"""Kinds that enter the state they name (``state``), not moving the run from another."""
+
+
 def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | None:
     """The entry by which the run last entered ``state``: a transition or an ``on_error``
-    route into it (any entry with it as ``next_state``), its creation or an operator's
-    retry there, the end of a sleep before it, or a migration that set its due time; a
-    migration that renamed the state is followed to the entry into the old name."""
+    route into it (any entry with it as ``next_state``), its creation, a later start of its
+    debounce burst (a creation again: context and due time) or an operator's retry there,
+    the end of a sleep before it, or a migration that set its due time; a migration that
+    renamed the state is followed to the entry into the old name."""
     looking = state
     for event in reversed(events):
         if event.kind == j.RUN_MIGRATED and event.state == looking:
@@ -151,7 +156,7 @@ def entry_into(state: str, events: Sequence[JournalEvent]) -> JournalEvent | Non
                 return event
             looking = str(event.data.get("from_state", looking))
             continue
-        begun = event.kind in (j.RUN_CREATED, j.RUN_RETRIED, j.SLEEP_ENDED) or is_turn(event)
+        begun = event.kind in ENTRIES or is_turn(event)
         if event.next_state == looking or (begun and event.state == looking):
             return event
     return None
@@ -221,7 +226,8 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     compensating state it is the due time of the success into it (or of a migration that
     kept a sleep) while nothing has begun there since — a step, its children, its
     compensations. (A due time written under an older version, a migration since, may be
-    a wait's timeout: not taken for a sleep.)"""
+    a wait's timeout: not taken for a sleep.) A debounced run's window before its first
+    step counts as such a sleep: due one window after the burst's last start."""
     entry = entry_into(state, events)
     due = None if entry is None else entry.data.get("due")
     if entry is None or not isinstance(due, (int, float)):
@@ -230,13 +236,21 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
         trusted = True
     elif wait:
         return None  # (a wait's due time is its timeout's)
-    elif entry.kind == j.STEP_SUCCEEDED:
+    elif entry.kind == j.STEP_SUCCEEDED or _debounced(entry):
         trusted = not any(e.kind == j.RUN_MIGRATED and e.seq > entry.seq for e in events)
     else:
         trusted = entry.kind == j.RUN_MIGRATED
     if not trusted or any(e.kind in BEGUN and e.seq > entry.seq for e in events):
         return None
     return float(due)
+
+
+def _debounced(entry: JournalEvent) -> bool:
+    """A later start of a debounce burst, or the creation of a debounced (or throttled:
+    due at its creation, no later) run: its due time is when the burst's window ends."""
+    return entry.kind == j.RUN_DEBOUNCED or (
+        entry.kind == j.RUN_CREATED and "admission_key" in entry.data
+    )
 
 
 def asleep_before(workflow: Workflow, state: str) -> bool:

@@ -401,7 +401,9 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         change.update(next_run_at=event.data["due"], reason=event.data.get("reason"))
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
-        change.update(context=event.context, next_run_at=event.data.get("due", event.at))
+        change["context"] = event.context
+        if record.status != "paused":  # (paused: due only when unpaused, at this due time)
+            change["next_run_at"] = event.data.get("due", event.at)
     elif kind == SLEEP_ENDED:
         # The sleep before the run's state is over: it enters it now (ends in a final one).
         final = bool(event.data.get("final"))

@@ -60,9 +60,12 @@ def admitted_start(
     group = admission.admission_key(key if key is not None else new.record.key)
     if window is not None:
         marker = admission.debounce_marker(workflow.name, group)
+        # Due as this start's own run would be: one window from now, or (its first state a
+        # wait) when the wait's timeout passes counted from then (none without a timeout).
+        due = new.events[0].data["due"]
         with engine._making(new):
             stored, made = store.debounce_start(
-                _keyless(new, marker, group), marker, due=now + window, now=now, key=group
+                _keyless(new, marker, group), marker, due=due, now=now, key=group
             )
         if not made:
             engine._unmade(new)  # merged into the run the burst already has

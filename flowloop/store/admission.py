@@ -1,8 +1,9 @@
 """SQL for debounced and throttled starts (flowloop/admission.py decides; this writes).
 
 Contract: a debounced start touches only the run that collects its key's burst, and only
-while that run is scheduled, unowned and has never started a step (fenced by ``last_seq``,
-so a worker that claims it first wins and the start opens a new burst). A throttled start
+while that run is scheduled or paused, unowned and has not begun (no entry of
+:data:`flowloop.admission.BEGAN`), fenced by ``last_seq``: a worker that claims it first
+wins and the start opens a new burst. A throttled start
 counts its key's runs and creates the new one in the same transaction (on PostgreSQL under
 a transaction-scoped advisory lock on the key, so two processes cannot both take the last
 place).
@@ -18,8 +19,10 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Connection, func, insert, or_, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
+from flowloop import admission
 from flowloop import journal as j
 from flowloop.backpressure import DROPPED_REASON, usage_by_workflow
+from flowloop.journal import JournalEvent
 from flowloop.store import dialect
 from flowloop.store.base import InboxEvent, NewRun, StoredRun
 from flowloop.store.entries import row_context
@@ -69,11 +72,12 @@ class AdmissionStoreMixin:
         return self._fold_tails(conn, [_stored_from_row(row)])[0]
 
     def debounce_start(
-        self, new: NewRun, marker: str, *, due: float, now: float, key: str
+        self, new: NewRun, marker: str, *, due: float | None, now: float, key: str
     ) -> tuple[StoredRun, bool]:
-        """Create ``new`` (idempotency key ``marker``, due ``due``) or, when the run holding
-        ``marker`` has not begun (no entry of ``journal.BEGINS``), give it ``new``'s context
-        and due time (journaled ``run_debounced``). Returns the run and whether it was created."""
+        """Create ``new`` (idempotency key ``marker``) or, when the run holding ``marker``
+        still collects its burst (:func:`flowloop.admission.collecting`), give it ``new``'s
+        context and due time ``due`` (journaled ``run_debounced``; a paused one stays
+        paused, due only when unpaused). Returns the run and whether it was created."""
         for attempt in range(ATTEMPTS):
             try:
                 with self._write() as conn:
@@ -84,57 +88,96 @@ class AdmissionStoreMixin:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _debounce_in(
-        self, conn: Connection, new: NewRun, marker: str, *, due: float, now: float, key: str
+        self,
+        conn: Connection,
+        new: NewRun,
+        marker: str,
+        *,
+        due: float | None,
+        now: float,
+        key: str,
     ) -> tuple[StoredRun, bool]:
         self._serialize(conn, marker)  # concurrent starts of one burst take turns
-        row = conn.execute(
-            select(runs.c.id, runs.c.status, runs.c.owner, runs.c.last_seq).where(
-                runs.c.idempotency_key == marker
-            )
-        ).first()
-        if row is not None:
+        for _ in range(ATTEMPTS):
+            found = conn.execute(select(runs.c.id).where(runs.c.idempotency_key == marker)).first()
+            if found is None:
+                break
+            stored = self._stored(conn, found.id)
             began = conn.execute(
                 select(journal.c.seq)
-                .where(journal.c.run_id == row.id, journal.c.kind.in_(j.BEGINS))
+                .where(journal.c.run_id == stored.id, journal.c.kind.in_(admission.BEGAN))
                 .limit(1)
             ).first()
-            if row.status == "scheduled" and row.owner is None and began is None:
-                context = new.record.context
-                changed = conn.execute(
+            if not admission.collecting(stored.record.status, stored.owner, began is not None):
+                # The burst's run has begun, ended or been claimed: it keeps a marker of
+                # its own, and this start opens the next burst.
+                conn.execute(
                     update(runs)
-                    .where(
-                        runs.c.id == row.id,
-                        runs.c.last_seq == row.last_seq,
-                        runs.c.status == "scheduled",
-                        runs.c.owner.is_(None),
-                    )
-                    .values(
-                        context=row_context(context),  # a long one: the journal's below
-                        next_run_at=due,
-                        last_seq=row.last_seq + 1,
-                        updated_at=now,
-                    )
+                    .where(runs.c.id == stored.id)
+                    .values(idempotency_key=f"{marker}:{stored.id}")
                 )
-                if changed.rowcount == 1:
-                    conn.execute(
-                        journal.insert().values(
-                            run_id=row.id,
-                            seq=row.last_seq + 1,
-                            kind=j.RUN_DEBOUNCED,
-                            at=now,
-                            attempt=0,
-                            context=context,
-                            worker=new.events[0].worker,
-                            data=json.dumps({"due": due, "debounce_key": key}, sort_keys=True),
-                        )
-                    )
-                    return self._stored(conn, row.id), False
-            # The burst's run has begun (or a worker just claimed it): it keeps a marker of
-            # its own, and this start opens the next burst.
-            conn.execute(
-                update(runs).where(runs.c.id == row.id).values(idempotency_key=f"{marker}:{row.id}")
-            )
+                break
+            if self._debounce_into(conn, stored, new, due=due, now=now, key=key):
+                return self._stored(conn, stored.id), False
+            # (PostgreSQL: an operator's pause, unpause or stop, or a claim, moved the run
+            # between the read and the write: look at it again.)
         return self._create_in(conn, new)
+
+    def _debounce_into(
+        self,
+        conn: Connection,
+        stored: StoredRun,
+        new: NewRun,
+        *,
+        due: float | None,
+        now: float,
+        key: str,
+    ) -> bool:
+        """Journal ``run_debounced`` on the burst's run (fenced on its row as read: the
+        journal protocol's one writer per seq); False, nothing written, if it moved."""
+        record = stored.record
+        event = JournalEvent(
+            run_id=record.id,
+            seq=record.last_seq + 1,
+            kind=j.RUN_DEBOUNCED,
+            at=now,
+            state=record.state,  # (its entry into its first state: a wait's timeout counts)
+            context=new.record.context,
+            worker=new.events[0].worker,
+            data={"due": due, "debounce_key": key},
+        )
+        after = j.apply(record, event)  # replay equals the row: paused, it stays undue
+        changed = conn.execute(
+            update(runs)
+            .where(
+                runs.c.id == record.id,
+                runs.c.last_seq == record.last_seq,
+                runs.c.status == record.status,
+                runs.c.owner.is_(None),
+            )
+            .values(
+                context=row_context(after.context),  # a long one: the journal's below
+                next_run_at=after.next_run_at,
+                last_seq=after.last_seq,
+                updated_at=now,
+            )
+        )
+        if changed.rowcount != 1:
+            return False
+        conn.execute(
+            journal.insert().values(
+                run_id=event.run_id,
+                seq=event.seq,
+                kind=event.kind,
+                at=event.at,
+                state=event.state,
+                attempt=0,
+                context=event.context,
+                worker=event.worker,
+                data=json.dumps(event.data, sort_keys=True),
+            )
+        )
+        return True
 
     def throttled_start(
         self, new: NewRun, prefix: str, *, since: float, decide: Any

@@ -84,3 +84,18 @@ def test_admitted_runs_ids_are_the_same_each_time_the_test_runs() -> None:
             ids.append(e.start(wf, Sync(rev=9), key="c-7", debounce=30).id)
             runs.append(ids)
     assert runs[0] == runs[1] and len(set(runs[0])) == 3
+
+
+def test_debounce__a_paused_burst_is_one_run_with_the_last_context(engine: TestEngine) -> None:
+    wf = sync()
+    first = engine.start(wf, Sync(rev=1), key="c-7", debounce=30)
+    engine.pause(first.id)
+    later = engine.start(wf, Sync(rev=2), key="c-7", debounce=30)
+    assert (later.id, later.status) == (first.id, "paused")  # the pause holds the burst
+    engine.run_until_idle()
+    assert engine.get(first.id).status == "paused"
+    engine.unpause(first.id)
+    engine.run_until_idle()  # (the clock jumps to the window's end)
+    assert engine.clock.now() == CLOCK_START + 30
+    [run] = engine.runs()
+    assert (run.id, run.status, run.context) == (first.id, "succeeded", Sync(rev=2))

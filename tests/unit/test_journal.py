@@ -137,6 +137,15 @@ def test_fold__pause_unpause_stop_release() -> None:
     assert stopped.status == "stopped" and stopped.reason == "stopped"
 
 
+def test_fold__a_debounced_start_on_a_paused_run_leaves_it_paused_and_undue() -> None:
+    log = Log().add(j.RUN_DEBOUNCED, state="a", context='{"n":1}', data={"due": T0 + 40})
+    scheduled = log.fold()
+    assert (scheduled.status, scheduled.next_run_at) == ("scheduled", T0 + 40)
+    log.add(j.RUN_PAUSED, state="a")
+    paused = log.add(j.RUN_DEBOUNCED, state="a", context='{"n":2}', data={"due": T0 + 50}).fold()
+    assert (paused.status, paused.context, paused.next_run_at) == ("paused", '{"n":2}', None)
+
+
 def test_fold__retried_from_a_past_state_takes_its_context() -> None:
     log = (
         Log()

@@ -69,3 +69,15 @@ def test_sleep_end__an_entry_of_an_older_version_only_when_it_says_asleep() -> N
     assert sleep_end("s2", kept, wait=False) == END
     asleep = slept("w", **{j.ASLEEP: True})
     assert sleep_end("s2", [*asleep, moved[-1]], wait=False) == END
+
+
+def test_sleep_end__a_debounced_runs_window_until_its_first_step_starts() -> None:
+    created = entry(
+        1, j.RUN_CREATED, state="first", context="{}", data={"due": END, "admission_key": "k"}
+    )
+    assert sleep_end("first", [created], wait=False) == END
+    later = entry(2, j.RUN_DEBOUNCED, state="first", context="{}", data={"due": END + 5})
+    paused = [created, later, entry(3, j.RUN_PAUSED, state="first")]
+    assert sleep_end("first", paused, wait=False) == END + 5  # the burst's last start's
+    started = [*paused, entry(4, j.STEP_STARTED, state="first", attempt=1)]
+    assert sleep_end("first", started, wait=False) is None
