@@ -7,6 +7,7 @@ due time only when the state has a timeout. An event sent to it (or the timeout)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
@@ -14,6 +15,7 @@ from typing import Any, Final
 from pydantic import ValidationError
 
 from flowloop import journal as j
+from flowloop import lifecycle
 from flowloop.contexts import context_from
 from flowloop.definition import TIMEOUT_EVENT, Workflow, describe_validation
 from flowloop.errors import (
@@ -251,6 +253,38 @@ def _debounced(entry: JournalEvent) -> bool:
     return entry.kind == j.RUN_DEBOUNCED or (
         entry.kind == j.RUN_CREATED and "admission_key" in entry.data
     )
+
+
+def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str | None]:
+    """When a paused run was due before the pause it is in (the first of its pauses since
+    it was last unpaused), and its reason then, read from the journal without the
+    definition: the row its entries fold to just before that pause — due at its creation's
+    ``run_at``, a failure's ``retry_at``, a deferral's (a rate limit, an open breaker: its
+    reason says so, and a rate limit serves it in its queue's turn by it), a debounce's,
+    an earlier unpause's; at once (``None``, or a time past) when it was due then, or ran.
+    Its deadline is left out: the unpause's entry is held to it again, and a due time
+    only the deadline's (a call or map state waiting for its children, a map's child held
+    back: the store makes them due, not the journal) is not taken for the run's own.
+    ``(None, None)`` when the journal cannot be folded."""
+    record: j.RunRecord | None = None
+    before: j.RunRecord | None = None
+    try:
+        for event in events:
+            if record is None:
+                kept = {k: v for k, v in event.data.items() if k != "deadline"}
+                record = j.create(dataclasses.replace(event, data=kept))
+                continue
+            if event.kind == j.RUN_PAUSED and record.status != "paused":
+                before = record
+            record = j.apply(record, event)
+    except j.FoldError:
+        return None, None
+    if record is None or record.status != "paused" or before is None:
+        return None, None
+    if before.status not in lifecycle.CLAIMABLE:
+        return None, None  # (running when paused: due at once)
+    reason = None if before.reason == j.ASLEEP else before.reason
+    return before.next_run_at, reason
 
 
 def asleep_before(workflow: Workflow, state: str) -> bool:

@@ -360,9 +360,10 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         change.update(
             status=_status(record, "scheduled", event),
             # A run waiting in a wait state keeps its timeout's due time (or none); one
-            # asleep before its state sleeps on.
+            # asleep before its state sleeps on; one deferred is due then again, its
+            # deferral's reason kept (a rate limit's queue serves it in its turn).
             next_run_at=event.data.get("due", event.at),
-            reason=ASLEEP if event.data.get(ASLEEP) else None,
+            reason=ASLEEP if event.data.get(ASLEEP) else event.data.get("reason"),
         )
     elif kind == RUN_STOPPED:
         change.update(

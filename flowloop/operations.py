@@ -37,6 +37,7 @@ from flowloop.events import (
     asleep_before,
     asleep_until,
     check_bufferable,
+    due_before_pause,
     entering,
     receive,
     sleep_end,
@@ -320,6 +321,16 @@ class Operations:
             by_stored = found and not self.store.pending_events(run_id)
             if by_stored:
                 data["due"] = due
+        else:
+            # Due when it was due before its pause (at once if that has passed): a run
+            # started for later (run_at), backing off before a retry, deferred by a rate
+            # limit (its place in the limit's queue kept: the reason says it) or a breaker,
+            # or debounced; read from the journal (also without the definition).
+            before, reason = due_before_pause(self.store.journal(run_id))
+            if before is not None and before > self.clock.now():
+                data["due"] = before
+            if reason is not None:
+                data["reason"] = reason
         if not self._operate(stored, j.RUN_UNPAUSED, state=record.state, data=data):
             if tries > 1:  # moved meanwhile (a map child's turn journaled): look again
                 return self._unpause(run_id, cascaded=cascaded, tries=tries - 1)

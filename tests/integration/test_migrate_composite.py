@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, Retry, Step, Workflow
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop.errors import DefinitionMismatch
 
 
@@ -314,15 +314,21 @@ def test_a_step_retried_across_a_rolled_back_rename_keeps_its_idempotency_key(
     def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
         return paying("pay_back", version, name, migrates_from, keys, failures=1, attempts=3)
 
-    with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
+    clock = FakeClock(auto_advance=False)
+    with Engine(store_url, workflows=[pay(1, "charge", None)], clock=clock) as engine:
         run = engine.start(engine.workflow("pay_back"), Kid()).id
         engine.run_until_idle()  # the first attempt fails; the next is an hour away
         engine.pause(run)
-    with Engine(store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})]) as engine:
+    with Engine(
+        store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})], clock=clock
+    ) as engine:
         engine.migrate(run, to=2, by="deployer")
-    with Engine(store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})]) as engine:
+    with Engine(
+        store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})], clock=clock
+    ) as engine:
         engine.migrate(run, to=3, by="deployer")
-        engine.unpause(run)  # (due at once: the unpaused step is tried again)
+        engine.unpause(run)  # (due when its backoff ends: the unpaused step is tried again)
+        clock.advance(3600)
         engine.run_until_idle()
         info = engine.get(run)
         assert (info.status, dict(info.visits)) == (
@@ -366,18 +372,24 @@ def test_a_rename_rolled_back_after_a_retry_in_it_is_still_the_same_visit(
     def pay(version: int, name: str, migrates_from: dict[int, dict[str, str]] | None) -> Workflow:
         return paying("pay_retry", version, name, migrates_from, keys, failures=2, attempts=2)
 
-    with Engine(store_url, workflows=[pay(1, "charge", None)]) as engine:
+    clock = FakeClock(auto_advance=False)
+    with Engine(store_url, workflows=[pay(1, "charge", None)], clock=clock) as engine:
         run = engine.start(engine.workflow("pay_retry"), Kid()).id
         engine.run_until_idle()  # attempt 1 fails; attempt 2 an hour away
         engine.pause(run)
-    with Engine(store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})]) as engine:
+    with Engine(
+        store_url, workflows=[pay(2, "bill", {1: {"charge": "bill"}})], clock=clock
+    ) as engine:
         engine.migrate(run, to=2, by="deployer")
-        engine.unpause(run)
+        engine.unpause(run)  # (due when its backoff ends)
+        clock.advance(3600)
         engine.run_until_idle()  # attempt 2 fails: the run fails
         assert engine.get(run).status == "failed"
         engine.retry(run)
         engine.pause(run)
-    with Engine(store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})]) as engine:
+    with Engine(
+        store_url, workflows=[pay(3, "charge", {2: {"bill": "charge"}})], clock=clock
+    ) as engine:
         engine.migrate(run, to=3, by="deployer")
         engine.unpause(run)
         engine.run_until_idle()
