@@ -81,6 +81,7 @@ def run(
         with printed_not_logged(not as_json):
             info = run_interruptibly(engine, workflow, context, key=key, notice=err.print)
         waits = support.WaitStates(engine)
+        due = None if isinstance(info, Interrupted) else support.run_due(engine, info)
     if isinstance(info, Interrupted):
         # --json still prints the run: as Ctrl-C handed it back (None: never created), and
         # how many SIGINTs came (1: its step finished, 2 or more: cut off).
@@ -100,6 +101,8 @@ def run(
     if waits.of(info) is not None and info.state in workflow.waits:  # (not asleep before it)
         wait = workflow.waits[info.state]
         until = f"; times out at {iso(info.next_run_at)}" if info.next_run_at else ""
+        if due is not None and due.deadline_first:  # (not its timeout: sooner)
+            until = "; " + due.deadline_words(f" at {iso(due.at)}")
         out.print(
             f"run {info.id} waits in {info.state} for {' or '.join(wait.on)}{until} "
             f"(`flowloop send {info.id} EVENT`)"
@@ -107,7 +110,7 @@ def run(
         return
     _refuse_failed(info, shown_ends)
     if not info.finished:
-        out.print(support.not_ended_line(info), markup=False)
+        out.print(support.not_ended_line(info, due), markup=False)
 
 
 def _refuse_failed(info: RunInfo, shown_ends: Collection[str] = ()) -> None:
@@ -399,6 +402,7 @@ def retry(
         if as_json:
             click.echo(json.dumps({"run": info_json(info, waits)}))
         waiting = waits.of(info)
+        due = support.run_due(engine, info) if drive and not as_json else None
     if cut is not None:
         where = f"--db {database(db)}" + "".join(f" -w {path}" for path in workflow_paths)
         resume, retry_again = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
@@ -412,7 +416,7 @@ def retry(
             f"run {info.id} {waiting.describe()} (`flowloop send {info.id} EVENT`)", markup=False
         )
     elif drive:
-        out.print(support.not_ended_line(info), markup=False)
+        out.print(support.not_ended_line(info, due), markup=False)
 
 
 def _refuse_a_key_as_run_id(engine: Engine, target: str) -> None:

@@ -55,7 +55,8 @@ def status(
                 shown = {**info_json(info, waits), "held": held, "kept_events": kept}
                 click.echo(json.dumps(shown))
                 return
-            show_run(info, waits.of(info), support.asleep_reason(reader, info))
+            due = support.run_due(reader, info)
+            show_run(info, waits.of(info), support.asleep_reason(info, due), due)
             for line in family_lines(reader.store, info.id, live=not info.finished):
                 out.print(line)
             return

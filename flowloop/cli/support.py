@@ -23,6 +23,7 @@ from flowloop.store.urls import normalize_url
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
+    from flowloop.dues import Due
     from flowloop.engine import Engine
     from flowloop.reading import RunReading
     from flowloop.runinfo import RunInfo
@@ -209,21 +210,51 @@ class WaitStates:
         return WAITING if self.of(info) is not None else info.status
 
 
-def asleep_reason(reader: RunReading, info: RunInfo) -> str | None:
+def run_due(reader: RunReading, info: RunInfo) -> Due | None:
+    """When ``info``'s run is due next and whether its deadline comes first (its journal
+    read: flowloop/dues.py); ``None`` for a run not due (not scheduled or retrying)."""
+    from flowloop import dues
+
+    if info.status not in ("scheduled", "retrying") or info.next_run_at is None:
+        return None
+    return dues.due(
+        status=info.status,
+        reason=info.reason,
+        state=info.state,
+        next_run_at=info.next_run_at,
+        events=reader.store.journal(info.id),
+        structure=lambda: reader.store.definition(info.fingerprint),
+    )
+
+
+def own_time(info: RunInfo, due: Due | None) -> float | None:
+    """What the run itself waits for (a sleep's end, a retry's attempt): its own due time
+    (``due``: :func:`run_due`), not its deadline's (its ``next_run_at`` may be that)."""
+    return due.own_at if due is not None else info.next_run_at
+
+
+def deadline_first(due: Due | None) -> str:
+    """``; its deadline passes first, at …: moves to STATE`` when ``due``'s deadline comes
+    before what the run waits for, else nothing."""
+    from flowloop.clock import iso
+
+    if due is None or not due.deadline_first:
+        return ""
+    return "; " + due.deadline_words(f" first, at {iso(due.at)}")
+
+
+def asleep_reason(info: RunInfo, due: Due | None) -> str | None:
     """The reason ``flowloop status RUN`` shows for a run asleep (``step.sleep``) before its
     wait or final state: when the sleep ends and the state it enters then (it said only
     "asleep", its state line naming a state it is not in yet); ``None`` for another run.
-    The end is the due time of its latest entry that says ``asleep`` (the run's next due
-    time may be its deadline's, sooner)."""
+    The end is the run's own due time (``due``: :func:`run_due`); its next due time may be
+    its deadline's, sooner (its "next run" line says so)."""
     from flowloop.clock import iso
 
     if info.status != "scheduled" or info.reason != ASLEEP:
         return None
-    flagged = (
-        e.data.get("due") for e in reversed(reader.store.journal(info.id)) if e.data.get(ASLEEP)
-    )
-    ends = next(flagged, None)
-    ends = ends if isinstance(ends, (int, float)) else info.next_run_at
+    ends = own_time(info, due)
+    ends = ends if ends is not None else info.next_run_at  # (a journal unread)
     return f"{ASLEEP} until {iso(ends)}, then enters {info.state}"
 
 
@@ -241,12 +272,14 @@ def what_continues(info: RunInfo, waiting: Waiting | None) -> str:
     return ""
 
 
-def not_ended_line(info: RunInfo) -> str:
+def not_ended_line(info: RunInfo, due: Due | None = None) -> str:
     """What a run ``run``/``retry`` handed back unended, outside a wait state, waits for,
-    and what continues it (exit 0: it did not fail)."""
+    and what continues it (exit 0: it did not fail); ``due``: :func:`run_due` (a retry's
+    or a sleep's own time, and whether the run's deadline comes first)."""
     from flowloop.clock import iso
 
-    due = iso(info.next_run_at) if info.next_run_at is not None else None
+    own = own_time(info, due)
+    at = iso(own) if own is not None else None
     if info.status == "running":  # another process drives it (found by its key)
         return f"run {info.id} is running in {info.state}, driven by {info.owner or 'a worker'}"
     if info.status == "paused":
@@ -255,15 +288,15 @@ def not_ended_line(info: RunInfo) -> str:
         if (info.reason or "").startswith(("definition_mismatch", "context_mismatch")):
             then = f"deploy a definition that can take it (`flowloop check FILE`), then {then}"
         return f"run {info.id} is paused in {info.state}{why}; {then}"
-    if info.status == "retrying" and due is not None:
-        waits_for = f"retries {info.state} at {due}"
-    elif info.reason == ASLEEP and due is not None:  # (step.sleep before a wait/final state)
-        waits_for = f"is asleep until {due} before entering {info.state}"
-    elif due is not None:
-        waits_for = f"sleeps in {info.state} until {due}"
+    if info.status == "retrying" and at is not None:
+        waits_for = f"retries {info.state} at {at}"
+    elif info.reason == ASLEEP and at is not None:  # (step.sleep before a wait/final state)
+        waits_for = f"is asleep until {at} before entering {info.state}"
+    elif at is not None:
+        waits_for = f"sleeps in {info.state} until {at}"
     else:
         waits_for = f"waits in {info.state} for its children"
-    return f"run {info.id} {waits_for}" + what_continues(info, None)
+    return f"run {info.id} {waits_for}" + deadline_first(due) + what_continues(info, None)
 
 
 # -- a business key that has a run already ------------------------------------------------

@@ -22,6 +22,7 @@ from flowloop.cli.common import out
 from flowloop.clock import iso
 
 if TYPE_CHECKING:
+    from flowloop.dues import Due
     from flowloop.engine import RunInfo
     from flowloop.journal import JournalEvent
     from flowloop.store.loops import LoopEvent, LoopRow
@@ -217,9 +218,14 @@ def status_table(
 
 
 def show_run(
-    info: RunInfo, waiting: support.Waiting | None = None, reason: str | None = None
+    info: RunInfo,
+    waiting: support.Waiting | None = None,
+    reason: str | None = None,
+    due: Due | None = None,
 ) -> None:
-    """``reason``: said instead of the run's (a sleep's end, support.asleep_reason)."""
+    """``reason``: said instead of the run's (a sleep's end, support.asleep_reason);
+    ``due``: when the run is due next (support.run_due): its "next run" line says whether
+    that is its deadline's time, and where the run goes then."""
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
     shown = support.WAITING if waiting is not None else info.status
@@ -234,7 +240,10 @@ def show_run(
     if info.error:
         out.print(f"error     {escape(info.error)}")
     if info.next_run_at is not None and info.status in ("scheduled", "retrying"):
-        out.print(f"next run  {iso(info.next_run_at)}")
+        first = (
+            f" ({escape(due.deadline_words())})" if due is not None and due.deadline_first else ""
+        )
+        out.print(f"next run  {iso(info.next_run_at)}{first}")
     out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")
     out.print(f"context   {escape(json.dumps(context_json(info)))}")
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
-from flowloop import family, render_loops
+from flowloop import dues, family, render_loops
 from flowloop.definition import Workflow
 from flowloop.errors import RenderError
 from flowloop.journal import ASLEEP
@@ -97,18 +97,23 @@ def retry_states(workflow: Workflow) -> list[str]:
     return [state for state in workflow.states if retryable_from(workflow, state)]
 
 
-def next_move(run: Mapping[str, Any]) -> str | None:
+def next_move(run: Mapping[str, Any], due: dues.Due | None = None) -> str | None:
     """What a run does when its ``next_run_at`` comes, for its page's "Next run" (``""``:
     it goes on at its state). None when the page shows no such time there: the run is not
     scheduled or retrying, has no time, is held back (its turn has none), or waits (its
-    "Waits for" says until when)."""
+    "Waits for" says until when). ``due``: when its deadline comes first (that time is
+    the deadline's: flowloop/dues.py), the run moves to its ``on_deadline`` state then."""
     if run["next_run_at"] is None or run["held"] or run["display_status"] == WAITING:
         return None
     if run["status"] == "retrying":
-        return f"attempt {int(run['attempt']) + 1} of {run['state']}"
-    if run["status"] != "scheduled":
+        own = f"attempt {int(run['attempt']) + 1} of {run['state']}"
+    elif run["status"] == "scheduled":
+        own = "it wakes from its step.sleep" if run["reason"] == ASLEEP else ""
+    else:
         return None
-    return "wakes from its step.sleep" if run["reason"] == ASLEEP else ""
+    if due is not None and due.deadline_first:
+        return due.deadline_words() + (f", before {own}" if own else "")
+    return own.removeprefix("it ")
 
 
 def _run_view(request: Request, run_id: str) -> dict[str, Any]:
@@ -136,10 +141,22 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
     failures = [e for e in events if e.traceback or e.error_message]
     live = row["status"] not in FINISHED
+    due = dues.due(
+        status=row["status"],
+        reason=row["reason"],
+        state=row["state"],
+        next_run_at=row["next_run_at"],
+        events=events,
+        structure=lambda: dash.store.definition(row["fingerprint"]),
+    )
     return {
         "run": row,
         "held_back": family.HELD_BACK if row["held"] else None,
-        "next_move": next_move(row),
+        "next_move": next_move(row, due),
+        "due": due,
+        # What the run itself waits for (a sleep's end, a retry's attempt), its deadline
+        # aside: its next_run_at may be the deadline's.
+        "own_at": due.own_at if due is not None and due.own_at is not None else row["next_run_at"],
         # The database's clock (as the workers page's): "in 59 min" from it.
         "now": dash.store.db_now() if live and row["next_run_at"] is not None else None,
         "events": events,

@@ -231,3 +231,118 @@ def test_run_page__a_waiting_run_says_how_long_until_its_timeout(
             page.close()
     finally:
         store.close()
+
+
+# -- a deadline sooner than what the run waits for -------------------------------------------
+# journal.apply makes a run with a deadline due by it at the latest: the page took that time
+# for the sleep's end, the retry's attempt or the wait's timeout (flowloop/dues.py).
+
+DEADLINE = 600.0
+DEADLINE_WORDS = "its deadline passes: moves to expired"
+SHOWN = ("asleep", "retrying", "waiting")
+
+
+def deadlined() -> list[Workflow]:
+    """An hour's sleep before a wait, an hour's retry backoff and an hour's wait timeout,
+    each in a run whose deadline is ten minutes away."""
+    nap = Workflow("ui_nap_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
+
+    @nap.step(initial=True, next="hold")
+    def doze(ctx: Item, step: Step) -> object:
+        return step.sleep(HOUR)
+
+    nap.wait("hold", on={"go": "done"})
+    nap.final("done", "expired")
+    flaky = Workflow("ui_flaky_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
+
+    @flaky.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=HOUR))
+    def dial(ctx: Item) -> None:
+        raise ConnectionError("the line is busy")
+
+    flaky.final("done", "expired")
+    approval = Workflow("ui_approval_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
+    approval.wait("approve", on={"yes": "done"}, timeout=HOUR, on_timeout="done", initial=True)
+    approval.final("done", "expired")
+    return [nap, flaky, approval]
+
+
+def start_deadlined(url: str) -> dict[str, tuple[str, float]]:
+    """Each run (asleep, retrying, waiting) with its deadline; they start at the clock's
+    start, so their own times are an hour from it."""
+    workflows = deadlined()
+    with Engine(url, clock=clock(), workflows=workflows) as engine:
+        made = {
+            shown: engine.start(wf, Item()).id for shown, wf in zip(SHOWN, workflows, strict=True)
+        }
+        engine.run_until_idle(idle_horizon=0)
+        found = {shown: engine.get(run_id) for shown, run_id in made.items()}
+    assert found["asleep"].reason == "asleep" and found["retrying"].status == "retrying"
+    return {shown: (info.id, float(info.next_run_at or 0)) for shown, info in found.items()}
+
+
+def test_run_page__an_asleep_run_whose_deadline_comes_first_says_so(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    """It said "Next run … wakes from its step.sleep" and "asleep until <the deadline>":
+    the run moves to its on_deadline state then, and wakes an hour later only in words."""
+    napping, deadline = off_loop(start_deadlined, store_url)["asleep"]
+    wakes = deadline - DEADLINE + HOUR
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.clock.install()
+            page.goto(f"{base}/runs/{napping}")
+            shown = page.locator("#run-next").inner_text()
+            assert utc(deadline) in shown and "(in 10 min)" in shown, shown
+            assert f"{DEADLINE_WORDS}, before it wakes from its step.sleep" in shown, shown
+            reason = page.locator(".run-reason").inner_text()
+            assert reason == (
+                f"Why scheduled: asleep until {utc(wakes)} UTC, then enters hold; its deadline "
+                f"passes first, at {utc(deadline)} UTC: moves to expired"
+            ), reason
+            page.screenshot(path=str(tmp_path / "asleep_deadline.png"), full_page=True)
+            # The countdown is the deadline's: due in ten minutes, not in an hour.
+            until = page.locator("#run-next .until")
+            page.clock.fast_forward("05:00")
+            playwright.expect(until).to_have_text(re.compile(r"in (4|5) min"))
+            page.clock.fast_forward("06:00")
+            playwright.expect(until).to_have_text("due now")
+            page.close()
+    finally:
+        store.close()
+
+
+def test_run_page__a_retrying_run_whose_deadline_comes_first_says_so(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    """It said "Next run … attempt 2 of dial" and "retried: attempt 2 at <the deadline>":
+    the deadline moves the run on before that attempt, which is an hour away."""
+    runs = off_loop(start_deadlined, store_url)
+    retrying, deadline = runs["retrying"]
+    waiting, _ = runs["waiting"]
+    again = deadline - DEADLINE + HOUR
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{retrying}")
+            assert page.locator("#run-status").inner_text() == "retrying"
+            shown = page.locator("#run-next").inner_text()
+            assert utc(deadline) in shown and "(in 10 min)" in shown, shown
+            assert f"{DEADLINE_WORDS}, before attempt 2 of dial" in shown, shown
+            error = page.locator("#errors summary").last.inner_text()
+            assert (
+                f"(retried: attempt 2 at {utc(again)} UTC; its deadline passes first, at "
+                f"{utc(deadline)} UTC: moves to expired)"
+            ) in error, error
+            page.screenshot(path=str(tmp_path / "retrying_deadline.png"), full_page=True)
+            # A waiting run's "until" is the deadline's too, not its timeout's.
+            page.goto(f"{base}/runs/{waiting}")
+            waits = page.locator("#run-waits").inner_text()
+            assert f"yes until {utc(deadline)} UTC (in 10 min), when {DEADLINE_WORDS}" in waits, (
+                waits
+            )
+            page.close()
+    finally:
+        store.close()
