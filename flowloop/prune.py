@@ -318,7 +318,11 @@ def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
     candidates = select(runs.c.id).where(_root(kinds, result.cutoff))
-    roots = candidates.where(runs.c.id.not_in(_held_by_below(candidates, kinds, result.cutoff)))
+    # An anti-join (NOT EXISTS), not NOT IN: PostgreSQL runs NOT IN over a subquery too
+    # large for work_mem as a subplan scanned once per candidate (a review measured over
+    # 150 s at 400k runs with --keep-failed, against 5 s before the rule).
+    held = _held_by_below(candidates, kinds, result.cutoff).distinct().cte("held_roots")
+    roots = candidates.where(~exists(select(held.c.root).where(held.c.root == runs.c.id)))
     old = select(_family(roots, kinds, result.cutoff).c.id)
     with reading(db) as conn:
         result.runs = int(
