@@ -233,17 +233,19 @@ def limited_window(room: str, *, postgres: bool, keyless: bool = False) -> str:
     runs, as PostgreSQL's worker claim reads its window, after the CTEs of
     :func:`limited_candidates`: 20,000 due runs are not all read and sorted for a claim of
     ten. ``keyless``: of that window, the runs without a key or a place in its queue, with
-    their key (:func:`keyed_window`)."""
+    their key and their creation, which orders a key's runs (:func:`keyed_window`)."""
     if keyless:
-        outer = "limit_key, 0 AS lr"
+        outer = "limit_key, 0 AS lr, created_at"
         kept = "WHERE limit_key IS NULL OR limit_rank IS NULL"
+        created = ", {}.created_at"  # of the runs, then of the segments' windows
     else:
-        outer, kept = f"{NO_KEY}, 0 AS lr", ""
+        outer, kept, created = f"{NO_KEY}, 0 AS lr", "", ""
     if postgres:
         return f"""SELECT id, priority, next_run_at, {outer} FROM (
-    SELECT c.id, c.priority, c.next_run_at, c.limit_key, c.limit_rank
+    SELECT c.id, c.priority, c.next_run_at, c.limit_key, c.limit_rank{created.format("c")}
     FROM seg CROSS JOIN LATERAL (
-      SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank FROM flowloop_runs r
+      SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank{created.format("r")}
+      FROM flowloop_runs r
       WHERE r.status = seg.status AND r.workflow = seg.workflow AND r.priority = seg.p
         AND r.next_run_at <= :p_now AND {room}
       ORDER BY r.next_run_at, r.id LIMIT :p_scan
@@ -252,7 +254,7 @@ def limited_window(room: str, *, postgres: bool, keyless: bool = False) -> str:
   ) AS windowed {kept}"""
     segments = " UNION ALL ".join(
         f"""SELECT * FROM (
-    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank{created.format("r")}
     FROM flowloop_runs r {DUE_INDEX}
     WHERE r.status = '{SEGMENTED_STATUSES[s]}' AND r.workflow = :p_workflow
       AND r.priority IN (SELECT p FROM p{s}_p_workflow) AND r.next_run_at <= :p_now
@@ -297,7 +299,8 @@ def keyed_window(room: str, ranked: str, *, postgres: bool) -> str:
     """The candidates of a limited claim of workflow ``p_workflow`` whose definition has a
     key: its first ``p_scan`` due runs that ``room`` (SQL of the runs ``r``) leaves free,
     in claim order — priority, then the key's place in its queue, then due time — with the
-    columns the ranking reads, after the CTEs of :func:`limited_candidates`.
+    columns the ranking reads (their creation too: a key's runs go by it), after the CTEs
+    of :func:`limited_candidates`.
 
     They are read from the keyed due index, in that order: its first ``p_examine`` runs,
     due or not, free or not, of which the due and free ones are the window. If those were
@@ -319,9 +322,9 @@ def keyed_window(room: str, ranked: str, *, postgres: bool) -> str:
     # there too, where an ORDER BY of its own would sort every run of the prefix first.
     in_order = "ORDER BY r.priority DESC, r.lr, r.next_run_at, r.id" if postgres else ""
     return f"""WITH keyed_free AS (
-    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.lr FROM (
+    SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.lr, r.created_at FROM (
       SELECT r.id, r.priority, r.next_run_at, r.limit_key, r.limit_rank AS lr, r.owner,
-             r.lease_expires_at
+             r.lease_expires_at, r.created_at
       {keyed}
       ORDER BY r.priority DESC, r.limit_rank, r.next_run_at, r.id
       LIMIT :p_examine
@@ -340,7 +343,7 @@ def keyed_window(room: str, ranked: str, *, postgres: bool) -> str:
   )
   SELECT * FROM (
     SELECT * FROM (
-      SELECT id, priority, next_run_at, limit_key, lr FROM keyed_free
+      SELECT id, priority, next_run_at, limit_key, lr, created_at FROM keyed_free
       UNION ALL
       SELECT * FROM ({keyless}) AS keyless
     ) AS found

@@ -16,6 +16,9 @@ Round-robin. Runs of a workflow with a ``concurrency_key`` carry their place in 
 key's queue (``limit_rank``: the key's live runs + 1 when created) and are claimed by it:
 the first run of every key, then the second of every key, … — within one priority. A key
 with 10,000 queued runs gets one slot per round like a key with one.
+
+Within a key, oldest first: a key's candidates go in the order they were created
+(:data:`_QUEUED`), however their due times moved, up to its limit.
 """
 
 from __future__ import annotations
@@ -93,16 +96,28 @@ _ROOM_SQL: Final = """(r.owner IS NULL OR r.lease_expires_at < {now}) {ids}
 """A run nobody holds, that its key's limit leaves room for (``{now}``: the database's
 clock; ``{ids}``: the scope's test, or nothing)."""
 _RANKED_SQL: Final = """SELECT r.id, r.priority, r.next_run_at, r.limit_key,
-         coalesce(r.limit_rank, 0) AS lr
+         coalesce(r.limit_rank, 0) AS lr, r.created_at
   FROM flowloop_runs r{indexed}
   WHERE {where}
   ORDER BY r.priority DESC, lr, r.next_run_at, r.id
   LIMIT :p_scan"""
 """The candidates of a claim of a workflow with keys (or of a scope of runs): its first due
-runs with room, a key's place in its queue (``lr``) before the due time. The order is not
-the due index's: every due run of the workflow is read and sorted (10 ms with 20,000
-due, bench/due_backlog.py) — for a workflow with keys only when the window read from the
-keyed due index comes up short (claims.keyed_window)."""
+runs with room, a key's place in its queue (``lr``) before the due time, with their
+creation (:data:`_QUEUED`). The order is not the due index's: every due run of the
+workflow is read and sorted (10 ms with 20,000 due, bench/due_backlog.py) — for a
+workflow with keys only when the window read from the keyed due index comes up short
+(claims.keyed_window)."""
+_QUEUED: Final = "CASE WHEN c.limit_key IS NULL THEN c.next_run_at ELSE c.created_at END"
+"""A candidate's order within its key (``ranked``'s ``rn``, then its id): its creation,
+which never moves. A run retried at once, recovered after its worker died
+(``step_interrupted``, due at recovery) or deferred is due later than its key's runs
+created after it, yet goes before them once due (ranked by due time, it went after every
+one); a run started for later (``run_at``), once due, before its key's runs started after
+it. Not ``limit_rank``: the key's live runs at creation are not monotonic (once runs
+ahead end, a newer run counts fewer than an older one still queued; a run started later
+went first: tests/integration/test_key_order.py). Runs without a key: by due time, as a
+workflow's runs are claimed without keys (all of them, in the claim of a workflow whose
+definition has no key: ``c.next_run_at`` there)."""
 _CLAIM_SQL: Final = """
 WITH {priorities}held AS (
   SELECT limit_key FROM flowloop_runs
@@ -117,7 +132,7 @@ candidates AS (
 ranked AS (
   SELECT c.id, c.priority, c.next_run_at, c.lr,
          row_number() OVER (
-           PARTITION BY c.limit_key ORDER BY c.priority DESC, c.next_run_at, c.id
+           PARTITION BY c.limit_key ORDER BY c.priority DESC, {queued}, c.id
          ) AS rn,
          coalesce(k.n, 0) AS kn
   FROM candidates c LEFT JOIN per_key k ON k.limit_key = c.limit_key
@@ -193,14 +208,18 @@ class LimitStoreMixin:
             plus = "" if postgres else "+"
             indexed = f" {claims.DUE_INDEX}" if segmented and not postgres else ""
             ranked = _RANKED_SQL.format(where=where, indexed=indexed)
+            queued = _QUEUED
             if segmented and not keyed:
                 candidates = claims.limited_window(room, postgres=postgres)
+                queued = "c.next_run_at"  # no keys
             elif segmented:  # the keyed index's window, or the ranked read when short
                 candidates = claims.keyed_window(room, ranked, postgres=postgres)
             else:
                 candidates = ranked
             found = text(
-                _CLAIM_SQL.format(now=now, plus=plus, priorities=ranges, candidates=candidates)
+                _CLAIM_SQL.format(
+                    now=now, plus=plus, priorities=ranges, candidates=candidates, queued=queued
+                )
             )
             cache[key] = found
         return found

@@ -121,6 +121,45 @@ def test_limits__workflow_limit_of_two_and_key_limit_of_one_hold_across_workers(
         assert [created[run] for _, run in firsts] == sorted(created[run] for _, run in firsts)
 
 
+def test_limits__a_run_cut_off_by_a_crash_keeps_its_place_in_its_keys_queue(
+    store_url: str, tmp_path: Path, workers: mwkit.Workers
+) -> None:
+    """Five runs of one key (``key_limit=1``); the worker inside the first run's step is
+    SIGKILLed. Recovery (every 1.5 s: half the lease) makes the run due at once
+    (``step_interrupted``), later than the four others were due: it is still the key's
+    next run (it went last: tests/integration/test_key_order.py), and the key's runs go
+    in the order they were queued."""
+    env = {"LIMIT_STEP_SLEEP": "0.3"}
+    flow, procs = _start_workers(store_url, tmp_path, workers, lease=3.0, env=env)
+    module = import_file(flow)
+    with Engine(store_url, workflows=_flows(flow)) as engine:
+        ids = [engine.start(module.keyed, {"customer": "k", "n": n}).id for n in range(5)]
+
+    def in_its_step() -> tuple[str, str] | None:
+        with mwkit.db(store_url) as db, db.connect() as conn:
+            row = conn.execute(
+                sa.text("SELECT status, state, owner FROM flowloop_runs WHERE id = :id"),
+                {"id": ids[0]},
+            ).one()
+        return (row.owner, row.state) if row.status == "running" and row.owner else None
+
+    owner, state = mwkit.wait_for("run 0 in its step", in_its_step, timeout=60, every=0.01)
+    (holder,) = [proc for proc in procs if str(proc.pid) == owner.split(":")[1]]
+    holder.kill()
+    _finish(store_url, 5, workers)
+    for proc in procs:
+        if proc is not holder:
+            assert proc.stop() == 0, workers.logs()
+    assert mwkit.statuses(store_url) == Counter({"succeeded": 5})
+    cut_off = [e for e in mwkit.journal_rows(store_url) if e.kind == "step_interrupted"]
+    assert [(e.run_id, e.state) for e in cut_off] == [(ids[0], state)]
+    # The calls that finished (the cut-off one wrote nothing), one at a time, in order.
+    calls = sorted(limitkit.ledger(tmp_path / "ledger"), key=lambda r: r["start"])
+    assert [(ids.index(r["run"]), r["state"]) for r in calls] == [
+        (n, step) for n in range(5) for step in "ab"
+    ]
+
+
 def test_limits__rate_limit_of_20_per_second_holds_across_workers_and_is_reached(
     store_url: str, tmp_path: Path, workers: mwkit.Workers
 ) -> None:

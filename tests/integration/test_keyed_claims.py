@@ -5,9 +5,12 @@ took, and its work does not grow with the queue.
 
 The order the claim keeps (flowloop/store/limits.py): among the first ``p_scan`` due runs
 that are free (nobody holds them, their key is below its limit) by priority, then their
-key's place in its queue, then due time, each key's earliest go first, up to its limit;
-then by priority, place, that rank, due time, up to the claim's limit and the workflow's
-``max_concurrency``. :func:`_expected` is that order written in Python."""
+key's place in its queue, then due time, each key's oldest (by creation, runs without a
+key by due time) go first, up to its limit — not its earliest due (a run retried or
+recovered is due later than the runs queued after it) nor its smallest place (a place is
+not monotonic: tests/integration/test_key_order.py); then by priority, place, that rank,
+due time, up to the claim's limit and the workflow's ``max_concurrency``.
+:func:`_expected` is that order written in Python."""
 
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class _Run:
     owner: str | None
     limit_key: str | None
     limit_rank: int | None
+    created_at: float
 
 
 def _rows(store: SQLStore) -> list[_Run]:
@@ -80,11 +84,14 @@ def _expected(rows: list[_Run], *, now: float, limit: int, spec: ClaimLimits) ->
         assert r.next_run_at is not None
         return r.next_run_at
 
+    def queued(r: _Run) -> float:
+        return due(r) if r.limit_key is None else r.created_at
+
     window = sorted(free, key=lambda r: (-r.priority, place(r), due(r), r.id))
     window = window[: claims.window(limit)]
     rank: dict[str, int] = {}
     seen: Counter[str | None] = Counter()
-    for r in sorted(window, key=lambda r: (-r.priority, due(r), r.id)):
+    for r in sorted(window, key=lambda r: (-r.priority, queued(r), r.id)):
         seen[r.limit_key] += 1
         rank[r.id] = seen[r.limit_key]
     passing = [r for r in window if rank[r.id] + per_key[r.limit_key] <= key_limit]
@@ -94,10 +101,17 @@ def _expected(rows: list[_Run], *, now: float, limit: int, spec: ClaimLimits) ->
 
 
 @pytest.mark.parametrize(
-    ("seed", "size", "keyless"), [(seed, 150, 0.0) for seed in range(5)] + [(5, 40, 0.15)]
+    ("seed", "size", "keyless", "places"),
+    [(seed, 150, 0.0, False) for seed in range(5)]
+    + [(5, 40, 0.15, False), (6, 150, 0.0, True), (7, 150, 0.0, True)],
 )
 def test_a_keyed_claim_takes_what_the_rules_say(
-    store: SQLStore, monkeypatch: pytest.MonkeyPatch, seed: int, size: int, keyless: float
+    store: SQLStore,
+    monkeypatch: pytest.MonkeyPatch,
+    seed: int,
+    size: int,
+    keyless: float,
+    places: bool,
 ) -> None:
     """Random queues of a keyed workflow (twenty keys, two priorities, some runs due later,
     some held by another worker, some retrying), claimed in turns, each turn's runs done
@@ -106,10 +120,13 @@ def test_a_keyed_claim_takes_what_the_rules_say(
     claims take the window read from it and others, whose prefix holds too many runs
     due later or held, the ranked read. Runs without a key (made before their workflow
     had one) only in a queue shorter than the window: the window takes those among each
-    segment's first due runs, where the rules take every one."""
+    segment's first due runs, where the rules take every one. ``places``: each run's
+    place in its key's queue drawn at random (1-8), as after runs queued ahead of it
+    ended: a key's places are not in the order of its runs' creation, so ranking a key's
+    runs by place (or by due time) takes other runs than the rules (key limits 1 and 2)."""
     monkeypatch.setattr(claims, "EXAMINED_PER_WINDOW", 2)
     rng = random.Random(seed)
-    limit = (1, 3, 1, 3, 10, 1)[seed]  # windows of 36, 44 and 72 runs: shorter than the queue
+    limit = (1, 3, 1, 3, 10, 1, 3, 3)[seed]  # windows of 36, 44, 72 runs: shorter than the queue
     spec = ClaimLimits(
         max_concurrency=rng.choice([None, 12]), key_limit=rng.choice([1, 2]), keyed=True
     )
@@ -120,6 +137,11 @@ def test_a_keyed_claim_takes_what_the_rules_say(
         key = None if rng.random() < keyless else f"k{rng.randrange(20)}"
         due = base - rng.randrange(500) if rng.random() < 0.8 else time.time() + LATER
         ids.append(_create(store, n, key=key, priority=rng.choice([0, 0, 5]), due=due).id)
+    if places:
+        with store.engine.begin() as conn:
+            for run_id in ids:
+                place = {"limit_rank": rng.randint(1, 8)}
+                conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**place))
     retrying = rng.sample(ids, size // 7)  # as after a failed attempt: claimed like the others
     with store.engine.begin() as conn:
         conn.execute(sa.update(runs).where(runs.c.id.in_(retrying)).values(status="retrying"))
