@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Final
 from wsgiref.simple_server import WSGIServer
@@ -56,6 +57,8 @@ FINISHED_STATUSES: Final = ("succeeded", "failed", "stopped")
 ITERATION_OUTCOMES: Final = ("ok", "failed", "skipped", "skipped_idle", "stopped", "cancelled")
 LEASE_KINDS: Final = ("run", "loop")
 TIMEOUT_ERROR: Final = "StepTimeout"
+BEGUN_KEPT: Final = 50_000
+"""Run ids :class:`Metrics` remembers as begun (~6 MB at most)."""
 BEGINS: Final = j.BEGINS
 GONE_ON: Final = frozenset({*BEGINS, j.STEP_SUCCEEDED, j.STEP_FAILED, j.CHILDREN_JOINED})
 """Kinds of an entry that follows a beginning: a start after one in the same boundary is
@@ -196,6 +199,10 @@ class Metrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self._first_begin: Callable[[str], int | None] | None = None
+        self._begun: OrderedDict[str, None] = OrderedDict()
+        """Runs known to have begun (counted here, or read once): no read for their later
+        starts (a run sleeping 50 times read its journal 50 times). The oldest are
+        forgotten past :data:`BEGUN_KEPT` (read again if they start once more)."""
 
     def known(self, workflows: Mapping[str, Iterable[str]], loops: Iterable[str]) -> None:
         """Create every labelled series this worker can produce at 0: per workflow (name →
@@ -253,16 +260,24 @@ class Metrics:
         if event.kind == j.STEP_STARTED and event.attempt != 1:
             return False  # a retry: attempt 1 started before
         if event.seq == 2:
+            self._remember(event.run_id)
             return True  # right after run_created
         if any(earlier.kind in GONE_ON for earlier in events[:index]):
             return False  # after a step's end or a join: the usual boundary of a step
-        if self._first_begin is None:
+        if self._first_begin is None or event.run_id in self._begun:
             return False
         try:
-            return self._first_begin(event.run_id) == event.seq
+            first = self._first_begin(event.run_id) == event.seq
         except Exception as error:  # the database: this start is not counted
             log.warning("runs started: run %s not counted: %s", event.run_id, error)
             return False
+        self._remember(event.run_id)
+        return first
+
+    def _remember(self, run_id: str) -> None:
+        self._begun[run_id] = None
+        if len(self._begun) > BEGUN_KEPT:
+            self._begun.popitem(last=False)
 
     def iteration(self, loop: str, outcome: str, duration: float, skipped: int) -> None:
         """A scheduler iteration listener."""

@@ -314,6 +314,43 @@ def test_metrics__a_run_that_rejects_a_kept_event_first_counts_when_its_step_sta
     assert counted == [0.0, 0.0, 1.0, 1.0]
 
 
+def test_metrics__a_run_that_starts_again_and_again_reads_its_first_start_once() -> None:
+    # A run whose step sleeps (step.sleep) starts it again after each sleep: a start the
+    # boundary does not tell apart from a first one. The first start read from the journal
+    # is remembered: 50 wakes cost one read, not 50 (a review counted 49 reads on the
+    # event loop for one run).
+    metrics = Metrics()
+    reads: list[str] = []
+
+    def first_begin(run_id: str) -> int:
+        reads.append(run_id)
+        return 2
+
+    metrics.track_begins(first_begin)
+    created = JournalEvent(
+        run_id="r",
+        seq=1,
+        kind=j.RUN_CREATED,
+        at=T0,
+        state="work",
+        context="{}",
+        data={"workflow": "sleepy", "version": 1, "fingerprint": "f", "key": None, "due": None},
+    )
+    record = j.create(created)
+    for wake in range(50):
+        start = JournalEvent(
+            run_id="r", seq=4 + 2 * wake, kind=j.STEP_STARTED, at=T0, state="work", attempt=1
+        )
+        metrics.listener(record, [start])
+    assert reads == ["r"]
+    started = [
+        v
+        for name, labels, v in metrics.samples()
+        if name == "flowloop_runs_started_total" and labels == {"workflow": "sleepy"}
+    ]
+    assert sum(started) == 0  # (its first start, seq 2, was counted by another worker)
+
+
 def test_metrics__every_known_series_exists_at_zero_before_any_run(sqlite_url: str) -> None:
     """An alert on increase(flowloop_steps_total{outcome="failed"}[5m]) must see the first
     failure after a worker starts: the series exists (at 0) from the first scrape."""
