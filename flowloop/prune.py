@@ -7,7 +7,8 @@ runs that finished at or after the cutoff, the finished descendants of a run tha
 (its join reads their results when it gets on, or is retried), and with ``keep_failed``
 every ``failed`` run (and failed loop iterations). A run goes with its family: a finished
 run with no parent left and its finished descendants — only when none of its descendants
-stays (a run kept keeps its parent, at any depth: it never names a parent that is gone).
+stays (a run kept keeps its parent, at any depth, as prune reads them: a child an operator
+retries between that read and its family's DELETE may be left naming a gone parent).
 A run is deleted
 only if it is still finished and old when its batch deletes it and its parent is gone (a
 root, or deleted before it: a family goes top down, a generation per statement, and once a
