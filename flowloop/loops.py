@@ -23,7 +23,7 @@ from flowloop.definition import NAME_PATTERN, Workflow
 from flowloop.errors import FlowloopError, LoopDefinitionError
 from flowloop.retry import NO_RETRY, Retry
 from flowloop.specs import NAME_RULE
-from flowloop.tz import UnknownTimeZone, local, wall_epoch, zone
+from flowloop.tz import UnknownTimeZone, describe, in_gap, local, wall_epoch, zone
 
 Mode = Literal["fixed_rate", "fixed_delay"]
 MODES: tuple[Mode, ...] = ("fixed_rate", "fixed_delay")
@@ -85,7 +85,8 @@ class Loop:
     iteration still runs is skipped and counted) or ``fixed_delay`` (next = end + every; needs
     ``every=``). An ``every=`` loop's slots form a chain from the first one (``start_at``,
     else the moment the loop is first registered); a cron loop's first slot is its first
-    cron time at or after ``start_at``. After downtime, slots later than ``misfire_grace``
+    cron time at or after ``start_at`` (given ``end_at`` too, one must come before it: a
+    loop that would never fire is refused). After downtime, slots later than ``misfire_grace``
     are journaled as missed; the rest are coalesced into one iteration (``coalesce=True``)
     or fired one by one. Slots at or after ``end_at`` are not the loop's: the slots before
     it are handled so, then the loop stops. ``max_failures`` consecutive failed iterations
@@ -186,8 +187,17 @@ class Loop:
         self.max_failures = max_failures
         self.start_at = _epoch(bad, "start_at", start_at, tz)
         self.end_at = _epoch(bad, "end_at", end_at, tz)
-        if self.start_at is not None and self.end_at is not None and self.end_at <= self.start_at:
-            raise bad("end_at must be after start_at")
+        if self.start_at is not None and self.end_at is not None:
+            if self.end_at <= self.start_at:
+                raise bad(_order_problem(start_at, end_at, tz, self.start_at))
+            first = self._first_from(self.start_at)
+            if first >= self.end_at:  # (a cron loop: every= fires at start_at itself)
+                raise bad(
+                    f"cron={cron!r} has no time from start_at {describe(self.start_at, tz)} "
+                    f"until end_at {describe(self.end_at, tz)} (its first is "
+                    f"{describe(first, tz)}), so the loop would never fire: move end_at past "
+                    "that time, start_at earlier, or change cron="
+                )
         self.is_async = fn is not None and inspect.iscoroutinefunction(fn)
         if workflow is not None:
             workflow.validate()
@@ -306,6 +316,14 @@ class Loop:
         """Whether ``slot`` is at or after ``end_at`` (not a slot of the loop: it ended)."""
         return self.end_at is not None and slot >= self.end_at
 
+    def over(self, pending: float) -> bool:
+        """Whether no slot is left from the ``pending`` one: it — or, if later, the first
+        slot ``start_at`` allows — is at or after ``end_at``."""
+        if self.end_at is None:
+            return False
+        earliest = self.earliest_slot()
+        return self.finished(pending if earliest is None else max(pending, earliest))
+
     def horizon(self, now: float) -> float:
         """The latest moment whose slots are the loop's, as of ``now``: ``now``, or just
         before ``end_at`` when that is earlier."""
@@ -411,6 +429,35 @@ def _epoch(
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise bad(f"{label}={value!r} must be a datetime or UTC epoch seconds")
     return float(value)
+
+
+def _order_problem(
+    start: datetime | float | None, end: datetime | float | None, tz: str | None, moment: float
+) -> str:
+    """Why ``end_at`` is not after ``start_at`` (``moment``: start_at's epoch), in words. Naive
+    times typed in order can still meet in a spring-forward gap, both moved to its end:
+    that is said (02:30 and 02:45 on Berlin's spring-forward night are both 03:00)."""
+    plain = "end_at must be after start_at"
+    if not isinstance(start, datetime) or not isinstance(end, datetime):
+        return plain
+    if start.tzinfo is not None or end.tzinfo is not None or start >= end:
+        return plain  # (not in order as typed, or not both wall times)
+    inside = [label for label, wall in (("start_at", start), ("end_at", end)) if in_gap(wall, tz)]
+    became = local(moment, tz).strftime("%H:%M")
+    day = f"the daylight-saving gap of {tz} on {start:%Y-%m-%d}"
+    if inside == ["start_at", "end_at"]:
+        what = f"start_at {_clock(start)} and end_at {_clock(end)} fall in {day} (both "
+        what += f"become {became})"
+    elif inside == ["start_at"]:  # (end_at is the gap's end itself)
+        what = f"start_at {_clock(start)} falls in {day} (it becomes {became}, as end_at is)"
+    else:
+        return plain  # (e.g. a fall-back hour read with fold=)
+    return f"{what}: {plain}; give an end_at after {became}"
+
+
+def _clock(wall: datetime) -> str:
+    """``02:30`` (``02:30:15`` with seconds) of a naive wall time."""
+    return wall.strftime("%H:%M:%S" if wall.second or wall.microsecond else "%H:%M")
 
 
 def _duration(

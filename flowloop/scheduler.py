@@ -121,10 +121,13 @@ class Scheduler:
         self._generation[row.name] = generation
         loop = self.loops[row.name]
         if row.status == "scheduled" and row.next_fire_at is None and retarget:
-            # Unpaused by an operator: the next slot is the loop's first from now.
-            self._operator_write(
-                row, "loop_rescheduled", {"next_fire_at": loop.first_slot(self.clock.now())}
-            )
+            # Unpaused by an operator: the next slot is the loop's first from now (none at or
+            # after end_at: then it is over).
+            first = loop.first_slot(self.clock.now())
+            if loop.over(first):
+                self._end(row)
+            else:
+                self._operator_write(row, "loop_rescheduled", {"next_fire_at": first})
             return
         if row.status == "scheduled" and row.control in MANUAL:
             self._push(row.name, 0.0)  # an operator asked for a manual iteration
@@ -135,6 +138,9 @@ class Scheduler:
             self._push(row.name, min(self._until_next(loop, row), self.lease_seconds))
             return
         if row.status != "scheduled" or row.next_fire_at is None:
+            return
+        if loop.over(row.next_fire_at):
+            self._push(row.name, 0.0)  # no slot of it is left: it stops now, not at that slot
             return
         delay = loop.jittered(row.next_fire_at) - self.clock.now()
         # A wall clock set back must not stall the loop: wait at most one period.
@@ -399,6 +405,12 @@ class Scheduler:
         now = self.clock.now()
         if row.control in MANUAL and now < row.next_fire_at:
             self._fire_manual(loop, row, now)  # a due slot of the schedule goes first
+            return
+        if loop.over(row.next_fire_at):
+            # Its next slot (or the first start_at allows) is at or after end_at — end_at
+            # moved earlier since the row was written: no slot is left, it stops now (not
+            # when that slot comes, shown meanwhile as the loop's next).
+            self._end(row)
             return
         earliest = loop.earliest_slot()
         if earliest is not None and now < earliest:

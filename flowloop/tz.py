@@ -68,6 +68,16 @@ def describe(moment: float, name: str | None) -> str:
     return shown.strftime("%Y-%m-%d %H:%M %Z")
 
 
+def in_gap(wall: datetime, name: str | None) -> bool:
+    """Whether the naive wall-clock time ``wall`` does not exist in zone ``name`` (it falls
+    in a spring-forward gap: 02:30 on Berlin's last Sunday of March)."""
+    if name is None:
+        return False
+    tz = zone(name)
+    moment = wall.replace(tzinfo=tz).timestamp()
+    return datetime.fromtimestamp(moment, tz).replace(tzinfo=None) != wall
+
+
 def wall_epoch(wall: datetime, name: str | None) -> float:
     """UTC epoch seconds of the naive wall-clock time ``wall`` in zone ``name`` (None: UTC),
     under the policy above: a time that happens twice (fall back) is its first occurrence
@@ -76,9 +86,8 @@ def wall_epoch(wall: datetime, name: str | None) -> float:
     if name is None:
         return wall.replace(tzinfo=UTC).timestamp()
     tz = zone(name)
-    moment = wall.replace(tzinfo=tz).timestamp()
-    if datetime.fromtimestamp(moment, tz).replace(tzinfo=None) == wall:
-        return moment
+    if not in_gap(wall, name):
+        return wall.replace(tzinfo=tz).timestamp()
     # In a gap: fold=1 reads it with the offset after the change (a moment before it),
     # fold=0 with the one before (a moment after it); the change lies between them.
     before = wall.replace(tzinfo=tz, fold=1).timestamp()

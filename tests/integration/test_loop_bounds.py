@@ -244,3 +244,46 @@ def test_naive_start_at__is_wall_time_in_the_loop_zone(store_url: str) -> None:
         events = engine.run_loops([lp], timedelta(days=4))
         assert started(events, "n") == ["06-02 02:30", "06-03 02:30"]
         assert engine.loop("n").status == "stopped"
+
+
+# -- no slot left before end_at ------------------------------------------------------------
+
+JAN5 = datetime(2026, 1, 5, tzinfo=UTC).timestamp()
+FEB1 = datetime(2026, 2, 1, tzinfo=UTC).timestamp()
+JAN20 = datetime(2026, 1, 20, tzinfo=UTC)
+
+
+def test_end_at_moved_before_the_pending_slot__the_loop_stops_at_once(store_url: str) -> None:
+    """The row's next slot is 02-01 (cron '0 0 1 * *', registered on 01-05); the loop now
+    says end_at 01-20. No slot of it is left: it stops at once, "end_at reached" (before, it
+    stayed scheduled with 02-01 shown as its next fire, and stopped only then)."""
+    with TestEngine(store_url, clock=FakeClock(JAN5)) as engine:
+        engine.run_loops([Loop("monthly", tick, cron="0 0 1 * *")], timedelta(minutes=1))
+        assert engine.loop("monthly").next_fire_at == FEB1
+        engine.clock.advance(timedelta(days=1))
+        now = engine.clock.now()
+        bounded = Loop("monthly", tick, cron="0 0 1 * *", end_at=JAN20)
+        events = engine.run_loops([bounded], timedelta(hours=1))
+        assert [(e.kind, e.at, e.data.get("reason")) for e in events] == [
+            ("loop_stopped", now, "end_at reached")
+        ]
+        row = engine.loop("monthly")
+        assert (row.status, row.reason, row.next_fire_at) == ("stopped", "end_at reached", None)
+
+
+def test_unpaused_after_end_at__stops_at_once_not_rescheduled_past_it(store_url: str) -> None:
+    """A cron loop that ended at end_at is unpaused by an operator: its next cron time is
+    after end_at, so it stops again at once (before, it was rescheduled to that time and
+    shown as scheduled until then)."""
+    with TestEngine(store_url, clock=FakeClock(JAN5)) as engine:
+        daily = Loop("daily", tick, cron="0 0 * * *", end_at=datetime(2026, 1, 7, tzinfo=UTC))
+        events = engine.run_loops([daily], timedelta(days=3))
+        assert [e.kind for e in events if e.kind == "iteration_started"] == ["iteration_started"]
+        assert engine.loop("daily").status == "stopped"
+        engine.unpause_loop("daily")
+        now = engine.clock.now()
+        events = engine.run_loops([daily], timedelta(hours=1))
+        assert [(e.kind, e.at, e.data.get("reason")) for e in events] == [
+            ("loop_stopped", now, "end_at reached")
+        ]
+        assert engine.loop("daily").next_fire_at is None

@@ -378,6 +378,22 @@ def test_apply_overrides__a_cron_loop_keeps_its_time_zone(tmp_path: Path) -> Non
     assert (loops["poll"].tz, loops["poll"].schedule) == (None, "every 300s (fixed_rate)")
 
 
+def test_apply_overrides__a_cron_with_no_time_in_the_loop_bounds_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A cron override is checked against the loop's start_at/end_at like the definition:
+    a loop that would never fire is a configuration error naming both, not a loop left
+    scheduled past end_at."""
+    write(tmp_path / "flowloop.toml", '[loops.sale]\ncron = "0 0 1 * *"\n')
+    sale = Loop("sale", poll, every=3600, start_at=1_767_312_000.0, end_at=1_768_867_200.0)
+    with pytest.raises(ConfigError) as raised:
+        apply_overrides(load_settings(), {}, {"sale": sale})
+    assert str(raised.value).startswith(
+        "invalid configuration: loops.sale: loop 'sale': cron='0 0 1 * *' has no time from "
+        "start_at 2026-01-02 00:00 UTC until end_at 2026-01-20 00:00 UTC"
+    )
+
+
 def test_apply_overrides__env_names_match_without_case(monkeypatch: pytest.MonkeyPatch) -> None:
     wf = Workflow("OrderFlow", context=Ctx)
 

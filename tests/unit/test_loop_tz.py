@@ -14,7 +14,7 @@ import pytest
 
 from flowloop.errors import LoopDefinitionError
 from flowloop.loops import Iteration, Loop, decide
-from flowloop.tz import describe, wall_epoch, wall_time_schedule
+from flowloop.tz import describe, in_gap, wall_epoch, wall_time_schedule
 
 
 def tick(it: Iteration) -> None:
@@ -191,3 +191,61 @@ def test_wall_epoch__a_naive_time_in_a_zone_under_the_dst_policy(
     moment = wall_epoch(datetime.fromisoformat(wall).replace(fold=fold), zone)
     assert describe(moment, zone) == shown
     assert moment == int(moment)  # whole seconds, also inside a gap
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "message"),
+    [
+        (
+            "2026-03-29T02:30",
+            "2026-03-29T02:45",
+            "start_at 02:30 and end_at 02:45 fall in the daylight-saving gap of Europe/Berlin "
+            "on 2026-03-29 (both become 03:00): end_at must be after start_at; give an end_at "
+            "after 03:00",
+        ),
+        (
+            "2026-03-29T02:30",
+            "2026-03-29T03:00",
+            "start_at 02:30 falls in the daylight-saving gap of Europe/Berlin on 2026-03-29 "
+            "(it becomes 03:00, as end_at is): end_at must be after start_at; give an end_at "
+            "after 03:00",
+        ),
+        # Not in order as typed: the plain message.
+        ("2026-03-29T02:45", "2026-03-29T02:30", "end_at must be after start_at"),
+        ("2026-06-01T10:00", "2026-06-01T09:00", "end_at must be after start_at"),
+    ],
+)
+def test_naive_bounds_in_a_spring_forward_gap__the_error_names_the_gap(
+    start: str, end: str, message: str
+) -> None:
+    """02:30 and 02:45 on Berlin's spring-forward night both become 03:00 (the policy):
+    typed in order, they were refused as "end_at must be after start_at", unexplained."""
+    with pytest.raises(LoopDefinitionError) as raised:
+        Loop(
+            "gap",
+            tick,
+            cron="*/5 * * * *",
+            tz=BERLIN,
+            start_at=datetime.fromisoformat(start),
+            end_at=datetime.fromisoformat(end),
+        )
+    assert str(raised.value) == f"loop 'gap': {message}"
+
+
+def test_naive_bounds_after_the_gap__are_fine() -> None:
+    """The error's advice works: an end_at after 03:00 (the gap's end) is accepted, and the
+    cron time in the gap (02:30) fires at 03:00, start_at."""
+    made = Loop(
+        "gap",
+        tick,
+        cron="30 2 * * *",
+        tz=BERLIN,
+        start_at=datetime(2026, 3, 29, 2, 30),
+        end_at=datetime(2026, 3, 29, 3, 5),
+    )
+    assert made.earliest_slot() == made.start_at
+    assert describe(made.start_at, BERLIN) == "2026-03-29 03:00 CEST"
+    assert in_gap(datetime(2026, 3, 29, 2, 30), BERLIN)
+    assert not in_gap(datetime(2026, 3, 29, 3, 0), BERLIN)
+    assert not in_gap(datetime(2026, 10, 25, 2, 30), BERLIN)  # (fall back: twice, not none)
+    assert not in_gap(datetime(2026, 3, 29, 2, 30), None)

@@ -158,6 +158,42 @@ def test_loop__naive_start_and_end_are_wall_time_in_the_loop_zone() -> None:
     assert gap.start_at == datetime(2026, 3, 29, 3, 0, tzinfo=berlin).timestamp()
 
 
+def test_loop__a_cron_with_no_time_from_start_at_until_end_at_is_refused() -> None:
+    """'0 0 1 * *' from 01-02 until 01-20: its first time is 02-01, at or after end_at, so
+    the loop would never fire. Refused here (before, the worker rescheduled it to 02-01,
+    showed that as its next fire, and ended it only then)."""
+    jan = {"start_at": datetime(2026, 1, 2), "end_at": datetime(2026, 1, 20)}
+    with pytest.raises(LoopDefinitionError) as raised:
+        Loop("monthly", tick, cron="0 0 1 * *", **jan)
+    assert str(raised.value) == (
+        "loop 'monthly': cron='0 0 1 * *' has no time from start_at 2026-01-02 00:00 UTC until "
+        "end_at 2026-01-20 00:00 UTC (its first is 2026-02-01 00:00 UTC), so the loop would "
+        "never fire: move end_at past that time, start_at earlier, or change cron="
+    )
+    # Read in the loop's zone; a cron time exactly at end_at is not the loop's.
+    with pytest.raises(LoopDefinitionError, match=r"its first is 2026-02-01 00:00 CET\)"):
+        Loop("m", tick, cron="@monthly", tz="Europe/Berlin", **jan)
+    feb = datetime(2026, 2, 1)
+    with pytest.raises(LoopDefinitionError, match="has no time from start_at"):
+        Loop("m", tick, cron="0 0 1 * *", start_at=datetime(2026, 1, 1, 0, 0, 1), end_at=feb)
+    # One time in the range is enough (at start_at itself too); every= fires at start_at.
+    at_start = Loop("m", tick, cron="0 0 1 * *", start_at=feb, end_at=feb.replace(minute=1))
+    assert at_start.earliest_slot() == at_start.start_at
+    assert every(365 * 86400, **jan).earliest_slot() == datetime(2026, 1, 2, tzinfo=UTC).timestamp()
+
+
+def test_over__no_slot_left_from_the_pending_one() -> None:
+    """What the scheduler stops at once: a pending slot, or the first one start_at allows,
+    at or after end_at (end_at moved earlier after the slot was written)."""
+    lp = Loop("c", tick, cron="*/5 * * * *", start_at=T0 + 61, end_at=T0 + 900)
+    assert not lp.over(T0)  # start_at moves it to T0 + 300
+    assert not lp.over(T0 + 600)
+    assert lp.over(T0 + 900)
+    assert lp.over(T0 + 3600)
+    assert not Loop("c", tick, cron="*/5 * * * *").over(T0 + 10**9)
+    assert every(10, end_at=T0).over(T0) and not every(10, end_at=T0).over(T0 - 10)
+
+
 def test_loop_decorator__names_the_loop_after_the_function() -> None:
     @loop(every=5, mode="fixed_delay", max_failures=2)
     def poll(it: Iteration) -> int:
