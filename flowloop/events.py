@@ -229,7 +229,8 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     kept a sleep) while nothing has begun there since — a step, its children, its
     compensations. (A due time written under an older version, a migration since, may be
     a wait's timeout: not taken for a sleep.) A debounced run's window before its first
-    step counts as such a sleep: due one window after the burst's last start."""
+    step is no sleep: a rate limit or breaker may have deferred the run since, and an
+    unpause finds the window's end, or the deferral's, by :func:`due_before_pause`."""
     entry = entry_into(state, events)
     due = None if entry is None else entry.data.get("due")
     if entry is None or not isinstance(due, (int, float)):
@@ -238,21 +239,13 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
         trusted = True
     elif wait:
         return None  # (a wait's due time is its timeout's)
-    elif entry.kind == j.STEP_SUCCEEDED or _debounced(entry):
+    elif entry.kind == j.STEP_SUCCEEDED:
         trusted = not any(e.kind == j.RUN_MIGRATED and e.seq > entry.seq for e in events)
     else:
         trusted = entry.kind == j.RUN_MIGRATED
     if not trusted or any(e.kind in BEGUN and e.seq > entry.seq for e in events):
         return None
     return float(due)
-
-
-def _debounced(entry: JournalEvent) -> bool:
-    """A later start of a debounce burst, or the creation of a debounced (or throttled:
-    due at its creation, no later) run: its due time is when the burst's window ends."""
-    return entry.kind == j.RUN_DEBOUNCED or (
-        entry.kind == j.RUN_CREATED and "admission_key" in entry.data
-    )
 
 
 def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str | None]:
@@ -262,6 +255,8 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
     ``run_at``, a failure's ``retry_at``, a deferral's (a rate limit, an open breaker: its
     reason says so, and a rate limit serves it in its queue's turn by it), a debounce's,
     an earlier unpause's; at once (``None``, or a time past) when it was due then, or ran.
+    A later start of its debounce burst taken while it was paused (``run_debounced``: the
+    row stays undue) makes it due when that start's window ends, as it would have unpaused.
     Its deadline is left out: the unpause's entry is held to it again, and a due time
     only the deadline's (a call or map state waiting for its children, a map's child held
     back: the store makes them due, not the journal) is not taken for the run's own.
@@ -276,6 +271,8 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
                 continue
             if event.kind == j.RUN_PAUSED and record.status != "paused":
                 before = record
+            elif event.kind == j.RUN_DEBOUNCED and record.status == "paused" and before is not None:
+                before = dataclasses.replace(before, next_run_at=event.data.get("due", event.at))
             record = j.apply(record, event)
     except j.FoldError:
         return None, None

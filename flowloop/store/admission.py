@@ -3,7 +3,8 @@
 Contract: a debounced start touches only the run that collects its key's burst, and only
 while that run is scheduled or paused, unowned and has not begun (no entry of
 :data:`flowloop.admission.BEGAN`), fenced by ``last_seq``: a worker that claims it first
-wins and the start opens a new burst. A throttled start
+wins and the start opens a new burst (so does one that finds it moved at each of its
+:data:`ATTEMPTS` writes: never merged unwritten). A throttled start
 counts its key's runs and creates the new one in the same transaction (on PostgreSQL under
 a transaction-scoped advisory lock on the key, so two processes cannot both take the last
 place).
@@ -111,17 +112,27 @@ class AdmissionStoreMixin:
             if not admission.collecting(stored.record.status, stored.owner, began is not None):
                 # The burst's run has begun, ended or been claimed: it keeps a marker of
                 # its own, and this start opens the next burst.
-                conn.execute(
-                    update(runs)
-                    .where(runs.c.id == stored.id)
-                    .values(idempotency_key=f"{marker}:{stored.id}")
-                )
+                self._own_marker(conn, stored.id, marker)
                 break
             if self._debounce_into(conn, stored, new, due=due, now=now, key=key):
                 return self._stored(conn, stored.id), False
             # (PostgreSQL: an operator's pause, unpause or stop, or a claim, moved the run
             # between the read and the write: look at it again.)
+        else:
+            # Moved under every try: it keeps a marker of its own and this start opens the
+            # next burst (created on the marker it held, it was returned as merged, its
+            # context lost with nothing written).
+            self._own_marker(conn, stored.id, marker)
         return self._create_in(conn, new)
+
+    def _own_marker(self, conn: Connection, run_id: str, marker: str) -> None:
+        """The burst's run ``run_id`` collects no more starts: it gets a marker of its own,
+        the burst's (``marker``) is free for a new run."""
+        conn.execute(
+            update(runs)
+            .where(runs.c.id == run_id, runs.c.idempotency_key == marker)
+            .values(idempotency_key=f"{marker}:{run_id}")
+        )
 
     def _debounce_into(
         self,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -14,6 +16,7 @@ from storekit import new_run, pause
 from flowloop import Engine, FakeClock, Workflow
 from flowloop import journal as j
 from flowloop.store import Boundary, Fence, RunFilter, SQLStore, StoredRun
+from flowloop.store.admission import ATTEMPTS
 
 MARKER = "debounce:w:c"
 
@@ -92,6 +95,38 @@ def test_debounce_start__a_run_that_took_an_event_in_its_first_state_has_begun(
     moved = store.get_run(first.id)
     assert moved is not None
     assert (moved.record.state, moved.record.context) == ("b", '{"n":1}')  # not replaced
+
+
+def test_debounce_start__a_run_that_moves_under_every_write_leaves_a_new_burst(
+    store: SQLStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its fenced write refused at each try (PostgreSQL: a claim, a pause or a stop moved
+    the row between the read and the write — forced here by a stale read handed to the real
+    write): the start opens a new burst with its context. (It found the marker still on
+    the old run and returned it as merged: nothing written, the start's context lost.)"""
+    first, _ = burst_start(store, 1, due=time.time() + 30)
+    write = store._debounce_into
+    refused: list[int] = []
+
+    def moved_meanwhile(conn: Any, stored: StoredRun, *args: Any, **kwargs: Any) -> bool:
+        if len(refused) < ATTEMPTS:
+            stale = replace(stored.record, last_seq=stored.record.last_seq - 1)
+            refused.append(stored.record.last_seq)
+            stored = replace(stored, record=stale)
+        return write(conn, stored, *args, **kwargs)
+
+    monkeypatch.setattr(store, "_debounce_into", moved_meanwhile)
+    second, made = burst_start(store, 2, due=time.time() + 30)
+    assert len(refused) == ATTEMPTS
+    assert made and second.id != first.id and second.record.context == '{"n":2}'
+    old = store.get_run(first.id)
+    assert old is not None and old.idempotency_key == f"{MARKER}:{first.id}"
+    assert (old.record.status, old.record.context) == ("scheduled", '{"n":1}')
+    assert [e.kind for e in store.journal(first.id)] == [j.RUN_CREATED]  # nothing written
+    # The burst goes on in the new run.
+    third, made = burst_start(store, 3, due=time.time() + 30)
+    assert (third.id, made, third.record.context) == (second.id, False, '{"n":3}')
+    assert replayed(store, first.id) == [] and replayed(store, second.id) == []
 
 
 # -- through the engine ------------------------------------------------------------------

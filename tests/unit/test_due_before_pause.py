@@ -52,6 +52,34 @@ def test_due_before_pause__a_deferral_with_its_reason() -> None:
     assert due_before_pause([created(), deferred, paused(3)]) == (LATER, reason)
 
 
+def debounced(seq: int, due: float) -> JournalEvent:
+    return entry(seq, j.RUN_DEBOUNCED, context=f'{{"n":{seq}}}', data={"due": due})
+
+
+def test_due_before_pause__a_debounced_runs_window_pushed_by_starts_while_paused() -> None:
+    """The burst's last start's window, one taken while it was paused included (the row
+    stays undue then)."""
+    burst = [created(due=LATER, admission_key="k"), debounced(2, LATER + 5), paused(3)]
+    assert due_before_pause(burst) == (LATER + 5, None)
+    during = [*burst, debounced(4, LATER + 10), debounced(5, LATER + 20)]
+    assert due_before_pause(during) == (LATER + 20, None)
+
+
+def test_due_before_pause__a_debounced_or_throttled_runs_deferral_with_its_reason() -> None:
+    """Deferred at its window's end (a rate limit, a breaker): the deferral's due time and
+    reason, not the window's; a later start taken while paused pushes the due time as it
+    would have unpaused (the reason kept)."""
+    reason = "rate_limit:api"
+    throttled = created(due=1.0, admission_key="k")
+    deferred = entry(2, j.RUN_DEFERRED, data={"due": LATER, "reason": reason})
+    assert due_before_pause([throttled, deferred, paused(3)]) == (LATER, reason)
+    burst = [created(due=1.0, admission_key="k"), debounced(2, 2.0)]
+    deferred = entry(3, j.RUN_DEFERRED, data={"due": LATER, "reason": reason})
+    assert due_before_pause([*burst, deferred, paused(4)]) == (LATER, reason)
+    pushed = [*burst, deferred, paused(4), debounced(5, LATER + 30)]
+    assert due_before_pause(pushed) == (LATER + 30, reason)
+
+
 def test_due_before_pause__the_first_pause_of_those_it_is_in() -> None:
     """Paused by its parent, then by an operator (a pause again): the due time before the
     first; paused, unpaused and paused again: the unpause's."""

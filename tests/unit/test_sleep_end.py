@@ -71,13 +71,13 @@ def test_sleep_end__an_entry_of_an_older_version_only_when_it_says_asleep() -> N
     assert sleep_end("s2", [*asleep, moved[-1]], wait=False) == END
 
 
-def test_sleep_end__a_debounced_runs_window_until_its_first_step_starts() -> None:
+def test_sleep_end__a_debounced_runs_window_is_no_sleep() -> None:
+    """Its creation's or a later start's due time: a rate limit or breaker may have
+    deferred the run since (the unpause's due_before_pause finds which one holds)."""
     created = entry(
         1, j.RUN_CREATED, state="first", context="{}", data={"due": END, "admission_key": "k"}
     )
-    assert sleep_end("first", [created], wait=False) == END
+    assert sleep_end("first", [created], wait=False) is None
     later = entry(2, j.RUN_DEBOUNCED, state="first", context="{}", data={"due": END + 5})
     paused = [created, later, entry(3, j.RUN_PAUSED, state="first")]
-    assert sleep_end("first", paused, wait=False) == END + 5  # the burst's last start's
-    started = [*paused, entry(4, j.STEP_STARTED, state="first", attempt=1)]
-    assert sleep_end("first", started, wait=False) is None
+    assert sleep_end("first", paused, wait=False) is None
