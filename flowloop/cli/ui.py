@@ -44,8 +44,9 @@ def is_loopback(host: str) -> bool:
 @click.option(
     "--allow-actions",
     is_flag=True,
-    help="Enable pause, unpause, stop, retry and send (each needs the token: "
-    "$FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, else a new one printed at start-up).",
+    help="Enable pause, unpause, stop, retry and send (retry and send need the run's workflow "
+    "given with -w; each needs the token: $FLOWLOOP_UI_TOKEN, else ui_token in flowloop.toml, "
+    "else a new one printed at start-up).",
 )
 @click.option("--token", envvar="FLOWLOOP_UI_TOKEN", default=None, hidden=True)
 def ui_command(
@@ -59,7 +60,14 @@ def ui_command(
     """Serve the web dashboard: runs, live run diagrams, workflows, loops, workers.
 
     Read-only unless --allow-actions; listens on 127.0.0.1 unless --host is given."""
-    from flowloop.cli.common import database, err, load_workflow_paths, out, settings
+    from flowloop.cli.common import (
+        database,
+        err,
+        load_workflow_paths,
+        looked_in,
+        out,
+        settings,
+    )
     from flowloop.cli.support import require_database
     from flowloop.errors import MissingExtra
 
@@ -86,6 +94,14 @@ def ui_command(
         token=token or settings().ui_token,
         allowed_hosts=_allowed_hosts(host),
     )
+    if allow_actions and not loaded.workflows:
+        # Pause, unpause and stop need no definition; retry and send do (refused per run).
+        where = looked_in(workflow_paths).replace("not defined in", "none defined in")
+        err.print(
+            f"warning: no workflow loaded ({where}): retry and send will be refused; "
+            "pass -w FILE_OR_DIR that defines the runs' workflows",
+            markup=False,
+        )
     if not is_loopback(host):
         err.print(
             f"warning: listening on {host}: anyone who can reach this address can read every "

@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
 from flowloop.engine import RunInfo
-from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun
+from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun, UnknownWorkflow
 from flowloop.store.loops import LoopRow
 from flowloop.ui.queries import NAME_LIMIT, BadInput, NotFound
 
@@ -31,6 +31,10 @@ SESSION_COOKIE: Final = "flowloop_session"
 RUN_ACTIONS: Final = ("pause", "unpause", "stop", "retry", "send")
 LOOP_ACTIONS: Final = ("pause", "unpause", "stop")
 FORM_TYPES: Final = ("application/x-www-form-urlencoded", "multipart/form-data")
+RUN_FIELDS: Final = {"retry": ("from",), "send": ("event", "data", "dedupe_key")}
+"""The fields each run action takes (any other is refused: a misspelt one was ignored);
+pause, unpause, stop and the loop actions take none. A page's form adds ``csrf``."""
+NOT_LOADED: Final = "start flowloop ui with -w FILE_OR_DIR to send events to or retry runs of it"
 
 
 class Forbidden(FlowloopError):
@@ -102,6 +106,17 @@ async def _fields(request: Request, *, api: bool = False) -> dict[str, Any]:
     return found
 
 
+def _refuse_unknown(fields: dict[str, Any], action: str, accepted: tuple[str, ...]) -> None:
+    """A field the action does not take is refused, named: ``payload`` for ``data`` was
+    ignored, and the error that followed (the event's data invalid) did not say why."""
+    unknown = sorted(str(name) for name in fields if name not in accepted and name != "csrf")
+    if not unknown:
+        return
+    named = ", ".join(repr(name[:40]) for name in unknown[:5])
+    takes = f"accepted: {', '.join(accepted)}" if accepted else f"{action} takes none"
+    raise BadInput(f"unknown field{'s' if len(unknown) > 1 else ''} {named} ({takes})")
+
+
 def _who(request: Request) -> str:
     try:
         user = getpass.getuser()
@@ -144,15 +159,27 @@ def _run_action(request: Request, run_id: str, action: str, fields: dict[str, An
         info = engine.unpause(run_id)
     elif action == "stop":
         info = engine.stop(run_id)
-    elif action == "retry":
-        info = engine.retry(run_id, from_state=_text(fields, "from"), by=_who(request))
     else:
-        event = _text(fields, "event", required=True)
-        assert event is not None
-        info = engine.send(
-            run_id, event, _payload(fields), dedupe_key=_text(fields, "dedupe_key")
-        ).run
+        try:
+            info = _defined_action(request, engine, run_id, action, fields)
+        except UnknownWorkflow as error:  # as the CLI says "pass -w FILE_OR_DIR"
+            raise FlowloopError(f"{error}: {NOT_LOADED}") from error
     return info
+
+
+def _defined_action(
+    request: Request, engine: Any, run_id: str, action: str, fields: dict[str, Any]
+) -> RunInfo:
+    """Retry or send: the actions that need the run's workflow definition."""
+    if action == "retry":
+        info: RunInfo = engine.retry(run_id, from_state=_text(fields, "from"), by=_who(request))
+        return info
+    event = _text(fields, "event", required=True)
+    assert event is not None
+    sent: RunInfo = engine.send(
+        run_id, event, _payload(fields), dedupe_key=_text(fields, "dedupe_key")
+    ).run
+    return sent
 
 
 def _back(path: str, **query: str) -> RedirectResponse:
@@ -166,6 +193,7 @@ async def run_action(request: Request) -> Response:
         raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
     form = _form_reply(request)
     fields = await _authorize(request)
+    _refuse_unknown(fields, action, RUN_FIELDS.get(action, ()))
     try:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
@@ -192,7 +220,7 @@ async def loop_action(request: Request) -> Response:
     if action not in LOOP_ACTIONS:
         raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")
     form = _form_reply(request)
-    await _authorize(request)
+    _refuse_unknown(await _authorize(request), action, ())
     try:
         row = await run_in_threadpool(_loop_action, request, name, action)
     except FlowloopError as error:

@@ -62,7 +62,9 @@ def _get(
 
 RUN_ACTION_BODY: Final = {
     "required": False,
-    "description": "send: event (required), data, dedupe_key; retry: from (a past state)",
+    "description": "send: event (required), data, dedupe_key; retry: from (a past state); "
+    "pause, unpause, stop: none. Any other field is refused (400); retry and send need the "
+    "run's workflow loaded (flowloop ui -w)",
     "content": {
         "application/json": {
             "schema": {
@@ -73,6 +75,7 @@ RUN_ACTION_BODY: Final = {
                     "dedupe_key": {"type": "string"},
                     "from": {"type": "string"},
                 },
+                "additionalProperties": False,
             }
         }
     },

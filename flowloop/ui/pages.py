@@ -24,7 +24,7 @@ from flowloop.lifecycle import FINISHED
 from flowloop.operations import retryable_from
 from flowloop.ui import api
 from flowloop.ui import queries as q
-from flowloop.ui.actions import csrf_for, signed_in
+from flowloop.ui.actions import NOT_LOADED, csrf_for, signed_in
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.waiting import SHOWN_STATUSES, WAITING
 
@@ -172,6 +172,10 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "context_text": json_text(context, indent=2),
         "changes": changes,
         "retry_states": retry_states(workflow) if workflow is not None else [],
+        # Retry and send need the definition: without it their forms are disabled, saying why.
+        "not_loaded": None
+        if workflow is not None
+        else f"workflow {row['workflow']!r} is not loaded: {NOT_LOADED}",
         "family": q.run_family(dash.store, run_id),
     }
 

@@ -169,3 +169,84 @@ def test_retry_menu__lists_every_state_a_retry_may_start_from(store_url: str) ->
     menu = page[page.index('<select name="from">') : page.index("</select>")]
     assert '<option value="prepare">' in menu and '<option value="awaiting">' in menu
     assert '<option value="approved">' not in menu  # a final state: nothing to start from
+
+
+@pytest.fixture
+def unloaded(store_url: str) -> Iterator[tuple[str, str, str]]:
+    """A dashboard with actions on and no workflow loaded (`flowloop ui --allow-actions`
+    without -w): a run waiting for an event, and a stopped one to retry."""
+    from waitkit import review
+
+    with Engine(store_url, workflows=[review]) as engine:
+        waiting = engine.run(review, {"doc_id": "W1"}).id
+        stopped = engine.start(review, {"doc_id": "W2"}).id
+        engine.stop(stopped)
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store, allow_actions=True, token=TOKEN)) as base:
+            yield base, waiting, stopped
+    finally:
+        store.close()
+
+
+NOT_LOADED_HINT = (
+    "unknown workflow 'review' (known: none): start flowloop ui with -w FILE_OR_DIR to send "
+    "events to or retry runs of it"
+)
+
+
+def test_actions__send_and_retry_without_the_definition_say_to_start_with_w(
+    unloaded: tuple[str, str, str],
+) -> None:
+    """Without -w a send was refused with `unknown workflow 'review' (known: none)` and no
+    word of what to do (the CLI says "pass -w FILE_OR_DIR"); the page offered the forms."""
+    base, waiting, stopped = unloaded
+    sent = post(base, f"/api/runs/{waiting}/send", event="approve", data={"by": "x"})
+    assert (sent.status_code, sent.json()["error"]) == (400, NOT_LOADED_HINT)
+    retried = post(base, f"/api/runs/{stopped}/retry")
+    assert (retried.status_code, retried.json()["error"]) == (400, NOT_LOADED_HINT)
+    assert [e["kind"] for e in journal(base, stopped)][-1] == "run_stopped"
+    assert post(base, f"/api/runs/{waiting}/pause").json()["status"] == "paused"  # needs none
+    with httpx.Client(base_url=base, timeout=30) as browser:
+        browser.post("/login", data={"token": TOKEN})
+        page = browser.get(f"/runs/{waiting}").text
+        assert '<p class="muted" id="not-loaded">' in page
+        assert "start flowloop ui with -w FILE_OR_DIR" in page
+        assert 'data-action="send" disabled>' in page and 'data-action="retry" disabled>' in page
+        assert 'data-action="pause">' in page
+        form = browser.post(
+            f"/api/runs/{stopped}/retry", data={"csrf": csrf_for(TOKEN), "from": ""}
+        )
+        assert form.status_code == 303
+        assert "start flowloop ui with -w" in browser.get(form.headers["location"]).text
+
+
+def test_actions__a_loaded_workflow_keeps_its_forms_enabled(site: tuple[str, str, str]) -> None:
+    base, run_id, _ = site
+    with httpx.Client(base_url=base, timeout=30) as browser:
+        browser.post("/login", data={"token": TOKEN})
+        page = browser.get(f"/runs/{run_id}").text
+    assert 'data-action="send">' in page and "not-loaded" not in page
+
+
+def test_actions__a_field_the_action_does_not_take_is_refused_naming_it(
+    site: tuple[str, str, str],
+) -> None:
+    """`{"event": …, "payload": {…}}` (data misnamed) was sent with no data: the field was
+    ignored and the error that followed said the event's data was invalid."""
+    base, run_id, _ = site
+    sent = post(base, f"/api/runs/{run_id}/send", event="go", payload={"by": "x"})
+    assert sent.status_code == 400
+    assert sent.json()["error"] == "unknown field 'payload' (accepted: event, data, dedupe_key)"
+    paused = post(base, f"/api/runs/{run_id}/pause", reason="x", by="y")
+    assert paused.json()["error"] == "unknown fields 'by', 'reason' (pause takes none)"
+    retried = post(base, f"/api/runs/{run_id}/retry", **{"from_state": "weigh"})
+    assert retried.json()["error"] == "unknown field 'from_state' (accepted: from)"
+    loop = post(base, "/api/loops/nightly/stop", force=True)
+    assert (loop.status_code, loop.json()["error"]) == (
+        400,
+        "unknown field 'force' (stop takes none)",
+    )
+    assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
+    # Refused only once the token checks out: without it, a 403 as before.
+    assert post(base, f"/api/runs/{run_id}/send", token=None, payload={}).status_code == 403

@@ -182,3 +182,37 @@ def test_actions__sign_in_then_pause_and_unpause_from_the_run_page(
             page.close()
     finally:
         store.close()
+
+
+def test_actions__without_the_definition_send_and_retry_are_disabled_saying_why(
+    browser: object, sqlite_url: str, tmp_path: Path
+) -> None:
+    """Started without -w, the run page offered Send and Retry, and each failed with
+    `unknown workflow … (known: none)`: now disabled, the page saying to start with -w."""
+    from waitkit import review
+
+    def waiting() -> str:
+        with Engine(sqlite_url, workflows=[review]) as engine:
+            return engine.run(review, {"doc_id": "B1"}).id
+
+    run_id = off_loop(waiting)
+    store = SQLStore(sqlite_url, create=False)
+    try:
+        with serve(create_app(store, allow_actions=True, token="tok")) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/login")
+            page.fill("input[name=token]", "tok")
+            page.click("button[type=submit]")
+            page.wait_for_url("**/runs")
+            page.goto(f"{base}/runs/{run_id}")
+            note = page.locator("#not-loaded")
+            note.wait_for()
+            assert "start flowloop ui with -w FILE_OR_DIR" in note.inner_text()
+            assert page.locator("button[data-action=send]").is_disabled()
+            assert page.locator("input[name=event]").is_disabled()
+            assert page.locator("button[data-action=retry]").is_disabled()
+            assert page.locator("button[data-action=pause]").is_enabled()
+            page.screenshot(path=str(tmp_path / "not-loaded.png"), full_page=True)
+            page.close()
+    finally:
+        store.close()

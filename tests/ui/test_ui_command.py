@@ -95,6 +95,50 @@ def test_ui__allow_actions_prints_a_token_the_api_accepts(sqlite_url: str, tmp_p
         assert paused.status_code == 200 and paused.json()["status"] == "paused"
 
 
+def test_ui__allow_actions_without_workflows_warns_and_send_says_pass_w(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    """The audit's session: `FLOWLOOP_UI_TOKEN=… flowloop ui --allow-actions` (no -w, no
+    ./workflows), then a send: 400 `unknown workflow … (known: none)`, no word of -w at
+    start-up nor in the error. With -w (the other tests here) nothing is said."""
+    from waitkit import review
+
+    from flowloop import Engine
+
+    with Engine(sqlite_url, workflows=[review]) as engine:
+        run_id = engine.run(review, {"doc_id": "D1"}).id
+    port = free_port()
+    args = ("--db", sqlite_url, "--port", str(port), "--allow-actions")
+    with flowloop_ui(*args, cwd=tmp_path, env={"FLOWLOOP_UI_TOKEN": "tok123"}) as (
+        process,
+        lines,
+    ):
+        read_until(process, lines, "http://")
+        warned = [line for line in lines if line.startswith("warning: ")]
+        assert warned == [
+            "warning: no workflow loaded (no -w given and no ./workflows here): retry and send "
+            "will be refused; pass -w FILE_OR_DIR that defines the runs' workflows\n"
+        ]
+        base = f"http://127.0.0.1:{port}"
+        poll(lambda: _get(base + "/api/runs"), timeout=20, every=0.05, what="the dashboard")
+        sent = httpx.post(
+            f"{base}/api/runs/{run_id}/send",
+            headers={"Authorization": "Bearer tok123"},
+            content='{"event":"approve","data":{"by":"x"}}',
+        )
+        assert sent.status_code == 400
+        assert "start flowloop ui with -w FILE_OR_DIR" in sent.json()["error"]
+
+
+def test_ui__allow_actions_with_workflows_does_not_warn(sqlite_url: str, tmp_path: Path) -> None:
+    parcels(sqlite_url, 1)
+    port = free_port()
+    args = ("--db", sqlite_url, "-w", UIKIT, "--port", str(port), "--allow-actions")
+    with flowloop_ui(*args, cwd=tmp_path) as (process, lines):
+        read_until(process, lines, "token:")
+    assert not [line for line in lines if "warning" in line], lines
+
+
 @pytest.mark.parametrize("from_env", [False, True], ids=["file", "env_wins"])
 def test_ui__the_action_token_comes_from_flowloop_toml_and_the_env_wins(
     sqlite_url: str, tmp_path: Path, from_env: bool
