@@ -77,13 +77,12 @@ def own_and_deadline(events: Sequence[j.JournalEvent]) -> tuple[float | None, fl
 def due(
     *,
     status: str,
-    reason: str | None,
     state: str,
     next_run_at: float | None,
     events: Sequence[j.JournalEvent],
     structure: Callable[[], Mapping[str, Any] | None],
 ) -> Due | None:
-    """When the run described (its row's ``status``, ``reason``, ``state`` and
+    """When the run described (its row's ``status``, ``state`` and
     ``next_run_at``, its journal ``events``) is due next, and whether its deadline comes
     first; ``None`` for a run not due (not scheduled or retrying, or without a time).
     ``structure`` reads the structure of the run's stored definition (its ``on_deadline``
@@ -94,15 +93,22 @@ def due(
     moves_to = None
     if deadline is not None and next_run_at >= deadline:
         stored = structure() or {}
-        if _cut_off(state, reason, stored):
+        if _cut_off(state, deadline, events, stored):
             found = stored.get("on_deadline")
             moves_to = found if isinstance(found, str) else ""
     return Due(at=next_run_at, own=own, moves_to=moves_to)
 
 
-def _cut_off(state: str, reason: str | None, structure: Mapping[str, Any]) -> bool:
-    """Whether a deadline moves a run in ``state`` on: not one running its compensations
-    (a compensating state), unless it is still asleep before it (flowloop.events:
-    slept_past_deadline)."""
+def _cut_off(
+    state: str, deadline: float, events: Sequence[j.JournalEvent], structure: Mapping[str, Any]
+) -> bool:
+    """Whether a deadline moves a run in ``state`` on, by the engine's rule
+    (flowloop.children: claimed): not one running its compensations (a compensating
+    state), unless it is still asleep before it (its entry due no sooner than the
+    deadline, no compensation begun since: flowloop.events: asleep_past). Such a sleep is
+    not journaled as ``asleep`` (the entry says ``compensate``), so the run's reason does
+    not tell it."""
+    from flowloop.events import asleep_past
+
     compensating = structure.get("compensate") or ()
-    return reason == j.ASLEEP or state not in compensating
+    return state not in compensating or asleep_past(state, deadline, events)

@@ -294,14 +294,22 @@ def asleep_before(workflow: Workflow, state: str) -> bool:
 
 def slept_past_deadline(record: RunRecord, events: Sequence[JournalEvent]) -> bool:
     """Whether a run in a compensating state, its deadline passed, is still asleep before
-    the state (``step.sleep``): the entry into it is due no sooner than the deadline and no
-    compensation has begun since. The deadline then moves it to ``on_deadline``, as it
-    does any sleeping run; compensations begun (or due) before it are not cut off."""
-    entry = entry_into(record.state, events)
-    if entry is None or record.deadline is None:
+    the state (``step.sleep``): :func:`asleep_past` of its state and deadline. The deadline
+    then moves it to ``on_deadline``, as it does any sleeping run; compensations begun (or
+    due) before it are not cut off."""
+    return asleep_past(record.state, record.deadline, events)
+
+
+def asleep_past(state: str, deadline: float | None, events: Sequence[JournalEvent]) -> bool:
+    """Whether a run in ``state`` (a compensating one) is asleep before it until
+    ``deadline`` or later: the entry into it is due no sooner than the deadline and no
+    compensation has begun since (the engine's rule, :func:`slept_past_deadline`; the
+    CLI and dashboard say by it where the deadline moves such a run: flowloop/dues.py)."""
+    entry = entry_into(state, events)
+    if entry is None or deadline is None:
         return False
     due = entry.data.get("due")
-    if not isinstance(due, (int, float)) or due < record.deadline:
+    if not isinstance(due, (int, float)) or due < deadline:
         return False
     return not any(e.kind == j.COMPENSATION_STARTED and e.seq > entry.seq for e in events)
 

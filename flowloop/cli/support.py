@@ -219,7 +219,6 @@ def run_due(reader: RunReading, info: RunInfo) -> Due | None:
         return None
     return dues.due(
         status=info.status,
-        reason=info.reason,
         state=info.state,
         next_run_at=info.next_run_at,
         events=reader.store.journal(info.id),
@@ -241,6 +240,17 @@ def deadline_first(due: Due | None) -> str:
     if due is None or not due.deadline_first:
         return ""
     return "; " + due.deadline_words(f" first, at {iso(due.at)}")
+
+
+def goes_on_after(info: RunInfo, due: Due) -> str:
+    """``, before it goes on at STATE at …`` for a scheduled run whose deadline comes
+    before its own time and whose status line does not say that time (a sleep before its
+    state, not journaled ``asleep``: before a compensating state); else nothing."""
+    from flowloop.clock import iso
+
+    if info.status != "scheduled" or info.reason == ASLEEP or due.own is None:
+        return ""
+    return f", before it goes on at {info.state} at {iso(due.own)}"
 
 
 def asleep_reason(info: RunInfo, due: Due | None) -> str | None:

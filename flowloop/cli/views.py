@@ -241,7 +241,9 @@ def show_run(
         out.print(f"error     {escape(info.error)}")
     if info.next_run_at is not None and info.status in ("scheduled", "retrying"):
         first = (
-            f" ({escape(due.deadline_words())})" if due is not None and due.deadline_first else ""
+            f" ({escape(due.deadline_words() + support.goes_on_after(info, due))})"
+            if due is not None and due.deadline_first
+            else ""
         )
         out.print(f"next run  {iso(info.next_run_at)}{first}")
     out.print(f"updated   {iso(info.updated_at)} (seq {info.last_seq})")

@@ -15,7 +15,6 @@ import math
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final
 
@@ -149,12 +148,6 @@ async def _on_bug(request: Request, error: Exception) -> Response:
     return _error_response(request, 500, f"internal error ({type(error).__name__}); see the log")
 
 
-def _fmt_time(value: float | None) -> str:
-    if value is None:
-        return "\u2013"
-    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _fmt_duration(value: float | None) -> str:
     if value is None:
         return "\u2013"
@@ -211,7 +204,7 @@ def create_app(
     )
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals.update(
-        fmt_time=_fmt_time,
+        fmt_time=pages.fmt_time,
         fmt_duration=_fmt_duration,
         fmt_until=_fmt_until,
         num=lambda n: f"{n:,}" if isinstance(n, int) else str(n),

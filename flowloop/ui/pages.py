@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any, Final
 from urllib.parse import urlencode
 
@@ -97,6 +98,13 @@ def retry_states(workflow: Workflow) -> list[str]:
     return [state for state in workflow.states if retryable_from(workflow, state)]
 
 
+def fmt_time(value: float | None) -> str:
+    """A time as the dashboard writes it (UTC, to the second; a dash for none)."""
+    if value is None:
+        return "\u2013"
+    return datetime.fromtimestamp(value, UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
 def next_move(run: Mapping[str, Any], due: dues.Due | None = None) -> str | None:
     """What a run does when its ``next_run_at`` comes, for its page's "Next run" (``""``:
     it goes on at its state). None when the page shows no such time there: the run is not
@@ -112,6 +120,8 @@ def next_move(run: Mapping[str, Any], due: dues.Due | None = None) -> str | None
     else:
         return None
     if due is not None and due.deadline_first:
+        if not own and due.own is not None:  # a sleep before its state (a compensating one)
+            own = f"it goes on at {run['state']} at {fmt_time(due.own)} UTC"
         return due.deadline_words() + (f", before {own}" if own else "")
     return own.removeprefix("it ")
 
@@ -143,7 +153,6 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
     live = row["status"] not in FINISHED
     due = dues.due(
         status=row["status"],
-        reason=row["reason"],
         state=row["state"],
         next_run_at=row["next_run_at"],
         events=events,

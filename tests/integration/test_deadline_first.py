@@ -4,7 +4,9 @@ PostgreSQL: ``flowloop status RUN``'s "next run" line says the deadline passes t
 state it moves to (it gave the time alone, read as the sleep's end or the retry's), and
 ``flowloop run`` says when the sleep ends or the attempt comes, then that the deadline
 passes first (it said "is asleep until <the deadline>", "retries dial at <the deadline>",
-and of a waiting run "times out at <the deadline>").
+and of a waiting run "times out at <the deadline>"). A sleep before a compensating state,
+which the deadline cuts off as any sleep (flowloop.events: slept_past_deadline), is told so
+too (it said "sleeps in refunded until <the deadline>", nothing of the deadline).
 The dashboard says the same: tests/ui/test_next_move.py."""
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ def dial(ctx: C):
     raise ConnectionError("the line is busy")
 
 flaky.final("done", "expired")
+
+refund = Workflow("cli_refund_dl", context=C, deadline=600, on_deadline="expired")
+
+def undo(ctx: C, step: Step) -> None:
+    ctx.n -= 1
+
+@refund.step(initial=True, next="refunded", compensate=undo)
+def charge(ctx: C, step: Step):
+    ctx.n += 1
+    return step.sleep(3600)
+
+refund.final("refunded", compensate=True)
+refund.final("expired")
 
 approval = Workflow("cli_approval_dl", context=C, deadline=600, on_deadline="expired")
 approval.wait("approve", on={"yes": "done"}, timeout=3600, on_timeout="done", initial=True)
@@ -147,3 +162,33 @@ def test_cli_run__says_a_waiting_runs_deadline_is_no_timeout(
         f"run {info.id} waits in approve for yes; its deadline passes at "
         f"{iso(info.next_run_at)}: moves to expired"
     ), last
+
+
+def test_cli__a_sleep_before_a_compensating_state_is_cut_off_by_the_deadline_and_says_so(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The deadline moves a run asleep before its compensating state to on_deadline (no
+    compensation run): ``flowloop run`` and ``flowloop status`` say so, with the sleep's end."""
+    flows = tmp_path / "deadlined.py"
+    flows.write_text(FLOWS)
+    said = CliRunner().invoke(
+        cli, ["run", f"{flows}:cli_refund_dl", "--db", store_url], env={"COLUMNS": "300"}
+    )
+    assert said.exit_code == 0, said.output
+    with TestEngine(store_url) as engine:
+        info = engine.runs(workflow="cli_refund_dl")[0]
+        entry = engine.history(info.id)[-1]
+    assert info.state == "refunded" and info.next_run_at is not None
+    own = float(entry.data["due"])
+    assert own > info.next_run_at  # (the sleep ends after the deadline)
+    last = said.stdout.strip().splitlines()[-1]
+    assert last.startswith(
+        f"run {info.id} sleeps in refunded until {iso(own)}; its deadline passes first, at "
+        f"{iso(info.next_run_at)}: moves to expired;"
+    ), last
+    status = CliRunner().invoke(cli, ["status", info.id, "--db", store_url])
+    assert status.exit_code == 0, status.output
+    lines = status.stdout.splitlines()
+    assert (
+        f"next run  {iso(info.next_run_at)} ({WORDS}, before it goes on at refunded at {iso(own)})"
+    ) in lines, lines

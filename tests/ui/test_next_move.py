@@ -239,12 +239,13 @@ def test_run_page__a_waiting_run_says_how_long_until_its_timeout(
 
 DEADLINE = 600.0
 DEADLINE_WORDS = "its deadline passes: moves to expired"
-SHOWN = ("asleep", "retrying", "waiting")
+SHOWN = ("asleep", "retrying", "waiting", "refunding")
 
 
 def deadlined() -> list[Workflow]:
-    """An hour's sleep before a wait, an hour's retry backoff and an hour's wait timeout,
-    each in a run whose deadline is ten minutes away."""
+    """An hour's sleep before a wait, an hour's retry backoff, an hour's wait timeout and
+    an hour's sleep before a compensating state, each in a run whose deadline is ten
+    minutes away."""
     nap = Workflow("ui_nap_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
 
     @nap.step(initial=True, next="hold")
@@ -263,7 +264,18 @@ def deadlined() -> list[Workflow]:
     approval = Workflow("ui_approval_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
     approval.wait("approve", on={"yes": "done"}, timeout=HOUR, on_timeout="done", initial=True)
     approval.final("done", "expired")
-    return [nap, flaky, approval]
+    refund = Workflow("ui_refund_dl", context=Item, deadline=DEADLINE, on_deadline="expired")
+
+    def undo(ctx: Item, step: Step) -> None:
+        ctx.n -= 1
+
+    @refund.step(initial=True, next="refunded", compensate=undo)
+    def charge(ctx: Item, step: Step) -> object:
+        return step.sleep(HOUR)
+
+    refund.final("refunded", compensate=True)
+    refund.final("expired")
+    return [nap, flaky, approval, refund]
 
 
 def start_deadlined(url: str) -> dict[str, tuple[str, float]]:
@@ -343,6 +355,30 @@ def test_run_page__a_retrying_run_whose_deadline_comes_first_says_so(
             assert f"yes until {utc(deadline)} UTC (in 10 min), when {DEADLINE_WORDS}" in waits, (
                 waits
             )
+            page.close()
+    finally:
+        store.close()
+
+
+def test_run_page__a_sleep_before_a_compensating_state_says_its_deadline_comes_first(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    """The deadline cuts off a sleep before a compensating state as any sleep (the run
+    moves to on_deadline, no compensation run: flowloop.events.slept_past_deadline). The
+    page said "Next run <the deadline>" alone (the run goes on at its state then)."""
+    refunding, deadline = off_loop(start_deadlined, store_url)["refunding"]
+    wakes = deadline - DEADLINE + HOUR
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs/{refunding}")
+            assert page.locator("#run-status").inner_text() == "scheduled"
+            shown = page.locator("#run-next").inner_text()
+            assert utc(deadline) in shown and "(in 10 min)" in shown, shown
+            said = f"{DEADLINE_WORDS}, before it goes on at refunded at {utc(wakes)} UTC"
+            assert said in shown, shown
+            page.screenshot(path=str(tmp_path / "refunding_deadline.png"), full_page=True)
             page.close()
     finally:
         store.close()
