@@ -189,7 +189,20 @@ class LeaseLost(FlowloopError):
 class HeldBack(FlowloopError):
     """A step would wait for a run that its own run's limit slot (or its callers') holds
     back: refused at once (flowloop/holding.py) — a new run before it is written, one
-    with a key once made or found, queued."""
+    with a key once made or found, queued (``queued``: its id). A step that lets the
+    refusal of a new run out fails at once, not retried: its retry, holding the same
+    slots, would be refused too. One naming a queued run is retried as any error (the
+    run goes once the step has ended; the retry finds it)."""
+
+    def __init__(self, message: str, *, queued: str | None = None) -> None:
+        super().__init__(message)
+        self.queued = queued
+
+
+def retry_cannot_help(error: BaseException) -> bool:
+    """Whether a step that failed with ``error`` fails at once, whatever its ``retry``:
+    a :class:`HeldBack` refusing a new run (its retry would be refused the same way)."""
+    return isinstance(error, HeldBack) and error.queued is None
 
 
 class NoFreeSlot(FlowloopError):

@@ -41,6 +41,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
     exits_as_errors,
+    retry_cannot_help,
 )
 from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
@@ -551,7 +552,7 @@ class Stepping:
     ) -> RunRecord | None:
         definitive = isinstance(
             error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
-        )
+        ) or retry_cannot_help(error)
         retryable = not definitive and spec.retry.should_retry(error, record.attempt)
         data: dict[str, Any]
         route = None if retryable else children.error_route(workflow, spec, record, error)
