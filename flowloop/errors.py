@@ -84,10 +84,18 @@ class ContextNotSerializable(FlowloopError):
 
     exit_code = EXIT_FAILURE
 
-    def __init__(self, workflow: str, state: str, field: str, problem: str) -> None:
+    def __init__(
+        self,
+        workflow: str,
+        state: str,
+        field: str,
+        problem: str,
+        *,
+        advice: str = "keep only plain data in the context",
+    ) -> None:
         super().__init__(
             f"workflow {workflow!r} step {state!r} left context field {field!r} holding a "
-            f"value the journal cannot store ({problem}); keep only plain data in the context"
+            f"value the journal cannot store ({problem}); {advice}"
         )
         self.workflow = workflow
         self.state = state
@@ -97,10 +105,14 @@ class ContextNotSerializable(FlowloopError):
 class InvalidEvent(FlowloopError):
     """A step returned (or a caller sent) an event its state does not declare."""
 
-    def __init__(self, state: str, event: object, accepted: Iterable[str]) -> None:
+    def __init__(
+        self, state: str, event: object, accepted: Iterable[str], *, message: str | None = None
+    ) -> None:
+        # ``message``: what a step returned that is no event at all (flowloop/returns.py).
         accepted_list = ", ".join(sorted(accepted)) or "none"
         super().__init__(
-            f"state {state!r} does not accept event {event!r} (it accepts: {accepted_list})"
+            message
+            or f"state {state!r} does not accept event {event!r} (it accepts: {accepted_list})"
         )
         self.state = state
         self.event = event

@@ -23,7 +23,7 @@ from flowloop import children, compose, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
-from flowloop.contexts import context_from, dump_context
+from flowloop.contexts import context_from, dump_context, unstorable
 from flowloop.definition import (
     TIMEOUT_EVENT,
     Sleep,
@@ -225,6 +225,7 @@ class Stepping:
             raise
         except (Exception, SystemExit) as caught:
             error = StepExited.instead_of(caught, f"step {record.state!r}")
+            error = unstorable(error, ctx, workflow=workflow.name, state=record.state)
             duration = self.clock.monotonic() - started
             self.stats.attempts += 1
             if isinstance(error, children.DeadlineCut):
