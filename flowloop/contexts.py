@@ -1,13 +1,14 @@
 """Turning a step's context into the JSON the journal keeps, with an error that names the
-field when a value cannot be kept (a lock, a connection, a file handle …)."""
+field when a value cannot be kept (a lock, a connection, a file handle, a NaN …)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import pydantic_core
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from flowloop.errors import ContextNotSerializable
 
@@ -59,3 +60,38 @@ def _culprit(value: Any, path: str) -> str | None:
         sub = f"{path}{name}" if name.startswith("[") or not path else f"{path}.{name}"
         return _culprit(child, sub) or sub
     return None
+
+
+def unstorable(error: Exception, ctx: BaseModel, *, workflow: str, state: str) -> Exception:
+    """``error`` as :class:`ContextNotSerializable` naming the field when it is the check of
+    the context a step left (its JSON parsed back) failing on a float NaN or infinity: JSON
+    has neither, so the dump wrote ``null``, which the field refuses ("Input should be a
+    valid number" said nothing of the NaN). Any other error is returned as it is. Called
+    only when a step failed."""
+    if not isinstance(error, ValidationError) or error.title != type(ctx).__name__:
+        return error
+    for item in error.errors():
+        value = _at(ctx, item["loc"])
+        if isinstance(value, float) and not math.isfinite(value):
+            return ContextNotSerializable(
+                workflow,
+                state,
+                ".".join(str(part) for part in item["loc"]),
+                f"{value!r}: JSON has no NaN or infinity",
+                advice="store a finite number or None instead",
+            )
+    return error
+
+
+def _at(value: Any, loc: Sequence[int | str]) -> Any:
+    """What ``value`` holds at a pydantic error's location (``None`` when not found)."""
+    for part in loc:
+        if isinstance(value, BaseModel):
+            value = getattr(value, str(part), None)
+        elif isinstance(value, Mapping):
+            value = value.get(part)
+        elif isinstance(value, Sequence) and isinstance(part, int) and part < len(value):
+            value = value[part]
+        else:
+            return None
+    return value

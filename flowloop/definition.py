@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import AliasChoices, AliasPath, BaseModel, RootModel, ValidationError
 from transitions import Machine
 
-from flowloop import compose, graph, upcast
+from flowloop import compose, graph, returns, upcast
 from flowloop.backpressure import DEFAULT_OVERFLOW_TIMEOUT_SECONDS, Bounds
 from flowloop.compose import Composite
 from flowloop.contexts import context_from
@@ -460,13 +460,20 @@ class Workflow(compose.Composing):
                 return dest
         raise InvalidEvent(state, event, self._outgoing().get(state, {}).keys())
 
-    def event_for(self, state: str, returned: object) -> object:
-        """The event a step's return value means: ``next`` for ``next=`` steps; a
-        :class:`Sleep` carries its event."""
+    def event_for(self, state: str, returned: object) -> str:
+        """The event a step's return value means: a ``next=`` step returns ``None`` (or
+        ``"next"``) and takes ``next``; an ``on=`` step returns an event, a str. A
+        :class:`Sleep` carries its event. Anything else is an :class:`InvalidEvent` that
+        names the mistake (flowloop/returns.py); an undeclared str is left to
+        :meth:`next_state`."""
         spec = self._draft.steps[state]
-        if isinstance(returned, Sleep):
-            returned = returned.event
-        return returned if spec.returns_event else NEXT_EVENT
+        event = returned.event if isinstance(returned, Sleep) else returned
+        if spec.returns_event:
+            if isinstance(event, str):
+                return event
+        elif event is None or (isinstance(event, str) and event == NEXT_EVENT):
+            return NEXT_EVENT
+        raise returns.bad_return(spec, returned)
 
     def structure(self) -> dict[str, Any]:
         """The definition as plain data: what a stored run's compatibility is judged on."""

@@ -84,10 +84,18 @@ class ContextNotSerializable(FlowloopError):
 
     exit_code = EXIT_FAILURE
 
-    def __init__(self, workflow: str, state: str, field: str, problem: str) -> None:
+    def __init__(
+        self,
+        workflow: str,
+        state: str,
+        field: str,
+        problem: str,
+        *,
+        advice: str = "keep only plain data in the context",
+    ) -> None:
         super().__init__(
             f"workflow {workflow!r} step {state!r} left context field {field!r} holding a "
-            f"value the journal cannot store ({problem}); keep only plain data in the context"
+            f"value the journal cannot store ({problem}); {advice}"
         )
         self.workflow = workflow
         self.state = state
@@ -97,10 +105,14 @@ class ContextNotSerializable(FlowloopError):
 class InvalidEvent(FlowloopError):
     """A step returned (or a caller sent) an event its state does not declare."""
 
-    def __init__(self, state: str, event: object, accepted: Iterable[str]) -> None:
+    def __init__(
+        self, state: str, event: object, accepted: Iterable[str], *, message: str | None = None
+    ) -> None:
+        # ``message``: what a step returned that is no event at all (flowloop/returns.py).
         accepted_list = ", ".join(sorted(accepted)) or "none"
         super().__init__(
-            f"state {state!r} does not accept event {event!r} (it accepts: {accepted_list})"
+            message
+            or f"state {state!r} does not accept event {event!r} (it accepts: {accepted_list})"
         )
         self.state = state
         self.event = event
@@ -189,7 +201,20 @@ class LeaseLost(FlowloopError):
 class HeldBack(FlowloopError):
     """A step would wait for a run that its own run's limit slot (or its callers') holds
     back: refused at once (flowloop/holding.py) — a new run before it is written, one
-    with a key once made or found, queued."""
+    with a key once made or found, queued (``queued``: its id). A step that lets the
+    refusal of a new run out fails at once, not retried: its retry, holding the same
+    slots, would be refused too. One naming a queued run is retried as any error (the
+    run goes once the step has ended; the retry finds it)."""
+
+    def __init__(self, message: str, *, queued: str | None = None) -> None:
+        super().__init__(message)
+        self.queued = queued
+
+
+def retry_cannot_help(error: BaseException) -> bool:
+    """Whether a step that failed with ``error`` fails at once, whatever its ``retry``:
+    a :class:`HeldBack` refusing a new run (its retry would be refused the same way)."""
+    return isinstance(error, HeldBack) and error.queued is None
 
 
 class NoFreeSlot(FlowloopError):

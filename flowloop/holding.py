@@ -80,7 +80,8 @@ def refuse_held_back(
         else "start it with engine.start() to run once the step has ended, or raise the limit"
     )
     raise HeldBack(
-        f"a step waiting for a run of {workflow.name!r} would wait for ever: {why}; {then}"
+        f"a step waiting for a run of {workflow.name!r} would wait for ever: {why}; {then}",
+        queued=queued,
     )
 
 

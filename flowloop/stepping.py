@@ -23,7 +23,7 @@ from flowloop import children, compose, frozen, interruptions
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
-from flowloop.contexts import context_from, dump_context
+from flowloop.contexts import context_from, dump_context, unstorable
 from flowloop.definition import (
     TIMEOUT_EVENT,
     Sleep,
@@ -41,6 +41,7 @@ from flowloop.errors import (
     error_line,
     error_trace,
     exits_as_errors,
+    retry_cannot_help,
 )
 from flowloop.events import check_visits, entering, receive, wait_due
 from flowloop.gates import gated
@@ -224,6 +225,7 @@ class Stepping:
             raise
         except (Exception, SystemExit) as caught:
             error = StepExited.instead_of(caught, f"step {record.state!r}")
+            error = unstorable(error, ctx, workflow=workflow.name, state=record.state)
             duration = self.clock.monotonic() - started
             self.stats.attempts += 1
             if isinstance(error, children.DeadlineCut):
@@ -551,7 +553,7 @@ class Stepping:
     ) -> RunRecord | None:
         definitive = isinstance(
             error, (InvalidEvent, MaxVisitsExceeded, ValidationError, ContextNotSerializable)
-        )
+        ) or retry_cannot_help(error)
         retryable = not definitive and spec.retry.should_retry(error, record.attempt)
         data: dict[str, Any]
         route = None if retryable else children.error_route(workflow, spec, record, error)

@@ -703,7 +703,7 @@ def test_pause_and_stop__of_a_running_run_say_what_its_worker_does(here: Path) -
 
     release = threading.Event()
     slow = Workflow("slow", context=Slow)
-    slow.step(name="work", initial=True, next="done")(lambda ctx: release.wait(30))
+    slow.step(name="work", initial=True, next="done")(lambda ctx: release.wait(30) and None)
     slow.final("done")
     for action, said in (
         ("pause", "pause requested; its worker pauses it at the next step boundary"),

@@ -363,3 +363,65 @@ def test_a_child_with_a_free_slot_is_not_refused(store_url: str) -> None:
         info = engine.run(limited, Ctx())
     assert info.status == "succeeded", info
     assert info.context.nested == "succeeded"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_a_step_that_lets_the_refusal_out_fails_at_once_not_retried(
+    store_url: str, kind: str
+) -> None:
+    """The audit's held.py: a ``max_concurrency=1`` workflow whose step runs another of
+    its runs and lets ``HeldBack`` out. Its retry would hold the same slot and be refused
+    the same way: the step fails on its first attempt (before, it was retried with the
+    default backoff, failing after attempt 3, some 3 s later)."""
+    from flowloop import journal as j
+
+    workflow = Workflow("held", context=Ctx, max_concurrency=1)
+    engines: dict[str, Engine] = {}
+    if kind == "def":
+
+        @workflow.step(initial=True, next="done")
+        def call_myself(ctx: Ctx) -> None:
+            engines["engine"].run(workflow, Ctx(depth=1))
+
+    else:
+
+        @workflow.step(initial=True, next="done")
+        async def call_myself(ctx: Ctx) -> None:
+            await asyncio.wait_for(engines["engine"].arun(workflow, Ctx(depth=1)), WAIT_S)
+
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow]) as engine:
+        engines["engine"] = engine
+        info = engine.run(workflow, Ctx())
+        failed = [e for e in engine.history(info.id) if e.kind == j.STEP_FAILED]
+        assert [run.id for run in engine.runs()] == [info.id]  # nothing written
+    assert (info.status, info.state) == ("failed", "call_myself"), info
+    assert [(e.attempt, e.retryable, e.error_type) for e in failed] == [(1, False, "HeldBack")]
+    assert info.error == (
+        "HeldBack: a step waiting for a run of 'held' would wait for ever: its "
+        "max_concurrency=1 is held by the calling run(s); start it with engine.start() to "
+        "run once the step has ended, or raise the limit"
+    )
+
+
+def test_a_refusal_naming_a_queued_run_is_retried(store_url: str) -> None:
+    """One whose run is made and queued (a business key) is retried as any error: the run
+    goes once the step has ended, and the retry finds it (README: "the step's retry finds
+    it")."""
+    from flowloop import FakeClock, Retry
+    from flowloop import journal as j
+
+    engines: dict[str, Engine] = {}
+    workflow = Workflow("keyed", context=Ctx, max_concurrency=1, key=lambda ctx: f"k{ctx.depth}")
+
+    @workflow.step(initial=True, next="done", retry=Retry(attempts=2, backoff="fixed", base=0))
+    async def call_myself(ctx: Ctx) -> None:
+        if ctx.depth == 0:
+            await asyncio.wait_for(engines["engine"].arun(workflow, Ctx(depth=1)), WAIT_S)
+
+    workflow.final("done")
+    with Engine(store_url, workflows=[workflow], clock=FakeClock()) as engine:
+        engines["engine"] = engine
+        info = engine.run(workflow, Ctx())
+        failed = [e for e in engine.history(info.id) if e.kind == j.STEP_FAILED]
+    assert [(e.attempt, e.retryable, e.error_type) for e in failed][:1] == [(1, True, "HeldBack")]

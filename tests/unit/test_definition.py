@@ -293,11 +293,15 @@ def test_next_state__undeclared_event_names_what_is_accepted(event: object) -> N
         wf.next_state("b", event)
 
 
-def test_event_for__next_steps_take_next_whatever_they_return() -> None:
+def test_event_for__next_steps_take_next_when_they_return_none() -> None:
+    """A ``next=`` step returns None (or "next"); anything else is refused (before, it
+    was ignored: a ``step.sleep(…, "event")`` of one went on to its next state)."""
     wf = linear().validate()
-    assert wf.event_for("noop", "anything") == NEXT_EVENT
     assert wf.event_for("noop", None) == NEXT_EVENT
+    assert wf.event_for("noop", NEXT_EVENT) == NEXT_EVENT
     assert wf.event_for("b", "ok") == "ok"
+    with pytest.raises(InvalidEvent, match=r"has next='b' and returned 'anything': return None"):
+        wf.event_for("noop", "anything")
 
 
 def test_fingerprint__depends_on_structure_not_code_or_version() -> None:
