@@ -1,0 +1,141 @@
+"""The commands `flowloop run`, `send` and `retry` print for what to type next work as
+printed (new-user audit): `run approve.py --db other.db` said ``flowloop send RUN EVENT``
+(no -w: "unknown workflow 'approve'", no --db: another database), and a run due later
+``flowloop resume -w FILE_OR_DIR`` though the command knew the file. Each printed command
+is run here, as a user would type it, in the same folder."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flowloop import Engine
+
+APPROVE = """
+    from datetime import timedelta
+
+    from pydantic import BaseModel
+
+    from flowloop import Step, Workflow
+
+
+    class Order(BaseModel):
+        order_id: str
+        amount: float
+
+
+    wf = Workflow("approve", context=Order, key="order_id")
+
+
+    @wf.step(initial=True, on={"small": "pay", "large": "awaiting"})
+    def check(ctx: Order) -> str:
+        return "large" if ctx.amount > 500 else "small"
+
+
+    wf.wait("awaiting", on={"approve": "pay", "reject": "cancelled"})
+
+
+    @wf.step(next="paid")
+    def pay(ctx: Order) -> None: ...
+
+
+    wf.final("paid", "cancelled")
+
+
+    later = Workflow("later", context=Order)
+
+
+    @later.step(initial=True, next="b")
+    def a(ctx: Order, step: Step):
+        return step.sleep(timedelta(hours=1), "next")
+
+
+    @later.step(next="done")
+    def b(ctx: Order) -> None: ...
+
+
+    later.final("done")
+"""
+
+
+def flowloop(*args: str, cwd: Path, code: int = 0) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FLOWLOOP_")}
+    env.pop("COLUMNS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "flowloop", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == code, (
+        f"flowloop {' '.join(args)} exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    )
+    return result
+
+
+def typed(line: str, n: int = 0, **placeholders: str) -> list[str]:
+    """The ``n``-th command a line names between backticks, as a user types it (its
+    placeholders filled), without the leading ``flowloop``."""
+    words = shlex.split(line.split("`")[1 + 2 * n])
+    assert words[0] == "flowloop", line
+    return [placeholders.get(word, word) for word in words[1:]]
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    (tmp_path / "approve.py").write_text(textwrap.dedent(APPROVE).lstrip())
+    return tmp_path
+
+
+@pytest.mark.parametrize("on", ["other", "default"])
+def test_run_and_send__print_commands_that_work_as_typed(here: Path, on: str) -> None:
+    """`run … --db other.db` of a run that waits prints a send with -w and --db; the send
+    prints a resume with them; each, run as printed, does its work on that database. On
+    ./flowloop.db (the default) no --db is printed, and none is needed."""
+    db = ["--db", "other.db"] if on == "other" else []
+    context = '{"order_id": "A1", "amount": 900}'
+    shown = flowloop("run", "approve.py:approve", *db, "--context", context, cwd=here).stdout
+    last = shown.splitlines()[-1]
+    assert " waits in awaiting for approve or reject" in last, shown
+    send = typed(last, EVENT="approve")
+    assert ("--db" in send) is (on == "other") and "-w" in send, last
+    sent = flowloop(*send, cwd=here).stdout
+    assert "approve: applied" in sent and " scheduled at pay" in sent, sent
+    resume = typed(sent, 1)  # (the worker's is the first)
+    assert resume[0] == "resume" and "FILE_OR_DIR" not in resume, sent
+    assert typed(sent, 0)[0] == "worker" and "FILE_OR_DIR" not in typed(sent, 0), sent
+    flowloop(*resume, cwd=here)
+    url = str(here / ("other.db" if on == "other" else "flowloop.db"))
+    with Engine(url) as engine:
+        (info,) = engine.runs()
+    assert (info.status, info.state) == ("succeeded", "paid")
+    assert not (here / ("flowloop.db" if on == "other" else "other.db")).exists()
+
+
+def test_run__a_run_due_later_names_its_file_and_database(here: Path, store_url: str) -> None:
+    """A run asleep for an hour: `run` names the worker and the resume that continue it,
+    with the file and the database (SQLite file or PostgreSQL); the resume, as printed,
+    opens that database (it finds the run not due yet) and creates no other."""
+    context = '{"order_id": "L1", "amount": 1}'
+    shown = flowloop("run", "approve.py:later", "--db", store_url, "--context", context, cwd=here)
+    last = shown.stdout.splitlines()[-1]
+    assert " sleeps in b until " in last, last
+    worker, resume = typed(last, 0), typed(last, 1)
+    assert worker == ["worker", "-w", "approve.py", "--db", store_url], last
+    assert resume == ["resume", "-w", "approve.py", "--db", store_url], last
+    resumed = flowloop(*resume, cwd=here).stdout
+    assert "resumed: 0 interrupted run(s) recovered, 0 step attempt(s) run" in resumed
+    made = ["flowloop.db"] if store_url.startswith("sqlite") else []  # (the fixture's file)
+    assert sorted(path.name for path in here.glob("*.db")) == made
+    with Engine(store_url) as engine:
+        (info,) = engine.runs()
+    assert (info.status, info.state) == ("scheduled", "b")
