@@ -279,7 +279,7 @@ def resume(
     SIGTERM) lets the steps in flight finish and hands their runs back; a second cuts them
     off."""
     from flowloop.cli import hints
-    from flowloop.cli.progress import printed_not_logged, progress_printer
+    from flowloop.cli.progress import idle_notice, printed_not_logged, progress_printer
     from flowloop.cli.startup import StoppedWaiting, when_reachable
     from flowloop.engine import Engine
     from flowloop.interrupt import EXIT_SIGNALLED, leave, resume_interruptibly
@@ -310,7 +310,10 @@ def resume(
             lambda record, _: failed.setdefault(record.id) if record.status == "failed" else None
         )
         with printed_not_logged(not as_json):
-            stats, signals = resume_interruptibly(engine, notice=err.print)
+            idle = (
+                None if as_json else idle_notice(engine, lambda line: err.print(line, markup=False))
+            )
+            stats, signals = resume_interruptibly(engine, notice=err.print, idle=idle)
     done = {
         "recovered": stats.recovered,
         "steps": stats.steps,  # (the attempts that succeeded, as ever)

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
+from polling import poll
 
 from flowloop import Engine
+from flowloop.loader import load_target
 
 APPROVE = """
     from datetime import timedelta
@@ -139,3 +144,119 @@ def test_run__a_run_due_later_names_its_file_and_database(here: Path, store_url:
     with Engine(store_url) as engine:
         (info,) = engine.runs()
     assert (info.status, info.state) == ("scheduled", "b")
+
+
+# -- `flowloop resume` says what it waits for ------------------------------------------------
+
+BACKOFF = """
+    import os
+
+    from pydantic import BaseModel
+
+    from flowloop import Retry, Workflow
+
+
+    class Order(BaseModel):
+        order_id: str
+
+
+    backoff = Workflow("backoff", context=Order)
+    EVERY = float(os.environ["BACKOFF_S"])
+
+
+    @backoff.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=EVERY))
+    def charge(ctx: Order) -> None:
+        raise ConnectionError("down")
+
+
+    backoff.final("done")
+"""
+WAITING = "waiting for run "
+
+
+class Resume:
+    """`flowloop resume -w backoff.py --db URL` in its own process; stderr read as it comes."""
+
+    def __init__(self, here: Path, url: str, every: float) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.upper().startswith("FLOWLOOP_")}
+        env |= {"BACKOFF_S": str(every), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "flowloop", "resume", "-w", "backoff.py", "--db", url],
+            cwd=here,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.err: list[str] = []
+        assert self.process.stderr is not None
+        self._reader = threading.Thread(target=self._read, args=(self.process.stderr,))
+        self._reader.daemon = True
+        self._reader.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.err.append(line.rstrip("\n"))
+
+    def waiting_lines(self) -> list[str]:
+        return [line for line in list(self.err) if line.startswith(WAITING)]
+
+    def ended(self) -> int:
+        try:
+            return self.process.wait(timeout=60)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+            self._reader.join(timeout=60)
+
+    def ctrl_c_once_waiting(self) -> str:
+        """SIGINT once it said what it waits for: its waiting line."""
+        (line,) = poll(self.waiting_lines, timeout=30, what="the waiting line", every=0.02)
+        self.process.send_signal(signal.SIGINT)
+        assert self.ended() == 130, self.err
+        return line
+
+
+def started_backoff(here: Path, url: str) -> str:
+    (here / "backoff.py").write_text(textwrap.dedent(BACKOFF).lstrip())
+    with Engine(url) as engine:
+        workflow, _ = load_target(str(here / "backoff.py"))
+        return engine.start(workflow, {"order_id": "B1"}).id
+
+
+def test_resume__says_which_run_it_waits_for_at_each_wait(
+    here: Path, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, `resume` of a run retrying 60 s apart printed nothing between attempts
+    (up to five minutes): now a line per wait, each once (SQLite file and PostgreSQL)."""
+    monkeypatch.setenv("BACKOFF_S", "1")
+    run_id = started_backoff(here, store_url)
+    resume = Resume(here, store_url, every=1)
+    assert resume.ended() == 0, resume.err  # (its run failed after three attempts)
+    lines = resume.waiting_lines()
+    assert len(lines) == 2, resume.err  # after the first attempt and the second
+    for line in lines:
+        assert line.startswith(f"waiting for run {run_id} (retry of charge at "), line
+        assert line.endswith("s); Ctrl-C leaves it to a worker"), line
+    assert lines[0] != lines[1]  # (each its own attempt's time)
+
+
+def test_resume__a_run_due_later_is_named_at_once_and_ctrl_c_leaves_it(
+    here: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The audit's case: Ctrl-C after the first failure, then `resume` had nothing due for
+    31 s and said nothing. It names the run at once; Ctrl-C still leaves the run retrying
+    and says how to continue."""
+    monkeypatch.setenv("BACKOFF_S", "60")
+    url = str(here / "backoff.db")
+    run_id = started_backoff(here, url)
+    first = Resume(here, url, every=60).ctrl_c_once_waiting()
+    assert first.startswith(f"waiting for run {run_id} (retry of charge at "), first
+    again = Resume(here, url, every=60)
+    line = again.ctrl_c_once_waiting()  # (nothing due now: the line comes first)
+    assert line.startswith(f"waiting for run {run_id} (retry of charge at "), line
+    assert int(line.rsplit(", in ", 1)[1].split("s)")[0]) <= 60, line
+    assert "continue with `flowloop resume -w backoff.py --db " in again.err[-1], again.err
+    with Engine(url) as engine:
+        info = engine.get(run_id)
+    assert (info.status, info.state, info.attempt) == ("retrying", "charge", 1)
