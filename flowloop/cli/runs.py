@@ -33,6 +33,7 @@ from flowloop.errors import EXIT_FAILURE, FlowloopError, InvalidContext, Unknown
 
 if TYPE_CHECKING:
     from flowloop.committer import Stats
+    from flowloop.definition import Workflow
     from flowloop.engine import Engine
     from flowloop.runinfo import RunInfo
 
@@ -71,7 +72,7 @@ def run(
 
     workflow, _ = load_target(target)
     apply_overrides(settings(), {workflow.name: workflow}, {})
-    context = parse_context(context_text)
+    context = checked_context(workflow, context_text)
     # What the commands it prints take to find this file and this database.
     where = hints.where(hints.file_paths(split_target(target)[0]), db)
     with open_engine(db, synchronous) as engine:
@@ -114,6 +115,19 @@ def run(
     _refuse_failed(info, shown_ends)
     if not info.finished:
         out.print(support.not_ended_line(info, due, where), markup=False)
+
+
+def checked_context(workflow: Workflow, text: str | None) -> dict[str, Any]:
+    """``--context`` of a new run of ``workflow``, validated before the database is opened:
+    a context refused left a new, empty database file behind. A JSON value other than an
+    object is refused as ``123`` is (a JSON string was read as JSON text again: ``'"x"'``
+    said "Invalid JSON", ``'"{}"'`` was taken as an object)."""
+    value = parse_context(text)
+    if not isinstance(value, dict):
+        got = type(value).__name__
+        raise InvalidContext(workflow.name, f"expected an object of fields, got {got}")
+    workflow.parse_new_context(value)
+    return value
 
 
 def _refuse_failed(info: RunInfo, shown_ends: Collection[str] = ()) -> None:
@@ -162,7 +176,7 @@ def start(
         start_many(target, contexts_file, priority, db, synchronous, as_json)
         return
     workflow, _ = load_target(target)
-    context = parse_context(context_text)
+    context = checked_context(workflow, context_text)
     with open_engine(db, synchronous) as engine:
         note = support.refuse_or_note_existing(engine, workflow, context, key)
         info = engine.start(workflow, context, key=key, priority=priority)

@@ -260,3 +260,40 @@ def test_resume__a_run_due_later_is_named_at_once_and_ctrl_c_leaves_it(
     with Engine(url) as engine:
         info = engine.get(run_id)
     assert (info.status, info.state, info.attempt) == ("retrying", "charge", 1)
+
+
+# -- a context refused creates no database ---------------------------------------------------
+
+
+def tables(url: str) -> list[str]:
+    """The tables of a database (a SQLite file that is not there: none, and not made)."""
+    import sqlalchemy as sa
+
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return []
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return sa.inspect(conn).get_table_names()
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize(
+    ("command", "context", "problem"),
+    [
+        ("run", "{}", "order_id: Field required; amount: Field required"),
+        ("start", '"x"', "expected an object of fields, got str"),  # (was "Invalid JSON")
+        ("run", '"{}"', "expected an object of fields, got str"),  # (was taken as {})
+    ],
+)
+def test_run_and_start__a_refused_context_creates_no_database(
+    here: Path, store_url: str, command: str, context: str, problem: str
+) -> None:
+    """New-user audit: `run … --db fresh.db --context '{}'` refused the context (exit 2)
+    and left fresh.db behind; a JSON string was decoded a second time, as JSON text."""
+    result = flowloop(
+        command, "approve.py:later", "--db", store_url, "--context", context, cwd=here, code=2
+    )
+    assert result.stderr == f"error: context for workflow 'later' is invalid: {problem}\n"
+    assert tables(store_url) == []  # (SQLite: no file; PostgreSQL: no table)
