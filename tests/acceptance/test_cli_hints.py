@@ -297,3 +297,14 @@ def test_run_and_start__a_refused_context_creates_no_database(
     )
     assert result.stderr == f"error: context for workflow 'later' is invalid: {problem}\n"
     assert tables(store_url) == []  # (SQLite: no file; PostgreSQL: no table)
+
+
+def test_ctrl_c_while_starting_up__says_nothing_was_started(here: Path) -> None:
+    """A Ctrl-C while `run` loaded its workflow file (here: the file's import is what the
+    Ctrl-C interrupts) said "the journal holds every committed step (`flowloop resume`)"
+    though nothing was started; nor is a database created."""
+    (here / "slow_import.py").write_text("raise KeyboardInterrupt\n")
+    result = flowloop("run", "slow_import.py", "--db", "fresh.db", cwd=here, code=130)
+    # (click ends the line a Ctrl-C interrupted first)
+    assert result.stderr.strip() == "interrupted before anything was started; nothing to continue"
+    assert not (here / "fresh.db").exists()
