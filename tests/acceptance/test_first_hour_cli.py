@@ -654,8 +654,7 @@ def test_run__a_misspelt_context_field_is_refused_not_dropped(here: Path) -> Non
     dropped without a word (new-user audit)."""
     line = refused("run", "orders.py", "--context", '{"order_id": "Z", "amout": 2}', cwd=here)
     assert "no field(s) 'amout' in Order (fields: order_id, amount, approved_by)" in line
-    with sqlite3.connect(here / "flowloop.db") as conn:
-        assert conn.execute("SELECT count(*) FROM flowloop_runs").fetchone() == (0,)
+    assert not (here / "flowloop.db").exists()  # (checked before a database is opened)
 
 
 def test_status__prints_stored_text_as_it_is_never_as_emoji(here: Path) -> None:
