@@ -1,5 +1,5 @@
 # Two commands set up everything on a fresh Debian/Ubuntu machine:
-#   make demo   run the example order workflow on ./flowloop.db and render its diagram
+#   make demo   run the example order workflow on ./demo.db and render its diagram
 #   make test   lint, type-check and run the whole test suite (what CI runs)
 PYTHON ?= python3
 VENV   ?= .venv

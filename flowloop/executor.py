@@ -149,6 +149,8 @@ class Executor(Stepping, Recovery, Requests):
         self.pool_exhausted: list[Callable[[int], None]] = []
         """Called (with the number of abandoned threads) when hung sync steps reach the
         step pool's bound (see flowloop.steppool)."""
+        self.idle_waits: list[Callable[[float], None]] = []
+        """Told the seconds each time ``run(until_idle=True)`` waits for a run due later."""
         self._exhaustion_check: asyncio.TimerHandle | None = None
         self._active: dict[str, _Active] = {}
         self._parked_for: frozenset[tuple[str, str]] | None = None
@@ -410,6 +412,8 @@ class Executor(Stepping, Recovery, Requests):
         """Sleep until a run is due, or until something wakes the loop first: a first
         Ctrl-C (:meth:`hand_back`) must not wait out a backoff while a run outside this
         call's ``run_ids`` keeps the executor busy (Ctrl-C cancels an idle one)."""
+        for told in self.idle_waits:
+            told(seconds)
         await first_of([self.clock.sleep(seconds), wake.wait()])
         wake.clear()
 

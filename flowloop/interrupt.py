@@ -117,15 +117,21 @@ def drive_interruptibly(
 
 
 def resume_interruptibly(
-    engine: Engine, *, notice: Callable[[str], None] = lambda _: None
+    engine: Engine,
+    *,
+    notice: Callable[[str], None] = lambda _: None,
+    idle: Callable[[float], None] | None = None,
 ) -> tuple[Stats, list[int]]:
     """:meth:`Engine.resume` with the Ctrl-C behaviour of ``flowloop run`` (the module
     docstring), for every run it drives: a first SIGINT or SIGTERM lets the steps in
     flight finish and hands their runs back, a second cuts them off. The stats, and the
-    signals that came (none: it went to its end)."""
+    signals that came (none: it went to its end). ``idle`` is told the seconds each time
+    it waits for a run due later (a retry's backoff, a sleep's end)."""
 
     async def main() -> tuple[Stats, list[int]]:
         executor = engine._new_executor()
+        if idle is not None:
+            executor.idle_waits.append(idle)
         try:
             with _signals(executor, notice, lambda: None) as caught:
                 try:

@@ -166,15 +166,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except FlowloopError as error:
         err.print(f"error: {error}", markup=False)
         sys.exit(error.exit_code)
-    except click.exceptions.Abort:
-        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        err.print(_interrupted(), markup=False)
         sys.exit(130)
     except click.ClickException as error:
         error.show()
         sys.exit(error.exit_code)
-    except KeyboardInterrupt:
-        err.print("interrupted; the journal holds every committed step (`flowloop resume`)")
-        sys.exit(130)
     except Exception as error:
         # The last line of defence: storage and encoding errors that no command turned
         # into a FlowloopError still get one line, never a traceback.
@@ -185,6 +182,16 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         err.print(f"error: {line}", markup=False)
         sys.exit(code)
+
+
+def _interrupted() -> str:
+    """What a Ctrl-C that no command handled says: while it started up (loading a workflow
+    file, say), nothing was started — it named `flowloop resume` as if runs had been."""
+    from flowloop.cli.common import OPENED
+
+    if not OPENED:
+        return "interrupted before anything was started; nothing to continue"
+    return "interrupted; the journal holds every committed step (`flowloop resume`)"
 
 
 __all__ = ["cli", "main"]

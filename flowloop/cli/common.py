@@ -180,10 +180,16 @@ def open_engine(
     return prepared(Engine(url, synchronous=synchronous, store=store), loaded, saves=saves)
 
 
+OPENED: Final[list[str]] = []
+"""The databases this process opened an engine on (every command that may write does so
+through :func:`prepared`): none when a Ctrl-C comes, and nothing was started."""
+
+
 def prepared(engine: Engine, loaded: Loaded | None, *, saves: bool = True) -> Engine:
     """``engine`` traced when ``--trace`` asks for it, with every version of ``loaded``
     registered: a run stays on the version it started with (issue 16) — the worker and
     ``resume`` registered the newest only, and parked runs ``check`` had passed."""
+    OPENED.append(engine.url)
     ctx = click.get_current_context(silent=True)
     if ctx is not None and ctx.meta.get(TRACE):
         trace(engine)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,9 @@ from flowloop.cli.views import describe_event, styled
 from flowloop.logs import text_handlers
 
 if TYPE_CHECKING:
+    from flowloop.engine import Engine
     from flowloop.journal import JournalEvent, RunRecord
+    from flowloop.runinfo import RunInfo
 
 
 def progress_printer(
@@ -185,3 +188,70 @@ def printed_not_logged(printing: bool = True) -> Iterator[None]:
     finally:
         for handler in handlers:
             handler.removeFilter(shown)
+
+
+def idle_notice(engine: Engine, say: Callable[[str], None]) -> Callable[[float], None]:
+    """For `flowloop resume`, told the seconds each time it waits for a run due later
+    (:attr:`Executor.idle_waits`): a line saying which run it waits for, what for and
+    when, once per wait — it waited silently up to five minutes (a retry's backoff)."""
+    from flowloop.clock import iso
+
+    shown: set[tuple[str, float]] = set()
+
+    def told(seconds: float) -> None:
+        if seconds <= 0:
+            return  # (due now: it polls)
+        info = next_due_run(engine)
+        if info is None or info.next_run_at is None:
+            return
+        mark = (info.id, info.next_run_at)
+        if mark in shown:
+            return  # (woken, and waiting again for the same)
+        shown.add(mark)
+        say(
+            f"waiting for run {info.id} ({due_for(engine, info)} at {iso(info.next_run_at)}, "
+            f"in {math.ceil(seconds)}s); Ctrl-C leaves it to a worker"
+        )
+
+    return told
+
+
+def next_due_run(engine: Engine) -> RunInfo | None:
+    """The claimable run of the engine's workflows that is due first (None: none)."""
+    import sqlalchemy as sa
+
+    from flowloop.cli.common import sql_engine
+    from flowloop.lifecycle import CLAIMABLE
+    from flowloop.store.reads import reading
+    from flowloop.store.schema import runs
+
+    query = (
+        sa.select(runs.c.id)
+        .where(
+            runs.c.status.in_(sorted(CLAIMABLE)),
+            runs.c.next_run_at.is_not(None),
+            runs.c.workflow.in_(sorted(engine.workflows)),
+        )
+        .order_by(runs.c.next_run_at)
+        .limit(1)
+    )
+    with reading(sql_engine(engine)) as conn:
+        run_id = conn.execute(query).scalar_one_or_none()
+    return None if run_id is None else engine.get(run_id)
+
+
+def due_for(engine: Engine, info: RunInfo) -> str:
+    """What a run due later is due for, in words: ``retry of charge``."""
+    from flowloop.cli import support
+    from flowloop.journal import ASLEEP
+
+    due = support.run_due(engine, info)
+    if due is not None and due.deadline_first:
+        return due.deadline_words()
+    if info.status == "retrying":
+        return f"retry of {info.state}"
+    if info.reason == ASLEEP:
+        return f"end of its sleep before {info.state}"
+    if support.WaitStates(engine).of(info) is not None:
+        return f"timeout of {info.state}"
+    return f"{info.state}, due"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -32,6 +33,7 @@ from flowloop.errors import EXIT_FAILURE, FlowloopError, InvalidContext, Unknown
 
 if TYPE_CHECKING:
     from flowloop.committer import Stats
+    from flowloop.definition import Workflow
     from flowloop.engine import Engine
     from flowloop.runinfo import RunInfo
 
@@ -54,7 +56,7 @@ def run(
 
     A business key that has a run already: the same context goes on with that run (a line
     says so); a different context is refused (exit 2), nothing started."""
-    from flowloop.cli import support
+    from flowloop.cli import hints, support
     from flowloop.cli.progress import printed_not_logged, progress_printer
     from flowloop.cli.views import info_json
     from flowloop.clock import iso
@@ -70,7 +72,9 @@ def run(
 
     workflow, _ = load_target(target)
     apply_overrides(settings(), {workflow.name: workflow}, {})
-    context = parse_context(context_text)
+    context = checked_context(workflow, context_text)
+    # What the commands it prints take to find this file and this database.
+    where = hints.where(hints.file_paths(split_target(target)[0]), db)
     with open_engine(db, synchronous) as engine:
         note = support.refuse_or_note_existing(engine, workflow, context, key)
         if note is not None and not as_json:
@@ -90,8 +94,7 @@ def run(
             interrupted = {"signals": info.signals}
             shown = {"run": run_json, "existing": note is not None, "interrupted": interrupted}
             click.echo(support.dumps(shown))
-        where = f"-w {split_target(target)[0]} --db {database(db)}"
-        resume_with, retry_with = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        resume_with, retry_with = f"flowloop resume{where}", f"flowloop retry {{run}}{where}"
         line = interrupted_line(info, resume=resume_with, retry=retry_with)
         leave(line, EXIT_SIGNALLED + info.first)
     if as_json:
@@ -105,12 +108,26 @@ def run(
             until = "; " + due.deadline_words(f" at {iso(due.at)}")
         out.print(
             f"run {info.id} waits in {info.state} for {' or '.join(wait.on)}{until} "
-            f"(`flowloop send {info.id} EVENT`)"
+            f"(`{hints.send_command(info.id, where)}`)",
+            markup=False,
         )
         return
     _refuse_failed(info, shown_ends)
     if not info.finished:
-        out.print(support.not_ended_line(info, due), markup=False)
+        out.print(support.not_ended_line(info, due, where), markup=False)
+
+
+def checked_context(workflow: Workflow, text: str | None) -> dict[str, Any]:
+    """``--context`` of a new run of ``workflow``, validated before the database is opened:
+    a context refused left a new, empty database file behind. A JSON value other than an
+    object is refused as ``123`` is (a JSON string was read as JSON text again: ``'"x"'``
+    said "Invalid JSON", ``'"{}"'`` was taken as an object)."""
+    value = parse_context(text)
+    if not isinstance(value, dict):
+        got = type(value).__name__
+        raise InvalidContext(workflow.name, f"expected an object of fields, got {got}")
+    workflow.parse_new_context(value)
+    return value
 
 
 def _refuse_failed(info: RunInfo, shown_ends: Collection[str] = ()) -> None:
@@ -159,7 +176,7 @@ def start(
         start_many(target, contexts_file, priority, db, synchronous, as_json)
         return
     workflow, _ = load_target(target)
-    context = parse_context(context_text)
+    context = checked_context(workflow, context_text)
     with open_engine(db, synchronous) as engine:
         note = support.refuse_or_note_existing(engine, workflow, context, key)
         info = engine.start(workflow, context, key=key, priority=priority)
@@ -275,7 +292,8 @@ def resume(
     """Recover runs interrupted by a crash and drive every due run to the end. Ctrl-C (or
     SIGTERM) lets the steps in flight finish and hands their runs back; a second cuts them
     off."""
-    from flowloop.cli.progress import printed_not_logged, progress_printer
+    from flowloop.cli import hints
+    from flowloop.cli.progress import idle_notice, printed_not_logged, progress_printer
     from flowloop.cli.startup import StoppedWaiting, when_reachable
     from flowloop.engine import Engine
     from flowloop.interrupt import EXIT_SIGNALLED, leave, resume_interruptibly
@@ -306,7 +324,10 @@ def resume(
             lambda record, _: failed.setdefault(record.id) if record.status == "failed" else None
         )
         with printed_not_logged(not as_json):
-            stats, signals = resume_interruptibly(engine, notice=err.print)
+            idle = (
+                None if as_json else idle_notice(engine, lambda line: err.print(line, markup=False))
+            )
+            stats, signals = resume_interruptibly(engine, notice=err.print, idle=idle)
     done = {
         "recovered": stats.recovered,
         "steps": stats.steps,  # (the attempts that succeeded, as ever)
@@ -322,15 +343,15 @@ def resume(
         out.print(resumed_line(stats))
     if signals:
         how = "after the steps in flight finished" if len(signals) == 1 else "cutting steps off"
-        paths = "".join(f" -w {path}" for path in workflow_paths)
-        line = f"interrupted {how}; continue with `flowloop resume{paths} --db {database(db)}`"
+        where = hints.where(workflow_paths, db)
+        line = f"interrupted {how}; continue with `flowloop resume{where}`"
         if failed:
             # (A step cut off that is not idempotent fails its run: resume runs it no more.)
             last = list(failed)[-1]
             line += (
                 f"; {len(failed)} run(s) failed, e.g. {last} (`flowloop status {last}`): a "
-                f"step cut off may have done part of its work; `flowloop retry RUN{paths} "
-                f"--db {database(db)}` runs one again"
+                f"step cut off may have done part of its work; `flowloop retry RUN{where}` "
+                "runs one again"
             )
         leave(line, EXIT_SIGNALLED + signals[0])  # (not waiting for a cut-off step's thread)
 
@@ -369,7 +390,7 @@ def retry(
     as_json: bool,
 ) -> None:
     """Run a failed or stopped run again."""
-    from flowloop.cli import support
+    from flowloop.cli import hints, support
     from flowloop.cli.progress import printed_not_logged, progress_printer
     from flowloop.cli.views import info_json, styled
     from flowloop.interrupt import (
@@ -403,30 +424,29 @@ def retry(
             click.echo(json.dumps({"run": info_json(info, waits)}))
         waiting = waits.of(info)
         due = support.run_due(engine, info) if drive and not as_json else None
+    where = hints.where(workflow_paths, db)
     if cut is not None:
-        where = f"--db {database(db)}" + "".join(f" -w {path}" for path in workflow_paths)
-        resume, retry_again = f"flowloop resume {where}", f"flowloop retry {{run}} {where}"
+        resume, retry_again = f"flowloop resume{where}", f"flowloop retry {{run}}{where}"
         leave(interrupted_line(cut, resume=resume, retry=retry_again), EXIT_SIGNALLED + cut.first)
     if drive:
         _refuse_failed(info, shown_ends)
     if as_json or info.finished:
         return
     if waiting is not None:
-        out.print(
-            f"run {info.id} {waiting.describe()} (`flowloop send {info.id} EVENT`)", markup=False
-        )
+        send_it = hints.send_command(info.id, where)
+        out.print(f"run {info.id} {waiting.describe()} (`{send_it}`)", markup=False)
     elif drive:
-        out.print(support.not_ended_line(info, due), markup=False)
+        out.print(support.not_ended_line(info, due, where), markup=False)
 
 
-def _refuse_a_key_as_run_id(engine: Engine, target: str) -> None:
+def _refuse_a_key_as_run_id(engine: Engine, target: str, event: str, where: str) -> None:
     """TARGET names no run but is the business key of some: say to give --workflow (a user
     sent to key W1 as the README's samples do, and was told a prefix needs 4 characters)."""
     keyed = sorted({info.workflow for info in engine.runs(key=target, limit=20)})
     if keyed:
         raise FlowloopError(
             f"no run {target!r}; it is the key of run(s) of {', '.join(keyed)}: "
-            f"flowloop send {target} EVENT --workflow {keyed[0]}"
+            f"flowloop send {shlex.quote(target)} {shlex.quote(event)} --workflow {keyed[0]}{where}"
         )
 
 
@@ -455,7 +475,7 @@ def send(
     """Send EVENT to a waiting run (TARGET: run id, or a business key with --workflow)."""
     from rich.markup import escape
 
-    from flowloop.cli import support
+    from flowloop.cli import hints, support
     from flowloop.cli.views import info_json, styled
 
     loaded = load_workflow_paths(workflow_paths)
@@ -475,7 +495,7 @@ def send(
                 result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
             except UnknownRun:
                 if workflow is None:
-                    _refuse_a_key_as_run_id(engine, target)
+                    _refuse_a_key_as_run_id(engine, target, event, hints.where(workflow_paths, db))
                 raise
         waits = support.WaitStates(engine)
         waiting = waits.of(result.run)
@@ -495,5 +515,5 @@ def send(
     shown = styled(support.WAITING if waiting else info.status)
     out.print(
         f"{event}: {result.status}; run {info.id} {shown} at {info.state}"
-        + escape(support.what_continues(info, waiting))
+        + escape(support.what_continues(info, waiting, hints.where(workflow_paths, db)))
     )

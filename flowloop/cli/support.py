@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 DATABASE_SUFFIXES: Final = (".db", ".sqlite", ".sqlite3")
 CLOSE_NAMES: Final = 3
+DEFAULT_WHERE: Final = " -w FILE_OR_DIR"
+"""The ``-w``/``--db`` of a command named to continue a run, when the caller knows none."""
 WAITING: Final = "waiting"
 """The status shown (never stored) for a run that rests in a wait state."""
 
@@ -268,24 +270,25 @@ def asleep_reason(info: RunInfo, due: Due | None) -> str | None:
     return f"{ASLEEP} until {iso(ends)}, then enters {info.state}"
 
 
-def what_continues(info: RunInfo, waiting: Waiting | None) -> str:
-    """After an event: what moves the run on from here, in words."""
+def what_continues(info: RunInfo, waiting: Waiting | None, where: str = DEFAULT_WHERE) -> str:
+    """After an event: what moves the run on from here, in words; ``where``: the ``-w``
+    and ``--db`` of the commands named (flowloop/cli/hints.py)."""
+    from flowloop.cli import hints
+
     if info.finished:
         return ""
     if waiting is not None:
         return f"; {waiting.describe()}"
     if info.status in ("scheduled", "retrying"):
-        return (
-            f"; a worker (`flowloop worker -w FILE_OR_DIR`) or `flowloop resume -w FILE_OR_DIR` "
-            f"continues it from {info.state}"
-        )
+        return f"; {hints.continues(where)} continues it from {info.state}"
     return ""
 
 
-def not_ended_line(info: RunInfo, due: Due | None = None) -> str:
+def not_ended_line(info: RunInfo, due: Due | None = None, where: str = DEFAULT_WHERE) -> str:
     """What a run ``run``/``retry`` handed back unended, outside a wait state, waits for,
     and what continues it (exit 0: it did not fail); ``due``: :func:`run_due` (a retry's
-    or a sleep's own time, and whether the run's deadline comes first)."""
+    or a sleep's own time, and whether the run's deadline comes first); ``where``: as
+    :func:`what_continues` takes it."""
     from flowloop.clock import iso
 
     own = own_time(info, due)
@@ -306,7 +309,7 @@ def not_ended_line(info: RunInfo, due: Due | None = None) -> str:
         waits_for = f"sleeps in {info.state} until {at}"
     else:
         waits_for = f"waits in {info.state} for its children"
-    return f"run {info.id} {waits_for}" + deadline_first(due) + what_continues(info, None)
+    return f"run {info.id} {waits_for}" + deadline_first(due) + what_continues(info, None, where)
 
 
 # -- a business key that has a run already ------------------------------------------------

@@ -593,7 +593,7 @@ def test_cli__a_misspelt_name_or_a_key_as_a_run_id_says_what_to_give(here: Path)
     result = flowloop("send", "W1", "go", *db, cwd=here, code=2)
     assert result.stderr.splitlines() == [
         "error: no run 'W1'; it is the key of run(s) of jobs: "
-        "flowloop send W1 EVENT --workflow jobs"
+        "flowloop send W1 go --workflow jobs -w FILE_OR_DIR --db jobs.db"
     ]
     result = flowloop("send", "W1", "go", "--workflow", "jbos", *db, cwd=here, code=2)
     assert result.stderr.splitlines() == [
