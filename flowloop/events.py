@@ -230,10 +230,15 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     compensations. (A due time written under an older version, a migration since, may be
     a wait's timeout: not taken for a sleep.) A debounced run's window before its first
     step is no sleep: a rate limit or breaker may have deferred the run since, and an
-    unpause finds the window's end, or the deferral's, by :func:`due_before_pause`."""
+    unpause finds the window's end, or the deferral's, by :func:`due_before_pause`. Nor is
+    the sleep's end once a claim after it moved the run's due time — a rate limit or
+    breaker deferred it (``run_deferred``), a release handed it back due at another time:
+    the sleep is over, and that due time (and reason) is the run's."""
     entry = entry_into(state, events)
     due = None if entry is None else entry.data.get("due")
     if entry is None or not isinstance(due, (int, float)):
+        return None
+    if any(e.seq > entry.seq and _moved_due(e, due) for e in events):
         return None
     if entry.data.get(j.ASLEEP):
         trusted = True
@@ -246,6 +251,14 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     if not trusted or any(e.kind in BEGUN and e.seq > entry.seq for e in events):
         return None
     return float(due)
+
+
+def _moved_due(event: JournalEvent, due: float) -> bool:
+    """Whether ``event`` set the run's due time to other than ``due``: a deferral, or a
+    release due at another time (one due then, a shutdown's, keeps the sleep)."""
+    if event.kind == j.RUN_DEFERRED:
+        return True
+    return event.kind == j.RUN_RELEASED and event.data.get("due", event.at) != due
 
 
 def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str | None]:

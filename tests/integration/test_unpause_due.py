@@ -305,3 +305,63 @@ def test_unpause__a_parent_waiting_for_its_children_is_claimed_at_once(
         engine.advance(HOUR)
         assert engine.get(run.id).status == "succeeded"
         assert engine.replay(run.id).differences == []
+
+
+def sleeper_limited(version: int = 1) -> Workflow:
+    """``first`` sleeps 5 s (``step.sleep``), then ``call`` is limited to once an hour."""
+    migrates = {1: {}} if version == 2 else None
+    wf = Workflow("napping", context=C, version=version, migrates_from=migrates)
+
+    @wf.step(initial=True, next="call")
+    def first(ctx: C, step: Step) -> Step:
+        return step.sleep(5)
+
+    @wf.step(next="done", rate_limit=RateLimit("slow", 1, per=timedelta(hours=1)))
+    def call(ctx: C) -> None:
+        ctx.log.append("called")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("how", ["engine", "bare"])
+def test_unpause__a_run_deferred_after_a_sleep_keeps_its_deferral(store_url: str, how: str) -> None:
+    """Slept, then deferred by the rate limit (the other run took the hour's slot): the
+    unpause keeps the deferral's due time and reason, and no claim defers it again (it
+    took the sleep's end, long past: due at once, a newcomer sent to the queue's end)."""
+    wf = sleeper_limited()
+    clock = FakeClock(time.time(), auto_advance=False)  # (the limit counts by the database's)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        runs = [engine.start(wf, C()) for _ in range(2)]
+        engine.run_until_idle(skip_time=False)
+        engine.clock.advance(5)  # (the sleeps end)
+        engine.run_until_idle(skip_time=False)
+        deferred = next(r.id for r in runs if engine.get(r.id).status == "scheduled")
+        [entry] = [e for e in engine.history(deferred) if e.kind == j.RUN_DEFERRED]
+        due, reason = entry.data["due"], entry.data["reason"]
+        assert reason == "rate_limit:slow" and due > clock.now() + HOUR / 2
+        engine.pause(deferred)
+        unpause(engine, store_url, deferred, how)
+        info = engine.get(deferred)
+        assert (info.status, info.next_run_at, info.reason) == ("scheduled", due, reason)
+        engine.run_until_idle(skip_time=False)
+        kinds = [e.kind for e in engine.history(deferred)]
+        assert kinds.count(j.RUN_DEFERRED) == 1 and kinds[-1] == j.RUN_UNPAUSED
+
+
+def test_migrate__a_run_deferred_after_a_sleep_keeps_its_deferral(store_url: str) -> None:
+    """The migration (a new version, ``call`` kept) keeps the deferral too (it took the
+    sleep's end for the run's due time: due at once, the deferral lost)."""
+    v1, v2 = sleeper_limited(), sleeper_limited(2)
+    clock = FakeClock(time.time(), auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        runs = [engine.start(v1, C()) for _ in range(2)]
+        engine.run_until_idle(skip_time=False)
+        engine.clock.advance(5)
+        engine.run_until_idle(skip_time=False)
+        deferred = next(r.id for r in runs if engine.get(r.id).status == "scheduled")
+        before = engine.get(deferred)
+        engine.migrate(deferred, to=2)
+        info = engine.get(deferred)
+        assert (info.next_run_at, info.reason) == (before.next_run_at, "rate_limit:slow")
+        assert_row_is_the_fold(engine, deferred)
