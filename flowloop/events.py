@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -261,7 +261,9 @@ def _moved_due(event: JournalEvent, due: float) -> bool:
     return event.kind == j.RUN_RELEASED and event.data.get("due", event.at) != due
 
 
-def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str | None]:
+def due_before_pause(
+    events: Sequence[JournalEvent], *, waited: Callable[[str, str], bool] | None = None
+) -> tuple[float | None, str | None]:
     """When a paused run was due before the pause it is in (the first of its pauses since
     it was last unpaused), and its reason then, read from the journal without the
     definition: the row its entries fold to just before that pause — due at its creation's
@@ -273,6 +275,10 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
     Its deadline is left out: the unpause's entry is held to it again, and a due time
     only the deadline's (a call or map state waiting for its children, a map's child held
     back: the store makes them due, not the journal) is not taken for the run's own.
+    Paused in a wait state (``waited(fingerprint, state)``: whether the definition it was
+    on then has ``state`` as a wait) and migrated since to another state or version, its
+    due time then was the wait's timeout: not the run's any more, it is due at once, as a
+    migration makes a waiting run it moves out of its wait (flowloop/migration.py).
     ``(None, None)`` when the journal cannot be folded."""
     record: j.RunRecord | None = None
     before: j.RunRecord | None = None
@@ -293,6 +299,9 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
         return None, None
     if before.status not in lifecycle.CLAIMABLE:
         return None, None  # (running when paused: due at once)
+    moved = (before.state, before.fingerprint) != (record.state, record.fingerprint)
+    if moved and waited is not None and waited(before.fingerprint, before.state):
+        return None, None  # (its wait's timeout, the wait left: due at once)
     reason = None if before.reason == j.ASLEEP else before.reason
     return before.next_run_at, reason
 

@@ -307,6 +307,81 @@ def test_unpause__a_parent_waiting_for_its_children_is_claimed_at_once(
         assert engine.replay(run.id).differences == []
 
 
+def waiter(version: int, *, into: str = "act") -> Workflow:
+    """v1: ``start``, then the wait ``waiting`` (an hour's timeout); v2 maps ``waiting``
+    onto the step ``into`` (a new one, or the wait's own name made a step)."""
+    migrates = {1: {"waiting": into} if into != "waiting" else {}} if version == 2 else None
+    wf = Workflow("waiter", context=C, version=version, migrates_from=migrates)
+
+    @wf.step(initial=True, next="waiting" if version == 1 else into)
+    def start(ctx: C) -> None:
+        pass
+
+    if version == 1:
+        wf.wait("waiting", on={"go": "done"}, timeout=HOUR, on_timeout="done")
+    else:
+
+        @wf.step(name=into, next="done")
+        def act(ctx: C) -> None:
+            ctx.log.append("acted")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("how", ["engine", "bare"])
+@pytest.mark.parametrize("into", ["act", "waiting"])
+def test_unpause__a_run_migrated_out_of_its_wait_while_paused_is_due_at_once(
+    store_url: str, clock: FakeClock, how: str, into: str
+) -> None:
+    """Paused waiting (an hour's timeout), migrated to a step (another state, or the wait's
+    own name made one): unpaused, it runs the step at once, as a migration makes a run it
+    moves out of its wait unpaused (it waited for the old wait's timeout: the merge of the
+    due time before the pause took it for the run's)."""
+    v1, v2 = waiter(1), waiter(2, into=into)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run = engine.start(v1, C())
+        engine.run_until_idle(skip_time=False)
+        assert engine.get(run.id).next_run_at == clock.now() + HOUR
+        engine.pause(run.id)
+        engine.migrate(run.id, to=2)
+        engine.clock.advance(60)
+        unpause(engine, store_url, run.id, how)
+        now = clock.now()
+        info = engine.get(run.id)
+        assert (info.status, info.state, info.next_run_at) == ("scheduled", into, now)
+        engine.run_until_idle(skip_time=False)
+        info = engine.get(run.id)
+        assert (info.status, info.context.log) == ("succeeded", ["acted"])  # type: ignore[union-attr]
+        assert engine.history(run.id)[-1].at == now
+
+
+def test_unpause__a_run_still_in_its_wait_keeps_its_timeout_through_a_migration(
+    store_url: str, clock: FakeClock
+) -> None:
+    """Migrated with its wait kept (v2 the same wait), the timeout still counts from its
+    entry into the wait."""
+    v1 = waiter(1)
+    v2 = Workflow("waiter", context=C, version=2, migrates_from={1: {}})
+
+    @v2.step(initial=True, next="waiting")
+    def start(ctx: C) -> None:
+        pass
+
+    v2.wait("waiting", on={"go": "done"}, timeout=HOUR, on_timeout="done")
+    v2.final("done")
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run = engine.start(v1, C())
+        engine.run_until_idle(skip_time=False)
+        timeout = clock.now() + HOUR
+        engine.pause(run.id)
+        engine.migrate(run.id, to=2)
+        engine.clock.advance(60)
+        engine.unpause(run.id)
+        assert engine.get(run.id).next_run_at == timeout
+        assert_row_is_the_fold(engine, run.id)
+
+
 def sleeper_limited(version: int = 1) -> Workflow:
     """``first`` sleeps 5 s (``step.sleep``), then ``call`` is limited to once an hour."""
     migrates = {1: {}} if version == 2 else None
