@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 from pydantic import ValidationError
@@ -230,10 +230,15 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     compensations. (A due time written under an older version, a migration since, may be
     a wait's timeout: not taken for a sleep.) A debounced run's window before its first
     step is no sleep: a rate limit or breaker may have deferred the run since, and an
-    unpause finds the window's end, or the deferral's, by :func:`due_before_pause`."""
+    unpause finds the window's end, or the deferral's, by :func:`due_before_pause`. Nor is
+    the sleep's end once a claim after it moved the run's due time — a rate limit or
+    breaker deferred it (``run_deferred``), a release handed it back due at another time:
+    the sleep is over, and that due time (and reason) is the run's."""
     entry = entry_into(state, events)
     due = None if entry is None else entry.data.get("due")
     if entry is None or not isinstance(due, (int, float)):
+        return None
+    if any(e.seq > entry.seq and _moved_due(e, due) for e in events):
         return None
     if entry.data.get(j.ASLEEP):
         trusted = True
@@ -248,7 +253,17 @@ def sleep_end(state: str, events: Sequence[JournalEvent], *, wait: bool) -> floa
     return float(due)
 
 
-def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str | None]:
+def _moved_due(event: JournalEvent, due: float) -> bool:
+    """Whether ``event`` set the run's due time to other than ``due``: a deferral, or a
+    release due at another time (one due then, a shutdown's, keeps the sleep)."""
+    if event.kind == j.RUN_DEFERRED:
+        return True
+    return event.kind == j.RUN_RELEASED and event.data.get("due", event.at) != due
+
+
+def due_before_pause(
+    events: Sequence[JournalEvent], *, waited: Callable[[str, str], bool] | None = None
+) -> tuple[float | None, str | None]:
     """When a paused run was due before the pause it is in (the first of its pauses since
     it was last unpaused), and its reason then, read from the journal without the
     definition: the row its entries fold to just before that pause — due at its creation's
@@ -260,6 +275,10 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
     Its deadline is left out: the unpause's entry is held to it again, and a due time
     only the deadline's (a call or map state waiting for its children, a map's child held
     back: the store makes them due, not the journal) is not taken for the run's own.
+    Paused in a wait state (``waited(fingerprint, state)``: whether the definition it was
+    on then has ``state`` as a wait) and migrated since to another state or version, its
+    due time then was the wait's timeout: not the run's any more, it is due at once, as a
+    migration makes a waiting run it moves out of its wait (flowloop/migration.py).
     ``(None, None)`` when the journal cannot be folded."""
     record: j.RunRecord | None = None
     before: j.RunRecord | None = None
@@ -280,6 +299,9 @@ def due_before_pause(events: Sequence[JournalEvent]) -> tuple[float | None, str 
         return None, None
     if before.status not in lifecycle.CLAIMABLE:
         return None, None  # (running when paused: due at once)
+    moved = (before.state, before.fingerprint) != (record.state, record.fingerprint)
+    if moved and waited is not None and waited(before.fingerprint, before.state):
+        return None, None  # (its wait's timeout, the wait left: due at once)
     reason = None if before.reason == j.ASLEEP else before.reason
     return before.next_run_at, reason
 

@@ -326,7 +326,11 @@ class Operations:
             # started for later (run_at), backing off before a retry, deferred by a rate
             # limit (its place in the limit's queue kept: the reason says it) or a breaker,
             # or debounced; read from the journal (also without the definition).
-            before, reason = due_before_pause(self.store.journal(run_id))
+            # Paused in a wait and migrated out of it since: due at once, not at the
+            # timeout of the wait it left.
+            before, reason = due_before_pause(
+                self.store.journal(run_id), waited=self._waits_in_definition
+            )
             if before is not None and before > self.clock.now():
                 data["due"] = before
             if reason is not None:
@@ -386,7 +390,11 @@ class Operations:
 
     def _waits_by_stored_definition(self, record: RunRecord) -> bool:
         """Whether the run's state is a wait state by the definition stored with its runs."""
-        return record.state in stored_waits(self.store.definition(record.fingerprint))
+        return self._waits_in_definition(record.fingerprint, record.state)
+
+    def _waits_in_definition(self, fingerprint: str, state: str) -> bool:
+        """Whether ``state`` is a wait state by the stored definition ``fingerprint``."""
+        return state in stored_waits(self.store.definition(fingerprint))
 
     def _unpause_children(self, run_id: str) -> None:
         for child in children.paused_children(self.store, run_id):

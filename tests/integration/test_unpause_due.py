@@ -305,3 +305,138 @@ def test_unpause__a_parent_waiting_for_its_children_is_claimed_at_once(
         engine.advance(HOUR)
         assert engine.get(run.id).status == "succeeded"
         assert engine.replay(run.id).differences == []
+
+
+def waiter(version: int, *, into: str = "act") -> Workflow:
+    """v1: ``start``, then the wait ``waiting`` (an hour's timeout); v2 maps ``waiting``
+    onto the step ``into`` (a new one, or the wait's own name made a step)."""
+    migrates = {1: {"waiting": into} if into != "waiting" else {}} if version == 2 else None
+    wf = Workflow("waiter", context=C, version=version, migrates_from=migrates)
+
+    @wf.step(initial=True, next="waiting" if version == 1 else into)
+    def start(ctx: C) -> None:
+        pass
+
+    if version == 1:
+        wf.wait("waiting", on={"go": "done"}, timeout=HOUR, on_timeout="done")
+    else:
+
+        @wf.step(name=into, next="done")
+        def act(ctx: C) -> None:
+            ctx.log.append("acted")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("how", ["engine", "bare"])
+@pytest.mark.parametrize("into", ["act", "waiting"])
+def test_unpause__a_run_migrated_out_of_its_wait_while_paused_is_due_at_once(
+    store_url: str, clock: FakeClock, how: str, into: str
+) -> None:
+    """Paused waiting (an hour's timeout), migrated to a step (another state, or the wait's
+    own name made one): unpaused, it runs the step at once, as a migration makes a run it
+    moves out of its wait unpaused (it waited for the old wait's timeout: the merge of the
+    due time before the pause took it for the run's)."""
+    v1, v2 = waiter(1), waiter(2, into=into)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run = engine.start(v1, C())
+        engine.run_until_idle(skip_time=False)
+        assert engine.get(run.id).next_run_at == clock.now() + HOUR
+        engine.pause(run.id)
+        engine.migrate(run.id, to=2)
+        engine.clock.advance(60)
+        unpause(engine, store_url, run.id, how)
+        now = clock.now()
+        info = engine.get(run.id)
+        assert (info.status, info.state, info.next_run_at) == ("scheduled", into, now)
+        engine.run_until_idle(skip_time=False)
+        info = engine.get(run.id)
+        assert (info.status, info.context.log) == ("succeeded", ["acted"])  # type: ignore[union-attr]
+        assert engine.history(run.id)[-1].at == now
+
+
+def test_unpause__a_run_still_in_its_wait_keeps_its_timeout_through_a_migration(
+    store_url: str, clock: FakeClock
+) -> None:
+    """Migrated with its wait kept (v2 the same wait), the timeout still counts from its
+    entry into the wait."""
+    v1 = waiter(1)
+    v2 = Workflow("waiter", context=C, version=2, migrates_from={1: {}})
+
+    @v2.step(initial=True, next="waiting")
+    def start(ctx: C) -> None:
+        pass
+
+    v2.wait("waiting", on={"go": "done"}, timeout=HOUR, on_timeout="done")
+    v2.final("done")
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        run = engine.start(v1, C())
+        engine.run_until_idle(skip_time=False)
+        timeout = clock.now() + HOUR
+        engine.pause(run.id)
+        engine.migrate(run.id, to=2)
+        engine.clock.advance(60)
+        engine.unpause(run.id)
+        assert engine.get(run.id).next_run_at == timeout
+        assert_row_is_the_fold(engine, run.id)
+
+
+def sleeper_limited(version: int = 1) -> Workflow:
+    """``first`` sleeps 5 s (``step.sleep``), then ``call`` is limited to once an hour."""
+    migrates = {1: {}} if version == 2 else None
+    wf = Workflow("napping", context=C, version=version, migrates_from=migrates)
+
+    @wf.step(initial=True, next="call")
+    def first(ctx: C, step: Step) -> Step:
+        return step.sleep(5)
+
+    @wf.step(next="done", rate_limit=RateLimit("slow", 1, per=timedelta(hours=1)))
+    def call(ctx: C) -> None:
+        ctx.log.append("called")
+
+    wf.final("done")
+    return wf
+
+
+@pytest.mark.parametrize("how", ["engine", "bare"])
+def test_unpause__a_run_deferred_after_a_sleep_keeps_its_deferral(store_url: str, how: str) -> None:
+    """Slept, then deferred by the rate limit (the other run took the hour's slot): the
+    unpause keeps the deferral's due time and reason, and no claim defers it again (it
+    took the sleep's end, long past: due at once, a newcomer sent to the queue's end)."""
+    wf = sleeper_limited()
+    clock = FakeClock(time.time(), auto_advance=False)  # (the limit counts by the database's)
+    with TestEngine(store_url, clock=clock, workflows=[wf]) as engine:
+        runs = [engine.start(wf, C()) for _ in range(2)]
+        engine.run_until_idle(skip_time=False)
+        engine.clock.advance(5)  # (the sleeps end)
+        engine.run_until_idle(skip_time=False)
+        deferred = next(r.id for r in runs if engine.get(r.id).status == "scheduled")
+        [entry] = [e for e in engine.history(deferred) if e.kind == j.RUN_DEFERRED]
+        due, reason = entry.data["due"], entry.data["reason"]
+        assert reason == "rate_limit:slow" and due > clock.now() + HOUR / 2
+        engine.pause(deferred)
+        unpause(engine, store_url, deferred, how)
+        info = engine.get(deferred)
+        assert (info.status, info.next_run_at, info.reason) == ("scheduled", due, reason)
+        engine.run_until_idle(skip_time=False)
+        kinds = [e.kind for e in engine.history(deferred)]
+        assert kinds.count(j.RUN_DEFERRED) == 1 and kinds[-1] == j.RUN_UNPAUSED
+
+
+def test_migrate__a_run_deferred_after_a_sleep_keeps_its_deferral(store_url: str) -> None:
+    """The migration (a new version, ``call`` kept) keeps the deferral too (it took the
+    sleep's end for the run's due time: due at once, the deferral lost)."""
+    v1, v2 = sleeper_limited(), sleeper_limited(2)
+    clock = FakeClock(time.time(), auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[v1, v2]) as engine:
+        runs = [engine.start(v1, C()) for _ in range(2)]
+        engine.run_until_idle(skip_time=False)
+        engine.clock.advance(5)
+        engine.run_until_idle(skip_time=False)
+        deferred = next(r.id for r in runs if engine.get(r.id).status == "scheduled")
+        before = engine.get(deferred)
+        engine.migrate(deferred, to=2)
+        info = engine.get(deferred)
+        assert (info.next_run_at, info.reason) == (before.next_run_at, "rate_limit:slow")
+        assert_row_is_the_fold(engine, deferred)

@@ -101,3 +101,25 @@ def test_due_before_pause__not_paused_or_unreadable() -> None:
     assert due_before_pause([created(due=LATER), paused(2), unpaused]) == (None, None)
     unreadable = entry(2, j.RUN_PAUSED, data={j.UNREADABLE: True, "reason": "bad"})
     assert due_before_pause([created(due=LATER), unreadable]) == (None, None)
+
+
+def test_due_before_pause__a_waits_timeout_not_kept_once_migrated_out_of_it() -> None:
+    """Paused waiting (``w`` a wait by the definition it was on, ``waited``): migrated to
+    another state, or to a version where the same name is no wait, the due time then was
+    the timeout of a wait it has left — due at once. Migrated from a step, its due time
+    holds (a deferral, as a migration of an unpaused run keeps it)."""
+    waits = {("f", "s")}
+
+    def waited(fingerprint: str, state: str) -> bool:
+        return (fingerprint, state) in waits
+
+    migrated = {"from": 1, "to": 2, "fingerprint": "g", "from_state": "s"}
+    timed = [created(due=LATER), paused(2)]
+    other = JournalEvent(run_id="r", seq=3, kind=j.RUN_MIGRATED, at=3.0, state="t", data=migrated)
+    same = entry(3, j.RUN_MIGRATED, data=migrated)
+    for migration in (other, same):
+        assert due_before_pause([*timed, migration], waited=waited) == (None, None)
+        assert due_before_pause([*timed, migration]) == (LATER, None)  # (no definition)
+    assert due_before_pause(timed, waited=waited) == (LATER, None)  # (still waiting there)
+    waits.clear()  # (``s`` a step: its due time holds)
+    assert due_before_pause([*timed, other], waited=waited) == (LATER, None)

@@ -81,3 +81,19 @@ def test_sleep_end__a_debounced_runs_window_is_no_sleep() -> None:
     later = entry(2, j.RUN_DEBOUNCED, state="first", context="{}", data={"due": END + 5})
     paused = [created, later, entry(3, j.RUN_PAUSED, state="first")]
     assert sleep_end("first", paused, wait=False) is None
+
+
+def test_sleep_end__over_once_a_claim_moved_the_due_time() -> None:
+    """Claimed after the sleep and deferred by a rate limit or breaker (or a turn), or
+    released due at another time: the sleep no longer says when the run is due (an unpause
+    took its end, long past, and lost the deferral). A release due at the sleep's end (a
+    shutdown's, an early claim's) keeps it."""
+    deferred = entry(4, j.RUN_DEFERRED, state="s2", data={"due": END + 3600, "reason": "r"})
+    assert sleep_end("s2", [*slept(), deferred], wait=False) is None
+    moved = entry(4, j.RUN_RELEASED, state="s2", data={"due": END + 60})
+    assert sleep_end("s2", [*slept(), moved], wait=False) is None
+    kept = entry(4, j.RUN_RELEASED, state="s2", data={"due": END, "reason": "shutdown"})
+    assert sleep_end("s2", [*slept(), kept], wait=False) == END
+    asleep = slept("w", **{j.ASLEEP: True})
+    early = entry(4, j.RUN_RELEASED, state="w", data={"due": END})
+    assert sleep_end("w", [*asleep, early], wait=True) == END
