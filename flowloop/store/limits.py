@@ -12,10 +12,11 @@ for the same slot (the lock is taken by its own statement first: a statement's s
 is taken when it starts, so counting in the same statement would still race). Claims of
 unlimited workflows keep the one-statement ``SKIP LOCKED`` claim and take no lock.
 
-Round-robin. Runs of a workflow with a ``concurrency_key`` carry their place in their
-key's queue (``limit_rank``: the key's live runs + 1 when created) and are claimed by it:
-the first run of every key, then the second of every key, … — within one priority. A key
-with 10,000 queued runs gets one slot per round like a key with one.
+Round-robin. Runs of a workflow with a ``concurrency_key`` are claimed by their key's
+turn (:data:`_TURN`): the first run of every key, then the second of every key, … —
+counting the key's runs held, within one priority; on a turn, by their place in their
+key's queue (``limit_rank``: the key's live runs + 1 when created). A key with 10,000
+queued runs gets one slot per round like a key with one.
 
 Within a key, oldest first: a key's candidates go in the order they were created
 (:data:`_QUEUED`), however their due times moved, up to its limit.
@@ -118,6 +119,16 @@ ahead end, a newer run counts fewer than an older one still queued; a run starte
 went first: tests/integration/test_key_order.py). Runs without a key: by due time, as a
 workflow's runs are claimed without keys (all of them, in the claim of a workflow whose
 definition has no key: ``c.next_run_at`` there)."""
+_TURN: Final = "CASE WHEN lr = 0 THEN 0 ELSE rn + kn END"
+"""A candidate's turn among its key's runs (``ordered``): the key's runs held now plus its
+place among the key's candidates (``rn``, by creation). The claim takes the first run of
+every key, then the second…, by turn, then by place in the key's queue (``lr``), so a
+key's runs are taken oldest first whatever their places: ordered by place first, a run
+started later, whose place was smaller (once runs ahead of it ended), went before an
+older one of its key when ``key_limit`` let both go (tests/integration/test_key_order.py).
+While none of a key's runs end, its turns are its runs' places: the round-robin the places
+gave. Runs without a key or a place (``lr`` 0): turn 0, first, by
+``rn``, as before."""
 _CLAIM_SQL: Final = """
 WITH {priorities}held AS (
   SELECT limit_key FROM flowloop_runs
@@ -138,7 +149,9 @@ ranked AS (
   FROM candidates c LEFT JOIN per_key k ON k.limit_key = c.limit_key
 ),
 ordered AS (
-  SELECT id, row_number() OVER (ORDER BY priority DESC, lr, rn, next_run_at, id) AS g
+  SELECT id, row_number() OVER (
+           ORDER BY priority DESC, {turn}, lr, rn, next_run_at, id
+         ) AS g
   FROM ranked WHERE rn + kn <= :p_key_limit
 )
 UPDATE flowloop_runs
@@ -218,7 +231,12 @@ class LimitStoreMixin:
                 candidates = ranked
             found = text(
                 _CLAIM_SQL.format(
-                    now=now, plus=plus, priorities=ranges, candidates=candidates, queued=queued
+                    now=now,
+                    plus=plus,
+                    priorities=ranges,
+                    candidates=candidates,
+                    queued=queued,
+                    turn=_TURN,
                 )
             )
             cache[key] = found

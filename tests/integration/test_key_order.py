@@ -14,12 +14,14 @@ schema, on a fake clock."""
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from pydantic import BaseModel
 from storekit import dead_owner, event, start_step, succeed_step
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
 from flowloop.store import Boundary, SQLStore, StoredRun
+from flowloop.store.schema import runs
 
 
 class Ctx(BaseModel):
@@ -28,11 +30,17 @@ class Ctx(BaseModel):
 
 
 def _keyed(
-    calls: list[tuple[int, int]], *, failing: int | None = None, retry: Retry | None = None
+    calls: list[tuple[int, int]],
+    *,
+    failing: int | None = None,
+    retry: Retry | None = None,
+    key_limit: int = 1,
 ) -> Workflow:
-    """Workflow ``keyed`` (``key_limit=1``): each call of its step is noted as ``(n,
-    attempt)``; run ``failing``'s first attempt raises."""
-    keyed = Workflow("keyed", context=Ctx, concurrency_key=lambda c: c.customer, key_limit=1)
+    """Workflow ``keyed`` (``key_limit=1`` unless said): each call of its step is noted as
+    ``(n, attempt)``; run ``failing``'s first attempt raises."""
+    keyed = Workflow(
+        "keyed", context=Ctx, concurrency_key=lambda c: c.customer, key_limit=key_limit
+    )
 
     @keyed.step(initial=True, next="done", retry=retry or Retry())
     def work(ctx: Ctx, step: Step) -> None:
@@ -139,6 +147,42 @@ def test_a_run_started_later_does_not_pass_an_older_queued_one(store_url: str) -
         assert engine.store.write([done]) == [True]
         engine.run_until_idle()
     assert calls == [(3, 1), (4, 1)]
+
+
+def test_with_key_limit_two_a_run_started_later_does_not_pass_an_older_queued_one(
+    store_url: str,
+) -> None:
+    """``key_limit=2``: runs 0 and 1 are claimed and end while run 2 waits (its place 3),
+    then run 3 is started (its place 2: only run 2 is live). A claim of one run takes run
+    2, then one more takes run 3: by place first, run 3 went first (both runs' turns fit
+    the key's limit, so the limit did not hide it as with ``key_limit=1``)."""
+    keyed = _keyed([], key_limit=2)
+    clock = FakeClock()
+    with Engine(store_url, workflows=[keyed], clock=clock) as engine:
+        store = engine.store
+        assert isinstance(store, SQLStore)
+        ids = _start(engine, keyed, clock, range(3))
+        ahead = store.claim(
+            worker="other", now=clock.now(), limit=2, lease_seconds=600, workflows=["keyed"]
+        )
+        assert sorted(run.id for run in ahead) == sorted(ids[:2])
+        for run in ahead:
+            started = start_step(run, "other")
+            done = succeed_step(started.record, started.fence, next_state="done", final=True)
+            assert store.write([started, done]) == [True, True]
+        ids += _start(engine, keyed, clock, range(3, 4))
+        with store.engine.connect() as conn:
+            places = conn.execute(
+                sa.select(runs.c.id, runs.c.limit_rank).where(runs.c.id.in_(ids[2:]))
+            )
+            assert dict(places.all()) == {ids[2]: 3, ids[3]: 2}
+        taken = [
+            store.claim(
+                worker="w", now=clock.now(), limit=1, lease_seconds=600, workflows=["keyed"]
+            )
+            for _ in range(2)
+        ]
+    assert [[run.id for run in runs] for runs in taken] == [[ids[2]], [ids[3]]]
 
 
 def test_a_run_started_for_later_goes_before_its_keys_runs_started_after_it(

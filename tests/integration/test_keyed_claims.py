@@ -8,8 +8,9 @@ that are free (nobody holds them, their key is below its limit) by priority, the
 key's place in its queue, then due time, each key's oldest (by creation, runs without a
 key by due time) go first, up to its limit — not its earliest due (a run retried or
 recovered is due later than the runs queued after it) nor its smallest place (a place is
-not monotonic: tests/integration/test_key_order.py); then by priority, place, that rank,
-due time, up to the claim's limit and the workflow's ``max_concurrency``.
+not monotonic: tests/integration/test_key_order.py); then by priority, turn (that rank
+plus the key's runs held; runs without a key or a place first), place, that rank, due
+time, up to the claim's limit and the workflow's ``max_concurrency``.
 :func:`_expected` is that order written in Python."""
 
 from __future__ import annotations
@@ -95,15 +96,20 @@ def _expected(rows: list[_Run], *, now: float, limit: int, spec: ClaimLimits) ->
         seen[r.limit_key] += 1
         rank[r.id] = seen[r.limit_key]
     passing = [r for r in window if rank[r.id] + per_key[r.limit_key] <= key_limit]
-    passing.sort(key=lambda r: (-r.priority, place(r), rank[r.id], due(r), r.id))
+
+    def turn(r: _Run) -> int:
+        return 0 if place(r) == 0 else rank[r.id] + per_key[r.limit_key]
+
+    passing.sort(key=lambda r: (-r.priority, turn(r), place(r), rank[r.id], due(r), r.id))
     room = (spec.max_concurrency or UNLIMITED) - len(held)
     return {r.id for r in passing[: max(0, min(limit, room))]}
 
 
 @pytest.mark.parametrize(
-    ("seed", "size", "keyless", "places"),
-    [(seed, 150, 0.0, False) for seed in range(5)]
-    + [(5, 40, 0.15, False), (6, 150, 0.0, True), (7, 150, 0.0, True)],
+    ("seed", "size", "keyless", "places", "key_limit"),
+    [(seed, 150, 0.0, False, None) for seed in range(5)]
+    + [(5, 40, 0.15, False, None), (6, 150, 0.0, True, None), (7, 150, 0.0, True, None)]
+    + [(8, 150, 0.0, True, 2), (9, 150, 0.0, True, 3), (10, 40, 0.15, True, 2)],
 )
 def test_a_keyed_claim_takes_what_the_rules_say(
     store: SQLStore,
@@ -112,6 +118,7 @@ def test_a_keyed_claim_takes_what_the_rules_say(
     size: int,
     keyless: float,
     places: bool,
+    key_limit: int | None,
 ) -> None:
     """Random queues of a keyed workflow (twenty keys, two priorities, some runs due later,
     some held by another worker, some retrying), claimed in turns, each turn's runs done
@@ -123,12 +130,16 @@ def test_a_keyed_claim_takes_what_the_rules_say(
     segment's first due runs, where the rules take every one. ``places``: each run's
     place in its key's queue drawn at random (1-8), as after runs queued ahead of it
     ended: a key's places are not in the order of its runs' creation, so ranking a key's
-    runs by place (or by due time) takes other runs than the rules (key limits 1 and 2)."""
+    runs by place (or by due time) takes other runs than the rules (key limits 1 and 2),
+    and ordering the claim by place before a key's turn takes a key's newer run before
+    its older one (``key_limit`` 2 or 3, claims of one: the limit does not hide it)."""
     monkeypatch.setattr(claims, "EXAMINED_PER_WINDOW", 2)
     rng = random.Random(seed)
-    limit = (1, 3, 1, 3, 10, 1, 3, 3)[seed]  # windows of 36, 44, 72 runs: shorter than the queue
-    spec = ClaimLimits(
-        max_concurrency=rng.choice([None, 12]), key_limit=rng.choice([1, 2]), keyed=True
+    limit = (1, 3, 1, 3, 10, 1, 3, 3, 1, 1, 1)[seed]  # windows of 36, 44, 72 runs:
+    spec = ClaimLimits(  # shorter than the queue
+        max_concurrency=rng.choice([None, 12]),
+        key_limit=key_limit or rng.choice([1, 2]),
+        keyed=True,
     )
     store.set_claim_limits({"w": spec})
     base = past()
@@ -141,7 +152,8 @@ def test_a_keyed_claim_takes_what_the_rules_say(
         with store.engine.begin() as conn:
             for run_id in ids:
                 place = {"limit_rank": rng.randint(1, 8)}
-                conn.execute(sa.update(runs).where(runs.c.id == run_id).values(**place))
+                keyed = sa.and_(runs.c.id == run_id, runs.c.limit_key.is_not(None))
+                conn.execute(sa.update(runs).where(keyed).values(**place))
     retrying = rng.sample(ids, size // 7)  # as after a failed attempt: claimed like the others
     with store.engine.begin() as conn:
         conn.execute(sa.update(runs).where(runs.c.id.in_(retrying)).values(status="retrying"))
