@@ -8,6 +8,7 @@ continues as is, continues after migration, would be parked, would fail.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -126,6 +127,7 @@ def check_runs(
                 old=olds[run.fingerprint],
                 validate=validate,
                 cache=structures if target is workflow else None,
+                journal=functools.partial(store.journal, run.id),
             )
             report.counts[verdict.kind] += 1
             if every or (verdict.kind != "continues" and listed[verdict.kind] < REPORT_RUNS_LIMIT):

@@ -758,6 +758,7 @@ class Executor(Stepping, Recovery, Requests):
             context=record.context,
             context_version=record.context_version,
             old=None if same else self.store.definition(record.fingerprint),
+            journal=lambda: self.store.journal(record.id),
         )
 
     async def _cut_off(self, workflow: Workflow, record: RunRecord, fence: Fence) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowloop import compose
 from flowloop import journal as j
 from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
@@ -63,7 +64,10 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         )
     state = mapping.get(record.state, record.state)
     sleep_end = _sleep_end(engine, record)
-    if state not in target.states or (target.is_final(state) and sleep_end is None):
+    compensating = sleep_end is None and _compensating(engine, record, target, state, to)
+    if state not in target.states or (
+        target.is_final(state) and sleep_end is None and not compensating
+    ):
         # (A run asleep before its state, step.sleep, has not entered it: it may move to
         # a final state, which it enters when its sleep ends.)
         raise DefinitionMismatch(
@@ -141,6 +145,45 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     if not engine.operate(stored, j.RUN_MIGRATED, state=state, data=data, join_to=join_to):
         raise FlowloopError(f"run {record.id} changed while migrating; try again")
     return Moved(record.id, record.version, to, record.state, state)
+
+
+def _compensating(engine: Engine, record: RunRecord, target: Workflow, state: str, to: int) -> bool:
+    """Whether the run is compensating (in a compensating final state, live) and moves to
+    one of ``target``: it finishes its compensations there. Refused (DefinitionMismatch)
+    when a step it still owes the undoing of has no step in ``target`` after the move (its
+    journal's migrations and this one renaming it): moved, it ended without undoing it."""
+    old = engine.store.definition(record.fingerprint) or {}
+    if record.state not in old.get("compensate", ()) or not target.compensates(state):
+        return False
+    registry = engine._workflows
+    left = registry.version(record.workflow, record.version)
+    if left is not None and left.fingerprint != record.fingerprint:
+        left = None
+    events = engine.store.journal(record.id)
+    # As the worker will read it: this move journaled after the run's entries.
+    moved = j.JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=j.RUN_MIGRATED,
+        at=engine.clock.now(),
+        state=state,
+        data={"from": record.version, "to": to, "fingerprint": target.fingerprint},
+    )
+    owed, _, _ = compose.not_undone(
+        target, [*events, moved], lambda number: registry.version(record.workflow, number)
+    )
+    # Whether a step declared compensate= is known of a loaded version only: one that the
+    # version it leaves does not undo is no loss; one of a version not loaded counts.
+    lost = [
+        undo.state
+        for undo in owed
+        if undo.state not in target.steps
+        and (left is None or compose.compensates(left, undo.state))
+    ]
+    if lost:
+        problem = compose.CompensationLost(target, record.id, record.version, lost)
+        raise DefinitionMismatch(record.id, f"{DEFINITION_MISMATCH}: {problem}")
+    return True
 
 
 def _sleep_end(engine: Engine, record: RunRecord) -> float | None:

@@ -44,6 +44,7 @@ from flowloop.outcome_log import (
     UNDO_FAILED_UNWRITTEN,
 )
 from flowloop.store import Boundary, Fence
+from flowloop.verdicts import DEFINITION_MISMATCH
 from flowloop.versions import Registry
 
 if TYPE_CHECKING:
@@ -55,7 +56,17 @@ async def drive(
 ) -> RunRecord | None:
     """Run the compensations a claimed compensating run still owes, then end it."""
     events = executor.store.journal(record.id)
-    owed = compose.compensations_due(workflow, events, _versions(executor, workflow))
+    try:
+        owed = compose.compensations_due(workflow, events, _versions(executor, workflow))
+    except compose.CompensationLost as lost:
+        # Owed the undoing of a step this definition has none for: parked as a definition
+        # mismatch (the claim's verdict parks such a run first), never ended without it.
+        reason = f"{DEFINITION_MISMATCH}: {lost}"
+        parked = executor._event(
+            record, j.RUN_PAUSED, state=record.state, error_message=reason, data={"reason": reason}
+        )
+        await executor._finish(record, fence, [parked])
+        return None
     undone = compose.undone(events)
     pending: list[JournalEvent] = []  # a success, committed with what follows it
     for undo in owed:

@@ -22,17 +22,20 @@ This module imports neither sqlalchemy nor asyncio.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from flowloop import frozen
+from flowloop.compose import stranded_compensations
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import InvalidContext, storable
 from flowloop.upcast import ContextMigrationError
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
+
+    from flowloop.journal import JournalEvent
 
 Kind = Literal["continues", "migrates", "parks", "fails"]
 KINDS: Final[tuple[Kind, ...]] = ("continues", "migrates", "parks", "fails")
@@ -74,12 +77,15 @@ def judge(
     old: Mapping[str, Any] | None,
     validate: bool = True,
     cache: dict[tuple[str, str], str | None] | None = None,
+    journal: Callable[[], Sequence[JournalEvent]] | None = None,
 ) -> Verdict:
     """The verdict for a run in ``state`` written under the definition ``fingerprint``
     (whose stored record is ``old``; ``None``/empty when unknown) with ``context`` at
     ``context_version``. ``validate=False`` trusts the context when its model and
     version are unchanged (``flowloop check`` on many runs); ``cache`` keeps the structure
-    verdict per (fingerprint, state) across calls for one ``workflow``."""
+    verdict per (fingerprint, state) across calls for one ``workflow``. ``journal`` reads
+    the run's entries: a run compensating under a definition it is not on still owes the
+    undoing of its steps, each of which that definition must have (read only then)."""
     same = fingerprint == workflow.fingerprint
     if same and state not in workflow.states:
         # Same definition, yet a state it does not have: the row was changed by hand (or
@@ -99,6 +105,8 @@ def judge(
             if key not in cache:
                 cache[key] = compatible(old or {}, workflow, state)
             why = cache[key]
+        if why is None and journal is not None and workflow.compensates(state):
+            why = _stranded(workflow, journal)
         if why is not None:
             reason = f"{DEFINITION_MISMATCH}: {why}"
             return Verdict(kind="parks", reason=reason, message=reason, outcome="paused")
@@ -132,6 +140,14 @@ def judge(
     # Verdict(...) without its generated __init__: once per run a worker starts.
     kind: Kind = "migrates" if migrating else "continues"
     return frozen.build(Verdict, {"kind": kind, "context": loaded})
+
+
+def _stranded(workflow: Workflow, journal: Callable[[], Sequence[JournalEvent]]) -> str | None:
+    """Why a compensating run cannot compensate under ``workflow``, a definition it is not
+    on: a step it still owes the undoing of that ``workflow`` has no step for (renamed or
+    removed since). Run on, it ended without that compensation."""
+    lost = stranded_compensations(workflow, journal())
+    return None if lost is None else str(lost)
 
 
 def _an_object(context: str) -> bool:
