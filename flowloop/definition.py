@@ -462,17 +462,20 @@ class Workflow(compose.Composing):
 
     def event_for(self, state: str, returned: object) -> str:
         """The event a step's return value means: a ``next=`` step returns ``None`` (or
-        ``"next"``) and takes ``next``; an ``on=`` step returns an event, a str. A
-        :class:`Sleep` carries its event. Anything else is an :class:`InvalidEvent` that
-        names the mistake (flowloop/returns.py); an undeclared str is left to
-        :meth:`next_state`."""
+        ``"next"``) and takes ``next``, and may sleep into no event, ``"next"`` or the
+        state its ``next=`` names (``step.sleep(3d, "remind")`` before ``next="remind"``);
+        an ``on=`` step returns an event, a str. A :class:`Sleep` carries its event.
+        Anything else is an :class:`InvalidEvent` that names the mistake
+        (flowloop/returns.py); an undeclared str is left to :meth:`next_state`."""
         spec = self._draft.steps[state]
         event = returned.event if isinstance(returned, Sleep) else returned
         if spec.returns_event:
             if isinstance(event, str):
                 return event
-        elif event is None or (isinstance(event, str) and event == NEXT_EVENT):
+        elif event is None or event == NEXT_EVENT:
             return NEXT_EVENT
+        elif isinstance(returned, Sleep) and event == spec.on[NEXT_EVENT]:
+            return NEXT_EVENT  # (the sleep names the state it leads to)
         raise returns.bad_return(spec, returned)
 
     def structure(self) -> dict[str, Any]:
