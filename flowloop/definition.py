@@ -472,7 +472,7 @@ class Workflow(compose.Composing):
         if spec.returns_event:
             if isinstance(event, str):
                 return event
-        elif event is None or event == NEXT_EVENT:
+        elif event is None or (isinstance(event, str) and event == NEXT_EVENT):
             return NEXT_EVENT
         elif isinstance(returned, Sleep) and event == spec.on[NEXT_EVENT]:
             return NEXT_EVENT  # (the sleep names the state it leads to)
