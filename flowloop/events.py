@@ -285,7 +285,8 @@ def due_before_pause(
     try:
         for event in events:
             if record is None:
-                record = j.create_without_deadline(event)
+                kept = {k: v for k, v in event.data.items() if k != "deadline"}
+                record = j.create(dataclasses.replace(event, data=kept))
                 continue
             if event.kind == j.RUN_PAUSED and record.status != "paused":
                 before = record
