@@ -11,7 +11,7 @@ the run's journal, as if it had no deadline; when the deadline comes first (the 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Final
 
 from flowloop import journal as j
@@ -58,12 +58,9 @@ def own_and_deadline(events: Sequence[j.JournalEvent]) -> tuple[float | None, fl
     if not events:
         return None, None
     try:
-        created = j.create(events[0])
-        deadline = created.deadline
-        # Without a deadline, apply leaves each due time as its entry set it (create's own
-        # due, before it took the deadline's: the entry's "due", or its time).
-        first = events[0].data
-        record = replace(created, deadline=None, next_run_at=first.get("due", events[0].at))
+        deadline = j.create(events[0]).deadline
+        # Without a deadline, apply leaves each due time as its entry set it.
+        record = j.create_without_deadline(events[0])
         for event in events[1:]:
             record = j.apply(record, event)
             if event.kind == j.DEADLINE_PASSED:

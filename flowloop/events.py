@@ -285,8 +285,7 @@ def due_before_pause(
     try:
         for event in events:
             if record is None:
-                kept = {k: v for k, v in event.data.items() if k != "deadline"}
-                record = j.create(dataclasses.replace(event, data=kept))
+                record = j.create_without_deadline(event)
                 continue
             if event.kind == j.RUN_PAUSED and record.status != "paused":
                 before = record

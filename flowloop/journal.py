@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any, Final
 
@@ -259,6 +259,14 @@ def create(event: JournalEvent) -> RunRecord:
             "join": data.get("join"),
         },
     )
+
+
+def create_without_deadline(event: JournalEvent) -> RunRecord:
+    """:func:`create` as if the run had no deadline: due when its creation says, not held
+    to the deadline (what a run's own entries make it wait for: flowloop/dues.py,
+    events.due_before_pause)."""
+    data = {k: v for k, v in event.data.items() if k != "deadline"}
+    return create(replace(event, data=data))
 
 
 def _moved(record: RunRecord, event: JournalEvent, change: dict[str, Any]) -> None:
