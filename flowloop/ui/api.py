@@ -13,7 +13,7 @@ from flowloop import journal as j
 from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
 from flowloop.heat import heat
-from flowloop.lifecycle import LIVE
+from flowloop.lifecycle import HELD, LIVE
 from flowloop.ui import queries as q
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.openapi import document
@@ -79,6 +79,8 @@ def run_facts(dash: Any, run_id: str) -> dict[str, Any]:
     back by its parent's ``max_parallel`` (as `flowloop status --json` says)."""
     row = q.run_row(dash.db, run_id)
     row["held"] = family.held_back(dash.store, row["id"], live=row["status"] in LIVE)
+    if row["held"]:  # shown as its parent's children list and counts show it
+        row["display_status"] = family.child_status(row["status"], HELD)
     return row
 
 
