@@ -4,6 +4,7 @@ waited on by polling the port; and a headless Chromium (Debian's) driven by Play
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import threading
@@ -12,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any, TypeVar
 
+import pytest
 import storekit
 import uvicorn
 from polling import poll
@@ -59,6 +61,36 @@ def serve(app: Any) -> Iterator[str]:
 
 def chromium_path() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+WAIT_MS = 15_000
+"""How long a page condition may take before a browser test fails."""
+
+
+@contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's chromium, headless, driven by Playwright: the test skips without it, or
+    fails in CI (where `make test` installed it)."""
+    executable = chromium_path()
+    if executable is None:
+        message = "Debian's chromium is not installed (make system installs it)"
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+def new_page(browser: Any) -> Any:
+    """A desktop-sized page whose conditions wait up to :data:`WAIT_MS`."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(WAIT_MS)
+    return page
 
 
 # -- workflows the dashboard tests run -------------------------------------------------------

@@ -5,7 +5,6 @@ Every wait is on a condition of the page; screenshots go to the test's tmp direc
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,11 +12,11 @@ from pathlib import Path
 import pytest
 from loopkit import LoopHarness, SteppedClock, drive
 from uikit import (
-    CHROMIUM_ARGS,
     GATES,
     Parcel,
-    chromium_path,
+    chromium,
     gated,
+    new_page,
     off_loop,
     open_gates,
     parcel,
@@ -32,28 +31,13 @@ from flowloop.store.sql import SQLStore
 from flowloop.ui.app import create_app
 
 playwright = pytest.importorskip("playwright.sync_api")
-WAIT_MS = 15_000
 LATENCIES: list[float] = []
 
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    executable = chromium_path()
-    if executable is None:
-        message = "Debian's chromium is not installed (make system installs it)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    with playwright.sync_playwright() as driver:
-        launched = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as launched:
         yield launched
-        launched.close()
-
-
-def new_page(browser: object) -> playwright.Page:
-    page: playwright.Page = browser.new_page(viewport={"width": 1280, "height": 900})  # type: ignore[attr-defined]
-    page.set_default_timeout(WAIT_MS)
-    return page
 
 
 def test_runs_page__filter_then_open_a_run_that_moves_without_a_reload(

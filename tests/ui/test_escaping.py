@@ -4,7 +4,6 @@ and no script they carry runs in a real browser."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
@@ -14,13 +13,12 @@ import httpx
 import pytest
 from pydantic import BaseModel
 from uikit import (
-    CHROMIUM_ARGS,
     HOSTILE,
     HOSTILE_ERROR,
     HOSTILE_NOTE,
     HOSTILE_WORKFLOW,
     SCRIPT_STATE,
-    chromium_path,
+    chromium,
     hostile_run,
     serve,
 )
@@ -62,16 +60,9 @@ def test_hostile_names__escaped_in_html_and_svg(hostile_site: tuple[str, str]) -
 def test_hostile_names__no_script_runs_in_the_browser(
     hostile_site: tuple[str, str], tmp_path: Path
 ) -> None:
-    executable = chromium_path()
-    if executable is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("Debian's chromium is not installed (make system installs it)")
-        pytest.skip("Debian's chromium is not installed")
-    sync_api = pytest.importorskip("playwright.sync_api")
     base, run_id = hostile_site
     dialogs: list[str] = []
-    with sync_api.sync_playwright() as driver:
-        browser = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as browser:
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
         workflow = quote(HOSTILE_WORKFLOW, safe="")
@@ -88,7 +79,6 @@ def test_hostile_names__no_script_runs_in_the_browser(
         assert HOSTILE_NOTE in page.locator("#context-json").inner_text()
         assert SCRIPT_STATE in (page.locator("#diagram svg").text_content() or "")
         page.screenshot(path=str(tmp_path / "hostile.png"), full_page=True)
-        browser.close()
     assert dialogs == []
 
 

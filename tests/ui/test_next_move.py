@@ -9,7 +9,6 @@ a fake clock that starts now and never moves, so every run stays where it is."""
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -20,14 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from pydantic import BaseModel
-from uikit import CHROMIUM_ARGS, chromium_path, off_loop, serve
+from uikit import chromium, new_page, off_loop, serve
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop.store.sql import SQLStore
 from flowloop.ui.app import create_app
 
 playwright = pytest.importorskip("playwright.sync_api")
-WAIT_MS = 15_000
 HOUR = 3600.0
 HELD_BACK = "held back by its parent's max_parallel: starts when a sibling ends"
 IN_MINUTES = re.compile(r"\(in \d+ min\)")
@@ -35,22 +33,8 @@ IN_MINUTES = re.compile(r"\(in \d+ min\)")
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    executable = chromium_path()
-    if executable is None:
-        message = "Debian's chromium is not installed (make system installs it)"
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    with playwright.sync_playwright() as driver:
-        launched = driver.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+    with chromium() as launched:
         yield launched
-        launched.close()
-
-
-def new_page(browser: Any) -> Any:
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
-    page.set_default_timeout(WAIT_MS)
-    return page
 
 
 def utc(at: float) -> str:
