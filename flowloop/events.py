@@ -23,6 +23,7 @@ from flowloop.errors import (
     InvalidEvent,
     InvalidTransition,
     MaxVisitsExceeded,
+    error_line,
     storable,
 )
 from flowloop.journal import JournalEvent, RunRecord
@@ -67,6 +68,23 @@ class NotWaiting(InvalidTransition):
         )
         self.run_id = run_id
         self.status = status
+
+
+class EventRefused(FlowloopError):
+    """An event sent to a waiting run that its wait state's handler refused: the handler
+    raised (its error is the ``__cause__``), or left the context invalid. Nothing was
+    written; the run still waits."""
+
+    def __init__(self, state: str, event: str, error: Exception) -> None:
+        if isinstance(error, ValidationError):
+            why = f"its handler left the context invalid: {describe_validation(error)}"
+        else:
+            why = f"its handler raised {type(error).__name__}: {error_line(error)}"
+        super().__init__(
+            f"state {state!r} refused event {event!r}: {why}; the run still waits there"
+        )
+        self.state = state
+        self.event = event
 
 
 def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) -> dict[str, Any]:

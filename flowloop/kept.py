@@ -10,6 +10,7 @@ from flowloop.errors import error_line
 from flowloop.events import accepted, accepts, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store
+from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.versions import workflow_for
 
@@ -88,3 +89,31 @@ def try_deliver_pending(
     except Exception as error:
         log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
         return None
+
+
+STRANDED_BATCH = 500
+
+
+def hand_over_stranded(
+    store: Store, workflows: Mapping[str, Workflow], *, now: float, worker: str
+) -> int:
+    """Hand the events kept for waiting runs that accept them now, at a worker's start:
+    the worker that entered the wait (or let go of the run) hands them over right after
+    its commit, and one killed in between left them kept for a run that nobody claims —
+    a wait without a timeout waited for ever, one with a timeout took them only then.
+    Returns how many left the inbox."""
+    handed, after = 0, ""
+    while isinstance(store, InboxStoreMixin):
+        found = store.kept_for_free_runs(list(workflows), after=after, limit=STRANDED_BATCH)
+        for run_id in found:
+            handed += try_deliver_pending(store, workflows, run_id, now=now, worker=worker) or 0
+        if len(found) < STRANDED_BATCH:
+            break
+        after = found[-1]
+    if handed:
+        log.warning(
+            "handed %d kept event(s) to waiting runs; a worker had stopped before handing "
+            "them over",
+            handed,
+        )
+    return handed

@@ -31,6 +31,7 @@ from flowloop.errors import (
     NoFreeSlot,
 )
 from flowloop.events import (
+    EventRefused,
     NotWaiting,
     accepted,
     accepts,
@@ -449,15 +450,20 @@ class Operations:
             if waiting_here and stored.owner is None and not held:
                 if self._deliver_kept(workflow, record):
                     continue  # events kept earlier went first (in order): look again
-                received, after = receive(
-                    workflow,
-                    record,
-                    event,
-                    message.payload,
-                    now=self.clock.now(),  # not sent_at: after a wait, later than the holder's
-                    worker=message.sender or "",
-                    extra={"dedupe_key": dedupe_key} if dedupe_key else None,
-                )
+                try:
+                    received, after = receive(
+                        workflow,
+                        record,
+                        event,
+                        message.payload,
+                        now=self.clock.now(),  # not sent_at: after a wait, later than the holder's
+                        worker=message.sender or "",
+                        extra={"dedupe_key": dedupe_key} if dedupe_key else None,
+                    )
+                except FlowloopError:
+                    raise
+                except Exception as error:  # the state's handler (user code) refused it
+                    raise EventRefused(record.state, event, error) from error
                 boundary = Boundary(
                     events=[received], record=after, fence=Fence(None, stored.lease_epoch)
                 )

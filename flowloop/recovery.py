@@ -207,7 +207,10 @@ class Recovery:
         once when it starts, and ``run_until_idle`` at each call (a new executor each
         time): a wait stranded later (a run unpaused on a definition not loaded here, or
         released into a wait by a process of another version) is found by those, not by
-        further ``Engine.run`` calls, whose own runs it does not hold back."""
+        further ``Engine.run`` calls, whose own runs it does not hold back. Then, as
+        rarely, the waiting runs it can take are handed the events kept for them that a
+        worker killed after letting go of the run never handed over (flowloop/kept.py)."""
+        from flowloop.kept import hand_over_stranded
         from flowloop.parking import loaded_fingerprints, park_stranded_waits
         from flowloop.store.sql import SQLStore
 
@@ -219,6 +222,7 @@ class Recovery:
         if loaded == self._parked_for or not isinstance(self.store, SQLStore):
             return
         park_stranded_waits(self.store, self.workflows, worker=self.worker_id, now=self.clock.now())
+        hand_over_stranded(self.store, self.workflows, now=self.clock.now(), worker=self.worker_id)
         self._parked_for = loaded
 
     def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:

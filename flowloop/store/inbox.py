@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from flowloop.store.base import Boundary, InboxEvent
 from flowloop.store.joins import reports_end
-from flowloop.store.schema import inbox
+from flowloop.store.schema import inbox, runs
 
 
 class _Conflict(Exception):
@@ -93,6 +93,27 @@ class InboxStoreMixin:
                 .limit(1)
             ).first()
         return found is not None
+
+    def kept_for_free_runs(self, workflows: Sequence[str], *, after: str, limit: int) -> list[str]:
+        """Runs of ``workflows`` that events are kept for and that no worker holds (scheduled,
+        no owner), by id after ``after``: those a worker may have died before handing their
+        kept events (flowloop/kept.py, :func:`hand_over_stranded`)."""
+        with self._read() as conn:
+            found = conn.execute(
+                select(inbox.c.run_id)
+                .distinct()
+                .join(runs, runs.c.id == inbox.c.run_id)
+                .where(
+                    inbox.c.consumed_seq.is_(None),
+                    inbox.c.run_id > after,
+                    runs.c.status == "scheduled",
+                    runs.c.owner.is_(None),
+                    runs.c.workflow.in_(list(workflows)),
+                )
+                .order_by(inbox.c.run_id)
+                .limit(limit)
+            )
+            return [str(row.run_id) for row in found]
 
     def kept_count(self, run_id: str) -> int:
         """How many events are kept for the run, not taken yet."""
