@@ -458,6 +458,24 @@ def test_assert_events__exact_subsequence_and_fields(engine: TestEngine) -> None
     assert "+step_succeeded:a" in str(caught.value)
 
 
+def test_assert_events__misuse_is_refused_in_one_line_not_passed_or_crashed(
+    engine: TestEngine,
+) -> None:
+    run = engine.start(three_steps(), {"name": "m"})
+    engine.run_until_idle()
+    # One string for the list: "" passed without looking at the journal, and
+    # "step_failed:b" was read as the entries "s", "t", "e", ….
+    for given in ("", "step_failed:b"):
+        with pytest.raises(FlowloopError, match="a list of entries, not one string"):
+            assert_events(engine, run, given, exact=False)
+        with pytest.raises(FlowloopError, match="a list of states, not one string"):
+            assert_path(engine, run, given)
+    # A misspelt field raised a bare AttributeError from inside the helper.
+    with pytest.raises(FlowloopError, match="no field 'stat'; use one of run_id, seq, kind"):
+        assert_events(engine, run, [{"kind": "step_started", "stat": "a"}], exact=False)
+    assert_events(engine, run, [{"kind": "step_started", "state": "a"}], exact=False)
+
+
 def test_context_at_and_attempts__read_any_seq(engine: TestEngine) -> None:
     flow = three_steps()
     run = engine.start(flow, {"name": "c"})
