@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -185,6 +185,20 @@ def test_fake_clock__advance_and_set_take_timedelta_and_datetime() -> None:
     assert clock.now() == 1_150.0
     with pytest.raises(ValueError, match="back"):
         clock.advance(-1)
+
+
+def test_fake_clock__starts_at_an_aware_datetime_and_refuses_naive_ones() -> None:
+    # FakeClock(datetime) failed later, deep in the engine ("datetime is not JSON
+    # serializable"); a naive datetime was read in the machine's local zone, so a test
+    # passed in UTC CI and failed on a laptop (or the other way round).
+    start = datetime(2027, 3, 1, 9, 30, tzinfo=UTC)
+    clock = FakeClock(start)
+    assert (clock.now(), clock.utcnow()) == (start.timestamp(), start)
+    with pytest.raises(ValueError, match=r"naive datetime.*tzinfo=UTC"):
+        FakeClock(datetime(2027, 3, 1))
+    with pytest.raises(ValueError, match=r"naive datetime.*tzinfo=UTC"):
+        clock.set(datetime(2027, 3, 2))
+    assert clock.utcnow() == start
 
 
 # -- crash injection --------------------------------------------------------------------
