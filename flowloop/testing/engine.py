@@ -30,6 +30,7 @@ from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
 from flowloop.loops import Loop
 from flowloop.retry import Retry, seconds
+from flowloop.specs import check_retry
 from flowloop.store import SQLStore
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
 from flowloop.store.loops import LoopEvent
@@ -465,6 +466,7 @@ class TestEngine(Engine):
             raise DefinitionError(
                 wf.name, f"has no step {state!r} to override (steps: {', '.join(wf.steps)})"
             )
+        _check_override(wf.name, state, function, retry, timeout)
         replacement = original
         if function is not None:
             replacement = dataclasses.replace(
@@ -498,6 +500,27 @@ class TestEngine(Engine):
     def context_at(self, run: assertions.RunRef, seq: int) -> dict[str, Any]:
         """The run's context after journal entry ``seq``."""
         return assertions.context_at(self, run, seq)
+
+
+def _check_override(
+    workflow: str,
+    state: str,
+    function: object,
+    retry: object,
+    timeout: float | timedelta | None,
+) -> None:
+    """Refuse what the definition itself refuses: else the test fails later, at the step
+    (a retry that is no Retry took the engine down mid-run)."""
+    if function is not None and not callable(function):
+        raise DefinitionError(
+            workflow,
+            f"state {state!r}: the override must be a function taking (ctx) or (ctx, step), "
+            f"not {type(function).__name__}",
+        )
+    check_retry(workflow, state, "retry", retry)
+    limit = seconds(timeout, "timeout")
+    if limit is not None and limit <= 0:
+        raise DefinitionError(workflow, f"state {state!r}: timeout must be positive")
 
 
 _TEMPLATE: list[Path] = []

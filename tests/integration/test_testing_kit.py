@@ -418,6 +418,22 @@ def test_override__restored_after_an_error_and_unknown_step_refused(engine: Test
         pass
 
 
+def test_override__refuses_what_the_definition_would_refuse(engine: TestEngine) -> None:
+    # retry=3 took the engine down mid-run (AttributeError: no should_retry), timeout=-1
+    # timed every attempt out at once, a non-callable failed each attempt with a TypeError.
+    flow = three_steps()
+    original = flow.steps["a"]
+    for options, refusal in (
+        ({"retry": 3}, "retry=3 must be a flowloop Retry"),
+        ({"timeout": -1}, "timeout must be positive"),
+        ({"timeout": 0}, "timeout must be positive"),
+        ({"function": "not a function"}, "must be a function"),
+    ):
+        with pytest.raises(DefinitionError, match=refusal), engine.override(flow, "a", **options):
+            pass  # pragma: no cover - refused on entry
+        assert flow.steps["a"] is original
+
+
 def test_override__retry_policy_for_one_test(engine: TestEngine) -> None:
     flow = Workflow("flaky2", context=Ctx)
 
