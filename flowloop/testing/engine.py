@@ -23,6 +23,7 @@ from typing import Any, Final, TypeVar
 from pydantic import BaseModel
 from sqlalchemy import make_url
 
+from flowloop import mainloop
 from flowloop.clock import FakeClock
 from flowloop.definition import StepFunction, Workflow, _wants_step
 from flowloop.engine import Engine, RunInfo
@@ -177,6 +178,7 @@ class TestEngine(Engine):
 
         Raises SimulatedCrash when an armed crash point is reached, FlowloopError when the
         runs never go idle (more than ``max_jumps`` jumps: use :meth:`advance`)."""
+        mainloop.refuse_inside_a_loop("run_until_idle", "arun_until_idle()")
         return asyncio.run(
             self.arun_until_idle(
                 idle_horizon=idle_horizon, skip_time=skip_time, max_jumps=max_jumps
@@ -197,6 +199,7 @@ class TestEngine(Engine):
     def advance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
         """Move the fake clock forward by ``delta`` (a timedelta or seconds), executing on
         the way everything that falls due, in time order, then what is due at the end."""
+        mainloop.refuse_inside_a_loop("advance", "aadvance(delta)")
         return asyncio.run(self.aadvance(delta, max_jumps=max_jumps))
 
     async def aadvance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
@@ -293,6 +296,7 @@ class TestEngine(Engine):
         runs to the end (retries included), then the clock jumps to the next slot. Returns
         the loop journal entries written meanwhile (``iteration_succeeded``, ``missed`` …);
         ``loop(name)`` and ``loop_history(name)`` read the rest."""
+        mainloop.refuse_inside_a_loop("run_loops", "arun_loops(loops, duration)")
         return asyncio.run(self.arun_loops(loops, duration, max_jumps=max_jumps))
 
     async def arun_loops(
@@ -394,6 +398,7 @@ class TestEngine(Engine):
         as a restarted worker on its host would see it dead — and drives everything to
         idle like :meth:`run_until_idle` (``skip_time=False``: only what is due now).
         Without a crash it just runs until idle."""
+        mainloop.refuse_inside_a_loop("resume", "aresume()")
         if self._crash.crashed is not None:
             self._reincarnate()
         return self.run_until_idle(skip_time=skip_time)
