@@ -44,8 +44,10 @@ class FakeClock:
     backoff and timers deterministic and instant in tests.
     """
 
-    def __init__(self, start: float = 1_800_000_000.0, *, auto_advance: bool = True) -> None:
-        self._wall = start
+    def __init__(
+        self, start: float | datetime = 1_800_000_000.0, *, auto_advance: bool = True
+    ) -> None:
+        self._wall = _epoch(start)
         self._mono = 0.0
         self.auto_advance = auto_advance
 
@@ -65,8 +67,7 @@ class FakeClock:
 
     def set(self, when: float | datetime) -> None:
         """Move both clocks forward to ``when`` (epoch seconds or an aware datetime)."""
-        target = when.timestamp() if isinstance(when, datetime) else float(when)
-        self.advance(max(0.0, target - self._wall))
+        self.advance(max(0.0, _epoch(when) - self._wall))
 
     def utcnow(self) -> datetime:
         """The wall time as an aware UTC datetime."""
@@ -82,6 +83,18 @@ class FakeClock:
         import asyncio  # (see SystemClock.sleep)
 
         await asyncio.sleep(0)
+
+
+def _epoch(when: float | datetime) -> float:
+    """Epoch seconds of ``when``; a naive datetime is refused (read in the machine's local
+    zone, it would make a test pass on one machine and fail on another)."""
+    if not isinstance(when, datetime):
+        return float(when)
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise ValueError(
+            f"FakeClock: naive datetime {when.isoformat()}: give it a zone (tzinfo=UTC)"
+        )
+    return when.timestamp()
 
 
 def utc(ts: float | None) -> datetime | None:

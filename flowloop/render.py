@@ -359,12 +359,58 @@ def render_bytes(graph: graphviz.Digraph, fmt: str) -> bytes:
     return data
 
 
+def chosen_format(path: Path, fmt: str | None) -> str:
+    """The format to write ``path`` in: ``fmt`` if given, else its suffix's. Raises
+    FlowloopError when the suffix names another format than ``fmt`` (PNG bytes in a
+    ``.svg`` file open nowhere)."""
+    if fmt is None:
+        return format_for(path)
+    named = SUFFIXES.get(path.suffix.lower())
+    if named is not None and named != fmt:
+        raise FlowloopError(
+            f"{path}: the suffix says {named} but --format {fmt} was given; "
+            f"name the file .{fmt} or drop --format"
+        )
+    return fmt
+
+
+def _unwritable(path: Path, error: OSError) -> FlowloopError:
+    """One line for a diagram path the system refused (a usage mistake: another path)."""
+    if isinstance(error, IsADirectoryError):
+        return FlowloopError(f"cannot write {path}: it is a directory; give a file name")
+    if isinstance(error, FileExistsError | NotADirectoryError):
+        # The error names the path it tried; the file in the way is one of its parents.
+        in_the_way = next((p for p in (path, *path.parents) if p.is_file()), path.parent)
+        reason = f"{in_the_way} is a file, not a directory"
+    else:
+        where = f"{error.filename}: " if error.filename and str(error.filename) != str(path) else ""
+        reason = f"{where}{error.strerror or error}"
+    return FlowloopError(f"cannot write {path}: {reason}; choose another path")
+
+
+def make_dir(folder: Path) -> None:
+    """Create ``folder`` (and its parents) for diagrams, or say in one line why not."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _unwritable(folder, error) from error
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write one diagram file (its folder made as needed), or say in one line why not."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    except OSError as error:
+        raise _unwritable(path, error) from error
+
+
 def save(graph: graphviz.Digraph, path: Path, fmt: str | None = None) -> Path:
-    """Write the diagram to ``path`` (format from its suffix unless given). Nothing is
-    written when rendering fails."""
-    data = render_bytes(graph, fmt or format_for(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    """Write the diagram to ``path`` (format from its suffix unless given; a suffix that
+    names another format is refused). Nothing is written when rendering fails; a path that
+    cannot be written raises FlowloopError in one line."""
+    data = render_bytes(graph, chosen_format(path, fmt))
+    write_file(path, data)
     return path
 
 
@@ -405,7 +451,7 @@ def write_all(
     """Write each diagram as ``out/<name>.<format>``. DOT files are written first and need
     no program; the other formats are all rendered before any is written, so a missing
     ``dot`` leaves no half-written set behind."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     written: list[Path] = []
     if "dot" in formats:
         for name, graph in diagrams.items():
@@ -420,7 +466,7 @@ def write_all(
             raise RenderError(f"{error} (the .dot files in {out} were written)") from error
         raise
     for path, data in rendered.items():
-        path.write_bytes(data)
+        write_file(path, data)
         written.append(path)
     return written
 

@@ -82,7 +82,13 @@ def _span_id() -> str:
 def new_run_trace(carrier: Mapping[str, str] | None = None) -> RunTrace:
     """A trace context for a new run: a child of the ``traceparent`` in ``carrier`` if one is
     given, else the root of a new trace. Raises InvalidTraceContext for a malformed one."""
+    if carrier is not None and not isinstance(carrier, Mapping):
+        raise InvalidTraceContext(
+            f"trace_context must be a mapping of headers, not {type(carrier).__name__}: pass "
+            '{"traceparent": "00-<32 hex>-<16 hex>-<2 hex>"}'
+        )
     if carrier:
+        carrier = _lowercase_names(carrier)
         header = carrier.get(TRACEPARENT)
         match = _TRACEPARENT_RE.match(header.strip().lower()) if isinstance(header, str) else None
         if match is None or match.group(1) == "ff":
@@ -103,6 +109,12 @@ def new_run_trace(carrier: Mapping[str, str] | None = None) -> RunTrace:
         )
     trace_id = secrets.token_hex(16)
     return RunTrace(trace_id=trace_id if trace_id != _ZERO_TRACE else "1" * 32, span_id=_span_id())
+
+
+def _lowercase_names(carrier: Mapping[str, str]) -> dict[str, str]:
+    """The carrier with lowercase header names (HTTP's are case-insensitive: a framework's
+    dict of a request's headers may say ``Traceparent``)."""
+    return {str(name).lower(): value for name, value in carrier.items()}
 
 
 def derived_run_trace(run_id: str) -> RunTrace:

@@ -167,7 +167,7 @@ def diagram(
             graph = workflow_heat_digraph(workflow, database(db), since=since)
         else:
             graph = _machine_diagram(target)
-    fmt = fmt or (render.format_for(out_path) if out_path is not None else "dot")
+    fmt = render.chosen_format(out_path, fmt) if out_path is not None else fmt or "dot"
     if out_path is None:
         if fmt == "png":
             raise FlowloopError("diagram: PNG is binary; write it to a file with -o FILE.png")

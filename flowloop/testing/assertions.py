@@ -3,11 +3,12 @@ its context at any seq — and assertions whose failure shows expected vs actual
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel
 
@@ -136,8 +137,15 @@ class PathMismatch(AssertionError):
     """The run took another path than expected (the message shows both and a diff)."""
 
 
+def _not_one_string(expected: object, what: str) -> None:
+    # A str is a Sequence too: "" would pass unchecked, "charge" be read as "c", "h", ….
+    if isinstance(expected, str):
+        raise FlowloopError(f"expected {what}, not one string: put it in a list ([{expected!r}])")
+
+
 def assert_path(engine: Engine, run: RunRef, expected: Sequence[str]) -> None:
     """Assert the states the run entered, in order (see :func:`path`)."""
+    _not_one_string(expected, "a list of states")
     actual = path(engine, run)
     if actual != list(expected):
         raise PathMismatch(
@@ -145,6 +153,21 @@ def assert_path(engine: Engine, run: RunRef, expected: Sequence[str]) -> None:
             f"  expected: {' -> '.join(expected)}\n"
             f"  actual:   {' -> '.join(actual)}\n{_diff(expected, actual)}"
         )
+
+
+EVENT_FIELDS: Final = tuple(f.name for f in dataclasses.fields(JournalEvent))
+"""What a mapping expectation may name (besides ``data.KEY``)."""
+
+
+def _check_fields(want: str | Mapping[str, Any]) -> None:
+    if isinstance(want, str):
+        return
+    for name in want:
+        if not name.startswith("data.") and name not in EVENT_FIELDS:
+            raise FlowloopError(
+                f"assert_events: a journal entry has no field {name!r}; use one of "
+                f"{', '.join(EVENT_FIELDS)} or 'data.KEY'"
+            )
 
 
 def _matches(event: JournalEvent, want: str | Mapping[str, Any]) -> bool:
@@ -177,6 +200,9 @@ def assert_events(
     journal must be exactly these entries; otherwise they must appear in this order with
     anything between. Returns the matched events.
     """
+    _not_one_string(expected, "a list of entries")
+    for want in expected:
+        _check_fields(want)
     events = _events(engine, run)
     shown = [_show(e) for e in events]
     wanted = [w if isinstance(w, str) else json.dumps(dict(w), default=str) for w in expected]

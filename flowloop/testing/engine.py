@@ -23,6 +23,7 @@ from typing import Any, Final, TypeVar
 from pydantic import BaseModel
 from sqlalchemy import make_url
 
+from flowloop import mainloop
 from flowloop.clock import FakeClock
 from flowloop.definition import StepFunction, Workflow, _wants_step
 from flowloop.engine import Engine, RunInfo
@@ -30,6 +31,7 @@ from flowloop.errors import DefinitionError, FlowloopError
 from flowloop.executor import DEFAULT_LEASE_SECONDS, DEFAULT_MAX_CONCURRENCY, Executor, Stats
 from flowloop.loops import Loop
 from flowloop.retry import Retry, seconds
+from flowloop.specs import check_retry
 from flowloop.store import SQLStore
 from flowloop.store.dialect import DEFAULT_SYNCHRONOUS
 from flowloop.store.loops import LoopEvent
@@ -176,6 +178,7 @@ class TestEngine(Engine):
 
         Raises SimulatedCrash when an armed crash point is reached, FlowloopError when the
         runs never go idle (more than ``max_jumps`` jumps: use :meth:`advance`)."""
+        mainloop.refuse_inside_a_loop("run_until_idle", "arun_until_idle()")
         return asyncio.run(
             self.arun_until_idle(
                 idle_horizon=idle_horizon, skip_time=skip_time, max_jumps=max_jumps
@@ -196,6 +199,7 @@ class TestEngine(Engine):
     def advance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
         """Move the fake clock forward by ``delta`` (a timedelta or seconds), executing on
         the way everything that falls due, in time order, then what is due at the end."""
+        mainloop.refuse_inside_a_loop("advance", "aadvance(delta)")
         return asyncio.run(self.aadvance(delta, max_jumps=max_jumps))
 
     async def aadvance(self, delta: timedelta | float, *, max_jumps: int = MAX_JUMPS) -> Stats:
@@ -292,6 +296,7 @@ class TestEngine(Engine):
         runs to the end (retries included), then the clock jumps to the next slot. Returns
         the loop journal entries written meanwhile (``iteration_succeeded``, ``missed`` …);
         ``loop(name)`` and ``loop_history(name)`` read the rest."""
+        mainloop.refuse_inside_a_loop("run_loops", "arun_loops(loops, duration)")
         return asyncio.run(self.arun_loops(loops, duration, max_jumps=max_jumps))
 
     async def arun_loops(
@@ -393,6 +398,7 @@ class TestEngine(Engine):
         as a restarted worker on its host would see it dead — and drives everything to
         idle like :meth:`run_until_idle` (``skip_time=False``: only what is due now).
         Without a crash it just runs until idle."""
+        mainloop.refuse_inside_a_loop("resume", "aresume()")
         if self._crash.crashed is not None:
             self._reincarnate()
         return self.run_until_idle(skip_time=skip_time)
@@ -465,6 +471,7 @@ class TestEngine(Engine):
             raise DefinitionError(
                 wf.name, f"has no step {state!r} to override (steps: {', '.join(wf.steps)})"
             )
+        _check_override(wf.name, state, function, retry, timeout)
         replacement = original
         if function is not None:
             replacement = dataclasses.replace(
@@ -498,6 +505,27 @@ class TestEngine(Engine):
     def context_at(self, run: assertions.RunRef, seq: int) -> dict[str, Any]:
         """The run's context after journal entry ``seq``."""
         return assertions.context_at(self, run, seq)
+
+
+def _check_override(
+    workflow: str,
+    state: str,
+    function: object,
+    retry: object,
+    timeout: float | timedelta | None,
+) -> None:
+    """Refuse what the definition itself refuses: else the test fails later, at the step
+    (a retry that is no Retry took the engine down mid-run)."""
+    if function is not None and not callable(function):
+        raise DefinitionError(
+            workflow,
+            f"state {state!r}: the override must be a function taking (ctx) or (ctx, step), "
+            f"not {type(function).__name__}",
+        )
+    check_retry(workflow, state, "retry", retry)
+    limit = seconds(timeout, "timeout")
+    if limit is not None and limit <= 0:
+        raise DefinitionError(workflow, f"state {state!r}: timeout must be positive")
 
 
 _TEMPLATE: list[Path] = []

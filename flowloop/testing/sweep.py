@@ -189,9 +189,13 @@ def _end(engine: TestEngine, run_id: str) -> Ending:
     return Ending(status=info.status, state=info.state, reason=info.reason, context=data)
 
 
+Part = tuple[str, Callable[[TestEngine, list[str]], None]]
+"""One part of the test script: what it is called in a report, and what it does."""
+
+
 def _script(
     workflow: Workflow, context: BaseModel | Mapping[str, Any], actions: Sequence[Action]
-) -> list[Callable[[TestEngine, list[str]], None]]:
+) -> list[Part]:
     def start(engine: TestEngine, run: list[str]) -> None:
         info = engine.start(workflow, context, idempotency_key=SWEEP_KEY)
         run[:] = [info.id]
@@ -206,7 +210,8 @@ def _script(
     def finish(engine: TestEngine, run: list[str]) -> None:
         engine.run_until_idle()
 
-    return [start, *(act(action) for action in actions), finish]
+    acts = [(f"action {getattr(action, '__name__', action)!r}", act(action)) for action in actions]
+    return [("the start", start), *acts, ("run_until_idle", finish)]
 
 
 def _uninterrupted(
@@ -221,7 +226,7 @@ def _uninterrupted(
     run: list[str] = []
     clock = FakeClock(clock_start)
     with TestEngine(root / "uninterrupted.db", workflows=workflows, clock=clock) as engine:
-        for part in _script(workflow, context, actions):
+        for _, part in _script(workflow, context, actions):
             part(engine, run)
         return _end(engine, run[0]), engine.commits
 
@@ -252,8 +257,9 @@ def _crashed(
         parts = _script(workflow, context, actions)
         index = 0
         while index < len(parts):
+            name, part = parts[index]
             try:
-                parts[index](engine, run)
+                part(engine, run)
                 index += 1
             except SimulatedCrash:
                 crashes += 1
@@ -265,6 +271,9 @@ def _crashed(
                 engine.resume(skip_time=False)  # time moves as the script says
                 if operator_retry:
                     retried = _retry_interrupted(engine, workflows)
+            except Exception as error:  # the script broke here only: this point's problem
+                problems.append(_script_broke(name, error, after_crash=crashes > 0))
+                break
         if crashes == 0:
             problems.append(
                 "the crash point was never reached: the run made other journal entries than "
@@ -277,6 +286,17 @@ def _crashed(
                 problems.extend(_protocol(engine, run_id, ledger))  # children too
     return CrashOutcome(
         commit=commit, when=when, end=end, operator_retried=retried, problems=tuple(problems)
+    )
+
+
+def _script_broke(name: str, error: Exception, *, after_crash: bool) -> str:
+    """The problem of a crash point whose script raised (the uninterrupted one did not)."""
+    raised = f"{name} raised {type(error).__name__}: {error}"
+    if not after_crash:
+        return f"{raised} (before the crash; the uninterrupted run's script did not)"
+    return (
+        f"{raised} when done again after the crash: actions must be repeatable "
+        "(send events with a dedupe_key)"
     )
 
 

@@ -258,6 +258,37 @@ def test_diagram__usage_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "x.pdf").exists()
 
 
+def test_diagram__an_out_path_that_cannot_be_written_is_one_line_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    (tmp_path / "a-dir").mkdir()
+    for args in (
+        ("diagram", str(ORDER), "-o", "a-file/order.dot"),  # its "directory" is a file
+        ("diagram", "--lifecycle", "-o", "a-dir", "--format", "dot"),  # a directory
+        ("diagram", "--all", "-w", str(WORKFLOWS), "-o", "a-file"),  # --all's directory
+    ):
+        result = flowloop(*args, cwd=tmp_path)
+        stderr = result.stderr.decode()
+        assert result.returncode == 2, (args, stderr)
+        assert stderr.count("\n") == 1 and stderr.startswith("error: cannot write "), stderr
+        assert "Traceback" not in stderr
+    assert (tmp_path / "a-file").read_text() == "not a directory"
+    assert list((tmp_path / "a-dir").iterdir()) == []
+
+
+def test_diagram__a_format_the_suffix_contradicts_is_refused(tmp_path: Path) -> None:
+    # It wrote PNG bytes into order.svg and said "wrote order.svg".
+    result = flowloop("diagram", str(ORDER), "-o", "order.svg", "--format", "png", cwd=tmp_path)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert stderr.count("\n") == 1 and "--format png" in stderr and ".svg" in stderr, stderr
+    assert not (tmp_path / "order.svg").exists()
+    # The same format twice, or a suffix that names none, is fine.
+    result = flowloop("diagram", str(ORDER), "-o", "order.dot", "--format", "dot", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    result = flowloop("diagram", str(ORDER), "-o", "order.gv", "--format", "dot", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
 # -- without the dot program ----------------------------------------------------------------
 
 

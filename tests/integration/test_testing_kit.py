@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -185,6 +185,20 @@ def test_fake_clock__advance_and_set_take_timedelta_and_datetime() -> None:
     assert clock.now() == 1_150.0
     with pytest.raises(ValueError, match="back"):
         clock.advance(-1)
+
+
+def test_fake_clock__starts_at_an_aware_datetime_and_refuses_naive_ones() -> None:
+    # FakeClock(datetime) failed later, deep in the engine ("datetime is not JSON
+    # serializable"); a naive datetime was read in the machine's local zone, so a test
+    # passed in UTC CI and failed on a laptop (or the other way round).
+    start = datetime(2027, 3, 1, 9, 30, tzinfo=UTC)
+    clock = FakeClock(start)
+    assert (clock.now(), clock.utcnow()) == (start.timestamp(), start)
+    with pytest.raises(ValueError, match=r"naive datetime.*tzinfo=UTC"):
+        FakeClock(datetime(2027, 3, 1))
+    with pytest.raises(ValueError, match=r"naive datetime.*tzinfo=UTC"):
+        clock.set(datetime(2027, 3, 2))
+    assert clock.utcnow() == start
 
 
 # -- crash injection --------------------------------------------------------------------
@@ -404,6 +418,22 @@ def test_override__restored_after_an_error_and_unknown_step_refused(engine: Test
         pass
 
 
+def test_override__refuses_what_the_definition_would_refuse(engine: TestEngine) -> None:
+    # retry=3 took the engine down mid-run (AttributeError: no should_retry), timeout=-1
+    # timed every attempt out at once, a non-callable failed each attempt with a TypeError.
+    flow = three_steps()
+    original = flow.steps["a"]
+    for options, refusal in (
+        ({"retry": 3}, "retry=3 must be a flowloop Retry"),
+        ({"timeout": -1}, "timeout must be positive"),
+        ({"timeout": 0}, "timeout must be positive"),
+        ({"function": "not a function"}, "must be a function"),
+    ):
+        with pytest.raises(DefinitionError, match=refusal), engine.override(flow, "a", **options):
+            pass  # pragma: no cover - refused on entry
+        assert flow.steps["a"] is original
+
+
 def test_override__retry_policy_for_one_test(engine: TestEngine) -> None:
     flow = Workflow("flaky2", context=Ctx)
 
@@ -456,6 +486,24 @@ def test_assert_events__exact_subsequence_and_fields(engine: TestEngine) -> None
     with pytest.raises(AssertionError, match="journal differs") as caught:
         assert_events(engine, run, ["run_created", "step_started:a"])
     assert "+step_succeeded:a" in str(caught.value)
+
+
+def test_assert_events__misuse_is_refused_in_one_line_not_passed_or_crashed(
+    engine: TestEngine,
+) -> None:
+    run = engine.start(three_steps(), {"name": "m"})
+    engine.run_until_idle()
+    # One string for the list: "" passed without looking at the journal, and
+    # "step_failed:b" was read as the entries "s", "t", "e", ….
+    for given in ("", "step_failed:b"):
+        with pytest.raises(FlowloopError, match="a list of entries, not one string"):
+            assert_events(engine, run, given, exact=False)
+        with pytest.raises(FlowloopError, match="a list of states, not one string"):
+            assert_path(engine, run, given)
+    # A misspelt field raised a bare AttributeError from inside the helper.
+    with pytest.raises(FlowloopError, match="no field 'stat'; use one of run_id, seq, kind"):
+        assert_events(engine, run, [{"kind": "step_started", "stat": "a"}], exact=False)
+    assert_events(engine, run, [{"kind": "step_started", "state": "a"}], exact=False)
 
 
 def test_context_at_and_attempts__read_any_seq(engine: TestEngine) -> None:

@@ -37,3 +37,22 @@ async def test_asyncio__a_crash_and_resume_inside_an_async_test(
         await flowloop_engine.arun_until_idle()
     await flowloop_engine.aresume()
     assert flowloop_engine.get(run.id).status == "succeeded"
+
+
+@pytest.mark.asyncio
+async def test_asyncio__a_sync_drive_in_an_async_test_names_its_awaitable(
+    flowloop_engine: TestEngine,
+) -> None:
+    # They raised asyncio's own "asyncio.run() cannot be called from a running event
+    # loop" (and warned of a coroutine never awaited); Engine.run names engine.arun.
+    flowloop_engine.start(three_steps(), {"name": "a3"})
+    for call, awaitable in (
+        (flowloop_engine.run_until_idle, "arun_until_idle"),
+        (lambda: flowloop_engine.advance(5), "aadvance"),
+        (flowloop_engine.resume, "aresume"),
+        (lambda: flowloop_engine.run_loops([], 5), "arun_loops"),
+    ):
+        with pytest.raises(RuntimeError, match=f"await engine.{awaitable}"):
+            call()
+    await flowloop_engine.arun_until_idle()  # nothing was half done
+    assert [r.status for r in flowloop_engine.runs()] == ["succeeded"]

@@ -236,3 +236,31 @@ def test_crash_at_commit__fan_out_and_admission_points(
         end, crashed, _ = play((number, when))
         assert crashed == [f"{when} journal commit #{number}"]
         assert end == uninterrupted
+
+
+def test_sweep__an_action_that_cannot_be_repeated_is_a_problem_of_its_crash_point(
+    tmp_path: Path,
+) -> None:
+    # An event sent without a dedupe_key is sent again after a crash that came after it:
+    # the run has moved on, the second send is refused. check_crash_points "raises nothing
+    # itself": that InvalidTransition escaped it, naming no crash point and no remedy.
+    from kitflows import waiting
+
+    flow = waiting()
+
+    def approve(engine: TestEngine, run_id: str) -> None:
+        engine.send(run_id, "ok")  # no dedupe_key: not repeatable
+
+    sweep = check_crash_points(flow, {}, actions=[approve], directory=tmp_path)
+    assert sweep.baseline.status == "succeeded"
+    broken = [o for o in sweep.failures if any("approve" in p for p in o.problems)]
+    assert broken, describe(sweep)
+    problem = next(p for p in broken[0].problems if "approve" in p)
+    assert "InvalidTransition" in problem and "dedupe_key" in problem, problem
+    with pytest.raises(AssertionError, match="dedupe_key"):
+        sweep.assert_ok()
+
+    def approve_once(engine: TestEngine, run_id: str) -> None:
+        engine.send(run_id, "ok", dedupe_key="ok-1")
+
+    assert not check_crash_points(flow, {}, actions=[approve_once], directory=tmp_path).failures

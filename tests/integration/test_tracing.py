@@ -198,7 +198,13 @@ def test_tracing__explicit_trace_context_is_the_parent_and_a_bad_one_is_refused(
     before = len(engine.runs())
     with pytest.raises(InvalidTraceContext, match="traceparent"):
         engine.start(wf, {}, trace_context={"traceparent": "not-a-trace"})
+    # The header's value instead of the carrier: an AttributeError from inside flowloop.
+    with pytest.raises(InvalidTraceContext, match=r"a mapping of headers, not str"):
+        engine.start(wf, {}, trace_context=parent)  # type: ignore[arg-type]
     assert len(engine.runs()) == before
+    # HTTP header names are case-insensitive: a framework's dict may spell it Traceparent.
+    info = engine.start(wf, {"n": 2}, trace_context={"Traceparent": parent})
+    assert run_trace(info.id, engine.history(info.id)[0].data).parent_id == "b7ad6b7169203331"
 
 
 def test_tracing__a_run_created_without_tracing_joins_its_derived_trace(tmp_path: Path) -> None:
