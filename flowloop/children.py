@@ -419,7 +419,9 @@ async def _join(
                 ChildResult(
                     index=row.index,
                     status=row.status,
-                    context=context_from(child_workflow(spec, row.index).context, row.context),
+                    context=child_workflow(spec, row.index).load_context(
+                        row.context, row.context_version
+                    ),
                     error=row.error,
                     branch=list(spec.branches)[row.index]
                     if isinstance(spec, ParallelSpec)

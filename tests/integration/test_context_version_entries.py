@@ -162,3 +162,63 @@ def test_a_debounced_start_under_a_newer_context_version(store_url: str) -> None
         info = engine.get(first.id)
         assert (info.status, info.context.cents) == ("succeeded", 700)
         _replays(engine, first.id)
+
+
+class Item(BaseModel):
+    amount: int
+
+
+class ItemV2(BaseModel):
+    cents: int
+
+
+class Total(BaseModel):
+    amounts: list[int]
+    total_cents: int = 0
+
+
+def item_v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    return {"cents": data["amount"] * 100}
+
+
+def held_item(context: type[BaseModel] = Item, **versioning: Any) -> Workflow:
+    wf = Workflow("held_item", context=context, **versioning)
+    wf.wait("hold", on={"go": "done"}, initial=True)
+    wf.final("done")
+    return wf
+
+
+def totals(child: Workflow) -> Workflow:
+    def add(ctx: Total, results: list[Any]) -> None:
+        ctx.total_cents = sum(r.context.cents for r in results)
+
+    wf = Workflow("totals", context=Total)
+    wf.map("each", child=child, items=lambda ctx: ctx.amounts,
+           context=lambda ctx, amount: child.context.model_validate(_item(child, amount)),
+           on={"done": "done"}, reduce=add, initial=True)  # fmt: skip
+    wf.final("done")
+    return wf
+
+
+def _item(child: Workflow, amount: int) -> dict[str, int]:
+    return {"amount": amount} if child.context_version == 1 else {"cents": amount * 100}
+
+
+def test_a_join_reads_a_child_that_ended_under_an_older_context_version(store_url: str) -> None:
+    # Item 0 ends under child v1; item 1 after the deploy, under v2. The join read every
+    # child's final context as the newest model, without its upcaster: the parent failed
+    # (child_unreadable: cents: Field required) for a result that was there.
+    old = held_item()
+    with Engine(store_url, workflows=[totals(old), old]) as engine:
+        parent = engine.start(engine.workflow("totals"), Total(amounts=[1, 2])).id
+        engine.run_until_idle()
+        first, second = sorted(engine.runs(workflow="held_item"), key=lambda r: r.id)
+        engine.send(first.id, "go")
+    new = held_item(ItemV2, context_version=2, migrate={1: item_v1_to_v2})
+    with Engine(store_url, workflows=[totals(new), new]) as engine:
+        engine.send(second.id, "go")
+        engine.run_until_idle()
+        info = engine.get(parent)
+        assert (info.status, info.error) == ("succeeded", None)
+        assert info.context.total_cents == 300
+        _replays(engine, parent)
