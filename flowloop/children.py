@@ -30,7 +30,7 @@ from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
 from flowloop.contexts import context_from
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted, InvalidContext, error_line
-from flowloop.events import check_visits, entering, slept_past_deadline
+from flowloop.events import check_visits, entering, keeping_context, slept_past_deadline
 from flowloop.flowcontrol import InvalidConcurrencyKey, limit_key_of
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.lifecycle import CONTROLS, FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSES, STOP
@@ -419,7 +419,9 @@ async def _join(
                 ChildResult(
                     index=row.index,
                     status=row.status,
-                    context=context_from(child_workflow(spec, row.index).context, row.context),
+                    context=child_workflow(spec, row.index).load_context(
+                        row.context, row.context_version
+                    ),
                     error=row.error,
                     branch=list(spec.branches)[row.index]
                     if isinstance(spec, ParallelSpec)
@@ -548,7 +550,7 @@ async def past_deadline(
         record,
         now=now,
         worker=executor.worker_id,
-        data=entering(workflow, workflow.on_deadline, now),
+        data=keeping_context(entering(workflow, workflow.on_deadline, now), record),
     )
     log.warning(
         "run %s: deadline passed in state %s; going to %s",
@@ -707,7 +709,7 @@ def interrupted(
     route = error_route(workflow, spec, record, Interrupted(message))
     if route is None:
         return data, message, {}
-    routed = {**entering(workflow, route[1], now), "route": "on_error"}
+    routed = {**keeping_context(entering(workflow, route[1], now), record), "route": "on_error"}
     return routed, message, {"event": route[0], "next_state": route[1]}
 
 

@@ -109,6 +109,17 @@ def entering(workflow: Workflow, state: str, now: float, *, delay: float = 0.0) 
     return {"due": now + delay, **stamp} if delay else stamp
 
 
+def keeping_context(data: dict[str, Any], record: RunRecord) -> dict[str, Any]:
+    """``data`` (of :func:`entering`) for an entry that keeps the run's context as it was
+    (an ``on_error`` route, a passed deadline): it says the version of that context, the
+    run's, not the definition's. (It said the definition's: a version-1 context then read
+    as version 2 was not upcast — a run stuck, its worker's task dead, or parked.)"""
+    data.pop(j.CONTEXT_VERSION, None)
+    if record.context_version != 1:
+        data[j.CONTEXT_VERSION] = record.context_version
+    return data
+
+
 def check_visits(workflow: Workflow, record: RunRecord, target: str) -> None:
     limit = workflow.max_visits(target)
     if limit is not None and record.visit(target) >= limit:

@@ -343,7 +343,10 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
         )
     elif kind == COMPENSATION_SUCCEEDED:
         assert event.context is not None
-        change.update(context=event.context, attempt=0)
+        # Its version, as a transition's (absent: the run's — as entries written before
+        # said nothing, and a version-1 context says nothing).
+        version = int(event.data.get(CONTEXT_VERSION, record.context_version))
+        change.update(context=event.context, context_version=version, attempt=0)
     elif kind == RUN_COMPENSATED:
         change.update(
             status=_status(record, "succeeded", event),
@@ -411,6 +414,8 @@ def apply(record: RunRecord, event: JournalEvent) -> RunRecord:
     elif kind == RUN_DEBOUNCED:
         assert event.context is not None
         change["context"] = event.context
+        # The later start's context version (absent: the run's, as entries written before).
+        change["context_version"] = int(event.data.get(CONTEXT_VERSION, record.context_version))
         if record.status != "paused":  # (paused: due only when unpaused, at this due time)
             change["next_run_at"] = event.data.get("due", event.at)
     elif kind == SLEEP_ENDED:

@@ -643,11 +643,16 @@ def _context_entering(events: Sequence[JournalEvent], state: str) -> tuple[str, 
             state = source  # (before, a renamed state "never reached")
             continue
         # Entered by any transition that records the context it entered with: a step's
-        # outcome, a wait state's event or timeout, a child run's result.
+        # outcome, a wait state's event or timeout, a child run's result — or a debounced
+        # start's context, which replaced the one it was created with before it ran
+        # (passed over, a retry took the burst's first context).
         entered = (event.next_state == state) or (
-            event.kind in (j.RUN_CREATED, j.RUN_RETRIED) and event.state == state
+            event.kind in (j.RUN_CREATED, j.RUN_RETRIED, j.RUN_DEBOUNCED) and event.state == state
         )
         if entered and event.context is not None:
+            if event.kind == j.RUN_DEBOUNCED and j.CONTEXT_VERSION not in event.data:
+                # (Written before it said its version: the run's then, as its fold has it.)
+                return event.context, j.fold(events, until_seq=event.seq).context_version
             return event.context, int(event.data.get(j.CONTEXT_VERSION, 1))
     return None
 

@@ -9,7 +9,7 @@ only reads imports neither the executor nor pydantic (issue 13, cold start)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from flowloop import ids
 from flowloop import journal as j
@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
     from flowloop.definition import Workflow
     from flowloop.journal import JournalEvent, RunRecord
+
+
+REREADS: Final = 5
+"""How many times :meth:`RunReading.replay` reads a run again that moved on between its
+row's read and its journal's (a busy run; past that, what was read is compared)."""
 
 
 class RunReading:
@@ -99,10 +104,18 @@ class RunReading:
         stored = self._stored(run_id)
         run_id = stored.id
         events = self.store.journal(run_id)
+        full = j.fold(events)
+        for _ in range(REREADS):
+            if full.last_seq <= stored.record.last_seq:
+                break
+            # A worker moved the run on between the two reads (each its own transaction):
+            # the row again, and the journal again, up to it — not a difference to report.
+            stored = self._stored(run_id)
+            events = self.store.journal(run_id)
+            full = j.fold(events)
         if at is not None and not 1 <= at <= len(events):
             # (Said for the Python API and the CLI's --at alike.)
             raise FlowloopError(f"run {run_id} has seq 1..{len(events)}; seq {at} is outside")
-        full = j.fold(events)
         differences = j.compare(full, stored.record)
         record = full if at is None else j.fold(events, until_seq=at)
         return Replay(

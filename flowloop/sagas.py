@@ -136,7 +136,8 @@ async def drive(
                 attempt=attempt,
                 context=context,
                 duration=executor.clock.monotonic() - began,
-                data={"for_seq": undo.seq},
+                # The version of the context written (upcast, when older): see entering().
+                data={"for_seq": undo.seq, **workflow.context_stamp()},
             )
         ]
         executor.outcomes.hold(  # said once committed, with what follows it (outcomes.said)

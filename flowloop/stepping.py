@@ -43,7 +43,7 @@ from flowloop.errors import (
     exits_as_errors,
     retry_cannot_help,
 )
-from flowloop.events import check_visits, entering, receive, wait_due
+from flowloop.events import check_visits, entering, keeping_context, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import take_kept, try_deliver_pending
@@ -561,7 +561,8 @@ class Stepping:
             delay = spec.retry.delay(record.attempt)
             data = {"retry_at": self.clock.now() + delay}
         elif route is not None:  # on_error: the run moves on; the error stays visible
-            data = {**entering(workflow, route[1], self.clock.now()), "route": "on_error"}
+            entered = entering(workflow, route[1], self.clock.now())
+            data = {**keeping_context(entered, record), "route": "on_error"}
         else:
             data = {"reason": "error"}
         message = (

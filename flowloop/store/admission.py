@@ -147,6 +147,12 @@ class AdmissionStoreMixin:
         """Journal ``run_debounced`` on the burst's run (fenced on its row as read: the
         journal protocol's one writer per seq); False, nothing written, if it moved."""
         record = stored.record
+        data: dict[str, Any] = {"due": due, "debounce_key": key}
+        version = new.record.context_version
+        if version != 1 or record.context_version != 1:
+            # The version of the context it brings (a start under a newer definition: the
+            # run's next load upcast it again), as a transition's; version 1 says nothing.
+            data[j.CONTEXT_VERSION] = version
         event = JournalEvent(
             run_id=record.id,
             seq=record.last_seq + 1,
@@ -155,7 +161,7 @@ class AdmissionStoreMixin:
             state=record.state,  # (its entry into its first state: a wait's timeout counts)
             context=new.record.context,
             worker=new.events[0].worker,
-            data={"due": due, "debounce_key": key},
+            data=data,
         )
         after = j.apply(record, event)  # replay equals the row: paused, it stays undue
         changed = conn.execute(
@@ -168,6 +174,7 @@ class AdmissionStoreMixin:
             )
             .values(
                 context=row_context(after.context),  # a long one: the journal's below
+                context_version=after.context_version,
                 next_run_at=after.next_run_at,
                 last_seq=after.last_seq,
                 updated_at=now,

@@ -184,6 +184,7 @@ _RESULTS: Final = (
         runs.c.context,
         runs.c.error,
         runs.c.last_seq,
+        runs.c.context_version,
     )
     .where(runs.c.join_id == bindparam("j_id"), runs.c.child_index > bindparam("r_after"))
     .order_by(runs.c.child_index)
@@ -264,6 +265,9 @@ class ChildRow:
     status: str
     context: str
     error: str | None
+    context_version: int = 1
+    """The version ``context`` was written with: a child that ended under an older
+    definition is read through the child's upcasters."""
 
 
 def _join(row: Any) -> JoinRow:
@@ -487,6 +491,7 @@ class JoinStoreMixin:
                     status=row.status,
                     context=context,
                     error=row.error,
+                    context_version=row.context_version,
                 )
             if len(rows) < RESULT_BATCH:
                 return

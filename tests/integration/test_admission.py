@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Engine, FakeClock, Workflow
+from flowloop import Engine, FakeClock, Retry, Workflow
 from flowloop.admission import AdmissionError, StartThrottled
 
 
@@ -99,6 +99,33 @@ def test_debounce__a_run_that_began_with_a_call_is_not_changed(
     assert second.id != first.id
     assert [e.kind for e in engine.history(first.id)] == ["run_created", "children_started"]
     assert Change.model_validate(engine.get(first.id).context).n == 1
+
+
+def test_debounce__a_retry_takes_the_bursts_last_context(engine: Engine, clock: FakeClock) -> None:
+    # The run entered its first state with the last start's context (run_debounced), and
+    # ran with it; a retry there (--from it, or of its current state) took the first
+    # start's, from run_created: the run ran again on a context the burst had replaced.
+    seen: list[int] = []
+    wf = Workflow("sync_fails", context=Change, key="customer")
+
+    @wf.step(initial=True, next="synced", retry=Retry(attempts=1))
+    def push(ctx: Change) -> None:
+        seen.append(ctx.n)
+        if len(seen) == 1:
+            raise ConnectionError("provider down")
+
+    wf.final("synced")
+    run_id = ""
+    for n in (1, 2, 3):
+        run_id = engine.start(wf, Change(customer="c1", n=n), debounce=5).id
+    clock.advance(5)
+    engine.run_until_idle()
+    assert engine.get(run_id).status == "failed" and seen == [3]
+    engine.retry(run_id)
+    assert Change.model_validate(engine.get(run_id).context).n == 3
+    engine.run_until_idle()
+    assert engine.get(run_id).status == "succeeded" and seen == [3, 3]
+    assert engine.replay(run_id).matches
 
 
 def test_throttle__over_the_limit_is_refused_until_the_oldest_leaves(
