@@ -212,12 +212,33 @@ class CsvFormat:
                 except StopIteration:
                     break
                 except csv.Error as error:
-                    records.append(Record(start, None, lines.take(), f"unreadable CSV: {error}"))
+                    raw = _rest_of_record(lines, quote_of(header.dialect))
+                    records.append(Record(start, None, raw, f"unreadable CSV: {error}"))
                     continue
                 raw = lines.take()
                 if fields:
                     records.append(Record(start, fields, raw))
             return Batch(records, lines.offset, line + lines.count)
+
+
+def quote_of(dialect: Mapping[str, Any]) -> bytes | None:
+    """The byte whose count in a record's text tells whether it ends inside a quoted field
+    (odd), or None: the dialect does not quote, or escapes a quote otherwise than doubling it."""
+    quote = dialect.get("quotechar")
+    if not quote or dialect.get("quoting") == csv.QUOTE_NONE or not dialect.get("doublequote"):
+        return None
+    return str(quote).encode()
+
+
+def _rest_of_record(lines: _Lines, quote: bytes | None) -> bytes:
+    """The text of a record ``csv`` gave up on (a field over ``csv.field_size_limit()``),
+    through its last line: cut off inside a quoted field, its remaining lines are its own,
+    not records to read (they read as rows of their own, or swallowed the rest of the file)."""
+    raw = lines.take()
+    quotes = raw.count(quote) if quote else 0
+    while quotes % 2 and next(lines, None) is not None:
+        quotes += lines.taken[-1].count(quote or b"")
+    return raw + lines.take()
 
 
 class JsonLinesFormat:

@@ -5,6 +5,7 @@ default or a failed run with no row named."""
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from pydantic import BaseModel, Field
 from flowloop import Engine
 from flowloop import etl as kit
 from flowloop.errors import InvalidContext
+from flowloop.etl import writers
 
 
 class Item(BaseModel):
@@ -82,3 +84,97 @@ def test_context__the_example_refuses_a_misspelt_input_dir_instead_of_loading_th
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.count("\n") == 1 and "inputdir" in result.stderr
     assert not db.exists()  # nothing written
+
+
+# -- values the target refuses --------------------------------------------------------------
+
+
+def test_target_refuses_a_row__it_becomes_a_reject_with_file_and_line(
+    tmp_path: Path, store_url: str
+) -> None:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    rows = [
+        ["1", "ok", "10"],
+        ["2", "nul\x00byte", "20"],  # PostgreSQL text takes no NUL; SQLite would keep it
+        ["3", "ok", str(10**20)],  # a valid Python int, out of the column's range
+        ["4", "too long here", "40"],  # over String(8) (PostgreSQL refuses it)
+        ["5", "ok", "50"],
+    ]
+    with (folder / "a.csv").open("w", newline="") as handle:
+        csv.writer(handle, lineterminator="\n").writerows([["id", "name", "amount"], *rows])
+    loader = kit.FolderLoader(Item, items_table(sa.MetaData()))
+    workflow = kit.folder_workflow("items", loader, context=Ctx)
+    try:
+        ctx = kit.run_plain(
+            workflow, {"input_dir": str(folder), "target_url": store_url, "batch_size": 10}
+        )
+        loaded = rows_of(store_url, "SELECT id FROM items ORDER BY id")
+        rejects = dict(rows_of(store_url, "SELECT row_no, reason FROM rejects ORDER BY row_no"))
+    finally:
+        writers.close_engine(store_url)
+    postgres = store_url.startswith("postgresql")
+    refused = {2, 3, 4} if postgres else {2, 3}
+    assert {row[0] for row in loaded} == {1, 2, 3, 4, 5} - refused
+    assert set(rejects) == {n + 1 for n in refused}  # their lines (the header is line 1)
+    assert rejects.pop(3).startswith("a NUL byte (0x00) in the record")  # on both targets
+    assert all(reason.startswith("the target refused it: ") for reason in rejects.values())
+    assert "range" in rejects[4] or "too large" in rejects[4]
+    assert (ctx.rows_done, ctx.rows_loaded, ctx.rejects) == (5, 5 - len(refused), len(refused))
+    assert ctx.loaded == ["a.csv"]
+
+
+def test_target_refuses_every_row__the_batch_fails_with_the_targets_error(
+    tmp_path: Path,
+) -> None:
+    # A table the rows cannot fit at all (a column the transform never fills) is no bad
+    # data: the load stops and says why, rather than rejecting every row.
+    metadata = sa.MetaData()
+    table = items_table(metadata)
+    table.append_column(sa.Column("region", sa.String(8), nullable=False))
+    folder = tmp_path / "in"
+    folder.mkdir()
+    (folder / "a.csv").write_text("id,name,amount\n1,a,1\n2,b,2\n")
+    workflow = kit.folder_workflow("items", kit.FolderLoader(Item, table), context=Ctx)
+    target = f"sqlite:///{tmp_path / 't.db'}"
+    try:
+        with pytest.raises(sa.exc.IntegrityError, match="NOT NULL"):
+            kit.run_plain(workflow, {"input_dir": str(folder), "target_url": target})
+    finally:
+        writers.close_engine(target)
+
+
+# -- CSV fields over the csv module's limit -------------------------------------------------
+
+
+def test_csv__a_field_over_the_size_limit__one_reject_and_the_next_record_intact(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "a.csv"
+    huge = "x" * (csv.field_size_limit() + 10) + "\n" + "1,2,3"  # a line that looks like a row
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle, lineterminator="\n")
+        writer.writerows(
+            [["id", "text", "tag"], ["1", "a", "t"], ["2", huge, "t"], ["3", "c", "t"]]
+        )
+    fmt = kit.CsvFormat()
+    header, problem = fmt.header(path)
+    assert header is not None, problem
+    size = path.stat().st_size
+    batch = fmt.read(path, header=header, offset=header.data_offset, end=size, line=2, limit=10)
+    assert [(r.line, r.fields is None) for r in batch.records] == [
+        (2, False),
+        (3, True),
+        (5, False),
+    ]
+    assert batch.records[1].error is not None and "field larger than field limit" in (
+        batch.records[1].error
+    )
+    assert batch.records[2].fields == ["3", "c", "t"] and batch.offset == size
+    # Read one record at a time, as resumed batches do: the same records.
+    offset, line, lines = header.data_offset, 2, []
+    while offset < size:
+        one = fmt.read(path, header=header, offset=offset, end=size, line=line, limit=1)
+        lines += [r.line for r in one.records]
+        offset, line = one.offset, one.line
+    assert lines == [2, 3, 5]
