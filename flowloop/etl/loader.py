@@ -62,6 +62,11 @@ def refusal(error: Exception) -> str:
     return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
 
 
+class InputMissing(FlowloopError, ValueError):
+    """The input folder does not exist (or is no folder): a mistake in the context, failed
+    at once (an ``OSError`` was retried as a file system hiccup)."""
+
+
 class BatchBudgetExceeded(FlowloopError, ValueError):
     """One file needs more batches than a run may take: use a larger ``batch_size``."""
 
@@ -208,7 +213,10 @@ class FolderLoader:
         ``"nothing"``."""
         folder = Path(ctx.input_dir)
         if not folder.is_dir():
-            raise FileNotFoundError(f"input folder {folder} does not exist")
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise InputMissing(
+                f"input folder {folder} {what}; pass input_dir (or ${ctx.env_prefix}INPUT)"
+            )
         paths = sorted(
             p for p in folder.glob(ctx.pattern) if p.is_file() and not p.name.startswith(".")
         )

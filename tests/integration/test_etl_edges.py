@@ -86,6 +86,20 @@ def test_context__the_example_refuses_a_misspelt_input_dir_instead_of_loading_th
     assert not db.exists()  # nothing written
 
 
+def test_input_folder_missing__fails_at_once_saying_what_to_do(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    # A typo is no file system hiccup: it was retried 4 times over 7.5 s first.
+    workflow = kit.folder_workflow("items", kit.FolderLoader(Item, "items"), context=Ctx)
+    with Engine(sqlite_url) as engine:
+        info = engine.run(workflow, {"input_dir": str(tmp_path / "nope")})
+        failures = [e for e in engine.history(info.id) if e.kind == "step_failed"]
+    assert info.status == "failed" and len(failures) == 1
+    assert info.error is not None and f"input folder {tmp_path / 'nope'} does not exist" in (
+        info.error
+    )
+
+
 # -- values the target refuses --------------------------------------------------------------
 
 
