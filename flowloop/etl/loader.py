@@ -193,7 +193,7 @@ class FolderLoader:
                 header.columns, self.columns, required=self.required, reject_extra=self.reject_extra
             )
             if problem:
-                return None, problem
+                return None, f"{problem}; {header.hint}" if header.hint else problem
         return header, None
 
     def inspect(self, path: Path) -> FileInfo:

@@ -18,6 +18,7 @@ from flowloop import Engine
 from flowloop import etl as kit
 from flowloop.errors import InvalidContext
 from flowloop.etl import writers
+from flowloop.etl.formats import header_problem
 
 
 class Item(BaseModel):
@@ -192,3 +193,34 @@ def test_csv__a_field_over_the_size_limit__one_reject_and_the_next_record_intact
         lines += [r.line for r in one.records]
         offset, line = one.offset, one.line
     assert lines == [2, 3, 5]
+
+
+# -- headers that say what is wrong -----------------------------------------------------------
+
+
+def test_header__an_unnamed_column_is_named_by_its_position(tmp_path: Path) -> None:
+    # A trailing delimiter (common in exports) was "unexpected " followed by nothing.
+    assert header_problem(["id", "text", "tag", ""], ["id", "text", "tag"], reject_extra=True) == (
+        "wrong header: unexpected (unnamed column 4) (expected id,text,tag)"
+    )
+    # Two of them are no repeated name: ignored with the other extra columns (the file was
+    # malformed: "repeated " and nothing).
+    assert header_problem(["id", "text", "tag", "", ""], ["id", "text", "tag"]) is None
+
+
+def test_header__another_delimiter_or_cr_line_ends__says_so(tmp_path: Path) -> None:
+    loader = kit.FolderLoader(Item, "items", key="id")
+    semicolons = tmp_path / "semi.csv"
+    semicolons.write_text("id;name;amount\n1;a;2\n")
+    _, problem = loader.read_header(semicolons)
+    assert problem is not None and problem.endswith(
+        "; the header has no ',' but ';': pass fmt=CsvFormat({'delimiter': ';'}) or "
+        "CsvFormat('sniff')"
+    )
+    old_mac = tmp_path / "mac.csv"
+    old_mac.write_bytes(b"id,name,amount\r1,a,2\r")
+    _, problem = loader.read_header(old_mac)
+    assert problem == (
+        "unreadable header: its lines end in a lone CR (old Mac line ends); "
+        "convert them to LF or CRLF"
+    )
