@@ -224,3 +224,23 @@ def test_header__another_delimiter_or_cr_line_ends__says_so(tmp_path: Path) -> N
         "unreadable header: its lines end in a lone CR (old Mac line ends); "
         "convert them to LF or CRLF"
     )
+
+
+# -- a PostgreSQL target: sessions a lost client leaves behind ----------------------------------
+
+
+def test_postgres_target__sessions_end_when_left_idle_in_a_transaction(pg_url: str) -> None:
+    # A client lost in the middle of a batch (a partition: the server sees a silent
+    # session) held the batch's row locks; the retried batch waited for them for good.
+    loader = kit.FolderLoader(Item, "items", key="id")
+    try:
+        with loader.engine(pg_url).connect() as conn:
+            shown = {
+                name: conn.exec_driver_sql(f"SHOW {name}").scalar_one()
+                for name in ("idle_in_transaction_session_timeout", "tcp_keepalives_idle")
+            }
+            keepalives = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+    finally:
+        writers.close_engine(pg_url)
+    assert shown == {"idle_in_transaction_session_timeout": "10s", "tcp_keepalives_idle": "10"}
+    assert keepalives.get("keepalives") == "1" and keepalives.get("connect_timeout") == "5"
