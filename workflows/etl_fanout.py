@@ -14,6 +14,7 @@ Run it on the sample data in ``workflows/data``::
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -45,12 +46,14 @@ load_file = Workflow("load_file", context=FileJob)
 
 @load_file.step(initial=True, next="loaded")
 def load(ctx: FileJob, step: Step) -> None:
-    with open(ctx.path, encoding="utf-8") as handle:
-        header = handle.readline().strip()
-        if not header:
+    # Records, not lines: a quoted field may span lines. (utf-8-sig: a BOM is no header text.)
+    with open(ctx.path, encoding="utf-8-sig", newline="") as handle:
+        rows = csv.reader(handle)
+        header = next(rows, [])
+        if not any(name.strip() for name in header):
             raise ValueError(f"{Path(ctx.path).name}: empty file or no header")
-        ctx.columns = len(header.split(","))
-        ctx.records = sum(1 for line in handle if line.strip())
+        ctx.columns = len(header)
+        ctx.records = sum(1 for row in rows if row)
 
 
 load_file.final("loaded")
@@ -60,7 +63,10 @@ etl_fanout = Workflow("etl_fanout", context=Batch)
 
 @etl_fanout.step(initial=True, next="load_files")
 def discover(ctx: Batch) -> None:
-    ctx.files = sorted(str(p) for p in Path(ctx.input_dir or DATA).glob("*.csv"))
+    folder = Path(ctx.input_dir).resolve() if ctx.input_dir else DATA  # (children: absolute)
+    if not folder.is_dir():  # a typo looked like a day without files
+        raise ValueError(f"input folder {folder} does not exist")
+    ctx.files = sorted(str(p) for p in folder.glob("*.csv"))
 
 
 def summarize(ctx: Batch, results: list[ChildResult[FileJob]]) -> None:

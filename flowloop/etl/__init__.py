@@ -42,6 +42,7 @@ from flowloop.etl.loader import (
     MAX_FILES_PER_RUN,
     BatchBudgetExceeded,
     FolderLoader,
+    InputMissing,
 )
 from flowloop.etl.loop import inbox_loop
 from flowloop.etl.plain import run_plain
@@ -63,6 +64,7 @@ __all__ = [
     "FolderLoader",
     "Format",
     "Header",
+    "InputMissing",
     "JsonLinesFormat",
     "Nulls",
     "Record",

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, ClassVar, Final, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowloop.etl.files import FileInfo
 
@@ -31,6 +31,11 @@ def sample_target_dir() -> Path:
 
 class FolderContext(BaseModel):
     """Where to read and write, where a run is, and what it has done so far."""
+
+    # The environment defaults below read the raw input (a "before" validator), so flowloop
+    # cannot tell a misspelt key from one the model takes: pydantic refuses it instead (it
+    # was dropped, and {"inputdir": ...} loaded the sample folder).
+    model_config = ConfigDict(extra="forbid")
 
     env_prefix: ClassVar[str] = "ETL_"
     sample_dir: ClassVar[Path | None] = None

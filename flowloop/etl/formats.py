@@ -69,6 +69,8 @@ class Header:
     data_line: int
     """The line the first record starts on."""
     dialect: dict[str, Any]
+    hint: str | None = None
+    """What may be wrong when the columns do not fit (another delimiter), or None."""
 
 
 class Format(Protocol):
@@ -190,11 +192,31 @@ class CsvFormat:
             except FileChanged:
                 return None, "not UTF-8: the header line is not valid UTF-8"
             except csv.Error as error:
+                if "new-line character" in str(error):  # (csv's words suggest an open mode)
+                    return None, (
+                        "unreadable header: its lines end in a lone CR (old Mac line ends); "
+                        "convert them to LF or CRLF"
+                    )
                 return None, f"unreadable header: {error}"
         if not any(name.strip() for name in names):
             return None, "no header: the first line is blank"
         columns = [normalize_column(name) for name in names]
-        return Header(columns, lines.offset, 1 + lines.count, dialect), None
+        hint = self.delimiter_hint(names, dialect)
+        return Header(columns, lines.offset, 1 + lines.count, dialect, hint), None
+
+    def delimiter_hint(self, names: Sequence[str], dialect: Mapping[str, Any]) -> str | None:
+        """A header read as one column that holds another usual delimiter: the words that
+        say which, and how to read it (a European ``;`` export read as ``,``)."""
+        if self.sniff or len(names) != 1:
+            return None
+        ours = dialect.get("delimiter")
+        other = next((d for d in self.sniff_delimiters if d != ours and d in names[0]), None)
+        if other is None:
+            return None
+        return (
+            f"the header has no {ours!r} but {other!r}: pass "
+            f"fmt=CsvFormat({{'delimiter': {other!r}}}) or CsvFormat('sniff')"
+        )
 
     def read(
         self, path: Path, *, header: Header, offset: int, end: int, line: int, limit: int
@@ -212,12 +234,33 @@ class CsvFormat:
                 except StopIteration:
                     break
                 except csv.Error as error:
-                    records.append(Record(start, None, lines.take(), f"unreadable CSV: {error}"))
+                    raw = _rest_of_record(lines, quote_of(header.dialect))
+                    records.append(Record(start, None, raw, f"unreadable CSV: {error}"))
                     continue
                 raw = lines.take()
                 if fields:
                     records.append(Record(start, fields, raw))
             return Batch(records, lines.offset, line + lines.count)
+
+
+def quote_of(dialect: Mapping[str, Any]) -> bytes | None:
+    """The byte whose count in a record's text tells whether it ends inside a quoted field
+    (odd), or None: the dialect does not quote, or escapes a quote otherwise than doubling it."""
+    quote = dialect.get("quotechar")
+    if not quote or dialect.get("quoting") == csv.QUOTE_NONE or not dialect.get("doublequote"):
+        return None
+    return str(quote).encode()
+
+
+def _rest_of_record(lines: _Lines, quote: bytes | None) -> bytes:
+    """The text of a record ``csv`` gave up on (a field over ``csv.field_size_limit()``),
+    through its last line: cut off inside a quoted field, its remaining lines are its own,
+    not records to read (they read as rows of their own, or swallowed the rest of the file)."""
+    raw = lines.take()
+    quotes = raw.count(quote) if quote else 0
+    while quotes % 2 and next(lines, None) is not None:
+        quotes += lines.taken[-1].count(quote or b"")
+    return raw + lines.take()
 
 
 class JsonLinesFormat:
@@ -295,8 +338,12 @@ def header_problem(
     column (default: all ``expected``) missing, a repeated one, or (``reject_extra``) one
     not expected."""
     missing = [c for c in (expected if required is None else required) if c not in columns]
-    unexpected = [n for n in columns if n not in expected] if reject_extra else []
-    doubled = sorted({n for n in columns if columns.count(n) > 1})
+    unexpected = (
+        [n or f"(unnamed column {i})" for i, n in enumerate(columns, 1) if n not in expected]
+        if reject_extra
+        else []
+    )
+    doubled = sorted({n for n in columns if n and columns.count(n) > 1})  # ("": unnamed)
     if not (missing or unexpected or doubled):
         return None
     problems = []

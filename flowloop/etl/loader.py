@@ -32,8 +32,15 @@ from flowloop.errors import FlowloopError
 from flowloop.etl import writers
 from flowloop.etl.context import FolderContext
 from flowloop.etl.files import FileInfo, inspect_file, sha256_of
-from flowloop.etl.formats import CsvFormat, FileChanged, Format, Header, header_problem
-from flowloop.etl.validate import Nulls, Transform, validate
+from flowloop.etl.formats import (
+    CsvFormat,
+    FileChanged,
+    Format,
+    Header,
+    Record,
+    header_problem,
+)
+from flowloop.etl.validate import Nulls, Transform, reject_row, validate
 
 log = logging.getLogger("flowloop.etl")
 
@@ -42,6 +49,22 @@ FILE_ROW: Final = 0
 MAX_BATCHES_PER_RUN: Final = 100_000
 """Default batch budget of a run: 100 million rows at the default batch size."""
 MAX_FILES_PER_RUN: Final = 1_000
+
+
+REFUSALS: Final = (sa.exc.DataError, sa.exc.IntegrityError, OverflowError)
+"""What a target raises for a value of one row (too long, out of range, a NUL byte, a
+constraint): the batch is written again in parts, and the rows refused become rejects."""
+
+
+def refusal(error: Exception) -> str:
+    """The database's own words (its first line), without SQLAlchemy's statement dump."""
+    cause = error.orig if isinstance(error, sa.exc.DBAPIError) else error
+    return (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+
+
+class InputMissing(FlowloopError, ValueError):
+    """The input folder does not exist (or is no folder): a mistake in the context, failed
+    at once (an ``OSError`` was retried as a file system hiccup)."""
 
 
 class BatchBudgetExceeded(FlowloopError, ValueError):
@@ -133,6 +156,33 @@ class FolderLoader:
             writers.upsert(conn, self.table, rows)
             writers.upsert(conn, self.rejects, bad)
 
+    def write_apart(
+        self, url: str, rows: Sequence[Mapping[str, Any]], error: Exception
+    ) -> dict[int, str]:
+        """Write ``rows`` in ever smaller parts, each in its own transaction, after the
+        target refused the batch (``error``): the rows it refuses alone, by index, with its
+        reason. Every part is an upsert, so a crash in between leaves nothing a re-run of the
+        batch does not overwrite. All rows refused is the table's fault, not theirs:
+        ``error`` is raised."""
+        refused: dict[int, str] = {}
+        parts = [(0, len(rows))]
+        while parts:
+            start, stop = parts.pop()
+            try:
+                with self.engine(url).begin() as conn:
+                    writers.upsert(conn, self.table, rows[start:stop])
+            except REFUSALS as part_error:
+                if stop - start == 1:
+                    refused[start] = f"the target refused it: {refusal(part_error)}"
+                    continue
+                middle = (start + stop) // 2
+                parts += [(middle, stop), (start, middle)]  # the first half first: last wins
+        if len(refused) == len(rows) > 1:
+            raise error
+        if refused:
+            log.warning("etl: the target refused %d row(s) of %d", len(refused), len(rows))
+        return refused
+
     def read_header(self, path: Path) -> tuple[Header | None, str | None]:
         """The file's header, or why it cannot be loaded (its columns do not fit the model)."""
         header, problem = self.fmt.header(path)
@@ -143,7 +193,7 @@ class FolderLoader:
                 header.columns, self.columns, required=self.required, reject_extra=self.reject_extra
             )
             if problem:
-                return None, problem
+                return None, f"{problem}; {header.hint}" if header.hint else problem
         return header, None
 
     def inspect(self, path: Path) -> FileInfo:
@@ -163,7 +213,10 @@ class FolderLoader:
         ``"nothing"``."""
         folder = Path(ctx.input_dir)
         if not folder.is_dir():
-            raise FileNotFoundError(f"input folder {folder} does not exist")
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise InputMissing(
+                f"input folder {folder} {what}; pass input_dir (or ${ctx.env_prefix}INPUT)"
+            )
         paths = sorted(
             p for p in folder.glob(ctx.pattern) if p.is_file() and not p.name.startswith(".")
         )
@@ -290,6 +343,7 @@ class FolderLoader:
             )
             ctx.file_status = "changed"
             return "eof"
+        sources: list[Record] = []
         good, bad = validate(
             batch.records,
             ctx.columns,
@@ -299,8 +353,18 @@ class FolderLoader:
             sha256=info.sha256,
             nulls=self.nulls,
             explain=self.explain,
+            sources=sources,
         )
-        self.write(ctx.target, good, bad)
+        try:
+            self.write(ctx.target, good, bad)
+        except REFUSALS as error:
+            refused = self.write_apart(ctx.target, good, error)
+            good = [row for i, row in enumerate(good) if i not in refused]
+            bad += [
+                reject_row(sources[i], reason, file=info.name, sha256=info.sha256)
+                for i, reason in refused.items()
+            ]
+            self.write(ctx.target, [], bad)
         if batch.offset <= ctx.offset and batch.offset < info.size:
             raise RuntimeError(f"{info.name}: no progress at byte {ctx.offset}")  # a bug: stop
         rejected = f", {len(bad)} rejected" if bad else ""

@@ -18,6 +18,11 @@ from flowloop.etl.formats import Record
 RAW_KEPT_CHARS: Final = 500
 """How much of a rejected record's text the rejects table keeps."""
 
+NUL: Final = b"\x00"
+NUL_REASON: Final = (
+    "a NUL byte (0x00) in the record (PostgreSQL text refuses it): remove it at the source"
+)
+
 M = TypeVar("M", bound=BaseModel)
 Transform = Callable[[Any, str, int], dict[str, Any]]
 """``(row, file, line) -> target row``: the validated model to the target table's columns."""
@@ -68,7 +73,8 @@ def why_invalid(error: ValidationError, explain: Mapping[str, str] | None = None
 
 def reject_row(record: Record, reason: str, *, file: str, sha256: str) -> dict[str, Any]:
     """A row of the rejects table: file, row number, reason and the record's text."""
-    raw = record.raw.decode("utf-8", "replace").rstrip("\r\n")
+    # (A NUL stays visible, and out of the text column: PostgreSQL refuses it there.)
+    raw = record.raw.decode("utf-8", "replace").rstrip("\r\n").replace("\x00", "\\x00")
     return {
         "file": file,
         "row_no": record.line,
@@ -88,9 +94,11 @@ def validate(
     sha256: str,
     nulls: Nulls | None = None,
     explain: Mapping[str, str] | None = None,
+    sources: list[Record] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Target rows and reject rows for ``records``. A CSV record is matched to ``columns``
-    by position (a record of another width is a reject); a JSON object by its keys."""
+    by position (a record of another width, or one holding a NUL byte, is a reject); a JSON
+    object by its keys. ``sources`` gets the record of each target row, in order."""
     good: list[dict[str, Any]] = []
     bad: list[dict[str, Any]] = []
     width = len(columns)
@@ -101,6 +109,9 @@ def validate(
             bad.append(reject_row(record, record.error or "unreadable", file=file, sha256=sha256))
             continue
         if isinstance(fields, list):
+            if NUL in record.raw:  # corruption, not text: refused by PostgreSQL, kept by SQLite
+                bad.append(reject_row(record, NUL_REASON, file=file, sha256=sha256))
+                continue
             if len(fields) != width:
                 reason = f"expected {width} fields, got {len(fields)}"
                 bad.append(reject_row(record, reason, file=file, sha256=sha256))
@@ -117,4 +128,6 @@ def validate(
             bad.append(reject_row(record, why_invalid(error, explain), file=file, sha256=sha256))
             continue
         good.append(transform(row, file, record.line))
+        if sources is not None:
+            sources.append(record)
     return good, bad

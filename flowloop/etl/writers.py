@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from sqlalchemy.dialects import mysql, postgresql, sqlite
 
 from flowloop.errors import FlowloopError
+from flowloop.store.dialect import create_engine_for
 
 SOURCE_FILE: Final = "source_file"
 SOURCE_ROW: Final = "source_row"
@@ -43,14 +44,20 @@ def target_engine(url: str, metadata: sa.MetaData) -> sa.Engine:
             return cached[1]
         if cached is not None:
             cached[1].dispose(close=False)
-        sqlite_target = sa.make_url(url).get_backend_name() == "sqlite"
-        # A loop worker holds its pool for days: check server connections before use.
-        engine = sa.create_engine(
-            url,
-            connect_args={"timeout": 30} if sqlite_target else {},
-            pool_pre_ping=not sqlite_target,
-        )
-        if sqlite_target:
+        backend = sa.make_url(url).get_backend_name()
+        if backend == "postgresql":
+            # flowloop's own PostgreSQL sessions: libpq timeouts and keepalives, and the
+            # server ends a session left idle in a transaction. A client lost mid-batch (a
+            # partition) held the batch's row locks, and the retried batch waited for good.
+            engine = create_engine_for(url)
+        else:
+            # A loop worker holds its pool for days: check server connections before use.
+            engine = sa.create_engine(
+                url,
+                connect_args={"timeout": 30} if backend == "sqlite" else {},
+                pool_pre_ping=backend != "sqlite",
+            )
+        if backend == "sqlite":
             sa.event.listen(engine, "connect", _sqlite_pragmas)
         metadata.create_all(engine)
         _engines[url] = (os.getpid(), engine)

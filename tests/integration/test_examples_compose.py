@@ -4,6 +4,7 @@ workflows/etl_fanout.py (one child per file, joined into a report)."""
 
 from __future__ import annotations
 
+import csv
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,9 +56,19 @@ def test_etl_fanout__one_child_per_file_joined_into_the_report(
     ctx = info.context
     assert len(ctx.files) == 5  # type: ignore[union-attr]
     assert ctx.failed_files == ["orders_2024-03-04.csv"]  # type: ignore[union-attr]
-    expected = sum(
-        len([line for line in p.read_text().splitlines()[1:] if line.strip()])
+    expected = sum(  # CSV records: a quoted field may span lines (they counted as records)
+        len([row for row in csv.reader(p.open(newline=""))][1:])
         for p in (ROOT / "workflows" / "data").glob("*.csv")
     )
-    assert ctx.records == expected  # type: ignore[union-attr]
+    assert ctx.records == expected == 50  # type: ignore[union-attr]
     assert ctx.report.endswith("failed: orders_2024-03-04.csv")  # type: ignore[union-attr]
+
+
+def test_etl_fanout__a_folder_that_does_not_exist_fails_the_run(
+    engine: Engine, tmp_path: Path
+) -> None:
+    # It succeeded with "0 file(s), 0 record(s) loaded": a typo looked like an empty day.
+    etl, _ = load_target(str(ROOT / "workflows" / "etl_fanout.py"))
+    info = engine.run(etl, {"input_dir": str(tmp_path / "nope")})
+    assert (info.status, info.state) == ("failed", "discover")
+    assert info.error is not None and "nope does not exist" in info.error
