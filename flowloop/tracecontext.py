@@ -82,18 +82,17 @@ def _span_id() -> str:
 def new_run_trace(carrier: Mapping[str, str] | None = None) -> RunTrace:
     """A trace context for a new run: a child of the ``traceparent`` in ``carrier`` if one is
     given, else the root of a new trace. Raises InvalidTraceContext for a malformed one."""
-    if carrier is not None and not isinstance(carrier, Mapping):
+    if carrier is not None and (isinstance(carrier, str | bytes) or not hasattr(carrier, "get")):
         raise InvalidTraceContext(
             f"trace_context must be a mapping of headers, not {type(carrier).__name__}: pass "
             '{"traceparent": "00-<32 hex>-<16 hex>-<2 hex>"}'
         )
     if carrier:
-        carrier = _lowercase_names(carrier)
-        header = carrier.get(TRACEPARENT)
+        header = _header(carrier, TRACEPARENT)
         match = _TRACEPARENT_RE.match(header.strip().lower()) if isinstance(header, str) else None
         if match is None or match.group(1) == "ff":
             raise InvalidTraceContext(
-                f"trace_context {dict(carrier)!r} has no valid W3C traceparent "
+                f"trace_context {_shown(carrier)!r} has no valid W3C traceparent "
                 '(expected {"traceparent": "00-<32 hex>-<16 hex>-<2 hex>"})'
             )
         version, trace_id, parent_id, flags = match.groups()
@@ -105,16 +104,29 @@ def new_run_trace(carrier: Mapping[str, str] | None = None) -> RunTrace:
             span_id=_span_id(),
             parent_id=parent_id,
             sampled=bool(int(flags, 16) & 1),
-            tracestate=carrier.get(TRACESTATE) or None,
+            tracestate=_header(carrier, TRACESTATE) or None,
         )
     trace_id = secrets.token_hex(16)
     return RunTrace(trace_id=trace_id if trace_id != _ZERO_TRACE else "1" * 32, span_id=_span_id())
 
 
-def _lowercase_names(carrier: Mapping[str, str]) -> dict[str, str]:
-    """The carrier with lowercase header names (HTTP's are case-insensitive: a framework's
-    dict of a request's headers may say ``Traceparent``)."""
-    return {str(name).lower(): value for name, value in carrier.items()}
+def _header(carrier: Mapping[str, str], name: str) -> str | None:
+    """The header ``name`` of ``carrier``, its name matched case-insensitively (HTTP's are:
+    a framework's dict of a request's headers may say ``Traceparent``). Any object with
+    ``get`` serves — ``http.server``'s and ``wsgiref``'s headers are no Mapping, and their
+    own ``get`` ignores case already."""
+    value = carrier.get(name)
+    if value is None and hasattr(carrier, "items"):
+        value = next((v for k, v in carrier.items() if str(k).lower() == name), None)
+    return value
+
+
+def _shown(carrier: Mapping[str, str]) -> Any:
+    """The carrier as a message shows it."""
+    try:
+        return dict(carrier)
+    except (TypeError, ValueError):
+        return carrier
 
 
 def derived_run_trace(run_id: str) -> RunTrace:

@@ -4,9 +4,11 @@ context as the run's parent, and nothing at all (not even an import) while traci
 
 from __future__ import annotations
 
+import http.client
 import subprocess
 import sys
 import threading
+import wsgiref.headers
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -205,6 +207,30 @@ def test_tracing__explicit_trace_context_is_the_parent_and_a_bad_one_is_refused(
     # HTTP header names are case-insensitive: a framework's dict may spell it Traceparent.
     info = engine.start(wf, {"n": 2}, trace_context={"Traceparent": parent})
     assert run_trace(info.id, engine.history(info.id)[0].data).parent_id == "b7ad6b7169203331"
+
+
+def test_tracing__request_headers_that_are_no_mapping_carry_the_trace(
+    traced: tuple[Engine, InMemorySpanExporter, TracerProvider],
+) -> None:
+    """http.server's headers (an email Message) and wsgiref's are no Mapping, but have the
+    case-insensitive get a carrier needs: taken as they are (the review of the pass: the
+    check for a mapping refused them)."""
+    engine, _, _ = traced
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    message = http.client.HTTPMessage()
+    message["Traceparent"] = parent
+    message["tracestate"] = "vendor=1"
+    wsgi = wsgiref.headers.Headers([("TRACEPARENT", parent)])
+    for carrier in (message, wsgi):
+        info = engine.start(flaky_job(), {"n": 2}, trace_context=carrier)  # type: ignore[arg-type]
+        trace = run_trace(info.id, engine.history(info.id)[0].data)
+        assert (trace.trace_id, trace.parent_id) == (
+            "0af7651916cd43dd8448eb211c80319c",
+            "b7ad6b7169203331",
+        )
+    assert run_trace(info.id, engine.history(info.id)[0].data).tracestate is None
+    with_state = engine.start(flaky_job(), {"n": 2}, trace_context=message)  # type: ignore[arg-type]
+    assert run_trace(with_state.id, engine.history(with_state.id)[0].data).tracestate == "vendor=1"
 
 
 def test_tracing__a_run_created_without_tracing_joins_its_derived_trace(tmp_path: Path) -> None:
