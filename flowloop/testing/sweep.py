@@ -194,15 +194,23 @@ Part = tuple[str, Callable[[TestEngine, list[str]], None]]
 
 
 def _script(
-    workflow: Workflow, context: BaseModel | Mapping[str, Any], actions: Sequence[Action]
+    workflow: Workflow,
+    context: BaseModel | Mapping[str, Any],
+    actions: Sequence[Action],
+    called: set[str] | None = None,
 ) -> list[Part]:
+    """The parts of the test script; ``called`` collects the names of the actions called
+    (a crash in the ``run_until_idle`` before one is not in it: it has not run yet)."""
+
     def start(engine: TestEngine, run: list[str]) -> None:
         info = engine.start(workflow, context, idempotency_key=SWEEP_KEY)
         run[:] = [info.id]
 
-    def act(action: Action) -> Callable[[TestEngine, list[str]], None]:
+    def act(name: str, action: Action) -> Callable[[TestEngine, list[str]], None]:
         def part(engine: TestEngine, run: list[str]) -> None:
             engine.run_until_idle(skip_time=False)  # what is due now comes first
+            if called is not None:
+                called.add(name)
             action(engine, run[0])
 
         return part
@@ -210,7 +218,8 @@ def _script(
     def finish(engine: TestEngine, run: list[str]) -> None:
         engine.run_until_idle()
 
-    acts = [(f"action {getattr(action, '__name__', action)!r}", act(action)) for action in actions]
+    names = [f"action {getattr(action, '__name__', action)!r}" for action in actions]
+    acts = [(name, act(name, action)) for name, action in zip(names, actions, strict=True)]
     return [("the start", start), *acts, ("run_until_idle", finish)]
 
 
@@ -254,8 +263,10 @@ def _crashed(
     with TestEngine(db, workflows=workflows, clock=FakeClock(clock_start)) as engine:
         # Named by what it carries, not by number: this run may group its commits otherwise.
         engine._arm(like_commit(commits, commit.number, when))
-        parts = _script(workflow, context, actions)
+        called: set[str] = set()
+        parts = _script(workflow, context, actions, called)
         index = 0
+        repeated: str | None = None  # the part the crash cut off after its action ran
         while index < len(parts):
             name, part = parts[index]
             try:
@@ -263,6 +274,7 @@ def _crashed(
                 index += 1
             except SimulatedCrash:
                 crashes += 1
+                repeated = name if name in called else None
                 if crashes > 1:
                     problems.append("crashed more than once (one crash was armed)")
                     break
@@ -272,7 +284,8 @@ def _crashed(
                 if operator_retry:
                     retried = _retry_interrupted(engine, workflows)
             except Exception as error:  # the script broke here only: this point's problem
-                problems.append(_script_broke(name, error, after_crash=crashes > 0))
+                broke: Broke = "again" if repeated == name else "after" if crashes else "before"
+                problems.append(_script_broke(name, error, broke, engine, run))
                 break
         if crashes == 0:
             problems.append(
@@ -289,15 +302,38 @@ def _crashed(
     )
 
 
-def _script_broke(name: str, error: Exception, *, after_crash: bool) -> str:
-    """The problem of a crash point whose script raised (the uninterrupted one did not)."""
+Broke = Literal["before", "after", "again"]
+"""When a script's part raised: before the crash, after it, or called again after it."""
+
+
+def _script_broke(
+    name: str,
+    error: Exception,
+    when: Broke,
+    engine: TestEngine,
+    run: list[str],
+) -> str:
+    """The problem of a crash point whose script raised (the uninterrupted one did not):
+    ``before`` the crash; ``again``, the part's action called a second time after the crash
+    cut off its first call; ``after``, a part that had not run yet when the crash came."""
     raised = f"{name} raised {type(error).__name__}: {error}"
-    if not after_crash:
+    if when == "before":
         return f"{raised} (before the crash; the uninterrupted run's script did not)"
-    return (
-        f"{raised} when done again after the crash: actions must be repeatable "
-        "(send events with a dedupe_key)"
-    )
+    if when == "again":
+        return (
+            f"{raised} when done again after the crash: actions must be repeatable "
+            "(send events with a dedupe_key)"
+        )
+    return f"{raised} after the crash, which changed what it found ({_run_now(engine, run)})"
+
+
+def _run_now(engine: TestEngine, run: list[str]) -> str:
+    """Where the sweep's run is, for a message."""
+    if not run:
+        return "no run was started"
+    info = engine.get(run[0])
+    reason = f", reason {info.reason}" if info.reason else ""
+    return f"the run is {info.status} in state {info.state}{reason}"
 
 
 def _retry_interrupted(engine: TestEngine, workflows: Sequence[Workflow]) -> bool:

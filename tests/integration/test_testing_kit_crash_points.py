@@ -38,6 +38,10 @@ class Numbers(BaseModel):
     total: int = 0
 
 
+class Count(BaseModel):
+    n: int = 0
+
+
 def keyed() -> Workflow:
     """Two steps of a workflow whose runs are claimed under a per-key limit."""
     wf = Workflow("cp_keyed", context=Item, concurrency_key=lambda ctx: ctx.key, key_limit=1)
@@ -264,3 +268,32 @@ def test_sweep__an_action_that_cannot_be_repeated_is_a_problem_of_its_crash_poin
         engine.send(run_id, "ok", dedupe_key="ok-1")
 
     assert not check_crash_points(flow, {}, actions=[approve_once], directory=tmp_path).failures
+
+
+def test_sweep__an_action_that_never_ran_before_the_crash_is_not_blamed_for_repeating(
+    tmp_path: Path,
+) -> None:
+    # A crash in the run_until_idle before an action (a non-idempotent step cut off, no
+    # operator retry: the run fails) leaves the action its first call, on a failed run:
+    # "actions must be repeatable" blamed an action that already sends with a dedupe_key
+    # (a review). Said as what it is: the crash changed what the action found.
+    flow = Workflow("sweep_once", context=Count)
+
+    @flow.step(initial=True, next="approval", idempotent=False)
+    def charge(ctx: Count) -> None:
+        ctx.n += 1
+
+    flow.wait("approval", on={"approve": "done"})
+    flow.final("done")
+
+    def approve(engine: TestEngine, run_id: str) -> None:
+        engine.send(run_id, "approve", dedupe_key="approve-1")
+
+    sweep = check_crash_points(
+        flow, Count(), actions=[approve], operator_retry=False, directory=tmp_path
+    )
+    raised = [p for o in sweep.outcomes for p in o.problems if "raised" in p]
+    assert raised, describe(sweep)
+    assert not any("dedupe_key" in p for p in raised), raised
+    assert all("after the crash, which changed what it found" in p for p in raised), raised
+    assert all("the run is failed in state charge" in p for p in raised), raised
