@@ -15,6 +15,7 @@ Run it on the sample data in ``workflows/data``::
 from __future__ import annotations
 
 import csv
+import stat
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -64,8 +65,14 @@ etl_fanout = Workflow("etl_fanout", context=Batch)
 @etl_fanout.step(initial=True, next="load_files")
 def discover(ctx: Batch) -> None:
     folder = Path(ctx.input_dir).resolve() if ctx.input_dir else DATA  # (children: absolute)
-    if not folder.is_dir():  # a typo looked like a day without files
-        raise ValueError(f"input folder {folder} does not exist")
+    # A typo looked like a day without files. (stat, not is_dir: a permission or network
+    # hiccup raises and is retried; is_dir said "no folder".)
+    try:
+        mode = folder.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise ValueError(f"input folder {folder} does not exist") from None
+    if not stat.S_ISDIR(mode):
+        raise ValueError(f"input folder {folder} is a file, not a folder")
     ctx.files = sorted(str(p) for p in folder.glob("*.csv"))
 
 

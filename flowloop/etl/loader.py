@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,6 +66,18 @@ def refusal(error: Exception) -> str:
 class InputMissing(FlowloopError, ValueError):
     """The input folder does not exist (or is no folder): a mistake in the context, failed
     at once (an ``OSError`` was retried as a file system hiccup)."""
+
+
+def folder_problem(folder: Path) -> str | None:
+    """Why ``folder`` is no input folder (``None``: it is one). Only its absence is a
+    mistake in the context: another OSError (a permission, a network file system's
+    hiccup) is raised and retried — ``Path.is_dir`` says False for those too (Python
+    3.13 and later), which failed the run at once as "does not exist"."""
+    try:
+        mode = folder.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "does not exist"
+    return None if stat.S_ISDIR(mode) else "is a file, not a folder"
 
 
 class BatchBudgetExceeded(FlowloopError, ValueError):
@@ -212,8 +225,8 @@ class FolderLoader:
         ``max_files`` (later files wait for the next run, in name order): ``"found"`` or
         ``"nothing"``."""
         folder = Path(ctx.input_dir)
-        if not folder.is_dir():
-            what = "is a file, not a folder" if folder.exists() else "does not exist"
+        what = folder_problem(folder)
+        if what is not None:
             raise InputMissing(
                 f"input folder {folder} {what}; pass input_dir (or ${ctx.env_prefix}INPUT)"
             )

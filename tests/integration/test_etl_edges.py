@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import etlkit
 import pytest
@@ -244,3 +245,28 @@ def test_postgres_target__sessions_end_when_left_idle_in_a_transaction(pg_url: s
         writers.close_engine(pg_url)
     assert shown == {"idle_in_transaction_session_timeout": "10s", "tcp_keepalives_idle": "10"}
     assert keepalives.get("keepalives") == "1" and keepalives.get("connect_timeout") == "5"
+
+
+def test_input_folder__only_its_absence_is_a_mistake_another_os_error_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Path.is_dir says False for any OSError from Python 3.13 on: a permission or a network
+    # file system's hiccup would have failed the run at once as "does not exist" instead
+    # of being raised (and retried as an OSError). stat tells them apart.
+    from flowloop.etl.loader import folder_problem
+
+    (tmp_path / "a.csv").write_text("x\n")
+    assert folder_problem(tmp_path) is None
+    assert folder_problem(tmp_path / "nope") == "does not exist"
+    assert folder_problem(tmp_path / "a.csv" / "under") == "does not exist"
+    assert folder_problem(tmp_path / "a.csv") == "is a file, not a folder"
+    real_stat = Path.stat
+
+    def refused(self: Path, **kwargs: Any) -> Any:
+        if self == tmp_path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_stat(self, **kwargs)
+
+    monkeypatch.setattr(Path, "stat", refused)
+    with pytest.raises(PermissionError):
+        folder_problem(tmp_path)
