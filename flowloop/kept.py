@@ -112,8 +112,8 @@ def hand_over_stranded(
         after = found[-1]
     if handed:
         log.warning(
-            "handed %d kept event(s) to waiting runs; a worker had stopped before handing "
-            "them over",
+            "handed %d kept event(s) to waiting runs no worker held (a worker may have "
+            "stopped before handing them over)",
             handed,
         )
     return handed
