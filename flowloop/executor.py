@@ -757,7 +757,7 @@ class Executor(Stepping, Recovery, Requests):
             context=record.context,
             context_version=record.context_version,
             old=None if same else self.store.definition(record.fingerprint),
-            journal=lambda: self.store.journal(record.id),
+            journal=None if same else lambda: self.store.journal(record.id),
             versions=versions_of(self.workflows, workflow.name),
         )
 

@@ -87,8 +87,9 @@ def judge(
     verdict per (fingerprint, state) across calls for one ``workflow``. ``journal`` reads
     the run's entries: a compensating run still owes the undoing of its steps, each of
     which the definition must have (read only then: the definition it is not on, or its
-    own, which a migration may have moved it to without a step it had); ``versions`` gives
-    the other loaded versions (whose steps say whether one dropped since undid anything)."""
+    own, which a migration may have moved it to without a step it had — a worker's claim
+    leaves that to the compensating drive, which finds it itself); ``versions`` gives the
+    other loaded versions (whose steps say whether one dropped since undid anything)."""
     same = fingerprint == workflow.fingerprint
     if same and state not in workflow.states:
         # Same definition, yet a state it does not have: the row was changed by hand (or
