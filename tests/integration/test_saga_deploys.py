@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import pytest
+from click.testing import CliRunner
 from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop.checking import check_runs
+from flowloop.cli import cli
 from flowloop.errors import DefinitionMismatch
 
 undone: list[str] = []  # the compensations called, in order
@@ -76,6 +78,17 @@ def _calls() -> Iterator[None]:
     yield
 
 
+def _history_detail(url: str, run_id: str, kind: str) -> str:
+    """The detail column of ``kind``'s row in `flowloop history`."""
+    shown = CliRunner().invoke(cli, ["history", run_id, "--db", url], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    for line in shown.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+        if len(cells) > 3 and cells[2] == kind:
+            return cells[-1]
+    raise AssertionError(f"no {kind} row in:\n{shown.stdout}")
+
+
 def _migrated_then_cancelled(store_url: str, clock: FakeClock, *, v1_loaded: bool) -> str:
     """A v1 run past book_flight and book_hotel, migrated to v2 (v1 loaded), then told
     ``no`` with v1 loaded or not: it compensates on v2, which has no book_flight."""
@@ -85,6 +98,9 @@ def _migrated_then_cancelled(store_url: str, clock: FakeClock, *, v1_loaded: boo
     with Engine(store_url, workflows=[V1, V2], clock=clock) as engine:
         engine.migrate(run_id, to=2, by="deployer")
         assert engine.history(run_id)[-1].data["dropped"] == {"book_flight": True}
+    assert _history_detail(store_url, run_id, "run_migrated") == (
+        "v1 → v2, in confirm, by deployer, leaves book_flight with no step to undo it"
+    )
     with Engine(store_url, workflows=[V1, V2] if v1_loaded else [V2], clock=clock) as engine:
         engine.send(run_id, "no")
         engine.run_until_idle()
