@@ -106,6 +106,8 @@ def check_runs(
     report = CheckReport(
         workflow=workflow.name, version=workflow.version, fingerprint=workflow.fingerprint
     )
+    loaded = {w.version: w for w in (pinned or {}).values() if w.name == workflow.name}
+    loaded[workflow.version] = workflow
     olds: dict[str, Mapping[str, Any] | None] = {}
     structures: dict[tuple[str, str], str | None] = {}
     listed: Counter[str] = Counter()
@@ -128,6 +130,7 @@ def check_runs(
                 validate=validate,
                 cache=structures if target is workflow else None,
                 journal=functools.partial(store.journal, run.id),
+                versions=loaded.get,
             )
             report.counts[verdict.kind] += 1
             if every or (verdict.kind != "continues" and listed[verdict.kind] < REPORT_RUNS_LIMIT):

@@ -21,6 +21,11 @@ from pydantic import BaseModel
 from flowloop import journal as j
 from flowloop.errors import DefinitionError, Interrupted
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.owed import CompensationLost as CompensationLost
+from flowloop.owed import Undo as Undo
+from flowloop.owed import VersionOf as VersionOf
+from flowloop.owed import compensations_due as compensations_due
+from flowloop.owed import stranded_compensations as stranded_compensations
 from flowloop.retry import DEFAULT_RETRY, Retry
 
 if TYPE_CHECKING:
@@ -415,155 +420,7 @@ def call_outcome(status: str) -> str:
 
 
 # -- compensation (sagas) -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Undo:
-    """One compensation to run: of the step that succeeded at journal ``seq``, in visit
-    ``visit`` of the state it ran as (``ran_as``: its name then; ``state`` is its name in
-    the run's definition now, which a migration may have renamed it to)."""
-
-    state: str
-    seq: int
-    visit: int
-    ran_as: str
-
-
-VersionOf = Callable[[int], "Workflow | None"]
-"""The loaded definition of a version of the run's workflow (``None``: not loaded)."""
-
-
-def compensations_due(
-    workflow: Workflow, events: Sequence[JournalEvent], version_of: VersionOf | None = None
-) -> list[Undo]:
-    """The compensations a compensating run still owes, in the order they must run: every
-    step that succeeded in this run and declares ``compensate=``, newest first, except
-    those whose ``compensation_succeeded`` is journaled. Each one's visit is the one its
-    step ran under, read off the journal's own fold (:func:`journal.apply`): a retry from a
-    past state or a migration begins or moves visits too, and a second count kept here
-    missed them (two visits' charges refunded under one key). A step a migration renamed
-    since (``version_of`` gives the versions it crossed) is undone by its new name's
-    ``compensate=``: looked up by the old one, it was skipped. One owed that ``workflow``
-    has no step for (the run is not on it, or a migration dropped a step the version it
-    left undid) raises :class:`CompensationLost`: skipped, it was never undone."""
-    succeeded, version, lost = not_undone(workflow, events, version_of)
-    if version != workflow.version:
-        lost += [undo.state for undo in succeeded if undo.state not in workflow.steps]
-    if lost:
-        raise CompensationLost(workflow, events[0].run_id, version, lost)
-    owed = [undo for undo in succeeded if compensates(workflow, undo.state)]
-    owed.reverse()
-    return owed
-
-
-class CompensationLost(Exception):
-    """A compensating run owes the compensation of a step the definition it would run
-    under has no step for: a definition mismatch (the run parks), never a skip."""
-
-    def __init__(
-        self, workflow: Workflow, run_id: str, version: int, states: Sequence[str]
-    ) -> None:
-        self.states = list(dict.fromkeys(states))
-        names = ", ".join(map(repr, self.states))
-        to = workflow.version
-        mapping = workflow.migrates_from.get(version, {})
-        if version >= to:
-            advice = (
-                "deploy a version whose migrates_from maps it to a step that undoes it, "
-                "and migrate the run there"
-            )
-        elif all(mapping.get(state) in workflow.steps for state in self.states):
-            renames = ", ".join(f"{state} -> {mapping[state]}" for state in self.states)
-            advice = f"v{to} renames it ({renames}): `flowloop migrate {run_id} --to {to}`"
-        else:
-            advice = (
-                f"map each to the v{to} step that undoes it in migrates_from={{{version}: "
-                f"{{...}}}} and `flowloop migrate {run_id} --to {to}`, or load v{version} "
-                f"beside v{to}"
-            )
-        super().__init__(
-            f"it is compensating and owes the compensation of {names} (v{version}), which "
-            f"{workflow.name} v{to} has no step for; {advice}"
-        )
-
-
-def stranded_compensations(
-    workflow: Workflow, events: Sequence[JournalEvent], version_of: VersionOf | None = None
-) -> CompensationLost | None:
-    """Why a compensating run cannot compensate under ``workflow`` (a version it is not
-    on, unless migrated to it): a step that succeeded and is not undone yet which
-    ``workflow`` has no step for. Whether that step declared ``compensate=`` is not kept
-    in a stored definition: counted as owed, so that nothing is skipped unseen."""
-    try:
-        compensations_due(workflow, events, version_of)
-    except CompensationLost as lost:
-        return lost
-    return None
-
-
-def not_undone(
-    workflow: Workflow, events: Sequence[JournalEvent], version_of: VersionOf | None
-) -> tuple[list[Undo], int, list[str]]:
-    """The steps that succeeded in the run and are not undone yet, oldest first and named
-    as the version the journal's migrations moved the run to names them; that version;
-    and the steps a migration dropped that the version it left (when loaded) undid."""
-    done = {
-        int(event.data["for_seq"])
-        for event in events
-        if event.kind == j.COMPENSATION_SUCCEEDED and "for_seq" in event.data
-    }
-    succeeded: list[Undo] = []
-    lost: list[str] = []
-    record: RunRecord | None = None
-    for event in events:
-        if record is None:
-            record = j.create(event)
-            continue
-        if event.kind == j.STEP_SUCCEEDED and event.state is not None and event.seq not in done:
-            visit = record.visit(event.state)
-            succeeded.append(Undo(event.state, event.seq, visit, event.state))
-        elif event.kind == j.RUN_MIGRATED:
-            succeeded = _renamed(succeeded, workflow, event, version_of, lost)
-        record = j.apply(record, event)
-    return succeeded, record.version if record is not None else workflow.version, lost
-
-
-def compensates(workflow: Workflow, state: str) -> bool:
-    spec = workflow.steps.get(state)
-    return spec is not None and spec.compensate is not None
-
-
-def _renamed(
-    undos: list[Undo],
-    workflow: Workflow,
-    event: JournalEvent,
-    version_of: VersionOf | None,
-    lost: list[str],
-) -> list[Undo]:
-    """``undos`` named as the version a ``run_migrated`` entry moved the run to names
-    them: a state that version lacks and its ``migrates_from`` maps is renamed (a mapped
-    state it still has is where runs in it moved to, not a new name for its step). One it
-    lacks and does not map, which the version left undid (when loaded), goes to ``lost``."""
-    to, source = int(event.data["to"]), int(event.data["from"])
-    target = workflow if to == workflow.version else version_of(to) if version_of else None
-    if target is None:
-        return undos
-    mapping = target.migrates_from.get(source, {})
-    left = version_of(source) if version_of else None
-    lost += [
-        u.state
-        for u in undos
-        if u.state not in target.steps
-        and u.state not in mapping
-        and left is not None
-        and compensates(left, u.state)
-    ]
-    return [
-        Undo(mapping[u.state], u.seq, u.visit, u.ran_as)
-        if u.state in mapping and u.state not in target.states
-        else u
-        for u in undos
-    ]
+# Which compensations a run owes (across migrations and redeploys): flowloop/owed.py.
 
 
 def undone(events: Sequence[JournalEvent]) -> list[str]:

@@ -51,7 +51,7 @@ from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
 from flowloop.tasks import CUT_OFF_WRITE_SECONDS, finish_within, first_of
 from flowloop.verdicts import Verdict, judge
-from flowloop.versions import workflow_for
+from flowloop.versions import versions_of, workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
 
 if TYPE_CHECKING:
@@ -505,8 +505,7 @@ class Executor(Stepping, Recovery, Requests):
         return (run_id for run_id, active in self._active.items() if not active.task.done())
 
     def lost(self, run_id: str) -> bool:
-        """This executor gave up its current drive of the run (its lease is lost or could
-        not be renewed)."""
+        """This executor gave up its current drive of the run (its lease lost, unrenewed)."""
         active = self._active.get(run_id)
         return active is not None and active.lost
 
@@ -758,7 +757,8 @@ class Executor(Stepping, Recovery, Requests):
             context=record.context,
             context_version=record.context_version,
             old=None if same else self.store.definition(record.fingerprint),
-            journal=lambda: self.store.journal(record.id),
+            journal=None if same else lambda: self.store.journal(record.id),
+            versions=versions_of(self.workflows, workflow.name),
         )
 
     async def _cut_off(self, workflow: Workflow, record: RunRecord, fence: Fence) -> None:

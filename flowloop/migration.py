@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from flowloop import compose
 from flowloop import journal as j
+from flowloop import owed
 from flowloop.compose import join_id
 from flowloop.errors import DefinitionError, DefinitionMismatch, FlowloopError, InvalidTransition
 from flowloop.events import asleep_before, sleep_end, wait_due
@@ -63,8 +63,22 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             f"states of v{record.version} map onto v{to} (an empty mapping keeps the names)",
         )
     state = mapping.get(record.state, record.state)
+    events = engine.store.journal(record.id)
+    data: dict[str, Any] = {
+        "by": by,
+        "from": record.version,
+        "to": to,
+        "fingerprint": target.fingerprint,
+        "from_state": record.state,
+    }
+    # Steps it may still have to undo that the move leaves without a step: whether each
+    # declared compensate= is journaled while the version that had it is loaded (a
+    # compensation owed later must not depend on that version being loaded still).
+    dropped = owed.dropped_by(target, events, _versions(engine, record))
+    if dropped:
+        data[owed.DROPPED] = dropped
     sleep_end = _sleep_end(engine, record)
-    compensating = sleep_end is None and _compensating(engine, record, target, state, to)
+    compensating = sleep_end is None and _compensating(engine, record, target, state, data, events)
     if state not in target.states or (
         target.is_final(state) and sleep_end is None and not compensating
     ):
@@ -81,13 +95,6 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     except (FlowloopError, ContextMigrationError) as error:
         problem = getattr(error, "problems", None) or getattr(error, "problem", str(error))
         raise DefinitionMismatch(record.id, f"{CONTEXT_MISMATCH}: {problem}") from None
-    data: dict[str, Any] = {
-        "by": by,
-        "from": record.version,
-        "to": to,
-        "fingerprint": target.fingerprint,
-        "from_state": record.state,
-    }
     if state != record.state:
         # The state left keeps its visit count (journal._migrated): left for another state,
         # it may be entered again; renamed, a later version may bring the name back. Either
@@ -96,9 +103,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         data["kept_visits"] = True
         if record.state not in target.states:
             data["renamed"] = True
-        if data.get("renamed") and state in _names_of_this_visit(
-            engine.store.journal(record.id), record.state
-        ):
+        if data.get("renamed") and state in _names_of_this_visit(events, record.state):
             # Back to a name this very visit had (a rollback of a rename): its count holds
             # the visit already — counted again, a retried step's idempotency_key changed.
             data["same_visit"] = True
@@ -132,7 +137,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         if state in target.waits:
             wait = target.waits[state]
             data["due"] = (
-                wait_due(target, state, engine.store.journal(record.id))
+                wait_due(target, state, events)
                 if state == record.state
                 else None
                 if wait.timeout is None
@@ -147,19 +152,22 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     return Moved(record.id, record.version, to, record.state, state)
 
 
-def _compensating(engine: Engine, record: RunRecord, target: Workflow, state: str, to: int) -> bool:
+def _compensating(
+    engine: Engine,
+    record: RunRecord,
+    target: Workflow,
+    state: str,
+    data: dict[str, Any],
+    events: Sequence[j.JournalEvent],
+) -> bool:
     """Whether the run is compensating (in a compensating final state, live) and moves to
     one of ``target``: it finishes its compensations there. Refused (DefinitionMismatch)
     when a step it still owes the undoing of has no step in ``target`` after the move (its
-    journal's migrations and this one renaming it): moved, it ended without undoing it."""
+    journal's migrations and this one, ``data``, renaming it), as a worker would park it
+    there: moved, it ended without undoing it."""
     old = engine.store.definition(record.fingerprint) or {}
     if record.state not in old.get("compensate", ()) or not target.compensates(state):
         return False
-    registry = engine._workflows
-    left = registry.version(record.workflow, record.version)
-    if left is not None and left.fingerprint != record.fingerprint:
-        left = None
-    events = engine.store.journal(record.id)
     # As the worker will read it: this move journaled after the run's entries.
     moved = j.JournalEvent(
         run_id=record.id,
@@ -167,23 +175,19 @@ def _compensating(engine: Engine, record: RunRecord, target: Workflow, state: st
         kind=j.RUN_MIGRATED,
         at=engine.clock.now(),
         state=state,
-        data={"from": record.version, "to": to, "fingerprint": target.fingerprint},
+        data=data,
     )
-    owed, _, _ = compose.not_undone(
-        target, [*events, moved], lambda number: registry.version(record.workflow, number)
-    )
-    # Whether a step declared compensate= is known of a loaded version only: one that the
-    # version it leaves does not undo is no loss; one of a version not loaded counts.
-    lost = [
-        undo.state
-        for undo in owed
-        if undo.state not in target.steps
-        and (left is None or compose.compensates(left, undo.state))
-    ]
-    if lost:
-        problem = compose.CompensationLost(target, record.id, record.version, lost)
-        raise DefinitionMismatch(record.id, f"{DEFINITION_MISMATCH}: {problem}")
+    versions = _versions(engine, record)
+    lost = owed.stranded_compensations(target, [*events, moved], versions, moving=True)
+    if lost is not None:
+        raise DefinitionMismatch(record.id, f"{DEFINITION_MISMATCH}: {lost}")
     return True
+
+
+def _versions(engine: Engine, record: RunRecord) -> owed.VersionOf:
+    """The loaded versions of the run's workflow."""
+    registry = engine._workflows
+    return lambda number: registry.version(record.workflow, number)
 
 
 def _sleep_end(engine: Engine, record: RunRecord) -> float | None:

@@ -43,9 +43,10 @@ from flowloop.outcome_log import (
     UNDO_FAILED,
     UNDO_FAILED_UNWRITTEN,
 )
+from flowloop.owed import CompensationLost, Undo, compensations_due
 from flowloop.store import Boundary, Fence
 from flowloop.verdicts import DEFINITION_MISMATCH
-from flowloop.versions import Registry
+from flowloop.versions import versions_of
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
@@ -57,8 +58,8 @@ async def drive(
     """Run the compensations a claimed compensating run still owes, then end it."""
     events = executor.store.journal(record.id)
     try:
-        owed = compose.compensations_due(workflow, events, _versions(executor, workflow))
-    except compose.CompensationLost as lost:
+        owed = compensations_due(workflow, events, versions_of(executor.workflows, workflow.name))
+    except CompensationLost as lost:
         # Owed the undoing of a step this definition has none for: parked as a definition
         # mismatch (the claim's verdict parks such a run first), never ended without it.
         reason = f"{DEFINITION_MISMATCH}: {lost}"
@@ -192,7 +193,7 @@ async def _failed(
     workflow: Workflow,
     record: RunRecord,
     fence: Fence,
-    undo: compose.Undo,
+    undo: Undo,
     error: Exception,
     began: float,
 ) -> None:
@@ -231,14 +232,6 @@ async def _failed(
     await executor.outcomes.said(record.id, executor._finish(record, fence, [failed]))
     if retryable:
         executor.wake(record.id)
-
-
-def _versions(executor: Executor, workflow: Workflow) -> compose.VersionOf | None:
-    """The loaded versions of ``workflow`` (the names a migration gave its steps)."""
-    registry = executor.workflows
-    if not isinstance(registry, Registry):
-        return None
-    return lambda number: registry.version(workflow.name, number)
 
 
 def _wants_step(function: Any) -> bool:

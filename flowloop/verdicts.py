@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Literal
 
 from flowloop import frozen
-from flowloop.compose import stranded_compensations
 from flowloop.definition import Workflow, compatible
 from flowloop.errors import InvalidContext, storable
+from flowloop.owed import VersionOf, stranded_compensations
 from flowloop.upcast import ContextMigrationError
 
 if TYPE_CHECKING:
@@ -78,14 +78,18 @@ def judge(
     validate: bool = True,
     cache: dict[tuple[str, str], str | None] | None = None,
     journal: Callable[[], Sequence[JournalEvent]] | None = None,
+    versions: VersionOf | None = None,
 ) -> Verdict:
     """The verdict for a run in ``state`` written under the definition ``fingerprint``
     (whose stored record is ``old``; ``None``/empty when unknown) with ``context`` at
     ``context_version``. ``validate=False`` trusts the context when its model and
     version are unchanged (``flowloop check`` on many runs); ``cache`` keeps the structure
     verdict per (fingerprint, state) across calls for one ``workflow``. ``journal`` reads
-    the run's entries: a run compensating under a definition it is not on still owes the
-    undoing of its steps, each of which that definition must have (read only then)."""
+    the run's entries: a compensating run still owes the undoing of its steps, each of
+    which the definition must have (read only then: the definition it is not on, or its
+    own, which a migration may have moved it to without a step it had — a worker's claim
+    leaves that to the compensating drive, which finds it itself); ``versions`` gives the
+    other loaded versions (whose steps say whether one dropped since undid anything)."""
     same = fingerprint == workflow.fingerprint
     if same and state not in workflow.states:
         # Same definition, yet a state it does not have: the row was changed by hand (or
@@ -97,6 +101,7 @@ def judge(
         return Verdict(
             kind="fails", reason=f"unknown_state: {state}", message=message, outcome="failed"
         )
+    why: str | None = None
     if not same:
         if cache is None:
             why = compatible(old or {}, workflow, state)
@@ -105,11 +110,13 @@ def judge(
             if key not in cache:
                 cache[key] = compatible(old or {}, workflow, state)
             why = cache[key]
-        if why is None and journal is not None and workflow.compensates(state):
-            why = _stranded(workflow, journal)
-        if why is not None:
-            reason = f"{DEFINITION_MISMATCH}: {why}"
-            return Verdict(kind="parks", reason=reason, message=reason, outcome="paused")
+    if why is None and journal is not None and workflow.compensates(state):
+        # (Its own definition too: a migration may have dropped a step it owes the undoing
+        # of, which the compensations would find — check says so, as a worker parks it.)
+        why = _stranded(workflow, journal, versions)
+    if why is not None:
+        reason = f"{DEFINITION_MISMATCH}: {why}"
+        return Verdict(kind="parks", reason=reason, message=reason, outcome="paused")
     migrating = context_version != workflow.context_version
     if not validate and not migrating and (same or _same_context(old, workflow)):
         return CONTINUES
@@ -142,11 +149,15 @@ def judge(
     return frozen.build(Verdict, {"kind": kind, "context": loaded})
 
 
-def _stranded(workflow: Workflow, journal: Callable[[], Sequence[JournalEvent]]) -> str | None:
-    """Why a compensating run cannot compensate under ``workflow``, a definition it is not
-    on: a step it still owes the undoing of that ``workflow`` has no step for (renamed or
-    removed since). Run on, it ended without that compensation."""
-    lost = stranded_compensations(workflow, journal())
+def _stranded(
+    workflow: Workflow,
+    journal: Callable[[], Sequence[JournalEvent]],
+    versions: VersionOf | None,
+) -> str | None:
+    """Why a compensating run cannot compensate under ``workflow``: a step it still owes
+    the undoing of that ``workflow`` has no step for (renamed or removed since, by a
+    migration or a redeploy). Run on, it ended without that compensation."""
+    lost = stranded_compensations(workflow, journal(), versions)
     return None if lost is None else str(lost)
 
 

@@ -11,7 +11,7 @@ This module imports neither sqlalchemy nor asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from flowloop.definition import Workflow
 from flowloop.journal import RunRecord
@@ -70,3 +70,13 @@ def workflow_for(workflows: Mapping[str, Workflow], record: RunRecord) -> Workfl
     if isinstance(workflows, Registry):
         return workflows.for_run(record)
     return workflows[record.workflow]
+
+
+def versions_of(
+    workflows: Mapping[str, Workflow], name: str
+) -> Callable[[int], Workflow | None] | None:
+    """The loaded versions of workflow ``name`` by number (``None``: a plain mapping, which
+    has one per name): what a compensating run reads the steps it owes off (flowloop/owed.py)."""
+    if not isinstance(workflows, Registry):
+        return None
+    return lambda number: workflows.version(name, number)

@@ -170,7 +170,12 @@ def _migrated(event: JournalEvent) -> str:
         else f"in {after}"
     )
     by = f", by {data['by']}" if data.get("by") else ""
-    return f"v{data.get('from', '?')} → v{data.get('to', '?')}, {moved}{by}"
+    # Steps it succeeded that the version left undoes and this one has no step for: were
+    # it to compensate, it parks until a version undoes them (flowloop/owed.py).
+    dropped = data.get("dropped")
+    owed = [name for name, undoes in dropped.items() if undoes] if isinstance(dropped, dict) else []
+    left = f", leaves {', '.join(owed)} with no step to undo it" if owed else ""
+    return f"v{data.get('from', '?')} → v{data.get('to', '?')}, {moved}{by}{left}"
 
 
 def journal_row(

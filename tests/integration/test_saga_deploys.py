@@ -1,0 +1,217 @@
+"""Compensations across deploys (SQLite and PostgreSQL): a run migrated before it
+compensates to a version without a step it must undo, and a redeploy of the same version
+that drops one.
+
+Before: migrated (v1 -> v2, dropping ``book_flight``) and compensating later, the run was
+parked for ever — a migration to a v3 that had ``book_flight`` again still found it "lost"
+— or, with v1 no longer loaded, ended ``compensated`` without undoing it; ``migrate`` of
+the parked run to a version that lacked it as well moved it (to park again). A redeploy of
+v1 without ``book_flight`` ended the run ``compensated`` without undoing it, ``check``
+saying it continues (the decision went by version number, not definition).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import pytest
+from click.testing import CliRunner
+from pydantic import BaseModel
+
+from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop.checking import check_runs
+from flowloop.cli import cli
+from flowloop.errors import DefinitionMismatch
+
+undone: list[str] = []  # the compensations called, in order
+hotel_down: list[bool] = []
+
+
+class Trip(BaseModel):
+    pass
+
+
+def trip(
+    version: int,
+    *,
+    flight: str | None = "book_flight",
+    migrates: Mapping[int, Mapping[str, str]] | None = None,
+) -> Workflow:
+    """``flight`` (undone, when given) -> book_hotel (undone) -> wait ``confirm``
+    (``no``: into ``cancelled``, compensating)."""
+    wf = Workflow("trip_deploys", context=Trip, version=version, migrates_from=migrates)
+
+    def undo_flight(ctx: Trip, step: Step) -> None:
+        undone.append(f"v{version} {flight} {step.idempotency_key.split(':', 1)[1]}")
+
+    def undo_hotel(ctx: Trip, step: Step) -> None:
+        if hotel_down:
+            hotel_down.pop()  # (retried in 10 minutes: the run is mid-compensation)
+            raise RuntimeError("hotel down")
+        undone.append(f"v{version} book_hotel")
+
+    if flight:
+        wf.step(name=flight, initial=True, next="book_hotel", compensate=undo_flight)(
+            lambda ctx: None
+        )
+    wf.step(
+        name="book_hotel",
+        initial=flight is None,
+        next="confirm",
+        compensate=undo_hotel,
+        compensate_retry=Retry(attempts=3, backoff="fixed", base=600),
+    )(lambda ctx: None)
+    wf.wait("confirm", on={"ok": "booked", "no": "cancelled"})
+    wf.final("booked")
+    wf.final("cancelled", compensate=True)
+    return wf
+
+
+V1 = trip(1)
+V2 = trip(2, flight=None, migrates={1: {}})  # book_flight dropped, nothing undoes it
+
+
+@pytest.fixture(autouse=True)
+def _calls() -> Iterator[None]:
+    undone.clear()
+    hotel_down.clear()
+    yield
+
+
+def _history_detail(url: str, run_id: str, kind: str) -> str:
+    """The detail column of ``kind``'s row in `flowloop history`."""
+    shown = CliRunner().invoke(cli, ["history", run_id, "--db", url], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0, shown.output
+    for line in shown.stdout.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("│").split("│")]
+        if len(cells) > 3 and cells[2] == kind:
+            return cells[-1]
+    raise AssertionError(f"no {kind} row in:\n{shown.stdout}")
+
+
+def _migrated_then_cancelled(store_url: str, clock: FakeClock, *, v1_loaded: bool) -> str:
+    """A v1 run past book_flight and book_hotel, migrated to v2 (v1 loaded), then told
+    ``no`` with v1 loaded or not: it compensates on v2, which has no book_flight."""
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[V1, V2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        assert engine.history(run_id)[-1].data["dropped"] == {"book_flight": True}
+    assert _history_detail(store_url, run_id, "run_migrated") == (
+        "v1 → v2, in confirm, by deployer, leaves book_flight with no step to undo it"
+    )
+    with Engine(store_url, workflows=[V1, V2] if v1_loaded else [V2], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        [verdict] = check_runs(engine.store, V2).runs
+    assert (info.version, info.status, info.state) == (2, "paused", "cancelled")
+    assert info.reason is not None and info.reason.startswith("definition_mismatch: ")
+    assert "'book_flight' (v1)" in info.reason
+    assert "migrates_from={2: {...}}" in info.reason
+    assert (verdict.kind, verdict.reason) == ("parks", info.reason)  # (check says so too)
+    assert undone == []  # nothing skipped, nothing run
+    return run_id
+
+
+@pytest.mark.parametrize("v1_loaded", [True, False])
+@pytest.mark.parametrize(
+    "v3",
+    [
+        trip(3, migrates={2: {}}),  # book_flight back
+        trip(3, flight="cancel_seat", migrates={2: {"book_flight": "cancel_seat"}}),
+    ],
+    ids=["brought-back", "mapped"],
+)
+def test_migrated_before_compensating__parked_until_a_version_undoing_the_dropped_step(
+    store_url: str, v1_loaded: bool, v3: Workflow
+) -> None:
+    clock = FakeClock()
+    run_id = _migrated_then_cancelled(store_url, clock, v1_loaded=v1_loaded)
+    with Engine(store_url, workflows=[V2, v3], clock=clock) as engine:
+        moved = engine.migrate(run_id, to=3, by="deployer")
+        assert (moved.version, moved.status) == (3, "scheduled")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.state) == ("succeeded", "cancelled")
+    flight = next(iter(v3.steps))
+    assert info.reason == f"compensated: book_hotel, {flight}"
+    # Undone once, by v3's step, under the key book_flight ran with.
+    expected = ["v3 book_hotel", f"v3 {flight} book_flight:1:undo"]
+    assert undone == expected
+
+
+def test_migrate_to_a_version_still_without_the_dropped_step__refused(store_url: str) -> None:
+    clock = FakeClock()
+    run_id = _migrated_then_cancelled(store_url, clock, v1_loaded=True)
+    v3 = trip(3, flight=None, migrates={2: {}})
+    with Engine(store_url, workflows=[V1, V2, v3], clock=clock) as engine:
+        with pytest.raises(DefinitionMismatch) as refused:
+            engine.migrate(run_id, to=3, by="deployer")  # (before: moved, to park again)
+        info = engine.get(run_id)
+    assert "'book_flight' (v1), which trip_deploys v3 has no step for" in str(refused.value)
+    assert "migrates_from={2: {...}}" in str(refused.value)
+    assert (info.version, info.status) == (2, "paused")
+
+
+def test_migrated_dropping_a_step_without_compensate__owes_nothing_once_v1_is_unloaded(
+    store_url: str,
+) -> None:
+    plain = Workflow("trip_deploys", context=Trip, version=1)
+    plain.step(name="check_fare", initial=True, next="book_hotel")(lambda ctx: None)
+    plain.step(name="book_hotel", next="confirm", compensate=lambda ctx, step: None)(
+        lambda ctx: None
+    )
+    plain.wait("confirm", on={"ok": "booked", "no": "cancelled"})
+    plain.final("booked")
+    plain.final("cancelled", compensate=True)
+    clock = FakeClock()
+    with Engine(store_url, workflows=[plain], clock=clock) as engine:
+        run_id = engine.start(plain, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[plain, V2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        assert engine.history(run_id)[-1].data["dropped"] == {"check_fare": False}
+    with Engine(store_url, workflows=[V2], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel")
+    assert undone == ["v2 book_hotel"]
+
+
+def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_back(
+    store_url: str,
+) -> None:
+    clock = FakeClock()
+    hotel_down.append(True)
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+        engine.send(run_id, "no")
+        engine.run_until_idle()  # (book_hotel's undo failed once: retried in 10 minutes)
+        assert engine.get(run_id).status == "retrying"
+    redeployed = trip(1, flight=None)
+    assert redeployed.fingerprint != V1.fingerprint
+    with Engine(store_url, workflows=[redeployed], clock=clock) as engine:
+        [verdict] = check_runs(engine.store, redeployed).runs
+        clock.advance(601)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.state) == ("paused", "cancelled")
+    assert (verdict.kind, verdict.reason) == ("parks", info.reason)
+    assert info.reason == (
+        "definition_mismatch: it is compensating and owes the compensation of 'book_flight' "
+        "(v1), which trip_deploys v1 has no step for; deploy a version above v1 whose "
+        "migrates_from={1: {...}} maps each to a step that undoes it, and `flowloop migrate "
+        f"{run_id} --to <that version>`, or deploy v1 as the run knew it (with "
+        f"'book_flight') again and `flowloop unpause {run_id}`"
+    )
+    assert undone == []  # (before: book_hotel undone, book_flight skipped, run compensated)
+    with Engine(store_url, workflows=[trip(1)], clock=clock) as engine:
+        engine.unpause(run_id)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, book_flight")
+    assert undone == ["v1 book_hotel", "v1 book_flight book_flight:1:undo"]
