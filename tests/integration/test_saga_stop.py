@@ -185,7 +185,9 @@ def test_a_stop_during_a_compensation_stops_the_run_at_once_and_retry_undoes_it(
     run_id = operator.start(saga(), Undo()).id
     with worker_thread(driving):
         assert SIG.entered.wait(WAIT_S)
-        assert operator.stop(run_id).status == "running"  # (asked: its worker cuts it off)
+        # Asked: its worker cuts it off — maybe already by the time stop reads the run back
+        # (the worker polls every 50 ms: "running" only was a race, 1 run in 12 on PG).
+        assert operator.stop(run_id).status in ("running", "stopped")
         assert SIG.cancelled.wait(WAIT_S)
         status_becomes(operator, run_id, "stopped")
         info = operator.get(run_id)
