@@ -528,6 +528,11 @@ def cascade(store: Any, run_id: str, action: str, operate: Any) -> int:
     return count
 
 
+def has_live_children(store: Any, run_id: str) -> bool:
+    """Whether the run has a live child (a stop of it cascades)."""
+    return isinstance(store, JoinStoreMixin) and bool(store.live_children(run_id))
+
+
 # -- the executor's composition hooks -----------------------------------------------------
 
 

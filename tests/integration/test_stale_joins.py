@@ -1,8 +1,13 @@
-"""A child that ends after its parent has gone on from the call or map state (its deadline
-passed while another worker ran the child, which honours the stop at its next boundary)
-completes a join nobody waits for any more: on SQLite and PostgreSQL, that end leaves the
-parent where it has gone (before, it made the parent due at once, wherever it was: a
-parent asleep for an hour after its deadline ran its next step at once)."""
+"""A join completed by children's ends that must not take their parent on, on SQLite and
+PostgreSQL:
+
+* a child that ends after its parent has gone on from the call or map state (its deadline
+  passed while another worker ran the child, which honours the stop at its next boundary)
+  leaves the parent where it has gone (before, it made the parent due at once, wherever
+  it was: a parent asleep for an hour after its deadline ran its next step at once);
+* an operator's stop of a parent stops its children first, and their ends complete its
+  join: a worker that claims the parent then honours its stop instead of joining them
+  (before, it took the parent's failure route, and the stop was lost on a finished run)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from storekit import start_step
 
 from flowloop import Engine, FakeClock, Step, Workflow
 from flowloop import journal as j
+from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence
 from flowloop.store.joins import JoinStoreMixin
 
@@ -132,4 +138,52 @@ def test_a_child_ending_after_its_parent_went_on_leaves_the_parent_asleep(
     info = engine.get(run.id)
     assert (info.status, info.state) == ("succeeded", "finished")
     assert info.context.notes == ["cleanup", "later"]
+    assert engine.replay(run.id).differences == []
+
+
+def order() -> Workflow:
+    wf = Workflow("stopped_order", context=Ctx)
+    wf.call(
+        "pack",
+        child=child(),
+        context=lambda ctx: Ctx(),
+        on={"succeeded": "ship", "failed": "refund", "stopped": "refund"},
+        initial=True,
+    )
+
+    @wf.step(next="finished")
+    def ship(ctx: Ctx) -> None:
+        ctx.notes.append("ship")
+
+    @wf.step(next="finished")
+    def refund(ctx: Ctx) -> None:
+        ctx.notes.append("refund")
+
+    wf.final("finished")
+    return wf
+
+
+def test_a_parent_stopped_by_an_operator_is_not_joined_by_a_worker_meanwhile(
+    engine: Engine,
+) -> None:
+    wf = order()
+    engine.register(wf)
+    run = engine.start(wf, Ctx())
+    engine.run_until_idle(idle_horizon=0)  # it calls its child, which waits
+    store = engine.store
+    assert isinstance(store, JoinStoreMixin)
+    (kid,) = store.children_of(run.id)
+
+    def a_worker_polls(record: RunRecord, events: list[JournalEvent]) -> None:
+        # Between the cascade's stop of the child (which completes the join and makes the
+        # parent due) and the parent's own: a worker's poll comes at that instant.
+        if record.id == kid.id and any(e.kind == j.RUN_STOPPED for e in events):
+            engine.run_until_idle(idle_horizon=0)
+
+    engine.listen(a_worker_polls, direct=True)
+    info = engine.stop(run.id)
+    assert (info.status, info.state) == ("stopped", "pack")
+    assert info.context.notes == []  # its failure route was not taken
+    assert engine.get(kid.id).status == "stopped"
+    assert store.get_run(run.id).control is None  # type: ignore[union-attr]
     assert engine.replay(run.id).differences == []
