@@ -141,6 +141,53 @@ def test_a_child_ending_after_its_parent_went_on_leaves_the_parent_asleep(
     assert engine.replay(run.id).differences == []
 
 
+def looping() -> Workflow:
+    """A step before its call state, so that a retry from it calls a second child."""
+    wf = Workflow("calls_again", context=Ctx)
+
+    @wf.step(initial=True, next="sub")
+    def prepare(ctx: Ctx) -> None: ...
+
+    wf.call(
+        "sub",
+        child=child(),
+        context=lambda ctx: Ctx(),
+        on={"succeeded": "finished", "failed": "finished", "stopped": "finished"},
+    )
+    wf.final("finished")
+    return wf
+
+
+def test_a_child_of_an_earlier_visit_ending_leaves_its_parent_waiting_for_the_later_one(
+    engine: Engine, clock: FakeClock
+) -> None:
+    wf = looping()
+    engine.register(wf)
+    run = engine.start(wf, Ctx())
+    engine.run_until_idle(idle_horizon=0)
+    store = engine.store
+    assert isinstance(store, JoinStoreMixin)
+    (first,) = store.children_of(run.id)
+    engine.send(first.id, "go")  # another worker runs it ...
+    (claimed,) = store.claim(
+        worker=OTHER, now=clock.now(), limit=1, lease_seconds=10 * HOUR, run_ids=[first.id]
+    )
+    assert store.write([start_step(claimed, OTHER)]) == [True]
+    engine.stop(run.id)  # ... and is asked to stop with its parent
+    engine.retry(run.id, from_state="prepare")
+    engine.run_until_idle(idle_horizon=0)  # the parent calls a second child, which waits
+    waiting = [e for e in engine.history(run.id) if e.kind == j.CHILDREN_STARTED]
+    assert len(waiting) == 2
+
+    stop_as_its_worker(engine, first.id, clock)  # the first visit's join is complete now
+    engine.run_until_idle(idle_horizon=0)
+    info = engine.get(run.id)
+    assert (info.status, info.state, info.next_run_at) == ("scheduled", "sub", None)
+    # Not woken for the first child's end: no "waits again" entry.
+    assert [e for e in engine.history(run.id) if e.kind == j.CHILDREN_STARTED] == waiting
+    assert engine.replay(run.id).differences == []
+
+
 def order() -> Workflow:
     wf = Workflow("stopped_order", context=Ctx)
     wf.call(
