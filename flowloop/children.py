@@ -414,7 +414,7 @@ def _waited(executor: Executor, boundary: Boundary) -> None:
     executor.committer.released.add(boundary.run_id)
     executor.stats.commits += 1
     executor._notify(boundary)
-    executor.wake(boundary.run_id)  # its children are due
+    executor.fanned_out(boundary.run_id)  # its children are due
 
 
 async def _join(

@@ -168,6 +168,7 @@ class Executor(Stepping, Recovery, Requests):
         """The runs (None: all) and the wake event of each :meth:`run` call in progress (a
         nested ``Engine.arun`` waiting out a retry runs one inside another's step, possibly
         on an event loop of its own): what :meth:`wake` sets."""
+        self._fanned: set[str] = set()  # (of those runs: see fanned_out)
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
         self._handed_seen = 0
@@ -292,6 +293,9 @@ class Executor(Stepping, Recovery, Requests):
                     await self._wait_for_work(stop, wake)
                     continue
                 if until_idle and not self._driving_any(scope):
+                    if scope is not None and not self._fanned.isdisjoint(scope):
+                        self._fanned -= scope
+                        break  # (its caller drives their children now: see fanned_out)
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
                     wait = None if due is None else max(0.0, due - self.clock.now())
@@ -311,6 +315,7 @@ class Executor(Stepping, Recovery, Requests):
             await self.drain(grace, scope)
         finally:
             self._wakes.remove((scope, wake))
+            self._fanned -= scope or set()
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -416,6 +421,13 @@ class Executor(Stepping, Recovery, Requests):
             told(seconds)
         await first_of([self.clock.sleep(seconds), wake.wait()])
         wake.clear()
+
+    def fanned_out(self, run_id: str) -> None:
+        """``run_id`` waits for its new children: a :meth:`run` for runs it is among returns
+        once idle, its caller (``engine.run``) to drive them (it waited for a deadline)."""
+        if any(scope is not None and run_id in scope for scope, _ in self._wakes):
+            self._fanned.add(run_id)
+        self.wake(run_id)
 
     def wake(self, run_id: str | None = None) -> None:
         """Wake the :meth:`run` calls waiting for work that ``run_id`` concerns (None: all):

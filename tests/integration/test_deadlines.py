@@ -336,3 +336,49 @@ def test_deadline__a_crash_after_the_success_past_it_keeps_it(store_url: str) ->
             j.DEADLINE_PASSED,
         ]
         assert engine.replay(run.id).differences == []
+
+
+# -- engine.run of a run with a deadline that fans out: its children are driven ------------
+
+
+class Tally(BaseModel):
+    n: int = 0
+    items: list[int] = []
+
+
+def tallied(name: str, child: Workflow | None) -> Workflow:
+    """A run with a deadline a minute away that calls ``child`` (a map over its items), or
+    that counts when ``child`` is None."""
+    wf = Workflow(name, context=Tally, deadline=60, on_deadline="expired")
+    if child is None:
+
+        @wf.step(initial=True, next="done")
+        def count(ctx: Tally) -> None:
+            ctx.n = 1
+
+    else:
+        wf.map(
+            "fan",
+            child=child,
+            items=lambda ctx: ctx.items or [1, 2],
+            context=lambda ctx, item: Tally(),
+            on={"done": "done"},
+            reduce=lambda ctx, results: setattr(ctx, "n", sum(r.context.n for r in results)),
+            initial=True,
+        )
+    wf.final("done", "expired")
+    return wf
+
+
+def test_deadline__engine_run_drives_the_children_before_it(store_url: str) -> None:
+    """engine.run drove a run and, once it fanned out, its children; a run with a deadline
+    within the idle horizon (5 minutes) waited for that deadline instead (a due time of
+    the run it drove: the children were not driven yet) — and expired, its children never
+    run (a FakeClock jumped there at once; a real one waited the minute out)."""
+    grandchild = tallied("dl_leaf", None)
+    child = tallied("dl_inner", grandchild)
+    wf = tallied("dl_outer", child)
+    with Engine(store_url, clock=FakeClock()) as engine:
+        info = engine.run(wf, Tally())
+        assert (info.status, info.state, info.context.n) == ("succeeded", "done", 4)
+        assert [e.kind for e in engine.history(info.id)][-1] == j.CHILDREN_JOINED
