@@ -221,6 +221,7 @@ class Executor(Stepping, Recovery, Requests):
         stop: asyncio.Event | None = None,
         grace: float | None = 30.0,
         initial: Sequence[StoredRun] = (),
+        idle_ids: Sequence[str] | None = None,
     ) -> Stats:
         """Claim and drive due runs. With ``until_idle``, return when no run is due and none
         is running (waiting for retry backoff that ends within ``idle_horizon`` seconds);
@@ -229,7 +230,8 @@ class Executor(Stepping, Recovery, Requests):
 
         ``run_ids`` limits all of it, the idle test and the drain included, to those runs:
         the executor may be driving others meanwhile, such as the run whose step called
-        ``Engine.arun`` and now waits for this call to return."""
+        ``Engine.arun`` and now waits for this call to return. ``idle_ids``: those of them
+        whose due times an idle call waits for (default: all)."""
         if stop is not None and run_ids is not None:
             # Scoped, its runs are not asked to hand back by a drain (hand_back asks all).
             raise ValueError("run(): a call limited to run_ids ends idle, not on a stop")
@@ -258,9 +260,13 @@ class Executor(Stepping, Recovery, Requests):
                             self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
+                    waited = run_ids if idle_ids is None else idle_ids
                     due = (
-                        self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
-                        if until_idle and not claimed and not self._driving_any(scope)
+                        self.store.next_due(workflows=list(self.workflows), run_ids=waited)
+                        if until_idle
+                        and not claimed
+                        and not self._driving_any(scope)
+                        and (waited is None or waited)
                         else None
                     )
                     outage = 0.0
@@ -299,7 +305,7 @@ class Executor(Stepping, Recovery, Requests):
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
                     wait = None if due is None else max(0.0, due - self.clock.now())
-                    local = self.due_here.next_wait(run_ids)
+                    local = self.due_here.next_wait(run_ids if idle_ids is None else idle_ids)
                     if local is not None and (wait is None or local < wait):
                         wait = local  # the wall clock was set back: trust the monotonic one
                     if wait is None or wait > idle_horizon:

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.testing import SimulatedCrash, TestEngine
 
 HOUR = 3600.0
@@ -382,3 +383,36 @@ def test_deadline__engine_run_drives_the_children_before_it(store_url: str) -> N
         info = engine.run(wf, Tally())
         assert (info.status, info.state, info.context.n) == ("succeeded", "done", 4)
         assert [e.kind for e in engine.history(info.id)][-1] == j.CHILDREN_JOINED
+
+
+def test_deadline__engine_run_returns_when_the_children_wait_for_events(store_url: str) -> None:
+    """engine.run of a run whose children wait for events returns at once, as it does for
+    a run that waits itself; a deadline within 5 minutes was waited for instead (the run's
+    only due time while its children wait): a real clock hung that long, then the run came
+    back expired. Once its children end, a retry's backoff after them is still waited for."""
+    attempts: list[int] = []
+    kid = Workflow("dl_approval", context=Tally)
+    kid.wait("asked", on={"approve": "approved"}, initial=True)
+    kid.final("approved")
+    wf = Workflow("dl_asks", context=Tally, deadline=240, on_deadline="expired")
+    wf.call("ask", child=kid, context=lambda ctx: Tally(), on={"succeeded": "book"}, initial=True)
+
+    @wf.step(next="done", retry=Retry(attempts=2, backoff="fixed", base=10))
+    def book(ctx: Tally, step: Step) -> None:
+        attempts.append(step.attempt)
+        if step.attempt == 1:
+            raise ConnectionError("try again")
+
+    wf.final("done", "expired")
+    clock = FakeClock()
+    with Engine(store_url, clock=clock) as engine:
+        started = clock.now()
+        info = engine.run(wf, Tally())
+        assert (info.status, info.state) == ("scheduled", "ask")
+        assert clock.now() == started  # no deadline waited for
+        store = engine.store
+        assert isinstance(store, JoinStoreMixin)
+        (child,) = store.children_of(info.id)
+        engine.send(child.id, "approve")
+        info = engine.drive(info.id)
+        assert (info.status, info.state, attempts) == ("succeeded", "done", [1, 2])
