@@ -261,12 +261,10 @@ class Executor(Stepping, Recovery, Requests):
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
                     waited = run_ids if idle_ids is None else idle_ids
+                    idle = until_idle and not claimed and not self._driving_any(scope)
                     due = (
                         self.store.next_due(workflows=list(self.workflows), run_ids=waited)
-                        if until_idle
-                        and not claimed
-                        and not self._driving_any(scope)
-                        and (waited is None or waited)
+                        if idle and (waited is None or len(waited) > 0)
                         else None
                     )
                     outage = 0.0
@@ -429,10 +427,9 @@ class Executor(Stepping, Recovery, Requests):
         wake.clear()
 
     def fanned_out(self, run_id: str) -> None:
-        """``run_id`` waits for its new children: a :meth:`run` for runs it is among returns
-        once idle, its caller (``engine.run``) to drive them (it waited for a deadline)."""
-        if any(scope is not None and run_id in scope for scope, _ in self._wakes):
-            self._fanned.add(run_id)
+        """``run_id`` waits for new children: a :meth:`run` of runs it is among returns once
+        idle, for its caller (``engine.run``) to drive them (it waited for a deadline)."""
+        self._fanned.update(run_id for scope, _ in self._wakes if scope and run_id in scope)
         self.wake(run_id)
 
     def wake(self, run_id: str | None = None) -> None:
