@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 from flowloop import compose, tracecontext
 from flowloop import journal as j
 from flowloop.clock import Clock
-from flowloop.compose import CallSpec, ChildResult, Composite, ParallelSpec
+from flowloop.compose import CallSpec, ChildResult, Composite, MapSpec, ParallelSpec
 from flowloop.contexts import context_from
 from flowloop.definition import StepSpec, Workflow, describe_validation
 from flowloop.errors import FlowloopError, Interrupted, InvalidContext, error_line
@@ -109,7 +109,7 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
         ]
     else:
         state = f"map state {spec.name!r}"
-        items = list(called(f"{state}: items=", spec.items, ctx, error=bad))
+        items = _items(state, spec, ctx)
         if len(items) > spec.max_items:
             raise ChildContextError(
                 f"{state}: {len(items)} items, more than max_items={spec.max_items}"
@@ -136,6 +136,21 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
             raise ChildContextError(f"{label}: {error}") from None
         out.append(ChildStart(model.model_dump_json(), limit_key))
     return out
+
+
+def _items(state: str, spec: MapSpec, ctx: BaseModel) -> list[Any]:
+    """``items(ctx)`` read whole: a generator's error, raised as it is read, and a value
+    that is no iterable are said as the function's own (both were said bare, with no
+    state named: "'NoneType' object is not iterable")."""
+    where = f"{state}: items="
+    given = called(where, spec.items, ctx, error=ChildContextError)
+    try:
+        iterator = iter(given)
+    except TypeError:
+        raise ChildContextError(
+            f"{where} returned {type(given).__name__}, not an iterable of items"
+        ) from None
+    return called(where, list, iterator, error=ChildContextError)
 
 
 def child_workflow(spec: Composite, index: int) -> Workflow:
@@ -399,7 +414,7 @@ def _waited(executor: Executor, boundary: Boundary) -> None:
     executor.committer.released.add(boundary.run_id)
     executor.stats.commits += 1
     executor._notify(boundary)
-    executor.wake(boundary.run_id)  # its children are due
+    executor.fanned_out(boundary.run_id)  # its children are due
 
 
 async def _join(
@@ -513,6 +528,11 @@ def cascade(store: Any, run_id: str, action: str, operate: Any) -> int:
         except FlowloopError as error:  # ended meanwhile
             log.info("run %s: child %s not %sd: %s", run_id, child.id, action, error)
     return count
+
+
+def has_live_children(store: Any, run_id: str) -> bool:
+    """Whether the run has a live child (a stop of it cascades)."""
+    return isinstance(store, JoinStoreMixin) and bool(store.live_children(run_id))
 
 
 # -- the executor's composition hooks -----------------------------------------------------

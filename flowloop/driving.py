@@ -13,6 +13,7 @@ from flowloop.holding import (
     HELD,
     claimed_later,
     database_of,
+    queued,
     refuse_held_back,
     refuse_held_back_family,
 )
@@ -40,12 +41,22 @@ async def drive_family(
             refuse_held_back_family(
                 engine.store, root, engine._workflow_for, engine.clock.now(), IDLE_HORIZON_SECONDS
             )
+        # Waiting for its children, the run's own due time is its deadline at most: not
+        # waited for (as a run waiting for an event is returned at once), its children's
+        # backoffs and sleeps are. (Waited for, a deadline within the idle horizon held
+        # engine.run until it passed, children waiting for events, and the run expired.)
+        waits = info.state in workflow.composites
+        idle_ids = [member for member in family if member != run_id] if waits else None
         # (A first Ctrl-C lets its children's steps finish, however long they take.)
-        await executor.run(until_idle=True, run_ids=family, grace=None)
+        await executor.run(until_idle=True, run_ids=family, grace=None, idle_ids=idle_ids)
         before, info = info, engine.get(run_id)
         if executor.handing_back:  # a first Ctrl-C: stop here, the family as it is
             return info
         if info.state not in workflow.composites or info.status not in CLAIMABLE:
+            if waits and queued(info, workflow):
+                # Gone on from its children, to a retry's backoff or a sleep: waited for.
+                family = children.family(engine.store, run_id)
+                continue
             return info
         driven, family = set(family), children.family(engine.store, run_id)
         moved = (before.state, before.last_seq) != (info.state, info.last_seq)

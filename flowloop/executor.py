@@ -168,6 +168,7 @@ class Executor(Stepping, Recovery, Requests):
         """The runs (None: all) and the wake event of each :meth:`run` call in progress (a
         nested ``Engine.arun`` waiting out a retry runs one inside another's step, possibly
         on an event loop of its own): what :meth:`wake` sets."""
+        self._fanned: set[str] = set()  # (of those runs: see fanned_out)
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
         self._handed_seen = 0
@@ -220,6 +221,7 @@ class Executor(Stepping, Recovery, Requests):
         stop: asyncio.Event | None = None,
         grace: float | None = 30.0,
         initial: Sequence[StoredRun] = (),
+        idle_ids: Sequence[str] | None = None,
     ) -> Stats:
         """Claim and drive due runs. With ``until_idle``, return when no run is due and none
         is running (waiting for retry backoff that ends within ``idle_horizon`` seconds);
@@ -228,7 +230,8 @@ class Executor(Stepping, Recovery, Requests):
 
         ``run_ids`` limits all of it, the idle test and the drain included, to those runs:
         the executor may be driving others meanwhile, such as the run whose step called
-        ``Engine.arun`` and now waits for this call to return."""
+        ``Engine.arun`` and now waits for this call to return. ``idle_ids``: those of them
+        whose due times an idle call waits for (default: all)."""
         if stop is not None and run_ids is not None:
             # Scoped, its runs are not asked to hand back by a drain (hand_back asks all).
             raise ValueError("run(): a call limited to run_ids ends idle, not on a stop")
@@ -257,9 +260,11 @@ class Executor(Stepping, Recovery, Requests):
                             self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
+                    waited = run_ids if idle_ids is None else idle_ids
+                    idle = until_idle and not claimed and not self._driving_any(scope)
                     due = (
-                        self.store.next_due(workflows=list(self.workflows), run_ids=run_ids)
-                        if until_idle and not claimed and not self._driving_any(scope)
+                        self.store.next_due(workflows=list(self.workflows), run_ids=waited)
+                        if idle and (waited is None or len(waited) > 0)
                         else None
                     )
                     outage = 0.0
@@ -292,10 +297,13 @@ class Executor(Stepping, Recovery, Requests):
                     await self._wait_for_work(stop, wake)
                     continue
                 if until_idle and not self._driving_any(scope):
+                    if scope is not None and not self._fanned.isdisjoint(scope):
+                        self._fanned -= scope
+                        break  # (its caller drives their children now: see fanned_out)
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
                     wait = None if due is None else max(0.0, due - self.clock.now())
-                    local = self.due_here.next_wait(run_ids)
+                    local = self.due_here.next_wait(run_ids if idle_ids is None else idle_ids)
                     if local is not None and (wait is None or local < wait):
                         wait = local  # the wall clock was set back: trust the monotonic one
                     if wait is None or wait > idle_horizon:
@@ -311,6 +319,7 @@ class Executor(Stepping, Recovery, Requests):
             await self.drain(grace, scope)
         finally:
             self._wakes.remove((scope, wake))
+            self._fanned -= scope or set()
             for helper in helpers:
                 helper.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
@@ -416,6 +425,12 @@ class Executor(Stepping, Recovery, Requests):
             told(seconds)
         await first_of([self.clock.sleep(seconds), wake.wait()])
         wake.clear()
+
+    def fanned_out(self, run_id: str) -> None:
+        """``run_id`` waits for new children: a :meth:`run` of runs it is among returns once
+        idle, for its caller (``engine.run``) to drive them (it waited for a deadline)."""
+        self._fanned.update(run_id for scope, _ in self._wakes if scope and run_id in scope)
+        self.wake(run_id)
 
     def wake(self, run_id: str | None = None) -> None:
         """Wake the :meth:`run` calls waiting for work that ``run_id`` concerns (None: all):

@@ -220,8 +220,16 @@ class Operations:
             return self._info(stored)
         # Stop and pause cascade to the run's live children (and theirs): a stop before
         # the run's own, a pause after it (a pause refused leaves its children as they were).
-        if action == STOP:
+        if action == STOP and children.has_live_children(self.store, run_id):
+            # Asked of the run first: the children's stops complete its join and make it
+            # due, and a worker claiming it before its own stop lands honours this request
+            # instead of joining them (it took its failure route, the stop lost on a finished
+            # run). A command cut off after this leaves the request for that claim.
+            self.store.request_control(run_id, STOP)
             children.cascade(self.store, run_id, STOP, self._control)
+            stored = self._stored(run_id)  # (with the request it now has to clear)
+            if stored.record.status in FINISHED:
+                return self._control(run_id, action)  # (stopped: done; else refused)
         requested = self._request(stored, action)
         if requested and action == STOP:
             # Again: a worker fanning the run out meanwhile made children the first read

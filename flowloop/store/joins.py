@@ -25,6 +25,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -210,9 +211,16 @@ _DUE_IF_COMPLETE: Final = (
     )
     .values(next_run_at=bindparam("r_at"))
 )
+_PARENT_AT: Final = select(runs.c.state, runs.c.visits).where(runs.c.id == bindparam("j_parent"))
 _PARENT_DUE: Final = (
+    # Only while it still waits for this join: in its state, at the visit read with it.
     update(runs)
-    .where(runs.c.id == bindparam("j_parent"), runs.c.status == "scheduled")
+    .where(
+        runs.c.id == bindparam("j_parent"),
+        runs.c.status == "scheduled",
+        runs.c.state == bindparam("j_state"),
+        runs.c.visits == bindparam("j_visits"),
+    )
     .values(next_run_at=bindparam("r_at"))
 )
 
@@ -712,4 +720,24 @@ class JoinStoreMixin:
                 # goes to one not created yet, created due).
                 self._release(conn, join.id, nxt, at)
             if join.complete:
-                conn.execute(_PARENT_DUE, {"j_parent": join.parent_id, "r_at": at})
+                self._wake_parent(conn, join, at)
+
+    @staticmethod
+    def _wake_parent(conn: Connection, join: JoinRow, at: float) -> None:
+        """Make the join's parent due for its last child's end — unless it no longer waits
+        for this join: it went on meanwhile (its deadline passed while another worker ran
+        the child, whose stop came at its next boundary), or came back to the state on a
+        later visit. Made due there, it was woken early: a parent asleep after its
+        deadline (``step.sleep``) ran its next step at once. (A scheduled parent's row is
+        whole: written when it was let go.)"""
+        row = conn.execute(_PARENT_AT, {"j_parent": join.parent_id}).first()
+        if row is None or row.state != join.state:
+            return
+        try:
+            visits = json.loads(row.visits)
+        except ValueError:
+            visits = None  # (a damaged row: its claim says so; waking it does no harm)
+        if isinstance(visits, dict) and visits.get(join.state, 0) != join.visit:
+            return
+        params = {"j_parent": join.parent_id, "r_at": at}
+        conn.execute(_PARENT_DUE, {**params, "j_state": join.state, "j_visits": row.visits})

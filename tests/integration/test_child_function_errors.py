@@ -9,6 +9,7 @@ with the reason ``child_succeeded`` (API audit)."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,6 +61,13 @@ def called(result: Any = None, context: Any = None) -> Workflow:
     return wf
 
 
+def _lazy_items(ctx: Batch) -> Iterator[Any]:
+    """A generator: what it raises comes as the map reads its items, not at the call.
+    (Said bare before — "'b.csv'" — and "'NoneType' object is not iterable" for None.)"""
+    yield from ctx.files
+    raise KeyError("b.csv")
+
+
 def _boom(*_: Any) -> None:
     raise RuntimeError("merge broke")
 
@@ -78,6 +86,18 @@ def _boom(*_: Any) -> None:
             [],
             "invalid_child_context",
             "map state 'fan': items= raised TypeError: list indices must be integers",
+        ),
+        (
+            lambda: mapped(items=lambda ctx: None),
+            [],
+            "invalid_child_context",
+            "map state 'fan': items= returned NoneType, not an iterable of items",
+        ),
+        (
+            lambda: mapped(items=_lazy_items),
+            [["a.csv", 1]],
+            "invalid_child_context",
+            "map state 'fan': items= raised KeyError: 'b.csv'",
         ),
         (
             lambda: called(context=lambda ctx: {"a.csv": 1}["b.csv"] and None),
@@ -107,6 +127,8 @@ def _boom(*_: Any) -> None:
     ids=[
         "map-context-invalid",
         "map-items-raises",
+        "map-items-not-iterable",
+        "map-items-generator-raises",
         "call-context-raises",
         "call-context-exits",
         "result",

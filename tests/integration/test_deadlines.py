@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
+from flowloop.store.joins import JoinStoreMixin
 from flowloop.testing import SimulatedCrash, TestEngine
 
 HOUR = 3600.0
@@ -336,3 +337,82 @@ def test_deadline__a_crash_after_the_success_past_it_keeps_it(store_url: str) ->
             j.DEADLINE_PASSED,
         ]
         assert engine.replay(run.id).differences == []
+
+
+# -- engine.run of a run with a deadline that fans out: its children are driven ------------
+
+
+class Tally(BaseModel):
+    n: int = 0
+    items: list[int] = []
+
+
+def tallied(name: str, child: Workflow | None) -> Workflow:
+    """A run with a deadline a minute away that calls ``child`` (a map over its items), or
+    that counts when ``child`` is None."""
+    wf = Workflow(name, context=Tally, deadline=60, on_deadline="expired")
+    if child is None:
+
+        @wf.step(initial=True, next="done")
+        def count(ctx: Tally) -> None:
+            ctx.n = 1
+
+    else:
+        wf.map(
+            "fan",
+            child=child,
+            items=lambda ctx: ctx.items or [1, 2],
+            context=lambda ctx, item: Tally(),
+            on={"done": "done"},
+            reduce=lambda ctx, results: setattr(ctx, "n", sum(r.context.n for r in results)),
+            initial=True,
+        )
+    wf.final("done", "expired")
+    return wf
+
+
+def test_deadline__engine_run_drives_the_children_before_it(store_url: str) -> None:
+    """engine.run drove a run and, once it fanned out, its children; a run with a deadline
+    within the idle horizon (5 minutes) waited for that deadline instead (a due time of
+    the run it drove: the children were not driven yet) — and expired, its children never
+    run (a FakeClock jumped there at once; a real one waited the minute out)."""
+    grandchild = tallied("dl_leaf", None)
+    child = tallied("dl_inner", grandchild)
+    wf = tallied("dl_outer", child)
+    with Engine(store_url, clock=FakeClock()) as engine:
+        info = engine.run(wf, Tally())
+        assert (info.status, info.state, info.context.n) == ("succeeded", "done", 4)
+        assert [e.kind for e in engine.history(info.id)][-1] == j.CHILDREN_JOINED
+
+
+def test_deadline__engine_run_returns_when_the_children_wait_for_events(store_url: str) -> None:
+    """engine.run of a run whose children wait for events returns at once, as it does for
+    a run that waits itself; a deadline within 5 minutes was waited for instead (the run's
+    only due time while its children wait): a real clock hung that long, then the run came
+    back expired. Once its children end, a retry's backoff after them is still waited for."""
+    attempts: list[int] = []
+    kid = Workflow("dl_approval", context=Tally)
+    kid.wait("asked", on={"approve": "approved"}, initial=True)
+    kid.final("approved")
+    wf = Workflow("dl_asks", context=Tally, deadline=240, on_deadline="expired")
+    wf.call("ask", child=kid, context=lambda ctx: Tally(), on={"succeeded": "book"}, initial=True)
+
+    @wf.step(next="done", retry=Retry(attempts=2, backoff="fixed", base=10))
+    def book(ctx: Tally, step: Step) -> None:
+        attempts.append(step.attempt)
+        if step.attempt == 1:
+            raise ConnectionError("try again")
+
+    wf.final("done", "expired")
+    clock = FakeClock()
+    with Engine(store_url, clock=clock) as engine:
+        started = clock.now()
+        info = engine.run(wf, Tally())
+        assert (info.status, info.state) == ("scheduled", "ask")
+        assert clock.now() == started  # no deadline waited for
+        store = engine.store
+        assert isinstance(store, JoinStoreMixin)
+        (child,) = store.children_of(info.id)
+        engine.send(child.id, "approve")
+        info = engine.drive(info.id)
+        assert (info.status, info.state, attempts) == ("succeeded", "done", [1, 2])
