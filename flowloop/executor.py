@@ -50,8 +50,7 @@ from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
 from flowloop.tasks import CUT_OFF_WRITE_SECONDS, finish_within, first_of
-from flowloop.verdicts import Verdict, judge
-from flowloop.versions import versions_of, workflow_for
+from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
 
 if TYPE_CHECKING:
@@ -746,35 +745,6 @@ class Executor(Stepping, Recovery, Requests):
         self._next_turn = time.monotonic() + YIELD_EVERY_SECONDS
         await asyncio.sleep(0)
         self._handed_seen = handed
-
-    def _checked(
-        self, workflow: Workflow, stored: StoredRun
-    ) -> tuple[tuple[str, str, str] | None, BaseModel | None]:
-        """Why this worker cannot run ``stored`` (the entry to finish it with: kind, reason,
-        message), else ``None`` and its context as the check loaded it."""
-        record = stored.record
-        if stored.problem is not None:
-            return (j.RUN_FAILED, "invalid_row", stored.problem), None
-        verdict = self._verdict(workflow, record)
-        if verdict.goes_on:
-            return None, verdict.context
-        # The reason says why, so `status` shows it without digging in the journal.
-        kind = j.RUN_PAUSED if verdict.outcome == "paused" else j.RUN_FAILED
-        return (kind, verdict.reason or "", verdict.message or ""), None
-
-    def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict:
-        """What this definition does with the run (flowloop/verdicts.py, as check says)."""
-        same = record.fingerprint == workflow.fingerprint
-        return judge(
-            workflow,
-            state=record.state,
-            fingerprint=record.fingerprint,
-            context=record.context,
-            context_version=record.context_version,
-            old=None if same else self.store.definition(record.fingerprint),
-            journal=None if same else lambda: self.store.journal(record.id),
-            versions=versions_of(self.workflows, workflow.name),
-        )
 
     async def _cut_off(self, workflow: Workflow, record: RunRecord, fence: Fence) -> None:
         """A step or compensation cancelled by shutdown or an operator's stop: journal it,

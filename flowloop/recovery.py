@@ -2,7 +2,9 @@
 
 An idempotent step runs again (the attempt counts), a non-idempotent one fails as
 ``interrupted`` (or routes on ``on_error``); a run cut off in a state the deployed
-definition no longer fits is parked. The :class:`Recovery` half of the executor.
+definition no longer fits is parked. The :class:`Recovery` half of the executor, which
+also judges every run a claim gives it (:meth:`Recovery._checked`: can the loaded
+definition run it, as ``flowloop check`` says).
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
 from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog
 from flowloop.stepping import step_fields
 from flowloop.store import Boundary, Fence, Store, StoredRun
-from flowloop.verdicts import Verdict
-from flowloop.versions import workflow_for
+from flowloop.verdicts import Verdict, judge
+from flowloop.versions import versions_of, workflow_for
 
 if TYPE_CHECKING:
+    from pydantic import BaseModel
+
     from flowloop.committer import Stats
     from flowloop.executor import _Active
 
@@ -50,7 +54,6 @@ class Recovery:
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
 
         def _notify(self, boundary: Boundary) -> None: ...
-        def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict: ...
 
     async def recover(self) -> int:
         """Settle every run left ``running`` by a dead worker, in batches: an idempotent
@@ -224,6 +227,35 @@ class Recovery:
         park_stranded_waits(self.store, self.workflows, worker=self.worker_id, now=self.clock.now())
         hand_over_stranded(self.store, self.workflows, now=self.clock.now(), worker=self.worker_id)
         self._parked_for = loaded
+
+    def _checked(
+        self, workflow: Workflow, stored: StoredRun
+    ) -> tuple[tuple[str, str, str] | None, BaseModel | None]:
+        """Why this worker cannot run ``stored`` (the entry to finish it with: kind, reason,
+        message), else ``None`` and its context as the check loaded it."""
+        record = stored.record
+        if stored.problem is not None:
+            return (j.RUN_FAILED, "invalid_row", stored.problem), None
+        verdict = self._verdict(workflow, record)
+        if verdict.goes_on:
+            return None, verdict.context
+        # The reason says why, so `status` shows it without digging in the journal.
+        kind = j.RUN_PAUSED if verdict.outcome == "paused" else j.RUN_FAILED
+        return (kind, verdict.reason or "", verdict.message or ""), None
+
+    def _verdict(self, workflow: Workflow, record: RunRecord) -> Verdict:
+        """What this definition does with the run (flowloop/verdicts.py, as check says)."""
+        same = record.fingerprint == workflow.fingerprint
+        return judge(
+            workflow,
+            state=record.state,
+            fingerprint=record.fingerprint,
+            context=record.context,
+            context_version=record.context_version,
+            old=None if same else self.store.definition(record.fingerprint),
+            journal=None if same else lambda: self.store.journal(record.id),
+            versions=versions_of(self.workflows, workflow.name),
+        )
 
     def _park_interrupted(self, workflow: Workflow, row: StoredRun, now: float) -> Boundary | None:
         """A run cut off in a state (or with a context) the deployed definition no longer
