@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from flowloop import children
+from flowloop import children, compose
 from flowloop.executor import IDLE_HORIZON_SECONDS
 from flowloop.holding import (
     HELD,
@@ -18,6 +18,7 @@ from flowloop.holding import (
     refuse_held_back_family,
 )
 from flowloop.lifecycle import CLAIMABLE
+from flowloop.store.joins import JoinStoreMixin
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
@@ -45,7 +46,7 @@ async def drive_family(
         # waited for (as a run waiting for an event is returned at once), its children's
         # backoffs and sleeps are. (Waited for, a deadline within the idle horizon held
         # engine.run until it passed, children waiting for events, and the run expired.)
-        waits = info.state in workflow.composites
+        waits = waits_for_children(engine, workflow, info)
         idle_ids = [member for member in family if member != run_id] if waits else None
         # (A first Ctrl-C lets its children's steps finish, however long they take.)
         await executor.run(until_idle=True, run_ids=family, grace=None, idle_ids=idle_ids)
@@ -64,6 +65,18 @@ async def drive_family(
             # Nothing of its family is due (children waiting for events). (A child that
             # started children of its own meanwhile: drive them too.)
             return info
+
+
+def waits_for_children(engine: Engine, workflow: Workflow, info: RunInfo) -> bool:
+    """The run waits in a call or map state for the children of this visit (their join is
+    made). Not yet made, its due time is its own — a sleep into the state ends then, its
+    children are made after — and waited for (not returned at once, asleep)."""
+    store = engine.store
+    if info.state not in workflow.composites or not isinstance(store, JoinStoreMixin):
+        return False
+    visit = info.visits.get(info.state, 0)
+    join_id = compose.join_id(info.id, info.state, visit)
+    return store.find_join(join_id, info.id, info.state, visit) is not None
 
 
 def refuse_a_held_back_run(engine: Engine, workflow: Workflow, run_id: str) -> None:

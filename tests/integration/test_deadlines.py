@@ -8,6 +8,7 @@ import asyncio
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -416,3 +417,37 @@ def test_deadline__engine_run_returns_when_the_children_wait_for_events(store_ur
         engine.send(child.id, "approve")
         info = engine.drive(info.id)
         assert (info.status, info.state, attempts) == ("succeeded", "done", [1, 2])
+
+
+def test_engine_run__a_sleep_into_a_call_state_is_waited_out(store_url: str) -> None:
+    """A step that sleeps into a call state (``step.sleep``) leaves its run due at the
+    sleep's end in that state, its children not made yet: engine.run waits that out (within
+    the idle horizon) and drives them. The fix above took any run in a call or map state
+    for one waiting for its children, and returned it at once, asleep (a review)."""
+    kid = Workflow("sl_kid", context=Tally)
+
+    @kid.step(initial=True, next="kid_done")
+    def five(ctx: Tally) -> None:
+        ctx.n = 5
+
+    kid.final("kid_done")
+    wf = Workflow("sl_into_call", context=Tally)
+
+    @wf.step(initial=True, next="ask")
+    def nap(ctx: Tally, step: Step) -> Any:
+        return step.sleep(120)
+
+    wf.call(
+        "ask",
+        child=kid,
+        context=lambda ctx: Tally(),
+        on={"succeeded": "done"},
+        result=lambda ctx, child: setattr(ctx, "n", child.n),
+    )
+    wf.final("done")
+    clock = FakeClock()
+    with Engine(store_url, clock=clock) as engine:
+        started = clock.now()
+        info = engine.run(wf, Tally())
+        assert (info.status, info.state, info.context.n) == ("succeeded", "done", 5)
+        assert clock.now() >= started + 120  # the sleep was waited out, on the fake clock
