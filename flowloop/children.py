@@ -17,6 +17,7 @@ A run that enters a call or map state is due at once. The worker that claims it:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, TypeVar
@@ -110,9 +111,10 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
     else:
         state = f"map state {spec.name!r}"
         items = _items(state, spec, ctx)
-        if len(items) > spec.max_items:
+        if len(items) > spec.max_items:  # (read no further than one past it)
             raise ChildContextError(
-                f"{state}: {len(items)} items, more than max_items={spec.max_items}"
+                f"{state}: more than max_items={spec.max_items} items; raise max_items or "
+                "split the work"
             )
         where = [f"{state}: item {index}" for index in range(len(items))]
         values = [
@@ -139,9 +141,10 @@ def child_contexts(spec: Composite, ctx: BaseModel) -> list[ChildStart]:
 
 
 def _items(state: str, spec: MapSpec, ctx: BaseModel) -> list[Any]:
-    """``items(ctx)`` read whole: a generator's error, raised as it is read, and a value
-    that is no iterable are said as the function's own (both were said bare, with no
-    state named: "'NoneType' object is not iterable")."""
+    """``items(ctx)`` read up to one item past ``max_items`` (an endless generator read
+    whole hung the worker): a generator's error, raised as it is read, and a value that is
+    no iterable are said as the function's own (both were said bare, with no state named:
+    "'NoneType' object is not iterable")."""
     where = f"{state}: items="
     given = called(where, spec.items, ctx, error=ChildContextError)
     try:
@@ -150,7 +153,8 @@ def _items(state: str, spec: MapSpec, ctx: BaseModel) -> list[Any]:
         raise ChildContextError(
             f"{where} returned {type(given).__name__}, not an iterable of items"
         ) from None
-    return called(where, list, iterator, error=ChildContextError)
+    head = itertools.islice(iterator, spec.max_items + 1)
+    return called(where, list, head, error=ChildContextError)
 
 
 def child_workflow(spec: Composite, index: int) -> Workflow:

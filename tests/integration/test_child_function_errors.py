@@ -8,6 +8,7 @@ with the reason ``child_succeeded`` (API audit)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +33,7 @@ kid.step(name="load", initial=True, next="loaded")(lambda ctx: None)
 kid.final("loaded")
 
 
-def mapped(context: Any = None, items: Any = None, reduce: Any = None) -> Workflow:
+def mapped(context: Any = None, items: Any = None, reduce: Any = None, **options: Any) -> Workflow:
     wf = Workflow("fe_map", context=Batch)
     wf.map(
         "fan",
@@ -42,6 +43,7 @@ def mapped(context: Any = None, items: Any = None, reduce: Any = None) -> Workfl
         reduce=reduce,
         on={"done": "ok", "failed": "bad"},
         initial=True,
+        **options,
     )
     wf.final("ok", "bad")
     return wf
@@ -118,6 +120,13 @@ def _boom(*_: Any) -> None:
             "call state 'one': result= raised RuntimeError: merge broke",
         ),
         (
+            # Endless: read whole, it hung the worker; read one past max_items, refused.
+            lambda: mapped(items=lambda ctx: itertools.repeat(["a.csv", 1]), max_items=3),
+            [],
+            "invalid_child_context",
+            "map state 'fan': more than max_items=3 items; raise max_items or split the work",
+        ),
+        (
             lambda: mapped(reduce=_boom),
             [["a.csv", 1]],
             "join_failed",
@@ -132,6 +141,7 @@ def _boom(*_: Any) -> None:
         "call-context-raises",
         "call-context-exits",
         "result",
+        "map-items-endless",
         "reduce",
     ],
 )
