@@ -10,7 +10,8 @@ A run parked for a mismatch is unparked by the move; any other keeps its status.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +64,11 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
             f"states of v{record.version} map onto v{to} (an empty mapping keeps the names)",
         )
     state = mapping.get(record.state, record.state)
-    events = engine.store.journal(record.id)
+    # (Read only when needed: a migration moves many runs, each journal maybe long.)
+    events: Callable[[], list[j.JournalEvent]] = functools.cache(
+        lambda: engine.store.journal(record.id)
+    )
+    old = engine.store.definition(record.fingerprint) or {}
     data: dict[str, Any] = {
         "by": by,
         "from": record.version,
@@ -71,14 +76,11 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         "fingerprint": target.fingerprint,
         "from_state": record.state,
     }
-    # Steps it may still have to undo that the move leaves without a step: whether each
-    # declared compensate= is journaled while the version that had it is loaded (a
-    # compensation owed later must not depend on that version being loaded still).
-    dropped = owed.dropped_by(target, events, _versions(engine, record))
-    if dropped:
-        data[owed.DROPPED] = dropped
+    _journal_steps(engine, record, old, target, mapping, data, events)
     sleep_end = _sleep_end(engine, record)
-    compensating = sleep_end is None and _compensating(engine, record, target, state, data, events)
+    compensating = sleep_end is None and _compensating(
+        engine, record, old, target, state, data, events
+    )
     if state not in target.states or (
         target.is_final(state) and sleep_end is None and not compensating
     ):
@@ -103,7 +105,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         data["kept_visits"] = True
         if record.state not in target.states:
             data["renamed"] = True
-        if data.get("renamed") and state in _names_of_this_visit(events, record.state):
+        if data.get("renamed") and state in _names_of_this_visit(events(), record.state):
             # Back to a name this very visit had (a rollback of a rename): its count holds
             # the visit already — counted again, a retried step's idempotency_key changed.
             data["same_visit"] = True
@@ -137,7 +139,7 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
         if state in target.waits:
             wait = target.waits[state]
             data["due"] = (
-                wait_due(target, state, events)
+                wait_due(target, state, events())
                 if state == record.state
                 else None
                 if wait.timeout is None
@@ -152,20 +154,54 @@ def migrate_run(engine: Engine, stored: StoredRun, *, to: int, by: str) -> Moved
     return Moved(record.id, record.version, to, record.state, state)
 
 
+def _journal_steps(
+    engine: Engine,
+    record: RunRecord,
+    old: dict[str, Any],
+    target: Workflow,
+    mapping: Mapping[str, str],
+    data: dict[str, Any],
+    events: Callable[[], list[j.JournalEvent]],
+) -> None:
+    """Journal in the move's ``data`` what a run compensating later needs to know of its
+    steps when the versions it crossed are no longer loaded: the renames the move applies
+    (``renames``), and the steps it may still have to undo that it leaves without a step,
+    each with whether the definition that had it declared compensate= (``dropped``)."""
+    own = engine._workflows.version(record.workflow, record.version)
+    # The run's own definition: as stored under its fingerprint, and that version as loaded
+    # (a redeploy since, whose steps the run may have run too).
+    states = {*old.get("states", {}), *old.get("finals", ()), *(own.states if own else ())}
+    renames = owed.renames_by(mapping, target, states)
+    if any(name not in target.states for name in mapping):
+        data[owed.RENAMES] = renames
+    steps = {
+        name
+        for name, spec in old.get("states", {}).items()
+        if isinstance(spec, dict) and spec.get("kind") == "step"
+    } | set(own.steps if own else ())
+    # (Decided from the definitions: its journal is read only when a step of its definition
+    # has none in the target. A step an earlier move dropped keeps what that one journaled.)
+    if all(renames.get(name, name) in target.steps for name in steps):
+        return
+    dropped = owed.dropped_by(target, events(), _versions(engine, record), renames)
+    if dropped:
+        data[owed.DROPPED] = dropped
+
+
 def _compensating(
     engine: Engine,
     record: RunRecord,
+    old: dict[str, Any],
     target: Workflow,
     state: str,
     data: dict[str, Any],
-    events: Sequence[j.JournalEvent],
+    events: Callable[[], list[j.JournalEvent]],
 ) -> bool:
     """Whether the run is compensating (in a compensating final state, live) and moves to
     one of ``target``: it finishes its compensations there. Refused (DefinitionMismatch)
     when a step it still owes the undoing of has no step in ``target`` after the move (its
     journal's migrations and this one, ``data``, renaming it), as a worker would park it
     there: moved, it ended without undoing it."""
-    old = engine.store.definition(record.fingerprint) or {}
     if record.state not in old.get("compensate", ()) or not target.compensates(state):
         return False
     # As the worker will read it: this move journaled after the run's entries.
@@ -178,7 +214,7 @@ def _compensating(
         data=data,
     )
     versions = _versions(engine, record)
-    lost = owed.stranded_compensations(target, [*events, moved], versions, moving=True)
+    lost = owed.stranded_compensations(target, [*events(), moved], versions, moving=True)
     if lost is not None:
         raise DefinitionMismatch(record.id, f"{DEFINITION_MISMATCH}: {lost}")
     return True

@@ -8,16 +8,19 @@ have dropped it too. The definition the run compensates under then has no step f
 and whether it declared ``compensate=`` is known only from the definition that last had it
 as a step (:class:`StepOf`): journaled by the migration that dropped it (``dropped`` in
 its data, read off that definition when it was loaded then), else that definition loaded
-now (same version, same fingerprint). Unknown counts as owed. One owed that has no step
-is a :class:`CompensationLost`: the run parks (a definition mismatch) and the message says
-what gets it out — never a compensation skipped unseen.
+now (the same version number with that step: the fingerprint does not cover
+``compensate=``). Unknown counts as owed (the message says "may owe"). The renames a
+migration applied are journaled too (``renames``): a later reader may have neither
+version loaded. One owed that has no step is a :class:`CompensationLost`: the run parks (a
+definition mismatch) and the message says what gets it out — never a compensation skipped
+unseen.
 
 This module imports neither sqlalchemy nor asyncio.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +36,10 @@ VersionOf = Callable[[int], "Workflow | None"]
 DROPPED = "dropped"
 """The ``run_migrated`` data key: ``{step: declares compensate=}`` of the steps the move
 left without a step, as the definition that last had each one said (when loaded then)."""
+
+RENAMES = "renames"
+"""The ``run_migrated`` data key: ``{state: new name}`` of the states the move renamed
+(:func:`renames_by`), written when the mapping names a state the target has not."""
 
 
 @dataclass(frozen=True)
@@ -156,19 +163,28 @@ def undoes(undo: Undo, workflow: Workflow, version_of: VersionOf | None) -> bool
         return undo.undoes
     if undo.step_of is None:
         return None
-    had = loaded(workflow, version_of, undo.step_of.version, undo.step_of.fingerprint)
-    return None if had is None else compensates(had, undo.step_of.name)
+    step_of = undo.step_of
+    had = loaded(workflow, version_of, step_of.version, step_of.fingerprint, [step_of.name])
+    return None if had is None else compensates(had, step_of.name)
 
 
 def loaded(
-    workflow: Workflow, version_of: VersionOf | None, version: int, fingerprint: str
+    workflow: Workflow,
+    version_of: VersionOf | None,
+    version: int,
+    fingerprint: str,
+    steps: Collection[str] = (),
 ) -> Workflow | None:
-    """The loaded definition of ``version`` with ``fingerprint`` (the one a run knew), if
-    any: another one of that number (a redeploy) may lack or change its steps."""
+    """The loaded definition of ``version`` as the run knew it, if any: with ``fingerprint``,
+    or another one of that number (a redeploy) that has ``steps`` as steps. The fingerprint
+    covers the steps, not their ``compensate=``: an exact match says no more of a step's
+    ``compensate=`` than the loaded one that has it — and a run's row keeps the fingerprint
+    it started with across redeploys of its version (only a migration changes it)."""
     for candidate in (workflow, version_of(version) if version_of else None):
-        if candidate is not None and (candidate.version, candidate.fingerprint) == (
-            version,
-            fingerprint,
+        if candidate is None or candidate.version != version:
+            continue
+        if candidate.fingerprint == fingerprint or (
+            steps and all(step in candidate.steps for step in steps)
         ):
             return candidate
     return None
@@ -180,18 +196,21 @@ def compensates(workflow: Workflow, state: str) -> bool:
 
 
 def dropped_by(
-    target: Workflow, events: Sequence[JournalEvent], version_of: VersionOf | None
+    target: Workflow,
+    events: Sequence[JournalEvent],
+    version_of: VersionOf | None,
+    renames: Mapping[str, str],
 ) -> dict[str, bool]:
     """The ``dropped`` data of a move of the run to ``target``: each step that succeeded
-    and is not undone which the move leaves without a step (``target`` neither has nor
-    renames it), with whether the definition that last had it declares ``compensate=`` —
-    known now (that definition loaded), journaled so that the run, compensating once that
-    version is no longer loaded, still knows. One not known now is left out (then owed)."""
+    and is not undone which the move leaves without a step (``target`` neither has it nor
+    ``renames`` it, :func:`renames_by`), with whether the definition that last had it
+    declares ``compensate=`` — known now (that definition loaded), journaled so that the
+    run, compensating once that version is no longer loaded, still knows. One not known now
+    is left out (then owed)."""
     owing = not_undone(target, events, version_of)
-    mapping = target.migrates_from.get(owing.version, {})
     found: dict[str, bool] = {}
     for undo in owing.succeeded:
-        name = _new_name(undo.state, mapping, target)
+        name = renames.get(undo.state, undo.state)
         if name not in target.steps:
             known = undoes(replace(undo, state=name), target, version_of)
             if known is not None:
@@ -199,11 +218,20 @@ def dropped_by(
     return found
 
 
-def _new_name(state: str, mapping: Mapping[str, str], target: Workflow) -> str:
-    """A step's name after a move to ``target``: renamed when ``target`` lacks the state
-    and maps it (a mapped state it still has is where runs in it moved to, not a new name
-    for its step)."""
-    return mapping[state] if state in mapping and state not in target.states else state
+def renames_by(
+    mapping: Mapping[str, str], target: Workflow, source_states: Collection[str]
+) -> dict[str, str]:
+    """The renames of a move to ``target`` by ``mapping`` (its ``migrates_from`` entry) from
+    a definition with ``source_states``: each state ``target`` lacks, mapped to a name the
+    source had no state by. A mapped state ``target`` still has is where runs in it move
+    to; one mapped onto a state the source had merges into that state (runs in it go on
+    there) — neither is a new name for its step, whose undo is not that state's: a merged
+    step is dropped (owed until a version undoes it)."""
+    return {
+        state: name
+        for state, name in mapping.items()
+        if state not in target.states and name not in source_states
+    }
 
 
 def _renamed(
@@ -217,21 +245,39 @@ def _renamed(
     raw = event.data.get(DROPPED)
     dropped: Mapping[str, Any] = raw if isinstance(raw, dict) else {}
     target = workflow if to == workflow.version else version_of(to) if version_of else None
-    if target is None:  # (its renames are not known: the names stay)
-        return [_journaled(undo, dropped) for undo in undos]
-    mapping = target.migrates_from.get(source, {})
     fingerprint = str(event.data.get("fingerprint", ""))
+    journaled = event.data.get(RENAMES)
+    if target is None:
+        # Its steps are not known: a step it renamed (journaled) is that version's step by
+        # the new name; any other keeps the definition that last had it.
+        renames = journaled if isinstance(journaled, dict) else {}
+        return [
+            _moved(undo, StepOf(to, fingerprint, str(renames[undo.state])))
+            if undo.state in renames
+            else _journaled(undo, dropped)
+            for undo in undos
+        ]
+    # (An entry from before renames were journaled: its mapping's renames, as then.)
+    renames = (
+        journaled
+        if isinstance(journaled, dict)
+        else renames_by(target.migrates_from.get(source, {}), target, ())
+    )
     # Another definition of that version loaded (redeployed since): its renames are taken,
     # but not its steps — one the definition moved to may have had is not known dropped.
     exact = target.fingerprint == fingerprint
     moved: list[Undo] = []
     for undo in undos:
-        name = _new_name(undo.state, mapping, target)
+        name = str(renames.get(undo.state, undo.state))
         if name in target.steps or not (exact or undo.state in dropped):
-            moved.append(replace(undo, state=name, step_of=StepOf(to, fingerprint, name)))
+            moved.append(_moved(undo, StepOf(to, fingerprint, name)))
         else:
             moved.append(replace(_journaled(undo, dropped), state=name))
     return moved
+
+
+def _moved(undo: Undo, step_of: StepOf) -> Undo:
+    return replace(undo, state=step_of.name, step_of=step_of)
 
 
 def _journaled(undo: Undo, dropped: Mapping[str, Any]) -> Undo:
@@ -255,15 +301,27 @@ class CompensationLost(Exception):
     ) -> None:
         lost = list({undo.state: undo for undo in owing.lost}.values())
         self.states = [undo.state for undo in lost]
-        names = ", ".join(
-            f"{undo.state!r} (v{undo.step_of.version})" if undo.step_of else repr(undo.state)
-            for undo in lost
-        )
+        maybe = [undo for undo in lost if undoes(undo, workflow, version_of) is None]
+        owes = [undo for undo in lost if undo not in maybe]
+        what = [f"owes the compensation of {_names(owes)}"] if owes else []
+        if maybe:  # (whether the definition that had it declared compensate= is unknown)
+            what.append(
+                f"may owe {'that' if owes else 'the compensation'} of {_names(maybe)} "
+                f"(whether {'it' if len(maybe) == 1 else 'each'} declared compensate= is "
+                "not known)"
+            )
         super().__init__(
-            f"it is compensating and owes the compensation of {names}, which {workflow.name} "
+            f"it is compensating and {' and '.join(what)}, which {workflow.name} "
             f"v{workflow.version} has no step for; "
             + advice(workflow, run_id, owing, lost, version_of, moving=moving)
         )
+
+
+def _names(undos: Sequence[Undo]) -> str:
+    return ", ".join(
+        f"{undo.state!r} (v{undo.step_of.version})" if undo.step_of else repr(undo.state)
+        for undo in undos
+    )
 
 
 def advice(
@@ -281,17 +339,27 @@ def advice(
     whether they declared ``compensate=`` is not known, the definition that had them."""
     run, have, to = owing.version, workflow.version, f"`flowloop migrate {run_id} --to"
     mapping = workflow.migrates_from.get(run, {})
-    if run < have and all(_new_name(u.state, mapping, workflow) in workflow.steps for u in lost):
-        renames = ", ".join(f"{u.state} -> {mapping[u.state]}" for u in lost)
-        return f"v{have} renames it ({renames}): {to} {have}`"
+    own = version_of(run) if version_of and run != have else None
+    states = own.states if own is not None else ()  # (not loaded: a mapping is a rename)
+    renames = renames_by(mapping, workflow, states)
+    if run < have and all(renames.get(u.state) in workflow.steps for u in lost):
+        named = ", ".join(f"{u.state} -> {renames[u.state]}" for u in lost)
+        return f"v{have} renames it ({named}): {to} {have}`"
+    # (One that may undo nothing mapped to a step that undoes: that step's action undone
+    # for it too.)
+    each = (
+        "each"
+        if all(undoes(u, workflow, version_of) for u in lost)
+        else ("each that declared compensate=")
+    )
     if run < have:
         ways = [
-            f"map each to the v{have} step that undoes it in migrates_from={{{run}: {{...}}}} "
+            f"map {each} to the v{have} step that undoes it in migrates_from={{{run}: {{...}}}} "
             f"and {to} {have}`"
         ]
     else:
         ways = [
-            f"deploy a version above v{run} whose migrates_from={{{run}: {{...}}}} maps each "
+            f"deploy a version above v{run} whose migrates_from={{{run}: {{...}}}} maps {each} "
             f"to a step that undoes it, and {to} <that version>`"
         ]
     # (Refused a move, the run stays where it is: migrated again once the fix is loaded.)
@@ -320,7 +388,8 @@ def _own_way(
     """The run's own definition has every step it owes: loaded, it compensates there (a
     move refused: left on it)."""
     names = ", ".join(repr(u.state) for u in lost)
-    run, own = owing.version, loaded(workflow, version_of, owing.version, owing.fingerprint)
+    steps = [u.step_of.name for u in lost if u.step_of is not None]
+    run, own = owing.version, loaded(workflow, version_of, owing.version, owing.fingerprint, steps)
     if moving:
         where = "" if own is not None else f"load v{run} beside v{workflow.version} and "
         return f"{where}leave it on v{run}, where it compensates"
@@ -347,9 +416,10 @@ def _unknown_ways(
             unknown.setdefault(undo.step_of.version, []).append(repr(undo.step_of.name))
     ways = []
     for version, names in sorted(unknown.items()):
+        # (A definition of that number loaded already lacks the step: its own, deployed.)
         where = (
             f"deploy v{version} as the run knew it again"
-            if version == workflow.version
+            if version == workflow.version or (version_of and version_of(version))
             else f"load v{version} beside v{workflow.version}"
         )
         ways.append(

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from pydantic import BaseModel
 
 from flowloop import Engine, FakeClock, Retry, Step, Workflow
+from flowloop import journal as j
 from flowloop.checking import check_runs
 from flowloop.cli import cli
 from flowloop.errors import DefinitionMismatch
@@ -202,11 +203,12 @@ def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_b
     assert (info.status, info.state) == ("paused", "cancelled")
     assert (verdict.kind, verdict.reason) == ("parks", info.reason)
     assert info.reason == (
-        "definition_mismatch: it is compensating and owes the compensation of 'book_flight' "
-        "(v1), which trip_deploys v1 has no step for; deploy a version above v1 whose "
-        "migrates_from={1: {...}} maps each to a step that undoes it, and `flowloop migrate "
-        f"{run_id} --to <that version>`, or deploy v1 as the run knew it (with "
-        f"'book_flight') again and `flowloop unpause {run_id}`"
+        "definition_mismatch: it is compensating and may owe the compensation of "
+        "'book_flight' (v1) (whether it declared compensate= is not known), which "
+        "trip_deploys v1 has no step for; deploy a version above v1 whose "
+        "migrates_from={1: {...}} maps each that declared compensate= to a step that undoes "
+        f"it, and `flowloop migrate {run_id} --to <that version>`, or deploy v1 as the run "
+        f"knew it (with 'book_flight') again and `flowloop unpause {run_id}`"
     )
     assert undone == []  # (before: book_hotel undone, book_flight skipped, run compensated)
     with Engine(store_url, workflows=[trip(1)], clock=clock) as engine:
@@ -215,3 +217,154 @@ def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_b
         info = engine.get(run_id)
     assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, book_flight")
     assert undone == ["v1 book_hotel", "v1 book_flight book_flight:1:undo"]
+
+
+def _replays(engine: Engine, run_id: str) -> None:
+    """The journal folds to the stored row."""
+    stored = engine.store.get_run(run_id)
+    assert stored is not None
+    assert j.compare(j.fold(engine.store.journal(run_id)), stored.record) == []
+
+
+def _fare(version: int, *, hold: bool = False) -> Workflow:
+    """check_fare (no compensate=) -> book_hotel (undone) -> confirm; ``hold``: a wait
+    state more (a compatible redeploy: another fingerprint, the same steps)."""
+    wf = Workflow("trip_deploys", context=Trip, version=version)
+    wf.step(name="check_fare", initial=True, next="book_hotel")(lambda ctx: None)
+    wf.step(
+        name="book_hotel",
+        next="confirm",
+        compensate=lambda ctx, step: undone.append(f"v{version} book_hotel"),
+    )(lambda ctx: None)
+    wf.wait(
+        "confirm", on={"ok": "booked", "no": "cancelled", **({"later": "hold"} if hold else {})}
+    )
+    if hold:
+        wf.wait("hold", on={"ok": "booked"})
+    wf.final("booked")
+    wf.final("cancelled", compensate=True)
+    return wf
+
+
+def test_redeployed_then_migrated_dropping_a_plain_step__owes_nothing(store_url: str) -> None:
+    # The row keeps the fingerprint it started with (only a migration changes it); v1 as
+    # loaded since has check_fare, without compensate=: that is known. Before: parked,
+    # "owes the compensation of 'check_fare' ... load v1 beside v2" (v1 was loaded).
+    started, redeployed = _fare(1), _fare(1, hold=True)
+    assert started.fingerprint != redeployed.fingerprint
+    clock = FakeClock()
+    with Engine(store_url, workflows=[started], clock=clock) as engine:
+        run_id = engine.start(started, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[redeployed, V2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        assert engine.history(run_id)[-1].data["dropped"] == {"check_fare": False}
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        _replays(engine, run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel")
+    assert undone == ["v2 book_hotel"]
+
+
+def test_redeploy_dropping_a_plain_step__may_owe_and_says_so(store_url: str) -> None:
+    # Whether check_fare declared compensate= is not known (v1 as the run knew it is not
+    # loaded): the run parks, saying it may owe it, and mapping it is no way out offered
+    # for a step that may undo nothing (its undo would be run for another step's action).
+    started, redeployed = _fare(1), trip(1, flight=None)
+    clock = FakeClock()
+    with Engine(store_url, workflows=[started], clock=clock) as engine:
+        run_id = engine.start(started, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[redeployed], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.state) == ("paused", "cancelled")
+    assert info.reason == (
+        "definition_mismatch: it is compensating and may owe the compensation of "
+        "'check_fare' (v1) (whether it declared compensate= is not known), which "
+        "trip_deploys v1 has no step for; deploy a version above v1 whose "
+        "migrates_from={1: {...}} maps each that declared compensate= to a step that "
+        f"undoes it, and `flowloop migrate {run_id} --to <that version>`, or deploy v1 as "
+        f"the run knew it (with 'check_fare') again and `flowloop unpause {run_id}`"
+    )
+    with Engine(store_url, workflows=[started], clock=clock) as engine:
+        engine.unpause(run_id)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel")
+
+
+def test_mapping_merging_a_step_into_another_state__no_rename_owed(store_url: str) -> None:
+    # v2 drops book_flight; runs still in it go on at book_hotel. That is no rename of
+    # book_flight's step: its undo is not book_hotel's. Before: "compensated: book_hotel,
+    # book_hotel" — the hotel undone twice, the flight never.
+    v2 = trip(2, flight=None, migrates={1: {"book_flight": "book_hotel"}})
+    clock = FakeClock()
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[V1, v2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        data = engine.history(run_id)[-1].data
+        assert data["dropped"] == {"book_flight": True}
+        assert data["renames"] == {}  # (decided: no rename)
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        _replays(engine, run_id)
+    assert (info.status, info.state) == ("paused", "cancelled")
+    assert info.reason is not None
+    assert "owes the compensation of 'book_flight' (v1)" in info.reason
+    assert undone == []
+
+
+def test_renamed_then_migrated_again__the_rename_holds_once_versions_are_unloaded(
+    store_url: str,
+) -> None:
+    # v2 renames book_flight reserve_flight, v3 keeps it; compensating with v3 alone
+    # loaded. Before: parked, "owes 'book_flight' (v1) ... load v1 beside v3".
+    v2 = trip(2, flight="reserve_flight", migrates={1: {"book_flight": "reserve_flight"}})
+    v3 = trip(3, flight="reserve_flight", migrates={2: {}})
+    clock = FakeClock()
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[V1, v2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        assert engine.history(run_id)[-1].data["renames"] == {"book_flight": "reserve_flight"}
+    with Engine(store_url, workflows=[v2, v3], clock=clock) as engine:
+        engine.migrate(run_id, to=3, by="deployer")
+    with Engine(store_url, workflows=[v3], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        _replays(engine, run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, reserve_flight")
+    assert undone == ["v3 book_hotel", "v3 reserve_flight book_flight:1:undo"]
+
+
+def test_migrate_keeping_every_step__reads_no_journal(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nothing dropped (decided from the definitions): the run's journal is not read.
+    # Before: read, and folded, for every run moved.
+    v2 = trip(2, migrates={1: {}})
+    clock = FakeClock()
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+    with Engine(store_url, workflows=[V1, v2], clock=clock) as engine:
+        read: list[str] = []
+        journal = engine.store.journal
+
+        def counted(run: str, *args: object, **kwargs: object) -> list[j.JournalEvent]:
+            read.append(run)
+            return journal(run, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(engine.store, "journal", counted)
+        engine.migrate(run_id, to=2, by="deployer")
+        monkeypatch.undo()
+        assert read == []
+        assert "dropped" not in engine.history(run_id)[-1].data

@@ -137,7 +137,7 @@ def test_dropped_without_compensate__owes_nothing_when_known() -> None:
     v1 = trip(1, ("check", "charge"), undo=("charge",))
     v2 = trip(2, ("charge",), migrates={1: {}})
     journal = Journal(v1).succeeded("check", "charge")
-    assert owed.dropped_by(v2, journal.events, loaded(v1, v2)) == {"check": False}
+    assert owed.dropped_by(v2, journal.events, loaded(v1, v2), {}) == {"check": False}
     # Journaled by the move: known with v1 loaded or not.
     events = journal.migrated(v1, v2, dropped={"check": False}).cancelled()
     assert [u.state for u in compensations_due(v2, events, loaded(v2))] == ["charge"]
@@ -148,7 +148,7 @@ def test_dropped_journaled_as_undone__owed_once_the_version_is_unloaded() -> Non
 
     v1, v2 = trip(1), trip(2, ("charge",), migrates={1: {}})
     journal = Journal(v1).succeeded("reserve", "charge")
-    assert owed.dropped_by(v2, journal.events, loaded(v1, v2)) == {"reserve": True}
+    assert owed.dropped_by(v2, journal.events, loaded(v1, v2), {}) == {"reserve": True}
     events = journal.migrated(v1, v2, dropped={"reserve": True}).cancelled()
     message = lost(v2, events, v2)  # (v1 no longer loaded: skipped, before)
     assert message == (
@@ -173,8 +173,9 @@ def test_advice__a_mapping_of_a_state_it_still_has_is_no_rename() -> None:
     message = lost(v2, Journal(v1).succeeded("reserve", "charge").cancelled(), v2)
     assert "renames" not in message
     assert (
-        "; map each to the v2 step that undoes it in migrates_from={1: {...}} and "
-        "`flowloop migrate r --to 2`, or load v1 (with 'reserve') beside v2, where the run "
+        "; map each that declared compensate= to the v2 step that undoes it in "
+        "migrates_from={1: {...}} and `flowloop migrate r --to 2`, or load v1 (with "
+        "'reserve') beside v2, where the run "
         "compensates, and `flowloop unpause r`"
     ) in message
 
@@ -222,9 +223,10 @@ def test_advice__a_redeploy_of_its_version_dropped_it() -> None:
     events = Journal(v1).succeeded("reserve", "charge").cancelled()
     message = lost(redeployed, events, redeployed)  # (before: skipped, same version number)
     assert message == (
-        "it is compensating and owes the compensation of 'reserve' (v1), which trip v1 has "
-        "no step for; deploy a version above v1 whose migrates_from={1: {...}} maps each to "
-        "a step that undoes it, and `flowloop migrate r --to <that version>`, or deploy v1 as "
+        "it is compensating and may owe the compensation of 'reserve' (v1) (whether it "
+        "declared compensate= is not known), which trip v1 has no step for; deploy a version "
+        "above v1 whose migrates_from={1: {...}} maps each that declared compensate= to a "
+        "step that undoes it, and `flowloop migrate r --to <that version>`, or deploy v1 as "
         "the run knew it (with 'reserve') again and `flowloop unpause r`"
     )
 
@@ -234,8 +236,9 @@ def test_advice__judged_by_an_older_version_load_its_own() -> None:
     events = Journal(v2).succeeded("reserve", "charge").cancelled()
     message = lost(v1, events, v1)  # (a rollback: v2's run under v1)
     assert message.endswith(
-        "; deploy a version above v2 whose migrates_from={2: {...}} maps each to a step that "
-        "undoes it, and `flowloop migrate r --to <that version>`, or load v2 (with 'reserve') "
+        "; deploy a version above v2 whose migrates_from={2: {...}} maps each that declared "
+        "compensate= to a step that undoes it, and `flowloop migrate r --to <that version>`, "
+        "or load v2 (with 'reserve') "
         "beside v1, where the run compensates, and `flowloop unpause r`"
     )
 
@@ -248,8 +251,9 @@ def test_advice__a_move_refused_starts_from_the_version_it_is_on() -> None:
     moving = [*journal, *Journal(v1).migrated(v1, v2).events[1:]]
     refused = owed.stranded_compensations(v2, _renumbered(moving), loaded(v2), moving=True)
     assert str(refused).endswith(
-        "; map each to the v2 step that undoes it in migrates_from={1: {...}} and "
-        "`flowloop migrate r --to 2`, or load v1 beside v2 and leave it on v1, where "
+        "; map each that declared compensate= to the v2 step that undoes it in "
+        "migrates_from={1: {...}} and `flowloop migrate r --to 2`, or load v1 beside v2 and "
+        "leave it on v1, where "
         "it compensates"
     )
     refused = owed.stranded_compensations(v2, _renumbered(moving), loaded(v1, v2), moving=True)
@@ -271,3 +275,62 @@ def test_migrated_to_a_version_redeployed_since_without_the_step__owed() -> None
     assert message.endswith(
         ", or deploy v2 as the run knew it (with 'reserve') again and `flowloop unpause r`"
     )
+
+
+def test_redeployed_version_loaded_with_the_step__says_whether_it_undoes() -> None:
+    # The run knew v1 as started (its row's fingerprint); v1 redeployed since (a wait
+    # more) still has check, without compensate=: known. Before: only an exact fingerprint
+    # counted, so a plain step was "owed" (dropped_by left it out, the run parked).
+    from flowloop import owed
+
+    started = trip(1, ("check", "charge"), undo=("charge",))
+    redeployed = trip(1, ("check", "charge"), undo=("charge",), waits=("hold",))
+    assert redeployed.fingerprint != started.fingerprint
+    v2 = trip(2, ("charge",), migrates={1: {}})
+    journal = Journal(started).succeeded("check", "charge")
+    assert owed.dropped_by(v2, journal.events, loaded(redeployed, v2), {}) == {"check": False}
+    events = journal.migrated(started, v2).cancelled()  # (an entry without `dropped`)
+    due = compensations_due(v2, events, loaded(redeployed, v2))
+    assert [u.state for u in due] == ["charge"]
+
+
+def test_may_owe__a_loaded_definition_of_that_version_is_not_offered_to_load() -> None:
+    # v2 (the run moved there) redeployed without reserve and loaded: "load v2" would not
+    # help — deploying v2 as the run knew it would.
+    v1, v2 = trip(1), trip(2, migrates={1: {}})
+    v2_redeployed, v3 = (
+        trip(2, ("charge",), migrates={1: {}}),
+        trip(3, ("charge",), migrates={2: {}}),
+    )
+    events = Journal(v1).succeeded("reserve", "charge").migrated(v1, v2)
+    events = events.migrated(v2, v3).cancelled()
+    message = lost(v3, _renumbered(events), v3, v2_redeployed)
+    assert message.startswith(
+        "it is compensating and may owe the compensation of 'reserve' (v2) (whether it "
+        "declared compensate= is not known), which trip v3 has no step for; "
+    )
+    assert "load v2" not in message
+    assert "if v2 declared no compensate= on 'reserve', deploy v2 as the run knew it" in message
+
+
+def test_merge_into_a_state_the_source_had__no_rename() -> None:
+    from flowloop import owed
+
+    v1 = trip(1)
+    v2 = trip(2, ("charge",), migrates={1: {"reserve": "charge"}})  # runs in reserve: charge
+    assert owed.renames_by(v2.migrates_from[1], v2, v1.states) == {}
+    journal = Journal(v1).succeeded("reserve", "charge")
+    assert owed.dropped_by(v2, journal.events, loaded(v1, v2), {}) == {"reserve": True}
+    events = journal.migrated(v1, v2, renames={}, dropped={"reserve": True}).cancelled()
+    # Before: reserve "renamed" charge, charge's undo run twice, reserve's never.
+    assert "owes the compensation of 'reserve' (v1)" in lost(v2, events, v2)
+
+
+def test_journaled_renames__hold_with_the_version_unloaded() -> None:
+    v1 = trip(1)
+    v2 = trip(2, ("hold", "charge"), migrates={1: {"reserve": "hold"}})
+    v3 = trip(3, ("hold", "charge"), migrates={2: {}})
+    events = Journal(v1).succeeded("reserve", "charge")
+    events = events.migrated(v1, v2, renames={"reserve": "hold"}).migrated(v2, v3).cancelled()
+    due = compensations_due(v3, _renumbered(events), loaded(v3))  # (v1, v2 not loaded)
+    assert [(u.state, u.ran_as) for u in due] == [("charge", "charge"), ("hold", "reserve")]
