@@ -74,6 +74,8 @@ def waits_for_children(engine: Engine, workflow: Workflow, info: RunInfo) -> boo
     store = engine.store
     if info.state not in workflow.composites or not isinstance(store, JoinStoreMixin):
         return False
+    if info.next_run_at is None:  # (no sleep into it: a sleep makes it due at its end)
+        return True
     visit = info.visits.get(info.state, 0)
     join_id = compose.join_id(info.id, info.state, visit)
     return store.find_join(join_id, info.id, info.state, visit) is not None
