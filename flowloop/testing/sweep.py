@@ -218,7 +218,13 @@ def _script(
     def finish(engine: TestEngine, run: list[str]) -> None:
         engine.run_until_idle()
 
-    names = [f"action {getattr(action, '__name__', action)!r}" for action in actions]
+    labels = [repr(getattr(action, "__name__", action)) for action in actions]
+    # One name per action (two lambdas are both '<lambda>': ``called`` told them apart by
+    # name, and blamed the second for being done again once the first had run).
+    names = [
+        f"action {index} {label}" if labels.count(label) > 1 else f"action {label}"
+        for index, label in enumerate(labels, start=1)
+    ]
     acts = [(name, act(name, action)) for name, action in zip(names, actions, strict=True)]
     return [("the start", start), *acts, ("run_until_idle", finish)]
 

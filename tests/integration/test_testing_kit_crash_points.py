@@ -297,3 +297,33 @@ def test_sweep__an_action_that_never_ran_before_the_crash_is_not_blamed_for_repe
     assert not any("dedupe_key" in p for p in raised), raised
     assert all("after the crash, which changed what it found" in p for p in raised), raised
     assert all("the run is failed in state charge" in p for p in raised), raised
+
+
+def test_sweep__two_lambdas_are_two_actions(tmp_path: Path) -> None:
+    # Two actions both named '<lambda>': the second, not run yet when a crash cut off the
+    # step before it, was blamed for being done again once the first had run (a review).
+    flow = Workflow("sweep_two", context=Count)
+
+    @flow.step(initial=True, next="asked")
+    def first(ctx: Count) -> None:
+        ctx.n += 1
+
+    flow.wait("asked", on={"approve": "charge"})
+
+    @flow.step(next="shipping", idempotent=False)
+    def charge(ctx: Count) -> None:
+        ctx.n += 10
+
+    flow.wait("shipping", on={"ship": "done"})
+    flow.final("done")
+    actions = [
+        lambda engine, run_id: engine.send(run_id, "approve", dedupe_key="a-1"),
+        lambda engine, run_id: engine.send(run_id, "ship", dedupe_key="s-1"),
+    ]
+    sweep = check_crash_points(
+        flow, Count(), actions=actions, operator_retry=False, directory=tmp_path
+    )
+    raised = [p for o in sweep.outcomes for p in o.problems if "raised" in p]
+    assert raised, describe(sweep)
+    assert all(p.startswith("action 2 '<lambda>' raised") for p in raised), raised
+    assert not any("dedupe_key" in p for p in raised), raised
