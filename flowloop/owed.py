@@ -251,18 +251,21 @@ def _renamed(
         # Its steps are not known: a step it renamed (journaled) is that version's step by
         # the new name; any other keeps the definition that last had it.
         renames = journaled if isinstance(journaled, dict) else {}
+        # (A rename onto no step — a wait, say — is dropped too: what it journaled holds.)
         return [
-            _moved(undo, StepOf(to, fingerprint, str(renames[undo.state])))
+            _moved(_journaled(undo, dropped), StepOf(to, fingerprint, str(renames[undo.state])))
             if undo.state in renames
             else _journaled(undo, dropped)
             for undo in undos
         ]
-    # (An entry from before renames were journaled: its mapping's renames, as then.)
-    renames = (
-        journaled
-        if isinstance(journaled, dict)
-        else renames_by(target.migrates_from.get(source, {}), target, ())
-    )
+    if not isinstance(journaled, dict):
+        # An entry from before renames were journaled: its mapping's renames, as then — but
+        # a state the run's own steps ran as, or the source version has (when loaded), was
+        # the source's: mapped onto, it is a merge, no rename (one undo ran twice).
+        had = version_of(source) if version_of else None
+        known = {undo.state for undo in undos} | set(had.states if had is not None else ())
+        journaled = renames_by(target.migrates_from.get(source, {}), target, known)
+    renames = journaled
     # Another definition of that version loaded (redeployed since): its renames are taken,
     # but not its steps — one the definition moved to may have had is not known dropped.
     exact = target.fingerprint == fingerprint

@@ -334,3 +334,26 @@ def test_journaled_renames__hold_with_the_version_unloaded() -> None:
     events = events.migrated(v1, v2, renames={"reserve": "hold"}).migrated(v2, v3).cancelled()
     due = compensations_due(v3, _renumbered(events), loaded(v3))  # (v1, v2 not loaded)
     assert [(u.state, u.ran_as) for u in due] == [("charge", "charge"), ("hold", "reserve")]
+
+
+def test_renamed_onto_no_step__what_its_move_journaled_holds_with_the_version_unloaded() -> None:
+    # v2 turns the plain step check into a wait (mapped: a rename onto no step); its move
+    # journaled that check declared no compensate=. Moved on to v3 with v2 unloaded, that
+    # was forgotten: "may owe" check, parked (a review: the README says it holds).
+    v1 = trip(1, ("check", "charge"), undo=("charge",))
+    v2 = trip(2, ("charge",), migrates={1: {"check": "approval"}}, waits=("approval",))
+    v3 = trip(3, ("charge",), migrates={2: {}}, waits=("approval",))
+    journal = Journal(v1).succeeded("check", "charge")
+    journal.migrated(v1, v2, renames={"check": "approval"}, dropped={"check": False})
+    events = _renumbered(journal.migrated(v2, v3).cancelled())
+    assert [u.state for u in compensations_due(v3, events, loaded(v3))] == ["charge"]
+
+
+def test_an_entry_from_before_renames_were_journaled__a_merge_is_no_rename() -> None:
+    # Its mapping read as then (no renames journaled) — but a state the run's own steps ran
+    # as was the source's: mapped onto, a merge. Taken for a rename, charge's undo ran
+    # twice and reserve's never (a review).
+    v1 = trip(1)
+    v2 = trip(2, ("charge",), migrates={1: {"reserve": "charge"}})
+    events = Journal(v1).succeeded("reserve", "charge").migrated(v1, v2).cancelled()
+    assert "compensation of 'reserve' (v1)" in lost(v2, events, v2)  # (v1 not loaded)
