@@ -343,7 +343,10 @@ def advice(
     run, have, to = owing.version, workflow.version, f"`flowloop migrate {run_id} --to"
     mapping = workflow.migrates_from.get(run, {})
     own = version_of(run) if version_of and run != have else None
-    states = own.states if own is not None else ()  # (not loaded: a mapping is a rename)
+    # The run's version's states: when loaded, all of them; else those its steps ran as —
+    # a mapping onto one is a merge, not a rename (advised as one, the move it named was
+    # the one just refused).
+    states = {undo.ran_as for undo in owing.succeeded} | set(own.states if own else ())
     renames = renames_by(mapping, workflow, states)
     if run < have and all(renames.get(u.state) in workflow.steps for u in lost):
         named = ", ".join(f"{u.state} -> {renames[u.state]}" for u in lost)

@@ -357,3 +357,19 @@ def test_an_entry_from_before_renames_were_journaled__a_merge_is_no_rename() -> 
     v2 = trip(2, ("charge",), migrates={1: {"reserve": "charge"}})
     events = Journal(v1).succeeded("reserve", "charge").migrated(v1, v2).cancelled()
     assert "compensation of 'reserve' (v1)" in lost(v2, events, v2)  # (v1 not loaded)
+
+
+def test_advice__a_move_refused_onto_a_merge_names_no_rename() -> None:
+    # v2 merges reserve into charge (a state v1 had); refused with v1 not loaded, the
+    # advice took the mapping for a rename and named the very move just refused (a review).
+    from flowloop import owed
+
+    v1 = trip(1)
+    v2 = trip(2, ("charge",), migrates={1: {"reserve": "charge"}})
+    journal = Journal(v1).succeeded("reserve", "charge").cancelled()
+    move = Journal(v1).migrated(v1, v2, renames={}).events[1:]
+    refused = owed.stranded_compensations(
+        v2, _renumbered([*journal, *move]), loaded(v2), moving=True
+    )
+    assert refused is not None and "renames it" not in str(refused), str(refused)
+    assert "map each that declared compensate= to the v2 step that undoes it" in str(refused)
