@@ -104,7 +104,7 @@ def new_run_trace(carrier: Mapping[str, str] | None = None) -> RunTrace:
             span_id=_span_id(),
             parent_id=parent_id,
             sampled=bool(int(flags, 16) & 1),
-            tracestate=_header(carrier, TRACESTATE) or None,
+            tracestate=_tracestate(carrier) or None,
         )
     trace_id = secrets.token_hex(16)
     return RunTrace(trace_id=trace_id if trace_id != _ZERO_TRACE else "1" * 32, span_id=_span_id())
@@ -119,6 +119,17 @@ def _header(carrier: Mapping[str, str], name: str) -> str | None:
     if value is None and hasattr(carrier, "items"):
         value = next((v for k, v in carrier.items() if str(k).lower() == name), None)
     return value
+
+
+def _tracestate(carrier: Mapping[str, str]) -> str | None:
+    """The ``tracestate`` header; several (an email Message's headers keep each) are one
+    list, joined with commas as W3C Trace Context says (``get`` gave the first only)."""
+    get_all = getattr(carrier, "get_all", None)
+    if callable(get_all):
+        values = [str(value) for value in get_all(TRACESTATE) or ()]
+        if values:
+            return ",".join(values)
+    return _header(carrier, TRACESTATE)
 
 
 def _shown(carrier: Mapping[str, str]) -> Any:

@@ -231,6 +231,9 @@ def test_tracing__request_headers_that_are_no_mapping_carry_the_trace(
     assert run_trace(info.id, engine.history(info.id)[0].data).tracestate is None
     with_state = engine.start(flaky_job(), {"n": 2}, trace_context=message)  # type: ignore[arg-type]
     assert run_trace(with_state.id, engine.history(with_state.id)[0].data).tracestate == "vendor=1"
+    message["tracestate"] = "other=2"  # a second header: one list, W3C's comma join
+    both = engine.start(flaky_job(), {"n": 2}, trace_context=message)  # type: ignore[arg-type]
+    assert run_trace(both.id, engine.history(both.id)[0].data).tracestate == "vendor=1,other=2"
 
 
 def test_tracing__a_run_created_without_tracing_joins_its_derived_trace(tmp_path: Path) -> None:
