@@ -11,6 +11,12 @@ The offset is measured when the engine opens its store and again at every recove
 (at most every 10 s); an offset smaller than :data:`SKEW_IGNORED` (or than the round
 trip) is taken as none, so a host in sync never jitters. A deployment thus tolerates any
 skew between hosts, within the round trip plus the drift between two measurements.
+
+Between two measurements the time goes on by the *monotonic* clock from the last one, not
+by the host's wall clock: a wall clock that jumps (``date -s``, NTP stepping a clock far
+off, a VM restored from a snapshot) moves nothing until the next measurement sees it and
+says so. Adding the last offset to ``time.time()`` instead made a worker whose clock
+jumped an hour ahead claim and run, for up to 10 s, every run due within that hour.
 """
 
 from __future__ import annotations
@@ -35,12 +41,20 @@ class DatabaseClock:
         self.base = base or SystemClock()
         self.offset = 0.0
         self._db_now = db_now
+        self._anchor(self.base.now(), self.base.monotonic())
+
+    def _anchor(self, wall: float, monotonic: float) -> None:
+        """``now()`` is ``wall`` at the instant ``monotonic``, and goes on from there."""
+        self._anchor_wall = wall
+        self._anchor_monotonic = monotonic
 
     def refresh(self) -> float:
         """Measure the offset again (a database call; raises what it raises)."""
         before = time.time()
+        monotonic_before = self.base.monotonic()
         server = self._db_now()
         after = time.time()
+        monotonic = (monotonic_before + self.base.monotonic()) / 2
         measured = server - (before + after) / 2
         offset = measured if abs(measured) > max(SKEW_IGNORED, after - before) else 0.0
         if abs(offset - self.offset) > SKEW_IGNORED:
@@ -51,10 +65,11 @@ class DatabaseClock:
                 extra={"event": "clock_skew", "offset": offset},
             )
         self.offset = offset
+        self._anchor((before + after) / 2 + offset, monotonic)
         return offset
 
     def now(self) -> float:
-        return self.base.now() + self.offset
+        return self._anchor_wall + (self.base.monotonic() - self._anchor_monotonic)
 
     def monotonic(self) -> float:
         return self.base.monotonic()

@@ -18,48 +18,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import socket
-import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flowloop.leasethread import FENCED, LeaseGuard, poller, renewer, stall_bound
+from flowloop.workerids import new_worker_id, owner_is_dead_here
+
+__all__ = ["LeaseKeeper", "new_worker_id", "owner_is_dead_here"]
 
 if TYPE_CHECKING:
     from flowloop.executor import Executor
 
 log = logging.getLogger("flowloop")
-
-
-def new_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-
-
-def owner_is_dead_here(owner: str) -> bool:
-    """A worker on this host whose process is gone: its leases need not run out first."""
-    host, _, rest = owner.partition(":")
-    pid_text = rest.partition(":")[0]
-    if host != socket.gethostname() or not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return _is_zombie(pid)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
 
 
 class LeaseKeeper:

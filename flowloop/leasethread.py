@@ -369,19 +369,22 @@ class LeaseGuard:
                 continue
             now = time.monotonic()
             try:
-                called = False
+                renewed = False
                 if now - last_renewal >= self.lease_seconds * RENEW_FRACTION or failing:
-                    self._renew_held()
-                    last_renewal, called = now, True
+                    renewed = self._renew_held()
+                    last_renewal = now
                 if (now - last_poll >= self.poll_seconds or failing) and self._holding():
                     requests = self._poll()
-                    last_poll, called, polls = now, True, polls + 1
+                    last_poll, polls = now, polls + 1
                     # Handed over after requests even when empty: the loop drops a pause
                     # that was withdrawn meanwhile (an operator's unpause of a running run).
                     if requests or quiet_to_hand:
                         self._to_loop(self._hand_controls, polls, dict(requests))
                     quiet_to_hand = QUIET_POLLS_HANDED if requests else max(0, quiet_to_hand - 1)
-                if failing and called:
+                # Only a renewal (a write) that answered ends the heartbeat's outage: with
+                # every run fenced off there is none to make, and a poll (a read) answers
+                # from a read-only database too.
+                if failing and renewed:
                     heartbeat.answered()
                     failing = False
             except Exception as error:  # keep beating (retrying every tick) through a hiccup
@@ -425,12 +428,13 @@ class LeaseGuard:
             )
         return True
 
-    def _renew_held(self) -> None:
+    def _renew_held(self) -> bool:
+        """Renew the leases of the runs held here; whether the database was asked."""
         with self._lock:
             held = [run_id for run_id in self._held if run_id not in self._fenced]
         held = [run_id for run_id in held if not self._released(run_id)]
         if not held or self._loop_wedged(len(held)):
-            return
+            return False
         before = time.monotonic()
         result = self._renew(held)
         kept, unknown = (
@@ -447,6 +451,7 @@ class LeaseGuard:
             self._to_loop(
                 self._lost, run_id, "lost its lease (expired, or taken over by another worker)"
             )
+        return True
 
 
 # -- the database calls of the renewer ------------------------------------------------------

@@ -15,6 +15,7 @@ from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, NewRun, SQLStore, StoredRun, migrate
 from flowloop.store.schema import runs
+from flowloop.workerids import host_tag
 
 WORKFLOW = "w"
 FINGERPRINT = "f" * 16
@@ -158,7 +159,7 @@ def dead_owner() -> str:
         text=True,
         check=True,
     )
-    return f"{socket.gethostname()}:{done.stdout.strip()}:dead"
+    return f"{socket.gethostname()}:{done.stdout.strip()}:dead:{host_tag()}"
 
 
 def to_revision(url: str, revision: str) -> None:

@@ -40,6 +40,7 @@ def status(
     shown lists the next ones). A run resting in a wait state shows as `waiting`."""
     from flowloop import family
     from flowloop.cli import support
+    from flowloop.cli.leases import lease_line
     from flowloop.cli.views import NARROW_DROPS, family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
 
@@ -57,6 +58,9 @@ def status(
                 return
             due = support.run_due(reader, info)
             show_run(info, waits.of(info), support.asleep_reason(info, due), due)
+            holder = lease_line(reader.store, info)
+            if holder is not None:
+                out.print(holder, markup=False)
             for line in family_lines(reader.store, info.id, live=not info.finished):
                 out.print(line)
             return

@@ -24,6 +24,7 @@ from flowloop import Engine, FakeClock, Retry, Step, Workflow
 from flowloop import journal as j
 from flowloop.executor import RECOVERY_BATCH, Executor, new_worker_id
 from flowloop.store import SQLStore
+from flowloop.workerids import host_tag
 
 
 class Crash(BaseException):
@@ -39,7 +40,7 @@ def dead_worker_id() -> str:
     """A worker id on this host whose process has exited (and been reaped)."""
     proc = subprocess.Popen(["true"])
     proc.wait()
-    return f"{socket.gethostname()}:{proc.pid}:crashed"
+    return f"{socket.gethostname()}:{proc.pid}:crashed:{host_tag()}"
 
 
 Plan = Callable[[Step], None]

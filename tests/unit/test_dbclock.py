@@ -1,0 +1,33 @@
+"""The database-corrected clock (flowloop/dbclock.py) goes on by the monotonic clock between
+two measurements: a host's wall clock that jumps moves it only once a measurement sees the
+jump (tests/acceptance/test_clock_jump.py: the same with a real process and server)."""
+
+from __future__ import annotations
+
+import time
+
+from flowloop.clock import FakeClock
+from flowloop.dbclock import DatabaseClock
+
+
+def test_a_wall_clock_jump_moves_nothing_until_measured() -> None:
+    base = FakeClock(1_800_000_000.0)
+    clock = DatabaseClock(time.time, base=base)
+    base.jump_wall(3600.0)
+    assert clock.now() == 1_800_000_000.0
+    base.jump_wall(-7200.0)
+    assert clock.now() == 1_800_000_000.0
+
+
+def test_time_goes_on_by_the_monotonic_clock() -> None:
+    base = FakeClock(1_800_000_000.0)
+    clock = DatabaseClock(time.time, base=base)
+    base.advance(2.5)
+    assert clock.now() == 1_800_000_002.5
+
+
+def test_a_measurement_takes_the_database_clock() -> None:
+    clock = DatabaseClock(lambda: time.time() + 90.0)
+    clock.refresh()
+    assert abs(clock.offset - 90.0) < 1.0
+    assert abs(clock.now() - (time.time() + 90.0)) < 1.0
