@@ -12,8 +12,9 @@ The offset is measured when the engine opens its store and again at every recove
 trip) is taken as none, so a host in sync never jitters. A deployment thus tolerates any
 skew between hosts, within the round trip plus the drift between two measurements.
 
-Between two measurements the time goes on by the *monotonic* clock from the last one, not
-by the host's wall clock: a wall clock that jumps (``date -s``, NTP stepping a clock far
+Between two measurements the time goes on from the last one by the time since boot
+(``CLOCK_BOOTTIME``, which counts a suspend; the monotonic clock elsewhere), not by the
+host's wall clock: a wall clock that jumps (``date -s``, NTP stepping a clock far
 off, a VM restored from a snapshot) moves nothing until the next measurement sees it and
 says so. Adding the last offset to ``time.time()`` instead made a worker whose clock
 jumped an hour ahead claim and run, for up to 10 s, every run due within that hour.
@@ -34,6 +35,16 @@ SKEW_IGNORED: Final = 0.5
 """Seconds of offset to the database's clock taken as none."""
 
 
+_BOOTTIME: Final[int | None] = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def _boottime() -> float:
+    """Seconds since boot, a suspend included (Linux); elsewhere the monotonic clock."""
+    if _BOOTTIME is None:
+        return time.monotonic()
+    return time.clock_gettime(_BOOTTIME)
+
+
 class DatabaseClock:
     """:class:`~flowloop.clock.SystemClock` plus the offset to ``db_now()``."""
 
@@ -41,20 +52,20 @@ class DatabaseClock:
         self.base = base or SystemClock()
         self.offset = 0.0
         self._db_now = db_now
-        self._anchor(self.base.now(), self.base.monotonic())
-
-    def _anchor(self, wall: float, monotonic: float) -> None:
-        """``now()`` is ``wall`` at the instant ``monotonic``, and goes on from there."""
-        self._anchor_wall = wall
-        self._anchor_monotonic = monotonic
+        # The real clocks: a suspend counts (CLOCK_BOOTTIME; the monotonic clock stops while
+        # the host sleeps, and every due time computed after a wake was that much early).
+        self._elapsed = _boottime if isinstance(self.base, SystemClock) else self.base.monotonic
+        self._anchor_at = (self.base.now(), self._elapsed())
+        """``now()`` is the first at the instant the second was read, and goes on from there
+        (one tuple, replaced whole: another thread never reads half of a new anchor)."""
 
     def refresh(self) -> float:
         """Measure the offset again (a database call; raises what it raises)."""
-        before = time.time()
-        monotonic_before = self.base.monotonic()
+        before = self.base.now()
+        elapsed_before = self._elapsed()
         server = self._db_now()
-        after = time.time()
-        monotonic = (monotonic_before + self.base.monotonic()) / 2
+        after = self.base.now()
+        elapsed = (elapsed_before + self._elapsed()) / 2
         measured = server - (before + after) / 2
         offset = measured if abs(measured) > max(SKEW_IGNORED, after - before) else 0.0
         if abs(offset - self.offset) > SKEW_IGNORED:
@@ -65,11 +76,12 @@ class DatabaseClock:
                 extra={"event": "clock_skew", "offset": offset},
             )
         self.offset = offset
-        self._anchor((before + after) / 2 + offset, monotonic)
+        self._anchor_at = ((before + after) / 2 + offset, elapsed)
         return offset
 
     def now(self) -> float:
-        return self._anchor_wall + (self.base.monotonic() - self._anchor_monotonic)
+        wall, at = self._anchor_at
+        return wall + (self._elapsed() - at)
 
     def monotonic(self) -> float:
         return self.base.monotonic()

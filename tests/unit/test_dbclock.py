@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from flowloop.clock import FakeClock
 from flowloop.dbclock import DatabaseClock
 
@@ -31,3 +33,23 @@ def test_a_measurement_takes_the_database_clock() -> None:
     clock.refresh()
     assert abs(clock.offset - 90.0) < 1.0
     assert abs(clock.now() - (time.time() + 90.0)) < 1.0
+
+
+def test_a_suspend_of_the_host_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real clocks go on by the time since boot, which counts a suspend: the monotonic
+    clock stops while the host sleeps, and a client engine (which measures again never)
+    ran that far behind the database for good — a deadline set after a 2-hour suspend was
+    already past (a review)."""
+    import flowloop.dbclock as dbclock
+
+    slept = 0.0
+    real = time.clock_gettime
+
+    def boottime(clock_id: int) -> float:
+        return real(clock_id) + (slept if clock_id == time.CLOCK_BOOTTIME else 0.0)
+
+    monkeypatch.setattr(dbclock.time, "clock_gettime", boottime)
+    clock = DatabaseClock(time.time)
+    before = clock.now()
+    slept = 7200.0  # the host slept two hours: the wall clock and boot time moved on
+    assert clock.now() - before >= 7200.0
