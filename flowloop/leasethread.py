@@ -388,13 +388,16 @@ class LeaseGuard:
                     heartbeat.answered()
                     failing = False
             except Exception as error:  # keep beating (retrying every tick) through a hiccup
-                if not failing:
-                    text = str(error).strip().splitlines()
-                    log.log(
-                        heartbeat.failed(),
-                        "heartbeat failed (retrying): %s",
-                        text[0] if text else type(error),
-                    )
+                # Each failure told at the outage's level (WARNING first, then once a minute):
+                # logged only when not failing yet, an outage that came while the heartbeat
+                # still waited for an answer to end the last one (it held nothing to renew)
+                # was never said at all.
+                text = str(error).strip().splitlines()
+                log.log(
+                    heartbeat.failed(),
+                    "heartbeat failed (retrying): %s",
+                    text[0] if text else type(error),
+                )
                 failing = True
 
     def _holding(self) -> bool:

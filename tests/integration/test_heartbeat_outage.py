@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from polling import poll
 
@@ -92,3 +93,58 @@ def test_no_answer_is_claimed_while_nothing_was_asked() -> None:
     finally:
         logging.getLogger("flowloop").removeHandler(handler)
     assert "heartbeat failed (retrying): database is read-only" in handler.lines
+
+
+def test_an_outage_after_an_unanswered_one_is_said_too(monkeypatch: Any) -> None:
+    """Once an outage fenced every run, the heartbeat waits for a renewal to say it ended;
+    a worker that then holds nothing makes none. A later outage's failure was then never
+    logged (a failure was told only when not failing yet; a review). Each is told at the
+    outage log's level (its reminders at once here)."""
+    import flowloop.outagelog as outagelog
+
+    monkeypatch.setattr(outagelog, "REMINDER_SECONDS", 0.0)
+    outage = [True]
+    second = threading.Event()
+
+    def renew(run_ids: Sequence[str]) -> set[str]:
+        if outage[0]:
+            raise ConnectionError("second outage" if second.is_set() else "first outage")
+        return set(run_ids)
+
+    handler = Lines()
+    logging.getLogger("flowloop").addHandler(handler)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        guard = LeaseGuard(
+            lease_seconds=LEASE_S,
+            poll_seconds=0.1,
+            renew=renew,
+            poll=dict,
+            lost=lambda run_id, _why: guard.drop(run_id),
+            controls=lambda _requests: None,
+            released=lambda _run_id: False,
+        )
+        guard.start(loop)
+        try:
+            guard.hold("r1", loop.time())
+            assert await asyncio.to_thread(handler.fenced.wait, WAIT_S), "r1 never fenced"
+            outage[0] = False  # over; the worker holds nothing to renew
+            second.set()
+            outage[0] = True
+            guard.hold("r2", loop.time())
+            await asyncio.to_thread(
+                poll,
+                lambda: any("second outage" in line for line in handler.lines),
+                timeout=WAIT_S,
+                every=0.01,
+                what="the second outage's heartbeat failure to be logged",
+            )
+        finally:
+            guard.stop(loop)
+            guard.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        logging.getLogger("flowloop").removeHandler(handler)
