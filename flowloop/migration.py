@@ -24,6 +24,7 @@ from flowloop.lifecycle import LIVE
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.upcast import ContextMigrationError
 from flowloop.verdicts import CONTEXT_MISMATCH, DEFINITION_MISMATCH
+from flowloop.versions import versions_of
 
 if TYPE_CHECKING:
     from flowloop.definition import Workflow
@@ -183,7 +184,8 @@ def _journal_steps(
     # has none in the target. A step an earlier move dropped keeps what that one journaled.)
     if all(renames.get(name, name) in target.steps for name in steps):
         return
-    dropped = owed.dropped_by(target, events(), _versions(engine, record), renames)
+    versions = versions_of(engine._workflows, record.workflow)
+    dropped = owed.dropped_by(target, events(), versions, renames)
     if dropped:
         data[owed.DROPPED] = dropped
 
@@ -213,17 +215,11 @@ def _compensating(
         state=state,
         data=data,
     )
-    versions = _versions(engine, record)
+    versions = versions_of(engine._workflows, record.workflow)
     lost = owed.stranded_compensations(target, [*events(), moved], versions, moving=True)
     if lost is not None:
         raise DefinitionMismatch(record.id, f"{DEFINITION_MISMATCH}: {lost}")
     return True
-
-
-def _versions(engine: Engine, record: RunRecord) -> owed.VersionOf:
-    """The loaded versions of the run's workflow."""
-    registry = engine._workflows
-    return lambda number: registry.version(record.workflow, number)
 
 
 def _sleep_end(engine: Engine, record: RunRecord) -> float | None:
