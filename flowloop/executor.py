@@ -249,6 +249,7 @@ class Executor(Stepping, Recovery, Requests):
             outage = 0.0
             claims = outagelog.Part("claims")
             due_unclaimed = False  # the last turn found a run due, and claimed nothing
+            waited = run_ids if idle_ids is None else idle_ids  # (whose due times idle waits for)
             while not (stop is not None and stop.is_set()) and not self.handing_back:
                 try:
                     if last_recovery is None or self.clock.monotonic() - last_recovery > min(
@@ -259,7 +260,6 @@ class Executor(Stepping, Recovery, Requests):
                             self._park_stranded_waits()
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
-                    waited = run_ids if idle_ids is None else idle_ids
                     idle = until_idle and not claimed and not self._driving_any(scope)
                     due = (
                         self.store.next_due(workflows=list(self.workflows), run_ids=waited)
@@ -302,7 +302,7 @@ class Executor(Stepping, Recovery, Requests):
                     # Only the runs this call drives: another due run it may not claim
                     # must not keep it spinning.
                     wait = None if due is None else max(0.0, due - self.clock.now())
-                    local = self.due_here.next_wait(run_ids if idle_ids is None else idle_ids)
+                    local = self.due_here.next_wait(waited)
                     if local is not None and (wait is None or local < wait):
                         wait = local  # the wall clock was set back: trust the monotonic one
                     if wait is None or wait > idle_horizon:

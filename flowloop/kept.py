@@ -102,8 +102,10 @@ def hand_over_stranded(
     its commit, and one killed in between left them kept for a run that nobody claims —
     a wait without a timeout waited for ever, one with a timeout took them only then.
     Returns how many left the inbox."""
+    if not isinstance(store, InboxStoreMixin):
+        return 0
     handed, after = 0, ""
-    while isinstance(store, InboxStoreMixin):
+    while True:
         found = store.kept_for_free_runs(list(workflows), after=after, limit=STRANDED_BATCH)
         for run_id in found:
             handed += try_deliver_pending(store, workflows, run_id, now=now, worker=worker) or 0
