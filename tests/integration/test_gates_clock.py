@@ -84,9 +84,7 @@ def test_a_run_the_open_breaker_defers_wakes_its_worker_when_due(
         assert abs(wait - expected) < TOLERANCE_S, (wait, expected)
 
 
-def test_a_run_the_rate_limit_defers_wakes_its_worker_when_due(
-    store_url: str, skew: float
-) -> None:
+def test_a_run_the_rate_limit_defers_wakes_its_worker_when_due(store_url: str, skew: float) -> None:
     with Engine(store_url, workflows=[paced]) as engine:
         store = engine.store
         record = store.get_run(engine.start(paced, Call()).id).record  # type: ignore[union-attr]
