@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -123,6 +122,7 @@ class Gates:
         self._trials: set[str] = set()
         """The trial calls (:func:`~flowloop.flowcontrol.call_id`) this worker was given."""
         self._wakeups: list[float] = []
+        """The due times (by :attr:`clock`) of the runs this worker deferred."""
         self._grants: dict[str, dict[str, Any]] = {}
 
     def granted(self, run_id: str) -> dict[str, Any]:
@@ -192,7 +192,7 @@ class Gates:
                 error_message=f"breaker {breaker.name!r} is open; the step was not called",
                 data={"reason": reason},
             )
-        return self._defer(record, state, due or time.time(), reason)
+        return self._defer(record, state, self.clock.now() if due is None else due, reason)
 
     async def _rate(
         self, limits: list[RateLimit], record: RunRecord, state: str
@@ -203,7 +203,9 @@ class Gates:
                 limits, queued=queued, lead=SHORT_WAIT_SECONDS
             )
             if granted:
-                await asyncio.sleep(max(0.0, due - now))  # granted for that instant
+                # Granted for that instant: waited in real time, as ``due - now`` is a span
+                # of the database's clock (a fake engine clock's sleep would call early).
+                await asyncio.sleep(max(0.0, due - now))
                 self._grants[record.id] = {
                     "granted_at": due,
                     "rate_limits": sorted(limit.name for limit in limits),
@@ -220,13 +222,17 @@ class Gates:
         return self._defer(record, state, due, reason)
 
     def _defer(self, record: RunRecord, state: str, due: float, reason: str) -> JournalEvent:
-        # Wake this worker when the run is due again (another worker may claim it first).
-        heapq.heappush(self._wakeups, time.monotonic() + max(0.0, due - time.time()))
+        # Wake this worker when the run is due again (another worker may claim it first):
+        # ``due`` is by the database's clock, like every due time, and so is the engine's
+        # clock the claims judge due times by — not this host's wall clock, which may be
+        # skewed from it (a worker 90 s behind woke 90 s late, one ahead at once).
+        heapq.heappush(self._wakeups, due)
         return self._entry(record, j.RUN_DEFERRED, state=state, data={"due": due, "reason": reason})
 
     def wake_in(self, horizon: float) -> float:
-        """Seconds until the earliest run this worker deferred is due (at most ``horizon``)."""
-        now = time.monotonic()
+        """Seconds until the earliest run this worker deferred is due (at most ``horizon``),
+        by the engine's clock."""
+        now = self.clock.now()
         while self._wakeups and self._wakeups[0] <= now:
             heapq.heappop(self._wakeups)
         if not self._wakeups:

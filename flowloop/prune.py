@@ -1,6 +1,6 @@
 """History retention: delete finished runs older than a cutoff, with their journal, inbox and
-join rows (the call/map joins they were the parent of), and old loop journal entries, in
-batches (one short transaction each).
+join rows (the call/map joins they were the parent of), old loop journal entries and old
+breaker journal entries, in batches (one short transaction each).
 
 What is kept, always: live runs (``scheduled``, ``running``, ``retrying``, ``paused`` …),
 runs that finished at or after the cutoff, the finished descendants of a run that stays
@@ -14,6 +14,14 @@ only if it is still finished and old when its batch deletes it and its parent is
 root, or deleted before it: a family goes top down, a generation per statement, and once a
 run is gone nobody can retry it): the DELETE re-checks both, so an operator's retry racing
 with prune either wins (the run and everything below it are kept) or finds the run gone.
+
+A breaker's journal entries (``opened``, ``half_opened``, ``closed``) older than the cutoff
+go, except its latest ``opened`` entry and every entry after it, whatever their age: the
+breaker's current or last episode (why it opened, its trials, its closing), which is what
+an operator reading the journal asks about its present state. Nothing else reads the
+journal: the breaker's maths (flowloop/flowcontrol.py) works on its row in
+``flowloop_breakers`` (status, the failures within ``within``, ``until``, the trial call)
+and the next entry's seq comes from that row's ``last_seq``, so no seq is ever reused.
 
 A join row goes with its parent, unless a child of it has not reported its end yet (a
 child held by a worker when its parent was stopped only gets a stop request): that child's
@@ -33,6 +41,7 @@ from sqlalchemy import (
     Connection,
     Engine,
     and_,
+    case,
     delete,
     exists,
     func,
@@ -43,7 +52,7 @@ from sqlalchemy import (
 
 from flowloop.store.joins import UNREPORTED
 from flowloop.store.reads import reading
-from flowloop.store.schema import inbox, joins, journal, loop_journal, runs
+from flowloop.store.schema import breaker_journal, inbox, joins, journal, loop_journal, runs
 
 DEFAULT_BATCH: Final = 500
 """Runs per transaction: short enough that workers sharing the database barely wait."""
@@ -61,6 +70,7 @@ class PruneResult:
     inbox: int = 0
     joins: int = 0
     loop_journal: int = 0
+    breaker_journal: int = 0
     batches: int = 0
     dry_run: bool = False
 
@@ -72,6 +82,7 @@ class PruneResult:
             "inbox": self.inbox,
             "joins": self.joins,
             "loop_journal": self.loop_journal,
+            "breaker_journal": self.breaker_journal,
             "batches": self.batches,
             "dry_run": self.dry_run,
         }
@@ -146,7 +157,9 @@ def prune(
 ) -> PruneResult:
     """Delete runs that finished before ``cutoff`` (UTC epoch seconds, judged by the run's
     last update) with their journal and inbox rows, and loop journal entries older than
-    ``cutoff`` (``loop_history``). With ``dry_run`` count what would go, delete nothing."""
+    ``cutoff`` (``loop_history``), and breaker journal entries older than ``cutoff`` but
+    each breaker's latest episode (:func:`_breaker_keeps`). With ``dry_run`` count what
+    would go, delete nothing."""
     if batch < 1:
         raise ValueError("batch must be at least 1")
     result = PruneResult(cutoff=cutoff, dry_run=dry_run)
@@ -188,6 +201,7 @@ def prune(
     _prune_orphaned_joins(db, batch, result)
     if loop_history:
         _prune_loop_journal(db, cutoff, keep_failed, batch * LOOP_BATCH_FACTOR, result)
+    _prune_breaker_journal(db, cutoff, batch * LOOP_BATCH_FACTOR, result)
     return result
 
 
@@ -315,6 +329,59 @@ def _prune_loop_journal(
             low = high + 1
 
 
+def _breaker_keeps() -> Any:
+    """Per breaker, the first seq prune keeps: its latest ``opened`` entry's (with none,
+    its latest entry's). That entry and every one after it — the breaker's current or last
+    episode — tell its present state; nothing else reads the journal (its row in
+    ``flowloop_breakers`` holds the state and the next seq). One grouped read of the
+    journal (its primary key is (name, seq))."""
+    opened = case((breaker_journal.c.kind == "opened", breaker_journal.c.seq))
+    return select(
+        breaker_journal.c.name,
+        func.coalesce(func.max(opened), func.max(breaker_journal.c.seq)).label("keep_from"),
+    ).group_by(breaker_journal.c.name)
+
+
+def _prune_breaker_journal(db: Engine, cutoff: float, batch: int, result: PruneResult) -> None:
+    # Per breaker, its entries before the one it keeps from, older than the cutoff, deleted
+    # ``batch`` seqs at a time. A breaker opening meanwhile only moves its keep point on:
+    # what is below the old one is below the new one too.
+    with reading(db) as reader:
+        keeps = [(row.name, int(row.keep_from)) for row in reader.execute(_breaker_keeps())]
+    for name, keep_from in keeps:
+        with reading(db) as reader:
+            first = reader.execute(
+                select(func.min(breaker_journal.c.seq)).where(
+                    breaker_journal.c.name == name, breaker_journal.c.at < cutoff
+                )
+            ).scalar_one()
+        low = keep_from if first is None else int(first)
+        while low < keep_from:
+            high = min(keep_from - 1, low + batch - 1)
+            with db.begin() as conn:
+                result.breaker_journal += conn.execute(
+                    delete(breaker_journal).where(
+                        breaker_journal.c.name == name,
+                        breaker_journal.c.seq.between(low, high),
+                        breaker_journal.c.at < cutoff,
+                    )
+                ).rowcount
+            result.batches += 1
+            low = high + 1
+
+
+def _count_breaker_journal(conn: Connection, cutoff: float) -> int:
+    keeps = _breaker_keeps().subquery("keeps")
+    return int(
+        conn.execute(
+            select(func.count())
+            .select_from(breaker_journal)
+            .join(keeps, keeps.c.name == breaker_journal.c.name)
+            .where(breaker_journal.c.at < cutoff, breaker_journal.c.seq < keeps.c.keep_from)
+        ).scalar_one()
+    )
+
+
 def _count(
     db: Engine, result: PruneResult, kinds: Sequence[str], keep_failed: bool, loop_history: bool
 ) -> None:
@@ -355,9 +422,10 @@ def _count(
             if keep_failed:
                 query = query.where(loop_journal.c.kind.not_in(FAILED_ITERATIONS))
             result.loop_journal = int(conn.execute(query).scalar_one())
+        result.breaker_journal = _count_breaker_journal(conn, result.cutoff)
 
 
-VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal)
+VACUUMED_TABLES: Final = (runs, journal, inbox, joins, loop_journal, breaker_journal)
 TRUNCATE_RETRY_S: Final = 2.0
 TRUNCATE_PAUSE_S: Final = 0.05
 """SQLite: the WAL's truncating checkpoint after ``VACUUM`` is tried again, this far apart,

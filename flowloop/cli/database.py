@@ -288,7 +288,8 @@ def prune_command(
     synchronous: str,
     as_json: bool,
 ) -> None:
-    """Delete old finished runs with their journal and inbox (live runs are never touched)."""
+    """Delete old finished runs with their journal and inbox (live runs are never touched),
+    and old loop and breaker journal entries."""
     from flowloop.cli import support
     from flowloop.clock import iso
     from flowloop.prune import prune, vacuum
@@ -317,7 +318,9 @@ def prune_command(
         f"{verb} {result.runs:,} run(s) finished before {iso(result.cutoff)}{kept}: "
         f"{result.journal:,} journal row(s), {result.inbox:,} inbox row(s), "
         f"{result.joins:,} join row(s), "
-        f"{result.loop_journal:,} loop journal entr{'y' if result.loop_journal == 1 else 'ies'}"
+        f"{result.loop_journal:,} loop journal entr{'y' if result.loop_journal == 1 else 'ies'}, "
+        f"{result.breaker_journal:,} breaker journal "
+        f"entr{'y' if result.breaker_journal == 1 else 'ies'}"
         + ("" if dry_run else f" in {result.batches} batch(es)"),
         markup=False,
     )
