@@ -73,7 +73,7 @@ class Undo:
     undoes: bool | None = None
     """Whether ``step_of`` declares ``compensate=`` on it, as the migration that dropped it
     journaled (``None``: not journaled)."""
-    undo: str | None = None
+    compensation: str | None = None
     """The name of the ``compensate=`` its ``step_succeeded`` entry journaled (:data:`UNDO`):
     the step as it ran (``step_of`` then) declared it. ``None``: no name journaled (a step
     without ``compensate=``, or an entry from before it was written), or the step moved
@@ -152,8 +152,10 @@ def not_undone(
             visit = record.visit(event.state)
             step_of = StepOf(record.version, record.fingerprint, event.state)
             named = event.data.get(UNDO)
-            undo = named if isinstance(named, str) else None
-            succeeded.append(Undo(event.state, event.seq, visit, event.state, step_of, undo=undo))
+            named = named if isinstance(named, str) else None
+            succeeded.append(
+                Undo(event.state, event.seq, visit, event.state, step_of, compensation=named)
+            )
         elif event.kind == j.RUN_MIGRATED:
             succeeded = _renamed(succeeded, workflow, event, version_of)
         record = j.apply(record, event)
@@ -174,7 +176,7 @@ def undoes(undo: Undo, workflow: Workflow, version_of: VersionOf | None) -> bool
     loaded (``None``: not known)."""
     if undo.state in workflow.steps:
         return compensates(workflow, undo.state)
-    if undo.undo is not None:
+    if undo.compensation is not None:
         return True
     if undo.undoes is not None:
         return undo.undoes
@@ -299,7 +301,7 @@ def _renamed(
 def _moved(undo: Undo, step_of: StepOf) -> Undo:
     # (The name its entry journaled was step_of's, as it ran: the step it moved to has its
     # own compensate=, or none — a rename onto a step without one undoes nothing.)
-    return replace(undo, state=step_of.name, step_of=step_of, undo=None)
+    return replace(undo, state=step_of.name, step_of=step_of, compensation=None)
 
 
 def _journaled(undo: Undo, dropped: Mapping[str, Any]) -> Undo:
@@ -346,8 +348,8 @@ def _names(undos: Sequence[Undo]) -> str:
 def _name(undo: Undo) -> str:
     """A step owed, with the version that last had it and its undo as journaled."""
     said = [f"v{undo.step_of.version}"] if undo.step_of else []
-    if undo.undo is not None:
-        said.append(f"compensate={undo.undo}")
+    if undo.compensation is not None:
+        said.append(f"compensate={undo.compensation}")
     return f"{undo.state!r} ({', '.join(said)})" if said else repr(undo.state)
 
 
