@@ -6,9 +6,12 @@ each step as it ran; a migration (``run_migrated``) since may have renamed it �
 name's ``compensate=`` undoes it — or dropped it, and a redeploy of the same version may
 have dropped it too. The definition the run compensates under then has no step for it,
 and whether it declared ``compensate=`` is known only from the definition that last had it
-as a step (:class:`StepOf`): journaled by the migration that dropped it (``dropped`` in
-its data, read off that definition when it was loaded then), else that definition loaded
-now (the same version number with that step: the fingerprint does not cover
+as a step (:class:`StepOf`): journaled by its own ``step_succeeded`` entry (``undo``
+in its data: the name of its ``compensate=``, written by the step that declared one —
+a step without one writes nothing, so an entry without it is that step's or one from
+before it was written, not told apart), or by the migration that dropped it (``dropped``
+in its data, read off that definition when it was loaded then), else that definition
+loaded now (the same version number with that step: the fingerprint does not cover
 ``compensate=``). Unknown counts as owed (the message says "may owe"). The renames a
 migration applied are journaled too (``renames``): a later reader may have neither
 version loaded. One owed that has no step is a :class:`CompensationLost`: the run parks (a
@@ -36,6 +39,10 @@ VersionOf = Callable[[int], "Workflow | None"]
 DROPPED = "dropped"
 """The ``run_migrated`` data key: ``{step: declares compensate=}`` of the steps the move
 left without a step, as the definition that last had each one said (when loaded then)."""
+
+UNDO = "undo"
+"""The ``step_succeeded`` data key: the name of the ``compensate=`` the step that succeeded
+declared (:func:`with_undo`); absent for a step without one (its entry as it always was)."""
 
 RENAMES = "renames"
 """The ``run_migrated`` data key: ``{state: new name}`` of the states the move renamed
@@ -66,6 +73,11 @@ class Undo:
     undoes: bool | None = None
     """Whether ``step_of`` declares ``compensate=`` on it, as the migration that dropped it
     journaled (``None``: not journaled)."""
+    compensation: str | None = None
+    """The name of the ``compensate=`` its ``step_succeeded`` entry journaled (:data:`UNDO`):
+    the step as it ran (``step_of`` then) declared it. ``None``: no name journaled (a step
+    without ``compensate=``, or an entry from before it was written), or the step moved
+    since to a version's step (renamed), whose own ``compensate=`` undoes it."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +151,11 @@ def not_undone(
         if event.kind == j.STEP_SUCCEEDED and event.state is not None and event.seq not in done:
             visit = record.visit(event.state)
             step_of = StepOf(record.version, record.fingerprint, event.state)
-            succeeded.append(Undo(event.state, event.seq, visit, event.state, step_of))
+            named = event.data.get(UNDO)
+            named = named if isinstance(named, str) else None
+            succeeded.append(
+                Undo(event.state, event.seq, visit, event.state, step_of, compensation=named)
+            )
         elif event.kind == j.RUN_MIGRATED:
             succeeded = _renamed(succeeded, workflow, event, version_of)
         record = j.apply(record, event)
@@ -155,10 +171,13 @@ def not_undone(
 
 def undoes(undo: Undo, workflow: Workflow, version_of: VersionOf | None) -> bool | None:
     """Whether the step ``undo`` names declares ``compensate=``: in ``workflow`` when it has
-    that step, else as journaled when a migration dropped it, else in the definition that
-    last had it, when loaded (``None``: not known)."""
+    that step, else as its ``step_succeeded`` entry journaled (a name: it did), else as
+    journaled when a migration dropped it, else in the definition that last had it, when
+    loaded (``None``: not known)."""
     if undo.state in workflow.steps:
         return compensates(workflow, undo.state)
+    if undo.compensation is not None:
+        return True
     if undo.undoes is not None:
         return undo.undoes
     if undo.step_of is None:
@@ -280,7 +299,9 @@ def _renamed(
 
 
 def _moved(undo: Undo, step_of: StepOf) -> Undo:
-    return replace(undo, state=step_of.name, step_of=step_of)
+    # (The name its entry journaled was step_of's, as it ran: the step it moved to has its
+    # own compensate=, or none — a rename onto a step without one undoes nothing.)
+    return replace(undo, state=step_of.name, step_of=step_of, compensation=None)
 
 
 def _journaled(undo: Undo, dropped: Mapping[str, Any]) -> Undo:
@@ -321,10 +342,29 @@ class CompensationLost(Exception):
 
 
 def _names(undos: Sequence[Undo]) -> str:
-    return ", ".join(
-        f"{undo.state!r} (v{undo.step_of.version})" if undo.step_of else repr(undo.state)
-        for undo in undos
-    )
+    return ", ".join(_name(undo) for undo in undos)
+
+
+def _name(undo: Undo) -> str:
+    """A step owed, with the version that last had it and its undo as journaled."""
+    said = [f"v{undo.step_of.version}"] if undo.step_of else []
+    if undo.compensation is not None:
+        said.append(f"compensate={undo.compensation}")
+    return f"{undo.state!r} ({', '.join(said)})" if said else repr(undo.state)
+
+
+def undo_name(function: Callable[..., Any]) -> str:
+    """The name a ``compensate=`` function is journaled by (:data:`UNDO`)."""
+    name = getattr(function, "__name__", None)
+    return name if isinstance(name, str) else type(function).__name__
+
+
+def with_undo(data: Mapping[str, Any], function: Callable[..., Any]) -> dict[str, Any]:
+    """A ``step_succeeded`` entry's ``data`` for a step whose ``compensate=`` is
+    ``function``: the name of the undo it owes from now on (:data:`UNDO`), so that the
+    journal says so once no loaded definition has the step. Only such a step's entry
+    carries it: a step without one writes what it always wrote."""
+    return {**data, UNDO: undo_name(function)}
 
 
 def advice(

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Final, cast
 
 from pydantic import BaseModel, ValidationError
 
-from flowloop import children, compose, frozen, interruptions
+from flowloop import children, compose, frozen, interruptions, owed
 from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.compose import step_error
@@ -243,6 +243,8 @@ class Stepping:
         data = entering(workflow, next_state, now, delay=delay)
         if step is not None and step.notes:
             data = {**data, "note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
+        if spec.compensate is not None:  # the undo it owes, journaled (flowloop/owed.py)
+            data = owed.with_undo(data, spec.compensate)
         if logged:  # said once its entry is committed (flowloop/outcome_log.py)
             self.outcomes.hold(
                 record.id,

@@ -8,13 +8,20 @@ parked for ever — a migration to a v3 that had ``book_flight`` again still fou
 the parked run to a version that lacked it as well moved it (to park again). A redeploy of
 v1 without ``book_flight`` ended the run ``compensated`` without undoing it, ``check``
 saying it continues (the decision went by version number, not definition).
+
+Before too: a step that ran with ``compensate=`` under a version no longer loaded (v1
+unloaded, the run driven by or migrated to a v2 without the step) left the run parked
+saying it "may owe" its undo — whether it declared ``compensate=`` was read only off a
+loaded definition. Its ``step_succeeded`` entry journals the undo's name now (``undo``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Mapping
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 from pydantic import BaseModel
 
@@ -23,6 +30,9 @@ from flowloop import journal as j
 from flowloop.checking import check_runs
 from flowloop.cli import cli
 from flowloop.errors import DefinitionMismatch
+from flowloop.store import SQLStore
+from flowloop.store.entries import dumps_sorted
+from flowloop.store.schema import journal
 
 undone: list[str] = []  # the compensations called, in order
 hotel_down: list[bool] = []
@@ -109,7 +119,7 @@ def _migrated_then_cancelled(store_url: str, clock: FakeClock, *, v1_loaded: boo
         [verdict] = check_runs(engine.store, V2).runs
     assert (info.version, info.status, info.state) == (2, "paused", "cancelled")
     assert info.reason is not None and info.reason.startswith("definition_mismatch: ")
-    assert "'book_flight' (v1)" in info.reason
+    assert "'book_flight' (v1, compensate=undo_flight)" in info.reason
     assert "migrates_from={2: {...}}" in info.reason
     assert (verdict.kind, verdict.reason) == ("parks", info.reason)  # (check says so too)
     assert undone == []  # nothing skipped, nothing run
@@ -151,7 +161,9 @@ def test_migrate_to_a_version_still_without_the_dropped_step__refused(store_url:
         with pytest.raises(DefinitionMismatch) as refused:
             engine.migrate(run_id, to=3, by="deployer")  # (before: moved, to park again)
         info = engine.get(run_id)
-    assert "'book_flight' (v1), which trip_deploys v3 has no step for" in str(refused.value)
+    assert "'book_flight' (v1, compensate=undo_flight), which trip_deploys v3 has no step for" in (
+        str(refused.value)
+    )
     assert "migrates_from={2: {...}}" in str(refused.value)
     assert (info.version, info.status) == (2, "paused")
 
@@ -182,8 +194,33 @@ def test_migrated_dropping_a_step_without_compensate__owes_nothing_once_v1_is_un
     assert undone == ["v2 book_hotel"]
 
 
+def _as_before_undo_was_journaled(engine: Engine, run_id: str) -> None:
+    """The run's ``step_succeeded`` entries without their ``undo`` (as a flowloop before it
+    was journaled wrote them: an old database)."""
+    store = engine.store
+    assert isinstance(store, SQLStore)
+    with store.engine.begin() as conn:
+        rows = conn.execute(
+            sa.select(journal.c.seq, journal.c.data).where(
+                journal.c.run_id == run_id, journal.c.kind == j.STEP_SUCCEEDED
+            )
+        ).all()
+        stripped = 0
+        for seq, text in rows:
+            data = json.loads(text) if text else {}
+            if data.pop("undo", None) is not None:
+                stripped += 1
+                conn.execute(
+                    sa.update(journal)
+                    .where(journal.c.run_id == run_id, journal.c.seq == seq)
+                    .values(data=dumps_sorted(data) if data else None)
+                )
+    assert stripped
+
+
+@pytest.mark.parametrize("old_entries", [False, True], ids=["journaled", "old-entries"])
 def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_back(
-    store_url: str,
+    store_url: str, old_entries: bool
 ) -> None:
     clock = FakeClock()
     hotel_down.append(True)
@@ -193,6 +230,8 @@ def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_b
         engine.send(run_id, "no")
         engine.run_until_idle()  # (book_hotel's undo failed once: retried in 10 minutes)
         assert engine.get(run_id).status == "retrying"
+        if old_entries:
+            _as_before_undo_was_journaled(engine, run_id)
     redeployed = trip(1, flight=None)
     assert redeployed.fingerprint != V1.fingerprint
     with Engine(store_url, workflows=[redeployed], clock=clock) as engine:
@@ -202,13 +241,20 @@ def test_redeploy_of_the_same_version_dropping_an_owed_step__parks_until_it_is_b
         info = engine.get(run_id)
     assert (info.status, info.state) == ("paused", "cancelled")
     assert (verdict.kind, verdict.reason) == ("parks", info.reason)
+    if old_entries:  # (whether book_flight declared compensate= is read off v1: not loaded)
+        owes = (
+            "may owe the compensation of 'book_flight' (v1) (whether it declared compensate= "
+            "is not known)"
+        )
+        each = "each that declared compensate="
+    else:  # (its entry says so; before: "may owe", as for an old entry)
+        owes, each = "owes the compensation of 'book_flight' (v1, compensate=undo_flight)", "each"
     assert info.reason == (
-        "definition_mismatch: it is compensating and may owe the compensation of "
-        "'book_flight' (v1) (whether it declared compensate= is not known), which "
-        "trip_deploys v1 has no step for; deploy a version above v1 whose "
-        "migrates_from={1: {...}} maps each that declared compensate= to a step that undoes "
-        f"it, and `flowloop migrate {run_id} --to <that version>`, or deploy v1 as the run "
-        f"knew it (with 'book_flight') again and `flowloop unpause {run_id}`"
+        f"definition_mismatch: it is compensating and {owes}, which trip_deploys v1 has no "
+        f"step for; deploy a version above v1 whose migrates_from={{1: {{...}}}} maps {each} "
+        f"to a step that undoes it, and `flowloop migrate {run_id} --to <that version>`, or "
+        f"deploy v1 as the run knew it (with 'book_flight') again and "
+        f"`flowloop unpause {run_id}`"
     )
     assert undone == []  # (before: book_hotel undone, book_flight skipped, run compensated)
     with Engine(store_url, workflows=[trip(1)], clock=clock) as engine:
@@ -271,11 +317,16 @@ def test_redeploy_dropping_a_plain_step__may_owe_and_says_so(store_url: str) -> 
     # Whether check_fare declared compensate= is not known (v1 as the run knew it is not
     # loaded): the run parks, saying it may owe it, and mapping it is no way out offered
     # for a step that may undo nothing (its undo would be run for another step's action).
+    # (A step without compensate= journals nothing more than it did: its entry cannot tell
+    # it from one written before the undo was journaled.)
     started, redeployed = _fare(1), trip(1, flight=None)
     clock = FakeClock()
     with Engine(store_url, workflows=[started], clock=clock) as engine:
         run_id = engine.start(started, Trip()).id
         engine.run_until_idle()
+        undos = {e.state: e.data.get("undo") for e in _successes(engine, run_id)}
+    assert list(undos) == ["check_fare", "book_hotel"]
+    assert undos["check_fare"] is None and undos["book_hotel"] == "<lambda>"
     with Engine(store_url, workflows=[redeployed], clock=clock) as engine:
         engine.send(run_id, "no")
         engine.run_until_idle()
@@ -294,6 +345,111 @@ def test_redeploy_dropping_a_plain_step__may_owe_and_says_so(store_url: str) -> 
         engine.run_until_idle()
         info = engine.get(run_id)
     assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel")
+
+
+def _successes(engine: Engine, run_id: str) -> list[j.JournalEvent]:
+    return [e for e in engine.history(run_id) if e.kind == j.STEP_SUCCEEDED]
+
+
+def _booked_under_v1(store_url: str, clock: FakeClock) -> str:
+    """A v1 run past book_flight and book_hotel (both undone), waiting in confirm; its
+    entries name their undos."""
+    with Engine(store_url, workflows=[V1], clock=clock) as engine:
+        run_id = engine.start(V1, Trip()).id
+        engine.run_until_idle()
+        undos = [(e.state, e.data.get("undo")) for e in _successes(engine, run_id)]
+    assert undos == [("book_flight", "undo_flight"), ("book_hotel", "undo_hotel")]
+    return run_id
+
+
+def test_v1_unloaded__a_dropped_step_with_compensate_is_owed_as_journaled(
+    store_url: str,
+) -> None:
+    # Driven by v2 (v1 is not loaded), which has no book_flight: its entry says it declared
+    # compensate=undo_flight. Before: "may owe ... (whether it declared compensate= is not
+    # known)", and the way out offered for that case (load v1 to learn it).
+    clock = FakeClock()
+    run_id = _booked_under_v1(store_url, clock)
+    with Engine(store_url, workflows=[V2], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        [verdict] = check_runs(engine.store, V2).runs
+    assert (info.version, info.status, info.state) == (1, "paused", "cancelled")
+    assert (verdict.kind, verdict.reason) == ("parks", info.reason)
+    assert info.reason == (
+        "definition_mismatch: it is compensating and owes the compensation of 'book_flight' "
+        "(v1, compensate=undo_flight), which trip_deploys v2 has no step for; map each to the "
+        "v2 step that undoes it in migrates_from={1: {...}} and "
+        f"`flowloop migrate {run_id} --to 2`, or load v1 (with 'book_flight') beside v2, "
+        f"where the run compensates, and `flowloop unpause {run_id}`"
+    )
+    assert undone == []
+    with Engine(store_url, workflows=[V1, V2], clock=clock) as engine:  # (the way out)
+        engine.unpause(run_id)
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, book_flight")
+    assert undone == ["v1 book_hotel", "v1 book_flight book_flight:1:undo"]
+
+
+def test_migrated_with_v1_unloaded__the_dropped_undo_is_journaled_and_owed(
+    store_url: str,
+) -> None:
+    # Moved to v2 (without book_flight) while v1 is not loaded: the move journals it dropped
+    # as owed (read off book_flight's entry). Before: nothing journaled (not known), and
+    # compensating, the run parked saying it "may owe" it.
+    clock = FakeClock()
+    run_id = _booked_under_v1(store_url, clock)
+    with Engine(store_url, workflows=[V2], clock=clock) as engine:
+        engine.migrate(run_id, to=2, by="deployer")
+        assert engine.history(run_id)[-1].data["dropped"] == {"book_flight": True}
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        _replays(engine, run_id)
+    assert (info.version, info.status, info.state) == (2, "paused", "cancelled")
+    assert info.reason == (
+        "definition_mismatch: it is compensating and owes the compensation of 'book_flight' "
+        "(v1, compensate=undo_flight), which trip_deploys v2 has no step for; deploy a "
+        "version above v2 whose migrates_from={2: {...}} maps each to a step that undoes it, "
+        f"and `flowloop migrate {run_id} --to <that version>`"
+    )
+    assert undone == []
+    v3 = trip(3, flight="cancel_seat", migrates={2: {"book_flight": "cancel_seat"}})
+    with Engine(store_url, workflows=[V2, v3], clock=clock) as engine:
+        engine.migrate(run_id, to=3, by="deployer")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, cancel_seat")
+    assert undone == ["v3 book_hotel", "v3 cancel_seat book_flight:1:undo"]
+
+
+def test_v1_unloaded__a_step_v2_renames_is_owed_then_undone_by_its_new_name(
+    store_url: str,
+) -> None:
+    # v2 renames book_flight reserve_flight; the run, driven by v2 with v1 not loaded, parks
+    # naming the rename, and once moved its undo runs under v2's name. Before: "may owe".
+    v2 = trip(2, flight="reserve_flight", migrates={1: {"book_flight": "reserve_flight"}})
+    clock = FakeClock()
+    run_id = _booked_under_v1(store_url, clock)
+    with Engine(store_url, workflows=[v2], clock=clock) as engine:
+        engine.send(run_id, "no")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        assert (info.status, info.state) == ("paused", "cancelled")
+        assert info.reason == (
+            "definition_mismatch: it is compensating and owes the compensation of "
+            "'book_flight' (v1, compensate=undo_flight), which trip_deploys v2 has no step "
+            f"for; v2 renames it (book_flight -> reserve_flight): `flowloop migrate {run_id} "
+            "--to 2`"
+        )
+        engine.migrate(run_id, to=2, by="deployer")
+        engine.run_until_idle()
+        info = engine.get(run_id)
+        _replays(engine, run_id)
+    assert (info.status, info.reason) == ("succeeded", "compensated: book_hotel, reserve_flight")
+    assert undone == ["v2 book_hotel", "v2 reserve_flight book_flight:1:undo"]
 
 
 def test_mapping_merging_a_step_into_another_state__no_rename_owed(store_url: str) -> None:
@@ -316,7 +472,7 @@ def test_mapping_merging_a_step_into_another_state__no_rename_owed(store_url: st
         _replays(engine, run_id)
     assert (info.status, info.state) == ("paused", "cancelled")
     assert info.reason is not None
-    assert "owes the compensation of 'book_flight' (v1)" in info.reason
+    assert "owes the compensation of 'book_flight' (v1, compensate=undo_flight)" in info.reason
     assert undone == []
 
 

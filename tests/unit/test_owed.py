@@ -373,3 +373,37 @@ def test_advice__a_move_refused_onto_a_merge_names_no_rename() -> None:
     )
     assert refused is not None and "renames it" not in str(refused), str(refused)
     assert "map each that declared compensate= to the v2 step that undoes it" in str(refused)
+
+
+def _undo_journaled(journal: Journal, state: str, undo: str) -> Journal:
+    """A success of ``state`` whose entry names its undo, as a step with ``compensate=``
+    writes it (``undo`` in its data)."""
+    return journal.add(
+        j.STEP_SUCCEEDED, state=state, next_state="charge", context="{}", data={"undo": undo}
+    )
+
+
+def test_undo_journaled__owed_as_the_entry_says_with_its_version_not_loaded() -> None:
+    # Before: "may owe the compensation of 'reserve' (v1) (whether it declared compensate=
+    # is not known)" — read only off v1, not loaded.
+    v1, v2 = trip(1), trip(2, ("charge",), migrates={1: {}})
+    journal = _undo_journaled(Journal(v1), "reserve", "release_seat").succeeded("charge")
+    message = lost(v2, journal.cancelled(), v2)
+    assert message.startswith(
+        "it is compensating and owes the compensation of 'reserve' (v1, "
+        "compensate=release_seat), which trip v2 has no step for; map each to the v2 step "
+        "that undoes it"
+    )
+    assert "may owe" not in message
+
+
+def test_undo_journaled__a_rename_onto_a_step_without_compensate_undoes_nothing() -> None:
+    # The name journaled is the undo of the step as it ran: renamed onto v2's hold (no
+    # compensate=), v2 says there is nothing to undo — dropped later, with v2 loaded, it is
+    # not owed (the entry's name does not outlive the rename).
+    v1 = trip(1)
+    v2 = trip(2, ("hold", "charge"), undo=("charge",), migrates={1: {"reserve": "hold"}})
+    v3 = trip(3, ("charge",), migrates={2: {}})
+    journal = _undo_journaled(Journal(v1), "reserve", "release_seat").succeeded("charge")
+    events = journal.migrated(v1, v2, renames={"reserve": "hold"}).migrated(v2, v3).cancelled()
+    assert [u.state for u in compensations_due(v3, events, loaded(v2, v3))] == ["charge"]
