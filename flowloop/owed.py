@@ -171,20 +171,22 @@ def not_undone(
 
 def undoes(undo: Undo, workflow: Workflow, version_of: VersionOf | None) -> bool | None:
     """Whether the step ``undo`` names declares ``compensate=``: in ``workflow`` when it has
-    that step, else as its ``step_succeeded`` entry journaled (a name: it did), else as
-    journaled when a migration dropped it, else in the definition that last had it, when
-    loaded (``None``: not known)."""
+    that step, else as journaled when a migration dropped it, else in the definition that
+    last had it, when loaded, else as its ``step_succeeded`` entry journaled (a name: it
+    did; ``None``: not known). The entry's name comes last: it says what the step
+    declared as it ran, and a later word outranks it — a version that kept the step
+    without ``compensate=`` (journaled when a later move dropped it), or its own version
+    redeployed so."""
     if undo.state in workflow.steps:
         return compensates(workflow, undo.state)
-    if undo.compensation is not None:
-        return True
     if undo.undoes is not None:
         return undo.undoes
-    if undo.step_of is None:
-        return None
     step_of = undo.step_of
-    had = loaded(workflow, version_of, step_of.version, step_of.fingerprint, [step_of.name])
-    return None if had is None else compensates(had, step_of.name)
+    if step_of is not None:
+        had = loaded(workflow, version_of, step_of.version, step_of.fingerprint, [step_of.name])
+        if had is not None:
+            return compensates(had, step_of.name)
+    return True if undo.compensation is not None else None
 
 
 def loaded(

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 import pytest
 from pydantic import BaseModel
 
-from flowloop import Workflow
+from flowloop import Workflow, owed
 from flowloop import journal as j
 from flowloop.compose import CompensationLost, compensations_due
 
@@ -407,3 +407,35 @@ def test_undo_journaled__a_rename_onto_a_step_without_compensate_undoes_nothing(
     journal = _undo_journaled(Journal(v1), "reserve", "release_seat").succeeded("charge")
     events = journal.migrated(v1, v2, renames={"reserve": "hold"}).migrated(v2, v3).cancelled()
     assert [u.state for u in compensations_due(v3, events, loaded(v2, v3))] == ["charge"]
+
+
+def test_undo_journaled__a_later_version_kept_the_step_without_compensate() -> None:
+    # v2 kept reserve without compensate=; the v2 -> v3 move dropped it and journaled so
+    # (v2 loaded then). Review of the entry's name: it outranked that journaled word, and
+    # unloading v2 later made the run owe release_seat and park.
+    v1 = trip(1)
+    v2 = trip(2, undo=("charge",), migrates={1: {}})
+    v3 = trip(3, ("charge",), migrates={2: {}})
+    journal = _undo_journaled(Journal(v1), "reserve", "release_seat").succeeded("charge")
+    journal.migrated(v1, v2)
+    dropped = owed.dropped_by(v3, journal.events, loaded(v1, v2, v3), {})
+    assert dropped == {"reserve": False}
+    events = journal.migrated(v2, v3, dropped=dropped).cancelled()
+    for versions in (loaded(v2, v3), loaded(v3)):  # unloading v2 changes nothing
+        assert [u.state for u in compensations_due(v3, events, versions)] == ["charge"]
+
+
+def test_undo_journaled__a_redeploy_of_its_version_without_compensate_outranks_it() -> None:
+    # v1 redeployed with reserve's compensate= removed (the same fingerprint): the loaded
+    # definition's word is later than the entry's, under v1 and when a move to v2 drops it.
+    v1, v1_again = trip(1), trip(1, undo=("charge",))
+    assert v1_again.fingerprint == v1.fingerprint
+    v2 = trip(2, ("charge",), migrates={1: {}})
+    journal = _undo_journaled(Journal(v1), "reserve", "release_seat").succeeded("charge")
+    under_v1 = compensations_due(v1_again, journal.cancelled(), loaded(v1_again))
+    assert [u.state for u in under_v1] == ["charge"]
+    journal.events.pop()  # (not cancelled yet: moved first)
+    dropped = owed.dropped_by(v2, journal.events, loaded(v1_again, v2), {})
+    assert dropped == {"reserve": False}
+    events = journal.migrated(v1_again, v2, dropped=dropped).cancelled()
+    assert [u.state for u in compensations_due(v2, events, loaded(v1_again, v2))] == ["charge"]
