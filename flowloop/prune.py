@@ -350,14 +350,18 @@ def _prune_breaker_journal(db: Engine, cutoff: float, batch: int, result: PruneR
         keeps = [(row.name, int(row.keep_from)) for row in reader.execute(_breaker_keeps())]
     for name, keep_from in keeps:
         with reading(db) as reader:
-            first = reader.execute(
-                select(func.min(breaker_journal.c.seq)).where(
-                    breaker_journal.c.name == name, breaker_journal.c.at < cutoff
+            first, last = reader.execute(
+                select(func.min(breaker_journal.c.seq), func.max(breaker_journal.c.seq)).where(
+                    breaker_journal.c.name == name,
+                    breaker_journal.c.at < cutoff,
+                    breaker_journal.c.seq < keep_from,
                 )
-            ).scalar_one()
-        low = keep_from if first is None else int(first)
-        while low < keep_from:
-            high = min(keep_from - 1, low + batch - 1)
+            ).one()
+        if first is None:
+            continue  # nothing old below its keep point: no transaction for it
+        low, end = int(first), int(last)
+        while low <= end:
+            high = min(end, low + batch - 1)
             with db.begin() as conn:
                 result.breaker_journal += conn.execute(
                     delete(breaker_journal).where(

@@ -138,3 +138,17 @@ def test_prune__the_cli_line_counts_breaker_journal_entries(
     except SystemExit as exit_:
         assert exit_.code in (0, None), capsys.readouterr().err
     assert f"{2 * CYCLES + 3} breaker journal entries" in capsys.readouterr().out
+
+
+def test_only_old_entries_are_walked__no_transaction_for_recent_ones(engine: Engine) -> None:
+    # Two old entries, then 60 recent ones before the latest opened: the deletes walk the
+    # two old seqs, not every seq up to the keep point (review: 60 empty transactions,
+    # each counted in "in N batch(es)"); a breaker with nothing old costs none.
+    kinds = ["opened", "half_opened"] * 31 + ["opened"]
+    ages = [5 * DAY, 4 * DAY] + [600.0 - i for i in range(61)]
+    journaled(engine, "mostly-recent", kinds, ages)
+    journaled(engine, "all-recent", ["opened", "half_opened"], [60.0, 30.0])
+    result = prune(db_of(engine), cutoff=engine.store.db_now() - DAY, batch=1)
+    assert result.breaker_journal == 2
+    assert result.batches == 1  # (10 seqs a transaction at batch 1; no runs to prune)
+    assert seqs(engine)["mostly-recent"] == list(range(3, 64))
