@@ -26,8 +26,17 @@ from typing import Any, Final
 
 from flowloop import journal as j
 from flowloop.clock import Clock
+from flowloop.dbclock import SKEW_IGNORED
 from flowloop.definition import StepSpec, Workflow
-from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit, admit, call_id
+from flowloop.flowcontrol import (
+    BREAKER_REASON,
+    RATE_REASON,
+    Admission,
+    Breaker,
+    RateLimit,
+    admit,
+    call_id,
+)
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Store
 from flowloop.store.limits import ClaimLimits
@@ -143,17 +152,15 @@ class Gates:
             return None
         breaker = spec.breaker
         if breaker is not None:
-            now_state = self.store.breaker_state(breaker.name)
-            if now_state.status == "closed":
+            look = await self._look(breaker, record)
+            if look is None:
                 breaker = None  # the fast path: a closed breaker has nothing to take
-            else:
-                look = admit(breaker, now_state, self.store.db_now(), _call(record))
-                if not look.allowed:
-                    # Open in its cool-down, or its trial runs elsewhere: refused as seen,
-                    # before a token is taken (it would be spent on no call) — and not by
-                    # the breaker's admission, which would give a cool-down that ended
-                    # meanwhile's trial to a run its token may then defer.
-                    return self._refused(breaker, record, state, look.due)
+            elif not look.allowed:
+                # Open in its cool-down, or its trial runs elsewhere: refused as seen,
+                # before a token is taken (it would be spent on no call) — and not by the
+                # breaker's admission, which would give a cool-down that ended meanwhile's
+                # trial to a run its token may then defer.
+                return self._refused(breaker, record, state, look.due)
         if limits:
             deferred = await self._rate(limits, record, state)
             if deferred is not None:
@@ -165,6 +172,24 @@ class Gates:
         if blocked is not None:
             self._grants.pop(record.id, None)  # another worker took the trial: no call
         return blocked
+
+    async def _look(self, breaker: Breaker, record: RunRecord) -> Admission | None:
+        """The breaker's answer to the call of ``record`` now; ``None`` when it is closed.
+        A cool-down that ends within :data:`~flowloop.dbclock.SKEW_IGNORED` is waited out
+        here and looked at again: the claim judged the run due by the engine's clock, which
+        may run up to that far ahead of the database's (an offset under it is taken as
+        none) — deferred to the same due time, the run was claimed and deferred again at
+        once, hundreds of ``run_deferred`` entries for one cool-down's end."""
+        for _ in range(SHORT_WAITS):
+            seen = self.store.breaker_state(breaker.name)
+            if seen.status == "closed":
+                return None
+            now = self.store.db_now()
+            look = admit(breaker, seen, now, _call(record))
+            if look.allowed or look.due is None or look.due - now > SKEW_IGNORED:
+                return look
+            await asyncio.sleep(max(0.0, look.due - now))
+        return look
 
     def _breaker(self, breaker: Breaker, record: RunRecord, state: str) -> JournalEvent | None:
         call = _call(record)
