@@ -237,9 +237,11 @@ class Gates:
                 }
                 return None
             # A slot due very soon is waited for here: rescheduling costs a journal entry
-            # and a claim, and the claim's latency would be lost from the limit's rate.
+            # and a claim, and the claim's latency would be lost from the limit's rate. So
+            # is one due within the skew a database clock ignores (see _look): the claim of
+            # a run deferred to it may come that early, and deferring it again spun.
             wait = due - now
-            if wait > SHORT_WAIT_SECONDS:
+            if wait > SHORT_WAIT_SECONDS and wait > SKEW_IGNORED:
                 break
             queued = {limit.name for limit in limits}  # it holds its slot in each queue
             await asyncio.sleep(max(0.0, wait))
