@@ -28,15 +28,7 @@ from flowloop import journal as j
 from flowloop.clock import Clock
 from flowloop.dbclock import SKEW_IGNORED
 from flowloop.definition import StepSpec, Workflow
-from flowloop.flowcontrol import (
-    BREAKER_REASON,
-    RATE_REASON,
-    Admission,
-    Breaker,
-    RateLimit,
-    admit,
-    call_id,
-)
+from flowloop.flowcontrol import BREAKER_REASON, RATE_REASON, Breaker, RateLimit, admit, call_id
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Store
 from flowloop.store.limits import ClaimLimits
@@ -108,6 +100,10 @@ def gated(workflow: Workflow, spec: StepSpec) -> bool:
     )
 
 
+_GATE_REASONS: Final = (f"{BREAKER_REASON}:", f"{RATE_REASON}:")
+"""How a run a gate deferred says why (its ``reason``)."""
+
+
 def _call(record: RunRecord) -> str:
     """The call a check of ``record`` admits: its next entry is the ``step_started``."""
     return call_id(record.id, record.last_seq + 1)
@@ -150,17 +146,20 @@ class Gates:
         limits = rate_limits_of(workflow, spec, state, record.visit(state), attempt)
         if spec.breaker is None and not limits:
             return None
+        await self._claimed_early(record)
         breaker = spec.breaker
         if breaker is not None:
-            look = await self._look(breaker, record)
-            if look is None:
+            now_state = self.store.breaker_state(breaker.name)
+            if now_state.status == "closed":
                 breaker = None  # the fast path: a closed breaker has nothing to take
-            elif not look.allowed:
-                # Open in its cool-down, or its trial runs elsewhere: refused as seen,
-                # before a token is taken (it would be spent on no call) — and not by the
-                # breaker's admission, which would give a cool-down that ended meanwhile's
-                # trial to a run its token may then defer.
-                return self._refused(breaker, record, state, look.due)
+            else:
+                look = admit(breaker, now_state, self.store.db_now(), _call(record))
+                if not look.allowed:
+                    # Open in its cool-down, or its trial runs elsewhere: refused as seen,
+                    # before a token is taken (it would be spent on no call) — and not by
+                    # the breaker's admission, which would give a cool-down that ended
+                    # meanwhile's trial to a run its token may then defer.
+                    return self._refused(breaker, record, state, look.due)
         if limits:
             deferred = await self._rate(limits, record, state)
             if deferred is not None:
@@ -173,23 +172,19 @@ class Gates:
             self._grants.pop(record.id, None)  # another worker took the trial: no call
         return blocked
 
-    async def _look(self, breaker: Breaker, record: RunRecord) -> Admission | None:
-        """The breaker's answer to the call of ``record`` now; ``None`` when it is closed.
-        A cool-down that ends within :data:`~flowloop.dbclock.SKEW_IGNORED` is waited out
-        here and looked at again: the claim judged the run due by the engine's clock, which
-        may run up to that far ahead of the database's (an offset under it is taken as
-        none) — deferred to the same due time, the run was claimed and deferred again at
-        once, hundreds of ``run_deferred`` entries for one cool-down's end."""
-        for _ in range(SHORT_WAITS):
-            seen = self.store.breaker_state(breaker.name)
-            if seen.status == "closed":
-                return None
-            now = self.store.db_now()
-            look = admit(breaker, seen, now, _call(record))
-            if look.allowed or look.due is None or look.due - now > SKEW_IGNORED:
-                return look
-            await asyncio.sleep(max(0.0, look.due - now))
-        return look
+    async def _claimed_early(self, record: RunRecord) -> None:
+        """A run a gate deferred, claimed before its due time by the database's clock, is
+        given that short span here. The claim judged it due by the engine's clock, which
+        may run up to :data:`~flowloop.dbclock.SKEW_IGNORED` ahead of the database's (an
+        offset under it is taken as none): looked at at once, the breaker or the rate limit
+        deferred it to the same due time, and the next claim took it at once again — some
+        400 ``run_deferred`` entries for one cool-down's end or one rate slot."""
+        due, reason = record.next_run_at, record.reason
+        if due is None or reason is None or not reason.startswith(_GATE_REASONS):
+            return
+        early = due - self.store.db_now()
+        if 0.0 < early <= SKEW_IGNORED:
+            await asyncio.sleep(early)
 
     def _breaker(self, breaker: Breaker, record: RunRecord, state: str) -> JournalEvent | None:
         call = _call(record)
@@ -237,11 +232,9 @@ class Gates:
                 }
                 return None
             # A slot due very soon is waited for here: rescheduling costs a journal entry
-            # and a claim, and the claim's latency would be lost from the limit's rate. So
-            # is one due within the skew a database clock ignores (see _look): the claim of
-            # a run deferred to it may come that early, and deferring it again spun.
+            # and a claim, and the claim's latency would be lost from the limit's rate.
             wait = due - now
-            if wait > SHORT_WAIT_SECONDS and wait > SKEW_IGNORED:
+            if wait > SHORT_WAIT_SECONDS:
                 break
             queued = {limit.name for limit in limits}  # it holds its slot in each queue
             await asyncio.sleep(max(0.0, wait))
