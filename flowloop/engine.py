@@ -761,7 +761,8 @@ class Engine(Operations, LoopControls, RunReading):
             return render.lifecycle_digraph()
         stored = self._stored(run_id)
         workflow = self.workflow(stored.record.workflow)
-        return render.run_digraph(workflow, self.store.journal(stored.id))
+        events = self.store.journal(stored.id)
+        return render.run_digraph(workflow, events, held=self.is_held(stored.id))
 
     def check(self, workflow: Workflow) -> list[Stranded]:
         """Live runs of ``workflow``'s name that this definition would park or fail (see

@@ -8,6 +8,7 @@ reads a SQLite file with); another one has no families to tell.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from flowloop.lifecycle import HELD
@@ -20,6 +21,14 @@ def held_back(store: Any, run_id: str, *, live: bool = True) -> bool:
     """Whether ``run_id`` is a map's child whose turn has not come yet (its parent's
     ``max_parallel``); ``live``: the run is live (a finished one waits for no turn)."""
     return live and hasattr(store, "is_held") and bool(store.is_held(run_id))
+
+
+def held_among(store: Any, run_ids: Sequence[str]) -> set[str]:
+    """Which of the listed ``run_ids`` are held back (one read for them all; none on a
+    store that reads no families): what a listing shows ``held``."""
+    if not run_ids or not hasattr(store, "held_among"):
+        return set()
+    return set(store.held_among(run_ids))
 
 
 def child_counts(store: Any, parent_id: str) -> dict[str, int]:

@@ -316,9 +316,13 @@ def lifecycle_digraph() -> graphviz.Digraph:
     return to_digraph(lifecycle_model())
 
 
-def run_digraph(workflow: Workflow, events: Sequence[j.JournalEvent]) -> graphviz.Digraph:
-    """``workflow`` with the run whose journal is ``events`` drawn on it."""
-    return to_digraph(apply_overlay(workflow_model(workflow), RunOverlay.from_journal(events)))
+def run_digraph(
+    workflow: Workflow, events: Sequence[j.JournalEvent], *, held: bool = False
+) -> graphviz.Digraph:
+    """``workflow`` with the run whose journal is ``events`` drawn on it; ``held``: the run
+    is a map's child held back (drawn ``held``, with what releases it)."""
+    overlay = RunOverlay.from_journal(events, held=held)
+    return to_digraph(apply_overlay(workflow_model(workflow), overlay))
 
 
 # -- output --------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Final
 
 from flowloop import journal as j
 from flowloop.errors import RenderError
+from flowloop.family import HELD_BACK
+from flowloop.lifecycle import HELD
 from flowloop.render_model import DiagramEdge, DiagramModel, DiagramNode
 
 ERROR_LINE_CHARS: Final = 80
@@ -44,14 +46,23 @@ class RunOverlay:
     """Attempts of each state cut off by a crash (``step_interrupted``)."""
     notes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Extra lines per state: its children's counts, its compensation having run."""
+    held: bool = False
+    """A map's child held back by its parent's ``max_parallel`` (its row's ``join_state``,
+    not its journal's: the caller says so): drawn ``held``, not ``scheduled``."""
+
+    @property
+    def shown_status(self) -> str:
+        """Its status as `flowloop status` and the dashboard show it (``held``)."""
+        return HELD if self.held and self.status == "scheduled" else self.status
 
     @property
     def failed_state(self) -> str | None:
         return self.state if self.status == "failed" else None
 
     @classmethod
-    def from_journal(cls, events: Sequence[j.JournalEvent]) -> RunOverlay:
-        """Fold a run's journal (from seq 1). Raises RenderError if it cannot be folded."""
+    def from_journal(cls, events: Sequence[j.JournalEvent], *, held: bool = False) -> RunOverlay:
+        """Fold a run's journal (from seq 1); ``held``: the run is a map's child held back
+        (flowloop.family.held_back). Raises RenderError if it cannot be folded."""
         try:
             record = j.fold(events)
         except j.FoldError as error:
@@ -92,6 +103,7 @@ class RunOverlay:
             error=failure,
             interrupted=dict(interrupted),
             notes={state: tuple(lines) for state, lines in notes.items()},
+            held=held,
         )
 
 
@@ -154,15 +166,18 @@ def apply_overlay(model: DiagramModel, overlay: RunOverlay) -> DiagramModel:
                 replace(node, mark="failed", notes=(counts, *extra, f"failed: {overlay.error}"))
             )
         elif node.name == overlay.state:
-            marked.append(
-                replace(node, mark="current", notes=(counts, *extra, f"now {overlay.status}"))
-            )
+            now = f"now {overlay.shown_status}"
+            if overlay.shown_status == HELD:  # and what releases it
+                now += f": {HELD_BACK.partition(': ')[2]}"
+            marked.append(replace(node, mark="current", notes=(counts, *extra, now)))
         elif visits or attempts:
             marked.append(replace(node, mark="visited", notes=(counts, *extra)))
         else:
             marked.append(replace(node, mark="faded"))
-    where = "failed in" if overlay.status == "failed" else f"{overlay.status} at"
+    where = "failed in" if overlay.status == "failed" else f"{overlay.shown_status} at"
     caption = f"run {overlay.run_id}: {where} {overlay.state}"
+    if overlay.shown_status == HELD:
+        caption += f" ({HELD_BACK})"
     if model.fingerprint and overlay.fingerprint != model.fingerprint:
         caption += (
             f" (recorded under another definition: v{overlay.version}, "

@@ -18,7 +18,7 @@ from flowloop.cli.common import Failed, db_option, json_option, open_reader, out
     "--status",
     "statuses",
     multiple=True,
-    help="Only runs with this status (as shown: `waiting`, `scheduled`, `failed` …).",
+    help="Only runs with this status (as shown: `waiting`, `held`, `scheduled`, `failed` …).",
 )
 @click.option("--key", help="Only runs with this business key.")
 @click.option("--limit", type=click.IntRange(1), default=50, show_default=True)
@@ -37,10 +37,11 @@ def status(
     as_json: bool,
 ) -> None:
     """Show one run, or list runs (newest first, --limit at a time: --after the last one
-    shown lists the next ones). A run resting in a wait state shows as `waiting`."""
+    shown lists the next ones). A run resting in a wait state shows as `waiting`, a map's
+    child held back by its parent's max_parallel as `held`."""
     from flowloop import family
     from flowloop.cli import support
-    from flowloop.cli.leases import lease_line
+    from flowloop.cli.leases import lease_json, lease_line
     from flowloop.cli.views import NARROW_DROPS, family_lines, info_json, show_run, status_table
     from flowloop.clock import iso
 
@@ -53,11 +54,18 @@ def status(
                 store = reader.store
                 held = family.held_back(store, info.id, live=not info.finished)
                 kept = store.kept_count(info.id) if hasattr(store, "kept_count") else 0
-                shown = {**info_json(info, waits), "held": held, "kept_events": kept}
+                shown = {
+                    **info_json(info, waits, held=held),
+                    "held": held,
+                    "kept_events": kept,
+                    **lease_json(store, info),  # as the text's `worker` line
+                }
                 click.echo(json.dumps(shown))
                 return
             due = support.run_due(reader, info)
-            show_run(info, waits.of(info), support.asleep_reason(info, due), due)
+            held = family.held_back(reader.store, info.id, live=not info.finished)
+            reason = support.asleep_reason(info, due)
+            show_run(info, waits.of(info), reason, due, held=held)
             holder = lease_line(reader.store, info)
             if holder is not None:
                 out.print(holder, markup=False)
@@ -74,10 +82,11 @@ def status(
             after=after_id,
         )
         breakers = list(getattr(reader.store, "breakers", list)())
+        held_ids = support.held_of(reader, infos)  # one read for the page
         if as_json:
-            listed = [info_json(i, waits) for i in infos]
+            listed = [info_json(i, waits, held=i.id in held_ids) for i in infos]
         else:
-            rows = [(info, waits.status(info)) for info in infos]
+            rows = [(info, support.shown_status(info, waits, held_ids)) for info in infos]
             table = status_table(rows, {})
             if natural_width(table) > out.width:  # a narrow terminal: short ids that still work
                 short = support.short_ids(reader, [i.id for i in infos])

@@ -9,7 +9,7 @@ import contextlib
 import difflib
 import json
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +35,9 @@ DEFAULT_WHERE: Final = " -w FILE_OR_DIR"
 """The ``-w``/``--db`` of a command named to continue a run, when the caller knows none."""
 WAITING: Final = "waiting"
 """The status shown (never stored) for a run that rests in a wait state."""
+HELD: Final = "held"
+"""The status shown for a map's child held back: flowloop.lifecycle.HELD, its ``join_state``
+(its stored status stays scheduled; not imported: that module needs `transitions`)."""
 
 
 # -- databases that must exist ------------------------------------------------------------
@@ -417,6 +420,7 @@ def short_ids(engine: RunReading, run_ids: Sequence[str]) -> dict[str, str]:
 
 SHOWN_STATUSES: Final = (
     WAITING,
+    HELD,
     "scheduled",
     "running",
     "retrying",
@@ -425,7 +429,21 @@ SHOWN_STATUSES: Final = (
     "failed",
     "stopped",
 )
-"""The statuses `status` shows a run in (``waiting``: scheduled in a wait state)."""
+"""The statuses `status` shows a run in (``waiting``: scheduled in a wait state;
+``held``: a map's child held back by its parent's ``max_parallel``, scheduled too)."""
+
+
+def held_of(engine: RunReading, infos: Sequence[RunInfo]) -> set[str]:
+    """The ids of the ``infos`` shown ``held`` (one read for them all: flowloop/family.py)."""
+    from flowloop import family
+
+    return family.held_among(engine.store, [i.id for i in infos if i.status == "scheduled"])
+
+
+def shown_status(info: RunInfo, waits: WaitStates, held: Collection[str]) -> str:
+    """The status to show: ``held`` for a child held back (its turn, not an event, moves
+    it on: as the dashboard's run page), else ``waiting`` or the stored one."""
+    return HELD if info.id in held else waits.status(info)
 
 
 def checked_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
@@ -451,20 +469,22 @@ def list_runs(
     after: str | None,
 ) -> tuple[list[RunInfo], bool]:
     """Up to ``limit`` runs, newest first, and whether more match. ``statuses`` are the
-    statuses shown: ``waiting`` selects scheduled runs in a wait state and ``scheduled``
-    the others, so the stored status is asked for and the answer filtered (page by page)."""
-    if not statuses or not {WAITING, "scheduled"} & set(statuses):
+    statuses shown: ``waiting`` selects scheduled runs in a wait state, ``held`` the
+    children held back and ``scheduled`` the others, so the stored status is asked for and
+    the answer filtered (page by page)."""
+    if not statuses or not {WAITING, HELD, "scheduled"} & set(statuses):
         found = engine.runs(
             workflow=workflow, status=list(statuses) or None, key=key, limit=limit + 1, after=after
         )
         return found[:limit], len(found) > limit
-    stored = sorted({"scheduled" if s == WAITING else s for s in statuses})
+    stored = sorted({"scheduled" if s in (WAITING, HELD) else s for s in statuses})
     wanted = set(statuses)
     page = max(2 * (limit + 1), 200)
     matched: list[RunInfo] = []
     while len(matched) <= limit:
         batch = engine.runs(workflow=workflow, status=stored, key=key, limit=page, after=after)
-        matched.extend(info for info in batch if waits.status(info) in wanted)
+        held = held_of(engine, batch)
+        matched.extend(info for info in batch if shown_status(info, waits, held) in wanted)
         if len(batch) < page:
             break
         after = batch[-1].id

@@ -35,6 +35,7 @@ STATUS_STYLE = {
     "retrying": "yellow",
     "paused": "magenta",
     "stopped": "red",
+    "held": "dark_orange",
 }
 
 
@@ -54,17 +55,18 @@ def context_json(info: RunInfo) -> Any:
     return context if isinstance(context, dict) else context.model_dump(mode="json")
 
 
-def info_json(info: RunInfo, waits: support.WaitStates | None = None) -> dict[str, Any]:
+def info_json(
+    info: RunInfo, waits: support.WaitStates | None = None, *, held: bool = False
+) -> dict[str, Any]:
     """A run for `--json`: times as ISO-8601 (``created_at``) and epoch (``created_at_epoch``);
-    with ``waits``, ``display_status`` (``waiting``) and ``waiting`` (events, until)."""
-    waiting = waits.of(info) if waits is not None else None
+    with ``waits``, ``display_status`` (``waiting``, ``held`` when ``held``: a map's child
+    held back) and ``waiting`` (events, until; none for a held child, which waits its turn)."""
+    waiting = waits.of(info) if waits is not None and not held else None
+    shown = support.HELD if held else support.WAITING if waiting else info.status
     extra = (
         {}
         if waits is None
-        else {
-            "display_status": support.WAITING if waiting else info.status,
-            "waiting": waiting.as_dict() if waiting else None,
-        }
+        else {"display_status": shown, "waiting": waiting.as_dict() if waiting else None}
     )
     data = {
         "id": info.id,
@@ -227,13 +229,17 @@ def show_run(
     waiting: support.Waiting | None = None,
     reason: str | None = None,
     due: Due | None = None,
+    *,
+    held: bool = False,
 ) -> None:
     """``reason``: said instead of the run's (a sleep's end, support.asleep_reason);
     ``due``: when the run is due next (support.run_due): its "next run" line says whether
-    that is its deadline's time, and where the run goes then."""
+    that is its deadline's time, and where the run goes then; ``held``: a map's child held
+    back, shown ``held`` (its ``held`` line, family_lines, says what releases it)."""
     out.print(f"run       {info.id}")
     out.print(f"workflow  {info.workflow} v{info.version}")
-    shown = support.WAITING if waiting is not None else info.status
+    waiting = None if held else waiting
+    shown = support.HELD if held else support.WAITING if waiting is not None else info.status
     # (The reason, when it says more than the status: "stopped (deadline)", not "(stopped)".)
     reason = reason or (info.reason if info.reason not in (None, info.status) else None)
     out.print(f"status    {styled(shown)}" + (f" ({escape(reason)})" if reason else ""))

@@ -556,6 +556,17 @@ class JoinStoreMixin:
             state = conn.execute(select(runs.c.join_state).where(runs.c.id == run_id)).scalar()
         return state == "held"
 
+    def held_among(self, run_ids: Sequence[str]) -> set[str]:
+        """Which of ``run_ids`` are scheduled children held for their turn: one read by
+        primary key for a listing's page (not one per run)."""
+        if not run_ids:
+            return set()
+        query = select(runs.c.id).where(
+            runs.c.id.in_(list(run_ids)), runs.c.join_state == HELD, runs.c.status == "scheduled"
+        )
+        with self._read() as conn:
+            return {str(row[0]) for row in conn.execute(query)}
+
     def parent_of(self, run_id: str) -> str | None:
         with self._read() as conn:
             value = conn.execute(select(runs.c.parent_id).where(runs.c.id == run_id)).scalar()

@@ -295,6 +295,18 @@ class LiteStore:
             row = conn.execute(f"SELECT join_state FROM {RUNS} WHERE id = ?", (run_id,)).fetchone()
         return row is not None and row[0] == HELD
 
+    def held_among(self, run_ids: Sequence[str]) -> set[str]:
+        """As :meth:`~flowloop.store.joins.JoinStoreMixin.held_among`."""
+        if not run_ids:
+            return set()
+        marks = ", ".join("?" for _ in run_ids)
+        sql = (
+            f"SELECT id FROM {RUNS} WHERE id IN ({marks}) "
+            f"AND join_state = '{HELD}' AND status = 'scheduled'"
+        )
+        with self._read() as conn:
+            return {str(row[0]) for row in conn.execute(sql, tuple(run_ids))}
+
     def kept_count(self, run_id: str) -> int:
         """As :meth:`~flowloop.store.inbox.InboxStoreMixin.kept_count`."""
         sql = "SELECT count(*) FROM flowloop_inbox WHERE run_id = ? AND consumed_seq IS NULL"

@@ -27,6 +27,9 @@ KEYED_DUE_WHERE: Final = (
 )
 """The runs :data:`KEYED_DUE_INDEX` holds: claimable, with a key, a place in its queue and a
 due time (a query uses the index only when its own terms say as much, spelled alike)."""
+HELD_WHERE: Final = "join_state = 'held'"
+"""A map's children held back by ``max_parallel`` (those scheduled are shown ``held``):
+what ``ix_flowloop_runs_held`` holds (a listing's count says it alike, as text)."""
 
 # Every change here needs a migration in flowloop/store/migrations/versions (autogenerate
 # one with `flowloop db revision -m "what changed"`).
@@ -163,6 +166,20 @@ Index(
     runs.c.owner,
     sqlite_where=text(KEYED_DUE_WHERE),
     postgresql_where=text(KEYED_DUE_WHERE),
+)
+# The listings count a map's children held back apart (`held`), from this index alone:
+# only those children have an entry (migration 0021). Grouped by (workflow, status) and
+# without a status term, the count is served by it alone: with one (status =
+# 'scheduled'), SQLite (no statistics) took the status index and read every scheduled row.
+# join_state is a column too (the same in every entry): SQLite reads a column of the
+# partial index's condition from the row otherwise, not from the index.
+Index(
+    "ix_flowloop_runs_held",
+    runs.c.workflow,
+    runs.c.status,
+    runs.c.join_state,
+    sqlite_where=text(HELD_WHERE),
+    postgresql_where=text(HELD_WHERE),
 )
 # Claims use this one; widening it (say, with created_at) made claims 3x slower.
 Index("ix_flowloop_runs_workflow", runs.c.workflow, runs.c.status)

@@ -142,7 +142,10 @@ def run_diagram(dash: Any, run_id: str, events: list[j.JournalEvent] | None = No
     """The run drawn on its workflow, as inline SVG (NotFound when its machine is unknown)."""
     row = q.run_row(dash.db, run_id)
     events = events if events is not None else q.run_journal(dash.store, run_id)
-    graph = dash.machines.run_graph(row["workflow"], row["fingerprint"], row["version"], events)
+    held = row["display_status"] == HELD  # (its row's join_state: q.run_row)
+    graph = dash.machines.run_graph(
+        row["workflow"], row["fingerprint"], row["version"], events, held=held
+    )
     if graph is None:
         raise q.NotFound(
             f"workflow {row['workflow']} is neither given with -w nor stored; cannot draw it"

@@ -69,13 +69,20 @@ class Machines:
         return structure_model(structure, version=version)
 
     def run_graph(
-        self, name: str, fingerprint: str, version: int, events: Sequence[j.JournalEvent]
+        self,
+        name: str,
+        fingerprint: str,
+        version: int,
+        events: Sequence[j.JournalEvent],
+        *,
+        held: bool = False,
     ) -> graphviz.Digraph | None:
+        """``held``: the run is a map's child held back (drawn so, as its badge says)."""
         model = self.model(name, fingerprint, version)
         if model is None:
             return None
         return render.to_digraph(
-            render.apply_overlay(model, render.RunOverlay.from_journal(events))
+            render.apply_overlay(model, render.RunOverlay.from_journal(events, held=held))
         )
 
     def workflow_graph(

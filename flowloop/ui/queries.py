@@ -24,7 +24,7 @@ from sqlalchemy import cast as sql_cast
 from flowloop import family
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
-from flowloop.lifecycle import CLAIMABLE
+from flowloop.lifecycle import CLAIMABLE, HELD
 from flowloop.store.appends import current_rows
 from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, journal, loop_journal, loops, runs
@@ -161,6 +161,7 @@ RUN_LIST_COLUMNS: Final = (
     runs.c.error,
     runs.c.reason,
     runs.c.fingerprint,
+    runs.c.join_state,  # a map's child held back shows `held` (waiting.shown_status)
 )
 
 
@@ -189,11 +190,12 @@ def _run_filters(query: RunsQuery) -> list[Any]:
 @dataclass(frozen=True, kw_only=True)
 class RunsPage:
     runs: list[dict[str, Any]]
-    """Each with ``display_status``: ``waiting`` for a run resting in a wait state."""
+    """Each with ``display_status``: ``waiting`` for a run resting in a wait state,
+    ``held`` for a map's child held back (and ``held``: true)."""
     next_cursor: str | None
     counts: dict[str, int]
-    """Runs per shown status (``waiting`` apart from ``scheduled``) matching the filters
-    other than status."""
+    """Runs per shown status (``waiting`` and ``held`` apart from ``scheduled``) matching
+    the filters other than status."""
 
 
 def list_runs(db: SQLEngine, query: RunsQuery) -> RunsPage:
@@ -211,14 +213,23 @@ def list_runs(db: SQLEngine, query: RunsQuery) -> RunsPage:
         # A running run's row is a snapshot; its latest state comes from its journal.
         rows = current_rows(conn, [row._mapping for row in conn.execute(page)])
         found = {status: int(n) for status, n in conn.execute(counts)}
-        resting = select(func.count()).where(*where, w.is_waiting(waits))
-        waiting = int(conn.execute(resting).scalar_one()) if found.get("scheduled") else 0
+        held = waiting = 0
+        if found.get("scheduled"):
+            # The held ones from their index alone (ix_flowloop_runs_held); the waiting
+            # ones (not held) only when some definition has a wait state.
+            parked = conn.execute(w.held_counts(*where))
+            held = sum(int(n) for _, status, n in parked if status == "scheduled")
+            if waits:
+                counted = select(func.count()).select_from(runs)
+                resting = counted.where(*where, w.is_waiting(waits), w.not_held())
+                waiting = int(conn.execute(resting).scalar_one())
     more = len(rows) > query.limit
     rows = rows[: query.limit]
     for row in rows:
         row["display_status"] = w.shown_status(row, waits)
+        row["held"] = row.pop("join_state") == HELD and row["status"] == "scheduled"
     cursor = encode_cursor(rows[-1]["created_at"], rows[-1]["id"]) if more and rows else None
-    return RunsPage(runs=rows, next_cursor=cursor, counts=w.split_counts(found, waiting))
+    return RunsPage(runs=rows, next_cursor=cursor, counts=w.split_counts(found, waiting, held))
 
 
 def run_row(db: SQLEngine, run_id: str) -> dict[str, Any]:
@@ -439,8 +450,8 @@ def definitions_seen(db: SQLEngine) -> dict[str, list[dict[str, Any]]]:
 
 
 def status_counts(db: SQLEngine) -> dict[str, dict[str, int]]:
-    """Runs per workflow and shown status, ``waiting`` apart from ``scheduled`` (the
-    ``(workflow, status)`` index serves it)."""
+    """Runs per workflow and shown status, ``waiting`` and ``held`` apart from
+    ``scheduled`` (the ``(workflow, status)`` index serves it)."""
     query = select(runs.c.workflow, runs.c.status, func.count()).group_by(
         runs.c.workflow, runs.c.status
     )
@@ -449,13 +460,23 @@ def status_counts(db: SQLEngine) -> dict[str, dict[str, int]]:
         for workflow, status, n in conn.execute(query):
             found.setdefault(workflow, {})[status] = int(n)
         waits = w.wait_states(conn)
-        resting = select(runs.c.workflow, func.count()).where(w.is_waiting(waits))
-        resting = resting.group_by(runs.c.workflow)
-        waiting = {name: int(n) for name, n in conn.execute(resting)} if waits else {}
-    return {
-        name: {s: n for s, n in w.split_counts(counts, waiting.get(name, 0)).items() if n}
-        for name, counts in found.items()
-    }
+        held: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        if any(counts.get("scheduled") for counts in found.values()):
+            for name, status, n in conn.execute(w.held_counts()):
+                if status == "scheduled":
+                    held[name] = int(n)
+            if waits:
+                resting = select(runs.c.workflow, func.count()).where(
+                    w.is_waiting(waits), w.not_held()
+                )
+                resting = resting.group_by(runs.c.workflow)
+                waiting = {name: int(n) for name, n in conn.execute(resting)}
+    shown = {}
+    for name, counts in found.items():
+        split = w.split_counts(counts, waiting.get(name, 0), held.get(name, 0))
+        shown[name] = {s: n for s, n in split.items() if n}
+    return shown
 
 
 # -- loops and workers ---------------------------------------------------------------------

@@ -573,7 +573,7 @@ def test_status__a_status_that_is_none_is_refused(here: Path, waiting_run: str) 
     """Before, `--status bogus` listed nothing, exit 0, as if no run had it."""
     line = refused("status", "--status", "bogus", cwd=here)
     assert line == (
-        "error: --status 'bogus' is not a status (one of waiting, scheduled, running, "
+        "error: --status 'bogus' is not a status (one of waiting, held, scheduled, running, "
         "retrying, paused, succeeded, failed, stopped)"
     )
     listed = as_json("status", "--status", "Waiting", cwd=here)["runs"]

@@ -70,3 +70,32 @@ def test_status_tells_the_children_held_back_and_the_events_kept(store_url: str)
         assert engine.stop(second).status == "stopped"
     stopped = status(store_url, second)
     assert "held " not in stopped and "kept " not in stopped
+
+
+def listed(url: str, *args: str) -> dict[str, str]:
+    """``status --json`` listing: each run's id and shown status."""
+    page = json.loads(status(url, "--workflow", "status_item", "--json", *args))
+    return {run["id"]: run["display_status"] for run in page["runs"]}
+
+
+def test_listings_show_the_children_held_back_as_held(store_url: str) -> None:
+    """A held child was listed `scheduled` (`waiting` when it starts in a wait) while
+    its own `status RUN`, its parent's counts and the dashboard said held (audit)."""
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[fan()]) as engine:
+        parent = engine.start(engine.workflow("status_fan"), Fan(items=[1, 2, 3])).id
+        engine.run_until_idle(idle_horizon=0)
+        store: Any = engine.store
+        first, second, third = (c.id for c in store.children_of(parent))
+    assert listed(store_url) == {first: "waiting", second: "held", third: "held"}
+    assert listed(store_url, "--status", "held") == {second: "held", third: "held"}
+    assert listed(store_url, "--status", "waiting") == {first: "waiting"}
+    assert listed(store_url, "--status", "scheduled") == {}
+    one_page = listed(store_url, "--status", "held", "--limit", "1")
+    assert len(one_page) == 1 and set(one_page) <= {second, third}, one_page
+    table = status(store_url, "--workflow", "status_item", "--status", "held")
+    assert table.count(" held ") == 2 and "scheduled" not in table, table
+    shown = status(store_url, second)
+    assert "status    held\n" in shown and "waits " not in shown, shown
+    one = json.loads(status(store_url, second, "--json"))
+    assert (one["display_status"], one["status"], one["waiting"]) == ("held", "scheduled", None)

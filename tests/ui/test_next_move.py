@@ -158,6 +158,60 @@ def test_run_page__a_held_child_says_so_and_its_parent_counts_it_held(
         store.close()
 
 
+def test_run_list_and_counts_show_the_held_children_held(
+    browser: Any, store_url: str, tmp_path: Path
+) -> None:
+    """The runs list, its counts and status filter, the workflows page and the run's
+    diagram said `scheduled` of a held child while its run page's badge said held (audit)."""
+    parent, asleep, held = off_loop(start_family, store_url)
+    napping = {run_id for run_id, _ in asleep}
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            page = new_page(browser)
+            page.goto(f"{base}/runs?workflow=ui_nap_item")
+            shown = {
+                row.get_attribute("data-run"): row.locator(".badge").inner_text()
+                for row in page.locator("#runs tbody tr").all()
+            }
+            assert shown == {**dict.fromkeys(held, "held"), **dict.fromkeys(napping, "scheduled")}
+            counts = page.locator("#counts .count[data-status]").all_inner_texts()
+            assert [" ".join(c.split()) for c in counts] == ["2 scheduled", "4 held"], counts
+            page.screenshot(path=str(tmp_path / "held_list.png"), full_page=True)
+            # The held count's link filters by it (the select offers it too).
+            page.locator('#counts .count[data-status="held"]').click()
+            page.wait_for_url("**status=held**")
+            rows = page.locator("#runs tbody tr")
+            playwright.expect(rows).to_have_count(4)
+            assert sorted(rows.locator(".badge").all_inner_texts()) == ["held"] * 4
+            assert page.locator('#filters select[name="status"]').input_value() == "held"
+            page.goto(f"{base}/runs?workflow=ui_nap_item&status=scheduled")
+            listed = page.locator("#runs tbody tr").evaluate_all(
+                "rows => rows.map(r => r.dataset.run)"
+            )
+            assert set(listed) == napping, listed
+            page.goto(f"{base}/workflows")
+            card = page.locator('.card.wf[data-workflow="ui_nap_item"] p.small').inner_text()
+            assert card == "2 scheduled · 4 held", card
+            # The run's diagram says held, and what releases it (it said "now scheduled").
+            page.goto(f"{base}/runs/{held[0]}")
+            drawn = page.locator("#diagram svg").text_content() or ""
+            assert "now held: starts when a sibling ends" in drawn, drawn
+            assert "now scheduled" not in drawn
+            page.screenshot(path=str(tmp_path / "held_diagram.png"), full_page=True)
+            page.close()
+            api = httpx.get(f"{base}/api/runs", params={"workflow": "ui_nap_item"}, timeout=30)
+            found = api.json()
+            assert (found["counts"]["held"], found["counts"]["scheduled"]) == (4, 2)
+            assert {r["id"] for r in found["runs"] if r["display_status"] == "held"} == set(held)
+            assert all(r["held"] == (r["id"] in held) for r in found["runs"])
+            fans = httpx.get(f"{base}/api/runs", params={"status": "held"}, timeout=30).json()
+            assert {r["id"] for r in fans["runs"]} == set(held)
+            assert parent not in {r["id"] for r in fans["runs"]}
+    finally:
+        store.close()
+
+
 def retrying_and_waiting() -> tuple[Workflow, Workflow]:
     flaky = Workflow("ui_flaky", context=Item)
 

@@ -471,6 +471,21 @@ def test_overlay__events_received_by_a_wait_state_count_as_taken() -> None:
     assert model.node("awaiting").notes == ("2 visits", "now scheduled")
 
 
+def test_overlay__a_held_child_is_drawn_held_with_what_releases_it() -> None:
+    """A map's child held back by max_parallel said "now scheduled" (its stored status)
+    while `flowloop status` and the dashboard's badge said held (audit)."""
+    model = render.workflow_model(order_like())
+    overlay = render.RunOverlay.from_journal(journal(created()), held=True)
+    drawn = render.apply_overlay(model, overlay)
+    told = "held back by its parent's max_parallel: starts when a sibling ends"
+    assert drawn.node("reserve").notes == ("1 visit", "now held: starts when a sibling ends")
+    assert drawn.caption == f"run r1: held at reserve ({told})"
+    # Not held (released, or never held): its status as before.
+    free = render.apply_overlay(model, render.RunOverlay.from_journal(journal(created())))
+    assert free.node("reserve").notes[-1] == "now scheduled"
+    assert free.caption == "run r1: scheduled at reserve"
+
+
 def test_overlay__attempts_cut_off_by_a_crash_are_marked_interrupted() -> None:
     events = journal(
         created(),
