@@ -8,13 +8,15 @@ is applied once or not at all (``conflict``: another writer moved the run first)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, func, insert, or_, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
+from flowloop.journal import ASLEEP
+from flowloop.lifecycle import HELD
 from flowloop.store.base import Boundary, InboxEvent
 from flowloop.store.joins import reports_end
 from flowloop.store.schema import inbox, runs
@@ -94,21 +96,31 @@ class InboxStoreMixin:
             ).first()
         return found is not None
 
-    def kept_for_free_runs(self, workflows: Sequence[str], *, after: str, limit: int) -> list[str]:
-        """Runs of ``workflows`` that events are kept for and that no worker holds (scheduled,
-        no owner), by id after ``after``: those a worker may have died before handing their
-        kept events (flowloop/kept.py, :func:`hand_over_stranded`)."""
+    def kept_for_free_runs(
+        self, accepting: Collection[tuple[str, str, str]], *, after: str, limit: int
+    ) -> list[str]:
+        """Runs that events are kept for which their state accepts now — ``accepting``:
+        (workflow, state, event), every loaded version's waits — and that no worker holds
+        (scheduled, no owner; not asleep before the state, not a map's child held back), by
+        id after ``after``: those a worker may have died before handing their kept events
+        (flowloop/kept.py, :func:`hand_over_stranded`). Read through the partial index of
+        the kept events (``ix_flowloop_inbox_kept``), not the events already taken: every
+        recovery sweep asks, and when nothing is stranded it finds nothing."""
+        if not accepting:
+            return []
         with self._read() as conn:
             found = conn.execute(
                 select(inbox.c.run_id)
                 .distinct()
                 .join(runs, runs.c.id == inbox.c.run_id)
                 .where(
-                    inbox.c.consumed_seq.is_(None),
+                    inbox.c.consumed_seq.is_(None),  # (the index's own term, spelled alike)
                     inbox.c.run_id > after,
                     runs.c.status == "scheduled",
                     runs.c.owner.is_(None),
-                    runs.c.workflow.in_(list(workflows)),
+                    tuple_(runs.c.workflow, runs.c.state, inbox.c.event).in_(list(accepting)),
+                    or_(runs.c.reason.is_(None), runs.c.reason != ASLEEP),
+                    or_(runs.c.join_state.is_(None), runs.c.join_state != HELD),
                 )
                 .order_by(inbox.c.run_id)
                 .limit(limit)
