@@ -258,6 +258,8 @@ class Executor(Stepping, Recovery, Requests):
                         await self.recover()
                         if last_recovery is None:
                             self._park_stranded_waits()
+                        else:  # (a worker killed before handing kept events over)
+                            self._hand_over_kept()
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
                     idle = until_idle and not claimed and not self._driving_any(scope)
