@@ -153,6 +153,7 @@ class Executor(Stepping, Recovery, Requests):
         self._exhaustion_check: asyncio.TimerHandle | None = None
         self._active: dict[str, _Active] = {}
         self._parked_for: frozenset[tuple[str, str]] | None = None
+        self._kept_failing: set[str] = set()
         self._controls: dict[str, str] = {}
         self._polled_pauses: set[str] = set()
         """The runs whose pause the last poll's requests held (:meth:`apply_controls`)."""

@@ -52,6 +52,8 @@ class Recovery:
         _active: dict[str, _Active]
         _parked_for: frozenset[tuple[str, str]] | None
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
+        _kept_failing: set[str]
+        """Runs whose kept events a sweep failed to hand over (:meth:`_hand_over_kept`)."""
 
         def _notify(self, boundary: Boundary) -> None: ...
 
@@ -241,9 +243,14 @@ class Recovery:
         stranded (flowloop/kept.py); the runs it moves on are claimed at once."""
         from flowloop.kept import hand_over_stranded
 
-        if hand_over_stranded(
-            self.store, self.workflows, now=self.clock.now(), worker=self.worker_id
-        ):
+        handed = hand_over_stranded(
+            self.store,
+            self.workflows,
+            now=self.clock.now(),
+            worker=self.worker_id,
+            failing=self._kept_failing,
+        )
+        if handed:
             self.wake()
 
     def _checked(

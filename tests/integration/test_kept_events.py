@@ -4,6 +4,7 @@ keeps running, with real worker processes)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import subprocess
 from collections.abc import Iterator
@@ -159,6 +160,36 @@ def test_stranded_look__finds_only_free_runs_whose_state_takes_a_kept_event(
     assert (info.status, info.state, ctx(info).notes) == ("scheduled", "second", ["later"])
     assert engine.store.kept_for_free_runs(takers, after="", limit=10) == []
     assert_journal_sound(engine, run.id)
+
+
+def test_stranded_look__a_run_it_cannot_hand_over_is_a_warning_once_not_at_every_sweep(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = engine.start(chain, Chain())
+    engine.run_until_idle()
+    stranded = InboxEvent(
+        run_id=run.id, event="go", payload=None, dedupe_key=None, sent_at=engine.clock.now()
+    )
+    assert engine.store.deliver(stranded, None) == "buffered"
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("context no longer loads")
+
+    failing: set[str] = set()
+    now = engine.clock.now()
+    with monkeypatch.context() as patched, caplog.at_level(logging.DEBUG, logger="flowloop"):
+        patched.setattr("flowloop.kept.deliver_pending", broken)
+        for _ in range(3):
+            handed = hand_over_stranded(
+                engine.store, engine.workflows, now=now, worker="w", failing=failing
+            )
+            assert handed == 0 and failing == {run.id}
+    said = [r.levelname for r in caplog.records if "could not deliver" in r.getMessage()]
+    assert said == ["WARNING", "DEBUG", "DEBUG"]
+    handed = hand_over_stranded(
+        engine.store, engine.workflows, now=now, worker="w", failing=failing
+    )
+    assert (handed, failing, engine.get(run.id).state) == (1, set(), "second")
 
 
 def _kept_index(url: str) -> list[str]:
