@@ -153,6 +153,7 @@ class Executor(Stepping, Recovery, Requests):
         self._exhaustion_check: asyncio.TimerHandle | None = None
         self._active: dict[str, _Active] = {}
         self._parked_for: frozenset[tuple[str, str]] | None = None
+        self._kept_failing: set[str] = set()
         self._controls: dict[str, str] = {}
         self._polled_pauses: set[str] = set()
         """The runs whose pause the last poll's requests held (:meth:`apply_controls`)."""
@@ -258,6 +259,8 @@ class Executor(Stepping, Recovery, Requests):
                         await self.recover()
                         if last_recovery is None:
                             self._park_stranded_waits()
+                        else:  # (a worker killed before handing kept events over)
+                            self._hand_over_kept()
                         last_recovery = self.clock.monotonic()
                     claimed, more = self._claim(run_ids, scope)
                     idle = until_idle and not claimed and not self._driving_any(scope)

@@ -12,7 +12,7 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
-from flowloop.versions import workflow_for
+from flowloop.versions import Registry, workflow_for
 
 log = logging.getLogger("flowloop")
 
@@ -80,38 +80,78 @@ def take_kept(
 
 
 def try_deliver_pending(
-    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    run_id: str,
+    *,
+    now: float,
+    worker: str,
+    level: int = logging.WARNING,
 ) -> int | None:
-    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. a
-    handler raised on a kept event). The run stays waiting; the next send or claim retries."""
+    """:func:`deliver_pending` that logs (at ``level``) instead of raising (``None``: it
+    failed, e.g. the run's context no longer loads). The run stays waiting; the next send,
+    claim or recovery sweep retries."""
     try:
         return deliver_pending(store, workflows, run_id, now=now, worker=worker)
     except Exception as error:
-        log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
+        log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
         return None
 
 
 STRANDED_BATCH = 500
 
 
+def accepting(workflows: Mapping[str, Workflow]) -> list[tuple[str, str, str]]:
+    """(workflow, wait state, event) of every loaded version of ``workflows``: the kept
+    events a run waiting there takes (a superset: :func:`deliver_pending` decides, with
+    the run's own version)."""
+    found: set[tuple[str, str, str]] = set()
+    for name, newest in workflows.items():
+        versions = workflows.versions(name) if isinstance(workflows, Registry) else [newest]
+        for workflow in versions:
+            for state, wait in workflow.waits.items():
+                found.update((name, state, event) for event in wait.on)
+    return sorted(found)
+
+
 def hand_over_stranded(
-    store: Store, workflows: Mapping[str, Workflow], *, now: float, worker: str
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    *,
+    now: float,
+    worker: str,
+    failing: set[str] | None = None,
 ) -> int:
-    """Hand the events kept for waiting runs that accept them now, at a worker's start:
-    the worker that entered the wait (or let go of the run) hands them over right after
-    its commit, and one killed in between left them kept for a run that nobody claims —
-    a wait without a timeout waited for ever, one with a timeout took them only then.
-    Returns how many left the inbox."""
+    """Hand the events kept for waiting runs that accept them now, at a worker's start and
+    at each of its recovery sweeps (flowloop/executor.py): the worker that entered the wait
+    (or let go of the run) hands them over right after its commit, and one killed in
+    between left them kept for a run that nobody claims — a wait without a timeout waited
+    for ever (or until some process started), one with a timeout took them only then.
+    When nothing is stranded this is one read of the kept events' partial index that finds
+    nothing (:meth:`~flowloop.store.inbox.InboxStoreMixin.kept_for_free_runs`). Returns
+    how many left the inbox. ``failing``: the runs whose handing over failed at an earlier
+    look (updated): failing again, each is logged at DEBUG, not at every sweep's WARNING."""
     if not isinstance(store, InboxStoreMixin):
         return 0
-    handed, after = 0, ""
+    takers = accepting(workflows)
+    handed, after, seen = 0, "", set[str]()
     while True:
-        found = store.kept_for_free_runs(list(workflows), after=after, limit=STRANDED_BATCH)
+        found = store.kept_for_free_runs(takers, after=after, limit=STRANDED_BATCH)
+        seen.update(found)
         for run_id in found:
-            handed += try_deliver_pending(store, workflows, run_id, now=now, worker=worker) or 0
+            again = failing is not None and run_id in failing
+            level = logging.DEBUG if again else logging.WARNING
+            taken = try_deliver_pending(
+                store, workflows, run_id, now=now, worker=worker, level=level
+            )
+            if failing is not None:
+                (failing.add if taken is None else failing.discard)(run_id)
+            handed += taken or 0
         if len(found) < STRANDED_BATCH:
             break
         after = found[-1]
+    if failing is not None:
+        failing &= seen  # (a run no longer found has gone on, or was stopped: forgotten)
     if handed:
         log.warning(
             "handed %d kept event(s) to waiting runs no worker held (a worker may have "

@@ -52,8 +52,12 @@ class Recovery:
         _active: dict[str, _Active]
         _parked_for: frozenset[tuple[str, str]] | None
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
+        _kept_failing: set[str]
+        """Runs whose kept events a sweep failed to hand over (:meth:`_hand_over_kept`)."""
 
         def _notify(self, boundary: Boundary) -> None: ...
+
+        def wake(self, run_id: str | None = None) -> None: ...
 
     async def recover(self) -> int:
         """Settle every run left ``running`` by a dead worker, in batches: an idempotent
@@ -210,9 +214,11 @@ class Recovery:
         once when it starts, and ``run_until_idle`` at each call (a new executor each
         time): a wait stranded later (a run unpaused on a definition not loaded here, or
         released into a wait by a process of another version) is found by those, not by
-        further ``Engine.run`` calls, whose own runs it does not hold back. Then, as
-        rarely, the waiting runs it can take are handed the events kept for them that a
-        worker killed after letting go of the run never handed over (flowloop/kept.py)."""
+        further ``Engine.run`` calls, whose own runs it does not hold back. Then the
+        waiting runs it can take are handed the events kept for them that a worker killed
+        after letting go of the run never handed over (flowloop/kept.py); the later
+        recovery sweeps of a worker that keeps running do that again
+        (:meth:`_hand_over_kept`)."""
         from flowloop.kept import hand_over_stranded
         from flowloop.parking import loaded_fingerprints, park_stranded_waits
         from flowloop.store.sql import SQLStore
@@ -227,6 +233,25 @@ class Recovery:
         park_stranded_waits(self.store, self.workflows, worker=self.worker_id, now=self.clock.now())
         hand_over_stranded(self.store, self.workflows, now=self.clock.now(), worker=self.worker_id)
         self._parked_for = loaded
+
+    def _hand_over_kept(self) -> None:
+        """At each recovery sweep after the first (which :meth:`_park_stranded_waits`
+        does): hand the waiting runs no worker holds the events kept for them that they
+        accept — a worker killed between the commit that entered the wait and its handing
+        over left them there, and a fleet whose other workers keep running would otherwise
+        leave them until some process starts. One read of the kept events when nothing is
+        stranded (flowloop/kept.py); the runs it moves on are claimed at once."""
+        from flowloop.kept import hand_over_stranded
+
+        handed = hand_over_stranded(
+            self.store,
+            self.workflows,
+            now=self.clock.now(),
+            worker=self.worker_id,
+            failing=self._kept_failing,
+        )
+        if handed:
+            self.wake()
 
     def _checked(
         self, workflow: Workflow, stored: StoredRun

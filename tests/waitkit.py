@@ -231,6 +231,32 @@ gatherer.final("done")
 
 ALL = (review, chain, initial_wait, parked, timed, napper, collector, gatherer)
 
+GATE: list[bool] = []
+"""Set (non-empty) only in a :func:`_hold_main` process: its ``hold_gate`` step waits there."""
+
+gated = Workflow("gated", context=Empty)
+"""A first step that the ``hold`` process holds until the test lets it go (elsewhere it
+returns at once), then a wait without a timeout, then a step: a run in flight that another
+process can send a kept event to. Not in ALL; the CLI workers load it from this file."""
+
+
+@gated.step(initial=True, next="ready")
+def hold_gate(ctx: Empty, step: Step) -> None:
+    if GATE:
+        print(f"holding {step.run_id}", flush=True)
+        sys.stdin.readline()  # the test's line: go on
+
+
+gated.wait("ready", on={"go": "finish"})
+
+
+@gated.step(next="done")
+def finish(ctx: Empty) -> None:
+    ctx.n += 1
+
+
+gated.final("done")
+
 
 # -- reading runs ---------------------------------------------------------------------------
 
@@ -338,9 +364,10 @@ def _env() -> dict[str, str]:
 
 
 class WorkerProcess:
-    """``flowloop worker tests/waitkit.py --db URL`` in its own process, its output in a file."""
+    """``flowloop worker tests/waitkit.py --db URL`` in its own process, its output in a file
+    (``args``: more options, such as ``--lease``)."""
 
-    def __init__(self, url: str, log: Path) -> None:
+    def __init__(self, url: str, log: Path, *args: str) -> None:
         self.log = log
         self.started_at = time.time()
         self._handle = log.open("ab")
@@ -355,6 +382,7 @@ class WorkerProcess:
                 url,
                 "--grace",
                 "2",
+                *args,
             ],
             stdout=self._handle,
             stderr=subprocess.STDOUT,
@@ -384,12 +412,13 @@ class WorkerProcess:
 
 
 @contextmanager
-def workers(url: str, folder: Path) -> Iterator[Callable[[], WorkerProcess]]:
-    """Start worker processes on demand; every one still alive is stopped at the end."""
+def workers(url: str, folder: Path) -> Iterator[Callable[..., WorkerProcess]]:
+    """Start worker processes on demand (``start(*options)``); every one still alive is
+    stopped at the end."""
     started: list[WorkerProcess] = []
 
-    def start() -> WorkerProcess:
-        worker = WorkerProcess(url, folder / f"worker{len(started) + 1}.log")
+    def start(*args: str) -> WorkerProcess:
+        worker = WorkerProcess(url, folder / f"worker{len(started) + 1}.log", *args)
         started.append(worker)
         return worker
 
@@ -459,7 +488,31 @@ def _send_main(argv: Sequence[str]) -> None:
     print(json.dumps(results))
 
 
+def hold_command(url: str) -> list[str]:
+    """A worker process (:func:`_hold_main`) that creates a ``gated`` run and drives it: it
+    prints ``holding RUN_ID`` while its first step waits for a line on its stdin, then
+    enters the wait and SIGKILLs itself right after that commit, before it hands over the
+    events kept for the run."""
+    return [sys.executable, str(HERE), "hold", url]
+
+
+def _hold_main(argv: Sequence[str]) -> None:
+    from flowloop.stepping import Stepping
+
+    def killed(self: Any, run_id: str) -> None:  # (called right after the commit)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    Stepping._deliver = killed  # type: ignore[method-assign]
+    GATE.append(True)
+    with Engine(argv[0], workflows=[*ALL, gated]) as engine:
+        engine.run(gated, Empty())
+    sys.exit("the hold process went on past its kill")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:2] != ["send"]:
-        sys.exit("usage: waitkit.py send URL --plan JSON [--start-at T]")
-    _send_main(sys.argv[2:])
+    if sys.argv[1:2] == ["hold"]:
+        _hold_main(sys.argv[2:])
+    elif sys.argv[1:2] != ["send"]:
+        sys.exit("usage: waitkit.py send URL --plan JSON [--start-at T] | waitkit.py hold URL")
+    else:
+        _send_main(sys.argv[2:])

@@ -29,7 +29,7 @@ from flowloop.journal import JournalEvent, RunRecord
 
 VERSION_TABLE: Final = "flowloop_alembic_version"
 """The table holding a database's schema revision (flowloop/store/migrate.py)."""
-SCHEMA_HEAD: Final = "0021"
+SCHEMA_HEAD: Final = "0022"
 """The newest revision in migrations/versions, known without loading Alembic (a new
 revision moves it: tests/acceptance/test_cli_cold_start.py checks it is Alembic's head)."""
 

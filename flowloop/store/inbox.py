@@ -8,16 +8,44 @@ is applied once or not at all (``conflict``: another writer moved the run first)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Final
 
-from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy import Connection, String, bindparam, func, insert, select, text, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.types import TupleType
 
+from flowloop.journal import ASLEEP
+from flowloop.lifecycle import HELD
 from flowloop.store.base import Boundary, InboxEvent
 from flowloop.store.joins import reports_end
-from flowloop.store.schema import inbox, runs
+from flowloop.store.schema import inbox
+
+KEPT_FOR_FREE_RUNS: Final = (
+    "SELECT DISTINCT i.run_id FROM flowloop_inbox AS i{indexed}"
+    " CROSS JOIN flowloop_runs AS r"
+    " WHERE r.id = i.run_id AND i.consumed_seq IS NULL AND i.run_id > :after"
+    " AND r.status = 'scheduled' AND r.owner IS NULL"
+    f" AND (r.reason IS NULL OR r.reason <> '{ASLEEP}')"
+    f" AND (r.join_state IS NULL OR r.join_state <> '{HELD}')"
+    " AND (r.workflow, r.state, i.event) IN :takers"
+    " ORDER BY i.run_id LIMIT :limit"
+)
+"""The look for stranded kept events: through the partial index of the kept events
+(``ix_flowloop_inbox_kept``, migration 0022) — the inbox keeps every taken event too — then
+each one's run by its key: what it reads grows with the events kept, not with the inbox or
+the runs. On SQLite that index and that order are said (INDEXED BY; a CROSS JOIN keeps its
+left table outer): with statistics that found the index empty the planner went through
+every run by its key instead, and each one's events (2,000 runs, 100,000 taken events,
+none kept: 3.5 ms a look; said, 0.05 ms). PostgreSQL plans it so by itself."""
+_TAKERS = TupleType(String(), String(), String())
+_KEPT_FOR_FREE_RUNS: Final = {
+    postgres: text(
+        KEPT_FOR_FREE_RUNS.format(indexed="" if postgres else " INDEXED BY ix_flowloop_inbox_kept")
+    ).bindparams(bindparam("takers", expanding=True, type_=_TAKERS))
+    for postgres in (False, True)
+}
 
 
 class _Conflict(Exception):
@@ -39,6 +67,8 @@ def kept_row(message: InboxEvent) -> dict[str, Any]:
 
 class InboxStoreMixin:
     """The inbox's reads and writes for :class:`~flowloop.store.sql.SQLStore`."""
+
+    _postgres: bool  # provided by SQLStore
 
     def _write(self) -> AbstractContextManager[Connection]:  # provided by SQLStore
         raise NotImplementedError
@@ -94,25 +124,20 @@ class InboxStoreMixin:
             ).first()
         return found is not None
 
-    def kept_for_free_runs(self, workflows: Sequence[str], *, after: str, limit: int) -> list[str]:
-        """Runs of ``workflows`` that events are kept for and that no worker holds (scheduled,
-        no owner), by id after ``after``: those a worker may have died before handing their
-        kept events (flowloop/kept.py, :func:`hand_over_stranded`)."""
+    def kept_for_free_runs(
+        self, accepting: Collection[tuple[str, str, str]], *, after: str, limit: int
+    ) -> list[str]:
+        """Runs that events are kept for which their state accepts now — ``accepting``:
+        (workflow, state, event), every loaded version's waits — and that no worker holds
+        (scheduled, no owner; not asleep before the state, not a map's child held back), by
+        id after ``after``: those a worker may have died before handing their kept events
+        (flowloop/kept.py, :func:`hand_over_stranded`). Every recovery sweep asks, and when
+        nothing is stranded it finds nothing: :data:`KEPT_FOR_FREE_RUNS`."""
+        if not accepting:
+            return []
+        values = {"after": after, "takers": list(accepting), "limit": limit}
         with self._read() as conn:
-            found = conn.execute(
-                select(inbox.c.run_id)
-                .distinct()
-                .join(runs, runs.c.id == inbox.c.run_id)
-                .where(
-                    inbox.c.consumed_seq.is_(None),
-                    inbox.c.run_id > after,
-                    runs.c.status == "scheduled",
-                    runs.c.owner.is_(None),
-                    runs.c.workflow.in_(list(workflows)),
-                )
-                .order_by(inbox.c.run_id)
-                .limit(limit)
-            )
+            found = conn.execute(_KEPT_FOR_FREE_RUNS[self._postgres], values)
             return [str(row.run_id) for row in found]
 
     def kept_count(self, run_id: str) -> int:

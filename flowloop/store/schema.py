@@ -300,6 +300,17 @@ inbox = Table(
     Column("consumed_seq", Integer),
 )
 Index("ix_flowloop_inbox_pending", inbox.c.run_id, inbox.c.consumed_seq)
+# The events kept, not yet taken (the inbox keeps every taken one too): each recovery sweep
+# of every worker looks for waiting runs that no worker holds and that accept one — a
+# worker killed before handing them over (flowloop/kept.py) — reading only these, with the
+# event, instead of the whole inbox (migration 0022).
+Index(
+    "ix_flowloop_inbox_kept",
+    inbox.c.run_id,
+    inbox.c.event,
+    sqlite_where=text("consumed_seq IS NULL"),
+    postgresql_where=text("consumed_seq IS NULL"),
+)
 # The same dedupe key twice for one run has effect once.
 Index(
     "ux_flowloop_inbox_dedupe",

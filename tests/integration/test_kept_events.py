@@ -1,26 +1,43 @@
 """Events kept for a run (its inbox) that a worker died before handing over, and events a
-wait's handler refuses: on SQLite and PostgreSQL, on a FakeClock."""
+wait's handler refuses: on SQLite and PostgreSQL, on a FakeClock (and, for a worker that
+keeps running, with real worker processes)."""
 
 from __future__ import annotations
 
+import logging
+import re
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
+from storekit import to_revision
 from waitkit import (
     ALL,
     HERE,
     Chain,
+    Empty,
+    _env,
     assert_journal_sound,
     chain,
+    ctx,
+    gated,
+    hold_command,
     inbox_rows,
     kinds,
+    parked,
     received,
     review,
+    wait_until,
+    workers,
 )
 
-from flowloop import FakeClock
+from flowloop import Engine, FakeClock
 from flowloop.cli import main
 from flowloop.events import EventRefused
+from flowloop.kept import accepting, hand_over_stranded
+from flowloop.store import InboxEvent
 from flowloop.testing import SimulatedCrash, TestEngine
 
 
@@ -47,6 +64,152 @@ def test_kept_event__a_worker_killed_after_entering_the_wait_leaves_it_to_the_ne
     [taken] = received(engine, run.id, "go")
     assert [row.consumed_seq for row in inbox_rows(engine.url, run.id)] == [taken.seq]
     assert_journal_sound(engine, run.id)
+
+
+STARTUP_S = 20.0
+"""Bound for a worker process to start and act (imports included), on a slow machine."""
+LEASE_S = 4
+"""The running worker's lease: its recovery sweep comes every half of it (2 s)."""
+
+
+def test_kept_event__a_worker_killed_after_entering_the_wait_leaves_it_to_a_running_worker(
+    store_url: str, tmp_path: Path
+) -> None:
+    # Worker A drives a run; an event is kept for it meanwhile; A is SIGKILLed right after
+    # the commit that enters the wait, before it hands the event over. Worker B was running
+    # all along (its start, and the look for stranded events it did then, came before):
+    # it hands the event over at one of its recovery sweeps, and the run goes on. Before,
+    # nothing did until some process started: the wait has no timeout.
+    with (
+        Engine(store_url, workflows=[*ALL, gated]) as engine,
+        workers(store_url, tmp_path) as start,
+    ):
+        b = start("--lease", str(LEASE_S))
+        marker = engine.start(parked, Empty()).id  # B has begun claiming: its start is over
+        wait_until(
+            lambda: engine.get(marker).state == "parked" and engine.get(marker).owner is None,
+            timeout=STARTUP_S,
+            what="worker B drives a run (its start-up sweep done)",
+            diagnose=b.output,
+        )
+        out = tmp_path / "a.log"
+        with out.open("w") as log:
+            a = subprocess.Popen(
+                hold_command(store_url),
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=_env(),
+                text=True,
+            )
+        try:
+            holding = wait_until(
+                lambda: re.search(r"holding (\w+)", out.read_text()),
+                timeout=STARTUP_S,
+                what="worker A holds its run in its first step",
+                diagnose=out.read_text,
+            )
+            run_id = holding.group(1)
+            assert engine.send(run_id, "go", buffer=True).status == "buffered"  # A holds it
+            assert a.stdin is not None
+            a.stdin.write("\n")  # A's step returns: A enters the wait, and is killed
+            a.stdin.flush()
+            assert a.wait(timeout=STARTUP_S) == -9, out.read_text()
+        finally:
+            if a.poll() is None:
+                a.kill()
+                a.wait()
+        info = wait_until(
+            lambda: (i := engine.get(run_id)).finished and i,
+            timeout=3 * LEASE_S,
+            what="worker B hands the kept event over and the run goes on",
+            diagnose=b.output,
+        )
+        assert b.proc.poll() is None  # the same B, never restarted
+        assert (info.status, info.state, ctx(info).n) == ("succeeded", "done", 1)
+        [taken] = received(engine, run_id, "go")
+        assert f":{b.pid}:" in (taken.worker or "")
+        assert [row.consumed_seq for row in inbox_rows(store_url, run_id)] == [taken.seq]
+        entered = kinds(engine, run_id)[taken.seq - 2]
+        assert entered == "step_succeeded"  # taken right after the wait began: nothing between
+        assert_journal_sound(engine, run_id)
+
+
+def test_stranded_look__finds_only_free_runs_whose_state_takes_a_kept_event(
+    engine: TestEngine,
+) -> None:
+    # Every recovery sweep looks: a run waiting with events kept for a later state is not
+    # stranded, and is not read again (found by the look, it cost two reads per sweep).
+    run = engine.start(chain, Chain())
+    engine.run_until_idle()
+    assert engine.get(run.id).state == "first"
+    assert engine.send(run.id, "note", {"text": "later"}, buffer=True).status == "buffered"
+    takers = accepting(engine.workflows)
+    assert ("chain", "first", "go") in takers and ("chain", "first", "note") not in takers
+    assert engine.store.kept_for_free_runs(takers, after="", limit=10) == []
+    # A `go` kept and not handed over (its worker killed right after the run's wait began).
+    stranded = InboxEvent(
+        run_id=run.id, event="go", payload=None, dedupe_key=None, sent_at=engine.clock.now()
+    )
+    assert engine.store.deliver(stranded, None) == "buffered"
+    assert engine.store.kept_for_free_runs(takers, after="", limit=10) == [run.id]
+    assert engine.store.kept_for_free_runs(takers, after=run.id, limit=10) == []
+    now = engine.clock.now()
+    assert hand_over_stranded(engine.store, engine.workflows, now=now, worker="w") == 2
+    info = engine.get(run.id)  # `go`, then `note` (second takes it), in the order kept
+    assert (info.status, info.state, ctx(info).notes) == ("scheduled", "second", ["later"])
+    assert engine.store.kept_for_free_runs(takers, after="", limit=10) == []
+    assert_journal_sound(engine, run.id)
+
+
+def test_stranded_look__a_run_it_cannot_hand_over_is_a_warning_once_not_at_every_sweep(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = engine.start(chain, Chain())
+    engine.run_until_idle()
+    stranded = InboxEvent(
+        run_id=run.id, event="go", payload=None, dedupe_key=None, sent_at=engine.clock.now()
+    )
+    assert engine.store.deliver(stranded, None) == "buffered"
+
+    def broken(*args: object, **kwargs: object) -> int:
+        raise RuntimeError("context no longer loads")
+
+    failing: set[str] = set()
+    now = engine.clock.now()
+    with monkeypatch.context() as patched, caplog.at_level(logging.DEBUG, logger="flowloop"):
+        patched.setattr("flowloop.kept.deliver_pending", broken)
+        for _ in range(3):
+            handed = hand_over_stranded(
+                engine.store, engine.workflows, now=now, worker="w", failing=failing
+            )
+            assert handed == 0 and failing == {run.id}
+    said = [r.levelname for r in caplog.records if "could not deliver" in r.getMessage()]
+    assert said == ["WARNING", "DEBUG", "DEBUG"]
+    handed = hand_over_stranded(
+        engine.store, engine.workflows, now=now, worker="w", failing=failing
+    )
+    assert (handed, failing, engine.get(run.id).state) == (1, set(), "second")
+
+
+def _kept_index(url: str) -> list[str]:
+    inspected = sa.create_engine(url, poolclass=sa.NullPool)
+    try:
+        return [
+            str(index["column_names"])
+            for index in sa.inspect(inspected).get_indexes("flowloop_inbox")
+            if index["name"] == "ix_flowloop_inbox_kept"
+        ]
+    finally:
+        inspected.dispose()
+
+
+def test_migration_0022__the_kept_events_index_comes_and_goes(engine: TestEngine) -> None:
+    assert _kept_index(engine.url) == ["['run_id', 'event']"]
+    to_revision(engine.url, "0021")
+    assert _kept_index(engine.url) == []
+    to_revision(engine.url, "head")
+    assert _kept_index(engine.url) == ["['run_id', 'event']"]
 
 
 def test_kept_event__a_timed_wait_takes_it_at_the_next_worker_start_not_at_its_timeout(
