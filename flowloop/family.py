@@ -23,12 +23,20 @@ def held_back(store: Any, run_id: str, *, live: bool = True) -> bool:
     return live and hasattr(store, "is_held") and bool(store.is_held(run_id))
 
 
+HELD_IDS_PER_QUERY: Final = 500
+"""Ids asked about in one read: a listing's page may hold tens of thousands, and a driver
+takes at most 65,535 parameters a statement (psycopg; SQLite's limit may be 999)."""
+
+
 def held_among(store: Any, run_ids: Sequence[str]) -> set[str]:
-    """Which of the listed ``run_ids`` are held back (one read for them all; none on a
+    """Which of the listed ``run_ids`` are held back (one read per 500 of them; none on a
     store that reads no families): what a listing shows ``held``."""
     if not run_ids or not hasattr(store, "held_among"):
         return set()
-    return set(store.held_among(run_ids))
+    held: set[str] = set()
+    for start in range(0, len(run_ids), HELD_IDS_PER_QUERY):
+        held.update(store.held_among(run_ids[start : start + HELD_IDS_PER_QUERY]))
+    return held
 
 
 def child_counts(store: Any, parent_id: str) -> dict[str, int]:

@@ -55,7 +55,8 @@ def status(
                 held = family.held_back(store, info.id, live=not info.finished)
                 kept = store.kept_count(info.id) if hasattr(store, "kept_count") else 0
                 shown = {
-                    **info_json(info, waits, held=held),
+                    # Shown held while it is scheduled (paused, it shows paused).
+                    **info_json(info, waits, held=held and info.status == "scheduled"),
                     "held": held,
                     "kept_events": kept,
                     **lease_json(store, info),  # as the text's `worker` line
@@ -63,7 +64,9 @@ def status(
                 click.echo(json.dumps(shown))
                 return
             due = support.run_due(reader, info)
-            held = family.held_back(reader.store, info.id, live=not info.finished)
+            held = info.status == "scheduled" and family.held_back(
+                reader.store, info.id, live=not info.finished
+            )
             reason = support.asleep_reason(info, due)
             show_run(info, waits.of(info), reason, due, held=held)
             holder = lease_line(reader.store, info)

@@ -99,3 +99,37 @@ def test_listings_show_the_children_held_back_as_held(store_url: str) -> None:
     assert "status    held\n" in shown and "waits " not in shown, shown
     one = json.loads(status(store_url, second, "--json"))
     assert (one["display_status"], one["status"], one["waiting"]) == ("held", "scheduled", None)
+
+
+def test_a_paused_held_child_shows_paused_in_status_run(store_url: str) -> None:
+    # Review: `status RUN` showed a held child paused with its parent as `held` (text and
+    # display_status) while the listing and the dashboard said paused; its `held` flag
+    # (its join state) stays as it was.
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[fan()]) as engine:
+        parent = engine.start(engine.workflow("status_fan"), Fan(items=[1, 2, 3])).id
+        engine.run_until_idle(idle_horizon=0)
+        store: Any = engine.store
+        _, second, _ = (c.id for c in store.children_of(parent))
+        engine.pause(parent)
+    shown = status(store_url, second)
+    assert "status    paused" in shown and "held" not in shown.split("\n")[1], shown
+    one = json.loads(status(store_url, second, "--json"))
+    assert (one["status"], one["display_status"], one["held"]) == ("paused", "paused", True)
+    assert listed(store_url)[second] == "paused"
+
+
+def test_held_among_a_page_past_a_drivers_parameter_limit(store_url: str) -> None:
+    # Review: every scheduled id of a page went into one IN list: past 65,535 ids psycopg
+    # refused the statement (`status --limit 70000` exited 1), older SQLite builds past 999.
+    from flowloop import family
+
+    clock = FakeClock(auto_advance=False)
+    with TestEngine(store_url, clock=clock, workflows=[fan()]) as engine:
+        parent = engine.start(engine.workflow("status_fan"), Fan(items=[1, 2, 3])).id
+        engine.run_until_idle(idle_horizon=0)
+        store: Any = engine.store
+        _, second, third = (c.id for c in store.children_of(parent))
+        ids = [f"absent{n:06d}" for n in range(70_000)]
+        ids[12_345], ids[69_999] = second, third
+        assert family.held_among(store, ids) == {second, third}
