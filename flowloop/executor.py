@@ -39,6 +39,7 @@ from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
 from flowloop.holding import Held, context_holding, database_of
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.kept import StrandedLooks
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
 from flowloop.lifecycle import CONTROLS, STOP
 from flowloop.localdue import LocalDue
@@ -153,7 +154,7 @@ class Executor(Stepping, Recovery, Requests):
         self._exhaustion_check: asyncio.TimerHandle | None = None
         self._active: dict[str, _Active] = {}
         self._parked_for: frozenset[tuple[str, str]] | None = None
-        self._kept_failing: set[str] = set()
+        self._kept_looks = StrandedLooks()
         self._controls: dict[str, str] = {}
         self._polled_pauses: set[str] = set()
         """The runs whose pause the last poll's requests held (:meth:`apply_controls`)."""

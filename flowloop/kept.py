@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
 
 from flowloop.definition import Workflow
 from flowloop.errors import error_line
@@ -12,6 +15,8 @@ from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, InboxEvent, Store
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
+from flowloop.store.outage import is_outage
+from flowloop.verdicts import judge
 from flowloop.versions import Registry, workflow_for
 
 log = logging.getLogger("flowloop")
@@ -35,6 +40,8 @@ def deliver_pending(
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
+        if not _takes_on(store, workflow, record):
+            return consumed  # a definition that would park it: a claim or a start parks it
         if record.join is not None and isinstance(store, JoinStoreMixin) and store.is_held(run_id):
             return consumed  # a map's child held back: handed over when its turn comes
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
@@ -45,6 +52,26 @@ def deliver_pending(
         if store.deliver(message, boundary) != "applied":
             return consumed
         consumed += 1
+
+
+def _takes_on(store: Store, workflow: Workflow, record: RunRecord) -> bool:
+    """Whether ``workflow`` (the loaded definition the run would follow) may take the run
+    on — its own, or one the run's may move to (flowloop/verdicts.py): a sender is refused
+    (DefinitionMismatch) and a claim parks the run otherwise, and so a sweep's hand-over
+    must not move it under it."""
+    if record.fingerprint == workflow.fingerprint and (
+        record.context_version == workflow.context_version
+    ):
+        return True
+    verdict = judge(
+        workflow,
+        state=record.state,
+        fingerprint=record.fingerprint,
+        context=record.context,
+        context_version=record.context_version,
+        old=store.definition(record.fingerprint),
+    )
+    return verdict.goes_on
 
 
 def take_kept(
@@ -99,6 +126,48 @@ def try_deliver_pending(
 
 
 STRANDED_BATCH = 500
+SLOW_LOOK_SECONDS: Final = 0.05
+LOOK_SPACING: Final = 100.0
+"""A look for stranded kept events that took longer than :data:`SLOW_LOOK_SECONDS` puts
+the next one off by :data:`LOOK_SPACING` times as long: it reads every event kept and not
+taken — those kept for a later state, and those of runs that ended without taking them,
+stay until prune — and a worker looks at every recovery sweep, on its event loop."""
+
+
+@dataclass
+class StrandedLooks:
+    """One worker's looks for stranded kept events (:func:`look_for_stranded`): the runs
+    whose handing over failed at an earlier look, and when the next look may be made."""
+
+    failing: set[str] = field(default_factory=set)
+    next_at: float = 0.0
+    """By ``time.monotonic``; 0: at the next sweep."""
+
+
+def look_for_stranded(
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    looks: StrandedLooks,
+    *,
+    now: float,
+    worker: str,
+) -> int:
+    """:func:`hand_over_stranded` at a worker's recovery sweep, spaced out after a slow
+    look, and logged, not raised, when it fails for another cause than an outage (it
+    helps runs a dead worker left: the sweep and the worker go on without it)."""
+    started = time.monotonic()
+    if started < looks.next_at:
+        return 0
+    try:
+        handed = hand_over_stranded(store, workflows, now=now, worker=worker, failing=looks.failing)
+    except Exception as error:
+        if is_outage(error):
+            raise
+        log.warning("the look for stranded kept events failed: %s", error_line(error))
+        handed = 0
+    took = time.monotonic() - started
+    looks.next_at = started + took * LOOK_SPACING if took > SLOW_LOOK_SECONDS else 0.0
+    return handed
 
 
 def accepting(workflows: Mapping[str, Workflow]) -> list[tuple[str, str, str]]:

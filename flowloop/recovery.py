@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from flowloop.committer import Stats
     from flowloop.executor import _Active
+    from flowloop.kept import StrandedLooks
 
 log = logging.getLogger("flowloop")
 
@@ -52,8 +53,8 @@ class Recovery:
         _active: dict[str, _Active]
         _parked_for: frozenset[tuple[str, str]] | None
         """The loaded definitions :meth:`_park_stranded_waits` last looked with."""
-        _kept_failing: set[str]
-        """Runs whose kept events a sweep failed to hand over (:meth:`_hand_over_kept`)."""
+        _kept_looks: StrandedLooks
+        """This worker's looks for stranded kept events (:meth:`_hand_over_kept`)."""
 
         def _notify(self, boundary: Boundary) -> None: ...
 
@@ -241,14 +242,14 @@ class Recovery:
         over left them there, and a fleet whose other workers keep running would otherwise
         leave them until some process starts. One read of the kept events when nothing is
         stranded (flowloop/kept.py); the runs it moves on are claimed at once."""
-        from flowloop.kept import hand_over_stranded
+        from flowloop.kept import look_for_stranded
 
-        handed = hand_over_stranded(
+        handed = look_for_stranded(
             self.store,
             self.workflows,
+            self._kept_looks,
             now=self.clock.now(),
             worker=self.worker_id,
-            failing=self._kept_failing,
         )
         if handed:
             self.wake()

@@ -33,7 +33,7 @@ from waitkit import (
     workers,
 )
 
-from flowloop import Engine, FakeClock
+from flowloop import Engine, FakeClock, Workflow
 from flowloop.cli import main
 from flowloop.events import EventRefused
 from flowloop.kept import accepting, hand_over_stranded
@@ -261,3 +261,80 @@ def test_cli_send__an_event_its_handler_refuses_is_one_line_and_exits_2(
         "!eve may not approve; the run still waits there"
     )
     assert engine.get(run.id).state == "awaiting"
+
+
+def _two_versions(version: int) -> Workflow:
+    """A wait that takes ``a`` or ``b`` (v1), or only ``a`` (v2: a run of v1 waiting
+    there parks under it, judged by flowloop/verdicts.py)."""
+    workflow = Workflow("kept_versions", context=Empty, version=version)
+
+    @workflow.step(initial=True, next="w")
+    def begin(ctx: Empty) -> None: ...
+
+    workflow.wait("w", on={"a": "x", "b": "y"} if version == 1 else {"a": "x"})
+    workflow.final(*(("x", "y") if version == 1 else ("x",)))
+    return workflow
+
+
+def test_stranded_look__hands_nothing_to_a_run_the_loaded_definition_would_park(
+    store_url: str,
+) -> None:
+    # Review: the sweep handed a v1 run's kept event over under a v2 that would park it
+    # (a sender is refused with DefinitionMismatch; a claim parks it): it moved on at x.
+    v1, v2 = _two_versions(1), _two_versions(2)
+    with Engine(store_url, workflows=[v1]) as first:
+        run_id = first.start(v1, Empty()).id
+        first.run_until_idle()
+        kept = InboxEvent(run_id=run_id, event="a", payload=None, dedupe_key=None, sent_at=0.0)
+        assert first.store.deliver(kept, None) == "buffered"
+    with Engine(store_url, workflows=[v2]) as later:
+        handed = hand_over_stranded(later.store, {v2.name: v2}, now=0.0, worker="w2")
+        info = later.get(run_id)
+    assert handed == 0 and (info.status, info.state) == ("scheduled", "w")
+
+
+def _stranded(engine: Engine, workflow: Workflow) -> str:
+    """A run waiting in ``w`` with an ``a`` kept for it and not handed over (as a worker
+    killed between its wait-entering commit and the hand-over leaves it)."""
+    run_id = engine.start(workflow, Empty()).id
+    engine.run_until_idle()
+    kept = InboxEvent(run_id=run_id, event="a", payload=None, dedupe_key=None, sent_at=0.0)
+    assert engine.store.deliver(kept, None) == "buffered"
+    return run_id
+
+
+def test_stranded_look__a_slow_one_puts_the_next_off_and_a_failure_is_logged(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Review: the look reads every event kept and not taken (those for later states, and
+    # those of runs that ended without them, stay until prune): 0.5-0.9 s a look on
+    # PostgreSQL with 200,000 of them, on every worker's event loop at every sweep. A slow
+    # look now puts the next one off (LOOK_SPACING times as long); an error that is not an
+    # outage is logged, and no longer ends the worker's loop.
+    from flowloop import kept
+
+    monkeypatch.setattr(kept, "SLOW_LOOK_SECONDS", 0.0)  # every look counts as slow
+    looks = kept.StrandedLooks()
+    workflow = _two_versions(1)
+    workflows = {workflow.name: workflow}
+    with Engine(store_url, workflows=[workflow]) as engine:
+
+        def look() -> int:
+            return kept.look_for_stranded(engine.store, workflows, looks, now=0.0, worker="w")
+
+        first = _stranded(engine, workflow)
+        assert look() == 1 and engine.get(first).state == "x"
+        assert looks.next_at > 0.0
+        second = _stranded(engine, workflow)
+        assert look() == 0 and engine.get(second).state == "w"  # put off
+        looks.next_at = 0.0  # its time come
+        assert look() == 1 and engine.get(second).state == "x"
+
+        def broken(*args: object, **kwargs: object) -> list[str]:
+            raise ValueError("a query the planner gave up on")
+
+        monkeypatch.setattr(engine.store, "kept_for_free_runs", broken)
+        looks.next_at = 0.0
+        with caplog.at_level(logging.WARNING, logger="flowloop"):
+            assert look() == 0
+    assert "the look for stranded kept events failed: a query the planner gave up" in caplog.text
