@@ -757,3 +757,16 @@ def test_start_json__a_run_that_starts_waiting_says_so_as_status_does(here: Path
     (here / "asks.jsonl").write_text('{"what": "a"}\n{"what": "b"}\n')
     many = as_json("start", "approvals.py", "--contexts", "asks.jsonl", cwd=here)
     assert [run["display_status"] for run in many] == ["waiting", "waiting"]
+
+
+def test_retry__a_run_that_has_not_ended_says_what_continues_it(
+    here: Path, waiting_run: str
+) -> None:
+    """Before: "run '…' is scheduled: cannot retry it" — nothing said what to do instead."""
+    line = refused("retry", waiting_run, "-w", "orders.py", cwd=here)
+    assert line.startswith(f"error: run '{waiting_run}' is scheduled: cannot retry it"), line
+    assert "only a failed or stopped run is retried" in line, line
+    assert "a worker or `flowloop resume` continues it" in line, line
+    here_cli("pause", waiting_run, cwd=here)
+    line = quick("retry", waiting_run, "-w", "orders.py", cwd=here)
+    assert line.endswith(f"`flowloop unpause {waiting_run}` lets it go on"), line
