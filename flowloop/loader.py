@@ -159,6 +159,12 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     loaded = Loaded()
     loaded.add(import_file(path), path)
     if not loaded.workflows:
+        if loaded.loops:  # (`flowloop run workflows/poll.py` said no more than this)
+            names = ", ".join(loaded.loops)
+            raise LoadError(
+                f"{path}: defines no Workflow, only loops ({names}): "
+                f"`flowloop worker {path}` runs them"
+            )
         raise LoadError(f"{path}: defines no Workflow")
     if name is None:
         # A parent's child workflows (its call and map states') do not count: the file's

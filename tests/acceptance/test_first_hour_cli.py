@@ -770,3 +770,17 @@ def test_retry__a_run_that_has_not_ended_says_what_continues_it(
     here_cli("pause", waiting_run, cwd=here)
     line = quick("retry", waiting_run, "-w", "orders.py", cwd=here)
     assert line.endswith(f"`flowloop unpause {waiting_run}` lets it go on"), line
+
+
+def test_run__a_file_of_loops_only_says_the_worker_runs_them(here: Path) -> None:
+    """Before: `flowloop run workflows/poll.py` said "defines no Workflow" and no more."""
+    (here / "poll.py").write_text(
+        "from flowloop.loops import Iteration, loop\n\n\n"
+        "@loop(every=60)\ndef poll_feed(it: Iteration) -> None: ...\n"
+    )
+    line = refused("run", "poll.py", "--context", "{}", cwd=here)
+    assert line == (
+        "error: poll.py: defines no Workflow, only loops (poll_feed): "
+        "`flowloop worker poll.py` runs them"
+    )
+    assert not (here / "flowloop.db").exists()
