@@ -106,9 +106,26 @@ def split_target(target: str) -> tuple[Path, str | None]:
     return Path(target), None
 
 
+def _did_you_mean(path: Path) -> str:
+    """``; did you mean FILE?`` for a missing workflow file: the name with ``.py`` added,
+    the one in ./workflows, or a close spelling beside it (``ordr.py`` → ``order.py``)."""
+    import difflib
+
+    file = path if path.suffix == ".py" else Path(f"{path}.py")
+    tried = [file] if file != path else []
+    if path.parent == Path("."):
+        tried.append(Path("workflows") / file.name)
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None and path.parent.is_dir():
+        names = [p.name for p in path.parent.glob("*.py")]
+        close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+        found = path.parent / close[0] if close else None
+    return f"; did you mean {found}?" if found is not None else ""
+
+
 def import_file(path: Path) -> ModuleType:
     if not path.exists():
-        raise LoadError(f"{path}: no such file")
+        raise LoadError(f"{path}: no such file{_did_you_mean(path)}")
     if path.suffix != ".py":
         raise LoadError(f"{path}: not a Python file (expected FILE.py[:WORKFLOW])")
     resolved = path.resolve()

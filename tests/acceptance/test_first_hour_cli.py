@@ -784,3 +784,17 @@ def test_run__a_file_of_loops_only_says_the_worker_runs_them(here: Path) -> None
         "`flowloop worker poll.py` runs them"
     )
     assert not (here / "flowloop.db").exists()
+
+
+def test_run__a_misspelt_workflow_file_names_the_one_meant(here: Path) -> None:
+    """Before: "error: ordrs.py: no such file" and no more, as for a file that is nowhere."""
+    line = refused("run", "ordrs.py", "--context", "{}", cwd=here)
+    assert line == "error: ordrs.py: no such file; did you mean orders.py?"
+    assert quick("run", "orders", cwd=here).endswith("did you mean orders.py?")
+    (here / "workflows").mkdir()
+    (here / "orders.py").rename(here / "workflows" / "orders.py")
+    assert quick("check", "orders.py", cwd=here).endswith("did you mean workflows/orders.py?")
+    assert quick("run", "nothing_like_it.py", cwd=here) == (
+        "error: nothing_like_it.py: no such file"
+    )
+    assert not (here / "flowloop.db").exists()
