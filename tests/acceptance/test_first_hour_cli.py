@@ -798,3 +798,13 @@ def test_run__a_misspelt_workflow_file_names_the_one_meant(here: Path) -> None:
         "error: nothing_like_it.py: no such file"
     )
     assert not (here / "flowloop.db").exists()
+
+
+def test_loops__none_yet_says_so_and_what_registers_them(here: Path, waiting_run: str) -> None:
+    """Before: an empty table with its headers, where `status` says "no runs"."""
+    shown = here_cli("loops", cwd=here)
+    assert shown.strip() == (
+        "no loops in this database: a worker registers the loops of the files it runs "
+        "(`flowloop worker FILE_OR_DIR`)"
+    )
+    assert as_json("loops", cwd=here) == {"loops": [], "journal": []}
