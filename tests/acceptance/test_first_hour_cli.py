@@ -808,3 +808,75 @@ def test_loops__none_yet_says_so_and_what_registers_them(here: Path, waiting_run
         "(`flowloop worker FILE_OR_DIR`)"
     )
     assert as_json("loops", cwd=here) == {"loops": [], "journal": []}
+
+
+GATED = """
+    import os
+    import time
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from flowloop import Workflow
+
+    GATE = Path(os.environ["GATE_FILE"])
+
+
+    class Job(BaseModel):
+        n: int = 0
+
+
+    job = Workflow("job", context=Job)
+
+
+    @job.step(initial=True, next="gated")
+    def first(ctx: Job) -> None:
+        ctx.n += 1
+
+
+    @job.step(next="last")
+    def gated(ctx: Job) -> None:
+        deadline = time.monotonic() + 60
+        while not GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctx.n += 1
+
+
+    @job.step(next="done")
+    def last(ctx: Job) -> None:
+        ctx.n += 1
+
+
+    job.final("done")
+"""
+
+
+def test_run__piped_to_head_still_drives_the_run_to_its_end(here: Path) -> None:
+    """`flowloop run job.py | head -1`: before, the first line printed after the reader
+    left made the process exit 1 at once, silently, with the run left `running` (its step
+    cut off, its lease held until it ran out)."""
+    (here / "job.py").write_text(textwrap.dedent(GATED).lstrip())
+    gate = here / "open"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowloop", "run", "job.py"],
+        cwd=here,
+        env=clean_env(GATE_FILE=str(gate)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    assert "first --next--> gated" in first, first
+    process.stdout.close()  # as `head -1` does
+    gate.touch()
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = process.stderr.read()
+    assert code == 0 and stderr == "", stderr
+    with Engine(str(here / "flowloop.db")) as engine:
+        (info,) = engine.runs()
+    assert (info.status, info.state, info.context["n"]) == ("succeeded", "done", 3)
