@@ -880,3 +880,23 @@ def test_run__piped_to_head_still_drives_the_run_to_its_end(here: Path) -> None:
     with Engine(str(here / "flowloop.db")) as engine:
         (info,) = engine.runs()
     assert (info.status, info.state, info.context["n"]) == ("succeeded", "done", 3)
+
+
+def test_usage_mistakes__are_one_line_with_where_to_look(here: Path) -> None:
+    """Before: click's three lines (usage, "Try … --help", the error), and a misspelt
+    command named none ("No such command 'stauts'.")."""
+    line = refused("stauts", cwd=here)
+    assert line == (
+        "error: no such command 'stauts'; did you mean stats or status? "
+        "(`python -m flowloop --help` lists them)"
+    )
+    # (in this process the program is named after pytest: only the ends are compared)
+    assert quick("history", cwd=here).startswith("error: missing argument 'RUN_ID' (see `")
+    assert quick("history", cwd=here).endswith(" history --help`)")
+    line = quick("status", "--statu", "x", cwd=here)
+    assert line.startswith("error: no such option '--statu'; did you mean '--status'? (see `")
+    assert quick("db", "upgrad", cwd=here).startswith(
+        "error: no such command 'upgrad'; did you mean upgrade?"
+    )
+    assert "is not in the range" in quick("status", "--limit", "0", cwd=here)
+    assert not (here / "flowloop.db").exists()
