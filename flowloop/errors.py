@@ -126,11 +126,28 @@ class InvalidTransition(FlowloopError):
         hint = (
             "; a retry runs it again (engine.retry, `flowloop retry`)"
             if what == "run" and action == "unpause" and status in ("stopped", "failed")
+            else _retry_hint(run_id, status)
+            if what == "run" and action == "retry"
             else ""
         )
         super().__init__(f"{what} {run_id!r} is {status}: cannot {action} it{hint}")
         self.run_id = run_id
         self.status = status
+
+
+def _retry_hint(run_id: str, status: str) -> str:
+    """What to do instead of retrying a run that has not failed or been stopped (the
+    refusal alone said "cannot retry it")."""
+    if status == "paused":
+        return (
+            f"; only a failed or stopped run is retried: `flowloop unpause {run_id}` lets it go on"
+        )
+    if status == "succeeded":
+        return "; only a failed or stopped run is retried: start a new run to do it again"
+    return (
+        "; only a failed or stopped run is retried: this one has not ended (a worker or "
+        "`flowloop resume` continues it; `flowloop stop` ends it)"
+    )
 
 
 class DefinitionMismatch(FlowloopError):

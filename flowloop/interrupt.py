@@ -48,6 +48,16 @@ class Interrupted:
     signals: int
     first: int = signal.SIGINT
     """The first signal's number (SIGTERM is taken as Ctrl-C is): the exit code says it."""
+    in_flight: bool = True
+    """Whether a step was running at the first signal (not: the run waited for a retry's
+    backoff or a timer, and no step had to finish)."""
+
+
+class Caught(list[int]):
+    """The signals a drive caught, in order; ``in_flight``: whether a step was running at
+    the first."""
+
+    in_flight: bool = False
 
 
 def run_interruptibly(
@@ -88,7 +98,7 @@ def run_interruptibly(
             return info  # a Ctrl-C that came as the run ended changes nothing
         run_id = info.id if info is not None else (seen[-1] if seen else None)
         run = engine.get(run_id) if run_id is not None else None
-        return Interrupted(run, len(caught), caught[0])
+        return Interrupted(run, len(caught), caught[0], caught.in_flight)
 
     return asyncio.run(main())
 
@@ -111,7 +121,7 @@ def drive_interruptibly(
                 info = None
         if info is not None and (not caught or info.status in FINISHED):
             return info  # a Ctrl-C that came as the run ended changes nothing
-        return Interrupted(engine.get(run_id), len(caught), caught[0])
+        return Interrupted(engine.get(run_id), len(caught), caught[0], caught.in_flight)
 
     return asyncio.run(main())
 
@@ -121,14 +131,14 @@ def resume_interruptibly(
     *,
     notice: Callable[[str], None] = lambda _: None,
     idle: Callable[[float], None] | None = None,
-) -> tuple[Stats, list[int]]:
+) -> tuple[Stats, Caught]:
     """:meth:`Engine.resume` with the Ctrl-C behaviour of ``flowloop run`` (the module
     docstring), for every run it drives: a first SIGINT or SIGTERM lets the steps in
     flight finish and hands their runs back, a second cuts them off. The stats, and the
     signals that came (none: it went to its end). ``idle`` is told the seconds each time
     it waits for a run due later (a retry's backoff, a sleep's end)."""
 
-    async def main() -> tuple[Stats, list[int]]:
+    async def main() -> tuple[Stats, Caught]:
         executor = engine._new_executor()
         if idle is not None:
             executor.idle_waits.append(idle)
@@ -152,7 +162,7 @@ def resume_interruptibly(
 @contextlib.contextmanager
 def _signals(
     executor: Executor, notice: Callable[[str], None], noted: Callable[[], None]
-) -> Iterator[list[int]]:
+) -> Iterator[Caught]:
     """SIGINT and SIGTERM handled on the running loop while the block runs: the first
     hands the executor's runs back once their steps in flight have finished (with none in
     flight, and at the second, the calling task is cancelled: cut off). Yields the
@@ -161,11 +171,13 @@ def _signals(
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
-    caught: list[int] = []
+    caught = Caught()
 
     def on_signal(signum: int) -> None:
         caught.append(signum)
         noted()
+        if len(caught) == 1:
+            caught.in_flight = executor.busy > 0
         if len(caught) == 1 and executor.busy:
             notice(
                 "interrupt: letting the step in flight finish, then stopping "
@@ -173,7 +185,9 @@ def _signals(
             )
             executor.hand_back()
         else:
-            notice("interrupt: cutting the step in flight off" if executor.busy else "")
+            # (none in flight — a retry's backoff, a timer — printed an empty line)
+            busy = executor.busy
+            notice("interrupt: cutting the step in flight off" if busy else "interrupt: stopping")
             task.cancel()
 
     for signum in HANDLED:
@@ -193,6 +207,8 @@ def interrupted_line(outcome: Interrupted, *, resume: str, retry: str) -> str:
     if info is None:
         return "interrupted before the run was created; nothing to continue"
     how = "after its step finished" if outcome.signals == 1 else "cutting its step off"
+    if not outcome.in_flight and outcome.signals == 1:
+        how = "with no step in flight"  # (it said "after its step finished": none ran)
     where = f"run {info.id} stopped {how}: {info.status} in state {info.state}"
     if info.status in ("scheduled", "retrying", "running"):
         return f"interrupted: {where}; continue it with `{resume.format(run=info.id)}`"

@@ -106,9 +106,26 @@ def split_target(target: str) -> tuple[Path, str | None]:
     return Path(target), None
 
 
+def _did_you_mean(path: Path) -> str:
+    """``; did you mean FILE?`` for a missing workflow file: the name with ``.py`` added,
+    the one in ./workflows, or a close spelling beside it (``ordr.py`` → ``order.py``)."""
+    import difflib
+
+    file = path if path.suffix == ".py" else Path(f"{path}.py")
+    tried = [file] if file != path else []
+    if path.parent == Path("."):
+        tried.append(Path("workflows") / file.name)
+    found = next((p for p in tried if p.is_file()), None)
+    if found is None and path.parent.is_dir():
+        names = [p.name for p in path.parent.glob("*.py")]
+        close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
+        found = path.parent / close[0] if close else None
+    return f"; did you mean {found}?" if found is not None else ""
+
+
 def import_file(path: Path) -> ModuleType:
     if not path.exists():
-        raise LoadError(f"{path}: no such file")
+        raise LoadError(f"{path}: no such file{_did_you_mean(path)}")
     if path.suffix != ".py":
         raise LoadError(f"{path}: not a Python file (expected FILE.py[:WORKFLOW])")
     resolved = path.resolve()
@@ -159,6 +176,12 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     loaded = Loaded()
     loaded.add(import_file(path), path)
     if not loaded.workflows:
+        if loaded.loops:  # (`flowloop run workflows/poll.py` said no more than this)
+            names = ", ".join(loaded.loops)
+            raise LoadError(
+                f"{path}: defines no Workflow, only loops ({names}): "
+                f"`flowloop worker {path}` runs them"
+            )
         raise LoadError(f"{path}: defines no Workflow")
     if name is None:
         # A parent's child workflows (its call and map states') do not count: the file's

@@ -57,7 +57,8 @@ def test_readme__every_python_block_runs_in_order(
     monkeypatch.delenv("FLOWLOOP_DB", raising=False)
     blocks = python_blocks(README.read_text())
     assert blocks, "README.md has no ```python block"
-    namespace: dict[str, object] = {"__name__": "readme"}
+    # Run as a script is: the first sample's engine lines sit under `if __name__ == ...`.
+    namespace: dict[str, object] = {"__name__": "__main__"}
     failure = None
     try:
         for line, code in blocks:
@@ -107,3 +108,25 @@ def test_readme__the_main_jobs_output_is_what_flowloop_run_prints(
     assert result.exit_code == 0, result.output
     # stdout only: a log line (the watchdog on a loaded machine) goes to stderr.
     assert [_shape(line) for line in result.stdout.splitlines()] == [_shape(s) for s in sample]
+
+
+def test_readme__the_30_line_sample_is_a_workflow_file_the_cli_can_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saved as a file, the first sample is what a user gives `flowloop run` next. Its
+    engine lines ran at import: `flowloop run order.py --db other.db` made ./flowloop.db,
+    started order A1 there and drove every due run in it, before running its own on
+    other.db."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli
+
+    _, code = python_blocks(README.read_text())[0]
+    assert "order = Workflow(" in code and "Engine()" in code
+    (tmp_path / "order.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWLOOP_DB", raising=False)
+    context = '{"order_id": "B2", "amount": 3}'
+    result = CliRunner().invoke(cli, ["run", "order.py", "--db", "other.db", "--context", context])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir() if "flowloop.db" in p.name) == []

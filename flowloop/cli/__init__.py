@@ -169,6 +169,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (click.exceptions.Abort, KeyboardInterrupt):
         err.print(_interrupted(), markup=False)
         sys.exit(130)
+    except click.UsageError as error:
+        if isinstance(error, click.exceptions.NoArgsIsHelpError):
+            error.show()  # (`flowloop db`: the group's help)
+        else:  # one line, as every other mistake (click printed usage, a hint, the error)
+            err.print(f"error: {_usage_line(error)}", markup=False)
+        sys.exit(error.exit_code)
     except click.ClickException as error:
         error.show()
         sys.exit(error.exit_code)
@@ -182,6 +188,24 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise
         err.print(f"error: {line}", markup=False)
         sys.exit(code)
+
+
+def _usage_line(error: click.UsageError) -> str:
+    """A usage mistake in one line, with where to look: `missing argument 'RUN_ID' (see
+    `flowloop history --help`)`; a misspelt command names the ones meant."""
+    import difflib
+
+    ctx = error.ctx
+    path = ctx.command_path if ctx is not None else "flowloop"
+    if isinstance(error, click.exceptions.NoSuchCommand):
+        group = ctx.command if ctx is not None else None
+        names = group.list_commands(ctx) if isinstance(group, click.Group) and ctx else []
+        close = difflib.get_close_matches(error.command_name, names, n=2)
+        meant = f"; did you mean {' or '.join(close)}?" if close else ""
+        return f"no such command {error.command_name!r}{meant} (`{path} --help` lists them)"
+    text = " ".join(error.format_message().split()).replace(". Did you mean", "; did you mean")
+    text = text[:1].lower() + text[1:].removesuffix(".")
+    return f"{text} (see `{path} --help`)"
 
 
 def _interrupted() -> str:

@@ -57,11 +57,22 @@ class _LazyConsole:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(**self._options)
+            console = self._console = Console(**self._options)
+            console.on_broken_pipe = lambda: _quieted(console)  # type: ignore[method-assign]
         return self._console
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.made(), name)
+
+
+def _quieted(console: Console) -> None:
+    """A reader gone (`flowloop run … | head`): later output goes nowhere and the command
+    goes on. rich's default exited at once (1, silently) — from a progress line, in the
+    middle of `run`, its step cut off and the run left `running` until its lease ran out."""
+    console.quiet = True
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, console.file.fileno())
+    os.close(devnull)
 
 
 def real_console(console: Console) -> Console:

@@ -44,6 +44,13 @@ def loops_command(
         ]
         click.echo(json.dumps({"loops": [loop_json(r) for r in rows], "journal": journal}))
         return
+    if not rows:  # (an empty table said nothing of why, where `status` says "no runs")
+        out.print(
+            "no loops in this database: a worker registers the loops of the files it runs "
+            "(`flowloop worker FILE_OR_DIR`)",
+            markup=False,
+        )
+        return
     table = Table(
         "loop",
         "schedule",

@@ -343,6 +343,8 @@ def resume(
         out.print(resumed_line(stats))
     if signals:
         how = "after the steps in flight finished" if len(signals) == 1 else "cutting steps off"
+        if len(signals) == 1 and not signals.in_flight:
+            how = "with no step in flight"  # (waiting for a run due later: none ran)
         where = hints.where(workflow_paths, db)
         line = f"interrupted {how}; continue with `flowloop resume{where}`"
         if failed:

@@ -121,7 +121,12 @@ def ui_command(
         )
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        server.run(sockets=[sock])
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:
+            # uvicorn shuts down on Ctrl-C, then raises the SIGINT again: the way to stop
+            # a dashboard, not a run cut off (the CLI said "interrupted …", exit 130).
+            err.print("dashboard stopped", markup=False)
     finally:
         sock.close()
         store.close()

@@ -760,3 +760,146 @@ def test_start_json__a_run_that_starts_waiting_says_so_as_status_does(here: Path
     (here / "asks.jsonl").write_text('{"what": "a"}\n{"what": "b"}\n')
     many = as_json("start", "approvals.py", "--contexts", "asks.jsonl", cwd=here)
     assert [run["display_status"] for run in many] == ["waiting", "waiting"]
+
+
+def test_retry__a_run_that_has_not_ended_says_what_continues_it(
+    here: Path, waiting_run: str
+) -> None:
+    """Before: "run '…' is scheduled: cannot retry it" — nothing said what to do instead."""
+    line = refused("retry", waiting_run, "-w", "orders.py", cwd=here)
+    assert line.startswith(f"error: run '{waiting_run}' is scheduled: cannot retry it"), line
+    assert "only a failed or stopped run is retried" in line, line
+    assert "a worker or `flowloop resume` continues it" in line, line
+    here_cli("pause", waiting_run, cwd=here)
+    line = quick("retry", waiting_run, "-w", "orders.py", cwd=here)
+    assert line.endswith(f"`flowloop unpause {waiting_run}` lets it go on"), line
+
+
+def test_run__a_file_of_loops_only_says_the_worker_runs_them(here: Path) -> None:
+    """Before: `flowloop run workflows/poll.py` said "defines no Workflow" and no more."""
+    (here / "poll.py").write_text(
+        "from flowloop.loops import Iteration, loop\n\n\n"
+        "@loop(every=60)\ndef poll_feed(it: Iteration) -> None: ...\n"
+    )
+    line = refused("run", "poll.py", "--context", "{}", cwd=here)
+    assert line == (
+        "error: poll.py: defines no Workflow, only loops (poll_feed): "
+        "`flowloop worker poll.py` runs them"
+    )
+    assert not (here / "flowloop.db").exists()
+
+
+def test_run__a_misspelt_workflow_file_names_the_one_meant(here: Path) -> None:
+    """Before: "error: ordrs.py: no such file" and no more, as for a file that is nowhere."""
+    line = refused("run", "ordrs.py", "--context", "{}", cwd=here)
+    assert line == "error: ordrs.py: no such file; did you mean orders.py?"
+    assert quick("run", "orders", cwd=here).endswith("did you mean orders.py?")
+    (here / "workflows").mkdir()
+    (here / "orders.py").rename(here / "workflows" / "orders.py")
+    assert quick("check", "orders.py", cwd=here).endswith("did you mean workflows/orders.py?")
+    assert quick("run", "nothing_like_it.py", cwd=here) == (
+        "error: nothing_like_it.py: no such file"
+    )
+    assert not (here / "flowloop.db").exists()
+
+
+def test_loops__none_yet_says_so_and_what_registers_them(here: Path, waiting_run: str) -> None:
+    """Before: an empty table with its headers, where `status` says "no runs"."""
+    shown = here_cli("loops", cwd=here)
+    assert shown.strip() == (
+        "no loops in this database: a worker registers the loops of the files it runs "
+        "(`flowloop worker FILE_OR_DIR`)"
+    )
+    assert as_json("loops", cwd=here) == {"loops": [], "journal": []}
+
+
+GATED = """
+    import os
+    import time
+    from pathlib import Path
+
+    from pydantic import BaseModel
+
+    from flowloop import Workflow
+
+    GATE = Path(os.environ["GATE_FILE"])
+
+
+    class Job(BaseModel):
+        n: int = 0
+
+
+    job = Workflow("job", context=Job)
+
+
+    @job.step(initial=True, next="gated")
+    def first(ctx: Job) -> None:
+        ctx.n += 1
+
+
+    @job.step(next="last")
+    def gated(ctx: Job) -> None:
+        deadline = time.monotonic() + 60
+        while not GATE.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctx.n += 1
+
+
+    @job.step(next="done")
+    def last(ctx: Job) -> None:
+        ctx.n += 1
+
+
+    job.final("done")
+"""
+
+
+def test_run__piped_to_head_still_drives_the_run_to_its_end(here: Path) -> None:
+    """`flowloop run job.py | head -1`: before, the first line printed after the reader
+    left made the process exit 1 at once, silently, with the run left `running` (its step
+    cut off, its lease held until it ran out)."""
+    (here / "job.py").write_text(textwrap.dedent(GATED).lstrip())
+    gate = here / "open"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowloop", "run", "job.py"],
+        cwd=here,
+        env=clean_env(GATE_FILE=str(gate)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline()
+    assert "first --next--> gated" in first, first
+    process.stdout.close()  # as `head -1` does
+    gate.touch()
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = process.stderr.read()
+    assert code == 0 and stderr == "", stderr
+    with Engine(str(here / "flowloop.db")) as engine:
+        (info,) = engine.runs()
+    assert (info.status, info.state, info.context["n"]) == ("succeeded", "done", 3)
+
+
+def test_usage_mistakes__are_one_line_with_where_to_look(here: Path) -> None:
+    """Before: click's three lines (usage, "Try … --help", the error), and a misspelt
+    command named none ("No such command 'stauts'.")."""
+    line = refused("stauts", cwd=here)
+    assert line == (
+        "error: no such command 'stauts'; did you mean stats or status? "
+        "(`python -m flowloop --help` lists them)"
+    )
+    # (in this process the program is named after pytest: only the ends are compared)
+    assert quick("history", cwd=here).startswith("error: missing argument 'RUN_ID' (see `")
+    assert quick("history", cwd=here).endswith(" history --help`)")
+    line = quick("status", "--statu", "x", cwd=here)
+    assert line.startswith("error: no such option '--statu'; did you mean '--status'? (see `")
+    assert quick("db", "upgrad", cwd=here).startswith(
+        "error: no such command 'upgrad'; did you mean upgrade?"
+    )
+    assert "is not in the range" in quick("status", "--limit", "0", cwd=here)
+    assert not (here / "flowloop.db").exists()

@@ -353,3 +353,47 @@ def test_retry__first_ctrl_c_lets_the_step_finish_and_resume_continues(tmp_path:
     assert "Traceback" not in "\n".join(retried.err), retried.describe()
     assert "stopped after its step finished: scheduled in state notify" in last, last
     continued_by(last, db, gate, failed.id)
+
+
+BACKING_OFF = """
+    from pydantic import BaseModel
+
+    from flowloop import Retry, Workflow
+
+
+    class Order(BaseModel):
+        order_id: str
+
+
+    flaky = Workflow("flaky", context=Order, key="order_id")
+
+
+    @flaky.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=3600))
+    def charge(ctx: Order) -> None:
+        raise ConnectionError("the provider is down")
+
+
+    flaky.final("done")
+"""
+
+
+def test_run__ctrl_c_in_a_retry_backoff_says_no_step_was_in_flight(tmp_path: Path) -> None:
+    """Before: an empty line on stderr, then "stopped after its step finished" — no step
+    ran (the run waited for its retry's backoff)."""
+    module = write_module(tmp_path / "flaky.py", BACKING_OFF)
+    db = tmp_path / "runs.db"
+    run = FlowloopRun(module, db, tmp_path)
+
+    def backing_off() -> bool:
+        if not db.exists():
+            return False
+        with engine(db) as e:
+            return [i.status for i in e.runs()] == ["retrying"]
+
+    poll(backing_off, timeout=EXIT_WAIT_S, what="the run's backoff", every=0.05)
+    run.process.send_signal(signal.SIGINT)
+    assert run.wait() == 130, run.describe()
+    assert "" not in run.err and "Traceback" not in "\n".join(run.err), run.describe()
+    assert run.err[-1].startswith("interrupted: run "), run.describe()
+    assert "stopped with no step in flight: retrying in state charge" in run.err[-1], run.err
+    assert f"`flowloop resume -w {module} --db {db}`" in run.err[-1], run.err

@@ -243,3 +243,19 @@ def test_ui__another_host_header_is_refused(sqlite_url: str, tmp_path: Path) -> 
         foreign = httpx.get(base + "/api/runs", headers={"Host": f"attacker.example:{port}"})
         assert foreign.status_code == 400 and "order" not in foreign.text
         assert httpx.get(base + "/api/runs", headers={"Host": f"localhost:{port}"}).is_success
+
+
+def test_ui__ctrl_c_stops_it_with_one_line_exit_0(sqlite_url: str, tmp_path: Path) -> None:
+    # "(Ctrl-C stops it)": uvicorn re-raised the SIGINT it had caught, and the CLI's
+    # catch-all said "interrupted before anything was started; nothing to continue", exit
+    # 130, as if a run had been cut off.
+    parcels(sqlite_url, 1)
+    port = free_port()
+    with flowloop_ui("--db", sqlite_url, "--port", str(port), cwd=tmp_path) as (process, lines):
+        read_until(process, lines, "http://")
+        poll(lambda: _get(f"http://127.0.0.1:{port}/api/runs"), timeout=20, every=0.05, what="ui")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+        assert process.stdout is not None
+        rest = process.stdout.read()
+    assert rest.strip() == "dashboard stopped", rest
