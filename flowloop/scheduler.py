@@ -101,6 +101,7 @@ class Scheduler:
         self._running: dict[str, _Running] = {}
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._manual: set[str] = set()  # running a trigger or backfill iteration
+        self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -116,6 +117,8 @@ class Scheduler:
 
     def _schedule(self, row: LoopRow, *, retarget: bool = True) -> None:
         """(Re)arm a loop's timer from its row. A stale heap entry is ignored when popped."""
+        if row.name in self._unsynced and self._resync(row):
+            return
         self._rows[row.name] = row
         generation = self._generation.get(row.name, 0) + 1
         self._generation[row.name] = generation
@@ -145,6 +148,26 @@ class Scheduler:
         delay = loop.jittered(row.next_fire_at) - self.clock.now()
         # A wall clock set back must not stall the loop: wait at most one period.
         self._push(row.name, min(delay, loop.wait_cap(row.next_fire_at)))
+
+    def _resync(self, row: LoopRow) -> bool:
+        """Give ``row`` this worker's schedule of the loop, deferred at start while another
+        worker ran an iteration of it (a deploy that changed the schedule): True when it
+        did and the loop is armed from the new row."""
+        loop = self.loops[row.name]
+        if row.schedule == loop.schedule:
+            self._unsynced.discard(row.name)  # (applied by another worker)
+            return False
+        if row.status == "running":
+            return False  # still running: applied when the next row is seen
+        now = self.clock.now()
+        spec = LoopSpec(name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(now))
+        [fresh] = self.store.sync_loops([spec], at=now, worker=self.worker_id)
+        if fresh.schedule != loop.schedule:
+            return False  # changed meanwhile: tried again when the row is seen next
+        self._unsynced.discard(row.name)
+        log.info("loop %s: rescheduled to %s", loop.name, loop.schedule)
+        self._schedule(fresh)
+        return True
 
     def _until_next(self, loop: Loop, row: LoopRow) -> float:
         now = self.clock.now()
@@ -186,6 +209,12 @@ class Scheduler:
             for loop in self.loops.values()
         ]
         for row in self.store.sync_loops(specs, at=now, worker=self.worker_id):
+            schedule = self.loops[row.name].schedule
+            if row.schedule != schedule:
+                # Another worker runs an iteration of it: a write now would fence that
+                # worker off its outcome. The new schedule applies once it has ended.
+                log.info("loop %s: %s once %s's iteration ends", row.name, schedule, row.owner)
+                self._unsynced.add(row.name)
             self._schedule(row)
         self._changes = self.store.loop_changes()
 

@@ -232,9 +232,19 @@ class LoopStoreMixin:
     def _reschedule(
         self, conn: Connection, row: Any, spec: LoopSpec, *, at: float, worker: str
     ) -> None:
-        conn.execute(
+        """Give the loop its new schedule, unless a live worker holds it (an iteration runs
+        there): that worker's outcome write is fenced on ``last_seq``, which this write
+        would move, so its iteration would end unrecorded and be journaled interrupted.
+        Such a loop keeps its old schedule; the registering worker applies the new one
+        once the iteration has ended (:meth:`Scheduler._schedule`)."""
+        moved = conn.execute(
             update(loops)
-            .where(loops.c.name == spec.name)
+            .where(
+                loops.c.name == spec.name,
+                loops.c.last_seq == row.last_seq,
+                loops.c.status != "running",
+                self._claimable(),
+            )
             .values(
                 schedule=spec.schedule,
                 last_seq=row.last_seq + 1,
@@ -242,6 +252,8 @@ class LoopStoreMixin:
                 next_fire_at=spec.first_slot if row.status == "scheduled" else row.next_fire_at,
             )
         )
+        if moved.rowcount != 1:
+            return
         conn.execute(
             insert(loop_journal),
             _event_rows(

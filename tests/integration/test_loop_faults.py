@@ -1,0 +1,71 @@
+"""Loops under faults and races: a deploy that changes a loop's schedule while another
+worker runs an iteration of it, an iteration that raises a BaseException, and the CLI's
+answers to bad input. On SQLite and PostgreSQL where a database is involved."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Coroutine
+from typing import Any
+
+from loopkit import LoopHarness, SteppedClock, describe, drive, settle
+
+from flowloop.loops import Iteration, Loop
+
+
+def run(coro: Coroutine[Any, Any, None]) -> None:
+    asyncio.run(coro)
+
+
+def test_schedule_changed_while_another_worker_runs_an_iteration__its_outcome_is_kept(
+    store_url: str,
+) -> None:
+    """A deploy: worker "new" starts with `every=5` while worker "old" (`every=10`) runs an
+    iteration. Before, registering the new schedule moved the row's `last_seq` under the
+    running iteration: its outcome write was fenced off ("lost its lease"), the loop stayed
+    running until the lease ran out, and the iteration that had succeeded was journaled
+    interrupted — a failure. Now the new schedule waits for the iteration's end."""
+
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+
+        async def fn(it: Iteration) -> None:
+            await release.wait()
+
+        async with LoopHarness(store_url, [Loop("tick", fn, every=10)], clock=clock) as old:
+            await drive(clock, 1)
+            assert old.row("tick").status == "running"
+            new_loop = Loop("tick", fn, every=5)
+            async with LoopHarness(store_url, [new_loop], clock=clock, worker_id="new"):
+                await drive(clock, 1)
+                row = old.row("tick")
+                assert (row.status, row.owner, row.schedule) == (
+                    "running",
+                    "w1",
+                    "every 10s (fixed_rate)",
+                ), row
+                release.set()
+                await drive(clock, 20)
+                events = old.journal("tick")
+                kinds = [e.kind for e in events]
+                assert kinds[:4] == [
+                    "loop_created",
+                    "iteration_started",
+                    "iteration_succeeded",
+                    "loop_rescheduled",
+                ], describe(events)
+                assert "iteration_interrupted" not in kinds, describe(events)
+                assert events[3].worker == "new"
+                assert events[3].data["was"] == "every 10s (fixed_rate)"
+                row = old.row("tick")
+                assert row.last_result == "ok" and row.consecutive_failures == 0, row
+                # The new schedule fires: slots 5 apart from the rescheduled one.
+                started = [e.slot for e in events if e.kind == "iteration_started"]
+                gaps = [round(b - a, 3) for a, b in itertools.pairwise(started[1:])]
+                assert gaps == [5.0] * (len(started) - 2), describe(events)
+                assert len(started) >= 3, describe(events)
+                await settle()
+
+    run(main())
