@@ -7,6 +7,7 @@ Every error a user can cause derives from :class:`FlowloopError`. The CLI prints
 
 from __future__ import annotations
 
+import asyncio
 import traceback
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
@@ -276,6 +277,34 @@ async def exits_as_errors(call: Awaitable[T], kind: str, name: str) -> T:
         return await call
     except SystemExit as exited:
         raise StepExited(f"{kind} {name!r}", exited.code) from None
+
+
+class RaisedBaseException(Exception):
+    """A loop's function raised a ``BaseException`` that is no ``Exception`` (a
+    ``KeyboardInterrupt`` of its own, a class deriving from ``BaseException``): the
+    iteration fails with this error like with any other (retried under its policy),
+    instead of ending the worker (``KeyboardInterrupt``) or leaving the loop running with
+    its outcome never recorded. The original is its ``__cause__``."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        said = error_line(error) if str(error).strip() else ""
+        super().__init__(
+            f"{what} raised {type(error).__name__}{': ' + said if said else ''}, a "
+            "BaseException that would end the worker: raise an Exception"
+        )
+
+
+async def loop_errors(call: Awaitable[T], name: str) -> T:
+    """:func:`exits_as_errors` for a loop's function, which also turns any other
+    ``BaseException`` but a cancellation into :class:`RaisedBaseException`."""
+    try:
+        return await call
+    except (Exception, asyncio.CancelledError, GeneratorExit):
+        raise
+    except SystemExit as exited:
+        raise StepExited(f"loop {name!r}", exited.code) from None
+    except BaseException as error:
+        raise RaisedBaseException(f"loop {name!r}", error) from error
 
 
 class Interrupted(FlowloopError):

@@ -26,7 +26,7 @@ from flowloop import loop_slots as slots
 from flowloop import outagelog
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout, exits_as_errors
+from flowloop.errors import StepTimeout, loop_errors
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -659,7 +659,7 @@ class Scheduler:
                 loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
             )
             try:
-                call = exits_as_errors(self.run_iteration(loop, iteration), "loop", loop.name)
+                call = loop_errors(self.run_iteration(loop, iteration), loop.name)
                 if loop.timeout is not None:
                     try:
                         result = await asyncio.wait_for(call, loop.timeout)

@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Coroutine
 from typing import Any
 
+import pytest
 from loopkit import LoopHarness, SteppedClock, describe, drive, settle
 
 from flowloop.loops import Iteration, Loop
@@ -69,3 +70,57 @@ def test_schedule_changed_while_another_worker_runs_an_iteration__its_outcome_is
                 await settle()
 
     run(main())
+
+
+class Boom(BaseException):
+    """A loop function's own BaseException (not an Exception)."""
+
+
+@pytest.mark.parametrize(
+    ("raised", "timeout"),
+    [(Boom("custom base"), None), (KeyboardInterrupt("from the function"), 30.0)],
+    ids=["own-base-exception", "keyboard-interrupt-with-timeout"],
+)
+def test_iteration_raising_a_base_exception__fails_the_iteration_only(
+    store_url: str, raised: BaseException, timeout: float | None
+) -> None:
+    """Before: a KeyboardInterrupt raised by a loop's function left the event loop and ended
+    the worker (exit 130, "interrupted", every other iteration cancelled); any other
+    BaseException ended the iteration's task unrecorded, the loop left running until its
+    lease ran out and then journaled interrupted, "self-fenced". Now the iteration fails
+    with it, like with any error, and the other loops go on."""
+    ticks: list[int] = []
+
+    async def bad(it: Iteration) -> None:
+        raise raised
+
+    async def good(it: Iteration) -> None:
+        ticks.append(it.number)
+
+    async def main() -> None:
+        clock = SteppedClock()
+        loops = [Loop("bad", bad, every=10, timeout=timeout), Loop("good", good, every=10)]
+        async with LoopHarness(store_url, loops, clock=clock) as h:
+            await drive(clock, 25)
+            events = h.journal("bad")
+            kinds = [e.kind for e in events]
+            assert kinds == ["loop_created"] + ["iteration_started", "iteration_failed"] * 3, (
+                describe(events)
+            )
+            name = type(raised).__name__
+            assert events[2].error_message == (
+                f"RaisedBaseException: loop 'bad' raised {name}: {raised}, a BaseException "
+                "that would end the worker: raise an Exception"
+            )
+            row = h.row("bad")
+            assert (row.status, row.last_result, row.consecutive_failures) == (
+                "scheduled",
+                "failed",
+                3,
+            )
+            assert ticks == [1, 2, 3]
+
+    try:
+        run(main())
+    except KeyboardInterrupt:
+        pytest.fail("the iteration's KeyboardInterrupt ended the worker's event loop")
