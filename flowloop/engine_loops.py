@@ -35,6 +35,9 @@ class LoopControls:
         return row
 
     def loop_history(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
+        """The loop's last ``limit`` journal entries, oldest first."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise FlowloopError(f"limit={limit!r} must be a whole number of entries, 0 or more")
         self.loop(name)
         return self._loop_store().loop_journal(name, limit=limit)
 

@@ -10,9 +10,12 @@ from collections.abc import Coroutine
 from typing import Any
 
 import pytest
-from loopkit import LoopHarness, SteppedClock, describe, drive, settle
+from loopkit import T0, LoopHarness, SteppedClock, describe, drive, settle
 
+from flowloop import Engine
+from flowloop.errors import FlowloopError
 from flowloop.loops import Iteration, Loop
+from flowloop.store.loops import LoopStoreMixin
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
@@ -124,3 +127,24 @@ def test_iteration_raising_a_base_exception__fails_the_iteration_only(
         run(main())
     except KeyboardInterrupt:
         pytest.fail("the iteration's KeyboardInterrupt ended the worker's event loop")
+
+
+def test_loops_journal_limit_below_zero__refused_as_bad_input(store_url: str) -> None:
+    """`flowloop loops NAME --limit -3` printed the whole journal on SQLite (LIMIT -1 is no
+    limit there) and "a value does not fit the database column" on PostgreSQL; the API
+    likewise. Now both refuse it, saying what a limit must be."""
+    from click.testing import CliRunner
+
+    from flowloop.cli import cli as command
+
+    with Engine(store_url) as engine:
+        store = engine.store
+        assert isinstance(store, LoopStoreMixin)
+        store.sync_loop(name="tick", schedule="every 10s", first_slot=T0, at=T0, worker="w")
+        with pytest.raises(FlowloopError, match=r"limit=-3 must be a whole number"):
+            engine.loop_history("tick", limit=-3)
+        assert [e.kind for e in engine.loop_history("tick", limit=0)] == []
+    result = CliRunner().invoke(command, ["loops", "tick", "--limit", "-3", "--db", store_url])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--limit': -3 is not in the range x>=0." in result.output
+    assert "Traceback" not in result.output and "loop_created" not in result.output
