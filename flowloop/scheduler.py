@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from flowloop import loop_deploys, outagelog
 from flowloop import loop_slots as slots
-from flowloop import outagelog
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
 from flowloop.errors import StepTimeout, loop_errors
@@ -150,22 +150,17 @@ class Scheduler:
         self._push(row.name, min(delay, loop.wait_cap(row.next_fire_at)))
 
     def _resync(self, row: LoopRow) -> bool:
-        """Give ``row`` this worker's schedule of the loop, deferred at start while another
-        worker ran an iteration of it (a deploy that changed the schedule): True when it
-        did and the loop is armed from the new row."""
-        loop = self.loops[row.name]
-        if row.schedule == loop.schedule:
+        """Apply this worker's schedule of the loop, deferred at start (a deploy): True when
+        it did and the loop is armed from the new row."""
+        if row.schedule == self.loops[row.name].schedule:
             self._unsynced.discard(row.name)  # (applied by another worker)
             return False
-        if row.status == "running":
-            return False  # still running: applied when the next row is seen
-        now = self.clock.now()
-        spec = LoopSpec(name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(now))
-        [fresh] = self.store.sync_loops([spec], at=now, worker=self.worker_id)
-        if fresh.schedule != loop.schedule:
-            return False  # changed meanwhile: tried again when the row is seen next
+        fresh = loop_deploys.resync(
+            self.store, self.loops[row.name], row, clock=self.clock, worker=self.worker_id
+        )
+        if fresh is None:
+            return False
         self._unsynced.discard(row.name)
-        log.info("loop %s: rescheduled to %s", loop.name, loop.schedule)
         self._schedule(fresh)
         return True
 
@@ -209,14 +204,12 @@ class Scheduler:
             for loop in self.loops.values()
         ]
         for row in self.store.sync_loops(specs, at=now, worker=self.worker_id):
-            schedule = self.loops[row.name].schedule
-            if row.schedule != schedule:
-                # Another worker runs an iteration of it: a write now would fence that
-                # worker off its outcome. The new schedule applies once it has ended.
-                log.info("loop %s: %s once %s's iteration ends", row.name, schedule, row.owner)
-                self._unsynced.add(row.name)
+            if loop_deploys.deferred(row, self.loops[row.name]):
+                self._unsynced.add(row.name)  # another worker's iteration runs: after it
             self._schedule(row)
         self._changes = self.store.loop_changes()
+        if self.loops:
+            loop_deploys.say_undefined(self.store, set(self.loops))
 
     async def run(self, stop: asyncio.Event, *, grace: float = 30.0) -> None:
         backoff = 0.0

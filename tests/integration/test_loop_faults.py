@@ -15,7 +15,7 @@ from loopkit import T0, LoopHarness, SteppedClock, describe, drive, settle
 from flowloop import Engine
 from flowloop.errors import FlowloopError
 from flowloop.loops import Iteration, Loop
-from flowloop.store.loops import LoopStoreMixin
+from flowloop.store.loops import LoopEvent, LoopStoreMixin
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
@@ -148,3 +148,80 @@ def test_loops_journal_limit_below_zero__refused_as_bad_input(store_url: str) ->
     assert result.exit_code == 2, result.output
     assert "Invalid value for '--limit': -3 is not in the range x>=0." in result.output
     assert "Traceback" not in result.output and "loop_created" not in result.output
+
+
+def fire(store: LoopStoreMixin, name: str, slot: float, *, lease_seconds: float) -> None:
+    """Fire ``slot`` as worker "gone", holding the lease ``lease_seconds`` from now (by the
+    database's clock; negative: run out already)."""
+    row = store.get_loop(name)
+    assert row is not None
+    started = LoopEvent(loop=name, kind="iteration_started", at=slot, slot=slot, worker="gone")
+    fired = store.fire_loop(
+        name=name,
+        follows_seq=row.last_seq,
+        worker="gone",
+        lease_seconds=lease_seconds,
+        events=[started],
+        changes={"last_slot": slot, "last_started_at": slot, "next_fire_at": None},
+    )
+    assert fired is not None
+
+
+@pytest.mark.parametrize("action", ["stop", "pause"])
+def test_stop_a_loop_its_dead_worker_left_running__applies_at_once(
+    store_url: str, action: str
+) -> None:
+    """A worker killed in an iteration of a loop no running worker defines (removed from
+    the code, or its workers not started): before, `flowloop stop`/`pause` only recorded a
+    request for "its worker", which nothing would ever honour — the loop showed `running`
+    forever. Now, once the dead worker's lease has run out, the operator's command settles
+    the iteration (journaled interrupted, as a worker's recovery would) and applies."""
+    target = "stopped" if action == "stop" else "paused"
+    with Engine(store_url) as engine:
+        store = engine.store
+        assert isinstance(store, LoopStoreMixin)
+        for name in ("held", "lapsed"):
+            store.sync_loop(name=name, schedule="every 10s", first_slot=T0, at=T0, worker="w")
+        fire(store, "held", T0, lease_seconds=60)  # its worker may be alive: a request
+        fire(store, "lapsed", T0, lease_seconds=-60)
+        held = getattr(engine, f"{action}_loop")("held")
+        assert (held.status, held.control) == ("running", action)
+        row = getattr(engine, f"{action}_loop")("lapsed")
+        assert (row.status, row.control, row.owner) == (target, None, None), row
+        assert (row.last_result, row.iterations, row.consecutive_failures) == ("interrupted", 1, 1)
+        events = engine.loop_history("lapsed")
+        assert [(e.kind, e.slot) for e in events[-2:]] == [
+            ("iteration_interrupted", T0),
+            (f"loop_{target}", None),
+        ], describe(events)
+        assert events[-1].worker is not None and events[-1].worker.startswith("operator:")
+
+
+def test_worker_names_the_loops_in_the_database_it_does_not_define(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop removed from the code keeps its row (`flowloop loops` lists it, scheduled);
+    before, no worker said a word about it. Now a worker starting says which loops of the
+    database it does not define (a stopped one aside) and how to end one."""
+
+    async def fn(it: Iteration) -> None:
+        return None
+
+    async def main() -> None:
+        clock = SteppedClock()
+        with Engine(store_url) as engine:
+            store = engine.store
+            assert isinstance(store, LoopStoreMixin)
+            for name in ("removed", "ended"):
+                store.sync_loop(name=name, schedule="every 10s", first_slot=T0, at=T0, worker="w")
+            engine.stop_loop("ended")
+        with caplog.at_level("INFO", logger="flowloop.loops"):
+            async with LoopHarness(store_url, [Loop("tick", fn, every=10)], clock=clock):
+                await settle()
+        said = [r.getMessage() for r in caplog.records if "does not define" in r.getMessage()]
+        assert said == [
+            "loops in the database this worker does not define (another worker's, or removed "
+            "from the code: `flowloop stop NAME` ends one): removed"
+        ]
+
+    run(main())
