@@ -39,6 +39,8 @@ CHANGES_KEY: Final = "loops_changed"
 notices pause/unpause/stop with one tiny query instead of re-reading every loop."""
 SYNC_BATCH: Final = 500
 """Loops registered per transaction (also bounds the size of an ``IN (...)`` list)."""
+SYNC_TRIES: Final = 3
+"""Tries of one batch that lost a race to register a new loop with another worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,55 +181,65 @@ class LoopStoreMixin:
         rows: list[LoopRow] = []
         for start in range(0, len(specs), SYNC_BATCH):
             batch = specs[start : start + SYNC_BATCH]
-            names = [spec.name for spec in batch]
-            with self._write() as conn:
-                existing = {
-                    row.name: row
-                    for row in conn.execute(select(loops).where(loops.c.name.in_(names)))
-                }
-                new_rows, new_events = [], []
-                for spec in batch:
-                    row = existing.get(spec.name)
-                    if row is None:
-                        new_rows.append(
-                            dict(
-                                name=spec.name,
-                                schedule=spec.schedule,
-                                status="scheduled",
-                                next_fire_at=spec.first_slot,
-                                iterations=0,
-                                consecutive_failures=0,
-                                skipped=0,
-                                missed=0,
-                                lease_epoch=0,
-                                last_seq=1,
-                                updated_at=at,
-                            )
-                        )
-                        new_events.extend(
-                            _event_rows(
-                                [
-                                    LoopEvent(
-                                        loop=spec.name,
-                                        kind="loop_created",
-                                        at=at,
-                                        slot=spec.first_slot,
-                                        worker=worker,
-                                        data={"schedule": spec.schedule},
-                                    )
-                                ],
-                                1,
-                            )
-                        )
-                    elif row.schedule != spec.schedule:
-                        self._reschedule(conn, row, spec, at=at, worker=worker)
-                if new_rows:
-                    conn.execute(insert(loops), new_rows)
-                    conn.execute(insert(loop_journal), new_events)
-                fresh = conn.execute(select(loops).where(loops.c.name.in_(names)))
-                by_name = {row.name: _row(row) for row in fresh}
-            rows.extend(by_name[name] for name in names)
+            for tries_left in reversed(range(SYNC_TRIES)):
+                try:
+                    rows.extend(self._sync_batch(batch, at=at, worker=worker))
+                    break
+                except IntegrityError:
+                    # Another worker starting at the same moment registered one of these
+                    # loops first (PostgreSQL: both read it missing): read them again.
+                    if not tries_left:
+                        raise
         return rows
+
+    def _sync_batch(self, batch: Sequence[LoopSpec], *, at: float, worker: str) -> list[LoopRow]:
+        names = [spec.name for spec in batch]
+        with self._write() as conn:
+            existing = {
+                row.name: row for row in conn.execute(select(loops).where(loops.c.name.in_(names)))
+            }
+            new_rows, new_events = [], []
+            for spec in batch:
+                row = existing.get(spec.name)
+                if row is None:
+                    new_rows.append(
+                        dict(
+                            name=spec.name,
+                            schedule=spec.schedule,
+                            status="scheduled",
+                            next_fire_at=spec.first_slot,
+                            iterations=0,
+                            consecutive_failures=0,
+                            skipped=0,
+                            missed=0,
+                            lease_epoch=0,
+                            last_seq=1,
+                            updated_at=at,
+                        )
+                    )
+                    new_events.extend(
+                        _event_rows(
+                            [
+                                LoopEvent(
+                                    loop=spec.name,
+                                    kind="loop_created",
+                                    at=at,
+                                    slot=spec.first_slot,
+                                    worker=worker,
+                                    data={"schedule": spec.schedule},
+                                )
+                            ],
+                            1,
+                        )
+                    )
+                elif row.schedule != spec.schedule:
+                    self._reschedule(conn, row, spec, at=at, worker=worker)
+            if new_rows:
+                conn.execute(insert(loops), new_rows)
+                conn.execute(insert(loop_journal), new_events)
+            fresh = conn.execute(select(loops).where(loops.c.name.in_(names)))
+            by_name = {row.name: _row(row) for row in fresh}
+        return [by_name[name] for name in names]
 
     def _reschedule(
         self, conn: Connection, row: Any, spec: LoopSpec, *, at: float, worker: str

@@ -225,3 +225,42 @@ def test_worker_names_the_loops_in_the_database_it_does_not_define(
         ]
 
     run(main())
+
+
+def test_workers_starting_together_register_a_new_loop_once(store_url: str) -> None:
+    """Workers started at the same moment (a deploy that adds a loop): on PostgreSQL each
+    read the loop missing and inserted it, and every one but the first failed its start
+    with a UniqueViolation — the worker exited with a traceback. Now the loser reads the
+    row the winner wrote. (SQLite serialises the writes: it never raced.)"""
+    import threading
+
+    from flowloop.store.loops import LoopSpec
+
+    engines = [Engine(store_url, worker_id=f"w{i}") for i in range(4)]
+    errors: list[BaseException] = []
+    try:
+        for engine in engines:
+            engine.loops()  # the schema is made before the race
+        for trial in range(8):
+            barrier = threading.Barrier(len(engines))
+            spec = LoopSpec(name=f"new{trial}", schedule="every 5s", first_slot=T0)
+
+            def register(engine: Engine, spec: LoopSpec = spec, b: threading.Barrier = barrier):
+                store = engine.store
+                assert isinstance(store, LoopStoreMixin)
+                b.wait(timeout=10)
+                try:
+                    store.sync_loops([spec], at=T0, worker=engine.worker_id)
+                except BaseException as error:
+                    errors.append(error)
+
+            threads = [threading.Thread(target=register, args=(e,)) for e in engines]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+            assert [e.kind for e in engines[0].loop_history(spec.name)] == ["loop_created"]
+        assert not errors, errors[:2]
+    finally:
+        for engine in engines:
+            engine.close()
