@@ -248,7 +248,15 @@ class LoopStoreMixin:
         there): that worker's outcome write is fenced on ``last_seq``, which this write
         would move, so its iteration would end unrecorded and be journaled interrupted.
         Such a loop keeps its old schedule; the registering worker applies the new one
-        once the iteration has ended (:meth:`Scheduler._schedule`)."""
+        once the iteration has ended (:meth:`Scheduler._schedule`).
+
+        A scheduled loop's pending slot moves to ``first_slot`` — unless it was already
+        due (downtime): kept, the loop's next wake handles it under the new schedule
+        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled.
+        A paused or stopped loop keeps its (no) next slot."""
+        nxt = row.next_fire_at
+        if row.status == "scheduled" and (nxt is None or nxt > at):
+            nxt = spec.first_slot
         moved = conn.execute(
             update(loops)
             .where(
@@ -261,7 +269,7 @@ class LoopStoreMixin:
                 schedule=spec.schedule,
                 last_seq=row.last_seq + 1,
                 updated_at=at,
-                next_fire_at=spec.first_slot if row.status == "scheduled" else row.next_fire_at,
+                next_fire_at=nxt,
             )
         )
         if moved.rowcount != 1:
@@ -274,7 +282,7 @@ class LoopStoreMixin:
                         loop=spec.name,
                         kind="loop_rescheduled",
                         at=at,
-                        slot=spec.first_slot,
+                        slot=nxt,
                         worker=worker,
                         data={"schedule": spec.schedule, "was": row.schedule},
                     )

@@ -264,3 +264,37 @@ def test_workers_starting_together_register_a_new_loop_once(store_url: str) -> N
     finally:
         for engine in engines:
             engine.close()
+
+
+def test_schedule_changed_after_downtime__the_due_slots_are_caught_up_not_dropped(
+    store_url: str,
+) -> None:
+    """An hourly cron loop, its workers down 3 h 10 min, comes back with `*/30`. Before, the
+    pending slot (due for 3 h) was replaced by the new schedule's next time: nothing fired
+    until then and the slots in between were journaled nowhere. Now the due slot is kept
+    and handled under the new schedule as after any downtime: past the grace `missed`, the
+    rest coalesced into one iteration, at once."""
+
+    async def fn(it: Iteration) -> None:
+        return None
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(store_url, [Loop("rep", fn, cron="0 * * * *")], clock=clock):
+            await drive(clock, 3600, step=60)  # the slot at T0 + 1 h ran
+        clock.advance(3 * 3600 + 600)  # down until T0 + 4 h 10 min
+        new = Loop("rep", fn, cron="*/30 * * * *")
+        async with LoopHarness(store_url, [new], clock=clock, worker_id="w2") as h:
+            await drive(clock, 1)
+            events = h.journal("rep")
+            got = [(e.kind, None if e.slot is None else e.slot - T0, e.count) for e in events]
+            assert got[3:] == [
+                ("loop_rescheduled", 7200, 0),
+                ("missed", 7200, 3),  # 2 h, 2 h 30, 3 h: more than the hour's grace late
+                ("coalesced", 14400, 1),  # 3 h 30 folded into 4 h, which runs now
+                ("iteration_started", 14400, 0),
+                ("iteration_succeeded", 14400, 0),
+            ], describe(events)
+            assert h.row("rep").next_fire_at == T0 + 16200
+
+    run(main())
