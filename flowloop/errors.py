@@ -7,7 +7,6 @@ Every error a user can cause derives from :class:`FlowloopError`. The CLI prints
 
 from __future__ import annotations
 
-import asyncio
 import traceback
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
@@ -292,19 +291,6 @@ class RaisedBaseException(Exception):
             f"{what} raised {type(error).__name__}{': ' + said if said else ''}, a "
             "BaseException that would end the worker: raise an Exception"
         )
-
-
-async def loop_errors(call: Awaitable[T], name: str) -> T:
-    """:func:`exits_as_errors` for a loop's function, which also turns any other
-    ``BaseException`` but a cancellation into :class:`RaisedBaseException`."""
-    try:
-        return await call
-    except (Exception, asyncio.CancelledError, GeneratorExit):
-        raise
-    except SystemExit as exited:
-        raise StepExited(f"loop {name!r}", exited.code) from None
-    except BaseException as error:
-        raise RaisedBaseException(f"loop {name!r}", error) from error
 
 
 class Interrupted(FlowloopError):

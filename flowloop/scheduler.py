@@ -26,7 +26,7 @@ from flowloop import loop_deploys, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout, loop_errors
+from flowloop.errors import StepTimeout
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -34,6 +34,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
+from flowloop.loop_calls import loop_errors
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
