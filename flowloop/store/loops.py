@@ -170,7 +170,8 @@ class LoopStoreMixin:
     def sync_loop(
         self, *, name: str, schedule: str, first_slot: float, at: float, worker: str
     ) -> LoopRow:
-        """Create the loop row if new; a changed schedule restarts it at ``first_slot``."""
+        """Create the loop row if new; a changed schedule restarts it at ``first_slot``
+        (see :meth:`_reschedule`: not under a running iteration, nor past a due slot)."""
         spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
         [row] = self.sync_loops([spec], at=at, worker=worker)
         return row
