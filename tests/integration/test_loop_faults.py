@@ -298,3 +298,40 @@ def test_schedule_changed_after_downtime__the_due_slots_are_caught_up_not_droppe
             assert h.row("rep").next_fire_at == T0 + 16200
 
     run(main())
+
+
+@pytest.mark.parametrize("action", ["pause", "stop"])
+def test_pause_asked_during_an_iteration_its_worker_died_in__honoured_at_recovery(
+    store_url: str, action: str
+) -> None:
+    """`flowloop pause` while the iteration ran (a request for its worker), then the worker
+    died. Before, the recovering worker journaled the iteration interrupted and scheduled
+    the next slot with the request still pending: the loop showed `scheduled`, "pause
+    requested", until that slot came (an hour here). Now recovery honours it at once."""
+    target = "paused" if action == "pause" else "stopped"
+
+    async def fn(it: Iteration) -> None:
+        return None
+
+    async def main() -> None:
+        clock = SteppedClock()
+        hourly = Loop("hourly", fn, every=3600)
+        with Engine(store_url) as engine:
+            store = engine.store
+            assert isinstance(store, LoopStoreMixin)
+            store.sync_loop(
+                name="hourly", schedule=hourly.schedule, first_slot=T0, at=T0, worker="w"
+            )
+            fire(store, "hourly", T0, lease_seconds=-60)
+            store.request_loop_control("hourly", action)  # asked while its lease ran
+        async with LoopHarness(store_url, [hourly], clock=clock) as h:
+            await drive(clock, 2)
+            events = h.journal("hourly")
+            assert [e.kind for e in events[-2:]] == [
+                "iteration_interrupted",
+                f"loop_{target}",
+            ], describe(events)
+            row = h.row("hourly")
+            assert (row.status, row.control, row.next_fire_at) == (target, None, None), row
+
+    run(main())
