@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 from flowloop import loop_requests
 from flowloop.clock import Clock
 from flowloop.errors import FlowloopError, InvalidTransition, UnknownLoop
+from flowloop.loop_slots import INTERRUPTED_MESSAGE
 from flowloop.operations import _user
 from flowloop.store import Store
 from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
@@ -35,6 +36,9 @@ class LoopControls:
         return row
 
     def loop_history(self, name: str, *, limit: int = 1000) -> list[LoopEvent]:
+        """The loop's last ``limit`` journal entries, oldest first."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise FlowloopError(f"limit={limit!r} must be a whole number of entries, 0 or more")
         self.loop(name)
         return self._loop_store().loop_journal(name, limit=limit)
 
@@ -118,13 +122,55 @@ class LoopControls:
             return row
         if row.status == "stopped":
             raise InvalidTransition(name, row.status, action, what="loop")
-        if row.status == "running" or not self._loop_write(
+        if row.status == "running":
+            if not self._settle_lapsed(row, target):
+                self._loop_store().request_loop_control(name, action)
+        elif not self._loop_write(
             row,
             f"loop_{target}",
             {"status": target, "next_fire_at": None, "reason": f"{target} by {_user()}"},
         ):
             self._loop_store().request_loop_control(name, action)
         return self.loop(name)
+
+    def _settle_lapsed(self, row: LoopRow, target: str) -> bool:
+        """Pause or stop a loop left running by a worker whose lease has run out (killed,
+        gone): its iteration journaled interrupted, as a worker's recovery would — which
+        may never come when no worker defines the loop any more. Fenced like an operator's
+        write: False (nothing written) while a live worker holds the loop."""
+        now, who = self.clock.now(), f"operator:{_user()}"
+        reason = f"{target} by {_user()}"
+        events = [
+            LoopEvent(
+                loop=row.name,
+                kind="iteration_interrupted",
+                at=now,
+                slot=row.last_slot,
+                worker=who,
+                error_type="Interrupted",
+                error_message=INTERRUPTED_MESSAGE,
+            ),
+            LoopEvent(loop=row.name, kind=f"loop_{target}", at=now, worker=who),
+        ]
+        return self._loop_store().write_loop(
+            name=row.name,
+            owner=None,
+            epoch=row.lease_epoch,
+            follows_seq=row.last_seq,
+            changes={
+                "status": target,
+                "next_fire_at": None,
+                "reason": reason,
+                "control": None,
+                "last_result": "interrupted",
+                "last_error": INTERRUPTED_MESSAGE,
+                "last_ended_at": now,
+                "iterations": row.iterations + 1,
+                "consecutive_failures": row.consecutive_failures + 1,
+                "updated_at": now,
+            },
+            events=events,
+        )
 
     def _loop_write(self, row: LoopRow, kind: str, changes: dict[str, Any]) -> bool:
         now = self.clock.now()

@@ -295,6 +295,21 @@ async def exits_as_errors(call: Awaitable[T], kind: str, name: str) -> T:
         raise StepExited(f"{kind} {name!r}", exited.code) from None
 
 
+class RaisedBaseException(Exception):
+    """A loop's function raised a ``BaseException`` that is no ``Exception`` (a
+    ``KeyboardInterrupt`` of its own, a class deriving from ``BaseException``): the
+    iteration fails with this error like with any other (retried under its policy),
+    instead of ending the worker (``KeyboardInterrupt``) or leaving the loop running with
+    its outcome never recorded. The original is its ``__cause__``."""
+
+    def __init__(self, what: str, error: BaseException) -> None:
+        said = error_line(error) if str(error).strip() else ""
+        super().__init__(
+            f"{what} raised {type(error).__name__}{': ' + said if said else ''}, a "
+            "BaseException that would end the worker: raise an Exception"
+        )
+
+
 class Interrupted(FlowloopError):
     """A step was cut off (its worker died or was killed) and is not idempotent, or has no
     attempts left. Name it in ``on_error={Interrupted: state}`` to route such a step

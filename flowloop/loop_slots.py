@@ -82,6 +82,17 @@ def interrupted(
         "consecutive_failures": failures,
         "updated_at": now,
     }
+    if row.control in ("pause", "stop"):
+        # Asked for while the iteration ran: honoured now, not at the next slot.
+        target = "paused" if row.control == "pause" else "stopped"
+        reason = f"{target} by an operator"
+        changes.update(status=target, next_fire_at=None, reason=reason, control=None)
+        events.append(
+            LoopEvent(
+                loop=row.name, kind=f"loop_{target}", at=now, worker=worker, data={"reason": reason}
+            )
+        )
+        return LoopWrite(changes=changes, events=events, status=target, reason=reason)
     if loop.max_failures is None or failures < loop.max_failures:
         return LoopWrite(changes=changes, events=events)
     reason = failures_reason(loop, failures)

@@ -22,11 +22,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from flowloop import loop_deploys, outagelog
 from flowloop import loop_slots as slots
-from flowloop import outagelog
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout, exits_as_errors
+from flowloop.errors import StepTimeout
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -34,6 +34,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
+from flowloop.loop_calls import loop_errors
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -101,6 +102,7 @@ class Scheduler:
         self._running: dict[str, _Running] = {}
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._manual: set[str] = set()  # running a trigger or backfill iteration
+        self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -116,6 +118,8 @@ class Scheduler:
 
     def _schedule(self, row: LoopRow, *, retarget: bool = True) -> None:
         """(Re)arm a loop's timer from its row. A stale heap entry is ignored when popped."""
+        if row.name in self._unsynced and self._resync(row):
+            return
         self._rows[row.name] = row
         generation = self._generation.get(row.name, 0) + 1
         self._generation[row.name] = generation
@@ -145,6 +149,21 @@ class Scheduler:
         delay = loop.jittered(row.next_fire_at) - self.clock.now()
         # A wall clock set back must not stall the loop: wait at most one period.
         self._push(row.name, min(delay, loop.wait_cap(row.next_fire_at)))
+
+    def _resync(self, row: LoopRow) -> bool:
+        """Apply this worker's schedule of the loop, deferred at start (a deploy): True when
+        it did and the loop is armed from the new row."""
+        if row.schedule == self.loops[row.name].schedule:
+            self._unsynced.discard(row.name)  # (applied by another worker)
+            return False
+        fresh = loop_deploys.resync(
+            self.store, self.loops[row.name], row, clock=self.clock, worker=self.worker_id
+        )
+        if fresh is None:
+            return False
+        self._unsynced.discard(row.name)
+        self._schedule(fresh)
+        return True
 
     def _until_next(self, loop: Loop, row: LoopRow) -> float:
         now = self.clock.now()
@@ -186,8 +205,12 @@ class Scheduler:
             for loop in self.loops.values()
         ]
         for row in self.store.sync_loops(specs, at=now, worker=self.worker_id):
+            if loop_deploys.deferred(row, self.loops[row.name]):
+                self._unsynced.add(row.name)  # another worker's iteration runs: after it
             self._schedule(row)
         self._changes = self.store.loop_changes()
+        if self.loops:
+            loop_deploys.say_undefined(self.store, set(self.loops))
 
     async def run(self, stop: asyncio.Event, *, grace: float = 30.0) -> None:
         backoff = 0.0
@@ -630,7 +653,7 @@ class Scheduler:
                 loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
             )
             try:
-                call = exits_as_errors(self.run_iteration(loop, iteration), "loop", loop.name)
+                call = loop_errors(self.run_iteration(loop, iteration), loop.name)
                 if loop.timeout is not None:
                     try:
                         result = await asyncio.wait_for(call, loop.timeout)

@@ -21,7 +21,13 @@ whether a worker runs the loop (else it waits, silent, until its timeout)."""
 
 @click.command(name="loops")
 @click.argument("name", required=False)
-@click.option("--limit", type=int, default=20, show_default=True, help="Journal lines for NAME.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="Journal lines for NAME.",
+)
 @db_option
 @json_option
 def loops_command(

@@ -39,6 +39,8 @@ CHANGES_KEY: Final = "loops_changed"
 notices pause/unpause/stop with one tiny query instead of re-reading every loop."""
 SYNC_BATCH: Final = 500
 """Loops registered per transaction (also bounds the size of an ``IN (...)`` list)."""
+SYNC_TRIES: Final = 3
+"""Tries of one batch that lost a race to register a new loop with another worker."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +170,8 @@ class LoopStoreMixin:
     def sync_loop(
         self, *, name: str, schedule: str, first_slot: float, at: float, worker: str
     ) -> LoopRow:
-        """Create the loop row if new; a changed schedule restarts it at ``first_slot``."""
+        """Create the loop row if new; a changed schedule restarts it at ``first_slot``
+        (see :meth:`_reschedule`: not under a running iteration, nor past a due slot)."""
         spec = LoopSpec(name=name, schedule=schedule, first_slot=first_slot)
         [row] = self.sync_loops([spec], at=at, worker=worker)
         return row
@@ -179,69 +182,99 @@ class LoopStoreMixin:
         rows: list[LoopRow] = []
         for start in range(0, len(specs), SYNC_BATCH):
             batch = specs[start : start + SYNC_BATCH]
-            names = [spec.name for spec in batch]
-            with self._write() as conn:
-                existing = {
-                    row.name: row
-                    for row in conn.execute(select(loops).where(loops.c.name.in_(names)))
-                }
-                new_rows, new_events = [], []
-                for spec in batch:
-                    row = existing.get(spec.name)
-                    if row is None:
-                        new_rows.append(
-                            dict(
-                                name=spec.name,
-                                schedule=spec.schedule,
-                                status="scheduled",
-                                next_fire_at=spec.first_slot,
-                                iterations=0,
-                                consecutive_failures=0,
-                                skipped=0,
-                                missed=0,
-                                lease_epoch=0,
-                                last_seq=1,
-                                updated_at=at,
-                            )
-                        )
-                        new_events.extend(
-                            _event_rows(
-                                [
-                                    LoopEvent(
-                                        loop=spec.name,
-                                        kind="loop_created",
-                                        at=at,
-                                        slot=spec.first_slot,
-                                        worker=worker,
-                                        data={"schedule": spec.schedule},
-                                    )
-                                ],
-                                1,
-                            )
-                        )
-                    elif row.schedule != spec.schedule:
-                        self._reschedule(conn, row, spec, at=at, worker=worker)
-                if new_rows:
-                    conn.execute(insert(loops), new_rows)
-                    conn.execute(insert(loop_journal), new_events)
-                fresh = conn.execute(select(loops).where(loops.c.name.in_(names)))
-                by_name = {row.name: _row(row) for row in fresh}
-            rows.extend(by_name[name] for name in names)
+            for tries_left in reversed(range(SYNC_TRIES)):
+                try:
+                    rows.extend(self._sync_batch(batch, at=at, worker=worker))
+                    break
+                except IntegrityError:
+                    # Another worker starting at the same moment registered one of these
+                    # loops first (PostgreSQL: both read it missing): read them again.
+                    if not tries_left:
+                        raise
         return rows
+
+    def _sync_batch(self, batch: Sequence[LoopSpec], *, at: float, worker: str) -> list[LoopRow]:
+        names = [spec.name for spec in batch]
+        with self._write() as conn:
+            existing = {
+                row.name: row for row in conn.execute(select(loops).where(loops.c.name.in_(names)))
+            }
+            new_rows, new_events = [], []
+            for spec in batch:
+                row = existing.get(spec.name)
+                if row is None:
+                    new_rows.append(
+                        dict(
+                            name=spec.name,
+                            schedule=spec.schedule,
+                            status="scheduled",
+                            next_fire_at=spec.first_slot,
+                            iterations=0,
+                            consecutive_failures=0,
+                            skipped=0,
+                            missed=0,
+                            lease_epoch=0,
+                            last_seq=1,
+                            updated_at=at,
+                        )
+                    )
+                    new_events.extend(
+                        _event_rows(
+                            [
+                                LoopEvent(
+                                    loop=spec.name,
+                                    kind="loop_created",
+                                    at=at,
+                                    slot=spec.first_slot,
+                                    worker=worker,
+                                    data={"schedule": spec.schedule},
+                                )
+                            ],
+                            1,
+                        )
+                    )
+                elif row.schedule != spec.schedule:
+                    self._reschedule(conn, row, spec, at=at, worker=worker)
+            if new_rows:
+                conn.execute(insert(loops), new_rows)
+                conn.execute(insert(loop_journal), new_events)
+            fresh = conn.execute(select(loops).where(loops.c.name.in_(names)))
+            by_name = {row.name: _row(row) for row in fresh}
+        return [by_name[name] for name in names]
 
     def _reschedule(
         self, conn: Connection, row: Any, spec: LoopSpec, *, at: float, worker: str
     ) -> None:
-        conn.execute(
+        """Give the loop its new schedule, unless a live worker holds it (an iteration runs
+        there): that worker's outcome write is fenced on ``last_seq``, which this write
+        would move, so its iteration would end unrecorded and be journaled interrupted.
+        Such a loop keeps its old schedule; the registering worker applies the new one
+        once the iteration has ended (:meth:`Scheduler._schedule`).
+
+        A scheduled loop's pending slot moves to ``first_slot`` — unless it was already
+        due (downtime): kept, the loop's next wake handles it under the new schedule
+        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled.
+        A paused or stopped loop keeps its (no) next slot."""
+        nxt = row.next_fire_at
+        if row.status == "scheduled" and (nxt is None or nxt > at):
+            nxt = spec.first_slot
+        moved = conn.execute(
             update(loops)
-            .where(loops.c.name == spec.name)
+            .where(
+                loops.c.name == spec.name,
+                loops.c.last_seq == row.last_seq,
+                loops.c.status != "running",
+                self._claimable(),
+            )
             .values(
                 schedule=spec.schedule,
                 last_seq=row.last_seq + 1,
                 updated_at=at,
-                next_fire_at=spec.first_slot if row.status == "scheduled" else row.next_fire_at,
+                next_fire_at=nxt,
             )
         )
+        if moved.rowcount != 1:
+            return
         conn.execute(
             insert(loop_journal),
             _event_rows(
@@ -250,7 +283,7 @@ class LoopStoreMixin:
                         loop=spec.name,
                         kind="loop_rescheduled",
                         at=at,
-                        slot=spec.first_slot,
+                        slot=nxt,
                         worker=worker,
                         data={"schedule": spec.schedule, "was": row.schedule},
                     )

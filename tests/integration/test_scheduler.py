@@ -637,7 +637,9 @@ def test_store__sync_loops_registers_many_in_batches(store_url: str) -> None:
         assert isinstance(store, LoopStoreMixin)
         count = SYNC_BATCH + 7
         specs = [
-            LoopSpec(name=f"l{i:04d}", schedule="every 60s", first_slot=T0) for i in range(count)
+            # (A pending slot in the future: one already due is kept by a new schedule.)
+            LoopSpec(name=f"l{i:04d}", schedule="every 60s", first_slot=T0 + 10)
+            for i in range(count)
         ]
         rows = store.sync_loops(specs, at=T0, worker="w")
         assert [r.name for r in rows] == [s.name for s in specs]
@@ -842,6 +844,38 @@ def test_worker__sync_iteration_cut_off_by_its_timeout_never_runs_twice_at_once(
             assert failed[:2] == ["StepTimeout: loop 'stuck' iteration took longer than 0.05s"] * 2
 
     run(main())
+
+
+def test_worker__sync_function_raising_keyboard_interrupt_fails_its_iteration(
+    store_url: str,
+) -> None:
+    """A plain `def` loop function runs in a thread; its KeyboardInterrupt came back through
+    the future into the event loop and ended the worker (exit 130 from the CLI). Now the
+    iteration fails with RaisedBaseException and the worker goes on."""
+
+    def interrupts(it: Iteration) -> None:
+        raise KeyboardInterrupt
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with WorkerRun(store_url, [Loop("ki", interrupts, every=10)], clock) as w:
+            for number in (1, 2):
+                await until(
+                    lambda n=number: w.engine.loop("ki").iterations == n,
+                    what=f"iteration {number}",
+                )
+                await drive(clock, 10)
+            failed = [e for e in w.engine.loop_history("ki") if e.kind == "iteration_failed"]
+            assert len(failed) >= 2
+            assert {e.error_message for e in failed} == {
+                "RaisedBaseException: loop 'ki' raised KeyboardInterrupt, a BaseException "
+                "that would end the worker: raise an Exception"
+            }
+
+    try:
+        run(main())
+    except KeyboardInterrupt:
+        pytest.fail("the loop function's KeyboardInterrupt ended the worker")
 
 
 def test_worker__idle_worker_without_loops_does_not_poll_loops(tmp_path: Path) -> None:
