@@ -25,7 +25,7 @@ from starlette.routing import Route
 from flowloop.engine import RunInfo
 from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun, UnknownWorkflow
 from flowloop.store.loops import LoopRow
-from flowloop.ui.queries import NAME_LIMIT, BadInput, NotFound
+from flowloop.ui.queries import NAME_LIMIT, NUL, BadInput, NotFound
 
 SESSION_COOKIE: Final = "flowloop_session"
 RUN_ACTIONS: Final = ("pause", "unpause", "stop", "retry", "send")
@@ -134,6 +134,8 @@ def _text(fields: dict[str, Any], name: str, *, required: bool = False) -> str |
         return None
     if not isinstance(value, str) or len(value) > NAME_LIMIT:
         raise BadInput(f"{name} must be a text of at most {NAME_LIMIT} characters")
+    if NUL in value:
+        raise BadInput(f"{name} contains a NUL character")
     return value
 
 
@@ -182,12 +184,20 @@ def _defined_action(
     return sent
 
 
+def _named(request: Request, name: str) -> str:
+    """The run id or loop name in the path (none holds a NUL: PostgreSQL refuses to look)."""
+    value = str(request.path_params[name])[:NAME_LIMIT]
+    if NUL in value:
+        raise NotFound(f"no {'run' if name == 'run_id' else 'loop'} {value[:40]!r}")
+    return value
+
+
 def _back(path: str, **query: str) -> RedirectResponse:
     return RedirectResponse(f"{path}?{urlencode(query)}" if query else path, status_code=303)
 
 
 async def run_action(request: Request) -> Response:
-    run_id = str(request.path_params["run_id"])[:NAME_LIMIT]
+    run_id = _named(request, "run_id")
     action = str(request.path_params["action"])
     if action not in RUN_ACTIONS:
         raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
@@ -215,7 +225,7 @@ def _loop_action(request: Request, name: str, action: str) -> LoopRow:
 
 
 async def loop_action(request: Request) -> Response:
-    name = str(request.path_params["name"])[:NAME_LIMIT]
+    name = _named(request, "name")
     action = str(request.path_params["action"])
     if action not in LOOP_ACTIONS:
         raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")

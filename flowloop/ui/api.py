@@ -35,6 +35,8 @@ def path_text(request: Request, name: str) -> str:
     value = str(request.path_params[name])
     if len(value) > q.NAME_LIMIT:
         raise q.NotFound(f"no {name} {value[:40]}…")
+    if q.NUL in value:  # none holds one (PostgreSQL refuses to look: it was a 503)
+        raise q.NotFound(f"no {name} {value[:40]!r}")
     return value
 
 

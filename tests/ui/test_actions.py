@@ -250,3 +250,17 @@ def test_actions__a_field_the_action_does_not_take_is_refused_naming_it(
     assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
     # Refused only once the token checks out: without it, a 403 as before.
     assert post(base, f"/api/runs/{run_id}/send", token=None, payload={}).status_code == 403
+
+
+def test_actions__a_nul_character_is_a_4xx_on_both_databases(
+    site: tuple[str, str, str],
+) -> None:
+    """PostgreSQL's driver refuses a NUL in text: an action on a run id or loop name with
+    one, or a field with one, was a 503 "the database could not answer; try again"."""
+    base, run_id, _ = site
+    assert post(base, "/api/runs/a%00bcd/pause").status_code == 404
+    assert post(base, "/api/loops/a%00/pause").status_code == 404
+    sent = post(base, f"/api/runs/{run_id}/send", event="go", dedupe_key="k\x00")
+    assert sent.status_code == 400 and "NUL" in sent.json()["error"]
+    retried = post(base, f"/api/runs/{run_id}/retry", **{"from": "we\x00igh"})
+    assert retried.status_code == 400
