@@ -214,6 +214,7 @@ def create_app(
         allow_actions=allow_actions,
     )
     templates.env.filters["json_text"] = pages.json_text
+    templates.env.filters["cut"] = pages.cut
     routes = [
         *pages.routes(),
         *api.routes(),

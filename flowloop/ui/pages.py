@@ -32,6 +32,15 @@ from flowloop.ui.waiting import SHOWN_STATUSES, WAITING
 WINDOWS: Final = ("1h", "24h", "7d", "30d", "all")
 ITERATION_KINDS: Final = ("iteration_succeeded", "iteration_failed", "iteration_interrupted")
 DECISION_KINDS: Final = ("missed", "coalesced", "skipped_overlap")
+TIMELINE_SHOWN: Final = 500
+"""Timeline rows a run page shows at most (the newest; the JSON journal pages the rest):
+a run of 10,000 entries made a 2.5 MB page, fetched again at each of its commits."""
+ERRORS_SHOWN: Final = 20
+CONTEXT_SHOWN: Final = 100_000
+"""Characters of a context a run page shows (the JSON context API gives it whole)."""
+CHANGES_SHOWN: Final = 200
+VALUE_SHOWN: Final = 2_000
+"""Characters of one value (a changed path's before or after, an error) a page shows."""
 
 
 def _render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
@@ -93,6 +102,16 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=True)
 
 
+def cut(text: Any, limit: int = VALUE_SHOWN, where: str = "") -> str:
+    """``text`` up to ``limit`` characters, saying how long it is when it is cut (a page
+    stays bounded whatever a run holds: a 1 MB context or error message)."""
+    whole = "" if text is None else str(text)
+    if len(whole) <= limit:
+        return whole
+    more = f"; {where}" if where else ""
+    return f"{whole[:limit]}… (cut: {len(whole):,} characters in all{more})"
+
+
 def retry_states(workflow: Workflow) -> list[str]:
     """The states a retry may start a run of ``workflow`` from, in declaration order."""
     return [state for state in workflow.states if retryable_from(workflow, state)]
@@ -147,9 +166,12 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         svg, problem = None, str(error)
     except (KeyError, TypeError, ValueError) as error:  # a journal written badly elsewhere
         svg, problem = None, f"cannot draw this run from its journal: {error!r}"
-    steps = q.timeline(events)
+    every_step = q.timeline(events)
+    steps = every_step[-TIMELINE_SHOWN:]
     longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
-    failures = [e for e in events if e.traceback or e.error_message]
+    every_failure = [e for e in events if e.traceback or e.error_message]
+    failures = every_failure[-ERRORS_SHOWN:]
+    context_text = json_text(context, indent=2)
     live = row["status"] not in FINISHED
     due = dues.due(
         status=row["status"],
@@ -170,16 +192,20 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "now": dash.store.db_now() if live and row["next_run_at"] is not None else None,
         "events": events,
         "steps": steps,
+        "steps_hidden": len(every_step) - len(steps),
         "longest": longest or 1.0,
         "svg": svg,
         "diagram_problem": problem,
         "failures": failures,
+        "failures_hidden": len(every_failure) - len(failures),
         "live": live,
         "seq": seq,
         "diff_from": start,
         "diff_to": to,
-        "context_text": json_text(context, indent=2),
-        "changes": changes,
+        "context_text": cut(context_text, CONTEXT_SHOWN, "the whole at the link below"),
+        "context_cut": len(context_text) > CONTEXT_SHOWN,
+        "changes": changes[:CHANGES_SHOWN],
+        "changes_hidden": max(0, len(changes) - CHANGES_SHOWN),
         "retry_states": retry_states(workflow) if workflow is not None else [],
         # Retry and send need the definition: without it their forms are disabled, saying why.
         "not_loaded": None
