@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -311,7 +311,18 @@ def loop_page(request: Request) -> Response:
     machine = (
         None
         if stored is None  # deleted since its row was read
-        else render_loops.stored_loop_digraph(loop, stored, journal, capped=len(journal) >= limit)
+        else render_loops.stored_loop_digraph(
+            loop,
+            stored,
+            journal,
+            capped=len(journal) >= limit,
+            # Its workflow's page (the CLI's `<workflow>.svg` beside it was /loops/x.svg: a 404).
+            workflow_diagram=(
+                f"/workflows/{quote(loop.workflow.name, safe='')}"
+                if loop is not None and loop.workflow is not None
+                else None
+            ),
+        )
     )
     return _render(
         request,
