@@ -38,6 +38,7 @@ from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
 from flowloop.ui.diagrams import Machines, SvgCache
 from flowloop.ui.queries import NUL, BadInput, NotFound
+from flowloop.ui.security import SecurityHeaders
 
 HERE: Final = Path(__file__).resolve().parent
 LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -223,7 +224,10 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
+        middleware=[
+            Middleware(SecurityHeaders),
+            Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+        ],
         exception_handlers={
             FlowloopError: _on_flowloop_error,
             HTTPException: _on_http_error,

@@ -11,7 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
-from uikit import Parcel, parcel, serve
+from starlette.applications import Starlette
+from starlette.responses import HTMLResponse
+from starlette.routing import Route
+from uikit import Parcel, chromium, new_page, parcel, serve
 
 from flowloop import Engine
 from flowloop.store.sql import SQLStore
@@ -264,3 +267,40 @@ def test_actions__a_nul_character_is_a_4xx_on_both_databases(
     assert sent.status_code == 400 and "NUL" in sent.json()["error"]
     retried = post(base, f"/api/runs/{run_id}/retry", **{"from": "we\x00igh"})
     assert retried.status_code == 400
+
+
+def test_actions__the_page_cannot_be_framed_by_another_origin(
+    site: tuple[str, str, str],
+) -> None:
+    """A page on another port of 127.0.0.1 is the same *site*: the SameSite session cookie
+    went with its frame of the run page, so the Stop button could be clicked through a
+    disguise (clickjacking). The dashboard now refuses to be framed (and says so in every
+    answer's headers: the policy, no script but its own, forms posted only to itself)."""
+    base, run_id, _ = site
+    outer = Starlette(
+        routes=[
+            Route(
+                "/",
+                lambda request: HTMLResponse(
+                    f'<iframe id="f" src="{base}/runs/{run_id}" width="900" height="600"></iframe>'
+                ),
+            )
+        ]
+    )
+    headers = httpx.get(f"{base}/runs/{run_id}", timeout=30).headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert "script-src 'self'" in headers["content-security-policy"]
+    assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+    with serve(outer) as other, chromium() as browser:
+        page = new_page(browser)
+        page.goto(f"{base}/login")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        page.goto(f"{base}/runs/{run_id}")  # signed in: the actions are there, at home
+        assert page.locator("#actions button[data-action=stop]").count() == 1
+        page.goto(other, wait_until="load")  # (load waits for the frame's own load)
+        framed = page.frame_locator("#f")
+        # Nothing of the dashboard shown in it (the browser's "blocked" page instead).
+        for part in ("header.top", "#live", "#actions"):
+            assert framed.locator(part).count() == 0, part
+    assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
