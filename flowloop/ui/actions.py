@@ -46,6 +46,26 @@ def csrf_for(token: str) -> str:
     return hmac.new(token.encode(), b"flowloop csrf", hashlib.sha256).hexdigest()
 
 
+def flash_sign(token: str, kind: str, message: str) -> str:
+    """The ``sig`` an action's redirect gives its message (``error=`` or ``done=``): a page
+    shows only a message signed so, not one a link from anywhere put in its URL ("the
+    token expired: paste it at …" in the dashboard's own alert box)."""
+    said = f"{kind}\n{message}".encode()
+    return hmac.new(token.encode(), b"flowloop flash\n" + said, hashlib.sha256).hexdigest()
+
+
+def flash_shown(request: Request, kind: str) -> str:
+    """The action's message of ``kind`` to show, when the URL carries it signed."""
+    token = request.app.state.dash.token
+    message = request.query_params.get(kind, "")
+    given = request.query_params.get("sig", "")
+    if not token or not message:
+        return ""
+    if not hmac.compare_digest(given.encode(), flash_sign(token, kind, message).encode()):
+        return ""
+    return message[:500]
+
+
 def signed_in(request: Request) -> bool:
     dash = request.app.state.dash
     cookie = request.cookies.get(SESSION_COOKIE, "")
@@ -192,8 +212,11 @@ def _named(request: Request, name: str) -> str:
     return value
 
 
-def _back(path: str, **query: str) -> RedirectResponse:
-    return RedirectResponse(f"{path}?{urlencode(query)}" if query else path, status_code=303)
+def _back(request: Request, path: str, kind: str, message: str) -> RedirectResponse:
+    """Back to the page, its message signed (:func:`flash_sign`)."""
+    token = request.app.state.dash.token or ""
+    query = {kind: message, "sig": flash_sign(token, kind, message)}
+    return RedirectResponse(f"{path}?{urlencode(query)}", status_code=303)
 
 
 async def run_action(request: Request) -> Response:
@@ -208,10 +231,11 @@ async def run_action(request: Request) -> Response:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
         if form and not isinstance(error, NotFound | UnknownRun):
-            return _back(f"/runs/{run_id}", error=str(error))
+            return _back(request, f"/runs/{run_id}", "error", str(error))
         raise
     if form:  # to the page of the whole id (the action may have been given a prefix)
-        return _back(f"/runs/{info.id}", done=f"{action}: the run is {info.status} at {info.state}")
+        done = f"{action}: the run is {info.status} at {info.state}"
+        return _back(request, f"/runs/{info.id}", "done", done)
     return JSONResponse(
         {"id": info.id, "status": info.status, "state": info.state, "last_seq": info.last_seq}
     )
@@ -235,10 +259,10 @@ async def loop_action(request: Request) -> Response:
         row = await run_in_threadpool(_loop_action, request, name, action)
     except FlowloopError as error:
         if form and not isinstance(error, NotFound | UnknownLoop):
-            return _back(f"/loops/{name}", error=str(error))
+            return _back(request, f"/loops/{name}", "error", str(error))
         raise
     if form:
-        return _back(f"/loops/{name}", done=f"{action}: the loop is {row.status}")
+        return _back(request, f"/loops/{name}", "done", f"{action}: the loop is {row.status}")
     return JSONResponse({"name": row.name, "status": row.status, "control": row.control})
 
 

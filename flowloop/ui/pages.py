@@ -25,7 +25,7 @@ from flowloop.lifecycle import FINISHED
 from flowloop.operations import retryable_from
 from flowloop.ui import api
 from flowloop.ui import queries as q
-from flowloop.ui.actions import NOT_LOADED, csrf_for, signed_in
+from flowloop.ui.actions import NOT_LOADED, csrf_for, flash_shown, signed_in
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.waiting import SHOWN_STATUSES, WAITING
 
@@ -50,8 +50,8 @@ def _render(request: Request, name: str, context: dict[str, Any], status: int = 
         "nav": name.split(".")[0].split("_")[0],
         "signed_in": dash.allow_actions and signed_in(request),
         "csrf": csrf_for(dash.token) if dash.token else "",
-        "flash_error": request.query_params.get("error", "")[:500],
-        "flash_done": request.query_params.get("done", "")[:500],
+        "flash_error": flash_shown(request, "error"),
+        "flash_done": flash_shown(request, "done"),
     }
     response: Response = templates.TemplateResponse(
         request, name, {**base, **context}, status_code=status

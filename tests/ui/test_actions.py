@@ -304,3 +304,27 @@ def test_actions__the_page_cannot_be_framed_by_another_origin(
         for part in ("header.top", "#live", "#actions"):
             assert framed.locator(part).count() == 0, part
     assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
+
+
+def test_actions__a_page_shows_only_the_message_its_action_sent(
+    site: tuple[str, str, str],
+) -> None:
+    """``?error=`` in any link showed its text in the dashboard's own alert box ("the token
+    expired: paste it at …", phishing for the token); only an action's redirect, which signs
+    its message, is shown now."""
+    base, run_id, _ = site
+    lure = "The token expired: paste it at http://evil.example/login"
+    with chromium() as browser:
+        page = new_page(browser)
+        page.goto(f"{base}/login")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        for query in (f"error={lure}", f"done={lure}", f"error={lure}&sig=00"):
+            page.goto(f"{base}/runs/{run_id}?{query}")
+            page.wait_for_selector("#live-body")
+            assert page.locator(".flash.error, .flash.done").count() == 0, query
+            assert lure not in page.content()
+        page.click("button[data-action=pause]")  # the action's own message still shows
+        assert "the run is paused" in page.locator(".flash.done").inner_text()
+        page.click("button[data-action=retry]")
+        assert "is paused" in page.locator(".flash.error[role=alert]").inner_text()
