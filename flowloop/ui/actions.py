@@ -88,9 +88,11 @@ async def _authorize(request: Request) -> dict[str, Any]:
         return await _fields(request, api=True)
     if request.headers.get("authorization"):
         raise Forbidden("send the token as `Authorization: Bearer TOKEN`")
-    fields = await _fields(request)
+    # Refused before the body is read: a client without the token got the body's faults
+    # (a 400 "not JSON") and had the whole of it read, whatever its size.
     if not signed_in(request):
         raise Forbidden("actions need the token: sign in at /login or send Authorization: Bearer")
+    fields = await _fields(request)
     given_csrf = str(fields.get("csrf", ""))
     if not hmac.compare_digest(given_csrf.encode(), csrf_for(token).encode()):
         raise Forbidden("the form's CSRF field is missing or wrong; reload the page and retry")

@@ -70,6 +70,20 @@ def test_actions__pause_unpause_stop_journaled_with_who(site: tuple[str, str, st
     assert last["data"]["by"].endswith("@127.0.0.1")
 
 
+def test_actions__without_the_token_refused_before_the_body_is_read(
+    site: tuple[str, str, str],
+) -> None:
+    """A client without the token got its body's faults (400 "the body is not JSON"),
+    read whole first: now a 403, whatever it sends."""
+    base, run_id, _ = site
+    for body, kind in ((b"{", "application/json"), (b"x" * 100_000, "text/plain")):
+        refused = httpx.post(
+            f"{base}/api/runs/{run_id}/pause", content=body, headers={"content-type": kind}
+        )
+        assert refused.status_code == 403, refused.text[:200]
+        assert "need the token" in refused.json()["error"]
+
+
 def test_actions__same_one_line_error_as_the_cli(site: tuple[str, str, str]) -> None:
     base, run_id, url = site
     assert post(base, f"/api/runs/{run_id}/stop").status_code == 200
