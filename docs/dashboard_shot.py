@@ -93,9 +93,7 @@ def main() -> None:
                 page.set_default_timeout(WAIT_MS)
                 page.goto(f"http://{HOST}:{port}/runs/{run_id}")
                 page.wait_for_selector("#diagram svg")
-                page.wait_for_function(
-                    "document.querySelector('#live-body').dataset.status === 'succeeded'"
-                )
+                page.wait_for_selector("#live-body[data-status=succeeded]")
                 # The header, the whole machine and the first rows of the timeline below it.
                 row = page.locator(f"#timeline tbody tr:nth-child({TIMELINE_ROWS})")
                 box = row.bounding_box()

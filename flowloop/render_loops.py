@@ -398,12 +398,22 @@ def loop_digraph(loop: Loop) -> graphviz.Digraph:
 
 
 def stored_loop_digraph(
-    loop: Loop | None, row: LoopRow, events: Sequence[LoopEvent], *, capped: bool = False
+    loop: Loop | None,
+    row: LoopRow,
+    events: Sequence[LoopEvent],
+    *,
+    capped: bool = False,
+    workflow_diagram: str | None = None,
 ) -> graphviz.Digraph:
     """``loop``'s machine (``None``: not loaded, :func:`stored_loop_model`) with the stored
     loop (``row`` and its journal ``events``, oldest first) drawn on it. ``capped``:
-    ``events`` are only the latest entries of the journal."""
-    machine = loop_model(loop) if loop is not None else stored_loop_model(row)
+    ``events`` are only the latest entries of the journal. ``workflow_diagram``: where
+    ``running`` links to (:func:`loop_model`)."""
+    machine = (
+        loop_model(loop, workflow_diagram=workflow_diagram)
+        if loop is not None
+        else stored_loop_model(row)
+    )
     model = apply_loop_overlay(machine, LoopOverlay.from_store(row, events))
     if capped:
         model = replace(

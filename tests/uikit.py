@@ -296,3 +296,40 @@ def hostile_run(url: str) -> str:
         return record.id
     finally:
         store.close()
+
+
+# -- big runs --------------------------------------------------------------------------------
+
+
+def written_run(url: str, key: str, contexts: list[str], *, first: str = '{"n":0}') -> str:
+    """A running ``parcel`` run whose journal holds one step per context of ``contexts``
+    (a ``step_succeeded`` with it and the next ``step_started``), written straight through
+    the store in few commits: 10,000 entries in a second."""
+    store = SQLStore(url)
+    try:
+        stored, _ = store.create_run(
+            storekit.new_run(workflow="parcel", key=key, state="weigh", owner="w1", context=first)
+        )
+        record, fence = stored.record, Fence("w1", stored.lease_epoch)
+        events: list[j.JournalEvent] = []
+        for context in contexts:
+            done = storekit.event(
+                record,
+                j.STEP_SUCCEEDED,
+                state=record.state,
+                event="next",
+                next_state=record.state,
+                context=context,
+                attempt=record.attempt,
+                worker="w1",
+            )
+            record = j.apply(record, done)
+            started = storekit.event(record, j.STEP_STARTED, state=record.state, attempt=1)
+            record = j.apply(record, started)
+            events += [done, started]
+            if len(events) >= 1000 or context is contexts[-1]:
+                assert store.write([Boundary(events=events, record=record, fence=fence)]) == [True]
+                events = []
+        return record.id
+    finally:
+        store.close()

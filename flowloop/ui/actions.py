@@ -25,7 +25,7 @@ from starlette.routing import Route
 from flowloop.engine import RunInfo
 from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun, UnknownWorkflow
 from flowloop.store.loops import LoopRow
-from flowloop.ui.queries import NAME_LIMIT, BadInput, NotFound
+from flowloop.ui.queries import NAME_LIMIT, NUL, BadInput, NotFound
 
 SESSION_COOKIE: Final = "flowloop_session"
 RUN_ACTIONS: Final = ("pause", "unpause", "stop", "retry", "send")
@@ -44,6 +44,26 @@ class Forbidden(FlowloopError):
 def csrf_for(token: str) -> str:
     """The CSRF value pages embed in their forms (derived from the token)."""
     return hmac.new(token.encode(), b"flowloop csrf", hashlib.sha256).hexdigest()
+
+
+def flash_sign(token: str, kind: str, message: str) -> str:
+    """The ``sig`` an action's redirect gives its message (``error=`` or ``done=``): a page
+    shows only a message signed so, not one a link from anywhere put in its URL ("the
+    token expired: paste it at …" in the dashboard's own alert box)."""
+    said = f"{kind}\n{message}".encode()
+    return hmac.new(token.encode(), b"flowloop flash\n" + said, hashlib.sha256).hexdigest()
+
+
+def flash_shown(request: Request, kind: str) -> str:
+    """The action's message of ``kind`` to show, when the URL carries it signed."""
+    token = request.app.state.dash.token
+    message = request.query_params.get(kind, "")
+    given = request.query_params.get("sig", "")
+    if not token or not message:
+        return ""
+    if not hmac.compare_digest(given.encode(), flash_sign(token, kind, message).encode()):
+        return ""
+    return message[:500]
 
 
 def signed_in(request: Request) -> bool:
@@ -68,9 +88,11 @@ async def _authorize(request: Request) -> dict[str, Any]:
         return await _fields(request, api=True)
     if request.headers.get("authorization"):
         raise Forbidden("send the token as `Authorization: Bearer TOKEN`")
-    fields = await _fields(request)
+    # Refused before the body is read: a client without the token got the body's faults
+    # (a 400 "not JSON") and had the whole of it read, whatever its size.
     if not signed_in(request):
         raise Forbidden("actions need the token: sign in at /login or send Authorization: Bearer")
+    fields = await _fields(request)
     given_csrf = str(fields.get("csrf", ""))
     if not hmac.compare_digest(given_csrf.encode(), csrf_for(token).encode()):
         raise Forbidden("the form's CSRF field is missing or wrong; reload the page and retry")
@@ -134,6 +156,8 @@ def _text(fields: dict[str, Any], name: str, *, required: bool = False) -> str |
         return None
     if not isinstance(value, str) or len(value) > NAME_LIMIT:
         raise BadInput(f"{name} must be a text of at most {NAME_LIMIT} characters")
+    if NUL in value:
+        raise BadInput(f"{name} contains a NUL character")
     return value
 
 
@@ -182,12 +206,23 @@ def _defined_action(
     return sent
 
 
-def _back(path: str, **query: str) -> RedirectResponse:
-    return RedirectResponse(f"{path}?{urlencode(query)}" if query else path, status_code=303)
+def _named(request: Request, name: str) -> str:
+    """The run id or loop name in the path (none holds a NUL: PostgreSQL refuses to look)."""
+    value = str(request.path_params[name])[:NAME_LIMIT]
+    if NUL in value:
+        raise NotFound(f"no {'run' if name == 'run_id' else 'loop'} {value[:40]!r}")
+    return value
+
+
+def _back(request: Request, path: str, kind: str, message: str) -> RedirectResponse:
+    """Back to the page, its message signed (:func:`flash_sign`)."""
+    token = request.app.state.dash.token or ""
+    query = {kind: message, "sig": flash_sign(token, kind, message)}
+    return RedirectResponse(f"{path}?{urlencode(query)}", status_code=303)
 
 
 async def run_action(request: Request) -> Response:
-    run_id = str(request.path_params["run_id"])[:NAME_LIMIT]
+    run_id = _named(request, "run_id")
     action = str(request.path_params["action"])
     if action not in RUN_ACTIONS:
         raise NotFound(f"no action {action[:40]!r} (one of {', '.join(RUN_ACTIONS)})")
@@ -198,10 +233,11 @@ async def run_action(request: Request) -> Response:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
         if form and not isinstance(error, NotFound | UnknownRun):
-            return _back(f"/runs/{run_id}", error=str(error))
+            return _back(request, f"/runs/{run_id}", "error", str(error))
         raise
     if form:  # to the page of the whole id (the action may have been given a prefix)
-        return _back(f"/runs/{info.id}", done=f"{action}: the run is {info.status} at {info.state}")
+        done = f"{action}: the run is {info.status} at {info.state}"
+        return _back(request, f"/runs/{info.id}", "done", done)
     return JSONResponse(
         {"id": info.id, "status": info.status, "state": info.state, "last_seq": info.last_seq}
     )
@@ -215,7 +251,7 @@ def _loop_action(request: Request, name: str, action: str) -> LoopRow:
 
 
 async def loop_action(request: Request) -> Response:
-    name = str(request.path_params["name"])[:NAME_LIMIT]
+    name = _named(request, "name")
     action = str(request.path_params["action"])
     if action not in LOOP_ACTIONS:
         raise NotFound(f"no loop action {action[:40]!r} (one of {', '.join(LOOP_ACTIONS)})")
@@ -225,10 +261,10 @@ async def loop_action(request: Request) -> Response:
         row = await run_in_threadpool(_loop_action, request, name, action)
     except FlowloopError as error:
         if form and not isinstance(error, NotFound | UnknownLoop):
-            return _back(f"/loops/{name}", error=str(error))
+            return _back(request, f"/loops/{name}", "error", str(error))
         raise
     if form:
-        return _back(f"/loops/{name}", done=f"{action}: the loop is {row.status}")
+        return _back(request, f"/loops/{name}", "done", f"{action}: the loop is {row.status}")
     return JSONResponse({"name": row.name, "status": row.status, "control": row.control})
 
 

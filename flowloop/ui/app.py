@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -37,7 +37,8 @@ from flowloop.loops import Loop
 from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
 from flowloop.ui.diagrams import Machines, SvgCache
-from flowloop.ui.queries import BadInput, NotFound
+from flowloop.ui.queries import NUL, BadInput, NotFound
+from flowloop.ui.security import SecurityHeaders
 
 HERE: Final = Path(__file__).resolve().parent
 LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -116,7 +117,7 @@ def _whole_run_url(request: Request) -> str | None:
     (as the CLI takes and `status` prints): its page and API paths alike, the query kept.
     ``None`` when no run starts with it; AmbiguousRunId when several do."""
     given = str(request.path_params.get("run_id", ""))
-    if not given:
+    if not given or NUL in given:  # no id holds one (PostgreSQL refuses to look)
         return None
     try:
         whole = ids.resolve(request.app.state.dash.store, given)
@@ -139,6 +140,9 @@ async def _on_http_error(request: Request, error: Exception) -> Response:
 
 
 async def _on_database_error(request: Request, error: Exception) -> Response:
+    if isinstance(error, DataError):  # a value the database refuses (a NUL in a field)
+        first = str(getattr(error, "orig", error)).strip().splitlines()[0][:200]
+        return _error_response(request, 400, f"the database refused a value given: {first}")
     log.warning("database error on %s: %s", request.url.path, str(error).splitlines()[0])
     return _error_response(request, 503, "the database could not answer; try again")
 
@@ -211,6 +215,7 @@ def create_app(
         allow_actions=allow_actions,
     )
     templates.env.filters["json_text"] = pages.json_text
+    templates.env.filters["cut"] = pages.cut
     routes = [
         *pages.routes(),
         *api.routes(),
@@ -219,7 +224,10 @@ def create_app(
     ]
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))],
+        middleware=[
+            Middleware(SecurityHeaders),
+            Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
+        ],
         exception_handlers={
             FlowloopError: _on_flowloop_error,
             HTTPException: _on_http_error,

@@ -103,7 +103,7 @@ def document(*, actions: bool = False) -> dict[str, Any]:
             "last_seq, status and state (cheap, for polling)", [RUN_ID], 404
         ),
         "/api/runs/{run_id}/journal": _get(
-            "The journal and the timeline of steps",
+            "The journal (entries after `after`, at most `limit`) and the timeline of their steps",
             [
                 RUN_ID,
                 _param("after", schema={"type": "integer", "minimum": 0}),

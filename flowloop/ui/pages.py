@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -25,13 +25,22 @@ from flowloop.lifecycle import FINISHED
 from flowloop.operations import retryable_from
 from flowloop.ui import api
 from flowloop.ui import queries as q
-from flowloop.ui.actions import NOT_LOADED, csrf_for, signed_in
+from flowloop.ui.actions import NOT_LOADED, csrf_for, flash_shown, signed_in
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.waiting import SHOWN_STATUSES, WAITING
 
 WINDOWS: Final = ("1h", "24h", "7d", "30d", "all")
 ITERATION_KINDS: Final = ("iteration_succeeded", "iteration_failed", "iteration_interrupted")
 DECISION_KINDS: Final = ("missed", "coalesced", "skipped_overlap")
+TIMELINE_SHOWN: Final = 500
+"""Timeline rows a run page shows at most (the newest; the JSON journal pages the rest):
+a run of 10,000 entries made a 2.5 MB page, fetched again at each of its commits."""
+ERRORS_SHOWN: Final = 20
+CONTEXT_SHOWN: Final = 100_000
+"""Characters of a context a run page shows (the JSON context API gives it whole)."""
+CHANGES_SHOWN: Final = 200
+VALUE_SHOWN: Final = 2_000
+"""Characters of one value (a changed path's before or after, an error) a page shows."""
 
 
 def _render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
@@ -41,8 +50,8 @@ def _render(request: Request, name: str, context: dict[str, Any], status: int = 
         "nav": name.split(".")[0].split("_")[0],
         "signed_in": dash.allow_actions and signed_in(request),
         "csrf": csrf_for(dash.token) if dash.token else "",
-        "flash_error": request.query_params.get("error", "")[:500],
-        "flash_done": request.query_params.get("done", "")[:500],
+        "flash_error": flash_shown(request, "error"),
+        "flash_done": flash_shown(request, "done"),
     }
     response: Response = templates.TemplateResponse(
         request, name, {**base, **context}, status_code=status
@@ -91,6 +100,16 @@ def json_text(value: Any, *, indent: int | None = None) -> str:
     they are, not ``\\u`` escapes (Jinja's ``tojson`` escapes ``<``, ``&`` and ``'`` too,
     for a script's data, not for text)."""
     return json.dumps(value, ensure_ascii=False, indent=indent, sort_keys=True)
+
+
+def cut(text: Any, limit: int = VALUE_SHOWN, where: str = "") -> str:
+    """``text`` up to ``limit`` characters, saying how long it is when it is cut (a page
+    stays bounded whatever a run holds: a 1 MB context or error message)."""
+    whole = "" if text is None else str(text)
+    if len(whole) <= limit:
+        return whole
+    more = f"; {where}" if where else ""
+    return f"{whole[:limit]}… (cut: {len(whole):,} characters in all{more})"
 
 
 def retry_states(workflow: Workflow) -> list[str]:
@@ -147,9 +166,12 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         svg, problem = None, str(error)
     except (KeyError, TypeError, ValueError) as error:  # a journal written badly elsewhere
         svg, problem = None, f"cannot draw this run from its journal: {error!r}"
-    steps = q.timeline(events)
+    every_step = q.timeline(events)
+    steps = every_step[-TIMELINE_SHOWN:]
     longest = max((s.get("duration") or 0.0 for s in steps), default=0.0)
-    failures = [e for e in events if e.traceback or e.error_message]
+    every_failure = [e for e in events if e.traceback or e.error_message]
+    failures = every_failure[-ERRORS_SHOWN:]
+    context_text = json_text(context, indent=2)
     live = row["status"] not in FINISHED
     due = dues.due(
         status=row["status"],
@@ -170,16 +192,20 @@ def _run_view(request: Request, run_id: str) -> dict[str, Any]:
         "now": dash.store.db_now() if live and row["next_run_at"] is not None else None,
         "events": events,
         "steps": steps,
+        "steps_hidden": len(every_step) - len(steps),
         "longest": longest or 1.0,
         "svg": svg,
         "diagram_problem": problem,
         "failures": failures,
+        "failures_hidden": len(every_failure) - len(failures),
         "live": live,
         "seq": seq,
         "diff_from": start,
         "diff_to": to,
-        "context_text": json_text(context, indent=2),
-        "changes": changes,
+        "context_text": cut(context_text, CONTEXT_SHOWN, "the whole at the link below"),
+        "context_cut": len(context_text) > CONTEXT_SHOWN,
+        "changes": changes[:CHANGES_SHOWN],
+        "changes_hidden": max(0, len(changes) - CHANGES_SHOWN),
         "retry_states": retry_states(workflow) if workflow is not None else [],
         # Retry and send need the definition: without it their forms are disabled, saying why.
         "not_loaded": None
@@ -285,7 +311,18 @@ def loop_page(request: Request) -> Response:
     machine = (
         None
         if stored is None  # deleted since its row was read
-        else render_loops.stored_loop_digraph(loop, stored, journal, capped=len(journal) >= limit)
+        else render_loops.stored_loop_digraph(
+            loop,
+            stored,
+            journal,
+            capped=len(journal) >= limit,
+            # Its workflow's page (the CLI's `<workflow>.svg` beside it was /loops/x.svg: a 404).
+            workflow_diagram=(
+                f"/workflows/{quote(loop.workflow.name, safe='')}"
+                if loop is not None and loop.workflow is not None
+                else None
+            ),
+        )
     )
     return _render(
         request,

@@ -38,6 +38,9 @@ MAX_JOURNAL: Final = 5_000
 LOOP_EVENTS: Final = 50
 ID_PREFIX: Final = re.compile(r"[0-9A-Za-z_-]{1,40}")
 NAME_LIMIT: Final = 400
+NUL: Final = "\x00"
+"""No name, key or id holds it (PostgreSQL's text cannot): a parameter with it is refused
+here, as the same 4xx on both databases (PostgreSQL's driver refused it: a 503)."""
 
 
 class BadInput(FlowloopError):
@@ -80,6 +83,8 @@ def text_param(params: Mapping[str, str], name: str) -> str | None:
         return None
     if len(text) > NAME_LIMIT:
         raise BadInput(f"{name} is longer than {NAME_LIMIT} characters")
+    if NUL in text:
+        raise BadInput(f"{name} contains a NUL character (no name, key or id holds one)")
     return text
 
 
@@ -134,7 +139,7 @@ def decode_cursor(text: str) -> tuple[float, str]:
         created_at, run_id = json.loads(raw)
         if isinstance(created_at, bool) or not isinstance(created_at, int | float):
             raise ValueError
-        if not isinstance(run_id, str):
+        if not isinstance(run_id, str) or NUL in run_id:
             raise ValueError
         return float(created_at), run_id
     except (ValueError, TypeError, binascii.Error, UnicodeDecodeError):

@@ -11,7 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
-from uikit import Parcel, parcel, serve
+from starlette.applications import Starlette
+from starlette.responses import HTMLResponse
+from starlette.routing import Route
+from uikit import Parcel, chromium, new_page, parcel, serve
 
 from flowloop import Engine
 from flowloop.store.sql import SQLStore
@@ -65,6 +68,20 @@ def test_actions__pause_unpause_stop_journaled_with_who(site: tuple[str, str, st
     last = journal(base, run_id)[-1]
     assert last["kind"] == "run_retried" and last["data"]["by"].startswith("ui:")
     assert last["data"]["by"].endswith("@127.0.0.1")
+
+
+def test_actions__without_the_token_refused_before_the_body_is_read(
+    site: tuple[str, str, str],
+) -> None:
+    """A client without the token got its body's faults (400 "the body is not JSON"),
+    read whole first: now a 403, whatever it sends."""
+    base, run_id, _ = site
+    for body, kind in ((b"{", "application/json"), (b"x" * 100_000, "text/plain")):
+        refused = httpx.post(
+            f"{base}/api/runs/{run_id}/pause", content=body, headers={"content-type": kind}
+        )
+        assert refused.status_code == 403, refused.text[:200]
+        assert "need the token" in refused.json()["error"]
 
 
 def test_actions__same_one_line_error_as_the_cli(site: tuple[str, str, str]) -> None:
@@ -250,3 +267,78 @@ def test_actions__a_field_the_action_does_not_take_is_refused_naming_it(
     assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
     # Refused only once the token checks out: without it, a 403 as before.
     assert post(base, f"/api/runs/{run_id}/send", token=None, payload={}).status_code == 403
+
+
+def test_actions__a_nul_character_is_a_4xx_on_both_databases(
+    site: tuple[str, str, str],
+) -> None:
+    """PostgreSQL's driver refuses a NUL in text: an action on a run id or loop name with
+    one, or a field with one, was a 503 "the database could not answer; try again"."""
+    base, run_id, _ = site
+    assert post(base, "/api/runs/a%00bcd/pause").status_code == 404
+    assert post(base, "/api/loops/a%00/pause").status_code == 404
+    sent = post(base, f"/api/runs/{run_id}/send", event="go", dedupe_key="k\x00")
+    assert sent.status_code == 400 and "NUL" in sent.json()["error"]
+    retried = post(base, f"/api/runs/{run_id}/retry", **{"from": "we\x00igh"})
+    assert retried.status_code == 400
+
+
+def test_actions__the_page_cannot_be_framed_by_another_origin(
+    site: tuple[str, str, str],
+) -> None:
+    """A page on another port of 127.0.0.1 is the same *site*: the SameSite session cookie
+    went with its frame of the run page, so the Stop button could be clicked through a
+    disguise (clickjacking). The dashboard now refuses to be framed (and says so in every
+    answer's headers: the policy, no script but its own, forms posted only to itself)."""
+    base, run_id, _ = site
+    outer = Starlette(
+        routes=[
+            Route(
+                "/",
+                lambda request: HTMLResponse(
+                    f'<iframe id="f" src="{base}/runs/{run_id}" width="900" height="600"></iframe>'
+                ),
+            )
+        ]
+    )
+    headers = httpx.get(f"{base}/runs/{run_id}", timeout=30).headers
+    assert "frame-ancestors 'none'" in headers["content-security-policy"]
+    assert "script-src 'self'" in headers["content-security-policy"]
+    assert headers["x-frame-options"] == "DENY" and headers["x-content-type-options"] == "nosniff"
+    with serve(outer) as other, chromium() as browser:
+        page = new_page(browser)
+        page.goto(f"{base}/login")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        page.goto(f"{base}/runs/{run_id}")  # signed in: the actions are there, at home
+        assert page.locator("#actions button[data-action=stop]").count() == 1
+        page.goto(other, wait_until="load")  # (load waits for the frame's own load)
+        framed = page.frame_locator("#f")
+        # Nothing of the dashboard shown in it (the browser's "blocked" page instead).
+        for part in ("header.top", "#live", "#actions"):
+            assert framed.locator(part).count() == 0, part
+    assert [e["kind"] for e in journal(base, run_id)] == ["run_created"]
+
+
+def test_actions__a_page_shows_only_the_message_its_action_sent(
+    site: tuple[str, str, str],
+) -> None:
+    """``?error=`` in any link showed its text in the dashboard's own alert box ("the token
+    expired: paste it at …", phishing for the token); only an action's redirect, which signs
+    its message, is shown now."""
+    base, run_id, _ = site
+    lure = "The token expired: paste it at http://evil.example/login"
+    with chromium() as browser:
+        page = new_page(browser)
+        page.goto(f"{base}/login")
+        page.fill("input[name=token]", TOKEN)
+        page.click("button[type=submit]")
+        for query in (f"error={lure}", f"done={lure}", f"error={lure}&sig=00"):
+            page.goto(f"{base}/runs/{run_id}?{query}")
+            page.wait_for_selector("#live-body")
+            assert page.locator(".flash.error, .flash.done").count() == 0, query
+            assert lure not in page.content()
+        page.click("button[data-action=pause]")  # the action's own message still shows
+        assert "the run is paused" in page.locator(".flash.done").inner_text()
+        page.click("button[data-action=retry]")
+        assert "is paused" in page.locator(".flash.error[role=alert]").inner_text()

@@ -64,22 +64,16 @@ def test_runs_page__filter_then_open_a_run_that_moves_without_a_reload(
             page.wait_for_selector(f"tr[data-run='{run.id}']")
             page.click(f"tr[data-run='{run.id}'] a")
             page.wait_for_url(f"**/runs/{run.id}")
-            page.wait_for_function(
-                "document.querySelector('#run-state').textContent.trim() === 'first'"
-            )
+            page.wait_for_selector("#run-state:text-is('first')")
             page.evaluate("window.__same_page = true")
 
             for state, after in (("first", "second"), ("second", "third"), ("third", "done")):
                 opened = time.monotonic()
                 GATES[state].set()
-                page.wait_for_function(
-                    f"document.querySelector('#run-state').textContent.trim() === '{after}'"
-                )
+                page.wait_for_selector(f"#run-state:text-is('{after}')")
                 LATENCIES.append(time.monotonic() - opened)
                 assert page.evaluate("window.__same_page") is True  # no reload happened
-            page.wait_for_function(
-                "document.querySelector('#live-body').dataset.status === 'succeeded'"
-            )
+            page.wait_for_selector("#live-body[data-status=succeeded]")
             assert "done" in page.locator("#diagram svg").text_content()
             # The context shown is the latest one, also swapped in without a reload.
             assert '"third"' in page.locator("#context-json").inner_text()
@@ -151,18 +145,14 @@ def test_actions__sign_in_then_pause_and_unpause_from_the_run_page(
             page.click("button[data-action=pause]")
             page.wait_for_selector(".flash.done")
             assert "the run is paused" in page.locator(".flash.done").inner_text()
-            page.wait_for_function(
-                "document.querySelector('#live-body').dataset.status === 'paused'"
-            )
+            page.wait_for_selector("#live-body[data-status=paused]")
             page.screenshot(path=str(tmp_path / "actions.png"), full_page=True)
             page.click("button[data-action=retry]")
             refused = page.locator(".flash.error[role=alert]")
             refused.wait_for()
             assert "is paused" in refused.inner_text()
             page.click("button[data-action=unpause]")
-            page.wait_for_function(
-                "document.querySelector('#live-body').dataset.status === 'scheduled'"
-            )
+            page.wait_for_selector("#live-body[data-status=scheduled]")
             page.close()
     finally:
         store.close()

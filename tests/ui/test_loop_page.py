@@ -10,7 +10,7 @@ from xml.etree import ElementTree
 import httpx
 import pytest
 from loopkit import LoopHarness, SteppedClock, drive
-from uikit import off_loop, serve
+from uikit import Parcel, chromium, new_page, off_loop, parcel, serve
 
 from flowloop.loops import Iteration, Loop
 from flowloop.store.sql import SQLStore
@@ -47,3 +47,27 @@ def test_loop_page__draws_the_loop_machine_with_its_counts(store_url: str, loade
         assert not_a_loop_state not in texts
     assert "slot due" in texts and "1 failed" in texts  # its transitions, with counts
     assert ("after 3 failures in a row" in texts) is loaded  # its settings: when loaded
+
+
+def test_loop_page__a_workflow_loop_links_running_to_its_workflow_page(store_url: str) -> None:
+    """The running state of a workflow loop linked to `<workflow>.svg` (the CLI's file
+    beside the loop's): from /loops/NAME that was /loops/parcel.svg, "no loop" (a 404)."""
+    crates = Loop("crates", workflow=parcel, context=Parcel(), every=10)
+    store = SQLStore(store_url)  # the loop's row, as a worker registers it
+    try:
+        off_loop(asyncio.run, _register(store_url, crates))
+        app = create_app(store, loops={"crates": crates}, workflows={"parcel": parcel})
+        with serve(app) as base, chromium() as browser:
+            page = new_page(browser)
+            page.goto(f"{base}/loops/crates")
+            page.locator(".diagram svg g.node", has_text="running").locator("a").click()
+            page.wait_for_url(f"{base}/workflows/parcel")
+            assert page.locator("h1").inner_text() == "parcel"
+    finally:
+        store.close()
+
+
+async def _register(url: str, loop: Loop) -> None:
+    clock = SteppedClock()
+    async with LoopHarness(url, [loop], clock=clock):
+        await drive(clock, 1)
