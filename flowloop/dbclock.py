@@ -65,7 +65,16 @@ class DatabaseClock:
         elapsed_before = self._elapsed()
         server = self._db_now()
         after = self.base.now()
-        elapsed = (elapsed_before + self._elapsed()) / 2
+        elapsed_after = self._elapsed()
+        if abs((after - before) - (elapsed_after - elapsed_before)) > SKEW_IGNORED:
+            # The wall clock stepped during the measurement (its span is not the time that
+            # passed): the midpoint of its readings is nobody's time — taken, a jump of an
+            # hour measured no offset (too uncertain) and set this clock half an hour on,
+            # and runs due within that half hour ran. Kept as it was; the next sweep
+            # measures again.
+            log.debug("clock offset not measured: the host's clock stepped meanwhile")
+            return self.offset
+        elapsed = (elapsed_before + elapsed_after) / 2
         measured = server - (before + after) / 2
         offset = measured if abs(measured) > max(SKEW_IGNORED, after - before) else 0.0
         if abs(offset - self.offset) > SKEW_IGNORED:
