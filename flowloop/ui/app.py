@@ -38,7 +38,7 @@ from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
 from flowloop.ui.diagrams import Machines, SvgCache
 from flowloop.ui.queries import NUL, BadInput, NotFound
-from flowloop.ui.security import SecurityHeaders
+from flowloop.ui.security import HEADERS, SecurityHeaders
 
 HERE: Final = Path(__file__).resolve().parent
 LOOPBACK_HOSTS: Final = ("127.0.0.1", "localhost", "::1", "[::1]")
@@ -142,6 +142,8 @@ async def _on_http_error(request: Request, error: Exception) -> Response:
 async def _on_database_error(request: Request, error: Exception) -> Response:
     if isinstance(error, DataError):  # a value the database refuses (a NUL in a field)
         first = str(getattr(error, "orig", error)).strip().splitlines()[0][:200]
+        # Logged too: a value the client gave, usually — or a damaged stored row.
+        log.info("database refused a value on %s: %s", request.url.path, first)
         return _error_response(request, 400, f"the database refused a value given: {first}")
     log.warning("database error on %s: %s", request.url.path, str(error).splitlines()[0])
     return _error_response(request, 503, "the database could not answer; try again")
@@ -149,7 +151,11 @@ async def _on_database_error(request: Request, error: Exception) -> Response:
 
 async def _on_bug(request: Request, error: Exception) -> Response:
     log.exception("error on %s", request.url.path)
-    return _error_response(request, 500, f"internal error ({type(error).__name__}); see the log")
+    message = f"internal error ({type(error).__name__}); see the log"
+    response = _error_response(request, 500, message)
+    # Starlette answers an error outside every middleware (SecurityHeaders too): said here.
+    response.headers.update({name.decode(): value.decode() for name, value in HEADERS})
+    return response
 
 
 def _fmt_duration(value: float | None) -> str:
@@ -216,6 +222,7 @@ def create_app(
     )
     templates.env.filters["json_text"] = pages.json_text
     templates.env.filters["cut"] = pages.cut
+    templates.env.filters["cut_head"] = pages.cut_head
     routes = [
         *pages.routes(),
         *api.routes(),

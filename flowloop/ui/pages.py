@@ -112,6 +112,16 @@ def cut(text: Any, limit: int = VALUE_SHOWN, where: str = "") -> str:
     return f"{whole[:limit]}… (cut: {len(whole):,} characters in all{more})"
 
 
+def cut_head(text: Any, limit: int = VALUE_SHOWN) -> str:
+    """``text``'s last ``limit`` characters, saying how long it is when it is cut: what a
+    traceback says last (the innermost frames, the error, the last of a chain) is what
+    failed."""
+    whole = "" if text is None else str(text)
+    if len(whole) <= limit:
+        return whole
+    return f"(cut: {len(whole):,} characters in all; the end follows) …{whole[-limit:]}"
+
+
 def retry_states(workflow: Workflow) -> list[str]:
     """The states a retry may start a run of ``workflow`` from, in declaration order."""
     return [state for state in workflow.states if retryable_from(workflow, state)]

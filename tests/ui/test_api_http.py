@@ -285,3 +285,38 @@ def test_home__keeps_the_query_on_its_way_to_the_runs(served: tuple[str, str]) -
     page = httpx.get(f"{base}/?status=failed", follow_redirects=True, timeout=30)
     assert page.status_code == 200 and page.url.path == "/runs"
     assert page.url.query == b"status=failed"
+
+
+def test_an_internal_error__its_page_carries_the_security_headers_too(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: Starlette answers an unexpected error outside every middleware, so the 500
+    page went out without the policy, X-Frame-Options and nosniff every other answer has."""
+    from flowloop.ui import queries
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    parcels(sqlite_url, 1)
+    store = SQLStore(sqlite_url, create=False)
+    monkeypatch.setattr(queries, "list_runs", broken)
+    try:
+        with serve(create_app(store, workflows={"parcel": parcel})) as base:
+            response = get(base, "/runs")
+    finally:
+        store.close()
+    assert response.status_code == 500
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    assert response.headers["x-frame-options"] == "DENY"
+    assert response.headers["x-content-type-options"] == "nosniff"
+
+
+def test_cut_head__a_long_traceback_keeps_its_end() -> None:
+    """Review: a traceback cut to its first 20,000 characters lost its innermost frames
+    and the error itself (a chain's last exception comes last)."""
+    from flowloop.ui.pages import cut_head
+
+    traceback = "Traceback:\n" + "  frame\n" * 5_000 + "ValueError: what failed"
+    shown = cut_head(traceback, 100)
+    assert shown.endswith("ValueError: what failed") and "characters in all" in shown
+    assert cut_head("short", 100) == "short"
