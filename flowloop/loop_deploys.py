@@ -27,7 +27,12 @@ def resync(
     if row.status == "running":
         return None
     now = clock.now()
-    spec = LoopSpec(name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(now))
+    spec = LoopSpec(
+        name=loop.name,
+        schedule=loop.schedule,
+        first_slot=loop.first_slot(now),
+        keep_due=loop.coalesce,
+    )
     [fresh] = store.sync_loops([spec], at=now, worker=worker)
     if fresh.schedule != loop.schedule:
         return None

@@ -201,7 +201,12 @@ class Scheduler:
         self._recover()
         now = self.clock.now()
         specs = [
-            LoopSpec(name=loop.name, schedule=loop.schedule, first_slot=loop.first_slot(now))
+            LoopSpec(
+                name=loop.name,
+                schedule=loop.schedule,
+                first_slot=loop.first_slot(now),
+                keep_due=loop.coalesce,
+            )
             for loop in self.loops.values()
         ]
         for row in self.store.sync_loops(specs, at=now, worker=self.worker_id):

@@ -300,6 +300,34 @@ def test_schedule_changed_after_downtime__the_due_slots_are_caught_up_not_droppe
     run(main())
 
 
+def test_schedule_changed_after_downtime__a_loop_that_does_not_coalesce_catches_up_none(
+    store_url: str,
+) -> None:
+    """Review of the test above: with `coalesce=False` the kept slot made the loop catch
+    up, one by one, every slot the new schedule has between it and now — slots no schedule
+    had while the workers were down (a daily loop down 20 minutes, back as `every=60`: 21
+    iterations back to back). Such a loop starts the new schedule afresh, as before."""
+    ran: list[float] = []
+
+    async def fn(it: Iteration) -> None:
+        ran.append(it.slot)
+
+    async def main() -> None:
+        clock = SteppedClock()
+        daily = Loop("daily", fn, every=86400, coalesce=False)
+        async with LoopHarness(store_url, [daily], clock=clock):
+            await drive(clock, 1)  # the first slot ran; the next is a day on
+        clock.advance(86400 + 1200)  # down until 20 minutes past it
+        minutely = Loop("daily", fn, every=60, coalesce=False)
+        async with LoopHarness(store_url, [minutely], clock=clock, worker_id="w2") as h:
+            await drive(clock, 1)
+            kinds = [e.kind for e in h.journal("daily")]
+        assert kinds.count("iteration_started") <= 2, kinds
+        assert len(ran) <= 2, ran
+
+    run(main())
+
+
 @pytest.mark.parametrize("action", ["pause", "stop"])
 def test_pause_asked_during_an_iteration_its_worker_died_in__honoured_at_recovery(
     store_url: str, action: str
