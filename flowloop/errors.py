@@ -144,9 +144,14 @@ def _retry_hint(run_id: str, status: str) -> str:
         )
     if status == "succeeded":
         return "; only a failed or stopped run is retried: start a new run to do it again"
+    waiting = (
+        ", or, waiting for an event, `flowloop send` or its timeout"
+        if status == "scheduled"
+        else ""
+    )
     return (
         "; only a failed or stopped run is retried: this one has not ended (a worker or "
-        "`flowloop resume` continues it; `flowloop stop` ends it)"
+        f"`flowloop resume` continues it{waiting}; `flowloop stop` ends it)"
     )
 
 

@@ -18,11 +18,11 @@ import gc
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import click
 
-from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, NOTHING_TO_READ, TRACE, err
+from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, NOTHING_TO_READ, TRACE, err, guard_pipes
 from flowloop.errors import FlowloopError
 from flowloop.logs import FORMATS, LEVELS
 
@@ -157,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if argv is None:  # run as the program: a caller's own process is left as it is
         atexit.unregister(gc.freeze)
         atexit.register(gc.freeze)
+        guard_pipes()
     try:
         cli.main(
             args=list(argv) if argv is not None else None,
@@ -170,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         err.print(_interrupted(), markup=False)
         sys.exit(130)
     except click.UsageError as error:
-        if isinstance(error, click.exceptions.NoArgsIsHelpError):
+        if isinstance(error, _NO_ARGS_IS_HELP):
             error.show()  # (`flowloop db`: the group's help)
         else:  # one line, as every other mistake (click printed usage, a hint, the error)
             err.print(f"error: {_usage_line(error)}", markup=False)
@@ -190,6 +191,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(code)
 
 
+# Click 8.2's (pyproject allows 8.1, which has neither: its group shows its help itself,
+# and an unknown command is a plain UsageError, said by the general line).
+_NO_ARGS_IS_HELP: Final[tuple[type[Exception], ...]] = tuple(
+    found for found in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if found
+)
+_NO_SUCH_COMMAND: Final[Any] = getattr(click.exceptions, "NoSuchCommand", None)
+
+
 def _usage_line(error: click.UsageError) -> str:
     """A usage mistake in one line, with where to look: `missing argument 'RUN_ID' (see
     `flowloop history --help`)`; a misspelt command names the ones meant."""
@@ -197,7 +206,7 @@ def _usage_line(error: click.UsageError) -> str:
 
     ctx = error.ctx
     path = ctx.command_path if ctx is not None else "flowloop"
-    if isinstance(error, click.exceptions.NoSuchCommand):
+    if _NO_SUCH_COMMAND and isinstance(error, _NO_SUCH_COMMAND):
         group = ctx.command if ctx is not None else None
         names = group.list_commands(ctx) if isinstance(group, click.Group) and ctx else []
         close = difflib.get_close_matches(error.command_name, names, n=2)

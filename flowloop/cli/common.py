@@ -70,9 +70,50 @@ def _quieted(console: Console) -> None:
     goes on. rich's default exited at once (1, silently) — from a progress line, in the
     middle of `run`, its step cut off and the run left `running` until its lease ran out."""
     console.quiet = True
+    _nowhere(console.file)
+
+
+class _PipeGuard:
+    """``sys.stdout``/``sys.stderr`` of the ``flowloop`` program: a reader gone (`flowloop
+    run … | head`, `2>&1 | head`) sends later output nowhere, whoever writes it — a step's
+    own ``print`` (it failed with BrokenPipeError, and was retried), click's JSON, a log
+    line (the interpreter's last flush of stderr failed: exit 120) — and the command goes
+    on to its end, its exit code its own."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            _nowhere(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _nowhere(self._stream)
+            self._stream.flush()  # (what was buffered goes to /dev/null now)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _nowhere(stream: Any) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, console.file.fileno())
+    os.dup2(devnull, stream.fileno())
     os.close(devnull)
+
+
+def guard_pipes() -> None:
+    """Wrap this process's ``sys.stdout`` and ``sys.stderr`` in :class:`_PipeGuard` (the
+    ``flowloop`` program only: a caller's own process is left as it is)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _PipeGuard):
+            setattr(sys, name, _PipeGuard(stream))
 
 
 def real_console(console: Console) -> Console:

@@ -770,6 +770,8 @@ def test_retry__a_run_that_has_not_ended_says_what_continues_it(
     assert line.startswith(f"error: run '{waiting_run}' is scheduled: cannot retry it"), line
     assert "only a failed or stopped run is retried" in line, line
     assert "a worker or `flowloop resume` continues it" in line, line
+    # (review: it waits for an event, which no worker or resume gives it)
+    assert "waiting for an event, `flowloop send` or its timeout" in line, line
     here_cli("pause", waiting_run, cwd=here)
     line = quick("retry", waiting_run, "-w", "orders.py", cwd=here)
     assert line.endswith(f"`flowloop unpause {waiting_run}` lets it go on"), line
@@ -883,6 +885,58 @@ def test_run__piped_to_head_still_drives_the_run_to_its_end(here: Path) -> None:
     with Engine(str(here / "flowloop.db")) as engine:
         (info,) = engine.runs()
     assert (info.status, info.state, info.context["n"]) == ("succeeded", "done", 3)
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["a step prints", "json", "logs merged into the pipe"],
+)
+def test_run__piped_and_the_reader_gone__no_writer_fails_the_run(here: Path, how: str) -> None:
+    """Review of the test above: rich's console was guarded, nothing else writing to the
+    pipe — a step's own `print(..., flush=True)` failed with BrokenPipeError (a step not
+    idempotent ran twice), `--json | true` exited 1 for a run that succeeded, and with
+    `2>&1 | head -1` a log line after the reader left made the interpreter exit 120."""
+    source = textwrap.dedent(GATED).lstrip()
+    if how == "a step prints":  # after the reader is gone, and not to be run twice
+        source = source.replace(
+            '@job.step(next="last")', '@job.step(next="last", idempotent=False)'
+        ).replace(
+            '    ctx.n += 1\n\n\n@job.step(next="done")',
+            '    ctx.n += 1\n    print("charged", flush=True)\n\n\n@job.step(next="done")',
+        )
+        assert 'print("charged"' in source
+    (here / "job.py").write_text(source)
+    gate = here / "open"
+    args = [sys.executable, "-m", "flowloop"]
+    args += ["--log-level", "info"] if how == "logs merged into the pipe" else []
+    args += ["run", "job.py"] + (["--json"] if how == "json" else [])
+    env = clean_env(GATE_FILE=str(gate))
+    env.pop("PYTHONUNBUFFERED", None)  # (stderr then buffers a line the last flush writes)
+    process = subprocess.Popen(
+        args,
+        cwd=here,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if how == "logs merged into the pipe" else subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    if how != "json":  # (the JSON comes at the end: the reader is gone before any)
+        assert process.stdout.readline()
+    process.stdout.close()  # as `head -1` (or `true`) does
+    gate.touch()
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = process.stderr.read() if process.stderr is not None else ""
+    assert code == 0 and stderr == "", (code, stderr)
+    with Engine(str(here / "flowloop.db")) as engine:
+        (info,) = engine.runs()
+        kinds = [entry.kind for entry in engine.history(info.id)]
+    assert (info.status, info.context["n"]) == ("succeeded", 3), kinds
+    assert "step_failed" not in kinds, kinds
 
 
 def test_usage_mistakes__are_one_line_with_where_to_look(here: Path) -> None:
