@@ -324,6 +324,16 @@ def exit_after_commits(store: Any, count: int) -> None:
                 os._exit(EXITED_AFTER_COMMITS)
 
         setattr(store, name, counted)
+    immediate = store._immediate  # SQLite's creation and row writes (store/immediate.py)
+
+    def counted_immediate(body: Any) -> Any:
+        value = immediate(body)
+        done[0] += 1
+        if done[0] >= count:
+            os._exit(EXITED_AFTER_COMMITS)
+        return value
+
+    store._immediate = counted_immediate
 
 
 def resume(command: Mapping[str, Any], workflows: Sequence[Workflow]) -> int:

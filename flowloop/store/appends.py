@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Final
 
@@ -187,6 +187,9 @@ class AppendStoreMixin:
 
     def _execute_alone(self, sql: str, args: Any) -> int:  # provided by SQLStore
         raise NotImplementedError
+
+    def _immediate(self, body: Callable[[Any], tuple[bool, bool]]) -> bool:
+        raise NotImplementedError  # provided by ImmediateStoreMixin
 
     # -- statements ------------------------------------------------------------------------
 
@@ -558,37 +561,31 @@ class AppendStoreMixin:
         return applied
 
     def _write_one_sqlite(self, boundary: Boundary, rows: Sequence[dict[str, Any]]) -> bool:
-        assert self._raw is not None
-        append = self._raw[boundary.fence.owner is not None]
+        raw_stmts = self._raw
+        assert raw_stmts is not None
+        append = raw_stmts[boundary.fence.owner is not None]
         params = self._append_params(boundary, rows)
         if len(params) == 1 and append_only(boundary):
             # The usual boundary is ONE statement: sent in autocommit it is its own
             # transaction, and an INSERT takes the write lock when it starts (before its
             # SELECT reads the fence), as BEGIN IMMEDIATE would; no BEGIN/COMMIT to send.
             return self._execute_alone(append.sql, append.args(params[0])) == 1
-        with self._driver() as raw:
-            cursor = raw.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
-            try:
-                if params:
-                    cursor.execute(*append.bound(params[0]))
-                    if cursor.rowcount != 1:
-                        raw.rollback()
-                        return False
-                    for one in params[1:]:
-                        cursor.execute(*append.bound(one))
-                if not append_only(boundary):
-                    update_stmt = self._raw[_row_kind(boundary)]
-                    cursor.execute(*update_stmt.bound(self._row_params(boundary)))
-                    if cursor.rowcount != 1:
-                        raw.rollback()
-                        return False
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    raw.rollback()
-                raise
-            raw.commit()
-            return True
+
+        def body(cursor: Any) -> tuple[bool, bool]:
+            if params:
+                cursor.execute(*append.bound(params[0]))
+                if cursor.rowcount != 1:
+                    return False, False
+                for one in params[1:]:
+                    cursor.execute(*append.bound(one))
+            if not append_only(boundary):
+                update_stmt = raw_stmts[_row_kind(boundary)]
+                cursor.execute(*update_stmt.bound(self._row_params(boundary)))
+                if cursor.rowcount != 1:
+                    return False, False
+            return True, True
+
+        return self._immediate(body)
 
     def _pg_statement(self, boundary: Boundary, entries: int) -> Raw:
         """PostgreSQL: a whole boundary as ONE statement, sent in autocommit (its own

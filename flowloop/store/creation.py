@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import (
     ColumnElement,
@@ -37,6 +37,8 @@ from flowloop.store.entries import JOURNAL_FIELDS, ContextCache, event_row, repl
 from flowloop.store.entries import stored_from_row as _stored_from_row
 from flowloop.store.raw import Raw
 from flowloop.store.schema import journal, runs
+
+T = TypeVar("T")
 
 CREATE_ATTEMPTS: Final = 3
 """Tries of a run-creating transaction that lost a key race before the last, unguarded one."""
@@ -148,6 +150,9 @@ class CreationStoreMixin:
     def _dialect_obj(self) -> Any:
         raise NotImplementedError  # provided by SQLStore
 
+    def _immediate(self, body: Callable[[Any], tuple[bool, T]]) -> T:
+        raise NotImplementedError  # provided by ImmediateStoreMixin
+
     def _build_creation(self) -> None:
         run_columns = [c.name for c in runs.columns if c.name != "lease_expires_at"]
         self._insert_run = (
@@ -192,21 +197,22 @@ class CreationStoreMixin:
         row = _new_run_row(new)
         stmt = self._raw_create[bool(new.owner)]
         event = self._raw_event
-        with self._driver() as raw:
-            cursor = raw.cursor()
-            cursor.execute("BEGIN IMMEDIATE")
+        integrity = self._dbapi_integrity
+
+        def body(cursor: Any) -> tuple[bool, tuple[float | None] | None]:
             try:
                 cursor.execute(*stmt.bound({**row, "lease": new.lease_seconds}))
-                lease = cursor.fetchone()[0]
+                made: tuple[float | None] = cursor.fetchone()
                 for entry in new.events:  # (each its own NULLs: no executemany)
                     cursor.execute(*event.bound(event_row(entry)))
-            except self._dbapi_integrity:
-                raw.rollback()
-                return None
-            except BaseException:
-                raw.rollback()
-                raise
-            raw.commit()
+            except integrity:
+                return False, None  # rolled back
+            return True, made
+
+        made = self._immediate(body)
+        if made is None:
+            return None
+        lease = made[0]
         return _created(new, row, lease), True
 
     def _pg_create(self, owned: bool, events: int) -> Raw:

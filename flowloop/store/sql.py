@@ -56,6 +56,7 @@ from flowloop.store.entries import (
     until,
 )
 from flowloop.store.entries import stored_from_row as _stored_from_row
+from flowloop.store.immediate import ImmediateStoreMixin
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
@@ -78,6 +79,7 @@ log = logging.getLogger("flowloop.store")
 
 class SQLStore(
     # Order matters: a mixin's stub for what another provides must come after it.
+    ImmediateStoreMixin,
     AppendStoreMixin,
     LimitStoreMixin,
     CreationStoreMixin,

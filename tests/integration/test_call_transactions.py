@@ -67,11 +67,12 @@ def _caller() -> tuple[Workflow, Workflow]:
 
 def _count_transactions(engine: Engine) -> list[int]:
     """Count the transactions the store opens: SQLAlchemy's (read and write), and the
-    boundary writes' own on the driver (a batch, or the usual boundary sent alone). Not
+    boundary writes' and creations' own on the driver (a batch, SQLite's BEGIN IMMEDIATE
+    transaction, or the usual boundary sent alone). Not
     counted: the lease threads' renewals, off the run's path."""
     counter = [0]
     store: Any = engine.store
-    for name in ("_write", "_read", "_driver", "_execute_alone"):
+    for name in ("_write", "_read", "_driver", "_immediate", "_execute_alone"):
         original = getattr(store, name)
 
         def counted(*args: Any, _original: Any = original, **kwargs: Any) -> Any:

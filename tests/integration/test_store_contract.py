@@ -877,20 +877,19 @@ def count_statements(store: SQLStore, action: Any) -> Counted:
     """Run ``action`` and count the statements the store sent to the database: through its
     SQLAlchemy engine, and on the driver connection of its precompiled paths (one per
     execute or executemany, plus commits)."""
-    import contextlib
-
     counted = Counted()
 
     def before(*_: Any) -> None:
         counted.count += 1
 
-    real_driver = store._driver
+    real_driver_of = store._driver_of
     real_executed_pg = store._executed_pg
 
-    @contextlib.contextmanager
-    def counted_driver() -> Iterator[Any]:
-        with real_driver() as raw:
-            yield _CountedDriver(raw, counted)
+    def counted_driver_of(conn: Any) -> Any:
+        # Every precompiled path takes its driver connection here (_driver, _immediate,
+        # _execute_alone): their cursors are made from it while counting (the kept one is
+        # dropped before and after, so that none outlives the count).
+        return _CountedDriver(real_driver_of(conn), counted)
 
     def counted_executed_pg(raw: Any, stmt: Any, params: Any) -> Any:
         # PostgreSQL's one-statement writes, on the store's kept RawCursor: counted here,
@@ -899,13 +898,15 @@ def count_statements(store: SQLStore, action: Any) -> Counted:
         return real_executed_pg(getattr(raw, "_raw", raw), stmt, params)
 
     sa.event.listen(store.engine, "before_cursor_execute", before)
-    store._driver = counted_driver  # type: ignore[method-assign]
+    store._driver_cursor = None
+    store._driver_of = counted_driver_of  # type: ignore[method-assign]
     store._executed_pg = counted_executed_pg  # type: ignore[method-assign]
     try:
         counted.result = action()
     finally:
-        del store._driver
+        del store._driver_of
         del store._executed_pg
+        store._driver_cursor = None
         sa.event.remove(store.engine, "before_cursor_execute", before)
     return counted
 

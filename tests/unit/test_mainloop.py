@@ -11,9 +11,11 @@ import signal
 import threading
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from flowloop import mainloop
 from flowloop.mainloop import ThreadLoops, run_on
 
 SEEN: contextvars.ContextVar[str] = contextvars.ContextVar("SEEN", default="unset")
@@ -107,6 +109,70 @@ def test_run_on__a_second_ctrl_c_raises_at_once(runner: asyncio.Runner) -> None:
     with pytest.raises(KeyboardInterrupt):
         run_on(runner, ignores_cancellation())
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.timeout(30)  # the failure this guards against is a loop that never stops
+def test_run_on__a_ctrl_c_before_the_tasks_first_step_raises_keyboard_interrupt(
+    runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The task stops its loop when it ends (no run_until_complete); one cancelled before
+    it ever ran ends without running that code: the handler stops the loop then."""
+    main_thread_only()
+    install = mainloop._install
+    ran: list[bool] = []
+
+    def install_then_ctrl_c(*args: Any) -> Any:
+        handler = install(*args)
+        os.kill(os.getpid(), signal.SIGINT)  # handled here: before the loop runs at all
+        return handler
+
+    async def never_runs() -> None:
+        ran.append(True)
+
+    monkeypatch.setattr(mainloop, "_install", install_then_ctrl_c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "coroutine was never awaited" either)
+        with pytest.raises(KeyboardInterrupt):
+            run_on(runner, never_runs())
+        gc.collect()
+    assert ran == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    monkeypatch.undo()
+    assert run_on(runner, _answer()) == 42  # the kept loop serves the next call
+
+
+async def _answer() -> int:
+    await asyncio.sleep(0)
+    return 42
+
+
+def test_run_on__a_task_a_second_ctrl_c_left_running_does_not_stop_a_later_call(
+    runner: asyncio.Runner,
+) -> None:
+    """A second Ctrl-C leaves its call's task pending on the kept loop; when it ends
+    during a later call, that call's loop is not stopped by it."""
+    main_thread_only()
+    go_on = asyncio.Event()
+
+    async def left_running() -> None:
+        try:
+            await ctrl_c_then_wait()
+        except asyncio.CancelledError:
+            # The second, raised out of the loop (a callback's), not out of this task:
+            asyncio.get_running_loop().call_soon(os.kill, os.getpid(), signal.SIGINT)
+            await go_on.wait()  # pending on the loop after the call raised
+
+    with pytest.raises(KeyboardInterrupt):
+        run_on(runner, left_running())
+    assert [t for t in asyncio.all_tasks(runner.get_loop()) if not t.done()]
+
+    async def later() -> int:
+        go_on.set()  # the old task ends in this call's next turn
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return 7
+
+    assert run_on(runner, later()) == 7
 
 
 def test_run_on__another_sigint_handler_is_left_alone(runner: asyncio.Runner) -> None:
