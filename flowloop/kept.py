@@ -128,10 +128,13 @@ def try_deliver_pending(
 STRANDED_BATCH = 500
 SLOW_LOOK_SECONDS: Final = 0.05
 LOOK_SPACING: Final = 100.0
+LONGEST_LOOK_GAP: Final = 300.0
 """A look for stranded kept events that took longer than :data:`SLOW_LOOK_SECONDS` puts
 the next one off by :data:`LOOK_SPACING` times as long: it reads every event kept and not
 taken — those kept for a later state, and those of runs that ended without taking them,
-stay until prune — and a worker looks at every recovery sweep, on its event loop."""
+stay until prune — and a worker looks at every recovery sweep, on its event loop. Never
+put off longer than :data:`LONGEST_LOOK_GAP` (a look slow for a stall of the database, or
+for handing over many runs at once, would otherwise put the next off for an hour)."""
 
 
 @dataclass
@@ -166,7 +169,8 @@ def look_for_stranded(
         log.warning("the look for stranded kept events failed: %s", error_line(error))
         handed = 0
     took = time.monotonic() - started
-    looks.next_at = started + took * LOOK_SPACING if took > SLOW_LOOK_SECONDS else 0.0
+    gap = min(took * LOOK_SPACING, LONGEST_LOOK_GAP)
+    looks.next_at = started + gap if took > SLOW_LOOK_SECONDS else 0.0
     return handed
 
 

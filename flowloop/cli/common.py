@@ -82,13 +82,26 @@ class _PipeGuard:
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
+        self._buffer: _PipeGuard | None = None
 
-    def write(self, text: str) -> int:
+    def write(self, text: Any) -> int:
         try:
             return int(self._stream.write(text))
         except BrokenPipeError:
             _nowhere(self._stream)
             return len(text)
+
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
+    @property
+    def buffer(self) -> _PipeGuard:
+        """The binary stream under it, guarded alike (``sys.stdout.buffer.write(…)``: a
+        step's, `flowloop diagram`'s)."""
+        if self._buffer is None:
+            self._buffer = _PipeGuard(self._stream.buffer)
+        return self._buffer
 
     def flush(self) -> None:
         try:

@@ -889,7 +889,7 @@ def test_run__piped_to_head_still_drives_the_run_to_its_end(here: Path) -> None:
 
 @pytest.mark.parametrize(
     "how",
-    ["a step prints", "json", "logs merged into the pipe"],
+    ["a step prints", "a step writes bytes", "json", "logs merged into the pipe"],
 )
 def test_run__piped_and_the_reader_gone__no_writer_fails_the_run(here: Path, how: str) -> None:
     """Review of the test above: rich's console was guarded, nothing else writing to the
@@ -897,14 +897,19 @@ def test_run__piped_and_the_reader_gone__no_writer_fails_the_run(here: Path, how
     idempotent ran twice), `--json | true` exited 1 for a run that succeeded, and with
     `2>&1 | head -1` a log line after the reader left made the interpreter exit 120."""
     source = textwrap.dedent(GATED).lstrip()
-    if how == "a step prints":  # after the reader is gone, and not to be run twice
+    if how.startswith("a step"):  # after the reader is gone, and not to be run twice
+        said = (
+            'print("charged", flush=True)'
+            if how == "a step prints"
+            else 'import sys; sys.stdout.buffer.write(b"charged\\n"); sys.stdout.buffer.flush()'
+        )
         source = source.replace(
             '@job.step(next="last")', '@job.step(next="last", idempotent=False)'
         ).replace(
             '    ctx.n += 1\n\n\n@job.step(next="done")',
-            '    ctx.n += 1\n    print("charged", flush=True)\n\n\n@job.step(next="done")',
+            f'    ctx.n += 1\n    {said}\n\n\n@job.step(next="done")',
         )
-        assert 'print("charged"' in source
+        assert said in source
     (here / "job.py").write_text(source)
     gate = here / "open"
     args = [sys.executable, "-m", "flowloop"]
@@ -937,6 +942,27 @@ def test_run__piped_and_the_reader_gone__no_writer_fails_the_run(here: Path, how
         kinds = [entry.kind for entry in engine.history(info.id)]
     assert (info.status, info.context["n"]) == ("succeeded", 3), kinds
     assert "step_failed" not in kinds, kinds
+
+
+def test_diagram__to_a_reader_gone_exits_0(here: Path) -> None:
+    """Review: `flowloop diagram FILE | true` exited 1 (its SVG written to the binary
+    stream under stdout, which no guard covered)."""
+    (here / "job.py").write_text(textwrap.dedent(GATED).lstrip())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flowloop", "diagram", "job.py", "--format", "svg"],
+        cwd=here,
+        env=clean_env(GATE_FILE=str(here / "open")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # gone before it writes
+    try:
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (code, process.stderr.read()) == (0, b"")
 
 
 def test_usage_mistakes__are_one_line_with_where_to_look(here: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -314,6 +315,7 @@ def test_stranded_look__a_slow_one_puts_the_next_off_and_a_failure_is_logged(
     from flowloop import kept
 
     monkeypatch.setattr(kept, "SLOW_LOOK_SECONDS", 0.0)  # every look counts as slow
+    monkeypatch.setattr(kept, "LOOK_SPACING", 1e9)  # and puts the next off at most so far
     looks = kept.StrandedLooks()
     workflow = _two_versions(1)
     workflows = {workflow.name: workflow}
@@ -324,7 +326,7 @@ def test_stranded_look__a_slow_one_puts_the_next_off_and_a_failure_is_logged(
 
         first = _stranded(engine, workflow)
         assert look() == 1 and engine.get(first).state == "x"
-        assert looks.next_at > 0.0
+        assert 0.0 < looks.next_at <= time.monotonic() + kept.LONGEST_LOOK_GAP
         second = _stranded(engine, workflow)
         assert look() == 0 and engine.get(second).state == "w"  # put off
         looks.next_at = 0.0  # its time come
