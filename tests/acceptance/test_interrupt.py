@@ -368,7 +368,7 @@ BACKING_OFF = """
     flaky = Workflow("flaky", context=Order, key="order_id")
 
 
-    @flaky.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=3600))
+    @flaky.step(initial=True, next="done", retry=Retry(attempts=3, backoff="fixed", base=120))
     def charge(ctx: Order) -> None:
         raise ConnectionError("the provider is down")
 
@@ -379,7 +379,9 @@ BACKING_OFF = """
 
 def test_run__ctrl_c_in_a_retry_backoff_says_no_step_was_in_flight(tmp_path: Path) -> None:
     """Before: an empty line on stderr, then "stopped after its step finished" — no step
-    ran (the run waited for its retry's backoff)."""
+    ran (the run waited for its retry's backoff). The backoff is 2 minutes: one within the
+    5-minute idle horizon is waited out by `flowloop run` (an hour's returns at once, exit
+    0: the Ctrl-C then raced the process's exit, and lost it on a loaded machine)."""
     module = write_module(tmp_path / "flaky.py", BACKING_OFF)
     db = tmp_path / "runs.db"
     run = FlowloopRun(module, db, tmp_path)
