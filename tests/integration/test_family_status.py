@@ -8,37 +8,15 @@ import json
 from typing import Any
 
 from click.testing import CliRunner
-from pydantic import BaseModel
+from heldkit import Fan, held_fan
 
 from flowloop import FakeClock, Workflow
 from flowloop.cli import cli
 from flowloop.testing import TestEngine
 
 
-class Item(BaseModel):
-    n: int = 0
-
-
-class Fan(BaseModel):
-    items: list[int] = []
-
-
 def fan() -> Workflow:
-    item = Workflow("status_item", context=Item)
-    item.wait("hold", on={"go": "done"}, initial=True)
-    item.final("done")
-    wf = Workflow("status_fan", context=Fan)
-    wf.map(
-        "each",
-        child=item,
-        items=lambda ctx: ctx.items,
-        context=lambda ctx, n: Item(n=n),
-        max_parallel=1,
-        on={"done": "done"},
-        initial=True,
-    )
-    wf.final("done")
-    return wf
+    return held_fan("status")[0]
 
 
 def status(url: str, *args: str) -> str:

@@ -16,33 +16,9 @@ from flowloop.loader import load_target
 from flowloop.testing import TestEngine
 
 FLOWS = """
-from pydantic import BaseModel
+from heldkit import held_fan
 
-from flowloop import Workflow
-
-
-class Item(BaseModel):
-    n: int = 0
-
-
-class Fan(BaseModel):
-    items: list[int] = []
-
-
-item = Workflow("diagram_item", context=Item)
-item.wait("hold", on={"go": "done"}, initial=True)
-item.final("done")
-fan = Workflow("diagram_fan", context=Fan)
-fan.map(
-    "each",
-    child=item,
-    items=lambda ctx: ctx.items,
-    context=lambda ctx, n: Item(n=n),
-    max_parallel=1,
-    on={"done": "done"},
-    initial=True,
-)
-fan.final("done")
+fan, item = held_fan("diagram")
 """
 TOLD = "held back by its parent's max_parallel: starts when a sibling ends"
 

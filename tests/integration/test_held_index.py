@@ -8,40 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import BaseModel
+from heldkit import Fan, held_fan
 from storekit import to_revision
 
-from flowloop import Engine, FakeClock, Workflow
+from flowloop import Engine, FakeClock
 from flowloop.store import SQLStore
 from flowloop.ui import queries as q
 
 INDEX = "ix_flowloop_runs_held"
-
-
-class Item(BaseModel):
-    n: int = 0
-
-
-class Fan(BaseModel):
-    items: list[int] = []
-
-
-def fan() -> tuple[Workflow, Workflow]:
-    item = Workflow("indexed_item", context=Item)
-    item.wait("hold", on={"go": "done"}, initial=True)
-    item.final("done")
-    wf = Workflow("indexed_fan", context=Fan)
-    wf.map(
-        "each",
-        child=item,
-        items=lambda ctx: ctx.items,
-        context=lambda ctx, n: Item(n=n),
-        max_parallel=1,
-        on={"done": "done"},
-        initial=True,
-    )
-    wf.final("done")
-    return wf, item
 
 
 def indexes(url: str) -> set[str]:
@@ -66,7 +40,7 @@ def test_the_dashboards_held_counts_read_their_index_alone(sqlite_url: str) -> N
     """The statements that count the held children (the runs list's, with and without a
     workflow, and the counts per workflow), planned by SQLite: each reads the partial
     index alone (covering), not the scheduled runs' rows."""
-    parent, item = fan()
+    parent, item = held_fan("indexed")
     with Engine(sqlite_url, clock=FakeClock(auto_advance=False), workflows=[parent, item]) as e:
         e.start(parent, Fan(items=[1, 2, 3]))
         e.run_until_idle(idle_horizon=0)
