@@ -1,0 +1,137 @@
+"""The first hour of a new user at the command line, second audit: what the first one
+(test_first_hour_cli.py) noticed and left alone. Each mistake is one line on stderr, no
+traceback, exit 2; what worked before prints what it printed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import textwrap
+from pathlib import Path
+from unittest import mock
+
+import click
+import pytest
+from test_first_hour_cli import as_json, clean_env, quick
+
+import flowloop.cli
+from flowloop.cli import main
+
+FLOW = """
+    from pydantic import BaseModel, ConfigDict
+
+    from flowloop import Workflow
+
+
+    class Order(BaseModel):
+        order_id: str
+        note: str | None = None
+
+
+    class Approval(BaseModel):
+        by: str
+        note: str | None = None
+
+
+    class Rejection(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        by: str
+
+
+    order_flow = Workflow("order", context=Order, key="order_id")
+
+
+    @order_flow.step(initial=True, next="awaiting")
+    def reserve(ctx: Order) -> None: ...
+
+
+    order_flow.wait(
+        "awaiting",
+        on={"approve": "shipped", "reject": "cancelled"},
+        payloads={"approve": Approval, "reject": Rejection},
+        handlers={"approve": lambda ctx, a: setattr(ctx, "note", a.note)},
+    )
+    order_flow.final("shipped", "cancelled")
+"""
+
+CONTEXT = '{"order_id": "A1"}'
+
+INVOICES = """
+    from pydantic import BaseModel
+
+    from flowloop import Workflow
+
+
+    class Invoice(BaseModel):
+        number: str
+
+
+    invoice_flow = Workflow("invoice", context=Invoice)
+
+
+    @invoice_flow.step(initial=True, next="sent")
+    def send(ctx: Invoice) -> None: ...
+
+
+    invoice_flow.final("sent")
+"""
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    """A project as `flowloop` finds one: its workflow in ./workflows."""
+    (tmp_path / "workflows").mkdir()
+    (tmp_path / "workflows" / "orders.py").write_text(textwrap.dedent(FLOW).lstrip())
+    return tmp_path
+
+
+def started(here: Path, db: str, order_id: str) -> str:
+    context = f'{{"order_id": "{order_id}"}}'
+    shown = as_json("run", "workflows/orders.py", "--context", context, "--db", db, cwd=here)
+    assert shown["run"]["state"] == "awaiting"
+    return str(shown["run"]["id"])
+
+
+# -- 7: a group without its command under click 8.1 ----------------------------------------
+
+
+def _like_click_8_1(original: object) -> object:
+    """click 8.1's Group.parse_args: a group given no command printed its help on stdout
+    and exited 0 (8.2 raises NoArgsIsHelpError: the help on stderr, exit 2)."""
+
+    def parse_args(self: click.Group, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            click.echo(ctx.get_help(), color=ctx.color)
+            ctx.exit()
+        return original(self, ctx, args)  # type: ignore[operator,no-any-return]
+
+    return parse_args
+
+
+@pytest.mark.parametrize("args", [[], ["db"]])
+def test_a_group_without_a_command__help_and_exit_2_under_click_8_1_too(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """pyproject allows click 8.1, under which `flowloop db` exited 0, its help on stdout;
+    8.2 and later exit 2 with it on stderr. Checked by hand under a real click 8.1.7."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.object(click.Group, "parse_args", _like_click_8_1(click.Group.parse_args)),
+        contextlib.chdir(tmp_path),
+        mock.patch.dict(os.environ, clean_env(), clear=True),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+        pytest.raises(SystemExit) as exited,
+    ):
+        main(args)
+    assert exited.value.code == 2
+    assert stdout.getvalue() == ""
+    assert stderr.getvalue().startswith("Usage: ") and "Commands:" in stderr.getvalue()
+
+
+def test_a_misspelt_command__the_one_meant_under_click_8_1_too(tmp_path: Path) -> None:
+    """Click 8.1 has no NoSuchCommand: its "No such command 'stauts'." named none meant."""
+    with mock.patch.object(flowloop.cli, "_NO_SUCH_COMMAND", None):
+        line = quick("stauts", cwd=tmp_path)
+    assert line.startswith("error: no such command 'stauts'; did you mean stats or status? (")
