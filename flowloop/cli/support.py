@@ -526,3 +526,45 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
     if workflow in known:
         return ""
     return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"
+
+
+def workflow_names(store: Any) -> set[str]:
+    """Every workflow the database under ``store`` knows: a stored definition's or a run's
+    (a :class:`~flowloop.store.lite.LiteStore`'s own query, else SQL on a SQLStore's)."""
+    own = getattr(store, "workflow_names", None)
+    if own is not None:
+        return set(own())
+    from sqlalchemy import select, union
+
+    from flowloop.store.reads import reading
+    from flowloop.store.schema import definitions, runs
+
+    query = union(select(definitions.c.name), select(runs.c.workflow))
+    with reading(store.engine) as conn:
+        return {str(name) for name in conn.execute(query).scalars()}
+
+
+def refuse_unknown_workflow(store: Any, workflow: str) -> None:
+    """``status --workflow NAME`` that listed nothing: a name that neither this database
+    (a definition, a run) nor ./workflows knows is refused with the close ones (exit 2) —
+    a misspelt name printed an empty listing and exited 0, as a quiet workflow does."""
+    from flowloop.cli.common import DEFAULT_WORKFLOWS, load_workflow_paths
+    from flowloop.suggest import did_you_mean
+
+    known = workflow_names(store)
+    if workflow in known:
+        return
+    if Path(DEFAULT_WORKFLOWS).is_dir():  # (defined there, not run yet: "no runs" is right)
+        try:
+            loaded = set(load_workflow_paths(()).workflows)
+        except Exception:  # (a file that does not load: only the hint is lost)
+            loaded = set()
+        if workflow in loaded:
+            return
+        known |= loaded
+    meant = did_you_mean(workflow, sorted(known), shown=repr)
+    if meant:
+        hint = f"; {meant}"
+    else:
+        hint = f" (known: {', '.join(sorted(known))})" if known else " (it has none yet)"
+    raise FlowloopError(f"no workflow {workflow!r} in this database{hint}")

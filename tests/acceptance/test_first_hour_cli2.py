@@ -13,7 +13,7 @@ from unittest import mock
 
 import click
 import pytest
-from test_first_hour_cli import as_json, clean_env, quick
+from test_first_hour_cli import as_json, clean_env, here_cli, quick, refused
 
 import flowloop.cli
 from flowloop.cli import main
@@ -91,6 +91,30 @@ def started(here: Path, db: str, order_id: str) -> str:
     shown = as_json("run", "workflows/orders.py", "--context", context, "--db", db, cwd=here)
     assert shown["run"]["state"] == "awaiting"
     return str(shown["run"]["id"])
+
+
+# -- 1: status --workflow with a misspelt name ---------------------------------------------
+
+
+def test_status__a_misspelt_workflow_is_refused_with_the_one_meant(
+    here: Path, store_url: str
+) -> None:
+    """Before: `no runs with workflow 'ordr'`, exit 0, as for a workflow that is quiet."""
+    started(here, store_url, "A1")
+    line = refused("status", "--workflow", "ordr", "--db", store_url, cwd=here)
+    assert line == "error: no workflow 'ordr' in this database; did you mean 'order'?"
+    line = quick("status", "--workflow", "zzz", "--json", "--db", store_url, cwd=here)
+    assert line == "error: no workflow 'zzz' in this database (known: order)"
+    # A workflow that is there, with no run that matches: as before.
+    shown = here_cli(
+        "status", "--workflow", "order", "--status", "failed", "--db", store_url, cwd=here
+    )
+    assert shown == "no runs with workflow 'order', status failed\n"
+    # Defined in ./workflows, never run on this database: no runs of it yet, as before.
+    (here / "workflows" / "invoices.py").write_text(textwrap.dedent(INVOICES).lstrip())
+    shown = here_cli("status", "--workflow", "invoice", "--db", store_url, cwd=here)
+    assert shown == "no runs with workflow 'invoice'\n"
+    assert as_json("status", "--workflow", "order", "--db", store_url, cwd=here)["runs"]
 
 
 # -- 7: a group without its command under click 8.1 ----------------------------------------
