@@ -117,6 +117,23 @@ def test_status__a_misspelt_workflow_is_refused_with_the_one_meant(
     assert as_json("status", "--workflow", "order", "--db", store_url, cwd=here)["runs"]
 
 
+# -- 2: run with a misspelt workflow name --------------------------------------------------
+
+
+def test_run__a_misspelt_workflow_name_names_the_target_meant(here: Path) -> None:
+    """Before: `error: ordr: no such file`, and no more."""
+    line = refused("run", "ordr", "--context", '{"order_id": "A1"}', cwd=here)
+    assert line == "error: ordr: no such file; did you mean workflows/orders.py:order?"
+    # The workflow's name itself is no file either: the target that runs it.
+    line = quick("start", "order", "--context", '{"order_id": "A1"}', cwd=here)
+    assert line == "error: order: no such file; did you mean workflows/orders.py:order?"
+    # A misspelt file in ./workflows.
+    line = quick("run", "ordrs.py", cwd=here)
+    assert line == "error: ordrs.py: no such file; did you mean workflows/orders.py?"
+    assert quick("run", "nothing_like_it", cwd=here) == "error: nothing_like_it: no such file"
+    assert not (here / "flowloop.db").exists()
+
+
 # -- 7: a group without its command under click 8.1 ----------------------------------------
 
 
