@@ -568,3 +568,38 @@ def refuse_unknown_workflow(store: Any, workflow: str) -> None:
     else:
         hint = f" (known: {', '.join(sorted(known))})" if known else " (it has none yet)"
     raise FlowloopError(f"no workflow {workflow!r} in this database{hint}")
+
+
+def refuse_unknown_fields(engine: Engine, run_id: str, event: str, payload: Any) -> None:
+    """``send --data`` with a key that no field of the event's payload model takes: refused
+    (exit 2) naming it and the field it comes close to — pydantic dropped it without a word
+    (a misspelt optional field: the event was applied without it). The model is the one of
+    the wait state the run is in, else of every wait state that takes the event (it is
+    kept for later): refused when none takes the key. A model that says itself what
+    becomes of extra keys (``extra="allow"``) takes them as before; anything else wrong
+    (no such run, event, workflow) is left for the send to say."""
+    from flowloop.definition import input_keys, unknown_keys
+    from flowloop.suggest import did_you_mean
+
+    if not isinstance(payload, dict) or not payload:
+        return
+    try:
+        info = engine.get(run_id)
+        workflow = engine.version_of(info.workflow, info.version)
+    except FlowloopError:
+        return
+    here = workflow.waits.get(info.state)
+    waits = [here] if here is not None and event in here.on else list(workflow.waits.values())
+    models = [wait.payloads[event] for wait in waits if event in wait.payloads]
+    unknown = [unknown_keys(model, payload) for model in models]
+    if not models or not all(unknown):
+        return
+    model, names = models[0], unknown[0]
+    known = input_keys(model)
+    meant = did_you_mean(names[0], known, n=1, shown=repr)
+    hint = f"; {meant}" if meant else ""
+    fields = "field" if len(names) == 1 else "fields"
+    raise FlowloopError(
+        f"--data: no {fields} {', '.join(map(repr, names))} in {model.__name__}, the payload "
+        f"of {event!r}{hint} (fields: {', '.join(known)})"
+    )

@@ -134,6 +134,38 @@ def test_run__a_misspelt_workflow_name_names_the_target_meant(here: Path) -> Non
     assert not (here / "flowloop.db").exists()
 
 
+# -- 3: send --data with a misspelt optional field -----------------------------------------
+
+
+def test_send__a_payload_field_the_model_has_not_is_refused_not_dropped(
+    here: Path, store_url: str
+) -> None:
+    """Before: `approve: applied`, the note dropped without a word (pydantic ignores
+    extra keys) and the run gone on without it."""
+    run_id = started(here, store_url, "A1")
+    data = '{"by": "ann", "nte": "rush"}'
+    line = refused("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert line == (
+        "error: --data: no field 'nte' in Approval, the payload of 'approve'; "
+        "did you mean 'note'? (fields: by, note)"
+    )
+    line = quick("send", run_id, "approve", "--buffer", "--data", data, "--db", store_url, cwd=here)
+    assert line.startswith("error: --data: no field 'nte' in Approval")
+    shown = as_json("status", run_id, "--db", store_url, cwd=here)
+    assert (shown["display_status"], shown["state"]) == ("waiting", "awaiting")  # not applied
+    # The field as the model spells it: applied, and kept.
+    data = '{"by": "ann", "note": "rush"}'
+    sent = as_json("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert sent["result"] == "applied"
+    assert sent["run"]["status"] == "succeeded"
+    assert sent["run"]["context"]["note"] == "rush"
+    # A model that takes extra keys (extra="allow") takes them as before.
+    other = started(here, store_url, "A2")
+    data = '{"by": "bob", "why": "late"}'
+    sent = as_json("send", other, "reject", "--data", data, "--db", store_url, cwd=here)
+    assert (sent["result"], sent["run"]["state"]) == ("applied", "cancelled")
+
+
 # -- 7: a group without its command under click 8.1 ----------------------------------------
 
 
