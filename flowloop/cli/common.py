@@ -388,9 +388,14 @@ def parse_context(text: str | None, option: str = "--context") -> Any:
     source = option
     if text.startswith("@"):
         path = Path(text[1:])
+        if path.is_dir():  # (it said "no such file" of a folder that is there)
+            raise FlowloopError(f"{option} {text}: a directory, not a file; give @FILE.json")
         if not path.is_file():
             raise FlowloopError(f"{option} {text}: no such file")
-        source, text = str(path), path.read_text()
+        try:
+            source, text = str(path), path.read_text()
+        except OSError as error:
+            raise FlowloopError(f"{option} {text}: cannot read it ({error.strerror})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:

@@ -166,6 +166,20 @@ def test_send__a_payload_field_the_model_has_not_is_refused_not_dropped(
     assert (sent["result"], sent["run"]["state"]) == ("applied", "cancelled")
 
 
+# -- 4: --context @DIR ---------------------------------------------------------------------
+
+
+def test_context_from_a_directory__says_it_is_one(here: Path) -> None:
+    """Before: `--context @workflows: no such file`, of a folder that is there."""
+    line = refused("run", "workflows/orders.py", "--context", "@workflows", cwd=here)
+    assert line == "error: --context @workflows: a directory, not a file; give @FILE.json"
+    line = quick("send", "abcd1234", "approve", "--data", "@workflows/", cwd=here)
+    assert line == "error: --data @workflows/: a directory, not a file; give @FILE.json"
+    line = quick("start", "workflows/orders.py", "--contexts", "workflows", cwd=here)
+    assert line == "error: --contexts workflows: a directory, not a file; give a .jsonl file"
+    assert not (here / "flowloop.db").exists()
+
+
 # -- 7: a group without its command under click 8.1 ----------------------------------------
 
 
