@@ -180,6 +180,28 @@ def test_context_from_a_directory__says_it_is_one(here: Path) -> None:
     assert not (here / "flowloop.db").exists()
 
 
+# -- 5: a bad sslmode in a PostgreSQL URL --------------------------------------------------
+
+
+def test_database_url__a_bad_sslmode_is_that_setting_exit_2(here: Path, pg_url: str) -> None:
+    """Before: exit 1, `cannot use database …: the database server is unreachable
+    (connection is bad: invalid sslmode value: "requir")` — and a worker waited for the
+    database for ever, as for a server that is down."""
+    url = f"{pg_url}{'&' if '?' in pg_url else '?'}sslmode=requir"
+    line = refused("status", "--db", url, cwd=here)
+    assert line == (
+        "error: sslmode='requir' in the database URL is not a PostgreSQL SSL mode; "
+        "did you mean 'require'?"
+    )
+    assert refused("worker", "--db", url, cwd=here) == line
+    both = f"{url}x&sslmode=no"  # (each value given is checked)
+    line = quick("run", "workflows/orders.py", "--context", CONTEXT, "--db", both, cwd=here)
+    assert line == (
+        "error: sslmode='requirx' in the database URL is not a PostgreSQL SSL mode; "
+        "did you mean 'require'?"
+    )
+
+
 # -- 7: a group without its command under click 8.1 ----------------------------------------
 
 
