@@ -654,6 +654,21 @@ def _own_way(model: type[BaseModel]) -> bool:
     return any(validator.info.mode in ("before", "wrap") for validator in validators)
 
 
+def unknown_keys(model: type[BaseModel], keys: Iterable[Any]) -> list[str]:
+    """The ``keys`` that no field of ``model`` takes (by name, alias or validation alias),
+    sorted; none when the model decides itself what becomes of extra keys (``extra=``
+    configured, a root model, a raw-input validator): pydantic drops the others silently."""
+    if _own_way(model):
+        return []
+    known = _input_keys(model)
+    return sorted(str(key) for key in keys if key not in known)
+
+
+def input_keys(model: type[BaseModel]) -> tuple[str, ...]:
+    """The keys ``model`` takes from a mapping, in its fields' order (:func:`unknown_keys`)."""
+    return _input_keys(model)
+
+
 @functools.cache
 def _input_keys(model: type[BaseModel]) -> tuple[str, ...]:
     """The keys ``model`` takes from a mapping: its fields' names (contexts are validated

@@ -116,11 +116,41 @@ def _did_you_mean(path: Path) -> str:
     if path.parent == Path("."):
         tried.append(Path("workflows") / file.name)
     found = next((p for p in tried if p.is_file()), None)
-    if found is None and path.parent.is_dir():
-        names = [p.name for p in path.parent.glob("*.py")]
-        close = difflib.get_close_matches(path.name, names, n=1, cutoff=0.75)
-        found = path.parent / close[0] if close else None
+    for folder in (path.parent, *([Path(DEFAULT_FOLDER)] if path.parent == Path(".") else [])):
+        if found is None and folder.is_dir():
+            names = [p.name for p in folder.glob("*.py")]
+            close = difflib.get_close_matches(file.name, names, n=1, cutoff=0.75)
+            found = folder / close[0] if close else None
     return f"; did you mean {found}?" if found is not None else ""
+
+
+DEFAULT_FOLDER = "workflows"
+"""Where a bare name is looked for (flowloop.cli.common.DEFAULT_WORKFLOWS)."""
+
+
+def _workflow_meant(name: str) -> str | None:
+    """``workflows/orders.py:order`` for a bare name given as a target (``flowloop run
+    ordr``) that is, or is spelt close to, a workflow defined in ./workflows: the name of
+    a workflow is not a file, and a misspelt one had no suggestion. Only on that mistake's
+    path are ./workflows' files imported (one that does not import is passed over)."""
+    from flowloop.suggest import close_names
+
+    folder = Path(DEFAULT_FOLDER)
+    if not folder.is_dir():
+        return None
+    defined: dict[str, Path] = {}
+    for file in sorted(folder.glob("*.py")):
+        if file.name.startswith("_"):
+            continue
+        try:
+            module = import_file(file)
+        except Exception:  # (a hint only: that file's names are lost)
+            continue
+        for value in vars(module).values():
+            if isinstance(value, Workflow):
+                defined.setdefault(value.name, file)
+    close = close_names(name, defined, n=1)
+    return f"{defined[close[0]]}:{close[0]}" if close else None
 
 
 def import_file(path: Path) -> ModuleType:
@@ -173,6 +203,10 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     """The workflow named by ``FILE.py[:WORKFLOW]`` (the only one in the file if unnamed);
     WORKFLOW is the workflow's name or the module variable that holds it."""
     path, name = split_target(target)
+    if name is None and path.parent == Path(".") and not path.suffix and not path.exists():
+        meant = _workflow_meant(path.name)
+        if meant is not None:
+            raise LoadError(f"{path}: no such file; did you mean {meant}?")
     loaded = Loaded()
     loaded.add(import_file(path), path)
     if not loaded.workflows:

@@ -16,13 +16,23 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any, Final
 
 import click
 
-from flowloop.cli.common import CONFIG_PATH, GLOBAL_FLAGS, NOTHING_TO_READ, TRACE, err, guard_pipes
+from flowloop.cli.common import (
+    CONFIG_PATH,
+    GLOBAL_FLAGS,
+    NO_ARGS_IS_HELP,
+    NOTHING_TO_READ,
+    TRACE,
+    HelpGroup,
+    err,
+    guard_pipes,
+)
 from flowloop.errors import FlowloopError
 from flowloop.logs import FORMATS, LEVELS
 
@@ -66,7 +76,7 @@ imported when the command runs or help lists it, so ``flowloop status`` loads on
 module of ``status`` (issue 13, cold start; click's lazily loaded subcommands)."""
 
 
-class LazyGroup(click.Group):
+class LazyGroup(HelpGroup):
     """A group whose commands (:data:`COMMANDS`) are imported on first use."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
@@ -171,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         err.print(_interrupted(), markup=False)
         sys.exit(130)
     except click.UsageError as error:
-        if isinstance(error, _NO_ARGS_IS_HELP):
+        if isinstance(error, NO_ARGS_IS_HELP):
             error.show()  # (`flowloop db`: the group's help)
         else:  # one line, as every other mistake (click printed usage, a hint, the error)
             err.print(f"error: {_usage_line(error)}", markup=False)
@@ -191,27 +201,34 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(code)
 
 
-# Click 8.2's (pyproject allows 8.1, which has neither: its group shows its help itself,
-# and an unknown command is a plain UsageError, said by the general line).
-_NO_ARGS_IS_HELP: Final[tuple[type[Exception], ...]] = tuple(
-    found for found in (getattr(click.exceptions, "NoArgsIsHelpError", None),) if found
-)
+# Click 8.2's (pyproject allows 8.1, which has none: an unknown command is a plain
+# UsageError there, "No such command 'x'.", read by _unknown_command).
 _NO_SUCH_COMMAND: Final[Any] = getattr(click.exceptions, "NoSuchCommand", None)
+_NO_SUCH_COMMAND_81: Final = re.compile(r"No such command (?P<name>'[^']*'|\"[^\"]*\")\.")
+
+
+def _unknown_command(error: click.UsageError) -> str | None:
+    """The command ``error`` says there is none of, under click 8.2+ or 8.1."""
+    if _NO_SUCH_COMMAND and isinstance(error, _NO_SUCH_COMMAND):
+        return str(error.command_name)
+    found = _NO_SUCH_COMMAND_81.fullmatch(error.message)
+    return found["name"][1:-1] if found else None
 
 
 def _usage_line(error: click.UsageError) -> str:
     """A usage mistake in one line, with where to look: `missing argument 'RUN_ID' (see
     `flowloop history --help`)`; a misspelt command names the ones meant."""
-    import difflib
+    from flowloop.suggest import did_you_mean
 
     ctx = error.ctx
     path = ctx.command_path if ctx is not None else "flowloop"
-    if _NO_SUCH_COMMAND and isinstance(error, _NO_SUCH_COMMAND):
+    unknown = _unknown_command(error)
+    if unknown is not None:
         group = ctx.command if ctx is not None else None
         names = group.list_commands(ctx) if isinstance(group, click.Group) and ctx else []
-        close = difflib.get_close_matches(error.command_name, names, n=2)
-        meant = f"; did you mean {' or '.join(close)}?" if close else ""
-        return f"no such command {error.command_name!r}{meant} (`{path} --help` lists them)"
+        meant = did_you_mean(unknown, names)
+        meant = f"; {meant}" if meant else ""
+        return f"no such command {unknown!r}{meant} (`{path} --help` lists them)"
     text = " ".join(error.format_message().split()).replace(". Did you mean", "; did you mean")
     text = text[:1].lower() + text[1:].removesuffix(".")
     return f"{text} (see `{path} --help`)"

@@ -144,6 +144,34 @@ out = cast(
 err = cast("Console", _LazyConsole(stderr=True, highlight=False, soft_wrap=True, emoji=False))
 
 
+class _NoArgsIsHelp(click.UsageError):
+    """click 8.2's ``NoArgsIsHelpError``, for click 8.1 (pyproject allows it)."""
+
+    def __init__(self, ctx: click.Context) -> None:
+        super().__init__(ctx.get_help(), ctx=ctx)
+
+    def show(self, file: Any = None) -> None:
+        color = self.ctx.color if self.ctx is not None else None
+        click.echo(self.format_message(), file=file, err=True, color=color)
+
+
+NO_ARGS_IS_HELP: Final[type[click.UsageError]] = getattr(
+    click.exceptions, "NoArgsIsHelpError", _NoArgsIsHelp
+)
+"""What a group given no command raises: its help on stderr, exit 2 (a usage mistake)."""
+
+
+class HelpGroup(click.Group):
+    """A group that, given no command, shows its help and exits 2 under every click the
+    project allows: click 8.1 printed it on stdout and exited 0 (`flowloop db`, `flowloop`
+    in a script looked as if they had done something), 8.2 and later exit 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args and self.no_args_is_help and not ctx.resilient_parsing:
+            raise cast("type[_NoArgsIsHelp]", NO_ARGS_IS_HELP)(ctx)  # (both take the context)
+        return super().parse_args(ctx, args)
+
+
 class Failed(FlowloopError):
     """A command ran but what it checked or drove did not succeed."""
 
@@ -360,9 +388,14 @@ def parse_context(text: str | None, option: str = "--context") -> Any:
     source = option
     if text.startswith("@"):
         path = Path(text[1:])
+        if path.is_dir():  # (it said "no such file" of a folder that is there)
+            raise FlowloopError(f"{option} {text}: a directory, not a file; give @FILE.json")
         if not path.is_file():
             raise FlowloopError(f"{option} {text}: no such file")
-        source, text = str(path), path.read_text()
+        try:
+            source, text = str(path), path.read_text()
+        except OSError as error:
+            raise FlowloopError(f"{option} {text}: cannot read it ({error.strerror})") from None
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:

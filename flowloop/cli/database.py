@@ -8,6 +8,7 @@ import json
 import click
 
 from flowloop.cli.common import (
+    HelpGroup,
     database,
     db_option,
     json_option,
@@ -19,7 +20,7 @@ from flowloop.cli.common import (
 from flowloop.errors import FlowloopError
 
 
-@click.group()
+@click.group(cls=HelpGroup)
 def db() -> None:
     """The database schema: `flowloop db upgrade` applies pending migrations."""
 

@@ -197,6 +197,8 @@ def read_json_lines(name: str) -> tuple[list[Any], list[str]]:
         data, source = sys.stdin.buffer.read(), "stdin"
     else:
         path = Path(name)
+        if path.is_dir():  # (as --context @DIR: "no such file" of a folder that is there)
+            raise FlowloopError(f"--contexts {name}: a directory, not a file; give a .jsonl file")
         if not path.is_file():
             raise FlowloopError(f"--contexts {name}: no such file")
         data, source = path.read_bytes(), str(path)
@@ -493,6 +495,7 @@ def send(
                 )
             run_id = found.id
         with defined_in(workflow_paths):
+            support.refuse_unknown_fields(engine, run_id, event, payload)
             try:
                 result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
             except UnknownRun:

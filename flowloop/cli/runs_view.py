@@ -84,6 +84,8 @@ def status(
             limit=limit,
             after=after_id,
         )
+        if not infos and workflow is not None and after_id is None:
+            support.refuse_unknown_workflow(reader.store, workflow)  # (a misspelt name)
         breakers = list(getattr(reader.store, "breakers", list)())
         held_ids = support.held_of(reader, infos)  # one read for the page
         if as_json:
@@ -111,7 +113,7 @@ def status(
         return
     if infos:
         out.print(table)
-    else:  # an empty table said nothing of why (a misspelt workflow listed nothing too)
+    else:  # an empty table said nothing of why (a misspelt workflow is refused above)
         asked = [f"workflow {workflow!r}"] if workflow else []
         asked += [f"status {', '.join(statuses)}"] if statuses else []
         asked += [f"key {key!r}"] if key else []

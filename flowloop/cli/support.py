@@ -526,3 +526,80 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
     if workflow in known:
         return ""
     return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"
+
+
+def workflow_names(store: Any) -> set[str]:
+    """Every workflow the database under ``store`` knows: a stored definition's or a run's
+    (a :class:`~flowloop.store.lite.LiteStore`'s own query, else SQL on a SQLStore's)."""
+    own = getattr(store, "workflow_names", None)
+    if own is not None:
+        return set(own())
+    from sqlalchemy import select, union
+
+    from flowloop.store.reads import reading
+    from flowloop.store.schema import definitions, runs
+
+    query = union(select(definitions.c.name), select(runs.c.workflow))
+    with reading(store.engine) as conn:
+        return {str(name) for name in conn.execute(query).scalars()}
+
+
+def refuse_unknown_workflow(store: Any, workflow: str) -> None:
+    """``status --workflow NAME`` that listed nothing: a name that neither this database
+    (a definition, a run) nor ./workflows knows is refused with the close ones (exit 2) —
+    a misspelt name printed an empty listing and exited 0, as a quiet workflow does."""
+    from flowloop.cli.common import DEFAULT_WORKFLOWS, load_workflow_paths
+    from flowloop.suggest import did_you_mean
+
+    known = workflow_names(store)
+    if workflow in known:
+        return
+    if Path(DEFAULT_WORKFLOWS).is_dir():  # (defined there, not run yet: "no runs" is right)
+        try:
+            loaded = set(load_workflow_paths(()).workflows)
+        except Exception:  # (a file that does not load: only the hint is lost)
+            loaded = set()
+        if workflow in loaded:
+            return
+        known |= loaded
+    meant = did_you_mean(workflow, sorted(known), shown=repr)
+    if meant:
+        hint = f"; {meant}"
+    else:
+        hint = f" (known: {', '.join(sorted(known))})" if known else " (it has none yet)"
+    raise FlowloopError(f"no workflow {workflow!r} in this database{hint}")
+
+
+def refuse_unknown_fields(engine: Engine, run_id: str, event: str, payload: Any) -> None:
+    """``send --data`` with a key that no field of the event's payload model takes: refused
+    (exit 2) naming it and the field it comes close to — pydantic dropped it without a word
+    (a misspelt optional field: the event was applied without it). The model is the one of
+    the wait state the run is in, else of every wait state that takes the event (it is
+    kept for later): refused when none takes the key. A model that says itself what
+    becomes of extra keys (``extra="allow"``) takes them as before; anything else wrong
+    (no such run, event, workflow) is left for the send to say."""
+    from flowloop.definition import input_keys, unknown_keys
+    from flowloop.suggest import did_you_mean
+
+    if not isinstance(payload, dict) or not payload:
+        return
+    try:
+        info = engine.get(run_id)
+        workflow = engine.version_of(info.workflow, info.version)
+    except FlowloopError:
+        return
+    here = workflow.waits.get(info.state)
+    waits = [here] if here is not None and event in here.on else list(workflow.waits.values())
+    models = [wait.payloads[event] for wait in waits if event in wait.payloads]
+    unknown = [unknown_keys(model, payload) for model in models]
+    if not models or not all(unknown):
+        return
+    model, names = models[0], unknown[0]
+    known = input_keys(model)
+    meant = did_you_mean(names[0], known, n=1, shown=repr)
+    hint = f"; {meant}" if meant else ""
+    fields = "field" if len(names) == 1 else "fields"
+    raise FlowloopError(
+        f"--data: no {fields} {', '.join(map(repr, names))} in {model.__name__}, the payload "
+        f"of {event!r}{hint} (fields: {', '.join(known)})"
+    )

@@ -4,6 +4,8 @@ uvicorn load when the command runs, so ``flowloop --help`` never imports them.""
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Final
 
 import click
@@ -122,14 +124,41 @@ def ui_command(
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         try:
-            server.run(sockets=[sock])
-        except KeyboardInterrupt:
-            # uvicorn shuts down on Ctrl-C, then raises the SIGINT again: the way to stop
-            # a dashboard, not a run cut off (the CLI said "interrupted …", exit 130).
+            with _terminated_as_stopped():
+                server.run(sockets=[sock])
+        except (KeyboardInterrupt, _Terminated):
+            # uvicorn shuts down on Ctrl-C or SIGTERM, then raises the signal again: the
+            # way to stop a dashboard, not a run cut off (the CLI said "interrupted …",
+            # exit 130; a SIGTERM killed the process, exit 143 to a service manager).
             err.print("dashboard stopped", markup=False)
     finally:
         sock.close()
         store.close()
+
+
+class _Terminated(Exception):
+    """A SIGTERM, the way a service manager stops the dashboard."""
+
+
+@contextmanager
+def _terminated_as_stopped() -> Iterator[None]:
+    """SIGTERM raised as :class:`_Terminated` while the server runs (uvicorn puts back
+    this handler when it has shut down, then raises the signal it caught again)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield  # (signals reach the main thread only: a caller's thread is left as it is)
+        return
+
+    def terminated(_signum: int, _frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -457,7 +457,28 @@ def restart_idle_timer(connection: Any) -> None:
         connection.execute("SELECT 1")
 
 
+SSLMODES: Final = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+"""libpq's ``sslmode`` values."""
+
+
+def _check_sslmode(url: URL) -> None:
+    """``?sslmode=`` that libpq does not know, refused as the setting it is (exit 2): it
+    failed when connecting as "the database server is unreachable (connection is bad:
+    invalid sslmode value …)", exit 1, as if the server were down."""
+    given = url.query.get("sslmode")
+    for mode in (given,) if isinstance(given, str) else given or ():
+        if mode not in SSLMODES:
+            from flowloop.suggest import did_you_mean
+
+            meant = did_you_mean(mode, SSLMODES, n=1, shown=repr)
+            raise WrongDatabase(
+                f"sslmode={mode!r} in the database URL is not a PostgreSQL SSL mode"
+                + (f"; {meant}" if meant else f" (use one of {', '.join(SSLMODES)})")
+            )
+
+
 def _postgres_engine(url: URL) -> Engine:
+    _check_sslmode(url)
     if url.drivername == "postgresql":
         url = url.set(drivername="postgresql+psycopg")
     connect_args = {k: v for k, v in PG_CONNECTION_DEFAULTS.items() if k not in url.query}

@@ -242,6 +242,12 @@ class LiteStore:
             row = conn.execute(sql, (fingerprint,)).fetchone()
         return definition_structure(None if row is None else row[0], fingerprint)
 
+    def workflow_names(self) -> set[str]:
+        """Every workflow this database knows: a stored definition's or a run's."""
+        sql = f"SELECT name FROM flowloop_definitions UNION SELECT workflow FROM {RUNS}"
+        with self._read() as conn:
+            return {str(row[0]) for row in conn.execute(sql)}
+
     # -- what `flowloop status` shows beside the runs --------------------------------------
 
     def breakers(self) -> list[BreakerRow]:

@@ -259,3 +259,19 @@ def test_ui__ctrl_c_stops_it_with_one_line_exit_0(sqlite_url: str, tmp_path: Pat
         assert process.stdout is not None
         rest = process.stdout.read()
     assert rest.strip() == "dashboard stopped", rest
+
+
+def test_ui__sigterm_stops_it_as_ctrl_c_does(sqlite_url: str, tmp_path: Path) -> None:
+    # A service manager stops it with SIGTERM: uvicorn shut down, then raised the SIGTERM
+    # again with Python's default handler, and the process died of it (exit 143 in a shell,
+    # "failed" to systemd), nothing said.
+    parcels(sqlite_url, 1)
+    port = free_port()
+    with flowloop_ui("--db", sqlite_url, "--port", str(port), cwd=tmp_path) as (process, lines):
+        read_until(process, lines, "http://")
+        poll(lambda: _get(f"http://127.0.0.1:{port}/api/runs"), timeout=20, every=0.05, what="ui")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert process.stdout is not None
+        rest = process.stdout.read()
+    assert rest.strip() == "dashboard stopped", rest
