@@ -14,6 +14,7 @@ from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
 from flowloop.heat import heat
 from flowloop.lifecycle import HELD, LIVE
+from flowloop.ui import paths as _paths  # noqa: F401 (the {run_id:segment} converter)
 from flowloop.ui import queries as q
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.openapi import document
@@ -277,12 +278,12 @@ def routes() -> list[Route]:
     return [
         Route("/api/openapi.json", openapi_json),
         Route("/api/runs", runs_json),
-        Route("/api/runs/{run_id}", run_json),
-        Route("/api/runs/{run_id}/progress", progress_json),
-        Route("/api/runs/{run_id}/journal", journal_json),
-        Route("/api/runs/{run_id}/context", context_json),
-        Route("/api/runs/{run_id}/diff", diff_json),
-        Route("/api/runs/{run_id}/diagram.svg", run_svg),
+        Route("/api/runs/{run_id:segment}", run_json),
+        Route("/api/runs/{run_id:segment}/progress", progress_json),
+        Route("/api/runs/{run_id:segment}/journal", journal_json),
+        Route("/api/runs/{run_id:segment}/context", context_json),
+        Route("/api/runs/{run_id:segment}/diff", diff_json),
+        Route("/api/runs/{run_id:segment}/diagram.svg", run_svg),
         Route("/api/workflows", workflows_json),
         # :path, so a name with a slash (a stored one; definitions refuse it) still routes.
         Route("/api/workflows/{name:path}/heat.svg", heat_svg),

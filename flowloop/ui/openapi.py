@@ -24,7 +24,11 @@ def _param(name: str, where: str = "query", schema: Any = None, **extra: Any) ->
     }
 
 
-RUN_ID: Final = _param("run_id", "path", description="A run id")
+RUN_ID: Final = _param(
+    "run_id",
+    "path",
+    description="A run id, percent-encoded as one path segment (`/` as `%2F`)",
+)
 NAME: Final = _param("name", "path")
 SEQ: Final = {"type": "integer", "minimum": 1}
 
