@@ -97,12 +97,13 @@ def journal_json(request: Request) -> Response:
     after = q.int_param(params, "after", 0, high=MAX_SEQ)
     limit = q.int_param(params, "limit", q.MAX_JOURNAL, low=1, high=q.MAX_JOURNAL)
     events = q.run_journal(_dash(request).store, run_id)
-    chosen = [e for e in events if e.seq > after][:limit]
-    last = chosen[-1].seq if chosen else after
+    entries = q.journal_page(run_id, events, after=after, limit=limit)
+    last = entries[-1]["seq"] if entries else after
     return JSONResponse(
         {
             "run_id": run_id,
-            "events": [q.event_dict(e) for e in chosen],
+            # Each context only where it changed, within a bound: q.journal_page.
+            "events": entries,
             # The timeline of this page's entries only (paired over the whole journal): it
             # was the whole run's whatever the limit (1.2 MB for limit=10 at 10,000 entries).
             "timeline": [t for t in q.timeline(events) if after < t["seq"] <= last],

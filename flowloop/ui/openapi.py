@@ -107,7 +107,11 @@ def document(*, actions: bool = False) -> dict[str, Any]:
             "last_seq, status and state (cheap, for polling)", [RUN_ID], 404
         ),
         "/api/runs/{run_id}/journal": _get(
-            "The journal (entries after `after`, at most `limit`) and the timeline of their steps",
+            "The journal (entries after `after`, at most `limit`) and the timeline of their"
+            " steps. An entry that wrote a context holds it only where it changed"
+            " (`context_status`: `shown`, `unchanged` or `cut`, null for an entry that wrote"
+            " none), within 2,000,000 characters of context a page; `context_url` gives it"
+            " whole (`/api/runs/{run_id}/context?seq=N`)",
             [
                 RUN_ID,
                 _param("after", schema={"type": "integer", "minimum": 0}),
