@@ -9,25 +9,35 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from flowloop.definition import Workflow
-from flowloop.errors import error_line
+from flowloop.errors import error_line, storable
 from flowloop.events import accepted, accepts, receive, reject_kept
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.store import Boundary, Fence, InboxEvent, Store
+from flowloop.parking import park
+from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.store.outage import is_outage
-from flowloop.verdicts import judge
+from flowloop.verdicts import Verdict, judge
 from flowloop.versions import Registry, workflow_for
 
 log = logging.getLogger("flowloop")
 
 
 def deliver_pending(
-    store: Store, workflows: Mapping[str, Workflow], run_id: str, *, now: float, worker: str
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    run_id: str,
+    *,
+    now: float,
+    worker: str,
+    park_refused: bool = False,
 ) -> int:
     """Hand a waiting run the oldest buffered events its current state accepts, one after
     another (each may lead to another wait); one it cannot take is rejected (journaled, out
-    of the inbox) and the next is tried. Returns how many left the inbox."""
+    of the inbox) and the next is tried. Returns how many left the inbox.
+    ``park_refused``: a run the loaded definition cannot take is parked (as a claim parks
+    it; its kept events stay kept), not left as it is (the recovery sweep's hand-over,
+    which would otherwise find it again at every look)."""
     consumed = 0
     while True:
         pending = store.pending_events(run_id)
@@ -40,8 +50,13 @@ def deliver_pending(
         record = stored.record
         if stored.owner is not None or not accepted(workflow, record.state):
             return consumed
-        if not _takes_on(store, workflow, record):
-            return consumed  # a definition that would park it: a claim or a start parks it
+        refused = _refusal(store, workflow, record)
+        if refused is not None:
+            # A definition that would park it: a claim or a start parks it (a wait
+            # without a timeout is never claimed: the sweep parks it, when asked).
+            if park_refused:
+                _park(store, stored, refused, now=now, worker=worker)
+            return consumed
         if record.join is not None and isinstance(store, JoinStoreMixin) and store.is_held(run_id):
             return consumed  # a map's child held back: handed over when its turn comes
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
@@ -54,24 +69,36 @@ def deliver_pending(
         consumed += 1
 
 
-def _takes_on(store: Store, workflow: Workflow, record: RunRecord) -> bool:
-    """Whether ``workflow`` (the loaded definition the run would follow) may take the run
-    on — its own, or one the run's may move to (flowloop/verdicts.py): a sender is refused
-    (DefinitionMismatch) and a claim parks the run otherwise, and so a sweep's hand-over
-    must not move it under it."""
-    if record.fingerprint == workflow.fingerprint and (
-        record.context_version == workflow.context_version
+def _refusal(
+    store: Store, workflow: Workflow, record: RunRecord, *, validate: bool = False
+) -> Verdict | None:
+    """Why ``workflow`` (the loaded definition the run would follow) may not take the run
+    on — its own, or one the run's may move to (flowloop/verdicts.py) — else ``None``: a
+    sender is refused (DefinitionMismatch) and a claim parks the run otherwise, and so a
+    sweep's hand-over must not move it under it. ``validate``: its own definition, with
+    the context version unchanged, validates the stored context too (else trusted)."""
+    if (
+        not validate
+        and record.fingerprint == workflow.fingerprint
+        and record.context_version == workflow.context_version
     ):
-        return True
+        return None
+    same = record.fingerprint == workflow.fingerprint
     verdict = judge(
         workflow,
         state=record.state,
         fingerprint=record.fingerprint,
         context=record.context,
         context_version=record.context_version,
-        old=store.definition(record.fingerprint),
+        old=None if same else store.definition(record.fingerprint),
     )
-    return verdict.goes_on
+    return None if verdict.goes_on else verdict
+
+
+def _park(store: Store, stored: StoredRun, verdict: Verdict, *, now: float, worker: str) -> bool:
+    """Park a waiting run the loaded definition refuses, with the verdict's reason."""
+    reason = verdict.reason or "definition_mismatch"
+    return park(store, stored, reason=reason, message=verdict.message, now=now, worker=worker)
 
 
 def take_kept(
@@ -113,19 +140,24 @@ def try_deliver_pending(
     *,
     now: float,
     worker: str,
-    level: int = logging.WARNING,
 ) -> int | None:
-    """:func:`deliver_pending` that logs (at ``level``) instead of raising (``None``: it
-    failed, e.g. the run's context no longer loads). The run stays waiting; the next send,
-    claim or recovery sweep retries."""
+    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. the
+    run's context no longer loads). The run stays waiting; the next send, claim or
+    recovery sweep retries (the sweep parks it if it keeps failing)."""
     try:
         return deliver_pending(store, workflows, run_id, now=now, worker=worker)
     except Exception as error:
-        log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
+        log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
         return None
 
 
 STRANDED_BATCH = 500
+HAND_OVER_TRIES: Final = 3
+"""Looks in a row (:func:`hand_over_stranded`) at which handing a run its kept events may
+fail before the run is parked (``kept_events_failed``, the error in its journal): the
+error was retried at every recovery sweep, for ever, and said once. An outage does not
+count; nor does a look that hands the run over."""
+KEPT_EVENTS_FAILED: Final = "kept_events_failed"
 SLOW_LOOK_SECONDS: Final = 0.05
 LOOK_SPACING: Final = 100.0
 LONGEST_LOOK_GAP: Final = 300.0
@@ -140,9 +172,10 @@ for handing over many runs at once, would otherwise put the next off for an hour
 @dataclass
 class StrandedLooks:
     """One worker's looks for stranded kept events (:func:`look_for_stranded`): the runs
-    whose handing over failed at an earlier look, and when the next look may be made."""
+    whose handing over failed at earlier looks (how many in a row), and when the next look
+    may be made."""
 
-    failing: set[str] = field(default_factory=set)
+    failing: dict[str, int] = field(default_factory=dict)
     next_at: float = 0.0
     """By ``time.monotonic``; 0: at the next sweep."""
 
@@ -193,7 +226,7 @@ def hand_over_stranded(
     *,
     now: float,
     worker: str,
-    failing: set[str] | None = None,
+    failing: dict[str, int] | None = None,
 ) -> int:
     """Hand the events kept for waiting runs that accept them now, at a worker's start and
     at each of its recovery sweeps (flowloop/executor.py): the worker that entered the wait
@@ -202,8 +235,14 @@ def hand_over_stranded(
     for ever (or until some process started), one with a timeout took them only then.
     When nothing is stranded this is one read of the kept events' partial index that finds
     nothing (:meth:`~flowloop.store.inbox.InboxStoreMixin.kept_for_free_runs`). Returns
-    how many left the inbox. ``failing``: the runs whose handing over failed at an earlier
-    look (updated): failing again, each is logged at DEBUG, not at every sweep's WARNING."""
+    how many left the inbox.
+
+    A run the loaded definition cannot take (its state or context no longer fits) is
+    parked, as a claim parks it; its events stay kept (``flowloop unpause`` after a fix
+    hands them over). ``failing``: the runs whose handing over failed (raised) at earlier
+    looks, and at how many in a row (updated): failing again, each is logged at DEBUG, not
+    at every sweep's WARNING, and at :data:`HAND_OVER_TRIES` the run is parked, the error
+    in its journal — the look found it again at every sweep, for ever."""
     if not isinstance(store, InboxStoreMixin):
         return 0
     takers = accepting(workflows)
@@ -212,19 +251,13 @@ def hand_over_stranded(
         found = store.kept_for_free_runs(takers, after=after, limit=STRANDED_BATCH)
         seen.update(found)
         for run_id in found:
-            again = failing is not None and run_id in failing
-            level = logging.DEBUG if again else logging.WARNING
-            taken = try_deliver_pending(
-                store, workflows, run_id, now=now, worker=worker, level=level
-            )
-            if failing is not None:
-                (failing.add if taken is None else failing.discard)(run_id)
-            handed += taken or 0
+            handed += _hand_over(store, workflows, run_id, now=now, worker=worker, failing=failing)
         if len(found) < STRANDED_BATCH:
             break
         after = found[-1]
     if failing is not None:
-        failing &= seen  # (a run no longer found has gone on, or was stopped: forgotten)
+        for gone in failing.keys() - seen:  # (gone on, stopped or parked: forgotten)
+            del failing[gone]
     if handed:
         log.warning(
             "handed %d kept event(s) to waiting runs no worker held (a worker may have "
@@ -232,3 +265,71 @@ def hand_over_stranded(
             handed,
         )
     return handed
+
+
+def _hand_over(
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    run_id: str,
+    *,
+    now: float,
+    worker: str,
+    failing: dict[str, int] | None,
+) -> int:
+    """One stranded run's kept events handed over (how many), or its failure counted,
+    logged and, when it is the run's to fix or repeats, the run parked."""
+    tries = 0 if failing is None else failing.get(run_id, 0)
+    try:
+        taken = deliver_pending(store, workflows, run_id, now=now, worker=worker, park_refused=True)
+    except Exception as error:
+        level = logging.DEBUG if tries else logging.WARNING
+        log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
+        if is_outage(error):
+            return 0  # the database's, not the run's: not counted
+        tries += 1
+        parked = _park_failing(store, workflows, run_id, error, tries=tries, now=now, worker=worker)
+        if failing is not None:
+            failing[run_id] = tries
+            if parked:
+                del failing[run_id]
+        return 0
+    if failing is not None:
+        failing.pop(run_id, None)
+    return taken
+
+
+def _park_failing(
+    store: Store,
+    workflows: Mapping[str, Workflow],
+    run_id: str,
+    error: Exception,
+    *,
+    tries: int,
+    now: float,
+    worker: str,
+) -> bool:
+    """Park a waiting run whose kept events could not be handed over: at once when the
+    loaded definition, validating its context, refuses it (a claim would park it so: a
+    validator changed, …), else at its :data:`HAND_OVER_TRIES`-th failed look in a row
+    (``kept_events_failed``). Whether it was parked; a failure to park is logged (the next
+    look tries again)."""
+    try:
+        stored = store.get_run(run_id)
+        if stored is None or stored.owner is not None or stored.record.workflow not in workflows:
+            return False
+        workflow = workflow_for(workflows, stored.record)
+        verdict = _refusal(store, workflow, stored.record, validate=True)
+        if verdict is not None:
+            return _park(store, stored, verdict, now=now, worker=worker)
+        if tries < HAND_OVER_TRIES:
+            return False
+        message = storable(
+            f"its kept events could not be handed over at {tries} looks in a row: "
+            f"{error_line(error)}"
+        )
+        return park(
+            store, stored, reason=KEPT_EVENTS_FAILED, message=message, now=now, worker=worker
+        )
+    except Exception as failed:
+        log.warning("run %s: could not park it: %s", run_id, error_line(failed))
+        return False

@@ -19,7 +19,7 @@ from sqlalchemy import TextClause, bindparam, text
 from flowloop import journal as j
 from flowloop.definition import Workflow
 from flowloop.journal import JournalEvent
-from flowloop.store import Boundary, Fence
+from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import judge
 from flowloop.versions import Registry, workflow_for
@@ -85,22 +85,42 @@ def park_stranded_waits(
         )
         if verdict.goes_on or verdict.outcome != "paused":
             continue
-        event = JournalEvent(
-            run_id=record.id,
-            seq=record.last_seq + 1,
-            kind=j.RUN_PAUSED,
-            at=now,
-            state=record.state,
-            error_message=verdict.message,
-            worker=worker,
-            data={"reason": verdict.reason},
-        )
-        boundary = Boundary(
-            events=[event],
-            record=j.apply(record, event),
-            fence=Fence(None, stored.lease_epoch),
-        )
-        if store.write([boundary])[0]:
+        reason = verdict.reason or ""
+        if park(store, stored, reason=reason, message=verdict.message, now=now, worker=worker):
             parked += 1
-            log.warning("run %s parked: %s", record.id, verdict.reason)
     return parked
+
+
+def park(
+    store: Store,
+    stored: StoredRun,
+    *,
+    reason: str,
+    message: str | None,
+    now: float,
+    worker: str,
+) -> bool:
+    """Park ``stored`` (a run no worker holds) ``paused`` with ``reason``, in one write
+    fenced on its lease epoch, as an operator's pause: nothing it has (its kept events
+    included) is lost, ``flowloop unpause`` continues it. Whether it was parked (not:
+    another writer moved it first)."""
+    record = stored.record
+    event = JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=j.RUN_PAUSED,
+        at=now,
+        state=record.state,
+        error_message=message,
+        worker=worker,
+        data={"reason": reason},
+    )
+    boundary = Boundary(
+        events=[event],
+        record=j.apply(record, event),
+        fence=Fence(None, stored.lease_epoch),
+    )
+    if not store.write([boundary])[0]:
+        return False
+    log.warning("run %s parked: %s", record.id, reason)
+    return True

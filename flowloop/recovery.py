@@ -232,7 +232,11 @@ class Recovery:
         if loaded == self._parked_for or not isinstance(self.store, SQLStore):
             return
         park_stranded_waits(self.store, self.workflows, worker=self.worker_id, now=self.clock.now())
-        hand_over_stranded(self.store, self.workflows, now=self.clock.now(), worker=self.worker_id)
+        failing = self._kept_looks.failing
+        now = self.clock.now()
+        hand_over_stranded(
+            self.store, self.workflows, now=now, worker=self.worker_id, failing=failing
+        )
         self._parked_for = loaded
 
     def _hand_over_kept(self) -> None:

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from flowloop.engine import RunInfo
 from flowloop.errors import FlowloopError, UnknownLoop, UnknownRun, UnknownWorkflow
 from flowloop.store.loops import LoopRow
+from flowloop.ui.paths import segment
 from flowloop.ui.queries import NAME_LIMIT, NUL, BadInput, NotFound
 
 SESSION_COOKIE: Final = "flowloop_session"
@@ -233,11 +234,11 @@ async def run_action(request: Request) -> Response:
         info = await run_in_threadpool(_run_action, request, run_id, action, fields)
     except FlowloopError as error:
         if form and not isinstance(error, NotFound | UnknownRun):
-            return _back(request, f"/runs/{run_id}", "error", str(error))
+            return _back(request, f"/runs/{segment(run_id)}", "error", str(error))
         raise
     if form:  # to the page of the whole id (the action may have been given a prefix)
         done = f"{action}: the run is {info.status} at {info.state}"
-        return _back(request, f"/runs/{info.id}", "done", done)
+        return _back(request, f"/runs/{segment(info.id)}", "done", done)
     return JSONResponse(
         {"id": info.id, "status": info.status, "state": info.state, "last_seq": info.last_seq}
     )
@@ -298,6 +299,6 @@ def routes() -> list[Route]:
     return [
         Route("/login", login_form, methods=["GET"]),
         Route("/login", login, methods=["POST"]),
-        Route("/api/runs/{run_id}/{action}", run_action, methods=["POST"]),
+        Route("/api/runs/{run_id:segment}/{action}", run_action, methods=["POST"]),
         Route("/api/loops/{name}/{action}", loop_action, methods=["POST"]),
     ]

@@ -14,6 +14,7 @@ from flowloop.config import parse_duration
 from flowloop.errors import FlowloopError
 from flowloop.heat import heat
 from flowloop.lifecycle import HELD, LIVE
+from flowloop.ui import paths as _paths  # noqa: F401 (the {run_id:segment} converter)
 from flowloop.ui import queries as q
 from flowloop.ui.contextdiff import diff
 from flowloop.ui.openapi import document
@@ -96,12 +97,13 @@ def journal_json(request: Request) -> Response:
     after = q.int_param(params, "after", 0, high=MAX_SEQ)
     limit = q.int_param(params, "limit", q.MAX_JOURNAL, low=1, high=q.MAX_JOURNAL)
     events = q.run_journal(_dash(request).store, run_id)
-    chosen = [e for e in events if e.seq > after][:limit]
-    last = chosen[-1].seq if chosen else after
+    entries = q.journal_page(run_id, events, after=after, limit=limit)
+    last = entries[-1]["seq"] if entries else after
     return JSONResponse(
         {
             "run_id": run_id,
-            "events": [q.event_dict(e) for e in chosen],
+            # Each context only where it changed, within a bound: q.journal_page.
+            "events": entries,
             # The timeline of this page's entries only (paired over the whole journal): it
             # was the whole run's whatever the limit (1.2 MB for limit=10 at 10,000 entries).
             "timeline": [t for t in q.timeline(events) if after < t["seq"] <= last],
@@ -277,12 +279,12 @@ def routes() -> list[Route]:
     return [
         Route("/api/openapi.json", openapi_json),
         Route("/api/runs", runs_json),
-        Route("/api/runs/{run_id}", run_json),
-        Route("/api/runs/{run_id}/progress", progress_json),
-        Route("/api/runs/{run_id}/journal", journal_json),
-        Route("/api/runs/{run_id}/context", context_json),
-        Route("/api/runs/{run_id}/diff", diff_json),
-        Route("/api/runs/{run_id}/diagram.svg", run_svg),
+        Route("/api/runs/{run_id:segment}", run_json),
+        Route("/api/runs/{run_id:segment}/progress", progress_json),
+        Route("/api/runs/{run_id:segment}/journal", journal_json),
+        Route("/api/runs/{run_id:segment}/context", context_json),
+        Route("/api/runs/{run_id:segment}/diff", diff_json),
+        Route("/api/runs/{run_id:segment}/diagram.svg", run_svg),
         Route("/api/workflows", workflows_json),
         # :path, so a name with a slash (a stored one; definitions refuse it) still routes.
         Route("/api/workflows/{name:path}/heat.svg", heat_svg),

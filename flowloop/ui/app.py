@@ -37,6 +37,7 @@ from flowloop.loops import Loop
 from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
 from flowloop.ui.diagrams import Machines, SvgCache
+from flowloop.ui.paths import EncodedSlashes, segment
 from flowloop.ui.queries import NUL, BadInput, NotFound
 from flowloop.ui.security import HEADERS, SecurityHeaders
 
@@ -223,6 +224,7 @@ def create_app(
     templates.env.filters["json_text"] = pages.json_text
     templates.env.filters["cut"] = pages.cut
     templates.env.filters["cut_head"] = pages.cut_head
+    templates.env.filters["seg"] = segment  # a run id in a link: one path segment
     routes = [
         *pages.routes(),
         *api.routes(),
@@ -233,6 +235,7 @@ def create_app(
         routes=routes,
         middleware=[
             Middleware(SecurityHeaders),
+            Middleware(EncodedSlashes),
             Middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts)),
         ],
         exception_handlers={

@@ -24,7 +24,11 @@ def _param(name: str, where: str = "query", schema: Any = None, **extra: Any) ->
     }
 
 
-RUN_ID: Final = _param("run_id", "path", description="A run id")
+RUN_ID: Final = _param(
+    "run_id",
+    "path",
+    description="A run id, percent-encoded as one path segment (`/` as `%2F`)",
+)
 NAME: Final = _param("name", "path")
 SEQ: Final = {"type": "integer", "minimum": 1}
 
@@ -103,7 +107,11 @@ def document(*, actions: bool = False) -> dict[str, Any]:
             "last_seq, status and state (cheap, for polling)", [RUN_ID], 404
         ),
         "/api/runs/{run_id}/journal": _get(
-            "The journal (entries after `after`, at most `limit`) and the timeline of their steps",
+            "The journal (entries after `after`, at most `limit`) and the timeline of their"
+            " steps. An entry that wrote a context holds it only where it changed"
+            " (`context_status`: `shown`, `unchanged` or `cut`, null for an entry that wrote"
+            " none), within 2,000,000 characters of context a page; `context_url` gives it"
+            " whole (`/api/runs/{run_id}/context?seq=N`)",
             [
                 RUN_ID,
                 _param("after", schema={"type": "integer", "minimum": 0}),

@@ -357,8 +357,8 @@ def routes() -> list[Route]:
     return [
         Route("/", home),
         Route("/runs", runs_page),
-        Route("/runs/{run_id}", run_page),
-        Route("/runs/{run_id}/live", run_live),
+        Route("/runs/{run_id:segment}", run_page),
+        Route("/runs/{run_id:segment}/live", run_live),
         Route("/workflows", workflows_page),
         Route("/workflows/{name:path}", workflow_page),
         Route("/loops", loops_page),

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
+from urllib.parse import quote
 
 from sqlalchemy import Engine as SQLEngine
 from sqlalchemy import Integer, and_, func, select
@@ -35,6 +36,10 @@ PAGE_SIZE: Final = 50
 MAX_PAGE_SIZE: Final = 500
 MAX_JOURNAL: Final = 5_000
 """Journal entries one request returns at most (a long-lived run pages with ``after``)."""
+JOURNAL_CONTEXTS: Final = 2_000_000
+"""Characters of context one journal page holds at most, in all (:func:`journal_page`):
+every entry held its whole context, and a run with a 1 MB context answered 1 MB an entry,
+5 GB at :data:`MAX_JOURNAL`."""
 LOOP_EVENTS: Final = 50
 ID_PREFIX: Final = re.compile(r"[0-9A-Za-z_-]{1,40}")
 NAME_LIMIT: Final = 400
@@ -279,8 +284,9 @@ def _json_or_text(text: str | None) -> Any:
         return text
 
 
-def event_dict(event: j.JournalEvent) -> dict[str, Any]:
-    """A journal entry as JSON (the context parsed when it is JSON)."""
+def event_dict(event: j.JournalEvent, *, with_context: bool = True) -> dict[str, Any]:
+    """A journal entry as JSON (the context parsed when it is JSON; ``None`` without
+    ``with_context``)."""
     return {
         "seq": event.seq,
         "kind": event.kind,
@@ -289,7 +295,7 @@ def event_dict(event: j.JournalEvent) -> dict[str, Any]:
         "attempt": event.attempt,
         "event": event.event,
         "next_state": event.next_state,
-        "context": _json_or_text(event.context),
+        "context": _json_or_text(event.context) if with_context else None,
         "duration": event.duration,
         "error_type": event.error_type,
         "error_message": event.error_message,
@@ -298,6 +304,38 @@ def event_dict(event: j.JournalEvent) -> dict[str, Any]:
         "worker": event.worker,
         "data": dict(event.data),
     }
+
+
+def journal_page(
+    run_id: str, events: Sequence[j.JournalEvent], *, after: int, limit: int
+) -> list[dict[str, Any]]:
+    """The entries after seq ``after``, at most ``limit``, as JSON, bounded whatever the
+    context: an entry that wrote a context holds it (``context_status`` ``shown``) only
+    where it differs from the one before it (else ``unchanged``, ``context`` null) and
+    while the page's contexts stay within :data:`JOURNAL_CONTEXTS` characters (else
+    ``cut``, and so are the changed ones after it on the page); ``context_url`` gives it
+    whole. An entry that wrote none has both null."""
+    chosen = [e for e in events if e.seq > after][:limit]
+    before = next(
+        (e.context for e in reversed(events) if e.seq <= after and e.context is not None), None
+    )
+    spent, cut = 0, False
+    entries: list[dict[str, Any]] = []
+    for event in chosen:
+        text = event.context
+        status: str | None = None
+        if text is not None:
+            spent += 0 if text == before else len(text)
+            cut = cut or spent > JOURNAL_CONTEXTS
+            status = "unchanged" if text == before else "cut" if cut else "shown"
+            before = text
+        entry = event_dict(event, with_context=status == "shown")
+        entry["context_status"] = status
+        entry["context_url"] = (
+            None if text is None else f"/api/runs/{quote(run_id, safe='')}/context?seq={event.seq}"
+        )
+        entries.append(entry)
+    return entries
 
 
 FAMILY_LIMIT: Final = 50

@@ -10,9 +10,11 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from pydantic import BaseModel, field_validator
 from storekit import to_revision
 from waitkit import (
     ALL,
@@ -34,7 +36,7 @@ from waitkit import (
     workers,
 )
 
-from flowloop import Engine, FakeClock, Workflow
+from flowloop import Engine, FakeClock, Workflow, kept
 from flowloop.cli import main
 from flowloop.events import EventRefused
 from flowloop.kept import accepting, hand_over_stranded
@@ -163,9 +165,13 @@ def test_stranded_look__finds_only_free_runs_whose_state_takes_a_kept_event(
     assert_journal_sound(engine, run.id)
 
 
-def test_stranded_look__a_run_it_cannot_hand_over_is_a_warning_once_not_at_every_sweep(
+def test_stranded_look__a_run_it_cannot_hand_over_is_parked_after_a_few_looks_event_kept(
     engine: TestEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    # Audit: a hand-over that failed for a cause of its own (not an outage, not the run's
+    # definition) was tried again at every recovery sweep, for ever, and said once at
+    # WARNING. It is parked at the HAND_OVER_TRIES-th look in a row now, the error in its
+    # journal; the event stays kept, and an unpause hands it over.
     run = engine.start(chain, Chain())
     engine.run_until_idle()
     stranded = InboxEvent(
@@ -174,23 +180,54 @@ def test_stranded_look__a_run_it_cannot_hand_over_is_a_warning_once_not_at_every
     assert engine.store.deliver(stranded, None) == "buffered"
 
     def broken(*args: object, **kwargs: object) -> int:
-        raise RuntimeError("context no longer loads")
+        raise RuntimeError("a journal entry the database refuses")
 
-    failing: set[str] = set()
+    failing: dict[str, int] = {}
     now = engine.clock.now()
     with monkeypatch.context() as patched, caplog.at_level(logging.DEBUG, logger="flowloop"):
         patched.setattr("flowloop.kept.deliver_pending", broken)
-        for _ in range(3):
+        for tries in range(1, kept.HAND_OVER_TRIES):
             handed = hand_over_stranded(
                 engine.store, engine.workflows, now=now, worker="w", failing=failing
             )
-            assert handed == 0 and failing == {run.id}
+            assert handed == 0 and failing == {run.id: tries}
+            assert engine.get(run.id).status == "scheduled"
+        handed = hand_over_stranded(
+            engine.store, engine.workflows, now=now, worker="w", failing=failing
+        )
+        assert (handed, failing) == (0, {})
+        info = engine.get(run.id)
+        assert (info.status, info.state, info.reason) == ("paused", "first", "kept_events_failed")
+        [pause] = [e for e in engine.store.journal(run.id) if e.kind == "run_paused"]
+        assert pause.error_message == (
+            "its kept events could not be handed over at 3 looks in a row: "
+            "a journal entry the database refuses"
+        )
+        # Parked: not found, nor tried, again.
+        assert engine.store.kept_for_free_runs(accepting(engine.workflows), after="", limit=9) == []
     said = [r.levelname for r in caplog.records if "could not deliver" in r.getMessage()]
-    assert said == ["WARNING", "DEBUG", "DEBUG"]
-    handed = hand_over_stranded(
-        engine.store, engine.workflows, now=now, worker="w", failing=failing
-    )
-    assert (handed, failing, engine.get(run.id).state) == (1, set(), "second")
+    assert said == ["WARNING"] + ["DEBUG"] * (kept.HAND_OVER_TRIES - 1)
+    assert [row.consumed_seq for row in inbox_rows(engine.url, run.id)] == [None]  # kept
+    engine.unpause(run.id)  # (the cause fixed)
+    info = engine.get(run.id)
+    assert (info.status, info.state) == ("scheduled", "second")
+    [taken] = received(engine, run.id, "go")
+    assert [row.consumed_seq for row in inbox_rows(engine.url, run.id)] == [taken.seq]
+    assert_journal_sound(engine, run.id)
+
+
+def test_stranded_look__a_look_that_hands_it_over_starts_the_count_again(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Failures in a row park a run, not failures now and then (a conflict, a deadlock).
+    run = engine.start(chain, Chain())
+    engine.run_until_idle()
+    failing: dict[str, int] = {run.id: kept.HAND_OVER_TRIES - 1}
+    stranded = InboxEvent(run_id=run.id, event="go", payload=None, dedupe_key=None, sent_at=0.0)
+    assert engine.store.deliver(stranded, None) == "buffered"
+    now = engine.clock.now()
+    assert hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing=failing)
+    assert failing == {} and engine.get(run.id).state == "second"
 
 
 def _kept_index(url: str) -> list[str]:
@@ -277,21 +314,95 @@ def _two_versions(version: int) -> Workflow:
     return workflow
 
 
-def test_stranded_look__hands_nothing_to_a_run_the_loaded_definition_would_park(
+def test_stranded_look__parks_a_run_the_loaded_definition_cannot_take_its_event_kept(
     store_url: str,
 ) -> None:
     # Review: the sweep handed a v1 run's kept event over under a v2 that would park it
     # (a sender is refused with DefinitionMismatch; a claim parks it): it moved on at x.
+    # Audit: it then handed nothing over, and found the run again at every look, for
+    # ever (a wait without a timeout is never claimed). It parks it now, as a claim does;
+    # the event stays kept, and the run takes it once a definition that fits unpauses it.
     v1, v2 = _two_versions(1), _two_versions(2)
     with Engine(store_url, workflows=[v1]) as first:
         run_id = first.start(v1, Empty()).id
         first.run_until_idle()
-        kept = InboxEvent(run_id=run_id, event="a", payload=None, dedupe_key=None, sent_at=0.0)
-        assert first.store.deliver(kept, None) == "buffered"
+        kept_event = InboxEvent(
+            run_id=run_id, event="a", payload=None, dedupe_key=None, sent_at=0.0
+        )
+        assert first.store.deliver(kept_event, None) == "buffered"
     with Engine(store_url, workflows=[v2]) as later:
         handed = hand_over_stranded(later.store, {v2.name: v2}, now=0.0, worker="w2")
         info = later.get(run_id)
-    assert handed == 0 and (info.status, info.state) == ("scheduled", "w")
+        assert handed == 0 and (info.status, info.state) == ("paused", "w")
+        assert (info.reason or "").startswith("definition_mismatch: ")
+        assert later.store.kept_for_free_runs(accepting({v2.name: v2}), after="", limit=9) == []
+    assert [row.consumed_seq for row in inbox_rows(store_url, run_id)] == [None]
+    with Engine(store_url, workflows=[v1]) as fixed:
+        fixed.unpause(run_id)
+        info = fixed.get(run_id)
+        assert (info.status, info.state) == ("succeeded", "x")
+        assert [e.seq for e in received(fixed, run_id, "a")] == [
+            inbox_rows(store_url, run_id)[0].consumed_seq
+        ]
+        assert_journal_sound(fixed, run_id)
+
+
+class Count(BaseModel):
+    n: int = 0
+
+
+class _Strict(BaseModel):
+    n: int = 0
+
+    @field_validator("n")
+    @classmethod
+    def _small(cls, n: int) -> int:
+        if n > 0:
+            raise ValueError("n must be 0 now")
+        return n
+
+
+_Strict.__name__ = _Strict.__qualname__ = "Count"  # (the same schema: the same fingerprint)
+
+
+def _counting(context: type[BaseModel]) -> Workflow:
+    workflow = Workflow("kept_counting", context=context)
+
+    @workflow.step(initial=True, next="w")
+    def begin(ctx: Any) -> None:
+        ctx.n = 1
+
+    workflow.wait("w", on={"a": "x"})
+    workflow.final("x")
+    return workflow
+
+
+def test_stranded_look__parks_a_run_whose_context_its_definition_no_longer_validates(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Audit: a validator changed (the fingerprint does not cover its code) and the run's
+    # stored context no longer loads: the hand-over raised at every look, for ever (a
+    # claim would park it: context_mismatch). The look parks it at once now, as a claim.
+    before, after = _counting(Count), _counting(_Strict)
+    assert before.fingerprint == after.fingerprint
+    with Engine(store_url, workflows=[before]) as first:
+        run_id = first.start(before, Count()).id
+        first.run_until_idle()
+        kept_event = InboxEvent(
+            run_id=run_id, event="a", payload=None, dedupe_key=None, sent_at=0.0
+        )
+        assert first.store.deliver(kept_event, None) == "buffered"
+    failing: dict[str, int] = {}
+    with Engine(store_url, workflows=[after]) as later, caplog.at_level(logging.WARNING):
+        workflows = {after.name: after}
+        assert (
+            hand_over_stranded(later.store, workflows, now=0.0, worker="w2", failing=failing) == 0
+        )
+        info = later.get(run_id)
+        assert (info.status, info.state) == ("paused", "w") and failing == {}
+        assert (info.reason or "").startswith("context_mismatch: n: ")
+    assert f"run {run_id} parked: context_mismatch" in caplog.text
+    assert [row.consumed_seq for row in inbox_rows(store_url, run_id)] == [None]
 
 
 def _stranded(engine: Engine, workflow: Workflow) -> str:
@@ -312,7 +423,6 @@ def test_stranded_look__a_slow_one_puts_the_next_off_and_a_failure_is_logged(
     # PostgreSQL with 200,000 of them, on every worker's event loop at every sweep. A slow
     # look now puts the next one off (LOOK_SPACING times as long); an error that is not an
     # outage is logged, and no longer ends the worker's loop.
-    from flowloop import kept
 
     monkeypatch.setattr(kept, "SLOW_LOOK_SECONDS", 0.0)  # every look counts as slow
     monkeypatch.setattr(kept, "LOOK_SPACING", 1e9)  # and puts the next off at most so far

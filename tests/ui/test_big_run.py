@@ -90,3 +90,51 @@ def test_big_context__cut_on_the_page_whole_through_the_api(
         link = page.locator("#context-cut a").get_attribute("href")
     whole = httpx.get(base + str(link), timeout=60).json()["context"]
     assert len(whole["blob"]) == 1_000_001 and whole["n"] == 1
+
+
+JOURNAL_CONTEXTS = 2_000_000  # flowloop.ui.queries: the context characters a journal page holds
+
+
+def test_big_context__the_journal_api_answers_bounded_each_context_a_link_away(
+    store_url: str,
+) -> None:
+    # Audit: every entry of a journal page held its whole context: a run with a 1 MB
+    # context gave 1 MB an entry, up to 5,000 of them (5 GB) at the API's limit. A page
+    # holds a context only where it changed, within JOURNAL_CONTEXTS characters in all;
+    # every entry that wrote one links it (`context_url`), whole.
+    blob = "x" * 900_000  # two fit in a page's JOURNAL_CONTEXTS, not three
+    contexts = [json.dumps({"blob": blob, "n": i}) for i in range(6)]
+    contexts[3] = contexts[2]  # a step that changed nothing
+    run_id = written_run(store_url, "wide", contexts, first=contexts[0])
+    store = SQLStore(store_url, create=False)
+    try:
+        with serve(create_app(store)) as base:
+            answer = httpx.get(f"{base}/api/runs/{run_id}/journal", timeout=120)
+            assert answer.status_code == 200
+            assert len(answer.content) < JOURNAL_CONTEXTS + 50_000  # was 7 MB
+            events = answer.json()["events"]
+            written = [e for e in events if e["kind"] in ("run_created", "step_succeeded")]
+            assert [e["context_status"] for e in written] == [
+                "shown",  # seq 1, created: the first context
+                "unchanged",  # the first step wrote the same
+                "shown",  # n=1
+                "cut",  # n=2: over the page's budget
+                "unchanged",  # n=2 again: the same as the entry before, cut or not
+                "cut",
+                "cut",
+            ]
+            assert all(e["context_status"] is None for e in events if e not in written)
+            assert [e["context"] is not None for e in written] == [True, False, True] + [False] * 4
+            for entry in written:
+                assert entry["context_url"] == f"/api/runs/{run_id}/context?seq={entry['seq']}"
+                whole = httpx.get(base + entry["context_url"], timeout=60).json()["context"]
+                assert whole == json.loads(store.journal(run_id)[entry["seq"] - 1].context or "")
+            # Paged: a page after the cut holds its own changed contexts again.
+            later = httpx.get(
+                f"{base}/api/runs/{run_id}/journal", params={"after": 8}, timeout=60
+            ).json()["events"]
+            shown = [(e["seq"], e["context_status"]) for e in later if e["context_status"]]
+            assert shown == [(9, "unchanged"), (11, "shown"), (13, "shown")]
+            assert httpx.get(f"{base}/runs/{run_id}", timeout=60).status_code == 200
+    finally:
+        store.close()
