@@ -297,10 +297,15 @@ class Scheduler:
             # (Said by a write that worked: on a read-only standby the polls read on.)
             self._outage.answered()
         except Exception as error:  # a database hiccup must not stop every other loop
-            level = self._outage.failed() if is_outage(error) else logging.WARNING
-            log.log(level, "loop %s: could not fire (%s); trying again", name, error_line(error))
+            self._failed(error, "loop %s: could not fire (%s); trying again", name)
             if name in self._generation:
                 self._push(name, self.poll_seconds)
+
+    def _failed(self, error: Exception, message: str, *args: object) -> None:
+        """Log a database call that failed: an outage at the outage log's level (said
+        once, then quieter), anything else a WARNING; ``message`` ends with the error."""
+        level = self._outage.failed() if is_outage(error) else logging.WARNING
+        log.log(level, message, *args, error_line(error))
 
     def _recover_quietly(self) -> None:
         try:
@@ -311,32 +316,42 @@ class Scheduler:
     def _poll_changes(self) -> None:
         try:
             changes = self.store.loop_changes()
-        except Exception as error:
-            level = self._outage.failed() if is_outage(error) else logging.WARNING
-            log.log(level, "loops: could not poll loop changes: %s", error_line(error))
-            return
-        if changes == self._changes:
+            if changes == self._changes:
+                return
+            rows = self.store.list_loops(list(self.loops))
+        except Exception as error:  # (the counter not taken: read again at the next poll)
+            self._failed(error, "loops: could not poll loop changes: %s")
             return
         self._changes = changes
-        for row in self.store.list_loops(list(self.loops)):
-            running = self._running.get(row.name)
-            if running is not None:
-                if row.control == "stop" and not running.stop_requested:
-                    running.stop_requested = True
-                    running.task.cancel()
-                continue
-            if row.status == "scheduled" and row.control in ("pause", "stop"):
-                # A request that reached the loop between two iterations: honour it now.
-                self._apply_control(row)
-                continue
-            previous = self._rows.get(row.name)
-            if (
-                previous is None
-                or previous.last_seq != row.last_seq
-                or previous.status != row.status
-                or previous.control != row.control
-            ):
-                self._schedule(row)
+        for row in rows:
+            try:
+                self._changed(row)
+            except Exception as error:
+                # A write reacting to it (a deferred schedule, a request) failed: the others
+                # go on, the next poll reads all again (before, it ended the worker).
+                self._changes = -1
+                self._failed(error, "loop %s: could not apply a change (%s); retrying", row.name)
+
+    def _changed(self, row: LoopRow) -> None:
+        """React to ``row`` as read after an operator's change (of this loop or another)."""
+        running = self._running.get(row.name)
+        if running is not None:
+            if row.control == "stop" and not running.stop_requested:
+                running.stop_requested = True
+                running.task.cancel()
+            return
+        if row.status == "scheduled" and row.control in ("pause", "stop"):
+            # A request that reached the loop between two iterations: honour it now.
+            self._apply_control(row)
+            return
+        previous = self._rows.get(row.name)
+        if (
+            previous is None
+            or previous.last_seq != row.last_seq
+            or previous.status != row.status
+            or previous.control != row.control
+        ):
+            self._schedule(row)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -748,20 +763,22 @@ class Scheduler:
             except Exception:  # metrics must never stop the scheduler
                 log.exception("iteration listener failed")
         self._alerts(loop, write, error, row.skipped)
-        updated = self.store.get_loop(loop.name)
-        if (
-            updated is not None
-            and updated.status == "scheduled"
-            and updated.control
-            in (
-                "pause",
-                "stop",
-            )
-        ):
-            # A request that landed while this iteration was being recorded.
-            self._apply_control(updated)
-        elif updated is not None:
-            self._schedule(updated)
+        try:
+            updated = self.store.get_loop(loop.name)
+            if (
+                updated is not None
+                and updated.status == "scheduled"
+                and updated.control in ("pause", "stop")
+            ):
+                # A request that landed while this iteration was being recorded.
+                self._apply_control(updated)
+            elif updated is not None:
+                self._schedule(updated)
+        except Exception as failure:
+            # The outcome is recorded; re-arming (a read, a deferred schedule, a request)
+            # failed: look again within a poll (the row held is the running one: re-read).
+            self._failed(failure, "loop %s: could not re-arm (%s); trying again", loop.name)
+            self._push(loop.name, self.poll_seconds)
 
     def _alerts(
         self, loop: Loop, write: slots.LoopWrite, error: str | None, skipped_before: int

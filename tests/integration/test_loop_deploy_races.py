@@ -9,7 +9,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any
 
-from loopkit import T0, LoopHarness, SteppedClock, describe, drive
+from loopkit import T0, LoopHarness, SteppedClock, describe, drive, settle
+from sqlalchemy.exc import OperationalError
 
 from flowloop.loops import Iteration, Loop
 
@@ -80,5 +81,59 @@ def test_schedule_deferred_with_fixed_delay__waits_every_after_the_iterations_en
                 events = new.journal("tick")
                 assert started(new, "tick") == [0, 7], describe(events)
                 assert old.row("tick").schedule == new_loop.schedule
+
+    run(main())
+
+
+def test_schedule_deferred__a_database_error_while_applying_it_is_retried_not_fatal(
+    store_url: str,
+) -> None:
+    """The deferred schedule is applied when worker "new" sees the iteration's end — here
+    through an operator's change to another loop (the worker re-reads its loops). Its
+    write fails (the database out for a moment). Before, the error left the scheduler's
+    task: the worker's loops stopped for good. Now it is logged and tried again at the
+    next sweep, and the new schedule lands."""
+
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+
+        async def fn(it: Iteration) -> None:
+            if it.loop == "tick" and it.number == 1:
+                await release.wait()
+
+        async def idle(it: Iteration) -> None:
+            return None
+
+        async with LoopHarness(store_url, [Loop("tick", fn, every=10)], clock=clock):
+            await drive(clock, 1)
+            loops = [Loop("tick", fn, every=5), Loop("other", idle, every=3600)]
+            async with LoopHarness(store_url, loops, clock=clock, worker_id="new") as new:
+                await drive(clock, 0.5, step=0.5)
+                store = new.scheduler.store
+                failures: list[str] = []
+                real = store.sync_loops
+
+                def broken(*args: Any, **kwargs: Any) -> Any:
+                    if len(failures) < 2:
+                        failures.append("sync_loops")
+                        raise OperationalError("UPDATE", {}, Exception("database is locked"))
+                    return real(*args, **kwargs)
+
+                store.sync_loops = broken  # type: ignore[method-assign]
+                release.set()
+                await settle()
+                new.engine.pause_loop("other")  # the worker re-reads its loops
+                await drive(clock, 1.5, step=0.5)
+                task = new._task
+                assert task is not None
+                assert not task.done(), task.exception()
+                assert failures, "the resync was not tried"
+                await drive(clock, 6)
+                assert not task.done(), task.exception()
+                events = new.journal("tick")
+                kinds = [e.kind for e in events]
+                assert "loop_rescheduled" in kinds, describe(events)
+                assert new.row("tick").schedule == "every 5s (fixed_rate)"
 
     run(main())
