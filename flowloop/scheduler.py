@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -22,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop import loop_deploys, outagelog
+from flowloop import loop_deploys, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
@@ -37,7 +38,7 @@ from flowloop.executor import (
 from flowloop.loop_calls import loop_errors
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
-from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
+from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 from flowloop.store.outage import is_outage
 
 log = logging.getLogger("flowloop.loops")
@@ -418,6 +419,7 @@ class Scheduler:
                 follows_seq=row.last_seq,
                 changes=write.changes,
                 events=write.events,
+                control=row.control,  # (a pause withdrawn since: read at the next sweep)
             ):
                 continue  # another worker settled it first
             slot = write.events[0].slot
@@ -568,6 +570,7 @@ class Scheduler:
             f"loop_{target}",
             {"status": target, "next_fire_at": None, "control": None, "reason": reason},
             data={"reason": reason},
+            on_request=True,  # (an unpause since the read withdrew it: refused)
         )
 
     def _operator_write(
@@ -579,22 +582,24 @@ class Scheduler:
         slot: float | None = None,
         count: int = 0,
         data: dict[str, Any] | None = None,
+        on_request: bool = False,
     ) -> None:
         now = self.clock.now()
-        event = LoopEvent(
-            loop=row.name,
-            kind=kind,
-            at=now,
-            slot=slot,
-            count=count,
-            worker=self.worker_id,
-            data=data or {},
-        )
-        self._write(row, {**changes, "updated_at": now}, [event])
+        who = self.worker_id
+        event = LoopEvent(loop=row.name, kind=kind, at=now, slot=slot, count=count, worker=who)
+        event = dataclasses.replace(event, data=data or {})
+        self._write(row, {**changes, "updated_at": now}, [event], on_request=on_request)
 
-    def _write(self, row: LoopRow, changes: dict[str, Any], events: list[LoopEvent]) -> None:
-        """Write a loop row the worker does not hold (fenced on the row as read) and re-arm
-        its timer from what the store has then."""
+    def _write(
+        self,
+        row: LoopRow,
+        changes: dict[str, Any],
+        events: list[LoopEvent],
+        *,
+        on_request: bool = False,
+    ) -> None:
+        """Write a loop row the worker does not hold (fenced on the row as read, and on its
+        request too with ``on_request``) and re-arm its timer from what the store has then."""
         ok = self.store.write_loop(
             name=row.name,
             owner=None,
@@ -602,6 +607,7 @@ class Scheduler:
             follows_seq=row.last_seq,
             changes=changes,
             events=events,
+            control=row.control if on_request else ANY_CONTROL,
         )
         self._changes += 1 if ok else 0  # our own bump: no need to re-read every loop
         fresh = self.store.get_loop(row.name)
@@ -705,33 +711,23 @@ class Scheduler:
         attempts: int,
         duration: float,
     ) -> None:
-        now = self.clock.now()
-        fresh = self.store.get_loop(loop.name)
         manual = loop.name in self._manual
         self._manual.discard(loop.name)
-        write = slots.outcome(
+        write = loop_outcomes.record(
+            self.store,
             loop,
             row,
             slot=slot,
-            started_at=started,
+            started=started,
             result=outcome,
             error=error,
             attempts=attempts,
             duration=duration,
-            now=now,
-            control=fresh.control if fresh is not None else None,
             manual=manual,
             worker=self.worker_id,
+            now=self.clock.now,
         )
-        ok = self.store.write_loop(
-            name=loop.name,
-            owner=self.worker_id,
-            epoch=row.lease_epoch,
-            follows_seq=row.last_seq,
-            changes=write.changes,
-            events=write.events,
-        )
-        if not ok:
+        if write is None:
             log.warning(
                 "loop %s: lost its lease; this worker did not record its outcome",
                 loop.name,

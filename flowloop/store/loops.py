@@ -9,6 +9,7 @@ index, so two workers sharing a database can never run the same slot twice.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -84,6 +85,16 @@ class LoopEvent:
 
 
 _CHANGES_QUERY: Final = select(meta.c.value).where(meta.c.key == CHANGES_KEY)
+
+
+class Unfenced(enum.Enum):
+    """The type of :data:`ANY_CONTROL`."""
+
+    ANY = "any"
+
+
+ANY_CONTROL: Final = Unfenced.ANY
+"""``write_loop(control=...)``: the write is not fenced on the loop's request."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -381,15 +392,23 @@ class LoopStoreMixin:
         changes: Mapping[str, Any],
         events: Sequence[LoopEvent],
         release: bool = True,
+        control: str | Unfenced | None = ANY_CONTROL,
     ) -> bool:
         """A fenced update of a loop row plus its journal entries. ``owner``: the worker
         that fired the slot, which writes only while its lease is unexpired by the
         database's clock (a worker frozen past its lease writes nothing, whether or not
         another worker has settled the iteration yet). ``owner=None``: an operator write
-        that applies only while no live worker owns the loop."""
+        that applies only while no live worker owns the loop. ``control``: the request
+        (``pause``, ``stop``, …, or None) the write was decided on — a write that honours
+        a request, or its absence, is refused once an operator has changed it (an unpause
+        withdrawing a pause moves neither the lease nor ``last_seq``)."""
         fence = and_(
             loops.c.name == name, loops.c.lease_epoch == epoch, loops.c.last_seq == follows_seq
         )
+        if control is None:
+            fence = and_(fence, loops.c.control.is_(None))
+        elif not isinstance(control, Unfenced):
+            fence = and_(fence, loops.c.control == control)
         owned = self._held_by(owner) if owner is not None else self._claimable()
         values: dict[str, Any] = {**changes, "last_seq": follows_seq + len(events)}
         if release:
@@ -423,6 +442,25 @@ class LoopStoreMixin:
             result = conn.execute(update(loops).where(loops.c.name == name).values(control=action))
             self._bump_changes(conn)
             return bool(result.rowcount == 1)
+
+    def withdraw_loop_pause(self, row: LoopRow) -> bool:
+        """Withdraw the pause ``row`` has pending (an unpause), if the loop still has it with
+        the status read: False (nothing written) once its worker has honoured it meanwhile
+        (paused) or the loop changed otherwise — read it again."""
+        with self._write() as conn:
+            result = conn.execute(
+                update(loops)
+                .where(
+                    loops.c.name == row.name,
+                    loops.c.status == row.status,
+                    loops.c.control == "pause",
+                )
+                .values(control=None)
+            )
+            if result.rowcount != 1:
+                return False
+            self._bump_changes(conn)
+        return True
 
     def interrupted_loops(self) -> list[LoopRow]:
         """Loops left ``running`` by a worker whose lease has expired."""

@@ -12,11 +12,29 @@ from typing import Any
 from loopkit import T0, LoopHarness, SteppedClock, describe, drive, settle
 from sqlalchemy.exc import OperationalError
 
+from flowloop import Engine
 from flowloop.loops import Iteration, Loop
+from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
 
 
 def run(coro: Coroutine[Any, Any, None]) -> None:
     asyncio.run(coro)
+
+
+def fire(store: LoopStoreMixin, name: str, slot: float, *, lease_seconds: float) -> None:
+    """Fire ``slot`` as worker "gone", holding the lease ``lease_seconds`` from now."""
+    row = store.get_loop(name)
+    assert row is not None
+    event = LoopEvent(loop=name, kind="iteration_started", at=slot, slot=slot, worker="gone")
+    fired = store.fire_loop(
+        name=name,
+        follows_seq=row.last_seq,
+        worker="gone",
+        lease_seconds=lease_seconds,
+        events=[event],
+        changes={"last_slot": slot, "last_started_at": slot, "next_fire_at": None},
+    )
+    assert fired is not None
 
 
 def started(h: LoopHarness, name: str) -> list[float]:
@@ -137,3 +155,101 @@ def test_schedule_deferred__a_database_error_while_applying_it_is_retried_not_fa
                 assert new.row("tick").schedule == "every 5s (fixed_rate)"
 
     run(main())
+
+
+def test_unpause_while_the_worker_records_a_paused_outcome__the_loop_goes_on(
+    store_url: str,
+) -> None:
+    """`flowloop pause` during an iteration, then `unpause` just as the iteration ends: the
+    worker has read the pause (to honour it) and the unpause withdraws it before the
+    worker's write. Before, the write honoured the pause it had read: the loop ended
+    paused although the unpause had been acknowledged (`control` cleared, no error). Now
+    the write is fenced on the request it honours: refused, the worker reads the loop
+    again and records the outcome with no request — the loop goes on."""
+
+    async def main() -> None:
+        clock = SteppedClock()
+        release = asyncio.Event()
+
+        async def fn(it: Iteration) -> None:
+            if it.number == 1:
+                await release.wait()
+
+        async with LoopHarness(store_url, [Loop("tick", fn, every=10)], clock=clock) as h:
+            await drive(clock, 1)
+            assert h.engine.pause_loop("tick").control == "pause"
+            store = h.scheduler.store
+            real = store.write_loop
+            acknowledged: list[LoopRow] = []
+
+            def racing(**kwargs: Any) -> bool:
+                if kwargs["owner"] == "w1" and not acknowledged:
+                    acknowledged.append(h.engine.unpause_loop("tick"))  # between read and write
+                return real(**kwargs)
+
+            store.write_loop = racing  # type: ignore[method-assign]
+            release.set()
+            await drive(clock, 1)
+            assert acknowledged and acknowledged[0].control is None, acknowledged
+            row = h.row("tick")
+            assert (row.status, row.control, row.last_result) == ("scheduled", None, "ok"), row
+            await drive(clock, 9)
+            events = h.journal("tick")
+            assert "loop_paused" not in [e.kind for e in events], describe(events)
+            assert started(h, "tick") == [0, 10], describe(events)
+
+    run(main())
+
+
+def test_unpause_reading_a_pause_its_worker_honours_meanwhile__unpauses_the_loop(
+    store_url: str,
+) -> None:
+    """The other order: the unpause reads the loop running with a pause pending, then the
+    iteration ends and its worker honours the pause (loop paused) before the unpause
+    withdraws it. Before, the withdrawal touched a paused loop's (already cleared) request:
+    the unpause returned without an error and the loop stayed paused. Now the withdrawal is
+    fenced on the running loop's pending pause; refused, the unpause reads the loop again
+    and unpauses the paused loop."""
+    with Engine(store_url) as engine:
+        store = engine.store
+        assert isinstance(store, LoopStoreMixin)
+        store.sync_loop(name="tick", schedule="every 10s", first_slot=T0, at=T0, worker="w")
+        fire(store, "tick", T0, lease_seconds=60)
+        store.request_loop_control("tick", "pause")
+        real, reads = store.write_loop, store.get_loop
+        honoured: list[bool] = []
+
+        def worker_honours_it() -> None:
+            row = reads("tick")
+            assert row is not None and row.status == "running"
+            paused = LoopEvent(loop="tick", kind="loop_paused", at=T0 + 1, worker="gone")
+            honoured.append(
+                real(
+                    name="tick",
+                    owner="gone",
+                    epoch=row.lease_epoch,
+                    follows_seq=row.last_seq,
+                    changes={
+                        "status": "paused",
+                        "next_fire_at": None,
+                        "control": None,
+                        "reason": "paused by an operator",
+                        "last_result": "ok",
+                        "iterations": 1,
+                    },
+                    events=[paused],
+                )
+            )
+
+        def read_then_race(name: str) -> LoopRow | None:
+            row = reads(name)
+            if not honoured and row is not None and row.control == "pause":
+                worker_honours_it()  # after the unpause's read, before its write
+            return row
+
+        store.get_loop = read_then_race  # type: ignore[method-assign]
+        row = engine.unpause_loop("tick")
+        assert honoured == [True]
+        assert (row.status, row.control) == ("scheduled", None), row
+        kinds = [e.kind for e in engine.loop_history("tick")]
+        assert kinds[-2:] == ["loop_paused", "loop_unpaused"], kinds
