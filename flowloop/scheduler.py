@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import heapq
 import itertools
 import logging
@@ -27,7 +28,6 @@ from flowloop import loop_deploys, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -35,7 +35,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
-from flowloop.loop_calls import loop_errors
+from flowloop.loop_calls import TimedCalls, loop_errors
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -104,6 +104,7 @@ class Scheduler:
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._manual: set[str] = set()  # running a trigger or backfill iteration
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
+        self._timed = TimedCalls()
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -268,6 +269,7 @@ class Scheduler:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+            self._timed.forget()
 
     async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
         self._wake.clear()
@@ -679,16 +681,11 @@ class Scheduler:
                 loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
             )
             try:
-                call = loop_errors(self.run_iteration(loop, iteration), loop.name)
+                call = functools.partial(self.run_iteration, loop, iteration)
                 if loop.timeout is not None:
-                    try:
-                        result = await asyncio.wait_for(call, loop.timeout)
-                    except TimeoutError:
-                        raise StepTimeout(
-                            f"loop {loop.name!r} iteration took longer than {loop.timeout:g}s"
-                        ) from None
+                    result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
                 else:
-                    result = await call
+                    result = await loop_errors(call(), loop.name)
                 return ("skipped_idle" if result is IDLE else "ok"), None, attempt
             except asyncio.CancelledError:
                 raise
