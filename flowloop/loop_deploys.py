@@ -32,6 +32,7 @@ def resync(
         schedule=loop.schedule,
         first_slot=after_iteration(loop, row, now),
         keep_due=loop.coalesce,
+        latest_slot=None if loop.coalesce else loop.latest_slot(now),
     )
     [fresh] = store.sync_loops([spec], at=now, worker=worker)
     if fresh.schedule != loop.schedule:

@@ -208,6 +208,7 @@ class Scheduler:
                 schedule=loop.schedule,
                 first_slot=loop.first_slot(now),
                 keep_due=loop.coalesce,
+                latest_slot=None if loop.coalesce else loop.latest_slot(now),
             )
             for loop in self.loops.values()
         ]

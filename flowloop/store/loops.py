@@ -106,9 +106,13 @@ class LoopSpec:
     first_slot: float
     keep_due: bool = True
     """A schedule change keeps a pending slot already due (handled as after downtime): not
-    for a loop that does not coalesce, which would catch up one by one the slots the new
-    schedule has between it and now — slots no schedule ever had while the workers were
-    down (an every=1 loop, down 59 minutes: some 3,500 iterations)."""
+    as it is for a loop that does not coalesce, which would catch up one by one the slots
+    the new schedule has between it and now — slots no schedule ever had while the workers
+    were down (an every=1 loop, down 59 minutes: some 3,500 iterations). Its slot is moved
+    to ``latest_slot`` instead, if that is later: one iteration."""
+    latest_slot: float | None = None
+    """The new schedule's last slot at or before the change (``keep_due=False``; None:
+    ``first_slot``, the slot due dropped)."""
 
 
 def _request_key(name: str) -> str:
@@ -269,11 +273,16 @@ class LoopStoreMixin:
 
         A scheduled loop's pending slot moves to ``first_slot`` — unless it was already
         due (downtime): kept, the loop's next wake handles it under the new schedule
-        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled.
+        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled;
+        one that does not coalesce, moved to ``latest_slot`` if later (one iteration).
         A paused or stopped loop keeps its (no) next slot."""
         nxt = row.next_fire_at
-        if row.status == "scheduled" and (nxt is None or nxt > at or not spec.keep_due):
+        if row.status == "scheduled" and (nxt is None or nxt > at):
             nxt = spec.first_slot
+        elif row.status == "scheduled" and not spec.keep_due:
+            # Due, for a loop that does not coalesce: kept as one iteration, at the new
+            # schedule's latest slot if later (before, dropped for the next slot to come).
+            nxt = spec.first_slot if spec.latest_slot is None else max(nxt, spec.latest_slot)
         moved = conn.execute(
             update(loops)
             .where(

@@ -310,3 +310,37 @@ def test_function_swallowing_its_timeouts_cancellation__the_iteration_times_out_
     assert not raised, raised
     assert ended, "the event loop did not end: the loop function still runs"
     thread.join()
+
+
+def test_schedule_changed_after_downtime__a_loop_that_does_not_coalesce_keeps_its_due_slot(
+    store_url: str,
+) -> None:
+    """An hourly cron loop with `coalesce=False`, its workers down 20 minutes past its slot
+    at 2 h, comes back as `*/30`. Before, the due slot was dropped — the loop restarted at
+    the new schedule's next time (2 h 30), the slot journaled nowhere but in the
+    `loop_rescheduled` entry's `was` — where a loop that coalesces runs it at once. Now it
+    is kept as one iteration, at once, at the new schedule's latest slot (2 h here; never
+    earlier than the slot kept); the new schedule's slots since it are not caught up."""
+
+    async def fn(it: Iteration) -> None:
+        return None
+
+    async def main() -> None:
+        clock = SteppedClock()
+        hourly = Loop("rep", fn, cron="0 * * * *", coalesce=False)
+        async with LoopHarness(store_url, [hourly], clock=clock):
+            await drive(clock, 3600, step=60)  # the slot at 1 h ran
+        clock.advance(3600 + 1200)  # down until 2 h 20 min
+        halfhourly = Loop("rep", fn, cron="*/30 * * * *", coalesce=False)
+        async with LoopHarness(store_url, [halfhourly], clock=clock, worker_id="w2") as h:
+            await drive(clock, 1)
+            events = h.journal("rep")
+            got = [(e.kind, None if e.slot is None else e.slot - T0) for e in events]
+            assert got[3:] == [
+                ("loop_rescheduled", 7200),
+                ("iteration_started", 7200),
+                ("iteration_succeeded", 7200),
+            ], describe(events)
+            assert h.row("rep").next_fire_at == T0 + 9000
+
+    run(main())
