@@ -344,3 +344,43 @@ def test_schedule_changed_after_downtime__a_loop_that_does_not_coalesce_keeps_it
             assert h.row("rep").next_fire_at == T0 + 9000
 
     run(main())
+
+
+def test_database_error_re_arming_after_a_recorded_outcome__the_loop_fires_on(
+    store_url: str,
+) -> None:
+    """The iteration's outcome is written, then the read that re-arms the loop's timer
+    fails (the database out for a moment). Before, the error was logged as an outcome not
+    recorded, and the loop was never armed again on this worker: its next slot never
+    fired. Now re-arming is tried again within a poll."""
+    ran: list[float] = []
+
+    async def fn(it: Iteration) -> None:
+        ran.append(it.slot - T0)
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(store_url, [Loop("tick", fn, every=10)], clock=clock) as h:
+            store = h.scheduler.store
+            write, read = store.write_loop, store.get_loop
+            broken: list[str] = []
+
+            def writes(**kwargs: Any) -> bool:
+                done = write(**kwargs)
+                if done and kwargs["owner"] == "w1" and not broken:
+                    broken.append("next read")
+                return done
+
+            def reads(name: str) -> LoopRow | None:
+                if broken == ["next read"]:
+                    broken.append("failed")
+                    raise OperationalError("SELECT", {}, Exception("database is locked"))
+                return read(name)
+
+            store.write_loop = writes  # type: ignore[method-assign]
+            store.get_loop = reads  # type: ignore[method-assign]
+            await drive(clock, 21)
+            assert broken == ["next read", "failed"]
+            assert ran == [0, 10, 20], describe(h.journal("tick"))
+
+    run(main())
