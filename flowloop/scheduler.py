@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import heapq
 import itertools
@@ -588,9 +587,15 @@ class Scheduler:
         on_request: bool = False,
     ) -> None:
         now = self.clock.now()
-        who = self.worker_id
-        event = LoopEvent(loop=row.name, kind=kind, at=now, slot=slot, count=count, worker=who)
-        event = dataclasses.replace(event, data=data or {})
+        event = LoopEvent(
+            loop=row.name,
+            kind=kind,
+            at=now,
+            slot=slot,
+            count=count,
+            worker=self.worker_id,
+            data=data or {},
+        )
         self._write(row, {**changes, "updated_at": now}, [event], on_request=on_request)
 
     def _write(
