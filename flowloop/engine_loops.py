@@ -12,6 +12,10 @@ from flowloop.operations import _user
 from flowloop.store import Store
 from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
 
+CHANGING_TRIES = 8
+"""Reads of a loop an operator's fenced write makes before it gives up (a worker changing
+the loop as often: a refusal that says so)."""
+
 
 class LoopControls:
     """Mixed into :class:`~flowloop.engine.Engine`, whose store and clock it uses."""
@@ -51,24 +55,30 @@ class LoopControls:
         return self._loop_control(name, "stop")
 
     def unpause_loop(self, name: str) -> LoopRow:
-        """Resume a paused (or stopped) loop; its worker picks the next slot from now."""
-        row = self.loop(name)
-        if row.status not in ("paused", "stopped"):
-            if row.control == "pause":
-                self._loop_store().request_loop_control(name, None)
-                return self.loop(name)
-            raise InvalidTransition(name, row.status, "unpause", what="loop")
-        self._loop_write(
-            row,
-            "loop_unpaused",
-            {
+        """Resume a paused (or stopped) loop; its worker picks the next slot from now. A
+        pause still pending (its iteration runs) is withdrawn instead."""
+        for _ in range(CHANGING_TRIES):
+            # Each write is fenced on the row as read; refused (the iteration ended and
+            # its worker honoured the pause meanwhile, …), the loop is read again. Before,
+            # such an unpause returned with the loop paused.
+            row = self.loop(name)
+            if row.status not in ("paused", "stopped"):
+                if row.control != "pause":
+                    raise InvalidTransition(name, row.status, "unpause", what="loop")
+                if self._loop_store().withdraw_loop_pause(row):
+                    return self.loop(name)
+                continue
+            unpaused = {
                 "status": "scheduled",
                 "next_fire_at": None,
                 "reason": None,
                 "consecutive_failures": 0,
-            },
+            }
+            if self._loop_write(row, "loop_unpaused", unpaused):
+                return self.loop(name)
+        raise FlowloopError(
+            f"loop {name!r} kept changing; look at `flowloop loops {name}` and try again"
         )
-        return self.loop(name)
 
     def trigger_loop(self, name: str) -> LoopRow:
         """Ask the loop's worker for one iteration now, journaled ``manual`` (never while
@@ -95,7 +105,7 @@ class LoopControls:
         running now finishes; no manual one starts after it (journaled
         ``request_withdrawn`` when the loop waits for its slot)."""
         store = self._loop_store()
-        for _ in range(8):  # (a worker fired or finished meanwhile: read it again)
+        for _ in range(CHANGING_TRIES):  # (a worker fired or finished meanwhile: read again)
             row = self.loop(name)
             if row.control not in loop_requests.MANUAL:
                 raise loop_requests.LoopRequestRefused(

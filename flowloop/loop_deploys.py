@@ -30,14 +30,34 @@ def resync(
     spec = LoopSpec(
         name=loop.name,
         schedule=loop.schedule,
-        first_slot=loop.first_slot(now),
+        first_slot=after_iteration(loop, row, now),
         keep_due=loop.coalesce,
+        latest_slot=None if loop.coalesce else loop.latest_slot(now),
     )
     [fresh] = store.sync_loops([spec], at=now, worker=worker)
     if fresh.schedule != loop.schedule:
         return None
     log.info("loop %s: rescheduled to %s", loop.name, loop.schedule)
     return fresh
+
+
+def after_iteration(loop: Loop, row: LoopRow, now: float) -> float:
+    """The first slot of ``loop``'s (new) schedule after the iteration the change waited
+    for, as if it had run under it: the next slot after its end (those that came due while
+    it ran would have been overlaps) — of the chain from its slot (an ``every=`` loop's),
+    the next cron time, or its end plus ``every`` (``fixed_delay``); never before
+    ``start_at``. Not ``now``, as for a newly registered loop: an ``every=`` loop fired
+    again right after the iteration ended. (A resync seen late, past that slot: the slot
+    is due, and handled as any due slot.)"""
+    slot, started, ended = row.last_slot, row.last_started_at, row.last_ended_at
+    if slot is None or started is None or ended is None or ended < started:
+        return loop.first_slot(now)  # (no iteration recorded to go on from)
+    if loop.mode == "fixed_delay":
+        nxt, _ = loop.next_slot(slot, started=started, ended=ended)
+    else:  # (an every= chain from the slot, or from start_at: its grid's phase kept)
+        nxt = loop.slot_after(ended, anchor=slot if loop.start_at is None else loop.start_at)
+    earliest = loop.earliest_slot()
+    return nxt if earliest is None else max(nxt, earliest)
 
 
 def deferred(row: LoopRow, loop: Loop) -> bool:

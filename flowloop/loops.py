@@ -279,6 +279,18 @@ class Loop:
             return self.slot_after(math.nextafter(now, -math.inf), anchor=self.start_at)
         return now
 
+    def latest_slot(self, now: float) -> float:
+        """The schedule's last slot at or before ``now``: a cron time, a point of the grid
+        from a past ``start_at``; ``now`` itself for an ``every=`` loop without one (its
+        chain starts where it is registered) or with ``start_at`` still ahead."""
+        if self.cron is not None:
+            slot = _cron_prev(self.cron, now, self.tz)
+            later = self.slot_after(slot)
+            return later if later <= now else slot
+        if self.start_at is None or self.start_at > now:
+            return now
+        return max(self.start_at, self.slot_after(now, anchor=self.start_at) - self._interval())
+
     def next_slot(self, slot: float, *, started: float, ended: float) -> tuple[float, int]:
         """The slot after an iteration of ``slot`` that started and ended at the given times,
         and how many slots were skipped because the iteration was still running."""

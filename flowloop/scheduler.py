@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import logging
@@ -22,11 +23,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop import loop_deploys, outagelog
+from flowloop import loop_deploys, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts
 from flowloop.clock import Clock
-from flowloop.errors import StepTimeout
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
@@ -34,10 +34,10 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
-from flowloop.loop_calls import loop_errors
+from flowloop.loop_calls import TimedCalls, loop_errors
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
-from flowloop.store.loops import LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
+from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
 from flowloop.store.outage import is_outage
 
 log = logging.getLogger("flowloop.loops")
@@ -103,6 +103,7 @@ class Scheduler:
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._manual: set[str] = set()  # running a trigger or backfill iteration
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
+        self._timed = TimedCalls()
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -206,6 +207,7 @@ class Scheduler:
                 schedule=loop.schedule,
                 first_slot=loop.first_slot(now),
                 keep_due=loop.coalesce,
+                latest_slot=None if loop.coalesce else loop.latest_slot(now),
             )
             for loop in self.loops.values()
         ]
@@ -267,6 +269,7 @@ class Scheduler:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+            self._timed.forget()
 
     async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
         self._wake.clear()
@@ -297,10 +300,15 @@ class Scheduler:
             # (Said by a write that worked: on a read-only standby the polls read on.)
             self._outage.answered()
         except Exception as error:  # a database hiccup must not stop every other loop
-            level = self._outage.failed() if is_outage(error) else logging.WARNING
-            log.log(level, "loop %s: could not fire (%s); trying again", name, error_line(error))
+            self._failed(error, "loop %s: could not fire (%s); trying again", name)
             if name in self._generation:
                 self._push(name, self.poll_seconds)
+
+    def _failed(self, error: Exception, message: str, *args: object) -> None:
+        """Log a database call that failed: an outage at the outage log's level (said
+        once, then quieter), anything else a WARNING; ``message`` ends with the error."""
+        level = self._outage.failed() if is_outage(error) else logging.WARNING
+        log.log(level, message, *args, error_line(error))
 
     def _recover_quietly(self) -> None:
         try:
@@ -311,32 +319,42 @@ class Scheduler:
     def _poll_changes(self) -> None:
         try:
             changes = self.store.loop_changes()
-        except Exception as error:
-            level = self._outage.failed() if is_outage(error) else logging.WARNING
-            log.log(level, "loops: could not poll loop changes: %s", error_line(error))
-            return
-        if changes == self._changes:
+            if changes == self._changes:
+                return
+            rows = self.store.list_loops(list(self.loops))
+        except Exception as error:  # (the counter not taken: read again at the next poll)
+            self._failed(error, "loops: could not poll loop changes: %s")
             return
         self._changes = changes
-        for row in self.store.list_loops(list(self.loops)):
-            running = self._running.get(row.name)
-            if running is not None:
-                if row.control == "stop" and not running.stop_requested:
-                    running.stop_requested = True
-                    running.task.cancel()
-                continue
-            if row.status == "scheduled" and row.control in ("pause", "stop"):
-                # A request that reached the loop between two iterations: honour it now.
-                self._apply_control(row)
-                continue
-            previous = self._rows.get(row.name)
-            if (
-                previous is None
-                or previous.last_seq != row.last_seq
-                or previous.status != row.status
-                or previous.control != row.control
-            ):
-                self._schedule(row)
+        for row in rows:
+            try:
+                self._changed(row)
+            except Exception as error:
+                # A write reacting to it (a deferred schedule, a request) failed: the others
+                # go on, the next poll reads all again (before, it ended the worker).
+                self._changes = -1
+                self._failed(error, "loop %s: could not apply a change (%s); retrying", row.name)
+
+    def _changed(self, row: LoopRow) -> None:
+        """React to ``row`` as read after an operator's change (of this loop or another)."""
+        running = self._running.get(row.name)
+        if running is not None:
+            if row.control == "stop" and not running.stop_requested:
+                running.stop_requested = True
+                running.task.cancel()
+            return
+        if row.status == "scheduled" and row.control in ("pause", "stop"):
+            # A request that reached the loop between two iterations: honour it now.
+            self._apply_control(row)
+            return
+        previous = self._rows.get(row.name)
+        if (
+            previous is None
+            or previous.last_seq != row.last_seq
+            or previous.status != row.status
+            or previous.control != row.control
+        ):
+            self._schedule(row)
 
     async def _heartbeat(self) -> None:
         while True:
@@ -403,6 +421,7 @@ class Scheduler:
                 follows_seq=row.last_seq,
                 changes=write.changes,
                 events=write.events,
+                control=row.control,  # (a pause withdrawn since: read at the next sweep)
             ):
                 continue  # another worker settled it first
             slot = write.events[0].slot
@@ -553,6 +572,7 @@ class Scheduler:
             f"loop_{target}",
             {"status": target, "next_fire_at": None, "control": None, "reason": reason},
             data={"reason": reason},
+            on_request=True,  # (an unpause since the read withdrew it: refused)
         )
 
     def _operator_write(
@@ -564,6 +584,7 @@ class Scheduler:
         slot: float | None = None,
         count: int = 0,
         data: dict[str, Any] | None = None,
+        on_request: bool = False,
     ) -> None:
         now = self.clock.now()
         event = LoopEvent(
@@ -575,11 +596,18 @@ class Scheduler:
             worker=self.worker_id,
             data=data or {},
         )
-        self._write(row, {**changes, "updated_at": now}, [event])
+        self._write(row, {**changes, "updated_at": now}, [event], on_request=on_request)
 
-    def _write(self, row: LoopRow, changes: dict[str, Any], events: list[LoopEvent]) -> None:
-        """Write a loop row the worker does not hold (fenced on the row as read) and re-arm
-        its timer from what the store has then."""
+    def _write(
+        self,
+        row: LoopRow,
+        changes: dict[str, Any],
+        events: list[LoopEvent],
+        *,
+        on_request: bool = False,
+    ) -> None:
+        """Write a loop row the worker does not hold (fenced on the row as read, and on its
+        request too with ``on_request``) and re-arm its timer from what the store has then."""
         ok = self.store.write_loop(
             name=row.name,
             owner=None,
@@ -587,6 +615,7 @@ class Scheduler:
             follows_seq=row.last_seq,
             changes=changes,
             events=events,
+            control=row.control if on_request else ANY_CONTROL,
         )
         self._changes += 1 if ok else 0  # our own bump: no need to re-read every loop
         fresh = self.store.get_loop(row.name)
@@ -658,16 +687,11 @@ class Scheduler:
                 loop=loop.name, slot=slot, number=number, attempt=attempt, tz=loop.tz
             )
             try:
-                call = loop_errors(self.run_iteration(loop, iteration), loop.name)
+                call = functools.partial(self.run_iteration, loop, iteration)
                 if loop.timeout is not None:
-                    try:
-                        result = await asyncio.wait_for(call, loop.timeout)
-                    except TimeoutError:
-                        raise StepTimeout(
-                            f"loop {loop.name!r} iteration took longer than {loop.timeout:g}s"
-                        ) from None
+                    result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
                 else:
-                    result = await call
+                    result = await loop_errors(call(), loop.name)
                 return ("skipped_idle" if result is IDLE else "ok"), None, attempt
             except asyncio.CancelledError:
                 raise
@@ -690,33 +714,23 @@ class Scheduler:
         attempts: int,
         duration: float,
     ) -> None:
-        now = self.clock.now()
-        fresh = self.store.get_loop(loop.name)
         manual = loop.name in self._manual
         self._manual.discard(loop.name)
-        write = slots.outcome(
+        write = loop_outcomes.record(
+            self.store,
             loop,
             row,
             slot=slot,
-            started_at=started,
+            started=started,
             result=outcome,
             error=error,
             attempts=attempts,
             duration=duration,
-            now=now,
-            control=fresh.control if fresh is not None else None,
             manual=manual,
             worker=self.worker_id,
+            now=self.clock.now,
         )
-        ok = self.store.write_loop(
-            name=loop.name,
-            owner=self.worker_id,
-            epoch=row.lease_epoch,
-            follows_seq=row.last_seq,
-            changes=write.changes,
-            events=write.events,
-        )
-        if not ok:
+        if write is None:
             log.warning(
                 "loop %s: lost its lease; this worker did not record its outcome",
                 loop.name,
@@ -748,20 +762,22 @@ class Scheduler:
             except Exception:  # metrics must never stop the scheduler
                 log.exception("iteration listener failed")
         self._alerts(loop, write, error, row.skipped)
-        updated = self.store.get_loop(loop.name)
-        if (
-            updated is not None
-            and updated.status == "scheduled"
-            and updated.control
-            in (
-                "pause",
-                "stop",
-            )
-        ):
-            # A request that landed while this iteration was being recorded.
-            self._apply_control(updated)
-        elif updated is not None:
-            self._schedule(updated)
+        try:
+            updated = self.store.get_loop(loop.name)
+            if (
+                updated is not None
+                and updated.status == "scheduled"
+                and updated.control in ("pause", "stop")
+            ):
+                # A request that landed while this iteration was being recorded.
+                self._apply_control(updated)
+            elif updated is not None:
+                self._schedule(updated)
+        except Exception as failure:
+            # The outcome is recorded; re-arming (a read, a deferred schedule, a request)
+            # failed: look again within a poll (the row held is the running one: re-read).
+            self._failed(failure, "loop %s: could not re-arm (%s); trying again", loop.name)
+            self._push(loop.name, self.poll_seconds)
 
     def _alerts(
         self, loop: Loop, write: slots.LoopWrite, error: str | None, skipped_before: int

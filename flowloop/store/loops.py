@@ -9,6 +9,7 @@ index, so two workers sharing a database can never run the same slot twice.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -86,6 +87,16 @@ class LoopEvent:
 _CHANGES_QUERY: Final = select(meta.c.value).where(meta.c.key == CHANGES_KEY)
 
 
+class Unfenced(enum.Enum):
+    """The type of :data:`ANY_CONTROL`."""
+
+    ANY = "any"
+
+
+ANY_CONTROL: Final = Unfenced.ANY
+"""``write_loop(control=...)``: the write is not fenced on the loop's request."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoopSpec:
     """What a worker registers for one loop."""
@@ -95,9 +106,13 @@ class LoopSpec:
     first_slot: float
     keep_due: bool = True
     """A schedule change keeps a pending slot already due (handled as after downtime): not
-    for a loop that does not coalesce, which would catch up one by one the slots the new
-    schedule has between it and now — slots no schedule ever had while the workers were
-    down (an every=1 loop, down 59 minutes: some 3,500 iterations)."""
+    as it is for a loop that does not coalesce, which would catch up one by one the slots
+    the new schedule has between it and now — slots no schedule ever had while the workers
+    were down (an every=1 loop, down 59 minutes: some 3,500 iterations). Its slot is moved
+    to ``latest_slot`` instead, if that is later: one iteration."""
+    latest_slot: float | None = None
+    """The new schedule's last slot at or before the change (``keep_due=False``; None:
+    ``first_slot``, the slot due dropped)."""
 
 
 def _request_key(name: str) -> str:
@@ -258,11 +273,16 @@ class LoopStoreMixin:
 
         A scheduled loop's pending slot moves to ``first_slot`` — unless it was already
         due (downtime): kept, the loop's next wake handles it under the new schedule
-        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled.
+        (coalesced, missed past the grace) as after any downtime, not dropped unjournaled;
+        one that does not coalesce, moved to ``latest_slot`` if later (one iteration).
         A paused or stopped loop keeps its (no) next slot."""
         nxt = row.next_fire_at
-        if row.status == "scheduled" and (nxt is None or nxt > at or not spec.keep_due):
+        if row.status == "scheduled" and (nxt is None or nxt > at):
             nxt = spec.first_slot
+        elif row.status == "scheduled" and not spec.keep_due:
+            # Due, for a loop that does not coalesce: kept as one iteration, at the new
+            # schedule's latest slot if later (before, dropped for the next slot to come).
+            nxt = spec.first_slot if spec.latest_slot is None else max(nxt, spec.latest_slot)
         moved = conn.execute(
             update(loops)
             .where(
@@ -381,15 +401,23 @@ class LoopStoreMixin:
         changes: Mapping[str, Any],
         events: Sequence[LoopEvent],
         release: bool = True,
+        control: str | Unfenced | None = ANY_CONTROL,
     ) -> bool:
         """A fenced update of a loop row plus its journal entries. ``owner``: the worker
         that fired the slot, which writes only while its lease is unexpired by the
         database's clock (a worker frozen past its lease writes nothing, whether or not
         another worker has settled the iteration yet). ``owner=None``: an operator write
-        that applies only while no live worker owns the loop."""
+        that applies only while no live worker owns the loop. ``control``: the request
+        (``pause``, ``stop``, …, or None) the write was decided on — a write that honours
+        a request, or its absence, is refused once an operator has changed it (an unpause
+        withdrawing a pause moves neither the lease nor ``last_seq``)."""
         fence = and_(
             loops.c.name == name, loops.c.lease_epoch == epoch, loops.c.last_seq == follows_seq
         )
+        if control is None:
+            fence = and_(fence, loops.c.control.is_(None))
+        elif not isinstance(control, Unfenced):
+            fence = and_(fence, loops.c.control == control)
         owned = self._held_by(owner) if owner is not None else self._claimable()
         values: dict[str, Any] = {**changes, "last_seq": follows_seq + len(events)}
         if release:
@@ -423,6 +451,25 @@ class LoopStoreMixin:
             result = conn.execute(update(loops).where(loops.c.name == name).values(control=action))
             self._bump_changes(conn)
             return bool(result.rowcount == 1)
+
+    def withdraw_loop_pause(self, row: LoopRow) -> bool:
+        """Withdraw the pause ``row`` has pending (an unpause), if the loop still has it with
+        the status read: False (nothing written) once its worker has honoured it meanwhile
+        (paused) or the loop changed otherwise — read it again."""
+        with self._write() as conn:
+            result = conn.execute(
+                update(loops)
+                .where(
+                    loops.c.name == row.name,
+                    loops.c.status == row.status,
+                    loops.c.control == "pause",
+                )
+                .values(control=None)
+            )
+            if result.rowcount != 1:
+                return False
+            self._bump_changes(conn)
+        return True
 
     def interrupted_loops(self) -> list[LoopRow]:
         """Loops left ``running`` by a worker whose lease has expired."""

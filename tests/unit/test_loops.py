@@ -431,3 +431,18 @@ def test_cron__aliases_and_fixed_results() -> None:
     assert weekdays.slot_after(friday_end) == datetime(2027, 3, 8, 9, 15, tzinfo=UTC).timestamp()
     last_day = Loop("l", tick, cron="0 12 L * *")
     assert last_day.slot_after(start) == datetime(2027, 3, 31, 12, tzinfo=UTC).timestamp()
+
+
+def test_latest_slot__the_schedules_last_slot_at_or_before_now() -> None:
+    def nothing(it: Iteration) -> None:
+        return None
+
+    half_hourly = Loop("h", nothing, cron="*/30 * * * *")
+    assert half_hourly.latest_slot(T0 + 8400) == T0 + 7200  # 2 h 20 → 2 h
+    assert half_hourly.latest_slot(T0 + 7200) == T0 + 7200  # a cron time is its own
+    plain = Loop("p", nothing, every=10)
+    assert plain.latest_slot(T0 + 25) == T0 + 25  # no grid: now
+    grid = Loop("g", nothing, every=10, start_at=T0)
+    assert grid.latest_slot(T0 + 25) == T0 + 20
+    assert grid.latest_slot(T0 + 20) == T0 + 20
+    assert grid.latest_slot(T0 - 5) == T0 - 5  # start_at ahead: now
