@@ -495,7 +495,7 @@ def send(
                 )
             run_id = found.id
         with defined_in(workflow_paths):
-            support.refuse_unknown_fields(engine, run_id, event, payload)
+            support.refuse_unknown_fields(engine, run_id, event, payload, buffer=buffer)
             try:
                 result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
             except UnknownRun:
