@@ -168,6 +168,36 @@ def test_run__a_misspelt_workflow_name_names_the_target_meant(here: Path) -> Non
     assert not (here / "flowloop.db").exists()
 
 
+UNRULY = {  # ./workflows files a hint must not run (imported in this order before)
+    "a_prints.py": "print('hello from a_prints')\n",
+    "b_thread.py": "import threading\n\nthreading.Thread(target=threading.Event().wait).start()\n",
+    "c_exits.py": "import sys\n\nsys.exit(3)\n",
+    "d_broken.py": "def (:\n",
+    "e_invoices.py": textwrap.dedent(INVOICES)
+    .lstrip()
+    .replace("from flowloop import Workflow", "import flowloop")
+    .replace(
+        'Workflow("invoice", context=Invoice)', 'flowloop.Workflow(name="invoice", context=Invoice)'
+    ),
+}
+
+
+def test_run__a_misspelt_workflow_name_runs_no_file_of_workflows(here: Path) -> None:
+    """Before: the files of ./workflows were imported to find the name meant: a file's
+    print went into the output, a thread it started hung the process, its sys.exit(3)
+    ended it (exit 3, the real error never said). Now they are read, not run."""
+    for name, text in UNRULY.items():
+        (here / "workflows" / name).write_text(text)
+    shown = a_process("run", "ordr", "--context", CONTEXT, cwd=here, code=2)
+    assert shown.stdout == ""
+    assert shown.stderr == "error: ordr: no such file; did you mean workflows/orders.py:order?\n"
+    shown = a_process("start", "invoce", cwd=here, code=2)
+    assert (shown.stdout, shown.stderr) == (
+        "",
+        "error: invoce: no such file; did you mean workflows/e_invoices.py:invoice?\n",
+    )
+
+
 # -- 3: send --data with a misspelt optional field -----------------------------------------
 
 
@@ -322,6 +352,18 @@ def test_context_from_a_directory__says_it_is_one(here: Path) -> None:
     assert line == "error: --data @workflows/: a directory, not a file; give @FILE.json"
     line = quick("start", "workflows/orders.py", "--contexts", "workflows", cwd=here)
     assert line == "error: --contexts workflows: a directory, not a file; give a .jsonl file"
+    assert not (here / "flowloop.db").exists()
+
+
+def test_context_from_no_file__says_none_was_given(here: Path) -> None:
+    """Before: `--context @: a directory, not a file` (the empty path is the current
+    directory), and `--contexts '': a directory` too."""
+    line = refused("run", "workflows/orders.py", "--context", "@", cwd=here)
+    assert line == "error: --context @: no file given after @; give @FILE.json"
+    line = quick("send", "abcd1234", "approve", "--data", "@", cwd=here)
+    assert line == "error: --data @: no file given after @; give @FILE.json"
+    line = quick("start", "workflows/orders.py", "--contexts", "", cwd=here)
+    assert line == "error: --contexts '': no file given; give a .jsonl file (or - for stdin)"
     assert not (here / "flowloop.db").exists()
 
 
