@@ -654,19 +654,40 @@ def _own_way(model: type[BaseModel]) -> bool:
     return any(validator.info.mode in ("before", "wrap") for validator in validators)
 
 
-def unknown_keys(model: type[BaseModel], keys: Iterable[Any]) -> list[str]:
-    """The ``keys`` that no field of ``model`` takes (by name, alias or validation alias),
-    sorted; none when the model decides itself what becomes of extra keys (``extra=``
-    configured, a root model, a raw-input validator): pydantic drops the others silently."""
+def unknown_payload_keys(model: type[BaseModel], keys: Iterable[Any]) -> list[str]:
+    """The ``keys`` that no field of ``model`` takes from an event's payload (see
+    :func:`payload_keys`), sorted; none when the model decides itself what becomes of extra
+    keys (``extra=`` configured, a root model, a raw-input validator): pydantic drops the
+    others silently."""
     if _own_way(model):
         return []
-    known = _input_keys(model)
+    known = payload_keys(model)
     return sorted(str(key) for key in keys if key not in known)
 
 
-def input_keys(model: type[BaseModel]) -> tuple[str, ...]:
-    """The keys ``model`` takes from a mapping, in its fields' order (:func:`unknown_keys`)."""
-    return _input_keys(model)
+@functools.cache
+def payload_keys(model: type[BaseModel]) -> tuple[str, ...]:
+    """The keys ``model.model_validate`` takes from a mapping — a payload is validated as
+    pydantic does by default, by alias: an aliased field's alias (its validation alias's
+    choices, a path's first key, when it has one), its name only when the model validates
+    by name too (``populate_by_name``/``validate_by_name``); a field without an alias by
+    its name. In the fields' order, for messages. (A context is validated by name as
+    well: :func:`_input_keys`.)"""
+    config = model.model_config
+    by_name = bool(config.get("validate_by_name") or config.get("populate_by_name"))
+    by_alias = config.get("validate_by_alias", True) is not False
+    keys: dict[str, None] = {}
+    for name, field in model.model_fields.items():
+        alias = field.validation_alias if field.validation_alias is not None else field.alias
+        if alias is None or by_name or not by_alias:
+            keys[name] = None
+        if alias is None or not by_alias:
+            continue
+        for choice in alias.choices if isinstance(alias, AliasChoices) else [alias]:
+            key = choice.path[0] if isinstance(choice, AliasPath) and choice.path else choice
+            if isinstance(key, str):
+                keys[key] = None
+    return tuple(keys)
 
 
 @functools.cache

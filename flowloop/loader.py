@@ -131,8 +131,8 @@ DEFAULT_FOLDER = "workflows"
 def _workflow_meant(name: str) -> str | None:
     """``workflows/orders.py:order`` for a bare name given as a target (``flowloop run
     ordr``) that is, or is spelt close to, a workflow defined in ./workflows: the name of
-    a workflow is not a file, and a misspelt one had no suggestion. Only on that mistake's
-    path are ./workflows' files imported (one that does not import is passed over)."""
+    a workflow is not a file, and a misspelt one had no suggestion. The files are read,
+    not imported (:func:`workflow_names_in`): a hint runs no user code."""
     from flowloop.suggest import close_names
 
     folder = Path(DEFAULT_FOLDER)
@@ -140,17 +140,48 @@ def _workflow_meant(name: str) -> str | None:
         return None
     defined: dict[str, Path] = {}
     for file in sorted(folder.glob("*.py")):
-        if file.name.startswith("_"):
-            continue
-        try:
-            module = import_file(file)
-        except Exception:  # (a hint only: that file's names are lost)
-            continue
-        for value in vars(module).values():
-            if isinstance(value, Workflow):
-                defined.setdefault(value.name, file)
+        if not file.name.startswith("_"):
+            for workflow in workflow_names_in(file):
+                defined.setdefault(workflow, file)
     close = close_names(name, defined, n=1)
     return f"{defined[close[0]]}:{close[0]}" if close else None
+
+
+def workflow_names_in(file: Path) -> list[str]:
+    """The names of the workflows ``file`` defines as its text shows them — each call of
+    ``Workflow(...)`` or ``flowloop.Workflow(...)`` whose first argument or ``name=`` is a
+    string literal — without importing it (importing runs the file: a ``sys.exit`` hid the
+    error being explained, a thread it started kept the process alive, a print went into
+    the output). A file that cannot be read or parsed defines none here."""
+    import ast
+
+    try:
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+    except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+        return []
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if not (
+            (isinstance(func, ast.Name) and func.id == "Workflow")
+            or (
+                isinstance(func, ast.Attribute)
+                and func.attr == "Workflow"
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "flowloop"
+            )
+        ):
+            continue
+        given = [node.args[0]] if node.args else []
+        given += [kw.value for kw in node.keywords if kw.arg == "name"]
+        names += [
+            arg.value
+            for arg in given[:1]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+        ]
+    return names
 
 
 def import_file(path: Path) -> ModuleType:

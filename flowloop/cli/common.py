@@ -387,6 +387,8 @@ def parse_context(text: str | None, option: str = "--context") -> Any:
         return {}
     source = option
     if text.startswith("@"):
+        if not text[1:]:  # (Path("") is the current directory: it said "a directory")
+            raise FlowloopError(f"{option} @: no file given after @; give @FILE.json")
         path = Path(text[1:])
         if path.is_dir():  # (it said "no such file" of a folder that is there)
             raise FlowloopError(f"{option} {text}: a directory, not a file; give @FILE.json")

@@ -196,6 +196,8 @@ def read_json_lines(name: str) -> tuple[list[Any], list[str]]:
     if name == "-":
         data, source = sys.stdin.buffer.read(), "stdin"
     else:
+        if not name:  # (Path("") is the current directory: it said "a directory")
+            raise FlowloopError("--contexts '': no file given; give a .jsonl file (or - for stdin)")
         path = Path(name)
         if path.is_dir():  # (as --context @DIR: "no such file" of a folder that is there)
             raise FlowloopError(f"--contexts {name}: a directory, not a file; give a .jsonl file")
@@ -495,7 +497,7 @@ def send(
                 )
             run_id = found.id
         with defined_in(workflow_paths):
-            support.refuse_unknown_fields(engine, run_id, event, payload)
+            support.refuse_unknown_fields(engine, run_id, event, payload, buffer=buffer)
             try:
                 result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
             except UnknownRun:

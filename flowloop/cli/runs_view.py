@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from flowloop.cli.common import Failed, db_option, json_option, open_reader, out
+from flowloop.cli.common import Failed, db_option, err, json_option, open_reader, out
 
 
 @click.command()
@@ -84,8 +84,9 @@ def status(
             limit=limit,
             after=after_id,
         )
-        if not infos and workflow is not None and after_id is None:
-            support.refuse_unknown_workflow(reader.store, workflow)  # (a misspelt name)
+        unknown = None
+        if not infos and workflow is not None and after_id is None:  # (a misspelt name?)
+            unknown = support.unknown_workflow_hint(reader.store, workflow)
         breakers = list(getattr(reader.store, "breakers", list)())
         held_ids = support.held_of(reader, infos)  # one read for the page
         if as_json:
@@ -101,6 +102,8 @@ def status(
                         break
                     table = status_table(rows, short, dropped)
             pressure = support.backpressure_lines(reader, workflow)
+    if unknown is not None:  # (on stderr: the listing, empty, is valid as it is)
+        err.print(unknown, markup=False)
     if as_json:
         page = {
             "runs": listed,
@@ -113,7 +116,7 @@ def status(
         return
     if infos:
         out.print(table)
-    else:  # an empty table said nothing of why (a misspelt workflow is refused above)
+    else:  # an empty table said nothing of why (a misspelt workflow: a hint on stderr)
         asked = [f"workflow {workflow!r}"] if workflow else []
         asked += [f"status {', '.join(statuses)}"] if statuses else []
         asked += [f"key {key!r}"] if key else []

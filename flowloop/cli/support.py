@@ -528,9 +528,31 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
     return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"
 
 
+def knows_workflow(store: Any, workflow: str) -> bool:
+    """Whether the database under ``store`` has a run of ``workflow`` or a stored
+    definition of it: one indexed EXISTS per table (a :class:`~flowloop.store.lite.LiteStore`'s
+    own query, else SQL on a SQLStore's)."""
+    own = getattr(store, "knows_workflow", None)
+    if own is not None:
+        return bool(own(workflow))
+    from sqlalchemy import exists, or_, select
+
+    from flowloop.store.reads import reading
+    from flowloop.store.schema import definitions, runs
+
+    query = select(
+        or_(
+            exists().where(runs.c.workflow == workflow),
+            exists().where(definitions.c.name == workflow),
+        )
+    )
+    with reading(store.engine) as conn:
+        return bool(conn.execute(query).scalar())
+
+
 def workflow_names(store: Any) -> set[str]:
     """Every workflow the database under ``store`` knows: a stored definition's or a run's
-    (a :class:`~flowloop.store.lite.LiteStore`'s own query, else SQL on a SQLStore's)."""
+    (a scan of the runs: only for a name :func:`knows_workflow` did not find)."""
     own = getattr(store, "workflow_names", None)
     if own is not None:
         return set(own())
@@ -544,41 +566,42 @@ def workflow_names(store: Any) -> set[str]:
         return {str(name) for name in conn.execute(query).scalars()}
 
 
-def refuse_unknown_workflow(store: Any, workflow: str) -> None:
-    """``status --workflow NAME`` that listed nothing: a name that neither this database
-    (a definition, a run) nor ./workflows knows is refused with the close ones (exit 2) —
-    a misspelt name printed an empty listing and exited 0, as a quiet workflow does."""
-    from flowloop.cli.common import DEFAULT_WORKFLOWS, load_workflow_paths
+def unknown_workflow_hint(store: Any, workflow: str) -> str | None:
+    """``status --workflow NAME`` that listed nothing: for a name that neither a run nor a
+    stored definition of this database has, the line to say on stderr with the close names
+    (``no workflow 'ordr' in this database; did you mean 'order'?``); None for a name it
+    knows. Only a hint: the listing stays valid (exit 0), since a workflow defined in code
+    has neither before its first run, and a script may poll for it. ./workflows is not
+    imported (its files are user code)."""
     from flowloop.suggest import did_you_mean
 
-    known = workflow_names(store)
-    if workflow in known:
-        return
-    if Path(DEFAULT_WORKFLOWS).is_dir():  # (defined there, not run yet: "no runs" is right)
-        try:
-            loaded = set(load_workflow_paths(()).workflows)
-        except Exception:  # (a file that does not load: only the hint is lost)
-            loaded = set()
-        if workflow in loaded:
-            return
-        known |= loaded
+    if knows_workflow(store, workflow):
+        return None
+    known = workflow_names(store)  # (the scan, only for a name that is really unknown)
     meant = did_you_mean(workflow, sorted(known), shown=repr)
     if meant:
         hint = f"; {meant}"
     else:
         hint = f" (known: {', '.join(sorted(known))})" if known else " (it has none yet)"
-    raise FlowloopError(f"no workflow {workflow!r} in this database{hint}")
+    return f"no workflow {workflow!r} in this database{hint}"
 
 
-def refuse_unknown_fields(engine: Engine, run_id: str, event: str, payload: Any) -> None:
+def refuse_unknown_fields(
+    engine: Engine, run_id: str, event: str, payload: Any, *, buffer: bool = False
+) -> None:
     """``send --data`` with a key that no field of the event's payload model takes: refused
     (exit 2) naming it and the field it comes close to — pydantic dropped it without a word
-    (a misspelt optional field: the event was applied without it). The model is the one of
-    the wait state the run is in, else of every wait state that takes the event (it is
-    kept for later): refused when none takes the key. A model that says itself what
-    becomes of extra keys (``extra="allow"``) takes them as before; anything else wrong
-    (no such run, event, workflow) is left for the send to say."""
-    from flowloop.definition import input_keys, unknown_keys
+    (a misspelt optional field: the event was applied without it). The keys are those
+    pydantic takes (:func:`~flowloop.definition.payload_keys`: an aliased field's alias,
+    its name only when the model validates by name too). The model is the one of the wait
+    state the run is in and that takes the event; with ``buffer``, when the run is
+    elsewhere, of every wait state that takes it (it is kept for later): refused only when
+    none takes the key, so not when one of them has no model (any payload goes). A model
+    that says itself what becomes of extra keys (``extra="allow"``) takes them as before.
+    Anything else wrong (no such run, event, workflow; a run finished, or not waiting where
+    the event is taken, without ``buffer``) is left for the send to say first."""
+    from flowloop import journal as j
+    from flowloop.definition import payload_keys, unknown_payload_keys
     from flowloop.suggest import did_you_mean
 
     if not isinstance(payload, dict) or not payload:
@@ -588,14 +611,28 @@ def refuse_unknown_fields(engine: Engine, run_id: str, event: str, payload: Any)
         workflow = engine.version_of(info.workflow, info.version)
     except FlowloopError:
         return
+    if info.finished:
+        return
     here = workflow.waits.get(info.state)
-    waits = [here] if here is not None and event in here.on else list(workflow.waits.values())
-    models = [wait.payloads[event] for wait in waits if event in wait.payloads]
-    unknown = [unknown_keys(model, payload) for model in models]
-    if not models or not all(unknown):
+    if (
+        here is not None
+        and event in here.on
+        and info.status == "scheduled"
+        and info.reason != j.ASLEEP  # (as the engine's `accepts`: taken now, by this model)
+    ):
+        waits = [here]
+    elif buffer:
+        waits = [wait for wait in workflow.waits.values() if event in wait.on]
+    else:
+        return  # (not taken now: the send says why)
+    if not waits or any(event not in wait.payloads for wait in waits):
+        return  # (none takes it: the send says so; one without a model takes any payload)
+    models = [wait.payloads[event] for wait in waits]
+    unknown = [unknown_payload_keys(model, payload) for model in models]
+    if not all(unknown):
         return
     model, names = models[0], unknown[0]
-    known = input_keys(model)
+    known = payload_keys(model)
     meant = did_you_mean(names[0], known, n=1, shown=repr)
     hint = f"; {meant}" if meant else ""
     fields = "field" if len(names) == 1 else "fields"

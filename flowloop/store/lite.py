@@ -242,6 +242,15 @@ class LiteStore:
             row = conn.execute(sql, (fingerprint,)).fetchone()
         return definition_structure(None if row is None else row[0], fingerprint)
 
+    def knows_workflow(self, workflow: str) -> bool:
+        """Whether a run of ``workflow`` or a stored definition of it is here (indexed)."""
+        sql = (
+            f"SELECT EXISTS (SELECT 1 FROM {RUNS} WHERE workflow = ?) "
+            "OR EXISTS (SELECT 1 FROM flowloop_definitions WHERE name = ?)"
+        )
+        with self._read() as conn:
+            return bool(conn.execute(sql, (workflow, workflow)).fetchone()[0])
+
     def workflow_names(self) -> set[str]:
         """Every workflow this database knows: a stored definition's or a run's."""
         sql = f"SELECT name FROM flowloop_definitions UNION SELECT workflow FROM {RUNS}"

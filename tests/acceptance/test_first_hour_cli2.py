@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -13,7 +14,8 @@ from unittest import mock
 
 import click
 import pytest
-from test_first_hour_cli import as_json, clean_env, here_cli, quick, refused
+from test_first_hour_cli import as_json, clean_env, quick, refused
+from test_first_hour_cli import flowloop as a_process
 
 import flowloop.cli
 from flowloop.cli import main
@@ -95,26 +97,58 @@ def started(here: Path, db: str, order_id: str) -> str:
 
 # -- 1: status --workflow with a misspelt name ---------------------------------------------
 
+IMPORTED = """
+    from pathlib import Path
 
-def test_status__a_misspelt_workflow_is_refused_with_the_one_meant(
+    Path("imported").write_text("yes")
+    raise SystemExit(3)
+"""
+
+
+def test_status__a_misspelt_workflow_lists_nothing_and_hints_on_stderr(
     here: Path, store_url: str
 ) -> None:
-    """Before: `no runs with workflow 'ordr'`, exit 0, as for a workflow that is quiet."""
+    """Before: `no runs with workflow 'ordr'`, exit 0, as for a workflow that is quiet,
+    and no word of the name. It stays a valid empty listing (a script polling a workflow
+    before its first run must keep working), with the close names on stderr."""
     started(here, store_url, "A1")
-    line = refused("status", "--workflow", "ordr", "--db", store_url, cwd=here)
-    assert line == "error: no workflow 'ordr' in this database; did you mean 'order'?"
-    line = quick("status", "--workflow", "zzz", "--json", "--db", store_url, cwd=here)
-    assert line == "error: no workflow 'zzz' in this database (known: order)"
-    # A workflow that is there, with no run that matches: as before.
-    shown = here_cli(
+    shown = a_process("status", "--workflow", "ordr", "--db", store_url, cwd=here)
+    assert shown.stdout == "no runs with workflow 'ordr'\n"
+    assert shown.stderr == "no workflow 'ordr' in this database; did you mean 'order'?\n"
+    shown = a_process("status", "--workflow", "zzz", "--json", "--db", store_url, cwd=here)
+    assert json.loads(shown.stdout)["runs"] == []
+    assert shown.stderr == "no workflow 'zzz' in this database (known: order)\n"
+    # A workflow that is there, with no run that matches: as before, nothing on stderr.
+    shown = a_process(
         "status", "--workflow", "order", "--status", "failed", "--db", store_url, cwd=here
     )
-    assert shown == "no runs with workflow 'order', status failed\n"
-    # Defined in ./workflows, never run on this database: no runs of it yet, as before.
-    (here / "workflows" / "invoices.py").write_text(textwrap.dedent(INVOICES).lstrip())
-    shown = here_cli("status", "--workflow", "invoice", "--db", store_url, cwd=here)
-    assert shown == "no runs with workflow 'invoice'\n"
+    assert (shown.stdout, shown.stderr) == ("no runs with workflow 'order', status failed\n", "")
     assert as_json("status", "--workflow", "order", "--db", store_url, cwd=here)["runs"]
+
+
+def test_status__a_workflow_before_its_first_run_is_an_empty_listing(
+    here: Path, store_url: str
+) -> None:
+    """Before: exit 2 `no workflow 'invoice' in this database` for a workflow defined in
+    code (not in ./workflows: status has no -w) that has not run yet, and for every
+    workflow when one file in ./workflows did not import; ./workflows' files were imported
+    (user code run by status: a file calling sys.exit ended it)."""
+    started(here, store_url, "A1")
+    (here / "workflows" / "broken.py").write_text(textwrap.dedent(IMPORTED).lstrip())
+    args = ("status", "--workflow", "invoice", "--db", store_url)
+    shown = a_process(*args, "--json", cwd=here)
+    page = json.loads(shown.stdout)
+    assert (page["runs"], page["truncated"], page["next_after"]) == ([], False, None)
+    assert shown.stderr == "no workflow 'invoice' in this database (known: order)\n"
+    assert a_process(*args, cwd=here).stdout == "no runs with workflow 'invoice'\n"
+    assert not (here / "imported").exists()
+    # Its first run: listed, and no hint.
+    (here / "invoices.py").write_text(textwrap.dedent(INVOICES).lstrip())
+    as_json("run", "invoices.py", "--context", '{"number": "7"}', "--db", store_url, cwd=here)
+    shown = a_process(*args, "--json", cwd=here)
+    assert [run["workflow"] for run in json.loads(shown.stdout)["runs"]] == ["invoice"]
+    assert shown.stderr == ""
+    assert not (here / "imported").exists()
 
 
 # -- 2: run with a misspelt workflow name --------------------------------------------------
@@ -132,6 +166,36 @@ def test_run__a_misspelt_workflow_name_names_the_target_meant(here: Path) -> Non
     assert line == "error: ordrs.py: no such file; did you mean workflows/orders.py?"
     assert quick("run", "nothing_like_it", cwd=here) == "error: nothing_like_it: no such file"
     assert not (here / "flowloop.db").exists()
+
+
+UNRULY = {  # ./workflows files a hint must not run (imported in this order before)
+    "a_prints.py": "print('hello from a_prints')\n",
+    "b_thread.py": "import threading\n\nthreading.Thread(target=threading.Event().wait).start()\n",
+    "c_exits.py": "import sys\n\nsys.exit(3)\n",
+    "d_broken.py": "def (:\n",
+    "e_invoices.py": textwrap.dedent(INVOICES)
+    .lstrip()
+    .replace("from flowloop import Workflow", "import flowloop")
+    .replace(
+        'Workflow("invoice", context=Invoice)', 'flowloop.Workflow(name="invoice", context=Invoice)'
+    ),
+}
+
+
+def test_run__a_misspelt_workflow_name_runs_no_file_of_workflows(here: Path) -> None:
+    """Before: the files of ./workflows were imported to find the name meant: a file's
+    print went into the output, a thread it started hung the process, its sys.exit(3)
+    ended it (exit 3, the real error never said). Now they are read, not run."""
+    for name, text in UNRULY.items():
+        (here / "workflows" / name).write_text(text)
+    shown = a_process("run", "ordr", "--context", CONTEXT, cwd=here, code=2)
+    assert shown.stdout == ""
+    assert shown.stderr == "error: ordr: no such file; did you mean workflows/orders.py:order?\n"
+    shown = a_process("start", "invoce", cwd=here, code=2)
+    assert (shown.stdout, shown.stderr) == (
+        "",
+        "error: invoce: no such file; did you mean workflows/e_invoices.py:invoice?\n",
+    )
 
 
 # -- 3: send --data with a misspelt optional field -----------------------------------------
@@ -166,6 +230,117 @@ def test_send__a_payload_field_the_model_has_not_is_refused_not_dropped(
     assert (sent["result"], sent["run"]["state"]) == ("applied", "cancelled")
 
 
+TICKETS = """
+    from pydantic import BaseModel, ConfigDict, Field
+
+    from flowloop import Workflow
+
+
+    class Ticket(BaseModel):
+        ticket_id: str
+        note: str | None = None
+
+
+    class Approval(BaseModel):  # validated by alias only, as pydantic does by default
+        by: str
+        note: str | None = Field(None, alias="comment")
+
+
+    class Remark(BaseModel):  # by alias and by name
+        model_config = ConfigDict(populate_by_name=True)
+        note: str | None = Field(None, alias="comment")
+
+
+    def noted(ctx: Ticket, given: Approval | Remark) -> None:
+        ctx.note = given.note
+
+
+    ticket_flow = Workflow("ticket", context=Ticket, key="ticket_id")
+
+
+    @ticket_flow.step(initial=True, next="review")
+    def open_ticket(ctx: Ticket) -> None: ...
+
+
+    ticket_flow.wait(
+        "review",
+        on={"approve": "second", "remark": "review", "hold": "held"},
+        payloads={"approve": Approval, "remark": Remark},
+        handlers={"approve": noted, "remark": noted},
+    )
+    ticket_flow.wait("held", on={"release": "review"})
+    ticket_flow.wait("second", on={"approve": "done"})  # no payload model: any payload
+    ticket_flow.final("done")
+"""
+
+
+def test_send__an_aliased_field_is_taken_by_the_keys_pydantic_takes(
+    here: Path, store_url: str
+) -> None:
+    """Before: a field's name counted as taken whatever its model's config: `note` for a
+    field aliased `comment` was suggested and accepted, and pydantic, validating by alias,
+    dropped it without a word."""
+    (here / "workflows" / "tickets.py").write_text(textwrap.dedent(TICKETS).lstrip())
+    context = '{"ticket_id": "T1"}'
+    run = as_json("run", "workflows/tickets.py", "--context", context, "--db", store_url, cwd=here)
+    run_id = run["run"]["id"]
+
+    def send(*args: str) -> str:
+        return quick("send", run_id, *args, "--db", store_url, cwd=here)
+
+    data = '{"by": "ann", "note": "rush"}'
+    line = refused("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert line == (
+        "error: --data: no field 'note' in Approval, the payload of 'approve' (fields: by, comment)"
+    )
+    assert send("approve", "--data", '{"by": "ann", "coment": "rush"}') == (
+        "error: --data: no field 'coment' in Approval, the payload of 'approve'; "
+        "did you mean 'comment'? (fields: by, comment)"
+    )
+    # A model that validates by name too takes both.
+    for data in ('{"note": "one"}', '{"comment": "two"}'):
+        sent = as_json("send", run_id, "remark", "--data", data, "--db", store_url, cwd=here)
+        assert sent["result"] == "applied"
+    assert sent["run"]["context"]["note"] == "two"
+    assert send("remark", "--data", '{"nte": "x"}') == (
+        "error: --data: no field 'nte' in Remark, the payload of 'remark'; "
+        "did you mean 'note'? (fields: note, comment)"
+    )
+    data = '{"by": "ann", "comment": "rush"}'
+    sent = as_json("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert (sent["result"], sent["run"]["state"]) == ("applied", "second")
+    assert sent["run"]["context"]["note"] == "rush"
+
+
+def test_send__buffer_takes_a_payload_a_wait_without_a_model_takes(
+    here: Path, store_url: str
+) -> None:
+    """Before: `send --buffer` was refused for a key the one payload model has not, though
+    another wait state taking the event has no model (it takes any payload, and the engine
+    keeps it); and a run not waiting for the event at all was told of a field, not that."""
+    (here / "workflows" / "tickets.py").write_text(textwrap.dedent(TICKETS).lstrip())
+    context = '{"ticket_id": "T2"}'
+    run = as_json("run", "workflows/tickets.py", "--context", context, "--db", store_url, cwd=here)
+    run_id = run["run"]["id"]
+    sent = as_json("send", run_id, "hold", "--db", store_url, cwd=here)
+    assert sent["run"]["state"] == "held"
+    data = '{"by": "ann", "signed": true}'
+    line = refused("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert not line.startswith("error: --data"), line  # (the run's state takes no approve)
+    assert "approve" in line and "release" in line, line
+    args = ("send", run_id, "approve", "--buffer", "--data", data, "--db", store_url)
+    assert as_json(*args, cwd=here)["result"] == "buffered"
+    # Back in review, the kept approve is taken (by Approval, which ignores `signed`).
+    sent = as_json("send", run_id, "release", "--db", store_url, cwd=here)
+    assert sent["run"]["state"] == "second"
+    sent = as_json("send", run_id, "approve", "--data", data, "--db", store_url, cwd=here)
+    assert sent["run"]["state"] == "done"
+    # A run that has ended: the send's own refusal, not a field's.
+    args = ("send", run_id, "approve", "--buffer", "--data", '{"nte": 1}', "--db", store_url)
+    line = quick(*args, cwd=here)
+    assert not line.startswith("error: --data"), line
+
+
 # -- 4: --context @DIR ---------------------------------------------------------------------
 
 
@@ -177,6 +352,18 @@ def test_context_from_a_directory__says_it_is_one(here: Path) -> None:
     assert line == "error: --data @workflows/: a directory, not a file; give @FILE.json"
     line = quick("start", "workflows/orders.py", "--contexts", "workflows", cwd=here)
     assert line == "error: --contexts workflows: a directory, not a file; give a .jsonl file"
+    assert not (here / "flowloop.db").exists()
+
+
+def test_context_from_no_file__says_none_was_given(here: Path) -> None:
+    """Before: `--context @: a directory, not a file` (the empty path is the current
+    directory), and `--contexts '': a directory` too."""
+    line = refused("run", "workflows/orders.py", "--context", "@", cwd=here)
+    assert line == "error: --context @: no file given after @; give @FILE.json"
+    line = quick("send", "abcd1234", "approve", "--data", "@", cwd=here)
+    assert line == "error: --data @: no file given after @; give @FILE.json"
+    line = quick("start", "workflows/orders.py", "--contexts", "", cwd=here)
+    assert line == "error: --contexts '': no file given; give a .jsonl file (or - for stdin)"
     assert not (here / "flowloop.db").exists()
 
 
