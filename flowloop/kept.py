@@ -8,10 +8,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
 from flowloop.definition import Workflow
 from flowloop.errors import error_line, storable
 from flowloop.events import accepted, accepts, receive, reject_kept
-from flowloop.journal import JournalEvent, RunRecord
+from flowloop.journal import ASLEEP, JournalEvent, RunRecord
 from flowloop.parking import park
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
@@ -23,6 +25,15 @@ from flowloop.versions import Registry, workflow_for
 log = logging.getLogger("flowloop")
 
 
+@dataclass
+class HandOver:
+    """How far one :func:`deliver_pending` went, also when it raised: the events that
+    left the inbox, and the ``last_seq`` of the run as it last read it."""
+
+    taken: int = 0
+    seq: int | None = None
+
+
 def deliver_pending(
     store: Store,
     workflows: Mapping[str, Workflow],
@@ -31,42 +42,64 @@ def deliver_pending(
     now: float,
     worker: str,
     park_refused: bool = False,
+    done: HandOver | None = None,
 ) -> int:
     """Hand a waiting run the oldest buffered events its current state accepts, one after
     another (each may lead to another wait); one it cannot take is rejected (journaled, out
-    of the inbox) and the next is tried. Returns how many left the inbox.
+    of the inbox) and the next is tried. Returns how many left the inbox (also counted in
+    ``done``, which says how far it went when it raises).
     ``park_refused``: a run the loaded definition cannot take is parked (as a claim parks
     it; its kept events stay kept), not left as it is (the recovery sweep's hand-over,
-    which would otherwise find it again at every look)."""
-    consumed = 0
+    which would otherwise find it again at every look). A run a claim would fail instead
+    (its row or context unreadable) is left as it is, as a worker's start leaves it."""
+    done = HandOver() if done is None else done
     while True:
         pending = store.pending_events(run_id)
         if not pending:  # the usual case: one read, nothing kept for this run
-            return consumed
+            return done.taken
         stored = store.get_run(run_id)
-        if stored is None or stored.record.workflow not in workflows:
-            return consumed
+        if stored is None or stored.problem is not None or stored.record.workflow not in workflows:
+            return done.taken
+        done.seq = stored.record.last_seq
         workflow = workflow_for(workflows, stored.record)
         record = stored.record
-        if stored.owner is not None or not accepted(workflow, record.state):
-            return consumed
+        if not _waiting(store, workflow, stored):
+            return done.taken  # taken by a worker, paused, stopped, gone on, asleep, held
         refused = _refusal(store, workflow, record)
         if refused is not None:
             # A definition that would park it: a claim or a start parks it (a wait
             # without a timeout is never claimed: the sweep parks it, when asked).
-            if park_refused:
+            if park_refused and refused.outcome == "paused":
                 _park(store, stored, refused, now=now, worker=worker)
-            return consumed
-        if record.join is not None and isinstance(store, JoinStoreMixin) and store.is_held(run_id):
-            return consumed  # a map's child held back: handed over when its turn comes
+            return done.taken
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
         if message is None:
-            return consumed
+            return done.taken
         entry, after = take_kept(workflow, record, message, now=now, worker=worker)
         boundary = Boundary(events=[entry], record=after, fence=Fence(None, stored.lease_epoch))
         if store.deliver(message, boundary) != "applied":
-            return consumed
-        consumed += 1
+            return done.taken
+        done.taken += 1
+
+
+def _waiting(store: Store, workflow: Workflow, stored: StoredRun) -> bool:
+    """Whether ``stored`` waits, free, in a wait state of ``workflow``: no worker holds it,
+    it is ``scheduled`` (not paused or stopped by an operator meanwhile), not asleep
+    before the state, and not a map's child held back for its turn (handed over when its
+    turn comes). What a sweep may hand kept events to, or park: a write based on
+    ``stored`` is fenced on its ``last_seq``, so a change after this read refuses it."""
+    record = stored.record
+    if (
+        stored.owner is not None
+        or record.status != "scheduled"
+        or record.reason == ASLEEP
+        or not accepted(workflow, record.state)
+    ):
+        return False
+    # (Held only ever turns open: a child read open stays so.)
+    return not (
+        record.join is not None and isinstance(store, JoinStoreMixin) and store.is_held(record.id)
+    )
 
 
 def _refusal(
@@ -156,7 +189,8 @@ HAND_OVER_TRIES: Final = 3
 """Looks in a row (:func:`hand_over_stranded`) at which handing a run its kept events may
 fail before the run is parked (``kept_events_failed``, the error in its journal): the
 error was retried at every recovery sweep, for ever, and said once. An outage does not
-count; nor does a look that hands the run over."""
+count, nor does a pool's timeout (the pool busy, not the run failing); a look that hands
+the run anything over starts the count again, also when it fails after that."""
 KEPT_EVENTS_FAILED: Final = "kept_events_failed"
 SLOW_LOOK_SECONDS: Final = 0.05
 LOOK_SPACING: Final = 100.0
@@ -279,23 +313,31 @@ def _hand_over(
     """One stranded run's kept events handed over (how many), or its failure counted,
     logged and, when it is the run's to fix or repeats, the run parked."""
     tries = 0 if failing is None else failing.get(run_id, 0)
+    done = HandOver()
     try:
-        taken = deliver_pending(store, workflows, run_id, now=now, worker=worker, park_refused=True)
+        deliver_pending(
+            store, workflows, run_id, now=now, worker=worker, park_refused=True, done=done
+        )
     except Exception as error:
         level = logging.DEBUG if tries else logging.WARNING
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
-        if is_outage(error):
-            return 0  # the database's, not the run's: not counted
-        tries += 1
-        parked = _park_failing(store, workflows, run_id, error, tries=tries, now=now, worker=worker)
-        if failing is not None:
-            failing[run_id] = tries
-            if parked:
-                del failing[run_id]
-        return 0
+        if done.taken:
+            pass  # it took some (it moved on): a look that handed it over, not a failed one
+        elif is_outage(error) or isinstance(error, PoolTimeout):
+            return 0  # the database's (or a pool busy with other work), not the run's
+        else:
+            tries += 1
+            parked = _park_failing(
+                store, workflows, run_id, error, tries=tries, seen=done.seq, now=now, worker=worker
+            )
+            if failing is not None:
+                failing[run_id] = tries
+                if parked:
+                    del failing[run_id]
+            return 0
     if failing is not None:
         failing.pop(run_id, None)
-    return taken
+    return done.taken
 
 
 def _park_failing(
@@ -305,21 +347,31 @@ def _park_failing(
     error: Exception,
     *,
     tries: int,
+    seen: int | None,
     now: float,
     worker: str,
 ) -> bool:
     """Park a waiting run whose kept events could not be handed over: at once when the
     loaded definition, validating its context, refuses it (a claim would park it so: a
     validator changed, …), else at its :data:`HAND_OVER_TRIES`-th failed look in a row
-    (``kept_events_failed``). Whether it was parked; a failure to park is logged (the next
-    look tries again)."""
+    (``kept_events_failed``). Only the run as the failed hand-over read it (``seen``, its
+    ``last_seq``; ``None``: not read) and still waiting (:func:`_waiting`): not one that
+    went on, nor one an operator paused or stopped meanwhile; and not one a claim would
+    fail (its row or context unreadable: left as it is). Whether it was parked; a failure
+    to park is logged (the next look tries again)."""
     try:
         stored = store.get_run(run_id)
-        if stored is None or stored.owner is not None or stored.record.workflow not in workflows:
+        if stored is None or stored.problem is not None or stored.record.workflow not in workflows:
             return False
+        if seen is not None and stored.record.last_seq != seen:
+            return False  # it moved since: not the run that failed (the next look sees)
         workflow = workflow_for(workflows, stored.record)
+        if not _waiting(store, workflow, stored):
+            return False
         verdict = _refusal(store, workflow, stored.record, validate=True)
         if verdict is not None:
+            if verdict.outcome != "paused":
+                return False  # (a claim would fail it: not parked under another name)
             return _park(store, stored, verdict, now=now, worker=worker)
         if tries < HAND_OVER_TRIES:
             return False

@@ -103,8 +103,13 @@ def park(
     """Park ``stored`` (a run no worker holds) ``paused`` with ``reason``, in one write
     fenced on its lease epoch, as an operator's pause: nothing it has (its kept events
     included) is lost, ``flowloop unpause`` continues it. Whether it was parked (not:
-    another writer moved it first)."""
+    another writer moved it first). Only a ``scheduled`` run, not asleep, as ``stored``
+    holds it: the write follows its ``last_seq``, so a pause or a stop an operator wrote
+    after that read refuses it; one written before it is never overwritten (a second
+    ``run_paused`` with this reason) nor folded into an error (a stopped run)."""
     record = stored.record
+    if stored.owner is not None or record.status != "scheduled" or record.reason == j.ASLEEP:
+        return False
     event = JournalEvent(
         run_id=record.id,
         seq=record.last_seq + 1,

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import unquote
 
 from sqlalchemy.exc import DataError, SQLAlchemyError
 from starlette.applications import Starlette
@@ -37,7 +38,7 @@ from flowloop.loops import Loop
 from flowloop.store.sql import SQLStore
 from flowloop.ui import actions, api, pages
 from flowloop.ui.diagrams import Machines, SvgCache
-from flowloop.ui.paths import EncodedSlashes, segment
+from flowloop.ui.paths import RUN_PATHS, EncodedSlashes, segment
 from flowloop.ui.queries import NUL, BadInput, NotFound
 from flowloop.ui.security import HEADERS, SecurityHeaders
 
@@ -128,8 +129,21 @@ def _whole_run_url(request: Request) -> str | None:
         return None
     if whole == given:
         return None
-    path = request.url.path.replace(f"/{given}", f"/{whole}", 1)
-    return path + (f"?{request.url.query}" if request.url.query else "")
+    # The path as routed (EncodedSlashes keeps %2F and %25 in it; the rest decoded): the
+    # id's segment is the one after /runs/ or /api/runs/, put back encoded whole.
+    # (Replacing the decoded id in it found nothing for an id with / or %: a redirect to
+    # itself; and left the whole id's / unencoded: a wrong address.)
+    path, root = str(request.scope["path"]), str(request.scope.get("root_path", ""))
+    root = root if root and path.startswith(root) else ""
+    routed = path[len(root) :]
+    prefix = next((p for p in RUN_PATHS if routed.startswith(p)), None)
+    if prefix is None:
+        return None
+    sent, slash, rest = routed[len(prefix) :].partition("/")
+    if unquote(sent) != given:  # (not the id the route took: no redirect, not a loop)
+        return None
+    moved = f"{root}{prefix}{segment(whole)}{slash}{rest}"
+    return moved + (f"?{request.url.query}" if request.url.query else "")
 
 
 async def _on_http_error(request: Request, error: Exception) -> Response:
