@@ -578,8 +578,11 @@ class Engine(Operations, LoopControls, RunReading):
             self._unmade(new)
             refuse_held_back(database_of(self.store), workflow, new.limit_key)
         sent = time.monotonic()  # the lease is counted from before the request that set it
-        with self._making(new):
+        try:  # what ``with self._making(new)`` does, without a generator per run
             stored, created = self.store.create_run(new)
+        except BaseException:
+            self._unmade(new)
+            raise
         if not created:
             self._unmade(new)
             starts.refuse_foreign(stored, workflow, new)
@@ -602,9 +605,8 @@ class Engine(Operations, LoopControls, RunReading):
             executor.tracked.add(stored.id)
             try:
                 task = executor.spawn(stored, starting=False, claimed_at=sent)
-                # Awaited directly (asyncio.wait costs an event-loop turn more per run). A
-                # CancelledError from it is the caller's or the run's own end, told apart
-                # below; either way the run's task has ended when it comes.
+                # Awaited directly (asyncio.wait: a loop turn more per run). A CancelledError
+                # is the caller's or the run's own end, told apart below (the task has ended).
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
                 if caller is not None and caller.cancelling() > cancels_before:

@@ -24,6 +24,15 @@ class _Plan(NamedTuple):
     names: frozenset[str]
     defaults: dict[str, Any]
     factories: tuple[tuple[str, Callable[[], Any]], ...]
+    template: dict[str, Any]
+    """Every field, in order: its default, or :data:`_UNSET` (required, or made by a
+    factory). A new instance's dict starts as a copy of it (a dict copied whole into an
+    empty one is cloned at C speed) and takes the given values over it."""
+    required: tuple[str, ...]
+
+
+_UNSET: Any = object()
+"""A field of :attr:`_Plan.template` no default fills."""
 
 
 _PLANS: dict[type[Any], _Plan] = {}
@@ -37,14 +46,17 @@ def _plan(cls: type[Any]) -> _Plan:
     fields = dataclasses.fields(cls)
     if len(fields) != len(cls.__dataclass_fields__):  # an InitVar or a ClassVar
         raise TypeError(f"{cls.__name__}: build() serves plain fields only")
+    defaults = {f.name: f.default for f in fields if f.default is not dataclasses.MISSING}
+    factories = tuple(
+        (f.name, f.default_factory) for f in fields if f.default_factory is not dataclasses.MISSING
+    )
+    made_by = {name for name, _ in factories}
     plan = _PLANS[cls] = _Plan(
         names=frozenset(f.name for f in fields),
-        defaults={f.name: f.default for f in fields if f.default is not dataclasses.MISSING},
-        factories=tuple(
-            (f.name, f.default_factory)
-            for f in fields
-            if f.default_factory is not dataclasses.MISSING
-        ),
+        defaults=defaults,
+        factories=factories,
+        template={f.name: defaults.get(f.name, _UNSET) for f in fields},
+        required=tuple(f.name for f in fields if f.name not in defaults.keys() | made_by),
     )
     return plan
 
@@ -53,19 +65,20 @@ def build(cls: type[T], values: Mapping[str, Any]) -> T:
     """``cls(**values)`` for a frozen dataclass, its dict filled at once. Raises
     TypeError for an unknown field or a missing required one."""
     plan = _PLANS.get(cls) or _plan(cls)
-    if not values.keys() <= plan.names:
-        unknown = ", ".join(sorted(values.keys() - plan.names))
-        raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
     made = object.__new__(cls)
     fields = vars(made)
-    fields.update(plan.defaults)
+    fields.update(plan.template)
+    fields.update(values)
+    if len(fields) != len(plan.names):  # the template holds every field: more is unknown
+        unknown = ", ".join(sorted(values.keys() - plan.names))
+        raise TypeError(f"{cls.__name__} has no field(s) {unknown}")
     for name, factory in plan.factories:
         if name not in values:
             fields[name] = factory()
-    fields.update(values)
-    if len(fields) != len(plan.names):
-        missing = ", ".join(sorted(plan.names - fields.keys()))
-        raise TypeError(f"{cls.__name__} needs {missing}")
+    for name in plan.required:
+        if fields[name] is _UNSET:
+            missing = ", ".join(sorted(n for n in plan.required if fields[n] is _UNSET))
+            raise TypeError(f"{cls.__name__} needs {missing}")
     return made
 
 
@@ -73,7 +86,7 @@ def replaced(made: T, **change: Any) -> T:
     """``dataclasses.replace(made, **change)`` for a frozen dataclass :func:`build` serves,
     its dict copied (``replace`` calls the generated ``__init__`` through a generic path)."""
     plan = _PLANS.get(type(made)) or _plan(type(made))
-    if not change.keys() <= plan.names:
+    if not plan.names.issuperset(change):
         unknown = ", ".join(sorted(change.keys() - plan.names))
         raise TypeError(f"{type(made).__name__} has no field(s) {unknown}")
     copy = object.__new__(type(made))

@@ -259,3 +259,27 @@ def test_a_stop_still_reaches_a_run_after_a_nested_engine_run_in_its_step(
         info = engine.run(outer, Ctx())
         assert cancelled.is_set()
         assert (info.status, info.reason) == ("stopped", "stopped during step")
+
+
+def test_a_creation_that_fails_in_engine_run_forgets_the_new_runs_trace(store_url: str) -> None:
+    # Engine.arun's creation forgets a run it did not make (its trace) when the store
+    # raises, as ``_making`` does for the other starts (inlined there: once per run).
+    workflow = Workflow("unmade_on_failure", context=Ctx)
+
+    @workflow.step(initial=True, next="done")
+    async def only(ctx: Ctx) -> None:
+        pass
+
+    workflow.final("done")
+    engine = Engine(store_url, workflows=[workflow])
+    forgotten: list[str] = []
+    engine.trace_forget = forgotten.append
+
+    def refuse(new: object) -> object:
+        raise sa.exc.OperationalError("INSERT", {}, Exception("database is gone"))
+
+    engine.store.create_run = refuse  # type: ignore[method-assign]
+    with pytest.raises(sa.exc.OperationalError):
+        engine.run(workflow, Ctx())
+    assert len(forgotten) == 1 and len(forgotten[0]) == 32
+    engine.close()

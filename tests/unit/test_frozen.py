@@ -43,6 +43,22 @@ def test_frozen__unknown_and_missing_fields_raise_as_the_constructor_does() -> N
         new_event({"run_id": "r", "seq": 1})
 
 
+def test_frozen__a_build_starts_from_the_fields_defaults_whatever_the_last_one_gave() -> None:
+    # Every instance's dict starts as a copy of its class's template: what one build gives
+    # reaches neither the template nor the next build, and a field left out is its default
+    # (or the factory's fresh value), never another instance's.
+    first = new_event({"run_id": "r", "seq": 1, "kind": "k", "at": 0.0, "state": "s"})
+    second = new_event({"run_id": "q", "seq": 2, "kind": "k", "at": 0.0})
+    assert first.state == "s" and second.state is None and second.data == {}
+    assert second == JournalEvent(run_id="q", seq=2, kind="k", at=0.0)
+    # Unknown and missing at once: the unknown one is named, as the constructor names an
+    # unexpected keyword before any missing argument.
+    with pytest.raises(TypeError, match=r"no field.* stat"):
+        new_event({"run_id": "r", "stat": "x"})
+    with pytest.raises(TypeError, match="needs at, kind, seq"):
+        new_event({"run_id": "r", "data": {"x": 1}})
+
+
 def test_frozen__classes_it_cannot_fill_are_refused() -> None:
     @dataclasses.dataclass(frozen=True)
     class Checked:

@@ -52,3 +52,16 @@ def test_the_clock_wraps_after_40_bits_instead_of_growing_the_id(
     at(monkeypatch, EPOCH_MS + (1 << 40) + 7)
     run_id = new_run_id()
     assert len(run_id) == 32 and run_id[:10] == "0000000007"
+
+
+def test_the_random_part_is_the_88_bits_secrets_randbits_drew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The id writes os.urandom's 11 bytes as hex; secrets.randbits(88), which it wrote
+    # before, reads the same bytes big-endian: the same digits, leading zeros kept.
+    drawn = bytes([0, 0, 7, *range(250, 255), 1, 2, 3])
+    monkeypatch.setattr(runids.os, "urandom", lambda n: drawn[:n])
+    at(monkeypatch, EPOCH_MS + 0xABC)
+    run_id = new_run_id()
+    assert run_id == f"{0xABC:010x}{int.from_bytes(drawn, 'big'):022x}"
+    assert len(run_id) == 32 and run_id[10:13] == "000"
