@@ -650,7 +650,10 @@ def _own_way(model: type[BaseModel]) -> bool:
     configured, a root model, a model validator that sees the raw input."""
     if model.model_config.get("extra") is not None or issubclass(model, RootModel):
         return True
-    validators = model.__pydantic_decorators__.model_validators.values()
+    decorators = model.__pydantic_decorators__
+    validators: list[Any] = [*decorators.model_validators.values()]
+    validators += decorators.root_validators.values()
+    # (A v1-style @root_validator(pre=True) is filed apart, as a root validator "before".)
     return any(validator.info.mode in ("before", "wrap") for validator in validators)
 
 

@@ -7,12 +7,13 @@ due time only when the state has a timeout. An event sent to it (or the timeout)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-from pydantic import ValidationError
+from pydantic import AliasChoices, BaseModel, ValidationError
 
 from flowloop import journal as j
 from flowloop import lifecycle
@@ -450,3 +451,37 @@ def _payload(model: Any, event: str, payload: str | None) -> Any:
         raise InvalidPayload(
             f"payload of event {event!r} is invalid: {describe_validation(error)}"
         ) from None
+
+
+def payload_json(payload: BaseModel) -> dict[str, Any]:
+    """``payload`` as the JSON object a send journals, in the keys its model validates by:
+    a payload is validated from its JSON (by alias, as pydantic does unless the model says
+    otherwise), so a model with aliases dumped by field name lost those fields (``Field
+    required``). The first of these that gives the payload back: keyed by each field's
+    validation alias, dumped by alias, dumped by name."""
+    model = type(payload)
+    by_name = payload.model_dump(mode="json")
+    for dumped in (
+        _by_validation_alias(model, by_name),
+        payload.model_dump(mode="json", by_alias=True),
+        by_name,
+    ):
+        with contextlib.suppress(ValidationError):
+            if model.model_validate(dumped) == payload:
+                return dumped
+    return by_name
+
+
+def _by_validation_alias(model: type[BaseModel], by_name: dict[str, Any]) -> dict[str, Any]:
+    """``by_name`` with each field's key the first name it is validated by (its validation
+    alias, else its alias, else its name; a path alias keeps the name)."""
+    keyed = dict(by_name)
+    for name, field in model.model_fields.items():
+        if name not in keyed:
+            continue
+        key = field.validation_alias if field.validation_alias is not None else field.alias
+        if isinstance(key, AliasChoices):
+            key = key.choices[0]
+        if isinstance(key, str) and key != name:
+            keyed[key] = keyed.pop(name)
+    return keyed

@@ -40,6 +40,7 @@ from flowloop.events import (
     check_bufferable,
     due_before_pause,
     entering,
+    payload_json,
     receive,
     sleep_end,
     stored_wait_due,
@@ -427,7 +428,7 @@ class Operations:
         ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``).
         """
         if isinstance(payload, BaseModel):
-            payload = payload.model_dump(mode="json")
+            payload = payload_json(payload)
         run_id = self.resolve(run_id)
         check_key("dedupe key", dedupe_key)
         check_finite("payload", payload)

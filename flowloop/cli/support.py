@@ -530,8 +530,9 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
 
 def knows_workflow(store: Any, workflow: str) -> bool:
     """Whether the database under ``store`` has a run of ``workflow`` or a stored
-    definition of it: one indexed EXISTS per table (a :class:`~flowloop.store.lite.LiteStore`'s
-    own query, else SQL on a SQLStore's)."""
+    definition of it: one EXISTS per table, the runs' through an index, the definitions'
+    (a small table) without one (a :class:`~flowloop.store.lite.LiteStore`'s own query,
+    else SQL on a SQLStore's)."""
     own = getattr(store, "knows_workflow", None)
     if own is not None:
         return bool(own(workflow))

@@ -243,7 +243,7 @@ class LiteStore:
         return definition_structure(None if row is None else row[0], fingerprint)
 
     def knows_workflow(self, workflow: str) -> bool:
-        """Whether a run of ``workflow`` or a stored definition of it is here (indexed)."""
+        """Whether a run of ``workflow`` (by an index) or a stored definition of it is here."""
         sql = (
             f"SELECT EXISTS (SELECT 1 FROM {RUNS} WHERE workflow = ?) "
             "OR EXISTS (SELECT 1 FROM flowloop_definitions WHERE name = ?)"
