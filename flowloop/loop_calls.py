@@ -5,6 +5,7 @@ Not in :mod:`flowloop.errors` (the pure core, which imports no asyncio)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, TypeVar
@@ -38,52 +39,99 @@ async def loop_errors(call: Awaitable[T], name: str) -> T:
 class TimedCalls:
     """Loop functions called under their ``timeout=``, which ends the iteration even when
     the function swallows the cancellation (``asyncio.wait_for`` waits for the function
-    to end: for ever, then). Such a function is abandoned, still running; the loop's next
-    call waits for it first (never two calls of one loop at once), under its own timeout."""
+    to end: for ever, then). Such a function is abandoned, still running: the scheduler
+    holds the loop until it ends (:meth:`ended`), and the loop's next call waits for it
+    first (never two calls of one loop at once), under its own timeout."""
 
     def __init__(self) -> None:
         self.runaways: dict[str, asyncio.Task[Any]] = {}
-        """The calls abandoned still running, by loop."""
+        """The calls abandoned still running, by loop (each dropped as it ends)."""
 
     async def call(self, start: Callable[[], Awaitable[T]], *, name: str, timeout: float) -> T:
         """``start()`` (a call of loop ``name``'s function) under :func:`loop_errors`, cut
         off after ``timeout`` seconds with a :class:`StepTimeout`; a cancellation of the
         caller cuts it off too."""
-        previous = self.runaways.get(name)
-        if previous is not None and previous.done():
-            del self.runaways[name]
-            previous = None
+        previous = self.running(name)
         task = asyncio.ensure_future(_after(previous, start, name))
         try:
             done, _ = await asyncio.wait([task], timeout=timeout)
         except asyncio.CancelledError:
-            await self._cut_off(task, name)
+            await self._cut_off(task, previous, name)
             raise
         if task in done:
             return task.result()
-        await self._cut_off(task, name)
+        await self._cut_off(task, previous, name)
         raise StepTimeout(f"loop {name!r} iteration took longer than {timeout:g}s")
 
-    async def _cut_off(self, task: asyncio.Task[Any], name: str) -> None:
+    def running(self, name: str) -> asyncio.Task[Any] | None:
+        """Loop ``name``'s call abandoned still running, if any."""
+        task = self.runaways.get(name)
+        return task if task is not None and not task.done() else None
+
+    async def ended(self, name: str) -> None:
+        """Wait until loop ``name``'s abandoned call, if any, has ended."""
+        while (task := self.running(name)) is not None:
+            await asyncio.wait([task])
+
+    async def _cut_off(
+        self, task: asyncio.Task[Any], previous: asyncio.Task[Any] | None, name: str
+    ) -> None:
         task.cancel()
-        await asyncio.wait([task], timeout=CUT_OFF_GRACE_SECONDS)
-        if task.done():
-            if not task.cancelled():
-                task.exception()  # (retrieved: the iteration's outcome is its cut-off)
-            return
+        # Tracked before the wait: a second cancellation during it (a stop, the worker's
+        # end) must not lose the call still running (before, the next call overlapped it
+        # and asyncio.run waited for it for ever).
         self.runaways[name] = task
-        log.warning(
-            "loop %s: its function ignores the cancellation of its iteration and still "
-            "runs; abandoned (the loop's next iteration waits for it)",
-            name,
-            extra={"loop": name, "event": "iteration_runaway"},
-        )
+        try:
+            await asyncio.wait([task], timeout=CUT_OFF_GRACE_SECONDS)
+        finally:
+            if task.done():
+                self._ended(task, name, previous, abandoned=False)
+            else:
+                log.warning(
+                    "loop %s: its function did not end within %gs of the cancellation of its "
+                    "iteration; abandoned, still running (the loop is held until it ends)",
+                    name,
+                    CUT_OFF_GRACE_SECONDS,
+                    extra={"loop": name, "event": "iteration_runaway"},
+                )
+                task.add_done_callback(
+                    functools.partial(self._ended, name=name, previous=previous, abandoned=True)
+                )
+
+    def _ended(
+        self,
+        task: asyncio.Task[Any],
+        name: str,
+        previous: asyncio.Task[Any] | None,
+        *,
+        abandoned: bool,
+    ) -> None:
+        """``task`` (a call cut off) has ended: its outcome retrieved (an abandoned one's
+        logged: it is no iteration's any more), and the loop's abandoned call is the one it
+        waited for again, if that still runs."""
+        if self.runaways.get(name) is task:
+            if previous is not None and not previous.done():
+                self.runaways[name] = previous
+            else:
+                del self.runaways[name]
+        error = None if task.cancelled() else task.exception()
+        if abandoned:
+            outcome = "cancelled" if task.cancelled() else "returned"
+            if error is not None:
+                outcome = f"raised {type(error).__name__}: {error}"
+            log.log(
+                logging.WARNING if error is not None else logging.INFO,
+                "loop %s: its abandoned function ended: %s",
+                name,
+                outcome,
+                extra={"loop": name, "event": "iteration_runaway_ended"},
+            )
 
     def forget(self) -> None:
         """At the scheduler's end: cancel the abandoned calls once more, and leave those
         that still run out of the event loop's tasks, which ``asyncio.run`` cancels and
         then waits for as it ends — for ever, for such a call (the worker hung there)."""
-        for name, task in self.runaways.items():
+        for name, task in list(self.runaways.items()):
             if task.done():
                 continue
             task.cancel()

@@ -9,16 +9,34 @@ that alone, the outcome is decided again on the row as it is now.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+import logging
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from flowloop import loop_slots as slots
+from flowloop.alerts import Alert, loop_alerts
 from flowloop.loops import Loop
 from flowloop.store.loops import LoopRow, LoopStoreMixin
 
+log = logging.getLogger("flowloop.loops")
+
 OUTCOME_TRIES: Final = 8
 """Writes of one outcome refused because its request changed meanwhile, before the
-worker gives it up as a lost lease (recovery settles the iteration then)."""
+worker leaves it for its next poll (the loop still held: its lease renewed meanwhile)."""
+
+LOST_UNRECORDED: Final = "lost its lease; the outcome was not recorded"
+
+
+class Refused(enum.Enum):
+    """Why :func:`record` wrote nothing."""
+
+    LOST = "lost"
+    """The worker no longer holds the loop (its lease lost or run out, settled by another)."""
+    CONTENDED = "contended"
+    """Its request changed before each of :data:`OUTCOME_TRIES` writes: still held, the
+    outcome is to be written again later (before, given up as a lost lease: recovery
+    journaled the iteration interrupted, whatever its outcome)."""
 
 
 def record(
@@ -35,10 +53,9 @@ def record(
     manual: bool,
     worker: str,
     now: Callable[[], float],
-) -> slots.LoopWrite | None:
+) -> slots.LoopWrite | Refused:
     """Write the outcome of the iteration ``row`` (as fired by ``worker``) started: the
-    write done, or None when the worker no longer holds the loop (its lease lost or run
-    out, the loop settled by another) — nothing written then."""
+    write done, or why nothing was written (:class:`Refused`)."""
     for _ in range(OUTCOME_TRIES):
         fresh = store.get_loop(loop.name)
         control = fresh.control if fresh is not None else None
@@ -68,8 +85,8 @@ def record(
             return write
         again = store.get_loop(loop.name)
         if again is None or again.control == control or not _still_held(again, row, worker):
-            return None  # refused for another reason than its request
-    return None
+            return Refused.LOST  # refused for another reason than its request
+    return Refused.CONTENDED
 
 
 def _still_held(now: LoopRow, fired: LoopRow, worker: str) -> bool:
@@ -80,3 +97,89 @@ def _still_held(now: LoopRow, fired: LoopRow, worker: str) -> bool:
         and now.lease_epoch == fired.lease_epoch
         and now.last_seq == fired.last_seq
     )
+
+
+def say_refused(name: str, refused: Refused) -> None:
+    if refused is Refused.LOST:
+        log.warning(
+            "loop %s: lost its lease; this worker did not record its outcome",
+            name,
+            extra={"loop": name, "event": "lease_lost"},
+        )
+    else:
+        log.warning(
+            "loop %s: its request changed before each of %d writes of the iteration's "
+            "outcome; writing it again at the next poll (the loop still held)",
+            name,
+            OUTCOME_TRIES,
+            extra={"loop": name, "event": "outcome_contended"},
+        )
+
+
+def say_finished(
+    loop: Loop,
+    row: LoopRow,
+    write: slots.LoopWrite,
+    *,
+    slot: float,
+    outcome: str,
+    error: str | None,
+    attempts: int,
+    duration: float,
+    listeners: Sequence[Callable[[str, str, float, int], None]],
+) -> None:
+    """Log a recorded iteration and tell the iteration listeners (metrics)."""
+    log.info(
+        "loop %s iteration %d %s in %.1f ms",
+        loop.name,
+        row.iterations + 1,
+        outcome,
+        duration * 1000,
+        extra={
+            "loop": loop.name,
+            "iteration": row.iterations + 1,
+            "slot": slot,
+            "event": "iteration_finished",
+            "outcome": outcome,
+            "duration": duration,
+            "attempt": attempts,
+            "error": error,
+            "skipped": write.skipped,
+        },
+    )
+    for listener in listeners:
+        try:
+            listener(loop.name, outcome, duration, write.skipped)
+        except Exception:  # metrics must never stop the scheduler
+            log.exception("iteration listener failed")
+
+
+def say_abandoned(name: str, number: int, duration: float) -> None:
+    """The heartbeat fenced this worker off the iteration: whatever it did, nothing is
+    written for it (the write would be refused anyway, or land only because no other
+    worker has recovered the loop yet); recovery journals it interrupted."""
+    log.info(
+        "loop %s iteration %d abandoned after %.1f ms: lost its lease; not recorded",
+        name,
+        number,
+        duration * 1000,
+        extra={"loop": name, "iteration": number, "event": "iteration_abandoned"},
+    )
+
+
+def alert(
+    send: Callable[[Alert], None],
+    loop: Loop,
+    write: slots.LoopWrite,
+    error: str | None,
+    skipped_before: int,
+) -> None:
+    """Raise the alerts a recorded outcome (or an interruption) calls for."""
+    for each in loop_alerts(
+        loop.name,
+        paused=write.reason if write.gave_up else None,
+        error=error,
+        skipped_before=skipped_before,
+        skipped_now=write.skipped,
+    ):
+        send(each)

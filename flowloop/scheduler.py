@@ -25,7 +25,7 @@ from typing import Any, Final
 
 from flowloop import loop_deploys, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
-from flowloop.alerts import Alert, loop_alerts
+from flowloop.alerts import Alert
 from flowloop.clock import Clock
 from flowloop.executor import (
     OUTAGE_BACKOFF_START,
@@ -69,6 +69,8 @@ class _Running:
     stop_requested: bool = False
     lease_lost: bool = False
     """The heartbeat found the lease gone: the iteration is abandoned, nothing recorded."""
+    settling: bool = False
+    """Its function, cut off, still runs: the loop is held until it ends (nothing to cancel)."""
 
 
 class Scheduler:
@@ -104,6 +106,7 @@ class Scheduler:
         self._manual: set[str] = set()  # running a trigger or backfill iteration
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._timed = TimedCalls()
+        self._unrecorded: dict[str, Callable[[], None]] = {}  # outcomes to write again
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -252,6 +255,9 @@ class Scheduler:
                 if self.clock.monotonic() - last_poll >= self.poll_seconds:
                     last_poll = self.clock.monotonic()
                     self._poll_changes()
+                    for name, write_again in list(self._unrecorded.items()):
+                        del self._unrecorded[name]
+                        write_again()
                 if self.clock.monotonic() - last_recovery >= RECOVERY_EVERY_SECONDS:
                     last_recovery = self.clock.monotonic()
                     self._recover_quietly()
@@ -341,7 +347,8 @@ class Scheduler:
         if running is not None:
             if row.control == "stop" and not running.stop_requested:
                 running.stop_requested = True
-                running.task.cancel()
+                if not running.settling:
+                    running.task.cancel()
             return
         if row.status == "scheduled" and row.control in ("pause", "stop"):
             # A request that reached the loop between two iterations: honour it now.
@@ -359,7 +366,7 @@ class Scheduler:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(max(0.05, self.lease_seconds / 3))
-            names = list(self._running)
+            names = [*self._running, *self._unrecorded]
             try:
                 kept = self.store.renew_loops(
                     worker=self.worker_id, names=names, lease_seconds=self.lease_seconds
@@ -368,6 +375,10 @@ class Scheduler:
                 log.warning("could not renew loop leases: %s", error_line(error))
                 continue
             for name in set(names) - kept:
+                if self._unrecorded.pop(name, None) is not None:
+                    loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
+                    self._notify_lease_lost(name, loop_outcomes.LOST_UNRECORDED)
+                    continue
                 log.warning(
                     "loop %s: lost its lease; abandoning the iteration",
                     name,
@@ -642,20 +653,38 @@ class Scheduler:
         started_mono = self.clock.monotonic()
         running = self._running.get(loop.name)
         try:
-            outcome, error, attempts = await self._attempts(loop, row, slot, number)
+            try:
+                outcome, error, attempts = await self._attempts(loop, row, slot, number)
+            except asyncio.CancelledError:
+                stopped = running is not None and running.stop_requested
+                outcome = "stopped" if stopped else "cancelled"
+                error = "stopped by an operator" if stopped else "worker shutting down"
+            if running is not None and outcome != "cancelled" and not running.lease_lost:
+                # Its function cut off but still running: the loop stays held (lease renewed,
+                # a slot of max_concurrency taken) until it ends, fired by no worker meanwhile.
+                running.settling = True
+                await self._timed.ended(loop.name)
         except asyncio.CancelledError:
-            outcome = "stopped" if running is not None and running.stop_requested else "cancelled"
-            error = "stopped by an operator" if outcome == "stopped" else "worker shutting down"
+            pass  # (the worker stops, or lost the lease: the function is left behind)
         finally:
-            self.capacity.loops_busy -= 1
             self._running.pop(loop.name, None)
-            self._wake.set()  # a slot of max_concurrency is free again
+            runaway = self._timed.running(loop.name)  # (left behind: counted until it ends)
+            if runaway is None:
+                self._free_slot()
+            else:
+                runaway.add_done_callback(lambda _: self._free_slot())
         duration = self.clock.monotonic() - started_mono
         if running is not None and running.lease_lost:
-            self._abandoned(loop, number, duration)
+            self._manual.discard(loop.name)
+            loop_outcomes.say_abandoned(loop.name, number, duration)
             return
+        manual = loop.name in self._manual
+        self._manual.discard(loop.name)
+        self._record_quietly(loop, row, slot, started, outcome, error, attempts, duration, manual)
+
+    def _record_quietly(self, loop: Loop, row: LoopRow, slot: float, *args: Any) -> None:
         try:
-            self._record_outcome(loop, row, slot, started, outcome, error, attempts, duration)
+            self._record_outcome(loop, row, slot, *args)
         except Exception as failure:
             # The lease runs out and recovery journals the iteration as interrupted.
             log.error(
@@ -665,18 +694,9 @@ class Scheduler:
                 error_line(failure),
             )
 
-    def _abandoned(self, loop: Loop, number: int, duration: float) -> None:
-        """The heartbeat fenced this worker off the iteration: whatever it did, nothing is
-        written for it (the write would be refused anyway, or land only because no other
-        worker has recovered the loop yet); recovery journals it interrupted."""
-        self._manual.discard(loop.name)
-        log.info(
-            "loop %s iteration %d abandoned after %.1f ms: lost its lease; not recorded",
-            loop.name,
-            number,
-            duration * 1000,
-            extra={"loop": loop.name, "iteration": number, "event": "iteration_abandoned"},
-        )
+    def _free_slot(self) -> None:
+        self.capacity.loops_busy -= 1
+        self._wake.set()  # a slot of max_concurrency is free again
 
     async def _attempts(
         self, loop: Loop, row: LoopRow, slot: float, number: int
@@ -713,9 +733,8 @@ class Scheduler:
         error: str | None,
         attempts: int,
         duration: float,
+        manual: bool,
     ) -> None:
-        manual = loop.name in self._manual
-        self._manual.discard(loop.name)
         write = loop_outcomes.record(
             self.store,
             loop,
@@ -730,37 +749,27 @@ class Scheduler:
             worker=self.worker_id,
             now=self.clock.now,
         )
-        if write is None:
-            log.warning(
-                "loop %s: lost its lease; this worker did not record its outcome",
-                loop.name,
-                extra={"loop": loop.name, "event": "lease_lost"},
-            )
-            self._notify_lease_lost(loop.name, "lost its lease; the outcome was not recorded")
+        if isinstance(write, loop_outcomes.Refused):
+            loop_outcomes.say_refused(loop.name, write)
+            if write is loop_outcomes.Refused.LOST:
+                self._notify_lease_lost(loop.name, loop_outcomes.LOST_UNRECORDED)
+            else:  # (its request keeps changing: the loop is still this worker's)
+                args = (started, outcome, error, attempts, duration, manual)
+                self._unrecorded[loop.name] = functools.partial(
+                    self._record_quietly, loop, row, slot, *args
+                )
             return
-        log.info(
-            "loop %s iteration %d %s in %.1f ms",
-            loop.name,
-            row.iterations + 1,
-            outcome,
-            duration * 1000,
-            extra={
-                "loop": loop.name,
-                "iteration": row.iterations + 1,
-                "slot": slot,
-                "event": "iteration_finished",
-                "outcome": outcome,
-                "duration": duration,
-                "attempt": attempts,
-                "error": error,
-                "skipped": write.skipped,
-            },
+        loop_outcomes.say_finished(
+            loop,
+            row,
+            write,
+            slot=slot,
+            outcome=outcome,
+            error=error,
+            attempts=attempts,
+            duration=duration,
+            listeners=self.iteration_listeners,
         )
-        for listener in self.iteration_listeners:
-            try:
-                listener(loop.name, outcome, duration, write.skipped)
-            except Exception:  # metrics must never stop the scheduler
-                log.exception("iteration listener failed")
         self._alerts(loop, write, error, row.skipped)
         try:
             updated = self.store.get_loop(loop.name)
@@ -779,19 +788,9 @@ class Scheduler:
             self._failed(failure, "loop %s: could not re-arm (%s); trying again", loop.name)
             self._push(loop.name, self.poll_seconds)
 
-    def _alerts(
-        self, loop: Loop, write: slots.LoopWrite, error: str | None, skipped_before: int
-    ) -> None:
-        if self.alert is None:
-            return
-        for alert in loop_alerts(
-            loop.name,
-            paused=write.reason if write.gave_up else None,
-            error=error,
-            skipped_before=skipped_before,
-            skipped_now=write.skipped,
-        ):
-            self.alert(alert)
+    def _alerts(self, loop: Loop, write: slots.LoopWrite, error: str | None, before: int) -> None:
+        if self.alert is not None:
+            loop_outcomes.alert(self.alert, loop, write, error, before)
 
     @property
     def running(self) -> Sequence[str]:

@@ -1,16 +1,15 @@
 """Loops under a deploy's and an operator's races, second pass: the schedule a deploy
 deferred for another worker's iteration, a database error while it is applied, an unpause
-racing an iteration's end, and a loop function that swallows its timeout's cancellation.
-On SQLite and PostgreSQL."""
+racing an iteration's end (a loop function that swallows its timeout's cancellation:
+test_loop_runaways.py). On SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Coroutine
 from typing import Any
 
-from loopkit import T0, WAIT_S, LoopHarness, SteppedClock, describe, drive, settle, until
+from loopkit import T0, LoopHarness, SteppedClock, describe, drive, settle
 from sqlalchemy.exc import OperationalError
 
 from flowloop import Engine
@@ -254,62 +253,6 @@ def test_unpause_reading_a_pause_its_worker_honours_meanwhile__unpauses_the_loop
         assert (row.status, row.control) == ("scheduled", None), row
         kinds = [e.kind for e in engine.loop_history("tick")]
         assert kinds[-2:] == ["loop_paused", "loop_unpaused"], kinds
-
-
-def test_function_swallowing_its_timeouts_cancellation__the_iteration_times_out_anyway(
-    store_url: str,
-) -> None:
-    """An `async def` loop function that catches `CancelledError` and goes on. Before, the
-    timeout's cancellation waited for the function to end — for ever: the iteration ran on
-    (the loop `running`, its timeout without effect) and the worker hung in it. Now the
-    iteration fails with its StepTimeout once the function has had a moment to end; the
-    function, still running, is abandoned (logged), the next iteration waits for it under
-    its own timeout (never two at once), and the worker's event loop ends for all that."""
-    swallowed: list[int] = []
-    inside: list[int] = []
-    most = [0]
-
-    async def stubborn(it: Iteration) -> None:
-        inside.append(it.number)
-        most[0] = max(most[0], len(inside))
-        while True:
-            try:
-                await asyncio.Event().wait()
-            except asyncio.CancelledError:
-                swallowed.append(it.number)  # and on: the cancellation is swallowed
-
-    async def main() -> None:
-        clock = SteppedClock()
-        loop = Loop("stubborn", stubborn, every=10, timeout=0.05)
-        async with LoopHarness(store_url, [loop], clock=clock) as h:
-
-            def failures() -> int:
-                return h.kinds("stubborn").count("iteration_failed")
-
-            await until(lambda: failures() == 1, what="the first iteration to time out")
-            await drive(clock, 10)
-            await until(lambda: failures() == 2, what="the second iteration to time out")
-            errors = [e.error_message for e in h.journal("stubborn") if e.error_message]
-            assert errors == ["StepTimeout: loop 'stubborn' iteration took longer than 0.05s"] * 2
-            assert swallowed[:1] == [1] and most[0] == 1, (swallowed, most)
-            assert h.row("stubborn").status == "scheduled"
-
-    finished = threading.Event()
-    raised: list[BaseException] = []
-
-    def in_a_thread() -> None:
-        try:
-            asyncio.run(main())  # its end cancels every task left, and waits for them
-        except BaseException as error:
-            raised.append(error)
-        finished.set()
-
-    thread = threading.Thread(target=in_a_thread, daemon=True)
-    thread.start()
-    ended = finished.wait(WAIT_S * 3)
-    assert not raised, raised
-    assert ended, "the event loop did not end: the loop function still runs"
-    thread.join()
 
 
 def test_schedule_changed_after_downtime__a_loop_that_does_not_coalesce_keeps_its_due_slot(
