@@ -30,7 +30,7 @@ from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.lifecycle import LIVE
 from flowloop.stats import OUTCOME_KINDS, StateStats, attempt_counts
-from flowloop.store.appends import current_rows
+from flowloop.store.current import current_rows
 from flowloop.store.reads import counts_and_seconds, reading
 from flowloop.store.schema import journal, runs
 from flowloop.store.windows import journal_since

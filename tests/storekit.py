@@ -197,9 +197,9 @@ def batch_sizes(monkeypatch: Any) -> tuple[list[int], list[int]]:
     as_json: list[int] = []
     executemany, rows_json = appends._executemany, recordsets.rows_json
 
-    def counted_executemany(cursor: Any, stmt: Any, params: Any, *, postgres: bool) -> bool:
+    def counted_executemany(cursor: Any, stmt: Any, params: Any, **given: Any) -> bool:
         by_executemany.append(len(params))
-        return executemany(cursor, stmt, params, postgres=postgres)
+        return executemany(cursor, stmt, params, **given)
 
     def counted_rows_json(params: Any) -> str | None:
         as_json.append(len(params))

@@ -53,7 +53,6 @@ from flowloop.store.dialect import restart_idle_timer
 from flowloop.store.entries import (
     ERROR_FIELDS,
     JOURNAL_FIELDS,
-    JOURNALED,
     RUN_ID,
     SEQ,
     ContextCache,
@@ -62,10 +61,8 @@ from flowloop.store.entries import (
     encode_joined,
     errorless,
     event_row,
-    folded,
     joinable,
     row_context,
-    stored_from_row,
     with_tails,
 )
 from flowloop.store.journaled import given_runs, resolve
@@ -150,22 +147,28 @@ class _Retry(Exception):
     """The optimistic batch was refused in part: undo it and go boundary by boundary."""
 
 
-def _one_write_per_run(boundaries: Sequence[Boundary]) -> bool:
-    """No run's row is written twice in the batch (else the rows go in order, one by one)."""
-    writes = [b.run_id for b in boundaries if not append_only(b)]
-    return len(set(writes)) == len(writes)
+def _row_writes(boundaries: Sequence[Boundary]) -> list[Boundary] | None:
+    """Those that write their run's row too; ``None``: one run's row twice (one by one)."""
+    writes = [b for b in boundaries if not append_only(b)]
+    return writes if len({b.run_id for b in writes}) == len(writes) else None
 
 
 def _executemany(
-    cursor: Any, stmt: Raw, params: Sequence[Mapping[str, Any]], *, postgres: bool
+    cursor: Any, stmt: Raw, params: Sequence[Any], *, postgres: bool, nulls: bool
 ) -> bool:
-    """``stmt`` once per parameter set on a driver cursor; whether each changed one row.
-    On PostgreSQL the server's idle-in-transaction timer is started again after it, as
-    SQLAlchemy's executemany does here (see :func:`dialect.restart_idle_timer`)."""
-    cursor.executemany(stmt.sql, [stmt.args(one) for one in params])
-    changed = cursor.rowcount
-    if postgres:
-        restart_idle_timer(cursor.connection)
+    """``stmt`` per parameter set on a driver cursor; whether each changed one row. ``nulls``
+    (SQLite): ``None`` values as ``NULL`` literals (:meth:`Raw.bound_many`). PostgreSQL:
+    its idle-in-transaction timer restarted, as SQLAlchemy does (dialect.py)."""
+    if postgres or not nulls:
+        cursor.executemany(stmt.sql, [stmt.args(one) for one in params])
+        changed = cursor.rowcount
+        if postgres:
+            restart_idle_timer(cursor.connection)
+    else:
+        changed = 0
+        for sql, args in stmt.bound_many([stmt.args(one) for one in params]):
+            cursor.executemany(sql, args)
+            changed += cursor.rowcount
     return bool(changed == len(params))
 
 
@@ -375,8 +378,9 @@ class AppendStoreMixin:
         """Optimistically all at once (one executemany per statement); if any fence refused,
         undo and apply them one by one, in order."""
         try:
-            if self._raw_batch is not None and _one_write_per_run(boundaries):
-                if self._write_batch_driver(boundaries, encoded):
+            writes = _row_writes(boundaries) if self._raw_batch is not None else None
+            if writes is not None:
+                if self._write_batch_driver(boundaries, encoded, writes):
                     return [True] * len(boundaries)
             else:
                 with self._write() as conn:
@@ -388,50 +392,49 @@ class AppendStoreMixin:
             return self._apply(conn, boundaries, encoded)
 
     def _write_batch_driver(
-        self, boundaries: Sequence[Boundary], encoded: Sequence[Sequence[dict[str, Any]]]
+        self,
+        boundaries: Sequence[Boundary],
+        encoded: Sequence[Sequence[dict[str, Any]]],
+        writes: Sequence[Boundary],
     ) -> bool:
-        """:meth:`_apply_all` on the driver's cursor, in one transaction (``BEGIN
-        IMMEDIATE`` on SQLite; PostgreSQL's driver begins one itself). Through SQLAlchemy,
-        each parameter set of an executemany was processed in Python (``construct_params``:
-        ≈ 9 % of a concurrent run's CPU on SQLite). False (rolled back): a fence refused, go
-        one by one; a unique violation (a concurrent writer took a seq) raises
-        IntegrityError, wrapped by :meth:`_driver`, for the same."""
+        """:meth:`_apply_all` on the driver's cursor in one transaction (SQLite: the lean one
+        of :meth:`_immediate`); ``writes``: the boundaries that write their row too. False
+        (rolled back): a fence refused, go one by one; a unique violation (a concurrent
+        writer took a seq) raises IntegrityError, wrapped, for the same."""
         assert self._raw_batch is not None
-        # SQLite: a success's append with its empty error columns as NULL literals (the
-        # driver adapts each None parameter at a cost), as a boundary written alone.
+        # SQLite: a success's append with NULL literals for its empty error columns.
+        sqlite = self._raw is not None
         raw_stmts = self._raw if self._raw is not None else self._raw_batch
         by_fence: dict[Any, list[Any]] = {}
         for boundary, rows in zip(boundaries, encoded, strict=True):
             owned: Any = boundary.fence.owner is not None
-            if owned and self._raw is not None and all(map(errorless, boundary.events)):
+            if owned and sqlite and all(map(errorless, boundary.events)):
                 owned = ERRORLESS
             by_fence.setdefault(owned, []).extend(self._append_params(boundary, rows))
         groups: dict[tuple[str, bool], list[Boundary]] = {}
-        for boundary in boundaries:
-            if not append_only(boundary):
-                groups.setdefault(_row_kind(boundary), []).append(boundary)
+        for boundary in writes:
+            groups.setdefault(_row_kind(boundary), []).append(boundary)
+
+        def body(cursor: Any) -> tuple[bool, bool]:
+            applied = all(
+                self._executed_batch(cursor, raw_stmts, owned, params)
+                for owned, params in by_fence.items()
+            ) and all(
+                self._executed_batch(cursor, raw_stmts, kind, [self._row_params(b) for b in group])
+                for kind, group in groups.items()
+            )
+            return applied, applied
+
+        if sqlite:
+            return self._immediate(body)
         with self._driver() as driver:
-            cursor = driver.cursor()
-            if not self._postgres:
-                cursor.execute("BEGIN IMMEDIATE")
             try:
-                applied = all(
-                    self._executed_batch(cursor, raw_stmts, owned, params)
-                    for owned, params in by_fence.items()
-                ) and all(
-                    self._executed_batch(
-                        cursor, raw_stmts, kind, [self._row_params(b) for b in group]
-                    )
-                    for kind, group in groups.items()
-                )
+                applied = body(driver.cursor())[0]
             except BaseException:
                 with contextlib.suppress(Exception):
                     driver.rollback()
                 raise
-            if applied:
-                driver.commit()
-            else:
-                driver.rollback()
+            driver.commit() if applied else driver.rollback()
             return applied
 
     def _executed_batch(
@@ -449,7 +452,8 @@ class AppendStoreMixin:
                     if cursor.rowcount != count:
                         return False
                 return True
-        return _executemany(cursor, raw_stmts[key], params, postgres=self._postgres)
+        nulls = key != ERRORLESS  # (a success's rows, the usual ones, have none)
+        return _executemany(cursor, raw_stmts[key], params, postgres=self._postgres, nulls=nulls)
 
     def _apply_all(
         self,
@@ -766,32 +770,3 @@ def _row_kind(boundary: Boundary) -> tuple[str, bool]:
 
 def _unique_violation(error: BaseException) -> bool:
     return getattr(error, "sqlstate", None) == "23505"
-
-
-def current_rows(conn: Connection, rows: Sequence[Any]) -> list[dict[str, Any]]:
-    """Raw run rows (``select(runs)`` mappings, any columns including ``id``, ``status``
-    and ``last_seq``) as of their latest journal entry: for readers that do not go through
-    the store (the dashboard's queries). A running run's row is a snapshot; its tail's
-    fold replaces the record's columns. A context kept in the journal is read from there."""
-    out = [dict(row) for row in rows]
-    behind = [r["id"] for r in out if r.get("status") == "running" or r.get("context") == JOURNALED]
-    if not behind:
-        return out
-    full = conn.execute(select(runs).where(runs.c.id.in_(behind))).all()
-    stored = resolve(conn, [stored_from_row(row) for row in full])
-    running = {s.id: s.record.last_seq for s in stored if s.record.status == "running"}
-    tails = read_tails(conn, running)
-    latest = {}
-    for s in stored:
-        # Always the fresh snapshot (folded): ``rows`` came from an earlier statement and
-        # may be older than it (a release in between); the fresh row is never older.
-        tail = tails.get(s.id)
-        latest[s.id] = record_columns(folded(s, tail).record if tail else s.record)
-    for found in out:
-        columns = latest.get(found["id"])
-        if columns is None:
-            continue
-        for name, value in columns.items():
-            if name in found:
-                found[name] = value
-    return out

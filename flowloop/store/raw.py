@@ -151,6 +151,32 @@ class Raw:
             return dict(full)
         return self._positional(full)
 
+    def bound_many(self, values: list[Any]) -> list[tuple[str, list[Any]]]:
+        """``(sql, args)`` pairs to pass to ``executemany`` in turn for the positional
+        ``values`` (each a tuple of :meth:`args`): on SQLite each ``None`` written as a
+        ``NULL`` literal, as :meth:`bound` writes it, the sets in their order — one pair per
+        run of consecutive sets with the same ``None`` values (a batch's rows of one kind
+        mostly have the same); elsewhere, or with no ``None``, ``[(sql, values)]``."""
+        pieces = self._pieces
+        if pieces is None or not any([None in one for one in values]):
+            return [(self.sql, values)]
+        out: list[tuple[str, list[Any]]] = []
+        last: tuple[bool, ...] | None = None
+        for one in values:
+            nulls = tuple([value is None for value in one])
+            if nulls != last:
+                last = nulls
+                sql = self._variants.get(nulls)
+                if sql is None:
+                    sql = self._marked(pieces, ["NULL" if null else "?" for null in nulls])
+                    if len(self._variants) < VARIANTS_KEPT:
+                        self._variants[nulls] = sql
+                out.append((sql, []))
+            out[-1][1].append(
+                tuple([value for value in one if value is not None]) if any(nulls) else one
+            )
+        return out
+
     def bound(self, params: Mapping[str, Any]) -> tuple[str, Any]:
         """``(sql, args)`` to execute with ``params``: on SQLite each ``None`` written as a
         ``NULL`` literal instead of a parameter (see the module's docstring); elsewhere

@@ -26,7 +26,7 @@ from flowloop import family
 from flowloop import journal as j
 from flowloop.errors import EXIT_FAILURE, FlowloopError
 from flowloop.lifecycle import CLAIMABLE, HELD
-from flowloop.store.appends import current_rows
+from flowloop.store.current import current_rows
 from flowloop.store.reads import NEWEST_FIRST, after_run, nearest_ranks, ranked_seconds, reading
 from flowloop.store.schema import definitions, journal, loop_journal, loops, runs
 from flowloop.store.sql import SQLStore

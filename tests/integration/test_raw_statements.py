@@ -169,9 +169,9 @@ def test_a_batch_of_usual_boundaries__binds_no_none(
     sent: list[tuple[str, list[Any]]] = []
     executemany = appends._executemany
 
-    def spy(cursor: Any, stmt: Raw, params: Any, *, postgres: bool) -> bool:
+    def spy(cursor: Any, stmt: Raw, params: Any, **given: Any) -> bool:
         sent.append((stmt.sql, [stmt.args(one) for one in params]))
-        return executemany(cursor, stmt, params, postgres=postgres)
+        return executemany(cursor, stmt, params, **given)
 
     monkeypatch.setattr(appends, "_executemany", spy)
     with Engine(
@@ -230,3 +230,80 @@ def test_raw__unprefixed_takes_a_row_named_as_the_columns(tmp_path: Path) -> Non
         clash.unprefixed("p_")
     with pytest.raises(ValueError, match="named in its SQL"):
         Raw.of(sa.insert(TABLE), postgresql.psycopg.dialect()).unprefixed("p_")
+
+
+def test_raw__bound_many_keeps_the_order_and_stores_what_binding_stores(tmp_path: Path) -> None:
+    """A batch's parameter sets with their ``None`` values as NULL literals: one
+    ``executemany`` per run of consecutive sets with the same ``None`` values, the sets in
+    their order (a run's entries must go in by seq), the same rows as binding them."""
+    stmt = Raw.of(sa.insert(TABLE), sqlite.dialect(), ["a", "b", "c", "d"])
+    given = [
+        (1, "x", None, None),
+        (2, "y", None, None),
+        (3, None, 1.5, "z"),
+        (4, "w", None, None),
+        (5, "v", 2.5, "u"),
+    ]
+    pairs = stmt.bound_many(list(given))
+    assert [len(args) for _, args in pairs] == [2, 1, 1, 1]
+    assert all(sql.count("?") == len(one) for sql, args in pairs for one in args)
+    assert all(None not in one for _, args in pairs for one in args)
+    assert pairs[0][0] is pairs[2][0]  # a pattern's text made once
+    assert pairs[3] == (stmt.sql, [given[4]])  # no None: the statement as it is
+    literal, bound = (sqlite3.connect(tmp_path / name) for name in ("l.db", "b.db"))
+    for con in (literal, bound):
+        con.execute("CREATE TABLE t (a INTEGER, b TEXT, c REAL, d TEXT)")
+    for sql, args in pairs:
+        literal.executemany(sql, args)
+    bound.executemany(stmt.sql, given)
+    assert _rows(literal) == _rows(bound) == given
+    plain = [(6, "a", 1.0, "b")]
+    assert stmt.bound_many(plain) == [(stmt.sql, plain)]
+    named = Raw.of(sa.insert(TABLE), postgresql.psycopg.dialect(), ["a", "b", "c", "d"])
+    assert named.bound_many([{"a": None}]) == [(named.sql, [{"a": None}])]
+
+
+class _Sent:
+    """A driver cursor that notes what each ``executemany`` binds."""
+
+    def __init__(self, cursor: Any, sent: list[tuple[str, list[Any]]]) -> None:
+        self._cursor = cursor
+        self._sent = sent
+
+    def executemany(self, sql: str, args: Any) -> Any:
+        args = list(args)
+        self._sent.append((sql, args))
+        return self._cursor.executemany(sql, args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cursor, name)
+
+
+def test_a_batch_of_starts_and_ends__binds_no_none(tmp_path: Path) -> None:
+    """Concurrent runs' first starts (an append and the row's update) and their ends (the
+    row let go: no owner, no lease) are batches too: their appends and updates sent with
+    their ``None`` values as NULL literals, one statement per pattern, the same rows."""
+    workflow = Workflow("ends", context=Counter)
+    workflow.step(name="s0", initial=True, next="done")(_count)
+    workflow.final("done")
+    with Engine(f"sqlite:///{tmp_path / 'e.db'}", workflows=[workflow], max_concurrency=8) as e:
+        ids = [e.start(workflow, Counter()).id for _ in range(8)]
+        store: Any = e.store
+        sent: list[tuple[str, list[Any]]] = []
+        with store._lock:
+            raw = store._driver_of(store._held_conn())
+            store._driver_cursor = _Sent(raw.cursor(), sent)
+        stats = e.run_until_idle()
+        assert stats.steps == 8 and stats.boundaries == 16 and stats.commits <= 4
+        assert [e.get(run_id).status for run_id in ids] == ["succeeded"] * 8
+        assert [e.get(run_id).context for run_id in ids] == [Counter(n=1)] * 8
+    batched = [(sql, args) for sql, args in sent if len(args) > 1]
+    kinds = {sql.split()[0] + (" NULL" if "NULL" in sql else "") for sql, _ in batched}
+    assert kinds == {"INSERT NULL", "UPDATE NULL"}, batched
+    # (the errorless append, a success's, is not looked through: its usual rows have none)
+    looked = [args for sql, args in sent if "NULL AS error_type" not in sql]
+    assert looked and all(None not in one for args in looked for one in args), sent
+    rows = sqlite3.connect(tmp_path / "e.db").execute(
+        "SELECT status, owner, lease_expires_at, next_run_at, last_seq FROM flowloop_runs"
+    )
+    assert set(rows) == {("succeeded", None, None, None, 3)}
