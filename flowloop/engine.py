@@ -604,7 +604,7 @@ class Engine(Operations, LoopControls, RunReading):
             executor.leases.begin()
             executor.tracked.add(stored.id)
             try:
-                task = executor.spawn(stored, starting=False, claimed_at=sent)
+                task = executor.spawn(stored, starting=False, claimed_at=sent, awaited=True)
                 # Awaited directly (asyncio.wait: a loop turn more per run). A CancelledError
                 # is the caller's or the run's own end, told apart below (the task has ended).
                 with contextlib.suppress(asyncio.CancelledError):

@@ -35,6 +35,7 @@ from flowloop.committer import (
     backoff_cap,
 )
 from flowloop.definition import Workflow
+from flowloop.drivefailures import FailedDrives
 from flowloop.errors import error_line
 from flowloop.gates import Gates, share_limits
 from flowloop.holding import Held, context_holding, database_of
@@ -170,6 +171,7 @@ class Executor(Stepping, Recovery, Requests):
         nested ``Engine.arun`` waiting out a retry runs one inside another's step, possibly
         on an event loop of its own): what :meth:`wake` sets."""
         self._fanned: set[str] = set()  # (of those runs: see fanned_out)
+        self.failed_drives = FailedDrives()
         self._per_workflow: dict[str, int] = {}
         self._next_turn = 0.0
         self._handed_seen = 0
@@ -253,6 +255,8 @@ class Executor(Stepping, Recovery, Requests):
             due_unclaimed = False  # the last turn found a run due, and claimed nothing
             waited = run_ids if idle_ids is None else idle_ids  # (whose due times idle waits for)
             while not (stop is not None and stop.is_set()) and not self.handing_back:
+                if until_idle:
+                    self.failed_drives.raise_any(scope)
                 try:
                     if last_recovery is None or self.clock.monotonic() - last_recovery > min(
                         RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
@@ -444,10 +448,15 @@ class Executor(Stepping, Recovery, Requests):
                 wake.set()
 
     def spawn(
-        self, stored: StoredRun, *, starting: bool, claimed_at: float | None = None
+        self,
+        stored: StoredRun,
+        *,
+        starting: bool,
+        claimed_at: float | None = None,
+        awaited: bool = False,
     ) -> asyncio.Task[None]:
-        """Drive one claimed run in its own task; ``claimed_at`` is the monotonic instant
-        noted before the claim was sent (its lease ends no earlier than that + lease)."""
+        """Drive a claimed run in a task (``awaited``: the caller takes its result, else
+        FailedDrives its error); its lease ends no earlier than ``claimed_at`` + lease."""
         name = stored.record.workflow
         self._per_workflow[name] = self._per_workflow.get(name, 0) + 1
         workflow = self.workflows.get(name)
@@ -463,6 +472,7 @@ class Executor(Stepping, Recovery, Requests):
         self.leases.held_from(stored.id, time.monotonic() if claimed_at is None else claimed_at)
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
+        self.failed_drives.forget(stored.id)
         # A claim of a run given up here while its old task lives on (a step swallowed the
         # cancellation) is a new lease: what the old drive was asked is not its (a request
         # still pending is in the database: the claim read it, and the next poll reads it).
@@ -471,6 +481,10 @@ class Executor(Stepping, Recovery, Requests):
 
         def done(_: asyncio.Task[None]) -> None:
             self._per_workflow[name] -= 1
+            error = None if awaited or task.cancelled() else task.exception()
+            if error is not None:
+                self.failed_drives.note(stored.id, error)
+                self.wake(stored.id)
             if self._active.get(stored.id) is not active:
                 return  # the run was claimed again and is driven by a newer task
             self._active.pop(stored.id, None)
@@ -737,13 +751,10 @@ class Executor(Stepping, Recovery, Requests):
             raise
 
     async def _take_a_turn(self) -> None:
-        """Give the event loop a turn. A run going from step to step whose steps never
-        suspend (trivial ``async def`` steps, inline ``def`` steps, commits written at
-        once) would never give it one: no timer would fire — step timeouts of other runs,
-        the loop watchdog whose ticks tell the lease renewer the loop is alive
-        (flowloop/leasethread.py) — and nothing the lease threads hand over would run.
-        Taken every YIELD_EVERY_SECONDS at least (a turn costs microseconds; one per step
-        would cost more), and whenever something was handed over since the last one."""
+        """Give the event loop a turn (steps that never suspend would give none: no timer
+        would fire, e.g. the watchdog's ticks that tell the lease renewer the loop lives,
+        nor would what the lease threads hand over run): every YIELD_EVERY_SECONDS at
+        least, and after a hand-over."""
         # Counted once queued (LeaseGuard._to_loop): every call counted here runs in it.
         handed = self.leases.handed
         self._next_turn = time.monotonic() + YIELD_EVERY_SECONDS
