@@ -13,7 +13,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from flowloop.definition import Workflow
 from flowloop.errors import error_line, storable
 from flowloop.events import accepted, accepts, receive, reject_kept
-from flowloop.journal import ASLEEP, JournalEvent, RunRecord
+from flowloop.journal import ASLEEP, RUN_FAILED, JournalEvent, RunRecord, apply
 from flowloop.parking import park
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
@@ -23,6 +23,9 @@ from flowloop.verdicts import Verdict, judge
 from flowloop.versions import Registry, workflow_for
 
 log = logging.getLogger("flowloop")
+
+INVALID_ROW: Final = "invalid_row"
+"""The reason a run whose row cannot be read fails with (as a claim fails it)."""
 
 
 @dataclass
@@ -48,28 +51,35 @@ def deliver_pending(
     another (each may lead to another wait); one it cannot take is rejected (journaled, out
     of the inbox) and the next is tried. Returns how many left the inbox (also counted in
     ``done``, which says how far it went when it raises).
-    ``park_refused``: a run the loaded definition cannot take is parked (as a claim parks
-    it; its kept events stay kept), not left as it is (the recovery sweep's hand-over,
-    which would otherwise find it again at every look). A run a claim would fail instead
-    (its row or context unreadable) is left as it is, as a worker's start leaves it."""
+    ``park_refused``: the recovery sweep's hand-over, which would otherwise find the run
+    again at every look (a wait without a timeout is never claimed): a run the loaded
+    definition cannot take is parked (as a claim parks it; its kept events stay kept),
+    and one whose row cannot be read (``stored.problem``) is failed ``invalid_row``, as a
+    claim fails it (:func:`fail_unreadable`), not left as it is."""
     done = HandOver() if done is None else done
     while True:
         pending = store.pending_events(run_id)
         if not pending:  # the usual case: one read, nothing kept for this run
             return done.taken
         stored = store.get_run(run_id)
-        if stored is None or stored.problem is not None or stored.record.workflow not in workflows:
+        if stored is None or stored.record.workflow not in workflows:
             return done.taken
         done.seq = stored.record.last_seq
         workflow = workflow_for(workflows, stored.record)
         record = stored.record
         if not _waiting(store, workflow, stored):
             return done.taken  # taken by a worker, paused, stopped, gone on, asleep, held
+        if stored.problem is not None:
+            # Its row cannot be read: nothing may move it on (it would be written back
+            # without what could not be read). Failed as a claim fails it, once, when asked.
+            if park_refused:
+                fail_unreadable(store, stored, now=now, worker=worker)
+            return done.taken
         refused = _refusal(store, workflow, record)
         if refused is not None:
             # A definition that would park it: a claim or a start parks it (a wait
             # without a timeout is never claimed: the sweep parks it, when asked).
-            if park_refused and refused.outcome == "paused":
+            if park_refused:
                 _park(store, stored, refused, now=now, worker=worker)
             return done.taken
         message = next((m for m in pending if accepts(workflow, record, m.event)), None)
@@ -132,6 +142,36 @@ def _park(store: Store, stored: StoredRun, verdict: Verdict, *, now: float, work
     """Park a waiting run the loaded definition refuses, with the verdict's reason."""
     reason = verdict.reason or "definition_mismatch"
     return park(store, stored, reason=reason, message=verdict.message, now=now, worker=worker)
+
+
+def fail_unreadable(store: Store, stored: StoredRun, *, now: float, worker: str) -> bool:
+    """Fail a waiting run whose row or journal tail cannot be read (``stored.problem``) as
+    a claim fails it (flowloop/recovery.py): ``run_failed``, reason ``invalid_row``, the
+    problem as its error. Not parked: a pause writes the row back as read, without the
+    part that could not be read (corrupt ``visits`` stored as ``{}``), and an unpause then
+    moves it on with that loss. Its kept events stay kept. In one write fenced on the
+    row as read (``last_seq``, no owner), as :func:`~flowloop.parking.park`; whether it
+    was written."""
+    record = stored.record
+    if stored.owner is not None or record.status != "scheduled" or record.reason == ASLEEP:
+        return False
+    event = JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
+        kind=RUN_FAILED,
+        at=now,
+        state=record.state,
+        error_message=stored.problem,
+        worker=worker,
+        data={"reason": INVALID_ROW},
+    )
+    boundary = Boundary(
+        events=[event], record=apply(record, event), fence=Fence(None, stored.lease_epoch)
+    )
+    if not store.write([boundary])[0]:
+        return False
+    log.error("run %s failed: %s: %s", record.id, INVALID_ROW, stored.problem)
+    return True
 
 
 def take_kept(
@@ -272,11 +312,15 @@ def hand_over_stranded(
     how many left the inbox.
 
     A run the loaded definition cannot take (its state or context no longer fits) is
-    parked, as a claim parks it; its events stay kept (``flowloop unpause`` after a fix
-    hands them over). ``failing``: the runs whose handing over failed (raised) at earlier
-    looks, and at how many in a row (updated): failing again, each is logged at DEBUG, not
-    at every sweep's WARNING, and at :data:`HAND_OVER_TRIES` the run is parked, the error
-    in its journal — the look found it again at every sweep, for ever."""
+    parked, as a claim parks it — one whose context is not even a JSON object, which a
+    claim fails, too (``invalid_context``): a wait without a timeout is never claimed, so
+    it would wait for ever, retried at every look — and one whose row cannot be read is
+    failed ``invalid_row``, as a claim fails it; their events stay kept (``flowloop
+    unpause`` after a fix hands them over to a parked run). ``failing``: the runs whose
+    handing over failed (raised) at earlier looks, and at how many in a row (updated):
+    failing again, each is logged at DEBUG, not at every sweep's WARNING, and at
+    :data:`HAND_OVER_TRIES` the run is parked, the error in its journal — the look found
+    it again at every sweep, for ever."""
     if not isinstance(store, InboxStoreMixin):
         return 0
     takers = accepting(workflows)
@@ -353,25 +397,28 @@ def _park_failing(
 ) -> bool:
     """Park a waiting run whose kept events could not be handed over: at once when the
     loaded definition, validating its context, refuses it (a claim would park it so: a
-    validator changed, …), else at its :data:`HAND_OVER_TRIES`-th failed look in a row
-    (``kept_events_failed``). Only the run as the failed hand-over read it (``seen``, its
-    ``last_seq``; ``None``: not read) and still waiting (:func:`_waiting`): not one that
-    went on, nor one an operator paused or stopped meanwhile; and not one a claim would
-    fail (its row or context unreadable: left as it is). Whether it was parked; a failure
-    to park is logged (the next look tries again)."""
+    validator changed, …; or fail it: a context that is not a JSON object, parked
+    ``invalid_context`` here, so that ``unpause`` after a repair judges it again — a wait
+    without a timeout is never claimed), else at its :data:`HAND_OVER_TRIES`-th failed
+    look in a row (``kept_events_failed``). A run whose row cannot be read is failed
+    ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the run as the failed
+    hand-over read it (``seen``, its ``last_seq``; ``None``: not read) and still waiting
+    (:func:`_waiting`): not one that went on, nor one an operator paused or stopped
+    meanwhile. Whether it was parked (or failed); a failure to park is logged (the next
+    look tries again)."""
     try:
         stored = store.get_run(run_id)
-        if stored is None or stored.problem is not None or stored.record.workflow not in workflows:
+        if stored is None or stored.record.workflow not in workflows:
             return False
         if seen is not None and stored.record.last_seq != seen:
             return False  # it moved since: not the run that failed (the next look sees)
         workflow = workflow_for(workflows, stored.record)
         if not _waiting(store, workflow, stored):
             return False
+        if stored.problem is not None:
+            return fail_unreadable(store, stored, now=now, worker=worker)
         verdict = _refusal(store, workflow, stored.record, validate=True)
         if verdict is not None:
-            if verdict.outcome != "paused":
-                return False  # (a claim would fail it: not parked under another name)
             return _park(store, stored, verdict, now=now, worker=worker)
         if tries < HAND_OVER_TRIES:
             return False

@@ -1,7 +1,7 @@
 """The recovery sweep's look for stranded kept events parks only a run that still waits as
 it read it (flowloop/kept.py): not one an operator paused or stopped meanwhile, not one
-that went on, not for a pool's timeout, and not one a claim would fail. On SQLite and
-PostgreSQL, on a FakeClock."""
+that went on, not for a pool's timeout; a run a claim would fail ends its wait once, in its
+journal. On SQLite and PostgreSQL, on a FakeClock."""
 
 from __future__ import annotations
 
@@ -204,21 +204,59 @@ def test_stranded_look__a_pool_timeout_is_not_a_failed_look(
 @pytest.mark.parametrize(
     ("column", "stored"), [("context", "[1, 2]"), ("visits", "{oops")], ids=["context", "row"]
 )
-def test_stranded_look__a_run_a_claim_would_fail_is_not_parked(
-    engine: TestEngine, column: str, stored: str
+def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
+    engine: TestEngine, column: str, stored: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Review: a run a claim fails was parked by the look (invalid_context: its stored
-    # context not a JSON object), as if it could go on after a fix and an unpause, or
-    # handed its events over (invalid_row: a column that cannot be read), its row moved on
-    # unread. It is left as it is, as a worker's start leaves it: a claim fails it.
+    # Review: a run a claim fails — a context that is not a JSON object, a column that
+    # cannot be read — was left as it is by the look: a wait without a timeout is never
+    # claimed, so it waited for ever, its event kept, retried at every sweep (at DEBUG
+    # after the first). The look ends that once, in the journal: the context run is
+    # parked invalid_context (an unpause after a repair judges it again); the row run is
+    # failed invalid_row, as a claim fails it (a pause would write the row back without
+    # its unreadable visits, and an unpause move it on with them lost). The event stays
+    # kept either way.
     run_id = _waiting_chain(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values({column: stored}))
     failing: dict[str, int] = {}
     now = engine.clock.now()
-    for _ in range(kept.HAND_OVER_TRIES + 1):
-        hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing=failing)
+    with caplog.at_level(logging.DEBUG, logger="flowloop"):
+        for _ in range(kept.HAND_OVER_TRIES + 1):
+            handed = hand_over_stranded(
+                engine.store, engine.workflows, now=now, worker="w", failing=failing
+            )
+            assert (handed, failing) == (0, {})
+    assert "could not park" not in caplog.text
     info = engine.get(run_id)
-    assert (info.status, info.state) == ("scheduled", "first")
-    assert "run_paused" not in kinds(engine, run_id)
-    assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [None]
+    ran = kinds(engine, run_id)
+    if column == "context":
+        assert (info.status, info.state, info.reason) == ("paused", "first", "invalid_context")
+        assert ran.count("run_paused") == 1 and ran[-1] == "run_paused", ran
+    else:
+        assert (info.status, info.state, info.reason) == ("failed", "first", "invalid_row")
+        assert info.error is not None and "stored visits are not valid JSON" in info.error
+        assert ran.count("run_failed") == 1 and ran[-1] == "run_failed", ran
+    assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [None]  # kept
+
+
+def test_stranded_look__a_run_parked_invalid_context_goes_on_when_repaired_and_unpaused(
+    engine: TestEngine,
+) -> None:
+    # The parked run is judged again at its unpause: its context repaired, the kept event
+    # is handed over; not repaired, the next look parks it again (once a look).
+    run_id = _waiting_chain(engine)
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context="[1, 2]"))
+    now = engine.clock.now()
+    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
+    assert engine.get(run_id).reason == "invalid_context"
+    engine.unpause(run_id)
+    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
+    assert engine.get(run_id).reason == "invalid_context"
+    assert kinds(engine, run_id).count("run_paused") == 2
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context='{"notes": []}'))
+    engine.unpause(run_id)
+    info = engine.get(run_id)
+    assert (info.status, info.state) == ("scheduled", "second")
+    assert [row.consumed_seq is None for row in inbox_rows(engine.url, run_id)] == [False]
