@@ -203,7 +203,7 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
     row = scheduler._rows.get(name)
     if row is not None:
         try:
-            scheduler.store.write_loop(
+            if not scheduler.store.write_loop(
                 name=name,
                 owner=scheduler.worker_id,
                 epoch=row.lease_epoch,
@@ -211,7 +211,8 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
                 changes={"reason": note},
                 events=[],
                 release=False,
-            )
+            ):
+                return  # (its lease lost: the loop is not held by this worker any more)
         except Exception as error:
             log.warning("loop %s: could not note that it is held: %s", name, error)
     if scheduler.alert is not None:
