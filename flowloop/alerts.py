@@ -103,6 +103,9 @@ BREAKER_OPENED: Final = AlertKind("critical", "breaker opened")
 BREAKER_CLOSED: Final = AlertKind("warning", "breaker closed")
 LEASE_LOST: Final = AlertKind("warning", "lease lost")
 LOOP_SKIPPING: Final = AlertKind("warning", "loop iterations skipped")
+LOOP_HELD: Final = AlertKind("critical", "loop held")
+"""A loop function did not end within 1 s of its cut-off: its loop is held (running) until
+it ends, its failure not counted meanwhile (the severity of a loop paused by max_failures)."""
 KINDS: Final = (
     INTERRUPTED_STEP,
     RUN_FAILED,
@@ -111,6 +114,7 @@ KINDS: Final = (
     BREAKER_CLOSED,
     LEASE_LOST,
     LOOP_SKIPPING,
+    LOOP_HELD,
 )
 """Every alert flowloop raises (the metrics create a series for each before the first)."""
 SKIP_ALERT_EVERY: Final = 10
@@ -426,3 +430,8 @@ def loop_alerts(
             )
         )
     return found
+
+
+def loop_held_alert(loop: str, note: str) -> Alert:
+    """A loop held by its abandoned function (``note``: what the loop's row says)."""
+    return LOOP_HELD.alert(loop, note, hint=f"flowloop loops {loop}")

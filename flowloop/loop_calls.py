@@ -43,9 +43,13 @@ class TimedCalls:
     holds the loop until it ends (:meth:`ended`), and the loop's next call waits for it
     first (never two calls of one loop at once), under its own timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_abandoned: Callable[[str, str], None] | None = None) -> None:
         self.runaways: dict[str, asyncio.Task[Any]] = {}
         """The calls abandoned still running, by loop (each dropped as it ends)."""
+        self.on_abandoned = on_abandoned
+        """Called with the loop's name and what cut it off (``its timeout (5s)``) when its
+        function did not end within the whole :data:`CUT_OFF_GRACE_SECONDS` of its
+        cancellation (to make the held loop visible)."""
 
     async def call(self, start: Callable[[], Awaitable[T]], *, name: str, timeout: float) -> T:
         """``start()`` (a call of loop ``name``'s function) under :func:`loop_errors`, cut
@@ -56,11 +60,11 @@ class TimedCalls:
         try:
             done, _ = await asyncio.wait([task], timeout=timeout)
         except asyncio.CancelledError:
-            await self._cut_off(task, previous, name)
+            await self._cut_off(task, previous, name, "the cancellation of its iteration")
             raise
         if task in done:
             return task.result()
-        await self._cut_off(task, previous, name)
+        await self._cut_off(task, previous, name, f"its timeout ({timeout:g}s)")
         raise StepTimeout(f"loop {name!r} iteration took longer than {timeout:g}s")
 
     def running(self, name: str) -> asyncio.Task[Any] | None:
@@ -74,18 +78,32 @@ class TimedCalls:
             await asyncio.wait([task])
 
     async def _cut_off(
-        self, task: asyncio.Task[Any], previous: asyncio.Task[Any] | None, name: str
+        self, task: asyncio.Task[Any], previous: asyncio.Task[Any] | None, name: str, why: str
     ) -> None:
         task.cancel()
         # Tracked before the wait: a second cancellation during it (a stop, the worker's
         # end) must not lose the call still running (before, the next call overlapped it
         # and asyncio.run waited for it for ever).
         self.runaways[name] = task
+        waited = False
         try:
             await asyncio.wait([task], timeout=CUT_OFF_GRACE_SECONDS)
+            waited = True
         finally:
             if task.done():
                 self._ended(task, name, previous, abandoned=False)
+            elif not waited:
+                # Cut short by a second cancellation (a stop, the worker's end, a lost
+                # lease): the function may merely be cleaning up; not said to be stuck.
+                log.info(
+                    "loop %s: its iteration was cancelled again while its function was still "
+                    "ending; the loop is held until it ends",
+                    name,
+                    extra={"loop": name, "event": "iteration_cut_off_again"},
+                )
+                task.add_done_callback(
+                    functools.partial(self._ended, name=name, previous=previous, abandoned=True)
+                )
             else:
                 log.warning(
                     "loop %s: its function did not end within %gs of the cancellation of its "
@@ -97,6 +115,11 @@ class TimedCalls:
                 task.add_done_callback(
                     functools.partial(self._ended, name=name, previous=previous, abandoned=True)
                 )
+                if self.on_abandoned is not None:
+                    try:
+                        self.on_abandoned(name, why)
+                    except Exception:  # (telling must never lose the call's tracking)
+                        log.exception("loop %s: could not report its abandoned function", name)
 
     def _ended(
         self,

@@ -12,12 +12,17 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
+from flowloop import loop_calls
 from flowloop import loop_slots as slots
-from flowloop.alerts import Alert, loop_alerts
+from flowloop.alerts import Alert, loop_alerts, loop_held_alert
+from flowloop.clock import iso
 from flowloop.loops import Loop
 from flowloop.store.loops import LoopRow, LoopStoreMixin
+
+if TYPE_CHECKING:
+    from flowloop.scheduler import Scheduler
 
 log = logging.getLogger("flowloop.loops")
 
@@ -183,3 +188,50 @@ def alert(
         skipped_now=write.skipped,
     ):
         send(each)
+
+
+def held(scheduler: Scheduler, name: str, why: str) -> None:
+    """Loop ``name``'s function was abandoned still running (it did not end within
+    :data:`~flowloop.loop_calls.CUT_OFF_GRACE_SECONDS` of ``why``): the loop stays held
+    until it ends, its failure not yet counted. Made visible: the row's note (read by
+    ``flowloop loops``; the outcome's write replaces it) and a critical alert."""
+    note = (
+        f"held: its function did not end within {loop_calls.CUT_OFF_GRACE_SECONDS:g}s of "
+        f"{why} at {iso(scheduler.clock.now())}; its failure, max_failures and a stop or "
+        "pause wait for its end"
+    )
+    row = scheduler._rows.get(name)
+    if row is not None:
+        try:
+            if not scheduler.store.write_loop(
+                name=name,
+                owner=scheduler.worker_id,
+                epoch=row.lease_epoch,
+                follows_seq=row.last_seq,
+                changes={"reason": note},
+                events=[],
+                release=False,
+            ):
+                return  # (its lease lost: the loop is not held by this worker any more)
+        except Exception as error:
+            log.warning("loop %s: could not note that it is held: %s", name, error)
+    if scheduler.alert is not None:
+        scheduler.alert(loop_held_alert(name, note))
+
+
+def write_pending(pending: dict[str, Callable[[], None]], *, last: bool = False) -> None:
+    """Write again the outcomes left for a later poll (their request kept changing);
+    ``last``: the worker stops, so those refused once more are dropped (said)."""
+    for name, write_again in list(pending.items()):
+        del pending[name]
+        write_again()
+    if last:
+        for name in pending:
+            log.warning(
+                "loop %s: its iteration's outcome could not be written before the worker "
+                "stopped (its request kept changing); dropped: recovery journals the "
+                "iteration interrupted",
+                name,
+                extra={"loop": name, "event": "outcome_dropped"},
+            )
+        pending.clear()

@@ -105,7 +105,7 @@ class Scheduler:
         self._waiting: deque[str] = deque()  # due, but max_concurrency is taken
         self._manual: set[str] = set()  # running a trigger or backfill iteration
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
-        self._timed = TimedCalls()
+        self._timed = TimedCalls(functools.partial(loop_outcomes.held, self))
         self._unrecorded: dict[str, Callable[[], None]] = {}  # outcomes to write again
         self._changes = -1
         self._wake = asyncio.Event()
@@ -255,9 +255,7 @@ class Scheduler:
                 if self.clock.monotonic() - last_poll >= self.poll_seconds:
                     last_poll = self.clock.monotonic()
                     self._poll_changes()
-                    for name, write_again in list(self._unrecorded.items()):
-                        del self._unrecorded[name]
-                        write_again()
+                    loop_outcomes.write_pending(self._unrecorded)
                 if self.clock.monotonic() - last_recovery >= RECOVERY_EVERY_SECONDS:
                     last_recovery = self.clock.monotonic()
                     self._recover_quietly()
@@ -293,6 +291,7 @@ class Scheduler:
 
     async def _drain(self, grace: float) -> None:
         await finish_within([running.task for running in self._running.values()], grace)
+        loop_outcomes.write_pending(self._unrecorded, last=True)  # (still held: one more try)
 
     def _take_waiting(self) -> list[str]:
         taken: list[str] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import UTC, datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import click
 from click.core import ParameterSource
@@ -13,6 +13,9 @@ from click.core import ParameterSource
 from flowloop import loop_requests
 from flowloop.cli.common import db_option, err, json_option, open_engine, out, seconds_option
 from flowloop.errors import FlowloopError
+
+if TYPE_CHECKING:
+    from flowloop.store.loops import LoopRow
 
 UNTAKEN_HINT_SECONDS: Final = 10.0
 """`backfill --wait`: after this long (or half its --timeout) with nothing taken, ask
@@ -81,9 +84,7 @@ def loops_command(
             str(row.missed),
             str(row.consecutive_failures),
             # Whole (wrapped, not cut): a loop's last error is what the operator needs.
-            escape(
-                row.last_error or row.reason or (f"{row.control} requested" if row.control else "")
-            ),
+            escape(_note(row)),
         )
     out.print(table)
     if events:
@@ -94,6 +95,14 @@ def loops_command(
             middle = (iso(event.slot), str(event.count or ""))
             journal_table.add_row(*journal_row(event, middle, detail))
         out.print(journal_table)
+
+
+def _note(row: LoopRow) -> str:
+    """The loop's last error, or why it is where it is (a running loop held by its
+    abandoned function says so first), or its pending request."""
+    if row.status == "running" and (row.reason or "").startswith("held:"):
+        return f"{row.reason}; {row.control} requested" if row.control else str(row.reason)
+    return row.last_error or row.reason or (f"{row.control} requested" if row.control else "")
 
 
 def _when(text: str, option: str) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import click
 
@@ -26,15 +26,26 @@ from flowloop.cli.common import (
 )
 from flowloop.errors import FlowloopError
 
+if TYPE_CHECKING:
+    from flowloop.store.loops import LoopRow
 
-def loop_request(control: str | None) -> str:
+
+def loop_request(control: str | None, *, held: bool = False) -> str:
     """What a loop's pending request does to the iteration running now (shown after its
-    status): a pause lets it finish, a stop cancels it."""
+    status): a pause lets it finish, a stop cancels it — but a loop ``held`` by its function
+    abandoned still running (cancelled already) stops or pauses once the function ends."""
     if control is None:
         return ""
+    if held:
+        return f" ({control} requested; held by its function still running: once it ends)"
     if control == "stop":
         return " (stop requested; its worker cancels the running iteration)"
     return f" ({control} requested; after the running iteration)"
+
+
+def is_held(row: LoopRow) -> bool:
+    """The loop is running, held by its function abandoned still running (its note)."""
+    return row.status == "running" and (row.reason or "").startswith("held:")
 
 
 def control_command(name: str, doc: str) -> click.Command:
@@ -56,7 +67,8 @@ def control_command(name: str, doc: str) -> click.Command:
                 if as_json:
                     click.echo(json.dumps({"loop": loop_json(row)}))
                     return
-                out.print(f"loop {row.name} {styled(row.status)}{loop_request(row.control)}")
+                asked = loop_request(row.control, held=is_held(row))
+                out.print(f"loop {row.name} {styled(row.status)}{asked}")
                 return
             try:
                 info = getattr(engine, name)(target)

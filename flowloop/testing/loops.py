@@ -70,6 +70,14 @@ async def drive_loops(
             engine.clock.set(until)
             await _fire_and_settle(engine, scheduler, executor, until)
     finally:
+        # As the worker's end: an iteration still running is cancelled, and a loop function
+        # abandoned still running (it ignores cancellation) is left out of the event loop's
+        # tasks, which asyncio.run waits for as it ends (for ever, for such a function).
+        left = [running.task for running in scheduler._running.values()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        scheduler._timed.forget()
         stop.set()
         await asyncio.gather(runs, return_exceptions=True)
         executor.close()

@@ -33,6 +33,7 @@ def test_kinds__every_source_raises_a_known_kind() -> None:
         *alerts.run_alerts(record, [stepped]),
         *alerts.run_alerts(record, [stepped], idempotent=lambda w, s: False),
         alerts.lease_lost_alert("run", "r1", "lost its lease", "w1"),
+        alerts.loop_held_alert("tick", "held: its function did not end"),
         *loop_alerts(
             "tick", paused="3 failures", error=None, skipped_before=9, skipped_now=SKIP_ALERT_EVERY
         ),
