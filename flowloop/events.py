@@ -7,7 +7,6 @@ due time only when the state has a timeout. An event sent to it (or the timeout)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -453,22 +452,28 @@ def _payload(model: Any, event: str, payload: str | None) -> Any:
         ) from None
 
 
-def payload_json(payload: BaseModel) -> dict[str, Any]:
-    """``payload`` as the JSON object a send journals, in the keys its model validates by:
-    a payload is validated from its JSON (by alias, as pydantic does unless the model says
-    otherwise), so a model with aliases dumped by field name lost those fields (``Field
-    required``). The first of these that gives the payload back: keyed by each field's
-    validation alias, dumped by alias, dumped by name."""
-    model = type(payload)
+def payload_json(payload: BaseModel, declared: Sequence[type[BaseModel]]) -> dict[str, Any]:
+    """``payload`` as the JSON object a send journals: dumped by field name, as always,
+    unless the models ``declared`` for the event (its wait states' ``payloads=``) do not
+    all take that: a model with aliases is validated by alias, and its by-name dump lost
+    those fields (``Field required``). Then the first of: keyed by each field's validation
+    alias, dumped by alias, that they all take. No model declared: by name (a handler
+    gets the dict)."""
     by_name = payload.model_dump(mode="json")
+    if not declared:
+        return by_name
+    model = type(payload)
     for dumped in (
+        by_name,
         _by_validation_alias(model, by_name),
         payload.model_dump(mode="json", by_alias=True),
-        by_name,
     ):
-        with contextlib.suppress(ValidationError):
-            if model.model_validate(dumped) == payload:
-                return dumped
+        try:
+            for taker in declared:
+                taker.model_validate(dumped)
+        except Exception:  # (a validator's own error too: try the next keys)
+            continue
+        return dumped
     return by_name
 
 
@@ -485,3 +490,9 @@ def _by_validation_alias(model: type[BaseModel], by_name: dict[str, Any]) -> dic
         if isinstance(key, str) and key != name:
             keyed[key] = keyed.pop(name)
     return keyed
+
+
+def declared_payloads(workflow: Workflow, event: str) -> list[type[BaseModel]]:
+    """The payload models ``workflow``'s wait states declare for ``event``."""
+    found = (wait.payloads.get(event) for wait in workflow.waits.values())
+    return list(dict.fromkeys(model for model in found if model is not None))

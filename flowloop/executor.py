@@ -255,8 +255,8 @@ class Executor(Stepping, Recovery, Requests):
             due_unclaimed = False  # the last turn found a run due, and claimed nothing
             waited = run_ids if idle_ids is None else idle_ids  # (whose due times idle waits for)
             while not (stop is not None and stop.is_set()) and not self.handing_back:
-                if until_idle:
-                    self.failed_drives.raise_any(scope)
+                if until_idle and self.failed_drives.pending(scope):
+                    break  # (drained below, then raised)
                 try:
                     if last_recovery is None or self.clock.monotonic() - last_recovery > min(
                         RECOVERY_EVERY_SECONDS, self.lease_seconds / 2
@@ -324,6 +324,8 @@ class Executor(Stepping, Recovery, Requests):
                     due_unclaimed = False
                 await self._wait_for_work(stop, wake)
             await self.drain(grace, scope)
+            if until_idle:
+                self.failed_drives.raise_any(scope)
         finally:
             self._wakes.remove((scope, wake))
             self._fanned -= scope or set()
@@ -473,18 +475,15 @@ class Executor(Stepping, Recovery, Requests):
         self.committer.released.discard(stored.id)
         self.due_here.forget((stored.id,))
         self.failed_drives.forget(stored.id)
-        # A claim of a run given up here while its old task lives on (a step swallowed the
-        # cancellation) is a new lease: what the old drive was asked is not its (a request
-        # still pending is in the database: the claim read it, and the next poll reads it).
+        # A run given up here while its old task lives on (a step swallowed the cancel), now
+        # claimed again, has a new lease: what the old drive was asked is not its own.
         self._controls.pop(stored.id, None)
         self._polled_pauses.discard(stored.id)
 
         def done(_: asyncio.Task[None]) -> None:
             self._per_workflow[name] -= 1
-            error = None if awaited or task.cancelled() else task.exception()
-            if error is not None:
-                self.failed_drives.note(stored.id, error)
-                self.wake(stored.id)
+            if not awaited:
+                self.failed_drives.ended(stored.id, task, self._active.get(stored.id) is active)
             if self._active.get(stored.id) is not active:
                 return  # the run was claimed again and is driven by a newer task
             self._active.pop(stored.id, None)

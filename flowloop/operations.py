@@ -38,6 +38,7 @@ from flowloop.events import (
     asleep_before,
     asleep_until,
     check_bufferable,
+    declared_payloads,
     due_before_pause,
     entering,
     payload_json,
@@ -427,9 +428,9 @@ class Operations:
         state that accepts it, else InvalidEvent lists what the state accepts. The same
         ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``).
         """
-        if isinstance(payload, BaseModel):
-            payload = payload_json(payload)
         run_id = self.resolve(run_id)
+        if isinstance(payload, BaseModel):
+            payload = payload_json(payload, self._declared_payloads(run_id, event))
         check_key("dedupe key", dedupe_key)
         check_finite("payload", payload)
         check_text("event", event, MAX_NAME_LENGTH)
@@ -511,6 +512,15 @@ class Operations:
                 raise InvalidEvent(record.state, event, accepted(workflow, record.state))
             return SendResult(status=result, run=self.get(run_id))
         raise FlowloopError(f"run {run_id} kept changing while sending {event!r}; try again")
+
+    def _declared_payloads(self, run_id: str, event: str) -> list[type[BaseModel]]:
+        """The payload models the run's definition declares for ``event`` (none when it
+        cannot be told here: what refuses the send is said below, as before)."""
+        try:
+            record = self._stored(run_id).record
+            return declared_payloads(self._workflows.for_run(record), event)
+        except (FlowloopError, KeyError):
+            return []
 
     def is_held(self, run_id: str) -> bool:
         """Whether the run is a map's child held back by ``max_parallel`` (its turn has not

@@ -6,6 +6,7 @@ idle call; the run is taken again once the cause is gone."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from typing import Any
@@ -101,3 +102,32 @@ def test_an_error_engine_run_raised_is_not_raised_again_later(store_url: str) ->
         refusing.on = False
         # (Not that error again: its run is still leased, and the call finds nothing due.)
         assert within_bound(engine.run_until_idle)[0] == "returned"
+
+
+def test_the_other_runs_steps_in_flight_finish_before_it_is_raised(store_url: str) -> None:
+    """Raised at once, the call cut off the steps of the other runs in flight: journaled
+    interrupted, and called again (a non-idempotent step's effect twice)."""
+    wf = Workflow("drive_failures_slow", context=Count)
+
+    @wf.step(initial=True, next="done")
+    async def work(ctx: Count) -> None:
+        if ctx.n:  # the slow run: still in its step when the other's write is refused
+            await asyncio.sleep(0.3)
+
+    wf.final("done")
+    with Engine(store_url, workflows=[wf], clock=FakeClock(), lease_seconds=LEASE_S) as engine:
+        slow = engine.start(wf, Count(n=1)).id
+        bad = engine.start(wf, Count()).id
+        real = engine.store.write
+
+        def refusing(boundaries: Any) -> Any:
+            if any(b.run_id == bad and b.release for b in boundaries):
+                raise TypeError("a value the driver cannot bind")
+            return real(boundaries)
+
+        engine.store.write = refusing  # type: ignore[method-assign]
+        how, error = within_bound(engine.run_until_idle)
+        assert (how, str(error)) == ("raised", "a value the driver cannot bind")
+        kinds = [e.kind for e in engine.history(slow)]
+    assert "step_interrupted" not in kinds
+    assert kinds.count("step_succeeded") == 1, kinds
