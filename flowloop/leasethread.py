@@ -47,8 +47,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from sqlalchemy.pool import StaticPool
-
 from flowloop import outagelog
 from flowloop.store import Store
 
@@ -518,17 +516,6 @@ def renewer(store: Store, *, worker: str, lease_seconds: float) -> Renew:
 
 
 def poller(store: Store, *, worker: str) -> Poll:
-    """How the renewer reads control requests: a read on a pooled connection; an in-memory
-    SQLite database has one connection only, shared with the loop, so there the read
-    takes the store's lock (never inside another thread's transaction)."""
-    from flowloop.store.sql import SQLStore
-
-    if isinstance(store, SQLStore) and isinstance(store.engine.pool, StaticPool):
-        lock = store._lock  # the held writer's lock: the one connection is that writer
-
-        def poll_locked() -> Mapping[str, str]:
-            with lock:
-                return store.pending_controls(worker=worker)
-
-        return poll_locked
+    """How the renewer reads control requests: a read on a pooled connection (in memory,
+    where the one connection is the loop's writer, the store's reads take its lock)."""
     return lambda: store.pending_controls(worker=worker)

@@ -35,6 +35,7 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
     StatementError,
 )
+from sqlalchemy.pool import StaticPool
 
 from flowloop.errors import MissingDatabase, StoreError, WrongDatabase
 from flowloop.ids import prefix_bounds
@@ -112,6 +113,8 @@ class SQLStore(
         self._checkpointer: Checkpointer | None = None
         self.now_sql = dialect.db_now(self.engine)
         self._lock = threading.RLock()
+        # In memory the pool's one connection is the writer's too: reads take _lock (_read).
+        self._one_connection = isinstance(self.engine.pool, StaticPool)
         self._writer: Connection | None = None
         self._driver_for: Connection | None = None
         self._driver_conn: Any = None
@@ -330,10 +333,22 @@ class SQLStore(
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self.engine.connect() as conn:
-            conn = conn.execution_options(**{dialect.READ_OPTION: True})
-            with conn.begin():
-                yield conn
+        """A read transaction on a pooled connection. In memory (a ``StaticPool``) the one
+        connection is the held writer's, which the lease renewer's thread writes on under
+        ``_lock``: a read takes the lock too (else its ``BEGIN`` lands inside a renewal's
+        transaction, or a renewal inside the read's, and the threads use one connection at
+        once)."""
+        lock = self._lock if self._one_connection else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            with self.engine.connect() as conn:
+                conn = conn.execution_options(**{dialect.READ_OPTION: True})
+                with conn.begin():
+                    yield conn
+        finally:
+            if lock is not None:
+                lock.release()
 
     # -- schema ----------------------------------------------------------------------------
 
