@@ -139,19 +139,31 @@ def _refusal(
 
 
 def _park(store: Store, stored: StoredRun, verdict: Verdict, *, now: float, worker: str) -> bool:
-    """Park a waiting run the loaded definition refuses, with the verdict's reason."""
+    """End the wait of a run the loaded definition refuses as a claim ends it
+    (flowloop/recovery.py, ``Recovery._checked``): parked with the verdict's reason, or
+    failed when the verdict fails it (a context that is not a JSON object:
+    ``invalid_context``; ``flowloop retry`` after a repair takes it up again)."""
     reason = verdict.reason or "definition_mismatch"
+    if verdict.outcome == "failed":
+        message = verdict.message or reason
+        return _fail(store, stored, reason=reason, message=message, now=now, worker=worker)
     return park(store, stored, reason=reason, message=verdict.message, now=now, worker=worker)
 
 
 def fail_unreadable(store: Store, stored: StoredRun, *, now: float, worker: str) -> bool:
     """Fail a waiting run whose row or journal tail cannot be read (``stored.problem``) as
     a claim fails it (flowloop/recovery.py): ``run_failed``, reason ``invalid_row``, the
-    problem as its error. Not parked: a pause writes the row back as read, without the
-    part that could not be read (corrupt ``visits`` stored as ``{}``), and an unpause then
-    moves it on with that loss. Its kept events stay kept. In one write fenced on the
-    row as read (``last_seq``, no owner), as :func:`~flowloop.parking.park`; whether it
-    was written."""
+    problem as its error. Its kept events stay kept. Whether it was written."""
+    problem = stored.problem or INVALID_ROW
+    return _fail(store, stored, reason=INVALID_ROW, message=problem, now=now, worker=worker)
+
+
+def _fail(
+    store: Store, stored: StoredRun, *, reason: str, message: str, now: float, worker: str
+) -> bool:
+    """``run_failed`` with ``reason`` for a waiting run no worker holds, as a claim fails
+    it, in one write fenced on the row as read (``last_seq``, no owner), as
+    :func:`~flowloop.parking.park`; whether it was written."""
     record = stored.record
     if stored.owner is not None or record.status != "scheduled" or record.reason == ASLEEP:
         return False
@@ -161,16 +173,16 @@ def fail_unreadable(store: Store, stored: StoredRun, *, now: float, worker: str)
         kind=RUN_FAILED,
         at=now,
         state=record.state,
-        error_message=stored.problem,
+        error_message=message,
         worker=worker,
-        data={"reason": INVALID_ROW},
+        data={"reason": reason},
     )
     boundary = Boundary(
         events=[event], record=apply(record, event), fence=Fence(None, stored.lease_epoch)
     )
     if not store.write([boundary])[0]:
         return False
-    log.error("run %s failed: %s: %s", record.id, INVALID_ROW, stored.problem)
+    log.error("run %s failed: %s: %s", record.id, reason, message)
     return True
 
 
@@ -214,14 +226,17 @@ def try_deliver_pending(
     now: float,
     worker: str,
 ) -> int | None:
-    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. the
-    run's context no longer loads). The run stays waiting; the next send, claim or
-    recovery sweep retries (the sweep parks it if it keeps failing)."""
+    """:func:`deliver_pending` that logs instead of raising: how many left the inbox, also
+    when it failed after handing some over (the run moved: its caller wakes it, a sender
+    looks again); ``None``: it failed before handing any (e.g. the run's context no longer
+    loads). The run stays waiting; the next send, claim or recovery sweep retries (the
+    sweep parks it if it keeps failing)."""
+    done = HandOver()
     try:
-        return deliver_pending(store, workflows, run_id, now=now, worker=worker)
+        return deliver_pending(store, workflows, run_id, now=now, worker=worker, done=done)
     except Exception as error:
         log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
-        return None
+        return done.taken or None
 
 
 STRANDED_BATCH = 500
@@ -312,11 +327,13 @@ def hand_over_stranded(
     how many left the inbox.
 
     A run the loaded definition cannot take (its state or context no longer fits) is
-    parked, as a claim parks it — one whose context is not even a JSON object, which a
-    claim fails, too (``invalid_context``): a wait without a timeout is never claimed, so
-    it would wait for ever, retried at every look — and one whose row cannot be read is
-    failed ``invalid_row``, as a claim fails it; their events stay kept (``flowloop
-    unpause`` after a fix hands them over to a parked run). ``failing``: the runs whose
+    parked, as a claim parks it — and one a claim fails is failed as it fails it: a
+    context that is not even a JSON object (``invalid_context``), a row that cannot be
+    read (``invalid_row``) — a wait without a timeout is never claimed, so it would wait
+    for ever, retried at every look; with a timeout, its claim would fail it when the
+    timeout fires, and the look must not end it otherwise. Their events stay kept
+    (``flowloop unpause`` after a fix hands them over to a parked run, ``flowloop retry``
+    to a failed one). ``failing``: the runs whose
     handing over failed (raised) at earlier looks, and at how many in a row (updated):
     failing again, each is logged at DEBUG, not at every sweep's WARNING, and at
     :data:`HAND_OVER_TRIES` the run is parked, the error in its journal — the look found
@@ -397,9 +414,8 @@ def _park_failing(
 ) -> bool:
     """Park a waiting run whose kept events could not be handed over: at once when the
     loaded definition, validating its context, refuses it (a claim would park it so: a
-    validator changed, …; or fail it: a context that is not a JSON object, parked
-    ``invalid_context`` here, so that ``unpause`` after a repair judges it again — a wait
-    without a timeout is never claimed), else at its :data:`HAND_OVER_TRIES`-th failed
+    validator changed, …; or fail it, as it fails it: a context that is not a JSON object,
+    ``invalid_context`` — a wait without a timeout is never claimed), else at its :data:`HAND_OVER_TRIES`-th failed
     look in a row (``kept_events_failed``). A run whose row cannot be read is failed
     ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the run as the failed
     hand-over read it (``seen``, its ``last_seq``; ``None``: not read) and still waiting

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from waitkit import ALL, Chain, Empty, chain, inbox_rows, kinds
+from waitkit import ALL, Chain, Empty, chain, inbox_rows, initial_wait, kinds
 
 from flowloop import Engine, FakeClock, Workflow, kept
 from flowloop.kept import hand_over_stranded
@@ -214,7 +214,9 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     # parked invalid_context (an unpause after a repair judges it again); the row run is
     # failed invalid_row, as a claim fails it (a pause would write the row back without
     # its unreadable visits, and an unpause move it on with them lost). The event stays
-    # kept either way.
+    # kept either way. (Third pass: the context run is failed invalid_context, as its
+    # claim fails it — parked, a run that also waits with a timeout ended one way or the
+    # other by whichever came first, the look or the timeout's claim.)
     run_id = _waiting_chain(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values({column: stored}))
@@ -230,8 +232,9 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     info = engine.get(run_id)
     ran = kinds(engine, run_id)
     if column == "context":
-        assert (info.status, info.state, info.reason) == ("paused", "first", "invalid_context")
-        assert ran.count("run_paused") == 1 and ran[-1] == "run_paused", ran
+        assert (info.status, info.state, info.reason) == ("failed", "first", "invalid_context")
+        assert info.error is not None and "context" in info.error
+        assert ran.count("run_failed") == 1 and ran[-1] == "run_failed", ran
     else:
         assert (info.status, info.state, info.reason) == ("failed", "first", "invalid_row")
         assert info.error is not None and "stored visits are not valid JSON" in info.error
@@ -239,24 +242,39 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [None]  # kept
 
 
-def test_stranded_look__a_run_parked_invalid_context_goes_on_when_repaired_and_unpaused(
+def test_stranded_look__a_run_failed_invalid_context_goes_on_when_retried(
     engine: TestEngine,
 ) -> None:
-    # The parked run is judged again at its unpause: its context repaired, the kept event
-    # is handed over; not repaired, the next look parks it again (once a look).
+    # The failed run is taken up by an operator's retry (the context its state was entered
+    # with, from the journal): the kept event is handed over then.
     run_id = _waiting_chain(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context="[1, 2]"))
     now = engine.clock.now()
     hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
     assert engine.get(run_id).reason == "invalid_context"
-    engine.unpause(run_id)
-    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
-    assert engine.get(run_id).reason == "invalid_context"
-    assert kinds(engine, run_id).count("run_paused") == 2
-    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
-        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context='{"notes": []}'))
-    engine.unpause(run_id)
+    engine.retry(run_id)
     info = engine.get(run_id)
     assert (info.status, info.state) == ("scheduled", "second")
     assert [row.consumed_seq is None for row in inbox_rows(engine.url, run_id)] == [False]
+
+
+def test_stranded_look_and_claim_agree_on_a_timed_wait_with_an_invalid_context(
+    engine: TestEngine,
+) -> None:
+    # Review: a run whose context is not a JSON object, waiting with a timeout, was parked
+    # invalid_context by the look, and failed invalid_context by its claim when the
+    # timeout fired: which one it got depended on which came first. Both fail it now.
+    ids = [engine.start(initial_wait, Empty()).id for _ in range(2)]
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.update(runs).where(runs.c.id.in_(ids)).values(context="[1, 2]"))
+    by_look, by_claim = ids
+    _keep(engine, by_look, "open")
+    now = engine.clock.now()
+    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
+    engine.clock.advance(101)
+    engine.run_until_idle()
+    ended = [(engine.get(i).status, engine.get(i).reason) for i in ids]
+    assert ended == [("failed", "invalid_context")] * 2
+    assert [kinds(engine, i)[-1] for i in ids] == ["run_failed", "run_failed"]
+    assert [row.consumed_seq for row in inbox_rows(engine.url, by_look)] == [None]  # kept
