@@ -6,14 +6,22 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from flowloop.definition import Workflow
 from flowloop.errors import error_line, storable
 from flowloop.events import accepted, accepts, receive, reject_kept
-from flowloop.journal import ASLEEP, RUN_FAILED, JournalEvent, RunRecord, apply
+from flowloop.journal import (
+    ASLEEP,
+    RUN_FAILED,
+    RUN_PAUSED,
+    RUN_RELEASED,
+    JournalEvent,
+    RunRecord,
+    apply,
+)
 from flowloop.parking import park
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
@@ -21,6 +29,9 @@ from flowloop.store.joins import JoinStoreMixin
 from flowloop.store.outage import is_outage
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import Registry, workflow_for
+
+if TYPE_CHECKING:
+    from flowloop.executor import Executor
 
 log = logging.getLogger("flowloop")
 
@@ -241,12 +252,21 @@ def try_deliver_pending(
 
 STRANDED_BATCH = 500
 HAND_OVER_TRIES: Final = 3
-"""Looks in a row (:func:`hand_over_stranded`) at which handing a run its kept events may
-fail before the run is parked (``kept_events_failed``, the error in its journal): the
-error was retried at every recovery sweep, for ever, and said once. An outage does not
-count, nor does a pool's timeout (the pool busy, not the run failing); a look that hands
-the run anything over starts the count again, also when it fails after that."""
+"""Tries in a row — a sweep's look (:func:`hand_over_stranded`) or a claim's
+(:func:`failed_on_claim`) — at which handing a run its kept events may fail before the
+run is parked (``kept_events_failed``, the error in its journal): the error was retried
+at every recovery sweep (or claim), for ever, and said once. An outage does not count,
+nor does a pool's timeout (the pool busy, not the run failing); a try that hands the run
+anything over starts the count again, also when it fails after that. Counted in the
+journal (:func:`failed_in_a_row`), not in a worker's memory: a fleet of workers that
+each live for fewer sweeps than that gets there too."""
 KEPT_EVENTS_FAILED: Final = "kept_events_failed"
+KEPT_FAILED: Final = "kept_failed"
+"""The ``data`` key of the ``run_released`` entry a failed try writes: how many in a row."""
+HANDING_FAILED: Final = "its kept events could not be handed over"
+RETRY_HAND_OVER_SECONDS: Final = 10.0
+"""How long a claim whose hand-over failed leaves the run before it is due again (about a
+recovery sweep's spacing: claimed again at once, it would use its tries up in a moment)."""
 SLOW_LOOK_SECONDS: Final = 0.05
 LOOK_SPACING: Final = 100.0
 LONGEST_LOOK_GAP: Final = 300.0
@@ -380,14 +400,16 @@ def _hand_over(
             store, workflows, run_id, now=now, worker=worker, park_refused=True, done=done
         )
     except Exception as error:
-        level = logging.DEBUG if tries else logging.WARNING
+        counted = not done.taken and not is_outage(error) and not isinstance(error, PoolTimeout)
+        if counted:  # (as many as the journal says, should this worker have started since)
+            tries = max(tries, _failed_so_far(store, run_id)) + 1
+        level = logging.DEBUG if tries > counted else logging.WARNING
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
         if done.taken:
             pass  # it took some (it moved on): a look that handed it over, not a failed one
-        elif is_outage(error) or isinstance(error, PoolTimeout):
+        elif not counted:
             return 0  # the database's (or a pool busy with other work), not the run's
         else:
-            tries += 1
             parked = _park_failing(
                 store, workflows, run_id, error, tries=tries, seen=done.seq, now=now, worker=worker
             )
@@ -415,8 +437,10 @@ def _park_failing(
     """Park a waiting run whose kept events could not be handed over: at once when the
     loaded definition, validating its context, refuses it (a claim would park it so: a
     validator changed, …; or fail it, as it fails it: a context that is not a JSON object,
-    ``invalid_context`` — a wait without a timeout is never claimed), else at its :data:`HAND_OVER_TRIES`-th failed
-    look in a row (``kept_events_failed``). A run whose row cannot be read is failed
+    ``invalid_context`` — a wait without a timeout is never claimed), else at its
+    :data:`HAND_OVER_TRIES`-th failed try in a row (``kept_events_failed``); before that,
+    the failure is counted in its journal (:func:`count_failure`). A run whose row cannot
+    be read is failed
     ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the run as the failed
     hand-over read it (``seen``, its ``last_seq``; ``None``: not read) and still waiting
     (:func:`_waiting`): not one that went on, nor one an operator paused or stopped
@@ -436,15 +460,88 @@ def _park_failing(
         verdict = _refusal(store, workflow, stored.record, validate=True)
         if verdict is not None:
             return _park(store, stored, verdict, now=now, worker=worker)
-        if tries < HAND_OVER_TRIES:
-            return False
-        message = storable(
-            f"its kept events could not be handed over at {tries} looks in a row: "
-            f"{error_line(error)}"
+        record = stored.record
+        due = record.next_run_at
+        entry = failure_entry(record, error, tries=tries, due=due, now=now, worker=worker)
+        boundary = Boundary(
+            events=[entry], record=apply(record, entry), fence=Fence(None, stored.lease_epoch)
         )
-        return park(
-            store, stored, reason=KEPT_EVENTS_FAILED, message=message, now=now, worker=worker
-        )
+        written = store.write([boundary])[0]
+        if written and entry.kind == RUN_PAUSED:
+            log.warning("run %s parked: %s", run_id, KEPT_EVENTS_FAILED)
+        return written and entry.kind == RUN_PAUSED
     except Exception as failed:
         log.warning("run %s: could not park it: %s", run_id, error_line(failed))
         return False
+
+
+def failed_in_a_row(store: Store, run_id: str) -> int:
+    """How many tries in a row to hand the run its kept events failed, by its journal: the
+    count its last entry holds when that is a failed try's ``run_released``
+    (:func:`failure_entry`), else 0 — anything else journaled since (an event handed over,
+    an unpause, …) starts the count again."""
+    entries = store.journal(run_id)
+    last = entries[-1] if entries else None
+    if last is None or last.kind != RUN_RELEASED:
+        return 0
+    return int(last.data.get(KEPT_FAILED, 0))
+
+
+def _failed_so_far(store: Store, run_id: str) -> int:
+    """:func:`failed_in_a_row`, 0 when the journal cannot be read (logged)."""
+    try:
+        return failed_in_a_row(store, run_id)
+    except Exception as error:
+        log.warning("run %s: its journal could not be read: %s", run_id, error_line(error))
+        return 0
+
+
+def failure_entry(
+    record: RunRecord, error: Exception, *, tries: int, due: float | None, now: float, worker: str
+) -> JournalEvent:
+    """The entry a failed try to hand ``record`` its kept events writes, its ``tries``-th
+    in a row: at :data:`HAND_OVER_TRIES`, the run parked (``run_paused``,
+    ``kept_events_failed``, the error in it; ``flowloop unpause`` tries again); before,
+    ``run_released`` counting it (:data:`KEPT_FAILED`), due at ``due``, the error in it
+    (``flowloop history`` shows it). Its events stay kept either way."""
+    line = error_line(error)
+    if tries >= HAND_OVER_TRIES:
+        kind, message = RUN_PAUSED, f"{HANDING_FAILED} at {tries} tries in a row: {line}"
+        data: dict[str, object] = {"reason": KEPT_EVENTS_FAILED}
+    else:
+        kind, message = RUN_RELEASED, f"{HANDING_FAILED} (try {tries} in a row): {line}"
+        data = {"due": due, "reason": HANDING_FAILED, KEPT_FAILED: tries}
+    return JournalEvent(
+        run_id=record.id,
+        seq=record.last_seq + 1,
+        kind=kind,
+        at=now,
+        state=record.state,
+        error_message=storable(message),
+        worker=worker,
+        data=data,
+    )
+
+
+async def failed_on_claim(
+    executor: Executor, record: RunRecord, fence: Fence, error: Exception
+) -> None:
+    """A claim's hand-over of the kept events to the waiting run it holds raised
+    (flowloop/stepping.py, ``_end_wait``): handled as a sweep's look handles it
+    (:func:`_hand_over`) — an outage or a pool's timeout raises on; else the try is
+    counted in the journal and the run let go, due again in
+    :data:`RETRY_HAND_OVER_SECONDS`, or parked ``kept_events_failed`` at the
+    :data:`HAND_OVER_TRIES`-th failure in a row (a claim or a look). Its events stay kept.
+    Before, the drive died with the error and the run stayed held until its lease ran
+    out, then was claimed and failed again, for ever. (A context its definition no longer
+    validates is not one of these: the claim judged it, validating, and parked it.)"""
+    if is_outage(error) or isinstance(error, PoolTimeout):
+        raise error
+    store, now = executor.store, executor.clock.now()
+    tries = _failed_so_far(store, record.id) + 1
+    level = logging.WARNING if tries == 1 else logging.DEBUG
+    log.log(level, "run %s: could not deliver buffered events: %s", record.id, error_line(error))
+    due, worker = now + RETRY_HAND_OVER_SECONDS, executor.worker_id
+    entry = failure_entry(record, error, tries=tries, due=due, now=now, worker=worker)
+    if await executor._finish(record, fence, [entry]) and entry.kind == RUN_PAUSED:
+        log.warning("run %s parked: %s", record.id, KEPT_EVENTS_FAILED)
