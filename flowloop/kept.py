@@ -20,9 +20,8 @@ from flowloop.journal import (
     RUN_RELEASED,
     JournalEvent,
     RunRecord,
-    apply,
 )
-from flowloop.parking import park
+from flowloop.parking import halt_entry, park, write_waiting
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
@@ -86,7 +85,7 @@ def deliver_pending(
             if park_refused:
                 fail_unreadable(store, stored, now=now, worker=worker)
             return done.taken
-        refused = _refusal(store, workflow, record)
+        refused = refusal(store, workflow, record)
         if refused is not None:
             # A definition that would park it: a claim or a start parks it (a wait
             # without a timeout is never claimed: the sweep parks it, when asked).
@@ -123,7 +122,7 @@ def _waiting(store: Store, workflow: Workflow, stored: StoredRun) -> bool:
     )
 
 
-def _refusal(
+def refusal(
     store: Store, workflow: Workflow, record: RunRecord, *, validate: bool = False
 ) -> Verdict | None:
     """Why ``workflow`` (the loaded definition the run would follow) may not take the run
@@ -175,25 +174,12 @@ def _fail(
     """``run_failed`` with ``reason`` for a waiting run no worker holds, as a claim fails
     it, in one write fenced on the row as read (``last_seq``, no owner), as
     :func:`~flowloop.parking.park`; whether it was written."""
-    record = stored.record
-    if stored.owner is not None or record.status != "scheduled" or record.reason == ASLEEP:
-        return False
-    event = JournalEvent(
-        run_id=record.id,
-        seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
-        kind=RUN_FAILED,
-        at=now,
-        state=record.state,
-        error_message=message,
-        worker=worker,
-        data={"reason": reason},
+    event = halt_entry(
+        stored.record, RUN_FAILED, reason=reason, message=message, now=now, worker=worker
     )
-    boundary = Boundary(
-        events=[event], record=apply(record, event), fence=Fence(None, stored.lease_epoch)
-    )
-    if not store.write([boundary])[0]:
+    if not write_waiting(store, stored, event):
         return False
-    log.error("run %s failed: %s: %s", record.id, reason, message)
+    log.error("run %s failed: %s: %s", stored.id, reason, message)
     return True
 
 
@@ -457,16 +443,12 @@ def _park_failing(
             return False
         if stored.problem is not None:
             return fail_unreadable(store, stored, now=now, worker=worker)
-        verdict = _refusal(store, workflow, stored.record, validate=True)
+        verdict = refusal(store, workflow, stored.record, validate=True)
         if verdict is not None:
             return _park(store, stored, verdict, now=now, worker=worker)
-        record = stored.record
-        due = record.next_run_at
-        entry = failure_entry(record, error, tries=tries, due=due, now=now, worker=worker)
-        boundary = Boundary(
-            events=[entry], record=apply(record, entry), fence=Fence(None, stored.lease_epoch)
-        )
-        written = store.write([boundary])[0]
+        due = stored.record.next_run_at
+        entry = failure_entry(stored.record, error, tries=tries, due=due, now=now, worker=worker)
+        written = write_waiting(store, stored, entry)
         if written and entry.kind == RUN_PAUSED:
             log.warning("run %s parked: %s", run_id, KEPT_EVENTS_FAILED)
         return written and entry.kind == RUN_PAUSED
@@ -506,20 +488,21 @@ def failure_entry(
     (``flowloop history`` shows it). Its events stay kept either way."""
     line = error_line(error)
     if tries >= HAND_OVER_TRIES:
-        kind, message = RUN_PAUSED, f"{HANDING_FAILED} at {tries} tries in a row: {line}"
-        data: dict[str, object] = {"reason": KEPT_EVENTS_FAILED}
-    else:
-        kind, message = RUN_RELEASED, f"{HANDING_FAILED} (try {tries} in a row): {line}"
-        data = {"due": due, "reason": HANDING_FAILED, KEPT_FAILED: tries}
-    return JournalEvent(
-        run_id=record.id,
-        seq=record.last_seq + 1,
-        kind=kind,
-        at=now,
-        state=record.state,
-        error_message=storable(message),
+        message = storable(f"{HANDING_FAILED} at {tries} tries in a row: {line}")
+        reason = KEPT_EVENTS_FAILED
+        return halt_entry(
+            record, RUN_PAUSED, reason=reason, message=message, now=now, worker=worker
+        )
+    message = storable(f"{HANDING_FAILED} (try {tries} in a row): {line}")
+    return halt_entry(
+        record,
+        RUN_RELEASED,
+        reason=HANDING_FAILED,
+        message=message,
+        now=now,
         worker=worker,
-        data=data,
+        due=due,
+        **{KEPT_FAILED: tries},
     )
 
 

@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from waitkit import ALL, Chain, Empty, chain, inbox_rows, initial_wait, kinds
+from waitkit import ALL, Empty, chain_with_go_kept, inbox_rows, initial_wait, keep_stranded, kinds
 
 from flowloop import FakeClock, kept
 from flowloop.kept import try_deliver_pending
-from flowloop.store import InboxEvent
 from flowloop.testing import TestEngine
 
 
@@ -23,27 +22,14 @@ def engine(store_url: str) -> Iterator[TestEngine]:
         yield engine
 
 
-def _keep(engine: TestEngine, run_id: str, event: str, payload: str | None = None) -> None:
-    message = InboxEvent(run_id=run_id, event=event, payload=payload, dedupe_key=None, sent_at=0)
-    assert engine.store.deliver(message, None) == "buffered"
-
-
-def _waiting_chain(engine: TestEngine) -> str:
-    run_id = engine.start(chain, Chain()).id
-    engine.run_until_idle()
-    assert engine.get(run_id).state == "first"
-    _keep(engine, run_id, "go")
-    return run_id
-
-
 def test_a_partial_hand_over_that_then_fails_says_how_many_it_handed(
     engine: TestEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Review: try_deliver_pending returned None (nothing handed) when it handed `go` over
     # (first -> second) and then failed on `note`: its callers took the run for unmoved
     # (a worker did not wake it).
-    run_id = _waiting_chain(engine)
-    _keep(engine, run_id, "note", '{"text": "later"}')
+    run_id = chain_with_go_kept(engine)
+    keep_stranded(engine, run_id, "note", '{"text": "later"}')
     take = kept.take_kept
 
     def second_fails(*args: Any, **kwargs: Any) -> Any:
@@ -76,7 +62,7 @@ def test_a_claims_hand_over_that_keeps_failing_parks_the_run_at_the_third_try(
     # unpause, once the cause is gone, hands it over.
     _no_sweep(monkeypatch)
     run_id = engine.start(initial_wait, Empty()).id  # (due at once: created in its wait)
-    _keep(engine, run_id, "open")
+    keep_stranded(engine, run_id, "open")
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a journal entry the database refuses")
@@ -107,7 +93,7 @@ def test_short_lived_workers_count_a_failing_hand_over_together(
     # wait without a timeout: never claimed either), a WARNING at every start, for ever.
     # Counted in the run's journal, the third worker's look parks it.
     with TestEngine(store_url, clock=FakeClock(auto_advance=False), workflows=ALL) as first:
-        run_id = _waiting_chain(first)
+        run_id = chain_with_go_kept(first)
     take = kept.take_kept
 
     def refused(*args: Any, **kwargs: Any) -> Any:

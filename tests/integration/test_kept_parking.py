@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from waitkit import ALL, Chain, Empty, chain, inbox_rows, initial_wait, kinds
+from waitkit import ALL, Empty, chain_with_go_kept, inbox_rows, initial_wait, keep_stranded, kinds
 
 from flowloop import Engine, FakeClock, Workflow, kept
 from flowloop.kept import hand_over_stranded
-from flowloop.store import InboxEvent
 from flowloop.store.schema import runs
 from flowloop.testing import TestEngine
 
@@ -29,21 +28,6 @@ OPERATOR: dict[str, Callable[[Engine, str], Any]] = {
 def engine(store_url: str) -> Iterator[TestEngine]:
     with TestEngine(store_url, clock=FakeClock(auto_advance=False), workflows=ALL) as engine:
         yield engine
-
-
-def _keep(engine: Engine, run_id: str, event: str, payload: str | None = None) -> None:
-    """``event`` kept for the run and not handed over (its worker killed right after)."""
-    message = InboxEvent(run_id=run_id, event=event, payload=payload, dedupe_key=None, sent_at=0)
-    assert engine.store.deliver(message, None) == "buffered"
-
-
-def _waiting_chain(engine: TestEngine) -> str:
-    """A chain run waiting in ``first`` with a ``go`` kept for it (stranded)."""
-    run_id = engine.start(chain, Chain()).id
-    engine.run_until_idle()
-    assert engine.get(run_id).state == "first"
-    _keep(engine, run_id, "go")
-    return run_id
 
 
 def _operators_end(engine: Engine, run_id: str, action: str) -> None:
@@ -82,7 +66,7 @@ def test_stranded_look__an_operators_pause_or_stop_after_it_read_the_run_is_left
     with Engine(store_url, workflows=[v1]) as first:
         run_id = first.start(v1, Empty()).id
         first.run_until_idle()
-        _keep(first, run_id, "a")
+        keep_stranded(first, run_id, "a")
     failing: dict[str, int] = {}
     with Engine(store_url, workflows=[v2]) as later, caplog.at_level(logging.DEBUG, "flowloop"):
         look = later.store.kept_for_free_runs
@@ -113,7 +97,7 @@ def test_stranded_look__a_failing_run_an_operator_paused_or_stopped_is_not_parke
     # The same for a run whose hand-over failed at its HAND_OVER_TRIES-th look: paused by
     # an operator meanwhile, it was parked over it (kept_events_failed); stopped, the park
     # raised FoldError ("could not park it").
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
 
     def operator_then_broken(*args: object, **kwargs: object) -> int:
         OPERATOR[action](engine, run_id)
@@ -135,8 +119,8 @@ def test_stranded_look__one_that_hands_some_over_then_fails_is_a_look_that_hande
     # counted as a failed look (the count handed thrown away), and at the HAND_OVER_TRIES-
     # th parked the run that had just gone on (kept_events_failed). It handed one over:
     # the count starts again, and the run waits in second, `note` kept.
-    run_id = _waiting_chain(engine)
-    _keep(engine, run_id, "note", '{"text": "later"}')
+    run_id = chain_with_go_kept(engine)
+    keep_stranded(engine, run_id, "note", '{"text": "later"}')
     take = kept.take_kept
     calls: list[str] = []
 
@@ -163,7 +147,7 @@ def test_stranded_look__a_run_that_went_on_after_its_hand_over_failed_is_not_par
 ) -> None:
     # Its hand-over failed; before the look parked it (at its HAND_OVER_TRIES-th), another
     # sender moved it on: the run it parks must be the one that failed, as that read it.
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
     take = kept.take_kept
 
     def moved_then_fails(*args: Any, **kwargs: Any) -> Any:
@@ -186,7 +170,7 @@ def test_stranded_look__a_pool_timeout_is_not_a_failed_look(
     # Review: a pool with no connection free in time (sqlalchemy.exc.TimeoutError, not an
     # outage by is_outage) counted towards parking healthy runs: a busy worker parked
     # every stranded run it looked at, kept_events_failed.
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
 
     def pool_busy(*args: object, **kwargs: object) -> int:
         raise sa.exc.TimeoutError("QueuePool limit of size 5 overflow 10 reached")
@@ -217,7 +201,7 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     # kept either way. (Third pass: the context run is failed invalid_context, as its
     # claim fails it — parked, a run that also waits with a timeout ended one way or the
     # other by whichever came first, the look or the timeout's claim.)
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values({column: stored}))
     failing: dict[str, int] = {}
@@ -247,7 +231,7 @@ def test_stranded_look__a_run_failed_invalid_context_goes_on_when_retried(
 ) -> None:
     # The failed run is taken up by an operator's retry (the context its state was entered
     # with, from the journal): the kept event is handed over then.
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context="[1, 2]"))
     now = engine.clock.now()
@@ -269,7 +253,7 @@ def test_stranded_look_and_claim_agree_on_a_timed_wait_with_an_invalid_context(
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id.in_(ids)).values(context="[1, 2]"))
     by_look = ids[0]  # (the other, with nothing kept, is left to its claim)
-    _keep(engine, by_look, "open")
+    keep_stranded(engine, by_look, "open")
     now = engine.clock.now()
     hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
     engine.clock.advance(101)
