@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -12,7 +12,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from flowloop.definition import Workflow
 from flowloop.errors import error_line, storable
-from flowloop.events import accepted, accepts, receive, reject_kept
+from flowloop.events import accepted, accepts, receive, reject_kept, wait_due
 from flowloop.journal import (
     ASLEEP,
     RUN_FAILED,
@@ -462,20 +462,28 @@ def failed_in_a_row(store: Store, run_id: str) -> int:
     count its last entry holds when that is a failed try's ``run_released``
     (:func:`failure_entry`), else 0 — anything else journaled since (an event handed over,
     an unpause, …) starts the count again."""
-    entries = store.journal(run_id)
+    return _in_a_row(store.journal(run_id))
+
+
+def _in_a_row(entries: Sequence[JournalEvent]) -> int:
     last = entries[-1] if entries else None
     if last is None or last.kind != RUN_RELEASED:
         return 0
     return int(last.data.get(KEPT_FAILED, 0))
 
 
-def _failed_so_far(store: Store, run_id: str) -> int:
-    """:func:`failed_in_a_row`, 0 when the journal cannot be read (logged)."""
+def _journal(store: Store, run_id: str) -> list[JournalEvent]:
+    """The run's journal, empty when it cannot be read (logged): counted from 0."""
     try:
-        return failed_in_a_row(store, run_id)
+        return store.journal(run_id)
     except Exception as error:
         log.warning("run %s: its journal could not be read: %s", run_id, error_line(error))
-        return 0
+        return []
+
+
+def _failed_so_far(store: Store, run_id: str) -> int:
+    """:func:`failed_in_a_row`, 0 when the journal cannot be read (logged)."""
+    return _in_a_row(_journal(store, run_id))
 
 
 def failure_entry(
@@ -507,24 +515,28 @@ def failure_entry(
 
 
 async def failed_on_claim(
-    executor: Executor, record: RunRecord, fence: Fence, error: Exception
+    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence, error: Exception
 ) -> None:
     """A claim's hand-over of the kept events to the waiting run it holds raised
     (flowloop/stepping.py, ``_end_wait``): handled as a sweep's look handles it
     (:func:`_hand_over`) — an outage or a pool's timeout raises on; else the try is
-    counted in the journal and the run let go, due again in
-    :data:`RETRY_HAND_OVER_SECONDS`, or parked ``kept_events_failed`` at the
+    counted in the journal and the run let go — due at its timeout, not earlier, and again
+    :data:`RETRY_HAND_OVER_SECONDS` later when that has come (none without a timeout: the
+    sweep's looks try again) — or parked ``kept_events_failed`` at the
     :data:`HAND_OVER_TRIES`-th failure in a row (a claim or a look). Its events stay kept.
     Before, the drive died with the error and the run stayed held until its lease ran
     out, then was claimed and failed again, for ever. (A context its definition no longer
     validates is not one of these: the claim judged it, validating, and parked it.)"""
     if is_outage(error) or isinstance(error, PoolTimeout):
         raise error
-    store, now = executor.store, executor.clock.now()
-    tries = _failed_so_far(store, record.id) + 1
+    now, worker = executor.clock.now(), executor.worker_id
+    entries = _journal(executor.store, record.id)
+    tries = _in_a_row(entries) + 1
     level = logging.WARNING if tries == 1 else logging.DEBUG
     log.log(level, "run %s: could not deliver buffered events: %s", record.id, error_line(error))
-    due, worker = now + RETRY_HAND_OVER_SECONDS, executor.worker_id
+    due = wait_due(workflow, record.state, entries)  # (-inf: not read, overdue)
+    if due is not None and due <= now:
+        due = now + RETRY_HAND_OVER_SECONDS
     entry = failure_entry(record, error, tries=tries, due=due, now=now, worker=worker)
     if await executor._finish(record, fence, [entry]) and entry.kind == RUN_PAUSED:
         log.warning("run %s parked: %s", record.id, KEPT_EVENTS_FAILED)

@@ -480,7 +480,7 @@ class Stepping:
                     self.wake(record.id)
                 return None
         except Exception as error:  # counted, the run let go; parked at the third
-            await failed_on_claim(self._whole(), record, fence, error)
+            await failed_on_claim(self._whole(), workflow, record, fence, error)
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from waitkit import ALL, Empty, chain_with_go_kept, inbox_rows, initial_wait, keep_stranded, kinds
 
-from flowloop import FakeClock, kept
+from flowloop import Engine, FakeClock, kept
 from flowloop.kept import try_deliver_pending
 from flowloop.testing import TestEngine
 
@@ -57,26 +57,34 @@ def test_a_claims_hand_over_that_keeps_failing_parks_the_run_at_the_third_try(
     # Review: a claim's hand-over of the kept events to the waiting run it held raised out
     # of the drive: the run stayed held until its lease ran out, then was claimed and
     # failed again, for ever (run_until_idle raised the error). As the sweep's look: each
-    # failure is counted in the journal and the run let go (due again a little later); at
-    # the third in a row it is parked kept_events_failed; the event stays kept, and
-    # unpause, once the cause is gone, hands it over.
+    # failure is counted in the journal and the run let go — due at its timeout, never
+    # before it (claimed at once after an unpause here), and a little later once that has
+    # come; at the third in a row it is parked kept_events_failed; the event stays kept,
+    # and unpause, once the cause is gone, hands it over.
     _no_sweep(monkeypatch)
-    run_id = engine.start(initial_wait, Empty()).id  # (due at once: created in its wait)
-    keep_stranded(engine, run_id, "open")
+    run_id = engine.start(initial_wait, Empty()).id
+    timeout_at = engine.clock.now() + 100
+    engine.pause(run_id)
 
     def refused(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a journal entry the database refuses")
 
     monkeypatch.setattr("flowloop.stepping.take_kept", refused)
-    for _ in range(kept.HAND_OVER_TRIES):
-        engine.run_until_idle()
-        assert engine.get(run_id).status in ("scheduled", "paused")
-        engine.clock.advance(kept.RETRY_HAND_OVER_SECONDS + 1)
+    keep_stranded(engine, run_id, "open")
+    with Engine(engine.url) as operator:  # (`flowloop unpause`: loads no definition)
+        operator.unpause(run_id)  # events kept: due at once, for a worker to hand over
+    engine.run_until_idle()  # (a fake clock: on to each due time)
     info = engine.get(run_id)
     assert (info.status, info.state, info.reason) == ("paused", "gate", "kept_events_failed")
     journal = engine.history(run_id)
-    tail = [(e.kind, e.data.get(kept.KEPT_FAILED)) for e in journal[-3:]]
-    assert tail == [("run_released", 1), ("run_released", 2), ("run_paused", None)]
+    retry = kept.RETRY_HAND_OVER_SECONDS
+    tail = [(e.kind, e.data.get("due"), e.data.get(kept.KEPT_FAILED)) for e in journal[-3:]]
+    assert tail == [
+        ("run_released", timeout_at, 1),
+        ("run_released", timeout_at + retry, 2),
+        ("run_paused", None, None),
+    ]
+    assert [e.at for e in journal[-3:]] == [timeout_at - 100, timeout_at, timeout_at + retry]
     assert "a journal entry the database refuses" in (journal[-1].error_message or "")
     assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [None]  # kept
     monkeypatch.undo()
