@@ -389,7 +389,8 @@ def _hand_over(
         counted = not done.taken and not is_outage(error) and not isinstance(error, PoolTimeout)
         if counted:  # (as many as the journal says, should this worker have started since)
             tries = max(tries, _failed_so_far(store, run_id)) + 1
-        level = logging.DEBUG if tries > counted else logging.WARNING
+        first = tries == (1 if counted else 0)  # (said once, then at DEBUG)
+        level = logging.WARNING if first else logging.DEBUG
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
         if done.taken:
             pass  # it took some (it moved on): a look that handed it over, not a failed one
@@ -425,12 +426,11 @@ def _park_failing(
     validator changed, …; or fail it, as it fails it: a context that is not a JSON object,
     ``invalid_context`` — a wait without a timeout is never claimed), else at its
     :data:`HAND_OVER_TRIES`-th failed try in a row (``kept_events_failed``); before that,
-    the failure is counted in its journal (:func:`count_failure`). A run whose row cannot
-    be read is failed
-    ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the run as the failed
-    hand-over read it (``seen``, its ``last_seq``; ``None``: not read) and still waiting
-    (:func:`_waiting`): not one that went on, nor one an operator paused or stopped
-    meanwhile. Whether it was parked (or failed); a failure to park is logged (the next
+    the failure is counted in its journal (:func:`failure_entry`). A run whose row cannot
+    be read is failed ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the
+    run as the failed hand-over read it (``seen``, its ``last_seq``; ``None``: not read)
+    and still waiting (:func:`_waiting`): not one that went on, nor one an operator paused
+    or stopped meanwhile. Whether it was parked (or failed); a failure to park is logged (the next
     look tries again)."""
     try:
         stored = store.get_run(run_id)
@@ -457,15 +457,11 @@ def _park_failing(
         return False
 
 
-def failed_in_a_row(store: Store, run_id: str) -> int:
-    """How many tries in a row to hand the run its kept events failed, by its journal: the
-    count its last entry holds when that is a failed try's ``run_released``
-    (:func:`failure_entry`), else 0 — anything else journaled since (an event handed over,
-    an unpause, …) starts the count again."""
-    return _in_a_row(store.journal(run_id))
-
-
-def _in_a_row(entries: Sequence[JournalEvent]) -> int:
+def failed_in_a_row(entries: Sequence[JournalEvent]) -> int:
+    """How many tries in a row to hand the run its kept events failed, by its journal
+    (``entries``): the count its last entry holds when that is a failed try's
+    ``run_released`` (:func:`failure_entry`), else 0 — anything else journaled since (an
+    event handed over, an unpause, …) starts the count again."""
     last = entries[-1] if entries else None
     if last is None or last.kind != RUN_RELEASED:
         return 0
@@ -482,8 +478,8 @@ def _journal(store: Store, run_id: str) -> list[JournalEvent]:
 
 
 def _failed_so_far(store: Store, run_id: str) -> int:
-    """:func:`failed_in_a_row`, 0 when the journal cannot be read (logged)."""
-    return _in_a_row(_journal(store, run_id))
+    """:func:`failed_in_a_row` of the run's journal (0: it cannot be read, logged)."""
+    return failed_in_a_row(_journal(store, run_id))
 
 
 def failure_entry(
@@ -531,7 +527,7 @@ async def failed_on_claim(
         raise error
     now, worker = executor.clock.now(), executor.worker_id
     entries = _journal(executor.store, record.id)
-    tries = _in_a_row(entries) + 1
+    tries = failed_in_a_row(entries) + 1
     level = logging.WARNING if tries == 1 else logging.DEBUG
     log.log(level, "run %s: could not deliver buffered events: %s", record.id, error_line(error))
     due = wait_due(workflow, record.state, entries)  # (-inf: not read, overdue)
