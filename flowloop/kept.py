@@ -379,7 +379,8 @@ def _hand_over(
 ) -> int:
     """One stranded run's kept events handed over (how many), or its failure counted,
     logged and, when it is the run's to fix or repeats, the run parked."""
-    tries = 0 if failing is None else failing.get(run_id, 0)
+    remembered = 0 if failing is None else failing.get(run_id, 0)  # (for the log only)
+    tries = remembered
     done = HandOver()
     try:
         deliver_pending(
@@ -387,9 +388,9 @@ def _hand_over(
         )
     except Exception as error:
         counted = not done.taken and not is_outage(error) and not isinstance(error, PoolTimeout)
-        if counted:  # (as many as the journal says, should this worker have started since)
-            tries = max(tries, _failed_so_far(store, run_id)) + 1
-        first = tries == (1 if counted else 0)  # (said once, then at DEBUG)
+        if counted:  # the journal's count alone: anything journaled since starts it again
+            tries = _failed_so_far(store, run_id) + 1
+        first = tries == 1 if counted else remembered == 0  # (said once, then at DEBUG)
         level = logging.WARNING if first else logging.DEBUG
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
         if done.taken:

@@ -262,3 +262,68 @@ def test_stranded_look_and_claim_agree_on_a_timed_wait_with_an_invalid_context(
     assert ended == [("failed", "invalid_context")] * 2
     assert [kinds(engine, i)[-1] for i in ids] == ["run_failed", "run_failed"]
     assert [row.consumed_seq for row in inbox_rows(engine.url, by_look)] == [None]  # kept
+
+
+def _failing_take(monkeypatch: pytest.MonkeyPatch, event: str | None = None) -> None:
+    """take_kept refusing ``event`` (every event when None), as a database refusing the
+    journal entry of its hand-over would."""
+    take = kept.take_kept
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if event is None or args[2].event == event:
+            raise RuntimeError("a journal entry the database refuses")
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(kept, "take_kept", refused)
+
+
+def test_an_unpause_starts_the_count_again_for_a_worker_that_counted_before(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failed looks, then an operator's pause and unpause (the journal's count starts
+    again): the same worker's next failed look is the first of a new count, not the third
+    (its memory of the two before does not override the journal)."""
+    run_id = chain_with_go_kept(engine)
+    _failing_take(monkeypatch, "go")
+    failing: dict[str, int] = {}
+    for _ in range(2):
+        hand_over_stranded(
+            engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+        )
+    assert failing == {run_id: 2}
+    engine.pause(run_id)
+    engine.unpause(run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 0
+    hand_over_stranded(
+        engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+    )
+    assert engine.get(run_id).status == "scheduled", kinds(engine, run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 1
+
+
+def test_a_count_does_not_follow_the_run_into_its_next_wait(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failed looks in ``first``; the cause fixed, the kept ``go`` handed over, the run
+    waits in ``second``, where a kept ``note`` fails once: a first failure there, not a
+    third (the run is not parked)."""
+    run_id = chain_with_go_kept(engine)
+    take = kept.take_kept
+    _failing_take(monkeypatch)
+    failing: dict[str, int] = {}
+    for _ in range(2):
+        hand_over_stranded(
+            engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+        )
+    monkeypatch.setattr(kept, "take_kept", take)
+    handed = kept.try_deliver_pending(
+        engine.store, engine.workflows, run_id, now=engine.clock.now(), worker="s"
+    )
+    assert handed == 1 and engine.get(run_id).state == "second", kinds(engine, run_id)
+    keep_stranded(engine, run_id, "note", '{"text": "x"}')
+    _failing_take(monkeypatch)
+    hand_over_stranded(
+        engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+    )
+    assert engine.get(run_id).status == "scheduled", kinds(engine, run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 1
