@@ -4,23 +4,33 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from flowloop.definition import Workflow
 from flowloop.errors import error_line, storable
-from flowloop.events import accepted, accepts, receive, reject_kept
-from flowloop.journal import ASLEEP, RUN_FAILED, JournalEvent, RunRecord, apply
-from flowloop.parking import park
+from flowloop.events import accepted, accepts, receive, reject_kept, wait_due
+from flowloop.journal import (
+    ASLEEP,
+    RUN_FAILED,
+    RUN_PAUSED,
+    RUN_RELEASED,
+    JournalEvent,
+    RunRecord,
+)
+from flowloop.parking import halt_entry, park, write_waiting
 from flowloop.store import Boundary, Fence, InboxEvent, Store, StoredRun
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin
 from flowloop.store.outage import is_outage
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import Registry, workflow_for
+
+if TYPE_CHECKING:
+    from flowloop.executor import Executor
 
 log = logging.getLogger("flowloop")
 
@@ -75,7 +85,7 @@ def deliver_pending(
             if park_refused:
                 fail_unreadable(store, stored, now=now, worker=worker)
             return done.taken
-        refused = _refusal(store, workflow, record)
+        refused = refusal(store, workflow, record)
         if refused is not None:
             # A definition that would park it: a claim or a start parks it (a wait
             # without a timeout is never claimed: the sweep parks it, when asked).
@@ -112,7 +122,7 @@ def _waiting(store: Store, workflow: Workflow, stored: StoredRun) -> bool:
     )
 
 
-def _refusal(
+def refusal(
     store: Store, workflow: Workflow, record: RunRecord, *, validate: bool = False
 ) -> Verdict | None:
     """Why ``workflow`` (the loaded definition the run would follow) may not take the run
@@ -139,38 +149,37 @@ def _refusal(
 
 
 def _park(store: Store, stored: StoredRun, verdict: Verdict, *, now: float, worker: str) -> bool:
-    """Park a waiting run the loaded definition refuses, with the verdict's reason."""
+    """End the wait of a run the loaded definition refuses as a claim ends it
+    (flowloop/recovery.py, ``Recovery._checked``): parked with the verdict's reason, or
+    failed when the verdict fails it (a context that is not a JSON object:
+    ``invalid_context``; ``flowloop retry`` after a repair takes it up again)."""
     reason = verdict.reason or "definition_mismatch"
+    if verdict.outcome == "failed":
+        message = verdict.message or reason
+        return _fail(store, stored, reason=reason, message=message, now=now, worker=worker)
     return park(store, stored, reason=reason, message=verdict.message, now=now, worker=worker)
 
 
 def fail_unreadable(store: Store, stored: StoredRun, *, now: float, worker: str) -> bool:
     """Fail a waiting run whose row or journal tail cannot be read (``stored.problem``) as
     a claim fails it (flowloop/recovery.py): ``run_failed``, reason ``invalid_row``, the
-    problem as its error. Not parked: a pause writes the row back as read, without the
-    part that could not be read (corrupt ``visits`` stored as ``{}``), and an unpause then
-    moves it on with that loss. Its kept events stay kept. In one write fenced on the
-    row as read (``last_seq``, no owner), as :func:`~flowloop.parking.park`; whether it
-    was written."""
-    record = stored.record
-    if stored.owner is not None or record.status != "scheduled" or record.reason == ASLEEP:
-        return False
-    event = JournalEvent(
-        run_id=record.id,
-        seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
-        kind=RUN_FAILED,
-        at=now,
-        state=record.state,
-        error_message=stored.problem,
-        worker=worker,
-        data={"reason": INVALID_ROW},
+    problem as its error. Its kept events stay kept. Whether it was written."""
+    problem = stored.problem or INVALID_ROW
+    return _fail(store, stored, reason=INVALID_ROW, message=problem, now=now, worker=worker)
+
+
+def _fail(
+    store: Store, stored: StoredRun, *, reason: str, message: str, now: float, worker: str
+) -> bool:
+    """``run_failed`` with ``reason`` for a waiting run no worker holds, as a claim fails
+    it, in one write fenced on the row as read (``last_seq``, no owner), as
+    :func:`~flowloop.parking.park`; whether it was written."""
+    event = halt_entry(
+        stored.record, RUN_FAILED, reason=reason, message=message, now=now, worker=worker
     )
-    boundary = Boundary(
-        events=[event], record=apply(record, event), fence=Fence(None, stored.lease_epoch)
-    )
-    if not store.write([boundary])[0]:
+    if not write_waiting(store, stored, event):
         return False
-    log.error("run %s failed: %s: %s", record.id, INVALID_ROW, stored.problem)
+    log.error("run %s failed: %s: %s", stored.id, reason, message)
     return True
 
 
@@ -214,24 +223,36 @@ def try_deliver_pending(
     now: float,
     worker: str,
 ) -> int | None:
-    """:func:`deliver_pending` that logs instead of raising (``None``: it failed, e.g. the
-    run's context no longer loads). The run stays waiting; the next send, claim or
-    recovery sweep retries (the sweep parks it if it keeps failing)."""
+    """:func:`deliver_pending` that logs instead of raising: how many left the inbox, also
+    when it failed after handing some over (the run moved: its caller wakes it, a sender
+    looks again); ``None``: it failed before handing any (e.g. the run's context no longer
+    loads). The run stays waiting; the next send, claim or recovery sweep retries (the
+    sweep parks it if it keeps failing)."""
+    done = HandOver()
     try:
-        return deliver_pending(store, workflows, run_id, now=now, worker=worker)
+        return deliver_pending(store, workflows, run_id, now=now, worker=worker, done=done)
     except Exception as error:
         log.warning("run %s: could not deliver buffered events: %s", run_id, error_line(error))
-        return None
+        return done.taken or None
 
 
 STRANDED_BATCH = 500
 HAND_OVER_TRIES: Final = 3
-"""Looks in a row (:func:`hand_over_stranded`) at which handing a run its kept events may
-fail before the run is parked (``kept_events_failed``, the error in its journal): the
-error was retried at every recovery sweep, for ever, and said once. An outage does not
-count, nor does a pool's timeout (the pool busy, not the run failing); a look that hands
-the run anything over starts the count again, also when it fails after that."""
+"""Tries in a row — a sweep's look (:func:`hand_over_stranded`) or a claim's
+(:func:`failed_on_claim`) — at which handing a run its kept events may fail before the
+run is parked (``kept_events_failed``, the error in its journal): the error was retried
+at every recovery sweep (or claim), for ever, and said once. An outage does not count,
+nor does a pool's timeout (the pool busy, not the run failing); a try that hands the run
+anything over starts the count again, also when it fails after that. Counted in the
+journal (:func:`failed_in_a_row`), not in a worker's memory: a fleet of workers that
+each live for fewer sweeps than that gets there too."""
 KEPT_EVENTS_FAILED: Final = "kept_events_failed"
+KEPT_FAILED: Final = "kept_failed"
+"""The ``data`` key of the ``run_released`` entry a failed try writes: how many in a row."""
+HANDING_FAILED: Final = "its kept events could not be handed over"
+RETRY_HAND_OVER_SECONDS: Final = 10.0
+"""How long a claim whose hand-over failed leaves the run before it is due again (about a
+recovery sweep's spacing: claimed again at once, it would use its tries up in a moment)."""
 SLOW_LOOK_SECONDS: Final = 0.05
 LOOK_SPACING: Final = 100.0
 LONGEST_LOOK_GAP: Final = 300.0
@@ -312,11 +333,13 @@ def hand_over_stranded(
     how many left the inbox.
 
     A run the loaded definition cannot take (its state or context no longer fits) is
-    parked, as a claim parks it — one whose context is not even a JSON object, which a
-    claim fails, too (``invalid_context``): a wait without a timeout is never claimed, so
-    it would wait for ever, retried at every look — and one whose row cannot be read is
-    failed ``invalid_row``, as a claim fails it; their events stay kept (``flowloop
-    unpause`` after a fix hands them over to a parked run). ``failing``: the runs whose
+    parked, as a claim parks it — and one a claim fails is failed as it fails it: a
+    context that is not even a JSON object (``invalid_context``), a row that cannot be
+    read (``invalid_row``) — a wait without a timeout is never claimed, so it would wait
+    for ever, retried at every look; with a timeout, its claim would fail it when the
+    timeout fires, and the look must not end it otherwise. Their events stay kept
+    (``flowloop unpause`` after a fix hands them over to a parked run, ``flowloop retry``
+    to a failed one). ``failing``: the runs whose
     handing over failed (raised) at earlier looks, and at how many in a row (updated):
     failing again, each is logged at DEBUG, not at every sweep's WARNING, and at
     :data:`HAND_OVER_TRIES` the run is parked, the error in its journal — the look found
@@ -356,21 +379,25 @@ def _hand_over(
 ) -> int:
     """One stranded run's kept events handed over (how many), or its failure counted,
     logged and, when it is the run's to fix or repeats, the run parked."""
-    tries = 0 if failing is None else failing.get(run_id, 0)
+    remembered = 0 if failing is None else failing.get(run_id, 0)  # (for the log only)
+    tries = remembered
     done = HandOver()
     try:
         deliver_pending(
             store, workflows, run_id, now=now, worker=worker, park_refused=True, done=done
         )
     except Exception as error:
-        level = logging.DEBUG if tries else logging.WARNING
+        counted = not done.taken and not is_outage(error) and not isinstance(error, PoolTimeout)
+        if counted:  # the journal's count alone: anything journaled since starts it again
+            tries = _failed_so_far(store, run_id) + 1
+        first = tries == 1 if counted else remembered == 0  # (said once, then at DEBUG)
+        level = logging.WARNING if first else logging.DEBUG
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
         if done.taken:
             pass  # it took some (it moved on): a look that handed it over, not a failed one
-        elif is_outage(error) or isinstance(error, PoolTimeout):
+        elif not counted:
             return 0  # the database's (or a pool busy with other work), not the run's
         else:
-            tries += 1
             parked = _park_failing(
                 store, workflows, run_id, error, tries=tries, seen=done.seq, now=now, worker=worker
             )
@@ -397,14 +424,14 @@ def _park_failing(
 ) -> bool:
     """Park a waiting run whose kept events could not be handed over: at once when the
     loaded definition, validating its context, refuses it (a claim would park it so: a
-    validator changed, …; or fail it: a context that is not a JSON object, parked
-    ``invalid_context`` here, so that ``unpause`` after a repair judges it again — a wait
-    without a timeout is never claimed), else at its :data:`HAND_OVER_TRIES`-th failed
-    look in a row (``kept_events_failed``). A run whose row cannot be read is failed
-    ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the run as the failed
-    hand-over read it (``seen``, its ``last_seq``; ``None``: not read) and still waiting
-    (:func:`_waiting`): not one that went on, nor one an operator paused or stopped
-    meanwhile. Whether it was parked (or failed); a failure to park is logged (the next
+    validator changed, …; or fail it, as it fails it: a context that is not a JSON object,
+    ``invalid_context`` — a wait without a timeout is never claimed), else at its
+    :data:`HAND_OVER_TRIES`-th failed try in a row (``kept_events_failed``); before that,
+    the failure is counted in its journal (:func:`failure_entry`). A run whose row cannot
+    be read is failed ``invalid_row`` at once instead (:func:`fail_unreadable`). Only the
+    run as the failed hand-over read it (``seen``, its ``last_seq``; ``None``: not read)
+    and still waiting (:func:`_waiting`): not one that went on, nor one an operator paused
+    or stopped meanwhile. Whether it was parked (or failed); a failure to park is logged (the next
     look tries again)."""
     try:
         stored = store.get_run(run_id)
@@ -417,18 +444,96 @@ def _park_failing(
             return False
         if stored.problem is not None:
             return fail_unreadable(store, stored, now=now, worker=worker)
-        verdict = _refusal(store, workflow, stored.record, validate=True)
+        verdict = refusal(store, workflow, stored.record, validate=True)
         if verdict is not None:
             return _park(store, stored, verdict, now=now, worker=worker)
-        if tries < HAND_OVER_TRIES:
-            return False
-        message = storable(
-            f"its kept events could not be handed over at {tries} looks in a row: "
-            f"{error_line(error)}"
-        )
-        return park(
-            store, stored, reason=KEPT_EVENTS_FAILED, message=message, now=now, worker=worker
-        )
+        due = stored.record.next_run_at
+        entry = failure_entry(stored.record, error, tries=tries, due=due, now=now, worker=worker)
+        written = write_waiting(store, stored, entry)
+        if written and entry.kind == RUN_PAUSED:
+            log.warning("run %s parked: %s", run_id, KEPT_EVENTS_FAILED)
+        return written and entry.kind == RUN_PAUSED
     except Exception as failed:
         log.warning("run %s: could not park it: %s", run_id, error_line(failed))
         return False
+
+
+def failed_in_a_row(entries: Sequence[JournalEvent]) -> int:
+    """How many tries in a row to hand the run its kept events failed, by its journal
+    (``entries``): the count its last entry holds when that is a failed try's
+    ``run_released`` (:func:`failure_entry`), else 0 — anything else journaled since (an
+    event handed over, an unpause, …) starts the count again."""
+    last = entries[-1] if entries else None
+    if last is None or last.kind != RUN_RELEASED:
+        return 0
+    return int(last.data.get(KEPT_FAILED, 0))
+
+
+def _journal(store: Store, run_id: str) -> list[JournalEvent]:
+    """The run's journal, empty when it cannot be read (logged): counted from 0."""
+    try:
+        return store.journal(run_id)
+    except Exception as error:
+        log.warning("run %s: its journal could not be read: %s", run_id, error_line(error))
+        return []
+
+
+def _failed_so_far(store: Store, run_id: str) -> int:
+    """:func:`failed_in_a_row` of the run's journal (0: it cannot be read, logged)."""
+    return failed_in_a_row(_journal(store, run_id))
+
+
+def failure_entry(
+    record: RunRecord, error: Exception, *, tries: int, due: float | None, now: float, worker: str
+) -> JournalEvent:
+    """The entry a failed try to hand ``record`` its kept events writes, its ``tries``-th
+    in a row: at :data:`HAND_OVER_TRIES`, the run parked (``run_paused``,
+    ``kept_events_failed``, the error in it; ``flowloop unpause`` tries again); before,
+    ``run_released`` counting it (:data:`KEPT_FAILED`), due at ``due``, the error in it
+    (``flowloop history`` shows it). Its events stay kept either way."""
+    line = error_line(error)
+    if tries >= HAND_OVER_TRIES:
+        message = storable(f"{HANDING_FAILED} at {tries} tries in a row: {line}")
+        reason = KEPT_EVENTS_FAILED
+        return halt_entry(
+            record, RUN_PAUSED, reason=reason, message=message, now=now, worker=worker
+        )
+    message = storable(f"{HANDING_FAILED} (try {tries} in a row): {line}")
+    return halt_entry(
+        record,
+        RUN_RELEASED,
+        reason=HANDING_FAILED,
+        message=message,
+        now=now,
+        worker=worker,
+        due=due,
+        **{KEPT_FAILED: tries},
+    )
+
+
+async def failed_on_claim(
+    executor: Executor, workflow: Workflow, record: RunRecord, fence: Fence, error: Exception
+) -> None:
+    """A claim's hand-over of the kept events to the waiting run it holds raised
+    (flowloop/stepping.py, ``_end_wait``): handled as a sweep's look handles it
+    (:func:`_hand_over`) — an outage or a pool's timeout raises on; else the try is
+    counted in the journal and the run let go — due at its timeout, not earlier, and again
+    :data:`RETRY_HAND_OVER_SECONDS` later when that has come (none without a timeout: the
+    sweep's looks try again) — or parked ``kept_events_failed`` at the
+    :data:`HAND_OVER_TRIES`-th failure in a row (a claim or a look). Its events stay kept.
+    Before, the drive died with the error and the run stayed held until its lease ran
+    out, then was claimed and failed again, for ever. (A context its definition no longer
+    validates is not one of these: the claim judged it, validating, and parked it.)"""
+    if is_outage(error) or isinstance(error, PoolTimeout):
+        raise error
+    now, worker = executor.clock.now(), executor.worker_id
+    entries = _journal(executor.store, record.id)
+    tries = failed_in_a_row(entries) + 1
+    level = logging.WARNING if tries == 1 else logging.DEBUG
+    log.log(level, "run %s: could not deliver buffered events: %s", record.id, error_line(error))
+    due = wait_due(workflow, record.state, entries)  # (-inf: not read, overdue)
+    if due is not None and due <= now:
+        due = now + RETRY_HAND_OVER_SECONDS
+    entry = failure_entry(record, error, tries=tries, due=due, now=now, worker=worker)
+    if await executor._finish(record, fence, [entry]) and entry.kind == RUN_PAUSED:
+        log.warning("run %s parked: %s", record.id, KEPT_EVENTS_FAILED)

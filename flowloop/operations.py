@@ -48,14 +48,13 @@ from flowloop.events import (
     wait_due,
 )
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.kept import try_deliver_pending
+from flowloop.kept import refusal, try_deliver_pending
 from flowloop.lifecycle import FINISHED, PARENT_PAUSE, PARENT_PAUSED, PAUSE, PAUSES, STOP
 from flowloop.limits import MAX_NAME_LENGTH, check_finite, check_key, check_text
 from flowloop.runinfo import RunInfo, SendResult
 from flowloop.store import Boundary, Fence, InboxEvent, NewRun, Store, StoredRun
 from flowloop.store.entries import stored_waits
 from flowloop.store.joins import JoinStoreMixin
-from flowloop.verdicts import judge
 from flowloop.versions import Registry
 
 if TYPE_CHECKING:
@@ -530,19 +529,8 @@ class Operations:
     def _refuse_mismatch(self, workflow: Workflow, record: RunRecord) -> None:
         """Raise DefinitionMismatch (one line, nothing changed) when the deployed definition
         cannot take the run on (flowloop/verdicts.py); a worker parks such a run."""
-        if record.fingerprint == workflow.fingerprint and (
-            record.context_version == workflow.context_version
-        ):
-            return
-        verdict = judge(
-            workflow,
-            state=record.state,
-            fingerprint=record.fingerprint,
-            context=record.context,
-            context_version=record.context_version,
-            old=self.store.definition(record.fingerprint),
-        )
-        if not verdict.goes_on:
+        verdict = refusal(self.store, workflow, record)
+        if verdict is not None:
             raise DefinitionMismatch(record.id, verdict.reason or "")
 
     def _hand_over_kept(self, run_id: str) -> int | None:

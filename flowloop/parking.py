@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import Any
 
 from sqlalchemy import TextClause, bindparam, text
 
 from flowloop import journal as j
 from flowloop.definition import Workflow
-from flowloop.journal import JournalEvent
+from flowloop.journal import JournalEvent, RunRecord
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.sql import SQLStore
 from flowloop.verdicts import judge
@@ -107,25 +108,50 @@ def park(
     holds it: the write follows its ``last_seq``, so a pause or a stop an operator wrote
     after that read refuses it; one written before it is never overwritten (a second
     ``run_paused`` with this reason) nor folded into an error (a stopped run)."""
-    record = stored.record
-    if stored.owner is not None or record.status != "scheduled" or record.reason == j.ASLEEP:
+    event = halt_entry(
+        stored.record, j.RUN_PAUSED, reason=reason, message=message, now=now, worker=worker
+    )
+    if not write_waiting(store, stored, event):
         return False
-    event = JournalEvent(
+    log.warning("run %s parked: %s", stored.id, reason)
+    return True
+
+
+def halt_entry(
+    record: RunRecord,
+    kind: str,
+    *,
+    reason: str,
+    message: str | None,
+    now: float,
+    worker: str,
+    **data: Any,
+) -> JournalEvent:
+    """The entry that stops the run where it is, in its state — ``run_paused`` (parked),
+    ``run_failed``, ``run_released`` — with ``reason`` (and ``data``) and ``message`` (its
+    error), after the run's last entry. How a worker's start, a sweep, a claim and
+    recovery park or fail a run (flowloop/kept.py, flowloop/recovery.py)."""
+    return JournalEvent(
         run_id=record.id,
-        seq=record.last_seq + 1,
-        kind=j.RUN_PAUSED,
+        seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
+        kind=kind,
         at=now,
         state=record.state,
         error_message=message,
         worker=worker,
-        data={"reason": reason},
+        data={"reason": reason, **data},
     )
-    boundary = Boundary(
-        events=[event],
-        record=j.apply(record, event),
-        fence=Fence(None, stored.lease_epoch),
-    )
-    if not store.write([boundary])[0]:
+
+
+def write_waiting(store: Store, stored: StoredRun, event: JournalEvent) -> bool:
+    """Write ``event`` on ``stored``, a run no worker holds, ``scheduled`` and not asleep
+    as read, in one write fenced on that read (its lease epoch, no owner, ``last_seq``);
+    whether it was written (not: it is held, paused, stopped, asleep, or another writer
+    moved it first)."""
+    record = stored.record
+    if stored.owner is not None or record.status != "scheduled" or record.reason == j.ASLEEP:
         return False
-    log.warning("run %s parked: %s", record.id, reason)
-    return True
+    boundary = Boundary(
+        events=[event], record=j.apply(record, event), fence=Fence(None, stored.lease_epoch)
+    )
+    return store.write([boundary])[0]

@@ -19,8 +19,10 @@ from flowloop.clock import Clock
 from flowloop.definition import Workflow
 from flowloop.errors import error_line
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.kept import INVALID_ROW
 from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
 from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog
+from flowloop.parking import halt_entry
 from flowloop.stepping import step_fields
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.verdicts import Verdict, judge
@@ -189,15 +191,9 @@ class Recovery:
         as ``invalid_row`` with the reason: judged again, it would be claimed forever."""
         record = row.record
         self.leases.given_up.pop(row.id, None)
-        event = JournalEvent(
-            run_id=record.id,
-            seq=record.last_seq + 1,  # after the tail's last entry (entries.folded)
-            kind=j.RUN_FAILED,
-            at=self.clock.now(),
-            state=record.state,
-            error_message=row.problem,
-            worker=self.worker_id,
-            data={"reason": "invalid_row"},
+        now, worker = self.clock.now(), self.worker_id
+        event = halt_entry(
+            record, j.RUN_FAILED, reason=INVALID_ROW, message=row.problem, now=now, worker=worker
         )
         log.error("run %s failed: invalid_row: %s", record.id, row.problem)
         return Boundary(
@@ -296,15 +292,14 @@ class Recovery:
         verdict = self._verdict(workflow, record)
         if verdict.outcome != "paused":
             return None
-        event = JournalEvent(
-            run_id=record.id,
-            seq=record.last_seq + 1,
-            kind=j.RUN_PAUSED,
-            at=now,
-            state=record.state,
-            error_message=f"interrupted in attempt {record.attempt}; {verdict.message}",
+        event = halt_entry(
+            record,
+            j.RUN_PAUSED,
+            reason=verdict.reason or "",
+            message=f"interrupted in attempt {record.attempt}; {verdict.message}",
+            now=now,
             worker=self.worker_id,
-            data={"reason": verdict.reason, "interrupted": record.attempt},
+            interrupted=record.attempt,
         )
         log.warning("run %s parked: %s", record.id, verdict.reason)
         return Boundary(

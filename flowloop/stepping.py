@@ -46,7 +46,7 @@ from flowloop.errors import (
 from flowloop.events import check_visits, entering, keeping_context, receive, wait_due
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
-from flowloop.kept import take_kept, try_deliver_pending
+from flowloop.kept import failed_on_claim, take_kept, try_deliver_pending
 from flowloop.outcome_log import FAILED, FAILED_UNWRITTEN, SUCCEEDED, SUCCEEDED_UNWRITTEN
 from flowloop.store import Boundary, Fence, Store
 
@@ -458,26 +458,29 @@ class Stepping:
         if record.reason == j.ASLEEP:
             return await self._end_sleep(workflow, record, fence)
         now = self.clock.now()
-        for message in self.store.pending_events(record.id):
-            if message.event not in workflow.waits[record.state].on:
-                continue
-            entry, after = take_kept(workflow, record, message, now=now, worker=self.worker_id)
-            # On this claim: applied and handed back (the run moved on), or rejected and
-            # kept (it still waits here: the next kept event, else the timeout).
-            moved = entry.kind == j.EVENT_RECEIVED
-            boundary = Boundary(events=[entry], record=after, fence=fence, release=moved)
-            if self.store.deliver(message, boundary) != "applied":
-                # Refused (another writer moved the run): do not sit on the claim.
-                self.store.release(worker=self.worker_id, run_ids=[record.id])
+        try:
+            for message in self.store.pending_events(record.id):
+                if message.event not in workflow.waits[record.state].on:
+                    continue
+                entry, after = take_kept(workflow, record, message, now=now, worker=self.worker_id)
+                # Applied and handed back (moved on), or rejected (waits: the next, the timeout)
+                moved = entry.kind == j.EVENT_RECEIVED
+                boundary = Boundary(events=[entry], record=after, fence=fence, release=moved)
+                if self.store.deliver(message, boundary) != "applied":
+                    # Refused (another writer moved the run): do not sit on the claim.
+                    self.store.release(worker=self.worker_id, run_ids=[record.id])
+                    return None
+                self._notify(boundary)
+                if not moved:
+                    record = after
+                    continue
+                if after.state in workflow.waits:
+                    self._deliver(record.id)  # waits again: take what was kept for it
+                else:
+                    self.wake(record.id)
                 return None
-            self._notify(boundary)
-            if not moved:
-                record = after
-                continue
-            if after.state in workflow.waits:
-                self._deliver(record.id)  # waits again: take what was kept for it
-            else:
-                self.wake(record.id)
+        except Exception as error:  # counted, the run let go; parked at the third
+            await failed_on_claim(self._whole(), workflow, record, fence, error)
             return None
         # Claimed because its stored due time (the timeout's) has come; anything else (no
         # timeout, or a clock that disagrees) goes back to waiting unchanged.

@@ -30,6 +30,7 @@ from flowloop import Engine, Step, Workflow
 from flowloop.definition import Sleep
 from flowloop.engine import RunInfo
 from flowloop.journal import JournalEvent
+from flowloop.store import InboxEvent
 from flowloop.store.schema import inbox, journal, runs
 
 HERE = Path(__file__).resolve()
@@ -287,6 +288,22 @@ def assert_journal_sound(engine: Engine, run_id: str) -> list[JournalEvent]:
     replay = engine.replay(run_id)
     assert replay.matches, replay.differences
     return events
+
+
+def keep_stranded(engine: Engine, run_id: str, event: str, payload: str | None = None) -> None:
+    """``event`` kept for the run and not handed over (as a worker killed right after
+    keeping it leaves it)."""
+    message = InboxEvent(run_id=run_id, event=event, payload=payload, dedupe_key=None, sent_at=0)
+    assert engine.store.deliver(message, None) == "buffered"
+
+
+def chain_with_go_kept(engine: Engine) -> str:
+    """A chain run waiting in ``first`` with a ``go`` kept for it (stranded)."""
+    run_id = engine.start(chain, Chain()).id
+    engine.run_until_idle()
+    assert engine.get(run_id).state == "first"
+    keep_stranded(engine, run_id, "go")
+    return run_id
 
 
 def inbox_rows(url: str, run_id: str) -> list[Any]:

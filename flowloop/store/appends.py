@@ -56,13 +56,13 @@ from flowloop.store.entries import (
     RUN_ID,
     SEQ,
     ContextCache,
-    dumps_sorted,
     encode,
     encode_joined,
     errorless,
     event_row,
     joinable,
     row_context,
+    visits_text,
     with_tails,
 )
 from flowloop.store.journaled import given_runs, resolve
@@ -125,7 +125,7 @@ def record_columns(record: RunRecord) -> dict[str, Any]:
         "version": record.version,
         "fingerprint": record.fingerprint,
         "attempt": record.attempt,
-        "visits": dumps_sorted(record.visits),
+        "visits": visits_text(record.visits),  # (an unreadable one as it was)
         "next_run_at": record.next_run_at,
         "last_seq": record.last_seq,
         "reason": record.reason,

@@ -456,15 +456,33 @@ def until(events: list[JournalEvent], seq: int | None) -> list[JournalEvent]:
     return events
 
 
+class UnreadableVisits(dict[str, int]):
+    """A visits column that cannot be read: no visits for the run, and the stored text,
+    which a write of the row puts back as it was (:func:`visits_text`): an operator's
+    pause, unpause or stop of the run (and its ``invalid_row`` failure) must not replace
+    the visit counts with ``{}``."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+def visits_text(visits: Mapping[str, int]) -> str:
+    """The visits column for ``visits``: the text read for an unreadable one."""
+    if type(visits) is UnreadableVisits:
+        return visits.text
+    return dumps_sorted(visits)
+
+
 def _visits(text: str) -> tuple[dict[str, int], str | None]:
-    """The visits column, or ``({}, why)`` when it is corrupt: one bad row must not make
-    every claim (and so every other run) fail."""
+    """The visits column, or (:class:`UnreadableVisits`, why) when it is corrupt: one bad
+    row must not make every claim (and so every other run) fail."""
     try:
         visits = json.loads(text)
     except ValueError as error:
-        return {}, f"stored visits are not valid JSON: {error}"
+        return UnreadableVisits(text), f"stored visits are not valid JSON: {error}"
     if not isinstance(visits, dict):
-        return {}, "stored visits are not a JSON object"
+        return UnreadableVisits(text), "stored visits are not a JSON object"
     return visits, None
 
 

@@ -8,19 +8,27 @@ at every call (the driver's statement cache serves ``execute`` only) — ~2.6 % 
 1-step ``engine.run``'s instructions: :meth:`ImmediateStoreMixin._immediate` does the same
 with none of them, the store's kept cursor and a cached ``COMMIT``. Its errors are those
 of ``_driver`` inside ``_held``: a driver error rolled back and wrapped as SQLAlchemy
-would, and a wrapped ``OperationalError`` drops the connection.
+would, and a wrapped ``OperationalError`` or ``InterfaceError`` drops the connection.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from sqlalchemy import Connection
-from sqlalchemy.exc import OperationalError, StatementError
+from sqlalchemy.exc import InterfaceError, OperationalError, StatementError
 
 T = TypeVar("T")
+
+LOST_HANDLE: Final = (OperationalError, InterfaceError)
+"""The wrapped driver errors after which the store's held write connection is dropped (a
+new one connected at the next write): a database gone or locked, and an interface error —
+sqlite3's ``SQLITE_MISUSE`` (the handle used wrongly) — which may leave the handle broken.
+Kept, a broken handle failed every later write of the process (an outage by
+:func:`~flowloop.store.outage.is_outage`, retried for ever); dropped, a sound one costs
+one connect."""
 
 
 class ImmediateStoreMixin:
@@ -69,6 +77,6 @@ class ImmediateStoreMixin:
                 return value
             except self._dbapi_error as error:
                 wrapped = self._driver_error(conn, raw, error)
-                if isinstance(wrapped, OperationalError):
+                if isinstance(wrapped, LOST_HANDLE):
                     self._drop_writer(conn)
                 raise wrapped from error

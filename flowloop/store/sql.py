@@ -31,7 +31,6 @@ from sqlalchemy import (
 from sqlalchemy.exc import (
     DBAPIError,
     IntegrityError,
-    OperationalError,
     SQLAlchemyError,
     StatementError,
 )
@@ -57,7 +56,7 @@ from flowloop.store.entries import (
     until,
 )
 from flowloop.store.entries import stored_from_row as _stored_from_row
-from flowloop.store.immediate import ImmediateStoreMixin
+from flowloop.store.immediate import LOST_HANDLE, ImmediateStoreMixin
 from flowloop.store.inbox import InboxStoreMixin
 from flowloop.store.joins import JoinStoreMixin, reports_end
 from flowloop.store.limits import ClaimLimits, LimitStoreMixin
@@ -190,11 +189,11 @@ class SQLStore(
             checkpointer = self._checkpointer
         if checkpointer is not None:
             checkpointer.close()
-        with self._lock:
+        with self._lock:  # a write racing close: before it, or connecting after the dispose
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
-        self.engine.dispose()
+            self.engine.dispose()
 
     def _held_conn(self) -> Connection:
         """The held write connection, connected again when it was lost (``_lock`` held)."""
@@ -251,7 +250,7 @@ class SQLStore(
             conn = self._held_conn()
             try:
                 yield conn
-            except OperationalError:
+            except LOST_HANDLE:
                 self._drop_writer(conn)
                 raise
 
@@ -327,7 +326,7 @@ class SQLStore(
                 return int(cursor.execute(sql, args).rowcount)
             except self._dbapi_error as error:
                 wrapped = self._driver_error(conn, raw, error)
-                if isinstance(wrapped, OperationalError):
+                if isinstance(wrapped, LOST_HANDLE):
                     self._drop_writer(conn)
                 raise wrapped from error
 

@@ -200,9 +200,11 @@ def test_stranded_look__a_run_it_cannot_hand_over_is_parked_after_a_few_looks_ev
         assert (info.status, info.state, info.reason) == ("paused", "first", "kept_events_failed")
         [pause] = [e for e in engine.store.journal(run.id) if e.kind == "run_paused"]
         assert pause.error_message == (
-            "its kept events could not be handed over at 3 looks in a row: "
+            "its kept events could not be handed over at 3 tries in a row: "
             "a journal entry the database refuses"
         )
+        ran = [(e.kind, e.data.get(kept.KEPT_FAILED)) for e in engine.store.journal(run.id)]
+        assert ran[-3:] == [("run_released", 1), ("run_released", 2), ("run_paused", None)]
         # Parked: not found, nor tried, again.
         assert engine.store.kept_for_free_runs(accepting(engine.workflows), after="", limit=9) == []
     said = [r.levelname for r in caplog.records if "could not deliver" in r.getMessage()]

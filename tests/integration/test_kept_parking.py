@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from waitkit import ALL, Chain, Empty, chain, inbox_rows, kinds
+from waitkit import ALL, Empty, chain_with_go_kept, inbox_rows, initial_wait, keep_stranded, kinds
 
 from flowloop import Engine, FakeClock, Workflow, kept
 from flowloop.kept import hand_over_stranded
-from flowloop.store import InboxEvent
 from flowloop.store.schema import runs
 from flowloop.testing import TestEngine
 
@@ -29,21 +28,6 @@ OPERATOR: dict[str, Callable[[Engine, str], Any]] = {
 def engine(store_url: str) -> Iterator[TestEngine]:
     with TestEngine(store_url, clock=FakeClock(auto_advance=False), workflows=ALL) as engine:
         yield engine
-
-
-def _keep(engine: Engine, run_id: str, event: str, payload: str | None = None) -> None:
-    """``event`` kept for the run and not handed over (its worker killed right after)."""
-    message = InboxEvent(run_id=run_id, event=event, payload=payload, dedupe_key=None, sent_at=0)
-    assert engine.store.deliver(message, None) == "buffered"
-
-
-def _waiting_chain(engine: TestEngine) -> str:
-    """A chain run waiting in ``first`` with a ``go`` kept for it (stranded)."""
-    run_id = engine.start(chain, Chain()).id
-    engine.run_until_idle()
-    assert engine.get(run_id).state == "first"
-    _keep(engine, run_id, "go")
-    return run_id
 
 
 def _operators_end(engine: Engine, run_id: str, action: str) -> None:
@@ -82,7 +66,7 @@ def test_stranded_look__an_operators_pause_or_stop_after_it_read_the_run_is_left
     with Engine(store_url, workflows=[v1]) as first:
         run_id = first.start(v1, Empty()).id
         first.run_until_idle()
-        _keep(first, run_id, "a")
+        keep_stranded(first, run_id, "a")
     failing: dict[str, int] = {}
     with Engine(store_url, workflows=[v2]) as later, caplog.at_level(logging.DEBUG, "flowloop"):
         look = later.store.kept_for_free_runs
@@ -113,7 +97,7 @@ def test_stranded_look__a_failing_run_an_operator_paused_or_stopped_is_not_parke
     # The same for a run whose hand-over failed at its HAND_OVER_TRIES-th look: paused by
     # an operator meanwhile, it was parked over it (kept_events_failed); stopped, the park
     # raised FoldError ("could not park it").
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
 
     def operator_then_broken(*args: object, **kwargs: object) -> int:
         OPERATOR[action](engine, run_id)
@@ -135,8 +119,8 @@ def test_stranded_look__one_that_hands_some_over_then_fails_is_a_look_that_hande
     # counted as a failed look (the count handed thrown away), and at the HAND_OVER_TRIES-
     # th parked the run that had just gone on (kept_events_failed). It handed one over:
     # the count starts again, and the run waits in second, `note` kept.
-    run_id = _waiting_chain(engine)
-    _keep(engine, run_id, "note", '{"text": "later"}')
+    run_id = chain_with_go_kept(engine)
+    keep_stranded(engine, run_id, "note", '{"text": "later"}')
     take = kept.take_kept
     calls: list[str] = []
 
@@ -163,7 +147,7 @@ def test_stranded_look__a_run_that_went_on_after_its_hand_over_failed_is_not_par
 ) -> None:
     # Its hand-over failed; before the look parked it (at its HAND_OVER_TRIES-th), another
     # sender moved it on: the run it parks must be the one that failed, as that read it.
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
     take = kept.take_kept
 
     def moved_then_fails(*args: Any, **kwargs: Any) -> Any:
@@ -186,7 +170,7 @@ def test_stranded_look__a_pool_timeout_is_not_a_failed_look(
     # Review: a pool with no connection free in time (sqlalchemy.exc.TimeoutError, not an
     # outage by is_outage) counted towards parking healthy runs: a busy worker parked
     # every stranded run it looked at, kept_events_failed.
-    run_id = _waiting_chain(engine)
+    run_id = chain_with_go_kept(engine)
 
     def pool_busy(*args: object, **kwargs: object) -> int:
         raise sa.exc.TimeoutError("QueuePool limit of size 5 overflow 10 reached")
@@ -214,8 +198,10 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     # parked invalid_context (an unpause after a repair judges it again); the row run is
     # failed invalid_row, as a claim fails it (a pause would write the row back without
     # its unreadable visits, and an unpause move it on with them lost). The event stays
-    # kept either way.
-    run_id = _waiting_chain(engine)
+    # kept either way. (Third pass: the context run is failed invalid_context, as its
+    # claim fails it — parked, a run that also waits with a timeout ended one way or the
+    # other by whichever came first, the look or the timeout's claim.)
+    run_id = chain_with_go_kept(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values({column: stored}))
     failing: dict[str, int] = {}
@@ -230,8 +216,9 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     info = engine.get(run_id)
     ran = kinds(engine, run_id)
     if column == "context":
-        assert (info.status, info.state, info.reason) == ("paused", "first", "invalid_context")
-        assert ran.count("run_paused") == 1 and ran[-1] == "run_paused", ran
+        assert (info.status, info.state, info.reason) == ("failed", "first", "invalid_context")
+        assert info.error is not None and "context" in info.error
+        assert ran.count("run_failed") == 1 and ran[-1] == "run_failed", ran
     else:
         assert (info.status, info.state, info.reason) == ("failed", "first", "invalid_row")
         assert info.error is not None and "stored visits are not valid JSON" in info.error
@@ -239,24 +226,104 @@ def test_stranded_look__a_run_a_claim_would_fail_ends_its_wait_once_visibly(
     assert [row.consumed_seq for row in inbox_rows(engine.url, run_id)] == [None]  # kept
 
 
-def test_stranded_look__a_run_parked_invalid_context_goes_on_when_repaired_and_unpaused(
+def test_stranded_look__a_run_failed_invalid_context_goes_on_when_retried(
     engine: TestEngine,
 ) -> None:
-    # The parked run is judged again at its unpause: its context repaired, the kept event
-    # is handed over; not repaired, the next look parks it again (once a look).
-    run_id = _waiting_chain(engine)
+    # The failed run is taken up by an operator's retry (the context its state was entered
+    # with, from the journal): the kept event is handed over then.
+    run_id = chain_with_go_kept(engine)
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context="[1, 2]"))
     now = engine.clock.now()
     hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
     assert engine.get(run_id).reason == "invalid_context"
-    engine.unpause(run_id)
-    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
-    assert engine.get(run_id).reason == "invalid_context"
-    assert kinds(engine, run_id).count("run_paused") == 2
-    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
-        conn.execute(sa.update(runs).where(runs.c.id == run_id).values(context='{"notes": []}'))
-    engine.unpause(run_id)
+    engine.retry(run_id)
     info = engine.get(run_id)
     assert (info.status, info.state) == ("scheduled", "second")
     assert [row.consumed_seq is None for row in inbox_rows(engine.url, run_id)] == [False]
+
+
+def test_stranded_look_and_claim_agree_on_a_timed_wait_with_an_invalid_context(
+    engine: TestEngine,
+) -> None:
+    # Review: a run whose context is not a JSON object, waiting with a timeout, was parked
+    # invalid_context by the look, and failed invalid_context by its claim when the
+    # timeout fired: which one it got depended on which came first. Both fail it now.
+    ids = [engine.start(initial_wait, Empty()).id for _ in range(2)]
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(sa.update(runs).where(runs.c.id.in_(ids)).values(context="[1, 2]"))
+    by_look = ids[0]  # (the other, with nothing kept, is left to its claim)
+    keep_stranded(engine, by_look, "open")
+    now = engine.clock.now()
+    hand_over_stranded(engine.store, engine.workflows, now=now, worker="w", failing={})
+    engine.clock.advance(101)
+    engine.run_until_idle()
+    ended = [(engine.get(i).status, engine.get(i).reason) for i in ids]
+    assert ended == [("failed", "invalid_context")] * 2
+    assert [kinds(engine, i)[-1] for i in ids] == ["run_failed", "run_failed"]
+    assert [row.consumed_seq for row in inbox_rows(engine.url, by_look)] == [None]  # kept
+
+
+def _failing_take(monkeypatch: pytest.MonkeyPatch, event: str | None = None) -> None:
+    """take_kept refusing ``event`` (every event when None), as a database refusing the
+    journal entry of its hand-over would."""
+    take = kept.take_kept
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        if event is None or args[2].event == event:
+            raise RuntimeError("a journal entry the database refuses")
+        return take(*args, **kwargs)
+
+    monkeypatch.setattr(kept, "take_kept", refused)
+
+
+def test_an_unpause_starts_the_count_again_for_a_worker_that_counted_before(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failed looks, then an operator's pause and unpause (the journal's count starts
+    again): the same worker's next failed look is the first of a new count, not the third
+    (its memory of the two before does not override the journal)."""
+    run_id = chain_with_go_kept(engine)
+    _failing_take(monkeypatch, "go")
+    failing: dict[str, int] = {}
+    for _ in range(2):
+        hand_over_stranded(
+            engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+        )
+    assert failing == {run_id: 2}
+    engine.pause(run_id)
+    engine.unpause(run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 0
+    hand_over_stranded(
+        engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+    )
+    assert engine.get(run_id).status == "scheduled", kinds(engine, run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 1
+
+
+def test_a_count_does_not_follow_the_run_into_its_next_wait(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two failed looks in ``first``; the cause fixed, the kept ``go`` handed over, the run
+    waits in ``second``, where a kept ``note`` fails once: a first failure there, not a
+    third (the run is not parked)."""
+    run_id = chain_with_go_kept(engine)
+    take = kept.take_kept
+    _failing_take(monkeypatch)
+    failing: dict[str, int] = {}
+    for _ in range(2):
+        hand_over_stranded(
+            engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+        )
+    monkeypatch.setattr(kept, "take_kept", take)
+    handed = kept.try_deliver_pending(
+        engine.store, engine.workflows, run_id, now=engine.clock.now(), worker="s"
+    )
+    assert handed == 1 and engine.get(run_id).state == "second", kinds(engine, run_id)
+    keep_stranded(engine, run_id, "note", '{"text": "x"}')
+    _failing_take(monkeypatch)
+    hand_over_stranded(
+        engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+    )
+    assert engine.get(run_id).status == "scheduled", kinds(engine, run_id)
+    assert kept.failed_in_a_row(engine.store.journal(run_id)) == 1
