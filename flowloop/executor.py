@@ -53,6 +53,7 @@ from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
+from flowloop.straight import PlainNexts
 from flowloop.tasks import CUT_OFF_WRITE_SECONDS, finish_within, first_of
 from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
@@ -187,6 +188,7 @@ class Executor(Commits, Stepping, Recovery, Requests):
         self.committed: dict[str, tuple[RunRecord, float]] = {}
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
+        self._plains = PlainNexts()  # (flowloop/straight.py)
         self.last_parsed: dict[str, tuple[str, BaseModel]] = {}
         """Of each ``tracked`` run whose step succeeded without going on to the next (it
         ended the run, or the run waits, sleeps, pauses or was refused): the context text
