@@ -134,21 +134,25 @@ class Committer:
         self._scheduled = False
         self._timer = None
         retried, self._retrying = self._retrying, []
+        queued, self._pending = self._pending, []
         # A cancelled waiter (its run was abandoned: lease lost, cut off) must not have
-        # its boundary written after the fact.
+        # its boundary written after the fact. (Once per boundary: no call that need not be.)
+        fenced = self.fenced
         batch = []
-        for boundary, future in retried + self._pending:
+        boundaries = []
+        for entry in retried + queued if retried else queued:
+            boundary, future = entry
             if future.cancelled():
                 continue
-            if boundary.fence.owner is not None and self.fenced(boundary.run_id):
+            if boundary.fence.owner is not None and fenced(boundary.record.id):
                 future.set_result(False)
                 continue
-            batch.append((boundary, future))
-        self._pending = []
+            batch.append(entry)
+            boundaries.append(boundary)
         if not batch:
             return
         try:
-            results = self.store.write([boundary for boundary, _ in batch])
+            results = self.store.write(boundaries)
         except Exception as error:
             if not is_outage(error):
                 self._backoff = 0.0
@@ -159,11 +163,16 @@ class Committer:
             self._retry_later(batch, error)
             return
         self._written(len(batch))
-        retried_ids = {id(boundary) for boundary, _ in retried}
+        if retried:
+            retried_ids = {id(boundary) for boundary, _ in retried}
+            results = [
+                applied or (id(boundary) in retried_ids and self._already_applied(boundary))
+                for boundary, applied in zip(boundaries, results, strict=True)
+            ]
+        released = self.released
         for (boundary, future), applied in zip(batch, results, strict=True):
-            if not applied and id(boundary) in retried_ids:
-                applied = self._already_applied(boundary)
-            self._settled(boundary, applied)
+            if applied and boundary.release:  # (:meth:`_settled`, without its call)
+                released.add(boundary.record.id)
             if not future.done():
                 future.set_result(applied)
 

@@ -8,10 +8,11 @@ The journal protocol, which every write here keeps:
 * boundaries of concurrently running runs share transactions (group commit): a run never
   goes on before its own previous boundary is durable.
 
-The executor is in four rooms: this module claims and drives runs; flowloop/stepping.py
+The executor is in five rooms: this module claims and drives runs; flowloop/stepping.py
 runs one step and commits its outcome; flowloop/recovery.py settles runs a dead worker
-left; flowloop/leasekeeper.py renews leases and fences this worker off in time; and
-flowloop/committer.py groups boundaries into transactions.
+left; flowloop/leasekeeper.py renews leases and fences this worker off in time;
+flowloop/commits.py commits a boundary and tells what follows; and flowloop/committer.py
+groups boundaries into transactions.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 from flowloop import children, compose, interruptions, outagelog
 from flowloop import journal as j
 from flowloop.clock import Clock
+from flowloop.commits import Commits
 from flowloop.committer import (
     OUTAGE_BACKOFF_CAP,
     OUTAGE_BACKOFF_START,
@@ -51,6 +53,7 @@ from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage
+from flowloop.straight import PlainNexts
 from flowloop.tasks import CUT_OFF_WRITE_SECONDS, finish_within, first_of
 from flowloop.versions import workflow_for
 from flowloop.watchdog import LoopWatchdog, RunningStep
@@ -118,7 +121,7 @@ class _Active:
     (a compensating drive's record, the claim's, misses its ``compensation_started``)."""
 
 
-class Executor(Stepping, Recovery, Requests):
+class Executor(Commits, Stepping, Recovery, Requests):
     """Drives runs of registered workflows from one asyncio event loop."""
 
     def __init__(
@@ -178,13 +181,14 @@ class Executor(Stepping, Recovery, Requests):
         """The lease threads' count of calls handed to the loop (LeaseGuard.handed) as of
         the last turn this executor's runs took: every call counted by then has run."""
         self.leases = LeaseKeeper(self)
-        self.committer.fenced = self.leases.fenced
+        self.committer.fenced = self.leases.fenced_runs.__contains__  # (no call: a set)
         self.lease_lost = self.leases.hooks
         """Called with (run id, why) when this worker stops driving a run it lost."""
         self.tracked: set[str] = set()
         self.committed: dict[str, tuple[RunRecord, float]] = {}
         """The last committed record (and its time) of each ``tracked`` run, for the engine's
         fast path (so it need not read the row back); the reader removes both."""
+        self._plains = PlainNexts()  # (flowloop/straight.py)
         self.last_parsed: dict[str, tuple[str, BaseModel]] = {}
         """Of each ``tracked`` run whose step succeeded without going on to the next (it
         ended the run, or the run waits, sleeps, pauses or was refused): the context text
@@ -548,68 +552,6 @@ class Executor(Stepping, Recovery, Requests):
             active.task.cancel()
 
     # -- one run (its step: flowloop/stepping.py; recovery: flowloop/recovery.py) --------
-
-    def _notify(self, boundary: Boundary) -> None:
-        active = self._active.get(boundary.run_id)
-        if active is not None and active.epoch == boundary.fence.epoch:
-            active.record = boundary.record  # (what a cut-off writes after)
-        if self.outcomes.held:  # an outcome's line, said once written (outcome_log.py)
-            self.outcomes.written(boundary)
-        for listener in self.listeners:
-            try:
-                listener(boundary.record, boundary.events)
-            except Exception:  # a listener must never break the journal
-                log.exception("listener failed")
-
-    def note_committed(self, boundary: Boundary) -> None:
-        """Keep the record of a tracked run's committed boundary: ``Engine.run`` answers
-        with it rather than read back the row it knows."""
-        if boundary.run_id in self.tracked:
-            at = boundary.events[-1].at if boundary.events else 0.0
-            self.committed[boundary.run_id] = (boundary.record, at)
-
-    async def _commit(self, boundary: Boundary, *, refused_is_lost: bool = True) -> bool:
-        """Write ``boundary`` (alone, or in a shared commit); whether it was applied. A
-        refusal gives the run up as lost, unless ``refused_is_lost`` is False (a boundary
-        honouring a request that may have changed: its caller looks at the row first)."""
-        run_id = boundary.run_id
-        if self.leases.fenced(run_id):
-            # Its lease deadline passed unrenewed (flowloop/leasethread.py): the run is being
-            # abandoned, and no boundary of it is written from then on.
-            self.leases.given_up[run_id] = boundary.fence.epoch
-            return False
-        before = time.monotonic()
-        if len(self._active) <= 1:  # one run in flight: nothing can share its commit
-            verdict = self.committer.write_now(boundary)
-            applied = await verdict if isinstance(verdict, asyncio.Future) else verdict
-        else:
-            applied = await self.committer.submit(boundary)
-        if applied and boundary.release:
-            self.due_here.note(run_id, boundary.record.next_run_at)
-        if applied:
-            self.note_committed(boundary)
-            if self.store.renews_lease(boundary):
-                # A write of the run row renews the lease; an append leaves it to the
-                # heartbeat (flowloop/store/appends.py), so only the former counts here.
-                self.leases.renewed_by_write(run_id, before)
-            self._notify(boundary)
-            if not boundary.release and self.leases.fenced(run_id):
-                # Fenced while the write was in flight: it landed under a lease the database
-                # still held, but nothing may follow it (the next step must not start).
-                self.leases.given_up[run_id] = boundary.fence.epoch
-                return False
-        elif refused_is_lost:
-            self._give_up(run_id, boundary.fence.epoch)
-        return applied
-
-    def _give_up(self, run_id: str, epoch: int) -> None:
-        """A write of the run was refused: this drive lost it (its lease, or another writer
-        moved it); say so, and write nothing more of it."""
-        self.stats.lost_leases += 1
-        why = "write refused (lease lost or run changed by another writer); abandoning it"
-        log.warning("run %s: %s", run_id, why, extra={"run": run_id, "event": "lease_lost"})
-        self.leases.given_up[run_id] = epoch
-        self.leases.tell_lost(run_id, why)
 
     def _event(self, record: RunRecord, kind: str, offset: int = 1, **fields: Any) -> JournalEvent:
         fields.update(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING
 
 from flowloop.leasethread import FENCED, LeaseGuard, poller, renewer, stall_bound
@@ -60,6 +61,9 @@ class LeaseKeeper:
             last_tick=executor.watchdog.last_tick,
             stall_seconds=stall_bound(store, executor.lease_seconds),
         )
+        self.fenced_runs: AbstractSet[str] = self.guard.fenced_runs
+        """The runs whose lease may have ended (:meth:`fenced`), the lease threads' own set
+        (read, never changed, here: the executor asks it before and after every write)."""
 
     def held_from(self, run_id: str, instant: float) -> None:
         """The run's lease was set (claimed) by a request sent at ``instant``."""
@@ -81,7 +85,7 @@ class LeaseKeeper:
 
     def fenced(self, run_id: str) -> bool:
         """The run's lease may have ended (deadline passed unrenewed): write nothing for it."""
-        return self.guard.fenced(run_id)
+        return run_id in self.fenced_runs
 
     async def heartbeat(self) -> None:
         """Run the lease threads (renewals every lease/3, control requests every poll, the

@@ -44,6 +44,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -145,6 +146,8 @@ class LeaseGuard:
         self._lock = threading.RLock()
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
+        self.fenced_runs: AbstractSet[str] = self._fenced
+        """:meth:`fenced`'s set, to read: a membership test is atomic under the GIL."""
         self._active = threading.Event()
         """The threads' doorbell out of idling: set by :meth:`start`, cleared by a thread
         that found no user for ``IDLE_AFTER`` seconds. Whether they work is ``_users``."""

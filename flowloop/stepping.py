@@ -25,6 +25,7 @@ from flowloop.clock import Clock
 from flowloop.compose import step_error
 from flowloop.contexts import context_from, dump_context, unstorable
 from flowloop.definition import (
+    NEXT_EVENT,
     TIMEOUT_EVENT,
     Sleep,
     Step,
@@ -48,7 +49,9 @@ from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import failed_on_claim, take_kept, try_deliver_pending
 from flowloop.outcome_log import FAILED, FAILED_UNWRITTEN, SUCCEEDED, SUCCEEDED_UNWRITTEN
+from flowloop.steppool import late_result
 from flowloop.store import Boundary, Fence, Store
+from flowloop.straight import PlainNexts, plain_step
 
 if TYPE_CHECKING:
     from flowloop.committer import Stats
@@ -117,6 +120,7 @@ class Stepping:
         _handed_seen: int
         tracked: set[str]
         last_parsed: dict[str, tuple[str, BaseModel]]
+        _plains: PlainNexts
 
         async def _commit(self, boundary: Boundary) -> bool: ...
         async def _take_a_turn(self) -> None: ...
@@ -216,11 +220,17 @@ class Stepping:
                 returned = await children.within_deadline(
                     self._call(record, spec, ctx, step), record, self.clock
                 )
-            event = workflow.event_for(record.state, returned)
-            next_state = workflow.next_state(record.state, event)
+            # A next= step's usual success: decided once per state (flowloop/straight.py).
+            plain = self._plains[workflow, record.state] if returned is None else None
+            if plain is None:
+                event = workflow.event_for(record.state, returned)
+                next_state = workflow.next_state(record.state, event)
+            else:
+                event, next_state = NEXT_EVENT, plain.target
             context = dump_context(ctx, workflow=workflow.name, state=record.state)
             parsed = context_from(workflow.context, context)  # what a resume loads
-            check_visits(workflow, record, next_state)
+            if plain is None or plain.limit is not None:
+                check_visits(workflow, record, next_state)
         except asyncio.CancelledError:
             raise
         except (Exception, SystemExit) as caught:
@@ -240,7 +250,7 @@ class Stepping:
         self.stats.attempts += 1
         delay = returned.delay if isinstance(returned, Sleep) else 0.0
         now = self.clock.now()
-        data = entering(workflow, next_state, now, delay=delay)
+        data = dict(plain.data) if plain else entering(workflow, next_state, now, delay=delay)
         if step is not None and step.notes:
             data = {**data, "note": "; ".join(step.notes)[:MAX_NOTE_CHARS]}
         if spec.compensate is not None:  # the undo it owes, journaled (flowloop/owed.py)
@@ -270,7 +280,7 @@ class Stepping:
                 },
             )
         try:
-            if self._straight_on(workflow, record, next_state, delay, now):
+            if self._straight_on(workflow, record, next_state, delay, now, plain is not None):
                 after = await self._went_on(
                     record,
                     fence,
@@ -309,25 +319,28 @@ class Stepping:
         return after, parsed if same else None
 
     def _straight_on(
-        self, workflow: Workflow, record: RunRecord, target: str, delay: float, now: float
+        self,
+        workflow: Workflow,
+        record: RunRecord,
+        target: str,
+        delay: float,
+        now: float,
+        plain: bool = False,
     ) -> bool:
         """Whether a success into ``target`` at ``now`` is the usual boundary
         :meth:`_went_on` commits: ``target`` a step due at once (no durable sleep) that no
         gate can hold, the run's deadline not passed, and nothing asked of the run (a
         pause, a stop) or of this worker (a drain). :meth:`_advance` would then start
-        ``target`` in the same commit; every other success goes there."""
-        spec = workflow.steps.get(target)
-        return (
-            spec is not None
-            and not delay
-            and (record.deadline is None or now < record.deadline)
-            and record.id not in self._controls
-            and not self._draining
-            and not gated(workflow, spec)
-            # (A definition gives a state one kind; these hold should one slip through.)
-            and target not in workflow.waits
-            and target not in workflow.composites
-        )
+        ``target`` in the same commit; every other success goes there. ``plain``: the
+        definition's half is known to hold (flowloop/straight.py decided it)."""
+        if (
+            delay
+            or (record.deadline is not None and now >= record.deadline)
+            or record.id in self._controls
+            or self._draining
+        ):
+            return False
+        return plain or plain_step(workflow, target)
 
     async def _went_on(
         self,
@@ -701,7 +714,7 @@ class Stepping:
             context = copy_context()
             context.run(SYNC_STEPS_INLINE.set, False)
             work = self._threads.submit(context.run, spec.fn, *args)
-            work.add_done_callback(functools.partial(_late_result, run_id, spec.name, abandoned))
+            work.add_done_callback(functools.partial(late_result, run_id, spec.name, abandoned))
             future = asyncio.wrap_future(work)
             thread = work
         if active is not None:
@@ -786,14 +799,3 @@ def _made_due_at_once(record: RunRecord, due: float, written_at: float | None) -
     (a map's child held back is made due at once when its turn comes, by its sibling's
     end: the turn journaled on it, ``run_deferred``, only when it rests in a wait)."""
     return written_at is None or due <= written_at or record.join is not None
-
-
-def _late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:
-    # A thread cannot be killed: when a timed-out or cut-off sync step finishes anyway, its
-    # result is discarded (that attempt's outcome is already in the journal) and logged.
-    if abandoned and not work.cancelled():
-        log.warning(
-            "run %s: step %s finished after its timeout or cancellation; result discarded",
-            run_id,
-            state,
-        )

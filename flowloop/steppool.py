@@ -19,12 +19,15 @@ supervisor starts a fresh process, see README "Operating").
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Final
+
+log = logging.getLogger("flowloop")
 
 THREAD_NAME: Final = "flowloop-step"
 
@@ -191,3 +194,14 @@ class StepThreads:
         for _ in range(threads):
             with contextlib.suppress(Exception):
                 self._queue.put(None)
+
+
+def late_result(run_id: str, state: str, abandoned: list[bool], work: Future[Any]) -> None:
+    # A thread cannot be killed: when a timed-out or cut-off sync step finishes anyway, its
+    # result is discarded (that attempt's outcome is already in the journal) and logged.
+    if abandoned and not work.cancelled():
+        log.warning(
+            "run %s: step %s finished after its timeout or cancellation; result discarded",
+            run_id,
+            state,
+        )
