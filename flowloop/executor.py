@@ -46,10 +46,10 @@ from flowloop.kept import StrandedLooks
 from flowloop.leasekeeper import LeaseKeeper, new_worker_id, owner_is_dead_here
 from flowloop.lifecycle import CONTROLS, STOP
 from flowloop.localdue import LocalDue
-from flowloop.outcome_log import OutcomeLog
+from flowloop.outcome_log import OutcomeLog, step_fields
 from flowloop.recovery import RECOVERY_BATCH, Recovery
 from flowloop.run_requests import Requests
-from flowloop.stepping import MAX_NOTE_CHARS, Stepping, step_fields
+from flowloop.stepping import MAX_NOTE_CHARS, Stepping
 from flowloop.steppool import StepThreads
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.store.outage import is_outage

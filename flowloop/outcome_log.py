@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Mapping
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from flowloop.store import Boundary
+
+if TYPE_CHECKING:
+    from flowloop.journal import RunRecord
 
 log = logging.getLogger("flowloop")
 
@@ -109,3 +112,14 @@ class OutcomeLog:
             raise
         self.settle(run_id)
         return applied
+
+
+def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
+    """The ``extra=`` fields of a step's log lines (keys of a JSON log line)."""
+    return {
+        "workflow": workflow,
+        "run": record.id,
+        "seq": record.last_seq,
+        "state": record.state,
+        "attempt": record.attempt,
+    }

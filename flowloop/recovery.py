@@ -21,9 +21,8 @@ from flowloop.errors import error_line
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import INVALID_ROW
 from flowloop.leasekeeper import LeaseKeeper, owner_is_dead_here
-from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog
+from flowloop.outcome_log import INTERRUPTED, INTERRUPTED_UNWRITTEN, OutcomeLog, step_fields
 from flowloop.parking import halt_entry
-from flowloop.stepping import step_fields
 from flowloop.store import Boundary, Fence, Store, StoredRun
 from flowloop.verdicts import Verdict, judge
 from flowloop.versions import versions_of, workflow_for

@@ -48,7 +48,13 @@ from flowloop.events import check_visits, entering, keeping_context, receive, wa
 from flowloop.gates import gated
 from flowloop.journal import JournalEvent, RunRecord
 from flowloop.kept import failed_on_claim, take_kept, try_deliver_pending
-from flowloop.outcome_log import FAILED, FAILED_UNWRITTEN, SUCCEEDED, SUCCEEDED_UNWRITTEN
+from flowloop.outcome_log import (
+    FAILED,
+    FAILED_UNWRITTEN,
+    SUCCEEDED,
+    SUCCEEDED_UNWRITTEN,
+    step_fields,
+)
 from flowloop.steppool import late_result
 from flowloop.store import Boundary, Fence, Store
 from flowloop.straight import PlainNexts, plain_step
@@ -83,17 +89,6 @@ MAX_NOTE_CHARS: Final = 500
 CUT_OFF_GRACE_SECONDS: Final = 60.0
 """How long a sync step cut off (not timed out) may run on in its thread before the thread
 counts towards the step pool's bound (a worker at the bound exits with code 3)."""
-
-
-def step_fields(workflow: str, record: RunRecord) -> dict[str, Any]:
-    """The ``extra=`` fields of a step's log lines (keys of a JSON log line)."""
-    return {
-        "workflow": workflow,
-        "run": record.id,
-        "seq": record.last_seq,
-        "state": record.state,
-        "attempt": record.attempt,
-    }
 
 
 class Stepping:
