@@ -512,12 +512,15 @@ def backpressure_lines(engine: RunReading, workflow: str | None = None) -> list[
 
 
 def unknown_workflow(db: Any, workflow: str | None) -> str:
-    """``; no workflow … here (known: …)`` when ``workflow`` names none this database has
-    stored (a misspelt name answered "nothing journaled" as if it had been quiet)."""
+    """``; this database has no workflow 'ordr'; did you mean 'order'?`` (the close names,
+    else ``(known: …)``) when ``workflow`` names none this database has stored (a misspelt
+    name answered "nothing journaled" as if it had been quiet; `send --workflow` listed
+    the names where the other commands suggest the one meant)."""
     from sqlalchemy import select
 
     from flowloop.store.reads import reading
     from flowloop.store.schema import definitions
+    from flowloop.suggest import did_you_mean
 
     if workflow is None:
         return ""
@@ -525,7 +528,9 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
         known = sorted(set(conn.execute(select(definitions.c.name).distinct()).scalars()))
     if workflow in known:
         return ""
-    return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"
+    meant = did_you_mean(workflow, known, shown=repr)
+    hint = f"; {meant}" if meant else f" (known: {', '.join(known) or 'none'})"
+    return f"; this database has no workflow {workflow!r}{hint}"
 
 
 def knows_workflow(store: Any, workflow: str) -> bool:
