@@ -6,10 +6,8 @@ down. Refused here as the mistake it is (exit 2), naming the setting meant, as a
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Collection
 from typing import Final
-from urllib.parse import parse_qsl, urlsplit
 
 from flowloop.errors import WrongDatabase
 
@@ -20,6 +18,8 @@ def known_settings() -> Collection[str] | None:
     """The settings a PostgreSQL URL's query may give: libpq's connection keywords (as
     the installed libpq knows them) and psycopg's own ``connect`` arguments; ``None``
     without psycopg (the store says what to install)."""
+    import inspect
+
     try:
         import psycopg
         from psycopg import pq
@@ -32,12 +32,14 @@ def known_settings() -> Collection[str] | None:
 
 def check_url_settings(url: str) -> None:
     """Refuse (WrongDatabase, exit 2) a PostgreSQL ``url`` whose query names a setting
-    that neither libpq nor psycopg takes, with the close one: ``sslmod`` in the database
-    URL is no PostgreSQL connection setting; did you mean 'sslmode'?``. Any other URL,
+    that neither libpq nor psycopg takes, with the close one (``'sslmod' in the database
+    URL is no PostgreSQL connection setting; did you mean 'sslmode'?``). Any other URL,
     and one without a query, is left as it is."""
     scheme = url.partition("://")[0].partition("+")[0].lower()
     if scheme not in POSTGRES_SCHEMES or "?" not in url:
-        return
+        return  # (no import for a SQLite file: `flowloop status` starts fast, issue 13)
+    from urllib.parse import parse_qsl, urlsplit
+
     given = [name for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)]
     if not given:
         return

@@ -4,6 +4,7 @@ traceback, exit 2; what worked before prints what it printed."""
 
 from __future__ import annotations
 
+import shlex
 import textwrap
 from pathlib import Path
 
@@ -146,3 +147,24 @@ def test_status_by_process__a_misspelt_setting_has_no_traceback(here: Path) -> N
         "error: 'sslmod' in the database URL is no PostgreSQL connection setting; "
         "did you mean 'sslmode'?\n"
     )
+
+
+# -- the quick start: a business key given as the run id -----------------------------------
+
+
+def test_send__a_key_as_run_id_names_a_command_that_works_as_printed(here: Path) -> None:
+    """Before: `… flowloop send A1 approve --workflow order`, without the --data given:
+    typed as printed, the event's payload failed to validate (`by: Field required`)."""
+    started(here, "flowloop.db", "A1")
+    line = refused(
+        "send", "A1", "approve", "--data", '{"by": "ann"}', "--dedupe-key", "hook 1", cwd=here
+    )
+    assert line == (
+        "error: no run 'A1'; it is the key of run(s) of order: flowloop send A1 approve "
+        "--workflow order --data '{\"by\": \"ann\"}' --dedupe-key 'hook 1'"
+    )
+    # Typed as printed, it sends the event.
+    printed = shlex.split(line.split(": ", 2)[2])
+    assert printed[0] == "flowloop"
+    sent = as_json(*printed[1:], cwd=here)
+    assert (sent["result"], sent["run"]["state"]) == ("applied", "shipped")
