@@ -12,6 +12,33 @@ from typing import Final
 from flowloop.errors import WrongDatabase
 
 POSTGRES_SCHEMES: Final = ("postgresql", "postgres")
+CHOICES: Final = {
+    "channel_binding": ("disable", "prefer", "require"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+    "sslcertmode": ("disable", "allow", "require"),
+    "sslnegotiation": ("postgres", "direct"),
+    "target_session_attrs": (
+        "any",
+        "read-write",
+        "read-only",
+        "primary",
+        "standby",
+        "prefer-standby",
+    ),
+}
+"""libpq's settings that take one of some words (``sslmode``: the store's own check). A
+value it does not know failed when connecting, "the database server is unreachable": a
+worker waited for the database for ever."""
+WHOLE_NUMBERS: Final = (
+    "connect_timeout",
+    "keepalives",
+    "keepalives_count",
+    "keepalives_idle",
+    "keepalives_interval",
+    "tcp_user_timeout",
+)
+"""libpq's settings that take a whole number (``keepalives_idle=abc`` waited for ever too)."""
 
 
 def known_settings() -> Collection[str] | None:
@@ -33,25 +60,39 @@ def known_settings() -> Collection[str] | None:
 def check_url_settings(url: str) -> None:
     """Refuse (WrongDatabase, exit 2) a PostgreSQL ``url`` whose query names a setting
     that neither libpq nor psycopg takes, with the close one (``'sslmod' in the database
-    URL is no PostgreSQL connection setting; did you mean 'sslmode'?``). Any other URL,
-    and one without a query, is left as it is."""
+    URL is no PostgreSQL connection setting; did you mean 'sslmode'?``), a setting given
+    twice, or a value libpq would refuse only when connecting (:data:`CHOICES`,
+    :data:`WHOLE_NUMBERS`). Any other URL, and one without a query, is left as it is."""
     scheme = url.partition("://")[0].partition("+")[0].lower()
     if scheme not in POSTGRES_SCHEMES or "?" not in url:
         return  # (no import for a SQLite file: `flowloop status` starts fast, issue 13)
     from urllib.parse import parse_qsl, urlsplit
 
-    given = [name for name, _ in parse_qsl(urlsplit(url).query, keep_blank_values=True)]
+    from flowloop.suggest import did_you_mean
+
+    given = parse_qsl(urlsplit(url).query, keep_blank_values=True)
     if not given:
         return
     known = known_settings()
     if known is None:
         return
-    for name in given:
+    seen: set[str] = set()
+    for name, value in given:
         if name not in known:
-            from flowloop.suggest import did_you_mean
-
             meant = did_you_mean(name, sorted(known), n=1, shown=repr)
             raise WrongDatabase(
                 f"{name!r} in the database URL is no PostgreSQL connection setting"
                 + (f"; {meant}" if meant else " (see libpq's connection parameters)")
             )
+        if name in seen:  # (libpq was given the list's text: "invalid … value", a wait)
+            raise WrongDatabase(f"{name} is given twice in the database URL; give it once")
+        seen.add(name)
+        choices = CHOICES.get(name)
+        if choices is not None and value not in choices:
+            meant = did_you_mean(value, choices, n=1, shown=repr)
+            raise WrongDatabase(
+                f"{name}={value!r} in the database URL is not one of its values"
+                + (f"; {meant}" if meant else f" (use one of {', '.join(choices)})")
+            )
+        if name in WHOLE_NUMBERS and not value.strip().lstrip("-").isdigit():
+            raise WrongDatabase(f"{name}={value!r} in the database URL is not a whole number")

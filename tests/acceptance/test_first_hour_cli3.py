@@ -64,6 +64,32 @@ def test_database_url__a_misspelt_setting_names_the_one_meant_exit_2(
     ]
 
 
+def test_database_url__a_value_libpq_refuses_only_when_connecting_is_refused_first(
+    here: Path, pg_url: str
+) -> None:
+    """Before: `target_session_attrs=read_write`, `gssencmode=x`, `keepalives_idle=abc` or
+    `sslmode` given twice failed when connecting as "the database server is unreachable
+    (connection is bad: invalid … value)": a worker waited for the database for ever."""
+    worker = refused(
+        "worker", "--db", with_query(pg_url, "target_session_attrs=read_write"), cwd=here
+    )
+    assert worker == (
+        "error: target_session_attrs='read_write' in the database URL is not one of its "
+        "values; did you mean 'read-write'?"
+    )
+    lines = {
+        "gssencmode=x": "error: gssencmode='x' in the database URL is not one of its values "
+        "(use one of disable, prefer, require)",
+        "keepalives_idle=abc": "error: keepalives_idle='abc' in the database URL is not a "
+        "whole number",
+        "sslmode=require&sslmode=disable": "error: sslmode is given twice in the database "
+        "URL; give it once",
+    }
+    for setting, line in lines.items():
+        assert quick("worker", "--db", with_query(pg_url, setting), cwd=here) == line
+    assert not (here / "flowloop.db").exists()
+
+
 # -- 2: send --workflow with a misspelt name ----------------------------------------------
 
 
