@@ -303,8 +303,14 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     variable = getattr(loaded.modules[-1], name, None)
     if isinstance(variable, Workflow):
         return variable, loaded
+    from flowloop.suggest import did_you_mean
+
     names = ", ".join(loaded.workflows)
-    raise LoadError(f"{path}: no workflow {name!r}, by name or variable (it defines: {names})")
+    meant = did_you_mean(name, loaded.workflows, n=1, shown=repr)
+    meant = f"; {meant}" if meant else ""
+    raise LoadError(
+        f"{path}: no workflow {name!r}, by name or variable{meant} (it defines: {names})"
+    )
 
 
 def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:

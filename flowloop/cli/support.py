@@ -449,11 +449,15 @@ def shown_status(info: RunInfo, waits: WaitStates, held: Collection[str]) -> str
 def checked_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
     """``--status`` values, any case; one that is no status is refused (a typo listed
     nothing, as if no run had it)."""
+    from flowloop.suggest import did_you_mean
+
     checked = tuple(status.lower() for status in statuses)
     for given, status in zip(statuses, checked, strict=True):
         if status not in SHOWN_STATUSES:
+            meant = did_you_mean(status, SHOWN_STATUSES, n=1, shown=repr)
             raise FlowloopError(
-                f"--status {given[:40]!r} is not a status (one of {', '.join(SHOWN_STATUSES)})"
+                f"--status {given[:40]!r} is not a status{f'; {meant}' if meant else ''} "
+                f"(one of {', '.join(SHOWN_STATUSES)})"
             )
     return checked
 

@@ -194,3 +194,26 @@ def test_send__a_key_as_run_id_names_a_command_that_works_as_printed(here: Path)
     assert printed[0] == "flowloop"
     sent = as_json(*printed[1:], cwd=here)
     assert (sent["result"], sent["run"]["state"]) == ("applied", "shipped")
+
+
+# -- the quick start: other misspelt names that listed rather than suggested ----------------
+
+
+def test_quick_start__a_misspelt_workflow_after_the_colon_or_status_is_suggested(
+    here: Path,
+) -> None:
+    """Before: `no workflow 'ordr', by name or variable (it defines: order)` and `--status
+    'runing' is not a status (one of …)`: the names listed, none suggested."""
+    line = refused("run", "workflows/orders.py:ordr", "--context", CONTEXT, cwd=here)
+    assert line == (
+        "error: workflows/orders.py: no workflow 'ordr', by name or variable; did you mean "
+        "'order'? (it defines: order)"
+    )
+    assert quick("run", "workflows/orders.py:zzz", cwd=here) == (
+        "error: workflows/orders.py: no workflow 'zzz', by name or variable (it defines: order)"
+    )
+    started(here, "flowloop.db", "A1")
+    assert quick("status", "--status", "runing", cwd=here) == (
+        "error: --status 'runing' is not a status; did you mean 'running'? (one of waiting, "
+        "held, scheduled, running, retrying, paused, succeeded, failed, stopped)"
+    )
