@@ -76,17 +76,24 @@ def check_url_settings(url: str) -> None:
     known = known_settings()
     if known is None:
         return
-    seen: set[str] = set()
-    for name, value in given:
+    for name, _ in given:
         if name not in known:
             meant = did_you_mean(name, sorted(known), n=1, shown=repr)
             raise WrongDatabase(
                 f"{name!r} in the database URL is no PostgreSQL connection setting"
                 + (f"; {meant}" if meant else " (see libpq's connection parameters)")
             )
-        if name in seen:  # (libpq was given the list's text: "invalid … value", a wait)
-            raise WrongDatabase(f"{name} is given twice in the database URL; give it once")
-        seen.add(name)
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    from flowloop.store.dialect import _check_sslmode
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        return  # (not a URL SQLAlchemy reads: the store says so)
+    _check_sslmode(parsed)  # (the store's own words for an sslmode, each one given)
+    for name, value in given:
         choices = CHOICES.get(name)
         if choices is not None and value not in choices:
             meant = did_you_mean(value, choices, n=1, shown=repr)
@@ -96,3 +103,7 @@ def check_url_settings(url: str) -> None:
             )
         if name in WHOLE_NUMBERS and not value.strip().lstrip("-").isdigit():
             raise WrongDatabase(f"{name}={value!r} in the database URL is not a whole number")
+    names = [name for name, _ in given]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:  # (libpq was given the list's text: "invalid … value", a wait)
+        raise WrongDatabase(f"{twice} is given twice in the database URL; give it once")
