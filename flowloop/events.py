@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 from pydantic import AliasChoices, BaseModel, ValidationError
@@ -31,6 +31,29 @@ from flowloop.journal import JournalEvent, RunRecord
 
 class InvalidPayload(FlowloopError):
     """An event's payload does not validate against the model the wait state declares."""
+
+
+class UnknownPayloadField(InvalidPayload):
+    """A payload (a mapping) with a key that no field of the event's payload model takes:
+    pydantic dropped it without a word (a misspelt optional field: the event was applied
+    without it). ``fields``: the keys refused; ``model``: the model; ``event``: the event.
+    Nothing was written; the run still waits."""
+
+    def __init__(self, model: type[BaseModel], event: str, fields: Sequence[str]) -> None:
+        from flowloop.definition import payload_keys
+        from flowloop.suggest import did_you_mean
+
+        known = payload_keys(model)
+        meant = did_you_mean(fields[0], known, n=1, shown=repr)
+        hint = f"; {meant}" if meant else ""
+        noun = "field" if len(fields) == 1 else "fields"
+        super().__init__(
+            f"no {noun} {', '.join(map(repr, fields))} in {model.__name__}, the payload of "
+            f"{event!r}{hint} (fields: {', '.join(known)})"
+        )
+        self.model = model
+        self.event = event
+        self.fields = tuple(fields)
 
 
 class NeverAccepted(InvalidEvent):
@@ -168,6 +191,42 @@ def check_bufferable(
             first = first or error
     assert first is not None
     raise first
+
+
+def check_payload_keys(
+    workflow: Workflow,
+    event: str,
+    payload: Any,
+    *,
+    state: str | None = None,
+    buffer: bool = False,
+) -> None:
+    """Refuse (:class:`UnknownPayloadField`) a payload mapping with a key that no field of
+    the event's payload model takes (:func:`~flowloop.definition.payload_keys`: an aliased
+    field's alias, its name only when the model validates by name too). ``state``: the run
+    waits there and accepts the event now, so its model decides; else, with ``buffer``
+    (kept for later), the models of every wait state that takes it: refused only when none
+    takes the key, so not when one of them has no model (any payload goes). A model that
+    says itself what becomes of extra keys (``extra="allow"``, a root model, a raw-input
+    validator) takes them as before. Anything else wrong (the event not taken now, by no
+    state) is left to the send to say. (The rule of ``engine.send``, the dashboard's send
+    and ``flowloop send --data``.)"""
+    from flowloop.definition import unknown_payload_keys
+
+    if not isinstance(payload, Mapping) or not payload:
+        return
+    if state is not None and event in accepted(workflow, state):
+        waits = [workflow.waits[state]]
+    elif buffer:
+        waits = [wait for wait in workflow.waits.values() if event in wait.on]
+    else:
+        return  # (not taken now: the send says why)
+    if not waits or any(event not in wait.payloads for wait in waits):
+        return  # (none takes it: the send says so; one without a model takes any payload)
+    models = [wait.payloads[event] for wait in waits]
+    unknown = [unknown_payload_keys(model, payload) for model in models]
+    if all(unknown):
+        raise UnknownPayloadField(models[0], event, unknown[0])
 
 
 ENTRIES: Final = (j.RUN_CREATED, j.RUN_DEBOUNCED, j.RUN_RETRIED, j.SLEEP_ENDED)

@@ -11,11 +11,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from flowloop.definition import Workflow
 from flowloop.errors import FlowloopError
 from flowloop.loops import Loop
+
+if TYPE_CHECKING:
+    import ast
 
 
 class LoadError(FlowloopError):
@@ -153,12 +156,18 @@ MAX_SCANNED_BYTES: Final = 1 << 20
 parsing a 36 MB module took 47 s and 5.5 GB on the error path of a misspelt name."""
 
 
+WORKFLOW_MODULES: Final = ("flowloop", "flowloop.definition")
+"""The modules a ``Workflow`` is imported from (``from flowloop import Workflow as W``)."""
+
+
 def workflow_names_in(file: Path) -> list[str]:
     """The names of the workflows ``file`` defines as its text shows them — each call of
-    ``Workflow(...)`` or ``flowloop.Workflow(...)`` whose first argument or ``name=`` is a
-    string literal — without importing it (importing runs the file: a ``sys.exit`` hid the
-    error being explained, a thread it started kept the process alive, a print went into
-    the output). A file that cannot be read or parsed defines none here."""
+    ``Workflow(...)`` or ``flowloop.Workflow(...)``, under the names the file imports them
+    as too (``from flowloop import Workflow as W``, ``import flowloop as fl``), whose
+    first argument or ``name=`` is a string literal — without importing it (importing runs
+    the file: a ``sys.exit`` hid the error being explained, a thread it started kept the
+    process alive, a print went into the output). A file that cannot be read or parsed
+    defines none here."""
     import ast
 
     try:
@@ -170,18 +179,18 @@ def workflow_names_in(file: Path) -> list[str]:
         tree = ast.parse(text, filename=str(file))
     except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
         return []
+    classes, modules = _workflow_aliases(tree)
     names: list[str] = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
         func = node.func
         if not (
-            (isinstance(func, ast.Name) and func.id == "Workflow")
+            (isinstance(func, ast.Name) and func.id in classes)
             or (
                 isinstance(func, ast.Attribute)
                 and func.attr == "Workflow"
-                and isinstance(func.value, ast.Name)
-                and func.value.id == "flowloop"
+                and ast.unparse(func.value) in modules
             )
         ):
             continue
@@ -193,6 +202,24 @@ def workflow_names_in(file: Path) -> list[str]:
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
         ]
     return names
+
+
+def _workflow_aliases(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The names ``tree`` (a module's ast) calls the Workflow class by (``Workflow``, and
+    each ``as`` it is imported under) and the dotted names of the modules it is an
+    attribute of (``flowloop``, ``flowloop.definition``, and each ``as`` they are imported
+    under, ``from flowloop import definition`` included)."""
+    import ast
+
+    classes, modules = {"Workflow"}, set(WORKFLOW_MODULES)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in WORKFLOW_MODULES:
+            classes |= {a.asname or a.name for a in node.names if a.name == "Workflow"}
+            if node.module == "flowloop":
+                modules |= {a.asname or a.name for a in node.names if a.name == "definition"}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names if a.name in WORKFLOW_MODULES and a.asname}
+    return classes, modules
 
 
 def import_file(path: Path) -> ModuleType:
@@ -276,8 +303,14 @@ def load_target(target: str) -> tuple[Workflow, Loaded]:
     variable = getattr(loaded.modules[-1], name, None)
     if isinstance(variable, Workflow):
         return variable, loaded
+    from flowloop.suggest import did_you_mean
+
     names = ", ".join(loaded.workflows)
-    raise LoadError(f"{path}: no workflow {name!r}, by name or variable (it defines: {names})")
+    meant = did_you_mean(name, loaded.workflows, n=1, shown=repr)
+    meant = f"; {meant}" if meant else ""
+    raise LoadError(
+        f"{path}: no workflow {name!r}, by name or variable{meant} (it defines: {names})"
+    )
 
 
 def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:

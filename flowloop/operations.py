@@ -38,6 +38,7 @@ from flowloop.events import (
     asleep_before,
     asleep_until,
     check_bufferable,
+    check_payload_keys,
     declared_payloads,
     due_before_pause,
     entering,
@@ -425,9 +426,13 @@ class Operations:
 
         Not accepted now: with ``buffer=True`` the event is kept until the run reaches a
         state that accepts it, else InvalidEvent lists what the state accepts. The same
-        ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``).
+        ``dedupe_key`` twice for one run has effect once (``status == "duplicate"``). A
+        payload mapping with a key that no field of the event's payload model takes is
+        refused (:class:`~flowloop.events.UnknownPayloadField`, nothing written; see
+        :func:`~flowloop.events.check_payload_keys`).
         """
         run_id = self.resolve(run_id)
+        given = payload  # (a mapping's keys are checked: UnknownPayloadField)
         if isinstance(payload, BaseModel):
             payload = payload_json(payload, self._declared_payloads(run_id, event))
         check_key("dedupe key", dedupe_key)
@@ -453,6 +458,8 @@ class Operations:
             workflow = self._workflows.for_run(record)
             self._refuse_mismatch(workflow, record)
             waiting_here = accepts(workflow, record, event)
+            here = record.state if waiting_here else None
+            check_payload_keys(workflow, event, given, state=here, buffer=buffer)
             # A map's child held back takes no event before its turn (taken, it would go on
             # beside the max_parallel running): kept, and handed over when its turn comes.
             held = waiting_here and record.join is not None and self.is_held(run_id)

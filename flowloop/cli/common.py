@@ -242,15 +242,20 @@ def command_settings(**flags: Any) -> Settings:
 
 
 def database(db: str | None) -> str:
-    """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db."""
+    """--db (or $FLOWLOOP_DB), else ``db`` in the configuration file, else ./flowloop.db;
+    a PostgreSQL URL's query settings checked (flowloop/cli/dburl.py)."""
+    from flowloop.cli.dburl import check_url_settings
     from flowloop.store.urls import default_url
 
-    if db:
-        return db
     ctx = click.get_current_context(silent=True)
-    if ctx is not None and ctx.meta.get(NOTHING_TO_READ):
-        return default_url()  # no file, no variable: the settings' db is None
-    return settings().db or default_url()
+    if db:
+        url = db
+    elif ctx is not None and ctx.meta.get(NOTHING_TO_READ):
+        url = default_url()  # no file, no variable: the settings' db is None
+    else:
+        url = settings().db or default_url()
+    check_url_settings(url)  # (a misspelt ?setting: exit 2, before anything connects)
+    return url
 
 
 def open_engine(

@@ -445,15 +445,27 @@ def retry(
         out.print(support.not_ended_line(info, due, where), markup=False)
 
 
-def _refuse_a_key_as_run_id(engine: Engine, target: str, event: str, where: str) -> None:
+def _refuse_a_key_as_run_id(
+    engine: Engine, target: str, event: str, where: str, given: str = ""
+) -> None:
     """TARGET names no run but is the business key of some: say to give --workflow (a user
-    sent to key W1 as the README's samples do, and was told a prefix needs 4 characters)."""
+    sent to key W1 as the README's samples do, and was told a prefix needs 4 characters).
+    ``given``: the options of this send to repeat (``--data …``), so that the command
+    works as printed (without its --data, the event's payload failed to validate)."""
     keyed = sorted({info.workflow for info in engine.runs(key=target, limit=20)})
     if keyed:
         raise FlowloopError(
             f"no run {target!r}; it is the key of run(s) of {', '.join(keyed)}: "
-            f"flowloop send {shlex.quote(target)} {shlex.quote(event)} --workflow {keyed[0]}{where}"
+            f"flowloop send {shlex.quote(target)} {shlex.quote(event)} --workflow {keyed[0]}"
+            f"{given}{where}"
         )
+
+
+def _send_options(data_text: str | None, dedupe_key: str | None, buffer: bool) -> str:
+    """`` --data … --dedupe-key … --buffer`` as given to this send, quoted for the shell."""
+    options = [("--data", data_text), ("--dedupe-key", dedupe_key)]
+    shown = "".join(f" {flag} {shlex.quote(value)}" for flag, value in options if value is not None)
+    return shown + (" --buffer" if buffer else "")
 
 
 @click.command()
@@ -483,6 +495,7 @@ def send(
 
     from flowloop.cli import hints, support
     from flowloop.cli.views import info_json, styled
+    from flowloop.events import UnknownPayloadField
 
     loaded = load_workflow_paths(workflow_paths)
     payload = parse_context(data_text, "--data") if data_text is not None else None
@@ -497,13 +510,16 @@ def send(
                 )
             run_id = found.id
         with defined_in(workflow_paths):
-            support.refuse_unknown_fields(engine, run_id, event, payload, buffer=buffer)
             try:
                 result = engine.send(run_id, event, payload, dedupe_key=dedupe_key, buffer=buffer)
             except UnknownRun:
                 if workflow is None:
-                    _refuse_a_key_as_run_id(engine, target, event, hints.where(workflow_paths, db))
+                    where = hints.where(workflow_paths, db)
+                    given = _send_options(data_text, dedupe_key, buffer)
+                    _refuse_a_key_as_run_id(engine, target, event, where, given)
                 raise
+            except UnknownPayloadField as error:  # (the engine's rule, said of the option)
+                raise FlowloopError(f"--data: {error}") from None
         waits = support.WaitStates(engine)
         waiting = waits.of(result.run)
         held = result.status == "buffered" and engine.is_held(result.run.id)

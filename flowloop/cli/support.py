@@ -449,11 +449,15 @@ def shown_status(info: RunInfo, waits: WaitStates, held: Collection[str]) -> str
 def checked_statuses(statuses: Sequence[str]) -> tuple[str, ...]:
     """``--status`` values, any case; one that is no status is refused (a typo listed
     nothing, as if no run had it)."""
+    from flowloop.suggest import did_you_mean
+
     checked = tuple(status.lower() for status in statuses)
     for given, status in zip(statuses, checked, strict=True):
         if status not in SHOWN_STATUSES:
+            meant = did_you_mean(status, SHOWN_STATUSES, n=1, shown=repr)
             raise FlowloopError(
-                f"--status {given[:40]!r} is not a status (one of {', '.join(SHOWN_STATUSES)})"
+                f"--status {given[:40]!r} is not a status{f'; {meant}' if meant else ''} "
+                f"(one of {', '.join(SHOWN_STATUSES)})"
             )
     return checked
 
@@ -512,12 +516,15 @@ def backpressure_lines(engine: RunReading, workflow: str | None = None) -> list[
 
 
 def unknown_workflow(db: Any, workflow: str | None) -> str:
-    """``; no workflow … here (known: …)`` when ``workflow`` names none this database has
-    stored (a misspelt name answered "nothing journaled" as if it had been quiet)."""
+    """``; this database has no workflow 'ordr'; did you mean 'order'?`` (the close names,
+    else ``(known: …)``) when ``workflow`` names none this database has stored (a misspelt
+    name answered "nothing journaled" as if it had been quiet; `send --workflow` listed
+    the names where the other commands suggest the one meant)."""
     from sqlalchemy import select
 
     from flowloop.store.reads import reading
     from flowloop.store.schema import definitions
+    from flowloop.suggest import did_you_mean
 
     if workflow is None:
         return ""
@@ -525,7 +532,9 @@ def unknown_workflow(db: Any, workflow: str | None) -> str:
         known = sorted(set(conn.execute(select(definitions.c.name).distinct()).scalars()))
     if workflow in known:
         return ""
-    return f"; this database has no workflow {workflow!r} (known: {', '.join(known) or 'none'})"
+    meant = did_you_mean(workflow, known, shown=repr)
+    hint = f"; {meant}" if meant else f" (known: {', '.join(known) or 'none'})"
+    return f"; this database has no workflow {workflow!r}{hint}"
 
 
 def knows_workflow(store: Any, workflow: str) -> bool:
@@ -585,59 +594,3 @@ def unknown_workflow_hint(store: Any, workflow: str) -> str | None:
     else:
         hint = f" (known: {', '.join(sorted(known))})" if known else " (it has none yet)"
     return f"no workflow {workflow!r} in this database{hint}"
-
-
-def refuse_unknown_fields(
-    engine: Engine, run_id: str, event: str, payload: Any, *, buffer: bool = False
-) -> None:
-    """``send --data`` with a key that no field of the event's payload model takes: refused
-    (exit 2) naming it and the field it comes close to — pydantic dropped it without a word
-    (a misspelt optional field: the event was applied without it). The keys are those
-    pydantic takes (:func:`~flowloop.definition.payload_keys`: an aliased field's alias,
-    its name only when the model validates by name too). The model is the one of the wait
-    state the run is in and that takes the event; with ``buffer``, when the run is
-    elsewhere, of every wait state that takes it (it is kept for later): refused only when
-    none takes the key, so not when one of them has no model (any payload goes). A model
-    that says itself what becomes of extra keys (``extra="allow"``) takes them as before.
-    Anything else wrong (no such run, event, workflow; a run finished, or not waiting where
-    the event is taken, without ``buffer``) is left for the send to say first."""
-    from flowloop import journal as j
-    from flowloop.definition import payload_keys, unknown_payload_keys
-    from flowloop.suggest import did_you_mean
-
-    if not isinstance(payload, dict) or not payload:
-        return
-    try:
-        info = engine.get(run_id)
-        workflow = engine.version_of(info.workflow, info.version)
-    except FlowloopError:
-        return
-    if info.finished:
-        return
-    here = workflow.waits.get(info.state)
-    if (
-        here is not None
-        and event in here.on
-        and info.status == "scheduled"
-        and info.reason != j.ASLEEP  # (as the engine's `accepts`: taken now, by this model)
-    ):
-        waits = [here]
-    elif buffer:
-        waits = [wait for wait in workflow.waits.values() if event in wait.on]
-    else:
-        return  # (not taken now: the send says why)
-    if not waits or any(event not in wait.payloads for wait in waits):
-        return  # (none takes it: the send says so; one without a model takes any payload)
-    models = [wait.payloads[event] for wait in waits]
-    unknown = [unknown_payload_keys(model, payload) for model in models]
-    if not all(unknown):
-        return
-    model, names = models[0], unknown[0]
-    known = payload_keys(model)
-    meant = did_you_mean(names[0], known, n=1, shown=repr)
-    hint = f"; {meant}" if meant else ""
-    fields = "field" if len(names) == 1 else "fields"
-    raise FlowloopError(
-        f"--data: no {fields} {', '.join(map(repr, names))} in {model.__name__}, the payload "
-        f"of {event!r}{hint} (fields: {', '.join(known)})"
-    )

@@ -183,7 +183,7 @@ def test_cli__stats_table_json_and_window(here: Path) -> None:
     # A misspelt workflow was answered as if it had been quiet; then said so, exit 0.
     misspelt = flowloop("stats", "jbos", "--db", "jobs.db", cwd=here, code=2)
     assert misspelt.stderr.splitlines() == [
-        "error: this database has no workflow 'jbos' (known: jobs)"
+        "error: this database has no workflow 'jbos'; did you mean 'jobs'?"
     ]
     bad = flowloop("stats", "--since", "soon", "--db", "jobs.db", cwd=here, code=2)
     assert bad.stderr.strip().splitlines() == [
@@ -597,8 +597,8 @@ def test_cli__a_misspelt_name_or_a_key_as_a_run_id_says_what_to_give(here: Path)
     ]
     result = flowloop("send", "W1", "go", "--workflow", "jbos", *db, cwd=here, code=2)
     assert result.stderr.splitlines() == [
-        "error: no run of workflow 'jbos' has key 'W1'; this database has no workflow 'jbos' "
-        "(known: jobs)"
+        "error: no run of workflow 'jbos' has key 'W1'; this database has no workflow 'jbos'; "
+        "did you mean 'jobs'?"
     ]
     migrate = ("migrate", "--workflow", "jbos", "--to", "2", "-w", "jobs.py", *db)
     result = flowloop(*migrate, cwd=here, code=2)

@@ -307,6 +307,9 @@ def test_send__buffered_event_with_an_invalid_payload_is_refused_not_kept(engine
     # Bug: it was kept, and later blocked (or failed) the run when it reached the wait.
     info = engine.start(review, {"doc_id": "D5"})
     with pytest.raises(InvalidPayload, match="by: Field required"):
+        engine.send(info.id, "approve", {"note": "ann"}, buffer=True)
+    # A key the model has not (a misspelt `by`) is refused as such (UnknownPayloadField).
+    with pytest.raises(InvalidPayload, match="no field 'who' in Approval"):
         engine.send(info.id, "approve", {"who": "ann"}, buffer=True)
     assert inbox_rows(engine.url, info.id) == []
     engine.run_until_idle(idle_horizon=0)
