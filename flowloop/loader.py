@@ -190,7 +190,7 @@ def workflow_names_in(file: Path) -> list[str]:
             or (
                 isinstance(func, ast.Attribute)
                 and func.attr == "Workflow"
-                and ast.unparse(func.value) in modules
+                and _dotted(func.value) in modules
             )
         ):
             continue
@@ -333,3 +333,18 @@ def load_machine(target: str) -> tuple[Workflow | Loop, Loaded]:
         what = "several loops" if name is None else f"no workflow or loop {name!r}"
         raise LoadError(f"{path}: {what} (it defines: {names}); use {path}:NAME")
     return load_target(target)
+
+
+def _dotted(node: ast.expr, most: int = 8) -> str | None:
+    """``a.b.c`` of a chain of at most ``most`` names, else ``None`` (``ast.unparse`` of a
+    chain of hundreds of links ran out of recursion)."""
+    import ast
+
+    names: list[str] = []
+    while isinstance(node, ast.Attribute) and len(names) < most:
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    names.append(node.id)
+    return ".".join(reversed(names))

@@ -31,14 +31,17 @@ CHOICES: Final = {
 value it does not know failed when connecting, "the database server is unreachable": a
 worker waited for the database for ever."""
 WHOLE_NUMBERS: Final = (
-    "connect_timeout",
     "keepalives",
     "keepalives_count",
     "keepalives_idle",
     "keepalives_interval",
     "tcp_user_timeout",
 )
-"""libpq's settings that take a whole number (``keepalives_idle=abc`` waited for ever too)."""
+"""libpq's settings that take a whole number (``keepalives_idle=abc`` waited for ever too;
+``connect_timeout`` is psycopg's to read, which takes ``5.5`` and refuses ``abc`` at once)."""
+MANY: Final = frozenset({"host"})
+"""Settings a URL may give more than once: SQLAlchemy makes ``?host=A:5432&host=B:5432``
+one multi-host connection."""
 
 
 def known_settings() -> Collection[str] | None:
@@ -66,16 +69,24 @@ def check_url_settings(url: str) -> None:
     scheme = url.partition("://")[0].partition("+")[0].lower()
     if scheme not in POSTGRES_SCHEMES or "?" not in url:
         return  # (no import for a SQLite file: `flowloop status` starts fast, issue 13)
-    from urllib.parse import parse_qsl, urlsplit
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
 
-    from flowloop.suggest import did_you_mean
-
-    given = parse_qsl(urlsplit(url).query, keep_blank_values=True)
-    if not given:
-        return
-    known = known_settings()
+    try:
+        parsed = make_url(url)  # (its query is what the driver gets: blanks dropped, a
+    except ArgumentError:  # password with a "?" read as SQLAlchemy reads it)
+        return  # (not a URL SQLAlchemy reads: the store says so)
+    given = [
+        (name, value)
+        for name, values in parsed.query.items()
+        for value in ((values,) if isinstance(values, str) else values)
+    ]
+    known = known_settings() if given else None
     if known is None:
         return
+    from flowloop.store.dialect import _check_sslmode
+    from flowloop.suggest import did_you_mean
+
     for name, _ in given:
         if name not in known:
             meant = did_you_mean(name, sorted(known), n=1, shown=repr)
@@ -83,15 +94,6 @@ def check_url_settings(url: str) -> None:
                 f"{name!r} in the database URL is no PostgreSQL connection setting"
                 + (f"; {meant}" if meant else " (see libpq's connection parameters)")
             )
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError
-
-    from flowloop.store.dialect import _check_sslmode
-
-    try:
-        parsed = make_url(url)
-    except ArgumentError:
-        return  # (not a URL SQLAlchemy reads: the store says so)
     _check_sslmode(parsed)  # (the store's own words for an sslmode, each one given)
     for name, value in given:
         choices = CHOICES.get(name)
@@ -101,9 +103,9 @@ def check_url_settings(url: str) -> None:
                 f"{name}={value!r} in the database URL is not one of its values"
                 + (f"; {meant}" if meant else f" (use one of {', '.join(choices)})")
             )
-        if name in WHOLE_NUMBERS and not value.strip().lstrip("-").isdigit():
+        if name in WHOLE_NUMBERS and not value.strip().lstrip("-+").isdigit():
             raise WrongDatabase(f"{name}={value!r} in the database URL is not a whole number")
     names = [name for name, _ in given]
-    twice = next((name for name in names if names.count(name) > 1), None)
+    twice = next((n for n in names if n not in MANY and names.count(n) > 1), None)
     if twice is not None:  # (libpq was given the list's text: "invalid … value", a wait)
         raise WrongDatabase(f"{twice} is given twice in the database URL; give it once")

@@ -217,3 +217,31 @@ def test_quick_start__a_misspelt_workflow_after_the_colon_or_status_is_suggested
         "error: --status 'runing' is not a status; did you mean 'running'? (one of waiting, "
         "held, scheduled, running, retrying, paused, succeeded, failed, stopped)"
     )
+
+
+def test_database_url__urls_sqlalchemy_reads_are_not_refused(here: Path, pg_url: str) -> None:
+    """Review: two hosts (SQLAlchemy's multi-host form), a blank value (SQLAlchemy drops
+    it) and a fractional connect_timeout (psycopg takes it) connected before the check and
+    were refused by it; a password with a "?" was cut there and its tail shown in the
+    error. Each connects now; no secret reaches the message of one that is refused."""
+    address = pg_url.partition("://")[2].partition("/")[0].rpartition("@")[2]
+    database, _, query = pg_url.partition("://")[2].partition("/")[2].partition("?")
+    base = f"postgresql+psycopg://postgres@/{database}?{query}"
+    for setting in (
+        f"host={address}&host={address}",
+        f"host={address}&target_session_attrs=",
+        f"host={address}&connect_timeout=5.5",
+    ):
+        url = f"{base}&{setting}"
+        assert started(here, url, setting[-12:]), setting
+    secret = pg_url.replace("postgres@", "postgres:s3cr?tpw@", 1)
+    line = quick("status", "--db", with_query(secret, "sslmod=require"), cwd=here)
+    assert "tpw" not in line and "sslmod" in line, line
+
+
+def test_run__a_long_attribute_chain_is_no_workflow_and_no_crash(tmp_path: Path) -> None:
+    """Review: ``ast.unparse`` of a chain of hundreds of attributes ran out of recursion
+    (a traceback instead of the suggestion)."""
+    chained = tmp_path / "chained.py"
+    chained.write_text("y = x" + ".b" * 800 + ".Workflow('gen')\nz = Workflow('kept')\n")
+    assert workflow_names_in(chained) == ["kept"]
