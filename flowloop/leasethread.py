@@ -146,6 +146,8 @@ class LeaseGuard:
         self._lock = threading.RLock()
         self._held: dict[str, _Held] = {}
         self._fenced: set[str] = set()
+        # Changed in place only, never rebound: fenced_runs (read by the executor and the
+        # committer at every boundary) is this very set.
         self.fenced_runs: AbstractSet[str] = self._fenced
         """:meth:`fenced`'s set, to read: a membership test is atomic under the GIL."""
         self._active = threading.Event()

@@ -14,6 +14,7 @@ from flowloop import Engine, FakeClock, Step, Workflow
 from flowloop import journal as j
 from flowloop.journal import JournalEvent
 from flowloop.stepping import Stepping
+from flowloop.straight import PlainNexts
 
 
 class Ctx(BaseModel):
@@ -66,6 +67,10 @@ def test_went_on__writes_what_the_general_path_writes(
         fast = engine.run(wf, Ctx())
         assert built == [2, 4]  # a -> b and b -> c; c -> done is an end
         monkeypatch.setattr(Stepping, "_straight_on", lambda *_: False)
+        # ... and without the usual success decided once per state (flowloop/straight.py):
+        # the general path asks the definition at every step.
+        monkeypatch.setattr(PlainNexts, "__missing__", lambda *_: None)
+        engine._executor()._plains.clear()
         general = engine.run(wf, Ctx())
         assert built == [2, 4]  # (the general path did not build them)
         fast_journal, general_journal = engine.history(fast.id), engine.history(general.id)
