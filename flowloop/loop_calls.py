@@ -37,11 +37,14 @@ async def loop_errors(call: Awaitable[T], name: str) -> T:
 
 
 class TimedCalls:
-    """Loop functions called under their ``timeout=``, which ends the iteration even when
-    the function swallows the cancellation (``asyncio.wait_for`` waits for the function
-    to end: for ever, then). Such a function is abandoned, still running: the scheduler
-    holds the loop until it ends (:meth:`ended`), and the loop's next call waits for it
-    first (never two calls of one loop at once), under its own timeout."""
+    """Loop functions called in a task of their own, under their ``timeout=`` if any: a
+    timeout, or a cancellation of the iteration (a stop, the worker's drain, a lost lease),
+    ends the iteration even when the function swallows the cancellation (awaited in the
+    iteration's own task, or by ``asyncio.wait_for``, it is waited for to its end: for
+    ever, then — with or without ``timeout=``). Such a function is abandoned, still
+    running: the scheduler holds the loop until it ends (:meth:`ended`), and the loop's
+    next call waits for it first (never two calls of one loop at once), under its own
+    timeout."""
 
     def __init__(self, on_abandoned: Callable[[str, str], None] | None = None) -> None:
         self.runaways: dict[str, asyncio.Task[Any]] = {}
@@ -50,11 +53,15 @@ class TimedCalls:
         """Called with the loop's name and what cut it off (``its timeout (5s)``) when its
         function did not end within the whole :data:`CUT_OFF_GRACE_SECONDS` of its
         cancellation (to make the held loop visible)."""
+        self._closed: set[asyncio.Task[Any]] = set()
+        """Calls closed by :meth:`forget` (their end is not the function's: not logged)."""
 
-    async def call(self, start: Callable[[], Awaitable[T]], *, name: str, timeout: float) -> T:
+    async def call(
+        self, start: Callable[[], Awaitable[T]], *, name: str, timeout: float | None
+    ) -> T:
         """``start()`` (a call of loop ``name``'s function) under :func:`loop_errors`, cut
-        off after ``timeout`` seconds with a :class:`StepTimeout`; a cancellation of the
-        caller cuts it off too."""
+        off after ``timeout`` seconds (None: never) with a :class:`StepTimeout`; a
+        cancellation of the caller cuts it off too."""
         previous = self.running(name)
         task = asyncio.ensure_future(_after(previous, start, name))
         try:
@@ -64,6 +71,7 @@ class TimedCalls:
             raise
         if task in done:
             return task.result()
+        assert timeout is not None  # (without one, only a cancellation ends the wait)
         await self._cut_off(task, previous, name, f"its timeout ({timeout:g}s)")
         raise StepTimeout(f"loop {name!r} iteration took longer than {timeout:g}s")
 
@@ -85,6 +93,8 @@ class TimedCalls:
         # end) must not lose the call still running (before, the next call overlapped it
         # and asyncio.run waited for it for ever).
         self.runaways[name] = task
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CUT_OFF_GRACE_SECONDS
         waited = False
         try:
             await asyncio.wait([task], timeout=CUT_OFF_GRACE_SECONDS)
@@ -92,34 +102,43 @@ class TimedCalls:
         finally:
             if task.done():
                 self._ended(task, name, previous, abandoned=False)
-            elif not waited:
-                # Cut short by a second cancellation (a stop, the worker's end, a lost
-                # lease): the function may merely be cleaning up; not said to be stuck.
-                log.info(
-                    "loop %s: its iteration was cancelled again while its function was still "
-                    "ending; the loop is held until it ends",
-                    name,
-                    extra={"loop": name, "event": "iteration_cut_off_again"},
-                )
-                task.add_done_callback(
-                    functools.partial(self._ended, name=name, previous=previous, abandoned=True)
-                )
             else:
-                log.warning(
-                    "loop %s: its function did not end within %gs of the cancellation of its "
-                    "iteration; abandoned, still running (the loop is held until it ends)",
-                    name,
-                    CUT_OFF_GRACE_SECONDS,
-                    extra={"loop": name, "event": "iteration_runaway"},
-                )
                 task.add_done_callback(
                     functools.partial(self._ended, name=name, previous=previous, abandoned=True)
                 )
-                if self.on_abandoned is not None:
-                    try:
-                        self.on_abandoned(name, why)
-                    except Exception:  # (telling must never lose the call's tracking)
-                        log.exception("loop %s: could not report its abandoned function", name)
+                if waited:
+                    self._abandoned(task, name, why)
+                else:
+                    # Cut short by a second cancellation (a stop, the worker's end, a lost
+                    # lease): the function may merely be cleaning up, so it is not said to
+                    # be stuck yet; still running once the rest of its grace has passed,
+                    # it is (before, such a loop was held without a note or an alert).
+                    log.info(
+                        "loop %s: its iteration was cancelled again while its function was "
+                        "still ending; the loop is held until it ends",
+                        name,
+                        extra={"loop": name, "event": "iteration_cut_off_again"},
+                    )
+                    loop.call_at(deadline, self._abandoned, task, name, why)
+
+    def _abandoned(self, task: asyncio.Task[Any], name: str, why: str) -> None:
+        """``task`` (loop ``name``'s call, cut off by ``why``) has had its whole grace: if it
+        still runs (and is still tracked: not left behind by :meth:`forget`), say so, and
+        tell :attr:`on_abandoned`."""
+        if task.done() or self.runaways.get(name) is not task:
+            return
+        log.warning(
+            "loop %s: its function did not end within %gs of the cancellation of its "
+            "iteration; abandoned, still running (the loop is held until it ends)",
+            name,
+            CUT_OFF_GRACE_SECONDS,
+            extra={"loop": name, "event": "iteration_runaway"},
+        )
+        if self.on_abandoned is not None:
+            try:
+                self.on_abandoned(name, why)
+            except Exception:  # (telling must never lose the call's tracking)
+                log.exception("loop %s: could not report its abandoned function", name)
 
     def _ended(
         self,
@@ -138,6 +157,9 @@ class TimedCalls:
             else:
                 del self.runaways[name]
         error = None if task.cancelled() else task.exception()
+        if task in self._closed:
+            self._closed.discard(task)  # (closed by forget: its error is the closing's)
+            return
         if abandoned:
             outcome = "cancelled" if task.cancelled() else "returned"
             if error is not None:
@@ -153,7 +175,14 @@ class TimedCalls:
     def forget(self) -> None:
         """At the scheduler's end: cancel the abandoned calls once more, and leave those
         that still run out of the event loop's tasks, which ``asyncio.run`` cancels and
-        then waits for as it ends — for ever, for such a call (the worker hung there)."""
+        then waits for as it ends — for ever, for such a call (the worker hung there).
+
+        No public asyncio call takes a task out of ``asyncio.all_tasks()``; the private
+        ``asyncio.tasks._unregister_task`` (CPython 3.7 to 3.13 at least, the hook for
+        third-party task implementations) does, and the function runs on until the
+        process exits. A Python without it (or where it did not take the task out) gets
+        the public fallback: the call's coroutine is closed (``GeneratorExit`` at its
+        ``await``: its ``finally`` blocks run), so the next cancellation ends the task."""
         for name, task in list(self.runaways.items()):
             if task.done():
                 continue
@@ -161,8 +190,19 @@ class TimedCalls:
             unregister = getattr(asyncio.tasks, "_unregister_task", None)
             if unregister is not None:
                 unregister(task)
+            if unregister is None or task in asyncio.all_tasks():
+                self._close(task, name)
             log.error("loop %s: its function still runs as the worker stops; left behind", name)
         self.runaways.clear()
+
+    def _close(self, task: asyncio.Task[Any], name: str) -> None:
+        """End ``task`` (loop ``name``'s abandoned call) by closing its coroutine."""
+        self._closed.add(task)
+        try:
+            task.get_coro().close()
+        except RuntimeError as error:  # (it awaited again in a finally: "ignored")
+            log.error("loop %s: its function could not be closed: %s", name, error)
+        task.cancel()  # (the step the cancellation takes ends the closed coroutine)
 
 
 async def _after(

@@ -34,7 +34,7 @@ from flowloop.executor import (
     finish_within,
     owner_is_dead_here,
 )
-from flowloop.loop_calls import TimedCalls, loop_errors
+from flowloop.loop_calls import TimedCalls
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -707,10 +707,8 @@ class Scheduler:
             )
             try:
                 call = functools.partial(self.run_iteration, loop, iteration)
-                if loop.timeout is not None:
-                    result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
-                else:
-                    result = await loop_errors(call(), loop.name)
+                # (In a task of its own, timeout= or not: a stop or the drain cuts it off.)
+                result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
                 return ("skipped_idle" if result is IDLE else "ok"), None, attempt
             except asyncio.CancelledError:
                 raise
