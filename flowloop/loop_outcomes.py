@@ -18,8 +18,10 @@ from flowloop import loop_calls
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts, loop_held_alert
 from flowloop.clock import iso
+from flowloop.errors import error_line
 from flowloop.loops import Loop
 from flowloop.store.loops import LoopRow, LoopStoreMixin
+from flowloop.store.outage import is_outage
 
 if TYPE_CHECKING:
     from flowloop.scheduler import Scheduler
@@ -219,9 +221,34 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
         scheduler.alert(loop_held_alert(name, note))
 
 
+def unwritten(
+    scheduler: Scheduler, name: str, slot: float, failure: Exception, again: Callable[[], None]
+) -> None:
+    """The write of loop ``name``'s outcome (of ``slot``) raised ``failure``. An outage (a
+    lock not granted in time, the server gone): kept for the next poll, like an outcome
+    whose request kept changing — the loop still held, its lease renewed meanwhile (before,
+    the outcome was forgotten: the lease ran out and recovery journaled the iteration, even
+    one that succeeded, interrupted). Anything else: said; the lease runs out and recovery
+    journals the iteration interrupted."""
+    if is_outage(failure):
+        scheduler._unrecorded[name] = again
+        scheduler._failed(
+            failure,
+            "loop %s: could not record the iteration of slot %.3f; writing it again at the "
+            "next poll (the loop still held): %s",
+            name,
+            slot,
+        )
+        return
+    log.error(
+        "loop %s: could not record the iteration of slot %.3f: %s", name, slot, error_line(failure)
+    )
+
+
 def write_pending(pending: dict[str, Callable[[], None]], *, last: bool = False) -> None:
-    """Write again the outcomes left for a later poll (their request kept changing);
-    ``last``: the worker stops, so those refused once more are dropped (said)."""
+    """Write again the outcomes left for a later poll (their request kept changing, or the
+    database did not answer); ``last``: the worker stops, so those refused once more are
+    dropped (said)."""
     for name, write_again in list(pending.items()):
         del pending[name]
         write_again()
@@ -229,8 +256,8 @@ def write_pending(pending: dict[str, Callable[[], None]], *, last: bool = False)
         for name in pending:
             log.warning(
                 "loop %s: its iteration's outcome could not be written before the worker "
-                "stopped (its request kept changing); dropped: recovery journals the "
-                "iteration interrupted",
+                "stopped (its request kept changing, or the database did not answer); "
+                "dropped: recovery journals the iteration interrupted",
                 name,
                 extra={"loop": name, "event": "outcome_dropped"},
             )

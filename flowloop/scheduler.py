@@ -685,13 +685,8 @@ class Scheduler:
         try:
             self._record_outcome(loop, row, slot, *args)
         except Exception as failure:
-            # The lease runs out and recovery journals the iteration as interrupted.
-            log.error(
-                "loop %s: could not record the iteration of slot %.3f: %s",
-                loop.name,
-                slot,
-                error_line(failure),
-            )
+            again = functools.partial(self._record_quietly, loop, row, slot, *args)
+            loop_outcomes.unwritten(self, loop.name, slot, failure, again)
 
     def _free_slot(self) -> None:
         self.capacity.loops_busy -= 1
