@@ -196,7 +196,18 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
     """Loop ``name``'s function was abandoned still running (it did not end within
     :data:`~flowloop.loop_calls.CUT_OFF_GRACE_SECONDS` of ``why``): the loop stays held
     until it ends, its failure not yet counted. Made visible: the row's note (read by
-    ``flowloop loops``; the outcome's write replaces it) and a critical alert."""
+    ``flowloop loops`` and the dashboard's loop page; the outcome's write replaces it) and
+    a critical alert.
+
+    The note is one fenced write on the event loop, as every database call of the
+    scheduler is (the outcome's :func:`record`, a slot's fire): bounded by the store's
+    timeouts, which the worker's lease sets (SQLite's busy timeout, a sixth of the lease;
+    PostgreSQL's statement and network timeouts, flowloop.store.dialect), so it holds the
+    loop no longer than any of them. Failed (an outage), the alert is raised all the same.
+
+    No journal entry: one would move the loop's ``last_seq``, on which the iteration's
+    outcome is fenced, and the note and alert already say it (``flowloop loops``, the
+    dashboard, the alert; the journal shows the iteration started and not ended)."""
     note = (
         f"held: its function did not end within {loop_calls.CUT_OFF_GRACE_SECONDS:g}s of "
         f"{why} at {iso(scheduler.clock.now())}; its failure, max_failures and a stop or "

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from loopkit import LoopHarness, SteppedClock, drive, settle, until
-from test_loop_runaways import run_bounded
+from test_loop_runaways import Stubborn, run_bounded
 
+from flowloop import loop_calls
 from flowloop.loops import Iteration, Loop
 from flowloop.store import dialect
 
@@ -85,5 +86,39 @@ def test_an_outage_during_the_outcome_write__written_at_the_next_poll(
             assert "iteration_succeeded" in kinds, kinds
             assert "iteration_interrupted" not in kinds, kinds
             assert h.row("s").owner is None
+
+    run_bounded(main)
+
+
+def test_an_outage_during_the_held_note__bounded_and_still_alerted(
+    store_url: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note of a held loop is written on the event loop, as every database call of the
+    scheduler is: during an outage it gives up within the store's timeouts (the busy
+    timeout, the statement timeout), says so, and the critical alert is raised all the
+    same; the loop ends as usual once its function does."""
+    caplog.set_level(logging.INFO, logger="flowloop.loops")
+    monkeypatch.setattr(loop_calls, "CUT_OFF_GRACE_SECONDS", 0.05)
+    fn = Stubborn()
+
+    def not_noted() -> bool:
+        return any("could not note that it is held" in r.getMessage() for r in caplog.records)
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(
+            store_url, [Loop("s", fn, every=10, timeout=0.05)], clock=clock
+        ) as h:
+            with outage(store_url, h.store):
+                await until(lambda: fn.inside, what="the iteration to start")
+                await until(not_noted, what="the note's write to give up")
+            assert [(a.level, a.what, a.subject) for a in h.alerts] == [
+                ("critical", "loop held", "s")
+            ]
+            assert h.row("s").status == "running"
+            fn.release.set()
+            await drive(clock, 2)
+            await until(lambda: h.row("s").status == "scheduled", what="the outcome")
+            assert "iteration_failed" in h.kinds("s"), h.kinds("s")
 
     run_bounded(main)
