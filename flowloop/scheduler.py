@@ -35,6 +35,7 @@ from flowloop.executor import (
     owner_is_dead_here,
 )
 from flowloop.loop_calls import TimedCalls
+from flowloop.loop_leases import LeaseClock
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -107,6 +108,7 @@ class Scheduler:
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._timed = TimedCalls(functools.partial(loop_outcomes.held, self))
         self._unrecorded: dict[str, Callable[[], None]] = {}  # outcomes to write again
+        self._leases = LeaseClock(lease_seconds)  # as this worker's clock counts them
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -364,15 +366,20 @@ class Scheduler:
 
     async def _heartbeat(self) -> None:
         while True:
-            await asyncio.sleep(max(0.05, self.lease_seconds / 3))
+            period = max(0.05, self.lease_seconds / 3)
+            await asyncio.sleep(period)
             names = [*self._running, *self._unrecorded]
+            self._leases.only(names)
+            sent = self._leases.now()
             try:
                 kept = self.store.renew_loops(
                     worker=self.worker_id, names=names, lease_seconds=self.lease_seconds
                 )
+                self._leases.sent(kept, sent)
             except Exception as error:
                 log.warning("could not renew loop leases: %s", error_line(error))
-                continue
+                # (Given up by this worker's clock before the database ends them.)
+                kept = self._leases.kept(names, period)
             for name in set(names) - kept:
                 if self._unrecorded.pop(name, None) is not None:
                     loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
@@ -500,6 +507,7 @@ class Scheduler:
                 self._waiting.append(name)
             return
         write = slots.firing(row, wake, now=now, worker=self.worker_id)
+        self._leases.sent([name])  # (before the request: the lease starts after it)
         fired = self.store.fire_loop(
             name=name,
             follows_seq=row.last_seq,
@@ -541,6 +549,7 @@ class Scheduler:
             return
         slot, reason = firing
         event = slots.started(row.name, slot, reason, now=now, worker=self.worker_id)
+        self._leases.sent([row.name])
         fired = self.store.fire_loop(
             name=row.name,
             follows_seq=row.last_seq,
