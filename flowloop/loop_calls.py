@@ -178,8 +178,8 @@ class TimedCalls:
         then waits for as it ends — for ever, for such a call (the worker hung there).
 
         No public asyncio call takes a task out of ``asyncio.all_tasks()``; the private
-        ``asyncio.tasks._unregister_task`` (CPython 3.7 to 3.13 at least, the hook for
-        third-party task implementations) does, and the function runs on until the
+        ``asyncio.tasks._unregister_task`` (CPython's since 3.7, the hook for third-party
+        task implementations; tested here on 3.11) does, and the function runs on until the
         process exits. A Python without it (or where it did not take the task out) gets
         the public fallback: the call's coroutine is closed (``GeneratorExit`` at its
         ``await``: its ``finally`` blocks run), so the next cancellation ends the task."""
@@ -192,6 +192,7 @@ class TimedCalls:
                 unregister(task)
             if unregister is None or task in asyncio.all_tasks():
                 self._close(task, name)
+                continue
             log.error("loop %s: its function still runs as the worker stops; left behind", name)
         self.runaways.clear()
 
@@ -201,7 +202,9 @@ class TimedCalls:
         try:
             task.get_coro().close()
         except RuntimeError as error:  # (it awaited again in a finally: "ignored")
-            log.error("loop %s: its function could not be closed: %s", name, error)
+            log.error("loop %s: its function still runs as the worker stops: %s", name, error)
+        else:
+            log.error("loop %s: its function still ran as the worker stopped; closed", name)
         task.cancel()  # (the step the cancellation takes ends the closed coroutine)
 
 

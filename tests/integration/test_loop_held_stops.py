@@ -136,6 +136,8 @@ def test_without_unregister_task__the_event_loop_still_ends(
             await until(lambda: abandoned(caplog), what="the function to be abandoned")
             await h.stop()
         assert fn.live == 0, "closed: its finally ran"
+        said = [r.getMessage() for r in caplog.records if "as the worker stop" in r.getMessage()]
+        assert said == ["loop s: its function still ran as the worker stopped; closed"]
         late = [r for r in caplog.records if "abandoned function ended" in r.getMessage()]
         assert late == []  # (its end is the closing's, not the function's)
 
