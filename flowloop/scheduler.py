@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop import loop_deploys, loop_outcomes, outagelog
+from flowloop import loop_deploys, loop_leases, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert
 from flowloop.clock import Clock
@@ -35,7 +35,6 @@ from flowloop.executor import (
     owner_is_dead_here,
 )
 from flowloop.loop_calls import TimedCalls
-from flowloop.loop_leases import LeaseClock
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -108,7 +107,7 @@ class Scheduler:
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._timed = TimedCalls(functools.partial(loop_outcomes.held, self))
         self._unrecorded: dict[str, Callable[[], None]] = {}  # outcomes to write again
-        self._leases = LeaseClock(lease_seconds)  # as this worker's clock counts them
+        self._leases = loop_leases.LoopLeases(self)  # renewed off the loop, fenced on it
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -250,7 +249,7 @@ class Scheduler:
         if not self.loops:
             await stop.wait()  # nothing to schedule: no polling either
             return
-        heartbeat = asyncio.create_task(self._heartbeat())
+        heartbeat = asyncio.create_task(loop_leases.heartbeat(self))
         last_poll = last_recovery = self.clock.monotonic()
         try:
             while not stop.is_set():
@@ -275,6 +274,7 @@ class Scheduler:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+            self._leases.close()
             self._timed.forget()
 
     async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
@@ -363,37 +363,6 @@ class Scheduler:
             or previous.control != row.control
         ):
             self._schedule(row)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            period = max(0.05, self.lease_seconds / 3)
-            await asyncio.sleep(period)
-            names = [*self._running, *self._unrecorded]
-            self._leases.only(names)
-            sent = self._leases.now()
-            try:
-                kept = self.store.renew_loops(
-                    worker=self.worker_id, names=names, lease_seconds=self.lease_seconds
-                )
-                self._leases.sent(kept, sent)
-            except Exception as error:
-                log.warning("could not renew loop leases: %s", error_line(error))
-                # (Given up by this worker's clock before the database ends them.)
-                kept = self._leases.kept(names, period)
-            for name in set(names) - kept:
-                if self._unrecorded.pop(name, None) is not None:
-                    loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
-                    self._notify_lease_lost(name, loop_outcomes.LOST_UNRECORDED)
-                    continue
-                log.warning(
-                    "loop %s: lost its lease; abandoning the iteration",
-                    name,
-                    extra={"loop": name, "event": "lease_lost"},
-                )
-                self._notify_lease_lost(name, "lost its lease; abandoning the iteration")
-                running = self._running[name]
-                running.lease_lost = True  # before the cancel: _iterate must not record it
-                running.task.cancel()
 
     def _notify_lease_lost(self, name: str, why: str) -> None:
         for hook in self.lease_lost:
@@ -507,7 +476,7 @@ class Scheduler:
                 self._waiting.append(name)
             return
         write = slots.firing(row, wake, now=now, worker=self.worker_id)
-        self._leases.sent([name])  # (before the request: the lease starts after it)
+        sent = self._leases.now()  # (before the request: the lease starts after it)
         fired = self.store.fire_loop(
             name=name,
             follows_seq=row.last_seq,
@@ -525,6 +494,7 @@ class Scheduler:
                 self._schedule(fresh)
             return
         self._rows[name] = fired
+        self._leases.fired(name, sent)
         self.fired += 1
         self.capacity.loops_busy += 1
         task = asyncio.create_task(self._iterate(loop, fired, wake.slot, now))
@@ -549,7 +519,7 @@ class Scheduler:
             return
         slot, reason = firing
         event = slots.started(row.name, slot, reason, now=now, worker=self.worker_id)
-        self._leases.sent([row.name])
+        sent = self._leases.now()
         fired = self.store.fire_loop(
             name=row.name,
             follows_seq=row.last_seq,
@@ -569,6 +539,7 @@ class Scheduler:
             self._push(row.name, self.poll_seconds)  # changed meanwhile: look again
             return
         self._rows[row.name] = fired
+        self._leases.fired(row.name, sent)
         self._manual.add(row.name)
         self.fired += 1
         self.capacity.loops_busy += 1
