@@ -7,18 +7,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
-from flowloop.errors import RaisedBaseException, StepExited, StepTimeout
+from flowloop.errors import RaisedBaseException, StepExited, StepTimeout, error_line
+from flowloop.tasks import CUT_OFF_WRITE_SECONDS
 
 T = TypeVar("T")
 
 log = logging.getLogger("flowloop.loops")
 
 CUT_OFF_GRACE_SECONDS: Final = 1.0
-"""How long a loop function cancelled (its timeout, a stop, a lost lease) has to end before
-it is abandoned, still running: one that swallows ``CancelledError`` never ends."""
+"""How long a loop function cut off by its timeout or a lost lease has to end before it is
+abandoned, still running: one that swallows ``CancelledError`` never ends."""
+CANCEL_GRACE_SECONDS: Final = CUT_OFF_WRITE_SECONDS - CUT_OFF_GRACE_SECONDS
+"""How long a loop function cancelled by a stop or the worker's drain has to end before it
+is abandoned (its loop said held): cleaning up after a cancellation (a flush, closing a
+connection) takes a while, and the lease is renewed meanwhile. The drain's wait for its
+cut-offs (:data:`~flowloop.tasks.CUT_OFF_WRITE_SECONDS`) less a second for the outcome."""
 
 
 async def loop_errors(call: Awaitable[T], name: str) -> T:
@@ -50,11 +56,27 @@ class TimedCalls:
         self.runaways: dict[str, asyncio.Task[Any]] = {}
         """The calls abandoned still running, by loop (each dropped as it ends)."""
         self.on_abandoned = on_abandoned
-        """Called with the loop's name and what cut it off (``its timeout (5s)``) when its
-        function did not end within the whole :data:`CUT_OFF_GRACE_SECONDS` of its
+        """Called with the loop's name and its grace and what cut it off (``1s of its
+        timeout (5s)``) when its function did not end within the whole grace of its
         cancellation (to make the held loop visible)."""
         self._closed: set[asyncio.Task[Any]] = set()
         """Calls closed by :meth:`forget` (their end is not the function's: not logged)."""
+        self._stops: dict[str, bool] = {}
+        """Loops whose iteration is being cancelled: by a stop or the drain (True: the
+        longer :data:`CANCEL_GRACE_SECONDS`), or a lost lease (False)."""
+        self._raised: dict[str, str] = {}
+        """What a function cut off raised as it ended, by loop (for its iteration's error)."""
+
+    def cancelling(self, name: str, *, stop: bool) -> None:
+        """Loop ``name``'s iteration is about to be cancelled: by a stop or the worker's
+        drain (``stop``: its function gets :data:`CANCEL_GRACE_SECONDS` to end), or by a lost
+        lease (:data:`CUT_OFF_GRACE_SECONDS`, which the lease's margin covers)."""
+        self._stops[name] = stop
+
+    def raised(self, name: str) -> str | None:
+        """What loop ``name``'s function raised as it ended after its cut-off, if anything
+        (once: taken)."""
+        return self._raised.pop(name, None)
 
     async def call(
         self, start: Callable[[], Awaitable[T]], *, name: str, timeout: float | None
@@ -63,17 +85,23 @@ class TimedCalls:
         off after ``timeout`` seconds (None: never) with a :class:`StepTimeout`; a
         cancellation of the caller cuts it off too."""
         previous = self.running(name)
+        self._stops.pop(name, None)  # (one set for a cancellation that came between calls)
+        self._raised.pop(name, None)
         task = asyncio.ensure_future(_after(previous, start, name))
         try:
             done, _ = await asyncio.wait([task], timeout=timeout)
         except asyncio.CancelledError:
-            await self._cut_off(task, previous, name, "the cancellation of its iteration")
+            stop = self._stops.pop(name, False)
+            grace = CANCEL_GRACE_SECONDS if stop else CUT_OFF_GRACE_SECONDS
+            await self._cut_off(task, previous, name, "the cancellation of its iteration", grace)
             raise
         if task in done:
             return task.result()
         assert timeout is not None  # (without one, only a cancellation ends the wait)
         await self._cut_off(task, previous, name, f"its timeout ({timeout:g}s)")
-        raise StepTimeout(f"loop {name!r} iteration took longer than {timeout:g}s")
+        raised = self.raised(name)
+        also = f"; its function raised as it ended: {raised}" if raised else ""
+        raise StepTimeout(f"loop {name!r} iteration took longer than {timeout:g}s{also}")
 
     def running(self, name: str) -> asyncio.Task[Any] | None:
         """Loop ``name``'s call abandoned still running, if any."""
@@ -86,28 +114,38 @@ class TimedCalls:
             await asyncio.wait([task])
 
     async def _cut_off(
-        self, task: asyncio.Task[Any], previous: asyncio.Task[Any] | None, name: str, why: str
+        self,
+        task: asyncio.Task[Any],
+        previous: asyncio.Task[Any] | None,
+        name: str,
+        why: str,
+        grace: float | None = None,
     ) -> None:
+        """Cancel ``task`` (loop ``name``'s call, for ``why``) and give it ``grace`` seconds
+        (:data:`CUT_OFF_GRACE_SECONDS`) to end; abandoned, still running, after."""
+        if grace is None:
+            grace = CUT_OFF_GRACE_SECONDS
         task.cancel()
         # Tracked before the wait: a second cancellation during it (a stop, the worker's
         # end) must not lose the call still running (before, the next call overlapped it
         # and asyncio.run waited for it for ever).
         self.runaways[name] = task
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + CUT_OFF_GRACE_SECONDS
+        deadline = loop.time() + grace
         waited = False
         try:
-            await asyncio.wait([task], timeout=CUT_OFF_GRACE_SECONDS)
+            await asyncio.wait([task], timeout=grace)
             waited = True
         finally:
             if task.done():
                 self._ended(task, name, previous, abandoned=False)
+                self._said_raised(task, name, why)
             else:
                 task.add_done_callback(
                     functools.partial(self._ended, name=name, previous=previous, abandoned=True)
                 )
                 if waited:
-                    self._abandoned(task, name, why)
+                    self._abandoned(task, name, why, grace)
                 else:
                     # Cut short by a second cancellation (a stop, the worker's end, a lost
                     # lease): the function may merely be cleaning up, so it is not said to
@@ -119,9 +157,26 @@ class TimedCalls:
                         name,
                         extra={"loop": name, "event": "iteration_cut_off_again"},
                     )
-                    loop.call_at(deadline, self._abandoned, task, name, why)
+                    loop.call_at(deadline, self._abandoned, task, name, why, grace)
 
-    def _abandoned(self, task: asyncio.Task[Any], name: str, why: str) -> None:
+    def _said_raised(self, task: asyncio.Task[Any], name: str, why: str) -> None:
+        """``task`` (loop ``name``'s call, cut off by ``why``) ended within its grace: what
+        it raised then (an error in its cleanup) is said, and kept for the iteration's error
+        (before, a stop's dropped it: journaled ``iteration_stopped``, the error nowhere)."""
+        error = None if task.cancelled() else task.exception()
+        if error is None or isinstance(error, asyncio.CancelledError):
+            return
+        line = f"{type(error).__name__}: {error_line(error)}"
+        self._raised[name] = line
+        log.warning(
+            "loop %s: its function raised as it ended after %s: %s",
+            name,
+            why,
+            line,
+            extra={"loop": name, "event": "iteration_cut_off_raised", "error": line},
+        )
+
+    def _abandoned(self, task: asyncio.Task[Any], name: str, why: str, grace: float) -> None:
         """``task`` (loop ``name``'s call, cut off by ``why``) has had its whole grace: if it
         still runs (and is still tracked: not left behind by :meth:`forget`), say so, and
         tell :attr:`on_abandoned`."""
@@ -131,12 +186,12 @@ class TimedCalls:
             "loop %s: its function did not end within %gs of the cancellation of its "
             "iteration; abandoned, still running (the loop is held until it ends)",
             name,
-            CUT_OFF_GRACE_SECONDS,
+            grace,
             extra={"loop": name, "event": "iteration_runaway"},
         )
         if self.on_abandoned is not None:
             try:
-                self.on_abandoned(name, why)
+                self.on_abandoned(name, f"{grace:g}s of {why}")
             except Exception:  # (telling must never lose the call's tracking)
                 log.exception("loop %s: could not report its abandoned function", name)
 
@@ -206,6 +261,26 @@ class TimedCalls:
         else:
             log.error("loop %s: its function still ran as the worker stopped; closed", name)
         task.cancel()  # (the step the cancellation takes ends the closed coroutine)
+
+
+async def finish_within(
+    timed: TimedCalls, tasks: Mapping[str, asyncio.Task[Any]], grace: float | None
+) -> None:
+    """The worker's drain of its loop iterations (``tasks``, by loop): wait up to ``grace``
+    seconds (None: for as long as they take), then cancel the rest, their functions given
+    :data:`CANCEL_GRACE_SECONDS` to end, and wait for them to be recorded up to
+    :data:`~flowloop.tasks.CUT_OFF_WRITE_SECONDS` (as :func:`flowloop.tasks.finish_within`
+    waits for a run's steps; before, a loop function without ``timeout=`` got only
+    :data:`CUT_OFF_GRACE_SECONDS` of it, its cleanup cut short as the worker exited)."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(list(tasks.values()), timeout=grace)
+    for name, task in tasks.items():
+        if task in pending:
+            timed.cancelling(name, stop=True)
+            task.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=CUT_OFF_WRITE_SECONDS)
 
 
 async def _after(

@@ -154,6 +154,7 @@ def lose(scheduler: Scheduler, name: str, why: str) -> None:
         return
     scheduler._notify_lease_lost(name, why)
     running.lease_lost = True  # before the cancel: _iterate must not record it
+    scheduler._timed.cancelling(name, stop=False)
     running.task.cancel()
 
 

@@ -14,7 +14,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from flowloop import loop_calls
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts, loop_held_alert
 from flowloop.clock import iso
@@ -193,8 +192,8 @@ def alert(
 
 
 def held(scheduler: Scheduler, name: str, why: str) -> None:
-    """Loop ``name``'s function was abandoned still running (it did not end within
-    :data:`~flowloop.loop_calls.CUT_OFF_GRACE_SECONDS` of ``why``): the loop stays held
+    """Loop ``name``'s function was abandoned still running (it did not end within ``why``:
+    its grace, ``1s of its timeout (5s)``): the loop stays held
     until it ends, its failure not yet counted. Made visible: the row's note (read by
     ``flowloop loops`` and the dashboard's loop page; the outcome's write replaces it) and
     a critical alert.
@@ -209,9 +208,8 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
     outcome is fenced, and the note and alert already say it (``flowloop loops``, the
     dashboard, the alert; the journal shows the iteration started and not ended)."""
     note = (
-        f"held: its function did not end within {loop_calls.CUT_OFF_GRACE_SECONDS:g}s of "
-        f"{why} at {iso(scheduler.clock.now())}; its failure, max_failures and a stop or "
-        "pause wait for its end"
+        f"held: its function did not end within {why} at {iso(scheduler.clock.now())}; "
+        "its failure, max_failures and a stop or pause wait for its end"
     )
     row = scheduler._rows.get(name)
     if row is not None:

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop import loop_deploys, loop_leases, loop_outcomes, outagelog
+from flowloop import loop_calls, loop_deploys, loop_leases, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert
 from flowloop.clock import Clock
@@ -31,7 +31,6 @@ from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
     error_line,
-    finish_within,
     owner_is_dead_here,
 )
 from flowloop.loop_calls import TimedCalls
@@ -292,7 +291,8 @@ class Scheduler:
                 waiter.cancel()
 
     async def _drain(self, grace: float) -> None:
-        await finish_within([running.task for running in self._running.values()], grace)
+        tasks = {name: running.task for name, running in self._running.items()}
+        await loop_calls.finish_within(self._timed, tasks, grace)
         loop_outcomes.write_pending(self._unrecorded, last=True)  # (still held: one more try)
 
     def _take_waiting(self) -> list[str]:
@@ -349,6 +349,7 @@ class Scheduler:
             if row.control == "stop" and not running.stop_requested:
                 running.stop_requested = True
                 if not running.settling:
+                    self._timed.cancelling(row.name, stop=True)
                     running.task.cancel()
             return
         if row.status == "scheduled" and row.control in ("pause", "stop"):
@@ -638,6 +639,8 @@ class Scheduler:
                 stopped = running is not None and running.stop_requested
                 outcome = "stopped" if stopped else "cancelled"
                 error = "stopped by an operator" if stopped else "worker shutting down"
+                if raised := self._timed.raised(loop.name):  # (in its cleanup: kept)
+                    error = f"{error}; its function raised as it ended: {raised}"
             if running is not None and outcome != "cancelled" and not running.lease_lost:
                 # Its function cut off but still running: the loop stays held (lease renewed,
                 # a slot of max_concurrency taken) until it ends, fired by no worker meanwhile.

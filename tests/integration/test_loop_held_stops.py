@@ -28,8 +28,9 @@ def test_a_stop_of_a_loop_without_timeout__held_with_a_note_and_an_alert(
     """No ``timeout=``; the function swallows the stop's cancellation. Before, the function
     was awaited in the iteration's own task: the stop waited for ever with nothing said (no
     note, no alert) and asyncio.run hung at the worker's end. Now, after the grace, the loop
-    is held as with ``timeout=``: its note, a critical alert; stopped once it ends."""
-    monkeypatch.setattr(loop_calls, "CUT_OFF_GRACE_SECONDS", 0.05)
+    is held as with ``timeout=``: its note, a critical alert; stopped once it ends. (A
+    stop's grace is CANCEL_GRACE_SECONDS, shortened here.)"""
+    monkeypatch.setattr(loop_calls, "CANCEL_GRACE_SECONDS", 0.05)
     fn = Stubborn()
 
     async def main() -> None:
