@@ -147,8 +147,9 @@ class LoopLeases:
 
 
 def lose(scheduler: Scheduler, name: str, why: str) -> None:
-    """Loop ``name``'s running iteration is given up (its lease lost, or it may end before
-    the next renewal): cancelled, nothing recorded for it (:func:`loop_outcomes.say_abandoned`)."""
+    """Loop ``name``'s running iteration is given up (a renewal found its lease gone, or its
+    fence came: the lease may end soon): cancelled, its function given
+    :data:`~flowloop.loop_calls.CUT_OFF_GRACE_SECONDS`, nothing recorded for it."""
     running = scheduler._running.get(name)
     if running is None or running.lease_lost:
         return
