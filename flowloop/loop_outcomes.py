@@ -32,6 +32,8 @@ OUTCOME_TRIES: Final = 8
 worker leaves it for its next poll (the loop still held: its lease renewed meanwhile)."""
 
 LOST_UNRECORDED: Final = "lost its lease; the outcome was not recorded"
+OUTCOME_LOOKBACK: Final = 50
+"""Journal entries of a loop read back to find whether its refused outcome was written."""
 
 
 class Refused(enum.Enum):
@@ -103,6 +105,41 @@ def _still_held(now: LoopRow, fired: LoopRow, worker: str) -> bool:
         and now.lease_epoch == fired.lease_epoch
         and now.last_seq == fired.last_seq
     )
+
+
+def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> None:
+    """The write of loop ``name``'s outcome (of ``slot``, the iteration ``row`` fired) was
+    refused, the loop no longer this worker's: said, unless an earlier write of it had
+    committed after all (it raised: a connection lost during its COMMIT — before, this
+    said "lost its lease"); either way the loop is armed again from its row as it is now
+    (before, it was not: this worker never fired it again)."""
+    try:
+        journal = scheduler.store.loop_journal(name, limit=OUTCOME_LOOKBACK)
+        after = next((e for e in journal if e.seq == row.last_seq + 1), None)
+        written = (
+            after is not None
+            and after.worker == scheduler.worker_id
+            and after.slot == slot
+            and after.kind.startswith("iteration_")
+            and after.kind != "iteration_interrupted"
+        )
+        if written:
+            log.info(
+                "loop %s: its iteration's outcome was written after all (the write that "
+                "raised had committed)",
+                name,
+                extra={"loop": name, "event": "outcome_written_after_all"},
+            )
+        else:
+            say_refused(name, Refused.LOST)
+            scheduler._notify_lease_lost(name, LOST_UNRECORDED)
+        fresh = scheduler.store.get_loop(name)
+        if fresh is not None and name in scheduler._generation:
+            scheduler._schedule(fresh)
+    except Exception as failure:  # (a read, a deferred schedule: looked at again soon)
+        scheduler._failed(failure, "loop %s: could not re-arm (%s); trying again", name)
+        if name in scheduler._generation:
+            scheduler._push(name, scheduler.poll_seconds)
 
 
 def say_refused(name: str, refused: Refused) -> None:

@@ -724,15 +724,16 @@ class Scheduler:
             worker=self.worker_id,
             now=self.clock.now,
         )
+        if write is loop_outcomes.Refused.LOST:
+            loop_outcomes.lost(self, loop.name, row, slot)
+            return
         if isinstance(write, loop_outcomes.Refused):
             loop_outcomes.say_refused(loop.name, write)
-            if write is loop_outcomes.Refused.LOST:
-                self._notify_lease_lost(loop.name, loop_outcomes.LOST_UNRECORDED)
-            else:  # (its request keeps changing: the loop is still this worker's)
-                args = (started, outcome, error, attempts, duration, manual)
-                self._unrecorded[loop.name] = functools.partial(
-                    self._record_quietly, loop, row, slot, *args
-                )
+            # (Its request keeps changing: the loop is still this worker's.)
+            args = (started, outcome, error, attempts, duration, manual)
+            self._unrecorded[loop.name] = functools.partial(
+                self._record_quietly, loop, row, slot, *args
+            )
             return
         loop_outcomes.say_finished(
             loop,
