@@ -104,8 +104,9 @@ BREAKER_CLOSED: Final = AlertKind("warning", "breaker closed")
 LEASE_LOST: Final = AlertKind("warning", "lease lost")
 LOOP_SKIPPING: Final = AlertKind("warning", "loop iterations skipped")
 LOOP_HELD: Final = AlertKind("critical", "loop held")
-"""A loop function did not end within 1 s of its cut-off: its loop is held (running) until
-it ends, its failure not counted meanwhile (the severity of a loop paused by max_failures)."""
+"""A loop function did not end within its grace after its cut-off (1 s; 4 s after a stop):
+its loop is held (running) until it ends, its failure not counted meanwhile (the severity of
+a loop paused by max_failures)."""
 KINDS: Final = (
     INTERRUPTED_STEP,
     RUN_FAILED,

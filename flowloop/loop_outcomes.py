@@ -14,12 +14,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
-from flowloop import loop_calls
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert, loop_alerts, loop_held_alert
 from flowloop.clock import iso
+from flowloop.errors import error_line
 from flowloop.loops import Loop
 from flowloop.store.loops import LoopRow, LoopStoreMixin
+from flowloop.store.outage import is_outage
 
 if TYPE_CHECKING:
     from flowloop.scheduler import Scheduler
@@ -31,6 +32,8 @@ OUTCOME_TRIES: Final = 8
 worker leaves it for its next poll (the loop still held: its lease renewed meanwhile)."""
 
 LOST_UNRECORDED: Final = "lost its lease; the outcome was not recorded"
+OUTCOME_LOOKBACK: Final = 50
+"""Journal entries of a loop read back to find whether its refused outcome was written."""
 
 
 class Refused(enum.Enum):
@@ -102,6 +105,41 @@ def _still_held(now: LoopRow, fired: LoopRow, worker: str) -> bool:
         and now.lease_epoch == fired.lease_epoch
         and now.last_seq == fired.last_seq
     )
+
+
+def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> None:
+    """The write of loop ``name``'s outcome (of ``slot``, the iteration ``row`` fired) was
+    refused, the loop no longer this worker's: said, unless an earlier write of it had
+    committed after all (it raised: a connection lost during its COMMIT — before, this
+    said "lost its lease"); either way the loop is armed again from its row as it is now
+    (before, it was not: this worker never fired it again)."""
+    try:
+        journal = scheduler.store.loop_journal(name, limit=OUTCOME_LOOKBACK)
+        after = next((e for e in journal if e.seq == row.last_seq + 1), None)
+        written = (
+            after is not None
+            and after.worker == scheduler.worker_id
+            and after.slot == slot
+            and after.kind.startswith("iteration_")
+            and after.kind != "iteration_interrupted"
+        )
+        if written:
+            log.info(
+                "loop %s: its iteration's outcome was written after all (the write that "
+                "raised had committed)",
+                name,
+                extra={"loop": name, "event": "outcome_written_after_all"},
+            )
+        else:
+            say_refused(name, Refused.LOST)
+            scheduler._notify_lease_lost(name, LOST_UNRECORDED)
+        fresh = scheduler.store.get_loop(name)
+        if fresh is not None and name in scheduler._generation:
+            scheduler._schedule(fresh)
+    except Exception as failure:  # (a read, a deferred schedule: looked at again soon)
+        scheduler._failed(failure, "loop %s: could not re-arm (%s); trying again", name)
+        if name in scheduler._generation:
+            scheduler._push(name, scheduler.poll_seconds)
 
 
 def say_refused(name: str, refused: Refused) -> None:
@@ -191,14 +229,24 @@ def alert(
 
 
 def held(scheduler: Scheduler, name: str, why: str) -> None:
-    """Loop ``name``'s function was abandoned still running (it did not end within
-    :data:`~flowloop.loop_calls.CUT_OFF_GRACE_SECONDS` of ``why``): the loop stays held
+    """Loop ``name``'s function was abandoned still running (it did not end within ``why``:
+    its grace, ``1s of its timeout (5s)``): the loop stays held
     until it ends, its failure not yet counted. Made visible: the row's note (read by
-    ``flowloop loops``; the outcome's write replaces it) and a critical alert."""
+    ``flowloop loops`` and the dashboard's loop page; the outcome's write replaces it) and
+    a critical alert.
+
+    The note is one fenced write on the event loop, as every database call of the
+    scheduler is (the outcome's :func:`record`, a slot's fire): bounded by the store's
+    timeouts, which the worker's lease sets (SQLite's busy timeout, a sixth of the lease;
+    PostgreSQL's statement and network timeouts, flowloop.store.dialect), so it holds the
+    loop no longer than any of them. Failed (an outage), the alert is raised all the same.
+
+    No journal entry: one would move the loop's ``last_seq``, on which the iteration's
+    outcome is fenced, and the note and alert already say it (``flowloop loops``, the
+    dashboard, the alert; the journal shows the iteration started and not ended)."""
     note = (
-        f"held: its function did not end within {loop_calls.CUT_OFF_GRACE_SECONDS:g}s of "
-        f"{why} at {iso(scheduler.clock.now())}; its failure, max_failures and a stop or "
-        "pause wait for its end"
+        f"held: its function did not end within {why} at {iso(scheduler.clock.now())}; "
+        "its failure, max_failures and a stop or pause wait for its end"
     )
     row = scheduler._rows.get(name)
     if row is not None:
@@ -219,9 +267,34 @@ def held(scheduler: Scheduler, name: str, why: str) -> None:
         scheduler.alert(loop_held_alert(name, note))
 
 
+def unwritten(
+    scheduler: Scheduler, name: str, slot: float, failure: Exception, again: Callable[[], None]
+) -> None:
+    """The write of loop ``name``'s outcome (of ``slot``) raised ``failure``. An outage (a
+    lock not granted in time, the server gone): kept for the next poll, like an outcome
+    whose request kept changing — the loop still held, its lease renewed meanwhile (before,
+    the outcome was forgotten: the lease ran out and recovery journaled the iteration, even
+    one that succeeded, interrupted). Anything else: said; the lease runs out and recovery
+    journals the iteration interrupted."""
+    if is_outage(failure):
+        scheduler._unrecorded[name] = again
+        scheduler._failed(
+            failure,
+            "loop %s: could not record the iteration of slot %.3f; writing it again at the "
+            "next poll (the loop still held): %s",
+            name,
+            slot,
+        )
+        return
+    log.error(
+        "loop %s: could not record the iteration of slot %.3f: %s", name, slot, error_line(failure)
+    )
+
+
 def write_pending(pending: dict[str, Callable[[], None]], *, last: bool = False) -> None:
-    """Write again the outcomes left for a later poll (their request kept changing);
-    ``last``: the worker stops, so those refused once more are dropped (said)."""
+    """Write again the outcomes left for a later poll (their request kept changing, or the
+    database did not answer); ``last``: the worker stops, so those refused once more are
+    dropped (said)."""
     for name, write_again in list(pending.items()):
         del pending[name]
         write_again()
@@ -229,8 +302,8 @@ def write_pending(pending: dict[str, Callable[[], None]], *, last: bool = False)
         for name in pending:
             log.warning(
                 "loop %s: its iteration's outcome could not be written before the worker "
-                "stopped (its request kept changing); dropped: recovery journals the "
-                "iteration interrupted",
+                "stopped (its request kept changing, or the database did not answer); "
+                "dropped: recovery journals the iteration interrupted",
                 name,
                 extra={"loop": name, "event": "outcome_dropped"},
             )

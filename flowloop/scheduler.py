@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from flowloop import loop_deploys, loop_outcomes, outagelog
+from flowloop import loop_calls, loop_deploys, loop_leases, loop_outcomes, outagelog
 from flowloop import loop_slots as slots
 from flowloop.alerts import Alert
 from flowloop.clock import Clock
@@ -31,10 +31,9 @@ from flowloop.executor import (
     OUTAGE_BACKOFF_START,
     backoff_cap,
     error_line,
-    finish_within,
     owner_is_dead_here,
 )
-from flowloop.loop_calls import TimedCalls, loop_errors
+from flowloop.loop_calls import TimedCalls
 from flowloop.loop_requests import MANUAL, TRIGGER, BackfillEnd, manual_firing
 from flowloop.loops import IDLE, Iteration, Loop, decide
 from flowloop.store.loops import ANY_CONTROL, LoopEvent, LoopRow, LoopSpec, LoopStoreMixin
@@ -107,6 +106,7 @@ class Scheduler:
         self._unsynced: set[str] = set()  # a new schedule waits for another worker's iteration
         self._timed = TimedCalls(functools.partial(loop_outcomes.held, self))
         self._unrecorded: dict[str, Callable[[], None]] = {}  # outcomes to write again
+        self._leases = loop_leases.LoopLeases(self)  # renewed off the loop, fenced on it
         self._changes = -1
         self._wake = asyncio.Event()
         self.ready = asyncio.Event()
@@ -248,7 +248,7 @@ class Scheduler:
         if not self.loops:
             await stop.wait()  # nothing to schedule: no polling either
             return
-        heartbeat = asyncio.create_task(self._heartbeat())
+        heartbeat = asyncio.create_task(loop_leases.heartbeat(self))
         last_poll = last_recovery = self.clock.monotonic()
         try:
             while not stop.is_set():
@@ -273,6 +273,7 @@ class Scheduler:
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
+            self._leases.close()
             self._timed.forget()
 
     async def _sleep(self, seconds: float, stop: asyncio.Event) -> None:
@@ -290,7 +291,8 @@ class Scheduler:
                 waiter.cancel()
 
     async def _drain(self, grace: float) -> None:
-        await finish_within([running.task for running in self._running.values()], grace)
+        tasks = {name: running.task for name, running in self._running.items()}
+        await loop_calls.finish_within(self._timed, tasks, grace)
         loop_outcomes.write_pending(self._unrecorded, last=True)  # (still held: one more try)
 
     def _take_waiting(self) -> list[str]:
@@ -347,6 +349,7 @@ class Scheduler:
             if row.control == "stop" and not running.stop_requested:
                 running.stop_requested = True
                 if not running.settling:
+                    self._timed.cancelling(row.name, stop=True)
                     running.task.cancel()
             return
         if row.status == "scheduled" and row.control in ("pause", "stop"):
@@ -361,32 +364,6 @@ class Scheduler:
             or previous.control != row.control
         ):
             self._schedule(row)
-
-    async def _heartbeat(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.05, self.lease_seconds / 3))
-            names = [*self._running, *self._unrecorded]
-            try:
-                kept = self.store.renew_loops(
-                    worker=self.worker_id, names=names, lease_seconds=self.lease_seconds
-                )
-            except Exception as error:
-                log.warning("could not renew loop leases: %s", error_line(error))
-                continue
-            for name in set(names) - kept:
-                if self._unrecorded.pop(name, None) is not None:
-                    loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
-                    self._notify_lease_lost(name, loop_outcomes.LOST_UNRECORDED)
-                    continue
-                log.warning(
-                    "loop %s: lost its lease; abandoning the iteration",
-                    name,
-                    extra={"loop": name, "event": "lease_lost"},
-                )
-                self._notify_lease_lost(name, "lost its lease; abandoning the iteration")
-                running = self._running[name]
-                running.lease_lost = True  # before the cancel: _iterate must not record it
-                running.task.cancel()
 
     def _notify_lease_lost(self, name: str, why: str) -> None:
         for hook in self.lease_lost:
@@ -500,6 +477,7 @@ class Scheduler:
                 self._waiting.append(name)
             return
         write = slots.firing(row, wake, now=now, worker=self.worker_id)
+        sent = self._leases.now()  # (before the request: the lease starts after it)
         fired = self.store.fire_loop(
             name=name,
             follows_seq=row.last_seq,
@@ -517,6 +495,7 @@ class Scheduler:
                 self._schedule(fresh)
             return
         self._rows[name] = fired
+        self._leases.fired(name, sent)
         self.fired += 1
         self.capacity.loops_busy += 1
         task = asyncio.create_task(self._iterate(loop, fired, wake.slot, now))
@@ -541,6 +520,7 @@ class Scheduler:
             return
         slot, reason = firing
         event = slots.started(row.name, slot, reason, now=now, worker=self.worker_id)
+        sent = self._leases.now()
         fired = self.store.fire_loop(
             name=row.name,
             follows_seq=row.last_seq,
@@ -560,6 +540,7 @@ class Scheduler:
             self._push(row.name, self.poll_seconds)  # changed meanwhile: look again
             return
         self._rows[row.name] = fired
+        self._leases.fired(row.name, sent)
         self._manual.add(row.name)
         self.fired += 1
         self.capacity.loops_busy += 1
@@ -658,6 +639,8 @@ class Scheduler:
                 stopped = running is not None and running.stop_requested
                 outcome = "stopped" if stopped else "cancelled"
                 error = "stopped by an operator" if stopped else "worker shutting down"
+                if raised := self._timed.raised(loop.name):  # (in its cleanup: kept)
+                    error = f"{error}; its function raised as it ended: {raised}"
             if running is not None and outcome != "cancelled" and not running.lease_lost:
                 # Its function cut off but still running: the loop stays held (lease renewed,
                 # a slot of max_concurrency taken) until it ends, fired by no worker meanwhile.
@@ -685,13 +668,8 @@ class Scheduler:
         try:
             self._record_outcome(loop, row, slot, *args)
         except Exception as failure:
-            # The lease runs out and recovery journals the iteration as interrupted.
-            log.error(
-                "loop %s: could not record the iteration of slot %.3f: %s",
-                loop.name,
-                slot,
-                error_line(failure),
-            )
+            again = functools.partial(self._record_quietly, loop, row, slot, *args)
+            loop_outcomes.unwritten(self, loop.name, slot, failure, again)
 
     def _free_slot(self) -> None:
         self.capacity.loops_busy -= 1
@@ -707,10 +685,8 @@ class Scheduler:
             )
             try:
                 call = functools.partial(self.run_iteration, loop, iteration)
-                if loop.timeout is not None:
-                    result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
-                else:
-                    result = await loop_errors(call(), loop.name)
+                # (In a task of its own, timeout= or not: a stop or the drain cuts it off.)
+                result = await self._timed.call(call, name=loop.name, timeout=loop.timeout)
                 return ("skipped_idle" if result is IDLE else "ok"), None, attempt
             except asyncio.CancelledError:
                 raise
@@ -748,15 +724,16 @@ class Scheduler:
             worker=self.worker_id,
             now=self.clock.now,
         )
+        if write is loop_outcomes.Refused.LOST:
+            loop_outcomes.lost(self, loop.name, row, slot)
+            return
         if isinstance(write, loop_outcomes.Refused):
             loop_outcomes.say_refused(loop.name, write)
-            if write is loop_outcomes.Refused.LOST:
-                self._notify_lease_lost(loop.name, loop_outcomes.LOST_UNRECORDED)
-            else:  # (its request keeps changing: the loop is still this worker's)
-                args = (started, outcome, error, attempts, duration, manual)
-                self._unrecorded[loop.name] = functools.partial(
-                    self._record_quietly, loop, row, slot, *args
-                )
+            # (Its request keeps changing: the loop is still this worker's.)
+            args = (started, outcome, error, attempts, duration, manual)
+            self._unrecorded[loop.name] = functools.partial(
+                self._record_quietly, loop, row, slot, *args
+            )
             return
         loop_outcomes.say_finished(
             loop,

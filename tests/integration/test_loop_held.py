@@ -103,8 +103,8 @@ def test_an_outcome_pending_for_the_next_poll__written_as_the_worker_stops(
             else:
                 assert [r.getMessage() for r in dropped] == [
                     "loop s: its iteration's outcome could not be written before the worker "
-                    "stopped (its request kept changing); dropped: recovery journals the "
-                    "iteration interrupted"
+                    "stopped (its request kept changing, or the database did not answer); "
+                    "dropped: recovery journals the iteration interrupted"
                 ]
 
     run_bounded(main)

@@ -82,7 +82,7 @@ def test_the_whole_grace_elapsed__said_abandoned_and_reported(
 
     asyncio.run(main())
     assert len(said_abandoned(caplog)) == 1
-    assert reported == [("s", "its timeout (0.01s)")]
+    assert reported == [("s", "0.02s of its timeout (0.01s)")]
 
 
 def test_run_loops__a_function_that_never_ends__its_error_not_a_hang(

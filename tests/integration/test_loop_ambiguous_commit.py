@@ -1,0 +1,56 @@
+"""The write of an iteration's outcome commits, then raises (a connection lost during its
+COMMIT): the worker keeps the outcome for its next poll (an outage), where the write is
+refused — the loop moved on by that very outcome. Not a lost lease, and the loop goes on."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import sqlalchemy.exc
+from loopkit import LoopHarness, SteppedClock, drive, until
+from test_loop_runaways import run_bounded
+
+from flowloop.loops import Iteration, Loop
+
+
+def test_an_outcome_that_committed_then_raised__no_lost_lease_and_the_loop_goes_on(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the worker said "lost its lease" (and told the lease-lost hooks), and never
+    armed the loop again: it stalled after that iteration, for good (also on main)."""
+    caplog.set_level(logging.INFO, logger="flowloop.loops")
+    calls: list[int] = []
+
+    async def fn(it: Iteration) -> None:
+        calls.append(it.number)
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(store_url, [Loop("s", fn, every=10)], clock=clock) as h:
+            lost: list[tuple[str, str]] = []
+            h.scheduler.lease_lost.append(lambda name, why: lost.append((name, why)))
+            real = h.store.write_loop
+            once = [True]
+
+            def write_loop(**kw: Any) -> bool:
+                written = real(**kw)
+                if once[0] and kw.get("owner") == "w1":
+                    once[0] = False
+                    raise sqlalchemy.exc.OperationalError(
+                        "COMMIT", {}, Exception("server closed the connection unexpectedly")
+                    )
+                return written
+
+            h.store.write_loop = write_loop  # type: ignore[method-assign]
+            await drive(clock, 10)  # (the first slot's outcome was written at the start)
+            await until(lambda: not once[0], what="the outcome's write to raise")
+            await drive(clock, 60)
+            await until(lambda: len(calls) >= 5, what="the loop to go on")
+            assert not lost, lost
+            said = [r.getMessage() for r in caplog.records]
+            assert not [m for m in said if "lost its lease" in m], said
+            assert [m for m in said if "written after all" in m], said
+
+    run_bounded(main)
