@@ -65,6 +65,7 @@ from flowloop.runinfo import (
     SendResult,
     StartedRuns,
     Stranded,
+    info_of,
 )
 from flowloop.stepping import SYNC_STEPS_INLINE, in_inline_step
 from flowloop.store import (
@@ -635,13 +636,9 @@ class Engine(Operations, LoopControls, RunReading):
             known = parsed = None
         if created and known is not None and known[0].status != "running":
             # The row is what this process committed last: no need to read it back.
-            record, at = known
-            info = self._info(
-                frozen.replaced(
-                    stored, record=record, owner=None, lease_expires_at=None, updated_at=at
-                ),
-                parsed,  # the last step's parse of the context it stored, when it did
-            )
+            record, at = known  # (the row let go: no owner; parsed: the last step's parse)
+            workflow_of = self._workflow_for(record)
+            info = info_of(record, None, stored.created_at, at, workflow_of, parsed)
         else:
             info = self.get(stored.id)
         if queued(info, workflow) and not executor.handing_back:  # (a first Ctrl-C: stop)

@@ -153,7 +153,9 @@ def check_finite(what: str, value: object) -> None:
         except (ValueError, TypeError):
             pass  # a value JSON has no type for, nesting too deep: the walk decides
         else:
-            if b"NaN" not in encoded and b"Infinity" not in encoded:
+            # (``find``, not ``in``: ``bytes in bytes`` first tries its operand as an
+            # integer, and formats a TypeError it then drops: ~1 k instructions apiece.)
+            if encoded.find(b"NaN") < 0 and encoded.find(b"Infinity") < 0:
                 return
     found = non_finite(value)
     if found is not None:

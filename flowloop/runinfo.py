@@ -118,7 +118,22 @@ def run_info(
     """A stored run as users see it (its context loaded by ``workflow`` when it is known).
     ``parsed``: a context text and its parse by ``workflow``'s model at its version, taken
     as the context when the run holds that very text (no second parse of it)."""
-    record = stored.record
+    return info_of(
+        stored.record, stored.owner, stored.created_at, stored.updated_at, workflow, parsed
+    )
+
+
+def info_of(
+    record: RunRecord,
+    owner: str | None,
+    created_at: float,
+    updated_at: float,
+    workflow: Workflow | None,
+    parsed: tuple[str, BaseModel] | None = None,
+) -> RunInfo:
+    """:func:`run_info` of a run whose row holds ``record``, ``owner`` and the times given:
+    ``Engine.run`` answers with the row its run's end wrote, without a copy of the stored
+    run made first to carry them."""
     context: BaseModel | dict[str, Any]
     if (
         parsed is not None
@@ -143,10 +158,10 @@ def run_info(
             "reason": record.reason,
             "error": record.error,
             "next_run_at": record.next_run_at,
-            "owner": stored.owner,
+            "owner": owner,
             "last_seq": record.last_seq,
-            "created_at": stored.created_at,
-            "updated_at": stored.updated_at,
+            "created_at": created_at,
+            "updated_at": updated_at,
             "visits": dict(record.visits),
             "fingerprint": record.fingerprint,
         },

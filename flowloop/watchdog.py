@@ -77,6 +77,8 @@ class LoopWatchdog:
         self._named: list[str] = []
         self._loop_thread: int | None = None
         self._ticker: asyncio.TimerHandle | None = None
+        self._ticker_loop: asyncio.AbstractEventLoop | None = None
+        """The loop ``_ticker`` is pending on: kept between watches of it."""
         self._tick_before = self._last
         """The ``before`` of the pending tick (when it was scheduled)."""
         self._thread: threading.Thread | None = None
@@ -100,8 +102,15 @@ class LoopWatchdog:
         if self._users > 1:
             return
         self._loop_thread = threading.get_ident()
-        self._last = time.monotonic()
-        self._schedule_tick(asyncio.get_running_loop(), self._last)
+        self._last = now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        if self._ticker is not None and self._ticker_loop is loop:
+            # The tick an earlier watch left pending (stop keeps it: a timer made and
+            # cancelled per ``Engine.run`` is most of what watching costs a run) measures
+            # from now on; due earlier than a new one would be, it finds no stall.
+            self._tick_before = now
+        else:
+            self._schedule_tick(loop, now)
         self._watching = True
         if not self._ring.is_set():  # after ``_watching``: the thread looks at it once more
             self._ring.set()
@@ -123,7 +132,9 @@ class LoopWatchdog:
         # watching ends first, so the thread cannot warn of this stall again meanwhile.
         measured = self._watching and self._inline is None
         lag = self._stall(self._tick_before, time.monotonic()) if measured else None
-        self._end_watching()
+        # The pending tick is kept for the next start on this loop (a tick that comes
+        # while nothing is watched ends there: see _tick).
+        self._watching = False
         if lag is not None:
             self._stalled(lag)
 
@@ -138,7 +149,7 @@ class LoopWatchdog:
         self._watching = False
         if self._ticker is not None:
             self._ticker.cancel()
-            self._ticker = None
+            self._ticker = self._ticker_loop = None
 
     def last_tick(self) -> float | None:
         """When (monotonic) the event loop last ran the ticker, or None while not watching
@@ -163,10 +174,17 @@ class LoopWatchdog:
         # A timer, not a task: starting and stopping it (Engine.run does, per run) costs no
         # event-loop turn; a cancelled timer is simply never called.
         self._tick_before = before
-        self._ticker = loop.call_later(TICK_SECONDS, self._tick, loop, before)
+        self._ticker_loop = loop
+        self._ticker = loop.call_later(TICK_SECONDS, self._tick, loop)
 
-    def _tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
-        """On the loop, ``TICK_SECONDS`` after ``before`` was noted (later if it stalled)."""
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the loop, ``TICK_SECONDS`` after ``_tick_before`` was noted (later if it
+        stalled; earlier when a start took over a pending tick). While nothing is watched
+        it measures nothing and schedules no next one (the next start does)."""
+        if not self._watching:
+            self._ticker = self._ticker_loop = None
+            return
+        before = self._tick_before
         now = time.monotonic()
         self._last = now
         self._schedule_tick(loop, now)

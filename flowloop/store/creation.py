@@ -195,13 +195,14 @@ class CreationStoreMixin:
         constraint (an id taken): the general path decides then, as it always did."""
         assert self._raw_create is not None
         row = _new_run_row(new)
+        row["lease"] = new.lease_seconds  # (the statement's one parameter not a column)
         stmt = self._raw_create[bool(new.owner)]
         event = self._raw_event
         integrity = self._dbapi_integrity
 
         def body(cursor: Any) -> tuple[bool, tuple[float | None] | None]:
             try:
-                cursor.execute(*stmt.bound({**row, "lease": new.lease_seconds}))
+                cursor.execute(*stmt.bound(row))
                 made: tuple[float | None] = cursor.fetchone()
                 for entry in new.events:  # (each its own NULLs: no executemany)
                     cursor.execute(*event.bound(event_row(entry)))

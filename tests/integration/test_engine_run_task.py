@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from flowloop import Engine, Step, Workflow
 from flowloop import journal as j
 from flowloop.journal import JournalEvent, RunRecord
+from flowloop.retry import Retry
 from flowloop.specs import Sleep
 from flowloop.store.sql import SQLStore
 
@@ -283,3 +284,27 @@ def test_a_creation_that_fails_in_engine_run_forgets_the_new_runs_trace(store_ur
         engine.run(workflow, Ctx())
     assert len(forgotten) == 1 and len(forgotten[0]) == 32
     engine.close()
+
+
+def test_engine_run_answers_with_the_row_its_runs_end_wrote(store_url: str) -> None:
+    """``Engine.run`` answers from the record its run's end committed (the row is not read
+    back): the same RunInfo as reading the run, a success's and a failure's."""
+    wf = Workflow("answered", context=Ctx)
+
+    @wf.step(initial=True, next="done")
+    async def first(ctx: Ctx) -> None:
+        ctx.n += 1
+
+    wf.final("done")
+    bad = Workflow("answered_bad", context=Ctx)
+
+    @bad.step(initial=True, next="done", retry=Retry(attempts=1))
+    def fails(ctx: Ctx) -> None:
+        raise ValueError("no")
+
+    bad.final("done")
+    with Engine(store_url, workflows=[wf, bad]) as engine:
+        for workflow in (wf, bad):
+            info = engine.run(workflow, Ctx())
+            assert info.owner is None and info.finished
+            assert info == engine.get(info.id)

@@ -260,3 +260,51 @@ def test_watchdog__a_wait_for_the_database_is_not_blamed_on_async_steps(
     message = warnings[0].getMessage()
     assert "waiting for the database" in message, message
     assert "async def" not in message, message
+
+
+def test_watchdog__runs_on_one_loop_share_one_pending_tick(sqlite_url: str) -> None:
+    """``Engine.run`` watches per run: a run's watch takes over the tick the run before
+    left pending on the kept loop (one timer for many runs, not one made and cancelled per
+    run), and the stall test still measures from the run's own start (a second run after
+    the caller's own work past the threshold: test above)."""
+    wf = quick()
+    with Engine(sqlite_url) as engine:
+        assert engine.run(wf, Ctx()).status == "succeeded"
+        dog = engine._executor().watchdog
+        pending = dog._ticker
+        assert pending is not None and not pending.cancelled()
+        for _ in range(3):
+            assert engine.run(wf, Ctx()).status == "succeeded"
+        # (The same one, unless a run as slow as a tick let it come and schedule anew.)
+        assert dog._ticker is not None and not dog._ticker.cancelled()
+        assert dog.stalls == 0
+
+
+def test_watchdog__a_tick_while_nothing_is_watched_ends_the_ticking() -> None:
+    """The tick a watch left pending, coming while nothing is watched, measures nothing
+    and schedules no next one; a watch on another loop ticks on that loop, not on the one
+    the tick was left pending on."""
+    dog = watchdog.LoopWatchdog({}, threshold=0.01)
+
+    async def leave_pending() -> asyncio.TimerHandle | None:
+        dog.start()
+        dog.stop()
+        return dog._ticker
+
+    async def watch_and_wait(left: asyncio.TimerHandle | None) -> None:
+        loop = asyncio.get_running_loop()
+        dog.start()
+        ticker = dog._ticker
+        assert ticker is not None and ticker is not left
+        assert ticker in loop._scheduled  # type: ignore[attr-defined]
+        dog.stop()
+        await asyncio.sleep(watchdog.TICK_SECONDS * 3)  # the tick comes, unwatched
+        assert dog._ticker is None
+        assert not [h for h in loop._scheduled if not h.cancelled()]  # type: ignore[attr-defined]
+
+    try:
+        left = asyncio.run(leave_pending())  # pending on a loop now closed
+        asyncio.run(watch_and_wait(left))
+        assert dog.stalls == 0
+    finally:
+        dog.close()
