@@ -1,7 +1,7 @@
 """Event-loop stall detection: an async step that blocks (``time.sleep``, a synchronous
 driver, heavy CPU work) stops every other run, the heartbeat and the lease renewals.
 
-A ticker task on the event loop notes the time every :data:`TICK_SECONDS`; a daemon thread
+A timer on the event loop notes the time every :data:`TICK_SECONDS`; a daemon thread
 checks that note. When the loop has not ticked for ``threshold`` seconds, the thread logs
 one WARNING *while the stall lasts*, naming the async steps running at that moment and the
 line the loop's thread is executing. When the loop runs again, the ticker measures the
@@ -110,6 +110,8 @@ class LoopWatchdog:
             # from now on; due earlier than a new one would be, it finds no stall.
             self._tick_before = now
         else:
+            if self._ticker is not None:  # left pending on another loop: it would tick
+                self._ticker.cancel()  # there besides the new one once that loop runs
             self._schedule_tick(loop, now)
         self._watching = True
         if not self._ring.is_set():  # after ``_watching``: the thread looks at it once more
@@ -171,8 +173,8 @@ class LoopWatchdog:
         self._inline = None
 
     def _schedule_tick(self, loop: asyncio.AbstractEventLoop, before: float) -> None:
-        # A timer, not a task: starting and stopping it (Engine.run does, per run) costs no
-        # event-loop turn; a cancelled timer is simply never called.
+        # A timer, not a task: it costs no event-loop turn, and a stop leaves it pending for
+        # the next start on its loop (Engine.run watches per run).
         self._tick_before = before
         self._ticker_loop = loop
         self._ticker = loop.call_later(TICK_SECONDS, self._tick, loop)

@@ -308,3 +308,26 @@ def test_watchdog__a_tick_while_nothing_is_watched_ends_the_ticking() -> None:
         assert dog.stalls == 0
     finally:
         dog.close()
+
+
+def test_watchdog__a_thread_that_switches_loops_keeps_one_tick(sqlite_url: str) -> None:
+    """Review: a watch on another loop (``asyncio.run(engine.arun(...))`` between
+    ``Engine.run`` calls on one thread: one executor, two loops) left the tick pending on
+    the kept loop, where it ticked on beside the next one: a chain more per switch."""
+    wf = quick()
+
+    def ticks(loop: asyncio.AbstractEventLoop) -> list[asyncio.TimerHandle]:
+        tick = watchdog.LoopWatchdog._tick
+        return [
+            handle
+            for handle in loop._scheduled  # type: ignore[attr-defined]
+            if not handle.cancelled() and getattr(handle._callback, "__func__", None) is tick
+        ]
+
+    with Engine(sqlite_url) as engine:
+        assert engine.run(wf, Ctx()).status == "succeeded"
+        kept_loop = engine._runner().get_loop()
+        for _ in range(3):
+            assert asyncio.run(engine.arun(wf, Ctx())).status == "succeeded"
+            assert engine.run(wf, Ctx()).status == "succeeded"
+            assert len(ticks(kept_loop)) == 1
