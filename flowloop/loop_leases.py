@@ -34,7 +34,7 @@ import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Final
 
-from flowloop import loop_calls, loop_outcomes, outagelog
+from flowloop import loop_calls, outagelog
 from flowloop.errors import error_line
 
 if TYPE_CHECKING:
@@ -211,10 +211,14 @@ def _renew(scheduler: Scheduler, names: list[str]) -> set[str]:
 def _lost(scheduler: Scheduler, name: str, was: object) -> None:
     """The renewal found loop ``name``'s lease gone, ``was`` (its iteration, or its outcome
     left to write) being held as it was sent: unless that ended meanwhile, given up."""
-    if scheduler._unrecorded.get(name) is was:
+    write_again = scheduler._unrecorded.get(name)
+    if write_again is not None and write_again is was:
+        # Written once more, refused: loop_outcomes.lost looks in the journal (the write
+        # that raised may have committed, releasing the lease: "written after all", no
+        # lease-lost hooks) and arms the loop again. Before, it was dropped as a lost
+        # lease and the loop never fired again on this worker.
         del scheduler._unrecorded[name]
-        loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
-        scheduler._notify_lease_lost(name, loop_outcomes.LOST_UNRECORDED)
+        write_again()
         return
     running = scheduler._running.get(name)
     if running is not was or running is None or running.lease_lost:
