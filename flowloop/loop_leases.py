@@ -156,6 +156,7 @@ def lose(scheduler: Scheduler, name: str, why: str) -> None:
     scheduler._notify_lease_lost(name, why)
     running.lease_lost = True  # before the cancel: _iterate must not record it
     scheduler._timed.cancelling(name, stop=False)
+    scheduler._timed.cut_short(name)  # (a function already ending after a stop, the drain)
     running.task.cancel()
 
 

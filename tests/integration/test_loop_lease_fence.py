@@ -160,3 +160,50 @@ def test_one_failed_renewal_with_plenty_of_lease_left__the_iteration_goes_on(
             assert not [r for r in caplog.records if "self-fencing" in r.getMessage()]
 
     run_bounded(main)
+
+
+def test_a_stop_then_the_fence__the_function_cancelled_again_before_the_lease_ends(
+    store_url: str,
+) -> None:
+    """An operator's stop gives the function 4 s to clean up; the renewals fail meanwhile
+    and the fence comes: its lease may end soon, so the function, still cleaning up, is
+    cancelled again (its grace cut to 1 s, which the fence's margin covers). Before, it
+    was not: its cleanup went on past the lease's end in the database."""
+    cleanup_ended: list[float] = []
+    cancelled_again: list[bool] = []
+
+    async def fn(it: Iteration) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            try:
+                await asyncio.sleep(3.5)  # a slow cleanup: within a stop's 4 s grace
+            except asyncio.CancelledError:
+                cancelled_again.append(True)
+                raise
+            finally:
+                cleanup_ended.append(time.time())
+            raise
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(
+            store_url, [Loop("s", fn, every=10)], clock=clock, lease_seconds=LEASE_S
+        ) as h:
+            await drive(clock, 1)
+            await until(lambda: h.scheduler.running == ["s"], what="the iteration")
+
+            def renew(**_: Any) -> set[str]:
+                raise sqlalchemy.exc.OperationalError("UPDATE loops", {}, Exception("partition"))
+
+            h.store.renew_loops = renew  # type: ignore[method-assign]
+            h.engine.stop_loop("s")
+            await drive(clock, 1, step=0.5)  # the poll sees the stop: its cancellation
+            await until(lambda: bool(cleanup_ended), what="the cleanup's end")
+            # (Read after the fence: a renewal that worked, under way at the swap, counts.)
+            end = h.row("s").lease_expires_at
+            assert end is not None
+            assert cleanup_ended[0] < end, f"cleanup ran {cleanup_ended[0] - end:.2f}s past"
+            assert cancelled_again == [True]
+
+    run_bounded(main)
