@@ -22,9 +22,10 @@ time to end) plus a twelfth of the lease (the timer's lateness on a busy event l
 clocks' rates), at most a third of the lease (for leases under 4 s the function's grace
 does not fit whole: one that ends at once on its cancellation still does). Not covered: a
 database call of the scheduler on the event loop (a fire, an outcome's write; each bounded
-by the store's timeouts, which the lease sets) delays the fence's timer while it blocks;
-the function does not run meanwhile either, but may take one step when the loop runs again
-before the timer's cancellation reaches it.
+by the store's timeouts, which the lease sets) delays the fence's timer while it blocks —
+and first waits for the store's lock while this thread holds it in a renewal that fails
+slowly: up to about two store timeouts; the function does not run meanwhile either, but
+may take one step when the loop runs again before the timer's cancellation reaches it.
 """
 
 from __future__ import annotations
