@@ -66,12 +66,29 @@ class TimedCalls:
         longer :data:`CANCEL_GRACE_SECONDS`), or a lost lease (False)."""
         self._raised: dict[str, str] = {}
         """What a function cut off raised as it ended, by loop (for its iteration's error)."""
+        self._cutting: dict[str, tuple[asyncio.Task[Any], float]] = {}
+        """The calls in their grace after a cancellation, by loop: the call, and when its
+        grace ends (the event loop's clock; :meth:`cut_short` may move it sooner)."""
 
     def cancelling(self, name: str, *, stop: bool) -> None:
         """Loop ``name``'s iteration is about to be cancelled: by a stop or the worker's
         drain (``stop``: its function gets :data:`CANCEL_GRACE_SECONDS` to end), or by a lost
         lease (:data:`CUT_OFF_GRACE_SECONDS`, which the lease's margin covers)."""
         self._stops[name] = stop
+
+    def cut_short(self, name: str) -> None:
+        """Loop ``name``'s lease may end soon (lost, or fenced off): a function already
+        ending after a stop's or the drain's cancellation (:data:`CANCEL_GRACE_SECONDS`) is
+        cancelled again, the rest of its grace cut to :data:`CUT_OFF_GRACE_SECONDS`, which
+        the lease's margin covers (before, it went on cleaning up past the lease's end in
+        the database)."""
+        cutting = self._cutting.get(name)
+        if cutting is None:
+            return
+        task, deadline = cutting
+        sooner = asyncio.get_running_loop().time() + CUT_OFF_GRACE_SECONDS
+        self._cutting[name] = (task, min(deadline, sooner))
+        task.cancel()
 
     def raised(self, name: str) -> str | None:
         """What loop ``name``'s function raised as it ended after its cut-off, if anything
@@ -131,12 +148,15 @@ class TimedCalls:
         # and asyncio.run waited for it for ever).
         self.runaways[name] = task
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace
+        started = loop.time()
+        self._cutting[name] = (task, started + grace)
         waited = False
         try:
             await asyncio.wait([task], timeout=grace)
             waited = True
         finally:
+            _, deadline = self._cutting.pop(name, (task, started + grace))
+            grace = min(grace, deadline - started)  # (cut short: a lease lost meanwhile)
             if task.done():
                 self._ended(task, name, previous, abandoned=False)
                 self._said_raised(task, name, why)

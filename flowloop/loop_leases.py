@@ -22,9 +22,10 @@ time to end) plus a twelfth of the lease (the timer's lateness on a busy event l
 clocks' rates), at most a third of the lease (for leases under 4 s the function's grace
 does not fit whole: one that ends at once on its cancellation still does). Not covered: a
 database call of the scheduler on the event loop (a fire, an outcome's write; each bounded
-by the store's timeouts, which the lease sets) delays the fence's timer while it blocks;
-the function does not run meanwhile either, but may take one step when the loop runs again
-before the timer's cancellation reaches it.
+by the store's timeouts, which the lease sets) delays the fence's timer while it blocks —
+and first waits for the store's lock while this thread holds it in a renewal that fails
+slowly: up to about two store timeouts; the function does not run meanwhile either, but
+may take one step when the loop runs again before the timer's cancellation reaches it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Final
 
-from flowloop import loop_calls, loop_outcomes, outagelog
+from flowloop import loop_calls, outagelog
 from flowloop.errors import error_line
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ def lose(scheduler: Scheduler, name: str, why: str) -> None:
     scheduler._notify_lease_lost(name, why)
     running.lease_lost = True  # before the cancel: _iterate must not record it
     scheduler._timed.cancelling(name, stop=False)
+    scheduler._timed.cut_short(name)  # (a function already ending after a stop, the drain)
     running.task.cancel()
 
 
@@ -211,10 +213,14 @@ def _renew(scheduler: Scheduler, names: list[str]) -> set[str]:
 def _lost(scheduler: Scheduler, name: str, was: object) -> None:
     """The renewal found loop ``name``'s lease gone, ``was`` (its iteration, or its outcome
     left to write) being held as it was sent: unless that ended meanwhile, given up."""
-    if scheduler._unrecorded.get(name) is was:
+    write_again = scheduler._unrecorded.get(name)
+    if write_again is not None and write_again is was:
+        # Written once more, refused: loop_outcomes.lost looks in the journal (the write
+        # that raised may have committed, releasing the lease: "written after all", no
+        # lease-lost hooks) and arms the loop again. Before, it was dropped as a lost
+        # lease and the loop never fired again on this worker.
         del scheduler._unrecorded[name]
-        loop_outcomes.say_refused(name, loop_outcomes.Refused.LOST)
-        scheduler._notify_lease_lost(name, loop_outcomes.LOST_UNRECORDED)
+        write_again()
         return
     running = scheduler._running.get(name)
     if running is not was or running is None or running.lease_lost:

@@ -19,7 +19,7 @@ from flowloop.alerts import Alert, loop_alerts, loop_held_alert
 from flowloop.clock import iso
 from flowloop.errors import error_line
 from flowloop.loops import Loop
-from flowloop.store.loops import LoopRow, LoopStoreMixin
+from flowloop.store.loops import LoopEvent, LoopRow, LoopStoreMixin
 from flowloop.store.outage import is_outage
 
 if TYPE_CHECKING:
@@ -107,12 +107,14 @@ def _still_held(now: LoopRow, fired: LoopRow, worker: str) -> bool:
     )
 
 
-def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> None:
+def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> slots.LoopWrite | None:
     """The write of loop ``name``'s outcome (of ``slot``, the iteration ``row`` fired) was
     refused, the loop no longer this worker's: said, unless an earlier write of it had
     committed after all (it raised: a connection lost during its COMMIT — before, this
     said "lost its lease"); either way the loop is armed again from its row as it is now
-    (before, it was not: this worker never fired it again)."""
+    (before, it was not: this worker never fired it again). The write found, as the
+    journal shows it (for its listeners and alerts: before, none were told), or None."""
+    found = None
     try:
         journal = scheduler.store.loop_journal(name, limit=OUTCOME_LOOKBACK)
         after = next((e for e in journal if e.seq == row.last_seq + 1), None)
@@ -124,6 +126,8 @@ def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> None:
             and after.kind != "iteration_interrupted"
         )
         if written:
+            assert after is not None
+            found = _as_written(after, journal)
             log.info(
                 "loop %s: its iteration's outcome was written after all (the write that "
                 "raised had committed)",
@@ -140,6 +144,29 @@ def lost(scheduler: Scheduler, name: str, row: LoopRow, slot: float) -> None:
         scheduler._failed(failure, "loop %s: could not re-arm (%s); trying again", name)
         if name in scheduler._generation:
             scheduler._push(name, scheduler.poll_seconds)
+    return found
+
+
+def _as_written(entry: LoopEvent, journal: Sequence[LoopEvent]) -> slots.LoopWrite:
+    """The outcome's write whose first journal entry is ``entry`` (an ``iteration_*``),
+    rebuilt from the entries journaled with it (same worker, same time): the slots it
+    skipped, the loop's status after it, whether it paused the loop (``max_failures``)."""
+    same = [
+        e for e in journal if e.seq > entry.seq and e.worker == entry.worker and e.at == entry.at
+    ]
+    skipped = sum(e.count for e in same if e.kind == "skipped_overlap")
+    ended = next((e for e in same if e.kind.startswith("loop_")), None)
+    status = ended.kind.removeprefix("loop_") if ended is not None else "scheduled"
+    reason = None if ended is None else ended.data.get("reason")
+    gave_up = status == "paused" and reason != "paused by an operator"
+    return slots.LoopWrite(
+        changes={},
+        events=[entry, *same],
+        status=status,
+        reason=reason,
+        skipped=skipped,
+        gave_up=gave_up,
+    )
 
 
 def say_refused(name: str, refused: Refused) -> None:

@@ -725,7 +725,9 @@ class Scheduler:
             now=self.clock.now,
         )
         if write is loop_outcomes.Refused.LOST:
-            loop_outcomes.lost(self, loop.name, row, slot)
+            found = loop_outcomes.lost(self, loop.name, row, slot)
+            if found is not None:  # (written after all: told, as it would have been)
+                self._finished(loop, row, found, slot, outcome, error, attempts, duration)
             return
         if isinstance(write, loop_outcomes.Refused):
             loop_outcomes.say_refused(loop.name, write)
@@ -735,18 +737,7 @@ class Scheduler:
                 self._record_quietly, loop, row, slot, *args
             )
             return
-        loop_outcomes.say_finished(
-            loop,
-            row,
-            write,
-            slot=slot,
-            outcome=outcome,
-            error=error,
-            attempts=attempts,
-            duration=duration,
-            listeners=self.iteration_listeners,
-        )
-        self._alerts(loop, write, error, row.skipped)
+        self._finished(loop, row, write, slot, outcome, error, attempts, duration)
         try:
             updated = self.store.get_loop(loop.name)
             if (
@@ -763,6 +754,24 @@ class Scheduler:
             # failed: look again within a poll (the row held is the running one: re-read).
             self._failed(failure, "loop %s: could not re-arm (%s); trying again", loop.name)
             self._push(loop.name, self.poll_seconds)
+
+    def _finished(
+        self, loop: Loop, row: LoopRow, write: slots.LoopWrite, slot: float, *args: Any
+    ) -> None:
+        """A recorded outcome (``outcome, error, attempts, duration``): said, alerted."""
+        outcome, error, attempts, duration = args
+        loop_outcomes.say_finished(
+            loop,
+            row,
+            write,
+            slot=slot,
+            outcome=outcome,
+            error=error,
+            attempts=attempts,
+            duration=duration,
+            listeners=self.iteration_listeners,
+        )
+        self._alerts(loop, write, error, row.skipped)
 
     def _alerts(self, loop: Loop, write: slots.LoopWrite, error: str | None, before: int) -> None:
         if self.alert is not None:

@@ -24,6 +24,10 @@ LEASE_S = 3.0
 """The loop lease (real seconds): renewals every second, the fence 1 s before its end."""
 FAIL_AFTER_S = 0.9
 """How long each failed renewal takes to fail (a statement or network timeout)."""
+ONE_FAILURE_LEASE_S = 6.0
+"""The lease where one renewal fails: renewals every 2 s, the fence 1.5 s before its end,
+so the retry after the failure lands about 1.3 s before the fence (with 3 s: 0.3 s, which
+a stall of the loaded machine — a GC, a slow fsync — could eat)."""
 
 
 def test_slow_failing_renewals__the_iteration_given_up_before_the_lease_ends(
@@ -54,10 +58,12 @@ def test_slow_failing_renewals__the_iteration_given_up_before_the_lease_ends(
 
         return fn
 
-    def second_worker(lease_end: float) -> None:
-        """Once w1's lease has ended in the database: a worker that recovers the loop."""
-        while time.time() <= lease_end + 0.02:
-            time.sleep(0.01)
+    def second_worker(lease_end: Any) -> None:
+        """Once w1's lease has ended in the database: a worker that recovers the loop.
+        (``lease_end()`` read again: a real renewal under way as they were swapped may
+        have moved it on after it was first read.)"""
+        while time.time() <= lease_end() + 0.02:
+            time.sleep(0.05)
 
         async def main2() -> None:
             clock2 = SteppedClock(start=1_800_000_001.0)
@@ -86,12 +92,16 @@ def test_slow_failing_renewals__the_iteration_given_up_before_the_lease_ends(
                 raise sqlalchemy.exc.OperationalError("UPDATE loops", {}, Exception("timeout"))
 
             h1.store.renew_loops = renew  # type: ignore[method-assign]
-            await asyncio.sleep(0.05)  # (a renewal that was under way has landed)
-            end = h1.row("s").lease_expires_at
-            assert end is not None
-            w2 = threading.Thread(target=second_worker, args=(end,), daemon=True)
+
+            def lease_end() -> float:
+                end = h1.row("s").lease_expires_at
+                assert end is not None
+                return end
+
+            w2 = threading.Thread(target=second_worker, args=(lease_end,), daemon=True)
             w2.start()
             await until(lambda: bool(cancelled_at), what="w1 to give its iteration up")
+            end = lease_end()  # (after the fence: no renewal that worked can move it on)
             while w2.is_alive():
                 await asyncio.sleep(0.05)
             assert cancelled_at[0] < end, (cancelled_at, end)  # (before: 0.8 s after it)
@@ -106,7 +116,7 @@ def test_one_failed_renewal_with_plenty_of_lease_left__the_iteration_goes_on(
 ) -> None:
     """A renewal granted late (it waited 0.5 s for a lock), then one that failed after
     0.5 s (a busy timeout), then renewals that work: the database held the lease all
-    along. Before, the worker gave the healthy iteration up at the failure, 1.5 s of the
+    along. Before, the worker gave the healthy iteration up at the failure, half the
     lease left (its next try a whole period away); now it tries again sooner and the fence
     alone decides."""
     finished: list[int] = []
@@ -114,7 +124,7 @@ def test_one_failed_renewal_with_plenty_of_lease_left__the_iteration_goes_on(
 
     async def fn(it: Iteration) -> None:
         try:
-            await asyncio.sleep(5)  # a healthy iteration (real seconds: past the failure)
+            await asyncio.sleep(9)  # a healthy iteration (real seconds: past the failure)
             finished.append(it.number)
         except asyncio.CancelledError:
             cancelled.append(it.number)
@@ -123,7 +133,7 @@ def test_one_failed_renewal_with_plenty_of_lease_left__the_iteration_goes_on(
     async def main() -> None:
         clock = SteppedClock()
         async with LoopHarness(
-            store_url, [Loop("s", fn, every=10)], clock=clock, lease_seconds=LEASE_S
+            store_url, [Loop("s", fn, every=10)], clock=clock, lease_seconds=ONE_FAILURE_LEASE_S
         ) as h:
             await drive(clock, 1)
             await until(lambda: h.scheduler.running == ["s"], what="the iteration")
@@ -144,9 +154,56 @@ def test_one_failed_renewal_with_plenty_of_lease_left__the_iteration_goes_on(
 
             h.store.renew_loops = renew  # type: ignore[method-assign]
             await until(lambda: renewals[0] >= 3, what="a renewal after the failure")
-            await until(lambda: finished or cancelled, what="the iteration's end")
+            await until(lambda: finished or cancelled, timeout=30, what="the iteration's end")
             assert (finished, cancelled) == ([1], []), "a healthy iteration given up"
             await until(lambda: "iteration_succeeded" in h.kinds("s"), what="its outcome")
             assert not [r for r in caplog.records if "self-fencing" in r.getMessage()]
+
+    run_bounded(main)
+
+
+def test_a_stop_then_the_fence__the_function_cancelled_again_before_the_lease_ends(
+    store_url: str,
+) -> None:
+    """An operator's stop gives the function 4 s to clean up; the renewals fail meanwhile
+    and the fence comes: its lease may end soon, so the function, still cleaning up, is
+    cancelled again (its grace cut to 1 s, which the fence's margin covers). Before, it
+    was not: its cleanup went on past the lease's end in the database."""
+    cleanup_ended: list[float] = []
+    cancelled_again: list[bool] = []
+
+    async def fn(it: Iteration) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            try:
+                await asyncio.sleep(3.5)  # a slow cleanup: within a stop's 4 s grace
+            except asyncio.CancelledError:
+                cancelled_again.append(True)
+                raise
+            finally:
+                cleanup_ended.append(time.time())
+            raise
+
+    async def main() -> None:
+        clock = SteppedClock()
+        async with LoopHarness(
+            store_url, [Loop("s", fn, every=10)], clock=clock, lease_seconds=LEASE_S
+        ) as h:
+            await drive(clock, 1)
+            await until(lambda: h.scheduler.running == ["s"], what="the iteration")
+
+            def renew(**_: Any) -> set[str]:
+                raise sqlalchemy.exc.OperationalError("UPDATE loops", {}, Exception("partition"))
+
+            h.store.renew_loops = renew  # type: ignore[method-assign]
+            h.engine.stop_loop("s")
+            await drive(clock, 1, step=0.5)  # the poll sees the stop: its cancellation
+            await until(lambda: bool(cleanup_ended), what="the cleanup's end")
+            # (Read after the fence: a renewal that worked, under way at the swap, counts.)
+            end = h.row("s").lease_expires_at
+            assert end is not None
+            assert cleanup_ended[0] < end, f"cleanup ran {cleanup_ended[0] - end:.2f}s past"
+            assert cancelled_again == [True]
 
     run_bounded(main)
