@@ -388,8 +388,9 @@ def _hand_over(
         )
     except Exception as error:
         counted = not done.taken and not is_outage(error) and not isinstance(error, PoolTimeout)
-        if counted:  # the journal's count alone: anything journaled since starts it again
-            tries = _failed_so_far(store, run_id) + 1
+        if counted:  # the journal's count (anything journaled since starts it again); this
+            so_far = _failed_so_far(store, run_id)  # worker's own when it cannot be read
+            tries = (remembered if so_far is None else so_far) + 1
         first = tries == 1 if counted else remembered == 0  # (said once, then at DEBUG)
         level = logging.WARNING if first else logging.DEBUG
         log.log(level, "run %s: could not deliver buffered events: %s", run_id, error_line(error))
@@ -469,18 +470,24 @@ def failed_in_a_row(entries: Sequence[JournalEvent]) -> int:
     return int(last.data.get(KEPT_FAILED, 0))
 
 
-def _journal(store: Store, run_id: str) -> list[JournalEvent]:
-    """The run's journal, empty when it cannot be read (logged): counted from 0."""
+def _readable_journal(store: Store, run_id: str) -> list[JournalEvent] | None:
+    """The run's journal, ``None`` when it cannot be read (logged)."""
     try:
         return store.journal(run_id)
     except Exception as error:
         log.warning("run %s: its journal could not be read: %s", run_id, error_line(error))
-        return []
+        return None
 
 
-def _failed_so_far(store: Store, run_id: str) -> int:
-    """:func:`failed_in_a_row` of the run's journal (0: it cannot be read, logged)."""
-    return failed_in_a_row(_journal(store, run_id))
+def _journal(store: Store, run_id: str) -> list[JournalEvent]:
+    """The run's journal, empty when it cannot be read (logged): counted from 0."""
+    return _readable_journal(store, run_id) or []
+
+
+def _failed_so_far(store: Store, run_id: str) -> int | None:
+    """:func:`failed_in_a_row` of the run's journal (``None``: it cannot be read, logged)."""
+    entries = _readable_journal(store, run_id)
+    return None if entries is None else failed_in_a_row(entries)
 
 
 def failure_entry(

@@ -84,6 +84,8 @@ def check_url_settings(url: str) -> None:
     known = known_settings() if given else None
     if known is None:
         return
+    import re
+
     from flowloop.store.dialect import _check_sslmode
     from flowloop.suggest import did_you_mean
 
@@ -103,7 +105,7 @@ def check_url_settings(url: str) -> None:
                 f"{name}={value!r} in the database URL is not one of its values"
                 + (f"; {meant}" if meant else f" (use one of {', '.join(choices)})")
             )
-        if name in WHOLE_NUMBERS and not value.strip().lstrip("-+").isdigit():
+        if name in WHOLE_NUMBERS and not re.fullmatch(r"\s*[+-]?\d+\s*", value):
             raise WrongDatabase(f"{name}={value!r} in the database URL is not a whole number")
     names = [name for name, _ in given]
     twice = next((n for n in names if n not in MANY and names.count(n) > 1), None)

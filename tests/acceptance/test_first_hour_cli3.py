@@ -82,6 +82,8 @@ def test_database_url__a_value_libpq_refuses_only_when_connecting_is_refused_fir
         "(use one of disable, prefer, require)",
         "keepalives_idle=abc": "error: keepalives_idle='abc' in the database URL is not a "
         "whole number",
+        "keepalives_idle=%2B-5": "error: keepalives_idle='+-5' in the database URL is not a "
+        "whole number",
         "sslmode=require&sslmode=disable": "error: sslmode is given twice in the database "
         "URL; give it once",
     }

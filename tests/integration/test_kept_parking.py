@@ -327,3 +327,22 @@ def test_a_count_does_not_follow_the_run_into_its_next_wait(
     )
     assert engine.get(run_id).status == "scheduled", kinds(engine, run_id)
     assert kept.failed_in_a_row(engine.store.journal(run_id)) == 1
+
+
+def test_a_journal_that_cannot_be_read_still_parks_at_the_third_try(
+    engine: TestEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: counted by the journal alone, a journal that could not be read (a store
+    timeout on a long one) made every failure the first — a WARNING and one more entry at
+    every sweep, for ever, never parked. The worker's own count stands in for it then."""
+    run_id = chain_with_go_kept(engine)
+    _failing_take(monkeypatch, "go")
+    monkeypatch.setattr(kept, "_readable_journal", lambda *_: None)
+    failing: dict[str, int] = {}
+    for _ in range(kept.HAND_OVER_TRIES):
+        hand_over_stranded(
+            engine.store, engine.workflows, now=engine.clock.now(), worker="w", failing=failing
+        )
+    info = engine.get(run_id)
+    assert (info.status, info.reason) == ("paused", "kept_events_failed"), kinds(engine, run_id)
+    assert failing == {}
