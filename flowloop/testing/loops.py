@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 SETTLE_TICK_SECONDS: Final = 0.005
 """Real seconds between looks at running iterations (a sync one runs in a thread)."""
+SETTLE_TURNS: Final = 20
+"""Event-loop turns a quiet look waits for a thread's late callbacks before the clock moves."""
 STUCK_SECONDS: Final = 10.0
 """Real seconds running iterations may make no progress, with nothing due, before the
 kit gives up on them (an iteration waiting for something that never comes)."""
@@ -56,7 +58,7 @@ async def drive_loops(
     try:
         await scheduler.start()
         for _ in range(max_jumps + 1):
-            await _fire_and_settle(engine, scheduler, executor, until)
+            await _fire_and_settle(engine, scheduler, executor, worker, until)
             wait = scheduler._seconds_to_next()
             if wait is None or engine.clock.now() + wait > until:
                 break
@@ -68,7 +70,7 @@ async def drive_loops(
             )
         if engine.clock.now() < until:
             engine.clock.set(until)
-            await _fire_and_settle(engine, scheduler, executor, until)
+            await _fire_and_settle(engine, scheduler, executor, worker, until)
     finally:
         # As the worker's end: an iteration still running is cancelled, and a loop function
         # abandoned still running (it ignores cancellation) is left out of the event loop's
@@ -101,11 +103,13 @@ def _last_seq(engine: TestEngine, name: str) -> int:
 
 
 async def _fire_and_settle(
-    engine: TestEngine, scheduler: Scheduler, executor: Executor, until: float
+    engine: TestEngine, scheduler: Scheduler, executor: Executor, worker: Worker, until: float
 ) -> None:
     """Fire every loop due now, then wait until no iteration runs. An iteration waiting
     for a run that waits on a timer (a workflow loop) gets the clock moved to that timer
-    (``until`` bounds when slots fire, not how long a started iteration may take)."""
+    (``until`` bounds when slots fire, not how long a started iteration may take) — not
+    while a plain ``def`` loop function still runs in its thread: its outcome (a retry's
+    due time) is counted from the clock as it ends."""
     for name in [*scheduler._take_waiting(), *scheduler._pop_due()]:
         scheduler._wake_loop(name)
     quiet_since = time.monotonic()
@@ -113,7 +117,10 @@ async def _fire_and_settle(
         tasks = [running.task for running in scheduler._running.values()]
         done, _ = await asyncio.wait(tasks, timeout=SETTLE_TICK_SECONDS)
         now = engine.clock.now()
-        if done or executor.busy or engine.store.count_due(now=now):
+        if done or _calling(worker) or executor.busy or engine.store.count_due(now=now):
+            quiet_since = time.monotonic()
+            continue
+        if not await _still_quiet(worker, tasks):
             quiet_since = time.monotonic()
             continue
         due = engine.store.next_due(workflows=list(engine.workflows))
@@ -131,4 +138,20 @@ async def _fire_and_settle(
     for name in [*scheduler._take_waiting(), *scheduler._pop_due()]:
         scheduler._wake_loop(name)
     if scheduler._running:
-        await _fire_and_settle(engine, scheduler, executor, until)
+        await _fire_and_settle(engine, scheduler, executor, worker, until)
+
+
+def _calling(worker: Worker) -> bool:
+    """Whether a plain ``def`` loop function runs in its thread."""
+    return any(not call.done() for call in worker._sync_calls.values())
+
+
+async def _still_quiet(worker: Worker, tasks: Sequence[asyncio.Task[object]]) -> bool:
+    """Quiet by one look, still quiet once the callbacks a thread's end scheduled have run:
+    the iteration it ended goes on first (a retry's backoff, its next call) — before the
+    clock is moved past it."""
+    for _ in range(SETTLE_TURNS):
+        await asyncio.sleep(0)
+        if _calling(worker) or any(task.done() for task in tasks):
+            return False
+    return True

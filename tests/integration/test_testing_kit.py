@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -633,6 +634,29 @@ def test_run_loops__workflow_loop_whose_run_sleeps_and_a_retried_iteration(
     # The first iteration failed once and succeeded a (fake) minute later, on attempt 2.
     assert flaky_events[1:3] == [("iteration_started", 0.0, 1), ("iteration_succeeded", 60.0, 2)]
     assert flaky_events[-1] == ("iteration_succeeded", 2 * DAY, 1)
+
+
+def test_run_loops__a_slow_def_loop_function_beside_a_sleeping_run(engine: TestEngine) -> None:
+    """A plain ``def`` loop function still running in its thread while a workflow loop's
+    run sleeps: the kit moved the clock to the run's wake-up meanwhile, so the function's
+    retry was counted from there (3,660 s, not 60 s). It waits for the thread now,
+    however long the function takes (here 0.3 real seconds: a slow call)."""
+    nightly = Loop(
+        "nightly", workflow=sleeper(naps=1, hours=1), every=timedelta(days=1), context={}
+    )
+    failures = [1]
+
+    @loop(every=timedelta(hours=6), retry=Retry(attempts=2, backoff="fixed", base=60))
+    def slow_flaky(iteration: Iteration) -> None:
+        if failures:
+            failures.pop()
+            threading.Event().wait(0.3)  # (a slow call, then a failure)
+            raise ConnectionError("once")
+
+    start = engine.clock.now()
+    events = engine.run_loops([nightly, slow_flaky], timedelta(hours=2))
+    ends = [(e.kind, e.at - start) for e in events if e.loop == "slow_flaky"]
+    assert ("iteration_succeeded", 60.0) in ends, ends
 
 
 def test_writes_after_crash__sees_a_write_that_reaches_the_database_after_the_crash(
